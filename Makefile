@@ -1,0 +1,45 @@
+# mpcache — the first commands. `make run` starts the server; `make test` installs and tests.
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+
+.PHONY: run test sim bench e2e soak venv clean help
+
+help:
+	@echo "make run    start mpcache-server on its embedded defaults (L1 only, tcp://127.0.0.1:5555)"
+	@echo "make test   create .venv, install .[test,redis], run mypy on core_sm and the tests"
+	@echo "make sim    run 1000 simulator seeds (default profile)"
+	@echo "make bench  run the benchmarks (hashing, simulator, rpc)"
+	@echo "make e2e    real-vLLM end-to-end test in its own venv (.venv-vllm)"
+	@echo "make soak   long soak test (1M lookups)"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test,redis]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(VENV)/bin/mpcache-server
+
+test: venv
+	$(VPY) -m mypy --strict core_sm
+	$(VPY) -m pytest -q
+
+sim: venv
+	$(VENV)/bin/mpcache-sim run --seeds 1000 --jobs 2
+
+bench: venv
+	$(VENV)/bin/mpcache-bench all
+
+soak: venv
+	$(VPY) -m pytest -q -m slow
+
+e2e:
+	bash .ci/e2e
+
+clean:
+	rm -rf $(VENV) build *.egg-info
