@@ -1,10 +1,47 @@
-"""`mpcache-bench`: placeholder; each benchmark arrives with its issue."""
+"""`mpcache-bench NAME [args]`: runs the benchmark module `tools/bench_NAME.py` (its `main(argv)`).
+
+Each benchmark prints a table; results worth keeping go in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
 import sys
+
+import tools
+
+
+def available() -> list[str]:
+    return sorted(
+        m.name[len("bench_"):]
+        for m in pkgutil.iter_modules(tools.__path__)
+        if m.name.startswith("bench_") and m.name != "bench_cli"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("mpcache-bench: not implemented yet", file=sys.stderr)
-    return 2
+    args = list(sys.argv[1:] if argv is None else argv)
+    names = available()
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: mpcache-bench {all|" + "|".join(names) + "} [args...]")
+        print("each benchmark prints a results table; see docs/benchmarks.md")
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name == "all":
+        rc = 0
+        for n in names:
+            print(f"== mpcache-bench {n}", flush=True)
+            rc |= _run(n, rest)
+        return rc
+    if name not in names:
+        print(f"mpcache-bench: unknown benchmark {name!r}; choose from: {', '.join(names)}", file=sys.stderr)
+        return 2
+    return _run(name, rest)
+
+
+def _run(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(f"tools.bench_{name}")
+    return int(module.main(argv) or 0)
 
 
 if __name__ == "__main__":
