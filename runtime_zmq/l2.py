@@ -1,0 +1,584 @@
+"""L2 tiers: dumb, blocking, thread-safe object stores behind the L1 pool.
+
+An L2 tier stores opaque values under opaque byte keys. It makes no protocol decision: `core_sm`
+plans which objects to read (prefetch) or write (write-behind) and the server's worker threads
+call the tier and post the outcome back as `L2ReadFinished` / `L2WriteFinished` events.
+
+Contract of every tier (`L2Tier`):
+
+* `read(key) -> bytes | None`: the value, or `None` when the tier does not hold it (never
+  stored, evicted, expired, or found damaged and discarded).
+* `write(key, data) -> None`: stores `data` under `key`, replacing any previous value. Readers
+  never see a partial value.
+* `contains(key) -> bool`: whether a `read` now would most likely return a value.
+* `read_many(keys)` / `write_many(items)`: the same, batched (one round trip on Redis).
+* `close()`: releases files, locks and connections; idempotent. Calls after `close` raise
+  `L2Error`.
+* `name`: a printable description for logs and metrics, with no password in it.
+* Every method may be called from several threads at once.
+* I/O failures raise `L2Error` (`L2Unavailable` when the backing service cannot be reached),
+  with a message that names the tier; the caller turns them into a failed read/write.
+
+Tiers are opened from a URL (`open_tier`):
+
+* `disk:PATH[?max_bytes=N|max_gb=X][&fsync=1]`: one file per object under `PATH` (created with
+  mode 0700; an existing `PATH` must not be group/other accessible). Writes go to a temporary file
+  and are renamed into place. With a cap, the least recently written or read objects are removed
+  first. One server process owns a directory at a time (an exclusive `flock` on `PATH/.lock`).
+* `redis://[:PASSWORD@]HOST:PORT[/DB][?ttl=SECONDS][&prefix=P][&timeout=SECONDS][&pool=N]` (also
+  `rediss://` and `valkey://`): keys are stored as `prefix + key` (default prefix `mpcache:`),
+  values as binary strings, with an optional expiry. Several servers pointing at one Redis share
+  its objects: that is mpcache's multi-node tier.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import itertools
+import os
+import stat
+import struct
+import threading
+import urllib.parse
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "L2Error",
+    "L2Unavailable",
+    "L2Tier",
+    "DiskTier",
+    "RedisTier",
+    "open_tier",
+]
+
+
+class L2Error(Exception):
+    """An L2 tier could not do what was asked (I/O error, bad URL, tier closed, ...)."""
+
+
+class L2Unavailable(L2Error):
+    """The service behind an L2 tier cannot be reached (connection refused, timeout)."""
+
+
+@runtime_checkable
+class L2Tier(Protocol):
+    name: str
+
+    def read(self, key: bytes) -> bytes | None: ...
+
+    def write(self, key: bytes, data: bytes) -> None: ...
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+
+    def write_many(self, items: Sequence[tuple[bytes, bytes]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open_tier(url: str) -> L2Tier:
+    """Opens the tier that `url` names (see the module docstring for the forms).
+
+    Raises `L2Error` for a malformed URL or an unusable directory, and `L2Unavailable` when a
+    Redis server does not answer a PING within the connect timeout.
+    """
+    if url.startswith("disk:"):
+        path, params = _split_params(url[len("disk:"):])
+        if not path:
+            raise L2Error(f"L2 URL {url!r}: disk tier needs a path (disk:/some/dir)")
+        max_bytes: int | None = None
+        if "max_bytes" in params and "max_gb" in params:
+            raise L2Error(f"L2 URL {url!r}: give max_bytes or max_gb, not both")
+        if "max_bytes" in params:
+            max_bytes = _param_int(url, params, "max_bytes")
+        elif "max_gb" in params:
+            max_bytes = int(_param_float(url, params, "max_gb") * (1 << 30))
+        fsync = _param_bool(url, params, "fsync", False)
+        _reject_unknown(url, params, {"max_bytes", "max_gb", "fsync"})
+        return DiskTier(path, max_bytes=max_bytes, fsync=fsync)
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("redis", "rediss", "valkey", "valkeys"):
+        return RedisTier.from_url(url)
+    raise L2Error(
+        f"L2 URL {_redact(url)!r}: unknown tier; use disk:PATH or redis://HOST:PORT[/DB]"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# URL helpers
+
+
+def _split_params(rest: str) -> tuple[str, dict[str, str]]:
+    base, _, query = rest.partition("?")
+    params: dict[str, str] = {}
+    for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        params[name] = value
+    return base, params
+
+
+def _reject_unknown(url: str, params: dict[str, str], known: set[str]) -> None:
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise L2Error(
+            f"L2 URL {_redact(url)!r}: unknown parameter(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+
+
+def _param_int(url: str, params: dict[str, str], name: str) -> int:
+    try:
+        value = int(params[name])
+    except ValueError:
+        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be an integer") from None
+    if value <= 0:
+        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be positive")
+    return value
+
+
+def _param_float(url: str, params: dict[str, str], name: str) -> float:
+    try:
+        value = float(params[name])
+    except ValueError:
+        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be a number") from None
+    if not value > 0:
+        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be positive")
+    return value
+
+
+def _param_bool(url: str, params: dict[str, str], name: str, default: bool) -> bool:
+    if name not in params:
+        return default
+    value = params[name].lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be 0 or 1")
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for messages and `name`."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc = f"{netloc}:{parts.port}"
+    user = parts.username or ""
+    netloc = f"{user}:***@{netloc}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+# --------------------------------------------------------------------------------------------
+# Disk tier
+
+# File layout: magic, key length (u32), value length (u64), key, value. The stored key guards
+# against name collisions of long (hashed) keys; the value length detects a file cut short.
+_MAGIC = b"MPL2"
+_HEADER = struct.Struct("<4sIQ")
+# Keys up to this many bytes are hex-encoded into the file name (2 hex chars per byte; file
+# names are limited to 255 bytes); longer keys are named by their blake2b digest.
+_MAX_HEX_KEY = 100
+
+
+class DiskTier:
+    """One file per object under a private directory; optional byte cap with LRU eviction."""
+
+    def __init__(self, path: str, *, max_bytes: int | None = None, fsync: bool = False) -> None:
+        self._root = os.path.abspath(path)
+        self._max_bytes = max_bytes
+        self._fsync = fsync
+        cap = f", cap {max_bytes} B" if max_bytes is not None else ""
+        self.name = f"disk:{self._root}{cap}"
+        self._lock = threading.Lock()
+        # file name -> size in bytes, least recently used first.
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._bytes = 0
+        self._tmp_seq = itertools.count()
+        self._closed = False
+        self._prepare_root()
+        self._tmp_dir = os.path.join(self._root, ".tmp")
+        self._lock_fd = self._take_ownership()
+        try:
+            os.makedirs(self._tmp_dir, mode=0o700, exist_ok=True)
+            self._clear_tmp()
+            self._scan()
+            self._evict_over_cap()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    # -- public API --------------------------------------------------------------------------
+
+    @property
+    def bytes_stored(self) -> int:
+        """Total bytes of the object files this tier holds (headers included)."""
+        with self._lock:
+            return self._bytes
+
+    @property
+    def objects(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def read(self, key: bytes) -> bytes | None:
+        self._check_open()
+        name = self._file_name(key)
+        path = self._object_path(name)
+        try:
+            with open(path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                blob = f.read()
+        except FileNotFoundError:
+            # Removed behind the index's back (a rare write/damage race): forget it.
+            with self._lock:
+                size = self._index.pop(name, None)
+                if size is not None:
+                    self._bytes -= size
+            return None
+        except OSError as e:
+            raise L2Error(f"{self.name}: reading {path}: {e}") from e
+        value = self._decode(key, blob)
+        if value is None:
+            # A damaged or foreign file: drop it so the slot is reusable and the next read is quick.
+            self._remove_damaged(name, path, inode)
+            return None
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+        return value
+
+    def contains(self, key: bytes) -> bool:
+        self._check_open()
+        name = self._file_name(key)
+        # The index is authoritative: it was built from the directory at open, and the directory
+        # lock keeps every other mpcache server from writing into it.
+        with self._lock:
+            return name in self._index
+
+    def write(self, key: bytes, data: bytes) -> None:
+        self._check_open()
+        key = bytes(key)
+        size = _HEADER.size + len(key) + len(data)
+        if self._max_bytes is not None and size > self._max_bytes:
+            raise L2Error(
+                f"{self.name}: object of {size} B does not fit in the tier's cap of "
+                f"{self._max_bytes} B"
+            )
+        name = self._file_name(key)
+        final = self._object_path(name)
+        tmp = os.path.join(
+            self._tmp_dir, f"{name[:32]}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
+        )
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(_HEADER.pack(_MAGIC, len(key), len(data)))
+                    f.write(key)
+                    f.write(data)
+                    if self._fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            # Rename and index update happen under the lock, as do eviction's index update and
+            # unlink, so the index and the directory never disagree about a name.
+            with self._lock:
+                try:
+                    os.replace(tmp, final)
+                except FileNotFoundError:
+                    os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+                    os.replace(tmp, final)
+                old = self._index.pop(name, None)
+                if old is not None:
+                    self._bytes -= old
+                self._index[name] = size
+                self._bytes += size
+        except OSError as e:
+            _unlink_quietly(tmp)
+            if e.errno == errno.ENOSPC:
+                raise L2Error(f"{self.name}: disk full writing {final}") from e
+            raise L2Error(f"{self.name}: writing {final}: {e}") from e
+        self._evict_over_cap()
+
+    def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [self.read(k) for k in keys]
+
+    def write_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        for key, data in items:
+            self.write(key, data)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._lock_fd)
+
+    def __repr__(self) -> str:
+        return f"<DiskTier {self.name}>"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise L2Error(f"{self.name}: tier is closed")
+
+    def _prepare_root(self) -> None:
+        try:
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
+            st = os.stat(self._root)
+        except OSError as e:
+            raise L2Error(f"disk tier: cannot create {self._root}: {e}") from e
+        if not stat.S_ISDIR(st.st_mode):
+            raise L2Error(f"disk tier: {self._root} is not a directory")
+        if st.st_mode & 0o077:
+            # KV data is as sensitive as the prompts it was computed from; never widen access,
+            # and never silently narrow a directory the user shares with others.
+            raise L2Error(
+                f"disk tier: {self._root} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be "
+                f"accessible to group or others (chmod 700 it, or point at a new directory)"
+            )
+        if not os.access(self._root, os.W_OK | os.X_OK):
+            raise L2Error(f"disk tier: {self._root} is not writable")
+
+    def _take_ownership(self) -> int:
+        lock_path = os.path.join(self._root, ".lock")
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise L2Error(f"disk tier: cannot open {lock_path}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise L2Error(
+                f"disk tier: {self._root} is in use by another mpcache server "
+                f"(one directory per server; share objects between servers through Redis)"
+            ) from None
+        return fd
+
+    def _clear_tmp(self) -> None:
+        # Left over from a writer that died between create and rename.
+        for entry in os.scandir(self._tmp_dir):
+            _unlink_quietly(entry.path)
+
+    def _scan(self) -> None:
+        found: list[tuple[float, str, int]] = []
+        for sub in os.scandir(self._root):
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub.path):
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                found.append((st.st_mtime, entry.name, st.st_size))
+        found.sort()
+        with self._lock:
+            for _, name, size in found:
+                self._index[name] = size
+                self._bytes += size
+
+    def _evict_over_cap(self) -> None:
+        if self._max_bytes is None:
+            return
+        while True:
+            with self._lock:
+                if self._bytes <= self._max_bytes or not self._index:
+                    return
+                name, size = self._index.popitem(last=False)
+                self._bytes -= size
+                _unlink_quietly(self._object_path(name))
+
+    def _remove_damaged(self, name: str, path: str, inode: int) -> None:
+        with self._lock:
+            try:
+                if os.stat(path).st_ino != inode:
+                    return  # rewritten meanwhile: leave the new file alone
+            except FileNotFoundError:
+                pass
+            else:
+                _unlink_quietly(path)
+            size = self._index.pop(name, None)
+            if size is not None:
+                self._bytes -= size
+
+    @staticmethod
+    def _file_name(key: bytes) -> str:
+        if len(key) <= _MAX_HEX_KEY:
+            return bytes(key).hex() or "empty"
+        return "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
+
+    def _object_path(self, name: str) -> str:
+        # Fan out over 256 subdirectories so no directory grows huge. The subdirectory comes from
+        # a hash of the name, not from the key's bytes, because keys may share long prefixes or
+        # suffixes (a chunk hash followed by a rank, say).
+        sub = hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
+        return os.path.join(self._root, sub, name)
+
+    @staticmethod
+    def _decode(key: bytes, blob: bytes) -> bytes | None:
+        if len(blob) < _HEADER.size:
+            return None
+        magic, key_len, data_len = _HEADER.unpack_from(blob)
+        if magic != _MAGIC or len(blob) != _HEADER.size + key_len + data_len:
+            return None
+        if blob[_HEADER.size:_HEADER.size + key_len] != key:
+            return None
+        return blob[_HEADER.size + key_len:]
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# Redis tier
+
+DEFAULT_REDIS_PREFIX = b"mpcache:"
+DEFAULT_REDIS_TIMEOUT_S = 2.0
+DEFAULT_REDIS_POOL = 16
+
+
+class RedisTier:
+    """Objects in a Redis (or Valkey) database, shared by every server that points at it."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int | None = None,
+        prefix: bytes = DEFAULT_REDIS_PREFIX,
+        timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
+        pool_size: int = DEFAULT_REDIS_POOL,
+    ) -> None:
+        try:
+            import redis
+        except ImportError:
+            raise L2Error(
+                "redis tier: the redis package is not installed (pip install 'mpcache[redis]')"
+            ) from None
+        self._redis = redis
+        self._ttl_s = ttl_s
+        self._prefix = prefix
+        self._closed = False
+        parts = urllib.parse.urlsplit(url)
+        scheme = parts.scheme.lower()
+        # valkey:// is spelled redis:// to redis-py; the protocol is the same.
+        redis_url = url
+        if scheme.startswith("valkey"):
+            redis_url = "redis" + url[len("valkey"):]
+        ttl = f", ttl {ttl_s} s" if ttl_s is not None else ""
+        self.name = f"{_redact(url)}{ttl}"
+        try:
+            self._pool = redis.BlockingConnectionPool.from_url(
+                redis_url,
+                max_connections=pool_size,
+                timeout=timeout_s,  # waiting for a free pooled connection
+                socket_connect_timeout=timeout_s,
+                socket_timeout=timeout_s,
+                health_check_interval=30,
+            )
+        except ValueError as e:
+            raise L2Error(f"redis tier {self.name}: bad URL: {e}") from e
+        self._client = redis.Redis(connection_pool=self._pool)
+        try:
+            self._client.ping()
+        except redis.exceptions.RedisError as e:
+            self._pool.disconnect()
+            raise self._translate(e, "PING") from e
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisTier:
+        parts = urllib.parse.urlsplit(url)
+        params = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+        ttl_s = _param_int(url, params, "ttl") if "ttl" in params else None
+        timeout_s = (
+            _param_float(url, params, "timeout") if "timeout" in params else DEFAULT_REDIS_TIMEOUT_S
+        )
+        pool_size = _param_int(url, params, "pool") if "pool" in params else DEFAULT_REDIS_POOL
+        prefix = params["prefix"].encode() if "prefix" in params else DEFAULT_REDIS_PREFIX
+        _reject_unknown(url, params, {"ttl", "timeout", "pool", "prefix"})
+        if not parts.hostname:
+            raise L2Error(f"L2 URL {_redact(url)!r}: redis tier needs a host (redis://HOST:PORT)")
+        try:
+            parts.port  # noqa: B018 - validates the port
+        except ValueError as e:
+            raise L2Error(f"L2 URL {_redact(url)!r}: {e}") from None
+        if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
+            raise L2Error(f"L2 URL {_redact(url)!r}: the database must be a number (/0, /1, ...)")
+        bare = urllib.parse.urlunsplit(parts._replace(query=""))
+        return cls(bare, ttl_s=ttl_s, prefix=prefix, timeout_s=timeout_s, pool_size=pool_size)
+
+    def read(self, key: bytes) -> bytes | None:
+        value = self._call("GET", lambda c: c.get(self._prefix + key))
+        return None if value is None else bytes(value)
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self._call("EXISTS", lambda c: c.exists(self._prefix + key)))
+
+    def write(self, key: bytes, data: bytes) -> None:
+        self._call("SET", lambda c: c.set(self._prefix + key, data, ex=self._ttl_s))
+
+    def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values = self._call("MGET", lambda c: c.mget([self._prefix + k for k in keys]))
+        return [None if v is None else bytes(v) for v in values]
+
+    def write_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if not items:
+            return
+
+        def run(c: Any) -> Any:
+            pipe = c.pipeline(transaction=False)
+            for key, data in items:
+                pipe.set(self._prefix + key, data, ex=self._ttl_s)
+            return pipe.execute()
+
+        self._call("SET (pipelined)", run)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.disconnect()
+
+    def __repr__(self) -> str:
+        return f"<RedisTier {self.name}>"
+
+    def _call(self, what: str, fn: Any) -> Any:
+        if self._closed:
+            raise L2Error(f"redis tier {self.name}: tier is closed")
+        try:
+            return fn(self._client)
+        except self._redis.exceptions.RedisError as e:
+            raise self._translate(e, what) from e
+
+    def _translate(self, e: Exception, what: str) -> L2Error:
+        exc = self._redis.exceptions
+        # AuthenticationError is a ConnectionError in redis-py: test it first.
+        if isinstance(e, exc.AuthenticationError):
+            return L2Unavailable(f"redis tier {self.name}: authentication failed: {e}")
+        if isinstance(e, (exc.ConnectionError, exc.TimeoutError)):
+            return L2Unavailable(f"redis tier {self.name}: unreachable ({what}): {e}")
+        return L2Error(f"redis tier {self.name}: {what} failed: {e}")
+
+
