@@ -1,0 +1,185 @@
+"""CPU gather / scatter between paged KV tensors and L1 chunk slots (numba njit, parallel).
+
+Same semantics as the CUDA kernels (``kernels/cuda.py``), lane for lane: the CPU vLLM worker
+uses it to copy between its KV tensors and the L1 shared-memory slots, and CI uses it as the
+executable statement of what the GPU kernels must do.
+
+Usage: build a ``CpuKVTransfer`` once when the engine registers its KV cache (it makes the lane
+views and the parameter vector), then call ``gather`` / ``scatter`` per STORE / RETRIEVE.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numba
+import numpy as np
+
+from kernels.layouts import (
+    P_BPC,
+    P_BS,
+    P_C,
+    P_HL,
+    P_KV,
+    P_LAYERS,
+    P_NH,
+    P_SBLK,
+    P_SHEAD,
+    P_SKV,
+    P_STOK,
+    KVGeometry,
+    as_lanes,
+)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _gather_lanes(layers, pool, params, block_ids, slot_base, skip):  # type: ignore[no-untyped-def]
+    n_layers = params[P_LAYERS]
+    kv_size = params[P_KV]
+    bpc = params[P_BPC]
+    bs = params[P_BS]
+    nh = params[P_NH]
+    hl = params[P_HL]
+    s_kv = params[P_SKV]
+    s_blk = params[P_SBLK]
+    s_tok = params[P_STOK]
+    s_head = params[P_SHEAD]
+    c_tok = params[P_C]
+    d = nh * hl
+    per_block = n_layers * kv_size
+    n_units = block_ids.size * per_block
+    for u in numba.prange(n_units):
+        f = u // per_block
+        if f < skip:
+            continue
+        r = u - f * per_block
+        layer = r // kv_size
+        kv = r - layer * kv_size
+        chunk = f // bpc
+        j = f - chunk * bpc
+        src = layers[layer]
+        pb = kv * s_kv + block_ids[f] * s_blk
+        sb = slot_base[chunk] + ((kv * n_layers + layer) * c_tok + j * bs) * d
+        for t in range(bs):
+            for h in range(nh):
+                po = pb + t * s_tok + h * s_head
+                so = sb + (t * nh + h) * hl
+                for e in range(hl):
+                    pool[so + e] = src[po + e]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _scatter_lanes(layers, pool, params, block_ids, slot_base, skip):  # type: ignore[no-untyped-def]
+    n_layers = params[P_LAYERS]
+    kv_size = params[P_KV]
+    bpc = params[P_BPC]
+    bs = params[P_BS]
+    nh = params[P_NH]
+    hl = params[P_HL]
+    s_kv = params[P_SKV]
+    s_blk = params[P_SBLK]
+    s_tok = params[P_STOK]
+    s_head = params[P_SHEAD]
+    c_tok = params[P_C]
+    d = nh * hl
+    per_block = n_layers * kv_size
+    n_units = block_ids.size * per_block
+    for u in numba.prange(n_units):
+        f = u // per_block
+        if f < skip:
+            continue
+        r = u - f * per_block
+        layer = r // kv_size
+        kv = r - layer * kv_size
+        chunk = f // bpc
+        j = f - chunk * bpc
+        dst = layers[layer]
+        pb = kv * s_kv + block_ids[f] * s_blk
+        sb = slot_base[chunk] + ((kv * n_layers + layer) * c_tok + j * bs) * d
+        for t in range(bs):
+            for h in range(nh):
+                po = pb + t * s_tok + h * s_head
+                so = sb + (t * nh + h) * hl
+                for e in range(hl):
+                    dst[po + e] = pool[so + e]
+
+
+class CpuKVTransfer:
+    """Copies chunks between one engine's host KV tensors and an L1 pool, all layers per call.
+
+    ``layers``: one C-contiguous array (or torch CPU tensor) per layer, in ``geometry.layout``'s
+    physical shape. ``pool``: the L1 buffer (e.g. the mapped shared-memory segment), any
+    C-contiguous array; chunk slots are addressed by byte offset into it.
+    Raises ``ValueError`` on a shape, size or alignment mismatch.
+    """
+
+    def __init__(self, geometry: KVGeometry, layers: Sequence[object], pool: object) -> None:
+        if len(layers) != geometry.num_layers:
+            raise ValueError(f"expected {geometry.num_layers} layer tensors, got {len(layers)}")
+        self.geometry = geometry
+        lane = geometry.lane_dtype
+        layer_lanes = geometry.layer_elements() * geometry.itemsize // lane.itemsize
+        views = []
+        for i, layer in enumerate(layers):
+            v = as_lanes(layer, lane)
+            if v.size != layer_lanes:
+                raise ValueError(f"layer {i}: {v.nbytes} bytes, expected {layer_lanes * lane.itemsize} for {geometry.layer_shape()}")
+            views.append(v)
+        self._layers = tuple(views)
+        self._pool = as_lanes(pool, lane)
+        self._params = geometry.lane_params()
+        self._lane_bytes = lane.itemsize
+        self._slot_lanes = geometry.slot_bytes // lane.itemsize
+
+    def gather(self, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray) -> None:
+        """STORE: engine blocks → chunk slots. ``block_ids``: ``[n_chunks, blocks_per_chunk]``;
+        ``slot_offsets``: byte offset of each chunk's slot in the pool."""
+        ids, base = self._check(block_ids, slot_offsets, 0)
+        _gather_lanes(self._layers, self._pool, self._params, ids, base, 0)
+
+    def scatter(self, slot_offsets: Sequence[int] | np.ndarray, block_ids: np.ndarray, skip_blocks: int = 0) -> None:
+        """RETRIEVE: chunk slots → engine blocks, leaving the first ``skip_blocks`` blocks of
+        the flattened block list untouched (the engine already holds them)."""
+        ids, base = self._check(block_ids, slot_offsets, skip_blocks)
+        _scatter_lanes(self._layers, self._pool, self._params, ids, base, skip_blocks)
+
+    def _check(self, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
+        return check_request(self.geometry, self._pool.size, block_ids, slot_offsets, skip)
+
+
+def check_request(
+    geometry: KVGeometry, pool_lanes: int, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray, skip: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate one call; return (flat int64 block ids, slot bases in lanes). Raises ValueError:
+    a bad id or offset would otherwise write outside the engine's cache or the pool."""
+    ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape[1] != geometry.blocks_per_chunk:
+        raise ValueError(f"block_ids must be [n_chunks, {geometry.blocks_per_chunk}], got {ids.shape}")
+    offs = np.asarray(slot_offsets, dtype=np.int64)
+    if offs.shape != (ids.shape[0],):
+        raise ValueError(f"need one slot offset per chunk: {offs.shape} for {ids.shape[0]} chunks")
+    if ids.size and (ids.min() < 0 or ids.max() >= geometry.num_blocks):
+        raise ValueError(f"block id out of range [0, {geometry.num_blocks})")
+    lane = geometry.lane_bytes
+    slot_lanes = geometry.slot_bytes // lane
+    if offs.size and (offs.min() < 0 or np.any(offs % lane) or (offs.max() // lane) + slot_lanes > pool_lanes):
+        raise ValueError("slot offset outside the pool or not lane-aligned")
+    if not 0 <= skip <= ids.size:
+        raise ValueError(f"skip_blocks {skip} outside [0, {ids.size}]")
+    return ids.reshape(-1), offs // lane
+
+
+def gather_cpu(geometry: KVGeometry, layers: Sequence[object], block_ids: np.ndarray, slots: Sequence[object]) -> None:
+    """One-off STORE into separate slot buffers (one per chunk). For repeated calls, build a
+    ``CpuKVTransfer`` once instead."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for i, slot in enumerate(slots):
+        CpuKVTransfer(geometry, layers, slot).gather(ids[i : i + 1], [0])
+
+
+def scatter_cpu(geometry: KVGeometry, layers: Sequence[object], slots: Sequence[object], block_ids: np.ndarray, skip_blocks: int = 0) -> None:
+    """One-off RETRIEVE from separate slot buffers (one per chunk)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    bpc = geometry.blocks_per_chunk
+    for i, slot in enumerate(slots):
+        skip = min(max(skip_blocks - i * bpc, 0), bpc)
+        CpuKVTransfer(geometry, layers, slot).scatter([0], ids[i : i + 1], skip)
