@@ -1,0 +1,181 @@
+"""One root seed draws a whole world: topology, knobs, fault rates, workload and fault schedule.
+
+A `Scenario` is plain data. `draw_scenario(seed)` builds it from `random.Random(seed)` (swarm
+testing: fault rates, TTLs, capacities and latencies are themselves drawn per seed);
+`sim.strategies` builds the same type from Hypothesis, so failures shrink to fewer requests,
+fewer faults and smaller knobs. The scenario also carries `net_seed`, which seeds every
+per-message decision (delays, drops, duplicates, copy latencies) and trio's scheduler.
+"""
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from sim.net import NetConfig
+
+
+@attrs.frozen
+class WorldConfig:
+    num_servers: int = 1
+    num_engines: int = 1
+    tp: int = 1  # KV ranks (workers) per engine
+    chunk_size: int = 16
+    block_size: int = 4
+    blocks_per_worker: int = 64
+    l1_slots: int = 64
+    lease_ttl: float = 30.0
+    l2_enabled: bool = False
+    l2_latency_min: float = 0.001
+    l2_latency_mean: float = 0.005
+    l2_fail_p: float = 0.0
+    copy_latency_mean: float = 0.002
+    copy_fail_p: float = 0.0
+    server_workers: int = 1  # >1: handlers may run out of arrival order
+    server_handler_jitter: float = 0.003
+    step_interval: float = 0.01
+    compute_time: float = 0.01
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 1.5
+    net: NetConfig = attrs.field(factory=NetConfig)
+    safety_duration: float = 4.0
+    liveness_bound: float = 30.0
+
+
+@attrs.frozen
+class RequestSpec:
+    engine: int
+    request_id: str
+    arrival: float
+    prompt: tuple[int, ...]
+    apc_blocks: int = 0  # blocks the engine's own prefix cache already holds
+    abort_after: float | None = None  # abort this long after arrival
+    preempt: bool = False
+
+
+@attrs.frozen
+class FaultSpec:
+    """A timed fault. kind: crash_server(s, down_for) | partition(a, b, one_way, for_) |
+    clog(a, b, for_) | crash_engine(e) | clear(s)."""
+
+    at: float
+    kind: str
+    args: tuple[object, ...] = ()
+
+
+@attrs.frozen
+class Scenario:
+    seed: int
+    config: WorldConfig
+    requests: tuple[RequestSpec, ...]
+    faults: tuple[FaultSpec, ...]
+    net_seed: int
+
+
+def make_prompt(rng: random.Random, documents: list[tuple[int, ...]], chunk_size: int) -> tuple[int, ...]:
+    """A prompt = (often) a shared document prefix + a private suffix (+ a partial chunk)."""
+    prefix: tuple[int, ...] = ()
+    if documents and rng.random() < 0.75:
+        doc = rng.choice(documents)
+        prefix = doc[: chunk_size * rng.randint(1, len(doc) // chunk_size)]
+    suffix_chunks = rng.randint(0 if prefix else 1, 2)
+    suffix = tuple(rng.randrange(1, 50000) for _ in range(suffix_chunks * chunk_size + rng.randrange(chunk_size)))
+    return prefix + suffix
+
+
+def server_name(i: int) -> str:
+    return f"server{i}"
+
+
+def sched_name(e: int) -> str:
+    return f"sched{e}"
+
+
+def worker_name(e: int, r: int) -> str:
+    return f"worker{e}.{r}"
+
+
+def draw_scenario(seed: int) -> Scenario:
+    rng = random.Random(seed)
+    num_servers = rng.choice((1, 1, 2, 3))
+    num_engines = rng.choice((1, 2, 2, 3, 4))
+    tp = rng.choice((1, 1, 2)) if num_engines <= 2 else 1
+    chunk_size = rng.choice((8, 16))
+    block_size = rng.choice((4, 8)) if chunk_size == 16 else 4
+    faulty = rng.random() < 0.8
+    net = NetConfig(
+        min_delay=rng.choice((0.0002, 0.001)),
+        mean_delay=rng.choice((0.001, 0.003, 0.01)),
+        drop_p=rng.choice((0.0, 0.0, 0.005, 0.02)) if faulty else 0.0,
+        dup_p=rng.choice((0.0, 0.01, 0.05)) if faulty else 0.0,
+        reorder_p=rng.choice((0.0, 0.05, 0.2)),
+        reorder_delay=rng.choice((0.005, 0.05)),
+        capacity=rng.choice((8, 32, 256)),
+    )
+    config = WorldConfig(
+        num_servers=num_servers,
+        num_engines=num_engines,
+        tp=tp,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        blocks_per_worker=rng.choice((48, 96, 192)),
+        l1_slots=rng.choice((12, 24, 64, 256)),
+        lease_ttl=rng.choice((2.0, 10.0, 60.0)),
+        l2_enabled=rng.random() < 0.5,
+        l2_latency_min=rng.choice((0.0005, 0.002)),
+        l2_latency_mean=rng.choice((0.002, 0.02, 0.3)),
+        l2_fail_p=rng.choice((0.0, 0.0, 0.05, 0.3)) if faulty else 0.0,
+        copy_latency_mean=rng.choice((0.001, 0.005, 0.05)),
+        copy_fail_p=rng.choice((0.0, 0.0, 0.02)) if faulty else 0.0,
+        server_workers=rng.choice((1, 1, 2, 4)),
+        server_handler_jitter=rng.choice((0.001, 0.005)),
+        step_interval=rng.choice((0.005, 0.01, 0.02)),
+        compute_time=rng.choice((0.005, 0.02)),
+        net=net,
+        safety_duration=rng.choice((1.0, 2.0, 3.0)),
+    )
+    documents = [
+        tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
+    ]
+    requests = []
+    n_requests = rng.randint(3, 14)
+    for i in range(n_requests):
+        arrival = rng.uniform(0.0, config.safety_duration * 0.8)
+        prompt = make_prompt(rng, documents, chunk_size)
+        apc = 0
+        if rng.random() < 0.2:
+            apc = rng.randint(0, len(prompt) // block_size)
+        abort_after = rng.choice((0.001, 0.01, 0.05, 0.2)) if rng.random() < 0.2 else None
+        requests.append(
+            RequestSpec(
+                engine=rng.randrange(num_engines),
+                request_id=f"r{i}",
+                arrival=round(arrival, 6),
+                prompt=prompt,
+                apc_blocks=apc,
+                abort_after=abort_after,
+                preempt=rng.random() < 0.08,
+            )
+        )
+    faults: list[FaultSpec] = []
+    if faulty:
+        nodes = [server_name(s) for s in range(num_servers)] + [sched_name(e) for e in range(num_engines)]
+        nodes += [worker_name(e, r) for e in range(num_engines) for r in range(tp)]
+        for _ in range(rng.randint(0, 4)):
+            at = round(rng.uniform(0.0, config.safety_duration), 6)
+            kind = rng.choice(("crash_server", "partition", "partition", "clog", "crash_engine", "clear"))
+            if kind == "crash_server":
+                faults.append(FaultSpec(at, kind, (rng.randrange(num_servers), rng.choice((0.05, 0.5, 2.0)))))
+            elif kind in ("partition", "clog"):
+                server = server_name(rng.randrange(num_servers))
+                other = rng.choice([n for n in nodes if n != server])
+                a, b = (server, other) if rng.random() < 0.5 else (other, server)
+                dur = rng.choice((0.05, 0.5, 3.0))
+                faults.append(FaultSpec(at, kind, (a, b, rng.random() < 0.4, dur)))
+            elif kind == "crash_engine":
+                if num_engines > 1 and rng.random() < 0.5:
+                    faults.append(FaultSpec(at, kind, (rng.randrange(num_engines),)))
+            else:
+                faults.append(FaultSpec(at, kind, (rng.randrange(num_servers),)))
+        faults.sort(key=lambda f: f.at)
+    return Scenario(seed, config, tuple(requests), tuple(faults), rng.randrange(2**32))

@@ -1,0 +1,107 @@
+"""Traces: one readable line per event, a hash over them, and message records for charts.
+
+Line format (fixed columns, so a trace diffs well)::
+
+    <virtual time, 6 decimals> <node> <what>
+
+`what` is ``machine: Event(...) -> [Effect(...), ...]`` for a handled event, ``net drop #pid
+src->dst Message`` for a network fate, ``fault ...`` for an injected fault and ``VIOLATION ...``
+for an oracle failure. The hash is blake2b over every line, so two runs agree exactly when
+their traces do; `first_divergence` finds where two traces part.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import attrs
+
+
+def short(obj: Any, limit: int = 160) -> str:
+    """A compact repr: token tuples and hashes are abbreviated so lines stay readable."""
+    text = _short(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(obj: Any) -> str:
+    if isinstance(obj, bytes):
+        return obj[:4].hex()
+    if isinstance(obj, tuple):
+        if len(obj) > 6 and all(type(x) is int for x in obj):
+            return f"<{len(obj)} ints {obj[0]}..{obj[-1]}>"
+        inner = ", ".join(_short(x) for x in obj)
+        return f"({inner},)" if len(obj) == 1 else f"({inner})"
+    if isinstance(obj, list):
+        return "[" + ", ".join(_short(x) for x in obj) + "]"
+    if attrs.has(type(obj)):
+        fields = []
+        for a in attrs.fields(type(obj)):
+            value = getattr(obj, a.name)
+            if a.name == "token_ids":
+                fields.append(f"tokens={len(value)}")
+            elif a.name in ("model_name", "world_size") or (a.name == "cache_salt" and not value):
+                continue
+            else:
+                fields.append(f"{a.name}={_short(value)}")
+        return f"{type(obj).__name__}({', '.join(fields)})"
+    if hasattr(obj, "value") and type(obj).__module__ != "builtins" and hasattr(type(obj), "__members__"):
+        return str(obj.value)
+    if isinstance(obj, float):
+        return f"{obj:.6f}"
+    return repr(obj)
+
+
+@attrs.define
+class MessageRecord:
+    pid: int
+    src: str
+    dst: str
+    label: str
+    request_id: str | None
+    sent: float
+    fate: str = "in-flight"  # delivered / drop / blocked / overflow / dead
+    arrived: float | None = None
+
+
+@attrs.define
+class Mark:
+    t: float
+    node: str
+    kind: str  # crash / restart / violation / partition / heal
+    text: str
+
+
+class Trace:
+    def __init__(self, keep_lines: bool = True) -> None:
+        self._hash = hashlib.blake2b(digest_size=16)
+        self.keep_lines = keep_lines
+        self.lines: list[str] = []
+        self.messages: dict[int, MessageRecord] = {}
+        self.marks: list[Mark] = []
+        self.count = 0
+
+    def line(self, t: float, node: str, text: str) -> None:
+        s = f"{t:12.6f} {node:<11} {text}"
+        self.count += 1
+        self._hash.update(s.encode())
+        self._hash.update(b"\n")
+        if self.keep_lines:
+            self.lines.append(s)
+
+    def mark(self, t: float, node: str, kind: str, text: str) -> None:
+        self.marks.append(Mark(t, node, kind, text))
+        self.line(t, node, f"{kind} {text}")
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def first_divergence(a: list[str], b: list[str]) -> tuple[int, str, str] | None:
+    """Index and the two lines where traces `a` and `b` first differ (None if equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i, x, y
+    if len(a) != len(b):
+        i = min(len(a), len(b))
+        return i, a[i] if i < len(a) else "<end>", b[i] if i < len(b) else "<end>"
+    return None
