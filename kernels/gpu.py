@@ -1,0 +1,371 @@
+"""CUDA gather / scatter between an engine's paged KV cache and L1 chunk slots (numba.cuda).
+
+One launch moves a batch of chunks for every layer and K/V. The semantics are those of
+``kernels/cpu.py`` (same parameter vector, same unit order); the tests run these kernels under
+``NUMBA_ENABLE_CUDASIM=1`` against the same numpy reference.
+
+Addressing. The kernels take two flat lane arrays:
+
+* ``paged``: one device array that spans every layer tensor of the engine (built once at
+  registration from their pointers, see ``span_device_buffers``), plus each layer's offset in
+  it, so all layers go in one launch with no pointer table and no per-call slicing;
+* ``slots``: the L1 pool as seen by the device (the pinned, mapped segment: zero-copy mode), or
+  a device staging buffer (staging mode).
+
+Per call, the request (chunk count, skip, slot offsets, block ids) is written into one of a ring
+of small mapped (pinned, device-visible) descriptors; each CTA reads it once into shared memory.
+So a call is: validate, fill a few numpy slices, one kernel launch — no device allocation, no
+host→device copy, no slicing of device arrays.
+
+Modes:
+
+* ``zerocopy``: the kernel reads (RETRIEVE) or writes (STORE) the pinned L1 slots directly.
+* ``staging``: STORE = gather kernel into a device staging buffer, then one DMA per run of
+  adjacent slots; RETRIEVE = DMA into staging, then the scatter kernel.
+
+``max_ctas`` caps the grid (each CTA loops over units of one (chunk block, layer, kv)), so a copy
+leaves the rest of the SMs to the model.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# numba-cuda 0.30.4 registers an overload for np.row_stack, which numpy 2.5 removed: the first
+# kernel compile fails without this alias. Must run before the first compile.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack  # type: ignore[attr-defined]
+
+import numba  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from kernels.cpu import check_request  # noqa: E402
+from kernels.layouts import (  # noqa: E402
+    P_BPC,
+    P_BS,
+    P_C,
+    P_COUNT,
+    P_HL,
+    P_KV,
+    P_LAYERS,
+    P_NH,
+    P_SBLK,
+    P_SHEAD,
+    P_SKV,
+    P_STOK,
+    KVGeometry,
+)
+
+DESC_MAX = 4096  # int64 words of one request descriptor (32 KiB of shared memory per CTA)
+D_NCHUNKS, D_SKIP, D_SLOTS = 0, 1, 2  # descriptor: [n_chunks, skip, slot_base * n, block_ids * n*bpc]
+UNROLL = 4  # independent loads in flight per thread (PCIe latency hiding in zero-copy mode)
+
+
+def _make_kernel(gather: bool) -> Any:
+    """Build the gather (paged → slots) or scatter (slots → paged) kernel; ``gather`` is a
+    compile-time constant, so each kernel has one straight copy loop."""
+
+    @cuda.jit
+    def kernel(paged, slots, params, desc):  # type: ignore[no-untyped-def]
+        sh = cuda.shared.array(DESC_MAX, numba.int64)
+        tid = cuda.threadIdx.x
+        nthr = cuda.blockDim.x
+        n_chunks = desc[D_NCHUNKS]
+        bpc = params[P_BPC]
+        n_desc = D_SLOTS + n_chunks + n_chunks * bpc
+        i = tid
+        while i < n_desc:
+            sh[i] = desc[i]
+            i += nthr
+        cuda.syncthreads()
+
+        n_layers = params[P_LAYERS]
+        kv_size = params[P_KV]
+        bs = params[P_BS]
+        nh = params[P_NH]
+        hl = params[P_HL]
+        s_kv = params[P_SKV]
+        s_blk = params[P_SBLK]
+        s_tok = params[P_STOK]
+        s_head = params[P_SHEAD]
+        c_tok = params[P_C]
+        skip = sh[D_SKIP]
+        row = nh * hl
+        unit = bs * row
+        # NHD / FlashInfer / MLA: a block of one (layer, kv) is one contiguous run on both sides
+        contiguous = s_tok == row and (s_head == hl or nh == 1)
+        per_block = n_layers * kv_size
+        ids0 = D_SLOTS + n_chunks
+        n_units = n_chunks * bpc * per_block
+        u = cuda.blockIdx.x
+        while u < n_units:
+            f = u // per_block
+            if f >= skip:
+                r = u - f * per_block
+                layer = r // kv_size
+                kv = r - layer * kv_size
+                chunk = f // bpc
+                j = f - chunk * bpc
+                pb = params[P_COUNT + layer] + kv * s_kv + sh[ids0 + f] * s_blk
+                sb = sh[D_SLOTS + chunk] + ((kv * n_layers + layer) * c_tok + j * bs) * row
+                q0 = tid
+                while q0 < unit:
+                    q1 = q0 + nthr
+                    q2 = q1 + nthr
+                    q3 = q2 + nthr
+                    if contiguous:
+                        a0 = pb + q0
+                        a1 = pb + q1
+                        a2 = pb + q2
+                        a3 = pb + q3
+                    else:
+                        a0 = pb + _paged_offset(q0, row, hl, s_tok, s_head)
+                        a1 = pb + _paged_offset(q1, row, hl, s_tok, s_head)
+                        a2 = pb + _paged_offset(q2, row, hl, s_tok, s_head)
+                        a3 = pb + _paged_offset(q3, row, hl, s_tok, s_head)
+                    if q3 < unit:
+                        # four loads issued before any store: latency hiding over PCIe
+                        if gather:
+                            v0 = paged[a0]
+                            v1 = paged[a1]
+                            v2 = paged[a2]
+                            v3 = paged[a3]
+                            slots[sb + q0] = v0
+                            slots[sb + q1] = v1
+                            slots[sb + q2] = v2
+                            slots[sb + q3] = v3
+                        else:
+                            v0 = slots[sb + q0]
+                            v1 = slots[sb + q1]
+                            v2 = slots[sb + q2]
+                            v3 = slots[sb + q3]
+                            paged[a0] = v0
+                            paged[a1] = v1
+                            paged[a2] = v2
+                            paged[a3] = v3
+                    else:
+                        if gather:
+                            slots[sb + q0] = paged[a0]
+                            if q1 < unit:
+                                slots[sb + q1] = paged[a1]
+                            if q2 < unit:
+                                slots[sb + q2] = paged[a2]
+                        else:
+                            paged[a0] = slots[sb + q0]
+                            if q1 < unit:
+                                paged[a1] = slots[sb + q1]
+                            if q2 < unit:
+                                paged[a2] = slots[sb + q2]
+                    q0 += UNROLL * nthr
+            u += cuda.gridDim.x
+
+    return kernel
+
+
+@cuda.jit(device=True, inline=True)
+def _paged_offset(q, row, hl, s_tok, s_head):  # type: ignore[no-untyped-def]
+    t = q // row
+    rr = q - t * row
+    h = rr // hl
+    return t * s_tok + h * s_head + (rr - h * hl)
+
+
+gather_kernel = _make_kernel(True)
+scatter_kernel = _make_kernel(False)
+
+
+def kernel_params(geometry: KVGeometry, layer_offsets: Sequence[int]) -> np.ndarray:
+    """The kernels' int64 parameter vector: ``geometry.lane_params()`` then each layer's base
+    offset (in lanes) inside the ``paged`` span."""
+    if len(layer_offsets) != geometry.num_layers:
+        raise ValueError(f"expected {geometry.num_layers} layer offsets, got {len(layer_offsets)}")
+    return np.concatenate([geometry.lane_params(), np.asarray(layer_offsets, dtype=np.int64)])
+
+
+def span_device_buffers(pointers: Sequence[int], nbytes: int, lane_dtype: np.dtype) -> tuple[Any, list[int]]:
+    """One flat lane device array covering every buffer (e.g. the engine's per-layer KV
+    tensors, opened from IPC handles), and each buffer's offset in lanes within it.
+
+    Only the listed buffers are ever indexed; the span between them is never touched. Raises
+    ``ValueError`` if a buffer is not lane-aligned. Real GPU only (the simulator has no raw
+    device pointers): tests build their ``paged`` array directly.
+    """
+    lane = np.dtype(lane_dtype).itemsize
+    base = min(pointers)
+    end = max(pointers) + nbytes
+    if base % lane or any((p - base) % lane for p in pointers):
+        raise ValueError(f"KV buffers are not aligned to {lane}-byte lanes")
+    desc = {
+        "shape": ((end - base) // lane,),
+        "typestr": np.dtype(lane_dtype).str,
+        "data": (base, False),
+        "version": 3,
+        "strides": None,
+    }
+    span = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+    return span, [(p - base) // lane for p in pointers]
+
+
+def device_pointer(array: Any) -> int:
+    """Device address of a numba device / mapped array (real GPU only)."""
+    return int(array.__cuda_array_interface__["data"][0])
+
+
+class CudaKVTransfer:
+    """Gather / scatter for one registered engine KV cache on one stream.
+
+    ``paged``: lane device array spanning the engine's layer tensors; ``layer_offsets``: each
+    layer's base in lanes within it. ``pool``: device-visible lane array of the L1 pool (mapped /
+    registered pinned host memory). ``mode``: ``"zerocopy"`` or ``"staging"``. ``max_ctas``:
+    grid cap. ``max_chunks``: the most chunks one call may carry (bounds the descriptor and the
+    staging buffer). Calls only enqueue work on ``stream``; the caller observes completion
+    with an event recorded after the call.
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        paged: Any,
+        layer_offsets: Sequence[int],
+        pool: Any,
+        *,
+        mode: str = "zerocopy",
+        max_ctas: int = 16,
+        threads: int = 512,
+        stream: Any = None,
+        max_chunks: int = 32,
+        ring: int = 64,
+    ) -> None:
+        if mode not in ("zerocopy", "staging"):
+            raise ValueError(f"mode must be 'zerocopy' or 'staging', not {mode!r}")
+        if D_SLOTS + max_chunks * (1 + geometry.blocks_per_chunk) > DESC_MAX:
+            raise ValueError(f"max_chunks {max_chunks} does not fit the {DESC_MAX}-word descriptor")
+        if max_ctas < 1 or not 1 <= threads <= 1024:
+            raise ValueError("max_ctas >= 1 and 1 <= threads <= 1024")
+        self.geometry = geometry
+        self.mode = mode
+        self.max_chunks = max_chunks
+        self.stream = stream if stream is not None else cuda.stream()
+        self._lane = geometry.lane_bytes
+        self._slot_lanes = geometry.slot_bytes // self._lane
+        self._pool = pool
+        self._pool_lanes = int(pool.shape[0])
+        self._params = cuda.to_device(kernel_params(geometry, layer_offsets), stream=self.stream)
+        self._paged = paged
+        self._sim = bool(numba.config.ENABLE_CUDASIM)
+        self._gather = gather_kernel[max_ctas, threads, self.stream]
+        self._scatter = scatter_kernel[max_ctas, threads, self.stream]
+        self._desc = [cuda.mapped_array(DESC_MAX, dtype=np.int64) for _ in range(ring)]
+        self._desc_host = [_host_view(d) for d in self._desc]
+        self._events = [cuda.event() if self._sim else cuda.event(timing=False) for _ in range(ring)]
+        self._used = [False] * ring
+        self._next = 0
+        if mode == "staging":
+            self._staging = cuda.device_array(max_chunks * self._slot_lanes, dtype=geometry.lane_dtype, stream=self.stream)
+            self._staging_bases = np.arange(max_chunks, dtype=np.int64) * self._slot_lanes
+            self._memcpy = _Memcpy(self.stream, self._sim)
+        self.stream.synchronize()
+
+    # ---- public API ---------------------------------------------------------------------
+    def gather(self, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray) -> None:
+        """Enqueue STORE: blocks ``[n_chunks, blocks_per_chunk]`` → the slots at byte offsets
+        ``slot_offsets`` in the pool. Raises ``ValueError`` (before enqueuing anything) on a
+        bad id or offset."""
+        ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, 0)
+        n = bases.shape[0]
+        self._check_size(n)
+        if self.mode == "zerocopy":
+            self._launch(self._gather, self._pool, ids, bases, 0)
+            return
+        self._launch(self._gather, self._staging, ids, self._staging_bases[:n], 0)
+        self._copy_runs(bases, to_pool=True, first=0)
+
+    def scatter(self, slot_offsets: Sequence[int] | np.ndarray, block_ids: np.ndarray, skip_blocks: int = 0) -> None:
+        """Enqueue RETRIEVE: the slots → blocks, leaving the first ``skip_blocks`` blocks of the
+        flattened block list untouched."""
+        ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, skip_blocks)
+        n = bases.shape[0]
+        self._check_size(n)
+        if self.mode == "zerocopy":
+            self._launch(self._scatter, self._pool, ids, bases, skip_blocks)
+            return
+        # chunks whose every block is skipped need not travel
+        self._copy_runs(bases, to_pool=False, first=skip_blocks // self.geometry.blocks_per_chunk)
+        self._launch(self._scatter, self._staging, ids, self._staging_bases[:n], skip_blocks)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _check_size(self, n: int) -> None:
+        if n > self.max_chunks:
+            raise ValueError(f"{n} chunks in one call; this transfer was built for at most {self.max_chunks}")
+
+    def _launch(self, configured: Any, slots: Any, ids: np.ndarray, bases: np.ndarray, skip: int) -> None:
+        r = self._next
+        self._next = (r + 1) % len(self._desc)
+        if self._used[r]:
+            # the kernel that read this descriptor 'ring' calls ago must have started and read
+            # it; nearly always long done, so this returns at once (and releases the GIL if not)
+            self._events[r].synchronize()
+        h = self._desc_host[r]
+        n = bases.shape[0]
+        h[D_NCHUNKS] = n
+        h[D_SKIP] = skip
+        h[D_SLOTS : D_SLOTS + n] = bases
+        h[D_SLOTS + n : D_SLOTS + n + ids.shape[0]] = ids
+        configured(self._paged, slots, self._params, self._desc[r])
+        self._events[r].record(self.stream)
+        self._used[r] = True
+
+    def _copy_runs(self, pool_bases: np.ndarray, *, to_pool: bool, first: int) -> None:
+        """One DMA per run of chunks whose slots are adjacent in the pool."""
+        n = pool_bases.shape[0]
+        i = first
+        while i < n:
+            k = i + 1
+            while k < n and pool_bases[k] == pool_bases[k - 1] + self._slot_lanes:
+                k += 1
+            lanes = (k - i) * self._slot_lanes
+            if to_pool:
+                self._memcpy(self._pool, int(pool_bases[i]), self._staging, i * self._slot_lanes, lanes)
+            else:
+                self._memcpy(self._staging, i * self._slot_lanes, self._pool, int(pool_bases[i]), lanes)
+            i = k
+
+
+def _host_view(mapped: Any) -> np.ndarray:
+    """The host side of a mapped array (a numpy view sharing its memory)."""
+    ary = getattr(mapped, "_ary", None)  # the simulator's fake array wraps a numpy array
+    return ary if isinstance(ary, np.ndarray) else np.asarray(mapped)
+
+
+class _Memcpy:
+    """Asynchronous lane-range copy on one stream: cuMemcpyAsync on UVA addresses on a GPU,
+    a plain copy under the simulator (where streams are synchronous anyway)."""
+
+    def __init__(self, stream: Any, sim: bool) -> None:
+        self._sim = sim
+        if not sim:
+            from cuda.bindings import driver
+
+            self._driver = driver
+            self._copy = driver.cuMemcpyAsync
+            self._ok = driver.CUresult.CUDA_SUCCESS
+            self._handle = stream.handle
+            self._ptr_cache: dict[int, int] = {}
+
+    def __call__(self, dst: Any, dst_off: int, src: Any, src_off: int, lanes: int) -> None:
+        if self._sim:
+            dst._ary[dst_off : dst_off + lanes] = src._ary[src_off : src_off + lanes]
+            return
+        item = dst.dtype.itemsize
+        (err,) = self._copy(self._ptr(dst) + dst_off * item, self._ptr(src) + src_off * item, lanes * item, self._handle)
+        if err != self._ok:
+            raise RuntimeError(f"cuMemcpyAsync failed: {err}")
+
+    def _ptr(self, array: Any) -> int:
+        key = id(array)
+        p = self._ptr_cache.get(key)
+        if p is None:
+            p = self._ptr_cache[key] = device_pointer(array)
+        return p
