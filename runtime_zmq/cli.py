@@ -1,10 +1,117 @@
-"""`mpcache-server`: placeholder until the runtime_zmq issue lands."""
+"""``mpcache-server``: run the mpcache KV-cache offload server.
+
+Every flag has an environment variable (``MPCACHE_<FLAG>``, e.g. ``MPCACHE_PORT``); a flag on the
+command line wins. Defaults: loopback only (``tcp://127.0.0.1:5555``), L1 only, L1 segment
+allocated lazily, metrics off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
 import sys
+from collections.abc import Sequence
+from typing import Any
+
+from runtime_zmq import wire
+
+GiB = 1 << 30
+MiB = 1 << 20
 
 
-def main(argv: list[str] | None = None) -> int:
-    print("mpcache-server: not implemented yet (delivered by the runtime_zmq issue)", file=sys.stderr)
-    return 2
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get(f"MPCACHE_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mpcache-server",
+        description="mpcache KV-cache offload server (LMCache MP-protocol compatible control plane).",
+        epilog="Each flag can also be set by the environment variable MPCACHE_<FLAG> "
+        "(upper case, dashes as underscores), e.g. MPCACHE_PORT=5556.",
+    )
+    where = p.add_argument_group("listening address")
+    where.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="TCP bind address (default 127.0.0.1, loopback only)")
+    where.add_argument("--port", type=int, default=int(_env("PORT", 5555)), help="TCP port (default 5555; 0 picks a free one)")
+    where.add_argument("--ipc", default=_env("IPC", None), metavar="PATH", help="listen on a unix socket at PATH instead of TCP (its directory is created 0700)")
+    cache = p.add_argument_group("cache")
+    cache.add_argument("--chunk-size", type=int, default=int(_env("CHUNK_SIZE", 256)), help="tokens per chunk (default 256)")
+    cache.add_argument("--l1-size-gb", type=float, default=float(_env("L1_SIZE_GB", 4.0)), help="L1 shared-memory size in GiB (default 4; committed lazily)")
+    cache.add_argument("--slot-mb", type=float, default=float(_env("SLOT_MB", 32.0)), help="L1 slot size in MiB: the largest object (one chunk of one KV rank) (default 32)")
+    cache.add_argument(
+        "--l2", action="append", default=None, metavar="URL",
+        help="L2 tier, repeatable: disk:PATH or redis://HOST:PORT (env MPCACHE_L2: comma-separated)",
+    )
+    cache.add_argument("--lease-ttl", type=float, default=float(_env("LEASE_TTL", 300.0)), help="seconds a read/write lease lives without use (default 300)")
+    cache.add_argument("--job-ttl", type=float, default=float(_env("JOB_TTL", 60.0)), help="seconds a lookup nobody queries lives before its leases are reaped (default 60)")
+    cache.add_argument("--tombstone-ttl", type=float, default=float(_env("TOMBSTONE_TTL", 60.0)), help="seconds a delivered status is repeated for (default 60)")
+    cache.add_argument("--l2-read-timeout", type=float, default=float(_env("L2_READ_TIMEOUT", 30.0)), help="seconds before a lookup stops waiting for an L2 read and resolves with its L1 prefix (default 30)")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-frame-mb", type=float, default=float(_env("MAX_FRAME_MB", 64.0)), help="largest payload frame in MiB (default 64)")
+    lim.add_argument("--max-tokens", type=int, default=int(_env("MAX_TOKENS", 1 << 20)), help="most tokens in one key (default 1048576)")
+    ops = p.add_argument_group("operations")
+    ops.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)) or None, help="serve Prometheus metrics on 127.0.0.1:PORT (default off)")
+    ops.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    ops.add_argument("--shm-dir", default=_env("SHM_DIR", "/dev/shm"), help=argparse.SUPPRESS)
+    ops.add_argument("--shutdown-grace", type=float, default=float(_env("SHUTDOWN_GRACE", 5.0)), help="seconds to finish in-flight work on SIGTERM (default 5)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from runtime_zmq.server import ServerConfig
+
+    if args.ipc:
+        url = "ipc://" + os.path.abspath(args.ipc)
+    else:
+        url = f"tcp://{args.host}:{args.port}"
+    l2 = args.l2
+    if l2 is None:
+        env = os.environ.get("MPCACHE_L2", "")
+        l2 = [u for u in env.split(",") if u]
+    return ServerConfig(
+        url=url,
+        chunk_size=args.chunk_size,
+        l1_size_bytes=int(args.l1_size_gb * GiB),
+        slot_bytes=int(args.slot_mb * MiB),
+        l2_urls=tuple(l2),
+        lease_ttl=args.lease_ttl,
+        job_ttl=args.job_ttl,
+        tombstone_ttl=args.tombstone_ttl,
+        l2_read_timeout=args.l2_read_timeout,
+        limits=wire.Limits(max_frame_bytes=int(args.max_frame_mb * MiB), max_tokens=args.max_tokens),
+        metrics_port=args.metrics_port,
+        shutdown_grace=args.shutdown_grace,
+        shm_dir=args.shm_dir,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("mpcache.cli")
+    from runtime_zmq.server import Server
+
+    try:
+        server = Server(config_from_args(args))
+    except Exception as e:
+        log.error("cannot start: %s", e)
+        return 1
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %d: shutting down", signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def ready(url: str) -> None:
+        # one machine-readable line for supervisors and tests
+        print(f"mpcache-server ready {url}", flush=True)
+
+    server.serve_forever(ready)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,195 @@
+"""Wire values <-> core_sm messages. Shapes only: every protocol decision is core_sm's.
+
+Server side: ``to_event(request, reply_to)`` builds the core_sm request for a decoded wire
+request, and ``result_to_wire(op, result, ...)`` turns a core_sm result into the msgpack value of
+the reply. Client side: ``request_to_wire(request)`` gives ``(op, args)`` for a core_sm request
+(what a ``SendRequest`` effect carries), and ``result_from_wire`` decodes a reply back into the
+result type core_sm expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core_sm import messages as m
+from core_sm.messages import TransferKind, TransferPlan
+from runtime_zmq.wire import Request, WireKey
+
+
+class BadRequest(Exception):
+    """The wire request decoded but cannot become a core_sm request (UNDECODABLE)."""
+
+
+def to_cache_key(k: WireKey) -> m.CacheKey:
+    return m.CacheKey(
+        model_name=k.model_name,
+        world_size=k.world_size,
+        worker_id=k.worker_id,
+        token_ids=k.token_ids,
+        start=k.start,
+        end=k.end,
+        request_id=k.request_id,
+        cache_salt=k.cache_salt,
+    )
+
+
+def _layout_field(layout: dict[str, Any], name: str, typ: type) -> Any:
+    if name not in layout:
+        raise BadRequest(f"register_instance layout: missing {name!r}")
+    v = layout[name]
+    if typ is int and (type(v) is not int):
+        raise BadRequest(f"register_instance layout: {name} must be int")
+    if typ is str and type(v) is not str:
+        raise BadRequest(f"register_instance layout: {name} must be str")
+    if typ is bool and type(v) is not bool:
+        raise BadRequest(f"register_instance layout: {name} must be bool")
+    return v
+
+
+def to_event(req: Request, reply_to: Any) -> Any:
+    """The core_sm request for ``req``. Raises ``BadRequest`` (or the constructors' TypeError /
+    ValueError) when the payload cannot build one; the server answers UNDECODABLE."""
+    op, a = req.op, req.args
+    if op == "lookup":
+        key: WireKey = a[0]
+        # LMCache's key carries num_kv_readers (0 = not given: one reader per object).
+        return m.Lookup(to_cache_key(key), num_readers=max(1, key.num_kv_readers), reply_to=reply_to)
+    if op == "query_prefetch_status":
+        return m.QueryPrefetchStatus(a[0], reply_to=reply_to)
+    if op == "wait_prefetch_status":
+        return m.WaitPrefetchStatus(a[0], a[1], reply_to=reply_to)
+    if op == "free_lookup_locks":
+        return m.FreeLookupLocks(to_cache_key(a[0]), reply_to=reply_to)
+    if op == "end_session":
+        return m.EndSession(a[0], reply_to=reply_to)
+    if op == "clear":
+        return m.Clear(force=a[0] if a else False, reply_to=reply_to)
+    if op == "ping":
+        return m.Ping(reply_to=reply_to)
+    if op == "get_chunk_size":
+        return m.GetChunkSize(reply_to=reply_to)
+    if op == "register_instance":
+        layout = a[1]
+        return m.RegisterInstance(
+            instance_id=a[0],
+            model_name=_layout_field(layout, "model_name", str),
+            world_size=_layout_field(layout, "world_size", int),
+            object_bytes=_layout_field(layout, "object_bytes", int),
+            engine_driven=bool(layout.get("engine_driven", False)),
+            reply_to=reply_to,
+        )
+    if op == "unregister_instance":
+        return m.UnregisterInstance(a[0], reply_to=reply_to)
+    if op == "store":
+        return m.Store(to_cache_key(a[0]), a[1], block_ids=a[2], reply_to=reply_to)
+    if op == "retrieve":
+        skip = a[4] if len(a) > 4 else 0
+        return m.Retrieve(to_cache_key(a[0]), a[1], block_ids=a[2], skip_first_n_tokens=skip, reply_to=reply_to)
+    if op == "prepare_store":
+        return m.PrepareStore(to_cache_key(a[0]), a[1], reply_to=reply_to)
+    if op == "prepare_retrieve":
+        skip = a[2] if len(a) > 2 else 0
+        return m.PrepareRetrieve(to_cache_key(a[0]), a[1], skip_first_n_tokens=skip, reply_to=reply_to)
+    if op in ("commit_store", "commit_retrieve"):
+        return m.CommitTransfer(a[0], a[1], reply_to=reply_to)
+    raise BadRequest(f"operation {op!r} has no core_sm request")
+
+
+def plan_to_wire(plan: TransferPlan, segment: str, slot_bytes: int) -> dict[str, Any]:
+    """An engine-driven plan with the memory behind each slot: ``[chunk_index, slot, offset]``."""
+    return {
+        "transfer_id": plan.transfer_id,
+        "ok": plan.ok,
+        "kind": plan.kind.value,
+        "skip_first_n_tokens": plan.skip_first_n_tokens,
+        "segment": segment,
+        "slot_bytes": slot_bytes,
+        "placements": [[c, s, s * slot_bytes] for c, s in plan.placements],
+    }
+
+
+def result_to_wire(op: str, result: Any, *, event_handle: bytes = b"", segment: str = "", slot_bytes: int = 0) -> Any:
+    """The msgpack value of a reply to ``op`` carrying core_sm's ``result``.
+
+    Server-driven ``store``/``retrieve`` keep LMCache's ``(event_handle, ok)`` shape."""
+    if isinstance(result, m.StoreResult):
+        if op == "store":
+            return [event_handle, result.ok]
+        return {"ok": result.ok, "stored": result.stored, "skipped": result.skipped}
+    if isinstance(result, m.RetrieveResult):
+        if op == "retrieve":
+            return [event_handle, result.ok]
+        return {"ok": result.ok, "chunks": result.chunks}
+    if isinstance(result, TransferPlan):
+        return plan_to_wire(result, segment, slot_bytes)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side
+
+
+def key_to_wire(key: m.CacheKey, num_kv_readers: int = 0) -> dict[str, Any]:
+    return {
+        "model_name": key.model_name,
+        "world_size": key.world_size,
+        "worker_id": key.worker_id,
+        "token_ids": list(key.token_ids),
+        "start": key.start,
+        "end": key.end,
+        "request_id": key.request_id,
+        "cache_salt": key.cache_salt,
+        "request_configs": None,
+        "num_kv_readers": num_kv_readers,
+    }
+
+
+def request_to_wire(req: Any) -> tuple[str, tuple[Any, ...]]:
+    """``(op, payloads)`` for a core_sm server request (``SendRequest.request``)."""
+    if isinstance(req, m.Lookup):
+        return "lookup", (key_to_wire(req.key, req.num_readers), 1)
+    if isinstance(req, m.QueryPrefetchStatus):
+        return "query_prefetch_status", (req.request_id,)
+    if isinstance(req, m.WaitPrefetchStatus):
+        return "wait_prefetch_status", (req.request_id, float(req.timeout))
+    if isinstance(req, m.FreeLookupLocks):
+        return "free_lookup_locks", (key_to_wire(req.key), 1)
+    if isinstance(req, m.EndSession):
+        return "end_session", (req.request_id,)
+    if isinstance(req, m.Clear):
+        return "clear", (req.force,)
+    if isinstance(req, m.Ping):
+        return "ping", ()
+    if isinstance(req, m.GetChunkSize):
+        return "get_chunk_size", ()
+    if isinstance(req, m.RegisterInstance):
+        layout = {"model_name": req.model_name, "world_size": req.world_size, "object_bytes": req.object_bytes, "engine_driven": req.engine_driven}
+        return "register_instance", (req.instance_id, layout)
+    if isinstance(req, m.UnregisterInstance):
+        return "unregister_instance", (req.instance_id,)
+    if isinstance(req, m.PrepareStore):
+        return "prepare_store", (key_to_wire(req.key), req.instance_id)
+    if isinstance(req, m.PrepareRetrieve):
+        return "prepare_retrieve", (key_to_wire(req.key), req.instance_id, req.skip_first_n_tokens)
+    if isinstance(req, m.CommitTransfer):
+        # the op name only labels the direction for humans; the server keys on transfer_id
+        return "commit_store", (req.transfer_id, req.ok)
+    raise TypeError(f"{type(req).__name__} has no wire form on this path")
+
+
+def result_from_wire(req: Any, value: Any) -> Any:
+    """Decode a reply value into the result type core_sm's client machines expect."""
+    if isinstance(req, (m.PrepareStore, m.PrepareRetrieve)) and isinstance(value, dict):
+        kind = TransferKind(value.get("kind", "store"))
+        return TransferPlan(
+            transfer_id=int(value["transfer_id"]),
+            placements=[(int(p[0]), int(p[1])) for p in value["placements"]],
+            ok=bool(value["ok"]),
+            kind=kind,
+            skip_first_n_tokens=int(value.get("skip_first_n_tokens", 0)),
+        )
+    if isinstance(req, m.CommitTransfer) and isinstance(value, dict):
+        if "chunks" in value:
+            return m.RetrieveResult(ok=bool(value["ok"]), chunks=int(value["chunks"]))
+        return m.StoreResult(ok=bool(value["ok"]), stored=int(value.get("stored", 0)), skipped=int(value.get("skipped", 0)))
+    return value

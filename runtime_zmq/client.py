@@ -1,0 +1,414 @@
+"""Thread-safe mpcache client: one DEALER socket, futures, timeouts, heartbeats, a health flag.
+
+Contract
+--------
+* ``MPCacheClient(url)`` connects a DEALER to ``url`` (``tcp://host:port`` or ``ipc://path``).
+  Any thread may call ``submit(op, *args, timeout=)``: it returns a
+  ``concurrent.futures.Future`` at once and never blocks on the network (a full or unconnected
+  socket fails the future with ``RemoteError(kind="unhealthy")`` instead of blocking).
+* The future resolves to the decoded result (``None`` when the reply has no result frame), or
+  fails with ``RemoteError(kind, message)`` for a server error reply, ``kind="timeout"`` after the
+  per-request timeout, ``kind="unhealthy"`` when the heartbeat declares the server gone (every
+  pending future fails at that moment: nothing waits on a dead server), or ``ClientClosed``.
+* One background thread receives replies, expires timeouts and sends heartbeats (``ping``). The
+  caller sends on its own thread under a lock, so a call costs exactly one thread hop (the reply
+  wake-up).
+* Health: ``healthy`` is False until the first heartbeat reply, False after ``heartbeat_timeout``
+  without any reply while requests or pings are outstanding, and True again on the next reply.
+  ``on_health(healthy)`` callbacks run on the client thread; use them to feed core_sm's
+  ``ServerHealth`` event. ZMQ reconnects by itself (reconnect interval capped at 1 s, connect
+  timeout 5 s), so a restarted server is found within about a second.
+* ``call(...)`` is ``submit(...).result()``. Typed helpers name the operations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import msgpack
+import zmq
+
+from runtime_zmq.wire import ERROR_OP_FRAME, WireKey, encode_key
+
+log = logging.getLogger("mpcache.client")
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+
+
+class RemoteError(Exception):
+    """A request that failed: ``kind`` is the wire error kind (or ``timeout``/``unhealthy``)."""
+
+    def __init__(self, kind: str, message: str, op: str | None = None) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+        self.op = op
+
+
+class ClientClosed(Exception):
+    pass
+
+
+def _key_arg(key: WireKey | dict[str, Any]) -> dict[str, Any]:
+    return encode_key(key) if isinstance(key, WireKey) else key
+
+
+class _Pending:
+    __slots__ = ("future", "op_frame", "op", "deadline", "is_ping")
+
+    def __init__(self, future: Future[Any], op_frame: bytes, op: str | int, deadline: float, is_ping: bool) -> None:
+        self.future = future
+        self.op_frame = op_frame
+        self.op = op
+        self.deadline = deadline
+        self.is_ping = is_ping
+
+
+class MPCacheClient:
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        request_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        reconnect_ivl_max: float = 1.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 3.0,
+        wait_connected: bool = True,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.request_timeout = request_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._ctx = context or zmq.Context.instance()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Only queue to completed connections: while the server is down, a request fails now
+        # instead of sitting in a buffer and reaching a restarted server long after its caller
+        # gave up.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(reconnect_ivl_max * 1000))
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, int(connect_timeout * 1000))
+        # ZMTP heartbeats notice a silently dead TCP peer and force a reconnect.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        sock.connect(url)
+        self._sock = sock
+        self._fd = sock.getsockopt(zmq.FD)
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._uids = itertools.count(1)
+        self._closed = False
+        self._healthy = False
+        self._health_cbs: list[Callable[[bool], None]] = []
+        self._health_changed = threading.Condition()
+        self._notify_health = False
+        self._ping_uid: int | None = None
+        self._next_ping = 0.0
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="mpcache-client", daemon=True)
+        self._thread.start()
+        if wait_connected:
+            self.wait_healthy(connect_timeout)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def on_health(self, callback: Callable[[bool], None]) -> None:
+        """Register ``callback(healthy)``; it runs on the client thread at every change."""
+        self._health_cbs.append(callback)
+
+    def wait_healthy(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        with self._health_changed:
+            while not self._healthy and not self._closed:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._health_changed.wait(left)
+            return self._healthy
+
+    def submit(self, op: str | int, *args: Any, timeout: float | None = None) -> Future[Any]:
+        """Send ``[uid, op, *args]``; the future resolves to the reply's result."""
+        return self._submit(op, args, self.request_timeout if timeout is None else timeout, False)
+
+    def call(self, op: str | int, *args: Any, timeout: float | None = None) -> Any:
+        t = self.request_timeout if timeout is None else timeout
+        # the future's own timeout fires first; the extra second only guards a wedged client thread
+        return self._submit(op, args, t, False).result(t + 1.0)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(5.0)
+        with self._health_changed:
+            self._health_changed.notify_all()
+
+    def __enter__(self) -> MPCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # typed helpers (control plane, LMCache names and payloads)
+    def noop(self) -> Any:
+        return self.call("noop")
+
+    def ping(self) -> Any:
+        return self.call("ping")
+
+    def get_chunk_size(self) -> int:
+        return int(self.call("get_chunk_size"))
+
+    def health(self) -> dict[str, Any]:
+        return dict(self.call("health"))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.call("stats"))
+
+    def lookup(self, key: WireKey | dict[str, Any], tp_size: int = 1, *, timeout: float | None = None) -> Future[Any]:
+        return self.submit("lookup", _key_arg(key), tp_size, timeout=timeout)
+
+    def query_prefetch_status(self, request_id: str, *, timeout: float | None = None) -> Future[Any]:
+        return self.submit("query_prefetch_status", request_id, timeout=timeout)
+
+    def wait_prefetch_status(self, request_id: str, wait: float, *, timeout: float | None = None) -> Future[Any]:
+        t = (wait + self.request_timeout) if timeout is None else timeout
+        return self.submit("wait_prefetch_status", request_id, float(wait), timeout=t)
+
+    def free_lookup_locks(self, key: WireKey | dict[str, Any], tp_size: int = 1) -> Future[Any]:
+        return self.submit("free_lookup_locks", _key_arg(key), tp_size)
+
+    def end_session(self, request_id: str) -> Future[Any]:
+        return self.submit("end_session", request_id)
+
+    def clear(self, force: bool = False) -> Future[Any]:
+        return self.submit("clear", force)
+
+    # data plane (mpcache's own ops; docs/protocol.md)
+    def l1_info(self) -> dict[str, Any]:
+        return dict(self.call("l1_info"))
+
+    def register_instance(self, instance_id: int, layout: dict[str, Any]) -> Future[Any]:
+        return self.submit("register_instance", instance_id, layout)
+
+    def unregister_instance(self, instance_id: int) -> Future[Any]:
+        return self.submit("unregister_instance", instance_id)
+
+    def prepare_store(self, key: WireKey | dict[str, Any], instance_id: int) -> Future[Any]:
+        return self.submit("prepare_store", _key_arg(key), instance_id)
+
+    def prepare_retrieve(self, key: WireKey | dict[str, Any], instance_id: int, skip_first_n_tokens: int = 0) -> Future[Any]:
+        return self.submit("prepare_retrieve", _key_arg(key), instance_id, skip_first_n_tokens)
+
+    def commit_store(self, transfer_id: int, ok: bool = True) -> Future[Any]:
+        return self.submit("commit_store", transfer_id, ok)
+
+    def commit_retrieve(self, transfer_id: int, ok: bool = True) -> Future[Any]:
+        return self.submit("commit_retrieve", transfer_id, ok)
+
+    def store(self, key: WireKey | dict[str, Any], instance_id: int, block_ids: Sequence[int], event_handle: bytes) -> Future[Any]:
+        return self.submit("store", _key_arg(key), instance_id, list(block_ids), event_handle)
+
+    def retrieve(
+        self, key: WireKey | dict[str, Any], instance_id: int, block_ids: Sequence[int], event_handle: bytes, skip_first_n_tokens: int = 0
+    ) -> Future[Any]:
+        return self.submit("retrieve", _key_arg(key), instance_id, list(block_ids), event_handle, skip_first_n_tokens)
+
+    # ------------------------------------------------------------------ internals
+
+    def _submit(self, op: str | int, args: Sequence[Any], timeout: float, is_ping: bool) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            op_frame = msgpack.packb(op)
+            payload = [msgpack.packb(a, use_bin_type=True) for a in args]
+        except Exception as e:
+            fut.set_exception(RemoteError("undecodable", f"cannot encode request: {e}", str(op)))
+            return fut
+        done: list[tuple[Future[Any], bool, Any]] = []
+        with self._lock:
+            if self._closed:
+                fut.set_exception(ClientClosed("client closed"))
+                return fut
+            uid = next(self._uids)
+            uid_frame = msgpack.packb(uid)
+            deadline = time.monotonic() + timeout
+            try:
+                self._sock.send_multipart([uid_frame, op_frame, *payload], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                fut.set_exception(RemoteError("unhealthy", "server not connected (or its queue is full)", str(op)))
+                return fut
+            except zmq.ZMQError as e:
+                fut.set_exception(RemoteError("unhealthy", f"send failed: {e}", str(op)))
+                return fut
+            self._pending[uid] = _Pending(fut, op_frame, op, deadline, is_ping)
+            heapq.heappush(self._deadlines, (deadline, uid))
+            # A send may consume the socket's read notification: drain here so no reply waits
+            # for the next timeout of the client thread.
+            if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._drain_locked(done)
+        self._finish(done)
+        return fut
+
+    def _drain_locked(self, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        sock = self._sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            try:
+                uid = msgpack.unpackb(frames[0])
+            except Exception:
+                continue
+            p = self._pending.pop(uid, None) if type(uid) is int else None
+            if p is None:
+                continue  # late reply to a request that timed out or failed
+            if p.is_ping:
+                self._ping_uid = None
+                self._set_health(True, done)
+                continue
+            op_frame = frames[1]
+            try:
+                if op_frame == ERROR_OP_FRAME:
+                    body = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else {}
+                    if not isinstance(body, dict):
+                        body = {"kind": "internal", "message": repr(body)}
+                    done.append((p.future, False, RemoteError(str(body.get("kind")), str(body.get("message")), body.get("op"))))
+                elif op_frame != p.op_frame:
+                    done.append((p.future, False, RemoteError("internal", f"reply op {op_frame!r} does not match {p.op_frame!r}")))
+                elif len(frames) > 2:
+                    done.append((p.future, True, msgpack.unpackb(frames[2], raw=False, strict_map_key=False)))
+                else:
+                    done.append((p.future, True, None))
+            except Exception as e:
+                done.append((p.future, False, RemoteError("undecodable", f"reply did not decode: {e}")))
+
+    @staticmethod
+    def _finish(done: list[tuple[Future[Any], bool, Any]]) -> None:
+        for fut, ok, value in done:
+            if fut.done():
+                continue
+            try:
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+            except Exception:  # cancelled by its owner meanwhile
+                pass
+
+    def _set_health(self, healthy: bool, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        # called with self._lock held
+        if healthy == self._healthy:
+            return
+        self._healthy = healthy
+        if not healthy:
+            log.warning("mpcache server %s stopped answering; failing %d pending request(s)", self.url, len(self._pending))
+            for p in self._pending.values():
+                if not p.is_ping:
+                    done.append((p.future, False, RemoteError("unhealthy", "server stopped answering", str(p.op))))
+            self._pending.clear()
+            self._deadlines.clear()
+            self._ping_uid = None
+        else:
+            log.info("mpcache server %s is answering", self.url)
+        self._notify_health = True
+        if threading.current_thread() is not self._thread:
+            os.write(self._wake_w, b"h")
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while True:
+                now = time.monotonic()
+                done: list[tuple[Future[Any], bool, Any]] = []
+                with self._lock:
+                    if self._closed:
+                        break
+                    self._drain_locked(done)
+                    # expire per-request timeouts; a heartbeat that timed out means unhealthy
+                    while self._deadlines and self._deadlines[0][0] <= now:
+                        _, uid = heapq.heappop(self._deadlines)
+                        p = self._pending.pop(uid, None)
+                        if p is None:
+                            continue
+                        if p.is_ping:
+                            self._ping_uid = None
+                            self._set_health(False, done)
+                        else:
+                            done.append((p.future, False, RemoteError("timeout", "no reply within the request timeout", str(p.op))))
+                    if now >= self._next_ping and self._ping_uid is None:
+                        # probe fast while unhealthy so a restarted server is found at once
+                        interval = self.heartbeat_interval if self._healthy else min(0.1, self.heartbeat_interval)
+                        self._next_ping = now + interval
+                        self._send_ping_locked(now, done)
+                    wait_until = self._next_ping
+                    if self._deadlines:
+                        wait_until = min(wait_until, self._deadlines[0][0])
+                    notify, self._notify_health = self._notify_health, False
+                    healthy = self._healthy
+                self._finish(done)
+                if notify:
+                    with self._health_changed:
+                        self._health_changed.notify_all()
+                    for cb in list(self._health_cbs):
+                        try:
+                            cb(healthy)
+                        except Exception:
+                            log.exception("health callback failed")
+                timeout_ms = max(0.0, (wait_until - time.monotonic()) * 1000)
+                # The FD is edge-triggered; cap the sleep so a lost edge costs at most 50 ms.
+                for fd, _ in poller.poll(min(timeout_ms, 50.0)):
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 64)
+        except Exception:
+            log.exception("mpcache client thread failed")
+        finally:
+            with self._lock:
+                self._closed = True
+                pending = list(self._pending.values())
+                self._pending.clear()
+            self._finish([(p.future, False, ClientClosed("client closed")) for p in pending])
+            self._sock.close(0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _send_ping_locked(self, now: float, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        uid = next(self._uids)
+        op_frame = self._PING_FRAME
+        try:
+            self._sock.send_multipart([msgpack.packb(uid), op_frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            # no completed connection (IMMEDIATE): the server is gone or not up yet
+            self._set_health(False, done)
+            return
+        self._ping_uid = uid
+        deadline = now + self.heartbeat_timeout
+        self._pending[uid] = _Pending(Future(), op_frame, "ping", deadline, True)
+        heapq.heappush(self._deadlines, (deadline, uid))
+
+    _PING_FRAME = msgpack.packb("ping")

@@ -1,0 +1,456 @@
+"""The mpcache server loop: one thread owns core_sm's ``LookupServer`` and the ROUTER socket.
+
+    decode -> core_sm event -> handle(event, now) -> interpret effects -> encode
+
+* Requests are decoded by ``wire``, turned into core_sm requests by ``bridge``, and handled by
+  the machine. The loop contains no protocol decision: what to reply, when, with which leases,
+  is the machine's. The only requests answered here are the ones with no protocol state:
+  ``noop``, ``health``, ``stats``, ``l1_info``, ``report_block_allocation`` (counted).
+* Effects: ``Reply``/``ErrorReply`` are encoded and sent (ROUTER_MANDATORY, non-blocking: a
+  vanished or full peer costs a counter, never a wedge). ``StartTransfer`` goes to the
+  ``TransferExecutor``; ``ReadL2``/``WriteL2`` to the ``L2Worker`` threads. Their completions come
+  back as core_sm events through the completion channel (a queue plus a wake-up pipe the loop
+  polls), and are handled on the loop thread like requests.
+* One timer: the poll timeout is ``machine.next_deadline()``; at it the loop handles
+  ``TimerFired``.
+* Every attributable request gets exactly one reply: the loop tracks the requests it handed to the
+  machine and not yet answered; an exception inside ``handle`` answers that request INTERNAL;
+  shutdown answers what is left ``shutting_down``.
+* Shutdown (``stop()``, SIGTERM/SIGINT in the CLI): stop reading requests, let in-flight L2 work
+  and transfers finish for up to ``shutdown_grace`` seconds (their replies go out), answer the
+  rest, close the socket, the L2 tiers and the L1 segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import zmq
+
+from core_sm import effects as fx
+from core_sm import messages as m
+from core_sm.errors import ErrorKind
+from runtime_zmq import bridge, wire
+from runtime_zmq.l1_pool import SharedMemoryPool
+from runtime_zmq.metrics import ServerMetrics
+from runtime_zmq.transfer import L2Worker, NoDeviceExecutor, TransferExecutor
+
+log = logging.getLogger("mpcache.server")
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Operations answered by the runtime: no protocol state involved.
+_LOCAL_OPS = frozenset({"noop", "health", "stats", "l1_info", "report_block_allocation"})
+
+
+@attrs.frozen
+class ServerConfig:
+    url: str = "tcp://127.0.0.1:5555"
+    chunk_size: int = 256
+    l1_size_bytes: int = 4 * GiB
+    slot_bytes: int = 32 * MiB
+    l2_urls: tuple[str, ...] = ()
+    lease_ttl: float = 300.0
+    job_ttl: float = 60.0
+    tombstone_ttl: float = 60.0
+    l2_read_timeout: float = 30.0
+    limits: wire.Limits = wire.Limits()
+    metrics_port: int | None = None
+    l2_workers: int = 4
+    shutdown_grace: float = 5.0
+    shm_dir: str = "/dev/shm"
+
+
+def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool) -> Any:
+    """Build core_sm's LookupServer for this configuration."""
+    from core_sm.server import LookupServer, ServerConfig as SmConfig
+
+    return LookupServer(
+        SmConfig(
+            chunk_size=config.chunk_size,
+            num_slots=num_slots,
+            slot_bytes=slot_bytes,
+            lease_ttl=config.lease_ttl,
+            abandoned_job_ttl=config.job_ttl,
+            tombstone_ttl=config.tombstone_ttl,
+            l2_enabled=l2_enabled,
+            l2_read_timeout=config.l2_read_timeout,
+            write_behind=l2_enabled,
+        )
+    )
+
+
+ReplyTo = tuple[bytes, bytes, bytes, str, float]  # identity, uid frame, op frame, op, received at
+
+
+class CompletionChannel:
+    """Worker threads -> loop thread: ``post(event)`` from any thread; the loop polls ``fd``."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def post(self, event: object) -> None:
+        self._q.put(event)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def drain(self) -> list[object]:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+class Server:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        transfer_executor: TransferExecutor | None = None,
+        tiers: list[Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = ServerMetrics()
+        self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir)
+        if tiers is None:
+            from runtime_zmq.l2 import open_tier
+
+            tiers = [open_tier(u) for u in config.l2_urls]
+        self.channel = CompletionChannel()
+        self.l2 = L2Worker(tiers, self.pool, self.channel.post, workers=config.l2_workers)
+        self.executor: TransferExecutor = transfer_executor or NoDeviceExecutor()
+        self.machine = make_machine(config, self.pool.num_slots, self.pool.slot_bytes, bool(tiers))
+        self._outstanding: dict[ReplyTo, None] = {}
+        self._event_handles: dict[ReplyTo, bytes] = {}
+        # object sizes, so a write-behind copies only the bytes an object fills in its slot
+        self._instance_bytes: dict[int, int] = {}
+        self._plan_instance: dict[ReplyTo, int] = {}
+        self._transfers_in_flight = 0
+        self._stopping = False
+        self._started = time.time()
+        self._counts = {"requests": 0, "replies": 0, "errors": 0, "malformed": 0, "dropped_replies": 0, "block_allocation_records": 0}
+        self._last_gauges = 0.0
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        # A hard cap far above the codec's limit: zmq drops the peer instead of buffering a
+        # gigabyte; anything below it is answered TOO_LARGE by the codec.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(config.limits.max_frame_bytes * 4, 64 * MiB))
+        self.bound_url = self._bind(config.url)
+
+    def _bind(self, url: str) -> str:
+        if url.startswith("ipc://"):
+            path = url[len("ipc://") :]
+            d = os.path.dirname(os.path.abspath(path))
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket from a killed server
+        self.sock.bind(url)
+        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if url.startswith("ipc://"):
+            os.chmod(url[len("ipc://") :], 0o600)
+        return bound
+
+    # ------------------------------------------------------------------ public
+
+    def stop(self) -> None:
+        """Ask the loop to shut down (any thread, or a signal handler)."""
+        self._stopping = True
+        self.channel.wake()
+
+    def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port)
+        log.info("mpcache-server listening on %s", self.bound_url)
+        if ready is not None:
+            ready(self.bound_url)
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.channel.fd, zmq.POLLIN)
+        sock = self.sock
+        while not self._stopping:
+            now = self.clock()
+            deadline = self.machine.next_deadline()
+            if deadline is not None and deadline <= now:
+                self._handle(m.TimerFired(), now, None)
+                continue
+            timeout_ms = 1000.0 if deadline is None else min(1000.0, max(0.0, (deadline - now) * 1000.0))
+            events = dict(poller.poll(timeout_ms))
+            if self.channel.fd in events:
+                self._drain_completions()
+            if sock in events:
+                # bounded batch so completions and timers are never starved by a flood
+                for _ in range(256):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames)
+            now = self.clock()
+            if now - self._last_gauges >= 1.0:
+                self._last_gauges = now
+                self._refresh_gauges()
+
+    def _drain_completions(self) -> None:
+        for ev in self.channel.drain():
+            if isinstance(ev, m.TransferFinished):
+                self._transfers_in_flight -= 1
+            elif isinstance(ev, m.L2ReadFinished):
+                self.metrics.l2_read_hits.inc(sum(ev.loaded))
+                self.metrics.l2_reads.inc(len(ev.loaded))
+            self._handle(ev, self.clock(), None)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        req = wire.decode_request(frames, self.config.limits)
+        if type(req) is wire.Request:
+            self._counts["requests"] += 1
+            now = self.clock()
+            reply_to: ReplyTo = (req.identity, req.uid_frame, req.op_frame, req.op, now)
+            if req.op in _LOCAL_OPS:
+                self._local(req, reply_to)
+                return
+            try:
+                event = bridge.to_event(req, reply_to)
+            except (bridge.BadRequest, TypeError, ValueError) as e:
+                self._send_error(reply_to, ErrorKind.UNDECODABLE.value, str(e)[:500])
+                return
+            if req.op == "register_instance" and not req.args[1].get("engine_driven", False):
+                reason = self.executor.register_instance(req.args[0], req.args[1], self.pool)
+                if reason is not None:
+                    self._send_error(reply_to, ErrorKind.VALIDATION.value, reason)
+                    return
+            elif req.op == "unregister_instance":
+                self.executor.unregister_instance(req.args[0])
+            elif req.op in ("store", "retrieve"):
+                self._event_handles[reply_to] = req.args[3]
+            if req.op == "register_instance":
+                self._instance_bytes[req.args[0]] = req.args[1].get("object_bytes", 0)
+            elif req.op == "prepare_store":
+                self._plan_instance[reply_to] = req.args[1]
+            self._handle(event, now, reply_to)
+        elif type(req) is wire.DecodeError:
+            self._counts["requests"] += 1
+            self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
+        else:
+            self._counts["malformed"] += 1
+            self.metrics.malformed.inc()
+            log.debug("unattributable message: %s", req.reason)
+
+    def _handle(self, event: object, now: float, reply_to: ReplyTo | None) -> None:
+        if reply_to is not None:
+            self._outstanding[reply_to] = None
+        try:
+            effects = self.machine.handle(event, now)
+        except Exception as e:  # a core_sm bug: answer, log, keep serving
+            log.exception("core_sm raised on %s", type(event).__name__)
+            if reply_to is not None:
+                self._send_error(reply_to, ErrorKind.INTERNAL.value, f"{type(e).__name__}: {e}"[:500])
+            return
+        for eff in effects:
+            self._interpret(eff)
+
+    def _interpret(self, eff: object) -> None:
+        t = type(eff)
+        if t is fx.Reply:
+            rt = eff.reply_to  # type: ignore[attr-defined]
+            self._send_result(rt, eff.result)  # type: ignore[attr-defined]
+        elif t is fx.ErrorReply:
+            err = eff.error  # type: ignore[attr-defined]
+            self._send_error(eff.reply_to, err.kind.value, err.message)  # type: ignore[attr-defined]
+        elif t is fx.StartTransfer:
+            self._start_transfer(eff)  # type: ignore[arg-type]
+        elif t is fx.ReadL2:
+            self.l2.read(eff)  # type: ignore[arg-type]
+        elif t is fx.WriteL2:
+            self.l2.write(eff)  # type: ignore[arg-type]
+        else:
+            log.error("unknown effect %r", eff)
+
+    def _start_transfer(self, st: fx.StartTransfer) -> None:
+        nbytes = self._instance_bytes.get(st.instance_id, 0)
+        if st.kind is m.TransferKind.STORE and nbytes > 0:
+            for _chunk, slot in st.placements:
+                self.l2.note_slot_size(slot, nbytes)
+        handle = self._event_handles.get(st.reply_to, b"")  # type: ignore[call-overload]
+        self._transfers_in_flight += 1
+        post = self.channel.post
+
+        def done(transfer_id: int, ok: bool) -> None:
+            post(m.TransferFinished(transfer_id, ok))
+
+        try:
+            self.executor.start(st, handle, done)
+        except Exception:
+            log.exception("transfer executor failed to start transfer %d", st.transfer_id)
+            done(st.transfer_id, False)
+
+    # ------------------------------------------------------------------ replies
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
+            self._counts["dropped_replies"] += 1
+            self.metrics.dropped_replies.inc()
+            log.debug("reply dropped: %s", e)
+
+    def _send_result(self, rt: Any, result: Any) -> None:
+        if type(rt) is not tuple or len(rt) != 5:
+            log.error("reply with a routing token this runtime did not make: %r", rt)
+            return
+        identity, uid_frame, op_frame, op, t0 = rt
+        self._outstanding.pop(rt, None)
+        handle = self._event_handles.pop(rt, b"")
+        iid = self._plan_instance.pop(rt, None)
+        if type(result) not in (type(None), bool, int, str):
+            if isinstance(result, m.TransferPlan) and result.ok:
+                self._note_plan(result, iid)
+            result = bridge.result_to_wire(op, result, event_handle=handle, segment=self.pool.path, slot_bytes=self.pool.slot_bytes)
+        try:
+            frames = wire.encode_reply(identity, uid_frame, op_frame, result)
+        except Exception as e:
+            log.exception("cannot encode the result of %s", op)
+            self._send_error(rt, ErrorKind.INTERNAL.value, f"cannot encode result: {e}")
+            return
+        self._send(frames)
+        self._counts["replies"] += 1
+        self.metrics.requests.labels(op, "ok").inc()
+        self.metrics.latency.labels(op).observe(self.clock() - t0)
+
+    def _send_error(self, rt: Any, kind: str, message: str) -> None:
+        identity, uid_frame, _op_frame, op, t0 = rt
+        self._outstanding.pop(rt, None)
+        self._event_handles.pop(rt, None)
+        self._plan_instance.pop(rt, None)
+        self._send(wire.encode_error(identity, uid_frame, op, kind, message))
+        self._counts["errors"] += 1
+        self.metrics.requests.labels(op, "error").inc()
+        self.metrics.errors.labels(kind).inc()
+        self.metrics.latency.labels(op).observe(self.clock() - t0)
+
+    def _note_plan(self, plan: m.TransferPlan, instance_id: int | None) -> None:
+        # The engine will map the segment: create it now.
+        self.pool.ensure()
+        nbytes = self._instance_bytes.get(instance_id, 0) if instance_id is not None else 0
+        if plan.kind is m.TransferKind.STORE and nbytes > 0:
+            for _chunk, slot in plan.placements:
+                self.l2.note_slot_size(slot, nbytes)
+
+    # ------------------------------------------------------------------ local ops
+
+    def _local(self, req: wire.Request, rt: ReplyTo) -> None:
+        op = req.op
+        if op == "noop":
+            result: Any = "OK"
+        elif op == "health":
+            result = {
+                "status": "stopping" if self._stopping else "ok",
+                "pid": os.getpid(),
+                "uptime_s": time.time() - self._started,
+                "url": self.bound_url,
+                "chunk_size": self.config.chunk_size,
+                "l2": [repr(t) for t in self.l2.tiers],
+            }
+        elif op == "stats":
+            result = self.stats()
+        elif op == "l1_info":
+            result = {"segment": self.pool.ensure(), "slot_bytes": self.pool.slot_bytes, "num_slots": self.pool.num_slots}
+        else:  # report_block_allocation: accepted, counted (observability only)
+            records = req.args[-1] if req.args else []
+            n = len(records) if isinstance(records, list) else 0
+            self._counts["block_allocation_records"] += n
+            self.metrics.block_allocation_reports.inc(n)
+            result = None
+        self._send_result(rt, result)
+
+    def stats(self) -> dict[str, Any]:
+        """core_sm's counters plus the runtime's (used by the ``stats`` op and metrics)."""
+        out: dict[str, Any] = {}
+        try:
+            out.update(self.machine.stats())
+        except Exception:
+            log.exception("stats() failed")
+        out.update(self._counts)
+        out["outstanding_requests"] = len(self._outstanding)
+        out["transfers_in_flight"] = self._transfers_in_flight
+        out["l2_in_flight"] = self.l2.in_flight
+        out["l2_reads"] = self.l2.reads
+        out["l2_read_hits"] = self.l2.read_hits
+        out["l2_writes"] = self.l2.writes
+        out["l2_errors"] = self.l2.errors
+        out["l1_num_slots"] = self.pool.num_slots
+        out["l1_slot_bytes"] = self.pool.slot_bytes
+        out["l1_segment_created"] = self.pool.created
+        return out
+
+    def _refresh_gauges(self) -> None:
+        try:
+            self.metrics.update_stats(self.stats())
+        except Exception:
+            log.exception("metrics refresh failed")
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        log.info("mpcache-server stopping")
+        end = self.clock() + self.config.shutdown_grace
+        poller = zmq.Poller()
+        poller.register(self.channel.fd, zmq.POLLIN)
+        # no new requests are read; finish what worker threads are doing
+        while (self._transfers_in_flight > 0 or self.l2.in_flight > 0) and self.clock() < end:
+            if poller.poll(50):
+                self._drain_completions()
+        self._drain_completions()
+        for rt in list(self._outstanding):
+            self._send_error(rt, "shutting_down", "the server is shutting down")
+        self.sock.close(linger=1000)
+        self.executor.close()
+        self.l2.close()
+        self.pool.close()
+        self.channel.close()
+        self.ctx.term()
+        log.info("mpcache-server stopped")

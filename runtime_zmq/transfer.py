@@ -1,0 +1,163 @@
+"""Seams for the blocking work the server loop hands to other threads.
+
+* ``TransferExecutor``: runs core_sm's ``StartTransfer`` effects for server-driven (GPU)
+  instances. The kernels' ``runtime_zmq/gpu_transfer.py`` implements it; the server calls it from
+  its loop thread and the executor reports ``done(transfer_id, ok)`` from any thread once the copy
+  has *really* completed (device event observed), which the server turns into core_sm's
+  ``TransferFinished`` through its completion channel.
+* ``NoDeviceExecutor``: the executor of a server with no GPU engine support: registration of a
+  server-driven instance is refused and any transfer finishes ``ok=False``.
+* ``L2Worker``: executes ``ReadL2`` / ``WriteL2`` effects against the configured L2 tiers in a
+  thread pool and reports ``L2ReadFinished`` / ``L2WriteFinished``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from core_sm.chunks import ObjectKey
+from core_sm.effects import ReadL2, StartTransfer, WriteL2
+from core_sm.messages import L2ReadFinished, L2WriteFinished
+from runtime_zmq.l1_pool import SharedMemoryPool
+
+log = logging.getLogger("mpcache.transfer")
+
+DoneFn = Callable[[int, bool], None]
+PostFn = Callable[[object], None]
+
+
+class TransferExecutor(Protocol):
+    """Server-driven KV copies between an engine's paged cache and L1 slots."""
+
+    def register_instance(self, instance_id: int, layout: Mapping[str, Any], pool: SharedMemoryPool) -> str | None:
+        """Open the instance's KV memory (CUDA IPC handles in ``layout``). Returns None on
+        success, or the reason it cannot (the server answers a VALIDATION error)."""
+        ...
+
+    def unregister_instance(self, instance_id: int) -> None: ...
+
+    def start(self, transfer: StartTransfer, event_handle: bytes, done: DoneFn) -> None:
+        """Begin ``transfer`` after the engine's interprocess event ``event_handle``; call
+        ``done(transfer.transfer_id, ok)`` exactly once when it has completed. Must not block."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NoDeviceExecutor:
+    """No server-driven engines on this server (no GPU support loaded)."""
+
+    def register_instance(self, instance_id: int, layout: Mapping[str, Any], pool: SharedMemoryPool) -> str | None:
+        return "this server has no GPU transfer engine; register the instance as engine_driven"
+
+    def unregister_instance(self, instance_id: int) -> None:
+        pass
+
+    def start(self, transfer: StartTransfer, event_handle: bytes, done: DoneFn) -> None:
+        done(transfer.transfer_id, False)
+
+    def close(self) -> None:
+        pass
+
+
+def storage_key(key: ObjectKey) -> bytes:
+    """The L2 key of an object (stable across processes and servers)."""
+    return key.wire_name().encode("ascii")
+
+
+class L2Worker:
+    """Runs L2 reads and writes in ``workers`` threads. Reads try the tiers in order; writes
+    go to every tier. Each effect yields exactly one completion event via ``post``."""
+
+    def __init__(self, tiers: Sequence[Any], pool: SharedMemoryPool, post: PostFn, workers: int = 4) -> None:
+        self.tiers = list(tiers)
+        self.pool = pool
+        self.post = post
+        self._exec = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="mpcache-l2")
+        self._slot_nbytes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.reads = 0
+        self.writes = 0
+        self.read_hits = 0
+        self.errors = 0
+
+    def note_slot_size(self, slot: int, nbytes: int) -> None:
+        """How many bytes of ``slot`` hold the object (what a write-behind must copy)."""
+        self._slot_nbytes[slot] = nbytes
+
+    def read(self, effect: ReadL2) -> None:
+        with self._lock:
+            self.in_flight += 1
+        self._exec.submit(self._read, effect)
+
+    def write(self, effect: WriteL2) -> None:
+        # Copy the bytes out now, on the loop thread? No: the slots stay leased until
+        # L2WriteFinished, so the worker may read them later without racing a writer.
+        sizes = [self._slot_nbytes.get(slot, self.pool.slot_bytes) for _, slot in effect.items]
+        with self._lock:
+            self.in_flight += 1
+        self._exec.submit(self._write, effect, sizes)
+
+    def _read(self, effect: ReadL2) -> None:
+        loaded: list[bool] = []
+        try:
+            for key, slot in effect.items:
+                data = None
+                k = storage_key(key)
+                for tier in self.tiers:
+                    try:
+                        data = tier.read(k)
+                    except Exception as e:
+                        self.errors += 1
+                        log.warning("L2 read of %s from %r failed: %s", key.wire_name(), tier, e)
+                        data = None
+                    if data is not None:
+                        break
+                if data is None or len(data) > self.pool.slot_bytes:
+                    loaded.append(False)
+                    continue
+                self.pool.write(slot, data)
+                self._slot_nbytes[slot] = len(data)
+                loaded.append(True)
+        except Exception:
+            log.exception("L2 read failed")
+            loaded.extend([False] * (len(effect.items) - len(loaded)))
+        self.reads += len(effect.items)
+        self.read_hits += sum(loaded)
+        with self._lock:
+            self.in_flight -= 1
+        self.post(L2ReadFinished(effect.read_id, tuple(loaded)))
+
+    def _write(self, effect: WriteL2, sizes: list[int]) -> None:
+        ok = True
+        try:
+            for (key, slot), n in zip(effect.items, sizes):
+                data = self.pool.read(slot, n)
+                k = storage_key(key)
+                for tier in self.tiers:
+                    try:
+                        tier.write(k, data)
+                    except Exception as e:
+                        ok = False
+                        self.errors += 1
+                        log.warning("L2 write of %s to %r failed: %s", key.wire_name(), tier, e)
+        except Exception:
+            log.exception("L2 write failed")
+            ok = False
+        self.writes += len(effect.items)
+        with self._lock:
+            self.in_flight -= 1
+        self.post(L2WriteFinished(effect.write_id, ok))
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=True, cancel_futures=False)
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception:
+                log.exception("closing L2 tier %r", tier)

@@ -1,0 +1,120 @@
+"""Fixtures: real mpcache-server processes (``python -m runtime_zmq.cli``) on a free TCP port or a
+temporary ipc path, and clients connected to them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from runtime_zmq.client import MPCacheClient
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class ServerProcess:
+    """One ``mpcache-server`` child process. ``url`` is known once it printed its ready line."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.env = env
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.log: list[str] = []
+
+    def start(self, timeout: float = 10.0) -> ServerProcess:
+        env = dict(os.environ)
+        env.update(self.env or {})
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime_zmq.cli", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+        )
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.append(line.rstrip())
+                if line.startswith("mpcache-server ready "):
+                    self.url = line.split()[-1]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(timeout) or not self.url:
+            self.kill()
+            raise RuntimeError("server did not start:\n" + "\n".join(self.log))
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 10.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture
+def start_server() -> Iterator[Callable[..., ServerProcess]]:
+    """``start_server(*flags, transport="tcp"|"ipc")`` → a running ServerProcess."""
+    started: list[ServerProcess] = []
+    tmp = tempfile.mkdtemp(prefix="mpcache-test-")
+
+    def start(*flags: str, transport: str = "tcp", env: dict[str, str] | None = None) -> ServerProcess:
+        args = list(flags)
+        if transport == "ipc":
+            args += ["--ipc", os.path.join(tmp, f"sock{len(started)}", "mpcache.sock")]
+        elif "--port" not in args:
+            args += ["--port", "0"]
+        if "--l1-size-gb" not in args:
+            args += ["--l1-size-gb", "0.25", "--slot-mb", "1"]
+        sp = ServerProcess(args, env).start()
+        started.append(sp)
+        return sp
+
+    yield start
+    for sp in started:
+        sp.kill()
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def transport(request: Any) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def server(start_server: Callable[..., ServerProcess], transport: str) -> ServerProcess:
+    return start_server(transport=transport)
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[MPCacheClient]:
+    c = MPCacheClient(server.url, request_timeout=5.0)
+    assert c.healthy
+    yield c
+    c.close()
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
