@@ -1,0 +1,106 @@
+"""Effects: what a machine asks its runtime to do. A machine never performs one itself.
+
+Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ReadL2``, ``WriteL2``.
+Client effects: ``SendRequest``, ``CopyBlocks``.
+Every effect is an ``attrs`` frozen class; a runtime dispatches on its type.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Union
+
+import attrs
+
+from core_sm.chunks import ObjectKey
+from core_sm.errors import ProtocolError
+from core_sm.messages import OpId, Placement, ReplyTo, ServerRequest, TransferKind
+
+
+def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Reply:
+    """Send ``result`` (None, bool, int, or a result class from ``core_sm.messages``) to the
+    requester behind ``reply_to``."""
+
+    reply_to: ReplyTo
+    result: object = None
+
+
+@attrs.frozen
+class ErrorReply:
+    """Send the typed error ``error`` to the requester behind ``reply_to``."""
+
+    reply_to: ReplyTo
+    error: ProtocolError
+
+
+@attrs.frozen
+class StartTransfer:
+    """Server-driven copy. STORE: engine blocks → the slots; RETRIEVE: slots → engine blocks,
+    not writing the first ``skip_first_n_tokens`` tokens of ``[start, end)``. ``block_ids`` are
+    the request's, covering ``[start, end)``; chunk ``c`` starts at token ``c * chunk_size``.
+    The runtime reports ``TransferFinished(transfer_id, ok)`` once the copy has really completed
+    (device event observed), never before. ``reply_to`` identifies the original request (the
+    runtime keeps its event handle under it)."""
+
+    transfer_id: int
+    kind: TransferKind
+    instance_id: int
+    request_id: str
+    reply_to: ReplyTo
+    start: int
+    end: int
+    placements: tuple[Placement, ...] = attrs.field(converter=_tuple)
+    block_ids: tuple[int, ...] = attrs.field(converter=_tuple)
+    skip_first_n_tokens: int = 0
+
+
+@attrs.frozen
+class ReadL2:
+    """Load each ``(key, slot)`` from L2 into its slot; answer
+    ``L2ReadFinished(read_id, loaded)`` with one bool per item, in order."""
+
+    read_id: int
+    items: tuple[tuple[ObjectKey, int], ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
+class WriteL2:
+    """Write each ``(key, slot)`` to L2 (write-behind). The slots stay leased until
+    ``L2WriteFinished(write_id, ok)``."""
+
+    write_id: int
+    items: tuple[tuple[ObjectKey, int], ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
+class SendRequest:
+    """Client side: send ``request`` (a server request with ``reply_to=None``) to ``server``.
+    Its answer comes back as ``ReplyReceived(server, correlation, result)`` or
+    ``RequestFailed(server, correlation, error)``."""
+
+    server: int
+    correlation: int
+    request: ServerRequest
+
+
+@attrs.frozen
+class CopyBlocks:
+    """Engine-driven, worker side: copy between engine blocks and L1 slots for op ``op``
+    (STORE: blocks → slots; RETRIEVE: slots → blocks, not writing the first
+    ``skip_first_n_tokens`` tokens of ``[start, end)``), then report ``CopyFinished(op, ok)``."""
+
+    op: OpId
+    direction: TransferKind
+    transfer_id: int
+    start: int
+    end: int
+    placements: tuple[Placement, ...] = attrs.field(converter=_tuple)
+    block_ids: tuple[int, ...] = attrs.field(converter=_tuple)
+    skip_first_n_tokens: int = 0
+
+
+Effect = Union[Reply, ErrorReply, StartTransfer, ReadL2, WriteL2, SendRequest, CopyBlocks]

@@ -1,0 +1,465 @@
+"""``LookupClient``: the scheduler side of lookups, over N servers, as one pure machine.
+
+Per request id (vLLM calls in brackets)::
+
+    SubmitLookup [maybe_submit_lookup_request]
+        -> LOOKUP to every server; the request is AWAITING_ACK
+    ack from server s -> one QUERY_PREFETCH_STATUS (or WAIT_PREFETCH_STATUS) to s, kept until
+        answered, never resent; None -> another query after poll_interval
+    every server answered n_s -> result = min(n_s) chunks; servers that reported more get a
+        FREE_LOOKUP_LOCKS for their tail [min, n_s); the request is DONE and its result cached
+    check(request_id) [check_lookup_result] -> None while pending, tokens when DONE, 0 unknown
+    Cleanup [cleanup_lookup_result] -> forget it (a pending lookup also frees its leases)
+    FreeUnusedLeases / EndRequest -> fire-and-forget FREE_LOOKUP_LOCKS / END_SESSION
+
+A failed request, an unhealthy server, or ``lookup_timeout`` resolves the lookup to 0 at once
+(no caller ever polls forever). A reply whose correlation the client no longer expects (a
+duplicate, a reply after a timeout) is ignored and counted in ``stats()["stale_replies"]``.
+``check()`` is a pure read and never blocks; all sends happen in ``handle``.
+"""
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+
+import attrs
+
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, validate_cache_salt
+from core_sm.effects import Effect, SendRequest
+from core_sm.messages import (
+    CacheKey,
+    Cleanup,
+    ClientEvent,
+    EndRequest,
+    EndSession,
+    FreeLookupLocks,
+    FreeUnusedLeases,
+    Lookup,
+    QueryPrefetchStatus,
+    ReplyReceived,
+    RequestFailed,
+    ServerHealth,
+    ServerRequest,
+    SubmitLookup,
+    TimerFired,
+    WaitPrefetchStatus,
+)
+
+
+@attrs.frozen
+class LookupClientConfig:
+    num_servers: int = 1
+    model_name: str = ""
+    world_size: int = 1
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    num_readers: int = 1  # read counts per object (MLA with TP > 1: TP)
+    poll_interval: float = 0.005  # delay before re-querying after a None answer
+    lookup_timeout: float = 30.0  # a lookup unresolved by then resolves to 0
+    result_ttl: float = 600.0  # a DONE result never cleaned up is forgotten after this
+    use_wait: bool = False  # WAIT_PREFETCH_STATUS instead of polling QUERY_PREFETCH_STATUS
+    wait_timeout: float = 1.0
+    fire_and_forget_cap: int = 10_000  # replies to FREE/END we still recognise
+
+
+class LookupState(enum.Enum):
+    ABSENT = "absent"
+    AWAITING_ACK = "awaiting_ack"  # some server has not acked its LOOKUP
+    QUERYING = "querying"  # every server acked; waiting for hit counts
+    DONE = "done"  # result cached
+
+
+_L = LookupState
+_ALL = frozenset(LookupState)
+# The one transition table: (request's state, event type) -> allowed next states.
+TRANSITIONS: dict[tuple[LookupState, type], frozenset[LookupState]] = {
+    (_L.ABSENT, SubmitLookup): frozenset({_L.AWAITING_ACK, _L.DONE}),
+    (_L.AWAITING_ACK, SubmitLookup): frozenset({_L.AWAITING_ACK}),
+    (_L.QUERYING, SubmitLookup): frozenset({_L.QUERYING}),
+    (_L.DONE, SubmitLookup): frozenset({_L.DONE}),
+    (_L.ABSENT, ReplyReceived): frozenset({_L.ABSENT}),
+    (_L.AWAITING_ACK, ReplyReceived): frozenset({_L.AWAITING_ACK, _L.QUERYING, _L.DONE}),
+    (_L.QUERYING, ReplyReceived): frozenset({_L.QUERYING, _L.DONE}),
+    (_L.DONE, ReplyReceived): frozenset({_L.DONE}),
+    (_L.ABSENT, RequestFailed): frozenset({_L.ABSENT}),
+    (_L.AWAITING_ACK, RequestFailed): frozenset({_L.AWAITING_ACK, _L.DONE}),
+    (_L.QUERYING, RequestFailed): frozenset({_L.QUERYING, _L.DONE}),
+    (_L.DONE, RequestFailed): frozenset({_L.DONE}),
+    (_L.ABSENT, ServerHealth): frozenset({_L.ABSENT}),
+    (_L.AWAITING_ACK, ServerHealth): frozenset({_L.AWAITING_ACK, _L.DONE}),
+    (_L.QUERYING, ServerHealth): frozenset({_L.QUERYING, _L.DONE}),
+    (_L.DONE, ServerHealth): frozenset({_L.DONE}),
+    (_L.ABSENT, TimerFired): frozenset({_L.ABSENT}),
+    (_L.AWAITING_ACK, TimerFired): frozenset({_L.AWAITING_ACK, _L.DONE}),
+    (_L.QUERYING, TimerFired): frozenset({_L.QUERYING, _L.DONE}),
+    (_L.DONE, TimerFired): frozenset({_L.DONE, _L.ABSENT}),
+    **{(s, Cleanup): frozenset({_L.ABSENT}) for s in LookupState},
+    **{(s, EndRequest): frozenset({_L.ABSENT}) for s in LookupState},
+    **{(s, FreeUnusedLeases): frozenset({s}) for s in LookupState},
+}
+EVENTS = (SubmitLookup, ReplyReceived, RequestFailed, ServerHealth, TimerFired, Cleanup,
+          EndRequest, FreeUnusedLeases)
+
+
+@attrs.define
+class ServerLeg:
+    """One server's part of one lookup."""
+
+    server: int
+    lookup_correlation: int | None = None  # LOOKUP in flight
+    acked: bool = False
+    query_correlation: int | None = None  # the one status query in flight
+    query_sent_at: float = 0.0
+    next_query_at: float | None = None  # re-query time after a None answer
+    chunks: int | None = None  # this server's answer
+
+
+@attrs.define
+class PendingLookup:
+    request_id: str
+    key: CacheKey
+    legs: dict[int, ServerLeg]
+    deadline: float
+    result_tokens: int | None = None
+    expires_at: float = 0.0
+
+    @property
+    def state(self) -> LookupState:
+        if self.result_tokens is not None:
+            return LookupState.DONE
+        if all(leg.acked or leg.chunks is not None for leg in self.legs.values()):
+            return LookupState.QUERYING
+        return LookupState.AWAITING_ACK
+
+
+class LookupClient:
+    """Scheduler-side lookup bookkeeping. ``handle(event, now)``, ``next_deadline()``,
+    ``check(request_id)``."""
+
+    TRANSITIONS = TRANSITIONS
+
+    def __init__(self, config: LookupClientConfig | None = None) -> None:
+        self.config = config if config is not None else LookupClientConfig()
+        self._active: dict[str, PendingLookup] = {}  # AWAITING_ACK / QUERYING
+        self._done: OrderedDict[str, PendingLookup] = OrderedDict()  # DONE, expiry order
+        self._correlations: dict[int, tuple[str, int]] = {}  # correlation -> (request, server)
+        self._fire_and_forget: OrderedDict[int, None] = OrderedDict()
+        self._healthy = [True] * self.config.num_servers
+        self._next_correlation = 0
+        self._counters = {
+            name: 0
+            for name in ("submits", "duplicate_submits", "invalid_submits", "lookups_sent",
+                         "status_queries_sent", "status_resends", "stale_replies", "timeouts",
+                         "failures", "resolved", "resolved_zero", "frees_sent", "end_sessions_sent",
+                         "fire_and_forget_replies", "expired_results", "bad_replies")
+        }
+
+    # ============================================================================= public API
+
+    def handle(self, event: ClientEvent, now: float) -> list[Effect]:
+        """Feed one event; returns the SendRequest effects, in order. Never raises for protocol
+        input (events of other machines are ignored and counted as stale)."""
+        out: list[Effect] = []
+        self._advance(now, out)
+        if isinstance(event, SubmitLookup):
+            self._on_submit(event, now, out)
+        elif isinstance(event, ReplyReceived):
+            self._on_reply(event.server, event.correlation, event.result, None, now, out)
+        elif isinstance(event, RequestFailed):
+            self._on_reply(event.server, event.correlation, None, event, now, out)
+        elif isinstance(event, ServerHealth):
+            self._on_health(event, now, out)
+        elif isinstance(event, Cleanup):
+            self._on_cleanup(event.request_id, now, out)
+        elif isinstance(event, FreeUnusedLeases):
+            self._on_free_unused(event, out)
+        elif isinstance(event, EndRequest):
+            self._forget(event.request_id, now, out, free_pending=False)
+            for s in self._healthy_servers():
+                self._counters["end_sessions_sent"] += 1
+                self._send(s, EndSession(event.request_id), out, fire_and_forget=True)
+        elif isinstance(event, TimerFired):
+            pass  # _advance did the work
+        else:
+            self._counters["stale_replies"] += 1
+        return out
+
+    def check(self, request_id: str) -> int | None:
+        """Tokens hit (a multiple of chunk_size) when DONE, None while pending, 0 if unknown."""
+        done = self._done.get(request_id)
+        if done is not None:
+            assert done.result_tokens is not None
+            return done.result_tokens
+        if request_id in self._active:
+            return None
+        return 0
+
+    def state(self, request_id: str) -> LookupState:
+        if request_id in self._done:
+            return LookupState.DONE
+        pending = self._active.get(request_id)
+        return LookupState.ABSENT if pending is None else pending.state
+
+    def pending(self, request_id: str) -> PendingLookup | None:
+        return self._active.get(request_id) or self._done.get(request_id)
+
+    def is_healthy(self, server: int) -> bool:
+        return self._healthy[server]
+
+    def next_deadline(self) -> float | None:
+        candidates: list[float] = []
+        for p in self._active.values():
+            candidates.append(p.deadline)
+            for leg in p.legs.values():
+                if leg.next_query_at is not None:
+                    candidates.append(leg.next_query_at)
+                if leg.query_correlation is not None and self._may_resend():
+                    candidates.append(leg.query_sent_at + self.config.poll_interval)
+        if self._done:
+            candidates.append(next(iter(self._done.values())).expires_at)
+        return min(candidates) if candidates else None
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._counters)
+        out["active"] = len(self._active)
+        out["results_cached"] = len(self._done)
+        out["correlations"] = len(self._correlations)
+        out["fire_and_forget_pending"] = len(self._fire_and_forget)
+        out["healthy_servers"] = sum(self._healthy)
+        return out
+
+    def check_invariants(self) -> None:
+        for corr, (rid, server) in self._correlations.items():
+            p = self._active.get(rid)
+            assert p is not None, "a correlation for a request that is not active"
+            leg = p.legs[server]
+            assert corr in (leg.lookup_correlation, leg.query_correlation), "orphan correlation"
+        for rid, p in self._active.items():
+            assert p.result_tokens is None and rid not in self._done
+            for leg in p.legs.values():
+                if leg.chunks is not None:
+                    assert leg.query_correlation is None and leg.next_query_at is None
+                if leg.query_correlation is not None:
+                    assert leg.next_query_at is None, "two queries for one leg"
+        for p in self._done.values():
+            assert p.result_tokens is not None and p.result_tokens >= 0
+            assert p.result_tokens % self.config.chunk_size == 0
+        assert len(self._fire_and_forget) <= self.config.fire_and_forget_cap
+
+    # ============================================================================= hooks
+
+    def _wait_for_ack(self, pending: PendingLookup, server: int) -> bool:
+        """Send the status query only after the LOOKUP ack (legacy: False, so the query can
+        overtake the lookup on a multi-worker server: F5)."""
+        return True
+
+    def _should_resend_status(self, pending: PendingLookup, leg: ServerLeg, now: float) -> bool:
+        """Abandon an unanswered status query and send a new one (legacy: True after
+        poll_interval, so the abandoned answer consumes the job: F2)."""
+        return False
+
+    def _may_resend(self) -> bool:
+        """Whether ``_should_resend_status`` can ever say yes (keeps next_deadline quiet)."""
+        return type(self)._should_resend_status is not LookupClient._should_resend_status
+
+    # ============================================================================= handlers
+
+    def _on_submit(self, ev: SubmitLookup, now: float, out: list[Effect]) -> None:
+        self._counters["submits"] += 1
+        rid = ev.request_id
+        if rid in self._active or rid in self._done:
+            self._counters["duplicate_submits"] += 1
+            return
+        C = self.config.chunk_size
+        end = len(ev.token_ids) // C * C
+        key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids, 0, end,
+                       rid, ev.cache_salt)
+        pending = PendingLookup(rid, key, {}, now + self.config.lookup_timeout)
+        if validate_cache_salt(ev.cache_salt) is not None or any(
+            not 0 <= t < 2**32 for t in ev.token_ids[:end]
+        ):
+            self._counters["invalid_submits"] += 1
+            self._resolve(pending, 0, now, out)
+            return
+        if end == 0 or not all(self._healthy):
+            self._resolve(pending, 0, now, out)
+            return
+        self._active[rid] = pending
+        for s in range(self.config.num_servers):
+            leg = ServerLeg(s)
+            pending.legs[s] = leg
+            self._counters["lookups_sent"] += 1
+            leg.lookup_correlation = self._send(
+                s, Lookup(key, self.config.num_readers), out, owner=(rid, s)
+            )
+            if not self._wait_for_ack(pending, s):
+                self._send_query(pending, leg, now, out)
+
+    def _on_reply(
+        self, server: int, corr: int, result: object, failure: RequestFailed | None, now: float,
+        out: list[Effect],
+    ) -> None:
+        owner = self._correlations.pop(corr, None)
+        if owner is None:
+            if corr in self._fire_and_forget:
+                del self._fire_and_forget[corr]
+                self._counters["fire_and_forget_replies"] += 1
+            else:
+                self._counters["stale_replies"] += 1
+            return
+        rid, s = owner
+        pending = self._active[rid]
+        leg = pending.legs[s]
+        if s != server:
+            self._counters["bad_replies"] += 1
+        if corr == leg.lookup_correlation:
+            leg.lookup_correlation = None
+            if failure is not None:
+                self._counters["failures"] += 1
+                self._leg_answer(pending, leg, 0, now, out)
+                return
+            leg.acked = True
+            if leg.query_correlation is None and leg.next_query_at is None and leg.chunks is None:
+                self._send_query(pending, leg, now, out)
+            return
+        leg.query_correlation = None
+        if failure is not None:
+            self._counters["failures"] += 1
+            self._leg_answer(pending, leg, 0, now, out)
+        elif result is None:
+            leg.next_query_at = now + self.config.poll_interval
+        elif isinstance(result, int) and not isinstance(result, bool) and result >= 0:
+            self._leg_answer(pending, leg, result, now, out)
+        else:
+            self._counters["bad_replies"] += 1
+            self._leg_answer(pending, leg, 0, now, out)
+
+    def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
+        if not 0 <= ev.server < self.config.num_servers:
+            self._counters["bad_replies"] += 1
+            return
+        self._healthy[ev.server] = bool(ev.healthy)
+        if ev.healthy:
+            return
+        for pending in list(self._active.values()):
+            leg = pending.legs.get(ev.server)
+            if leg is not None and leg.chunks is None:
+                self._counters["failures"] += 1
+                self._leg_answer(pending, leg, 0, now, out)
+
+    def _on_cleanup(self, rid: str, now: float, out: list[Effect]) -> None:
+        self._forget(rid, now, out, free_pending=True)
+
+    def _on_free_unused(self, ev: FreeUnusedLeases, out: list[Effect]) -> None:
+        if ev.start >= ev.end:
+            return
+        key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids,
+                       ev.start, ev.end, ev.request_id, ev.cache_salt)
+        for s in self._healthy_servers():
+            self._counters["frees_sent"] += 1
+            self._send(s, FreeLookupLocks(key), out, fire_and_forget=True)
+
+    # ============================================================================= internals
+
+    def _advance(self, now: float, out: list[Effect]) -> None:
+        while self._done:
+            rid, p = next(iter(self._done.items()))
+            if p.expires_at > now:
+                break
+            del self._done[rid]
+            self._counters["expired_results"] += 1
+        for pending in list(self._active.values()):
+            if pending.deadline <= now:
+                self._counters["timeouts"] += 1
+                self._resolve(pending, 0, now, out)
+                continue
+            for leg in pending.legs.values():
+                if leg.next_query_at is not None and leg.next_query_at <= now:
+                    leg.next_query_at = None
+                    self._send_query(pending, leg, now, out)
+                elif (
+                    leg.query_correlation is not None
+                    and leg.query_sent_at + self.config.poll_interval <= now
+                    and self._should_resend_status(pending, leg, now)
+                ):
+                    self._counters["status_resends"] += 1
+                    self._correlations.pop(leg.query_correlation, None)
+                    leg.query_correlation = None
+                    self._send_query(pending, leg, now, out)
+
+    def _send_query(self, pending: PendingLookup, leg: ServerLeg, now: float, out: list[Effect]) -> None:
+        assert leg.query_correlation is None
+        request: ServerRequest
+        if self.config.use_wait:
+            request = WaitPrefetchStatus(pending.request_id, self.config.wait_timeout)
+        else:
+            request = QueryPrefetchStatus(pending.request_id)
+        self._counters["status_queries_sent"] += 1
+        leg.query_sent_at = now
+        leg.query_correlation = self._send(leg.server, request, out, owner=(pending.request_id, leg.server))
+
+    def _leg_answer(
+        self, pending: PendingLookup, leg: ServerLeg, chunks: int, now: float, out: list[Effect]
+    ) -> None:
+        for corr in (leg.lookup_correlation, leg.query_correlation):
+            if corr is not None:
+                self._correlations.pop(corr, None)
+        leg.lookup_correlation = leg.query_correlation = leg.next_query_at = None
+        leg.chunks = chunks
+        if chunks == 0 or all(lg.chunks is not None for lg in pending.legs.values()):
+            self._resolve(pending, min(lg.chunks for lg in pending.legs.values() if lg.chunks is not None),
+                          now, out)
+
+    def _resolve(self, pending: PendingLookup, chunks: int, now: float, out: list[Effect]) -> None:
+        """Finish the lookup with ``chunks``; free what each server holds beyond it."""
+        C = self.config.chunk_size
+        for leg in pending.legs.values():
+            for corr in (leg.lookup_correlation, leg.query_correlation):
+                if corr is not None:
+                    self._correlations.pop(corr, None)
+            # A server that may hold more than the result: its tail is never retrieved.
+            held = leg.chunks if leg.chunks is not None else (
+                pending.key.end // C if (leg.acked or leg.lookup_correlation is not None) else 0)
+            leg.lookup_correlation = leg.query_correlation = leg.next_query_at = None
+            if held > chunks and self._healthy[leg.server]:
+                self._counters["frees_sent"] += 1
+                key = attrs.evolve(pending.key, start=chunks * C, end=held * C)
+                self._send(leg.server, FreeLookupLocks(key), out, fire_and_forget=True)
+        self._active.pop(pending.request_id, None)
+        pending.result_tokens = chunks * C
+        pending.expires_at = now + self.config.result_ttl
+        self._done[pending.request_id] = pending
+        self._counters["resolved"] += 1
+        if chunks == 0:
+            self._counters["resolved_zero"] += 1
+
+    def _forget(self, rid: str, now: float, out: list[Effect], free_pending: bool) -> None:
+        self._done.pop(rid, None)
+        pending = self._active.pop(rid, None)
+        if pending is None:
+            return
+        # Aborted before its result: release what the servers may have leased for it (F8).
+        for leg in pending.legs.values():
+            for corr in (leg.lookup_correlation, leg.query_correlation):
+                if corr is not None:
+                    self._correlations.pop(corr, None)
+            if free_pending and self._healthy[leg.server] and pending.key.end > 0:
+                self._counters["frees_sent"] += 1
+                self._send(leg.server, FreeLookupLocks(pending.key), out, fire_and_forget=True)
+
+    def _healthy_servers(self) -> list[int]:
+        return [s for s, ok in enumerate(self._healthy) if ok]
+
+    def _send(
+        self, server: int, request: ServerRequest, out: list[Effect], *,
+        owner: tuple[str, int] | None = None, fire_and_forget: bool = False,
+    ) -> int:
+        self._next_correlation += 1
+        corr = self._next_correlation
+        if owner is not None:
+            self._correlations[corr] = owner
+        if fire_and_forget:
+            self._fire_and_forget[corr] = None
+            while len(self._fire_and_forget) > self.config.fire_and_forget_cap:
+                self._fire_and_forget.popitem(last=False)
+        out.append(SendRequest(server, corr, request))
+        return corr

@@ -1,0 +1,482 @@
+"""Events the machines handle, and the result types that travel back.
+
+Three groups:
+
+* **Server requests** (``ServerRequest``): what a client sends; the ``LookupServer``'s events.
+  Each carries ``reply_to``, an opaque hashable routing token chosen by the runtime (ZMQ: peer
+  identity + uid + op; simulator: node + message id). A client machine emits a request with
+  ``reply_to=None``; the runtime fills it in with ``attrs.evolve``. Every request gets exactly one
+  ``Reply`` or ``ErrorReply`` carrying the same ``reply_to``.
+* **Server internal events**: completions the server's runtime reports (a transfer, an L2 read,
+  an L2 write) and ``TimerFired``.
+* **Client events**: what the scheduler/worker runtime feeds ``LookupClient`` and
+  ``TransferClient`` (calls from vLLM, replies and failures from the transport, health).
+
+Constructors check shapes only (types are converted where cheap: token ids become a tuple).
+Semantic checks (chunk alignment, cache_salt, worker_id range, registration) happen in
+``handle`` and come back as a typed ``ErrorReply`` -- so a runtime that could build the event
+never sees an exception from the machine. A runtime that cannot build an event from a wire
+payload (``TypeError``/``ValueError`` from the constructor) answers ``ErrorKind.UNDECODABLE``.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable
+from typing import Union
+
+import attrs
+
+from core_sm.errors import ProtocolError
+
+ReplyTo = Hashable
+# (chunk_index, slot): chunk_index counts from the start of the token sequence (token
+# offset chunk_index * chunk_size); slot is an L1 slot id in [0, num_slots).
+Placement = tuple[int, int]
+# An operation of the transfer client: (request_id, sequence number within that request).
+OpId = tuple[str, int]
+
+
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _placements(value: Iterable[tuple[int, int]]) -> tuple[Placement, ...]:
+    return tuple((int(c), int(s)) for c, s in value)
+
+
+def _non_negative(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, not {value}")
+
+
+class TransferKind(enum.Enum):
+    """Direction of a KV transfer, seen from L1: STORE = engine → L1, RETRIEVE = L1 → engine."""
+
+    STORE = "store"
+    RETRIEVE = "retrieve"
+
+
+@attrs.frozen
+class CacheKey:
+    """LMCache's IPC cache key, as on its wire.
+
+    ``worker_id`` is None for a scheduler-side key (it covers every KV rank), else the KV rank
+    this worker stores/retrieves. ``token_ids`` is the request's full token sequence; the key
+    addresses tokens ``[start, end)``. ``request_id`` is not part of the cache identity (it is
+    the owner of leases and the job id); ``cache_salt`` is.
+    """
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    start: int
+    end: int
+    request_id: str
+    cache_salt: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Server requests (the LookupServer's events)
+
+
+@attrs.frozen
+class Ping:
+    """Heartbeat. Reply: ``True``."""
+
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class GetChunkSize:
+    """Reply: the server's chunk size in tokens (int)."""
+
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class Lookup:
+    """Scheduler-side LOOKUP (``key.worker_id`` None, ``key.start`` 0, ``key.end`` chunk-aligned).
+
+    Leases the L1 prefix for ``key.request_id`` (``num_readers`` read counts per object: MLA with
+    TP > 1 has several ranks reading one object), may start an L2 prefetch for the rest, registers
+    the prefetch job. Reply: ``None`` (the ack). A duplicate for a live job is acked without new
+    leases.
+    """
+
+    key: CacheKey
+    num_readers: int = attrs.field(default=1, validator=_non_negative)
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class QueryPrefetchStatus:
+    """Reply: ``None`` while the job runs, the hit count in **chunks** when done, ``0`` if the id
+    is unknown (never seen, reaped, ended, or the server restarted). Repeats after completion
+    answer the same count from a tombstone."""
+
+    request_id: str
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class WaitPrefetchStatus:
+    """Like ``QueryPrefetchStatus`` but a running job is answered when it completes, or with
+    ``None`` after ``timeout`` seconds (no polling)."""
+
+    request_id: str
+    timeout: float
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class FreeLookupLocks:
+    """Release the read leases ``key.request_id``'s lookups took on chunks
+    ``[floor(start/C), floor(end/C))`` (every rank). Only that request's leases; idempotent.
+    Reply: ``None``. A range outside the token sequence (start > end, end > len(tokens)) is a
+    VALIDATION error."""
+
+    key: CacheKey
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class EndSession:
+    """Drop the request's job, tombstone and waiters (a waiter is answered ``0``) and release
+    every lease the request still owns. Reply: ``None``."""
+
+    request_id: str
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class Clear:
+    """Drop L1 objects. ``force=True``: every object, leased or not (in-flight transfers then find
+    their objects gone and report them not stored / not retrieved). ``force=False``: only ready,
+    unleased objects. Reply: ``None``."""
+
+    force: bool = True
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class RegisterInstance:
+    """A worker (one KV rank of one engine) announces itself. ``object_bytes``: bytes of one
+    chunk of one rank (must fit an L1 slot, else TOO_LARGE). ``engine_driven``: the engine copies
+    (Prepare*/CommitTransfer) instead of the server (Store/Retrieve). Re-registering the same id
+    replaces the entry. Reply: ``None``."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    object_bytes: int
+    engine_driven: bool = False
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class UnregisterInstance:
+    """Forget an instance (unknown ids are fine). Reply: ``None``."""
+
+    instance_id: int
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class Store:
+    """Server-driven STORE of ``[start, end)`` (chunk-aligned) for rank ``key.worker_id``.
+
+    Chunks already in L1 (or being written) are skipped; the rest are write-reserved and a
+    ``StartTransfer`` is emitted. Reply after ``TransferFinished``: ``StoreResult``. ``block_ids``
+    is passed through to ``StartTransfer`` untouched (the runtime's copy needs it)."""
+
+    key: CacheKey
+    instance_id: int
+    block_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class Retrieve:
+    """Server-driven RETRIEVE of ``[start, end)`` for rank ``key.worker_id``. All or nothing: if any
+    object is not readable the reply is ``RetrieveResult(ok=False)`` at once and nothing is
+    copied. Otherwise ``StartTransfer``; after ``TransferFinished`` the request's read lease (one
+    count per object) is released and ``RetrieveResult`` is sent. The first
+    ``skip_first_n_tokens`` tokens of the range must not be written to the engine."""
+
+    key: CacheKey
+    instance_id: int
+    block_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    skip_first_n_tokens: int = attrs.field(default=0, validator=_non_negative)
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class PrepareStore:
+    """Engine-driven STORE, step 1. Reply at once: ``TransferPlan`` (slots to copy into); the
+    engine copies, then sends ``CommitTransfer``. An uncommitted plan expires after the lease
+    TTL (its write reservations are dropped)."""
+
+    key: CacheKey
+    instance_id: int
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class PrepareRetrieve:
+    """Engine-driven RETRIEVE, step 1. Reply at once: ``TransferPlan`` (``ok=False`` and no
+    commit needed if any object is not readable)."""
+
+    key: CacheKey
+    instance_id: int
+    skip_first_n_tokens: int = attrs.field(default=0, validator=_non_negative)
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class CommitTransfer:
+    """Engine-driven, step 2: the engine's copy for ``transfer_id`` finished (``ok``). Reply:
+    ``StoreResult`` or ``RetrieveResult``. Unknown / expired id: UNKNOWN_TRANSFER error."""
+
+    transfer_id: int
+    ok: bool
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+ServerRequest = Union[
+    Ping,
+    GetChunkSize,
+    Lookup,
+    QueryPrefetchStatus,
+    WaitPrefetchStatus,
+    FreeLookupLocks,
+    EndSession,
+    Clear,
+    RegisterInstance,
+    UnregisterInstance,
+    Store,
+    Retrieve,
+    PrepareStore,
+    PrepareRetrieve,
+    CommitTransfer,
+]
+SERVER_REQUEST_TYPES: tuple[type, ...] = (
+    Ping,
+    GetChunkSize,
+    Lookup,
+    QueryPrefetchStatus,
+    WaitPrefetchStatus,
+    FreeLookupLocks,
+    EndSession,
+    Clear,
+    RegisterInstance,
+    UnregisterInstance,
+    Store,
+    Retrieve,
+    PrepareStore,
+    PrepareRetrieve,
+    CommitTransfer,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Server internal events
+
+
+@attrs.frozen
+class TransferFinished:
+    """The server runtime's copy for a ``StartTransfer`` completed (device event observed)."""
+
+    transfer_id: int
+    ok: bool
+
+
+@attrs.frozen
+class L2ReadFinished:
+    """A ``ReadL2`` completed: ``loaded[i]`` says whether item ``i`` was written into its slot."""
+
+    read_id: int
+    loaded: tuple[bool, ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen
+class L2WriteFinished:
+    """A ``WriteL2`` completed (``ok`` False: the L2 tier refused or failed)."""
+
+    write_id: int
+    ok: bool
+
+
+@attrs.frozen
+class TimerFired:
+    """The deadline from ``next_deadline()`` passed (any machine). Spurious firings are fine."""
+
+
+ServerEvent = Union[ServerRequest, TransferFinished, L2ReadFinished, L2WriteFinished, TimerFired]
+
+# ---------------------------------------------------------------------------------------------
+# Results (the ``result`` of a Reply)
+
+
+@attrs.frozen
+class StoreResult:
+    """``ok``: the transfer succeeded. ``stored``: chunks now written by this store;
+    ``skipped``: chunks already present, being written by another store, or without a slot."""
+
+    ok: bool
+    stored: int = 0
+    skipped: int = 0
+
+
+@attrs.frozen
+class RetrieveResult:
+    """``ok``: every chunk of the range was copied. ``chunks``: chunks in the range."""
+
+    ok: bool
+    chunks: int = 0
+
+
+@attrs.frozen
+class TransferPlan:
+    """Engine-driven plan: copy chunk ``c`` from/to slot ``s`` for each ``(c, s)`` in
+    ``placements``, skipping the first ``skip_first_n_tokens`` tokens of the range when writing
+    into the engine. ``ok=False`` (retrieve of an unreadable range): nothing to do, no commit;
+    ``transfer_id`` is then -1. A plan with ``ok=True`` must be committed, even if empty."""
+
+    transfer_id: int
+    placements: tuple[Placement, ...] = attrs.field(converter=_placements)
+    ok: bool = True
+    kind: TransferKind = TransferKind.STORE
+    skip_first_n_tokens: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Client events (LookupClient and TransferClient)
+
+
+@attrs.frozen
+class ReplyReceived:
+    """The transport delivered the reply to request ``correlation`` sent to ``server``."""
+
+    server: int
+    correlation: int
+    result: object = None
+
+
+@attrs.frozen
+class RequestFailed:
+    """Request ``correlation`` to ``server`` got an error reply, or the transport gave up on it."""
+
+    server: int
+    correlation: int
+    error: ProtocolError
+
+
+@attrs.frozen
+class ServerHealth:
+    """The runtime's heartbeat changed its view of ``server``. Unhealthy: every outstanding
+    request to it resolves as failed now, and new work skips it until healthy again."""
+
+    server: int
+    healthy: bool
+
+
+@attrs.frozen
+class SubmitLookup:
+    """vLLM ``maybe_submit_lookup_request``: start a lookup (ignored if the id is already known)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    cache_salt: str = ""
+
+
+@attrs.frozen
+class Cleanup:
+    """vLLM ``cleanup_lookup_result``: forget the lookup's client state (and its cached result)."""
+
+    request_id: str
+
+
+@attrs.frozen
+class FreeUnusedLeases:
+    """vLLM ``free_lookup_locks``: release server leases on tokens ``[start, end)`` (every
+    healthy server)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    start: int
+    end: int
+    cache_salt: str = ""
+
+
+@attrs.frozen
+class EndRequest:
+    """vLLM ``request_finished`` on the scheduler: END_SESSION on every healthy server."""
+
+    request_id: str
+
+
+@attrs.frozen
+class SubmitStore:
+    """Worker: store tokens ``[start, end)`` from the engine blocks ``block_ids`` (covering that
+    range)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    start: int
+    end: int
+    block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    cache_salt: str = ""
+
+
+@attrs.frozen
+class SubmitRetrieve:
+    """Worker: load tokens ``[start, end)`` into ``block_ids``, not writing the first
+    ``skip_first_n_tokens`` tokens (blocks vLLM already shares)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    start: int
+    end: int
+    block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    skip_first_n_tokens: int = 0
+    cache_salt: str = ""
+
+
+@attrs.frozen
+class CopyFinished:
+    """Engine-driven: the worker runtime finished the ``CopyBlocks`` of op ``op``."""
+
+    op: OpId
+    ok: bool
+
+
+@attrs.frozen
+class Abort:
+    """The engine aborted the request: its blocks stay held until every in-flight op completes;
+    then it is reported once in ``finished()``'s sending set."""
+
+    request_id: str
+
+
+@attrs.frozen
+class EngineFinished:
+    """vLLM ``get_finished(finished_req_ids)``: these requests finished in the engine."""
+
+    request_ids: tuple[str, ...] = attrs.field(converter=tuple)
+
+
+ClientEvent = Union[
+    ReplyReceived,
+    RequestFailed,
+    ServerHealth,
+    SubmitLookup,
+    Cleanup,
+    FreeUnusedLeases,
+    EndRequest,
+    SubmitStore,
+    SubmitRetrieve,
+    CopyFinished,
+    Abort,
+    EngineFinished,
+    TimerFired,
+]

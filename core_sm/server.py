@@ -1,0 +1,942 @@
+"""``LookupServer``: the server's whole protocol state, as one pure machine.
+
+It owns the L1 index (``core_sm.l1_index.L1Index``), the prefetch job table keyed by
+``request_id``, status tombstones, status waiters, registered instances, in-flight transfers and
+L2 reads/writes. The runtime feeds it ``core_sm.messages`` server requests and internal events
+and carries out the effects (``core_sm.effects``).
+
+Contract highlights (docs/core_sm.md has the tables):
+
+* Every request gets exactly one ``Reply`` or ``ErrorReply`` with its ``reply_to``: at once, or
+  later (Store/Retrieve after ``TransferFinished``, CommitTransfer, WaitPrefetchStatus on
+  completion or deadline). Internal events and timers never get a reply; an internal event with
+  an unknown id is ignored and counted (``stats()["stale_events"]``).
+* Read leases are owned by the request id that looked them up (``num_readers`` counts per object)
+  and end by exactly one of: RETRIEVE (one count per object per successful retrieve), FREE, END
+  SESSION, REAP (abandoned job), TTL, or a forced CLEAR.
+* Status: ``None`` while pending, hit chunks when done (then a tombstone repeats it for
+  ``tombstone_ttl``), ``0`` for an unknown id.
+* Time-driven work (lease expiry, tombstone expiry, waiter deadlines, abandoned-job reaping, L2
+  read timeouts, expiry of uncommitted engine-driven plans) runs at the start of every
+  ``handle`` call, whatever the event; ``TimerFired`` only makes sure it runs.
+
+Subclass hooks for legacy profiles (simulator) are the methods named in docs/core_sm.md under
+"Extension points for legacy profiles"; they are small and have the fixed behaviour by default.
+"""
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import attrs
+
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, ObjectKey, chunk_hashes, identity_root, validate_cache_salt
+from core_sm.effects import Effect, ErrorReply, ReadL2, Reply, StartTransfer, WriteL2
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.l1_index import L1Index, Owner, ReleaseReason
+from core_sm.messages import (
+    CacheKey,
+    Clear,
+    CommitTransfer,
+    EndSession,
+    FreeLookupLocks,
+    GetChunkSize,
+    L2ReadFinished,
+    L2WriteFinished,
+    Lookup,
+    Ping,
+    Placement,
+    PrepareRetrieve,
+    PrepareStore,
+    QueryPrefetchStatus,
+    RegisterInstance,
+    ReplyTo,
+    Retrieve,
+    RetrieveResult,
+    ServerEvent,
+    Store,
+    StoreResult,
+    TimerFired,
+    TransferFinished,
+    TransferKind,
+    TransferPlan,
+    UnregisterInstance,
+    WaitPrefetchStatus,
+)
+
+
+@attrs.frozen
+class ServerConfig:
+    """Server knobs; defaults follow LMCache's where it has one."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    num_slots: int = 1024
+    slot_bytes: int = 1 << 20
+    lease_ttl: float = 300.0  # read/write leases and uncommitted engine-driven plans
+    tombstone_ttl: float = 60.0
+    tombstone_cap: int = 100_000
+    abandoned_job_ttl: float = 60.0  # a job never queried is reaped (its leases released)
+    l2_enabled: bool = False  # plan ReadL2 for what misses L1
+    l2_read_timeout: float = 30.0  # a job whose L2 read is not back resolves with its L1 prefix
+    write_behind: bool = False  # WriteL2 every store once it is ready
+    high_watermark: float = 1.0
+    low_watermark: float = 1.0
+    max_waiters: int = 10_000
+    max_chunks_per_request: int = 1 << 16
+
+
+class JobState(enum.Enum):
+    """State of the prefetch job of one request id."""
+
+    ABSENT = "absent"  # never seen, ended, reaped, or tombstone expired
+    PENDING = "pending"  # an L2 read is outstanding
+    DONE = "done"  # hit count known, not yet answered
+    ANSWERED = "answered"  # answered at least once; the tombstone repeats the answer
+
+
+class TransferState(enum.Enum):
+    """State of one transfer id."""
+
+    ABSENT = "absent"
+    RUNNING = "running"  # server-driven: StartTransfer emitted, TransferFinished awaited
+    PREPARED = "prepared"  # engine-driven: TransferPlan sent, CommitTransfer awaited
+
+
+_J = JobState
+_T = TransferState
+_ALL_JOB_STATES = frozenset(JobState)
+# The one transition table: (state of the entity the event addresses, event type) -> allowed next
+# states. An event addresses the job of its request id, or the transfer of its transfer id
+# (a new transfer starts ABSENT). A refused event (ErrorReply) leaves the state unchanged.
+TRANSITIONS: dict[tuple[enum.Enum, type], frozenset[enum.Enum]] = {
+    (_J.ABSENT, Lookup): frozenset({_J.PENDING, _J.DONE}),
+    (_J.ABSENT, QueryPrefetchStatus): frozenset({_J.ABSENT}),
+    (_J.ABSENT, WaitPrefetchStatus): frozenset({_J.ABSENT}),
+    (_J.ABSENT, FreeLookupLocks): frozenset({_J.ABSENT}),
+    (_J.ABSENT, EndSession): frozenset({_J.ABSENT}),
+    (_J.ABSENT, L2ReadFinished): frozenset({_J.ABSENT}),
+    (_J.ABSENT, TimerFired): frozenset({_J.ABSENT}),
+    (_J.ABSENT, Clear): frozenset({_J.ABSENT}),
+    (_J.PENDING, Lookup): frozenset({_J.PENDING}),
+    (_J.PENDING, QueryPrefetchStatus): frozenset({_J.PENDING}),
+    (_J.PENDING, WaitPrefetchStatus): frozenset({_J.PENDING}),
+    (_J.PENDING, FreeLookupLocks): frozenset({_J.PENDING}),
+    (_J.PENDING, EndSession): frozenset({_J.ABSENT}),
+    (_J.PENDING, L2ReadFinished): frozenset({_J.DONE, _J.ANSWERED}),
+    (_J.PENDING, TimerFired): frozenset({_J.PENDING, _J.DONE, _J.ANSWERED, _J.ABSENT}),
+    (_J.PENDING, Clear): frozenset({_J.PENDING}),
+    (_J.DONE, Lookup): frozenset({_J.DONE}),
+    (_J.DONE, QueryPrefetchStatus): frozenset({_J.ANSWERED}),
+    (_J.DONE, WaitPrefetchStatus): frozenset({_J.ANSWERED}),
+    (_J.DONE, FreeLookupLocks): frozenset({_J.DONE}),
+    (_J.DONE, EndSession): frozenset({_J.ABSENT}),
+    (_J.DONE, L2ReadFinished): frozenset({_J.DONE}),
+    (_J.DONE, TimerFired): frozenset({_J.DONE, _J.ABSENT}),
+    (_J.DONE, Clear): frozenset({_J.DONE}),
+    (_J.ANSWERED, Lookup): frozenset({_J.PENDING, _J.DONE}),
+    (_J.ANSWERED, QueryPrefetchStatus): frozenset({_J.ANSWERED}),
+    (_J.ANSWERED, WaitPrefetchStatus): frozenset({_J.ANSWERED}),
+    (_J.ANSWERED, FreeLookupLocks): frozenset({_J.ANSWERED}),
+    (_J.ANSWERED, EndSession): frozenset({_J.ABSENT}),
+    (_J.ANSWERED, L2ReadFinished): frozenset({_J.ANSWERED}),
+    (_J.ANSWERED, TimerFired): frozenset({_J.ANSWERED, _J.ABSENT}),
+    (_J.ANSWERED, Clear): frozenset({_J.ANSWERED}),
+    (_T.ABSENT, Store): frozenset({_T.RUNNING, _T.ABSENT}),
+    (_T.ABSENT, Retrieve): frozenset({_T.RUNNING, _T.ABSENT}),
+    (_T.ABSENT, PrepareStore): frozenset({_T.PREPARED}),
+    (_T.ABSENT, PrepareRetrieve): frozenset({_T.PREPARED, _T.ABSENT}),
+    (_T.ABSENT, TransferFinished): frozenset({_T.ABSENT}),
+    (_T.ABSENT, CommitTransfer): frozenset({_T.ABSENT}),
+    (_T.RUNNING, TransferFinished): frozenset({_T.ABSENT}),
+    (_T.RUNNING, CommitTransfer): frozenset({_T.RUNNING}),
+    (_T.RUNNING, TimerFired): frozenset({_T.RUNNING}),
+    (_T.RUNNING, Clear): frozenset({_T.RUNNING}),
+    (_T.PREPARED, CommitTransfer): frozenset({_T.ABSENT}),
+    (_T.PREPARED, TransferFinished): frozenset({_T.PREPARED}),
+    (_T.PREPARED, TimerFired): frozenset({_T.PREPARED, _T.ABSENT}),
+    (_T.PREPARED, Clear): frozenset({_T.PREPARED}),
+}
+JOB_EVENTS = (Lookup, QueryPrefetchStatus, WaitPrefetchStatus, FreeLookupLocks, EndSession,
+              L2ReadFinished, TimerFired, Clear)
+TRANSFER_EVENTS = (Store, Retrieve, PrepareStore, PrepareRetrieve, TransferFinished, CommitTransfer,
+                   TimerFired, Clear)
+
+
+@attrs.define
+class PrefetchJob:
+    """One request id's lookup: the L1 prefix it leased, its L2 read, its answer."""
+
+    request_id: str
+    serial: int
+    key: CacheKey
+    hashes: tuple[bytes, ...]
+    num_readers: int
+    l1_prefix: int
+    created: float
+    reap_at: float
+    read_id: int | None = None
+    l2_deadline: float | None = None
+    hits: int | None = None
+    freed_chunks: set[int] = attrs.Factory(set)
+
+    @property
+    def state(self) -> JobState:
+        return JobState.PENDING if self.hits is None else JobState.DONE
+
+
+@attrs.define
+class Transfer:
+    transfer_id: int
+    kind: TransferKind
+    engine_driven: bool
+    request_id: str
+    reply_to: ReplyTo
+    keys: tuple[ObjectKey, ...]  # one per placement, same order
+    placements: tuple[Placement, ...]
+    skipped: int
+    deadline: float | None
+
+
+@attrs.define
+class L2Read:
+    read_id: int
+    request_id: str | None  # None once its job is gone (ended, timed out): loads still land
+    job_serial: int
+    chunk_of_item: tuple[int, ...]
+    keys: tuple[ObjectKey, ...]
+
+
+@attrs.define
+class Waiter:
+    waiter_id: int
+    request_id: str
+    reply_to: ReplyTo
+    deadline: float
+
+
+class LookupServer:
+    """The server machine. ``handle(event, now) -> list[Effect]``; ``next_deadline()``."""
+
+    TRANSITIONS = TRANSITIONS
+
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        self.config = config if config is not None else ServerConfig()
+        c = self.config
+        self.index = L1Index(c.num_slots, c.slot_bytes, c.lease_ttl, c.high_watermark, c.low_watermark)
+        self._jobs: dict[str, PrefetchJob] = {}
+        self._tombstones: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._waiters: dict[str, dict[int, Waiter]] = {}
+        self._waiter_by_id: dict[int, Waiter] = {}
+        self._instances: dict[int, RegisterInstance] = {}
+        self._transfers: dict[int, Transfer] = {}
+        self._reads: dict[int, L2Read] = {}
+        self._writes: dict[int, tuple[ObjectKey, ...]] = {}
+        self._timers: list[tuple[float, int, str, Hashable]] = []
+        self._roots: dict[tuple[str, int, str], bytes] = {}
+        self._next_id = 0
+        self._counters: dict[str, int] = {
+            name: 0
+            for name in (
+                "requests", "errors", "lookups", "duplicate_lookups", "status_queries",
+                "unknown_status", "hit_chunks", "lookup_chunks", "reaped_jobs", "l2_timeouts",
+                "l2_reads", "l2_writes", "stale_events", "transfers_started", "transfers_failed",
+                "retrieve_misses", "expired_plans", "waiter_timeouts", "internal_errors",
+                "tombstones_dropped",
+            )
+        }
+
+    # ============================================================================= public API
+
+    def handle(self, event: ServerEvent, now: float) -> list[Effect]:
+        """Feed one event at time ``now``; returns the effects, in order. Never raises."""
+        out: list[Effect] = []
+        try:
+            self._advance(now, out)
+            handler = _DISPATCH.get(type(event))
+            if handler is None:
+                self._counters["stale_events"] += 1
+                reply_to = getattr(event, "reply_to", None)
+                if reply_to is not None:
+                    out.append(self._error(reply_to, ErrorKind.UNKNOWN_OP, type(event).__name__))
+                return out
+            if hasattr(event, "reply_to"):
+                self._counters["requests"] += 1
+            handler(self, event, now, out)
+        except Exception as exc:  # a bug: answer the request so no client waits forever
+            self._counters["internal_errors"] += 1
+            reply_to = getattr(event, "reply_to", None)
+            if reply_to is not None and not any(
+                isinstance(e, (Reply, ErrorReply)) and e.reply_to == reply_to for e in out
+            ):
+                out.append(self._error(reply_to, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which ``handle(TimerFired(), t)`` has work to do (may be early)."""
+        while self._timers and not self._timer_live(self._timers[0]):
+            heapq.heappop(self._timers)
+        candidates = []
+        if self._timers:
+            candidates.append(self._timers[0][0])
+        if self._tombstones:
+            candidates.append(next(iter(self._tombstones.values()))[1])
+        lease = self.index.next_expiry()
+        if lease is not None:
+            candidates.append(lease)
+        return min(candidates) if candidates else None
+
+    def job_state(self, request_id: str) -> JobState:
+        job = self._jobs.get(request_id)
+        if job is not None:
+            return job.state
+        return JobState.ANSWERED if request_id in self._tombstones else JobState.ABSENT
+
+    def transfer_state(self, transfer_id: int) -> TransferState:
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return TransferState.ABSENT
+        return TransferState.PREPARED if t.engine_driven else TransferState.RUNNING
+
+    def job(self, request_id: str) -> PrefetchJob | None:
+        return self._jobs.get(request_id)
+
+    def tombstone(self, request_id: str) -> int | None:
+        entry = self._tombstones.get(request_id)
+        return None if entry is None else entry[0]
+
+    def leases_by_owner(self) -> dict[Owner, int]:
+        return self.index.leases_by_owner()
+
+    def stats(self) -> dict[str, int]:
+        """A snapshot for metrics and simulator oracles (flat name → int)."""
+        out = dict(self._counters)
+        out.update(self.index.stats())
+        out["jobs"] = len(self._jobs)
+        out["jobs_pending"] = sum(1 for j in self._jobs.values() if j.hits is None)
+        out["tombstones"] = len(self._tombstones)
+        out["waiters"] = len(self._waiter_by_id)
+        out["transfers"] = len(self._transfers)
+        out["l2_reads_in_flight"] = len(self._reads)
+        out["l2_writes_in_flight"] = len(self._writes)
+        out["instances"] = len(self._instances)
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the state is inconsistent; cheap enough after every event."""
+        self.index.check_invariants()
+        assert len(self._tombstones) <= self.config.tombstone_cap, "tombstone cap"
+        for rid, job in self._jobs.items():
+            assert job.request_id == rid
+            assert rid not in self._tombstones, "a live job and a tombstone for one id"
+            if job.hits is None:
+                assert job.read_id is not None and job.read_id in self._reads, "pending job w/o read"
+            else:
+                assert 0 <= job.hits <= len(job.hashes), "hits out of range"
+        for rid, waiters in self._waiters.items():
+            assert waiters, "empty waiter list"
+            waited = self._jobs.get(rid)
+            assert waited is not None and waited.hits is None, "a waiter for a job that is not pending"
+            for wid, w in waiters.items():
+                assert self._waiter_by_id[wid] is w
+        assert sum(len(w) for w in self._waiters.values()) == len(self._waiter_by_id)
+        for owner in self.index.leases_by_owner():
+            if isinstance(owner, tuple):
+                kind, ident = owner
+                if kind == "transfer":
+                    assert ident in self._transfers, "lease of a finished transfer"
+                elif kind == "l2write":
+                    assert ident in self._writes, "lease of a finished L2 write"
+
+    # ============================================================================= hooks
+
+    def _status_for_unknown(self, request_id: str) -> int | None:
+        """Answer for a status query of an id with no job and no tombstone (legacy: None)."""
+        return 0
+
+    def _on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
+        """A Lookup for an id whose job is live: ack, take no second set of leases (legacy:
+        replace the job and lease again, leaking the first set: F4)."""
+        self._counters["duplicate_lookups"] += 1
+        out.append(Reply(event.reply_to, None))
+
+    def _lease_for_lookup(self, request_id: str, key: ObjectKey, num_readers: int, now: float) -> None:
+        """Make ``request_id`` hold ``num_readers`` counts on ``key`` (tops up, never adds twice)."""
+        need = num_readers - self.index.read_count(key, request_id)
+        if need > 0:
+            self.index.lease_read(key, request_id, need, now)
+        self.index.touch(key)
+
+    def _release_for_free_lookup_locks(
+        self, request_id: str, keys: Sequence[ObjectKey], now: float
+    ) -> int:
+        """FREE_LOOKUP_LOCKS: release this request's leases on ``keys`` only (legacy: one count of
+        whoever holds each key: F9). Returns the counts released."""
+        released = 0
+        for key in keys:
+            released += self.index.release_read(key, request_id, None, ReleaseReason.FREE, now)
+        return released
+
+    def _release_after_retrieve(self, request_id: str, keys: Sequence[ObjectKey], now: float) -> None:
+        """A successful RETRIEVE releases one of the request's counts per object."""
+        for key in keys:
+            self.index.release_read(key, request_id, 1, ReleaseReason.RETRIEVE, now)
+
+    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
+        """Remember an answered job's count (legacy: nothing, so repeats see an unknown id: F1)."""
+        self._tombstones[request_id] = (hits, now + self.config.tombstone_ttl)
+        self._tombstones.move_to_end(request_id)
+        while len(self._tombstones) > self.config.tombstone_cap:
+            self._tombstones.popitem(last=False)
+            self._counters["tombstones_dropped"] += 1
+
+    def _end_session(self, request_id: str, now: float, out: list[Effect]) -> None:
+        """END_SESSION: drop job, tombstone, waiters; release the id's leases (legacy LMCache
+        April: only the session goes, the job and its leases stay: F12)."""
+        job = self._jobs.pop(request_id, None)
+        if job is not None and job.read_id is not None:
+            read = self._reads.get(job.read_id)
+            if read is not None:
+                read.request_id = None
+        self._tombstones.pop(request_id, None)
+        self._answer_waiters(request_id, 0, out)
+        self.index.release_owner(request_id, ReleaseReason.END_SESSION, now)
+
+    def _reap_abandoned_jobs(self, now: float, out: list[Effect]) -> None:
+        """Drop jobs never answered within ``abandoned_job_ttl``, releasing their leases (legacy:
+        nothing; jobs and leases stay until TTL: F12)."""
+        for rid in [rid for rid, j in self._jobs.items() if j.reap_at <= now]:
+            job = self._jobs.pop(rid)
+            self._counters["reaped_jobs"] += 1
+            if job.read_id is not None and job.read_id in self._reads:
+                self._reads[job.read_id].request_id = None
+            self._answer_waiters(rid, 0, out)
+            self.index.release_owner(rid, ReleaseReason.REAP, now)
+
+    # ============================================================================= handlers
+
+    def _on_ping(self, ev: Ping, now: float, out: list[Effect]) -> None:
+        out.append(Reply(ev.reply_to, True))
+
+    def _on_get_chunk_size(self, ev: GetChunkSize, now: float, out: list[Effect]) -> None:
+        out.append(Reply(ev.reply_to, self.config.chunk_size))
+
+    def _on_lookup(self, ev: Lookup, now: float, out: list[Effect]) -> None:
+        self._counters["lookups"] += 1
+        err = self._validate_key(ev.key, scheduler=True)
+        if err is None and ev.key.start != 0:
+            err = f"a lookup key starts at token 0, not {ev.key.start}"
+        hashes: tuple[bytes, ...] = ()
+        if err is None:
+            hashes, err = self._hashes(ev.key, ev.key.end // self.config.chunk_size)
+        if err is not None:
+            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, err))
+            return
+        rid = ev.key.request_id
+        job = self._jobs.get(rid)
+        if job is not None:
+            self._on_duplicate_lookup(job, ev, now, out)
+            return
+        self._tombstones.pop(rid, None)
+        self._start_job(ev, hashes, now, out)
+
+    def _start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
+        key, rid, ws = ev.key, ev.key.request_id, ev.key.world_size
+        prefix = 0
+        for h in hashes:
+            if not all(self.index.is_readable(ObjectKey(h, r)) for r in range(ws)):
+                break
+            prefix += 1
+        if ev.num_readers > 0:
+            for i in range(prefix):
+                for r in range(ws):
+                    self._lease_for_lookup(rid, ObjectKey(hashes[i], r), ev.num_readers, now)
+        self._counters["lookup_chunks"] += len(hashes)
+        job = PrefetchJob(
+            request_id=rid, serial=self._new_id(), key=key, hashes=hashes,
+            num_readers=ev.num_readers, l1_prefix=prefix, created=now,
+            reap_at=now + self.config.abandoned_job_ttl,
+        )
+        self._jobs[rid] = job
+        self._push_timer(job.reap_at, "reap", (rid, job.serial))
+        read = self._plan_l2_read(job, now) if self.config.l2_enabled else None
+        out.append(Reply(ev.reply_to, None))
+        if read is None:
+            self._complete_job(job, prefix, now, out)
+            return
+        job.read_id = read.read_id
+        job.l2_deadline = now + self.config.l2_read_timeout
+        self._push_timer(job.l2_deadline, "l2_timeout", (rid, job.serial))
+        self._reads[read.read_id] = read
+        self._counters["l2_reads"] += 1
+        slots = tuple(self.index.slot_of(k) for k in read.keys)
+        out.append(ReadL2(read.read_id, tuple((k, s) for k, s in zip(read.keys, slots) if s is not None)))
+
+    def _plan_l2_read(self, job: PrefetchJob, now: float) -> L2Read | None:
+        """Reserve slots for the objects missing after the L1 prefix, prefix order, stopping at
+        an object another writer holds or when no slot is left."""
+        read_id = self._new_id()
+        owner = ("l2read", read_id)
+        ws = job.key.world_size
+        nbytes = self._object_bytes_for(job.key.model_name, ws)
+        keys: list[ObjectKey] = []
+        chunks: list[int] = []
+        stop = False
+        for i in range(job.l1_prefix, len(job.hashes)):
+            for r in range(ws):
+                k = ObjectKey(job.hashes[i], r)
+                if self.index.is_readable(k):
+                    continue
+                if self.index.reserve_write(k, owner, nbytes, now) is None:
+                    stop = True
+                    break
+                keys.append(k)
+                chunks.append(i)
+            if stop:
+                break
+        if not keys:
+            return None
+        return L2Read(read_id, job.request_id, job.serial, tuple(chunks), tuple(keys))
+
+    def _complete_job(self, job: PrefetchJob, hits: int, now: float, out: list[Effect]) -> None:
+        job.hits = hits
+        job.read_id = None
+        job.l2_deadline = None
+        self._counters["hit_chunks"] += hits
+        if job.request_id in self._waiters:
+            self._answer_waiters(job.request_id, hits, out)
+            self._consume(job, now)
+
+    def _consume(self, job: PrefetchJob, now: float) -> None:
+        assert job.hits is not None
+        del self._jobs[job.request_id]
+        self._tombstone_after_answer(job.request_id, job.hits, now)
+
+    def _on_query(self, ev: QueryPrefetchStatus, now: float, out: list[Effect]) -> None:
+        self._counters["status_queries"] += 1
+        out.append(Reply(ev.reply_to, self._status(ev.request_id, now)))
+
+    def _status(self, rid: str, now: float) -> int | None:
+        job = self._jobs.get(rid)
+        if job is not None:
+            if job.hits is None:
+                return None
+            hits = job.hits
+            self._consume(job, now)
+            return hits
+        tomb = self._tombstones.get(rid)
+        if tomb is not None:
+            return tomb[0]
+        self._counters["unknown_status"] += 1
+        return self._status_for_unknown(rid)
+
+    def _on_wait(self, ev: WaitPrefetchStatus, now: float, out: list[Effect]) -> None:
+        self._counters["status_queries"] += 1
+        if not isinstance(ev.timeout, (int, float)) or math.isnan(ev.timeout):
+            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, "timeout must be a number"))
+            return
+        job = self._jobs.get(ev.request_id)
+        if job is None or job.hits is not None or ev.timeout <= 0:
+            out.append(Reply(ev.reply_to, self._status(ev.request_id, now)))
+            return
+        if len(self._waiter_by_id) >= self.config.max_waiters:
+            out.append(self._error(ev.reply_to, ErrorKind.TOO_LARGE, "too many status waiters"))
+            return
+        w = Waiter(self._new_id(), ev.request_id, ev.reply_to, now + min(ev.timeout, 1e9))
+        self._waiters.setdefault(ev.request_id, {})[w.waiter_id] = w
+        self._waiter_by_id[w.waiter_id] = w
+        self._push_timer(w.deadline, "waiter", w.waiter_id)
+
+    def _answer_waiters(self, rid: str, result: int | None, out: list[Effect]) -> None:
+        for w in self._waiters.pop(rid, {}).values():
+            del self._waiter_by_id[w.waiter_id]
+            out.append(Reply(w.reply_to, result))
+
+    def _on_free(self, ev: FreeLookupLocks, now: float, out: list[Effect]) -> None:
+        key = ev.key
+        err = self._validate_key(key, scheduler=True, aligned=False)
+        C = self.config.chunk_size
+        first, last = key.start // C, key.end // C
+        hashes: tuple[bytes, ...] = ()
+        if err is None:
+            hashes, err = self._hashes(key, last)
+        if err is not None:
+            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, err))
+            return
+        keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(key.world_size)]
+        self._release_for_free_lookup_locks(key.request_id, keys, now)
+        job = self._jobs.get(key.request_id)
+        if job is not None and job.hits is None:
+            job.freed_chunks.update(range(first, last))
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_end_session(self, ev: EndSession, now: float, out: list[Effect]) -> None:
+        self._end_session(ev.request_id, now, out)
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_clear(self, ev: Clear, now: float, out: list[Effect]) -> None:
+        self.index.clear(bool(ev.force))
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_register(self, ev: RegisterInstance, now: float, out: list[Effect]) -> None:
+        err = None
+        if not isinstance(ev.world_size, int) or ev.world_size < 1:
+            err = "world_size must be >= 1"
+        elif not isinstance(ev.model_name, str):
+            err = "model_name must be a str"
+        elif not isinstance(ev.object_bytes, int) or ev.object_bytes < 0:
+            err = "object_bytes must be >= 0"
+        if err is not None:
+            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, err))
+            return
+        if ev.object_bytes > self.config.slot_bytes:
+            out.append(self._error(
+                ev.reply_to, ErrorKind.TOO_LARGE,
+                f"object of {ev.object_bytes} B > slot of {self.config.slot_bytes} B",
+            ))
+            return
+        self._instances[ev.instance_id] = attrs.evolve(ev, reply_to=None)
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_unregister(self, ev: UnregisterInstance, now: float, out: list[Effect]) -> None:
+        self._instances.pop(ev.instance_id, None)
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_store(self, ev: Store | PrepareStore, now: float, out: list[Effect]) -> None:
+        engine_driven = isinstance(ev, PrepareStore)
+        inst, keys_or_err = self._worker_keys(ev.key, ev.instance_id, 0)
+        if inst is None or isinstance(keys_or_err, ProtocolError):
+            assert isinstance(keys_or_err, ProtocolError)
+            out.append(ErrorReply(ev.reply_to, keys_or_err))
+            return
+        tid = self._new_id()
+        owner = ("transfer", tid)
+        first = ev.key.start // self.config.chunk_size
+        placements: list[Placement] = []
+        reserved: list[ObjectKey] = []
+        skipped = 0
+        for offset, k in enumerate(keys_or_err):
+            slot = self.index.reserve_write(k, owner, inst.object_bytes, now)
+            if slot is None:
+                skipped += 1
+            else:
+                placements.append((first + offset, slot))
+                reserved.append(k)
+        if not engine_driven and not placements:
+            out.append(Reply(ev.reply_to, StoreResult(True, 0, skipped)))
+            return
+        t = Transfer(
+            tid, TransferKind.STORE, engine_driven, ev.key.request_id, ev.reply_to,
+            tuple(reserved), tuple(placements), skipped,
+            now + self.config.lease_ttl if engine_driven else None,
+        )
+        self._begin_transfer(t, ev, out)
+
+    def _on_retrieve(self, ev: Retrieve | PrepareRetrieve, now: float, out: list[Effect]) -> None:
+        engine_driven = isinstance(ev, PrepareRetrieve)
+        inst, keys_or_err = self._worker_keys(ev.key, ev.instance_id, ev.skip_first_n_tokens)
+        if inst is None or isinstance(keys_or_err, ProtocolError):
+            assert isinstance(keys_or_err, ProtocolError)
+            out.append(ErrorReply(ev.reply_to, keys_or_err))
+            return
+        keys = keys_or_err
+        if not all(self.index.is_readable(k) for k in keys):
+            self._counters["retrieve_misses"] += 1
+            if engine_driven:
+                out.append(Reply(ev.reply_to, TransferPlan(-1, (), False, TransferKind.RETRIEVE,
+                                                           ev.skip_first_n_tokens)))
+            else:
+                out.append(Reply(ev.reply_to, RetrieveResult(False, len(keys))))
+            return
+        if not keys and not engine_driven:
+            out.append(Reply(ev.reply_to, RetrieveResult(True, 0)))
+            return
+        tid = self._new_id()
+        owner = ("transfer", tid)
+        first = ev.key.start // self.config.chunk_size
+        placements: list[Placement] = []
+        for offset, k in enumerate(keys):
+            self.index.lease_read(k, owner, 1, now)
+            self.index.touch(k)
+            slot = self.index.slot_of(k)
+            assert slot is not None
+            placements.append((first + offset, slot))
+        t = Transfer(
+            tid, TransferKind.RETRIEVE, engine_driven, ev.key.request_id, ev.reply_to,
+            tuple(keys), tuple(placements), 0,
+            now + self.config.lease_ttl if engine_driven else None,
+        )
+        self._begin_transfer(t, ev, out)
+
+    def _begin_transfer(
+        self, t: Transfer, ev: Store | PrepareStore | Retrieve | PrepareRetrieve, out: list[Effect]
+    ) -> None:
+        self._transfers[t.transfer_id] = t
+        self._counters["transfers_started"] += 1
+        skip = getattr(ev, "skip_first_n_tokens", 0)
+        if t.engine_driven:
+            assert t.deadline is not None
+            self._push_timer(t.deadline, "plan", t.transfer_id)
+            out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip)))
+        else:
+            assert isinstance(ev, (Store, Retrieve))
+            out.append(StartTransfer(
+                t.transfer_id, t.kind, ev.instance_id, t.request_id, ev.reply_to,
+                ev.key.start, ev.key.end, t.placements, ev.block_ids, skip,
+            ))
+
+    def _on_transfer_finished(self, ev: TransferFinished, now: float, out: list[Effect]) -> None:
+        t = self._transfers.get(ev.transfer_id)
+        if t is None or t.engine_driven:
+            self._counters["stale_events"] += 1
+            return
+        del self._transfers[ev.transfer_id]
+        self._finish_transfer(t, bool(ev.ok), t.reply_to, now, out)
+
+    def _on_commit(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
+        t = self._transfers.get(ev.transfer_id)
+        if t is None or not t.engine_driven:
+            out.append(self._error(ev.reply_to, ErrorKind.UNKNOWN_TRANSFER,
+                                   f"no prepared transfer {ev.transfer_id}"))
+            return
+        del self._transfers[ev.transfer_id]
+        self._finish_transfer(t, bool(ev.ok), ev.reply_to, now, out)
+
+    def _finish_transfer(
+        self, t: Transfer, ok: bool, reply_to: ReplyTo, now: float, out: list[Effect]
+    ) -> None:
+        """Complete a transfer; ``reply_to`` None (an expired plan) sends no reply."""
+        owner = ("transfer", t.transfer_id)
+        if not ok:
+            self._counters["transfers_failed"] += 1
+        if t.kind is TransferKind.STORE:
+            stored: list[ObjectKey] = []
+            for k in t.keys:
+                if ok:
+                    if self.index.finish_write(k, owner, now):
+                        stored.append(k)
+                else:
+                    self.index.abort_write(k, owner, now)
+            result: object = StoreResult(ok and len(stored) == len(t.keys), len(stored),
+                                         t.skipped + len(t.keys) - len(stored))
+            if stored and self.config.write_behind:
+                self._write_behind(stored, now, out)
+        else:
+            for k in t.keys:
+                self.index.release_read(k, owner, None, ReleaseReason.TRANSFER, now)
+            if ok:
+                self._release_after_retrieve(t.request_id, t.keys, now)
+            result = RetrieveResult(ok, len(t.keys))
+        if reply_to is not None:
+            out.append(Reply(reply_to, result))
+
+    def _write_behind(self, keys: Sequence[ObjectKey], now: float, out: list[Effect]) -> None:
+        wid = self._new_id()
+        owner = ("l2write", wid)
+        items = []
+        for k in keys:
+            if self.index.lease_read(k, owner, 1, now):
+                slot = self.index.slot_of(k)
+                assert slot is not None
+                items.append((k, slot))
+        if not items:
+            return
+        self._writes[wid] = tuple(k for k, _ in items)
+        self._counters["l2_writes"] += 1
+        out.append(WriteL2(wid, tuple(items)))
+
+    def _on_l2_write_finished(self, ev: L2WriteFinished, now: float, out: list[Effect]) -> None:
+        keys = self._writes.pop(ev.write_id, None)
+        if keys is None:
+            self._counters["stale_events"] += 1
+            return
+        for k in keys:
+            self.index.release_read(k, ("l2write", ev.write_id), None, ReleaseReason.L2_WRITE, now)
+
+    def _on_l2_read_finished(self, ev: L2ReadFinished, now: float, out: list[Effect]) -> None:
+        read = self._reads.pop(ev.read_id, None)
+        if read is None:
+            self._counters["stale_events"] += 1
+            return
+        owner = ("l2read", read.read_id)
+        for i, k in enumerate(read.keys):
+            if i < len(ev.loaded) and ev.loaded[i]:
+                self.index.finish_write(k, owner, now)
+            else:
+                self.index.abort_write(k, owner, now)
+        job = self._jobs.get(read.request_id) if read.request_id is not None else None
+        if job is None or job.serial != read.job_serial or job.read_id != read.read_id:
+            return
+        hits = job.l1_prefix
+        ws = job.key.world_size
+        for i in range(job.l1_prefix, len(job.hashes)):
+            keys = [ObjectKey(job.hashes[i], r) for r in range(ws)]
+            if not all(self.index.is_readable(k) for k in keys):
+                break
+            if i not in job.freed_chunks and job.num_readers > 0:
+                for k in keys:
+                    self._lease_for_lookup(job.request_id, k, job.num_readers, now)
+            hits += 1
+        self._complete_job(job, hits, now, out)
+
+    def _on_timer(self, ev: TimerFired, now: float, out: list[Effect]) -> None:
+        pass  # _advance already did the work
+
+    # ============================================================================= time
+
+    def _advance(self, now: float, out: list[Effect]) -> None:
+        self.index.expire(now)
+        while self._tombstones:
+            rid, (_hits, expiry) = next(iter(self._tombstones.items()))
+            if expiry > now:
+                break
+            del self._tombstones[rid]
+        while self._timers and self._timers[0][0] <= now:
+            entry = heapq.heappop(self._timers)
+            if not self._timer_live(entry):
+                continue
+            _deadline, _seq, kind, ident = entry
+            if kind == "waiter":
+                assert isinstance(ident, int)
+                w = self._waiter_by_id.pop(ident)
+                waiters = self._waiters[w.request_id]
+                del waiters[ident]
+                if not waiters:
+                    del self._waiters[w.request_id]
+                self._counters["waiter_timeouts"] += 1
+                out.append(Reply(w.reply_to, None))
+            elif kind == "l2_timeout":
+                assert isinstance(ident, tuple)
+                job = self._jobs[ident[0]]
+                self._counters["l2_timeouts"] += 1
+                if job.read_id is not None and job.read_id in self._reads:
+                    self._reads[job.read_id].request_id = None
+                self._complete_job(job, job.l1_prefix, now, out)
+            elif kind == "plan":
+                assert isinstance(ident, int)
+                t = self._transfers.pop(ident)
+                self._counters["expired_plans"] += 1
+                self._finish_transfer(t, False, None, now, out)
+        self._reap_abandoned_jobs(now, out)
+
+    def _push_timer(self, deadline: float, kind: str, ident: Hashable) -> None:
+        heapq.heappush(self._timers, (deadline, self._new_id(), kind, ident))
+
+    def _timer_live(self, entry: tuple[float, int, str, Hashable]) -> bool:
+        _deadline, _seq, kind, ident = entry
+        if kind == "waiter":
+            return ident in self._waiter_by_id
+        if kind == "plan":
+            return ident in self._transfers
+        assert isinstance(ident, tuple)
+        job = self._jobs.get(ident[0])
+        if job is None or job.serial != ident[1]:
+            return False
+        if kind == "l2_timeout":
+            return job.hits is None
+        return True  # reap
+
+    # ============================================================================= helpers
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _error(self, reply_to: ReplyTo, kind: ErrorKind, message: str) -> ErrorReply:
+        self._counters["errors"] += 1
+        return ErrorReply(reply_to, ProtocolError(kind, message))
+
+    def _object_bytes_for(self, model_name: str, world_size: int) -> int:
+        for inst in self._instances.values():
+            if inst.model_name == model_name and inst.world_size == world_size:
+                return inst.object_bytes
+        return self.config.slot_bytes
+
+    def _validate_key(self, key: CacheKey, *, scheduler: bool, aligned: bool = True) -> str | None:
+        if not isinstance(key, CacheKey):
+            return "key must be a CacheKey"
+        if not isinstance(key.model_name, str):
+            return "model_name must be a str"
+        if not isinstance(key.world_size, int) or isinstance(key.world_size, bool) or key.world_size < 1:
+            return f"world_size must be an int >= 1, not {key.world_size!r}"
+        if not isinstance(key.request_id, str):
+            return "request_id must be a str"
+        salt_err = validate_cache_salt(key.cache_salt)
+        if salt_err is not None:
+            return salt_err
+        if scheduler:
+            if key.worker_id is not None:
+                return "a scheduler key has worker_id None"
+        elif not isinstance(key.worker_id, int) or not 0 <= key.worker_id < key.world_size:
+            return f"worker_id must be in [0, {key.world_size}), not {key.worker_id!r}"
+        if not isinstance(key.start, int) or not isinstance(key.end, int):
+            return "start and end must be ints"
+        if not 0 <= key.start <= key.end <= len(key.token_ids):
+            return f"range [{key.start}, {key.end}) outside the {len(key.token_ids)} tokens"
+        C = self.config.chunk_size
+        if aligned and (key.start % C or key.end % C):
+            return f"range [{key.start}, {key.end}) is not aligned to the chunk size {C}"
+        if key.end // C > self.config.max_chunks_per_request:
+            return "too many chunks in one request"
+        return None
+
+    def _hashes(self, key: CacheKey, num_chunks: int) -> tuple[tuple[bytes, ...], str | None]:
+        ident = (key.model_name, key.world_size, key.cache_salt)
+        root = self._roots.get(ident)
+        if root is None:
+            if len(self._roots) >= 1024:
+                self._roots.clear()
+            root = self._roots[ident] = identity_root(*ident)
+        try:
+            return chunk_hashes(key.token_ids, self.config.chunk_size, root, num_chunks), None
+        except (ValueError, TypeError, OverflowError) as exc:
+            return (), f"token ids must be uint32: {exc}"
+
+    def _worker_keys(
+        self, key: CacheKey, instance_id: int, skip: int
+    ) -> tuple[RegisterInstance | None, tuple[ObjectKey, ...] | ProtocolError]:
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            self._counters["errors"] += 1
+            return None, ProtocolError(ErrorKind.NOT_REGISTERED, f"instance {instance_id!r} is not registered")
+        err = self._validate_key(key, scheduler=False)
+        if err is None and (key.model_name != inst.model_name or key.world_size != inst.world_size):
+            err = "key model_name/world_size differ from the registered instance"
+        if err is None and skip > key.end - key.start:
+            err = "skip_first_n_tokens beyond the range"
+        hashes: tuple[bytes, ...] = ()
+        if err is None:
+            hashes, err = self._hashes(key, key.end // self.config.chunk_size)
+        if err is not None:
+            self._counters["errors"] += 1
+            return None, ProtocolError(ErrorKind.VALIDATION, err)
+        assert key.worker_id is not None
+        first = key.start // self.config.chunk_size
+        return inst, tuple(ObjectKey(h, key.worker_id) for h in hashes[first:])
+
+
+_Handler = Callable[[LookupServer, Any, float, list[Effect]], None]
+_DISPATCH: dict[type, _Handler] = {
+    Ping: LookupServer._on_ping,
+    GetChunkSize: LookupServer._on_get_chunk_size,
+    Lookup: LookupServer._on_lookup,
+    QueryPrefetchStatus: LookupServer._on_query,
+    WaitPrefetchStatus: LookupServer._on_wait,
+    FreeLookupLocks: LookupServer._on_free,
+    EndSession: LookupServer._on_end_session,
+    Clear: LookupServer._on_clear,
+    RegisterInstance: LookupServer._on_register,
+    UnregisterInstance: LookupServer._on_unregister,
+    Store: LookupServer._on_store,
+    PrepareStore: LookupServer._on_store,
+    Retrieve: LookupServer._on_retrieve,
+    PrepareRetrieve: LookupServer._on_retrieve,
+    CommitTransfer: LookupServer._on_commit,
+    TransferFinished: LookupServer._on_transfer_finished,
+    L2ReadFinished: LookupServer._on_l2_read_finished,
+    L2WriteFinished: LookupServer._on_l2_write_finished,
+    TimerFired: LookupServer._on_timer,
+}

@@ -1,0 +1,456 @@
+"""``TransferClient``: the worker side of STORE / RETRIEVE, as one pure machine.
+
+Operations are keyed by ``OpId = (request_id, seq)``: every submit gets the next ``seq`` of its
+request, so a later op never overwrites an earlier one (F15). One op's life::
+
+    server-driven:  SubmitX -> SENT (Store / Retrieve sent) -> reply -> done
+    engine-driven:  SubmitX -> SENT (PrepareStore / PrepareRetrieve) -> TransferPlan
+                    -> COPYING (CopyBlocks effect) -> CopyFinished -> COMMITTING (CommitTransfer)
+                    -> reply -> done
+
+Reporting (``finished() -> (sending, recving)``, each id at most once per set, memory bounded):
+
+* ``recving``: when a request's retrieve ops are all done -- success or failure. A failed
+  retrieve (``ok=False``, error reply, unhealthy server, bad plan) adds its block ids (minus the
+  blocks wholly inside ``skip_first_n_tokens``) to ``load_errors()`` so vLLM recomputes them
+  (F10); the request is still reported once. A request the engine already finished or aborted
+  is not reported in ``recving`` (F16: no double completion).
+* ``sending``: once the engine finished the request (``EngineFinished``/``Abort``) **and** every
+  op of the request is done -- an abort mid-transfer holds the blocks until the copy's completion
+  is observed. Every engine-finished id is reported exactly once (the connector's
+  ``request_finished`` must therefore always delay freeing, as LMCache's does).
+
+Health: while the server is unhealthy, new stores are skipped (done at once) and new retrieves
+fail at once into load errors; on becoming unhealthy, ops waiting on the server fail now, ops
+whose engine copy is running wait for ``CopyFinished``. A transition to healthy (including the
+first ``ServerHealth(server, True)`` the runtime feeds at start) sends ``RegisterInstance``.
+"""
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+
+import attrs
+
+from core_sm.chunks import DEFAULT_CHUNK_SIZE
+from core_sm.effects import CopyBlocks, Effect, SendRequest
+from core_sm.messages import (
+    Abort,
+    CacheKey,
+    ClientEvent,
+    CommitTransfer,
+    CopyFinished,
+    EngineFinished,
+    OpId,
+    PrepareRetrieve,
+    PrepareStore,
+    RegisterInstance,
+    ReplyReceived,
+    RequestFailed,
+    Retrieve,
+    RetrieveResult,
+    ServerHealth,
+    ServerRequest,
+    Store,
+    StoreResult,
+    SubmitRetrieve,
+    SubmitStore,
+    TimerFired,
+    TransferKind,
+    TransferPlan,
+)
+
+
+@attrs.frozen
+class TransferClientConfig:
+    instance_id: int = 0
+    model_name: str = ""
+    world_size: int = 1
+    worker_id: int = 0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    object_bytes: int = 0
+    engine_driven: bool = False
+    server: int = 0
+    op_timeout: float | None = None  # waiting on the server longer than this fails the op
+    reported_cap: int = 100_000  # ids remembered to keep reports exactly-once
+
+
+class OpState(enum.Enum):
+    ABSENT = "absent"  # never submitted, or done
+    SENT = "sent"  # request sent, reply awaited
+    COPYING = "copying"  # engine-driven: CopyBlocks emitted, CopyFinished awaited
+    COMMITTING = "committing"  # engine-driven: CommitTransfer sent, reply awaited
+
+
+_O = OpState
+# The one transition table: (op's state, event type) -> allowed next states.
+TRANSITIONS: dict[tuple[OpState, type], frozenset[OpState]] = {
+    (_O.ABSENT, SubmitStore): frozenset({_O.SENT, _O.ABSENT}),
+    (_O.ABSENT, SubmitRetrieve): frozenset({_O.SENT, _O.ABSENT}),
+    (_O.ABSENT, ReplyReceived): frozenset({_O.ABSENT}),
+    (_O.ABSENT, RequestFailed): frozenset({_O.ABSENT}),
+    (_O.ABSENT, CopyFinished): frozenset({_O.ABSENT}),
+    (_O.SENT, ReplyReceived): frozenset({_O.ABSENT, _O.COPYING, _O.COMMITTING}),
+    (_O.SENT, RequestFailed): frozenset({_O.ABSENT}),
+    (_O.SENT, CopyFinished): frozenset({_O.SENT}),
+    (_O.SENT, ServerHealth): frozenset({_O.SENT, _O.ABSENT}),
+    (_O.SENT, TimerFired): frozenset({_O.SENT, _O.ABSENT}),
+    (_O.COPYING, CopyFinished): frozenset({_O.COMMITTING, _O.ABSENT}),
+    (_O.COPYING, ReplyReceived): frozenset({_O.COPYING}),
+    (_O.COPYING, RequestFailed): frozenset({_O.COPYING}),
+    (_O.COPYING, ServerHealth): frozenset({_O.COPYING}),
+    (_O.COPYING, TimerFired): frozenset({_O.COPYING}),
+    (_O.COMMITTING, ReplyReceived): frozenset({_O.ABSENT}),
+    (_O.COMMITTING, RequestFailed): frozenset({_O.ABSENT}),
+    (_O.COMMITTING, CopyFinished): frozenset({_O.COMMITTING}),
+    (_O.COMMITTING, ServerHealth): frozenset({_O.COMMITTING, _O.ABSENT}),
+    (_O.COMMITTING, TimerFired): frozenset({_O.COMMITTING, _O.ABSENT}),
+    **{(s, Abort): frozenset({s}) for s in OpState},
+    **{(s, EngineFinished): frozenset({s}) for s in OpState},
+    (_O.ABSENT, ServerHealth): frozenset({_O.ABSENT}),
+    (_O.ABSENT, TimerFired): frozenset({_O.ABSENT}),
+}
+EVENTS = (SubmitStore, SubmitRetrieve, ReplyReceived, RequestFailed, CopyFinished, ServerHealth,
+          TimerFired, Abort, EngineFinished)
+
+
+@attrs.define
+class TransferOp:
+    op: OpId
+    kind: TransferKind
+    key: CacheKey
+    block_ids: tuple[int, ...]
+    skip_first_n_tokens: int
+    state: OpState
+    correlation: int | None
+    sent_at: float
+    transfer_id: int = -1
+    copy_ok: bool = True
+
+
+@attrs.define
+class RequestRecord:
+    request_id: str
+    next_seq: int = 0  # ops submitted so far
+    ops: dict[OpId, TransferOp] = attrs.Factory(dict)
+    engine_finished: bool = False
+    retrieve_done: bool = False  # some retrieve op completed since the last recving report
+
+
+class TransferClient:
+    """Worker-side transfer bookkeeping. ``handle``, ``next_deadline``, ``finished``,
+    ``load_errors``."""
+
+    TRANSITIONS = TRANSITIONS
+
+    def __init__(self, config: TransferClientConfig | None = None) -> None:
+        self.config = config if config is not None else TransferClientConfig()
+        self._requests: dict[str, RequestRecord] = {}
+        self._by_correlation: dict[int, OpId] = {}
+        self._ops: dict[OpId, TransferOp] = {}
+        self._registration_correlation: int | None = None
+        self._healthy = True
+        self._registered = False
+        self._next_correlation = 0
+        self._next_seq = 0  # client-wide, so an OpId is never reused
+        self._sending: dict[str, None] = {}
+        self._recving: dict[str, None] = {}
+        self._load_errors: dict[int, None] = {}
+        self._reported_sending: OrderedDict[str, None] = OrderedDict()
+        self._counters = {
+            name: 0
+            for name in ("stores", "retrieves", "stores_failed", "retrieves_failed",
+                         "stores_skipped_unhealthy", "stale_replies", "stale_copies",
+                         "duplicate_finishes", "bad_replies", "timeouts", "registrations")
+        }
+
+    # ============================================================================= public API
+
+    def handle(self, event: ClientEvent, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        self._advance(now, out)
+        if isinstance(event, (SubmitStore, SubmitRetrieve)):
+            self._on_submit(event, now, out)
+        elif isinstance(event, ReplyReceived):
+            self._on_reply(event.correlation, event.result, False, now, out)
+        elif isinstance(event, RequestFailed):
+            self._on_reply(event.correlation, None, True, now, out)
+        elif isinstance(event, CopyFinished):
+            self._on_copy_finished(event, now, out)
+        elif isinstance(event, ServerHealth):
+            self._on_health(event, now, out)
+        elif isinstance(event, Abort):
+            self._engine_finished(event.request_id)
+        elif isinstance(event, EngineFinished):
+            for rid in event.request_ids:
+                self._engine_finished(rid)
+        elif isinstance(event, TimerFired):
+            pass
+        else:
+            self._counters["stale_replies"] += 1
+        return out
+
+    def finished(self) -> tuple[frozenset[str], frozenset[str]]:
+        """``(sending, recving)`` newly finished since the last call (each id once)."""
+        sending, recving = frozenset(self._sending), frozenset(self._recving)
+        self._sending.clear()
+        self._recving.clear()
+        return sending, recving
+
+    def load_errors(self) -> frozenset[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them); clears."""
+        errors = frozenset(self._load_errors)
+        self._load_errors.clear()
+        return errors
+
+    def op_state(self, op: OpId) -> OpState:
+        record = self._ops.get(op)
+        return OpState.ABSENT if record is None else record.state
+
+    def ops_of(self, request_id: str) -> tuple[OpId, ...]:
+        record = self._requests.get(request_id)
+        return () if record is None else tuple(record.ops)
+
+    def registration_request(self) -> RegisterInstance:
+        c = self.config
+        return RegisterInstance(c.instance_id, c.model_name, c.world_size, c.object_bytes, c.engine_driven)
+
+    def next_deadline(self) -> float | None:
+        if self.config.op_timeout is None:
+            return None
+        waiting = [op.sent_at for op in self._ops.values() if op.state in (_O.SENT, _O.COMMITTING)]
+        return min(waiting) + self.config.op_timeout if waiting else None
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._counters)
+        out["requests"] = len(self._requests)
+        out["ops_in_flight"] = len(self._ops)
+        out["correlations"] = len(self._by_correlation)
+        out["reported_remembered"] = len(self._reported_sending)
+        out["pending_sending"] = len(self._sending)
+        out["pending_recving"] = len(self._recving)
+        out["load_errors_pending"] = len(self._load_errors)
+        return out
+
+    def check_invariants(self) -> None:
+        for corr, op_id in self._by_correlation.items():
+            op = self._ops.get(op_id)
+            assert op is not None and op.correlation == corr, "orphan correlation"
+        n = 0
+        for rid, record in self._requests.items():
+            for op_id, op in record.ops.items():
+                assert self._ops.get(op_id) is op, "op table out of sync"
+                assert op.state is not OpState.ABSENT
+                if op.state is OpState.COPYING:
+                    assert op.correlation is None
+                n += 1
+            assert record.ops or not record.engine_finished, "finished request kept after its ops"
+        assert n == len(self._ops), "an op outside its request"
+        assert len(self._reported_sending) <= self.config.reported_cap
+
+    # ============================================================================= hooks
+
+    def _op_key(self, record: RequestRecord) -> OpId:
+        """The key of the next op of ``record`` (legacy: ``(request_id, 0)`` for every op, so a
+        later op overwrites the earlier one: F15)."""
+        self._next_seq += 1
+        record.next_seq += 1
+        return (record.request_id, self._next_seq)
+
+    def _report_recving_after_finish(self, record: RequestRecord) -> bool:
+        """Whether a retrieve completing after the engine finished/aborted the request is still
+        reported in recving (legacy: True, the double completion of F16)."""
+        return False
+
+    def _errors_for_failed_retrieve(self, op: TransferOp) -> tuple[int, ...]:
+        """Block ids to report when a retrieve fails (legacy: none, so vLLM decodes over
+        unwritten KV: F10)."""
+        blocks = op.block_ids
+        span = op.key.end - op.key.start
+        if not blocks or span <= 0 or span % len(blocks):
+            return blocks
+        tokens_per_block = span // len(blocks)
+        return blocks[op.skip_first_n_tokens // tokens_per_block:]
+
+    # ============================================================================= handlers
+
+    def _on_submit(self, ev: SubmitStore | SubmitRetrieve, now: float, out: list[Effect]) -> None:
+        c = self.config
+        is_store = isinstance(ev, SubmitStore)
+        kind = TransferKind.STORE if is_store else TransferKind.RETRIEVE
+        self._counters["stores" if is_store else "retrieves"] += 1
+        record = self._requests.get(ev.request_id)
+        if record is None:
+            record = self._requests[ev.request_id] = RequestRecord(ev.request_id)
+        key = CacheKey(c.model_name, c.world_size, c.worker_id, ev.token_ids, ev.start, ev.end,
+                       ev.request_id, ev.cache_salt)
+        skip = 0 if isinstance(ev, SubmitStore) else ev.skip_first_n_tokens
+        op = TransferOp(self._op_key(record), kind, key, ev.block_ids, skip, OpState.SENT, None, now)
+        if not self._healthy:
+            self._complete(record, op, False, now)
+            if is_store:
+                self._counters["stores_skipped_unhealthy"] += 1
+            self._maybe_drop(record)
+            return
+        request: ServerRequest
+        if c.engine_driven:
+            request = PrepareStore(key, c.instance_id) if is_store else PrepareRetrieve(
+                key, c.instance_id, skip)
+        else:
+            request = Store(key, c.instance_id, ev.block_ids) if is_store else Retrieve(
+                key, c.instance_id, ev.block_ids, skip)
+        old = record.ops.get(op.op)
+        if old is not None:  # only a legacy _op_key can collide: the old op is lost (F15)
+            self._drop_op(record, old)
+        record.ops[op.op] = op
+        self._ops[op.op] = op
+        op.correlation = self._send(request, op.op, out)
+
+    def _on_reply(self, corr: int, result: object, failed: bool, now: float, out: list[Effect]) -> None:
+        if corr == self._registration_correlation:
+            self._registration_correlation = None
+            self._registered = not failed
+            return
+        op_id = self._by_correlation.pop(corr, None)
+        if op_id is None:
+            self._counters["stale_replies"] += 1
+            return
+        op = self._ops[op_id]
+        record = self._requests[op_id[0]]
+        op.correlation = None
+        if failed:
+            self._complete(record, op, False, now)
+        elif op.state is OpState.SENT and self.config.engine_driven:
+            if not isinstance(result, TransferPlan) or not result.ok:
+                if not isinstance(result, TransferPlan):
+                    self._counters["bad_replies"] += 1
+                self._complete(record, op, False, now)
+            else:
+                op.transfer_id = result.transfer_id
+                if record.engine_finished:
+                    # Nobody needs the data any more: skip the copy, release the plan now.
+                    op.copy_ok = False
+                    op.state = OpState.COMMITTING
+                    op.correlation = self._send(CommitTransfer(op.transfer_id, False), op.op, out)
+                else:
+                    op.state = OpState.COPYING
+                    out.append(CopyBlocks(op.op, op.kind, op.transfer_id, op.key.start, op.key.end,
+                                          result.placements, op.block_ids, op.skip_first_n_tokens))
+                return
+        else:
+            expected = StoreResult if op.kind is TransferKind.STORE else RetrieveResult
+            if not isinstance(result, expected):
+                self._counters["bad_replies"] += 1
+                self._complete(record, op, False, now)
+            else:
+                self._complete(record, op, bool(result.ok) and op.copy_ok, now)
+        self._maybe_drop(record)
+
+    def _on_copy_finished(self, ev: CopyFinished, now: float, out: list[Effect]) -> None:
+        op = self._ops.get(ev.op)
+        if op is None or op.state is not OpState.COPYING:
+            self._counters["stale_copies"] += 1
+            return
+        op.copy_ok = bool(ev.ok)
+        record = self._requests[op.op[0]]
+        if not self._healthy:
+            self._complete(record, op, False, now)
+            self._maybe_drop(record)
+            return
+        op.state = OpState.COMMITTING
+        op.sent_at = now
+        op.correlation = self._send(CommitTransfer(op.transfer_id, op.copy_ok), op.op, out)
+
+    def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
+        if ev.server != self.config.server:
+            return
+        was_healthy = self._healthy
+        self._healthy = bool(ev.healthy)
+        if ev.healthy:
+            if not was_healthy or not self._registered:
+                self._counters["registrations"] += 1
+                if self._registration_correlation is not None:
+                    self._by_correlation.pop(self._registration_correlation, None)
+                self._registration_correlation = self._send(self.registration_request(), None, out)
+            return
+        self._registered = False
+        self._registration_correlation = None
+        for op in list(self._ops.values()):
+            if op.state in (OpState.SENT, OpState.COMMITTING):
+                record = self._requests[op.op[0]]
+                self._complete(record, op, False, now)
+                self._maybe_drop(record)
+
+    def _engine_finished(self, rid: str) -> None:
+        if rid in self._reported_sending:
+            self._counters["duplicate_finishes"] += 1
+            return
+        record = self._requests.get(rid)
+        if record is None:
+            record = self._requests[rid] = RequestRecord(rid)
+        record.engine_finished = True
+        if not self._report_recving_after_finish(record):
+            self._recving.pop(rid, None)  # not reported yet: the request is gone from vLLM
+        self._maybe_drop(record)
+
+    # ============================================================================= internals
+
+    def _advance(self, now: float, out: list[Effect]) -> None:
+        timeout = self.config.op_timeout
+        if timeout is None:
+            return
+        for op in list(self._ops.values()):
+            if op.state in (OpState.SENT, OpState.COMMITTING) and op.sent_at + timeout <= now:
+                self._counters["timeouts"] += 1
+                record = self._requests[op.op[0]]
+                self._complete(record, op, False, now)
+                self._maybe_drop(record)
+
+    def _complete(self, record: RequestRecord, op: TransferOp, ok: bool, now: float) -> None:
+        """Op done: drop it; report a retrieve's outcome."""
+        self._drop_op(record, op)
+        if op.kind is TransferKind.STORE:
+            if not ok:
+                self._counters["stores_failed"] += 1
+            return
+        if not ok:
+            self._counters["retrieves_failed"] += 1
+        if record.engine_finished and not self._report_recving_after_finish(record):
+            return  # the blocks go back to vLLM through `sending`; no errors, no recving
+        if not ok:
+            for b in self._errors_for_failed_retrieve(op):
+                self._load_errors[b] = None
+        if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
+            self._recving[record.request_id] = None
+
+    def _drop_op(self, record: RequestRecord | None, op: TransferOp) -> None:
+        if op.correlation is not None:
+            self._by_correlation.pop(op.correlation, None)
+            op.correlation = None
+        if record is not None and record.ops.get(op.op) is op:
+            del record.ops[op.op]
+        if self._ops.get(op.op) is op:
+            del self._ops[op.op]
+        op.state = OpState.ABSENT
+
+    def _maybe_drop(self, record: RequestRecord) -> None:
+        """Forget a request once nothing is in flight and (if finished) it has been reported."""
+        if record.ops:
+            return
+        if record.engine_finished:
+            self._sending[record.request_id] = None
+            self._reported_sending[record.request_id] = None
+            while len(self._reported_sending) > self.config.reported_cap:
+                self._reported_sending.popitem(last=False)
+            del self._requests[record.request_id]
+        else:
+            del self._requests[record.request_id]
+
+    def _send(self, request: ServerRequest, op: OpId | None, out: list[Effect]) -> int:
+        self._next_correlation += 1
+        corr = self._next_correlation
+        if op is not None:
+            self._by_correlation[corr] = op
+        out.append(SendRequest(self.config.server, corr, request))
+        return corr
+
