@@ -118,3 +118,40 @@ def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0
             return True
         time.sleep(interval)
     return pred()
+
+
+class RawDealer:
+    """A bare DEALER socket speaking frames, for wire-level tests (what LMCache's client sends)."""
+
+    def __init__(self, url: str) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout: float = 5.0) -> list[bytes] | None:
+        if self.sock.poll(int(timeout * 1000)):
+            return list(self.sock.recv_multipart())
+        return None
+
+    def request(self, frames: list[bytes], timeout: float = 5.0) -> list[bytes]:
+        self.send(frames)
+        reply = self.recv(timeout)
+        assert reply is not None, f"no reply to {frames[:2]!r}"
+        return reply
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def raw(server: ServerProcess) -> Iterator[RawDealer]:
+    r = RawDealer(server.url)
+    yield r
+    r.close()
