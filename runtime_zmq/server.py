@@ -160,7 +160,7 @@ class Server:
         self._transfers_in_flight = 0
         self._stopping = False
         self._started = time.time()
-        self._counts = {"requests": 0, "replies": 0, "errors": 0, "malformed": 0, "dropped_replies": 0, "block_allocation_records": 0}
+        self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0, "block_allocation_records": 0}
         self._last_gauges = 0.0
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -246,7 +246,7 @@ class Server:
     def _on_message(self, frames: list[bytes]) -> None:
         req = wire.decode_request(frames, self.config.limits)
         if type(req) is wire.Request:
-            self._counts["requests"] += 1
+            self._counts["wire_requests"] += 1
             now = self.clock()
             reply_to: ReplyTo = (req.identity, req.uid_frame, req.op_frame, req.op, now)
             if req.op in _LOCAL_OPS:
@@ -272,7 +272,7 @@ class Server:
                 self._plan_instance[reply_to] = req.args[1]
             self._handle(event, now, reply_to)
         elif type(req) is wire.DecodeError:
-            self._counts["requests"] += 1
+            self._counts["wire_requests"] += 1
             self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
         else:
             self._counts["malformed"] += 1
@@ -357,7 +357,7 @@ class Server:
             self._send_error(rt, ErrorKind.INTERNAL.value, f"cannot encode result: {e}")
             return
         self._send(frames)
-        self._counts["replies"] += 1
+        self._counts["wire_replies"] += 1
         self.metrics.requests.labels(op, "ok").inc()
         self.metrics.latency.labels(op).observe(self.clock() - t0)
 
@@ -367,7 +367,7 @@ class Server:
         self._event_handles.pop(rt, None)
         self._plan_instance.pop(rt, None)
         self._send(wire.encode_error(identity, uid_frame, op, kind, message))
-        self._counts["errors"] += 1
+        self._counts["wire_errors"] += 1
         self.metrics.requests.labels(op, "error").inc()
         self.metrics.errors.labels(kind).inc()
         self.metrics.latency.labels(op).observe(self.clock() - t0)
