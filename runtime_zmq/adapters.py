@@ -1,0 +1,920 @@
+"""The engine-facing side of mpcache, importable without vLLM.
+
+Three pieces, in the order an engine step uses them:
+
+* ``SchedulerAdapter`` (scheduler process): lookups over one or more servers. It is a thin shell
+  around core_sm's ``LookupClient``: it feeds the machine the calls and the replies of the
+  runtime_zmq clients, and sends what the machine asks. ``check`` never blocks.
+* ``StepPlanner`` (scheduler process): per-request bookkeeping in vLLM's vocabulary — how many
+  tokens a request can load, which chunk-aligned ranges to retrieve and to store each step — on
+  top of a ``SchedulerAdapter``. Its output, a ``StepPlan``, is the per-step metadata the worker
+  receives (plain, picklable).
+* ``WorkerAdapter`` (worker process): stores and retrieves over one server, a thin shell around
+  core_sm's ``TransferClient``; for CPU engines it maps the server's L1 segment and copies blocks
+  itself (engine-driven) with the ``kernels`` CPU gather/scatter.
+
+The vLLM connector (``runtime_zmq.vllm_connector``) only translates vLLM objects into calls on
+these classes, so tests can drive them in vLLM's exact call order with no vLLM installed.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+CONFIG_PREFIX = "mpcache."
+
+
+def _parse_urls(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        parts = [part.strip() for part in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        parts = [str(part).strip() for part in value]
+    else:
+        raise ValueError(f"{CONFIG_PREFIX}server_urls: expected a list or a comma-separated string, got {value!r}")
+    urls = tuple(part if "://" in part else f"tcp://{part}" for part in parts if part)
+    if not urls:
+        raise ValueError(f"{CONFIG_PREFIX}server_urls: no server given")
+    return urls
+
+
+@attrs.frozen
+class ConnectorConfig:
+    """The connector's settings, read from ``kv_connector_extra_config`` keys ``mpcache.*``.
+
+    * ``server_urls``: one URL per server (``tcp://host:port`` or ``ipc:///path``); a list or a
+      comma-separated string; ``host:port`` gets ``tcp://``. Several servers: every lookup goes
+      to all of them (the hit is the minimum); worker rank ``r`` stores to and loads from server
+      ``r * len(server_urls) // world_size``.
+    * ``request_timeout_s``: a request with no reply after this long fails (lookup → 0 hits,
+      retrieve → load error, store → dropped).
+    * ``connect_timeout_s``: how long the first contact (chunk size) may take at start before
+      the connector refuses to start with an error that names the URL.
+    * ``chunk_size``: if set, the chunk size the servers must report (a safety check).
+    * ``store_decode_tokens``: also store chunks completed by generated tokens (default: only
+      prompt chunks).
+    """
+
+    server_urls: tuple[str, ...] = attrs.field(default=("tcp://127.0.0.1:5555",), converter=_parse_urls)
+    request_timeout_s: float = attrs.field(default=5.0, converter=float)
+    connect_timeout_s: float = attrs.field(default=5.0, converter=float)
+    chunk_size: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
+    store_decode_tokens: bool = attrs.field(default=False)
+
+    @request_timeout_s.validator
+    @connect_timeout_s.validator
+    def _positive(self, attribute: attrs.Attribute[float], value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be > 0, got {value}")
+
+    @store_decode_tokens.validator
+    def _boolean(self, attribute: attrs.Attribute[bool], value: object) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be true or false, got {value!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Read the ``mpcache.*`` keys; an unknown ``mpcache.`` key is an error (a typo must not
+        silently fall back to a default)."""
+        known = {field.name for field in attrs.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in (extra or {}).items():
+            if not key.startswith(CONFIG_PREFIX):
+                continue
+            name = key[len(CONFIG_PREFIX):]
+            if name not in known:
+                raise ValueError(
+                    f"unknown kv_connector_extra_config key {key!r}; known: "
+                    + ", ".join(sorted(CONFIG_PREFIX + k for k in known))
+                )
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def server_for_rank(self, rank: int, world_size: int) -> str:
+        """The server a worker rank stores to and loads from."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        return self.server_urls[rank * len(self.server_urls) // world_size]
+
+
+# --------------------------------------------------------------------------------------------
+# Per-step plan: what the scheduler tells the workers
+# --------------------------------------------------------------------------------------------
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.frozen
+class RetrieveOp:
+    """Load tokens ``[start, end)`` of a request into ``block_ids`` (the blocks covering exactly
+    that range, in order); the first ``skip_first_n_tokens`` tokens are not written (the engine
+    already holds them, possibly shared with other requests)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    start: int
+    end: int
+    block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    skip_first_n_tokens: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= len(self.token_ids):
+            raise ValueError(f"bad range [{self.start}, {self.end}) for {len(self.token_ids)} tokens")
+        if not 0 <= self.skip_first_n_tokens < self.end - self.start:
+            raise ValueError(f"skip {self.skip_first_n_tokens} outside [{self.start}, {self.end})")
+
+
+@attrs.frozen
+class StoreOp:
+    """Store tokens ``[start, end)`` of a request from ``block_ids`` (covering that range)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    start: int
+    end: int
+    block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= len(self.token_ids):
+            raise ValueError(f"bad range [{self.start}, {self.end}) for {len(self.token_ids)} tokens")
+
+
+@attrs.frozen
+class StepPlan:
+    """One scheduler step's instructions to every worker. ``preempted``: requests whose blocks
+    were just taken back; the worker must finish touching them before the forward pass."""
+
+    retrieves: tuple[RetrieveOp, ...] = ()
+    stores: tuple[StoreOp, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.retrieves or self.stores or self.preempted)
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler side: per-request planning on top of the lookup adapter
+# --------------------------------------------------------------------------------------------
+
+
+class LookupService(Protocol):
+    """What ``StepPlanner`` needs from the lookup side (``SchedulerAdapter`` provides it)."""
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "") -> None: ...
+
+    def check(self, request_id: str) -> int | None: ...
+
+    def free_unused_leases(self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "") -> None: ...
+
+    def cleanup(self, request_id: str) -> None: ...
+
+    def end_request(self, request_id: str) -> None: ...
+
+
+@attrs.define
+class ScheduledRequest:
+    """One request scheduled this step, as the scheduler output describes it.
+
+    ``block_ids``: the request's new blocks; ``replaces_blocks``: they are its whole block list
+    (a new or resumed request) rather than an append. ``num_computed_tokens``: tokens computed
+    before this step; ``num_scheduled_tokens``: tokens computed by this step."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: tuple[int, ...] | None
+    replaces_blocks: bool
+
+
+@attrs.define
+class RequestTracker:
+    """What the planner knows of one request between its first lookup and ``request_finished``."""
+
+    request_id: str
+    # The request's tokens (a live view in vLLM: decode tokens are appended to it).
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    cache_salt: str = ""
+    # Lookup result in tokens (a multiple of the chunk size); None until known.
+    hit_tokens: int | None = None
+    # The engine's own (prefix cache) hit when the lookup result was used.
+    engine_hit_tokens: int = 0
+    # Set by the first update_state_after_alloc: lookups are over for this request.
+    allocated: bool = False
+    # A retrieve to emit in the next plan: (start, end, skip_first_n_tokens).
+    pending_retrieve: tuple[int, int, int] | None = None
+    block_ids: list[int] = attrs.Factory(list)
+    # Tokens [0, stored_until) are in mpcache already or their store has been planned.
+    stored_until: int = 0
+    num_store_ops: int = 0
+    preempted: bool = False
+
+
+class StepPlanner:
+    """Scheduler-side request bookkeeping in vLLM's call order. Never blocks.
+
+    * ``get_num_new_matched_tokens(request_id, token_ids, num_prompt_tokens, num_computed_tokens)``
+      → ``(None, True)`` while the lookup is pending; ``(n, True)`` when ``n > 0`` tokens will be
+      loaded asynchronously; ``(0, False)`` otherwise. At least one prompt token is always left to
+      compute. A request seen again after preemption loads nothing (its hit was used).
+    * ``update_state_after_alloc(request_id, block_ids, num_external_tokens)``: records the blocks;
+      on the first call frees the leases the engine will not use and plans the retrieve.
+    * ``build_plan(scheduled, preempted)`` → ``StepPlan``: the retrieves planned since the last
+      step, and a store for every chunk newly completed by this step.
+    * ``request_finished(request_id)`` → True: the blocks stay until the worker reports the request
+      in ``sending``.
+    """
+
+    def __init__(self, lookups: LookupService, block_size: int, *, store_decode_tokens: bool = False) -> None:
+        chunk_size = lookups.chunk_size
+        if block_size <= 0 or chunk_size % block_size:
+            raise ValueError(
+                f"mpcache chunk size {chunk_size} is not a multiple of the engine block size {block_size}; "
+                f"start the server with --chunk-size a multiple of {block_size}"
+            )
+        self._lookups = lookups
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.store_decode_tokens = store_decode_tokens
+        self._trackers: dict[str, RequestTracker] = {}
+
+    def tracker(self, request_id: str) -> RequestTracker | None:
+        return self._trackers.get(request_id)
+
+    def get_num_new_matched_tokens(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        cache_salt: str = "",
+    ) -> tuple[int | None, bool]:
+        tracker = self._trackers.get(request_id)
+        if tracker is None:
+            tracker = RequestTracker(request_id, token_ids, num_prompt_tokens, cache_salt or "")
+            self._trackers[request_id] = tracker
+            self._lookups.submit_lookup(request_id, list(token_ids[:num_prompt_tokens]), tracker.cache_salt)
+        if tracker.allocated:
+            # Seen again after preemption: the lookup's leases are gone; recompute.
+            return 0, False
+        if tracker.hit_tokens is None:
+            hit = self._lookups.check(request_id)
+            if hit is None:
+                return None, True
+            tracker.hit_tokens = hit
+        tracker.engine_hit_tokens = num_computed_tokens
+        # Leave the last prompt token to compute: the engine needs one token to sample from.
+        loadable = min(tracker.hit_tokens, num_prompt_tokens - 1)
+        if loadable <= num_computed_tokens:
+            return 0, False
+        return loadable - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        tracker = self._trackers.get(request_id)
+        if tracker is None:
+            return
+        tracker.block_ids = [int(b) for b in block_ids]
+        if tracker.allocated:
+            return
+        tracker.allocated = True
+        hit = tracker.hit_tokens or 0
+        prompt = list(tracker.token_ids[: tracker.num_prompt_tokens])
+
+        def free(start: int, end: int) -> None:
+            self._lookups.free_unused_leases(request_id, prompt, start, end, tracker.cache_salt)
+
+        if num_external_tokens > 0 and hit > 0:
+            chunk = self.chunk_size
+            start = tracker.engine_hit_tokens // chunk * chunk
+            end = hit
+            covered = len(tracker.block_ids) * self.block_size
+            end = min(end, covered // chunk * chunk)
+            if end > start:
+                tracker.pending_retrieve = (start, end, tracker.engine_hit_tokens - start)
+                # The engine holds [0, start) itself; the retrieve consumes [start, end).
+                if start > 0:
+                    free(0, start)
+                if end < hit:
+                    free(end, hit)
+            else:
+                free(0, hit)
+        elif hit > 0:
+            free(0, hit)
+        self._lookups.cleanup(request_id)
+        # Chunks that hit are in mpcache already: never store them again.
+        tracker.stored_until = hit
+
+    def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        retrieves: list[RetrieveOp] = []
+        for tracker in self._trackers.values():
+            if tracker.pending_retrieve is None:
+                continue
+            start, end, skip = tracker.pending_retrieve
+            tracker.pending_retrieve = None
+            bs = self.block_size
+            retrieves.append(
+                RetrieveOp(
+                    tracker.request_id,
+                    tracker.token_ids[:end],
+                    start,
+                    end,
+                    tracker.block_ids[start // bs : end // bs],
+                    skip,
+                )
+            )
+        preempted_ids = tuple(sorted(set(preempted)))
+        for request_id in preempted_ids:
+            tracker = self._trackers.get(request_id)
+            if tracker is not None:
+                tracker.preempted = True
+                tracker.block_ids = []
+        stores: list[StoreOp] = []
+        for request in scheduled:
+            tracker = self._trackers.get(request.request_id)
+            if tracker is None:
+                continue
+            if request.block_ids is not None:
+                if request.replaces_blocks:
+                    tracker.block_ids = list(request.block_ids)
+                else:
+                    tracker.block_ids.extend(request.block_ids)
+            store = self._plan_store(tracker, request.num_computed_tokens + request.num_scheduled_tokens)
+            if store is not None:
+                stores.append(store)
+        return StepPlan(tuple(retrieves), tuple(stores), preempted_ids)
+
+    def _plan_store(self, tracker: RequestTracker, computed_tokens: int) -> StoreOp | None:
+        limit = min(computed_tokens, len(tracker.token_ids))
+        if not self.store_decode_tokens:
+            limit = min(limit, tracker.num_prompt_tokens)
+        limit = min(limit, len(tracker.block_ids) * self.block_size)
+        end = limit // self.chunk_size * self.chunk_size
+        start = tracker.stored_until
+        if end <= start:
+            return None
+        tracker.stored_until = end
+        tracker.num_store_ops += 1
+        bs = self.block_size
+        return StoreOp(tracker.request_id, tracker.token_ids[:end], start, end, tracker.block_ids[start // bs : end // bs])
+
+    def request_finished(self, request_id: str) -> bool:
+        """End the request's lookup session. Always True: the worker reports every finished
+        request once in ``sending`` when none of its transfers is in flight any more (an abort
+        mid-load included), and only then may vLLM free its blocks."""
+        self._trackers.pop(request_id, None)
+        self._lookups.end_request(request_id)
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime under both adapters: core_sm effects → ZMQ requests, replies → core_sm events
+# --------------------------------------------------------------------------------------------
+
+
+class ServerUnreachable(ConnectionError):
+    """The connector could not reach an mpcache server when it started."""
+
+
+class _ServerLinks:
+    """One ``MPCacheClient`` per server, index = core_sm's ``server`` number.
+
+    ``send`` turns a ``SendRequest`` effect into a request whose completion (reply, error reply,
+    timeout, server declared unhealthy) becomes exactly one ``ReplyReceived`` or
+    ``RequestFailed`` event; health changes become ``ServerHealth`` events. Events are queued by
+    the client thread and handed to the owner's machine by ``drain`` on the owner's thread, so a
+    machine is only ever touched by one thread at a time (the owner holds its lock).
+    """
+
+    def __init__(self, urls: Sequence[str], config: ConnectorConfig) -> None:
+        import queue
+
+        from runtime_zmq.client import MPCacheClient
+
+        self.urls = tuple(urls)
+        self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._timeout = config.request_timeout_s
+        import threading
+
+        self._plan_segments: dict[int, tuple[str, int]] = {}
+        self._plan_lock = threading.Lock()
+        self.clients = []
+        try:
+            for index, url in enumerate(self.urls):
+                client = MPCacheClient(
+                    url,
+                    request_timeout=config.request_timeout_s,
+                    connect_timeout=config.connect_timeout_s,
+                    wait_connected=False,
+                )
+                self.clients.append(client)
+                client.on_health(lambda healthy, index=index: self._on_health(index, healthy))
+            for url, client in zip(self.urls, self.clients):
+                if not client.wait_healthy(config.connect_timeout_s):
+                    raise ServerUnreachable(
+                        f"mpcache server at {url} did not answer within {config.connect_timeout_s:g} s "
+                        f"(mpcache.connect_timeout_s); start it first, e.g. `mpcache-server --port "
+                        f"{url.rsplit(':', 1)[-1] if url.startswith('tcp://') else 'PORT'}`, or fix "
+                        f"mpcache.server_urls"
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    def _on_health(self, server: int, healthy: bool) -> None:
+        from core_sm.messages import ServerHealth
+
+        self._events.put(ServerHealth(server, healthy))
+
+    def call(self, server: int, op: str, *args: Any) -> Any:
+        """A blocking request (start-up only: chunk size, registration)."""
+        return self.clients[server].call(op, *args, timeout=self._timeout)
+
+    def send(self, effect: Any) -> None:
+        from runtime_zmq.bridge import request_to_wire
+
+        op, args = request_to_wire(effect.request)
+        future = self.clients[effect.server].submit(op, *args, timeout=self._timeout)
+        future.add_done_callback(lambda done, effect=effect: self._completed(effect, done))
+
+    def _completed(self, effect: Any, future: Any) -> None:
+        from core_sm.errors import ErrorKind, ProtocolError
+        from core_sm.messages import ReplyReceived, RequestFailed
+        from runtime_zmq.bridge import result_from_wire
+        from runtime_zmq.client import RemoteError
+
+        try:
+            value = future.result()
+        except RemoteError as exc:
+            try:
+                kind = ErrorKind(exc.kind)
+            except ValueError:
+                kind = ErrorKind.INTERNAL
+            self._events.put(RequestFailed(effect.server, effect.correlation, ProtocolError(kind, exc.message)))
+            return
+        except Exception as exc:  # closed client, cancelled future: the request is lost
+            self._events.put(
+                RequestFailed(effect.server, effect.correlation, ProtocolError(ErrorKind.UNHEALTHY, repr(exc)))
+            )
+            return
+        if isinstance(value, dict) and "transfer_id" in value and "segment" in value:
+            # The plan names the segment its slots live in; a restarted server has a new one.
+            with self._plan_lock:
+                self._plan_segments[int(value["transfer_id"])] = (str(value["segment"]), int(value["slot_bytes"]))
+                while len(self._plan_segments) > 4096:  # plans never copied (refused, abandoned)
+                    self._plan_segments.pop(next(iter(self._plan_segments)))
+        try:
+            result = result_from_wire(effect.request, value)
+        except Exception as exc:
+            self._events.put(
+                RequestFailed(effect.server, effect.correlation, ProtocolError(ErrorKind.UNDECODABLE, repr(exc)))
+            )
+            return
+        self._events.put(ReplyReceived(effect.server, effect.correlation, result))
+
+    def plan_segment(self, transfer_id: int) -> tuple[str, int] | None:
+        """``(segment path, slot bytes)`` of an engine-driven plan received (taken once)."""
+        with self._plan_lock:
+            return self._plan_segments.pop(transfer_id, None)
+
+    def drain(self) -> list[object]:
+        events = []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except Exception:
+                return events
+
+    def healthy(self, server: int) -> bool:
+        return bool(self.clients[server].healthy)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+class _MachineShell:
+    """Owns one core_sm client machine: every event goes through ``_handle`` under one lock, the
+    machine's effects are sent at once, and ``_pump`` feeds it the queued completions and its
+    timer. The machine never runs on the client thread."""
+
+    def __init__(self, links: _ServerLinks, machine: Any, clock: Any) -> None:
+        import threading
+
+        self._links = links
+        self._machine = machine
+        self._clock = clock
+        self._lock = threading.RLock()
+        # PrepareStore requests sent and not yet answered: their copies are still to come.
+        self._unanswered_store_prepares: set[tuple[int, int]] = set()
+
+    def _handle(self, event: object) -> None:
+        with self._lock:
+            self._apply(self._machine.handle(event, self._clock()))
+
+    def _apply(self, effects: Iterable[Any]) -> None:
+        from core_sm.effects import CopyBlocks, SendRequest
+        from core_sm.messages import PrepareStore
+
+        for effect in effects:
+            if isinstance(effect, SendRequest):
+                if isinstance(effect.request, PrepareStore):
+                    self._unanswered_store_prepares.add((effect.server, effect.correlation))
+                self._links.send(effect)
+            elif isinstance(effect, CopyBlocks):
+                self._copy(effect)
+            else:
+                raise TypeError(f"unexpected effect {effect!r} from {type(self._machine).__name__}")
+
+    def _copy(self, effect: Any) -> None:
+        raise TypeError(f"{type(self).__name__} does not copy blocks")
+
+    def _pump(self) -> None:
+        with self._lock:
+            for event in self._links.drain():
+                server = getattr(event, "server", None)
+                correlation = getattr(event, "correlation", None)
+                if correlation is not None:
+                    self._unanswered_store_prepares.discard((server, correlation))
+                self._apply(self._machine.handle(event, self._clock()))
+            deadline = self._machine.next_deadline()
+            now = self._clock()
+            if deadline is not None and deadline <= now:
+                from core_sm.messages import TimerFired
+
+                self._apply(self._machine.handle(TimerFired(), now))
+
+
+class SchedulerAdapter(_MachineShell):
+    """Scheduler-side lookups over every configured server (core_sm ``LookupClient``).
+
+    ``submit_lookup`` sends LOOKUP to every healthy server and returns; ``check`` returns the hit
+    in tokens once every server answered (the minimum over servers), ``None`` while pending, and
+    never ``None`` for a request it has no lookup pending for. A server that is down counts as a
+    miss (0) until its heartbeat answers again. Thread-safe; never blocks after ``connect``.
+    """
+
+    def __init__(self, links: _ServerLinks, machine: Any, chunk_size: int, clock: Any = None) -> None:
+        import time
+
+        super().__init__(links, machine, clock or time.monotonic)
+        self._chunk_size = chunk_size
+        for server in range(len(links.urls)):
+            from core_sm.messages import ServerHealth
+
+            self._handle(ServerHealth(server, links.healthy(server)))
+
+    @classmethod
+    def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int) -> SchedulerAdapter:
+        """Connect to every server and agree on the chunk size; raises ``ServerUnreachable`` (a
+        ``ConnectionError``) naming the server that did not answer, ``ValueError`` if the servers
+        disagree on the chunk size."""
+        from core_sm.lookup_client import LookupClient, LookupClientConfig
+
+        links = _ServerLinks(config.server_urls, config)
+        try:
+            chunk_size = _agreed_chunk_size(links)
+            machine = LookupClient(
+                LookupClientConfig(
+                    num_servers=len(links.urls),
+                    model_name=model_name,
+                    world_size=world_size,
+                    chunk_size=chunk_size,
+                    # Every request has its own timeout; this bounds the whole lookup too.
+                    lookup_timeout=2 * config.request_timeout_s,
+                )
+            )
+            return cls(links, machine, chunk_size)
+        except BaseException:
+            links.close()
+            raise
+
+    @property
+    def chunk_size(self) -> int:
+        return self._chunk_size
+
+    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "") -> None:
+        from core_sm.messages import SubmitLookup
+
+        self._pump()
+        self._handle(SubmitLookup(request_id, tuple(token_ids), cache_salt))
+
+    def check(self, request_id: str) -> int | None:
+        self._pump()
+        with self._lock:
+            result = self._machine.check(request_id)
+        return None if result is None else int(result)
+
+    def free_unused_leases(self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "") -> None:
+        from core_sm.messages import FreeUnusedLeases
+
+        self._handle(FreeUnusedLeases(request_id, tuple(token_ids), start, end, cache_salt))
+
+    def cleanup(self, request_id: str) -> None:
+        from core_sm.messages import Cleanup
+
+        self._handle(Cleanup(request_id))
+
+    def end_request(self, request_id: str) -> None:
+        from core_sm.messages import EndRequest
+
+        self._pump()
+        self._handle(EndRequest(request_id))
+
+    def poll(self) -> None:
+        """Feed the machine what arrived (replies, health changes, its timer)."""
+        self._pump()
+
+    def close(self) -> None:
+        self._links.close()
+
+
+def _agreed_chunk_size(links: _ServerLinks) -> int:
+    sizes = [int(links.call(server, "get_chunk_size")) for server in range(len(links.urls))]
+    if len(set(sizes)) != 1:
+        detail = ", ".join(f"{url}: {size}" for url, size in zip(links.urls, sizes))
+        raise ValueError(f"mpcache servers disagree on the chunk size ({detail}); start them with the same --chunk-size")
+    return sizes[0]
+
+
+class WorkerAdapter(_MachineShell):
+    """Worker-side stores and retrieves over this rank's server (core_sm ``TransferClient``).
+
+    CPU engines (host KV tensors in vLLM's CPU layout ``[NB, NH, BS, 2*HS]``) use the
+    engine-driven path: the machine's ``CopyBlocks`` effects run the ``kernels`` CPU gather (store)
+    or scatter (retrieve) between the engine's blocks and the L1 slots of the server's
+    shared-memory segment, on the caller's thread.
+
+    * ``register_kv_caches(kv_caches)``: registers the engine (blocking, errors raised here).
+    * ``submit_stores(ops)`` returns once every store's blocks have been copied into L1 (or the
+      store failed or was dropped), bounded by the request timeout, so the engine may reuse the
+      blocks right after; the commit completes asynchronously.
+    * ``submit_retrieves(ops)`` returns at once; ``poll`` and ``finished`` complete them.
+    * ``finished(engine_finished_ids)`` → ``(sending, recving)``: the machine's report, each id
+      once; every id the engine finished comes back in ``sending`` once nothing of it is in flight.
+    * ``load_errors()`` → block ids whose load failed since the last call (the engine recomputes).
+    """
+
+    def __init__(self, links: _ServerLinks, *, chunk_size: int, model_name: str, world_size: int, rank: int, block_size: int, request_timeout_s: float, clock: Any = None) -> None:
+        import os
+        import time
+
+        super().__init__(links, None, clock or time.monotonic)
+        self.chunk_size = chunk_size
+        self.model_name = model_name
+        self.world_size = world_size
+        self.rank = rank
+        self.block_size = block_size
+        self.request_timeout_s = request_timeout_s
+        # One id per worker process (the pid) and rank: unique among the engines of a host.
+        self.instance_id = (os.getpid() << 8 | rank) & 0x7FFF_FFFF_FFFF_FFFF
+        self._transfer: Any = None
+        self._geometry: Any = None
+        self._layers: list[Any] = []
+        self._segment: Any = None
+        self._segment_path = ""
+        self._slot_bytes = 0
+
+    @classmethod
+    def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int, rank: int, block_size: int) -> WorkerAdapter:
+        """Connect to this rank's server; raises ``ServerUnreachable`` naming it if it does not
+        answer within ``connect_timeout_s``, ``ValueError`` on a chunk size the engine's blocks
+        do not divide."""
+        links = _ServerLinks([config.server_for_rank(rank, world_size)], config)
+        try:
+            chunk_size = _agreed_chunk_size(links)
+            if chunk_size % block_size:
+                raise ValueError(
+                    f"mpcache chunk size {chunk_size} is not a multiple of the engine block size {block_size}"
+                )
+            return cls(
+                links,
+                chunk_size=chunk_size,
+                model_name=model_name,
+                world_size=world_size,
+                rank=rank,
+                block_size=block_size,
+                request_timeout_s=config.request_timeout_s,
+            )
+        except BaseException:
+            links.close()
+            raise
+
+    @property
+    def machine(self) -> Any:
+        """The core_sm ``TransferClient`` (after ``register_kv_caches``)."""
+        return self._machine
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        """Register the engine's per-layer KV tensors (in layer order). CPU tensors only: a GPU
+        engine needs the server-driven CUDA IPC path, which this adapter does not provide yet.
+        Raises ``ValueError`` on an unexpected layout, the server's error (e.g. ``too_large``:
+        a chunk does not fit an L1 slot) as ``RuntimeError``."""
+        from core_sm.messages import ServerHealth
+        from core_sm.transfer_client import TransferClient, TransferClientConfig
+        from kernels.layouts import KVGeometry, PagedLayout
+        from runtime_zmq.client import RemoteError
+
+        layers = list(kv_caches.values())
+        if not layers:
+            raise ValueError("no KV cache tensors to register")
+        first = layers[0]
+        device = getattr(getattr(first, "device", None), "type", "cpu")
+        if device != "cpu":
+            raise NotImplementedError(
+                f"KV caches on {device}: this connector supports CPU engines (engine-driven copies) only so far"
+            )
+        shape = tuple(int(d) for d in first.shape)
+        for name, layer in kv_caches.items():
+            if tuple(int(d) for d in layer.shape) != shape or layer.dtype != first.dtype:
+                raise ValueError(f"layer {name}: shape {tuple(layer.shape)} {layer.dtype} differs from {shape} {first.dtype}")
+        if len(shape) != 4 or shape[3] % 2 or shape[2] != self.block_size:
+            raise ValueError(
+                f"expected vLLM's CPU layout [num_blocks, num_heads, block_size={self.block_size}, 2*head_size], got {shape}"
+            )
+        num_blocks, num_heads, block_size, two_head = shape
+        geometry = KVGeometry(
+            PagedLayout.CPU,
+            num_layers=len(layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_heads=num_heads,
+            head_size=two_head // 2,
+            itemsize=int(first.element_size()),
+            chunk_tokens=self.chunk_size,
+        )
+        layout = {
+            "model_name": self.model_name,
+            "world_size": self.world_size,
+            "object_bytes": geometry.slot_bytes,
+            "engine_driven": True,
+        }
+        # Registered once here so a refusal is an error at start, not silent misses later; the
+        # machine registers again (idempotent) whenever the server comes back.
+        try:
+            self._links.call(0, "register_instance", self.instance_id, layout)
+        except RemoteError as exc:
+            raise RuntimeError(f"mpcache server {self._links.urls[0]} refused the KV cache registration: {exc}") from exc
+        self._layers = layers
+        self._geometry = geometry
+        with self._lock:
+            self._machine = TransferClient(
+                TransferClientConfig(
+                    instance_id=self.instance_id,
+                    model_name=self.model_name,
+                    world_size=self.world_size,
+                    worker_id=self.rank,
+                    chunk_size=self.chunk_size,
+                    object_bytes=geometry.slot_bytes,
+                    engine_driven=True,
+                    server=0,
+                    op_timeout=self.request_timeout_s,
+                )
+            )
+        self._handle(ServerHealth(0, self._links.healthy(0)))
+
+    def _map_segment(self, path: str, slot_bytes: int) -> None:
+        """Map the server's L1 segment (again after a server restart: a new segment)."""
+        import mmap
+        import os
+
+        import numpy as np
+
+        from kernels.cpu import CpuKVTransfer
+
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        transfer = CpuKVTransfer(self._geometry, self._layers, np.frombuffer(mapping, dtype=np.uint8))
+        old = self._segment
+        self._segment, self._segment_path, self._slot_bytes, self._transfer = mapping, path, slot_bytes, transfer
+        if old is not None:
+            try:
+                old.close()
+            except BufferError:  # a numpy view of it is still alive somewhere: leave it mapped
+                pass
+
+    # ------------------------------------------------------------------ per step
+
+    def submit_retrieves(self, ops: Iterable[RetrieveOp]) -> None:
+        from core_sm.messages import SubmitRetrieve
+
+        self._require_registered()
+        for op in ops:
+            self._handle(SubmitRetrieve(op.request_id, op.token_ids, op.start, op.end, op.block_ids, op.skip_first_n_tokens))
+        self._pump()
+
+    def submit_stores(self, ops: Iterable[StoreOp]) -> None:
+        import time
+
+        from core_sm.messages import SubmitStore
+
+        self._require_registered()
+        for op in ops:
+            self._handle(SubmitStore(op.request_id, op.token_ids, op.start, op.end, op.block_ids))
+        self.wait_for_store_copies()
+
+    def wait_for_store_copies(self) -> None:
+        """Return once no store waits for its plan (so no copy out of engine blocks is still to
+        come), or after the request timeout (the machine fails the op then)."""
+        import time
+
+        deadline = time.monotonic() + self.request_timeout_s + 1.0
+        self._pump()
+        while self._unanswered_store_prepares and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            self._pump()
+
+    def poll(self) -> None:
+        if self._machine is not None:
+            self._pump()
+
+    def finished(self, engine_finished_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        from core_sm.messages import EngineFinished
+
+        if self._machine is None:
+            return set(), set()
+        ids = tuple(sorted(engine_finished_ids))
+        if ids:
+            self._handle(EngineFinished(ids))
+        self._pump()
+        with self._lock:
+            sending, recving = self._machine.finished()
+        return set(sending), set(recving)
+
+    def load_errors(self) -> set[int]:
+        if self._machine is None:
+            return set()
+        with self._lock:
+            return set(self._machine.load_errors())
+
+    def _require_registered(self) -> None:
+        if self._machine is None:
+            raise RuntimeError("register_kv_caches() must come before stores and retrieves")
+
+    # ------------------------------------------------------------------ copies
+
+    def _copy(self, effect: Any) -> None:
+        import logging
+
+        import numpy as np
+
+        from core_sm.messages import CopyFinished, TransferKind
+
+        ok = True
+        try:
+            placement = self._links.plan_segment(effect.transfer_id)
+            if placement is None:
+                raise RuntimeError(f"no segment known for transfer {effect.transfer_id}")
+            path, slot_bytes = placement
+            if self._segment is None or self._segment_path != path or self._slot_bytes != slot_bytes:
+                self._map_segment(path, slot_bytes)
+            bpc = self.chunk_size // self.block_size
+            first_chunk = effect.start // self.chunk_size
+            rows: list[tuple[int, tuple[int, ...], int]] = []
+            for chunk_index, slot in effect.placements:
+                # Placements name chunks by their index in the whole token sequence.
+                relative = chunk_index - first_chunk
+                blocks = tuple(effect.block_ids[relative * bpc : (relative + 1) * bpc])
+                if relative < 0 or len(blocks) != bpc:
+                    raise ValueError(f"placement chunk {chunk_index} outside [{effect.start}, {effect.end})")
+                rows.append((relative, blocks, slot * slot_bytes))
+            if rows and effect.direction is TransferKind.STORE:
+                self._transfer.gather(np.asarray([r[1] for r in rows], dtype=np.int64), [r[2] for r in rows])
+            elif rows:
+                for relative, blocks, offset in rows:
+                    skip_tokens = min(max(effect.skip_first_n_tokens - relative * self.chunk_size, 0), self.chunk_size)
+                    self._transfer.scatter([offset], np.asarray([blocks], dtype=np.int64), skip_tokens // self.block_size)
+        except Exception:
+            logging.getLogger("mpcache.worker").exception("mpcache: copy for transfer %s failed", effect.transfer_id)
+            ok = False
+        self._apply(self._machine.handle(CopyFinished(effect.op, ok), self._clock()))
+
+    def close(self) -> None:
+        try:
+            if self._machine is not None:
+                self._links.clients[0].submit("unregister_instance", self.instance_id)
+        finally:
+            self._links.close()
+            self._transfer = None
+            if self._segment is not None:
+                try:
+                    self._segment.close()
+                except BufferError:
+                    pass
+                self._segment = None

@@ -1,0 +1,237 @@
+"""``MPCacheConnector``: vLLM's KV-connector API on top of mpcache's adapters.
+
+Load it with configuration only::
+
+    kv_transfer_config={
+        "kv_connector": "MPCacheConnector",
+        "kv_connector_module_path": "runtime_zmq.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"mpcache.server_urls": "tcp://127.0.0.1:5555"},
+    }
+
+The class is instantiated twice, once per role, usually in two processes: the scheduler copy
+drives a ``StepPlanner`` over a ``SchedulerAdapter`` (lookups), the worker copy a
+``WorkerAdapter`` (stores and retrieves). Everything here translates vLLM objects into adapter
+calls; the bookkeeping lives in ``runtime_zmq.adapters`` and core_sm. See docs/vllm.md.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+    )
+except ImportError as exc:  # pragma: no cover - exercised by a test without vLLM
+    raise ImportError(
+        "runtime_zmq.vllm_connector needs vLLM; install it with: pip install 'mpcache[vllm]' "
+        f"(import failed: {exc})"
+    ) from exc
+
+from runtime_zmq.adapters import (
+    ConnectorConfig,
+    ScheduledRequest,
+    SchedulerAdapter,
+    StepPlan,
+    StepPlanner,
+    WorkerAdapter,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("mpcache.vllm")
+
+__all__ = ["MPCacheConnector", "MPCacheConnectorMetadata"]
+
+
+class MPCacheConnectorMetadata(KVConnectorMetadata):
+    """The scheduler's per-step plan for the workers (plain data: vLLM pickles it)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        plan = self.plan
+        return (
+            f"MPCacheConnectorMetadata(retrieves={len(plan.retrieves)}, stores={len(plan.stores)}, "
+            f"preempted={len(plan.preempted)})"
+        )
+
+
+def _model_identity(vllm_config: VllmConfig) -> tuple[str, int, int, int]:
+    model_name = str(vllm_config.model_config.model)
+    parallel = vllm_config.parallel_config
+    world_size = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+    block_size = int(vllm_config.cache_config.block_size)
+    return model_name, world_size, int(parallel.rank), block_size
+
+
+class MPCacheConnector(KVConnectorBase_V1):
+    """vLLM KV connector that offloads to and loads from mpcache servers."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = self._kv_transfer_config
+        self._config = ConnectorConfig.from_extra_config(transfer_config.kv_connector_extra_config)
+        self._is_producer = bool(transfer_config.is_kv_producer)
+        self._is_consumer = bool(transfer_config.is_kv_consumer)
+        model_name, world_size, rank, block_size = _model_identity(vllm_config)
+        self._planner: StepPlanner | None = None
+        self._lookups: SchedulerAdapter | None = None
+        self._worker: WorkerAdapter | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookups = SchedulerAdapter.connect(self._config, model_name=model_name, world_size=world_size)
+            if self._config.chunk_size is not None and self._config.chunk_size != self._lookups.chunk_size:
+                raise ValueError(
+                    f"mpcache.chunk_size is {self._config.chunk_size} but the server uses {self._lookups.chunk_size}"
+                )
+            self._planner = StepPlanner(
+                self._lookups, block_size, store_decode_tokens=self._config.store_decode_tokens
+            )
+        else:
+            self._worker = WorkerAdapter.connect(
+                self._config, model_name=model_name, world_size=world_size, rank=rank, block_size=block_size
+            )
+        logger.info(
+            "mpcache connector (%s) for %s, world size %d, servers %s",
+            role.name.lower(),
+            model_name,
+            world_size,
+            ",".join(self._config.server_urls),
+        )
+
+    # A dropped store is a future miss, never a correctness problem: vLLM need not hold a
+    # preempted request back for it.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._planner is not None
+        if not self._is_consumer:
+            return 0, False
+        return self._planner.get_num_new_matched_tokens(
+            request.request_id,
+            request.all_token_ids,
+            request.num_prompt_tokens,
+            num_computed_tokens,
+            request.cache_salt or "",
+        )
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._planner is not None
+        (block_ids,) = blocks.get_block_ids()
+        self._planner.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._planner is not None
+        scheduled: list[ScheduledRequest] = []
+        if self._is_producer:
+            num_scheduled = scheduler_output.num_scheduled_tokens
+            for new in scheduler_output.scheduled_new_reqs:
+                (block_ids,) = new.block_ids
+                scheduled.append(
+                    ScheduledRequest(new.req_id, new.num_computed_tokens, num_scheduled.get(new.req_id, 0), tuple(block_ids), True)
+                )
+            cached = scheduler_output.scheduled_cached_reqs
+            for index, request_id in enumerate(cached.req_ids):
+                new_blocks = cached.new_block_ids[index]
+                scheduled.append(
+                    ScheduledRequest(
+                        request_id,
+                        cached.num_computed_tokens[index],
+                        num_scheduled.get(request_id, 0),
+                        None if new_blocks is None else tuple(new_blocks[0]),
+                        request_id in cached.resumed_req_ids,
+                    )
+                )
+        plan = self._planner.build_plan(scheduled, scheduler_output.preempted_req_ids or ())
+        return MPCacheConnectorMetadata(plan)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._planner is not None
+        return self._planner.request_finished(request.request_id), None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        # Completions reach vLLM's scheduler directly; the planner needs none of them.
+        return None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def _plan(self) -> StepPlan | None:
+        if self._connector_metadata is None:
+            return None
+        metadata = self._connector_metadata
+        assert isinstance(metadata, MPCacheConnectorMetadata)
+        return metadata.plan
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, MPCacheConnectorMetadata) and kv_connector_metadata.plan.preempted:
+            # The preempted requests' blocks are about to be reused: no copy out of them may be
+            # left for later. (Stores copy within wait_for_save already; this is the guard.)
+            self._worker.wait_for_store_copies()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        plan = self._plan()
+        if plan is not None and plan.retrieves:
+            self._worker.submit_retrieves(plan.retrieves)
+        self._worker.poll()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous and whole-request: a request is scheduled only after its load
+        # finished, so no layer ever waits here.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        # Stores are submitted once per step in wait_for_save, for whole chunks.
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        plan = self._plan()
+        if plan is not None and plan.stores:
+            self._worker.submit_stores(plan.stores)
+        self._worker.poll()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving = self._worker.finished(finished_req_ids)
+        # A failed load is reported through get_block_ids_with_load_errors (single KV group).
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return set(self._worker.load_errors())
+
+    # ------------------------------------------------------------------ both
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._lookups is not None:
+            self._lookups.close()
