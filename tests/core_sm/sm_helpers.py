@@ -1,0 +1,117 @@
+"""Test helpers for core_sm: key builders and a server harness that checks every request is
+answered exactly once."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from typing import Any
+
+import attrs
+
+from core_sm.effects import Effect, ErrorReply, ReadL2, Reply, StartTransfer, WriteL2
+from core_sm.messages import CacheKey, RegisterInstance
+from core_sm.server import LookupServer, ServerConfig
+
+C = 4  # a tiny chunk size keeps token lists short
+MODEL = "m"
+
+
+def tokens(n_chunks: int, seed: int = 0, extra: int = 0) -> tuple[int, ...]:
+    """n_chunks full chunks (plus ``extra`` trailing tokens); different seeds diverge at chunk 0."""
+    return tuple(seed * 1000 + i for i in range(n_chunks * C + extra))
+
+
+def key(rid: str, toks: tuple[int, ...], start: int = 0, end: int | None = None,
+        worker_id: int | None = None, world_size: int = 1, salt: str = "") -> CacheKey:
+    if end is None:
+        end = len(toks) // C * C
+    return CacheKey(MODEL, world_size, worker_id, toks, start, end, rid, salt)
+
+
+class ServerHarness:
+    """Drives a LookupServer; numbers each request's reply_to and records its replies."""
+
+    def __init__(self, config: ServerConfig | None = None, server: LookupServer | None = None,
+                 **kw: Any) -> None:
+        cfg = config or ServerConfig(chunk_size=C, num_slots=kw.pop("num_slots", 64),
+                                     slot_bytes=100, **kw)
+        self.server = server or LookupServer(cfg)
+        self.now = 0.0
+        self._ids = itertools.count(1)
+        self.replies: dict[Hashable, list[Effect]] = {}
+        self.outstanding: set[Hashable] = set()
+        self.transfers: dict[int, StartTransfer] = {}
+        self.reads: dict[int, ReadL2] = {}
+        self.writes: dict[int, WriteL2] = {}
+        self.log: list[Effect] = []
+
+    def send(self, request: Any) -> Hashable:
+        """Feed a request; returns its reply_to."""
+        rt = ("req", next(self._ids))
+        self.outstanding.add(rt)
+        self.feed(attrs.evolve(request, reply_to=rt))
+        return rt
+
+    def feed(self, event: Any) -> list[Effect]:
+        effects = self.server.handle(event, self.now)
+        self._absorb(effects)
+        self.server.check_invariants()
+        return effects
+
+    def _absorb(self, effects: list[Effect]) -> None:
+        for e in effects:
+            self.log.append(e)
+            if isinstance(e, (Reply, ErrorReply)):
+                assert e.reply_to in self.outstanding or e.reply_to in self.replies, e
+                self.replies.setdefault(e.reply_to, []).append(e)
+                assert len(self.replies[e.reply_to]) == 1, f"two replies for {e.reply_to}"
+                self.outstanding.discard(e.reply_to)
+            elif isinstance(e, StartTransfer):
+                self.transfers[e.transfer_id] = e
+            elif isinstance(e, ReadL2):
+                self.reads[e.read_id] = e
+            elif isinstance(e, WriteL2):
+                self.writes[e.write_id] = e
+
+    def advance(self, dt: float) -> list[Effect]:
+        self.now += dt
+        from core_sm.messages import TimerFired
+
+        return self.feed(TimerFired())
+
+    def reply(self, rt: Hashable) -> Effect | None:
+        got = self.replies.get(rt)
+        return got[0] if got else None
+
+    def result(self, rt: Hashable) -> object:
+        r = self.reply(rt)
+        assert isinstance(r, Reply), f"expected a Reply for {rt}, got {r}"
+        return r.result
+
+    def error_kind(self, rt: Hashable) -> object:
+        r = self.reply(rt)
+        assert isinstance(r, ErrorReply), f"expected an ErrorReply for {rt}, got {r}"
+        return r.error.kind
+
+    def call(self, request: Any) -> object:
+        """Send and return the immediate result (asserts one came)."""
+        return self.result(self.send(request))
+
+    def register(self, instance_id: int = 1, world_size: int = 1, object_bytes: int = 10,
+                 engine_driven: bool = False) -> None:
+        assert self.call(RegisterInstance(instance_id, MODEL, world_size, object_bytes, engine_driven)) is None
+
+    def finish_all_transfers(self, ok: bool = True) -> None:
+        from core_sm.messages import TransferFinished
+
+        for tid in list(self.transfers):
+            del self.transfers[tid]
+            self.feed(TransferFinished(tid, ok))
+
+    def store(self, toks: tuple[int, ...], rid: str = "writer", worker_id: int = 0,
+              world_size: int = 1, start: int = 0, end: int | None = None, ok: bool = True) -> object:
+        from core_sm.messages import Store
+
+        rt = self.send(Store(key(rid, toks, start, end, worker_id, world_size), 1))
+        self.finish_all_transfers(ok)
+        return self.result(rt)
