@@ -87,6 +87,21 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
     )
 
 
+def open_l2(url: str) -> Any:
+    """An L2 tier from its URL: ``disk:PATH`` / ``redis://...`` (runtime_zmq.l2), or
+    ``python:MODULE:FACTORY[?ARG]`` for a tier of your own (``FACTORY(ARG)`` returns an object with
+    the ``L2Tier`` methods)."""
+    if url.startswith("python:"):
+        import importlib
+
+        spec, _, arg = url[len("python:") :].partition("?")
+        module, _, factory = spec.rpartition(":")
+        return getattr(importlib.import_module(module), factory)(arg)
+    from runtime_zmq.l2 import open_tier
+
+    return open_tier(url)
+
+
 ReplyTo = tuple[bytes, bytes, bytes, str, float]  # identity, uid frame, op frame, op, received at
 
 
@@ -145,9 +160,7 @@ class Server:
         self.metrics = ServerMetrics()
         self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir)
         if tiers is None:
-            from runtime_zmq.l2 import open_tier
-
-            tiers = [open_tier(u) for u in config.l2_urls]
+            tiers = [open_l2(u) for u in config.l2_urls]
         self.channel = CompletionChannel()
         self.l2 = L2Worker(tiers, self.pool, self.channel.post, workers=config.l2_workers)
         self.executor: TransferExecutor = transfer_executor or NoDeviceExecutor()

@@ -155,9 +155,11 @@ class L2Worker:
         self.post(L2WriteFinished(effect.write_id, ok))
 
     def close(self) -> None:
-        self._exec.shutdown(wait=True, cancel_futures=False)
+        # Close the tiers first: a read stuck in a tier then fails (and is reported) instead of
+        # holding the shutdown.
         for tier in self.tiers:
             try:
                 tier.close()
             except Exception:
                 log.exception("closing L2 tier %r", tier)
+        self._exec.shutdown(wait=True, cancel_futures=True)

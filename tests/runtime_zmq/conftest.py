@@ -17,7 +17,8 @@ import pytest
 
 from runtime_zmq.client import MPCacheClient
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 class ServerProcess:
@@ -33,7 +34,8 @@ class ServerProcess:
     def start(self, timeout: float = 10.0) -> ServerProcess:
         env = dict(os.environ)
         env.update(self.env or {})
-        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        # the repo, and this folder for test-only tiers (slow_tier)
+        env["PYTHONPATH"] = os.pathsep.join([REPO, HERE, env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime_zmq.cli", *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
