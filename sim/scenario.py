@@ -35,8 +35,12 @@ class WorldConfig:
     server_handler_jitter: float = 0.003
     step_interval: float = 0.01
     compute_time: float = 0.01
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 1.5
+    decode_time: float = 0.05
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 2.5
+    engine_driven: bool = False
+    abandoned_job_ttl: float = 10.0
+    lookup_timeout: float = 5.0
     net: NetConfig = attrs.field(factory=NetConfig)
     safety_duration: float = 4.0
     liveness_bound: float = 30.0
@@ -51,6 +55,7 @@ class RequestSpec:
     apc_blocks: int = 0  # blocks the engine's own prefix cache already holds
     abort_after: float | None = None  # abort this long after arrival
     preempt: bool = False
+    cache_salt: str = ""
 
 
 @attrs.frozen
@@ -75,7 +80,7 @@ class Scenario:
 def make_prompt(rng: random.Random, documents: list[tuple[int, ...]], chunk_size: int) -> tuple[int, ...]:
     """A prompt = (often) a shared document prefix + a private suffix (+ a partial chunk)."""
     prefix: tuple[int, ...] = ()
-    if documents and rng.random() < 0.75:
+    if documents and rng.random() < 0.8:
         doc = rng.choice(documents)
         prefix = doc[: chunk_size * rng.randint(1, len(doc) // chunk_size)]
     suffix_chunks = rng.randint(0 if prefix else 1, 2)
@@ -122,6 +127,8 @@ def draw_scenario(seed: int) -> Scenario:
         l1_slots=rng.choice((12, 24, 64, 256)),
         lease_ttl=rng.choice((2.0, 10.0, 60.0)),
         l2_enabled=rng.random() < 0.5,
+        engine_driven=rng.random() < 0.3,
+        abandoned_job_ttl=rng.choice((3.0, 10.0)),
         l2_latency_min=rng.choice((0.0005, 0.002)),
         l2_latency_mean=rng.choice((0.002, 0.02, 0.3)),
         l2_fail_p=rng.choice((0.0, 0.0, 0.05, 0.3)) if faulty else 0.0,
@@ -131,6 +138,7 @@ def draw_scenario(seed: int) -> Scenario:
         server_handler_jitter=rng.choice((0.001, 0.005)),
         step_interval=rng.choice((0.005, 0.01, 0.02)),
         compute_time=rng.choice((0.005, 0.02)),
+        decode_time=rng.choice((0.002, 0.03, 0.2)),
         net=net,
         safety_duration=rng.choice((1.0, 2.0, 3.0)),
     )
@@ -138,7 +146,7 @@ def draw_scenario(seed: int) -> Scenario:
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]
     requests = []
-    n_requests = rng.randint(3, 14)
+    n_requests = rng.randint(4, 16)
     for i in range(n_requests):
         arrival = rng.uniform(0.0, config.safety_duration * 0.8)
         prompt = make_prompt(rng, documents, chunk_size)
@@ -155,6 +163,7 @@ def draw_scenario(seed: int) -> Scenario:
                 apc_blocks=apc,
                 abort_after=abort_after,
                 preempt=rng.random() < 0.08,
+                cache_salt="bad/salt" if rng.random() < 0.03 else rng.choice(("", "", "", "tenant-a")),
             )
         )
     faults: list[FaultSpec] = []

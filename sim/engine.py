@@ -1,0 +1,618 @@
+"""A simulated vLLM engine: one scheduler node (LookupClient) and `tp` worker nodes (one
+TransferClient per server each), driven the way vLLM's KV connector drives LMCache's adapters.
+
+Per request (LMCache MP connector lifecycle, reference §C.5)::
+
+    arrive -> SubmitLookup; each scheduler step: check() -> None (ask again next step) | tokens
+    allocate blocks (wait while the pool is short; vLLM asks check() again meanwhile)
+    Cleanup; FreeUnusedLeases for what vLLM's own prefix cache covers
+    RETRIEVE [floor(apc/C)*C, hit) from one server into the blocks (skip the APC part)
+    load reported in recving -> verify every loaded block's checksum; load errors are recomputed
+    compute the rest -> STORE the new full chunks to every server -> EngineFinished + EndRequest
+    every worker reports the id in sending -> blocks freed -> done
+
+Aborts (before allocation, while loading, while computing) and preemption (blocks freed,
+recompute from scratch) follow the same calls vLLM makes. Worker memory is a dict of block id ->
+value, so every copy is checked end to end: a value is a function of (chunk hash, rank, block).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import attrs
+import trio
+
+from core_sm.chunks import ObjectKey, chunk_hashes, identity_root
+from core_sm.effects import CopyBlocks, SendRequest
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.messages import (
+    Abort,
+    Cleanup,
+    CopyFinished,
+    EndRequest,
+    EngineFinished,
+    FreeUnusedLeases,
+    Ping,
+    QueryPrefetchStatus,
+    ReplyReceived,
+    RequestFailed,
+    ServerHealth,
+    SubmitLookup,
+    SubmitRetrieve,
+    SubmitStore,
+    TransferKind,
+    WaitPrefetchStatus,
+)
+from runtime_trio import Address, Node
+from sim.scenario import RequestSpec, sched_name, server_name, worker_name
+
+MODEL = "sim-model"
+LOOKUP = "lookup"
+HB = "hb"
+
+
+def tc_name(server: int) -> str:
+    return f"tc{server}"
+
+
+@attrs.define
+class SimRequest:
+    spec: RequestSpec
+    rid: str
+    tokens: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    state: str = "pending"  # pending, waiting, loading, computing, finishing, done
+    outcome: str = ""
+    done: bool = False
+    submitted: bool = False
+    skip_lookup: bool = False
+    polls: int = 0
+    lm_hit: int | None = None
+    vllm_hit: int = 0
+    load_start: int = 0
+    retrieve_server: int = 0
+    loads_pending: set[int] = attrs.Factory(set)
+    load_errors: set[tuple[int, int]] = attrs.Factory(set)  # (rank, block id)
+    finishing: set[tuple[int, int]] = attrs.Factory(set)  # (rank, server) yet to report sending
+    blocks: list[int] | None = None
+    compute_done_at: float = 0.0
+    preempted: bool = False
+    arrived_at: float = 0.0
+    finished_at: float = 0.0
+
+
+class Heartbeat:
+    """The runtime's health view of each server from one client node (not protocol logic:
+    a ping every interval; no pong for `timeout` -> unhealthy; a pong -> healthy; a pong from a
+    new server incarnation -> unhealthy then healthy, as a reconnect is seen by a real client)."""
+
+    def __init__(self, engine: SimEngine, node_name: str, targets: dict[int, list[str]]) -> None:
+        self.engine = engine
+        self.node_name = node_name
+        self.targets = targets  # server -> machines to tell
+        n = engine.world.config.num_servers
+        self.last_pong = [0.0] * n
+        self.healthy = [True] * n
+        self.incarnation = [1] * n
+        self.seq = 0
+        self.running = True
+
+
+class SimWorker:
+    def __init__(self, engine: SimEngine, rank: int) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.name = worker_name(engine.index, rank)
+        self.instance_id = engine.index * 16 + rank + 1
+        self.node: Node | None = None
+        self.blocks: dict[int, int] = {}
+        self.alive = True
+
+    # ---- copies (called by the server's transfer executor and by CopyBlocks) -------------
+    def _block_of(self, start: int, block_ids: tuple[int, ...], token: int) -> int | None:
+        i = (token - start) // self.engine.bs
+        return block_ids[i] if 0 <= i < len(block_ids) else None
+
+    def read_chunk(self, start: int, block_ids: tuple[int, ...], chunk: int) -> tuple[int, ...]:
+        C, bs = self.engine.C, self.engine.bs
+        out = []
+        for j in range(C // bs):
+            b = self._block_of(start, block_ids, chunk * C + j * bs)
+            out.append(self.blocks.get(b, -1) if b is not None else -1)
+        return tuple(out)
+
+    def write_chunk(self, start: int, block_ids: tuple[int, ...], chunk: int, data: tuple[int, ...] | None,
+                    skip: int) -> None:
+        C, bs = self.engine.C, self.engine.bs
+        for j in range(C // bs):
+            token = chunk * C + j * bs
+            if token < start + skip:
+                continue  # blocks vLLM already shares: never written
+            b = self._block_of(start, block_ids, token)
+            if b is not None:
+                self.blocks[b] = data[j] if data is not None else -3
+
+
+class SimEngine:
+    def __init__(self, world: Any, index: int) -> None:
+        self.world = world
+        self.index = index
+        cfg = world.config
+        self.cfg = cfg
+        self.C = cfg.chunk_size
+        self.bs = cfg.block_size
+        self.tp = cfg.tp
+        self.num_servers = cfg.num_servers
+        self.sched: Node | None = None
+        self.workers = [SimWorker(self, r) for r in range(cfg.tp)]
+        self.free_blocks = list(range(cfg.blocks_per_worker))
+        self.requests: dict[str, SimRequest] = {}
+        self.order: list[SimRequest] = []
+        self.crashed = False
+        self.step_scheduled = False
+        self.heartbeats: list[Heartbeat] = []
+        # (node, machine, correlation) -> (request id, request type), for reply fault tracking
+        self.sent: OrderedDict[tuple[str, str, int], tuple[str | None, str]] = OrderedDict()
+        self.delivered_hits: dict[tuple[str, int], int] = {}
+        self.reported: dict[tuple[int, int, str], set[str]] = {}
+        self.lookup_results: dict[str, int] = {}
+        root_cache: dict[str, bytes] = {}
+        for spec in world.scenario.requests:
+            if spec.engine != index:
+                continue
+            salt = spec.cache_salt
+            try:
+                root = root_cache.setdefault(salt, identity_root(MODEL, self.tp, salt))
+            except ValueError:
+                root = identity_root(MODEL, self.tp, "")
+            hashes = chunk_hashes(spec.prompt, self.C, root)
+            req = SimRequest(spec, spec.request_id, spec.prompt, hashes)
+            self.requests[spec.request_id] = req
+            self.order.append(req)
+
+    # =========================================================================== setup
+    async def start(self, nursery: trio.Nursery) -> None:
+        w = self.world
+        profile = w.profile
+        sched = w.make_node(sched_name(self.index), {LOOKUP: profile.make_lookup_client(self.cfg)},
+                            self._interpret)
+        self.sched = sched
+        await w.start_node(sched)
+        self.heartbeats.append(Heartbeat(self, sched.name, {s: [LOOKUP] for s in range(self.num_servers)}))
+        for worker in self.workers:
+            machines = {tc_name(s): profile.make_transfer_client(self.cfg, worker.rank, worker.instance_id, s)
+                        for s in range(self.num_servers)}
+            node = w.make_node(worker.name, machines, self._interpret)
+            worker.node = node
+            await w.start_node(node)
+            self.heartbeats.append(Heartbeat(self, node.name, {s: [tc_name(s)] for s in range(self.num_servers)}))
+            for s in range(self.num_servers):
+                self.call(node, tc_name(s), ServerHealth(s, True))
+        for hb in self.heartbeats:
+            w.timeline.after(w.exec_rng.uniform(0, self.cfg.heartbeat_interval), self._ping, hb)
+
+    def schedule_workload(self) -> None:
+        for req in self.order:
+            self.world.timeline.at(req.spec.arrival, self._arrive, req)
+            if req.spec.abort_after is not None:
+                self.world.timeline.at(req.spec.arrival + req.spec.abort_after, self._abort, req)
+
+    def call(self, node: Node, machine: str, event: Any) -> list[Any]:
+        """A synchronous call from vLLM into a machine (as the connector does), then re-arm."""
+        effects = node.step(machine, event)
+        self.world._arm_timer(node, node.next_deadline())
+        return effects
+
+    # =========================================================================== effects
+    def _interpret(self, node: Node, machine: str, effect: Any) -> None:
+        t = type(effect)
+        if t is SendRequest:
+            from sim.world import RequestMsg
+
+            rid = _rid(effect.request)
+            self.sent[(node.name, machine, effect.correlation)] = (rid, type(effect.request).__name__)
+            if len(self.sent) > 4096:
+                self.sent.popitem(last=False)
+            self.world.send(Address(node.name, machine), Address(server_name(effect.server), "server"),
+                            RequestMsg(effect.server, effect.correlation, effect.request))
+        elif t is CopyBlocks:
+            worker = self.workers[int(node.name.split(".")[1])]
+            server = int(machine[2:])
+            delay = self.world._latency(self.cfg.copy_latency_mean)
+            self.world.timeline.after(delay, self._finish_copy, worker, machine, server,
+                                      self.world.servers[server].incarnation, effect)
+        else:
+            self.world.violation("SAFETY", node.name, f"client emitted an unknown effect {effect!r}")
+
+    def _finish_copy(self, worker: SimWorker, machine: str, server: int, incarnation: int,
+                     effect: CopyBlocks) -> None:
+        if not worker.alive or worker.node is None:
+            return
+        host = self.world.servers[server]
+        ok = self.world.exec_rng.random() >= self.cfg.copy_fail_p
+        if host.incarnation != incarnation or not host.up:
+            ok = False  # the shared-memory segment went away with the server
+        if ok:
+            if effect.direction is TransferKind.STORE:
+                for chunk, slot in effect.placements:
+                    host.slots[slot] = worker.read_chunk(effect.start, effect.block_ids, chunk)
+                    self.world.note_written(effect.op[0], chunk, worker.rank)
+            else:
+                for chunk, slot in effect.placements:
+                    worker.write_chunk(effect.start, effect.block_ids, chunk, host.slots.get(slot),
+                                       effect.skip_first_n_tokens)
+        else:
+            self.world.stats["copy_fail"] += 1
+        worker.node.post(machine, CopyFinished(effect.op, ok))
+
+    def deliver_reply(self, node: Node, machine: str, msg: Any) -> None:
+        if machine == HB:
+            self._pong(node.name, msg)
+            return
+        info = self.sent.get((node.name, machine, msg.correlation))
+        if msg.error is not None:
+            node.post(machine, RequestFailed(msg.server, msg.correlation, msg.error))
+            return
+        if info is not None and machine == LOOKUP and info[1] in ("QueryPrefetchStatus", "WaitPrefetchStatus"):
+            rid = info[0]
+            client = node.machines[LOOKUP]
+            pending = client._active.get(rid) if rid is not None else None
+            leg = pending.legs.get(msg.server) if pending is not None else None
+            if (isinstance(msg.result, int) and not isinstance(msg.result, bool) and leg is not None
+                    and leg.chunks is None):
+                # The answer reached a lookup still waiting for this server: it must count.
+                key = (rid, msg.server)
+                self.delivered_hits[key] = max(self.delivered_hits.get(key, 0), msg.result)
+        node.post(machine, ReplyReceived(msg.server, msg.correlation, msg.result))
+
+    def touch_reply(self, node_name: str, msg: Any) -> None:
+        for machine in [LOOKUP] + [tc_name(s) for s in range(self.num_servers)]:
+            info = self.sent.get((node_name, machine, msg.correlation))
+            if info is not None and info[0] is not None:
+                self.world.touched.add(info[0])
+
+    def observe(self, node: Node, machine: str, event: Any, effects: list[Any]) -> None:
+        machine_obj = node.machines[machine]
+        try:
+            machine_obj.check_invariants()
+        except AssertionError as exc:
+            self.world.violation("SAFETY", node.name, f"core_sm {machine} invariant: {exc}")
+
+    # =========================================================================== heartbeats
+    def _ping(self, hb: Heartbeat) -> None:
+        if not hb.running or self.crashed:
+            return
+        from sim.world import RequestMsg
+
+        now = self.world.now()
+        for s in range(self.num_servers):
+            hb.seq += 1
+            self.world.send(Address(hb.node_name, HB), Address(server_name(s), "server"),
+                            RequestMsg(s, -hb.seq, Ping()))
+            if hb.healthy[s] and now - hb.last_pong[s] > self.cfg.heartbeat_timeout:
+                self._set_health(hb, s, False)
+        self.world.timeline.after(self.cfg.heartbeat_interval, self._ping, hb)
+
+    def _pong(self, node_name: str, msg: Any) -> None:
+        hb = next(h for h in self.heartbeats if h.node_name == node_name)
+        s = msg.server
+        hb.last_pong[s] = self.world.now()
+        incarnation = self.world.servers[s].incarnation
+        if incarnation != hb.incarnation[s]:
+            hb.incarnation[s] = incarnation
+            if hb.healthy[s]:
+                self._set_health(hb, s, False)  # a reconnect: the old server's state is gone
+        if not hb.healthy[s]:
+            self._set_health(hb, s, True)
+
+    def _set_health(self, hb: Heartbeat, server: int, healthy: bool) -> None:
+        hb.healthy[server] = healthy
+        node = self.world.nodes.get(hb.node_name)
+        self.world.trace.line(self.world.now(), hb.node_name, f"health server{server} -> {'up' if healthy else 'DOWN'}")
+        self.touch_all_live()
+        if node is None or not node.alive:
+            return
+        for machine in hb.targets[server]:
+            self.call(node, machine, ServerHealth(server, healthy))
+
+    def stop_heartbeats(self) -> None:
+        for hb in self.heartbeats:
+            hb.running = False
+
+    # =========================================================================== workload
+    def _arrive(self, req: SimRequest) -> None:
+        if self.crashed:
+            return
+        req.state = "waiting"
+        req.arrived_at = self.world.now()
+        self._ensure_step()
+
+    def _ensure_step(self) -> None:
+        if not self.step_scheduled and not self.crashed:
+            self.step_scheduled = True
+            self.world.timeline.after(self.cfg.step_interval, self._step)
+
+    def _step(self) -> None:
+        self.step_scheduled = False
+        if self.crashed:
+            return
+        self._collect_worker_reports()
+        now = self.world.now()
+        for req in self.order:
+            st = req.state
+            if st == "waiting":
+                self._schedule_waiting(req)
+            elif st == "computing" and now >= req.compute_done_at:
+                self._compute_and_store(req)
+        if any(r.state not in ("pending", "done") for r in self.order):
+            self._ensure_step()
+
+    def _schedule_waiting(self, req: SimRequest) -> None:
+        assert self.sched is not None
+        if req.skip_lookup:
+            hit = 0
+        else:
+            if not req.submitted:
+                req.submitted = True
+                self.call(self.sched, LOOKUP, SubmitLookup(req.rid, req.tokens, req.spec.cache_salt))
+            result = self.sched.machines[LOOKUP].check(req.rid)
+            self.world._arm_timer(self.sched, self.sched.next_deadline())
+            if result is None:
+                req.polls += 1
+                return
+            if not isinstance(result, int) or isinstance(result, bool) or result < 0 or result % self.C:
+                self.world.violation("SAFETY", self.sched.name, f"check({req.rid}) returned {result!r}")
+            hit = result
+            if req.rid not in self.lookup_results:
+                self.lookup_results[req.rid] = hit
+                self._check_resolution(req, hit)
+        need = -(-len(req.tokens) // self.bs)
+        if len(self.free_blocks) < need:
+            return  # vLLM keeps the request waiting and asks again next step
+        req.blocks = [self.free_blocks.pop() for _ in range(need)]
+        req.lm_hit = hit
+        apc = min(req.spec.apc_blocks * self.bs, len(req.tokens))
+        req.vllm_hit = apc
+        for w in self.workers:
+            for i in range(apc // self.bs):
+                w.blocks[req.blocks[i]] = self.expected_block(req, w.rank, i)
+        tokens, salt = req.tokens, req.spec.cache_salt
+        if not req.skip_lookup:
+            self.call(self.sched, LOOKUP, Cleanup(req.rid))
+        if hit > apc:
+            start = apc // self.C * self.C
+            if start > 0:
+                self.call(self.sched, LOOKUP, FreeUnusedLeases(req.rid, tokens, 0, apc, salt))
+            req.load_start = start
+            req.retrieve_server = int(req.rid[1:] or 0) % self.num_servers
+            req.loads_pending = {w.rank for w in self.workers}
+            req.state = "loading"
+            blocks = tuple(req.blocks[start // self.bs: hit // self.bs])
+            for w in self.workers:
+                assert w.node is not None
+                self.call(w.node, tc_name(req.retrieve_server),
+                          SubmitRetrieve(req.rid, tokens, start, hit, blocks, apc - start, salt))
+        else:
+            if hit > 0:
+                self.call(self.sched, LOOKUP, FreeUnusedLeases(req.rid, tokens, 0, hit, salt))
+            self._start_compute(req)
+
+    def _check_resolution(self, req: SimRequest, hit: int) -> None:
+        """F2: a hit the server answered and the client received must not turn into less."""
+        client = self.sched.machines[LOOKUP] if self.sched is not None else None
+        pending = client.pending(req.rid) if client is not None else None
+        if pending is None or req.rid in self.world.touched:
+            return
+        for s, leg in pending.legs.items():
+            got = self.delivered_hits.get((req.rid, s), 0)
+            if got > 0 and (leg.chunks or 0) < got:
+                self.world.violation(
+                    "F2", sched_name(self.index),
+                    f"{req.rid}: server{s} answered {got} hit chunks and the answer reached the client, "
+                    f"but the lookup resolved that server's leg to {leg.chunks} (result {hit} tokens)")
+
+    def _start_compute(self, req: SimRequest) -> None:
+        req.state = "computing"
+        req.compute_done_at = self.world.now() + self.cfg.compute_time
+
+    def _collect_worker_reports(self) -> None:
+        for w in self.workers:
+            if w.node is None or not w.alive:
+                continue
+            errors_all: set[int] = set()
+            for s in range(self.num_servers):
+                tc = w.node.machines[tc_name(s)]
+                sending, recving = tc.finished()
+                errors = tc.load_errors()
+                errors_all |= errors
+                for rid in sorted(recving):
+                    seen = self.reported.setdefault((w.rank, s, "recving"), set())
+                    req = self.requests.get(rid)
+                    if rid in seen and req is not None and not req.preempted:
+                        self.world.violation("F16", w.name, f"{rid} reported in recving twice by {tc_name(s)}")
+                    seen.add(rid)
+                    if req is None or req.state not in ("loading",):
+                        if req is not None and req.state in ("finishing", "done"):
+                            self.world.violation("F16", w.name, f"{rid} reported in recving after it finished "
+                                                 f"({req.state}): double completion")
+                        continue
+                    req.loads_pending.discard(w.rank)
+                for rid in sorted(sending):
+                    seen = self.reported.setdefault((w.rank, s, "sending"), set())
+                    if rid in seen:
+                        self.world.violation("F16", w.name, f"{rid} reported in sending twice by {tc_name(s)}")
+                    seen.add(rid)
+                    req = self.requests.get(rid)
+                    if req is None or req.state != "finishing":
+                        self.world.violation("F16", w.name, f"{rid} reported in sending while {req and req.state}")
+                        continue
+                    req.finishing.discard((w.rank, s))
+                    if not req.finishing:
+                        self._release(req)
+            if errors_all:
+                self._recompute_errors(w, errors_all)
+        for req in self.order:
+            if req.state == "loading" and not req.loads_pending:
+                self._verify_load(req)
+                self._start_compute(req)
+
+    def _recompute_errors(self, w: SimWorker, blocks: set[int]) -> None:
+        for req in self.order:
+            if req.blocks is None or req.state != "loading":
+                continue
+            for i, b in enumerate(req.blocks):
+                if b in blocks:
+                    req.load_errors.add((w.rank, b))
+                    w.blocks[b] = self.expected_block(req, w.rank, i)
+
+    def _verify_load(self, req: SimRequest) -> None:
+        """F10: every block the load claimed to write holds exactly what was stored for it."""
+        assert req.blocks is not None and req.lm_hit is not None
+        first = req.vllm_hit // self.bs
+        last = req.lm_hit // self.bs
+        for w in self.workers:
+            for i in range(first, last):
+                b = req.blocks[i]
+                if (w.rank, b) in req.load_errors:
+                    continue
+                want = self.expected_block(req, w.rank, i)
+                got = w.blocks.get(b)
+                if got != want:
+                    self.world.violation(
+                        "F10", w.name, f"{req.rid}: block {i} (id {b}) after a load reported good holds "
+                        f"{got} instead of {want}: vLLM would decode over wrong KV")
+
+    def _compute_and_store(self, req: SimRequest) -> None:
+        assert req.blocks is not None and req.lm_hit is not None
+        if req.spec.preempt and not req.preempted:
+            # Preempted: blocks back to the pool, recomputed from scratch later.
+            req.preempted = True
+            self.free_blocks.extend(reversed(req.blocks))
+            req.blocks = None
+            req.skip_lookup = True
+            req.state = "waiting"
+            return
+        for w in self.workers:
+            for i in range(len(req.blocks)):
+                w.blocks[req.blocks[i]] = self.expected_block(req, w.rank, i)
+        full_end = len(req.tokens) // self.C * self.C
+        store_from = req.lm_hit if not req.skip_lookup else 0
+        salt = req.spec.cache_salt
+        if store_from < full_end:
+            blocks = tuple(req.blocks[store_from // self.bs: full_end // self.bs])
+            for w in self.workers:
+                assert w.node is not None
+                for s in range(self.num_servers):
+                    self.call(w.node, tc_name(s), SubmitStore(req.rid, req.tokens, store_from, full_end, blocks, salt))
+        req.state = "decoding"
+        self.world.timeline.after(self.cfg.decode_time, self._decoded, req)
+
+    def _decoded(self, req: SimRequest) -> None:
+        if self.crashed or req.state != "decoding":
+            return
+        self._finish(req, "finished")
+
+    def _finish(self, req: SimRequest, outcome: str) -> None:
+        """vLLM request_finished: workers are told, the scheduler ends the lookup session."""
+        assert self.sched is not None
+        req.outcome = outcome
+        self.call(self.sched, LOOKUP, EndRequest(req.rid))
+        if req.blocks is None:
+            self._mark_done(req)
+            return
+        req.state = "finishing"
+        req.finishing = {(w.rank, s) for w in self.workers for s in range(self.num_servers)}
+        for w in self.workers:
+            assert w.node is not None
+            for s in range(self.num_servers):
+                event = Abort(req.rid) if outcome == "aborted" else EngineFinished((req.rid,))
+                self.call(w.node, tc_name(s), event)
+        self._ensure_step()
+
+    def _release(self, req: SimRequest) -> None:
+        assert req.blocks is not None
+        self.free_blocks.extend(reversed(req.blocks))
+        req.blocks = None
+        self._mark_done(req)
+
+    def _mark_done(self, req: SimRequest) -> None:
+        req.state = "done"
+        req.done = True
+        req.finished_at = self.world.now()
+        self.world.trace.line(req.finished_at, sched_name(self.index), f"request {req.rid} done ({req.outcome})")
+
+    def _abort(self, req: SimRequest) -> None:
+        if self.crashed or req.state in ("pending", "finishing", "done", "decoding"):
+            return
+        self.world.trace.line(self.world.now(), sched_name(self.index), f"abort {req.rid} in {req.state}")
+        if req.state == "waiting" and req.blocks is None:
+            self._finish(req, "aborted")
+        else:
+            self._finish(req, "aborted")
+
+    # =========================================================================== data
+    def expected_block(self, req: SimRequest, rank: int, block_index: int) -> int:
+        token = block_index * self.bs
+        chunk = token // self.C
+        if chunk >= len(req.hashes):
+            return -2  # the partial tail chunk: never stored or loaded
+        base = int.from_bytes(req.hashes[chunk][:6], "little") * 8 + rank
+        return base * 64 + (token - chunk * self.C) // self.bs
+
+    # =========================================================================== faults & phases
+    def crash(self) -> None:
+        if self.crashed:
+            return
+        self.crashed = True
+        self.world.trace.mark(self.world.now(), sched_name(self.index), "crash", "engine (scheduler + workers)")
+        for hb in self.heartbeats:
+            hb.running = False
+        if self.sched is not None:
+            self.sched.crash()
+        for w in self.workers:
+            w.alive = False
+            if w.node is not None:
+                w.node.crash()
+        for req in self.order:
+            if not req.done:
+                req.outcome = "abandoned"
+
+    def touch_all_live(self) -> None:
+        for req in self.order:
+            if not req.done:
+                self.world.touched.add(req.rid)
+
+    def begin_liveness(self) -> None:
+        if self.crashed:
+            return
+        self._ensure_step()
+
+    def all_done(self) -> bool:
+        return self.crashed or all(r.done for r in self.order)
+
+    def stuck_report(self) -> list[str]:
+        if self.crashed:
+            return []
+        lines = []
+        for req in self.order:
+            if req.done:
+                continue
+            if req.state == "waiting" and req.rid not in self.lookup_results and not req.skip_lookup:
+                what = f"lookup unresolved after {req.polls} polls (check() -> None)"
+            else:
+                what = f"state {req.state}"
+                if req.state == "finishing":
+                    what += f", waiting for sending from {sorted(req.finishing)}"
+                if req.state == "loading":
+                    what += f", waiting for recving from ranks {sorted(req.loads_pending)}"
+            last = " | ".join(list(self.world.recent.get(req.rid, []))[-3:])
+            lines.append(f"{req.rid}@{sched_name(self.index)}: {what}; last events: {last}")
+        return lines
+
+
+def _rid(request: Any) -> str | None:
+    rid = getattr(request, "request_id", None)
+    if rid is None:
+        rid = getattr(getattr(request, "key", None), "request_id", None)
+    return rid

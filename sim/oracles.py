@@ -1,0 +1,48 @@
+"""Violations and the names of the failures they show.
+
+Every oracle failure is a `Violation` whose `code` names the failure mode of
+`reference/lmcache_mp.md` §F it is an instance of (F1 poll-forever, F2 silent miss, ...), or
+`SAFETY`/`DEADLOCK`/`CRASH` for failures outside that list. The code is derived from the
+*symptom* the oracle saw, never from the profile that was running.
+"""
+from __future__ import annotations
+
+import attrs
+
+# code -> short name, printed in summaries.
+FAILURES: dict[str, str] = {
+    "F1": "poll-forever (a lookup never resolves)",
+    "F2": "silent miss (a hit the server answered was lost by the client)",
+    "F4": "duplicate lookup leased twice",
+    "F5": "status query overtook its lookup",
+    "F8": "read lease leaked past its request",
+    "F9": "over-release (another request's lease released)",
+    "F10": "corrupt KV (data read back differs from data stored)",
+    "F11": "missing or double reply",
+    "F12": "unbounded bookkeeping (abandoned state never reclaimed)",
+    "F16": "double completion",
+    "HIT": "hit reported for data never stored",
+    "LIVENESS": "request did not finish after heal",
+    "DEADLOCK": "world idle with no deadline",
+    "SAFETY": "core_sm invariant broken",
+    "CRASH": "exception in the world",
+}
+
+
+@attrs.frozen
+class Violation:
+    code: str
+    t: float
+    node: str
+    message: str
+
+    def reason(self) -> str:
+        return f"{self.code} {FAILURES.get(self.code, '')}: {self.message}"
+
+
+class ViolationFound(Exception):
+    """Raised inside the world to stop a run at the first violation."""
+
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(violation.reason())
+        self.violation = violation

@@ -1,0 +1,277 @@
+"""Profiles: which machines a world runs. `default` is production core_sm, unchanged.
+
+Each legacy profile puts one historical LMCache bug back by *substituting a subclass* of a
+core_sm machine that overrides one of its extension-point methods (docs/core_sm.md) -- core_sm
+itself has no flags for them. The simulator must catch each one with a violation whose code
+names the failure (reference/lmcache_mp.md §F); tests/sim/test_profiles.py proves it does
+within 200 seeds.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from core_sm.chunks import ObjectKey
+from core_sm.effects import Effect, ErrorReply, Reply
+from core_sm.l1_index import ReleaseReason
+from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
+from core_sm.messages import EndRequest, Lookup, ServerEvent
+from core_sm.server import LookupServer, PrefetchJob, ServerConfig
+from core_sm.transfer_client import TransferClient, TransferClientConfig
+from sim.scenario import WorldConfig
+
+MODEL = "sim-model"
+
+
+class Profile:
+    name = "default"
+    failure = ""  # the §F failure this profile puts back
+    description = "production core_sm machines, unchanged"
+    server_class: type[LookupServer] = LookupServer
+    lookup_client_class: type[LookupClient] = LookupClient
+    transfer_client_class: type[TransferClient] = TransferClient
+    lookup_timeout: float | None = None  # None: the world's knob
+
+    def server_config(self, cfg: WorldConfig) -> ServerConfig:
+        return ServerConfig(
+            chunk_size=cfg.chunk_size,
+            num_slots=cfg.l1_slots,
+            slot_bytes=4096,
+            lease_ttl=cfg.lease_ttl,
+            tombstone_ttl=5.0,
+            tombstone_cap=1000,
+            abandoned_job_ttl=cfg.abandoned_job_ttl,
+            l2_enabled=cfg.l2_enabled,
+            l2_read_timeout=2.0,
+            write_behind=cfg.l2_enabled,
+            high_watermark=0.9,
+            low_watermark=0.7,
+        )
+
+    def make_server(self, cfg: WorldConfig) -> LookupServer:
+        return self.server_class(self.server_config(cfg))
+
+    def make_lookup_client(self, cfg: WorldConfig) -> LookupClient:
+        return self.lookup_client_class(LookupClientConfig(
+            num_servers=cfg.num_servers,
+            model_name=MODEL,
+            world_size=cfg.tp,
+            chunk_size=cfg.chunk_size,
+            num_readers=1,
+            poll_interval=0.005,
+            lookup_timeout=cfg.lookup_timeout if self.lookup_timeout is None else self.lookup_timeout,
+            result_ttl=60.0,
+        ))
+
+    def make_transfer_client(self, cfg: WorldConfig, rank: int, instance_id: int, server: int) -> TransferClient:
+        return self.transfer_client_class(TransferClientConfig(
+            instance_id=instance_id,
+            model_name=MODEL,
+            world_size=cfg.tp,
+            worker_id=rank,
+            chunk_size=cfg.chunk_size,
+            object_bytes=cfg.chunk_size * 64,
+            engine_driven=cfg.engine_driven,
+            server=server,
+            op_timeout=3.0,
+        ))
+
+
+# ----------------------------------------------------------------------------------------------
+# unknown-none (F1): the #2733-era server answers None for an unknown id and keeps no tombstone;
+# the adapter keeps no result cache, so asking again after the answer polls a popped job forever.
+
+
+class UnknownNoneServer(LookupServer):
+    def _status_for_unknown(self, request_id: str) -> int | None:
+        return None
+
+    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
+        pass
+
+
+class NoCacheLookupClient(LookupClient):
+    """check() of a finished lookup asks the server again (the adapter did not cache it)."""
+
+    def check(self, request_id: str) -> int | None:
+        result = super().check(request_id)
+        pending = self._done.get(request_id)
+        if pending is not None:
+            # Back to querying: the next handle() sends a fresh status query to every server.
+            del self._done[request_id]
+            pending.result_tokens = None
+            for leg in pending.legs.values():
+                leg.chunks = None
+                leg.acked = True
+                leg.next_query_at = 0.0
+            self._active[request_id] = pending
+        return result
+
+
+class UnknownNone(Profile):
+    name = "unknown-none"
+    failure = "F1"
+    description = "server: unknown id -> None, no tombstone; client: no result cache, no timeout"
+    server_class = UnknownNoneServer
+    lookup_client_class = NoCacheLookupClient
+    lookup_timeout = float("inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# resend-status (F2): the client abandons an unanswered status query after one poll interval
+# and sends another; the April server pops the job on its first answer and keeps no tombstone.
+
+
+class PopOnceServer(LookupServer):
+    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
+        pass
+
+
+class ResendingLookupClient(LookupClient):
+    def _should_resend_status(self, pending: PendingLookup, leg: ServerLeg, now: float) -> bool:
+        return True
+
+
+class ResendStatus(Profile):
+    name = "resend-status"
+    failure = "F2"
+    description = "client resends status queries it stopped waiting for; server pops on first answer"
+    server_class = PopOnceServer
+    lookup_client_class = ResendingLookupClient
+
+
+# ----------------------------------------------------------------------------------------------
+# overwrite-dup (F4): a duplicate LOOKUP replaces the live job and leases again.
+
+
+class OverwriteDupServer(LookupServer):
+    def _on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
+        self._counters["duplicate_lookups"] += 1
+        del self._jobs[job.request_id]
+        self._start_job(event, job.hashes, now, out)
+
+    def _lease_for_lookup(self, request_id: str, key: ObjectKey, num_readers: int, now: float) -> None:
+        self.index.lease_read(key, request_id, num_readers, now)  # count-only locks: no top-up
+        self.index.touch(key)
+
+
+class OverwriteDup(Profile):
+    name = "overwrite-dup"
+    failure = "F4"
+    description = "server: a duplicate LOOKUP overwrites the job and takes a second set of leases"
+    server_class = OverwriteDupServer
+
+
+# ----------------------------------------------------------------------------------------------
+# no-ack-wait (F5): the client queries status without waiting for the LOOKUP ack (#4935 era),
+# and the server's handler pool may run the query first.
+
+
+class NoAckWaitLookupClient(LookupClient):
+    def _wait_for_ack(self, pending: PendingLookup, server: int) -> bool:
+        return False
+
+
+class NoAckWait(Profile):
+    name = "no-ack-wait"
+    failure = "F5"
+    description = "client: status query sent with the LOOKUP, not after its ack"
+    lookup_client_class = NoAckWaitLookupClient
+
+
+# ----------------------------------------------------------------------------------------------
+# leak-on-abort (F8): a request aborted while its lookup is pending only drops the tracker:
+# no FREE, no END_SESSION reaches the servers.
+
+
+class LeakOnAbortLookupClient(LookupClient):
+    def handle(self, event: Any, now: float) -> list[Effect]:
+        if type(event) is EndRequest and event.request_id in self._active:
+            pending = self._active.pop(event.request_id)
+            for leg in pending.legs.values():
+                for corr in (leg.lookup_correlation, leg.query_correlation):
+                    if corr is not None:
+                        self._correlations.pop(corr, None)
+            return []
+        return super().handle(event, now)
+
+
+class LeakOnAbort(Profile):
+    name = "leak-on-abort"
+    failure = "F8"
+    description = "client: abort while the lookup is pending drops state without FREE/END_SESSION"
+    lookup_client_class = LeakOnAbortLookupClient
+
+
+# ----------------------------------------------------------------------------------------------
+# release-all (F9): FREE_LOOKUP_LOCKS releases one count of *whoever* holds each key.
+
+
+class ReleaseAllServer(LookupServer):
+    def _release_for_free_lookup_locks(self, request_id: str, keys: Sequence[ObjectKey], now: float) -> int:
+        released = 0
+        for key in keys:
+            owners = [o for o in self.index.owners_of(key) if isinstance(o, str)]
+            owner = request_id if request_id in owners else (owners[0] if owners else None)
+            if owner is not None:
+                released += self.index.release_read(key, owner, 1, ReleaseReason.FREE, now)
+        return released
+
+
+class ReleaseAll(Profile):
+    name = "release-all"
+    failure = "F9"
+    description = "server: FREE_LOOKUP_LOCKS releases every key in range, whoever leased it"
+    server_class = ReleaseAllServer
+
+
+# ----------------------------------------------------------------------------------------------
+# silent-errors (F11): a handler that fails sends nothing back.
+
+
+class SilentErrorsServer(LookupServer):
+    def handle(self, event: ServerEvent, now: float) -> list[Effect]:
+        return [e for e in super().handle(event, now) if type(e) is not ErrorReply]
+
+
+class SilentErrors(Profile):
+    name = "silent-errors"
+    failure = "F11"
+    description = "server: a request that fails gets no reply at all"
+    server_class = SilentErrorsServer
+
+
+# ----------------------------------------------------------------------------------------------
+# no-reaper (F12): abandoned jobs (never queried) are never reaped.
+
+
+class NoReaperServer(LookupServer):
+    def _reap_abandoned_jobs(self, now: float, out: list[Effect]) -> None:
+        pass
+
+
+class NoReaper(Profile):
+    name = "no-reaper"
+    failure = "F12"
+    description = "server: abandoned prefetch jobs are never reaped"
+    server_class = NoReaperServer
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
+              ReleaseAll(), SilentErrors(), NoReaper())
+}
+LEGACY = [name for name in PROFILES if name != "default"]
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise SystemExit(f"unknown profile {name!r}; choose from: {', '.join(PROFILES)}") from None
+
+
+_ = (attrs, Reply)

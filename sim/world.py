@@ -1,0 +1,666 @@
+"""A simulated world: servers, vLLM engines (scheduler + workers), L2, SimNet, faults, oracles.
+
+Every node is a `runtime_trio.Node` running the *production* core_sm machines (or a legacy
+profile's subclasses of them). The world is only the shell: it carries messages through SimNet,
+performs effects (copies between engine blocks and L1 slots, L2 reads/writes) through simulated
+executors, injects faults, and checks oracles after every handled event.
+
+A run has three phases (TigerBeetle VOPR style):
+
+1. safety: the workload arrives while faults fire (drops, duplicates, partitions, clogs, server
+   crashes, engine crashes, clears, slow or failing L2 and copies);
+2. liveness: heal the network, stop faults, restart crashed servers; every request of a live
+   engine must then finish within `liveness_bound` virtual seconds and every lookup must resolve
+   to an int, else each stuck request is reported with its last events;
+3. quiescence: everything in flight lands; no request may be left without its reply, no lease
+   may be held by a request that finished cleanly; after the lease TTL and reaping period every
+   server must hold no lease and no job.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+
+from core_sm.chunks import ObjectKey
+from core_sm.effects import ErrorReply, ReadL2, Reply, StartTransfer, WriteL2
+from core_sm.errors import ProtocolError
+from core_sm.messages import (
+    EndSession,
+    FreeLookupLocks,
+    L2ReadFinished,
+    L2WriteFinished,
+    Lookup,
+    Ping,
+    QueryPrefetchStatus,
+    TimerFired,
+    TransferFinished,
+    WaitPrefetchStatus,
+)
+from runtime_trio import Address, Node
+from sim.net import Packet, SimNet
+from sim.oracles import Violation, ViolationFound
+from sim.scenario import FaultSpec, Scenario, server_name
+from sim.timeline import Timeline
+from sim.trace import MessageRecord, Trace, short
+
+SERVER = "server"
+HEARTBEAT = "hb"
+# Replies to requests whose answer may legitimately come later than the handling event.
+DEFERRED_REPLIES = ("Store", "Retrieve", "WaitPrefetchStatus", "CommitTransfer")
+
+
+@attrs.frozen
+class Via:
+    """The simulator's `reply_to`: who asked, under which correlation, through which packet."""
+
+    node: str
+    machine: str
+    server: int
+    correlation: int
+    pid: int
+    request_id: str | None
+    delivery: int = 0  # a duplicated packet is two requests, each owed its own reply
+
+
+@attrs.frozen
+class RequestMsg:
+    server: int
+    correlation: int
+    request: Any
+
+
+@attrs.frozen
+class ReplyMsg:
+    server: int
+    correlation: int
+    result: Any = None
+    error: ProtocolError | None = None
+
+
+def request_id_of(message: Any) -> str | None:
+    """The request id a message is about (for per-request fault tracking and charts)."""
+    if isinstance(message, RequestMsg):
+        message = message.request
+    rid = getattr(message, "request_id", None)
+    if rid is None:
+        key = getattr(message, "key", None)
+        rid = getattr(key, "request_id", None)
+    return rid if isinstance(rid, str) else None
+
+
+class ServerHost:
+    """One server: its node, incarnation, L1 slot memory (checksummed contents)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.name = server_name(index)
+        self.incarnation = 0
+        self.node: Node | None = None
+        self.slots: dict[int, tuple[int, ...]] = {}
+        self.up = False
+        self.down_until = 0.0
+        # reply accounting for this incarnation: reply_to -> (request type, handled at)
+        self.awaiting_reply: dict[Via, tuple[str, float]] = {}
+        # request id -> last of ("lookup", t) / ("end", t) handled in this incarnation
+        self.last_session_event: dict[str, tuple[str, float]] = {}
+        self.lookups_handled: set[str] = set()
+
+
+class World:
+    def __init__(self, scenario: Scenario, profile: Any, *, keep_lines: bool = True, chart: bool = False) -> None:
+        from sim.engine import SimEngine  # late: engine imports world types
+
+        self.scenario = scenario
+        self.config = scenario.config
+        self.profile = profile
+        self.timeline = Timeline()
+        self.trace = Trace(keep_lines=keep_lines)
+        self.record_messages = chart
+        base = scenario.net_seed
+        self.net_rng = random.Random(f"{base}:net")
+        self.exec_rng = random.Random(f"{base}:exec")
+        self.fault_rng = random.Random(f"{base}:fault")
+        self.net = SimNet(self.timeline, self.net_rng, self.config.net, self._deliver_packet, self._net_fate)
+        self.net.now = trio.current_time
+        self.nodes: dict[str, Node] = {}
+        self.servers = [ServerHost(i) for i in range(self.config.num_servers)]
+        self.l2: dict[ObjectKey, tuple[int, ...]] = {}
+        self.written: set[ObjectKey] = set()  # every object ever written into L1 or L2 (history)
+        self.violations: list[Violation] = []
+        self.phase = "safety"
+        self.liveness_started = math.inf
+        self.events = 0
+        self.recent: dict[str, deque[str]] = {}
+        self._armed: dict[str, float] = {}
+        self._ticks_at_now: tuple[float, int] = (-1.0, 0)
+        self._nursery: trio.Nursery | None = None
+        self._deliveries = 0
+        self.engines = [SimEngine(self, e) for e in range(self.config.num_engines)]
+        self.touched: set[str] = set()  # request ids some fault may have hit
+        # (request id, server) -> pids of LOOKUPs sent and not yet handed to the server
+        self.lookups_in_flight: dict[tuple[str, int], set[int]] = {}
+        self.stats: dict[str, int] = {"crashes": 0, "restarts": 0, "partitions": 0, "l2_fail": 0, "copy_fail": 0}
+
+    # =========================================================================== running
+    def now(self) -> float:
+        return trio.current_time()
+
+    async def main(self) -> None:
+        cfg = self.config
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for host in self.servers:
+                await self._start_server(host)
+            for engine in self.engines:
+                await engine.start(nursery)
+            for fault in self.scenario.faults:
+                self.timeline.at(fault.at, self._inject, fault)
+            for engine in self.engines:
+                engine.schedule_workload()
+            # Phase 1: safety.
+            await self.timeline.run(cfg.safety_duration)
+            # Phase 2: liveness.
+            self._begin_liveness()
+            deadline = cfg.safety_duration + cfg.liveness_bound
+            while self.now() < deadline and not all(e.all_done() for e in self.engines):
+                await self.timeline.run(min(deadline, self.now() + 0.25))
+            if not all(e.all_done() for e in self.engines):
+                self._report_stuck()
+            # Phase 3: quiescence.
+            await self.timeline.run(self.now() + 1.0)
+            self._check_quiescent()
+            horizon = max(cfg.lease_ttl, self.profile.server_config(cfg).abandoned_job_ttl) * 2 + 1.0
+            for engine in self.engines:
+                engine.stop_heartbeats()
+            await self.timeline.run(self.now() + horizon)
+            self._check_drained()
+            nursery.cancel_scope.cancel()
+
+    # =========================================================================== nodes
+    def make_node(self, name: str, machines: dict[str, Any], interpret: Callable[[Node, str, Any], None]) -> Node:
+        node = Node(name, machines, interpret, timer_event=TimerFired, arm_timer=self._arm_timer,
+                    observer=self._observe)
+        self.nodes[name] = node
+        self._armed.pop(name, None)
+        return node
+
+    async def start_node(self, node: Node) -> None:
+        assert self._nursery is not None
+        await self._nursery.start(node.run)
+
+    def _arm_timer(self, node: Node, deadline: float | None) -> None:
+        if deadline is None:
+            return
+        now = self.now()
+        armed = self._armed.get(node.name, math.inf)
+        if armed < now:
+            armed = math.inf
+        if deadline < armed:
+            when = max(deadline, now)
+            self._armed[node.name] = when
+            self.timeline.at(when, self._tick, node)
+
+    def _tick(self, node: Node) -> None:
+        now = self.now()
+        if self._armed.get(node.name) == now:
+            self._armed[node.name] = math.inf
+        t, n = self._ticks_at_now
+        n = n + 1 if t == now else 1
+        self._ticks_at_now = (now, n)
+        if n > 10_000:
+            self.violation("SAFETY", node.name, "timer livelock: next_deadline() stays in the past")
+        node.tick()
+
+    def _observe(self, node: Node, machine: str, event: Any, effects: list[Any], now: float) -> None:
+        self.events += 1
+        text = f"{machine}: {short(event)} -> [{', '.join(short(e) for e in effects)}]"
+        self.trace.line(now, node.name, text)
+        rid = request_id_of(event)
+        if rid is not None:
+            q = self.recent.get(rid)
+            if q is None:
+                q = self.recent[rid] = deque(maxlen=8)
+            q.append(f"{now:.6f} {node.name} {text}")
+        if machine == SERVER:
+            self._check_server_event(node, event, effects, now)
+        else:
+            self.engine_of_node(node.name).observe(node, machine, event, effects)
+
+    # =========================================================================== servers
+    async def _start_server(self, host: ServerHost) -> None:
+        host.incarnation += 1
+        host.slots = {}
+        host.awaiting_reply = {}
+        host.last_session_event = {}
+        host.lookups_handled = set()
+        machine = ProbedServer(self.profile.make_server(self.config), self, host)
+        node = self.make_node(host.name, {SERVER: machine}, self._interpret_server)
+        host.node = node
+        host.up = True
+        await self.start_node(node)
+
+    def _interpret_server(self, node: Node, machine: str, effect: Any) -> None:
+        host = self.servers[int(node.name[len("server"):])]
+        t = type(effect)
+        if t is Reply or t is ErrorReply:
+            via = effect.reply_to
+            if not isinstance(via, Via):
+                return
+            if t is Reply:
+                msg = ReplyMsg(via.server, via.correlation, effect.result)
+            else:
+                msg = ReplyMsg(via.server, via.correlation, None, effect.error)
+            self.send(Address(node.name, SERVER), Address(via.node, via.machine), msg)
+        elif t is StartTransfer:
+            delay = self._latency(self.config.copy_latency_mean)
+            self.timeline.after(delay, self._finish_transfer, host, host.incarnation, effect)
+        elif t is ReadL2:
+            delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean)
+            self.timeline.after(delay, self._finish_l2_read, host, host.incarnation, effect)
+        elif t is WriteL2:
+            delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean)
+            self.timeline.after(delay, self._finish_l2_write, host, host.incarnation, effect)
+        else:
+            self.violation("SAFETY", node.name, f"server emitted an unknown effect {short(effect)}")
+
+    def _latency(self, mean: float) -> float:
+        return self.exec_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+
+    def _finish_transfer(self, host: ServerHost, incarnation: int, effect: StartTransfer) -> None:
+        if host.incarnation != incarnation or not host.up:
+            return  # the server crashed: its copies died with it
+        ok = self.exec_rng.random() >= self.config.copy_fail_p
+        worker = self.worker_by_instance(effect.instance_id)
+        if worker is None or not worker.alive:
+            ok = False
+        if not ok:
+            self.stats["copy_fail"] += 1
+        if ok and worker is not None:
+            from core_sm.messages import TransferKind
+
+            if effect.kind is TransferKind.STORE:
+                for chunk, slot in effect.placements:
+                    host.slots[slot] = worker.read_chunk(effect.start, effect.block_ids, chunk)
+                    self.note_written(effect.request_id, chunk, worker.rank)
+            else:
+                for chunk, slot in effect.placements:
+                    worker.write_chunk(effect.start, effect.block_ids, chunk, host.slots.get(slot),
+                                       effect.skip_first_n_tokens)
+        assert host.node is not None
+        host.node.post(SERVER, TransferFinished(effect.transfer_id, ok))
+
+    def _finish_l2_read(self, host: ServerHost, incarnation: int, effect: ReadL2) -> None:
+        if host.incarnation != incarnation or not host.up:
+            return
+        loaded = []
+        for key, slot in effect.items:
+            data = self.l2.get(key)
+            if data is None or self.exec_rng.random() < self.config.l2_fail_p:
+                if data is not None:
+                    self.stats["l2_fail"] += 1
+                loaded.append(False)
+                continue
+            host.slots[slot] = data
+            loaded.append(True)
+        assert host.node is not None
+        host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))
+
+    def _finish_l2_write(self, host: ServerHost, incarnation: int, effect: WriteL2) -> None:
+        if host.incarnation != incarnation or not host.up:
+            return
+        ok = self.exec_rng.random() >= self.config.l2_fail_p
+        if ok:
+            for key, slot in effect.items:
+                data = host.slots.get(slot)
+                if data is None or data != self.expected_chunk(key):
+                    self.violation("F10", host.name, f"L2 write of {key.wire_name()[:12]} from slot {slot} "
+                                   f"carries data that was never stored for it")
+                self.l2[key] = data  # type: ignore[assignment]
+        assert host.node is not None
+        host.node.post(SERVER, L2WriteFinished(effect.write_id, ok))
+
+    # =========================================================================== chunks
+    def expected_chunk(self, key: ObjectKey) -> tuple[int, ...]:
+        """The one correct content of an object (what any correct store writes)."""
+        base = int.from_bytes(key.chunk_hash[:6], "little") * 8 + key.kv_rank
+        return tuple(base * 64 + j for j in range(self.config.chunk_size // self.config.block_size))
+
+    def note_written(self, rid: str, chunk: int, rank: int) -> None:
+        """History: the object for chunk `chunk` of `rid`'s prompt, rank `rank`, now exists."""
+        found = self.find_request(rid)
+        if found is not None and chunk < len(found[1].hashes):
+            self.written.add(ObjectKey(found[1].hashes[chunk], rank))
+
+    def worker_by_instance(self, instance_id: int) -> Any:
+        for engine in self.engines:
+            for w in engine.workers:
+                if w.instance_id == instance_id:
+                    return w
+        return None
+
+    # =========================================================================== network
+    def send(self, src: Address, dst: Address, message: Any) -> None:
+        pid = self.net._pid + 1  # the id SimNet gives this packet (fates may fire inside send)
+        if isinstance(message, RequestMsg) and type(message.request) is Lookup:
+            key = (message.request.key.request_id, message.server)
+            self.lookups_in_flight.setdefault(key, set()).add(pid)
+        self.net.send(src, dst, message)
+        if self.record_messages:
+            self.trace.messages[pid] = MessageRecord(pid, src.node, dst.node, _label(message),
+                                                     request_id_of(message), self.now())
+
+    def _net_fate(self, fate: str, packet: Packet) -> None:
+        rid = request_id_of(packet.message)
+        if rid is None and isinstance(packet.message, ReplyMsg):
+            rid = None
+        self.trace.line(self.now(), packet.src.node, f"net {fate} #{packet.pid} ->{packet.dst.node} "
+                        f"{short(packet.message, 100)}")
+        self.touch_packet(packet)
+        self._lookup_landed(packet)
+        rec = self.trace.messages.get(packet.pid)
+        if rec is not None:
+            rec.fate = fate
+
+    def _lookup_landed(self, packet: Packet) -> None:
+        msg = packet.message
+        if isinstance(msg, RequestMsg) and type(msg.request) is Lookup:
+            pids = self.lookups_in_flight.get((msg.request.key.request_id, msg.server))
+            if pids is not None:
+                pids.discard(packet.pid)
+
+    def _post_request(self, node: Node, packet: Packet, event: Any) -> None:
+        self._lookup_landed(packet)
+        node.post(SERVER, event)
+
+    def touch_packet(self, packet: Packet) -> None:
+        """A fault hit this packet: the requests it concerns are no longer 'clean'."""
+        rid = request_id_of(packet.message)
+        if rid is not None:
+            self.touched.add(rid)
+        via = getattr(packet.message, "via_request", None)
+        if via is not None:
+            self.touched.add(via)
+        if isinstance(packet.message, ReplyMsg):
+            # A lost reply: the client engine knows which request it belonged to.
+            for engine in self.engines:
+                engine.touch_reply(packet.dst.node, packet.message)
+
+    def _deliver_packet(self, packet: Packet) -> None:
+        node = self.nodes.get(packet.dst.node)
+        rec = self.trace.messages.get(packet.pid)
+        if node is None or not node.alive:
+            self.trace.line(self.now(), packet.dst.node, f"net dead #{packet.pid} {short(packet.message, 100)}")
+            self.touch_packet(packet)
+            self._lookup_landed(packet)
+            if rec is not None:
+                rec.fate = "dead"
+            return
+        if rec is not None and rec.fate == "in-flight":
+            rec.fate = "delivered"
+            rec.arrived = self.now()
+        msg = packet.message
+        if isinstance(msg, RequestMsg):
+            self._deliveries += 1
+            via = Via(packet.src.node, packet.src.machine, msg.server, msg.correlation, packet.pid,
+                      request_id_of(msg.request), self._deliveries)
+            event = attrs.evolve(msg.request, reply_to=via)
+            if self.config.server_workers > 1 and self.exec_rng.random() < 0.5:
+                # A worker pool: this handler starts a little later than its arrival.
+                self.timeline.after(self.exec_rng.uniform(0, self.config.server_handler_jitter),
+                                    self._post_request, node, packet, event)
+            else:
+                self._post_request(node, packet, event)
+        elif isinstance(msg, ReplyMsg):
+            engine = self.engine_of_node(packet.dst.node)
+            engine.deliver_reply(node, packet.dst.machine, msg)
+        else:
+            self.violation("SAFETY", packet.dst.node, f"unknown packet {short(msg)}")
+
+    def engine_of_node(self, name: str) -> Any:
+        digits = name[len("sched"):] if name.startswith("sched") else name[len("worker"):].split(".")[0]
+        return self.engines[int(digits)]
+
+    # =========================================================================== oracles
+    def violation(self, code: str, node: str, message: str) -> None:
+        v = Violation(code, self.now(), node, message)
+        self.violations.append(v)
+        self.trace.mark(self.now(), node, "VIOLATION", v.reason())
+        raise ViolationFound(v)
+
+    def _check_server_event(self, node: Node, event: Any, effects: list[Any], now: float) -> None:
+        host = self.servers[int(node.name[len("server"):])]
+        server = node.machines[SERVER]
+        via = getattr(event, "reply_to", None)
+        name = type(event).__name__
+        if isinstance(via, Via):
+            host.awaiting_reply[via] = (name, now)
+            if name == "QueryPrefetchStatus" or name == "WaitPrefetchStatus":
+                rid = event.request_id
+                if rid not in host.lookups_handled and self.lookups_in_flight.get((rid, host.index)):
+                    self.violation("F5", node.name, f"status query for {rid} handled before its LOOKUP, which "
+                                   f"was still on its way to {host.name}; the answer cannot be the lookup's")
+        if type(event) is Lookup:
+            rid = event.key.request_id
+            host.lookups_handled.add(rid)
+            host.last_session_event[rid] = ("lookup", now)
+        elif type(event) is EndSession:
+            host.last_session_event[event.request_id] = ("end", now)
+        for effect in effects:
+            t = type(effect)
+            if t is Reply or t is ErrorReply:
+                if effect.reply_to not in host.awaiting_reply:
+                    self.violation("F11", node.name, f"second reply to one request: {short(effect)}")
+                del host.awaiting_reply[effect.reply_to]
+        if isinstance(via, Via) and via in host.awaiting_reply and name not in DEFERRED_REPLIES:
+            self.violation("F11", node.name, f"{short(event, 120)} handled without a reply")
+        # Per-event safety: core_sm's own invariants, plus exact per-owner lease accounting.
+        try:
+            server.check_invariants()
+        except AssertionError as exc:
+            self.violation("SAFETY", node.name, f"core_sm invariant: {exc}")
+        if type(event) is Lookup:
+            self._check_leases_for(host, server, event.key.request_id, event.num_readers)
+        stats = server.index.stats()
+        if stats["bytes"] > server.index.num_slots * server.index.slot_bytes:
+            self.violation("SAFETY", node.name, f"bytes accounting: {stats['bytes']} B in "
+                           f"{server.index.num_slots} slots of {server.index.slot_bytes} B")
+        if type(event) is QueryPrefetchStatus or type(event) is WaitPrefetchStatus:
+            for effect in effects:
+                if type(effect) is Reply and isinstance(effect.result, int) and effect.result > 0:
+                    self._check_hit_history(node.name, event.request_id, effect.result, via)
+
+    def _check_leases_for(self, host: ServerHost, server: Any, rid: str, num_readers: int) -> None:
+        index = server.index
+        for key in index.keys_leased_by(rid):
+            n = index.read_count(key, rid)
+            if n > max(num_readers, 1):
+                self.violation("F4", host.name, f"{rid} holds {n} read counts on {key.wire_name()[:12]} after a "
+                               f"duplicate LOOKUP (num_readers={num_readers}): the first set leaked")
+
+    def _check_hit_history(self, node: str, rid: str, chunks: int, via: Any) -> None:
+        engine = self.engine_of_node(via.node) if isinstance(via, Via) else None
+        if engine is None:
+            return
+        req = engine.requests.get(rid)
+        if req is None:
+            return
+        for c in range(min(chunks, len(req.hashes))):
+            for r in range(engine.tp):
+                if ObjectKey(req.hashes[c], r) not in self.written:
+                    self.violation("HIT", node, f"{rid}: status answered {chunks} chunks but chunk {c} rank {r} "
+                                   f"was never stored anywhere")
+        if chunks > len(req.hashes):
+            self.violation("HIT", node, f"{rid}: {chunks} hit chunks for a {len(req.hashes)}-chunk prompt")
+
+    # =========================================================================== faults
+    def _inject(self, fault: FaultSpec) -> None:
+        if self.phase != "safety":
+            return
+        now = self.now()
+        kind, args = fault.kind, fault.args
+        self.trace.mark(now, "-", "fault", f"{kind} {args}")
+        if kind == "crash_server":
+            host = self.servers[int(args[0])]  # type: ignore[arg-type]
+            if host.up:
+                self.crash_server(host)
+                host.down_until = now + float(args[1])  # type: ignore[arg-type]
+                self.timeline.at(host.down_until, self._restart_server, host)
+        elif kind in ("partition", "clog"):
+            a, b, one_way, dur = args
+            self.stats["partitions"] += 1
+            self._touch_all_live()
+            if kind == "partition":
+                self.net.partition(str(a), str(b), bool(one_way))
+            else:
+                self.net.clog(str(a), str(b), now + float(dur))  # type: ignore[arg-type]
+            self.timeline.at(now + float(dur), self._heal_link, str(a), str(b))  # type: ignore[arg-type]
+        elif kind == "crash_engine":
+            engine = self.engines[int(args[0])]  # type: ignore[arg-type]
+            engine.crash()
+        elif kind == "clear":
+            host = self.servers[int(args[0])]  # type: ignore[arg-type]
+            if host.up and host.node is not None:
+                from core_sm.messages import Clear
+
+                self._touch_all_live()
+                via = Via("-", "-", host.index, 0, 0, None)
+                host.node.post(SERVER, Clear(True, reply_to=via))
+
+    def _touch_all_live(self) -> None:
+        for engine in self.engines:
+            engine.touch_all_live()
+
+    def _heal_link(self, a: str, b: str) -> None:
+        self.net.blocked.discard((a, b))
+        self.net.blocked.discard((b, a))
+        self.net.clogged_until.pop((a, b), None)
+
+    def crash_server(self, host: ServerHost) -> None:
+        assert host.node is not None
+        self.stats["crashes"] += 1
+        self.trace.mark(self.now(), host.name, "crash", f"incarnation {host.incarnation}")
+        host.up = False
+        host.node.crash()
+        self._touch_all_live()
+
+    def _restart_server(self, host: ServerHost) -> None:
+        if host.up:
+            return
+        self.stats["restarts"] += 1
+        self.trace.mark(self.now(), host.name, "restart", f"incarnation {host.incarnation + 1}")
+        assert self._nursery is not None
+        self._nursery.start_soon(self._start_server, host)
+
+    def _begin_liveness(self) -> None:
+        self.phase = "liveness"
+        now = self.now()
+        self.liveness_started = now
+        self.trace.mark(now, "-", "heal", "liveness phase: network healed, faults off, servers restarted")
+        self.net.calm()
+        for host in self.servers:
+            if not host.up:
+                self._restart_server(host)
+        for engine in self.engines:
+            engine.begin_liveness()
+
+    def _report_stuck(self) -> None:
+        lines = []
+        for engine in self.engines:
+            lines.extend(engine.stuck_report())
+        first = lines[0] if lines else "unknown"
+        code = "F1" if any("lookup unresolved" in line for line in lines) else "LIVENESS"
+        self.trace.line(self.now(), "-", "stuck requests:\n    " + "\n    ".join(lines))
+        self.violation(code, "-", f"{len(lines)} request(s) stuck {self.config.liveness_bound:.0f}s after heal; "
+                       f"first: {first}")
+
+    def _check_quiescent(self) -> None:
+        """Everything landed: no reply owed, no lease held by a request that ended cleanly."""
+        for host in self.servers:
+            if not host.up or host.node is None:
+                continue
+            for via, (name, t) in host.awaiting_reply.items():
+                if name == "WaitPrefetchStatus":
+                    continue  # answered at its own deadline
+                self.violation("F11", host.name, f"{name} from {via.node} handled at {t:.6f} never got a reply")
+            server = host.node.machines[SERVER]
+            for owner, count in sorted(server.leases_by_owner().items(), key=lambda kv: repr(kv[0])):
+                if not isinstance(owner, str) or count <= 0:
+                    continue
+                engine_req = self.find_request(owner)
+                if engine_req is None:
+                    continue
+                engine, req = engine_req
+                last = host.last_session_event.get(owner)
+                if req.done and not engine.crashed and owner not in self.touched and (last is None or last[0] == "end"):
+                    self.violation("F8", host.name, f"{owner} finished ({req.outcome}) without faults but still holds "
+                                   f"{count} read lease(s) on {host.name}: {' | '.join(self.recent.get(owner, [])[-3:])}")
+
+    def _check_drained(self) -> None:
+        """After the TTLs: abandoned jobs reaped, every lease back."""
+        for host in self.servers:
+            if not host.up or host.node is None:
+                continue
+            server = host.node.machines[SERVER]
+            server.handle(TimerFired(), self.now())
+            stats = server.stats()
+            if stats["jobs"]:
+                self.violation("F12", host.name, f"{stats['jobs']} prefetch job(s) still held long after every "
+                               f"request ended (abandoned jobs never reaped)")
+            if stats["leases_held"]:
+                self.violation("F8", host.name, f"{stats['leases_held']} read lease(s) still held after every TTL")
+
+    def find_request(self, rid: str) -> tuple[Any, Any] | None:
+        for engine in self.engines:
+            req = engine.requests.get(rid)
+            if req is not None:
+                return engine, req
+        return None
+
+
+class ProbedServer:
+    """The server machine as the node sees it, plus one before/after check that needs the state
+    *before* an event: a FREE_LOOKUP_LOCKS may only release the freeing request's own leases (F9).
+    Time-driven work is run first (an extra TimerFired, which the contract allows) so that expiries
+    due at this instant are not mistaken for the FREE's doing."""
+
+    def __init__(self, inner: Any, world: World, host: ServerHost) -> None:
+        self.inner = inner
+        self.world = world
+        self.host = host
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def next_deadline(self) -> float | None:
+        return self.inner.next_deadline()  # type: ignore[no-any-return]
+
+    def handle(self, event: Any, now: float) -> list[Any]:
+        if type(event) is not FreeLookupLocks:
+            return self.inner.handle(event, now)  # type: ignore[no-any-return]
+        effects = self.inner.handle(TimerFired(), now)
+        before = dict(self.inner.leases_by_owner())
+        effects += self.inner.handle(event, now)
+        after = self.inner.leases_by_owner()
+        rid = event.key.request_id
+        for owner, count in before.items():
+            if owner != rid and isinstance(owner, str) and after.get(owner, 0) < count:
+                self.world.violation("F9", self.host.name, f"FREE_LOOKUP_LOCKS from {rid} released {owner}'s read "
+                                     f"lease(s) ({count} -> {after.get(owner, 0)}): {owner}'s objects may now be "
+                                     f"evicted before its RETRIEVE")
+        return effects
+
+
+def _label(message: Any) -> str:
+    if isinstance(message, RequestMsg):
+        return type(message.request).__name__
+    if isinstance(message, ReplyMsg):
+        if message.error is not None:
+            return f"error:{message.error.kind.value}"
+        return f"reply:{short(message.result, 40)}"
+    return type(message).__name__
