@@ -126,7 +126,7 @@ TRANSITIONS: dict[tuple[enum.Enum, type], frozenset[enum.Enum]] = {
     (_J.PENDING, WaitPrefetchStatus): frozenset({_J.PENDING}),
     (_J.PENDING, FreeLookupLocks): frozenset({_J.PENDING}),
     (_J.PENDING, EndSession): frozenset({_J.ABSENT}),
-    (_J.PENDING, L2ReadFinished): frozenset({_J.DONE, _J.ANSWERED}),
+    (_J.PENDING, L2ReadFinished): frozenset({_J.PENDING, _J.DONE, _J.ANSWERED}),  # another read: stays
     (_J.PENDING, TimerFired): frozenset({_J.PENDING, _J.DONE, _J.ANSWERED, _J.ABSENT}),
     (_J.PENDING, Clear): frozenset({_J.PENDING}),
     (_J.DONE, Lookup): frozenset({_J.DONE}),
@@ -151,6 +151,8 @@ TRANSITIONS: dict[tuple[enum.Enum, type], frozenset[enum.Enum]] = {
     (_T.ABSENT, PrepareRetrieve): frozenset({_T.PREPARED, _T.ABSENT}),
     (_T.ABSENT, TransferFinished): frozenset({_T.ABSENT}),
     (_T.ABSENT, CommitTransfer): frozenset({_T.ABSENT}),
+    (_T.ABSENT, TimerFired): frozenset({_T.ABSENT}),
+    (_T.ABSENT, Clear): frozenset({_T.ABSENT}),
     (_T.RUNNING, TransferFinished): frozenset({_T.ABSENT}),
     (_T.RUNNING, CommitTransfer): frozenset({_T.RUNNING}),
     (_T.RUNNING, TimerFired): frozenset({_T.RUNNING}),
@@ -160,10 +162,12 @@ TRANSITIONS: dict[tuple[enum.Enum, type], frozenset[enum.Enum]] = {
     (_T.PREPARED, TimerFired): frozenset({_T.PREPARED, _T.ABSENT}),
     (_T.PREPARED, Clear): frozenset({_T.PREPARED}),
 }
+# Events that address an existing entity (the walk checks every state against each of them);
+# Store/Retrieve/Prepare* only ever create a transfer, from ABSENT.
 JOB_EVENTS = (Lookup, QueryPrefetchStatus, WaitPrefetchStatus, FreeLookupLocks, EndSession,
               L2ReadFinished, TimerFired, Clear)
-TRANSFER_EVENTS = (Store, Retrieve, PrepareStore, PrepareRetrieve, TransferFinished, CommitTransfer,
-                   TimerFired, Clear)
+TRANSFER_EVENTS = (TransferFinished, CommitTransfer, TimerFired, Clear)
+TRANSFER_CREATORS = (Store, Retrieve, PrepareStore, PrepareRetrieve)
 
 
 @attrs.define

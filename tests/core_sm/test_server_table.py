@@ -1,0 +1,247 @@
+"""hyper-h2 style: every job/transfer state x every input lands in a state the table allows,
+or is refused with a clean typed error and no state change."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core_sm.effects import ErrorReply, ReadL2, Reply, StartTransfer
+from core_sm.messages import (
+    CacheKey,
+    Clear,
+    CommitTransfer,
+    EndSession,
+    FreeLookupLocks,
+    L2ReadFinished,
+    Lookup,
+    PrepareRetrieve,
+    PrepareStore,
+    QueryPrefetchStatus,
+    Retrieve,
+    Store,
+    TimerFired,
+    TransferFinished,
+    TransferPlan,
+    WaitPrefetchStatus,
+)
+from core_sm.server import (
+    JOB_EVENTS,
+    TRANSFER_CREATORS,
+    TRANSFER_EVENTS,
+    TRANSITIONS,
+    JobState,
+    TransferState,
+)
+from sm_helpers import C, MODEL, ServerHarness, key, tokens
+
+RID = "r"
+TOKS = tokens(3)
+
+
+def harness_with_job(state: JobState, stored: int, readers: int) -> ServerHarness:
+    h = ServerHarness(l2_enabled=True, abandoned_job_ttl=60.0, tombstone_ttl=60.0, lease_ttl=300.0)
+    h.register()
+    if stored:
+        h.store(TOKS, end=stored * C)
+    if state is JobState.ABSENT:
+        return h
+    if state is JobState.PENDING and stored == 3:
+        h.call(Clear(False))  # make sure something is missing so an L2 read is planned
+    h.call(Lookup(key(RID, TOKS), readers))
+    if state is not JobState.PENDING:
+        for read in list(h.reads.values()):
+            h.reads.pop(read.read_id)
+            h.feed(L2ReadFinished(read.read_id, (True,) * len(read.items)))
+    if state is JobState.ANSWERED:
+        h.call(QueryPrefetchStatus(RID))
+    assert h.server.job_state(RID) is state
+    return h
+
+
+JobInput = Callable[[ServerHarness, st.DataObject], Any]
+
+
+def _lookup(h: ServerHarness, d: st.DataObject) -> Any:
+    salt = d.draw(st.sampled_from(["", "ok", "bad/salt"]))
+    return Lookup(key(RID, TOKS, salt=salt), d.draw(st.integers(0, 3)))
+
+
+def _free(h: ServerHarness, d: st.DataObject) -> Any:
+    start = d.draw(st.integers(-1, 3 * C + 1))
+    end = d.draw(st.integers(-1, 3 * C + 2))
+    return FreeLookupLocks(CacheKey(MODEL, 1, None, TOKS, start, end, RID))
+
+
+def _l2_finished(h: ServerHarness, d: st.DataObject) -> Any:
+    job = h.server.job(RID)
+    if job is not None and job.read_id is not None and d.draw(st.booleans()):
+        read = h.reads[job.read_id]
+        return L2ReadFinished(read.read_id, tuple(d.draw(st.lists(st.booleans(), min_size=len(read.items),
+                                                                    max_size=len(read.items)))))
+    return L2ReadFinished(10_000 + d.draw(st.integers(0, 5)), (True,))
+
+
+def _timer(h: ServerHarness, d: st.DataObject) -> Any:
+    h.now += d.draw(st.sampled_from([0.0, 1.0, 30.0, 59.0, 60.0, 61.0, 400.0]))
+    return TimerFired()
+
+
+JOB_INPUTS: dict[type, JobInput] = {
+    Lookup: _lookup,
+    QueryPrefetchStatus: lambda h, d: QueryPrefetchStatus(RID),
+    WaitPrefetchStatus: lambda h, d: WaitPrefetchStatus(
+        RID, d.draw(st.sampled_from([0.0, 1.0, 100.0, float("nan"), -1.0]))),
+    FreeLookupLocks: _free,
+    EndSession: lambda h, d: EndSession(RID),
+    L2ReadFinished: _l2_finished,
+    TimerFired: _timer,
+    Clear: lambda h, d: Clear(d.draw(st.booleans())),
+}
+
+
+def test_job_inputs_cover_the_table() -> None:
+    assert set(JOB_INPUTS) == set(JOB_EVENTS)
+    for state in JobState:
+        for ev in JOB_EVENTS:
+            assert (state, ev) in TRANSITIONS, (state, ev)
+
+
+def _check_outcome(h: ServerHarness, before: Any, after: Any, event: Any, effects: list[Any],
+                   rt: Any) -> None:
+    allowed = TRANSITIONS[(before, type(event))]
+    errors = [e for e in effects if isinstance(e, ErrorReply) and e.reply_to == rt]
+    if errors:
+        assert after == before, "a refused input changed the state"
+        assert len(errors) == 1
+    else:
+        assert after in allowed, f"{before} --{type(event).__name__}--> {after}, allowed {allowed}"
+    replies = [e for e in effects if isinstance(e, (Reply, ErrorReply)) and e.reply_to == rt]
+    if rt is not None:
+        # every request is answered at once, except a wait on a pending job
+        deferred = (isinstance(event, WaitPrefetchStatus) and after is JobState.PENDING
+                    and event.timeout > 0 and not errors)
+        assert len(replies) == (0 if deferred else 1)
+        if deferred:
+            assert h.server.stats()["waiters"] == 1
+
+
+@settings(max_examples=400, deadline=None)
+@given(state=st.sampled_from(list(JobState)), event_type=st.sampled_from(JOB_EVENTS),
+       stored=st.integers(0, 3), readers=st.integers(1, 2), data=st.data())
+def test_every_job_state_times_every_input(state: JobState, event_type: type, stored: int,
+                                           readers: int, data: st.DataObject) -> None:
+    h = harness_with_job(state, stored, readers)
+    event = JOB_INPUTS[event_type](h, data)
+    rt = ("walk", 1) if hasattr(event, "reply_to") else None
+    if rt is not None:
+        import attrs
+
+        event = attrs.evolve(event, reply_to=rt)
+        h.outstanding.add(rt)
+    effects = h.feed(event)
+    after = h.server.job_state(RID)
+    _check_outcome(h, state, after, event, effects, rt)
+    if isinstance(event, QueryPrefetchStatus):
+        (reply,) = effects[-1:]
+        assert isinstance(reply, Reply)
+        assert reply.result is not None or after is JobState.PENDING, "None for a non-pending id"
+
+
+# ------------------------------------------------------------------------------- transfers
+
+
+def harness_with_transfer(state: TransferState, kind: str) -> tuple[ServerHarness, int]:
+    h = ServerHarness(lease_ttl=300.0)
+    h.register(engine_driven=True)
+    h.store(TOKS)
+    if state is TransferState.ABSENT:
+        return h, 999
+    if state is TransferState.RUNNING:
+        req: Any = Store(key("w", tokens(2, seed=4), worker_id=0), 1) if kind == "store" else \
+            Retrieve(key(RID, TOKS, worker_id=0), 1)
+        h.send(req)
+        (t,) = h.transfers.values()
+        h.transfers.clear()
+        return h, t.transfer_id
+    req = PrepareStore(key("w", tokens(2, seed=4), worker_id=0), 1) if kind == "store" else \
+        PrepareRetrieve(key(RID, TOKS, worker_id=0), 1)
+    plan = h.call(req)
+    assert isinstance(plan, TransferPlan) and plan.ok
+    return h, plan.transfer_id
+
+
+def test_transfer_table_is_complete() -> None:
+    for state in TransferState:
+        for ev in TRANSFER_EVENTS:
+            assert (state, ev) in TRANSITIONS, (state, ev)
+    for ev in TRANSFER_CREATORS:
+        assert (TransferState.ABSENT, ev) in TRANSITIONS
+
+
+@settings(max_examples=200, deadline=None)
+@given(state=st.sampled_from(list(TransferState)), kind=st.sampled_from(["store", "retrieve"]),
+       event_type=st.sampled_from(TRANSFER_EVENTS), ok=st.booleans(),
+       dt=st.sampled_from([0.0, 299.0, 300.0, 1000.0]))
+def test_every_transfer_state_times_every_input(state: TransferState, kind: str, event_type: type,
+                                                ok: bool, dt: float) -> None:
+    import attrs
+
+    h, tid = harness_with_transfer(state, kind)
+    event: Any
+    if event_type is TransferFinished:
+        event = TransferFinished(tid, ok)
+    elif event_type is CommitTransfer:
+        event = CommitTransfer(tid, ok)
+    elif event_type is TimerFired:
+        h.now += dt
+        event = TimerFired()
+    else:
+        event = Clear(ok)
+    rt = ("walk", 1) if hasattr(event, "reply_to") else None
+    if rt is not None:
+        event = attrs.evolve(event, reply_to=rt)
+        h.outstanding.add(rt)
+    effects = h.feed(event)
+    after = h.server.transfer_state(tid)
+    errors = [e for e in effects if isinstance(e, ErrorReply) and e.reply_to == rt]
+    if errors:
+        assert after is state
+    else:
+        assert after in TRANSITIONS[(state, event_type)], (state, event_type, after)
+    if rt is not None:
+        assert len([e for e in effects if getattr(e, "reply_to", None) == rt]) == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(creator=st.sampled_from(TRANSFER_CREATORS), engine_driven=st.booleans(),
+       stored=st.integers(0, 3), start=st.sampled_from([0, C, 1]), end=st.sampled_from([0, C, 3 * C, 3 * C + 1]),
+       worker=st.sampled_from([0, 1, None]), instance=st.sampled_from([1, 2]))
+def test_transfer_creators(creator: type, engine_driven: bool, stored: int, start: int, end: int,
+                           worker: int | None, instance: int) -> None:
+    h = ServerHarness()
+    h.register(engine_driven=engine_driven)
+    if stored:
+        h.store(TOKS, end=stored * C)
+    before = h.server.stats()["transfers"]
+    rt = h.send(creator(CacheKey(MODEL, 1, worker, TOKS, start, end, RID), instance))
+    reply = h.reply(rt)
+    started = [e for e in h.log if isinstance(e, StartTransfer) and e.reply_to == rt]
+    new = h.server.stats()["transfers"] - before
+    if isinstance(reply, ErrorReply):
+        assert new == 0 and not started
+        return
+    if started:
+        assert reply is None and new == 1
+        assert h.server.transfer_state(started[0].transfer_id) in TRANSITIONS[(TransferState.ABSENT, creator)]
+        h.finish_all_transfers()
+        assert h.reply(rt) is not None
+    elif isinstance(reply, Reply) and isinstance(reply.result, TransferPlan) and reply.result.ok:
+        assert new == 1
+        assert h.server.transfer_state(reply.result.transfer_id) is TransferState.PREPARED
+    else:
+        assert reply is not None and new == 0
+    assert not any(isinstance(e, ReadL2) for e in h.log)
