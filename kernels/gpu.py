@@ -164,7 +164,7 @@ def _make_kernel(gather: bool) -> Any:
     return kernel
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True)
 def _paged_offset(q, row, hl, s_tok, s_head):  # type: ignore[no-untyped-def]
     t = q // row
     rr = q - t * row
@@ -208,6 +208,16 @@ def span_device_buffers(pointers: Sequence[int], nbytes: int, lane_dtype: np.dty
     return span, [(p - base) // lane for p in pointers]
 
 
+def raw_stream(stream: Any) -> Any:
+    """A numba stream's driver handle as cuda.bindings wants it (real GPU only)."""
+    from cuda.bindings import driver
+
+    h = stream.handle
+    if isinstance(h, driver.CUstream):
+        return h
+    return driver.CUstream(int(getattr(h, "value", h) or 0))
+
+
 def device_pointer(array: Any) -> int:
     """Device address of a numba device / mapped array (real GPU only)."""
     return int(array.__cuda_array_interface__["data"][0])
@@ -237,6 +247,7 @@ class CudaKVTransfer:
         stream: Any = None,
         max_chunks: int = 32,
         ring: int = 64,
+        raw_launch: bool = True,
     ) -> None:
         if mode not in ("zerocopy", "staging"):
             raise ValueError(f"mode must be 'zerocopy' or 'staging', not {mode!r}")
@@ -266,7 +277,17 @@ class CudaKVTransfer:
             self._staging = cuda.device_array(max_chunks * self._slot_lanes, dtype=geometry.lane_dtype, stream=self.stream)
             self._staging_bases = np.arange(max_chunks, dtype=np.int64) * self._slot_lanes
             self._memcpy = _Memcpy(self.stream, self._sim)
+        self._raw: dict[tuple[int, int], _RawLaunch] = {}
+        self.launch_path = "numba"
+        self.launch_error = ""
+        # Compile (or load) both kernels now, at registration, not on the first request: an
+        # empty request (0 chunks) runs each once.
+        self._desc_host[0][D_NCHUNKS] = 0
+        for configured in (self._gather, self._scatter):
+            configured(self._paged, self._pool, self._params, self._desc[0])
         self.stream.synchronize()
+        if not self._sim and raw_launch:
+            self._build_raw_launchers(max_ctas, threads)
 
     # ---- public API ---------------------------------------------------------------------
     def gather(self, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray) -> None:
@@ -313,9 +334,33 @@ class CudaKVTransfer:
         h[D_SKIP] = skip
         h[D_SLOTS : D_SLOTS + n] = bases
         h[D_SLOTS + n : D_SLOTS + n + ids.shape[0]] = ids
-        configured(self._paged, slots, self._params, self._desc[r])
-        self._events[r].record(self.stream)
+        raw = self._raw.get((id(configured), id(slots))) if self._raw else None
+        if raw is not None:
+            raw.launch(r)
+            raw.record(r)
+        else:
+            configured(self._paged, slots, self._params, self._desc[r])
+            self._events[r].record(self.stream)
         self._used[r] = True
+
+    def _build_raw_launchers(self, max_ctas: int, threads: int) -> None:
+        """Pre-pack each (kernel, slots array, descriptor) launch so a call is one
+        cuLaunchKernel. numba's own launch re-derives the types and re-packs every argument on
+        each call (tens of microseconds of host time); here that happens once. If this numba
+        build lays kernels out differently, keep numba's launch (``launch_path`` says which)."""
+        self._raw = {}
+        self.launch_path = "numba"
+        try:
+            slot_arrays = [self._pool] + ([self._staging] if self.mode == "staging" else [])
+            for dispatcher, configured in ((gather_kernel, self._gather), (scatter_kernel, self._scatter)):
+                for slots in slot_arrays:
+                    self._raw[(id(configured), id(slots))] = _RawLaunch(
+                        dispatcher, (self._paged, slots, self._params), self._desc, self._events,
+                        max_ctas, threads, self.stream)
+            self.launch_path = "raw"
+        except Exception as e:  # pragma: no cover - depends on the numba-cuda build
+            self._raw = {}
+            self.launch_error = f"{type(e).__name__}: {e}"
 
     def _copy_runs(self, pool_bases: np.ndarray, *, to_pool: bool, first: int) -> None:
         """One DMA per run of chunks whose slots are adjacent in the pool."""
@@ -351,7 +396,7 @@ class _Memcpy:
             self._driver = driver
             self._copy = driver.cuMemcpyAsync
             self._ok = driver.CUresult.CUDA_SUCCESS
-            self._handle = stream.handle
+            self._handle = raw_stream(stream)
             self._ptr_cache: dict[int, int] = {}
 
     def __call__(self, dst: Any, dst_off: int, src: Any, src_off: int, lanes: int) -> None:
@@ -369,3 +414,57 @@ class _Memcpy:
         if p is None:
             p = self._ptr_cache[key] = device_pointer(array)
         return p
+
+
+class _RawLaunch:
+    """cuLaunchKernel with arguments packed once, one packed set per descriptor ring entry."""
+
+    def __init__(self, dispatcher: Any, fixed: tuple[Any, ...], descs: list[Any], events: list[Any],
+                 grid: int, threads: int, stream: Any) -> None:
+        import ctypes
+
+        from cuda.bindings import driver
+
+        sig = tuple(numba.typeof(a) for a in (*fixed, descs[0]))
+        kernel = dispatcher.overloads.get(sig)
+        if kernel is None:
+            kernel = dispatcher.compile(sig)
+        cufunc = kernel._codelibrary.get_cufunc()
+        handle = getattr(cufunc, "handle", cufunc)
+        if not isinstance(handle, driver.CUfunction):
+            raise TypeError(f"unexpected kernel handle type {type(handle).__name__}")
+        self._driver = driver
+        self._launch = driver.cuLaunchKernel
+        self._record = driver.cuEventRecord
+        self._ok = driver.CUresult.CUDA_SUCCESS
+        self._func = handle
+        self._grid = grid
+        self._threads = threads
+        self._stream = raw_stream(stream)
+        self._events = [e.handle for e in events]
+        self._keep: list[Any] = []
+        self._params: list[int] = []
+        for d in descs:
+            values: list[Any] = []
+            for a in (*fixed, d):
+                values += _array_arg(a, ctypes)
+            ptrs = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            self._keep.append((values, ptrs))
+            self._params.append(ctypes.addressof(ptrs))
+
+    def launch(self, r: int) -> None:
+        (err,) = self._launch(self._func, self._grid, 1, 1, self._threads, 1, 1, 0, self._stream, self._params[r], 0)
+        if err != self._ok:
+            raise RuntimeError(f"cuLaunchKernel failed: {err}")
+
+    def record(self, r: int) -> None:
+        (err,) = self._record(self._events[r], self._stream)
+        if err != self._ok:
+            raise RuntimeError(f"cuEventRecord failed: {err}")
+
+
+def _array_arg(a: Any, ctypes: Any) -> list[Any]:
+    """numba's kernel ABI for one array: meminfo, parent, nitems, itemsize, data, shape, strides."""
+    intp = ctypes.c_ssize_t
+    return [ctypes.c_void_p(0), ctypes.c_void_p(0), intp(a.size), intp(a.dtype.itemsize), ctypes.c_void_p(device_pointer(a))] + \
+        [intp(x) for x in a.shape] + [intp(x) for x in a.strides]

@@ -1,0 +1,406 @@
+"""`mpcache-bench kernels [--quick] [--out DIR]`: the KV transfer kernels on a CUDA GPU.
+
+Llama-3-8B-like KV (32 layers, 8 KV heads, head 128, bf16, block 16, chunk 256 → 32 MiB per chunk
+slot), vLLM flash-attn NHD layout, block ids in random order, L1 slots in random order in a
+pinned host pool. In one run:
+
+* ceilings: pinned cudaMemcpyAsync of 1 GiB, H2D and D2H, and both at once on two streams;
+* torch baseline: index_select per layer into a device buffer + one copy per chunk to pinned
+  (store), and the mirror image with index_copy_ (retrieve);
+* mpcache store (gather) and retrieve (scatter) at 1, 8 and 32 chunks per call, zero-copy and
+  staging modes, CTA cap 16 (512 threads);
+* store and retrieve concurrently (two streams);
+* host time per call (enqueue, median);
+* bandwidth vs CTA cap at 8 chunks.
+
+Every mpcache and torch result is checked bitwise (poisoned destination before the checked call).
+Prints a table and the targets; writes kernels.json and kernels_bw.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+GiB = 1 << 30
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mpcache-bench kernels")
+    ap.add_argument("--quick", action="store_true", help="few repetitions, small sweep (smoke test)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for kernels.json and kernels_bw.png")
+    ap.add_argument("--threads", type=int, default=512)
+    ap.add_argument("--ctas", type=int, default=16)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench kernels: no CUDA GPU; nothing to measure", file=sys.stderr)
+        return 2
+    from numba import cuda
+
+    from kernels.gpu import CudaKVTransfer, raw_stream, span_device_buffers
+    from kernels.layouts import KVGeometry, PagedLayout
+
+    torch.cuda.init()
+    dev = torch.device("cuda")
+    cuda.current_context()
+    reps = 3 if args.quick else 10
+    chunk_counts = [1, 8, 32]
+    max_chunks = 32
+    g = KVGeometry(PagedLayout.NHD, num_layers=32, num_blocks=4 * max_chunks * 16 + 64, block_size=16,
+                   num_heads=8, head_size=128, itemsize=2, chunk_tokens=256)
+    slot = g.slot_bytes
+    rng = np.random.default_rng(2026)
+    results: dict[str, Any] = {"geometry": g.__dict__ | {"layout": g.layout.value}, "device": torch.cuda.get_device_name(),
+                               "ctas": args.ctas, "threads": args.threads}
+    print(f"device {results['device']}; {g.num_layers} layers x {g.num_heads} heads x {g.head_size}, bf16, "
+          f"block {g.block_size}, chunk {g.chunk_tokens} = {slot / 2**20:.0f} MiB/slot", flush=True)
+
+    # ---- memory: engine KV (torch, as vLLM allocates it), pinned pool, bitwise-random data
+    layers = []
+    for _ in range(g.num_layers):
+        t = torch.empty(g.layer_shape(), dtype=torch.bfloat16, device=dev)
+        t.view(torch.int16).random_(-32768, 32767)
+        layers.append(t)
+    n_slots = 4 * max_chunks
+    pool_t = torch.empty(n_slots * slot, dtype=torch.uint8, pin_memory=True)
+    pool_ptr = pool_t.data_ptr()
+    pool = cuda.from_cuda_array_interface(
+        {"shape": (n_slots * slot // 8,), "typestr": "<u8", "data": (pool_ptr, False), "version": 3, "strides": None},
+        owner=None, sync=False)
+    span, offsets = span_device_buffers([t.data_ptr() for t in layers], layers[0].nbytes, g.lane_dtype)
+    torch.cuda.synchronize()
+
+    perm = rng.permutation(g.num_blocks)
+    bpc = g.blocks_per_chunk
+    src_ids = perm[: max_chunks * bpc].reshape(max_chunks, bpc)  # store from these
+    dst_ids = perm[max_chunks * bpc : 2 * max_chunks * bpc].reshape(max_chunks, bpc)  # retrieve into these
+    src2 = perm[2 * max_chunks * bpc : 3 * max_chunks * bpc].reshape(max_chunks, bpc)  # concurrent store
+    slot_perm = rng.permutation(n_slots)
+    slots_a = slot_perm[:max_chunks] * slot  # never adjacent in order: worst case for staging DMAs
+    slots_b = slot_perm[max_chunks : 2 * max_chunks] * slot
+
+    def expected_chunks(ids: np.ndarray) -> torch.Tensor:
+        """[n, 2, L, C, D] on the device, from torch indexing (the reference)."""
+        idx = torch.as_tensor(ids.reshape(-1), device=dev)
+        out = torch.empty((ids.shape[0], 2, g.num_layers, g.chunk_tokens, g.hidden), dtype=torch.bfloat16, device=dev)
+        for li, t in enumerate(layers):
+            out[:, :, li] = t.index_select(1, idx).view(2, ids.shape[0], g.chunk_tokens, g.hidden).transpose(0, 1)
+        return out
+
+    def slot_view(off: int) -> torch.Tensor:
+        return pool_t[off : off + slot].view(torch.bfloat16).view(2, g.num_layers, g.chunk_tokens, g.hidden)
+
+    def check_store(ids: np.ndarray, offs: np.ndarray) -> bool:
+        want = expected_chunks(ids).cpu()
+        return all(torch.equal(slot_view(int(o)).view(torch.int16), want[i].view(torch.int16)) for i, o in enumerate(offs))
+
+    def poison_slots(offs: np.ndarray) -> None:
+        for o in offs:
+            pool_t[int(o) : int(o) + slot].fill_(0xA5)
+
+    def poison_blocks(ids: np.ndarray) -> None:
+        idx = torch.as_tensor(ids.reshape(-1), device=dev)
+        for t in layers:
+            t.view(torch.int16).index_fill_(1, idx, -23131)
+        torch.cuda.synchronize()
+
+    def check_retrieve(ids_written: np.ndarray, from_ids: np.ndarray, skip: int = 0) -> bool:
+        w = torch.as_tensor(ids_written.reshape(-1), device=dev)
+        f = torch.as_tensor(from_ids.reshape(-1), device=dev)
+        ok = True
+        for t in layers:
+            a = t.view(torch.int16).index_select(1, w[skip:])
+            b = t.view(torch.int16).index_select(1, f[skip:])
+            ok &= bool(torch.equal(a, b))
+            if skip:
+                ok &= bool((t.view(torch.int16).index_select(1, w[:skip]) == -23131).all())
+        return ok
+
+    def time_cuda(stream: Any, fn: Callable[[], None], n: int) -> tuple[float, float]:
+        """(median device seconds per call, median host seconds per call)."""
+        dev_t, host_t = [], []
+        for _ in range(n):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(stream)
+            h0 = time.perf_counter()
+            fn()
+            h1 = time.perf_counter()
+            e1.record(stream)
+            e1.synchronize()
+            dev_t.append(cuda.event_elapsed_time(e0, e1) / 1e3)
+            host_t.append(h1 - h0)
+        return statistics.median(dev_t), statistics.median(host_t)
+
+    rows: list[tuple[str, str, int, float, float, str]] = []  # (method, direction, chunks, GB/s, host us, check)
+
+    # ---- ceilings: pinned memcpy 1 GiB
+    from cuda.bindings import driver as drv
+
+    s_a, s_b = cuda.stream(), cuda.stream()
+    dbuf = cuda.device_array(GiB // 8, dtype=np.uint64)
+    dbuf2 = cuda.device_array(GiB // 8, dtype=np.uint64)
+    d_ptr = int(dbuf.__cuda_array_interface__["data"][0])
+    d_ptr2 = int(dbuf2.__cuda_array_interface__["data"][0])
+
+    def memcpy(dst: int, src: int, n: int, stream: Any) -> None:
+        (err,) = drv.cuMemcpyAsync(dst, src, n, raw_stream(stream))
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+
+    for _ in range(2):
+        memcpy(d_ptr, pool_ptr, GiB, s_a)
+    s_a.synchronize()
+    t_h2d, _ = time_cuda(s_a, lambda: memcpy(d_ptr, pool_ptr, GiB, s_a), max(3, reps // 2))
+    t_d2h, _ = time_cuda(s_a, lambda: memcpy(pool_ptr, d_ptr, GiB, s_a), max(3, reps // 2))
+    ceil_h2d, ceil_d2h = GiB / t_h2d / 1e9, GiB / t_d2h / 1e9
+
+    def bidir() -> float:
+        e0, ea, eb = cuda.event(), cuda.event(), cuda.event()
+        e0.record(s_a)
+        e0.wait(s_b)
+        memcpy(d_ptr, pool_ptr, GiB, s_a)
+        memcpy(pool_ptr + GiB, d_ptr2, GiB, s_b)
+        ea.record(s_a)
+        eb.record(s_b)
+        ea.synchronize()
+        eb.synchronize()
+        return 2 * GiB / (max(cuda.event_elapsed_time(e0, ea), cuda.event_elapsed_time(e0, eb)) / 1e3) / 1e9
+
+    ceil_bi = statistics.median(bidir() for _ in range(3))
+    results["ceiling"] = {"h2d": ceil_h2d, "d2h": ceil_d2h, "bidirectional": ceil_bi}
+    print(f"ceiling: pinned memcpy 1 GiB H2D {ceil_h2d:.1f} GB/s, D2H {ceil_d2h:.1f} GB/s, both at once {ceil_bi:.1f} GB/s", flush=True)
+    rows.append(("memcpy 1 GiB", "store (D2H)", 32, ceil_d2h, 0.0, "-"))
+    rows.append(("memcpy 1 GiB", "retrieve (H2D)", 32, ceil_h2d, 0.0, "-"))
+
+    # ---- torch baseline
+    ts = torch.cuda.Stream()
+    tbuf = torch.empty((max_chunks, 2, g.num_layers, g.chunk_tokens, g.hidden), dtype=torch.bfloat16, device=dev)
+    slot_views = {int(o): slot_view(int(o)) for o in np.concatenate([slots_a, slots_b])}
+    ts_numba = cuda.external_stream(ts.cuda_stream)
+
+    def torch_store(ids: np.ndarray, offs: np.ndarray) -> Callable[[], None]:
+        n = ids.shape[0]
+        idx = torch.as_tensor(ids.reshape(-1), device=dev)
+
+        def run() -> None:
+            with torch.cuda.stream(ts):
+                for li, t in enumerate(layers):
+                    tbuf[:n, :, li] = t.index_select(1, idx).view(2, n, g.chunk_tokens, g.hidden).transpose(0, 1)
+                for i in range(n):
+                    slot_views[int(offs[i])].copy_(tbuf[i], non_blocking=True)
+        return run
+
+    def torch_retrieve(ids: np.ndarray, offs: np.ndarray) -> Callable[[], None]:
+        n = ids.shape[0]
+        idx = torch.as_tensor(ids.reshape(-1), device=dev)
+
+        def run() -> None:
+            with torch.cuda.stream(ts):
+                for i in range(n):
+                    tbuf[i].copy_(slot_views[int(offs[i])], non_blocking=True)
+                for li, t in enumerate(layers):
+                    t.index_copy_(1, idx, tbuf[:n, :, li].transpose(0, 1).reshape(2, n * bpc, g.block_size, g.num_heads, g.head_size))
+        return run
+
+    for n in chunk_counts:
+        ids, offs = src_ids[:n], slots_a[:n]
+        fn = torch_store(ids, offs)
+        fn()
+        torch.cuda.synchronize()
+        poison_slots(offs)
+        fn()
+        torch.cuda.synchronize()
+        ok = check_store(ids, offs)
+        dt, ht = time_cuda(ts_numba, fn, reps)
+        rows.append(("torch index_select+copy", "store (D2H)", n, n * slot / dt / 1e9, ht * 1e6, "ok" if ok else "FAIL"))
+        fn = torch_retrieve(dst_ids[:n], offs)
+        poison_blocks(dst_ids[:n])
+        fn()
+        torch.cuda.synchronize()
+        ok = check_retrieve(dst_ids[:n], ids)
+        dt, ht = time_cuda(ts_numba, fn, reps)
+        rows.append(("torch index_select+copy", "retrieve (H2D)", n, n * slot / dt / 1e9, ht * 1e6, "ok" if ok else "FAIL"))
+        print(f"torch {n} chunks done", flush=True)
+
+    # ---- mpcache, both modes
+    def make(mode: str, ctas: int, stream: Any = None) -> CudaKVTransfer:
+        return CudaKVTransfer(g, span, offsets, pool, mode=mode, max_ctas=ctas, threads=args.threads,
+                              stream=stream, max_chunks=max_chunks)
+
+    t0 = time.perf_counter()
+    xfers = {m: make(m, args.ctas) for m in ("zerocopy", "staging")}
+    # first calls compile both kernels (once per process; the server warms them at registration)
+    for x in xfers.values():
+        x.gather(src_ids[:1], slots_a[:1])
+        x.scatter(slots_a[:1], dst_ids[:1])
+        x.stream.synchronize()
+    results["first_use_s"] = time.perf_counter() - t0
+    results["launch_path"] = {m: (x.launch_path, x.launch_error) for m, x in xfers.items()}
+    print(f"kernels compiled and warmed in {results['first_use_s']:.2f} s; launch path {results['launch_path']}", flush=True)
+
+    best: dict[tuple[str, int], float] = {}
+    for mode, x in xfers.items():
+        for n in chunk_counts:
+            ids, offs = src_ids[:n], slots_a[:n]
+            poison_slots(offs)
+            x.gather(ids, offs)
+            x.stream.synchronize()
+            ok = check_store(ids, offs)
+            dt, ht = time_cuda(x.stream, lambda: x.gather(ids, offs), reps)
+            bw = n * slot / dt / 1e9
+            rows.append((f"mpcache {mode}", "store (D2H)", n, bw, ht * 1e6, "ok" if ok else "FAIL"))
+            best[("store", n)] = max(best.get(("store", n), 0.0), bw)
+            # retrieve into other blocks; the checked call skips 5 blocks (already held)
+            skip = min(5, n * bpc - 1)
+            poison_blocks(dst_ids[:n])
+            x.scatter(offs, dst_ids[:n], skip_blocks=skip)
+            x.stream.synchronize()
+            ok = check_retrieve(dst_ids[:n], ids, skip)
+            dt, ht = time_cuda(x.stream, lambda: x.scatter(offs, dst_ids[:n]), reps)
+            ok &= check_retrieve(dst_ids[:n], ids)
+            bw = n * slot / dt / 1e9
+            rows.append((f"mpcache {mode}", "retrieve (H2D)", n, bw, ht * 1e6, "ok" if ok else "FAIL"))
+            best[("retrieve", n)] = max(best.get(("retrieve", n), 0.0), bw)
+            print(f"mpcache {mode} {n} chunks done", flush=True)
+
+    # ---- concurrent store + retrieve (8 chunks each, 4 rounds), per mode
+    conc: dict[str, float] = {}
+    n = 8
+    for mode in ("zerocopy", "staging"):
+        xs = make(mode, args.ctas, cuda.stream())
+        xr = make(mode, args.ctas, cuda.stream())
+        rounds = 2 if args.quick else 6
+        vals = []
+        for _ in range(3):
+            e0 = cuda.event()
+            e0.record(xs.stream)
+            e0.wait(xr.stream)
+            for r in range(rounds):
+                xs.gather(src2[:n], slots_b[:n])
+                xr.scatter(slots_a[:n], dst_ids[:n])
+            es, er = cuda.event(), cuda.event()
+            es.record(xs.stream)
+            er.record(xr.stream)
+            es.synchronize()
+            er.synchronize()
+            t = max(cuda.event_elapsed_time(e0, es), cuda.event_elapsed_time(e0, er)) / 1e3
+            vals.append(2 * rounds * n * slot / t / 1e9)
+        ok = check_store(src2[:n], slots_b[:n]) and check_retrieve(dst_ids[:n], src_ids[:n])
+        conc[mode] = statistics.median(vals)
+        rows.append((f"mpcache {mode}", "store+retrieve concurrent", n, conc[mode], 0.0, "ok" if ok else "FAIL"))
+    print("concurrent done", flush=True)
+
+    # ---- CTA cap sweep (8 chunks)
+    caps = [1, 2, 4, 8, 16, 32] if args.quick else [1, 2, 4, 8, 12, 16, 24, 32, 64, 132]
+    sweep: dict[str, dict[int, float]] = {}
+    for mode in ("zerocopy", "staging"):
+        for d in ("store", "retrieve"):
+            sweep[f"{mode} {d}"] = {}
+        for c in caps:
+            x = make(mode, c)
+            ids, offs = src_ids[:8], slots_a[:8]
+            x.gather(ids, offs)
+            x.scatter(offs, dst_ids[:8])
+            dt, _ = time_cuda(x.stream, lambda: x.gather(ids, offs), max(3, reps // 2))
+            sweep[f"{mode} store"][c] = 8 * slot / dt / 1e9
+            dt, _ = time_cuda(x.stream, lambda: x.scatter(offs, dst_ids[:8]), max(3, reps // 2))
+            sweep[f"{mode} retrieve"][c] = 8 * slot / dt / 1e9
+    print("cta sweep done", flush=True)
+
+    # ---- report
+    results["rows"] = [dict(zip(("method", "direction", "chunks", "GBps", "host_us", "check"), r)) for r in rows]
+    results["concurrent"] = conc
+    results["cta_sweep"] = sweep
+    print()
+    print(f"{'method':<26} {'direction':<27} {'chunks':>6} {'GB/s':>7} {'% ceil':>7} {'host us':>8}  check")
+    for meth, d, n, bw, ht, ok in rows:
+        ceil = ceil_bi if "concurrent" in d else (ceil_d2h if "D2H" in d else ceil_h2d)
+        print(f"{meth:<26} {d:<27} {n:>6} {bw:>7.1f} {100 * bw / ceil:>6.1f}% {ht:>8.1f}  {ok}")
+    print()
+    print("bandwidth (GB/s) vs CTA cap, 8 chunks per call, " f"{args.threads} threads per CTA")
+    print(f"{'':<20}" + "".join(f"{c:>7}" for c in caps))
+    for k, v in sweep.items():
+        print(f"{k:<20}" + "".join(f"{v[c]:>7.1f}" for c in caps))
+
+    def mp_host_max() -> float:
+        return max(r[4] for r in rows if r[0].startswith("mpcache") and r[4] > 0)
+
+    def min_ctas_90(d: str, ceil: float) -> int | None:
+        for c in caps:
+            if max(sweep[f"zerocopy {d}"][c], sweep[f"staging {d}"][c]) >= 0.9 * ceil:
+                return c
+        return None
+
+    targets = [
+        ("store 8 chunks >= 95% of D2H ceiling", best[("store", 8)] >= 0.95 * ceil_d2h, f"{100 * best[('store', 8)] / ceil_d2h:.1f}%"),
+        ("retrieve 8 chunks >= 95% of H2D ceiling", best[("retrieve", 8)] >= 0.95 * ceil_h2d, f"{100 * best[('retrieve', 8)] / ceil_h2d:.1f}%"),
+        ("store 1 chunk >= 90% of D2H ceiling", best[("store", 1)] >= 0.90 * ceil_d2h, f"{100 * best[('store', 1)] / ceil_d2h:.1f}%"),
+        ("retrieve 1 chunk >= 90% of H2D ceiling", best[("retrieve", 1)] >= 0.90 * ceil_h2d, f"{100 * best[('retrieve', 1)] / ceil_h2d:.1f}%"),
+        ("concurrent store+retrieve >= 90 GB/s", max(conc.values()) >= 90, f"{max(conc.values()):.1f} GB/s"),
+        ("host time per call <= 50 us (<= 32 chunks)", mp_host_max() <= 50, f"max {mp_host_max():.1f} us"),
+        ("store >= 90% of ceiling with <= 16 CTAs", (min_ctas_90("store", ceil_d2h) or 999) <= 16, f"from {min_ctas_90('store', ceil_d2h)} CTAs"),
+        ("retrieve >= 90% of ceiling with <= 16 CTAs", (min_ctas_90("retrieve", ceil_h2d) or 999) <= 16, f"from {min_ctas_90('retrieve', ceil_h2d)} CTAs"),
+        ("every result bitwise equal", all(r[5] != "FAIL" for r in rows), ""),
+        ("environment: memcpy ceiling >= 50 GB/s", min(ceil_h2d, ceil_d2h) >= 50, ""),
+    ]
+    results["targets"] = [{"target": t, "met": bool(m), "value": v} for t, m, v in targets]
+    print()
+    for t, m, v in targets:
+        print(f"[{'met' if m else 'MISSED'}] {t}: {v}")
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    _plot(rows, sweep, caps, ceil_h2d, ceil_d2h, os.path.join(args.out, "kernels_bw.png"), results["device"])
+    return 0 if all(r[5] != "FAIL" for r in rows) else 1
+
+
+def _plot(rows: list[tuple[str, str, int, float, float, str]], sweep: dict[str, dict[int, float]], caps: list[int],
+          ceil_h2d: float, ceil_d2h: float, path: str, device: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    for ax, d, ceil in ((axes[0], "store (D2H)", ceil_d2h), (axes[1], "retrieve (H2D)", ceil_h2d)):
+        for meth in sorted({r[0] for r in rows if r[1] == d and not r[0].startswith("memcpy")}):
+            pts = sorted((r[2], r[3]) for r in rows if r[0] == meth and r[1] == d)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=meth)
+        ax.axhline(ceil, color="k", ls="--", label=f"memcpy 1 GiB ceiling {ceil:.1f}")
+        ax.axhline(0.95 * ceil, color="gray", ls=":", label="95% of ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 8, 32], ["1", "8", "32"])
+        ax.set_xlabel("chunks per call (32 MiB each)")
+        ax.set_ylabel("GB/s")
+        ax.set_ylim(0, ceil * 1.1)
+        ax.set_title(d)
+        ax.legend(fontsize=8, loc="lower right")
+    ax = axes[2]
+    for k, v in sweep.items():
+        ax.plot(caps, [v[c] for c in caps], marker="o", label=k)
+    ax.axhline(0.9 * min(ceil_h2d, ceil_d2h), color="gray", ls=":", label="90% of ceiling")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("CTA cap (8 chunks per call)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("bandwidth vs CTA cap")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"mpcache KV transfer kernels, {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
