@@ -1,0 +1,681 @@
+"""`mpcache-bench rpc`: control-plane RPC latency and throughput of mpcache, against a raw pyzmq
+DEALER/ROUTER echo server measured in the same run (and, with `--lmcache-venv`, LMCache 0.5.6's
+own MP server).
+
+What it measures, on tcp loopback and on ipc:
+
+* latency, one client, one request in flight, p50/p99/p99.9 over `--calls` calls after
+  `--warmup` calls:
+  - `echo` / `noop`: the raw echo server vs mpcache's `noop`;
+  - `pair`: `lookup` (8k tokens, 32 chunks, all in L1) then `query_prefetch_status`, timed
+    together. The raw baseline sends the very same frames to the echo server;
+  - `status`: `query_prefetch_status` alone (of a finished lookup);
+  each pair is followed by an untimed `end_session`, as the vLLM connector does, so nothing piles
+  up in the server;
+* throughput: `--clients` client processes, each with `--window` requests in flight, for
+  `--duration` seconds: `noop`/echo, `status`, `lookup`;
+* start to first reply: from spawning the server process to the first `noop` answered.
+
+All clients speak the wire format directly (a DEALER socket, msgpack frames), so the numbers are
+the servers', not a client library's. The echo server answers `[uid, op]` to anything, which is
+what a server whose handler returns `None` would send.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+MODEL = "bench/model"
+CHUNK = 256
+TOKENS = 8192  # 32 chunks
+INSTANCE_ID = 7001
+# One chunk of one rank in L1. Small on purpose: the benchmark is about the control plane.
+OBJECT_BYTES = 4096
+REQUEST_IDS = 64  # distinct request ids cycled by the latency loops
+REPLY_TIMEOUT_MS = 10_000
+
+TARGETS = {
+    "pair_p50_vs_raw": 1.5,
+    "pair_p99_vs_raw": 3.0,
+    "noop_p50_vs_raw": 1.3,
+    "status_tput": 12_000.0,
+    "lookup_tput": 5_000.0,
+    "start_s": 1.0,
+}
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Frames
+
+
+def _tokens(seed: int = 1234) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 128_000) for _ in range(TOKENS)]
+
+
+def lookup_key(tokens: Sequence[int], request_id: str, worker_id: int | None = None) -> dict[str, Any]:
+    return {
+        "model_name": MODEL,
+        "world_size": 1,
+        "worker_id": worker_id,
+        "token_ids": list(tokens),
+        "start": 0,
+        "end": len(tokens),
+        "request_id": request_id,
+        "cache_salt": "",
+        "request_configs": None,
+        "num_kv_readers": 1,
+    }
+
+
+@dataclass
+class Frames:
+    """Pre-encoded payload frames, so the client loop costs the same for every server."""
+
+    noop: bytes = field(default_factory=lambda: msgpack.packb("noop"))
+    lookup_op: bytes = field(default_factory=lambda: msgpack.packb("lookup"))
+    status_op: bytes = field(default_factory=lambda: msgpack.packb("query_prefetch_status"))
+    end_op: bytes = field(default_factory=lambda: msgpack.packb("end_session"))
+    tp_size: bytes = field(default_factory=lambda: msgpack.packb(1))
+    lookup_keys: list[bytes] = field(default_factory=list)
+    request_ids: list[bytes] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, tag: str) -> Frames:
+        f = cls()
+        toks = _tokens()
+        for i in range(REQUEST_IDS):
+            rid = f"{tag}-{i}"
+            f.lookup_keys.append(msgpack.packb(lookup_key(toks, rid)))
+            f.request_ids.append(msgpack.packb(rid))
+        return f
+
+
+# ---------------------------------------------------------------------------------------------
+# The raw echo server
+
+
+def echo_server(url: str) -> None:
+    """ROUTER that answers `[uid, op]` to every request: the transport baseline."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(url)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    recv = sock.recv_multipart
+    send = sock.send_multipart
+    while True:
+        frames = recv(copy=True)
+        send(frames[:3], copy=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers under test
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    kind: str  # "raw", "mpcache", "lmcache"
+    transport: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    start_s: float
+    log_path: str
+    notes: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def _dealer(ctx: zmq.Context[Any], url: str) -> zmq.Socket[Any]:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RECONNECT_IVL, 10)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.connect(url)
+    return s
+
+
+def _recv(sock: zmq.Socket[Any], timeout_ms: int = REPLY_TIMEOUT_MS) -> list[bytes]:
+    if not sock.poll(timeout_ms):
+        raise BenchError(f"no reply within {timeout_ms} ms")
+    frames: list[bytes] = sock.recv_multipart()
+    return frames
+
+
+def _start(kind: str, transport: str, argv: list[str], url: str, workdir: str,
+           env: dict[str, str] | None = None, start_timeout_s: float = 120.0) -> Server:
+    """Spawns the server and times spawn -> first `noop` reply."""
+    log_path = os.path.join(workdir, f"{kind}-{transport}.log")
+    log = open(log_path, "wb")
+    ctx = zmq.Context.instance()
+    sock = _dealer(ctx, url)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    log.close()
+    server = Server(kind, transport, url, proc, 0.0, log_path)
+    try:
+        uid = 0
+        deadline = t0 + start_timeout_s
+        # A DEALER queues the request until the connection is up; resend now and then in case
+        # the first one went to a socket that was not bound yet (ipc) or was dropped.
+        while True:
+            sock.send_multipart([msgpack.packb(uid), msgpack.packb("noop")])
+            if sock.poll(200):
+                frames = sock.recv_multipart()
+                if frames[1] != msgpack.packb("noop"):
+                    raise BenchError(f"{kind} server answered noop with {frames!r}")
+                server.start_s = time.perf_counter() - t0
+                # Later replies to the resent noops are drained by closing this socket.
+                break
+            if proc.poll() is not None:
+                raise BenchError(f"{kind} server exited with {proc.returncode}; see {log_path}:\n"
+                                 + _tail(log_path))
+            if time.perf_counter() > deadline:
+                raise BenchError(f"{kind} server did not answer within {start_timeout_s} s; "
+                                 f"see {log_path}:\n" + _tail(log_path))
+            uid += 1
+    except BaseException:
+        server.stop()
+        raise
+    finally:
+        sock.close()
+    return server
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _url(transport: str, workdir: str, name: str) -> str:
+    if transport == "tcp":
+        return f"tcp://127.0.0.1:{_free_port()}"
+    return f"ipc://{os.path.join(workdir, name + '.sock')}"
+
+
+def start_raw(transport: str, workdir: str) -> Server:
+    url = _url(transport, workdir, "raw")
+    argv = [sys.executable, "-m", "tools.bench_rpc", "--echo-server", url]
+    return _start("raw", transport, argv, url, workdir, env=_env_with_repo())
+
+
+def start_mpcache(transport: str, workdir: str, l1_gb: float) -> Server:
+    url = _url(transport, workdir, "mpcache")
+    argv = [sys.executable, "-m", "runtime_zmq.cli", "--l1-size-gb", str(l1_gb),
+            "--log-level", "WARNING"]
+    if transport == "tcp":
+        port = url.rsplit(":", 1)[1]
+        argv += ["--host", "127.0.0.1", "--port", port]
+    else:
+        argv += ["--ipc", url[len("ipc://"):]]
+    server = _start("mpcache", transport, argv, url, workdir, env=_env_with_repo())
+    try:
+        _prestore_mpcache(server.url)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_lmcache(transport: str, workdir: str, venv: str) -> Server:
+    if transport != "tcp":
+        raise BenchError("LMCache's MP server listens on tcp only")
+    port = _free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    argv = [os.path.join(venv, "bin", "python"), "-m", "lmcache.v1.multiprocess.server",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--l1-size-gb", "1", "--eviction-policy", "LRU"]
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return _start("lmcache", transport, argv, url, workdir, env=env)
+
+
+def _env_with_repo() -> dict[str, str]:
+    env = dict(os.environ)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _call(sock: zmq.Socket[Any], uid: int, op: str, *args: Any) -> Any:
+    sock.send_multipart([msgpack.packb(uid), msgpack.packb(op)] + [msgpack.packb(a) for a in args])
+    frames = _recv(sock)
+    if msgpack.unpackb(frames[0]) != uid:
+        raise BenchError(f"{op}: reply for another request")
+    op_back = msgpack.unpackb(frames[1])
+    result = msgpack.unpackb(frames[2]) if len(frames) > 2 else None
+    if op_back != op:
+        raise BenchError(f"{op} failed: {result!r}")
+    return result
+
+
+def _prestore_mpcache(url: str) -> None:
+    """Puts the benchmark prompt's 32 chunks in L1 through the engine-driven store path
+    (register an engine-driven instance, prepare_store, fill the slots, commit_store)."""
+    ctx = zmq.Context.instance()
+    sock = _dealer(ctx, url)
+    try:
+        toks = _tokens()
+        _call(sock, 1, "register_instance", INSTANCE_ID, {
+            "model_name": MODEL, "world_size": 1, "object_bytes": OBJECT_BYTES,
+            "engine_driven": True,
+        })
+        plan = _call(sock, 2, "prepare_store", lookup_key(toks, "bench-prestore", worker_id=0),
+                     INSTANCE_ID)
+        transfer_id = plan["transfer_id"] if isinstance(plan, dict) else plan[0]
+        # The bytes in the slots do not matter to the control plane; committing marks them ready.
+        _call(sock, 3, "commit_store", transfer_id, True)
+        _call(sock, 4, "end_session", "bench-prestore")
+        # Check that a lookup of the prompt really hits all 32 chunks.
+        _call(sock, 5, "lookup", lookup_key(toks, "bench-check"), 1)
+        deadline = time.monotonic() + 10
+        uid = 6
+        while True:
+            hit = _call(sock, uid, "query_prefetch_status", "bench-check")
+            uid += 1
+            if hit is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        _call(sock, uid, "end_session", "bench-check")
+        if hit != TOKENS // CHUNK:
+            raise BenchError(f"pre-stored prompt: lookup found {hit!r} chunks, expected "
+                             f"{TOKENS // CHUNK}")
+    finally:
+        sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Latency (one client, one request in flight)
+
+
+def _percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
+    s = sorted(samples_ns)
+    n = len(s)
+
+    def pct(q: float) -> float:
+        return s[min(n - 1, int(q * n))] / 1000.0
+
+    return pct(0.50), pct(0.99), pct(0.999)
+
+
+def measure_latency(url: str, what: str, calls: int, warmup: int, tag: str) -> tuple[float, float, float]:
+    """`what`: noop | pair | status. Returns (p50, p99, p99.9) in microseconds."""
+    frames = Frames.build(tag)
+    ctx = zmq.Context.instance()
+    sock = _dealer(ctx, url)
+    send = sock.send_multipart
+    recv = sock.recv_multipart
+    poll = sock.poll
+    clock = time.perf_counter_ns
+    samples: list[int] = []
+    uid = 0
+
+    def rt(parts: list[bytes]) -> None:
+        nonlocal uid
+        uid += 1
+        send([msgpack.packb(uid)] + parts, copy=True)
+        if not poll(REPLY_TIMEOUT_MS):
+            raise BenchError(f"{what}: no reply within {REPLY_TIMEOUT_MS} ms")
+        reply = recv()
+        if reply[1] != parts[0]:
+            raise BenchError(f"{what}: error reply {msgpack.unpackb(reply[-1])!r}")
+
+    try:
+        if what == "status":
+            # Finished lookups to query: statuses answer from the job (first) and then from the
+            # tombstone, which is the idempotent path a re-polling scheduler takes.
+            for i in range(REQUEST_IDS):
+                rt([frames.lookup_op, frames.lookup_keys[i], frames.tp_size])
+                rt([frames.status_op, frames.request_ids[i]])
+        for n in range(warmup + calls):
+            i = n % REQUEST_IDS
+            if what == "noop":
+                t0 = clock()
+                rt([frames.noop])
+                t1 = clock()
+            elif what == "pair":
+                t0 = clock()
+                rt([frames.lookup_op, frames.lookup_keys[i], frames.tp_size])
+                rt([frames.status_op, frames.request_ids[i]])
+                t1 = clock()
+                rt([frames.end_op, frames.request_ids[i]])
+            elif what == "status":
+                t0 = clock()
+                rt([frames.status_op, frames.request_ids[i]])
+                t1 = clock()
+            else:
+                raise ValueError(what)
+            if n >= warmup:
+                samples.append(t1 - t0)
+        if what == "status":
+            for i in range(REQUEST_IDS):
+                rt([frames.end_op, frames.request_ids[i]])
+    finally:
+        sock.close()
+    return _percentiles(samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput (several client processes, pipelined)
+
+
+def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: float, tag: str,
+                 out: Any) -> None:
+    try:
+        frames = Frames.build(tag)
+        ctx = zmq.Context()
+        sock = _dealer(ctx, url)
+        uid = 0
+        inflight = 0
+        done = 0
+        ids = len(frames.request_ids)
+        if what == "status":
+            for i in range(ids):
+                _call(sock, 10**9 + i, "lookup", msgpack.unpackb(frames.lookup_keys[i]), 1)
+                _call(sock, 2 * 10**9 + i, "query_prefetch_status", msgpack.unpackb(frames.request_ids[i]))
+
+        def request(n: int) -> list[bytes]:
+            i = n % ids
+            if what == "noop":
+                return [msgpack.packb(n), frames.noop]
+            if what == "status":
+                return [msgpack.packb(n), frames.status_op, frames.request_ids[i]]
+            # A new lookup for an id replaces that id's previous one (its leases are released),
+            # so cycling ids keeps the server's tables bounded, as a steady scheduler would.
+            return [msgpack.packb(n), frames.lookup_op, frames.lookup_keys[i], frames.tp_size]
+
+        expected_op = {"noop": frames.noop, "status": frames.status_op, "lookup": frames.lookup_op}[what]
+        warm_until = start_at
+        while time.time() < start_at - 1.0:
+            time.sleep(0.01)
+        counting = False
+        errors = 0
+        while True:
+            now = time.time()
+            if not counting and now >= warm_until:
+                counting = True
+                done = 0
+            if now >= end_at:
+                break
+            while inflight < window:
+                sock.send_multipart(request(uid))
+                uid += 1
+                inflight += 1
+            if sock.poll(1000):
+                while True:
+                    try:
+                        reply = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    inflight -= 1
+                    if reply[1] != expected_op:
+                        errors += 1
+                    done += 1
+        # drain
+        deadline = time.time() + 5
+        while inflight and time.time() < deadline:
+            if sock.poll(100):
+                sock.recv_multipart()
+                inflight -= 1
+        if what == "status" or what == "lookup":
+            for i in range(ids):
+                _call(sock, 3 * 10**9 + i, "end_session", msgpack.unpackb(frames.request_ids[i]))
+        sock.close()
+        ctx.term()
+        out.put((done, errors, None))
+    except BaseException as e:  # reported to the parent
+        out.put((0, 0, f"{type(e).__name__}: {e}"))
+
+
+def measure_throughput(url: str, what: str, clients: int, window: int, duration: float,
+                       tag: str) -> float:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    # Children import this module; give them time to start before the clock starts.
+    start_at = time.time() + 2.5
+    end_at = start_at + duration
+    procs = [ctx.Process(target=_tput_worker,
+                         args=(url, what, window, start_at, end_at, f"{tag}-c{c}", out))
+             for c in range(clients)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=duration + 60) for _ in procs]
+    for p in procs:
+        p.join(timeout=10)
+    failures = [r[2] for r in results if r[2]]
+    if failures:
+        raise BenchError(f"throughput {what}: {failures[0]}")
+    errors = sum(r[1] for r in results)
+    if errors:
+        raise BenchError(f"throughput {what}: {errors} error replies")
+    return sum(r[0] for r in results) / duration
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Row:
+    transport: str
+    server: str
+    op: str
+    p50: float
+    p99: float
+    p999: float
+
+
+def _fmt_row(r: Row, raw: Row | None) -> str:
+    ratio = f"{r.p50 / raw.p50:5.2f}x {r.p99 / raw.p99:5.2f}x" if raw else f"{'':>6} {'':>6}"
+    return (f"| {r.transport:<4} | {r.server:<8} | {r.op:<28} | {r.p50:8.1f} | {r.p99:8.1f} | "
+            f"{r.p999:9.1f} | {ratio} |")
+
+
+def run(args: argparse.Namespace) -> int:
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    load = os.getloadavg()
+    print(f"# mpcache-bench rpc  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  "
+          f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+          f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}")
+    print(f"# latency: {args.calls} calls after {args.warmup} warm-up, one in flight; throughput: "
+          f"{args.clients} client processes x {args.window} in flight x {args.duration:g} s; "
+          f"prompt {TOKENS} tokens = {TOKENS // CHUNK} chunks; load average before: "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    workdir = tempfile.mkdtemp(prefix="mpcache-bench-rpc-")
+    os.chmod(workdir, 0o700)
+    rows: list[Row] = []
+    tput: list[tuple[str, str, str, float]] = []
+    starts: list[tuple[str, str, float]] = []
+    rc = 0
+    servers: list[tuple[str, str]] = [("raw", t) for t in transports]
+    if not args.no_mpcache:
+        servers += [("mpcache", t) for t in transports]
+    if args.lmcache_venv:
+        servers.append(("lmcache", "tcp"))
+    try:
+        for kind, transport in servers:
+            if kind == "raw":
+                server = start_raw(transport, workdir)
+            elif kind == "mpcache":
+                server = start_mpcache(transport, workdir, args.l1_size_gb)
+            else:
+                server = start_lmcache(transport, workdir, args.lmcache_venv)
+            starts.append((kind, transport, server.start_s))
+            tag = f"{kind}-{transport}"
+            try:
+                for what, label in (("noop", "echo" if kind == "raw" else "noop"),
+                                    ("pair", "lookup+status pair"),
+                                    ("status", "status")):
+                    if kind == "raw" and what == "status":
+                        continue  # the echo of a status frame is the noop row, in effect
+                    p = measure_latency(server.url, what, args.calls, args.warmup, f"{tag}-{what}")
+                    op = label
+                    if what == "pair" and kind == "raw":
+                        op = "echo pair (lookup frames)"
+                    elif what == "pair" and kind == "mpcache":
+                        op = "lookup+status (L1 32/32)"
+                    elif what == "pair" and kind == "lmcache":
+                        op = "lookup+status (no KV: 0)"
+                    rows.append(Row(transport, kind, op, *p))
+                    print(_fmt_row(rows[-1], None), flush=True)
+                if not args.no_throughput:
+                    for what in ("noop", "status", "lookup"):
+                        if kind == "raw" and what != "noop":
+                            continue
+                        rate = measure_throughput(server.url, what, args.clients, args.window,
+                                                  args.duration, f"{tag}-t{what}")
+                        tput.append((transport, kind, "echo" if kind == "raw" else what, rate))
+                        print(f"# throughput {transport} {kind} {what}: {rate:,.0f} req/s", flush=True)
+            finally:
+                server.stop()
+    except BenchError as e:
+        print(f"mpcache-bench rpc: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        if not args.keep_logs:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"# server logs kept in {workdir}")
+
+    print()
+    print("| transport | server | op | p50 µs | p99 µs | p99.9 µs | vs raw p50, p99 |")
+    print("|---|---|---|---:|---:|---:|---|")
+    raw_for = {}
+    for r in rows:
+        if r.server == "raw":
+            raw_for[(r.transport, "noop" if r.op == "echo" else "pair")] = r
+    for r in rows:
+        key = "pair" if "pair" in r.op or "lookup" in r.op else "noop"
+        raw = raw_for.get((r.transport, key)) if r.server != "raw" else None
+        print(_fmt_row(r, raw).replace("| ", "| ", 1))
+    if tput:
+        print()
+        print(f"| transport | server | op | req/s ({args.clients} clients) |")
+        print("|---|---|---|---:|")
+        for transport, kind, what, rate in tput:
+            print(f"| {transport} | {kind} | {what} | {rate:,.0f} |")
+    if starts:
+        print()
+        print("| server | transport | start to first reply, s |")
+        print("|---|---|---:|")
+        for kind, transport, s in starts:
+            print(f"| {kind} | {transport} | {s:.3f} |")
+    verdicts = _targets(rows, tput, starts, raw_for)
+    if verdicts:
+        print()
+        print("| target | measured | verdict |")
+        print("|---|---|---|")
+        for line in verdicts:
+            print(line)
+    return rc
+
+
+def _targets(rows: list[Row], tput: list[tuple[str, str, str, float]],
+             starts: list[tuple[str, str, float]], raw_for: dict[tuple[str, str], Row]) -> list[str]:
+    out: list[str] = []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    for r in rows:
+        if r.server != "mpcache":
+            continue
+        if r.op.startswith("lookup+status"):
+            raw = raw_for.get((r.transport, "pair"))
+            if raw:
+                x50, x99 = r.p50 / raw.p50, r.p99 / raw.p99
+                out.append(f"| {r.transport} pair p50 ≤ {TARGETS['pair_p50_vs_raw']}x raw pair | "
+                           f"{x50:.2f}x | {verdict(x50 <= TARGETS['pair_p50_vs_raw'])} |")
+                out.append(f"| {r.transport} pair p99 ≤ {TARGETS['pair_p99_vs_raw']}x raw pair | "
+                           f"{x99:.2f}x | {verdict(x99 <= TARGETS['pair_p99_vs_raw'])} |")
+        if r.op == "noop":
+            raw = raw_for.get((r.transport, "noop"))
+            if raw:
+                x = r.p50 / raw.p50
+                out.append(f"| {r.transport} noop p50 ≤ {TARGETS['noop_p50_vs_raw']}x raw echo | "
+                           f"{x:.2f}x | {verdict(x <= TARGETS['noop_p50_vs_raw'])} |")
+    for transport, kind, what, rate in tput:
+        if kind != "mpcache":
+            continue
+        if what == "status":
+            out.append(f"| {transport} status ≥ {TARGETS['status_tput']:,.0f}/s | {rate:,.0f}/s | "
+                       f"{verdict(rate >= TARGETS['status_tput'])} |")
+        if what == "lookup":
+            out.append(f"| {transport} lookup ≥ {TARGETS['lookup_tput']:,.0f}/s | {rate:,.0f}/s | "
+                       f"{verdict(rate >= TARGETS['lookup_tput'])} |")
+    for kind, transport, s in starts:
+        if kind == "mpcache":
+            out.append(f"| {transport} start to first reply ≤ {TARGETS['start_s']} s | {s:.3f} s | "
+                       f"{verdict(s <= TARGETS['start_s'])} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpcache-bench rpc", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=20_000, help="timed calls per latency row")
+    parser.add_argument("--warmup", type=int, default=2_000, help="untimed calls before them")
+    parser.add_argument("--transports", default="tcp,ipc", help="comma-separated: tcp, ipc")
+    parser.add_argument("--clients", type=int, default=4, help="client processes for throughput")
+    parser.add_argument("--window", type=int, default=8, help="requests in flight per client")
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per throughput row")
+    parser.add_argument("--no-throughput", action="store_true", help="latency rows only")
+    parser.add_argument("--no-mpcache", action="store_true", help="skip mpcache (baselines only)")
+    parser.add_argument("--l1-size-gb", type=float, default=1.0)
+    parser.add_argument("--lmcache-venv", metavar="PATH",
+                        help="also measure LMCache 0.5.6's server from this venv "
+                             "(create it with tools/lmcache_venv.sh)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
+    parser.add_argument("--echo-server", metavar="URL", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        echo_server(args.echo_server)
+        return 0
+    if args.calls < 1 or args.warmup < 0 or args.clients < 1 or args.window < 1:
+        parser.error("--calls, --clients and --window must be positive")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
