@@ -1,0 +1,146 @@
+"""Real vLLM (CPU) end to end through mpcache: ``make e2e`` (``.ci/e2e``) runs it in ``.venv-vllm``.
+
+Two vLLM processes on the tiny random Llama, prefix caching off: a baseline with no connector,
+and one with ``MPCacheConnector`` against a real ``mpcache-server`` process
+(``tools/e2e_vllm.py`` drives both and reports JSON; this module checks the reports).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _have_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run(args: list[str], log: Path, timeout: float) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    with open(log, "wb") as out:
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-40:]
+        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n" + "\n".join(tail))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not _have_vllm():
+        pytest.skip("vLLM is not installed here: run `make e2e` (it builds .venv-vllm)")
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def model(workdir: Path) -> str:
+    out = workdir / "tiny_llama"
+    _run(["-m", "tools.e2e_tiny_llama", str(out)], workdir / "tiny_llama.log", 300)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def baseline(model: str, workdir: Path) -> dict[str, Any]:
+    out = workdir / "baseline.json"
+    _run(["-m", "tools.e2e_vllm", "baseline", "--model", model, "--out", str(out)], workdir / "baseline.log", 600)
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+@pytest.fixture(scope="module")
+def connector(model: str, workdir: Path, baseline: dict[str, Any]) -> dict[str, Any]:
+    out = workdir / "connector.json"
+    args = ["-m", "tools.e2e_vllm", "connector", "--model", model, "--out", str(out), "--port", str(_free_port())]
+    _run(args, workdir / "connector.log", 600)
+    report: dict[str, Any] = json.loads(out.read_text())
+    timings = {
+        "baseline init s": baseline["init_s"],
+        "connector init s": report["init_s"],
+        "server start s": report["server_start_s"],
+        "server restart s": report["server_restart_s"],
+        "per request s (hit phase)": {k: v["seconds"] for k, v in report["phases"]["hit"].items()},
+        "per request s (miss phase)": {k: v["seconds"] for k, v in report["phases"]["miss"].items()},
+        "per request s (baseline)": {k: v["seconds"] for k, v in baseline["results"].items()},
+    }
+    print("e2e timings:", json.dumps(timings))
+    return report
+
+
+def _expected(baseline: dict[str, Any], name: str) -> list[int]:
+    ids: list[int] = baseline["results"][name]["output_ids"]
+    return ids
+
+
+def test_first_run_misses_and_stores(connector: dict[str, Any], baseline: dict[str, Any]) -> None:
+    phases = connector["phases"]
+    for name, result in phases["miss"].items():
+        assert result["num_cached_tokens"] == 0, name
+        assert result["output_ids"] == _expected(baseline, name), name
+    # p300 stores one chunk of 256 tokens, p520 two.
+    assert phases["miss_stats"]["objects"] == 3
+    assert phases["miss_stats"]["hit_chunks"] == 0
+
+
+def test_second_run_is_served_from_mpcache_with_identical_output(connector: dict[str, Any], baseline: dict[str, Any]) -> None:
+    phases = connector["phases"]
+    hit = phases["hit"]
+    assert hit["p300"]["num_cached_tokens"] == 256
+    assert hit["p520"]["num_cached_tokens"] == 512
+    for name in ("p300", "p520"):
+        assert hit[name]["output_ids"] == _expected(baseline, name), name
+    assert phases["hit_stats"]["hit_chunks"] >= phases["miss_stats"]["hit_chunks"] + 3
+    assert phases["hit_stats"]["transfers_failed"] == 0
+
+
+def test_partial_hit_loads_the_shared_chunk_only(connector: dict[str, Any], baseline: dict[str, Any]) -> None:
+    tail = connector["phases"]["hit"]["p300_tail"]
+    assert tail["num_cached_tokens"] == 256
+    assert tail["output_ids"] == _expected(baseline, "p300_tail")
+
+
+def test_aborts_leave_no_leases(connector: dict[str, Any]) -> None:
+    stats = connector["phases"]["abort_stats"]
+    assert stats["lookups"] >= connector["phases"]["hit_stats"]["lookups"] + 2
+    assert stats["leases_held"] == 0
+    assert stats["jobs"] == 0
+    assert stats["errors"] == 0
+
+
+def test_server_restart_degrades_to_recompute_then_hits_again(connector: dict[str, Any], baseline: dict[str, Any]) -> None:
+    phases = connector["phases"]
+    expected = _expected(baseline, "p300")
+    assert phases["down"]["p300"]["num_cached_tokens"] == 0
+    assert phases["down"]["p300"]["output_ids"] == expected
+    assert phases["restart_first"]["p300"]["num_cached_tokens"] == 0  # the new server is empty
+    assert phases["restart_first"]["p300"]["output_ids"] == expected
+    assert phases["restart_second"]["p300"]["num_cached_tokens"] == 256  # re-registered, stored, hit
+    assert phases["restart_second"]["p300"]["output_ids"] == expected
+    stats = phases["restart_stats"]
+    assert stats["instances"] == 1
+    assert stats["leases_held"] == 0
+
+
+def test_corrupted_l1_changes_the_output(connector: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """Negative control: if loads were not really used, noise in L1 would change nothing."""
+    corrupt = connector["phases"]["corrupt"]["p300"]
+    assert corrupt["num_cached_tokens"] == 256
+    assert corrupt["output_ids"] != _expected(baseline, "p300")
