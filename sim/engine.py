@@ -157,6 +157,7 @@ class SimEngine:
         self.delivered_hits: dict[tuple[str, int], int] = {}
         self.reported: dict[tuple[int, int, str], set[str]] = {}
         self.lookup_results: dict[str, int] = {}
+        self.f2_watch: set[str] = set()
         root_cache: dict[str, bytes] = {}
         for spec in world.scenario.requests:
             if spec.engine != index:
@@ -264,6 +265,7 @@ class SimEngine:
                 # The answer reached a lookup still waiting for this server: it must count.
                 key = (rid, msg.server)
                 self.delivered_hits[key] = max(self.delivered_hits.get(key, 0), msg.result)
+                self.f2_watch.add(rid)
         node.post(machine, ReplyReceived(msg.server, msg.correlation, msg.result))
 
     def touch_reply(self, node_name: str, msg: Any) -> None:
@@ -278,6 +280,14 @@ class SimEngine:
             machine_obj.check_invariants()
         except AssertionError as exc:
             self.world.violation("SAFETY", node.name, f"core_sm {machine} invariant: {exc}")
+        if machine == LOOKUP and self.f2_watch:
+            for rid in sorted(self.f2_watch):
+                pending = machine_obj._done.get(rid)
+                if pending is not None:
+                    self.f2_watch.discard(rid)
+                    self._check_resolution(rid, pending)
+                elif rid not in machine_obj._active:
+                    self.f2_watch.discard(rid)
 
     # =========================================================================== heartbeats
     def _ping(self, hb: Heartbeat) -> None:
@@ -326,6 +336,9 @@ class SimEngine:
             return
         req.state = "waiting"
         req.arrived_at = self.world.now()
+        assert self.sched is not None
+        req.submitted = True
+        self.call(self.sched, LOOKUP, SubmitLookup(req.rid, req.tokens, req.spec.cache_salt))
         self._ensure_step()
 
     def _ensure_step(self) -> None:
@@ -366,7 +379,6 @@ class SimEngine:
             hit = result
             if req.rid not in self.lookup_results:
                 self.lookup_results[req.rid] = hit
-                self._check_resolution(req, hit)
         need = -(-len(req.tokens) // self.bs)
         if len(self.free_blocks) < need:
             return  # vLLM keeps the request waiting and asks again next step
@@ -398,19 +410,19 @@ class SimEngine:
                 self.call(self.sched, LOOKUP, FreeUnusedLeases(req.rid, tokens, 0, hit, salt))
             self._start_compute(req)
 
-    def _check_resolution(self, req: SimRequest, hit: int) -> None:
-        """F2: a hit the server answered and the client received must not turn into less."""
-        client = self.sched.machines[LOOKUP] if self.sched is not None else None
-        pending = client.pending(req.rid) if client is not None else None
-        if pending is None or req.rid in self.world.touched:
+    def _check_resolution(self, rid: str, pending: Any) -> None:
+        """F2: a hit the server answered, received while the client still waited for that server,
+        must not turn into less."""
+        if rid in self.world.touched:
             return
         for s, leg in pending.legs.items():
-            got = self.delivered_hits.get((req.rid, s), 0)
+            got = self.delivered_hits.get((rid, s), 0)
             if got > 0 and (leg.chunks or 0) < got:
                 self.world.violation(
                     "F2", sched_name(self.index),
-                    f"{req.rid}: server{s} answered {got} hit chunks and the answer reached the client, "
-                    f"but the lookup resolved that server's leg to {leg.chunks} (result {hit} tokens)")
+                    f"{rid}: server{s} answered {got} hit chunks and the answer reached the client while it "
+                    f"waited for that server, but the lookup resolved that server's leg to {leg.chunks} "
+                    f"(result {pending.result_tokens} tokens)")
 
     def _start_compute(self, req: SimRequest) -> None:
         req.state = "computing"
@@ -455,6 +467,11 @@ class SimEngine:
         for req in self.order:
             if req.state == "loading" and not req.loads_pending:
                 self._verify_load(req)
+                if req.load_start > 0 and self.sched is not None:
+                    # vLLM calls update_state_after_alloc again when an async load lands; the
+                    # connector frees the APC-covered range again (FREE must be idempotent).
+                    self.call(self.sched, LOOKUP, FreeUnusedLeases(req.rid, req.tokens, 0, req.vllm_hit,
+                                                                   req.spec.cache_salt))
                 self._start_compute(req)
 
     def _recompute_errors(self, w: SimWorker, blocks: set[int]) -> None:

@@ -153,7 +153,7 @@ def draw_scenario(seed: int) -> Scenario:
         apc = 0
         if rng.random() < 0.2:
             apc = rng.randint(0, len(prompt) // block_size)
-        abort_after = rng.choice((0.001, 0.01, 0.05, 0.2)) if rng.random() < 0.2 else None
+        abort_after = rng.choice((0.001, 0.003, 0.01, 0.05, 0.2)) if rng.random() < 0.25 else None
         requests.append(
             RequestSpec(
                 engine=rng.randrange(num_engines),
@@ -182,7 +182,7 @@ def draw_scenario(seed: int) -> Scenario:
                 dur = rng.choice((0.05, 0.5, 3.0))
                 faults.append(FaultSpec(at, kind, (a, b, rng.random() < 0.4, dur)))
             elif kind == "crash_engine":
-                if num_engines > 1 and rng.random() < 0.5:
+                if num_engines > 1:
                     faults.append(FaultSpec(at, kind, (rng.randrange(num_engines),)))
             else:
                 faults.append(FaultSpec(at, kind, (rng.randrange(num_servers),)))

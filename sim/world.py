@@ -105,6 +105,7 @@ class ServerHost:
         self.slots: dict[int, tuple[int, ...]] = {}
         self.up = False
         self.down_until = 0.0
+        self.started_at = 0.0
         # reply accounting for this incarnation: reply_to -> (request type, handled at)
         self.awaiting_reply: dict[Via, tuple[str, float]] = {}
         # request id -> last of ("lookup", t) / ("end", t) handled in this incarnation
@@ -143,8 +144,10 @@ class World:
         self._deliveries = 0
         self.engines = [SimEngine(self, e) for e in range(self.config.num_engines)]
         self.touched: set[str] = set()  # request ids some fault may have hit
-        # (request id, server) -> pids of LOOKUPs sent and not yet handed to the server
-        self.lookups_in_flight: dict[tuple[str, int], set[int]] = {}
+        # (request id, server) -> {pid: sent at} of LOOKUPs sent and not yet handed to the server
+        self.lookups_in_flight: dict[tuple[str, int], dict[int, float]] = {}
+        # (request id, server) to which an END_SESSION or FREE_LOOKUP_LOCKS was ever sent
+        self.released_sent: set[tuple[str | None, int]] = set()
         self.stats: dict[str, int] = {"crashes": 0, "restarts": 0, "partitions": 0, "l2_fail": 0, "copy_fail": 0}
 
     # =========================================================================== running
@@ -235,6 +238,7 @@ class World:
     # =========================================================================== servers
     async def _start_server(self, host: ServerHost) -> None:
         host.incarnation += 1
+        host.started_at = self.now()
         host.slots = {}
         host.awaiting_reply = {}
         host.last_session_event = {}
@@ -347,9 +351,13 @@ class World:
     # =========================================================================== network
     def send(self, src: Address, dst: Address, message: Any) -> None:
         pid = self.net._pid + 1  # the id SimNet gives this packet (fates may fire inside send)
-        if isinstance(message, RequestMsg) and type(message.request) is Lookup:
-            key = (message.request.key.request_id, message.server)
-            self.lookups_in_flight.setdefault(key, set()).add(pid)
+        if isinstance(message, RequestMsg):
+            t = type(message.request)
+            if t is Lookup:
+                key = (message.request.key.request_id, message.server)
+                self.lookups_in_flight.setdefault(key, {})[pid] = self.now()
+            elif t is EndSession or t is FreeLookupLocks:
+                self.released_sent.add((request_id_of(message), message.server))
         self.net.send(src, dst, message)
         if self.record_messages:
             self.trace.messages[pid] = MessageRecord(pid, src.node, dst.node, _label(message),
@@ -372,7 +380,7 @@ class World:
         if isinstance(msg, RequestMsg) and type(msg.request) is Lookup:
             pids = self.lookups_in_flight.get((msg.request.key.request_id, msg.server))
             if pids is not None:
-                pids.discard(packet.pid)
+                pids.pop(packet.pid, None)
 
     def _post_request(self, node: Node, packet: Packet, event: Any) -> None:
         self._lookup_landed(packet)
@@ -442,7 +450,8 @@ class World:
             host.awaiting_reply[via] = (name, now)
             if name == "QueryPrefetchStatus" or name == "WaitPrefetchStatus":
                 rid = event.request_id
-                if rid not in host.lookups_handled and self.lookups_in_flight.get((rid, host.index)):
+                in_flight = self.lookups_in_flight.get((rid, host.index), {})
+                if rid not in host.lookups_handled and any(t >= host.started_at for t in in_flight.values()):
                     self.violation("F5", node.name, f"status query for {rid} handled before its LOOKUP, which "
                                    f"was still on its way to {host.name}; the answer cannot be the lookup's")
         if type(event) is Lookup:
@@ -597,9 +606,17 @@ class World:
                     continue
                 engine, req = engine_req
                 last = host.last_session_event.get(owner)
-                if req.done and not engine.crashed and owner not in self.touched and (last is None or last[0] == "end"):
+                if not req.done or engine.crashed or owner in self.touched:
+                    continue
+                # Leases of a request that ended cleanly may outlive it only when its LOOKUP landed
+                # after its END_SESSION (a reordering the reaper covers), never when nothing was
+                # ever sent to release them, nor when END_SESSION was the last word.
+                never_released = (owner, host.index) not in self.released_sent
+                if never_released or (last is not None and last[0] == "end"):
+                    why = "no FREE/END_SESSION was ever sent for it" if never_released else "after its END_SESSION"
                     self.violation("F8", host.name, f"{owner} finished ({req.outcome}) without faults but still holds "
-                                   f"{count} read lease(s) on {host.name}: {' | '.join(self.recent.get(owner, [])[-3:])}")
+                                   f"{count} read lease(s) on {host.name}, {why}: "
+                                   f"{' | '.join(list(self.recent.get(owner, []))[-3:])}")
 
     def _check_drained(self) -> None:
         """After the TTLs: abandoned jobs reaped, every lease back."""
