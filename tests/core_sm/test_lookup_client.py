@@ -1,0 +1,280 @@
+"""LookupClient: submit, ack, one in-flight status query per server, min over servers."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core_sm.effects import Effect, SendRequest
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.lookup_client import (
+    EVENTS,
+    TRANSITIONS,
+    LookupClient,
+    LookupClientConfig,
+    LookupState,
+    PendingLookup,
+    ServerLeg,
+)
+from core_sm.messages import (
+    Cleanup,
+    EndRequest,
+    EndSession,
+    FreeLookupLocks,
+    FreeUnusedLeases,
+    Lookup,
+    QueryPrefetchStatus,
+    ReplyReceived,
+    RequestFailed,
+    ServerHealth,
+    SubmitLookup,
+    TimerFired,
+    WaitPrefetchStatus,
+)
+from sm_helpers import C, tokens
+
+FAIL = ProtocolError(ErrorKind.TIMEOUT, "x")
+
+
+def client(n: int = 1, **kw: Any) -> LookupClient:
+    return LookupClient(LookupClientConfig(num_servers=n, model_name="m", chunk_size=C, **kw))
+
+
+def sends(effects: list[Effect], typ: type | None = None) -> list[SendRequest]:
+    out = [e for e in effects if isinstance(e, SendRequest)]
+    assert len(out) == len(effects)
+    return [e for e in out if typ is None or isinstance(e.request, typ)]
+
+
+def ack_all(c: LookupClient, effects: list[Effect], now: float = 0.0) -> list[Effect]:
+    out: list[Effect] = []
+    for e in sends(effects, Lookup):
+        out += c.handle(ReplyReceived(e.server, e.correlation, None), now)
+    return out
+
+
+def test_submit_ack_query_result() -> None:
+    c = client()
+    fx = c.handle(SubmitLookup("r", tokens(3, extra=1)), 0.0)
+    (lk,) = sends(fx, Lookup)
+    assert lk.request.key.end == 3 * C and lk.request.key.worker_id is None
+    assert c.check("r") is None and c.state("r") is LookupState.AWAITING_ACK
+    assert c.handle(SubmitLookup("r", tokens(3)), 0.0) == []  # duplicate guard
+    (q,) = sends(ack_all(c, fx), QueryPrefetchStatus)
+    assert c.state("r") is LookupState.QUERYING
+    assert c.handle(ReplyReceived(0, q.correlation, 2), 0.0) == []
+    assert c.check("r") == 2 * C and c.state("r") is LookupState.DONE
+    assert c.check("r") == 2 * C  # answered from the cache, no new query
+    assert c.stats()["status_queries_sent"] == 1 and c.stats()["duplicate_submits"] == 1
+
+
+def test_never_queries_before_ack_and_never_resends_in_flight() -> None:
+    c = client(poll_interval=0.01)
+    fx = c.handle(SubmitLookup("r", tokens(1)), 0.0)
+    for t in (0.01, 0.02, 5.0):
+        assert c.handle(TimerFired(), t) == []  # no ack yet: nothing sent
+    (q,) = sends(ack_all(c, fx, 5.0), QueryPrefetchStatus)
+    for t in (5.01, 5.02, 6.0):
+        assert c.handle(TimerFired(), t) == []  # query in flight: never resent (F2)
+    assert c.handle(ReplyReceived(0, q.correlation, None), 6.0) == []
+    assert c.next_deadline() == pytest.approx(6.01)
+    (q2,) = sends(c.handle(TimerFired(), 6.01), QueryPrefetchStatus)
+    assert q2.correlation != q.correlation
+    c.handle(ReplyReceived(0, q2.correlation, 1), 6.02)
+    assert c.check("r") == C
+
+
+def test_min_over_servers_frees_tails() -> None:
+    c = client(3)
+    fx = c.handle(SubmitLookup("r", tokens(4)), 0.0)
+    qs = sends(ack_all(c, fx), QueryPrefetchStatus)
+    assert len(qs) == 3
+    c.handle(ReplyReceived(0, qs[0].correlation, 4), 0.0)
+    c.handle(ReplyReceived(1, qs[1].correlation, 2), 0.0)
+    out = sends(c.handle(ReplyReceived(2, qs[2].correlation, 3), 0.0), FreeLookupLocks)
+    assert c.check("r") == 2 * C
+    assert {(e.server, e.request.key.start, e.request.key.end) for e in out} == {
+        (0, 2 * C, 4 * C), (2, 2 * C, 3 * C)}
+
+
+def test_a_zero_resolves_at_once_and_frees_the_others() -> None:
+    c = client(2)
+    fx = c.handle(SubmitLookup("r", tokens(2)), 0.0)
+    qs = sends(ack_all(c, fx), QueryPrefetchStatus)
+    out = sends(c.handle(ReplyReceived(0, qs[0].correlation, 0), 0.0), FreeLookupLocks)
+    assert c.check("r") == 0
+    assert [(e.server, e.request.key.start, e.request.key.end) for e in out] == [(1, 0, 2 * C)]
+    c.handle(ReplyReceived(1, qs[1].correlation, 2), 0.0)  # late: stale
+    assert c.stats()["stale_replies"] == 1 and c.check("r") == 0
+
+
+def test_failures_unhealthy_and_timeouts_resolve_to_zero() -> None:
+    c = client(lookup_timeout=10.0)
+    fx = c.handle(SubmitLookup("f", tokens(1)), 0.0)
+    (lk,) = sends(fx)
+    c.handle(RequestFailed(0, lk.correlation, FAIL), 0.0)
+    assert c.check("f") == 0
+    fx = c.handle(SubmitLookup("t", tokens(1)), 0.0)
+    assert c.next_deadline() == pytest.approx(10.0)
+    c.handle(TimerFired(), 10.0)
+    assert c.check("t") == 0 and c.stats()["timeouts"] == 1
+    fx = c.handle(SubmitLookup("u", tokens(1)), 20.0)
+    ack_all(c, fx, 20.0)
+    c.handle(ServerHealth(0, False), 20.0)
+    assert c.check("u") == 0
+    assert c.handle(SubmitLookup("v", tokens(1)), 21.0) == []  # unhealthy: no sends
+    assert c.check("v") == 0
+    c.handle(ServerHealth(0, True), 22.0)
+    assert sends(c.handle(SubmitLookup("w", tokens(1)), 22.0), Lookup)
+
+
+def test_no_full_chunk_is_zero_without_sending() -> None:
+    c = client()
+    assert c.handle(SubmitLookup("r", tokens(0, extra=C - 1)), 0.0) == []
+    assert c.check("r") == 0
+
+
+def test_invalid_salt_resolves_zero() -> None:
+    c = client()
+    assert c.handle(SubmitLookup("r", tokens(1), "bad/salt"), 0.0) == []
+    assert c.check("r") == 0 and c.stats()["invalid_submits"] == 1
+
+
+def test_unknown_is_zero_cleanup_forgets_result_ttl_expires() -> None:
+    c = client(result_ttl=100.0)
+    assert c.check("nope") == 0
+    fx = c.handle(SubmitLookup("r", tokens(1)), 0.0)
+    (q,) = sends(ack_all(c, fx), QueryPrefetchStatus)
+    c.handle(ReplyReceived(0, q.correlation, 1), 0.0)
+    assert c.check("r") == C
+    c.handle(TimerFired(), 100.0)
+    assert c.check("r") == 0 and c.stats()["expired_results"] == 1
+    fx = c.handle(SubmitLookup("s", tokens(1)), 0.0)
+    assert c.handle(Cleanup("s"), 0.0) and c.state("s") is LookupState.ABSENT
+
+
+def test_cleanup_of_a_pending_lookup_frees_its_range() -> None:
+    c = client(2)
+    c.handle(SubmitLookup("r", tokens(2)), 0.0)
+    out = sends(c.handle(Cleanup("r"), 0.0), FreeLookupLocks)
+    assert sorted(e.server for e in out) == [0, 1]
+    assert all(e.request.key.end == 2 * C for e in out)
+    assert c.stats()["correlations"] == 0
+
+
+def test_free_unused_and_end_request_fire_and_forget() -> None:
+    c = client(2)
+    out = sends(c.handle(FreeUnusedLeases("r", tokens(2), 0, 2 * C), 0.0), FreeLookupLocks)
+    assert len(out) == 2
+    assert c.handle(FreeUnusedLeases("r", tokens(2), C, C), 0.0) == []
+    ends = sends(c.handle(EndRequest("r"), 0.0), EndSession)
+    assert len(ends) == 2
+    for e in out + ends:
+        c.handle(ReplyReceived(e.server, e.correlation, None), 0.0)
+    assert c.stats()["stale_replies"] == 0 and c.stats()["fire_and_forget_replies"] == 4
+
+
+def test_use_wait_sends_wait_prefetch_status() -> None:
+    c = client(use_wait=True, wait_timeout=2.0)
+    fx = c.handle(SubmitLookup("r", tokens(1)), 0.0)
+    (w,) = sends(ack_all(c, fx), WaitPrefetchStatus)
+    assert w.request.timeout == 2.0
+
+
+def test_bad_result_type_resolves_zero() -> None:
+    c = client()
+    fx = c.handle(SubmitLookup("r", tokens(1)), 0.0)
+    (q,) = sends(ack_all(c, fx))
+    c.handle(ReplyReceived(0, q.correlation, "garbage"), 0.0)
+    assert c.check("r") == 0 and c.stats()["bad_replies"] == 1
+
+
+class NoAckWait(LookupClient):
+    def _wait_for_ack(self, pending: PendingLookup, server: int) -> bool:
+        return False
+
+
+class Resender(LookupClient):
+    def _should_resend_status(self, pending: PendingLookup, leg: ServerLeg, now: float) -> bool:
+        return True
+
+
+def test_legacy_hooks() -> None:
+    c = NoAckWait(LookupClientConfig(chunk_size=C))
+    fx = c.handle(SubmitLookup("r", tokens(1)), 0.0)
+    assert len(sends(fx, Lookup)) == 1 and len(sends(fx, QueryPrefetchStatus)) == 1
+    r = Resender(LookupClientConfig(chunk_size=C, poll_interval=0.01))
+    fx = r.handle(SubmitLookup("r", tokens(1)), 0.0)
+    (q,) = sends(ack_all(r, fx))
+    (q2,) = sends(r.handle(TimerFired(), 0.01), QueryPrefetchStatus)
+    r.handle(ReplyReceived(0, q.correlation, 1), 0.02)  # the abandoned answer is stale
+    assert r.check("r") is None and r.stats()["stale_replies"] == 1
+
+
+# ------------------------------------------------------------------- all states x all inputs
+
+RID = "r"
+
+
+def client_in(state: LookupState, n: int, acked: int) -> tuple[LookupClient, list[SendRequest]]:
+    c = client(n, poll_interval=0.01, lookup_timeout=10.0, result_ttl=100.0)
+    sent: list[SendRequest] = []
+    if state is LookupState.ABSENT:
+        return c, sent
+    sent += sends(c.handle(SubmitLookup(RID, tokens(2)), 0.0))
+    if state is LookupState.AWAITING_ACK:
+        for e in sent[: min(acked, n - 1)]:
+            sent += sends(c.handle(ReplyReceived(e.server, e.correlation, None), 0.0))
+    else:
+        sent += sends(ack_all(c, list(sent)))
+    if state is LookupState.DONE:
+        for e in list(sent):
+            if isinstance(e.request, QueryPrefetchStatus):
+                sent += sends(c.handle(ReplyReceived(e.server, e.correlation, 1), 0.0))
+    assert c.state(RID) is state, (c.state(RID), state)
+    return c, sent
+
+
+def test_table_is_complete() -> None:
+    for s in LookupState:
+        for ev in EVENTS:
+            assert (s, ev) in TRANSITIONS
+
+
+@settings(max_examples=400, deadline=None)
+@given(state=st.sampled_from(list(LookupState)), event_type=st.sampled_from(EVENTS),
+       n=st.integers(1, 3), acked=st.integers(0, 2), data=st.data())
+def test_every_state_times_every_input(state: LookupState, event_type: type, n: int, acked: int,
+                                       data: st.DataObject) -> None:
+    c, sent = client_in(state, n, acked)
+    now = 0.0
+    ev: Any
+    if event_type in (ReplyReceived, RequestFailed):
+        corr = data.draw(st.sampled_from([e.correlation for e in sent] + [999]))
+        server = data.draw(st.integers(0, n - 1))
+        if event_type is ReplyReceived:
+            ev = ReplyReceived(server, corr, data.draw(st.sampled_from([None, 0, 1, 2, -1, "x", True])))
+        else:
+            ev = RequestFailed(server, corr, FAIL)
+    elif event_type is SubmitLookup:
+        ev = SubmitLookup(RID, tokens(data.draw(st.integers(0, 3))))
+    elif event_type is ServerHealth:
+        ev = ServerHealth(data.draw(st.integers(0, n)), data.draw(st.booleans()))
+    elif event_type is TimerFired:
+        now = data.draw(st.sampled_from([0.0, 0.01, 9.99, 10.0, 100.0, 200.0]))
+        ev = TimerFired()
+    elif event_type is FreeUnusedLeases:
+        ev = FreeUnusedLeases(RID, tokens(2), 0, data.draw(st.integers(0, 2 * C)))
+    else:
+        ev = event_type(RID)
+    effects = c.handle(ev, now)
+    after = c.state(RID)
+    assert after in TRANSITIONS[(state, event_type)], (state, event_type, after)
+    assert all(isinstance(e, SendRequest) for e in effects)
+    c.check_invariants()
+    answer = c.check(RID)
+    assert (answer is None) == (after in (LookupState.AWAITING_ACK, LookupState.QUERYING))
+    if state is LookupState.DONE and after is LookupState.DONE:
+        assert answer == C, "a finished lookup's answer changed"
