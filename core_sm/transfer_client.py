@@ -83,25 +83,26 @@ class OpState(enum.Enum):
 
 
 _O = OpState
-# The one transition table: (op's state, event type) -> allowed next states.
+# The one transition table: (op's state, event type) -> allowed next states. A reply or failure
+# for another correlation (stale, another op's) leaves the op where it is.
 TRANSITIONS: dict[tuple[OpState, type], frozenset[OpState]] = {
     (_O.ABSENT, SubmitStore): frozenset({_O.SENT, _O.ABSENT}),
     (_O.ABSENT, SubmitRetrieve): frozenset({_O.SENT, _O.ABSENT}),
     (_O.ABSENT, ReplyReceived): frozenset({_O.ABSENT}),
     (_O.ABSENT, RequestFailed): frozenset({_O.ABSENT}),
     (_O.ABSENT, CopyFinished): frozenset({_O.ABSENT}),
-    (_O.SENT, ReplyReceived): frozenset({_O.ABSENT, _O.COPYING, _O.COMMITTING}),
-    (_O.SENT, RequestFailed): frozenset({_O.ABSENT}),
+    (_O.SENT, ReplyReceived): frozenset({_O.ABSENT, _O.COPYING, _O.COMMITTING, _O.SENT}),
+    (_O.SENT, RequestFailed): frozenset({_O.ABSENT, _O.SENT}),
     (_O.SENT, CopyFinished): frozenset({_O.SENT}),
     (_O.SENT, ServerHealth): frozenset({_O.SENT, _O.ABSENT}),
     (_O.SENT, TimerFired): frozenset({_O.SENT, _O.ABSENT}),
-    (_O.COPYING, CopyFinished): frozenset({_O.COMMITTING, _O.ABSENT}),
+    (_O.COPYING, CopyFinished): frozenset({_O.COMMITTING, _O.ABSENT, _O.COPYING}),  # another op's: stays
     (_O.COPYING, ReplyReceived): frozenset({_O.COPYING}),
     (_O.COPYING, RequestFailed): frozenset({_O.COPYING}),
     (_O.COPYING, ServerHealth): frozenset({_O.COPYING}),
     (_O.COPYING, TimerFired): frozenset({_O.COPYING}),
-    (_O.COMMITTING, ReplyReceived): frozenset({_O.ABSENT}),
-    (_O.COMMITTING, RequestFailed): frozenset({_O.ABSENT}),
+    (_O.COMMITTING, ReplyReceived): frozenset({_O.ABSENT, _O.COMMITTING}),
+    (_O.COMMITTING, RequestFailed): frozenset({_O.ABSENT, _O.COMMITTING}),
     (_O.COMMITTING, CopyFinished): frozenset({_O.COMMITTING}),
     (_O.COMMITTING, ServerHealth): frozenset({_O.COMMITTING, _O.ABSENT}),
     (_O.COMMITTING, TimerFired): frozenset({_O.COMMITTING, _O.ABSENT}),

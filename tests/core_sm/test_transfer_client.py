@@ -1,0 +1,325 @@
+"""TransferClient: ops keyed by (request, seq), exactly-once reporting, load errors, aborts."""
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core_sm.effects import CopyBlocks, Effect, SendRequest
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.messages import (
+    Abort,
+    CommitTransfer,
+    CopyFinished,
+    EngineFinished,
+    PrepareRetrieve,
+    PrepareStore,
+    RegisterInstance,
+    ReplyReceived,
+    RequestFailed,
+    Retrieve,
+    RetrieveResult,
+    ServerHealth,
+    Store,
+    StoreResult,
+    SubmitRetrieve,
+    SubmitStore,
+    TimerFired,
+    TransferKind,
+    TransferPlan,
+)
+from core_sm.transfer_client import (
+    EVENTS,
+    TRANSITIONS,
+    OpState,
+    RequestRecord,
+    TransferClient,
+    TransferClientConfig,
+    TransferOp,
+)
+from sm_helpers import C, tokens
+
+FAIL = ProtocolError(ErrorKind.NOT_READABLE, "x")
+TOKS = tokens(2)
+BLOCKS = (10, 11, 12, 13)  # 2 tokens per block for C=4
+
+
+def tc(engine: bool = False, **kw: Any) -> TransferClient:
+    return TransferClient(TransferClientConfig(instance_id=7, model_name="m", chunk_size=C,
+                                               engine_driven=engine, object_bytes=10, **kw))
+
+
+def only_send(effects: list[Effect]) -> SendRequest:
+    (e,) = effects
+    assert isinstance(e, SendRequest)
+    return e
+
+
+def store(c: TransferClient, rid: str = "r", now: float = 0.0) -> SendRequest:
+    return only_send(c.handle(SubmitStore(rid, TOKS, 0, 2 * C, BLOCKS), now))
+
+
+def retrieve(c: TransferClient, rid: str = "r", skip: int = 0) -> SendRequest:
+    return only_send(c.handle(SubmitRetrieve(rid, TOKS, 0, 2 * C, BLOCKS, skip), 0.0))
+
+
+def test_registration_on_healthy() -> None:
+    c = tc()
+    reg = only_send(c.handle(ServerHealth(0, True), 0.0))
+    assert reg.request == RegisterInstance(7, "m", 1, 10, False)
+    c.handle(ReplyReceived(0, reg.correlation, None), 0.0)
+    assert c.handle(ServerHealth(0, True), 0.0) == []  # registered, still healthy: nothing
+    c.handle(ServerHealth(0, False), 1.0)
+    assert isinstance(only_send(c.handle(ServerHealth(0, True), 2.0)).request, RegisterInstance)
+
+
+def test_server_driven_store_and_retrieve_report_once() -> None:
+    c = tc()
+    s = store(c)
+    assert isinstance(s.request, Store) and s.request.block_ids == BLOCKS
+    assert s.request.key.worker_id == 0
+    r = retrieve(c)
+    assert isinstance(r.request, Retrieve)
+    c.handle(ReplyReceived(0, r.correlation, RetrieveResult(True, 2)), 0.0)
+    assert c.finished() == (frozenset(), frozenset({"r"}))
+    assert c.finished() == (frozenset(), frozenset())
+    c.handle(EngineFinished(("r",)), 0.0)
+    assert c.finished() == (frozenset(), frozenset())  # the store is still in flight
+    c.handle(ReplyReceived(0, s.correlation, StoreResult(True, 2, 0)), 0.0)
+    assert c.finished() == (frozenset({"r"}), frozenset())
+    c.handle(EngineFinished(("r",)), 0.0)  # reported already: never twice
+    assert c.finished() == (frozenset(), frozenset()) and c.stats()["duplicate_finishes"] == 1
+    assert c.stats()["requests"] == 0 and c.stats()["ops_in_flight"] == 0
+
+
+def test_later_op_never_overwrites_earlier() -> None:
+    c = tc()
+    a, b = store(c), store(c)
+    ops = c.ops_of("r")
+    assert len(ops) == 2 and ops[0] != ops[1]
+    c.handle(EngineFinished(("r",)), 0.0)
+    c.handle(ReplyReceived(0, b.correlation, StoreResult(True)), 0.0)
+    assert c.finished() == (frozenset(), frozenset())  # the first store still reads the blocks
+    c.handle(ReplyReceived(0, a.correlation, StoreResult(True)), 0.0)
+    assert c.finished() == (frozenset({"r"}), frozenset())
+
+
+def test_failed_retrieve_gives_load_errors_and_one_report() -> None:
+    c = tc()
+    r = retrieve(c, skip=2)  # the first block is vLLM's own: not an error
+    c.handle(ReplyReceived(0, r.correlation, RetrieveResult(False, 2)), 0.0)
+    assert c.finished() == (frozenset(), frozenset({"r"}))
+    assert c.load_errors() == frozenset({11, 12, 13})
+    assert c.load_errors() == frozenset()
+    r = retrieve(c, "e")
+    c.handle(RequestFailed(0, r.correlation, FAIL), 0.0)
+    assert c.finished()[1] == {"e"} and c.load_errors() == frozenset(BLOCKS)
+
+
+def test_abort_mid_retrieve_holds_blocks_and_reports_once() -> None:
+    c = tc()
+    r = retrieve(c)
+    c.handle(Abort("r"), 0.0)
+    assert c.finished() == (frozenset(), frozenset())  # blocks held: the copy may still run
+    c.handle(ReplyReceived(0, r.correlation, RetrieveResult(False, 2)), 0.0)
+    sending, recving = c.finished()
+    assert sending == {"r"} and recving == frozenset()  # never both (F16)
+    assert c.load_errors() == frozenset()  # the request is gone: nothing to recompute
+
+
+def test_engine_finished_without_ops_reported_once() -> None:
+    c = tc()
+    c.handle(EngineFinished(("x", "y", "x")), 0.0)
+    assert c.finished() == (frozenset({"x", "y"}), frozenset())
+
+
+def test_unhealthy_drains_waiting_ops_and_refuses_new() -> None:
+    c = tc()
+    s, r = store(c, "s"), retrieve(c, "r")
+    c.handle(ServerHealth(0, False), 0.0)
+    assert c.finished() == (frozenset(), frozenset({"r"}))
+    assert c.load_errors() == frozenset(BLOCKS)
+    assert c.handle(SubmitRetrieve("q", TOKS, 0, 2 * C, BLOCKS), 0.0) == []
+    assert c.finished()[1] == {"q"} and c.load_errors() == frozenset(BLOCKS)
+    assert c.handle(SubmitStore("q2", TOKS, 0, 2 * C, BLOCKS), 0.0) == []
+    c.handle(ReplyReceived(0, s.correlation, StoreResult(True)), 0.0)  # late: stale
+    assert c.stats()["stale_replies"] == 1
+
+
+def test_op_timeout() -> None:
+    c = tc(op_timeout=5.0)
+    retrieve(c)
+    assert c.next_deadline() == 5.0
+    c.handle(TimerFired(), 5.0)
+    assert c.finished()[1] == {"r"} and c.stats()["timeouts"] == 1
+
+
+def test_engine_driven_flow() -> None:
+    c = tc(engine=True)
+    p = store(c)
+    assert isinstance(p.request, PrepareStore)
+    (copy,) = c.handle(ReplyReceived(0, p.correlation, TransferPlan(5, ((0, 3), (1, 4)))), 0.0)
+    assert isinstance(copy, CopyBlocks) and copy.direction is TransferKind.STORE
+    assert copy.placements == ((0, 3), (1, 4)) and copy.block_ids == BLOCKS
+    assert c.op_state(copy.op) is OpState.COPYING
+    commit = only_send(c.handle(CopyFinished(copy.op, True), 0.0))
+    assert commit.request == CommitTransfer(5, True)
+    c.handle(EngineFinished(("r",)), 0.0)
+    c.handle(ReplyReceived(0, commit.correlation, StoreResult(True, 2)), 0.0)
+    assert c.finished() == (frozenset({"r"}), frozenset())
+
+
+def test_engine_driven_retrieve_failures() -> None:
+    c = tc(engine=True)
+    p = retrieve(c)
+    assert isinstance(p.request, PrepareRetrieve)
+    c.handle(ReplyReceived(0, p.correlation, TransferPlan(-1, (), False, TransferKind.RETRIEVE)), 0.0)
+    assert c.finished()[1] == {"r"} and c.load_errors() == frozenset(BLOCKS)
+    # copy failed: commit says so, retrieve is an error even if the server acks
+    p = retrieve(c, "s")
+    (copy,) = c.handle(ReplyReceived(0, p.correlation, TransferPlan(6, ((0, 1), (1, 2)), True,
+                                                                     TransferKind.RETRIEVE)), 0.0)
+    commit = only_send(c.handle(CopyFinished(copy.op, False), 0.0))
+    assert commit.request == CommitTransfer(6, False)
+    c.handle(ReplyReceived(0, commit.correlation, RetrieveResult(False, 2)), 0.0)
+    assert c.finished()[1] == {"s"} and c.load_errors() == frozenset(BLOCKS)
+
+
+def test_engine_driven_abort_waits_for_copy_then_commits() -> None:
+    c = tc(engine=True)
+    p = retrieve(c)
+    (copy,) = c.handle(ReplyReceived(0, p.correlation, TransferPlan(6, ((0, 1),), True,
+                                                                     TransferKind.RETRIEVE)), 0.0)
+    c.handle(Abort("r"), 0.0)
+    c.handle(ServerHealth(0, False), 0.0)
+    assert c.finished() == (frozenset(), frozenset())  # the engine copy still runs
+    c.handle(CopyFinished(copy.op, True), 0.0)
+    assert c.finished() == (frozenset({"r"}), frozenset())
+
+
+def test_plan_arriving_after_abort_is_released_without_copy() -> None:
+    c = tc(engine=True)
+    p = store(c)
+    c.handle(Abort("r"), 0.0)
+    commit = only_send(c.handle(ReplyReceived(0, p.correlation, TransferPlan(5, ((0, 1),))), 0.0))
+    assert commit.request == CommitTransfer(5, False)
+    c.handle(ReplyReceived(0, commit.correlation, StoreResult(False)), 0.0)
+    assert c.finished() == (frozenset({"r"}), frozenset())
+
+
+def test_stale_copy_and_bad_reply() -> None:
+    c = tc()
+    c.handle(CopyFinished(("x", 1), True), 0.0)
+    r = retrieve(c)
+    c.handle(ReplyReceived(0, r.correlation, StoreResult(True)), 0.0)  # wrong type
+    assert c.stats()["stale_copies"] == 1 and c.stats()["bad_replies"] == 1
+    assert c.load_errors() == frozenset(BLOCKS)
+
+
+class LegacyOpKey(TransferClient):
+    def _op_key(self, record: RequestRecord) -> tuple[str, int]:
+        return (record.request_id, 0)
+
+
+class LegacyDoubleReport(TransferClient):
+    def _report_recving_after_finish(self, record: RequestRecord) -> bool:
+        return True
+
+
+class LegacyNoErrors(TransferClient):
+    def _errors_for_failed_retrieve(self, op: TransferOp) -> tuple[int, ...]:
+        return ()
+
+
+def test_legacy_hooks_show_the_old_bugs() -> None:
+    cfg = TransferClientConfig(chunk_size=C)
+    c1 = LegacyOpKey(cfg)
+    store(c1)
+    store(c1)
+    assert len(c1.ops_of("r")) == 1  # F15: the first op was overwritten
+    c2 = LegacyDoubleReport(cfg)
+    r = retrieve(c2)
+    c2.handle(Abort("r"), 0.0)
+    c2.handle(ReplyReceived(0, r.correlation, RetrieveResult(True)), 0.0)
+    assert c2.finished() == (frozenset({"r"}), frozenset({"r"}))  # F16
+    c3 = LegacyNoErrors(cfg)
+    r = retrieve(c3)
+    c3.handle(ReplyReceived(0, r.correlation, RetrieveResult(False)), 0.0)
+    assert c3.load_errors() == frozenset()  # F10
+
+
+# ------------------------------------------------------------------- all states x all inputs
+
+
+def client_with_op(state: OpState, kind: str) -> tuple[TransferClient, tuple[str, int], list[int]]:
+    c = tc(engine=state in (OpState.COPYING, OpState.COMMITTING), op_timeout=5.0)
+    if state is OpState.ABSENT:
+        return c, ("r", 999), [999]
+    s = store(c) if kind == "store" else retrieve(c)
+    (op,) = c.ops_of("r")
+    corrs = [s.correlation]
+    if state in (OpState.COPYING, OpState.COMMITTING):
+        k = TransferKind.STORE if kind == "store" else TransferKind.RETRIEVE
+        c.handle(ReplyReceived(0, s.correlation, TransferPlan(3, ((0, 1),), True, k)), 0.0)
+    if state is OpState.COMMITTING:
+        corrs.append(only_send(c.handle(CopyFinished(op, True), 0.0)).correlation)
+    assert c.op_state(op) is state
+    return c, op, corrs
+
+
+def test_table_is_complete() -> None:
+    for s in OpState:
+        for ev in EVENTS:
+            if s is OpState.ABSENT or ev not in (SubmitStore, SubmitRetrieve):
+                assert (s, ev) in TRANSITIONS, (s, ev)
+
+
+@settings(max_examples=400, deadline=None)
+@given(state=st.sampled_from(list(OpState)), kind=st.sampled_from(["store", "retrieve"]),
+       event_type=st.sampled_from(EVENTS), data=st.data())
+def test_every_state_times_every_input(state: OpState, kind: str, event_type: type,
+                                       data: st.DataObject) -> None:
+    c, op, corrs = client_with_op(state, kind)
+    now = 0.0
+    ev: Any
+    if event_type in (SubmitStore, SubmitRetrieve):
+        if state is not OpState.ABSENT:
+            return  # a submit creates a new op; it never addresses an existing one
+        healthy = data.draw(st.booleans())
+        if not healthy:
+            c.handle(ServerHealth(0, False), 0.0)
+        ev = (SubmitStore("r", TOKS, 0, 2 * C, BLOCKS) if event_type is SubmitStore
+              else SubmitRetrieve("r", TOKS, 0, 2 * C, BLOCKS))
+        c.handle(ev, 0.0)
+        ops = c.ops_of("r")
+        after = c.op_state(ops[0]) if ops else OpState.ABSENT
+        assert after in TRANSITIONS[(state, event_type)]
+        c.check_invariants()
+        return
+    if event_type in (ReplyReceived, RequestFailed):
+        corr = data.draw(st.sampled_from(corrs + [12345]))
+        if event_type is RequestFailed:
+            ev = RequestFailed(0, corr, FAIL)
+        else:
+            ev = ReplyReceived(0, corr, data.draw(st.sampled_from([
+                None, StoreResult(True), StoreResult(False), RetrieveResult(True), RetrieveResult(False),
+                TransferPlan(4, ((0, 2),)), TransferPlan(-1, (), False)])))
+    elif event_type is CopyFinished:
+        ev = CopyFinished(data.draw(st.sampled_from([op, ("r", 4242)])), data.draw(st.booleans()))
+    elif event_type is ServerHealth:
+        ev = ServerHealth(data.draw(st.integers(0, 1)), data.draw(st.booleans()))
+    elif event_type is TimerFired:
+        now = data.draw(st.sampled_from([0.0, 4.9, 5.0, 50.0]))
+        ev = TimerFired()
+    elif event_type is Abort:
+        ev = Abort("r")
+    else:
+        ev = EngineFinished(("r",))
+    effects = c.handle(ev, now)
+    after = c.op_state(op)
+    assert after in TRANSITIONS[(state, event_type)], (state, event_type, after)
+    assert all(isinstance(e, (SendRequest, CopyBlocks)) for e in effects)
+    c.check_invariants()
+    sending, recving = c.finished()
+    assert not (sending & recving), "one request reported both ways in one call"
