@@ -1,0 +1,340 @@
+"""The vLLM adapters driven in vLLM's call order (tests/runtime_zmq/adapter_driver.py) against
+real ``mpcache-server`` processes: hit, miss, partial hit, prefix-cache overlap, aborts at every
+phase, preemption, server restart, two servers. No vLLM needed."""
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable, StepPlanner
+from runtime_zmq.client import MPCacheClient
+from adapter_driver import BLOCK, CHUNK, Engine
+
+try:
+    from redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
+except ImportError:  # pragma: no cover
+    from .redis_server import redis_server, redis_url  # type: ignore[no-redef]  # noqa: F401
+
+SERVER_FLAGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1")
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def stats(url: str) -> dict[str, Any]:
+    with MPCacheClient(url, request_timeout=5.0) as client:
+        return dict(client.stats())
+
+
+def assert_clean(engine: Engine, *urls: str) -> None:
+    """Every block is back with the engine and no server holds a lease or a lookup job."""
+    assert engine.blocks_in_use() == 0
+    for url in urls:
+        s = stats(url)
+        assert s["leases_held"] == 0, s
+        assert s["jobs"] == 0, s
+
+
+@pytest.fixture
+def start(start_server: Callable[..., Any]) -> Callable[..., Any]:
+    def go(*flags: str) -> Any:
+        return start_server(*SERVER_FLAGS, *flags)
+
+    return go
+
+
+@pytest.fixture
+def engine_factory() -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(*urls: str, **kwargs: Any) -> Engine:
+        engine = Engine(urls, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def test_miss_then_hit_loads_exact_kv(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(4 * CHUNK + 10, 1)
+    first = engine.add("a", prompt)
+    engine.run_all()
+    assert first.external == 0
+    assert stats(server.url)["objects"] == 4
+    second = engine.add("b", prompt)
+    engine.run_all()
+    assert second.external == 4 * CHUNK
+    assert second.checked  # the loaded KV equals what the forward would have computed
+    assert_clean(engine, server.url)
+    assert stats(server.url)["hit_chunks"] == 4
+
+
+def test_full_prompt_hit_leaves_the_last_token_to_compute(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(2 * CHUNK, 2)
+    engine.add("a", prompt)
+    engine.run_all()
+    again = engine.add("b", prompt)
+    engine.run_all()
+    assert again.external == 2 * CHUNK - 1
+    assert again.checked
+    assert_clean(engine, server.url)
+
+
+def test_partial_hit_loads_the_common_prefix_and_stores_the_rest(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(3 * CHUNK, 3)
+    engine.add("a", prompt[: 2 * CHUNK + 5])
+    engine.run_all()
+    longer = engine.add("b", prompt)
+    engine.run_all()
+    assert longer.external == 2 * CHUNK
+    assert longer.checked
+    assert stats(server.url)["objects"] == 3  # the third chunk was stored by "b"
+    diverged = engine.add("c", prompt[:CHUNK] + tokens(2 * CHUNK, 4))
+    engine.run_all()
+    assert diverged.external == CHUNK  # hashes are prefix-chained: only chunk 0 matches
+    assert diverged.checked
+    assert_clean(engine, server.url)
+
+
+def test_prefix_cache_overlap_is_not_overwritten(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(3 * CHUNK + 1, 5)
+    engine.add("a", prompt)
+    engine.run_all()
+    # The engine holds 1.5 chunks itself: the load covers [CHUNK, 3*CHUNK) and skips the blocks
+    # of [CHUNK, 1.5*CHUNK) (the driver marks engine-held blocks and checks they survive).
+    held = CHUNK + CHUNK // 2
+    overlap = engine.add("b", prompt, engine_hit=held)
+    engine.run_all()
+    assert overlap.external == 3 * CHUNK - held
+    assert overlap.checked
+    # An engine hit covering the whole mpcache hit loads nothing and frees every lease.
+    covered = engine.add("c", prompt, engine_hit=3 * CHUNK)
+    engine.run_all()
+    assert covered.external == 0
+    assert_clean(engine, server.url)
+
+
+def test_abort_while_the_lookup_is_pending(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(4 * CHUNK, 6)
+    engine.add("a", prompt)
+    engine.run_all()
+    req = engine.add("b", prompt)
+    # Submit the lookup (first get_num_new_matched_tokens) and abort before its answer is used.
+    assert engine.planner.get_num_new_matched_tokens("b", prompt, len(prompt), 0) == (None, True)
+    engine.abort("b")
+    engine.run_all()
+    assert req.external == 0
+    _wait_leases_released(server.url)
+    assert_clean(engine, server.url)
+
+
+def test_abort_after_allocation_with_the_load_in_flight(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(4 * CHUNK, 7)
+    engine.add("a", prompt)
+    engine.run_all()
+    req = engine.add("b", prompt)
+    engine.run_until(lambda: req.status == "loading")
+    engine.abort("b")  # vLLM keeps the blocks until the worker reports the request
+    assert engine.blocks_in_use() > 0
+    engine.run_all()
+    assert req.freed and req.finished_reported == 1 and req.recv_reported == 0
+    _wait_leases_released(server.url)
+    assert_clean(engine, server.url)
+
+
+def test_abort_while_running_and_after_finishing(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(2 * CHUNK + 3, 8)
+    running = engine.add("a", prompt)
+    engine.run_until(lambda: running.status in ("running", "finished"))
+    engine.abort("a")
+    engine.abort("a")  # a second abort of a finished request is ignored, as in vLLM
+    engine.run_all()
+    assert running.finished_reported == 1
+    assert_clean(engine, server.url)
+
+
+def test_preempted_request_recomputes_and_its_stores_are_intact(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url, store_decode_tokens=False)
+    prompt = tokens(3 * CHUNK, 9)
+    req = engine.add("a", prompt, max_decode=3)
+    # Run until the prompt is computed (and stored); preempt the request while it decodes.
+    engine.run_until(lambda: req.status == "running")
+    assert req.decoded == 0
+    engine.preempt("a")
+    # Another request takes the freed blocks at once and overwrites them.
+    other = engine.add("x", tokens(3 * CHUNK, 10))
+    engine.run_until(lambda: other.status == "finished")
+    assert req.status == "finished" and req.external == 0  # resumed: recomputed, not reloaded
+    engine.run_all()
+    # The stored chunks are the preempted request's real KV, not the blocks' later contents.
+    check = engine.add("b", prompt)
+    engine.run_all()
+    assert check.external == 3 * CHUNK - 1 and check.checked
+    assert_clean(engine, server.url)
+
+
+def test_server_restart_degrades_to_misses_then_recovers(start_server: Callable[..., Any], engine_factory: Any) -> None:
+    port = _free_port()
+    server = start_server(*SERVER_FLAGS, "--port", str(port))
+    engine = engine_factory(server.url, request_timeout_s=1.0)
+    prompt = tokens(3 * CHUNK, 11)
+    engine.add("a", prompt)
+    engine.run_all()
+    server.kill()
+    down = engine.add("b", prompt)
+    engine.run_all(timeout=20)
+    assert down.external == 0  # no server: a miss, never a wait
+    # The client notices the server is gone (heartbeat), then finds the new one on the same port.
+    _wait(lambda: not engine.workers[0]._links.healthy(0), 10)
+    server = start_server(*SERVER_FLAGS, "--port", str(port))
+    _wait(lambda: engine.workers[0]._links.healthy(0), 10)
+    first = engine.add("c", prompt)
+    engine.run_all(timeout=20)
+    assert first.external == 0  # the new server is empty; this run stores again
+    second = engine.add("d", prompt)
+    engine.run_all(timeout=20)
+    assert second.external == 3 * CHUNK - 1 and second.checked
+    assert stats(server.url)["instances"] == 1  # the worker registered again by itself
+    assert_clean(engine, server.url)
+
+
+def test_server_dies_with_a_load_in_flight(start_server: Callable[..., Any], engine_factory: Any) -> None:
+    server = start_server(*SERVER_FLAGS)
+    engine = engine_factory(server.url, request_timeout_s=1.0)
+    prompt = tokens(3 * CHUNK, 12)
+    engine.add("a", prompt)
+    engine.run_all()
+    req = engine.add("b", prompt)
+    engine.run_until(lambda: req.status == "loading")
+    server.kill()
+    engine.run_all(timeout=20)
+    # The load either finished before the kill or failed into load errors and was recomputed:
+    # every position the request kept as computed holds the right KV, and it finished.
+    assert req.status == "finished" and req.freed
+    assert engine.blocks_in_use() == 0
+
+
+def test_two_servers_the_hit_is_the_minimum(start: Any, engine_factory: Any) -> None:
+    """Lookups go to every server; the worker (rank 0 of 1) stores to the first. The second
+    server has nothing, so nothing may be promised, and the first server's leases are freed."""
+    a, b = start(), start()
+    engine = engine_factory(a.url, b.url)
+    prompt = tokens(3 * CHUNK, 13)
+    engine.add("a", prompt)
+    engine.run_all()
+    assert stats(a.url)["objects"] == 3 and stats(b.url)["objects"] == 0
+    again = engine.add("b", prompt)
+    engine.run_all()
+    assert again.external == 0
+    assert stats(a.url)["hit_chunks"] == 3  # server a did hit; the minimum is b's 0
+    _wait_leases_released(a.url)
+    assert_clean(engine, a.url, b.url)
+
+
+def test_two_servers_sharing_redis_both_hit(start: Any, engine_factory: Any, redis_url: str) -> None:
+    """Two nodes on one Redis L2: what the worker stored through server a reaches server b by
+    write-behind; b's lookup prefetches it, so the minimum is the full hit and the load (from a)
+    is exact. b's prefetch leases are released by the end of the request."""
+    a, b = start("--l2", redis_url), start("--l2", redis_url)
+    engine = engine_factory(a.url, b.url)
+    prompt = tokens(3 * CHUNK, 14)
+    engine.add("a", prompt)
+    engine.run_all()
+    _wait(lambda: stats(a.url)["l2_writes_in_flight"] == 0 and stats(a.url)["l2_writes"] >= 3, 10)
+    again = engine.add("b", prompt)
+    engine.run_all()
+    assert again.external == 3 * CHUNK - 1 and again.checked
+    assert stats(b.url)["l2_reads"] >= 1
+    _wait_leases_released(b.url)
+    assert_clean(engine, a.url, b.url)
+
+
+def test_start_fails_clearly_when_no_server_answers() -> None:
+    port = _free_port()
+    config = ConnectorConfig(server_urls=f"127.0.0.1:{port}", connect_timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnreachable, match=f"tcp://127.0.0.1:{port}"):
+        SchedulerAdapter.connect(config, model_name="m", world_size=1)
+    assert time.monotonic() - t0 < 5
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size(start: Any) -> None:
+    server = start()
+    lookups = SchedulerAdapter.connect(ConnectorConfig(server_urls=server.url), model_name="m", world_size=1)
+    try:
+        with pytest.raises(ValueError, match="multiple of the engine block size 48"):
+            StepPlanner(lookups, 48)
+        StepPlanner(lookups, BLOCK)
+    finally:
+        lookups.close()
+
+
+def test_config_keys() -> None:
+    config = ConnectorConfig.from_extra_config(
+        {"mpcache.server_urls": "a:1, ipc:///tmp/x", "mpcache.request_timeout_s": "2", "other.key": 1}
+    )
+    assert config.server_urls == ("tcp://a:1", "ipc:///tmp/x")
+    assert config.request_timeout_s == 2.0
+    assert config.server_for_rank(0, 4) == "tcp://a:1" and config.server_for_rank(3, 4) == "ipc:///tmp/x"
+    with pytest.raises(ValueError, match="mpcache.server_url"):
+        ConnectorConfig.from_extra_config({"mpcache.server_url": "x"})
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_extra_config({"mpcache.request_timeout_s": 0})
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_extra_config({"mpcache.store_decode_tokens": "yes"})
+
+
+def test_connector_module_without_vllm_says_how_to_install() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ImportError, match=r"mpcache\[vllm\]"):
+        import runtime_zmq.vllm_connector  # noqa: F401
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def _wait_leases_released(url: str, timeout: float = 5.0) -> None:
+    # FREE_LOOKUP_LOCKS / END_SESSION are fire-and-forget: give them a moment to land.
+    _wait(lambda: stats(url)["leases_held"] == 0 and stats(url)["jobs"] == 0, timeout)
