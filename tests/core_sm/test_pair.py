@@ -1,0 +1,377 @@
+"""Pair harness: client machines wired to server machines back to back, no runtime.
+
+The "network" is two explicit queues the test controls (deliver in order, reorder, duplicate,
+drop); server completions (transfers, L2) are completed by the harness. The seed bugs are
+replayed as scenarios, and a Hypothesis schedule checks liveness and lease cleanup."""
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core_sm.effects import CopyBlocks, ErrorReply, ReadL2, Reply, SendRequest, StartTransfer, WriteL2
+from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
+from core_sm.messages import (
+    Cleanup,
+    CopyFinished,
+    EndRequest,
+    FreeUnusedLeases,
+    L2ReadFinished,
+    L2WriteFinished,
+    Lookup,
+    QueryPrefetchStatus,
+    ReplyReceived,
+    RequestFailed,
+    ServerHealth,
+    SubmitLookup,
+    SubmitRetrieve,
+    SubmitStore,
+    TimerFired,
+    TransferFinished,
+    EngineFinished,
+)
+from core_sm.server import LookupServer, PrefetchJob, ServerConfig
+from core_sm.transfer_client import TransferClient, TransferClientConfig
+from sm_helpers import C, tokens
+
+
+@attrs.define
+class Msg:
+    client: str
+    server: int
+    correlation: int
+    request: Any = None  # to a server
+    reply: Any = None  # to a client: a Reply or ErrorReply effect
+
+
+class Pair:
+    def __init__(self, num_servers: int = 1, server_cls: type[LookupServer] = LookupServer,
+                 lookup_cls: type[LookupClient] = LookupClient, engine: bool = False,
+                 **server_kw: Any) -> None:
+        cfg = ServerConfig(chunk_size=C, num_slots=64, slot_bytes=100, **server_kw)
+        self.server_cls, self.cfg = server_cls, cfg
+        self.servers = [server_cls(cfg) for _ in range(num_servers)]
+        self.lookup = lookup_cls(LookupClientConfig(num_servers=num_servers, model_name="m",
+                                                    chunk_size=C, poll_interval=0.01,
+                                                    lookup_timeout=5.0))
+        self.workers = [TransferClient(TransferClientConfig(
+            instance_id=s + 1, model_name="m", chunk_size=C, object_bytes=10, engine_driven=engine,
+            server=s)) for s in range(num_servers)]
+        self.now = 0.0
+        self.up: list[Msg] = []  # to servers
+        self.down: list[Msg] = []  # to clients
+        self.internal: list[tuple[int, Any]] = []  # server completions
+        self.copies: list[tuple[int, CopyBlocks]] = []
+        self.l2_has: set[Any] = set()
+        for s, w in enumerate(self.workers):
+            self.client(f"w{s}", ServerHealth(s, True))
+        self.run()
+
+    def machine(self, name: str) -> Any:
+        return self.lookup if name == "lookup" else self.workers[int(name[1:])]
+
+    def client(self, name: str, event: Any) -> None:
+        for e in self.machine(name).handle(event, self.now):
+            if isinstance(e, SendRequest):
+                self.up.append(Msg(name, e.server, e.correlation, request=e.request))
+            elif isinstance(e, CopyBlocks):
+                self.copies.append((int(name[1:]), e))
+
+    def to_server(self, i: int = 0, duplicate: bool = False) -> None:
+        m = self.up[i] if duplicate else self.up.pop(i)
+        rt = (m.client, m.server, m.correlation)
+        self._server_effects(m.server, self.servers[m.server].handle(
+            attrs.evolve(m.request, reply_to=rt), self.now))
+
+    def _server_effects(self, s: int, effects: list[Any]) -> None:
+        for e in effects:
+            if isinstance(e, (Reply, ErrorReply)):
+                client, server, corr = e.reply_to
+                self.down.append(Msg(client, server, corr, reply=e))
+            elif isinstance(e, StartTransfer):
+                self.internal.append((s, TransferFinished(e.transfer_id, True)))
+            elif isinstance(e, ReadL2):
+                self.internal.append((s, L2ReadFinished(e.read_id, tuple(k in self.l2_has for k, _ in e.items))))
+            elif isinstance(e, WriteL2):
+                self.l2_has.update(k for k, _ in e.items)
+                self.internal.append((s, L2WriteFinished(e.write_id, True)))
+        self.servers[s].check_invariants()
+
+    def to_client(self, i: int = 0, duplicate: bool = False) -> None:
+        m = self.down[i] if duplicate else self.down.pop(i)
+        if isinstance(m.reply, Reply):
+            ev: Any = ReplyReceived(m.server, m.correlation, m.reply.result)
+        else:
+            ev = RequestFailed(m.server, m.correlation, m.reply.error)
+        self.client(m.client, ev)
+        self.machine(m.client).check_invariants()
+
+    def complete(self) -> None:
+        while self.internal:
+            s, ev = self.internal.pop(0)
+            self._server_effects(s, self.servers[s].handle(ev, self.now))
+        while self.copies:
+            s, cp = self.copies.pop(0)
+            self.client(f"w{s}", CopyFinished(cp.op, True))
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if self.up:
+                self.to_server()
+            elif self.down:
+                self.to_client()
+            elif self.internal or self.copies:
+                self.complete()
+            else:
+                return
+        raise AssertionError("the pair did not go quiet")
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for s, srv in enumerate(self.servers):
+            self._server_effects(s, srv.handle(TimerFired(), self.now))
+        self.client("lookup", TimerFired())
+        for s in range(len(self.workers)):
+            self.client(f"w{s}", TimerFired())
+
+    def settle(self, dt: float = 0.01, rounds: int = 50) -> None:
+        for _ in range(rounds):
+            self.run()
+            self.tick(dt)
+        self.run()
+
+    def store(self, toks: tuple[int, ...], end: int | None = None, rid: str = "writer") -> None:
+        end = len(toks) // C * C if end is None else end
+        for s in range(len(self.workers)):
+            self.client(f"w{s}", SubmitStore(rid, toks, 0, end, tuple(range(end // 2))))
+        self.run()
+
+    def leases(self, owner: str) -> int:
+        return sum(srv.leases_by_owner().get(owner, 0) for srv in self.servers)
+
+
+def test_full_request_lifecycle_leaves_nothing_behind() -> None:
+    p = Pair()
+    toks = tokens(3)
+    p.store(toks)
+    p.client("lookup", SubmitLookup("r", toks))
+    p.settle()
+    assert p.lookup.check("r") == 3 * C
+    p.client("lookup", Cleanup("r"))
+    p.client("w0", SubmitRetrieve("r", toks, 0, 3 * C, (0, 1, 2, 3, 4, 5)))
+    p.run()
+    assert p.workers[0].finished() == (frozenset(), frozenset({"r"}))
+    assert p.leases("r") == 0
+    p.client("lookup", EndRequest("r"))
+    p.client("w0", EngineFinished(("r", "writer")))
+    p.run()
+    assert p.workers[0].finished() == (frozenset({"r", "writer"}), frozenset())
+    st_ = p.servers[0].stats()
+    assert st_["leases_held"] == 0 and st_["jobs"] == 0 and st_["tombstones"] == 0
+
+
+def test_requery_after_the_job_was_consumed_answers_the_same() -> None:
+    """#2733 / F1: the server consumed the job; asking again must not turn into None."""
+    p = Pair()
+    toks = tokens(2)
+    p.store(toks)
+    p.client("lookup", SubmitLookup("r", toks))
+    p.settle()
+    assert p.lookup.check("r") == 2 * C
+    assert p.lookup.check("r") == 2 * C  # client cache
+    # and a raw re-query reaches the server: the tombstone repeats the count
+    p.up.append(Msg("lookup", 0, 10_000, request=QueryPrefetchStatus("r")))
+    p.to_server()
+    assert p.down[-1].reply.result == 2
+    p.down.clear()
+
+
+def test_query_of_an_unknown_id_is_zero() -> None:
+    """#2996: an id the server never saw (or lost in a restart) answers 0, never None."""
+    p = Pair()
+    p.up.append(Msg("lookup", 0, 10_000, request=QueryPrefetchStatus("ghost")))
+    p.to_server()
+    assert p.down.pop().reply.result == 0
+
+
+def test_duplicated_and_reordered_status_queries() -> None:
+    p = Pair(l2_enabled=True)
+    toks = tokens(2)
+    p.store(toks)
+    p.client("lookup", SubmitLookup("r", toks))
+    p.to_server()  # lookup
+    p.to_client()  # ack -> status query
+    (q,) = p.up
+    p.to_server(0, duplicate=True)  # the network duplicates the query
+    p.to_server(0)
+    a, b = p.down
+    assert a.reply.result == b.reply.result == 2  # both copies answer the same count
+    p.to_client(1)  # delivered out of order: the second copy first
+    p.to_client(0)  # the first copy is now stale, ignored and counted
+    assert p.lookup.check("r") == 2 * C and p.lookup.stats()["stale_replies"] == 1
+
+
+def test_server_restart_mid_lookup_resolves_to_zero() -> None:
+    p = Pair(l2_enabled=True)
+    toks = tokens(2)
+    p.client("lookup", SubmitLookup("r", toks))
+    p.to_server()
+    p.to_client()  # acked; the status query is queued
+    p.servers[0] = LookupServer(p.cfg)  # crash + restart: everything is gone
+    p.internal.clear()
+    p.settle()
+    assert p.lookup.check("r") == 0
+
+
+def test_abort_before_allocation_releases_leases() -> None:
+    """F8: the request is aborted while its lookup is still pending."""
+    p = Pair(l2_enabled=True)
+    toks = tokens(3)
+    p.store(toks, end=C)
+    p.l2_has = set()
+    p.client("lookup", SubmitLookup("r", toks))
+    p.to_server()  # lookup: 1 chunk leased, L2 read in flight
+    assert p.leases("r") == 1
+    p.client("lookup", Cleanup("r"))
+    p.client("lookup", EndRequest("r"))
+    p.settle()
+    assert p.leases("r") == 0 and p.servers[0].stats()["jobs"] == 0
+    assert p.lookup.stats()["correlations"] == 0
+
+
+def test_free_only_releases_own_leases() -> None:
+    """F9: A frees the shared prefix; B's retrieve of it still works."""
+    p = Pair()
+    shared = tokens(2)
+    p.store(shared)
+    for rid in ("a", "b"):
+        p.client("lookup", SubmitLookup(rid, shared))
+    p.settle()
+    assert p.leases("a") == 2 and p.leases("b") == 2
+    p.client("lookup", FreeUnusedLeases("a", shared, 0, 2 * C))
+    p.run()
+    assert p.leases("a") == 0 and p.leases("b") == 2
+    p.client("w0", SubmitRetrieve("b", shared, 0, 2 * C, (0, 1, 2, 3)))
+    p.run()
+    assert p.workers[0].finished()[1] == {"b"} and p.workers[0].load_errors() == frozenset()
+    assert p.leases("b") == 0
+
+
+def test_two_servers_min_and_tail_free() -> None:
+    p = Pair(num_servers=2)
+    toks = tokens(3)
+    p.client("w0", SubmitStore("w", toks, 0, 3 * C, tuple(range(6))))
+    p.client("w1", SubmitStore("w", toks, 0, C, tuple(range(2))))
+    p.run()
+    p.client("lookup", SubmitLookup("r", toks))
+    p.settle()
+    assert p.lookup.check("r") == C
+    assert p.leases("r") == 2  # one chunk on each server: the tail on server 0 was freed
+
+
+class LegacyServer(LookupServer):
+    """LMCache between #2733 and #2996: unknown -> None, exactly-once pop."""
+
+    def _status_for_unknown(self, request_id: str) -> int | None:
+        return None
+
+    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
+        pass
+
+
+class ResendingClient(LookupClient):
+    """A client that abandons an unanswered query after one poll interval (F2)."""
+
+    def _should_resend_status(self, pending: PendingLookup, leg: ServerLeg, now: float) -> bool:
+        return True
+
+
+def test_legacy_profile_reproduces_f2_hang_and_the_fix_does_not() -> None:
+    for server_cls, expect in ((LegacyServer, None), (LookupServer, 2 * C)):
+        p = Pair(server_cls=server_cls, lookup_cls=ResendingClient)
+        toks = tokens(2)
+        p.store(toks)
+        p.client("lookup", SubmitLookup("r", toks))
+        p.to_server()
+        p.to_client()  # ack -> q1
+        p.tick(0.02)  # q1 unanswered: the legacy client abandons it and sends q2
+        assert len(p.up) == 2
+        p.to_server()  # q1 consumes the job; its answer is stale at the client
+        p.to_server()  # q2
+        p.run()
+        # legacy: q2 got None for the consumed id -> pending; every retry None until the timeout
+        p.tick(0.02)
+        p.run()
+        assert p.lookup.check("r") == expect
+
+
+class NoAckClient(LookupClient):
+    def _wait_for_ack(self, pending: PendingLookup, server: int) -> bool:
+        return False
+
+
+def test_reordered_lookup_and_query_never_leak_past_the_reaper() -> None:
+    """#4935 / F5: the status query overtakes the LOOKUP (only a client that skips the ack)."""
+    p = Pair(lookup_cls=NoAckClient, abandoned_job_ttl=60.0)
+    toks = tokens(2)
+    p.store(toks)
+    p.client("lookup", SubmitLookup("r", toks))
+    assert [type(m.request) for m in p.up] == [Lookup, QueryPrefetchStatus]
+    p.to_server(1)  # the query first: unknown -> 0, a final miss
+    p.to_server(0)  # then the lookup leases the prefix
+    p.run()
+    assert p.lookup.check("r") == 0
+    p.tick(61.0)  # the job was never queried: the reaper frees its leases
+    assert p.leases("r") == 0
+    # the fixed client waits for the ack, so the reorder cannot happen
+    q = Pair()
+    q.client("lookup", SubmitLookup("r", toks))
+    assert [type(m.request) for m in q.up] == [Lookup]
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedule=st.lists(st.tuples(st.sampled_from(["up", "down", "dup_up", "dup_down", "drop_up",
+                                                     "drop_down", "tick", "internal"]),
+                                   st.integers(0, 5)), max_size=60),
+       n_servers=st.integers(1, 2), l2=st.booleans(), n_requests=st.integers(1, 3))
+def test_any_schedule_every_lookup_resolves_and_leases_are_released(
+        schedule: list[tuple[str, int]], n_servers: int, l2: bool, n_requests: int) -> None:
+    p = Pair(num_servers=n_servers, l2_enabled=l2)
+    base = tokens(3)
+    p.store(base, end=2 * C)
+    rids = [f"r{i}" for i in range(n_requests)]
+    for i, rid in enumerate(rids):
+        p.client("lookup", SubmitLookup(rid, base[: (i + 1) * C + 1]))
+    for action, i in schedule:
+        queue = p.up if action.endswith("up") else p.down
+        if action == "tick":
+            p.tick(0.5 * (i + 1))
+        elif action == "internal":
+            p.complete()
+        elif not queue:
+            continue
+        elif action in ("up", "down"):
+            (p.to_server if action == "up" else p.to_client)(i % len(queue))
+        elif action.startswith("dup"):
+            (p.to_server if action == "dup_up" else p.to_client)(i % len(queue), duplicate=True)
+        else:
+            queue.pop(i % len(queue))
+    # Liveness: within the lookup timeout every lookup has an int answer.
+    for _ in range(12):
+        p.tick(0.5)
+        p.run()
+    for rid in rids:
+        answer = p.lookup.check(rid)
+        assert isinstance(answer, int) and answer % C == 0 and answer <= 2 * C
+    # Cleanup: once the requests end (and the reaper / TTL have had time), no lease remains.
+    for rid in rids:
+        p.client("lookup", Cleanup(rid))
+        p.client("lookup", EndRequest(rid))
+    p.run()
+    p.tick(400.0)
+    p.run()
+    for srv in p.servers:
+        assert srv.stats()["leases_held"] == 0
+        assert srv.stats()["jobs"] == 0
