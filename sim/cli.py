@@ -1,10 +1,172 @@
-"""`mpcache-sim`: placeholder until the simulator issue lands."""
+"""`mpcache-sim`: run seeds, replay one, list profiles, check determinism.
+
+    mpcache-sim run --seeds N [--start S] [--profile P] [--jobs K]
+    mpcache-sim replay SEED [--profile P] [--chart FILE.svg] [--quiet]
+    mpcache-sim list-profiles
+    mpcache-sim check-determinism [--seeds N] [--profile P]
+
+`run` exits 1 if any seed found a violation and prints, per failing seed, its reason and the
+one command that replays it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
 import sys
+import time
+from collections import Counter
+
+from sim.oracles import FAILURES
+from sim.profiles import PROFILES, get_profile
+from sim.runner import SeedResult, run_many, run_scenario
+from sim.scenario import draw_scenario
+
+
+def _bar(done: int, total: int, failing: int, started: float) -> str:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    rate = done / max(time.perf_counter() - started, 1e-9)
+    return f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} seeds  {failing} failing  {rate:.1f} seeds/s"
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    get_profile(args.profile)
+    seeds = list(range(args.start, args.start + args.seeds))
+    started = time.perf_counter()
+    failing: list[SeedResult] = []
+    done = 0
+    show = sys.stderr.isatty() or args.progress
+
+    def on_result(r: SeedResult) -> None:
+        nonlocal done
+        done += 1
+        if not r.ok:
+            failing.append(r)
+        if show and (done % 5 == 0 or done == len(seeds)):
+            sys.stderr.write(_bar(done, len(seeds), len(failing), started))
+            sys.stderr.flush()
+
+    results = run_many(seeds, args.profile, jobs=args.jobs, on_result=on_result)
+    if show:
+        sys.stderr.write("\n")
+    wall = time.perf_counter() - started
+    events = sum(r.events for r in results)
+    virtual = sum(r.virtual_time for r in results)
+    cpu = sum(r.real_time for r in results)
+    kinds = Counter(r.violation.code for r in results if r.violation is not None)
+    rows = [
+        ("profile", args.profile),
+        ("seeds", f"{len(results)} ({args.start}..{args.start + len(results) - 1})"),
+        ("passed / failed", f"{len(results) - len(failing)} / {len(failing)}"),
+        ("events handled", f"{events} ({events / max(len(results), 1):.0f} per seed)"),
+        ("virtual time", f"{virtual:.1f} s ({virtual / max(len(results), 1):.1f} s per seed)"),
+        ("wall time", f"{wall:.2f} s with {args.jobs} job(s) = {len(results) / wall:.1f} seeds/s"),
+        ("virtual : real", f"{virtual / max(cpu, 1e-9):.0f} : 1 (per core)"),
+    ]
+    print(table(rows))
+    if kinds:
+        print("violations by kind:")
+        print(table([(k, f"{n}  {FAILURES.get(k, '')}") for k, n in sorted(kinds.items())]))
+    for r in sorted(failing, key=lambda r: r.seed)[: args.show]:
+        assert r.violation is not None
+        print(f"seed {r.seed}: {r.violation.reason()[:400]}")
+        print(f"  replay: mpcache-sim replay {r.seed} --profile {args.profile} --chart seed{r.seed}.svg")
+    if len(failing) > args.show:
+        print(f"... and {len(failing) - args.show} more failing seeds")
+    return 1 if failing else 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    get_profile(args.profile)
+    result, world = run_scenario(draw_scenario(args.seed), args.profile, keep_lines=True, chart=bool(args.chart))
+    if not args.quiet:
+        print(f"# mpcache-sim replay {args.seed} --profile {args.profile}")
+        print(f"# scenario: {world.scenario.config}")
+        for line in result.lines:
+            print(line)
+    print(f"# events {result.events}  virtual time {result.virtual_time:.6f} s  trace hash {result.trace_hash}")
+    if args.chart:
+        from sim.chart import render, requests_in
+
+        rids = requests_in(result.violation.message) if result.violation is not None else set()
+        with open(args.chart, "w") as f:
+            f.write(render(world, rids or None))
+        print(f"# chart written to {args.chart}" + (f" (requests {', '.join(sorted(rids))})" if rids else ""))
+    if result.violation is not None:
+        print(f"VIOLATION {result.violation.reason()}")
+        return 1
+    print("no violation")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    w = max(len(n) for n in PROFILES)
+    for name, p in PROFILES.items():
+        failure = f"[{p.failure}] " if p.failure else ""
+        print(f"{name:<{w}}  {failure}{p.description}")
+    return 0
+
+
+def cmd_hashes(args: argparse.Namespace) -> int:
+    """Internal (determinism check): print {seed: trace hash} or {seed: [lines]} as JSON."""
+    from sim.runner import run_seed
+
+    out: dict[str, object] = {}
+    for s in args.seed_list:
+        r = run_seed(s, args.profile, keep_lines=args.lines)
+        out[str(s)] = list(r.lines) if args.lines else r.trace_hash
+    json.dump(out, sys.stdout)
+    return 0
+
+
+def cmd_check_determinism(args: argparse.Namespace) -> int:
+    from sim.determinism import check
+
+    seeds = list(range(args.start, args.start + args.seeds))
+    found = check(seeds, args.profile)
+    for d in found:
+        print(d.describe())
+    print(f"determinism: {len(seeds) - len(found)}/{len(seeds)} seeds give identical traces under another "
+          f"PYTHONHASHSEED")
+    return 1 if found else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("mpcache-sim: not implemented yet (delivered by the simulator issue)", file=sys.stderr)
-    return 2
+    parser = argparse.ArgumentParser(prog="mpcache-sim", description="mpcache deterministic simulator")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run many seeds; exit 1 on any violation")
+    p.add_argument("--seeds", type=int, default=100)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--profile", default="default")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--show", type=int, default=10, help="failing seeds to print")
+    p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a tty")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("replay", help="replay one seed with its full trace")
+    p.add_argument("seed", type=int)
+    p.add_argument("--profile", default="default")
+    p.add_argument("--chart", metavar="FILE.svg")
+    p.add_argument("--quiet", action="store_true", help="no trace lines, only the outcome")
+    p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("list-profiles", help="the default and the legacy-bug profiles")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("check-determinism", help="same trace hash under another PYTHONHASHSEED")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--profile", default="default")
+    p.set_defaults(func=cmd_check_determinism)
+    p = sub.add_parser("hashes", help=argparse.SUPPRESS)
+    p.add_argument("seed_list", type=int, nargs="+")
+    p.add_argument("--profile", default="default")
+    p.add_argument("--lines", action="store_true")
+    p.set_defaults(func=cmd_hashes)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ class SimRequest:
     blocks: list[int] | None = None
     compute_done_at: float = 0.0
     preempted: bool = False
+    unresolved: bool = False  # the last check() answered None
     arrived_at: float = 0.0
     finished_at: float = 0.0
 
@@ -373,7 +374,9 @@ class SimEngine:
             self.world._arm_timer(self.sched, self.sched.next_deadline())
             if result is None:
                 req.polls += 1
+                req.unresolved = True
                 return
+            req.unresolved = False
             if not isinstance(result, int) or isinstance(result, bool) or result < 0 or result % self.C:
                 self.world.violation("SAFETY", self.sched.name, f"check({req.rid}) returned {result!r}")
             hit = result
@@ -417,7 +420,8 @@ class SimEngine:
             return
         for s, leg in pending.legs.items():
             got = self.delivered_hits.get((rid, s), 0)
-            if got > 0 and (leg.chunks or 0) < got:
+            # A leg cut short (None) by another server's 0 is the min rule, not a lost answer.
+            if got > 0 and leg.chunks is not None and leg.chunks < got:
                 self.world.violation(
                     "F2", sched_name(self.index),
                     f"{rid}: server{s} answered {got} hit chunks and the answer reached the client while it "
@@ -615,7 +619,7 @@ class SimEngine:
         for req in self.order:
             if req.done:
                 continue
-            if req.state == "waiting" and req.rid not in self.lookup_results and not req.skip_lookup:
+            if req.state == "waiting" and req.unresolved:
                 what = f"lookup unresolved after {req.polls} polls (check() -> None)"
             else:
                 what = f"state {req.state}"

@@ -81,6 +81,7 @@ class ReplyMsg:
     correlation: int
     result: Any = None
     error: ProtocolError | None = None
+    request_id: str | None = None  # what the answered request was about (traces, fault tracking)
 
 
 def request_id_of(message: Any) -> str | None:
@@ -257,9 +258,9 @@ class World:
             if not isinstance(via, Via):
                 return
             if t is Reply:
-                msg = ReplyMsg(via.server, via.correlation, effect.result)
+                msg = ReplyMsg(via.server, via.correlation, effect.result, None, via.request_id)
             else:
-                msg = ReplyMsg(via.server, via.correlation, None, effect.error)
+                msg = ReplyMsg(via.server, via.correlation, None, effect.error, via.request_id)
             self.send(Address(node.name, SERVER), Address(via.node, via.machine), msg)
         elif t is StartTransfer:
             delay = self._latency(self.config.copy_latency_mean)
