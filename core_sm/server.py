@@ -240,6 +240,7 @@ class LookupServer:
         self._reads: dict[int, L2Read] = {}
         self._writes: dict[int, tuple[ObjectKey, ...]] = {}
         self._timers: list[tuple[float, int, str, Hashable]] = []
+        self._due_reaps: list[str] = []
         self._roots: dict[tuple[str, int, str], bytes] = {}
         self._next_id = 0
         self._counters: dict[str, int] = {
@@ -410,10 +411,14 @@ class LookupServer:
         self.index.release_owner(request_id, ReleaseReason.END_SESSION, now)
 
     def _reap_abandoned_jobs(self, now: float, out: list[Effect]) -> None:
-        """Drop jobs never answered within ``abandoned_job_ttl``, releasing their leases (legacy:
-        nothing; jobs and leases stay until TTL: F12)."""
-        for rid in [rid for rid, j in self._jobs.items() if j.reap_at <= now]:
-            job = self._jobs.pop(rid)
+        """Drop the jobs due for reaping (``self._due_reaps``: never answered within
+        ``abandoned_job_ttl``), releasing their leases (legacy: nothing; jobs and leases stay
+        until TTL: F12). Called from the time step only when some job is due."""
+        for rid in self._due_reaps:
+            job = self._jobs.get(rid)
+            if job is None or job.reap_at > now:
+                continue
+            del self._jobs[rid]
             self._counters["reaped_jobs"] += 1
             if job.read_id is not None and job.read_id in self._reads:
                 self._reads[job.read_id].request_id = None
@@ -798,12 +803,16 @@ class LookupServer:
             if expiry > now:
                 break
             del self._tombstones[rid]
+        due_reaps = self._due_reaps = []
         while self._timers and self._timers[0][0] <= now:
             entry = heapq.heappop(self._timers)
             if not self._timer_live(entry):
                 continue
             _deadline, _seq, kind, ident = entry
-            if kind == "waiter":
+            if kind == "reap":
+                assert isinstance(ident, tuple)
+                due_reaps.append(ident[0])
+            elif kind == "waiter":
                 assert isinstance(ident, int)
                 w = self._waiter_by_id.pop(ident)
                 waiters = self._waiters[w.request_id]
@@ -824,7 +833,9 @@ class LookupServer:
                 t = self._transfers.pop(ident)
                 self._counters["expired_plans"] += 1
                 self._finish_transfer(t, False, None, now, out)
-        self._reap_abandoned_jobs(now, out)
+        if due_reaps:
+            self._reap_abandoned_jobs(now, out)
+            self._due_reaps = []
 
     def _push_timer(self, deadline: float, kind: str, ident: Hashable) -> None:
         heapq.heappush(self._timers, (deadline, self._new_id(), kind, ident))
