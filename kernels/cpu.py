@@ -151,21 +151,38 @@ def check_request(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Validate one call; return (flat int64 block ids, slot bases in lanes). Raises ValueError:
     a bad id or offset would otherwise write outside the engine's cache or the pool."""
-    ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+    ids = block_ids if isinstance(block_ids, np.ndarray) and block_ids.dtype == np.int64 else np.asarray(block_ids, dtype=np.int64)
     if ids.ndim != 2 or ids.shape[1] != geometry.blocks_per_chunk:
         raise ValueError(f"block_ids must be [n_chunks, {geometry.blocks_per_chunk}], got {ids.shape}")
-    offs = np.asarray(slot_offsets, dtype=np.int64)
+    if not ids.flags.c_contiguous:
+        ids = np.ascontiguousarray(ids)
+    offs = slot_offsets if isinstance(slot_offsets, np.ndarray) and slot_offsets.dtype == np.int64 else np.asarray(slot_offsets, dtype=np.int64)
     if offs.shape != (ids.shape[0],):
         raise ValueError(f"need one slot offset per chunk: {offs.shape} for {ids.shape[0]} chunks")
-    if ids.size and (ids.min() < 0 or ids.max() >= geometry.num_blocks):
-        raise ValueError(f"block id out of range [0, {geometry.num_blocks})")
-    lane = geometry.lane_bytes
-    slot_lanes = geometry.slot_bytes // lane
-    if offs.size and (offs.min() < 0 or np.any(offs % lane) or (offs.max() // lane) + slot_lanes > pool_lanes):
-        raise ValueError("slot offset outside the pool or not lane-aligned")
     if not 0 <= skip <= ids.size:
         raise ValueError(f"skip_blocks {skip} outside [0, {ids.size}]")
-    return ids.reshape(-1), offs // lane
+    flat = ids.reshape(-1)
+    bases = np.empty(offs.shape[0], dtype=np.int64)
+    err = _validate(flat, offs, geometry.num_blocks, geometry.lane_bytes, geometry.slot_bytes // geometry.lane_bytes, pool_lanes, bases)
+    if err == 1:
+        raise ValueError(f"block id out of range [0, {geometry.num_blocks})")
+    if err == 2:
+        raise ValueError("slot offset outside the pool or not lane-aligned")
+    return flat, bases
+
+
+@numba.njit(cache=True, nogil=True)
+def _validate(ids, offs, num_blocks, lane, slot_lanes, pool_lanes, bases):  # type: ignore[no-untyped-def]
+    """One pass over the request (numpy's min/max/mod would be several passes and calls)."""
+    for i in range(ids.size):
+        if ids[i] < 0 or ids[i] >= num_blocks:
+            return 1
+    for i in range(offs.size):
+        o = offs[i]
+        if o < 0 or o % lane != 0 or o // lane + slot_lanes > pool_lanes:
+            return 2
+        bases[i] = o // lane
+    return 0
 
 
 def gather_cpu(geometry: KVGeometry, layers: Sequence[object], block_ids: np.ndarray, slots: Sequence[object]) -> None:

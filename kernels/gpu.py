@@ -21,7 +21,9 @@ Modes:
 
 * ``zerocopy``: the kernel reads (RETRIEVE) or writes (STORE) the pinned L1 slots directly.
 * ``staging``: STORE = gather kernel into a device staging buffer, then one DMA per run of
-  adjacent slots; RETRIEVE = DMA into staging, then the scatter kernel.
+  adjacent slots; RETRIEVE = DMA into staging, then the scatter kernel. The batch is cut into up
+  to ``pipeline_pieces`` pieces and the DMAs run on a second stream, so the copy engine moves
+  piece p while the SMs gather (or scatter) its neighbour.
 
 ``max_ctas`` caps the grid (each CTA loops over units of one (chunk block, layer, kv)), so a copy
 leaves the rest of the SMs to the model.
@@ -248,6 +250,7 @@ class CudaKVTransfer:
         max_chunks: int = 32,
         ring: int = 64,
         raw_launch: bool = True,
+        pipeline_pieces: int = 8,
     ) -> None:
         if mode not in ("zerocopy", "staging"):
             raise ValueError(f"mode must be 'zerocopy' or 'staging', not {mode!r}")
@@ -258,6 +261,7 @@ class CudaKVTransfer:
         self.geometry = geometry
         self.mode = mode
         self.max_chunks = max_chunks
+        self.pipeline_pieces = max(1, pipeline_pieces)
         self.stream = stream if stream is not None else cuda.stream()
         self._lane = geometry.lane_bytes
         self._slot_lanes = geometry.slot_bytes // self._lane
@@ -265,6 +269,7 @@ class CudaKVTransfer:
         self._pool_lanes = int(pool.shape[0])
         self._params = cuda.to_device(kernel_params(geometry, layer_offsets), stream=self.stream)
         self._paged = paged
+        self._layer_offsets = list(layer_offsets)
         self._sim = bool(numba.config.ENABLE_CUDASIM)
         self._gather = gather_kernel[max_ctas, threads, self.stream]
         self._scatter = scatter_kernel[max_ctas, threads, self.stream]
@@ -276,7 +281,15 @@ class CudaKVTransfer:
         if mode == "staging":
             self._staging = cuda.device_array(max_chunks * self._slot_lanes, dtype=geometry.lane_dtype, stream=self.stream)
             self._staging_bases = np.arange(max_chunks, dtype=np.int64) * self._slot_lanes
-            self._memcpy = _Memcpy(self.stream, self._sim)
+            self._copy_stream = cuda.stream()
+            self._memcpy = _Memcpy(self._copy_stream, self._sim)
+            if not self._sim:
+                from cuda.bindings import driver
+
+                self._drv = driver
+                self._order_event_objs = [cuda.event(timing=False) for _ in range(2)]  # owners
+                self._order_events = [e.handle for e in self._order_event_objs]
+                self._raw_streams = {id(self.stream): raw_stream(self.stream), id(self._copy_stream): raw_stream(self._copy_stream)}
         self._raw: dict[tuple[int, int], _RawLaunch] = {}
         self.launch_path = "numba"
         self.launch_error = ""
@@ -300,8 +313,15 @@ class CudaKVTransfer:
         if self.mode == "zerocopy":
             self._launch(self._gather, self._pool, ids, bases, 0)
             return
-        self._launch(self._gather, self._staging, ids, self._staging_bases[:n], 0)
-        self._copy_runs(bases, to_pool=True, first=0)
+        # Pipelined: the DMA of piece p (copy stream) overlaps the gather of piece p+1.
+        bpc = self.geometry.blocks_per_chunk
+        for a, b in self._pieces(n):
+            self._launch(self._gather, self._staging, ids[a * bpc : b * bpc], self._staging_bases[a:b], 0)
+            self._order(self.stream, self._copy_stream, 0)
+            self._copy_runs(bases, a, b, to_pool=True)
+        # the caller observes completion on self.stream; the next call's gather must not
+        # overwrite staging before these copies have read it
+        self._order(self._copy_stream, self.stream, 1)
 
     def scatter(self, slot_offsets: Sequence[int] | np.ndarray, block_ids: np.ndarray, skip_blocks: int = 0) -> None:
         """Enqueue RETRIEVE: the slots → blocks, leaving the first ``skip_blocks`` blocks of the
@@ -312,9 +332,17 @@ class CudaKVTransfer:
         if self.mode == "zerocopy":
             self._launch(self._scatter, self._pool, ids, bases, skip_blocks)
             return
-        # chunks whose every block is skipped need not travel
-        self._copy_runs(bases, to_pool=False, first=skip_blocks // self.geometry.blocks_per_chunk)
-        self._launch(self._scatter, self._staging, ids, self._staging_bases[:n], skip_blocks)
+        bpc = self.geometry.blocks_per_chunk
+        first = skip_blocks // bpc  # chunks whose every block is skipped need not travel
+        # copies come after whatever the caller enqueued before (a wait on the engine's event,
+        # an earlier scatter still reading staging); scatter of piece p overlaps DMA of p+1
+        self._order(self.stream, self._copy_stream, 0)
+        for a, b in self._pieces(n - first):
+            a, b = a + first, b + first
+            self._copy_runs(bases, a, b, to_pool=False)
+            self._order(self._copy_stream, self.stream, 1)
+            skip = min(max(skip_blocks - a * bpc, 0), (b - a) * bpc)
+            self._launch(self._scatter, self._staging, ids[a * bpc : b * bpc], self._staging_bases[a:b], skip)
 
     # ---- internals ----------------------------------------------------------------------
     def _check_size(self, n: int) -> None:
@@ -362,13 +390,13 @@ class CudaKVTransfer:
             self._raw = {}
             self.launch_error = f"{type(e).__name__}: {e}"
 
-    def _copy_runs(self, pool_bases: np.ndarray, *, to_pool: bool, first: int) -> None:
-        """One DMA per run of chunks whose slots are adjacent in the pool."""
-        n = pool_bases.shape[0]
+    def _copy_runs(self, pool_bases: np.ndarray, first: int, end: int, *, to_pool: bool) -> None:
+        """On the copy stream: one DMA per run of chunks in [first, end) whose slots are adjacent
+        in the pool; chunk i uses staging chunk i."""
         i = first
-        while i < n:
+        while i < end:
             k = i + 1
-            while k < n and pool_bases[k] == pool_bases[k - 1] + self._slot_lanes:
+            while k < end and pool_bases[k] == pool_bases[k - 1] + self._slot_lanes:
                 k += 1
             lanes = (k - i) * self._slot_lanes
             if to_pool:
@@ -376,6 +404,26 @@ class CudaKVTransfer:
             else:
                 self._memcpy(self._staging, i * self._slot_lanes, self._pool, int(pool_bases[i]), lanes)
             i = k
+
+    def _pieces(self, n: int) -> list[tuple[int, int]]:
+        k = min(n, self.pipeline_pieces)
+        if k <= 0:
+            return []
+        edges = [n * p // k for p in range(k + 1)]
+        return [(edges[p], edges[p + 1]) for p in range(k)]
+
+    def _order(self, before: Any, after: Any, which: int) -> None:
+        """Work enqueued on ``after`` from now on runs after everything enqueued on ``before``
+        so far. An event may be re-recorded once the wait is enqueued (the wait captured it)."""
+        if self._sim:
+            return  # simulator streams are synchronous
+        drv = self._drv
+        ev = self._order_events[which]
+        (err,) = drv.cuEventRecord(ev, self._raw_streams[id(before)])
+        if err == drv.CUresult.CUDA_SUCCESS:
+            (err,) = drv.cuStreamWaitEvent(self._raw_streams[id(after)], ev, 0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"stream ordering failed: {err}")
 
 
 def _host_view(mapped: Any) -> np.ndarray:

@@ -127,3 +127,27 @@ def test_calls_are_validated_before_launch() -> None:
     with pytest.raises(ValueError):
         CudaKVTransfer(g, eng.span, eng.offsets, pool, mode="bogus")
     assert (host == POISON).all()
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+def test_staging_pipeline_pieces_and_partial_skip(pieces: int) -> None:
+    rng = np.random.default_rng(40 + pieces)
+    g = small_geometry(PagedLayout.HND, head_size=4, num_layers=1)  # 3 blocks per chunk
+    src = random_layers(g, rng, np.uint16)
+    eng = Engine(g, src)
+    pool, host = _pool(g, 5)
+    xfer = CudaKVTransfer(g, eng.span, eng.offsets, pool, mode="staging", max_ctas=2, threads=4, max_chunks=3,
+                          ring=4, pipeline_pieces=pieces)
+    ids = random_block_table(g, rng, 3)
+    slots = [2, 3, 0]  # 2 and 3 adjacent: one DMA for both
+    xfer.gather(ids, [s * g.slot_bytes for s in slots])
+    want = gather_ref(g, src, ids)
+    for i, s in enumerate(slots):
+        np.testing.assert_array_equal(_slot(g, host, np.uint16, s), want[i])
+    out_ids = random_block_table(g, rng, 3)
+    xfer.scatter([s * g.slot_bytes for s in slots], out_ids, skip_blocks=5)  # chunk 0 and 2 blocks of chunk 1 held
+    xfer.stream.synchronize()
+    expect = [a.copy() for a in src]
+    scatter_ref(g, expect, want, out_ids, 5)
+    after, _ = eng.layers(np.uint16)
+    np.testing.assert_array_equal(after[0], expect[0])

@@ -1,0 +1,155 @@
+"""GPU regression test of the server-driven data path (run on a GPU host:
+``MPCACHE_REAL_CUDA=1 python -m pytest -m gpu --noconftest tests/runtime_zmq/test_gpu_transfer.py``).
+
+A worker process exports its KV cache and an interprocess event; the GpuTransferExecutor opens
+them and runs STORE / RETRIEVE transfers while other Python threads hammer the GIL, drive CUDA
+through torch (launches, syncs, event creation and destruction: the calls that deadlocked with a
+Python host callback in LMCache #2733) and read telemetry. Every transfer must report exactly
+once, in time (a timeout is a failure), and move the right bytes — including the data the worker
+wrote after a long kernel, which the server only sees if its stream waited on the worker's event.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GEO = {"num_layers": 4, "num_blocks": 96, "block_size": 16, "num_heads": 2, "head_size": 64}
+CHUNK = 64  # 4 blocks per chunk
+BPC = CHUNK // GEO["block_size"]
+
+
+def _transfer(tid: int, kind: object, start_chunk: int, n_chunks: int, slots: list[int], blocks: list[int], skip: int = 0):  # type: ignore[no-untyped-def]
+    from core_sm.effects import StartTransfer
+
+    placements = tuple((start_chunk + i, s) for i, s in enumerate(slots))
+    return StartTransfer(tid, kind, 1, f"req-{tid}", None, start_chunk * CHUNK, (start_chunk + n_chunks) * CHUNK,
+                         placements, tuple(blocks), skip)
+
+
+@pytest.mark.timeout(180)
+def test_transfers_finish_under_gil_and_cuda_pressure() -> None:
+    import msgpack
+
+    from core_sm.messages import TransferKind
+    from runtime_zmq.gpu_transfer import GpuTransferExecutor
+    from runtime_zmq.l1_pool import SharedMemoryPool
+    from tests.runtime_zmq.gpu_worker import FRESH, POISON, run_worker
+
+    rng = np.random.default_rng(11)
+    perm = [int(b) for b in rng.permutation(GEO["num_blocks"])]
+    src = perm[: 3 * BPC]  # 3 chunks stored from here (random order)
+    dst = perm[3 * BPC : 6 * BPC]  # and retrieved into here
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=run_worker, args=(child, GEO, src, dst, 1_000_000_000))
+    proc.start()
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    ex = None
+    pool = None
+    try:
+        assert parent.poll(120), "worker did not start"
+        layout = msgpack.unpackb(parent.recv_bytes())
+        slot_bytes = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2
+        pool = SharedMemoryPool(16 * slot_bytes, slot_bytes)
+        ex = GpuTransferExecutor(CHUNK, max_ctas=8)
+        reason = ex.register_instance(1, layout, pool)
+        assert reason is None, reason
+        parent.send_bytes(b"registered")
+        assert parent.poll(60), "worker sent no event"
+        event_handle = parent.recv_bytes()
+
+        def gil_hammer() -> None:
+            while not stop.is_set():
+                sum(i * i for i in range(5000))
+
+        def cuda_hammer() -> None:
+            a = torch.ones(1 << 20, device="cuda")
+            while not stop.is_set():
+                a.mul_(1.0001)
+                e = torch.cuda.Event()
+                e.record()
+                e.synchronize()
+                del e
+                torch.cuda.current_stream().synchronize()
+
+        stats_seen: list[dict[str, int]] = []
+
+        def telemetry() -> None:
+            while not stop.is_set():
+                stats_seen.append(ex.stats())
+                time.sleep(0.002)
+
+        for fn in (gil_hammer, gil_hammer, cuda_hammer, telemetry):
+            th = threading.Thread(target=fn, daemon=True)
+            th.start()
+            threads.append(th)
+
+        finished: queue.Queue[tuple[int, bool]] = queue.Queue()
+
+        def done(tid: int, ok: bool) -> None:
+            finished.put((tid, ok))
+
+        t0 = time.perf_counter()
+        # 1: store 3 chunks; must wait for the worker's long kernel and see FRESH data
+        ex.start(_transfer(1, TransferKind.STORE, 2, 3, [7, 3, 11], src), event_handle, done)
+        # 2: retrieve them into other blocks, the first block skipped (engine holds 1 block + 3 tokens)
+        ex.start(_transfer(2, TransferKind.RETRIEVE, 2, 3, [7, 3, 11], dst, skip=GEO["block_size"] + 3), event_handle, done)
+        # 3..: many more round trips under pressure
+        n_more = 60
+        for k in range(n_more):
+            kind = TransferKind.STORE if k % 2 == 0 else TransferKind.RETRIEVE
+            blocks = src if kind is TransferKind.STORE else dst
+            ex.start(_transfer(3 + k, kind, 2, 3, [7, 3, 11], blocks, skip=GEO["block_size"] + 3), event_handle, done)
+        results: dict[int, bool] = {}
+        deadline = time.monotonic() + 60
+        while len(results) < 2 + n_more:
+            try:
+                tid, ok = finished.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"transfers did not finish in time: {sorted(results)} of {2 + n_more}")
+            assert tid not in results, f"transfer {tid} reported twice"
+            results[tid] = ok
+        elapsed = time.perf_counter() - t0
+        assert all(results.values()), results
+        assert elapsed > 0.2  # the first store waited for the worker's ~0.5 s kernel
+        time.sleep(0.05)
+        assert finished.empty()
+        assert stats_seen and ex.stats()["finished"] == 2 + n_more and ex.stats()["in_flight"] == 0
+
+        # bytes: slots hold FRESH K/V for every layer; dst blocks got them, except the skipped one
+        for s in (7, 3, 11):
+            data = np.frombuffer(pool.read(s, slot_bytes), dtype=np.int16)
+            assert (data == FRESH).all(), f"slot {s} does not hold the worker's final data"
+        inst = ex._instances[1]
+        span = inst.transfer._paged.copy_to_host().view(np.int16)
+        lanes_per_layer = inst.geometry.layer_elements() * 2 // 8
+        for off in inst.transfer._layer_offsets:
+            layer = span[off * 4 : (off + lanes_per_layer) * 4].reshape(2, GEO["num_blocks"], -1)
+            assert (layer[:, dst[0]] == POISON).all(), "a skipped block was written"
+            assert (layer[:, dst[1:]] == FRESH).all()
+            assert (layer[:, src] == FRESH).all()
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=10)
+        if ex is not None:
+            ex.close()
+        if pool is not None:
+            pool.close()
+        parent.send_bytes(b"bye")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert not any(th.is_alive() for th in threads)
