@@ -236,7 +236,15 @@ class StepPlanner:
       in ``sending``.
     """
 
-    def __init__(self, lookups: LookupService, block_size: int, *, store_decode_tokens: bool = False) -> None:
+    def __init__(
+        self,
+        lookups: LookupService,
+        block_size: int,
+        *,
+        store_decode_tokens: bool = False,
+        load: bool = True,
+        store: bool = True,
+    ) -> None:
         chunk_size = lookups.chunk_size
         if block_size <= 0 or chunk_size % block_size:
             raise ValueError(
@@ -247,6 +255,9 @@ class StepPlanner:
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.store_decode_tokens = store_decode_tokens
+        # vLLM's kv_role: a consumer loads, a producer stores (kv_both: both).
+        self.load = load
+        self.store = store
         self._trackers: dict[str, RequestTracker] = {}
 
     def tracker(self, request_id: str) -> RequestTracker | None:
@@ -264,7 +275,10 @@ class StepPlanner:
         if tracker is None:
             tracker = RequestTracker(request_id, token_ids, num_prompt_tokens, cache_salt or "")
             self._trackers[request_id] = tracker
-            self._lookups.submit_lookup(request_id, list(token_ids[:num_prompt_tokens]), tracker.cache_salt)
+            if self.load:
+                self._lookups.submit_lookup(request_id, list(token_ids[:num_prompt_tokens]), tracker.cache_salt)
+            else:
+                tracker.hit_tokens = 0
         if tracker.allocated:
             # Seen again after preemption: the lookup's leases are gone; recompute.
             return 0, False
@@ -355,6 +369,8 @@ class StepPlanner:
         return StepPlan(tuple(retrieves), tuple(stores), preempted_ids)
 
     def _plan_store(self, tracker: RequestTracker, computed_tokens: int) -> StoreOp | None:
+        if not self.store:
+            return None
         limit = min(computed_tokens, len(tracker.token_ids))
         if not self.store_decode_tokens:
             limit = min(limit, tracker.num_prompt_tokens)

@@ -99,7 +99,11 @@ class MPCacheConnector(KVConnectorBase_V1):
                     f"mpcache.chunk_size is {self._config.chunk_size} but the server uses {self._lookups.chunk_size}"
                 )
             self._planner = StepPlanner(
-                self._lookups, block_size, store_decode_tokens=self._config.store_decode_tokens
+                self._lookups,
+                block_size,
+                store_decode_tokens=self._config.store_decode_tokens,
+                load=self._is_consumer,
+                store=self._is_producer,
             )
         else:
             self._worker = WorkerAdapter.connect(
@@ -123,8 +127,6 @@ class MPCacheConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._planner is not None
-        if not self._is_consumer:
-            return 0, False
         return self._planner.get_num_new_matched_tokens(
             request.request_id,
             request.all_token_ids,
@@ -141,25 +143,24 @@ class MPCacheConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._planner is not None
         scheduled: list[ScheduledRequest] = []
-        if self._is_producer:
-            num_scheduled = scheduler_output.num_scheduled_tokens
-            for new in scheduler_output.scheduled_new_reqs:
-                (block_ids,) = new.block_ids
-                scheduled.append(
-                    ScheduledRequest(new.req_id, new.num_computed_tokens, num_scheduled.get(new.req_id, 0), tuple(block_ids), True)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            (block_ids,) = new.block_ids
+            scheduled.append(
+                ScheduledRequest(new.req_id, new.num_computed_tokens, num_scheduled.get(new.req_id, 0), tuple(block_ids), True)
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            scheduled.append(
+                ScheduledRequest(
+                    request_id,
+                    cached.num_computed_tokens[index],
+                    num_scheduled.get(request_id, 0),
+                    None if new_blocks is None else tuple(new_blocks[0]),
+                    request_id in cached.resumed_req_ids,
                 )
-            cached = scheduler_output.scheduled_cached_reqs
-            for index, request_id in enumerate(cached.req_ids):
-                new_blocks = cached.new_block_ids[index]
-                scheduled.append(
-                    ScheduledRequest(
-                        request_id,
-                        cached.num_computed_tokens[index],
-                        num_scheduled.get(request_id, 0),
-                        None if new_blocks is None else tuple(new_blocks[0]),
-                        request_id in cached.resumed_req_ids,
-                    )
-                )
+            )
         plan = self._planner.build_plan(scheduled, scheduler_output.preempted_req_ids or ())
         return MPCacheConnectorMetadata(plan)
 

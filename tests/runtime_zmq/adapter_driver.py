@@ -69,10 +69,19 @@ class Req:
 class Engine:
     """One scheduler and ``len(worker_urls)`` worker ranks (a TP world)."""
 
-    def __init__(self, server_urls: Sequence[str], *, world_size: int = 1, request_timeout_s: float = 2.0, store_decode_tokens: bool = False) -> None:
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        *,
+        world_size: int = 1,
+        request_timeout_s: float = 2.0,
+        store_decode_tokens: bool = False,
+        load: bool = True,
+        store: bool = True,
+    ) -> None:
         self.config = ConnectorConfig(server_urls=list(server_urls), request_timeout_s=request_timeout_s, connect_timeout_s=5.0, store_decode_tokens=store_decode_tokens)
         self.lookups = SchedulerAdapter.connect(self.config, model_name="tiny", world_size=world_size)
-        self.planner = StepPlanner(self.lookups, BLOCK, store_decode_tokens=store_decode_tokens)
+        self.planner = StepPlanner(self.lookups, BLOCK, store_decode_tokens=store_decode_tokens, load=load, store=store)
         self.workers: list[WorkerAdapter] = []
         self.kv: list[dict[str, torch.Tensor]] = []
         for rank in range(world_size):

@@ -273,6 +273,38 @@ def test_two_servers_sharing_redis_both_hit(start: Any, engine_factory: Any, red
     assert_clean(engine, a.url, b.url)
 
 
+def test_kv_roles_producer_stores_only_consumer_loads_only(start: Any, engine_factory: Any) -> None:
+    server = start()
+    prompt = tokens(2 * CHUNK + 1, 15)
+    producer = engine_factory(server.url, load=False)
+    producer.add("a", prompt)
+    producer.run_all()
+    producer.add("b", prompt)
+    producer.run_all()
+    s = stats(server.url)
+    assert s["objects"] == 2 and s["lookups"] == 0
+    consumer = engine_factory(server.url, store=False)
+    hit = consumer.add("c", prompt)
+    consumer.run_all()
+    assert hit.external == 2 * CHUNK and hit.checked
+    consumer.add("d", tokens(2 * CHUNK + 1, 16))
+    consumer.run_all()
+    assert stats(server.url)["objects"] == 2  # the consumer stored nothing
+    assert_clean(consumer, server.url)
+
+
+def test_decode_chunks_are_stored_when_asked(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url, store_decode_tokens=True)
+    req = engine.add("a", tokens(CHUNK - 2, 17), max_decode=4)
+    engine.run_all()
+    assert stats(server.url)["objects"] == 1  # the chunk the decode tokens completed
+    again = engine.add("b", req.tokens[:CHUNK] + [1, 2, 3])
+    engine.run_all()
+    assert again.external == CHUNK and again.checked
+    assert_clean(engine, server.url)
+
+
 def test_start_fails_clearly_when_no_server_answers() -> None:
     port = _free_port()
     config = ConnectorConfig(server_urls=f"127.0.0.1:{port}", connect_timeout_s=0.5)
