@@ -1,8 +1,6 @@
 """A random walk over LookupServer with its invariants checked after every step."""
 from __future__ import annotations
 
-from typing import Any
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

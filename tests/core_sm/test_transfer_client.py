@@ -136,7 +136,8 @@ def test_engine_finished_without_ops_reported_once() -> None:
 
 def test_unhealthy_drains_waiting_ops_and_refuses_new() -> None:
     c = tc()
-    s, r = store(c, "s"), retrieve(c, "r")
+    s = store(c, "s")
+    retrieve(c, "r")
     c.handle(ServerHealth(0, False), 0.0)
     assert c.finished() == (frozenset(), frozenset({"r"}))
     assert c.load_errors() == frozenset(BLOCKS)
