@@ -5,7 +5,10 @@ Per ``ObjectKey`` the lifecycle is::
     ABSENT --reserve_write--> WRITING --finish_write--> READY <--lease_read/release_read--> READ_LEASED
     WRITING --abort_write / write lease expired--> ABSENT
     READY --evict (LRU, unleased only) / clear--> ABSENT
-    READ_LEASED --clear(force)--> ABSENT
+    READ_LEASED --clear(force), unless a protected owner holds it--> ABSENT
+
+A clear never drops a WRITING object: its slot is being written right now, and freeing it
+could hand the slot to another writer mid-copy. The writer finishes or aborts it.
 
 Leases have owners (a request id, or a tuple such as ``("transfer", 7)`` for internal holders),
 so a release is exact: it never touches another owner's count. A read lease is a count plus an
@@ -24,7 +27,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import attrs
 
@@ -61,7 +64,6 @@ TRANSITIONS: dict[tuple[ObjectState, str], frozenset[ObjectState]] = {
     (ObjectState.WRITING, "finish_write"): frozenset({ObjectState.READY}),
     (ObjectState.WRITING, "abort_write"): frozenset({ObjectState.ABSENT}),
     (ObjectState.WRITING, "expire"): frozenset({ObjectState.ABSENT, ObjectState.WRITING}),
-    (ObjectState.WRITING, "clear_force"): frozenset({ObjectState.ABSENT}),
     (ObjectState.READY, "lease_read"): frozenset({ObjectState.READ_LEASED}),
     (ObjectState.READY, "evict"): frozenset({ObjectState.ABSENT}),
     (ObjectState.READY, "clear"): frozenset({ObjectState.ABSENT}),
@@ -71,7 +73,7 @@ TRANSITIONS: dict[tuple[ObjectState, str], frozenset[ObjectState]] = {
         {ObjectState.READY, ObjectState.READ_LEASED}
     ),
     (ObjectState.READ_LEASED, "expire"): frozenset({ObjectState.READY, ObjectState.READ_LEASED}),
-    (ObjectState.READ_LEASED, "clear_force"): frozenset({ObjectState.ABSENT}),
+    (ObjectState.READ_LEASED, "clear_force"): frozenset({ObjectState.ABSENT, ObjectState.READ_LEASED}),
 }
 OPERATIONS = ("reserve_write", "finish_write", "abort_write", "lease_read", "release_read",
               "expire", "evict", "clear", "clear_force")
@@ -303,18 +305,21 @@ class L1Index:
             else:
                 self._release(key, owner, None, ReleaseReason.TTL)
 
-    def clear(self, force: bool) -> int:
-        """Drop READY unleased objects; with ``force`` every object (leases → CLEAR)."""
+    def clear(self, force: bool, protected: Callable[[Owner], bool] | None = None) -> int:
+        """Drop READY unleased objects; with ``force`` also leased ones (their leases released as
+        CLEAR), except objects a ``protected`` owner holds (an in-flight copy reads them).
+        WRITING objects are never dropped. Returns the number dropped."""
         dropped = 0
         for obj in tuple(self._objects.values()):
-            if obj.writer is None and not obj.readers:
-                self._drop(obj)
-                dropped += 1
-            elif force:
+            if obj.writer is not None:
+                continue
+            if obj.readers:
+                if not force or (protected is not None and any(protected(o) for o in obj.readers)):
+                    continue
                 for owner in tuple(obj.readers):
                     self._release(obj.key, owner, None, ReleaseReason.CLEAR)
-                self._drop(obj)
-                dropped += 1
+            self._drop(obj)
+            dropped += 1
         return dropped
 
     def evict_to_watermark(self) -> int:

@@ -151,9 +151,10 @@ class EndSession:
 
 @attrs.frozen
 class Clear:
-    """Drop L1 objects. ``force=True``: every object, leased or not (in-flight transfers then find
-    their objects gone and report them not stored / not retrieved). ``force=False``: only ready,
-    unleased objects. Reply: ``None``."""
+    """Drop L1 objects. ``force=True``: every object, leased or not (lookup leases are released as
+    CLEAR), except objects an in-flight transfer or L2 write is copying right now and objects
+    being written -- those finish normally. ``force=False``: only ready, unleased objects.
+    Reply: ``None``."""
 
     force: bool = True
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)

@@ -587,7 +587,8 @@ class LookupServer:
         out.append(Reply(ev.reply_to, None))
 
     def _on_clear(self, ev: Clear, now: float, out: list[Effect]) -> None:
-        self.index.clear(bool(ev.force))
+        # In-flight copies and L2 writes keep their objects: their slots are in use right now.
+        self.index.clear(bool(ev.force), protected=lambda owner: isinstance(owner, tuple))
         out.append(Reply(ev.reply_to, None))
 
     def _on_register(self, ev: RegisterInstance, now: float, out: list[Effect]) -> None:

@@ -484,3 +484,21 @@ def test_stats_keys_for_oracles() -> None:
               "hit_chunks", "transfers", "l2_reads_in_flight", "unknown_status"):
         assert k in st
     assert ObjectKey(b"", 0).kv_rank == 0
+
+
+def test_forced_clear_spares_objects_in_flight_copies_use() -> None:
+    h = ServerHarness()
+    h.register()
+    toks = tokens(2)
+    h.store(toks, end=C)
+    lookup(h, "r", toks)  # leases chunk 0 for r
+    rt = h.send(Retrieve(key("r", toks, 0, C, worker_id=0), 1))  # copying chunk 0 now
+    st = h.send(Store(key("w", toks, C, 2 * C, worker_id=0), 1))  # writing chunk 1 now
+    h.call(Clear(True))
+    assert h.server.stats()["objects"] == 2  # neither slot may be handed out mid-copy
+    assert held(h, "r") == 0  # the request's lease is gone (CLEAR)
+    h.finish_all_transfers()
+    assert h.result(rt) == RetrieveResult(True, 1)
+    assert h.result(st) == StoreResult(True, 1, 0)
+    h.call(Clear(True))
+    assert h.server.stats()["objects"] == 0
