@@ -152,8 +152,8 @@ class EndSession:
 @attrs.frozen
 class Clear:
     """Drop L1 objects. ``force=True``: every object, leased or not (lookup leases are released as
-    CLEAR), except objects an in-flight transfer or L2 write is copying right now and objects
-    being written -- those finish normally. ``force=False``: only ready, unleased objects.
+    CLEAR), except objects an in-flight transfer or L2 write is copying right now (kept with all
+    their leases) and objects being written -- those finish normally. ``force=False``: only ready, unleased objects.
     Reply: ``None``."""
 
     force: bool = True
