@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, validate_cache_salt
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, pack_tokens, validate_cache_salt
 from core_sm.effects import Effect, SendRequest
 from core_sm.messages import (
     CacheKey,
@@ -274,9 +274,7 @@ class LookupClient:
         key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids, 0, end,
                        rid, ev.cache_salt)
         pending = PendingLookup(rid, key, {}, now + self.config.lookup_timeout)
-        if validate_cache_salt(ev.cache_salt) is not None or any(
-            not 0 <= t < 2**32 for t in ev.token_ids[:end]
-        ):
+        if validate_cache_salt(ev.cache_salt) is not None or not _uint32_tokens(ev.token_ids[:end]):
             self._counters["invalid_submits"] += 1
             self._resolve(pending, 0, now, out)
             return
@@ -463,3 +461,11 @@ class LookupClient:
                 self._fire_and_forget.popitem(last=False)
         out.append(SendRequest(server, corr, request))
         return corr
+
+
+def _uint32_tokens(token_ids: tuple[int, ...]) -> bool:
+    try:
+        pack_tokens(token_ids)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True

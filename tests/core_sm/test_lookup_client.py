@@ -136,9 +136,11 @@ def test_no_full_chunk_is_zero_without_sending() -> None:
     assert c.check("r") == 0
 
 
-def test_invalid_salt_resolves_zero() -> None:
+@pytest.mark.parametrize("toks,salt", [(tokens(1), "bad/salt"), ((-1,) * C, ""), (("x",) * C, ""),
+                                       ((2**32,) * C, "")])
+def test_invalid_submit_resolves_zero_without_raising(toks: tuple[Any, ...], salt: str) -> None:
     c = client()
-    assert c.handle(SubmitLookup("r", tokens(1), "bad/salt"), 0.0) == []
+    assert c.handle(SubmitLookup("r", toks, salt), 0.0) == []
     assert c.check("r") == 0 and c.stats()["invalid_submits"] == 1
 
 
