@@ -230,7 +230,8 @@ class CudaKVTransfer:
 
     ``paged``: lane device array spanning the engine's layer tensors; ``layer_offsets``: each
     layer's base in lanes within it. ``pool``: device-visible lane array of the L1 pool (mapped /
-    registered pinned host memory). ``mode``: ``"zerocopy"`` or ``"staging"``. ``max_ctas``:
+    registered pinned host memory). ``mode``: ``"zerocopy"``, ``"staging"``, or ``"auto"``
+    (zero-copy below ``staging_min_chunks`` chunks per call, staging from there). ``max_ctas``:
     grid cap. ``max_chunks``: the most chunks one call may carry (bounds the descriptor and the
     staging buffer). Calls only enqueue work on ``stream``; the caller observes completion
     with an event recorded after the call.
@@ -251,9 +252,10 @@ class CudaKVTransfer:
         ring: int = 64,
         raw_launch: bool = True,
         pipeline_pieces: int = 8,
+        staging_min_chunks: int = 4,
     ) -> None:
-        if mode not in ("zerocopy", "staging"):
-            raise ValueError(f"mode must be 'zerocopy' or 'staging', not {mode!r}")
+        if mode not in ("zerocopy", "staging", "auto"):
+            raise ValueError(f"mode must be 'zerocopy', 'staging' or 'auto', not {mode!r}")
         if D_SLOTS + max_chunks * (1 + geometry.blocks_per_chunk) > DESC_MAX:
             raise ValueError(f"max_chunks {max_chunks} does not fit the {DESC_MAX}-word descriptor")
         if max_ctas < 1 or not 1 <= threads <= 1024:
@@ -262,6 +264,7 @@ class CudaKVTransfer:
         self.mode = mode
         self.max_chunks = max_chunks
         self.pipeline_pieces = max(1, pipeline_pieces)
+        self.staging_min_chunks = staging_min_chunks
         self.stream = stream if stream is not None else cuda.stream()
         self._lane = geometry.lane_bytes
         self._slot_lanes = geometry.slot_bytes // self._lane
@@ -278,7 +281,7 @@ class CudaKVTransfer:
         self._events = [cuda.event() if self._sim else cuda.event(timing=False) for _ in range(ring)]
         self._used = [False] * ring
         self._next = 0
-        if mode == "staging":
+        if mode != "zerocopy":
             self._staging = cuda.device_array(max_chunks * self._slot_lanes, dtype=geometry.lane_dtype, stream=self.stream)
             self._staging_bases = np.arange(max_chunks, dtype=np.int64) * self._slot_lanes
             self._copy_stream = cuda.stream()
@@ -310,7 +313,7 @@ class CudaKVTransfer:
         ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, 0)
         n = bases.shape[0]
         self._check_size(n)
-        if self.mode == "zerocopy":
+        if self.mode == "zerocopy" or (self.mode == "auto" and n < self.staging_min_chunks):
             self._launch(self._gather, self._pool, ids, bases, 0)
             return
         # Pipelined: the DMA of piece p (copy stream) overlaps the gather of piece p+1.
@@ -329,7 +332,7 @@ class CudaKVTransfer:
         ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, skip_blocks)
         n = bases.shape[0]
         self._check_size(n)
-        if self.mode == "zerocopy":
+        if self.mode == "zerocopy" or (self.mode == "auto" and n < self.staging_min_chunks):
             self._launch(self._scatter, self._pool, ids, bases, skip_blocks)
             return
         bpc = self.geometry.blocks_per_chunk
@@ -379,7 +382,7 @@ class CudaKVTransfer:
         self._raw = {}
         self.launch_path = "numba"
         try:
-            slot_arrays = [self._pool] + ([self._staging] if self.mode == "staging" else [])
+            slot_arrays = [self._pool] + ([self._staging] if self.mode != "zerocopy" else [])
             for dispatcher, configured in ((gather_kernel, self._gather), (scatter_kernel, self._scatter)):
                 for slots in slot_arrays:
                     self._raw[(id(configured), id(slots))] = _RawLaunch(
@@ -479,6 +482,11 @@ class _RawLaunch:
             kernel = dispatcher.compile(sig)
         cufunc = kernel._codelibrary.get_cufunc()
         handle = getattr(cufunc, "handle", cufunc)
+        if isinstance(handle, driver.CUkernel):
+            # numba-cuda loads modules as libraries: take the context's function of the kernel
+            err, handle = driver.cuKernelGetFunction(handle)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuKernelGetFunction failed: {err}")
         if not isinstance(handle, driver.CUfunction):
             raise TypeError(f"unexpected kernel handle type {type(handle).__name__}")
         self._driver = driver

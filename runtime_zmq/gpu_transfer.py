@@ -111,15 +111,17 @@ class _Instance:
 
 class GpuTransferExecutor:
     """``TransferExecutor`` for GPU engines. ``chunk_tokens``: the server's chunk size.
-    ``mode`` / ``max_ctas`` / ``threads`` / ``max_chunks``: passed to ``CudaKVTransfer``."""
+    ``mode`` / ``max_ctas`` / ``threads`` / ``max_chunks`` / ``staging_min_chunks``: passed to
+    ``CudaKVTransfer`` (``auto``: zero-copy for small batches, pipelined staging for large)."""
 
-    def __init__(self, chunk_tokens: int, *, mode: str = "zerocopy", max_ctas: int = 16, threads: int = 512,
-                 max_chunks: int = 32) -> None:
+    def __init__(self, chunk_tokens: int, *, mode: str = "auto", max_ctas: int = 16, threads: int = 512,
+                 max_chunks: int = 32, staging_min_chunks: int = 4) -> None:
         self.chunk_tokens = chunk_tokens
         self.mode = mode
         self.max_ctas = max_ctas
         self.threads = threads
         self.max_chunks = max_chunks
+        self.staging_min_chunks = staging_min_chunks
         self._instances: dict[int, _Instance] = {}
         self._pools: dict[int, tuple[SharedMemoryPool, int]] = {}  # id(pool) -> (pool, device address)
         self._cond = threading.Condition(threading.Lock())
@@ -261,7 +263,8 @@ class GpuTransferExecutor:
                  "version": 3, "strides": None}, owner=None, sync=False)
             stream = cuda.stream()
             transfer = CudaKVTransfer(geometry, span, offsets, pool_lanes, mode=self.mode, max_ctas=self.max_ctas,
-                                      threads=self.threads, stream=stream, max_chunks=self.max_chunks)
+                                      threads=self.threads, stream=stream, max_chunks=self.max_chunks,
+                                      staging_min_chunks=self.staging_min_chunks)
         except BaseException:
             for a in addresses:
                 gpu_ipc.close_memory(a)

@@ -40,6 +40,14 @@ class Engine:
         return out, gaps
 
 
+def _assert_fast_launch(xfer: CudaKVTransfer) -> None:
+    """On a real GPU the pre-packed driver launch must be in use, not the slow fallback."""
+    import numba
+
+    if not numba.config.ENABLE_CUDASIM:
+        assert xfer.launch_path == "raw", xfer.launch_error
+
+
 def _pool(g: KVGeometry, n_slots: int, fill: np.ndarray | None = None):  # type: ignore[no-untyped-def]
     pool = cuda.mapped_array(n_slots * g.slot_bytes // g.lane_bytes, dtype=g.lane_dtype)
     host = np.asarray(pool._ary if hasattr(pool, "_ary") else pool).view(np.uint8)
@@ -62,7 +70,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["zerocopy", "staging"])
+@pytest.mark.parametrize("mode", ["zerocopy", "staging", "auto"])
 @pytest.mark.parametrize("layout,itemsize,hs,dtype,threads", CASES)
 def test_gather_then_scatter_match_reference(mode: str, layout: PagedLayout, itemsize: int, hs: int, dtype: type, threads: int) -> None:
     rng = np.random.default_rng(hash((layout.value, mode)) % 2**32)
@@ -71,6 +79,7 @@ def test_gather_then_scatter_match_reference(mode: str, layout: PagedLayout, ite
     eng = Engine(g, src)
     pool, host = _pool(g, 4)
     xfer = CudaKVTransfer(g, eng.span, eng.offsets, pool, mode=mode, max_ctas=2, threads=threads, max_chunks=2, ring=2)
+    _assert_fast_launch(xfer)
 
     ids = random_block_table(g, rng, 2)
     slots = [3, 1]
