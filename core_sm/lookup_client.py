@@ -150,16 +150,25 @@ class LookupClient:
             for name in ("submits", "duplicate_submits", "invalid_submits", "lookups_sent",
                          "status_queries_sent", "status_resends", "stale_replies", "timeouts",
                          "failures", "resolved", "resolved_zero", "frees_sent", "end_sessions_sent",
-                         "fire_and_forget_replies", "expired_results", "bad_replies")
+                         "fire_and_forget_replies", "expired_results", "bad_replies",
+                         "internal_errors")
         }
 
     # ============================================================================= public API
 
     def handle(self, event: ClientEvent, now: float) -> list[Effect]:
-        """Feed one event; returns the SendRequest effects, in order. Never raises for protocol
-        input (events of other machines are ignored and counted as stale)."""
+        """Feed one event; returns the effects, in order. Never raises: events meant for other
+        machines are ignored and counted as stale; an exception (a bug) is counted in
+        ``stats()["internal_errors"]`` and the effects produced so far are returned."""
         out: list[Effect] = []
-        self._advance(now, out)
+        try:
+            self._advance(now, out)
+            self._dispatch(event, now, out)
+        except Exception:
+            self._counters["internal_errors"] += 1
+        return out
+
+    def _dispatch(self, event: ClientEvent, now: float, out: list[Effect]) -> None:
         if isinstance(event, SubmitLookup):
             self._on_submit(event, now, out)
         elif isinstance(event, ReplyReceived):
@@ -181,7 +190,6 @@ class LookupClient:
             pass  # _advance did the work
         else:
             self._counters["stale_replies"] += 1
-        return out
 
     def check(self, request_id: str) -> int | None:
         """Tokens hit (a multiple of chunk_size) when DONE, None while pending, 0 if unknown."""

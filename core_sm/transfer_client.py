@@ -162,14 +162,25 @@ class TransferClient:
             name: 0
             for name in ("stores", "retrieves", "stores_failed", "retrieves_failed",
                          "stores_skipped_unhealthy", "stale_replies", "stale_copies",
-                         "duplicate_finishes", "bad_replies", "timeouts", "registrations")
+                         "duplicate_finishes", "bad_replies", "timeouts", "registrations",
+                         "internal_errors")
         }
 
     # ============================================================================= public API
 
     def handle(self, event: ClientEvent, now: float) -> list[Effect]:
+        """Feed one event; returns the effects, in order. Never raises: events meant for other
+        machines are ignored and counted as stale; an exception (a bug) is counted in
+        ``stats()["internal_errors"]`` and the effects produced so far are returned."""
         out: list[Effect] = []
-        self._advance(now, out)
+        try:
+            self._advance(now, out)
+            self._dispatch(event, now, out)
+        except Exception:
+            self._counters["internal_errors"] += 1
+        return out
+
+    def _dispatch(self, event: ClientEvent, now: float, out: list[Effect]) -> None:
         if isinstance(event, (SubmitStore, SubmitRetrieve)):
             self._on_submit(event, now, out)
         elif isinstance(event, ReplyReceived):
@@ -189,7 +200,6 @@ class TransferClient:
             pass
         else:
             self._counters["stale_replies"] += 1
-        return out
 
     def finished(self) -> tuple[frozenset[str], frozenset[str]]:
         """``(sending, recving)`` newly finished since the last call (each id once)."""
