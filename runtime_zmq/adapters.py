@@ -785,6 +785,7 @@ class WorkerAdapter(_MachineShell):
             raise RuntimeError(f"mpcache server {self._links.urls[0]} refused the KV cache registration: {exc}") from exc
         self._layers = layers
         self._geometry = geometry
+        self._warm_up_kernels()
         with self._lock:
             self._machine = TransferClient(
                 TransferClientConfig(
@@ -800,6 +801,17 @@ class WorkerAdapter(_MachineShell):
                 )
             )
         self._handle(ServerHealth(0, self._links.healthy(0)))
+
+    def _warm_up_kernels(self) -> None:
+        """Load (or compile) the copy kernels now, not on the first request's critical path."""
+        import numpy as np
+
+        from kernels.cpu import CpuKVTransfer
+
+        bpc = self.chunk_size // self.block_size
+        scratch = CpuKVTransfer(self._geometry, self._layers, np.zeros(self._geometry.slot_bytes, dtype=np.uint8))
+        scratch.gather(np.zeros((0, bpc), dtype=np.int64), np.zeros(0, dtype=np.int64))
+        scratch.scatter(np.zeros(0, dtype=np.int64), np.zeros((0, bpc), dtype=np.int64))
 
     def _map_segment(self, path: str, slot_bytes: int) -> None:
         """Map the server's L1 segment (again after a server restart: a new segment)."""
