@@ -3,8 +3,8 @@ answered exactly once."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 
@@ -13,6 +13,8 @@ from core_sm.messages import CacheKey, RegisterInstance
 from core_sm.server import LookupServer, ServerConfig
 
 C = 4  # a tiny chunk size keeps token lists short
+T = TypeVar("T")
+Pick = Callable[[Sequence[T]], T]  # "choose one of these": Hypothesis draws, or every_choice
 MODEL = "m"
 
 
@@ -115,3 +117,24 @@ class ServerHarness:
         rt = self.send(Store(key(rid, toks, start, end, worker_id, world_size), 1))
         self.finish_all_transfers(ok)
         return self.result(rt)
+
+
+def every_choice(run: Callable[[Pick[Any]], None]) -> None:
+    """Call ``run(pick)`` once per combination of the options its ``pick`` calls offer."""
+    prefix: list[int] = []
+    while True:
+        sizes: list[int] = []
+
+        def pick(options: Sequence[Any]) -> Any:
+            i = prefix[len(sizes)] if len(sizes) < len(prefix) else 0
+            sizes.append(len(options))
+            return options[i]
+
+        run(pick)
+        chosen = prefix + [0] * (len(sizes) - len(prefix))
+        k = len(sizes) - 1
+        while k >= 0 and chosen[k] + 1 >= sizes[k]:
+            k -= 1
+        if k < 0:
+            return
+        prefix = chosen[:k] + [chosen[k] + 1]
