@@ -349,21 +349,21 @@ class StepPlanner:
             )
         preempted_ids = tuple(sorted(set(preempted)))
         for request_id in preempted_ids:
-            tracker = self._trackers.get(request_id)
-            if tracker is not None:
-                tracker.preempted = True
-                tracker.block_ids = []
+            preempted_tracker = self._trackers.get(request_id)
+            if preempted_tracker is not None:
+                preempted_tracker.preempted = True
+                preempted_tracker.block_ids = []
         stores: list[StoreOp] = []
         for request in scheduled:
-            tracker = self._trackers.get(request.request_id)
-            if tracker is None:
+            scheduled_tracker = self._trackers.get(request.request_id)
+            if scheduled_tracker is None:
                 continue
             if request.block_ids is not None:
                 if request.replaces_blocks:
-                    tracker.block_ids = list(request.block_ids)
+                    scheduled_tracker.block_ids = list(request.block_ids)
                 else:
-                    tracker.block_ids.extend(request.block_ids)
-            store = self._plan_store(tracker, request.num_computed_tokens + request.num_scheduled_tokens)
+                    scheduled_tracker.block_ids.extend(request.block_ids)
+            store = self._plan_store(scheduled_tracker, request.num_computed_tokens + request.num_scheduled_tokens)
             if store is not None:
                 stores.append(store)
         return StepPlan(tuple(retrieves), tuple(stores), preempted_ids)
