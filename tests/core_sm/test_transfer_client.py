@@ -38,7 +38,7 @@ from core_sm.transfer_client import (
     TransferClientConfig,
     TransferOp,
 )
-from sm_helpers import C, tokens
+from sm_helpers import C, Pick, every_choice, tokens
 
 FAIL = ProtocolError(ErrorKind.NOT_READABLE, "x")
 TOKS = tokens(2)
@@ -253,8 +253,9 @@ def test_legacy_hooks_show_the_old_bugs() -> None:
 # ------------------------------------------------------------------- all states x all inputs
 
 
-def client_with_op(state: OpState, kind: str) -> tuple[TransferClient, tuple[str, int], list[int]]:
-    c = tc(engine=state in (OpState.COPYING, OpState.COMMITTING), op_timeout=5.0)
+def client_with_op(state: OpState, kind: str, engine: bool = False,
+                   aborted: bool = False) -> tuple[TransferClient, tuple[str, int], list[int]]:
+    c = tc(engine=engine or state in (OpState.COPYING, OpState.COMMITTING), op_timeout=5.0)
     if state is OpState.ABSENT:
         return c, ("r", 999), [999]
     s = store(c) if kind == "store" else retrieve(c)
@@ -265,6 +266,8 @@ def client_with_op(state: OpState, kind: str) -> tuple[TransferClient, tuple[str
         c.handle(ReplyReceived(0, s.correlation, TransferPlan(3, ((0, 1),), True, k)), 0.0)
     if state is OpState.COMMITTING:
         corrs.append(only_send(c.handle(CopyFinished(op, True), 0.0)).correlation)
+    if aborted:
+        c.handle(Abort("r"), 0.0)
     assert c.op_state(op) is state
     return c, op, corrs
 
@@ -276,19 +279,18 @@ def test_table_is_complete() -> None:
                 assert (s, ev) in TRANSITIONS, (s, ev)
 
 
-@settings(max_examples=400, deadline=None)
-@given(state=st.sampled_from(list(OpState)), kind=st.sampled_from(["store", "retrieve"]),
-       event_type=st.sampled_from(EVENTS), data=st.data())
-def test_every_state_times_every_input(state: OpState, kind: str, event_type: type,
-                                       data: st.DataObject) -> None:
-    c, op, corrs = client_with_op(state, kind)
+def _walk_one(state: OpState, kind: str, event_type: type, pick: Pick[Any]) -> OpState | None:
+    """One step; returns the op's next state (None: a submit from a non-ABSENT op, skipped)."""
+    engine = state is OpState.SENT and pick([False, True])
+    c, op, corrs = client_with_op(state, kind, engine, aborted=state is not OpState.ABSENT and pick([False, True]))
+    if state is OpState.COPYING and pick([False, True]):
+        c.handle(ServerHealth(0, False), 0.0)  # the engine copy outlives the server's health
     now = 0.0
     ev: Any
     if event_type in (SubmitStore, SubmitRetrieve):
         if state is not OpState.ABSENT:
-            return  # a submit creates a new op; it never addresses an existing one
-        healthy = data.draw(st.booleans())
-        if not healthy:
+            return None  # a submit creates a new op; it never addresses an existing one
+        if not pick([True, False]):
             c.handle(ServerHealth(0, False), 0.0)
         ev = (SubmitStore("r", TOKS, 0, 2 * C, BLOCKS) if event_type is SubmitStore
               else SubmitRetrieve("r", TOKS, 0, 2 * C, BLOCKS))
@@ -297,21 +299,21 @@ def test_every_state_times_every_input(state: OpState, kind: str, event_type: ty
         after = c.op_state(ops[0]) if ops else OpState.ABSENT
         assert after in TRANSITIONS[(state, event_type)]
         c.check_invariants()
-        return
+        return after
     if event_type in (ReplyReceived, RequestFailed):
-        corr = data.draw(st.sampled_from(corrs + [12345]))
+        corr = pick(corrs + [12345])
         if event_type is RequestFailed:
             ev = RequestFailed(0, corr, FAIL)
         else:
-            ev = ReplyReceived(0, corr, data.draw(st.sampled_from([
+            ev = ReplyReceived(0, corr, pick([
                 None, StoreResult(True), StoreResult(False), RetrieveResult(True), RetrieveResult(False),
-                TransferPlan(4, ((0, 2),)), TransferPlan(-1, (), False)])))
+                TransferPlan(4, ((0, 2),)), TransferPlan(-1, (), False)]))
     elif event_type is CopyFinished:
-        ev = CopyFinished(data.draw(st.sampled_from([op, ("r", 4242)])), data.draw(st.booleans()))
+        ev = CopyFinished(pick([op, ("r", 4242)]), pick([True, False]))
     elif event_type is ServerHealth:
-        ev = ServerHealth(data.draw(st.integers(0, 1)), data.draw(st.booleans()))
+        ev = ServerHealth(pick([0, 1]), pick([True, False]))
     elif event_type is TimerFired:
-        now = data.draw(st.sampled_from([0.0, 4.9, 5.0, 50.0]))
+        now = pick([0.0, 4.9, 5.0, 50.0])
         ev = TimerFired()
     elif event_type is Abort:
         ev = Abort("r")
@@ -322,5 +324,31 @@ def test_every_state_times_every_input(state: OpState, kind: str, event_type: ty
     assert after in TRANSITIONS[(state, event_type)], (state, event_type, after)
     assert all(isinstance(e, (SendRequest, CopyBlocks)) for e in effects)
     c.check_invariants()
+    assert c.stats()["internal_errors"] == 0
     sending, recving = c.finished()
     assert not (sending & recving), "one request reported both ways in one call"
+    return after
+
+
+@settings(max_examples=400, deadline=None)
+@given(state=st.sampled_from(list(OpState)), kind=st.sampled_from(["store", "retrieve"]),
+       event_type=st.sampled_from(EVENTS), data=st.data())
+def test_every_state_times_every_input(state: OpState, kind: str, event_type: type,
+                                       data: st.DataObject) -> None:
+    _walk_one(state, kind, event_type, lambda opts: data.draw(st.sampled_from(opts)))
+
+
+def test_every_listed_transition_happens() -> None:
+    seen: set[tuple[OpState, type, OpState]] = set()
+
+    def record(state: OpState, kind: str, event_type: type, pick: Pick[Any]) -> None:
+        after = _walk_one(state, kind, event_type, pick)
+        if after is not None:
+            seen.add((state, event_type, after))
+
+    for state in OpState:
+        for kind in ("store", "retrieve"):
+            for event_type in EVENTS:
+                every_choice(lambda pick: record(state, kind, event_type, pick))
+    listed = {(s, e, nxt) for (s, e), ns in TRANSITIONS.items() for nxt in ns}
+    assert listed - seen == set(), "listed but never seen"
