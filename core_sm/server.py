@@ -155,7 +155,7 @@ TRANSITIONS: dict[tuple[enum.Enum, type], frozenset[enum.Enum]] = {
     (_T.ABSENT, Clear): frozenset({_T.ABSENT}),
     (_T.RUNNING, TransferFinished): frozenset({_T.ABSENT}),
     (_T.RUNNING, CommitTransfer): frozenset({_T.RUNNING}),
-    (_T.RUNNING, TimerFired): frozenset({_T.RUNNING}),
+    (_T.RUNNING, TimerFired): frozenset({_T.RUNNING, _T.ABSENT}),  # completion never reported
     (_T.RUNNING, Clear): frozenset({_T.RUNNING}),
     (_T.PREPARED, CommitTransfer): frozenset({_T.ABSENT}),
     (_T.PREPARED, TransferFinished): frozenset({_T.PREPARED}),
@@ -249,7 +249,8 @@ class LookupServer:
                 "requests", "errors", "lookups", "duplicate_lookups", "status_queries",
                 "unknown_status", "hit_chunks", "lookup_chunks", "reaped_jobs", "l2_timeouts",
                 "l2_reads", "l2_writes", "stale_events", "transfers_started", "transfers_failed",
-                "retrieve_misses", "expired_plans", "waiter_timeouts", "internal_errors",
+                "retrieve_misses", "expired_plans", "expired_transfers", "l2_reads_expired",
+                "l2_writes_expired", "waiter_timeouts", "internal_errors",
                 "tombstones_dropped",
             )
         }
@@ -480,6 +481,7 @@ class LookupServer:
         job.l2_deadline = now + self.config.l2_read_timeout
         self._push_timer(job.l2_deadline, "l2_timeout", (rid, job.serial))
         self._reads[read.read_id] = read
+        self._push_timer(now + self.config.lease_ttl, "l2_read", read.read_id)
         self._counters["l2_reads"] += 1
         slots = tuple(self.index.slot_of(k) for k in read.keys)
         out.append(ReadL2(read.read_id, tuple((k, s) for k, s in zip(read.keys, slots) if s is not None)))
@@ -641,7 +643,7 @@ class LookupServer:
         t = Transfer(
             tid, TransferKind.STORE, engine_driven, ev.key.request_id, ev.reply_to,
             tuple(reserved), tuple(placements), skipped,
-            now + self.config.lease_ttl if engine_driven else None,
+            now + self.config.lease_ttl,
         )
         self._begin_transfer(t, ev, out)
 
@@ -677,7 +679,7 @@ class LookupServer:
         t = Transfer(
             tid, TransferKind.RETRIEVE, engine_driven, ev.key.request_id, ev.reply_to,
             tuple(keys), tuple(placements), 0,
-            now + self.config.lease_ttl if engine_driven else None,
+            now + self.config.lease_ttl,
         )
         self._begin_transfer(t, ev, out)
 
@@ -687,9 +689,9 @@ class LookupServer:
         self._transfers[t.transfer_id] = t
         self._counters["transfers_started"] += 1
         skip = getattr(ev, "skip_first_n_tokens", 0)
+        assert t.deadline is not None
+        self._push_timer(t.deadline, "transfer", t.transfer_id)
         if t.engine_driven:
-            assert t.deadline is not None
-            self._push_timer(t.deadline, "plan", t.transfer_id)
             out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip)))
         else:
             assert isinstance(ev, (Store, Retrieve))
@@ -755,6 +757,7 @@ class LookupServer:
         if not items:
             return
         self._writes[wid] = tuple(k for k, _ in items)
+        self._push_timer(now + self.config.lease_ttl, "l2_write", wid)
         self._counters["l2_writes"] += 1
         out.append(WriteL2(wid, tuple(items)))
 
@@ -791,6 +794,16 @@ class LookupServer:
                     self._lease_for_lookup(job.request_id, k, job.num_readers, now)
             hits += 1
         self._complete_job(job, hits, now, out)
+
+    def _expire_read(self, read: L2Read, now: float, out: list[Effect]) -> None:
+        """An L2 read never answered within the lease TTL: its reservations are dropped (the
+        index expired them already) and a job still waiting on it resolves with its L1 prefix."""
+        self._counters["l2_reads_expired"] += 1
+        for k in read.keys:
+            self.index.abort_write(k, ("l2read", read.read_id), now)
+        job = self._jobs.get(read.request_id) if read.request_id is not None else None
+        if job is not None and job.read_id == read.read_id:
+            self._complete_job(job, job.l1_prefix, now, out)
 
     def _on_timer(self, ev: TimerFired, now: float, out: list[Effect]) -> None:
         pass  # _advance already did the work
@@ -829,11 +842,21 @@ class LookupServer:
                 if job.read_id is not None and job.read_id in self._reads:
                     self._reads[job.read_id].request_id = None
                 self._complete_job(job, job.l1_prefix, now, out)
-            elif kind == "plan":
+            elif kind == "transfer":
+                # An uncommitted plan, or a completion the runtime never reported: fail it so
+                # the request is answered (server-driven) and the bookkeeping is bounded.
                 assert isinstance(ident, int)
                 t = self._transfers.pop(ident)
-                self._counters["expired_plans"] += 1
-                self._finish_transfer(t, False, None, now, out)
+                self._counters["expired_plans" if t.engine_driven else "expired_transfers"] += 1
+                self._finish_transfer(t, False, None if t.engine_driven else t.reply_to, now, out)
+            elif kind == "l2_read":
+                assert isinstance(ident, int)
+                self._expire_read(self._reads.pop(ident), now, out)
+            elif kind == "l2_write":
+                assert isinstance(ident, int)
+                self._counters["l2_writes_expired"] += 1
+                for k in self._writes.pop(ident):
+                    self.index.release_read(k, ("l2write", ident), None, ReleaseReason.L2_WRITE, now)
         if due_reaps:
             self._reap_abandoned_jobs(now, out)
             self._due_reaps = []
@@ -845,8 +868,12 @@ class LookupServer:
         _deadline, _seq, kind, ident = entry
         if kind == "waiter":
             return ident in self._waiter_by_id
-        if kind == "plan":
+        if kind == "transfer":
             return ident in self._transfers
+        if kind == "l2_read":
+            return ident in self._reads
+        if kind == "l2_write":
+            return ident in self._writes
         assert isinstance(ident, tuple)
         job = self._jobs.get(ident[0])
         if job is None or job.serial != ident[1]:

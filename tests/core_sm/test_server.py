@@ -503,3 +503,34 @@ def test_forced_clear_spares_objects_in_flight_copies_use() -> None:
     assert h.result(st) == StoreResult(True, 1, 0)
     h.call(Clear(True))
     assert h.server.stats()["objects"] == 0
+
+
+def test_a_completion_the_runtime_never_reports_still_answers_the_request() -> None:
+    h = ServerHarness(lease_ttl=100.0)
+    h.register()
+    toks = tokens(2)
+    rt = h.send(Store(key("w", toks, worker_id=0), 1))
+    (t,) = h.transfers.values()
+    h.advance(99.0)
+    assert h.reply(rt) is None
+    h.advance(1.0)
+    assert h.result(rt) == StoreResult(False, 0, 2)
+    assert h.server.stats()["expired_transfers"] == 1 and h.server.stats()["objects"] == 0
+    h.feed(TransferFinished(t.transfer_id, True))  # too late: stale
+    assert h.server.stats()["stale_events"] == 1
+
+
+def test_l2_read_and_write_never_answered_are_bounded() -> None:
+    h = ServerHarness(l2_enabled=True, write_behind=True, lease_ttl=100.0, l2_read_timeout=1000.0,
+                      abandoned_job_ttl=1000.0)
+    h.register()
+    h.store(tokens(1, seed=3))
+    assert len(h.writes) == 1
+    h.call(Lookup(key("r", tokens(2))))
+    assert h.server.job_state("r") is JobState.PENDING
+    h.advance(100.0)
+    st = h.server.stats()
+    assert st["l2_reads_in_flight"] == 0 and st["l2_writes_in_flight"] == 0
+    assert st["l2_reads_expired"] == 1 and st["l2_writes_expired"] == 1
+    assert h.call(QueryPrefetchStatus("r")) == 0
+    assert h.server.leases_by_owner() == {}
