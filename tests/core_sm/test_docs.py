@@ -1,0 +1,58 @@
+"""docs/core_sm.md is the contract others build against: every class, hook and field it names
+must exist with that name."""
+from __future__ import annotations
+
+import keyword
+import pathlib
+import re
+
+import attrs
+
+import core_sm.chunks
+import core_sm.effects
+import core_sm.errors
+import core_sm.l1_index
+import core_sm.lookup_client
+import core_sm.messages
+import core_sm.server
+import core_sm.transfer_client
+
+DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "core_sm.md").read_text()
+MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.l1_index, core_sm.lookup_client,
+           core_sm.messages, core_sm.server, core_sm.transfer_client]
+NAMESPACE = {name: getattr(m, name) for m in MODULES for name in dir(m) if not name.startswith("__")}
+
+
+def test_every_class_the_doc_calls_exists_with_those_fields() -> None:
+    checked = 0
+    for name, args in re.findall(r"`([A-Z][A-Za-z0-9]+)\(([^`]*)\)`", DOC):
+        assert name in NAMESPACE, f"docs name {name} but core_sm has no such class"
+        cls = NAMESPACE[name]
+        if not attrs.has(cls) or not args.strip() or "..." in args:
+            continue
+        fields = [f.name for f in attrs.fields(cls)]
+        parts = [a.strip() for a in re.split(r",\s*(?![^()]*\))", args)]
+        if any(keyword.iskeyword(p) or p[:1] in "-0123456789\"'" for p in parts):
+            continue  # an example value, not a signature
+        for arg in parts:
+            field = arg.split("=")[0].split(":")[0].strip()
+            if field.isidentifier():
+                assert field in fields, f"{name}: the doc's field {field!r} is not one of {fields}"
+                checked += 1
+    assert checked > 50
+
+
+def test_every_hook_the_doc_names_exists() -> None:
+    classes = {"LookupServer": core_sm.server.LookupServer,
+               "LookupClient": core_sm.lookup_client.LookupClient,
+               "TransferClient": core_sm.transfer_client.TransferClient}
+    rows = re.findall(r"\| `(LookupServer|LookupClient|TransferClient)` \| `(_[a-z_]+)\(", DOC)
+    assert len(rows) >= 12
+    for cls, hook in rows:
+        assert callable(getattr(classes[cls], hook, None)), f"{cls}.{hook} is documented but missing"
+
+
+def test_error_kinds_match() -> None:
+    documented = set(re.search(r"`ErrorKind` \(enum, value = wire name\): `([^`]*)`", DOC).group(1)  # type: ignore[union-attr]
+                     .replace(" ", "").split(","))
+    assert documented == {k.name for k in core_sm.errors.ErrorKind}
