@@ -1,12 +1,17 @@
 """Soak: a long stream of lookups against one server; its memory must stay flat.
 
-Each lookup runs the scheduler's cycle on its own request id: `lookup` → (after the ack)
-`query_prefetch_status` → `end_session`, with `WINDOW` cycles in flight on one DEALER socket.
-Half the prompts are stored (4-chunk L1 hits), half are misses; one cycle in a
-hundred is abandoned after the lookup (never queried, never ended), so the server's reaper must
-free its leases. After a warm-up of 10% of the lookups, the server's RSS may grow by at most 5%.
+Each lookup runs the scheduler's cycle on a request id never used before (as vLLM's are):
+`lookup` → (after the ack) `query_prefetch_status` → `end_session`, with `WINDOW` cycles in flight
+on one DEALER socket. Half the prompts are stored (4-chunk L1 hits), half are misses; one cycle in
+a hundred is abandoned after the lookup (never queried, never ended), so its leases stay held until
+the server's reaper frees them at the job TTL.
 
-`MPCACHE_SOAK_LOOKUPS` sets the count (default 1,000,000); `make soak` runs it.
+Every per-request table is bounded by a TTL, so memory reaches a plateau once the run is older
+than the longest TTL. The warm-up is therefore the later of 10% of the lookups and TTL + 15 s; after
+it the server's RSS may grow by at most 5%, and at the end every lease and job must be gone.
+
+Environment: `MPCACHE_SOAK_LOOKUPS` (default 1,000,000), `MPCACHE_SOAK_TTL` (job and tombstone
+TTL in seconds, default 60 as in production; lower it for a shorter run). `make soak` runs it.
 """
 from __future__ import annotations
 
@@ -25,13 +30,16 @@ from runtime_zmq.client import MPCacheClient
 pytestmark = pytest.mark.slow
 
 LOOKUPS = int(os.environ.get("MPCACHE_SOAK_LOOKUPS", "1000000"))
+TTL_S = float(os.environ.get("MPCACHE_SOAK_TTL", "60"))
 WINDOW = 32
 CHUNK = 256
 CHUNKS = 4
 OBJ_BYTES = 4096
 STORED_PROMPTS = 8
+MISS_PROMPTS = 64
 MAX_RSS_GROWTH = 0.05
 ABANDON_EVERY = 100
+RSS_SAMPLE_EVERY = 5_000
 
 
 def _rss_bytes(pid: int) -> int:
@@ -56,11 +64,12 @@ def _prompt(seed: int) -> list[int]:
 
 
 def test_soak_lookups_rss_flat(start_server: Callable[..., Any]) -> None:
-    # Short TTLs so abandoned jobs and tombstones are reaped many times during the run.
-    sp = start_server("--job-ttl", "2", "--tombstone-ttl", "2", "--lease-ttl", "5",
-                      "--log-level", "WARNING", transport="ipc")
+    ttl = f"{TTL_S:g}"
+    sp = start_server("--job-ttl", ttl, "--tombstone-ttl", ttl, "--log-level", "WARNING",
+                      transport="ipc")
     pid = sp.proc.pid
     stored = [_prompt(s) for s in range(STORED_PROMPTS)]
+    misses = [_prompt(10_000 + s) for s in range(MISS_PROMPTS)]
     with MPCacheClient(sp.url, request_timeout=10.0) as c:
         layout = {"model_name": "soak", "world_size": 1, "object_bytes": OBJ_BYTES, "engine_driven": True}
         assert c.register_instance(1, layout).result(5) is None
@@ -70,36 +79,29 @@ def test_soak_lookups_rss_flat(start_server: Callable[..., Any]) -> None:
             assert c.commit_store(plan["transfer_id"], True).result(5)["ok"]
             c.end_session(f"store-{i}").result(5)
 
-    # Pre-encoded lookup frames: stored prompts (hits) and fresh ones (misses), request ids cycled.
-    ids = 4096
-    lookup_frames: list[bytes] = []
-    rid_frames: list[bytes] = []
-    expect_hits: list[int] = []
-    for n in range(ids):
-        rid = f"soak-{n}"
-        hit = n % 2 == 0
-        toks = stored[n % STORED_PROMPTS] if hit else _prompt(10_000 + n)
-        lookup_frames.append(msgpack.packb(_key(toks, rid)))
-        rid_frames.append(msgpack.packb(rid))
-        expect_hits.append(CHUNKS if hit else 0)
-    op_lookup, op_status, op_end = (msgpack.packb(o) for o in ("lookup", "query_prefetch_status", "end_session"))
+    op_lookup, op_status, op_end, op_error = (
+        msgpack.packb(o) for o in ("lookup", "query_prefetch_status", "end_session", "error"))
     tp = msgpack.packb(1)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sp.url)
-    # uid -> (cycle number, stage)
-    pending: dict[int, tuple[int, str]] = {}
+    pending: dict[int, tuple[int, str]] = {}  # uid -> (cycle, stage)
     uid = 0
     started = 0
     finished = 0
     abandoned = 0
     wrong: list[str] = []
-    warmup = max(LOOKUPS // 10, 1000)
+    warmup_lookups = max(LOOKUPS // 10, 1000)
+    warmup_until = time.monotonic() + TTL_S + 15
     rss_warm = 0
+    warm_at = 0
     rss_peak_after_warm = 0
     t0 = time.monotonic()
+
+    def rid_frame(cycle: int) -> bytes:
+        return msgpack.packb(f"soak-{cycle}")
 
     def send(frames: list[bytes], cycle: int, stage: str) -> None:
         nonlocal uid
@@ -107,16 +109,13 @@ def test_soak_lookups_rss_flat(start_server: Callable[..., Any]) -> None:
         pending[uid] = (cycle, stage)
         sock.send_multipart([msgpack.packb(uid)] + frames)
 
-    def start_cycle() -> None:
-        nonlocal started
-        i = started % ids
-        send([op_lookup, lookup_frames[i], tp], started, "lookup")
-        started += 1
-
     try:
         while finished < LOOKUPS:
             while started < LOOKUPS and len(pending) < WINDOW:
-                start_cycle()
+                cycle = started
+                toks = stored[cycle // 2 % STORED_PROMPTS] if cycle % 2 == 0 else misses[cycle // 2 % MISS_PROMPTS]
+                send([op_lookup, msgpack.packb(_key(toks, f"soak-{cycle}")), tp], cycle, "lookup")
+                started += 1
             if not sock.poll(20_000):
                 raise AssertionError(f"no reply for 20 s after {finished} lookups; {len(pending)} pending")
             while True:
@@ -125,31 +124,33 @@ def test_soak_lookups_rss_flat(start_server: Callable[..., Any]) -> None:
                 except zmq.Again:
                     break
                 cycle, stage = pending.pop(msgpack.unpackb(reply[0]))
-                i = cycle % ids
-                if reply[1] == b"\xa5error":
+                if reply[1] == op_error:
                     wrong.append(f"{stage} of cycle {cycle}: {msgpack.unpackb(reply[2])!r}")
                     finished += 1
                 elif stage == "lookup":
                     if cycle % ABANDON_EVERY == ABANDON_EVERY - 1:
-                        # Abandoned: the id's next use (ids later) replaces it, or the reaper frees it.
-                        abandoned += 1
+                        abandoned += 1  # its leases stay held until the job TTL reaps them
                         finished += 1
                     else:
-                        send([op_status, rid_frames[i]], cycle, "status")
+                        send([op_status, rid_frame(cycle)], cycle, "status")
                 elif stage == "status":
                     status = msgpack.unpackb(reply[2]) if len(reply) > 2 else None
                     if status is None:
-                        send([op_status, rid_frames[i]], cycle, "status")  # still loading
+                        send([op_status, rid_frame(cycle)], cycle, "status")  # still loading
                     else:
-                        if status != expect_hits[i]:
-                            wrong.append(f"cycle {cycle}: status {status}, expected {expect_hits[i]}")
-                        send([op_end, rid_frames[i]], cycle, "end")
+                        expected = CHUNKS if cycle % 2 == 0 else 0
+                        if status != expected:
+                            wrong.append(f"cycle {cycle}: status {status}, expected {expected}")
+                        send([op_end, rid_frame(cycle)], cycle, "end")
                 else:
                     finished += 1
-                if finished == warmup and rss_warm == 0:
-                    rss_warm = _rss_bytes(pid)
-                elif rss_warm and finished % 10_000 == 0:
-                    rss_peak_after_warm = max(rss_peak_after_warm, _rss_bytes(pid))
+                if finished % RSS_SAMPLE_EVERY == 0:
+                    if not rss_warm:
+                        if finished >= warmup_lookups and time.monotonic() >= warmup_until:
+                            rss_warm = _rss_bytes(pid)
+                            warm_at = finished
+                    else:
+                        rss_peak_after_warm = max(rss_peak_after_warm, _rss_bytes(pid))
             if len(wrong) > 10:
                 break
     finally:
@@ -157,23 +158,26 @@ def test_soak_lookups_rss_flat(start_server: Callable[..., Any]) -> None:
         ctx.term()
     elapsed = time.monotonic() - t0
     rss_end = _rss_bytes(pid)
-    rss_peak_after_warm = max(rss_peak_after_warm, rss_end)
     assert wrong == [], wrong[:10]
+    assert rss_warm, (
+        f"the run ({LOOKUPS} lookups, {elapsed:.0f} s) ended before the warm-up (TTL {TTL_S:g} s "
+        f"+ 15 s); raise MPCACHE_SOAK_LOOKUPS or lower MPCACHE_SOAK_TTL")
+    rss_peak_after_warm = max(rss_peak_after_warm, rss_end)
 
-    # Let the reaper take the abandoned jobs' leases (job TTL 2 s), then check the tables drained.
+    # The last abandoned jobs are reaped at the job TTL; then every table must be empty.
     with MPCacheClient(sp.url, request_timeout=10.0) as c:
-        end = time.monotonic() + 15
+        end = time.monotonic() + TTL_S + 15
         while True:
             s = c.stats()
             if s["leases_held"] == 0 and s["jobs"] == 0 or time.monotonic() > end:
                 break
-            time.sleep(0.2)
+            time.sleep(0.5)
     growth = rss_peak_after_warm / rss_warm - 1
-    print(f"\nsoak: {LOOKUPS} lookups ({abandoned} abandoned) in {elapsed:.1f} s "
-          f"({LOOKUPS / elapsed:,.0f}/s); RSS after warm-up {rss_warm / 2**20:.1f} MiB, "
-          f"peak after {rss_peak_after_warm / 2**20:.1f} MiB, end {rss_end / 2**20:.1f} MiB "
-          f"({growth * 100:+.2f}%); final stats: leases_held={s['leases_held']} jobs={s['jobs']} "
-          f"tombstones={s['tombstones']}")
+    print(f"\nsoak: {LOOKUPS} lookups ({abandoned} abandoned), TTL {TTL_S:g} s, in {elapsed:.1f} s "
+          f"({LOOKUPS / elapsed:,.0f}/s); RSS at warm-up end (lookup {warm_at}) "
+          f"{rss_warm / 2**20:.1f} MiB, peak after {rss_peak_after_warm / 2**20:.1f} MiB, end "
+          f"{rss_end / 2**20:.1f} MiB ({growth * 100:+.2f}%); after the reaper: "
+          f"leases_held={s['leases_held']} jobs={s['jobs']} tombstones={s['tombstones']}")
     assert s["leases_held"] == 0, s
     assert s["jobs"] == 0, s
     assert growth <= MAX_RSS_GROWTH, f"RSS grew {growth * 100:.1f}% after warm-up"
