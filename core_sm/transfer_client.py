@@ -117,6 +117,8 @@ EVENTS = (SubmitStore, SubmitRetrieve, ReplyReceived, RequestFailed, CopyFinishe
 
 @attrs.define
 class TransferOp:
+    """One store or retrieve of one request, from submit to its final reply."""
+
     op: OpId
     kind: TransferKind
     key: CacheKey
@@ -131,11 +133,13 @@ class TransferOp:
 
 @attrs.define
 class RequestRecord:
+    """One request's ops in flight; dropped once nothing is in flight (and, if the engine
+    finished it, once it has been queued for the ``sending`` report)."""
+
     request_id: str
     next_seq: int = 0  # ops submitted so far
     ops: dict[OpId, TransferOp] = attrs.Factory(dict)
     engine_finished: bool = False
-    retrieve_done: bool = False  # some retrieve op completed since the last recving report
 
 
 class TransferClient:
