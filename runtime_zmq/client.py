@@ -62,6 +62,27 @@ def _key_arg(key: WireKey | dict[str, Any]) -> dict[str, Any]:
     return encode_key(key) if isinstance(key, WireKey) else key
 
 
+class ReplyFuture(Future[Any]):
+    """A ``concurrent.futures.Future`` whose blocking ``result()``/``exception()`` read the
+    socket on the calling thread when no other thread is doing so: a blocking call then costs no
+    thread hop at all."""
+
+    def __init__(self, client: MPCacheClient) -> None:
+        super().__init__()
+        self._client = client
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._client._wait(self, timeout)
+        # after _wait: done, or the timeout has passed (0: raise TimeoutError now)
+        return super().result(timeout=None if timeout is None else 0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self._client._wait(self, timeout)
+        return super().exception(timeout=None if timeout is None else 0)
+
+
 class _Pending:
     __slots__ = ("future", "op_frame", "op", "deadline", "is_ping")
 
@@ -109,6 +130,10 @@ class MPCacheClient:
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)
         self._lock = threading.Lock()
+        # held by whichever thread is reading replies off the socket (a blocking call() or the
+        # client thread)
+        self._recv_lock = threading.Lock()
+        self._io_watching = False  # the client thread's poll includes the socket
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._uids = itertools.count(1)
@@ -120,6 +145,8 @@ class MPCacheClient:
         self._ping_uid: int | None = None
         self._next_ping = 0.0
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="mpcache-client", daemon=True)
         self._thread.start()
         if wait_connected:
@@ -152,14 +179,14 @@ class MPCacheClient:
     def call(self, op: str | int, *args: Any, timeout: float | None = None) -> Any:
         t = self.request_timeout if timeout is None else timeout
         # the future's own timeout fires first; the extra second only guards a wedged client thread
-        return self._submit(op, args, t, False).result(t + 1.0)
+        return self._submit(op, args, t, False, direct=True).result(t + 1.0)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        os.write(self._wake_w, b"x")
+        self._wake()
         self._thread.join(5.0)
         with self._health_changed:
             self._health_changed.notify_all()
@@ -237,8 +264,10 @@ class MPCacheClient:
 
     # ------------------------------------------------------------------ internals
 
-    def _submit(self, op: str | int, args: Sequence[Any], timeout: float, is_ping: bool) -> Future[Any]:
-        fut: Future[Any] = Future()
+    def _submit(self, op: str | int, args: Sequence[Any], timeout: float, is_ping: bool, direct: bool = False) -> Future[Any]:
+        """Send one request. ``direct``: the caller blocks on the result at once (and so reads
+        the socket itself): no need to wake the client thread."""
+        fut: Future[Any] = ReplyFuture(self)
         try:
             op_frame = msgpack.packb(op)
             payload = [msgpack.packb(a, use_bin_type=True) for a in args]
@@ -267,12 +296,66 @@ class MPCacheClient:
             # for the next timeout of the client thread.
             if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._drain_locked(done)
+            # nobody is reading the socket: make the client thread watch it
+            wake = not direct and not self._io_watching and not self._recv_lock.locked()
+        if wake:
+            self._wake()
         self._finish(done)
         return fut
 
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _wait(self, fut: Future[Any], timeout: float | None) -> None:
+        """Block until ``fut`` is done or ``timeout`` passed, reading replies on this thread when
+        no other thread is (else waiting for the thread that is)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller: select.poll | None = None
+        while not fut.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            if self._recv_lock.acquire(blocking=False):
+                try:
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(self._fd, select.POLLIN)
+                    while not fut.done():
+                        done: list[tuple[Future[Any], bool, Any]] = []
+                        with self._lock:
+                            if self._closed:
+                                return
+                            self._drain_locked(done)
+                        self._finish(done)
+                        if fut.done():
+                            break
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            break
+                        # bounded sleep: the client thread may have failed the future meanwhile
+                        poller.poll(200.0 if left is None else min(left, 0.2) * 1000)
+                finally:
+                    self._recv_lock.release()
+                    with self._lock:
+                        others = bool(self._pending)
+                    if others:
+                        self._wake()  # replies for other requests: the client thread reads them
+                return
+            # another thread reads the socket and will resolve fut; re-check now and then in
+            # case it stops reading before our reply arrives
+            try:
+                Future.result(fut, 0.05 if left is None else min(left, 0.05))
+            except BaseException:
+                pass
+
     def _drain_locked(self, done: list[tuple[Future[Any], bool, Any]]) -> None:
         sock = self._sock
-        while True:
+        # check EVENTS rather than catching zmq.Again: an exception per drain costs more than
+        # the reply itself
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -336,20 +419,30 @@ class MPCacheClient:
             log.info("mpcache server %s is answering", self.url)
         self._notify_health = True
         if threading.current_thread() is not self._thread:
-            os.write(self._wake_w, b"h")
+            self._wake()
 
     def _run(self) -> None:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
+        wake_only = select.poll()
+        wake_only.register(self._wake_r, select.POLLIN)
         try:
             while True:
                 now = time.monotonic()
                 done: list[tuple[Future[Any], bool, Any]] = []
+                # A thread blocked in result() may be reading the socket; then leave the replies
+                # to it and do not watch the socket (it wakes us when it stops).
+                receiving = self._recv_lock.acquire(blocking=False)
                 with self._lock:
                     if self._closed:
+                        if receiving:
+                            self._recv_lock.release()
                         break
-                    self._drain_locked(done)
+                    if receiving:
+                        self._drain_locked(done)
+                        self._recv_lock.release()
+                    self._io_watching = receiving
                     # expire per-request timeouts; a heartbeat that timed out means unhealthy
                     while self._deadlines and self._deadlines[0][0] <= now:
                         _, uid = heapq.heappop(self._deadlines)
@@ -381,10 +474,17 @@ class MPCacheClient:
                         except Exception:
                             log.exception("health callback failed")
                 timeout_ms = max(0.0, (wait_until - time.monotonic()) * 1000)
-                # The FD is edge-triggered; cap the sleep so a lost edge costs at most 50 ms.
-                for fd, _ in poller.poll(min(timeout_ms, 50.0)):
+                if receiving:
+                    # The FD is edge-triggered; cap the sleep so a lost edge costs at most 50 ms.
+                    events = poller.poll(min(timeout_ms, 50.0))
+                else:
+                    events = wake_only.poll(timeout_ms)
+                for fd, _ in events:
                     if fd == self._wake_r:
-                        os.read(self._wake_r, 64)
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
         except Exception:
             log.exception("mpcache client thread failed")
         finally:

@@ -1,41 +1,93 @@
-"""Prometheus metrics of one server (prometheus-client, own registry so tests can run several
-servers' code in one process). Request counters and latencies are recorded on the loop thread;
-gauges are refreshed from ``LookupServer.stats()`` at most once a second (off the hot path)."""
+"""Prometheus metrics of one server.
+
+The loop thread records into plain dicts and lists (a counter bump is a dict update, a latency
+observation a bisect): prometheus-client's own metric objects cost tens of microseconds per
+request in locking and label lookups, more than serving a status query. A custom collector turns
+the numbers into metric families only when Prometheus scrapes (on the HTTP thread; the values
+are read without a lock, a scrape may be one request stale). Gauges mirror the ``stats`` op.
+"""
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0, 5.0, 30.0)
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0, 5.0, 30.0)
 
 
-class ServerMetrics:
+class _Histogram:
+    __slots__ = ("counts", "total", "n")
+
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("mpcache_requests", "Requests answered, by op and outcome", ["op", "outcome"], registry=r)
-        self.latency = Histogram("mpcache_request_latency_seconds", "Receive-to-reply latency by op", ["op"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.malformed = Counter("mpcache_malformed_messages", "Messages with no readable uid (not answered)", registry=r)
-        self.dropped_replies = Counter("mpcache_dropped_replies", "Replies whose peer was gone or full", registry=r)
-        self.errors = Counter("mpcache_errors", "Error replies by kind", ["kind"], registry=r)
-        self.block_allocation_reports = Counter("mpcache_block_allocation_reports", "report_block_allocation records", registry=r)
-        self.l2_reads = Counter("mpcache_l2_objects_read", "Objects read from L2 (attempts)", registry=r)
-        self.l2_read_hits = Counter("mpcache_l2_hits", "Objects loaded from L2 into L1", registry=r)
-        self.l2_writes = Counter("mpcache_l2_objects_written", "Objects written behind to L2", registry=r)
-        self.gauges: dict[str, Gauge] = {}
-        self._seen: dict[str, float] = {}
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+        self.n = 0
 
-    def update_stats(self, stats: dict[str, Any]) -> None:
-        """Export ``stats`` (numbers only) as gauges ``mpcache_state_<name>``."""
-        for name, value in stats.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            g = self.gauges.get(name)
-            if g is None:
+
+class ServerMetrics(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.requests: dict[tuple[str, str], int] = {}  # (op, outcome) -> count
+        self.errors: dict[str, int] = {}  # kind -> count
+        self.latency: dict[str, _Histogram] = {}
+        self.counters: dict[str, int] = {
+            "malformed_messages": 0,
+            "dropped_replies": 0,
+            "block_allocation_reports": 0,
+            "l2_objects_read": 0,
+            "l2_hits": 0,
+        }
+        self._stats = stats
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # hot path -----------------------------------------------------------------------------
+    def request(self, op: str, outcome: str, seconds: float) -> None:
+        k = (op, outcome)
+        self.requests[k] = self.requests.get(k, 0) + 1
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = _Histogram()
+        h.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        h.total += seconds
+        h.n += 1
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    # scrape -------------------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        req = CounterMetricFamily("mpcache_requests", "Requests answered, by op and outcome", labels=["op", "outcome"])
+        for (op, outcome), n in list(self.requests.items()):
+            req.add_metric([op, outcome], n)
+        yield req
+        err = CounterMetricFamily("mpcache_errors", "Error replies by kind", labels=["kind"])
+        for kind, n in list(self.errors.items()):
+            err.add_metric([kind], n)
+        yield err
+        lat = HistogramMetricFamily("mpcache_request_latency_seconds", "Receive-to-reply latency by op", labels=["op"])
+        for op, h in list(self.latency.items()):
+            cum, buckets = 0, []
+            for bound, c in zip([*map(str, LATENCY_BUCKETS), "+Inf"], h.counts):
+                cum += c
+                buckets.append((bound, cum))
+            lat.add_metric([op], buckets, h.total)
+        yield lat
+        for name, n in list(self.counters.items()):
+            yield CounterMetricFamily(f"mpcache_{name}", name.replace("_", " "), value=n)
+        if self._stats is not None:
+            for name, value in self._stats().items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
                 safe = "".join(ch if ch.isalnum() else "_" for ch in name)
-                g = self.gauges[name] = Gauge(f"mpcache_state_{safe}", f"server stat {name}", registry=self.registry)
-            g.set(value)
+                yield GaugeMetricFamily(f"mpcache_state_{safe}", f"server stat {name}", value=value)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

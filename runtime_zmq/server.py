@@ -157,7 +157,9 @@ class Server:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.metrics = ServerMetrics()
+        # the HTTP thread reads the snapshot the loop refreshes each second, never live state
+        self._stats_snapshot: dict[str, Any] = {}
+        self.metrics = ServerMetrics(lambda: self._stats_snapshot)
         self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir)
         if tiers is None:
             tiers = [open_l2(u) for u in config.l2_urls]
@@ -252,8 +254,8 @@ class Server:
             if isinstance(ev, m.TransferFinished):
                 self._transfers_in_flight -= 1
             elif isinstance(ev, m.L2ReadFinished):
-                self.metrics.l2_read_hits.inc(sum(ev.loaded))
-                self.metrics.l2_reads.inc(len(ev.loaded))
+                self.metrics.count("l2_hits", sum(ev.loaded))
+                self.metrics.count("l2_objects_read", len(ev.loaded))
             self._handle(ev, self.clock(), None)
 
     def _on_message(self, frames: list[bytes]) -> None:
@@ -289,7 +291,7 @@ class Server:
             self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
         else:
             self._counts["malformed"] += 1
-            self.metrics.malformed.inc()
+            self.metrics.count("malformed_messages")
             log.debug("unattributable message: %s", req.reason)
 
     def _handle(self, event: object, now: float, reply_to: ReplyTo | None) -> None:
@@ -348,7 +350,7 @@ class Server:
         except zmq.ZMQError as e:
             # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
             self._counts["dropped_replies"] += 1
-            self.metrics.dropped_replies.inc()
+            self.metrics.count("dropped_replies")
             log.debug("reply dropped: %s", e)
 
     def _send_result(self, rt: Any, result: Any) -> None:
@@ -371,8 +373,7 @@ class Server:
             return
         self._send(frames)
         self._counts["wire_replies"] += 1
-        self.metrics.requests.labels(op, "ok").inc()
-        self.metrics.latency.labels(op).observe(self.clock() - t0)
+        self.metrics.request(op, "ok", self.clock() - t0)
 
     def _send_error(self, rt: Any, kind: str, message: str) -> None:
         identity, uid_frame, _op_frame, op, t0 = rt
@@ -381,9 +382,8 @@ class Server:
         self._plan_instance.pop(rt, None)
         self._send(wire.encode_error(identity, uid_frame, op, kind, message))
         self._counts["wire_errors"] += 1
-        self.metrics.requests.labels(op, "error").inc()
-        self.metrics.errors.labels(kind).inc()
-        self.metrics.latency.labels(op).observe(self.clock() - t0)
+        self.metrics.request(op, "error", self.clock() - t0)
+        self.metrics.error(kind)
 
     def _note_plan(self, plan: m.TransferPlan, instance_id: int | None) -> None:
         # The engine will map the segment: create it now.
@@ -416,7 +416,7 @@ class Server:
             records = req.args[-1] if req.args else []
             n = len(records) if isinstance(records, list) else 0
             self._counts["block_allocation_records"] += n
-            self.metrics.block_allocation_reports.inc(n)
+            self.metrics.count("block_allocation_reports", n)
             result = None
         self._send_result(rt, result)
 
@@ -442,7 +442,8 @@ class Server:
 
     def _refresh_gauges(self) -> None:
         try:
-            self.metrics.update_stats(self.stats())
+            snapshot = self.stats()
+            self._stats_snapshot = snapshot
         except Exception:
             log.exception("metrics refresh failed")
 

@@ -31,7 +31,7 @@ class ServerProcess:
         self.url = ""
         self.log: list[str] = []
 
-    def start(self, timeout: float = 10.0) -> ServerProcess:
+    def start(self, timeout: float = 30.0) -> ServerProcess:
         env = dict(os.environ)
         env.update(self.env or {})
         # the repo, and this folder for test-only tiers (slow_tier)
