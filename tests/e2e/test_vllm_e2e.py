@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# The first test also pays for the fixtures: two vLLM starts (~30 s each alone, minutes on a
+# busy 2-core box), hence a timeout above the project's default 300 s.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 
