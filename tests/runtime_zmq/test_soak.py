@@ -27,7 +27,8 @@ import zmq
 
 from runtime_zmq.client import MPCacheClient
 
-pytestmark = pytest.mark.slow
+# The default per-test timeout (300 s) is far below a million lookups on a shared 2-core box.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * 3600)]
 
 LOOKUPS = int(os.environ.get("MPCACHE_SOAK_LOOKUPS", "1000000"))
 TTL_S = float(os.environ.get("MPCACHE_SOAK_TTL", "60"))
