@@ -13,7 +13,7 @@ from typing import Any
 
 from core_sm import messages as m
 from core_sm.messages import TransferKind, TransferPlan
-from runtime_zmq.wire import Request, WireKey
+from runtime_zmq.wire import Request, WireKey, token_ids_for_wire
 
 
 class BadRequest(Exception):
@@ -130,11 +130,12 @@ def result_to_wire(op: str, result: Any, *, event_handle: bytes = b"", segment: 
 
 
 def key_to_wire(key: m.CacheKey, num_kv_readers: int = 0) -> dict[str, Any]:
+    """The key map, token ids in mpcache's packed form when possible (``wire.pack_token_ids``)."""
     return {
         "model_name": key.model_name,
         "world_size": key.world_size,
         "worker_id": key.worker_id,
-        "token_ids": list(key.token_ids),
+        "token_ids": token_ids_for_wire(key.token_ids),
         "start": key.start,
         "end": key.end,
         "request_id": key.request_id,

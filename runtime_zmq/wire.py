@@ -22,7 +22,9 @@ them into core_sm events. Decoding never raises: every failure is a ``DecodeErro
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
@@ -229,6 +231,41 @@ def _as_int_list(v: Any, what: str, limit: int) -> tuple[int, ...]:
     return tuple(v)
 
 
+_BIG_ENDIAN = sys.byteorder != "little"
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """mpcache's compact form of ``token_ids``: little-endian uint32 bytes (a msgpack bin).
+    Decoding it costs no Python object per token; LMCache's list form is accepted as well."""
+    a = array("I", token_ids)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def token_ids_for_wire(token_ids: Sequence[int]) -> bytes | list[int]:
+    """The packed form when every id is a uint32, else the list (the server then answers the
+    bad ids with a validation error instead of the client failing to encode)."""
+    try:
+        return pack_token_ids(token_ids)
+    except (OverflowError, TypeError, ValueError):
+        return list(token_ids)
+
+
+def _as_token_ids(v: Any, limit: int) -> tuple[int, ...]:
+    if type(v) is bytes:
+        if len(v) % 4:
+            raise _Bad(WireErrorKind.UNDECODABLE, f"key.token_ids: {len(v)} bytes is not a whole number of uint32")
+        if len(v) // 4 > limit:
+            raise _Bad(WireErrorKind.TOO_LARGE, f"key.token_ids: {len(v) // 4} items, limit {limit}")
+        a = array("I")
+        a.frombytes(v)
+        if _BIG_ENDIAN:
+            a.byteswap()
+        return tuple(a)
+    return _as_int_list(v, "key.token_ids", limit)
+
+
 _KEY_REQUIRED: Final = ("model_name", "world_size", "token_ids", "start", "end", "request_id")
 
 
@@ -252,7 +289,7 @@ def decode_key(v: Any, limits: Limits) -> WireKey:
         model_name=_as_str(v["model_name"], "key.model_name"),
         world_size=_as_int(v["world_size"], "key.world_size"),
         worker_id=worker_id,
-        token_ids=_as_int_list(v["token_ids"], "key.token_ids", limits.max_tokens),
+        token_ids=_as_token_ids(v["token_ids"], limits.max_tokens),
         start=_as_int(v["start"], "key.start"),
         end=_as_int(v["end"], "key.end"),
         request_id=_as_str(v["request_id"], "key.request_id"),
@@ -267,7 +304,7 @@ def encode_key(key: WireKey) -> dict[str, Any]:
         "model_name": key.model_name,
         "world_size": key.world_size,
         "worker_id": key.worker_id,
-        "token_ids": list(key.token_ids),
+        "token_ids": token_ids_for_wire(key.token_ids),
         "start": key.start,
         "end": key.end,
         "request_id": key.request_id,
@@ -381,9 +418,6 @@ def decode_request(frames: Sequence[bytes], limits: Limits) -> Request | DecodeE
 # ---------------------------------------------------------------------------------------------
 # Encoding
 
-_NONE_SENTINEL = object()
-
-
 def encode_reply(identity: bytes, uid_frame: bytes, op_frame: bytes, result: Any) -> list[bytes]:
     """Success reply: the result frame is present only when ``result`` is not None."""
     if result is None:
@@ -407,5 +441,3 @@ def encode_request(uid: int, op: str | int, args: Sequence[Any]) -> list[bytes]:
 def pack(v: Any) -> bytes:
     return msgpack.packb(v, use_bin_type=True)
 
-
-PackFn = Callable[[Any], bytes]

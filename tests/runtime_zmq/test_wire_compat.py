@@ -112,3 +112,17 @@ def test_client_surfaces_typed_errors(client: MPCacheClient) -> None:
         client.call("lookup", key(list(range(256)), "r", cache_salt="bad@salt"), 1)
     assert e.value.kind == "validation"
     assert client.noop() == "OK"
+
+
+def test_packed_token_ids_address_the_same_objects(raw: RawDealer, client: MPCacheClient) -> None:
+    from runtime_zmq.wire import pack_token_ids
+    from test_ops import register, store_chunks, tokens
+
+    toks = tokens(3, seed=4)
+    register(client, 5)
+    assert store_chunks(client, toks, "list-form", iid=5)["ok"]  # stored with the list form
+    packed = key(toks, "bin", token_ids=pack_token_ids(toks))
+    assert raw.request([P(1), P("lookup"), P(packed), P(1)]) == [P(1), P("lookup")]
+    assert raw.request([P(2), P("query_prefetch_status"), P("bin")]) == [P(2), P("query_prefetch_status"), P(3)]
+    assert_error(raw.request([P(3), P("lookup"), P(key(toks, "odd", token_ids=b"\x00" * 5)), P(1)]), 3, "undecodable")
+    assert raw.request([P(4), P("end_session"), P("bin")]) == [P(4), P("end_session")]
