@@ -56,3 +56,12 @@ def test_error_kinds_match() -> None:
     documented = set(re.search(r"`ErrorKind` \(enum, value = wire name\): `([^`]*)`", DOC).group(1)  # type: ignore[union-attr]
                      .replace(" ", "").split(","))
     assert documented == {k.name for k in core_sm.errors.ErrorKind}
+
+
+def test_doc_tables_are_the_code_tables() -> None:
+    from core_sm.describe import render_all
+
+    begin, end = "<!-- BEGIN GENERATED TABLES -->\n", "\n<!-- END GENERATED TABLES -->"
+    assert begin in DOC and end in DOC
+    embedded = DOC[DOC.index(begin) + len(begin):DOC.index(end)]
+    assert embedded == render_all(), "docs/core_sm.md tables are stale: paste `python -m core_sm.describe`"
