@@ -41,3 +41,60 @@ def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_b
     conn.send_bytes(export_event(event))
     conn.recv_bytes()  # the server side is done with our memory
     torch.cuda.synchronize()
+
+
+def run_engine_client(conn: Any, url: str, geo: dict[str, int], chunk: int, src: list[int], dst: list[int], skip_tokens: int) -> None:
+    """A GPU engine worker talking to a real mpcache-server over ZMQ: register by IPC handles,
+    STORE from ``src`` blocks, RETRIEVE into ``dst`` blocks, then check its own cache."""
+    import msgpack
+    import torch
+
+    from runtime_zmq.client import MPCacheClient
+    from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
+
+    torch.cuda.init()
+    shape = (2, geo["num_blocks"], geo["block_size"], geo["num_heads"], geo["head_size"])
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    layers = []
+    for _ in range(geo["num_layers"]):
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        t.view(torch.int16).random_(-32768, 32767, generator=gen)
+        layers.append(t)
+    before = [t.clone() for t in layers]
+    object_bytes = 2 * geo["num_layers"] * chunk * geo["num_heads"] * geo["head_size"] * 2
+    layout = {
+        "model_name": "gpu/test", "world_size": 1, "object_bytes": object_bytes, "engine_driven": False,
+        "kv_layout": "nhd", "num_blocks": geo["num_blocks"], "block_size": geo["block_size"],
+        "num_heads": geo["num_heads"], "head_size": geo["head_size"], "itemsize": 2,
+        "device_uuid": device_uuid(torch.cuda.current_device()), "tensors": export_kv_tensors(layers),
+    }
+    out: dict[str, Any] = {}
+    client = MPCacheClient(url)
+    try:
+        client.register_instance(1, layout).result(120)
+        event = torch.cuda.Event(interprocess=True)
+        event.record()
+        handle = export_event(event)
+        tokens = list(range(5000, 5000 + len(src) * geo["block_size"]))
+
+        def key(rid: str) -> dict[str, Any]:
+            return {"model_name": "gpu/test", "world_size": 1, "worker_id": 0, "token_ids": tokens, "start": 0,
+                    "end": len(tokens), "request_id": rid, "cache_salt": "", "request_configs": None, "num_kv_readers": 1}
+
+        out["store"] = list(client.store(key("s"), 1, src, handle).result(60))
+        out["retrieve"] = list(client.retrieve(key("r"), 1, dst, handle, skip_tokens).result(60))
+        skip_blocks = skip_tokens // geo["block_size"]
+        ok = True
+        for t, b in zip(layers, before):
+            ok &= bool(torch.equal(t.view(torch.int16)[:, dst[skip_blocks:]], b.view(torch.int16)[:, src[skip_blocks:]]))
+            ok &= bool(torch.equal(t.view(torch.int16)[:, dst[:skip_blocks]], b.view(torch.int16)[:, dst[:skip_blocks]]))
+            ok &= bool(torch.equal(t.view(torch.int16)[:, src], b.view(torch.int16)[:, src]))
+        out["data_ok"] = ok
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        client.close()
+    for k in ("store", "retrieve"):
+        if k in out:
+            out[k] = [v if not isinstance(v, bytes) else len(v) for v in out[k]]
+    conn.send_bytes(msgpack.packb(out))
