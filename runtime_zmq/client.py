@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from runtime_zmq.wire import ERROR_OP_FRAME, WireKey, encode_key
+from runtime_zmq.wire import ERROR_OP_FRAME, WireKey, encode_key, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
 
@@ -59,7 +59,14 @@ class ClientClosed(Exception):
 
 
 def _key_arg(key: WireKey | dict[str, Any]) -> dict[str, Any]:
-    return encode_key(key) if isinstance(key, WireKey) else key
+    """The key map to send; token ids packed (``wire.pack_token_ids``) when they are a list."""
+    if isinstance(key, WireKey):
+        return encode_key(key)
+    toks = key.get("token_ids")
+    if type(toks) is list or type(toks) is tuple:
+        key = dict(key)
+        key["token_ids"] = token_ids_for_wire(toks)
+    return key
 
 
 class ReplyFuture(Future[Any]):
