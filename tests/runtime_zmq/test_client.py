@@ -1,0 +1,119 @@
+"""The client's contract: futures from many threads, per-request timeouts, health, close; and the
+server's metrics endpoint."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import ServerProcess, wait_for
+from runtime_zmq.client import ClientClosed, MPCacheClient, RemoteError
+from test_ops import key, tokens
+
+
+def test_many_threads_share_one_client(client: MPCacheClient) -> None:
+    def worker(n: int) -> list[object]:
+        out: list[object] = []
+        for i in range(50):
+            if i % 3 == 0:
+                out.append(client.call("query_prefetch_status", f"t{n}-{i}"))
+            elif i % 3 == 1:
+                out.append(client.submit("get_chunk_size").result(5))
+            else:
+                f = client.submit("noop")
+                while not f.done():  # polling done() only: the client thread must deliver it
+                    time.sleep(0.001)
+                out.append(f.result())
+        return out
+
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(worker, range(8)))
+    for out in results:
+        assert out == [0, 256, "OK"] * 16 + [0, 256]
+
+
+def test_callbacks_only_futures_resolve(client: MPCacheClient) -> None:
+    got: list[object] = []
+    ev = threading.Event()
+    futs = [client.submit("noop") for _ in range(20)]
+    for f in futs:
+        f.add_done_callback(lambda f: (got.append(f.result()), len(got) == 20 and ev.set()))
+    assert ev.wait(5.0)
+    assert got == ["OK"] * 20
+
+
+def test_request_timeout_and_late_reply_ignored(start_server: Callable[..., ServerProcess]) -> None:
+    sp = start_server("--l2", "python:slow_tier:make?delay=60")
+    c = MPCacheClient(sp.url, request_timeout=5.0)
+    try:
+        c.lookup(key(tokens(2), "slow")).result(5)
+        t0 = time.monotonic()
+        # the server holds the reply 2 s; the client gives up after 0.3 s
+        f = c.submit("wait_prefetch_status", "slow", 2.0, timeout=0.3)
+        with pytest.raises(RemoteError) as e:
+            f.result()
+        assert e.value.kind == "timeout"
+        assert time.monotonic() - t0 < 1.5
+        time.sleep(2.0)  # the late reply arrives and is dropped
+        assert c.noop() == "OK"
+        assert c.healthy
+    finally:
+        c.close()
+
+
+def test_unreachable_server_fails_fast_and_close_fails_pending() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    c = MPCacheClient(f"tcp://127.0.0.1:{port}", connect_timeout=0.5)
+    assert not c.healthy
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(RemoteError) as e:
+        c.call("noop", timeout=1.0)
+    assert e.value.kind == "unhealthy"  # not connected: refused at once, nothing buffered
+    c.close()
+    with pytest.raises(ClientClosed):
+        c.call("noop")
+
+
+def test_health_callbacks_follow_the_server(start_server: Callable[..., ServerProcess]) -> None:
+    sp = start_server()
+    seen: list[bool] = []
+    c = MPCacheClient(sp.url, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+    c.on_health(seen.append)
+    try:
+        assert c.healthy
+        sp.kill()
+        assert wait_for(lambda: seen[-1:] == [False], timeout=5.0)
+        assert not c.healthy
+    finally:
+        c.close()
+
+
+def test_metrics_endpoint(start_server: Callable[..., ServerProcess]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sp = start_server("--metrics-port", str(port))
+    c = MPCacheClient(sp.url)
+    try:
+        c.noop()
+        with pytest.raises(RemoteError):
+            c.call("bogus")
+        c.lookup(key(tokens(1), "m1")).result(5)
+        time.sleep(1.2)  # gauges are refreshed once a second
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'mpcache_requests_total{op="noop",outcome="ok"}' in body
+        assert 'mpcache_errors_total{kind="unknown_op"} 1.0' in body
+        assert 'mpcache_request_latency_seconds_bucket{le="+Inf",op="lookup"} 1.0' in body
+        assert "mpcache_state_leases_held 0.0" in body
+        assert "mpcache_state_jobs" in body
+    finally:
+        c.close()
