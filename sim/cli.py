@@ -136,6 +136,36 @@ def cmd_check_determinism(args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
+def cmd_shrink(args: argparse.Namespace) -> int:
+    """Let Hypothesis find and shrink a world that fails under a legacy profile; save it."""
+    from hypothesis import HealthCheck, find, settings
+
+    from sim.corpus import CORPUS_DIR, to_json
+    from sim.strategies import scenarios
+
+    profile = get_profile(args.profile)
+    code = args.code or profile.failure
+
+    def fails(scenario: object) -> bool:
+        result, _ = run_scenario(scenario, args.profile)  # type: ignore[arg-type]
+        return result.violation is not None and result.violation.code == code
+
+    found = find(scenarios(), fails, settings=settings(
+        max_examples=args.max_examples, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck)))
+    result, _ = run_scenario(found, args.profile)
+    assert result.violation is not None
+    print(f"shrunk to {len(found.requests)} request(s), {len(found.faults)} fault(s), "
+          f"{found.config.num_servers} server(s), {found.config.num_engines} engine(s): "
+          f"{result.violation.reason()[:300]}")
+    if args.save:
+        CORPUS_DIR.mkdir(parents=True, exist_ok=True)
+        path = CORPUS_DIR / f"{args.profile}.json"
+        path.write_text(to_json(found, args.profile, code, result.violation.reason()[:300]) + "\n")
+        print(f"saved {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpcache-sim", description="mpcache deterministic simulator")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--profile", default="default")
     p.set_defaults(func=cmd_check_determinism)
+    p = sub.add_parser("shrink", help="find + shrink a failing world for a legacy profile (Hypothesis)")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--code", help="violation code to look for (default: the profile's failure)")
+    p.add_argument("--max-examples", type=int, default=2000)
+    p.add_argument("--save", action="store_true", help="write it to tests/sim/corpus/PROFILE.json")
+    p.set_defaults(func=cmd_shrink)
     p = sub.add_parser("hashes", help=argparse.SUPPRESS)
     p.add_argument("seed_list", type=int, nargs="+")
     p.add_argument("--profile", default="default")

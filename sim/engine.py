@@ -196,9 +196,10 @@ class SimEngine:
 
     def schedule_workload(self) -> None:
         for req in self.order:
-            self.world.timeline.at(req.spec.arrival, self._arrive, req)
+            t = self.world.t0 + req.spec.arrival
+            self.world.timeline.at(t, self._arrive, req)
             if req.spec.abort_after is not None:
-                self.world.timeline.at(req.spec.arrival + req.spec.abort_after, self._abort, req)
+                self.world.timeline.at(t + req.spec.abort_after, self._abort, req)
 
     def call(self, node: Node, machine: str, event: Any) -> list[Any]:
         """A synchronous call from vLLM into a machine (as the connector does), then re-arm."""
@@ -281,6 +282,7 @@ class SimEngine:
             machine_obj.check_invariants()
         except AssertionError as exc:
             self.world.violation("SAFETY", node.name, f"core_sm {machine} invariant: {exc}")
+        self._ensure_step()
         if machine == LOOKUP and self.f2_watch:
             for rid in sorted(self.f2_watch):
                 pending = machine_obj._done.get(rid)
@@ -345,9 +347,15 @@ class SimEngine:
     def _ensure_step(self) -> None:
         if not self.step_scheduled and not self.crashed:
             self.step_scheduled = True
-            self.world.timeline.after(self.cfg.step_interval, self._step)
+            # Steps fall on the engine's step grid, as vLLM's scheduler loop does.
+            now = self.world.now()
+            grid = self.cfg.step_interval
+            self.world.timeline.at((int(now / grid) + 1) * grid, self._step)
 
     def _step(self) -> None:
+        """One scheduler step. Steps are scheduled only after something happened (an event on a
+        client machine, an arrival, a finished compute, freed blocks): a step with nothing new to
+        see would do nothing, and skipping it keeps seeds cheap."""
         self.step_scheduled = False
         if self.crashed:
             return
@@ -359,8 +367,6 @@ class SimEngine:
                 self._schedule_waiting(req)
             elif st == "computing" and now >= req.compute_done_at:
                 self._compute_and_store(req)
-        if any(r.state not in ("pending", "done") for r in self.order):
-            self._ensure_step()
 
     def _schedule_waiting(self, req: SimRequest) -> None:
         assert self.sched is not None
@@ -431,6 +437,7 @@ class SimEngine:
     def _start_compute(self, req: SimRequest) -> None:
         req.state = "computing"
         req.compute_done_at = self.world.now() + self.cfg.compute_time
+        self.world.timeline.at(req.compute_done_at, self._ensure_step)
 
     def _collect_worker_reports(self) -> None:
         for w in self.workers:
@@ -513,6 +520,7 @@ class SimEngine:
             req.blocks = None
             req.skip_lookup = True
             req.state = "waiting"
+            self._ensure_step()
             return
         for w in self.workers:
             for i in range(len(req.blocks)):
@@ -556,6 +564,7 @@ class SimEngine:
         self.free_blocks.extend(reversed(req.blocks))
         req.blocks = None
         self._mark_done(req)
+        self._ensure_step()  # waiting requests may fit now
 
     def _mark_done(self, req: SimRequest) -> None:
         req.state = "done"

@@ -42,6 +42,10 @@ class SeedResult:
 def _seed_trio_scheduler(seed: int) -> None:
     import trio._core._run as trio_run  # trio's scheduler randomness (batch order)
 
+    # trio shuffles each batch of runnable tasks with `_r` only once Hypothesis is imported
+    # (its plugin flips this flag); otherwise it reverses batches at random. Use one mode always,
+    # so a trace does not depend on whether Hypothesis happens to be loaded in the process.
+    trio_run._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]
     trio_run._r.seed(seed)
 
 

@@ -23,7 +23,34 @@ def short(obj: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+_SKIP = ("model_name", "world_size")
+
+
+def _fields_of(cls: type) -> tuple[str, ...] | None:
+    names = _FIELDS.get(cls, ())
+    if names == ():
+        names = tuple(a.name for a in attrs.fields(cls) if a.name not in _SKIP) if attrs.has(cls) else None
+        _FIELDS[cls] = names
+    return names
+
+
 def _short(obj: Any) -> str:
+    cls = type(obj)
+    if cls is int or cls is str or obj is None or cls is bool:
+        return repr(obj)
+    names = _fields_of(cls)
+    if names is not None:
+        fields = []
+        for name in names:
+            value = getattr(obj, name)
+            if name == "token_ids":
+                fields.append(f"tokens={len(value)}")
+            elif name == "cache_salt" and not value:
+                continue
+            else:
+                fields.append(f"{name}={_short(value)}")
+        return f"{cls.__name__}({', '.join(fields)})"
     if isinstance(obj, bytes):
         return obj[:4].hex()
     if isinstance(obj, tuple):
@@ -33,17 +60,6 @@ def _short(obj: Any) -> str:
         return f"({inner},)" if len(obj) == 1 else f"({inner})"
     if isinstance(obj, list):
         return "[" + ", ".join(_short(x) for x in obj) + "]"
-    if attrs.has(type(obj)):
-        fields = []
-        for a in attrs.fields(type(obj)):
-            value = getattr(obj, a.name)
-            if a.name == "token_ids":
-                fields.append(f"tokens={len(value)}")
-            elif a.name in ("model_name", "world_size") or (a.name == "cache_salt" and not value):
-                continue
-            else:
-                fields.append(f"{a.name}={_short(value)}")
-        return f"{type(obj).__name__}({', '.join(fields)})"
     if hasattr(obj, "value") and type(obj).__module__ != "builtins" and hasattr(type(obj), "__members__"):
         return str(obj.value)
     if isinstance(obj, float):

@@ -137,6 +137,7 @@ class World:
         self.violations: list[Violation] = []
         self.phase = "safety"
         self.liveness_started = math.inf
+        self.t0 = 0.0
         self.events = 0
         self.recent: dict[str, deque[str]] = {}
         self._armed: dict[str, float] = {}
@@ -157,6 +158,7 @@ class World:
 
     async def main(self) -> None:
         cfg = self.config
+        t0 = self.t0 = self.now()  # scenario times are relative to the start of the run
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for host in self.servers:
@@ -164,14 +166,14 @@ class World:
             for engine in self.engines:
                 await engine.start(nursery)
             for fault in self.scenario.faults:
-                self.timeline.at(fault.at, self._inject, fault)
+                self.timeline.at(t0 + fault.at, self._inject, fault)
             for engine in self.engines:
                 engine.schedule_workload()
             # Phase 1: safety.
-            await self.timeline.run(cfg.safety_duration)
+            await self.timeline.run(t0 + cfg.safety_duration)
             # Phase 2: liveness.
             self._begin_liveness()
-            deadline = cfg.safety_duration + cfg.liveness_bound
+            deadline = t0 + cfg.safety_duration + cfg.liveness_bound
             while self.now() < deadline and not all(e.all_done() for e in self.engines):
                 await self.timeline.run(min(deadline, self.now() + 0.25))
             if not all(e.all_done() for e in self.engines):
@@ -476,10 +478,11 @@ class World:
             self.violation("SAFETY", node.name, f"core_sm invariant: {exc}")
         if type(event) is Lookup:
             self._check_leases_for(host, server, event.key.request_id, event.num_readers)
-        stats = server.index.stats()
-        if stats["bytes"] > server.index.num_slots * server.index.slot_bytes:
-            self.violation("SAFETY", node.name, f"bytes accounting: {stats['bytes']} B in "
-                           f"{server.index.num_slots} slots of {server.index.slot_bytes} B")
+        index = server.index
+        used = index.bytes_used
+        if used > index.num_slots * index.slot_bytes or index.used_slots > index.num_slots:
+            self.violation("SAFETY", node.name, f"bytes accounting: {used} B in {index.used_slots} of "
+                           f"{index.num_slots} slots of {index.slot_bytes} B")
         if type(event) is QueryPrefetchStatus or type(event) is WaitPrefetchStatus:
             for effect in effects:
                 if type(effect) is Reply and isinstance(effect.result, int) and effect.result > 0:

@@ -1,0 +1,81 @@
+"""Hypothesis properties over whole worlds, driven through pytest-trio.
+
+The world runs inside pytest-trio's own trio loop, under the simulator's VirtualClock (pytest-
+trio uses a `trio.abc.Clock` fixture as the run's clock). Every choice the world makes comes from
+the drawn Scenario and its net_seed, so a failure shrinks to a small world.
+"""
+from __future__ import annotations
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+
+from runtime_trio import VirtualClock
+from sim.oracles import ViolationFound
+from sim.profiles import get_profile
+from sim.scenario import Scenario
+from sim.strategies import scenarios
+from sim.world import World
+
+SETTINGS = settings(max_examples=25, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture
+def virtual_clock() -> VirtualClock:
+    return VirtualClock()
+
+
+async def run_world(scenario: Scenario, profile: str, clock: VirtualClock) -> World:
+    world = World(scenario, get_profile(profile), keep_lines=False)
+    deadlock: list[str] = []
+    with trio.CancelScope() as scope:
+        def on_deadlock() -> None:
+            deadlock.append("idle with no deadline")
+            scope.cancel()
+
+        clock.attach(trio.lowlevel.current_trio_token(), on_deadlock)
+        await world.main()
+    assert not deadlock, "deadlock"
+    return world
+
+
+@pytest.mark.trio
+@SETTINGS
+@given(scenario=scenarios())
+async def test_production_machines_survive_any_drawn_world(virtual_clock: VirtualClock, scenario: Scenario) -> None:
+    try:
+        world = await run_world(scenario, "default", virtual_clock)
+    except BaseExceptionGroup as group:  # a violation ends the world from inside its nursery
+        found = group.subgroup(ViolationFound)
+        if found is None:
+            raise
+        raise AssertionError(found.exceptions[0]) from None
+    assert all(engine.all_done() for engine in world.engines)
+
+
+@pytest.mark.trio
+@SETTINGS
+@given(scenario=scenarios(faulty=False))
+async def test_fault_free_worlds_finish_every_request_cleanly(virtual_clock: VirtualClock,
+                                                             scenario: Scenario) -> None:
+    world = await run_world(scenario, "default", virtual_clock)
+    for engine in world.engines:
+        for req in engine.order:
+            assert req.done and req.outcome in ("finished", "aborted")
+    for host in world.servers:
+        assert host.node is not None and host.node.machines["server"].stats()["leases_held"] == 0
+
+
+def test_hypothesis_shrinks_a_legacy_bug_to_a_tiny_world() -> None:
+    from hypothesis import find
+
+    from sim.runner import run_scenario
+
+    def fails(scenario: Scenario) -> bool:
+        r, _ = run_scenario(scenario, "no-ack-wait")
+        return r.violation is not None and r.violation.code == "F5"
+
+    small = find(scenarios(), fails, settings=settings(max_examples=300, deadline=None, database=None))
+    assert len(small.requests) == 1 and not small.faults
+    assert small.config.num_servers == 1 and small.config.num_engines == 1
