@@ -1,6 +1,6 @@
 """Effects: what a machine asks its runtime to do. A machine never performs one itself.
 
-Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ReadL2``, ``WriteL2``.
+Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ProbeL2``, ``ReadL2``, ``WriteL2``.
 Client effects: ``SendRequest``, ``CopyBlocks``.
 Every effect is an ``attrs`` frozen class; a runtime dispatches on its type.
 """
@@ -59,6 +59,16 @@ class StartTransfer:
 
 
 @attrs.frozen
+class ProbeL2:
+    """Ask L2 which of ``keys`` it holds (no data moves); answer
+    ``L2ProbeFinished(probe_id, present)`` with one bool per key, in order. Only emitted with
+    ``ServerConfig.l2_probe``."""
+
+    probe_id: int
+    keys: tuple[ObjectKey, ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
 class ReadL2:
     """Load each ``(key, slot)`` from L2 into its slot; answer
     ``L2ReadFinished(read_id, loaded)`` with one bool per item, in order."""
@@ -103,4 +113,4 @@ class CopyBlocks:
     skip_first_n_tokens: int = 0
 
 
-Effect = Union[Reply, ErrorReply, StartTransfer, ReadL2, WriteL2, SendRequest, CopyBlocks]
+Effect = Union[Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, SendRequest, CopyBlocks]

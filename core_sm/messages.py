@@ -300,6 +300,15 @@ class L2ReadFinished:
 
 
 @attrs.frozen
+class L2ProbeFinished:
+    """A ``ProbeL2`` completed: ``present[i]`` says whether L2 holds key ``i`` (a hint: the read
+    that follows may still miss)."""
+
+    probe_id: int
+    present: tuple[bool, ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen
 class L2WriteFinished:
     """A ``WriteL2`` completed (``ok`` False: the L2 tier refused or failed)."""
 
@@ -312,7 +321,9 @@ class TimerFired:
     """The deadline from ``next_deadline()`` passed (any machine). Spurious firings are fine."""
 
 
-ServerEvent = Union[ServerRequest, TransferFinished, L2ReadFinished, L2WriteFinished, TimerFired]
+ServerEvent = Union[
+    ServerRequest, TransferFinished, L2ReadFinished, L2ProbeFinished, L2WriteFinished, TimerFired
+]
 
 # ---------------------------------------------------------------------------------------------
 # Results (the ``result`` of a Reply)

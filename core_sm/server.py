@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from core_sm.chunks import DEFAULT_CHUNK_SIZE, ObjectKey, chunk_hashes, identity_root, validate_cache_salt
-from core_sm.effects import Effect, ErrorReply, ReadL2, Reply, StartTransfer, WriteL2
+from core_sm.effects import Effect, ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.l1_index import L1Index, Owner, ReleaseReason
 from core_sm.messages import (
@@ -45,6 +45,7 @@ from core_sm.messages import (
     EndSession,
     FreeLookupLocks,
     GetChunkSize,
+    L2ProbeFinished,
     L2ReadFinished,
     L2WriteFinished,
     Lookup,
@@ -81,7 +82,10 @@ class ServerConfig:
     tombstone_cap: int = 100_000
     abandoned_job_ttl: float = 60.0  # a job never queried is reaped (its leases released)
     l2_enabled: bool = False  # plan ReadL2 for what misses L1
-    l2_read_timeout: float = 30.0  # a job whose L2 read is not back resolves with its L1 prefix
+    l2_read_timeout: float = 30.0  # a job whose L2 work is not back resolves with its L1 prefix
+    # Ask L2 which objects it has (ProbeL2) before reserving L1 slots for a read: a miss then
+    # evicts nothing. Off until every runtime answers ProbeL2 with L2ProbeFinished.
+    l2_probe: bool = False
     write_behind: bool = False  # WriteL2 every store once it is ready
     high_watermark: float = 1.0
     low_watermark: float = 1.0
@@ -121,6 +125,10 @@ TRANSITIONS: dict[tuple[enum.Enum, type], frozenset[enum.Enum]] = {
     (_J.ABSENT, L2ReadFinished): frozenset({_J.ABSENT}),
     (_J.ABSENT, TimerFired): frozenset({_J.ABSENT}),
     (_J.ABSENT, Clear): frozenset({_J.ABSENT}),
+    (_J.ABSENT, L2ProbeFinished): frozenset({_J.ABSENT}),
+    (_J.PENDING, L2ProbeFinished): frozenset({_J.PENDING, _J.DONE, _J.ANSWERED}),  # read next, or done
+    (_J.DONE, L2ProbeFinished): frozenset({_J.DONE}),
+    (_J.ANSWERED, L2ProbeFinished): frozenset({_J.ANSWERED}),
     (_J.PENDING, Lookup): frozenset({_J.PENDING}),
     (_J.PENDING, QueryPrefetchStatus): frozenset({_J.PENDING}),
     (_J.PENDING, WaitPrefetchStatus): frozenset({_J.PENDING}),
@@ -165,7 +173,7 @@ TRANSITIONS: dict[tuple[enum.Enum, type], frozenset[enum.Enum]] = {
 # Events that address an existing entity (the walk checks every state against each of them);
 # Store/Retrieve/Prepare* only ever create a transfer, from ABSENT.
 JOB_EVENTS = (Lookup, QueryPrefetchStatus, WaitPrefetchStatus, FreeLookupLocks, EndSession,
-              L2ReadFinished, TimerFired, Clear)
+              L2ReadFinished, L2ProbeFinished, TimerFired, Clear)
 TRANSFER_EVENTS = (TransferFinished, CommitTransfer, TimerFired, Clear)
 TRANSFER_CREATORS = (Store, Retrieve, PrepareStore, PrepareRetrieve)
 
@@ -183,6 +191,7 @@ class PrefetchJob:
     created: float
     reap_at: float
     read_id: int | None = None
+    probe_id: int | None = None
     l2_deadline: float | None = None
     hits: int | None = None
     freed_chunks: set[int] = attrs.Factory(set)
@@ -215,6 +224,14 @@ class L2Read:
 
 
 @attrs.define
+class L2Probe:
+    probe_id: int
+    request_id: str
+    job_serial: int
+    keys: tuple[ObjectKey, ...]
+
+
+@attrs.define
 class Waiter:
     waiter_id: int
     request_id: str
@@ -238,6 +255,7 @@ class LookupServer:
         self._instances: dict[int, RegisterInstance] = {}
         self._transfers: dict[int, Transfer] = {}
         self._reads: dict[int, L2Read] = {}
+        self._probes: dict[int, L2Probe] = {}
         self._writes: dict[int, tuple[ObjectKey, ...]] = {}
         self._timers: list[tuple[float, int, str, Hashable]] = []
         self._due_reaps: list[str] = []
@@ -248,8 +266,8 @@ class LookupServer:
             for name in (
                 "requests", "errors", "lookups", "duplicate_lookups", "status_queries",
                 "unknown_status", "hit_chunks", "lookup_chunks", "reaped_jobs", "l2_timeouts",
-                "l2_reads", "l2_writes", "stale_events", "transfers_started", "transfers_failed",
-                "retrieve_misses", "expired_plans", "expired_transfers", "l2_reads_expired",
+                "l2_reads", "l2_probes", "l2_writes", "stale_events", "transfers_started", "transfers_failed",
+                "retrieve_misses", "expired_plans", "expired_transfers", "l2_reads_expired", "l2_probes_expired",
                 "l2_writes_expired", "waiter_timeouts", "internal_errors",
                 "tombstones_dropped",
             )
@@ -327,6 +345,7 @@ class LookupServer:
         out["waiters"] = len(self._waiter_by_id)
         out["transfers"] = len(self._transfers)
         out["l2_reads_in_flight"] = len(self._reads)
+        out["l2_probes_in_flight"] = len(self._probes)
         out["l2_writes_in_flight"] = len(self._writes)
         out["instances"] = len(self._instances)
         return out
@@ -339,7 +358,8 @@ class LookupServer:
             assert job.request_id == rid
             assert rid not in self._tombstones, "a live job and a tombstone for one id"
             if job.hits is None:
-                assert job.read_id is not None and job.read_id in self._reads, "pending job w/o read"
+                assert (job.read_id is not None and job.read_id in self._reads) != (
+                    job.probe_id is not None and job.probe_id in self._probes), "pending job: one L2 step"
             else:
                 assert 0 <= job.hits <= len(job.hashes), "hits out of range"
         for rid, waiters in self._waiters.items():
@@ -472,21 +492,48 @@ class LookupServer:
         )
         self._jobs[rid] = job
         self._push_timer(job.reap_at, "reap", (rid, job.serial))
-        read = self._plan_l2_read(job, now) if self.config.l2_enabled else None
         out.append(Reply(ev.reply_to, None))
+        if self.config.l2_enabled and prefix < len(hashes):
+            started = (self._start_probe(job, now, out) if self.config.l2_probe
+                       else self._start_read(job, len(hashes), now, out))
+            if started:
+                job.l2_deadline = now + self.config.l2_read_timeout
+                self._push_timer(job.l2_deadline, "l2_timeout", (rid, job.serial))
+                return
+        self._complete_job(job, prefix, now, out)
+
+    def _missing_keys(self, job: PrefetchJob, upto: int) -> list[tuple[int, ObjectKey]]:
+        """(chunk, key) of the objects not readable in chunks [l1_prefix, upto), prefix order."""
+        ws = job.key.world_size
+        return [(i, ObjectKey(job.hashes[i], r)) for i in range(job.l1_prefix, upto) for r in range(ws)
+                if not self.index.is_readable(ObjectKey(job.hashes[i], r))]
+
+    def _start_probe(self, job: PrefetchJob, now: float, out: list[Effect]) -> bool:
+        keys = tuple(k for _i, k in self._missing_keys(job, len(job.hashes)))
+        if not keys:
+            return False
+        probe = L2Probe(self._new_id(), job.request_id, job.serial, keys)
+        self._probes[probe.probe_id] = probe
+        job.probe_id = probe.probe_id
+        self._push_timer(now + self.config.lease_ttl, "l2_probe", probe.probe_id)
+        self._counters["l2_probes"] += 1
+        out.append(ProbeL2(probe.probe_id, keys))
+        return True
+
+    def _start_read(self, job: PrefetchJob, upto: int, now: float, out: list[Effect]) -> bool:
+        read = self._plan_l2_read(job, upto, now)
         if read is None:
-            self._complete_job(job, prefix, now, out)
-            return
+            return False
         job.read_id = read.read_id
-        job.l2_deadline = now + self.config.l2_read_timeout
-        self._push_timer(job.l2_deadline, "l2_timeout", (rid, job.serial))
         self._reads[read.read_id] = read
         self._push_timer(now + self.config.lease_ttl, "l2_read", read.read_id)
         self._counters["l2_reads"] += 1
         slots = tuple(self.index.slot_of(k) for k in read.keys)
-        out.append(ReadL2(read.read_id, tuple((k, s) for k, s in zip(read.keys, slots) if s is not None)))
+        assert all(slot is not None for slot in slots)
+        out.append(ReadL2(read.read_id, tuple(zip(read.keys, slots))))
+        return True
 
-    def _plan_l2_read(self, job: PrefetchJob, now: float) -> L2Read | None:
+    def _plan_l2_read(self, job: PrefetchJob, upto: int, now: float) -> L2Read | None:
         """Reserve slots for the objects missing after the L1 prefix, prefix order, stopping at
         an object another writer holds or when no slot is left."""
         read_id = self._new_id()
@@ -496,7 +543,7 @@ class LookupServer:
         keys: list[ObjectKey] = []
         chunks: list[int] = []
         stop = False
-        for i in range(job.l1_prefix, len(job.hashes)):
+        for i in range(job.l1_prefix, upto):
             for r in range(ws):
                 k = ObjectKey(job.hashes[i], r)
                 if self.index.is_readable(k):
@@ -515,6 +562,7 @@ class LookupServer:
     def _complete_job(self, job: PrefetchJob, hits: int, now: float, out: list[Effect]) -> None:
         job.hits = hits
         job.read_id = None
+        job.probe_id = None
         job.l2_deadline = None
         self._counters["hit_chunks"] += hits
         if job.request_id in self._waiters:
@@ -783,6 +831,11 @@ class LookupServer:
         job = self._jobs.get(read.request_id) if read.request_id is not None else None
         if job is None or job.serial != read.job_serial or job.read_id != read.read_id:
             return
+        self._extend_and_complete(job, now, out)
+
+    def _extend_and_complete(self, job: PrefetchJob, now: float, out: list[Effect]) -> None:
+        """The job's hits: its L1 prefix, extended over the chunks now readable on every rank
+        (contiguously), which it leases (except chunks already freed)."""
         hits = job.l1_prefix
         ws = job.key.world_size
         for i in range(job.l1_prefix, len(job.hashes)):
@@ -795,6 +848,26 @@ class LookupServer:
             hits += 1
         self._complete_job(job, hits, now, out)
 
+    def _on_l2_probe_finished(self, ev: L2ProbeFinished, now: float, out: list[Effect]) -> None:
+        probe = self._probes.pop(ev.probe_id, None)
+        if probe is None:
+            self._counters["stale_events"] += 1
+            return
+        job = self._jobs.get(probe.request_id)
+        if job is None or job.serial != probe.job_serial or job.probe_id != probe.probe_id:
+            return
+        job.probe_id = None
+        present = {k for i, k in enumerate(probe.keys) if i < len(ev.present) and ev.present[i]}
+        upto = job.l1_prefix
+        for i in range(job.l1_prefix, len(job.hashes)):
+            if not all(self.index.is_readable(k) or k in present
+                       for k in (ObjectKey(job.hashes[i], r) for r in range(job.key.world_size))):
+                break
+            upto = i + 1
+        if upto > job.l1_prefix and self._start_read(job, upto, now, out):
+            return
+        self._extend_and_complete(job, now, out)
+
     def _expire_read(self, read: L2Read, now: float, out: list[Effect]) -> None:
         """An L2 read never answered within the lease TTL: its reservations are dropped (the
         index expired them already) and a job still waiting on it resolves with its L1 prefix."""
@@ -803,6 +876,12 @@ class LookupServer:
             self.index.abort_write(k, ("l2read", read.read_id), now)
         job = self._jobs.get(read.request_id) if read.request_id is not None else None
         if job is not None and job.read_id == read.read_id:
+            self._complete_job(job, job.l1_prefix, now, out)
+
+    def _expire_probe(self, probe: L2Probe, now: float, out: list[Effect]) -> None:
+        self._counters["l2_probes_expired"] += 1
+        job = self._jobs.get(probe.request_id)
+        if job is not None and job.serial == probe.job_serial and job.probe_id == probe.probe_id:
             self._complete_job(job, job.l1_prefix, now, out)
 
     def _on_timer(self, ev: TimerFired, now: float, out: list[Effect]) -> None:
@@ -852,6 +931,9 @@ class LookupServer:
             elif kind == "l2_read":
                 assert isinstance(ident, int)
                 self._expire_read(self._reads.pop(ident), now, out)
+            elif kind == "l2_probe":
+                assert isinstance(ident, int)
+                self._expire_probe(self._probes.pop(ident), now, out)
             elif kind == "l2_write":
                 assert isinstance(ident, int)
                 self._counters["l2_writes_expired"] += 1
@@ -872,6 +954,8 @@ class LookupServer:
             return ident in self._transfers
         if kind == "l2_read":
             return ident in self._reads
+        if kind == "l2_probe":
+            return ident in self._probes
         if kind == "l2_write":
             return ident in self._writes
         assert isinstance(ident, tuple)
@@ -980,6 +1064,7 @@ _DISPATCH: dict[type, _Handler] = {
     CommitTransfer: LookupServer._on_commit,
     TransferFinished: LookupServer._on_transfer_finished,
     L2ReadFinished: LookupServer._on_l2_read_finished,
+    L2ProbeFinished: LookupServer._on_l2_probe_finished,
     L2WriteFinished: LookupServer._on_l2_write_finished,
     TimerFired: LookupServer._on_timer,
 }

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from core_sm.effects import Effect, ErrorReply, ReadL2, Reply, StartTransfer, WriteL2
+from core_sm.effects import Effect, ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
 from core_sm.messages import CacheKey, RegisterInstance
 from core_sm.server import LookupServer, ServerConfig
 
@@ -44,6 +44,7 @@ class ServerHarness:
         self.outstanding: set[Hashable] = set()
         self.transfers: dict[int, StartTransfer] = {}
         self.reads: dict[int, ReadL2] = {}
+        self.probes: dict[int, ProbeL2] = {}
         self.writes: dict[int, WriteL2] = {}
         self.log: list[Effect] = []
 
@@ -72,6 +73,8 @@ class ServerHarness:
                 self.transfers[e.transfer_id] = e
             elif isinstance(e, ReadL2):
                 self.reads[e.read_id] = e
+            elif isinstance(e, ProbeL2):
+                self.probes[e.probe_id] = e
             elif isinstance(e, WriteL2):
                 self.writes[e.write_id] = e
 

@@ -9,10 +9,11 @@ from typing import Any
 
 import attrs
 
-from core_sm.effects import CopyBlocks, ErrorReply, ReadL2, Reply, SendRequest, StartTransfer, WriteL2
+from core_sm.effects import CopyBlocks, ErrorReply, ProbeL2, ReadL2, Reply, SendRequest, StartTransfer, WriteL2
 from core_sm.lookup_client import LookupClient, LookupClientConfig
 from core_sm.messages import (
     CopyFinished,
+    L2ProbeFinished,
     L2ReadFinished,
     L2WriteFinished,
     ReplyReceived,
@@ -82,6 +83,8 @@ class Pair:
                 self.down.append(Msg(client, server, corr, reply=e))
             elif isinstance(e, StartTransfer):
                 self.internal.append((s, TransferFinished(e.transfer_id, True)))
+            elif isinstance(e, ProbeL2):
+                self.internal.append((s, L2ProbeFinished(e.probe_id, tuple(k in self.l2_has for k in e.keys))))
             elif isinstance(e, ReadL2):
                 self.internal.append((s, L2ReadFinished(e.read_id, tuple(k in self.l2_has for k, _ in e.items))))
             elif isinstance(e, WriteL2):

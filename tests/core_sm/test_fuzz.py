@@ -26,6 +26,7 @@ from core_sm.messages import (
     FreeLookupLocks,
     FreeUnusedLeases,
     GetChunkSize,
+    L2ProbeFinished,
     L2ReadFinished,
     L2WriteFinished,
     Lookup,
@@ -81,6 +82,7 @@ server_requests = st.one_of(
 server_internal = st.one_of(
     st.builds(TransferFinished, ints, st.booleans()),
     st.builds(L2ReadFinished, ints, st.lists(st.booleans(), max_size=5).map(tuple)),
+    st.builds(L2ProbeFinished, ints, st.lists(st.booleans(), max_size=5).map(tuple)),
     st.builds(L2WriteFinished, ints, st.booleans()),
     st.builds(TimerFired),
 )
@@ -89,10 +91,10 @@ server_internal = st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.one_of(server_requests, server_internal), st.sampled_from([0.0, 1.0, 100.0])),
                 max_size=40),
-       st.booleans())
-def test_server_survives_wild_input(events: list[tuple[Any, float]], l2: bool) -> None:
+       st.booleans(), st.booleans())
+def test_server_survives_wild_input(events: list[tuple[Any, float]], l2: bool, probe: bool) -> None:
     s = LookupServer(ServerConfig(chunk_size=C, num_slots=8, slot_bytes=64, l2_enabled=l2,
-                                  write_behind=l2))
+                                  write_behind=l2, l2_probe=probe))
     s.handle(RegisterInstance(1, "m", 1, 10, reply_to=("setup",)), 0.0)
     now = 0.0
     replies: dict[Any, int] = {}

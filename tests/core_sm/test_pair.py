@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from core_sm.lookup_client import LookupClient, PendingLookup, ServerLeg
 from core_sm.messages import (
     Cleanup,
+    Clear,
     EndRequest,
     EngineFinished,
     FreeUnusedLeases,
@@ -205,10 +206,10 @@ def test_reordered_lookup_and_query_never_leak_past_the_reaper() -> None:
 @given(schedule=st.lists(st.tuples(st.sampled_from(["up", "down", "dup_up", "dup_down", "drop_up",
                                                      "drop_down", "tick", "internal"]),
                                    st.integers(0, 5)), max_size=60),
-       n_servers=st.integers(1, 2), l2=st.booleans(), n_requests=st.integers(1, 3))
+       n_servers=st.integers(1, 2), l2=st.booleans(), probe=st.booleans(), n_requests=st.integers(1, 3))
 def test_any_schedule_every_lookup_resolves_and_leases_are_released(
-        schedule: list[tuple[str, int]], n_servers: int, l2: bool, n_requests: int) -> None:
-    p = Pair(num_servers=n_servers, l2_enabled=l2)
+        schedule: list[tuple[str, int]], n_servers: int, l2: bool, probe: bool, n_requests: int) -> None:
+    p = Pair(num_servers=n_servers, l2_enabled=l2, l2_probe=probe, write_behind=l2)
     base = tokens(3)
     p.store(base, end=2 * C)
     rids = [f"r{i}" for i in range(n_requests)]
@@ -245,3 +246,17 @@ def test_any_schedule_every_lookup_resolves_and_leases_are_released(
     for srv in p.servers:
         assert srv.stats()["leases_held"] == 0
         assert srv.stats()["jobs"] == 0
+
+
+def test_l2_round_trip_with_probe_after_l1_is_cleared() -> None:
+    p = Pair(l2_enabled=True, l2_probe=True, write_behind=True)
+    toks = tokens(3)
+    p.store(toks)  # write-behind copies every chunk to L2
+    p.up.append(Msg("lookup", 0, 10_000, request=Clear(True)))
+    p.run()
+    assert p.servers[0].stats()["objects"] == 0
+    p.client("lookup", SubmitLookup("r", toks))
+    p.settle()
+    assert p.lookup.check("r") == 3 * C
+    st_ = p.servers[0].stats()
+    assert st_["l2_probes"] == 1 and st_["l2_reads"] == 1 and p.leases("r") == 3

@@ -534,3 +534,42 @@ def test_l2_read_and_write_never_answered_are_bounded() -> None:
     assert st["l2_reads_expired"] == 1 and st["l2_writes_expired"] == 1
     assert h.call(QueryPrefetchStatus("r")) == 0
     assert h.server.leases_by_owner() == {}
+
+
+def test_l2_probe_reserves_nothing_on_a_miss_and_reads_only_the_present_prefix() -> None:
+    from core_sm.messages import L2ProbeFinished
+
+    h = ServerHarness(num_slots=4, l2_enabled=True, l2_probe=True)
+    h.register()
+    for seed in range(4):  # L1 full of ready, unleased objects
+        h.store(tokens(1, seed=10 + seed))
+    toks = tokens(3)
+    h.call(Lookup(key("miss", toks)))
+    (probe,) = h.probes.values()
+    assert len(probe.keys) == 3 and h.reads == {}
+    assert h.call(QueryPrefetchStatus("miss")) is None
+    h.feed(L2ProbeFinished(probe.probe_id, (False, False, False)))
+    assert h.call(QueryPrefetchStatus("miss")) == 0
+    assert h.server.stats()["evictions"] == 0 and h.reads == {}
+    # L2 has chunks 0 and 2: only chunk 0 is read (prefix only), evicting one object for it
+    h.call(Lookup(key("hit", toks)))
+    probe = h.probes[max(h.probes)]
+    h.feed(L2ProbeFinished(probe.probe_id, (True, False, True)))
+    (read,) = h.reads.values()
+    assert [k for k, _ in read.items] == [probe.keys[0]]
+    h.feed(L2ReadFinished(read.read_id, (True,)))
+    assert h.call(QueryPrefetchStatus("hit")) == 1
+    assert held(h, "hit") == 1 and h.server.stats()["evictions"] == 1
+
+
+def test_l2_probe_stale_and_expired() -> None:
+    from core_sm.messages import L2ProbeFinished
+
+    h = ServerHarness(l2_enabled=True, l2_probe=True, lease_ttl=50.0, l2_read_timeout=100.0,
+                      abandoned_job_ttl=100.0)
+    h.feed(L2ProbeFinished(12345, (True,)))
+    assert h.server.stats()["stale_events"] == 1
+    h.call(Lookup(key("r", tokens(2))))
+    h.advance(50.0)  # the probe is never answered
+    assert h.server.stats()["l2_probes_expired"] == 1 and h.server.stats()["l2_probes_in_flight"] == 0
+    assert h.call(QueryPrefetchStatus("r")) == 0

@@ -11,6 +11,7 @@ from core_sm.messages import (
     CommitTransfer,
     EndSession,
     FreeLookupLocks,
+    L2ProbeFinished,
     L2ReadFinished,
     L2WriteFinished,
     Lookup,
@@ -38,10 +39,11 @@ class ServerMachine(RuleBasedStateMachine):
         l2=st.booleans(),
         write_behind=st.booleans(),
         engine=st.booleans(),
+        probe=st.booleans(),
     )
-    def setup(self, slots: int, l2: bool, write_behind: bool, engine: bool) -> None:
+    def setup(self, slots: int, l2: bool, write_behind: bool, engine: bool, probe: bool) -> None:
         cfg = ServerConfig(chunk_size=C, num_slots=slots, slot_bytes=100, lease_ttl=300.0,
-                           tombstone_ttl=60.0, abandoned_job_ttl=60.0, l2_enabled=l2,
+                           tombstone_ttl=60.0, abandoned_job_ttl=60.0, l2_enabled=l2, l2_probe=probe,
                            l2_read_timeout=30.0, write_behind=write_behind, tombstone_cap=1000)
         self.h = ServerHarness(cfg)
         self.h.register(engine_driven=engine)
@@ -159,6 +161,14 @@ class ServerMachine(RuleBasedStateMachine):
         loaded = data.draw(st.lists(st.booleans(), min_size=len(read.items), max_size=len(read.items)))
         self.h.feed(L2ReadFinished(rid, tuple(loaded)))
 
+    @precondition(lambda self: hasattr(self, "h") and bool(self.h.probes))
+    @rule(data=st.data())
+    def finish_probe(self, data: st.DataObject) -> None:
+        pid = data.draw(st.sampled_from(sorted(self.h.probes)))
+        probe = self.h.probes.pop(pid)
+        present = data.draw(st.lists(st.booleans(), min_size=len(probe.keys), max_size=len(probe.keys)))
+        self.h.feed(L2ProbeFinished(pid, tuple(present)))
+
     @precondition(lambda self: hasattr(self, "h") and bool(self.h.writes))
     @rule(data=st.data(), ok=st.booleans())
     def finish_write(self, data: st.DataObject, ok: bool) -> None:
@@ -202,6 +212,8 @@ class ServerMachine(RuleBasedStateMachine):
         for tid in list(self.plans):
             self.h.send(CommitTransfer(tid, True))  # expired ones get UNKNOWN_TRANSFER: still one reply
         self.h.finish_all_transfers()
+        for pid, probe in list(self.h.probes.items()):
+            self.h.feed(L2ProbeFinished(pid, (True,) * len(probe.keys)))
         for rid, read in list(self.h.reads.items()):
             self.h.feed(L2ReadFinished(rid, (True,) * len(read.items)))
         for wid in list(self.h.writes):

@@ -17,6 +17,7 @@ from core_sm.messages import (
     CommitTransfer,
     EndSession,
     FreeLookupLocks,
+    L2ProbeFinished,
     L2ReadFinished,
     Lookup,
     PrepareRetrieve,
@@ -43,8 +44,10 @@ RID = "r"
 TOKS = tokens(3)
 
 
-def harness_with_job(state: JobState, stored: int, readers: int, waiter: bool = False) -> ServerHarness:
-    h = ServerHarness(l2_enabled=True, abandoned_job_ttl=60.0, tombstone_ttl=60.0, lease_ttl=300.0)
+def harness_with_job(state: JobState, stored: int, readers: int, waiter: bool = False,
+                     probe: bool = False) -> ServerHarness:
+    h = ServerHarness(l2_enabled=True, l2_probe=probe, abandoned_job_ttl=60.0, tombstone_ttl=60.0,
+                      lease_ttl=300.0)
     h.register()
     if stored:
         h.store(TOKS, end=stored * C)
@@ -54,6 +57,9 @@ def harness_with_job(state: JobState, stored: int, readers: int, waiter: bool = 
         h.call(Clear(False))  # make sure something is missing so an L2 read is planned
     h.call(Lookup(key(RID, TOKS), readers))
     if state is not JobState.PENDING:
+        for pr in list(h.probes.values()):
+            h.probes.pop(pr.probe_id)
+            h.feed(L2ProbeFinished(pr.probe_id, (True,) * len(pr.keys)))
         for read in list(h.reads.values()):
             h.reads.pop(read.read_id)
             h.feed(L2ReadFinished(read.read_id, (True,) * len(read.items)))
@@ -90,6 +96,17 @@ def _l2_finished(h: ServerHarness, pick: Pick[Any]) -> Any:
     return L2ReadFinished(10_000 + pick([0, 5]), (True,))
 
 
+def _l2_probe_finished(h: ServerHarness, pick: Pick[Any]) -> Any:
+    job = h.server.job(RID)
+    if job is not None and job.probe_id is not None and pick([True, False]):
+        n = len(h.probes[job.probe_id].keys)
+        pattern = pick(["all", "none", "first", "alternate"])
+        present = [pattern == "all" or (pattern == "first" and i == 0) or
+                   (pattern == "alternate" and i % 2 == 0) for i in range(n)]
+        return L2ProbeFinished(job.probe_id, tuple(present))
+    return L2ProbeFinished(20_000 + pick([0, 5]), (True,))
+
+
 def _timer(h: ServerHarness, pick: Pick[Any]) -> Any:
     h.now += pick([0.0, 1.0, 30.0, 45.0, 60.0, 400.0])
     return TimerFired()
@@ -102,6 +119,7 @@ JOB_INPUTS: dict[type, JobInput] = {
     FreeLookupLocks: _free,
     EndSession: lambda h, pick: EndSession(RID),
     L2ReadFinished: _l2_finished,
+    L2ProbeFinished: _l2_probe_finished,
     TimerFired: _timer,
     Clear: lambda h, pick: Clear(pick([True, False])),
 }
@@ -135,9 +153,9 @@ def _check_outcome(h: ServerHarness, before: Any, after: Any, event: Any, effect
 
 
 def _walk_one(state: JobState, event_type: type, stored: int, readers: int, waiter: bool,
-              pick: Pick[Any]) -> tuple[JobState, bool]:
+              pick: Pick[Any], probe: bool = False) -> tuple[JobState, bool]:
     """One step of the walk; returns (next state, refused)."""
-    h = harness_with_job(state, stored, readers, waiter)
+    h = harness_with_job(state, stored, readers, waiter, probe)
     event = JOB_INPUTS[event_type](h, pick)
     rt = ("walk", 1) if hasattr(event, "reply_to") else None
     if rt is not None:
@@ -155,10 +173,13 @@ def _walk_one(state: JobState, event_type: type, stored: int, readers: int, wait
 
 @settings(max_examples=400, deadline=None)
 @given(state=st.sampled_from(list(JobState)), event_type=st.sampled_from(JOB_EVENTS),
-       stored=st.integers(0, 3), readers=st.integers(1, 2), waiter=st.booleans(), data=st.data())
+       stored=st.integers(0, 3), readers=st.integers(1, 2), waiter=st.booleans(), probe=st.booleans(),
+       data=st.data())
 def test_every_job_state_times_every_input(state: JobState, event_type: type, stored: int,
-                                           readers: int, waiter: bool, data: st.DataObject) -> None:
-    _walk_one(state, event_type, stored, readers, waiter, lambda opts: data.draw(st.sampled_from(opts)))
+                                           readers: int, waiter: bool, probe: bool,
+                                           data: st.DataObject) -> None:
+    _walk_one(state, event_type, stored, readers, waiter, lambda opts: data.draw(st.sampled_from(opts)),
+              probe)
 
 
 def test_every_listed_job_transition_happens() -> None:
@@ -168,12 +189,13 @@ def test_every_listed_job_transition_happens() -> None:
         for event_type in JOB_EVENTS:
             for stored in (0, 1, 3):
                 for waiter in ((False, True) if state is JobState.PENDING else (False,)):
-                    def run(pick: Pick[Any]) -> None:
-                        after, refused = _walk_one(state, event_type, stored, 1, waiter, pick)
-                        if not refused:
-                            seen.add((state, event_type, after))
+                    for probe in ((False, True) if state is JobState.PENDING else (False,)):
+                        def run(pick: Pick[Any]) -> None:
+                            after, refused = _walk_one(state, event_type, stored, 1, waiter, pick, probe)
+                            if not refused:
+                                seen.add((state, event_type, after))
 
-                    every_choice(run)
+                        every_choice(run)
     listed = {(s, e, n) for (s, e), ns in TRANSITIONS.items() if isinstance(s, JobState) for n in ns}
     assert listed - seen == set(), "listed but never seen"
     assert seen <= listed
