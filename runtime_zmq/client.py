@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import zmq
 
 from runtime_zmq.wire import ERROR_OP_FRAME, WireKey, encode_key, token_ids_for_wire

@@ -132,6 +132,18 @@ class GpuTransferExecutor:
         self._ordinal = 0
         self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0}
 
+    def warm_up(self, pool: SharedMemoryPool | None = None, ordinal: int = 0) -> None:
+        """Do at server start what would otherwise stall the first registration (the server
+        loop answers nothing meanwhile, and clients declare it dead after a few seconds): CUDA
+        context, kernel JIT for 8-byte lanes, and pinning the L1 segment (seconds for a large
+        one)."""
+        from kernels.gpu import warm_kernels
+
+        gpu_ipc.ensure_context(ordinal)
+        warm_kernels()
+        if pool is not None:
+            self._pool_device_address(pool)
+
     # ---- TransferExecutor -------------------------------------------------------------------
     def register_instance(self, instance_id: int, layout: Mapping[str, Any], pool: SharedMemoryPool) -> str | None:
         try:

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import time
@@ -231,8 +232,11 @@ class Server:
             deadline = self.machine.next_deadline()
             if deadline is not None and deadline <= now:
                 self._handle(m.TimerFired(), now, None)
-                continue
-            timeout_ms = 1000.0 if deadline is None else min(1000.0, max(0.0, (deadline - now) * 1000.0))
+                deadline = self.machine.next_deadline()
+                if deadline is not None and deadline <= now:
+                    # a deadline that handling did not move: never spin on it, keep serving
+                    deadline = now + 0.001
+            timeout_ms = 1000 if deadline is None else min(1000, max(0, math.ceil((deadline - now) * 1000.0)))
             events = dict(poller.poll(timeout_ms))
             if self.channel.fd in events:
                 self._drain_completions()
@@ -260,7 +264,7 @@ class Server:
 
     def _on_message(self, frames: list[bytes]) -> None:
         req = wire.decode_request(frames, self.config.limits)
-        if type(req) is wire.Request:
+        if isinstance(req, wire.Request):
             self._counts["wire_requests"] += 1
             now = self.clock()
             reply_to: ReplyTo = (req.identity, req.uid_frame, req.op_frame, req.op, now)
@@ -286,7 +290,7 @@ class Server:
             elif req.op == "prepare_store":
                 self._plan_instance[reply_to] = req.args[1]
             self._handle(event, now, reply_to)
-        elif type(req) is wire.DecodeError:
+        elif isinstance(req, wire.DecodeError):
             self._counts["wire_requests"] += 1
             self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
         else:

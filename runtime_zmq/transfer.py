@@ -131,7 +131,7 @@ class L2Worker:
         self.read_hits += sum(loaded)
         with self._lock:
             self.in_flight -= 1
-        self.post(L2ReadFinished(effect.read_id, tuple(loaded)))
+        self.post(L2ReadFinished(effect.read_id, tuple(loaded)))  # type: ignore[arg-type]  # attrs converter typing
 
     def _write(self, effect: WriteL2, sizes: list[int]) -> None:
         ok = True

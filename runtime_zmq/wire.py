@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 # ---------------------------------------------------------------------------------------------
 # Error kinds on the wire (lower-case names of core_sm's ErrorKind; the codec's own failures use
@@ -439,5 +439,6 @@ def encode_request(uid: int, op: str | int, args: Sequence[Any]) -> list[bytes]:
 
 
 def pack(v: Any) -> bytes:
-    return msgpack.packb(v, use_bin_type=True)
+    data: bytes = msgpack.packb(v, use_bin_type=True)
+    return data
 

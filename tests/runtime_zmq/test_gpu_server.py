@@ -37,7 +37,9 @@ def test_store_and_retrieve_through_the_server() -> None:
     slot = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2
     with tempfile.TemporaryDirectory() as d:
         config = ServerConfig(url=f"ipc://{d}/mpcache.sock", chunk_size=CHUNK, l1_size_bytes=16 * slot, slot_bytes=slot)
-        server = Server(config, transfer_executor=GpuTransferExecutor(CHUNK, max_ctas=8))
+        executor = GpuTransferExecutor(CHUNK, max_ctas=8)
+        server = Server(config, transfer_executor=executor)
+        executor.warm_up(server.pool)  # as the server's start-up does: no JIT in the loop later
         loop = threading.Thread(target=server.serve_forever, name="server-loop")
         loop.start()
         ctx = mp.get_context("spawn")
