@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)) or None, help="serve Prometheus metrics on 127.0.0.1:PORT (default off)")
     ops.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    ops.add_argument(
+        "--gpu", choices=["auto", "on", "off"], default=_env("GPU", "auto"),
+        help="server-driven GPU transfers (runtime_zmq.gpu_transfer): auto = when an NVIDIA device is present (default auto)",
+    )
     ops.add_argument("--shm-dir", default=_env("SHM_DIR", "/dev/shm"), help=argparse.SUPPRESS)
     ops.add_argument("--shutdown-grace", type=float, default=float(_env("SHUTDOWN_GRACE", 5.0)), help="seconds to finish in-flight work on SIGTERM (default 5)")
     return p
@@ -87,6 +91,26 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def _nvidia_device_present() -> bool:
+    # a file check, so CPU hosts never import numba/CUDA (start-up stays well under a second)
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+
+
+def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger) -> Any:
+    """The GPU transfer engine, or None (server-driven instances are then refused)."""
+    if mode == "off" or (mode == "auto" and not _nvidia_device_present()):
+        return None
+    try:
+        from runtime_zmq.gpu_transfer import GpuTransferExecutor
+
+        return GpuTransferExecutor(chunk_size)
+    except Exception as e:
+        if mode == "on":
+            raise
+        log.warning("GPU transfers disabled: %s", e)
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -94,7 +118,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime_zmq.server import Server
 
     try:
-        server = Server(config_from_args(args))
+        config = config_from_args(args)
+        executor = make_gpu_executor(args.gpu, config.chunk_size, log)
+        server = Server(config, transfer_executor=executor)
+        if executor is not None:
+            # CUDA context, kernel JIT, pinning L1: here, not inside the loop's first request
+            try:
+                executor.warm_up(server.pool)
+            except Exception as e:
+                if args.gpu == "on":
+                    raise
+                from runtime_zmq.transfer import NoDeviceExecutor
+
+                log.warning("GPU transfers disabled (warm-up failed: %s)", e)
+                executor.close()
+                server.executor = NoDeviceExecutor()
     except Exception as e:
         log.error("cannot start: %s", e)
         return 1
