@@ -196,9 +196,12 @@ def run_connector(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(0.5)
         phases["abort_stats"] = server.stats()
 
-        # Server restart under a running engine: kill -9, start again on the same port.
+        # Server restart under a running engine: kill -9, start again on the same port. The
+        # server stays down past the clients' heartbeat timeout (3 s): a restart faster than the
+        # heartbeat notices is not re-registered yet (docs/vllm.md, Limits).
         server.kill()
         phases["down"] = {"p300": generate(llm, ps["p300"])}
+        time.sleep(4.0)
         report["server_restart_s"] = round(server.start(), 3)
         time.sleep(1.5)  # heartbeats notice the server is back
         phases["restart_first"] = {"p300": generate(llm, ps["p300"])}
