@@ -249,7 +249,8 @@ class CudaKVTransfer:
     (zero-copy below ``staging_min_chunks`` chunks per call, staging from there). ``max_ctas``:
     grid cap. ``max_chunks``: the most chunks one call may carry (bounds the descriptor and the
     staging buffer). Calls only enqueue work on ``stream``; the caller observes completion
-    with an event recorded after the call.
+    with an event recorded after the call. Not thread-safe: one thread makes the calls (the
+    server's loop thread).
     """
 
     def __init__(
