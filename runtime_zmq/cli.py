@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--job-ttl", type=float, default=float(_env("JOB_TTL", 60.0)), help="seconds a lookup nobody queries lives before its leases are reaped (default 60)")
     cache.add_argument("--tombstone-ttl", type=float, default=float(_env("TOMBSTONE_TTL", 60.0)), help="seconds a delivered status is repeated for (default 60)")
     cache.add_argument("--l2-read-timeout", type=float, default=float(_env("L2_READ_TIMEOUT", 30.0)), help="seconds before a lookup stops waiting for an L2 read and resolves with its L1 prefix (default 30)")
+    cache.add_argument(
+        "--l2-probe", action=argparse.BooleanOptionalAction, default=_env("L2_PROBE", "1") not in ("0", "false", "no"),
+        help="ask L2 which objects it holds before reading (reads only the contiguous prefix; default on)",
+    )
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-frame-mb", type=float, default=float(_env("MAX_FRAME_MB", 64.0)), help="largest payload frame in MiB (default 64)")
     lim.add_argument("--max-tokens", type=int, default=int(_env("MAX_TOKENS", 1 << 20)), help="most tokens in one key (default 1048576)")
@@ -84,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         job_ttl=args.job_ttl,
         tombstone_ttl=args.tombstone_ttl,
         l2_read_timeout=args.l2_read_timeout,
+        l2_probe=args.l2_probe,
         limits=wire.Limits(max_frame_bytes=int(args.max_frame_mb * MiB), max_tokens=args.max_tokens),
         metrics_port=args.metrics_port,
         shutdown_grace=args.shutdown_grace,

@@ -62,6 +62,7 @@ class ServerConfig:
     job_ttl: float = 60.0
     tombstone_ttl: float = 60.0
     l2_read_timeout: float = 30.0
+    l2_probe: bool = True
     limits: wire.Limits = wire.Limits()
     metrics_port: int | None = None
     l2_workers: int = 4
@@ -83,6 +84,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             tombstone_ttl=config.tombstone_ttl,
             l2_enabled=l2_enabled,
             l2_read_timeout=config.l2_read_timeout,
+            l2_probe=l2_enabled and config.l2_probe,
             write_behind=l2_enabled,
         )
     )
@@ -325,6 +327,8 @@ class Server:
             self.l2.read(eff)  # type: ignore[arg-type]
         elif t is fx.WriteL2:
             self.l2.write(eff)  # type: ignore[arg-type]
+        elif t is fx.ProbeL2:
+            self.l2.probe(eff)  # type: ignore[arg-type]
         else:
             log.error("unknown effect %r", eff)
 

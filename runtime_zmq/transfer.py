@@ -7,8 +7,9 @@
   ``TransferFinished`` through its completion channel.
 * ``NoDeviceExecutor``: the executor of a server with no GPU engine support: registration of a
   server-driven instance is refused and any transfer finishes ``ok=False``.
-* ``L2Worker``: executes ``ReadL2`` / ``WriteL2`` effects against the configured L2 tiers in a
-  thread pool and reports ``L2ReadFinished`` / ``L2WriteFinished``.
+* ``L2Worker``: executes ``ProbeL2`` / ``ReadL2`` / ``WriteL2`` effects against the configured
+  L2 tiers in a thread pool and reports ``L2ProbeFinished`` / ``L2ReadFinished`` /
+  ``L2WriteFinished``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from core_sm.chunks import ObjectKey
-from core_sm.effects import ReadL2, StartTransfer, WriteL2
-from core_sm.messages import L2ReadFinished, L2WriteFinished
+from core_sm.effects import ProbeL2, ReadL2, StartTransfer, WriteL2
+from core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
 from runtime_zmq.l1_pool import SharedMemoryPool
 
 log = logging.getLogger("mpcache.transfer")
@@ -89,6 +90,29 @@ class L2Worker:
     def note_slot_size(self, slot: int, nbytes: int) -> None:
         """How many bytes of ``slot`` hold the object (what a write-behind must copy)."""
         self._slot_nbytes[slot] = nbytes
+
+    def probe(self, effect: ProbeL2) -> None:
+        with self._lock:
+            self.in_flight += 1
+        self._exec.submit(self._probe, effect)
+
+    def _probe(self, effect: ProbeL2) -> None:
+        present: list[bool] = []
+        for key in effect.keys:
+            k = storage_key(key)
+            found = False
+            for tier in self.tiers:
+                try:
+                    found = bool(tier.contains(k))
+                except Exception as e:
+                    self.errors += 1
+                    log.warning("L2 probe of %s on %r failed: %s", key.wire_name(), tier, e)
+                if found:
+                    break
+            present.append(found)
+        with self._lock:
+            self.in_flight -= 1
+        self.post(L2ProbeFinished(effect.probe_id, tuple(present)))  # type: ignore[arg-type]
 
     def read(self, effect: ReadL2) -> None:
         with self._lock:

@@ -1,5 +1,5 @@
-"""A test-only L2 tier whose reads stall (``--l2 python:slow_tier:make?delay=SECONDS``): it holds
-nothing, every read blocks ``delay`` seconds (or until ``close``) and then misses."""
+"""A test-only L2 tier that stalls (``--l2 python:slow_tier:make?delay=SECONDS``): it holds
+nothing; every read and probe blocks ``delay`` seconds (or until ``close``) and then misses."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class SlowTier:
         self._data[key] = data
 
     def contains(self, key: bytes) -> bool:
+        self._closed.wait(self.delay)
         return False
 
     def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
