@@ -177,6 +177,7 @@ class Server:
         self._plan_instance: dict[ReplyTo, int] = {}
         self._transfers_in_flight = 0
         self._stopping = False
+        self._last_answered: Any = None  # the last request answered (to never answer twice)
         self._started = time.time()
         self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0, "block_allocation_records": 0}
         self._last_gauges = 0.0
@@ -270,28 +271,13 @@ class Server:
             self._counts["wire_requests"] += 1
             now = self.clock()
             reply_to: ReplyTo = (req.identity, req.uid_frame, req.op_frame, req.op, now)
-            if req.op in _LOCAL_OPS:
-                self._local(req, reply_to)
-                return
             try:
-                event = bridge.to_event(req, reply_to)
-            except (bridge.BadRequest, TypeError, ValueError) as e:
-                self._send_error(reply_to, ErrorKind.UNDECODABLE.value, str(e)[:500])
-                return
-            if req.op == "register_instance" and not req.args[1].get("engine_driven", False):
-                reason = self.executor.register_instance(req.args[0], req.args[1], self.pool)
-                if reason is not None:
-                    self._send_error(reply_to, ErrorKind.VALIDATION.value, reason)
-                    return
-            elif req.op == "unregister_instance":
-                self.executor.unregister_instance(req.args[0])
-            elif req.op in ("store", "retrieve"):
-                self._event_handles[reply_to] = req.args[3]
-            if req.op == "register_instance":
-                self._instance_bytes[req.args[0]] = req.args[1].get("object_bytes", 0)
-            elif req.op == "prepare_store":
-                self._plan_instance[reply_to] = req.args[1]
-            self._handle(event, now, reply_to)
+                self._serve(req, reply_to, now)
+            except Exception as e:  # a runtime bug (or an executor's): answer, log, keep serving
+                log.exception("serving %s failed", req.op)
+                # answer unless it was answered or the machine holds it (it will answer)
+                if not self._answered(reply_to) and reply_to not in self._outstanding:
+                    self._send_error(reply_to, ErrorKind.INTERNAL.value, f"{type(e).__name__}: {e}"[:500])
         elif isinstance(req, wire.DecodeError):
             self._counts["wire_requests"] += 1
             self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
@@ -299,6 +285,33 @@ class Server:
             self._counts["malformed"] += 1
             self.metrics.count("malformed_messages")
             log.debug("unattributable message: %s", req.reason)
+
+    def _answered(self, rt: ReplyTo) -> bool:
+        return self._last_answered is rt
+
+    def _serve(self, req: wire.Request, reply_to: ReplyTo, now: float) -> None:
+        if req.op in _LOCAL_OPS:
+            self._local(req, reply_to)
+            return
+        try:
+            event = bridge.to_event(req, reply_to)
+        except (bridge.BadRequest, TypeError, ValueError) as e:
+            self._send_error(reply_to, ErrorKind.UNDECODABLE.value, str(e)[:500])
+            return
+        if req.op == "register_instance" and not req.args[1].get("engine_driven", False):
+            reason = self.executor.register_instance(req.args[0], req.args[1], self.pool)
+            if reason is not None:
+                self._send_error(reply_to, ErrorKind.VALIDATION.value, reason)
+                return
+        elif req.op == "unregister_instance":
+            self.executor.unregister_instance(req.args[0])
+        elif req.op in ("store", "retrieve"):
+            self._event_handles[reply_to] = req.args[3]
+        if req.op == "register_instance":
+            self._instance_bytes[req.args[0]] = req.args[1].get("object_bytes", 0)
+        elif req.op == "prepare_store":
+            self._plan_instance[reply_to] = req.args[1]
+        self._handle(event, now, reply_to)
 
     def _handle(self, event: object, now: float, reply_to: ReplyTo | None) -> None:
         if reply_to is not None:
@@ -311,7 +324,10 @@ class Server:
                 self._send_error(reply_to, ErrorKind.INTERNAL.value, f"{type(e).__name__}: {e}"[:500])
             return
         for eff in effects:
-            self._interpret(eff)
+            try:
+                self._interpret(eff)
+            except Exception:
+                log.exception("carrying out %s failed", type(eff).__name__)
 
     def _interpret(self, eff: object) -> None:
         t = type(eff)
@@ -380,6 +396,7 @@ class Server:
             self._send_error(rt, ErrorKind.INTERNAL.value, f"cannot encode result: {e}")
             return
         self._send(frames)
+        self._last_answered = rt
         self._counts["wire_replies"] += 1
         self.metrics.request(op, "ok", self.clock() - t0)
 
@@ -389,6 +406,7 @@ class Server:
         self._event_handles.pop(rt, None)
         self._plan_instance.pop(rt, None)
         self._send(wire.encode_error(identity, uid_frame, op, kind, message))
+        self._last_answered = rt
         self._counts["wire_errors"] += 1
         self.metrics.request(op, "error", self.clock() - t0)
         self.metrics.error(kind)

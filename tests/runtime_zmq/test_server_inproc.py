@@ -1,0 +1,124 @@
+"""The server loop hosted in this process, to inject faults the wire cannot provoke: a raising
+core_sm machine, a raising transfer executor, an executor that finishes transfers from its own
+thread. Each still gets exactly one reply, and the loop keeps serving."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from core_sm.effects import StartTransfer
+from runtime_zmq.client import MPCacheClient, RemoteError
+from runtime_zmq.server import Server, ServerConfig
+from test_ops import key, tokens
+
+
+class RaisingExecutor:
+    def register_instance(self, instance_id: int, layout: Any, pool: Any) -> str | None:
+        raise RuntimeError("driver exploded")
+
+    def unregister_instance(self, instance_id: int) -> None:
+        pass
+
+    def start(self, transfer: StartTransfer, event_handle: bytes, done: Any) -> None:
+        raise RuntimeError("never")
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadedExecutor:
+    """Accepts any server-driven instance; finishes each transfer ok from another thread."""
+
+    def __init__(self) -> None:
+        self.started: list[StartTransfer] = []
+        self.handles: list[bytes] = []
+
+    def register_instance(self, instance_id: int, layout: Any, pool: Any) -> str | None:
+        return None
+
+    def unregister_instance(self, instance_id: int) -> None:
+        pass
+
+    def start(self, transfer: StartTransfer, event_handle: bytes, done: Any) -> None:
+        self.started.append(transfer)
+        self.handles.append(event_handle)
+        threading.Timer(0.05, done, args=(transfer.transfer_id, True)).start()
+
+    def close(self) -> None:
+        pass
+
+
+def _serve(executor: Any) -> Iterator[tuple[Server, MPCacheClient]]:
+    d = tempfile.mkdtemp(prefix="mpcache-inproc-")
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=64 << 20, slot_bytes=1 << 20), transfer_executor=executor)
+    loop = threading.Thread(target=server.serve_forever, name="server-loop")
+    loop.start()
+    c = MPCacheClient(server.bound_url, request_timeout=5.0)
+    try:
+        yield server, c
+    finally:
+        c.close()
+        server.stop()
+        loop.join(10)
+        assert not loop.is_alive()
+
+
+@pytest.fixture
+def raising() -> Iterator[tuple[Server, MPCacheClient]]:
+    yield from _serve(RaisingExecutor())
+
+
+@pytest.fixture
+def threaded() -> Iterator[tuple[Server, MPCacheClient]]:
+    yield from _serve(ThreadedExecutor())
+
+
+LAYOUT = {"model_name": "m", "world_size": 1, "object_bytes": 4096, "engine_driven": False}
+
+
+def test_raising_executor_is_answered_internal(raising: tuple[Server, MPCacheClient]) -> None:
+    server, c = raising
+    with pytest.raises(RemoteError) as e:
+        c.register_instance(1, LAYOUT).result(5)
+    assert e.value.kind == "internal" and "driver exploded" in e.value.message
+    assert c.noop() == "OK"
+
+
+def test_raising_machine_is_answered_internal(raising: tuple[Server, MPCacheClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    server, c = raising
+
+    def boom(event: Any, now: float) -> Any:
+        raise ZeroDivisionError("core_sm bug")
+
+    monkeypatch.setattr(server.machine, "handle", boom)
+    with pytest.raises(RemoteError) as e:
+        c.query_prefetch_status("x").result(5)
+    assert e.value.kind == "internal"
+    monkeypatch.undo()
+    assert c.query_prefetch_status("x").result(5) == 0
+    assert c.stats()["outstanding_requests"] == 0
+
+
+def test_server_driven_store_and_retrieve_through_an_executor(threaded: tuple[Server, MPCacheClient]) -> None:
+    server, c = threaded
+    executor = server.executor
+    assert isinstance(executor, ThreadedExecutor)
+    assert c.register_instance(4, LAYOUT).result(5) is None
+    toks = tokens(2)
+    # LMCache's reply shape: (event_handle, ok), after the executor reported completion
+    handle, ok = c.store(key(toks, "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
+    assert ok is True and isinstance(handle, bytes)
+    assert executor.handles == [b"E" * 64]
+    assert [p[0] for p in executor.started[0].placements] == [0, 1]
+    c.lookup(key(toks, "r")).result(5)
+    assert c.query_prefetch_status("r").result(5) == 2
+    handle, ok = c.retrieve(key(toks, "r", worker_id=0), 4, list(range(32)), b"F" * 64, 0).result(5)
+    assert ok is True
+    assert executor.started[-1].kind.value == "retrieve"
+    s = c.stats()
+    assert s["transfers"] == 0 and s["transfers_in_flight"] == 0 and s["leases_held"] == 0
