@@ -77,8 +77,8 @@ def render(world: Any, request_ids: set[str] | None = None, max_messages: int = 
         else:
             x2, y2 = (x(m.src) + x(m.dst)) / 2, y1 + ROW_H / 2
         color = "#c00" if lost else ("#06c" if m.src.startswith(("sched", "worker")) else "#090")
-        out.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{color}" '
-                   f'{"" if lost else "marker-end=\"url(#a)\""}/>')
+        arrow = "" if lost else ' marker-end="url(#a)"'
+        out.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{color}"{arrow}/>')
         label = escape(f"{m.label} {m.request_id or ''}".strip())
         out.append(f'<text x="{(x1 + x2) / 2 + 3}" y="{(y1 + y2) / 2 - 2}" fill="{color}">{label}</text>')
         if lost:

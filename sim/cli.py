@@ -57,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - started
     events = sum(r.events for r in results)
     virtual = sum(r.virtual_time for r in results)
-    cpu = sum(r.real_time for r in results)
+    cpu = sum(r.cpu_time for r in results)
     kinds = Counter(r.violation.code for r in results if r.violation is not None)
     rows = [
         ("profile", args.profile),
@@ -66,7 +66,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("events handled", f"{events} ({events / max(len(results), 1):.0f} per seed)"),
         ("virtual time", f"{virtual:.1f} s ({virtual / max(len(results), 1):.1f} s per seed)"),
         ("wall time", f"{wall:.2f} s with {args.jobs} job(s) = {len(results) / wall:.1f} seeds/s"),
-        ("virtual : real", f"{virtual / max(cpu, 1e-9):.0f} : 1 (per core)"),
+        ("CPU time", f"{cpu:.1f} s ({len(results) / max(cpu, 1e-9):.1f} seeds per CPU-second)"),
+        ("virtual : real", f"{virtual / max(cpu, 1e-9):.0f} : 1 (virtual s per CPU s)"),
     ]
     print(table(rows))
     if kinds:
@@ -202,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lines", action="store_true")
     p.set_defaults(func=cmd_hashes)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # `mpcache-sim replay N | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ class SeedResult:
     trace_hash: str
     requests: int
     lines: tuple[str, ...] = ()
+    cpu_time: float = 0.0
+    coverage: tuple[tuple[str, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -78,6 +80,7 @@ def run_scenario(scenario: Scenario, profile_name: str = "default", *, keep_line
     driver = VirtualTimeDriver(clock)
     violation: Violation | None = None
     started = time.perf_counter()
+    cpu_started = time.process_time()
     try:
         driver.run(world.main)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a reported violation
@@ -95,10 +98,12 @@ def run_scenario(scenario: Scenario, profile_name: str = "default", *, keep_line
     if violation is not None and violation not in world.violations:
         world.trace.line(violation.t, violation.node, f"VIOLATION {violation.reason()}")
     real = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
     result = SeedResult(
         seed=scenario.seed, profile=profile_name, violation=violation, events=world.events,
         virtual_time=clock.current_time(), real_time=real, trace_hash=world.trace.digest(),
         requests=len(scenario.requests), lines=tuple(world.trace.lines) if keep_lines else (),
+        cpu_time=cpu, coverage=tuple(sorted(world.coverage().items())),
     )
     return result, world
 

@@ -31,6 +31,7 @@ class WorldConfig:
     l2_fail_p: float = 0.0
     copy_latency_mean: float = 0.002
     copy_fail_p: float = 0.0
+    evict_after_prefetch_p: float = 0.0
     server_workers: int = 1  # >1: handlers may run out of arrival order
     server_handler_jitter: float = 0.003
     step_interval: float = 0.01
@@ -134,6 +135,7 @@ def draw_scenario(seed: int) -> Scenario:
         l2_fail_p=rng.choice((0.0, 0.0, 0.05, 0.3)) if faulty else 0.0,
         copy_latency_mean=rng.choice((0.001, 0.005, 0.05)),
         copy_fail_p=rng.choice((0.0, 0.0, 0.02)) if faulty else 0.0,
+        evict_after_prefetch_p=rng.choice((0.0, 0.0, 0.3)) if faulty else 0.0,
         server_workers=rng.choice((1, 1, 2, 4)),
         server_handler_jitter=rng.choice((0.001, 0.005)),
         step_interval=rng.choice((0.005, 0.01, 0.02)),

@@ -44,6 +44,7 @@ def world_configs(draw: st.DrawFn, faulty: bool = True) -> WorldConfig:
         l2_fail_p=draw(st.sampled_from((0.0, 0.3))) if faulty else 0.0,
         copy_latency_mean=draw(st.sampled_from((0.002, 0.05))),
         copy_fail_p=draw(st.sampled_from((0.0, 0.1))) if faulty else 0.0,
+        evict_after_prefetch_p=draw(st.sampled_from((0.0, 0.5))) if faulty else 0.0,
         server_workers=draw(st.sampled_from((1, 4))),
         step_interval=draw(st.sampled_from((0.01, 0.005))),
         decode_time=draw(st.sampled_from((0.03, 0.002, 0.2))),

@@ -150,7 +150,8 @@ class World:
         self.lookups_in_flight: dict[tuple[str, int], dict[int, float]] = {}
         # (request id, server) to which an END_SESSION or FREE_LOOKUP_LOCKS was ever sent
         self.released_sent: set[tuple[str | None, int]] = set()
-        self.stats: dict[str, int] = {"crashes": 0, "restarts": 0, "partitions": 0, "l2_fail": 0, "copy_fail": 0}
+        self.stats: dict[str, int] = {"crashes": 0, "restarts": 0, "partitions": 0, "l2_fail": 0, "copy_fail": 0,
+                                      "evict_after_prefetch": 0, "engine_crashes": 0, "clears": 0}
 
     # =========================================================================== running
     def now(self) -> float:
@@ -317,6 +318,12 @@ class World:
             loaded.append(True)
         assert host.node is not None
         host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))
+        if self.phase == "safety" and self.fault_rng.random() < self.config.evict_after_prefetch_p:
+            # Cache chaos: memory pressure right after a prefetch lands (unleased objects go).
+            from core_sm.messages import Clear
+
+            self.stats["evict_after_prefetch"] += 1
+            host.node.post(SERVER, Clear(False, reply_to=self.operator_via(host)))
 
     def _finish_l2_write(self, host: ServerHost, incarnation: int, effect: WriteL2) -> None:
         if host.incarnation != incarnation or not host.up:
@@ -535,6 +542,8 @@ class World:
             self.timeline.at(now + float(dur), self._heal_link, str(a), str(b))  # type: ignore[arg-type]
         elif kind == "crash_engine":
             engine = self.engines[int(args[0])]  # type: ignore[arg-type]
+            if not engine.crashed:
+                self.stats["engine_crashes"] += 1
             engine.crash()
         elif kind == "clear":
             host = self.servers[int(args[0])]  # type: ignore[arg-type]
@@ -542,7 +551,8 @@ class World:
                 from core_sm.messages import Clear
 
                 self._touch_all_live()
-                via = Via("-", "-", host.index, 0, 0, None)
+                self.stats["clears"] += 1
+                via = self.operator_via(host)
                 host.node.post(SERVER, Clear(True, reply_to=via))
 
     def _touch_all_live(self) -> None:
@@ -635,6 +645,38 @@ class World:
                                f"request ended (abandoned jobs never reaped)")
             if stats["leases_held"]:
                 self.violation("F8", host.name, f"{stats['leases_held']} read lease(s) still held after every TTL")
+
+    def operator_via(self, host: ServerHost) -> Via:
+        """reply_to for requests the simulator itself sends (an operator's CLEAR)."""
+        self._deliveries += 1
+        return Via("-", "-", host.index, 0, 0, None, self._deliveries)
+
+    def coverage(self) -> dict[str, int]:
+        """'Sometimes' counters: which rare paths this world went through (tests assert that
+        across seeds every one of them happens, so the oracles are not passing vacuously)."""
+        out: dict[str, int] = dict(self.stats)
+        for k, v in self.net.counts.items():
+            out[f"net_{k}"] = v
+        for host in self.servers:
+            if host.node is None:
+                continue
+            st = host.node.machines[SERVER].stats()
+            for k in ("hit_chunks", "duplicate_lookups", "unknown_status", "reaped_jobs", "l2_reads", "l2_writes",
+                      "l2_timeouts", "transfers_failed", "retrieve_misses", "evictions", "leases_released_ttl",
+                      "leases_released_retrieve", "leases_released_free", "leases_released_end_session",
+                      "leases_released_reap", "leases_released_clear", "expired_plans", "errors"):
+                out[k] = out.get(k, 0) + st.get(k, 0)
+        for engine in self.engines:
+            for req in engine.order:
+                key = f"requests_{req.outcome or 'unfinished'}"
+                out[key] = out.get(key, 0) + 1
+                if req.lm_hit:
+                    out["requests_with_hit"] = out.get("requests_with_hit", 0) + 1
+                if req.load_errors:
+                    out["requests_with_load_errors"] = out.get("requests_with_load_errors", 0) + 1
+                if req.preempted:
+                    out["requests_preempted"] = out.get("requests_preempted", 0) + 1
+        return out
 
     def find_request(self, rid: str) -> tuple[Any, Any] | None:
         for engine in self.engines:
