@@ -305,6 +305,7 @@ class Server:
                 return
         elif req.op == "unregister_instance":
             self.executor.unregister_instance(req.args[0])
+            self._instance_bytes.pop(req.args[0], None)
         elif req.op in ("store", "retrieve"):
             self._event_handles[reply_to] = req.args[3]
         if req.op == "register_instance":
