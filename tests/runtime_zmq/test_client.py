@@ -117,3 +117,11 @@ def test_metrics_endpoint(start_server: Callable[..., ServerProcess]) -> None:
         assert "mpcache_state_jobs" in body
     finally:
         c.close()
+
+
+def test_bookkeeping_stays_bounded(client: MPCacheClient) -> None:
+    # long timeouts: answered requests must not pile up in the client's timeout heap
+    for _ in range(3000):
+        client.call("noop", timeout=300.0)
+    assert len(client._pending) <= 1  # at most an in-flight heartbeat
+    assert len(client._deadlines) <= 2 * 1 + 1024 + 1
