@@ -424,6 +424,9 @@ class _ServerLinks:
 
         self._plan_segments: dict[int, tuple[str, int]] = {}
         self._plan_lock = threading.Lock()
+        # Server-driven (GPU) engines: the registration's memory fields and the event source.
+        self.gpu_registration: dict[str, Any] | None = None
+        self.record_event: Any = None
         self.clients = []
         try:
             for index, url in enumerate(self.urls):
@@ -457,9 +460,27 @@ class _ServerLinks:
         return self.clients[server].call(op, *args, timeout=self._timeout)
 
     def send(self, effect: Any) -> None:
-        from runtime_zmq.bridge import request_to_wire
+        from core_sm.messages import RegisterInstance, Retrieve, Store
+        from runtime_zmq.bridge import key_to_wire, request_to_wire
 
-        op, args = request_to_wire(effect.request)
+        request = effect.request
+        op: str
+        args: tuple[Any, ...]
+        if isinstance(request, (Store, Retrieve)):
+            # Server-driven (GPU): the wire carries the engine's interprocess event as well.
+            if self.record_event is None:
+                raise RuntimeError("server-driven transfer without a registered GPU cache")
+            handle = self.record_event()
+            key = key_to_wire(request.key)
+            if isinstance(request, Store):
+                op, args = "store", (key, request.instance_id, list(request.block_ids), handle)
+            else:
+                op, args = "retrieve", (key, request.instance_id, list(request.block_ids), handle, request.skip_first_n_tokens)
+        else:
+            op, args = request_to_wire(request)
+            if isinstance(request, RegisterInstance) and not request.engine_driven and self.gpu_registration:
+                # The machine's (re-)registration names the engine; the runtime adds the memory.
+                args = (args[0], {**args[1], **self.gpu_registration})
         future = self.clients[effect.server].submit(op, *args, timeout=self._timeout)
         future.add_done_callback(lambda done, effect=effect: self._completed(effect, done))
 
@@ -490,7 +511,9 @@ class _ServerLinks:
                 while len(self._plan_segments) > 4096:  # plans never copied (refused, abandoned)
                     self._plan_segments.pop(next(iter(self._plan_segments)))
         try:
-            result = result_from_wire(effect.request, value)
+            result = _server_driven_result(effect.request, value)
+            if result is None:
+                result = result_from_wire(effect.request, value)
         except Exception as exc:
             self._events.put(
                 RequestFailed(effect.server, effect.correlation, ProtocolError(ErrorKind.UNDECODABLE, repr(exc)))
@@ -540,11 +563,11 @@ class _MachineShell:
 
     def _apply(self, effects: Iterable[Any]) -> None:
         from core_sm.effects import CopyBlocks, SendRequest
-        from core_sm.messages import PrepareStore
+        from core_sm.messages import PrepareStore, Store
 
         for effect in effects:
             if isinstance(effect, SendRequest):
-                if isinstance(effect.request, PrepareStore):
+                if isinstance(effect.request, (PrepareStore, Store)):
                     self._unanswered_store_prepares.add((effect.server, effect.correlation))
                 self._links.send(effect)
             elif isinstance(effect, CopyBlocks):
@@ -734,8 +757,12 @@ class WorkerAdapter(_MachineShell):
     # ------------------------------------------------------------------ registration
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        """Register the engine's per-layer KV tensors (in layer order). CPU tensors only: a GPU
-        engine needs the server-driven CUDA IPC path, which this adapter does not provide yet.
+        """Register the engine's per-layer KV tensors (in layer order).
+
+        CPU tensors (vLLM's CPU layout): engine-driven, the worker copies. CUDA tensors (vLLM's
+        ``[2, NB, BS, NH, HS]`` layout, or FlashInfer's ``[NB, 2, BS, NH, HS]``; an HND stride
+        order is recognised): server-driven, the server opens them by CUDA IPC handle and copies
+        after an interprocess event the worker records with each store / retrieve.
         Raises ``ValueError`` on an unexpected layout, the server's error (e.g. ``too_large``:
         a chunk does not fit an L1 slot) as ``RuntimeError``."""
         from core_sm.messages import ServerHealth
@@ -748,10 +775,11 @@ class WorkerAdapter(_MachineShell):
             raise ValueError("no KV cache tensors to register")
         first = layers[0]
         device = getattr(getattr(first, "device", None), "type", "cpu")
+        if device == "cuda":
+            self._register_gpu(layers)
+            return
         if device != "cpu":
-            raise NotImplementedError(
-                f"KV caches on {device}: this connector supports CPU engines (engine-driven copies) only so far"
-            )
+            raise NotImplementedError(f"KV caches on {device}: mpcache supports CPU and CUDA engines")
         shape = tuple(int(d) for d in first.shape)
         for name, layer in kv_caches.items():
             if tuple(int(d) for d in layer.shape) != shape or layer.dtype != first.dtype:
@@ -801,6 +829,90 @@ class WorkerAdapter(_MachineShell):
                 )
             )
         self._handle(ServerHealth(0, self._links.healthy(0)))
+
+    def _register_gpu(self, layers: list[Any]) -> None:
+        import torch
+
+        from core_sm.messages import ServerHealth
+        from core_sm.transfer_client import TransferClient, TransferClientConfig
+        from kernels.layouts import KVGeometry, PagedLayout
+        from runtime_zmq.client import RemoteError
+        from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
+
+        name, views = _gpu_physical_layout(layers, self.block_size)
+        first = views[0]
+        shape = tuple(int(d) for d in first.shape)
+        if name in ("nhd", "flashinfer"):
+            num_heads, head_size = shape[3], shape[4]
+        else:
+            num_heads, head_size = shape[2], shape[4]
+        num_blocks = shape[1] if name.startswith("nhd") or name == "hnd" else shape[0]
+        geometry = KVGeometry(
+            PagedLayout(name),
+            num_layers=len(views),
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_heads=num_heads,
+            head_size=head_size,
+            itemsize=int(first.element_size()),
+            chunk_tokens=self.chunk_size,
+        )
+        ordinal = first.device.index if first.device.index is not None else torch.cuda.current_device()
+        gpu_fields = {
+            "kv_layout": name,
+            "num_blocks": num_blocks,
+            "block_size": self.block_size,
+            "num_heads": num_heads,
+            "head_size": head_size,
+            "itemsize": int(first.element_size()),
+            "device_uuid": device_uuid(ordinal),
+            "tensors": export_kv_tensors(views),
+        }
+        layout = {
+            "model_name": self.model_name,
+            "world_size": self.world_size,
+            "object_bytes": geometry.slot_bytes,
+            "engine_driven": False,
+            **gpu_fields,
+        }
+        try:
+            self._links.call(0, "register_instance", self.instance_id, layout)
+        except RemoteError as exc:
+            raise RuntimeError(f"mpcache server {self._links.urls[0]} refused the KV cache registration: {exc}") from exc
+        # One interprocess event, recorded on the engine's current stream before every store or
+        # retrieve request: the server's copy waits on it (a later record only waits longer).
+        event = torch.cuda.Event(interprocess=True)
+        event.record()
+        handle = export_event(event)
+
+        def record() -> bytes:
+            event.record()
+            return handle
+
+        self._links.gpu_registration = gpu_fields
+        self._links.record_event = record
+        self._gpu_event = event
+        self._layers = views
+        self._geometry = geometry
+        with self._lock:
+            self._machine = TransferClient(
+                TransferClientConfig(
+                    instance_id=self.instance_id,
+                    model_name=self.model_name,
+                    world_size=self.world_size,
+                    worker_id=self.rank,
+                    chunk_size=self.chunk_size,
+                    object_bytes=geometry.slot_bytes,
+                    engine_driven=False,
+                    server=0,
+                    op_timeout=self.request_timeout_s,
+                )
+            )
+        self._handle(ServerHealth(0, self._links.healthy(0)))
+
+    @property
+    def engine_driven(self) -> bool:
+        return self._machine is not None and bool(self._machine.config.engine_driven)
 
     def _warm_up_kernels(self) -> None:
         """Load (or compile) the copy kernels now, not on the first request's critical path."""
@@ -855,11 +967,15 @@ class WorkerAdapter(_MachineShell):
         self._require_registered()
         for op in ops:
             self._handle(SubmitStore(op.request_id, op.token_ids, op.start, op.end, op.block_ids))
-        self.wait_for_store_copies()
+        if self.engine_driven:
+            # Copy out of the blocks now: after this step vLLM may hand them to another request.
+            self.wait_for_store_copies()
 
     def wait_for_store_copies(self) -> None:
-        """Return once no store waits for its plan (so no copy out of engine blocks is still to
-        come), or after the request timeout (the machine fails the op then)."""
+        """Return once no store may still read engine blocks: engine-driven, every store got its
+        plan (and was copied at once); server-driven, every STORE was answered (the server
+        answers after its copy completed). Bounded by the request timeout (the machine fails
+        the op then). Needed before vLLM reuses blocks (preemption)."""
         import time
 
         deadline = time.monotonic() + self.request_timeout_s + 1.0
@@ -946,3 +1062,42 @@ class WorkerAdapter(_MachineShell):
                 except BufferError:
                     pass
                 self._segment = None
+
+
+def _server_driven_result(request: Any, value: Any) -> Any:
+    """A server-driven STORE / RETRIEVE reply (LMCache's ``[event_handle, ok]``) as the result
+    core_sm expects; None for any other request. The server answers only after its copy has
+    completed on the device, so the event handle adds nothing the worker must wait for."""
+    from core_sm.messages import Retrieve, RetrieveResult, Store, StoreResult
+
+    if not isinstance(request, (Store, Retrieve)):
+        return None
+    if not (isinstance(value, (list, tuple)) and len(value) == 2):
+        raise ValueError(f"unexpected reply {value!r} to a server-driven transfer")
+    ok = bool(value[1])
+    return StoreResult(ok=ok) if isinstance(request, Store) else RetrieveResult(ok=ok)
+
+
+def _gpu_physical_layout(layers: Sequence[Any], block_size: int) -> tuple[str, list[Any]]:
+    """The kernels' name of vLLM's CUDA KV layout, and contiguous views in that physical order.
+
+    vLLM hands each layer as a logical ``[2, NB, BS, NH, HS]`` (flash-attn) or
+    ``[NB, 2, BS, NH, HS]`` (FlashInfer) tensor; an HND cache is the same logical shape with the
+    ``NH`` and ``BS`` strides swapped."""
+    first = layers[0]
+    shape = tuple(int(d) for d in first.shape)
+    if len(shape) != 5 or shape[2] != block_size or 2 not in shape[:2]:
+        raise ValueError(
+            f"expected vLLM's CUDA layout [2, num_blocks, block_size={block_size}, heads, head_size] "
+            f"(or FlashInfer's [num_blocks, 2, ...]), got {shape}"
+        )
+    flashinfer = shape[0] != 2 or (shape[1] == 2 and shape[0] != 2)
+    for layer in layers:
+        if tuple(int(d) for d in layer.shape) != shape or layer.dtype != first.dtype or layer.device != first.device:
+            raise ValueError(f"KV layers differ: {tuple(layer.shape)} {layer.dtype} vs {shape} {first.dtype}")
+    if all(layer.is_contiguous() for layer in layers):
+        return ("flashinfer" if flashinfer else "nhd"), list(layers)
+    swapped = [layer.transpose(2, 3) for layer in layers]
+    if all(view.is_contiguous() for view in swapped):
+        return ("flashinfer_hnd" if flashinfer else "hnd"), swapped
+    raise ValueError("KV tensors are neither contiguous nor an HND permutation of their logical layout")

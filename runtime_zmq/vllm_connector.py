@@ -188,8 +188,8 @@ class MPCacheConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None
         if isinstance(kv_connector_metadata, MPCacheConnectorMetadata) and kv_connector_metadata.plan.preempted:
-            # The preempted requests' blocks are about to be reused: no copy out of them may be
-            # left for later. (Stores copy within wait_for_save already; this is the guard.)
+            # The preempted requests' blocks are about to be reused: no read of them may be left
+            # for later (GPU: the server's STORE copies must have completed).
             self._worker.wait_for_store_copies()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -78,7 +78,11 @@ class Engine:
         store_decode_tokens: bool = False,
         load: bool = True,
         store: bool = True,
+        device: str = "cpu",
     ) -> None:
+        """``device="cuda"``: KV caches in vLLM's CUDA layout ``[2, NB, BS, NH, HS]`` on the GPU
+        (server-driven transfers); ``"cpu"``: vLLM's CPU layout (engine-driven)."""
+        self.device = device
         self.config = ConnectorConfig(server_urls=list(server_urls), request_timeout_s=request_timeout_s, connect_timeout_s=5.0, store_decode_tokens=store_decode_tokens)
         self.lookups = SchedulerAdapter.connect(self.config, model_name="tiny", world_size=world_size)
         self.planner = StepPlanner(self.lookups, BLOCK, store_decode_tokens=store_decode_tokens, load=load, store=store)
@@ -86,7 +90,8 @@ class Engine:
         self.kv: list[dict[str, torch.Tensor]] = []
         for rank in range(world_size):
             worker = WorkerAdapter.connect(self.config, model_name="tiny", world_size=world_size, rank=rank, block_size=BLOCK)
-            caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) for i in range(LAYERS)}
+            shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) if device == "cpu" else (2, NUM_BLOCKS, BLOCK, HEADS, HEAD)
+            caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, device=device) for i in range(LAYERS)}
             worker.register_kv_caches(caches)
             self.workers.append(worker)
             self.kv.append(caches)
@@ -235,7 +240,12 @@ class Engine:
             layer_index = int(name.split(".")[2])
             for pos in range(start, end):
                 block, offset = req.blocks[pos // BLOCK], pos % BLOCK
-                layer[block, :, offset, :] = expected_vector(values[pos], layer_index, rank) + mark
+                vector = expected_vector(values[pos], layer_index, rank, self.device) + mark
+                if self.device == "cpu":
+                    layer[block, :, offset, :] = vector
+                else:
+                    layer[0, block, offset] = vector[:, :HEAD]
+                    layer[1, block, offset] = vector[:, HEAD:]
 
     def _check_loaded(self, req: Req) -> None:
         """Every loaded token holds its prefix's KV; engine-held blocks were not overwritten."""
@@ -250,8 +260,12 @@ class Engine:
         block, offset = req.blocks[pos // BLOCK], pos % BLOCK
         for rank in range(len(self.workers)):
             for name, layer in self.kv[rank].items():
-                want = expected_vector(values[pos], int(name.split(".")[2]), rank) + mark
-                if not torch.equal(layer[block, :, offset, :], want):
+                want = expected_vector(values[pos], int(name.split(".")[2]), rank, self.device) + mark
+                if self.device == "cpu":
+                    got = layer[block, :, offset, :]
+                else:
+                    got = torch.cat([layer[0, block, offset], layer[1, block, offset]], dim=1)
+                if not torch.equal(got, want):
                     return False
         return True
 
@@ -278,6 +292,7 @@ class Engine:
         self.lookups.close()
 
 
-def expected_vector(value: float, layer: int, rank: int) -> torch.Tensor:
-    base = torch.arange(HEADS * 2 * HEAD, dtype=torch.float32).reshape(HEADS, 2 * HEAD) / 1024.0
+def expected_vector(value: float, layer: int, rank: int, device: str = "cpu") -> torch.Tensor:
+    """``[HEADS, 2*HEAD]``: K then V of every head of one token."""
+    base = torch.arange(HEADS * 2 * HEAD, dtype=torch.float32, device=device).reshape(HEADS, 2 * HEAD) / 1024.0
     return base + value + 1000.0 * layer + 10_000.0 * rank
