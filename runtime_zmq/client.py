@@ -331,31 +331,34 @@ class MPCacheClient:
             if left is not None and left <= 0:
                 return
             if self._recv_lock.acquire(blocking=False):
+                done: list[tuple[Future[Any], bool, Any]] = []
                 try:
                     if poller is None:
                         poller = select.poll()
                         poller.register(self._fd, select.POLLIN)
-                    while not fut.done():
-                        done: list[tuple[Future[Any], bool, Any]] = []
+                    with self._lock:
+                        if self._closed:
+                            return
+                        self._drain_locked(done)
+                    if not done and not fut.done():
+                        # bounded sleep: the client thread may fail the future meanwhile
+                        poller.poll(200.0 if left is None else min(left, 0.2) * 1000)
                         with self._lock:
                             if self._closed:
                                 return
                             self._drain_locked(done)
-                        self._finish(done)
-                        if fut.done():
-                            break
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if left is not None and left <= 0:
-                            break
-                        # bounded sleep: the client thread may have failed the future meanwhile
-                        poller.poll(200.0 if left is None else min(left, 0.2) * 1000)
                 finally:
                     self._recv_lock.release()
+                # callbacks run without the receiving role: one that blocks on another future
+                # can then take it over instead of deadlocking
+                self._finish(done)
+                if fut.done():
                     with self._lock:
                         others = bool(self._pending)
                     if others:
                         self._wake()  # replies for other requests: the client thread reads them
-                return
+                    return
+                continue
             # another thread reads the socket and will resolve fut; re-check now and then in
             # case it stops reading before our reply arrives
             try:

@@ -125,3 +125,17 @@ def test_bookkeeping_stays_bounded(client: MPCacheClient) -> None:
         client.call("noop", timeout=300.0)
     assert len(client._pending) <= 1  # at most an in-flight heartbeat
     assert len(client._deadlines) <= 2 * 1 + 1024 + 1
+
+
+def test_a_callback_may_block_on_another_request(client: MPCacheClient) -> None:
+    inner: list[object] = []
+
+    def on_done(_f: object) -> None:
+        # runs on whichever thread delivered the first reply; it must not deadlock the client
+        inner.append(client.call("get_chunk_size", timeout=3.0))
+
+    f = client.submit("noop")
+    f.add_done_callback(on_done)
+    assert client.call("noop") == "OK"  # this thread may be the one reading replies
+    assert f.result(5) == "OK"
+    assert wait_for(lambda: inner == [256], timeout=5.0)
