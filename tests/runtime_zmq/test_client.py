@@ -139,3 +139,25 @@ def test_a_callback_may_block_on_another_request(client: MPCacheClient) -> None:
     assert client.call("noop") == "OK"  # this thread may be the one reading replies
     assert f.result(5) == "OK"
     assert wait_for(lambda: inner == [256], timeout=5.0)
+
+
+def test_a_frozen_server_is_declared_unhealthy_then_recovers(start_server: Callable[..., ServerProcess]) -> None:
+    import signal
+
+    sp = start_server()
+    c = MPCacheClient(sp.url, request_timeout=30.0, heartbeat_interval=0.2, heartbeat_timeout=0.8)
+    assert sp.proc is not None
+    try:
+        sp.proc.send_signal(signal.SIGSTOP)  # alive, connected, silent
+        f = c.submit("noop")
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as e:
+            f.result(10)
+        assert e.value.kind == "unhealthy"  # failed by the heartbeat, long before its own 30 s
+        assert time.monotonic() - t0 < 3.0
+        sp.proc.send_signal(signal.SIGCONT)
+        assert c.wait_healthy(5.0)
+        assert c.noop() == "OK"
+    finally:
+        sp.proc.send_signal(signal.SIGCONT)
+        c.close()
