@@ -163,6 +163,22 @@ def test_abort_after_allocation_with_the_load_in_flight(start: Any, engine_facto
     assert_clean(engine, server.url)
 
 
+def test_abort_after_the_load_finished_before_the_request_ran(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url)
+    prompt = tokens(3 * CHUNK, 18)
+    engine.add("a", prompt)
+    engine.run_all()
+    req = engine.add("b", prompt)
+    engine.run_until(lambda: req.recv_reported == 1)
+    assert req.status == "loading"  # reported loaded; vLLM would schedule it next step
+    engine.abort("b")
+    engine.run_all()
+    assert req.freed and req.finished_reported == 1 and req.recv_reported == 1
+    _wait_leases_released(server.url)
+    assert_clean(engine, server.url)
+
+
 def test_abort_while_running_and_after_finishing(start: Any, engine_factory: Any) -> None:
     server = start()
     engine = engine_factory(server.url)
