@@ -217,7 +217,6 @@ class RequestTracker:
     block_ids: list[int] = attrs.Factory(list)
     # Tokens [0, stored_until) are in mpcache already or their store has been planned.
     stored_until: int = 0
-    num_store_ops: int = 0
     preempted: bool = False
 
 
@@ -380,7 +379,6 @@ class StepPlanner:
         if end <= start:
             return None
         tracker.stored_until = end
-        tracker.num_store_ops += 1
         bs = self.block_size
         return StoreOp(tracker.request_id, tracker.token_ids[:end], start, end, tracker.block_ids[start // bs : end // bs])
 
@@ -1091,7 +1089,7 @@ def _gpu_physical_layout(layers: Sequence[Any], block_size: int) -> tuple[str, l
             f"expected vLLM's CUDA layout [2, num_blocks, block_size={block_size}, heads, head_size] "
             f"(or FlashInfer's [num_blocks, 2, ...]), got {shape}"
         )
-    flashinfer = shape[0] != 2 or (shape[1] == 2 and shape[0] != 2)
+    flashinfer = shape[0] != 2  # [NB, 2, ...]; vLLM's own layout leads with K/V
     for layer in layers:
         if tuple(int(d) for d in layer.shape) != shape or layer.dtype != first.dtype or layer.device != first.device:
             raise ValueError(f"KV layers differ: {tuple(layer.shape)} {layer.dtype} vs {shape} {first.dtype}")
