@@ -59,7 +59,7 @@ def test_request_timeout_and_late_reply_ignored(start_server: Callable[..., Serv
         with pytest.raises(RemoteError) as e:
             f.result()
         assert e.value.kind == "timeout"
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 4.0  # loose bound for loaded CI; the kind proves who won
         time.sleep(2.0)  # the late reply arrives and is dropped
         assert c.noop() == "OK"
         assert c.healthy
@@ -74,7 +74,7 @@ def test_unreachable_server_fails_fast_and_close_fails_pending() -> None:
     t0 = time.monotonic()
     c = MPCacheClient(f"tcp://127.0.0.1:{port}", connect_timeout=0.5)
     assert not c.healthy
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 4.0
     with pytest.raises(RemoteError) as e:
         c.call("noop", timeout=1.0)
     assert e.value.kind == "unhealthy"  # not connected: refused at once, nothing buffered
@@ -154,7 +154,7 @@ def test_a_frozen_server_is_declared_unhealthy_then_recovers(start_server: Calla
         with pytest.raises(RemoteError) as e:
             f.result(10)
         assert e.value.kind == "unhealthy"  # failed by the heartbeat, long before its own 30 s
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 6.0
         sp.proc.send_signal(signal.SIGCONT)
         assert c.wait_healthy(5.0)
         assert c.noop() == "OK"

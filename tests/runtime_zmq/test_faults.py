@@ -145,7 +145,7 @@ def test_stalled_l2_read(start_server: Callable[..., ServerProcess]) -> None:
         assert c.query_prefetch_status("slow").result(5) is None  # in progress
         t0 = time.monotonic()
         assert c.wait_prefetch_status("slow", 0.3).result(5) is None  # the waiter times out cleanly
-        assert 0.25 <= time.monotonic() - t0 < 2.0
+        assert 0.25 <= time.monotonic() - t0 < 5.0
         assert c.noop() == "OK"  # the loop is not wedged by the stuck read
         s = c.stats()
         assert s["jobs_pending"] == 1 and s["l2_in_flight"] == 1
