@@ -18,10 +18,46 @@ these classes, so tests can drive them in vLLM's exact call order with no vLLM i
 """
 from __future__ import annotations
 
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+
+from core_sm.effects import CopyBlocks, SendRequest
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.lookup_client import LookupClient, LookupClientConfig
+from core_sm.messages import (
+    Cleanup,
+    CopyFinished,
+    EndRequest,
+    EngineFinished,
+    FreeUnusedLeases,
+    PrepareStore,
+    RegisterInstance,
+    ReplyReceived,
+    RequestFailed,
+    Retrieve,
+    RetrieveResult,
+    ServerHealth,
+    Store,
+    StoreResult,
+    SubmitLookup,
+    SubmitRetrieve,
+    SubmitStore,
+    TimerFired,
+    TransferKind,
+)
+from core_sm.transfer_client import TransferClient, TransferClientConfig
+from runtime_zmq.bridge import key_to_wire, request_to_wire, result_from_wire
+from runtime_zmq.client import MPCacheClient, RemoteError
+
+log = logging.getLogger("mpcache.worker")
 
 # --------------------------------------------------------------------------------------------
 # Configuration
@@ -116,7 +152,6 @@ class RetrieveOp:
     """Load tokens ``[start, end)`` of a request into ``block_ids`` (the blocks covering exactly
     that range, in order); the first ``skip_first_n_tokens`` tokens are not written (the engine
     already holds them, possibly shared with other requests)."""
-
     request_id: str
     token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     start: int
@@ -398,8 +433,6 @@ class StepPlanner:
 
 class ServerUnreachable(ConnectionError):
     """The connector could not reach an mpcache server when it started."""
-
-
 class _ServerLinks:
     """One ``MPCacheClient`` per server, index = core_sm's ``server`` number.
 
@@ -411,15 +444,9 @@ class _ServerLinks:
     """
 
     def __init__(self, urls: Sequence[str], config: ConnectorConfig) -> None:
-        import queue
-
-        from runtime_zmq.client import MPCacheClient
-
         self.urls = tuple(urls)
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._timeout = config.request_timeout_s
-        import threading
-
         self._plan_segments: dict[int, tuple[str, int]] = {}
         self._plan_lock = threading.Lock()
         # Server-driven (GPU) engines: the registration's memory fields and the event source.
@@ -449,8 +476,6 @@ class _ServerLinks:
             raise
 
     def _on_health(self, server: int, healthy: bool) -> None:
-        from core_sm.messages import ServerHealth
-
         self._events.put(ServerHealth(server, healthy))
 
     def call(self, server: int, op: str, *args: Any) -> Any:
@@ -458,9 +483,6 @@ class _ServerLinks:
         return self.clients[server].call(op, *args, timeout=self._timeout)
 
     def send(self, effect: Any) -> None:
-        from core_sm.messages import RegisterInstance, Retrieve, Store
-        from runtime_zmq.bridge import key_to_wire, request_to_wire
-
         request = effect.request
         op: str
         args: tuple[Any, ...]
@@ -483,11 +505,6 @@ class _ServerLinks:
         future.add_done_callback(lambda done, effect=effect: self._completed(effect, done))
 
     def _completed(self, effect: Any, future: Any) -> None:
-        from core_sm.errors import ErrorKind, ProtocolError
-        from core_sm.messages import ReplyReceived, RequestFailed
-        from runtime_zmq.bridge import result_from_wire
-        from runtime_zmq.client import RemoteError
-
         try:
             value = future.result()
         except RemoteError as exc:
@@ -546,8 +563,6 @@ class _MachineShell:
     timer. The machine never runs on the client thread."""
 
     def __init__(self, links: _ServerLinks, machine: Any, clock: Any) -> None:
-        import threading
-
         self._links = links
         self._machine = machine
         self._clock = clock
@@ -560,9 +575,6 @@ class _MachineShell:
             self._apply(self._machine.handle(event, self._clock()))
 
     def _apply(self, effects: Iterable[Any]) -> None:
-        from core_sm.effects import CopyBlocks, SendRequest
-        from core_sm.messages import PrepareStore, Store
-
         for effect in effects:
             if isinstance(effect, SendRequest):
                 if isinstance(effect.request, (PrepareStore, Store)):
@@ -587,8 +599,6 @@ class _MachineShell:
             deadline = self._machine.next_deadline()
             now = self._clock()
             if deadline is not None and deadline <= now:
-                from core_sm.messages import TimerFired
-
                 self._apply(self._machine.handle(TimerFired(), now))
 
 
@@ -602,13 +612,9 @@ class SchedulerAdapter(_MachineShell):
     """
 
     def __init__(self, links: _ServerLinks, machine: Any, chunk_size: int, clock: Any = None) -> None:
-        import time
-
         super().__init__(links, machine, clock or time.monotonic)
         self._chunk_size = chunk_size
         for server in range(len(links.urls)):
-            from core_sm.messages import ServerHealth
-
             self._handle(ServerHealth(server, links.healthy(server)))
 
     @classmethod
@@ -616,8 +622,6 @@ class SchedulerAdapter(_MachineShell):
         """Connect to every server and agree on the chunk size; raises ``ServerUnreachable`` (a
         ``ConnectionError``) naming the server that did not answer, ``ValueError`` if the servers
         disagree on the chunk size."""
-        from core_sm.lookup_client import LookupClient, LookupClientConfig
-
         links = _ServerLinks(config.server_urls, config)
         try:
             chunk_size = _agreed_chunk_size(links)
@@ -641,8 +645,6 @@ class SchedulerAdapter(_MachineShell):
         return self._chunk_size
 
     def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "") -> None:
-        from core_sm.messages import SubmitLookup
-
         self._pump()
         self._handle(SubmitLookup(request_id, tuple(token_ids), cache_salt))
 
@@ -653,18 +655,12 @@ class SchedulerAdapter(_MachineShell):
         return None if result is None else int(result)
 
     def free_unused_leases(self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "") -> None:
-        from core_sm.messages import FreeUnusedLeases
-
         self._handle(FreeUnusedLeases(request_id, tuple(token_ids), start, end, cache_salt))
 
     def cleanup(self, request_id: str) -> None:
-        from core_sm.messages import Cleanup
-
         self._handle(Cleanup(request_id))
 
     def end_request(self, request_id: str) -> None:
-        from core_sm.messages import EndRequest
-
         self._pump()
         self._handle(EndRequest(request_id))
 
@@ -703,9 +699,6 @@ class WorkerAdapter(_MachineShell):
     """
 
     def __init__(self, links: _ServerLinks, *, chunk_size: int, model_name: str, world_size: int, rank: int, block_size: int, request_timeout_s: float, clock: Any = None) -> None:
-        import os
-        import time
-
         super().__init__(links, None, clock or time.monotonic)
         self.chunk_size = chunk_size
         self.model_name = model_name
@@ -763,10 +756,7 @@ class WorkerAdapter(_MachineShell):
         after an interprocess event the worker records with each store / retrieve.
         Raises ``ValueError`` on an unexpected layout, the server's error (e.g. ``too_large``:
         a chunk does not fit an L1 slot) as ``RuntimeError``."""
-        from core_sm.messages import ServerHealth
-        from core_sm.transfer_client import TransferClient, TransferClientConfig
         from kernels.layouts import KVGeometry, PagedLayout
-        from runtime_zmq.client import RemoteError
 
         layers = list(kv_caches.values())
         if not layers:
@@ -831,10 +821,7 @@ class WorkerAdapter(_MachineShell):
     def _register_gpu(self, layers: list[Any]) -> None:
         import torch
 
-        from core_sm.messages import ServerHealth
-        from core_sm.transfer_client import TransferClient, TransferClientConfig
         from kernels.layouts import KVGeometry, PagedLayout
-        from runtime_zmq.client import RemoteError
         from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
 
         name, views = _gpu_physical_layout(layers, self.block_size)
@@ -925,9 +912,6 @@ class WorkerAdapter(_MachineShell):
 
     def _map_segment(self, path: str, slot_bytes: int) -> None:
         """Map the server's L1 segment (again after a server restart: a new segment)."""
-        import mmap
-        import os
-
         import numpy as np
 
         from kernels.cpu import CpuKVTransfer
@@ -950,18 +934,12 @@ class WorkerAdapter(_MachineShell):
     # ------------------------------------------------------------------ per step
 
     def submit_retrieves(self, ops: Iterable[RetrieveOp]) -> None:
-        from core_sm.messages import SubmitRetrieve
-
         self._require_registered()
         for op in ops:
             self._handle(SubmitRetrieve(op.request_id, op.token_ids, op.start, op.end, op.block_ids, op.skip_first_n_tokens))
         self._pump()
 
     def submit_stores(self, ops: Iterable[StoreOp]) -> None:
-        import time
-
-        from core_sm.messages import SubmitStore
-
         self._require_registered()
         for op in ops:
             self._handle(SubmitStore(op.request_id, op.token_ids, op.start, op.end, op.block_ids))
@@ -974,8 +952,6 @@ class WorkerAdapter(_MachineShell):
         plan (and was copied at once); server-driven, every STORE was answered (the server
         answers after its copy completed). Bounded by the request timeout (the machine fails
         the op then). Needed before vLLM reuses blocks (preemption)."""
-        import time
-
         deadline = time.monotonic() + self.request_timeout_s + 1.0
         self._pump()
         while self._unanswered_store_prepares and time.monotonic() < deadline:
@@ -987,8 +963,6 @@ class WorkerAdapter(_MachineShell):
             self._pump()
 
     def finished(self, engine_finished_ids: Iterable[str]) -> tuple[set[str], set[str]]:
-        from core_sm.messages import EngineFinished
-
         if self._machine is None:
             return set(), set()
         ids = tuple(sorted(engine_finished_ids))
@@ -1012,11 +986,8 @@ class WorkerAdapter(_MachineShell):
     # ------------------------------------------------------------------ copies
 
     def _copy(self, effect: Any) -> None:
-        import logging
-
         import numpy as np
 
-        from core_sm.messages import CopyFinished, TransferKind
 
         ok = True
         try:
@@ -1043,7 +1014,7 @@ class WorkerAdapter(_MachineShell):
                     skip_tokens = min(max(effect.skip_first_n_tokens - relative * self.chunk_size, 0), self.chunk_size)
                     self._transfer.scatter([offset], np.asarray([blocks], dtype=np.int64), skip_tokens // self.block_size)
         except Exception:
-            logging.getLogger("mpcache.worker").exception("mpcache: copy for transfer %s failed", effect.transfer_id)
+            log.exception("mpcache: copy for transfer %s failed", effect.transfer_id)
             ok = False
         self._apply(self._machine.handle(CopyFinished(effect.op, ok), self._clock()))
 
@@ -1066,8 +1037,6 @@ def _server_driven_result(request: Any, value: Any) -> Any:
     """A server-driven STORE / RETRIEVE reply (LMCache's ``[event_handle, ok]``) as the result
     core_sm expects; None for any other request. The server answers only after its copy has
     completed on the device, so the event handle adds nothing the worker must wait for."""
-    from core_sm.messages import Retrieve, RetrieveResult, Store, StoreResult
-
     if not isinstance(request, (Store, Retrieve)):
         return None
     if not (isinstance(value, (list, tuple)) and len(value) == 2):
