@@ -13,7 +13,7 @@ import pytest
 
 from conftest import HERE, REPO, ServerProcess
 from runtime_zmq.client import MPCacheClient
-from test_ops import register, store_chunks, tokens
+from test_server_ops import register, store_chunks, tokens
 
 LMCACHE_PY = os.path.join(REPO, ".venv-lmcache", "bin", "python")
 

@@ -14,7 +14,7 @@ import pytest
 from core_sm.effects import StartTransfer
 from runtime_zmq.client import MPCacheClient, RemoteError
 from runtime_zmq.server import Server, ServerConfig
-from test_ops import key, tokens
+from test_server_ops import key, tokens
 
 
 class RaisingExecutor:

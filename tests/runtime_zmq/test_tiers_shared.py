@@ -9,7 +9,7 @@ from collections.abc import Callable
 from conftest import ServerProcess, wait_for
 from runtime_zmq.client import MPCacheClient
 from runtime_zmq.l1_pool import MappedSegment
-from test_ops import OBJ_BYTES, key, pattern, register, store_chunks, tokens
+from test_server_ops import OBJ_BYTES, key, pattern, register, store_chunks, tokens
 
 try:
     from redis_server import RedisServer, redis_server, redis_url  # noqa: F401

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import RawDealer, ServerProcess
 from runtime_zmq.client import MPCacheClient
-from test_ops import register, store_chunks, tokens
+from test_server_ops import register, store_chunks, tokens
 
 P = msgpack.packb
 

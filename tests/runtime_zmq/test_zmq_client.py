@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ServerProcess, wait_for
 from runtime_zmq.client import ClientClosed, MPCacheClient, RemoteError
-from test_ops import key, tokens
+from test_server_ops import key, tokens
 
 
 def test_many_threads_share_one_client(client: MPCacheClient) -> None:

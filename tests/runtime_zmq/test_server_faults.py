@@ -21,7 +21,7 @@ from core_sm.lookup_client import LookupClient, LookupClientConfig
 from core_sm.messages import ReplyReceived, RequestFailed, ServerHealth, SubmitLookup, TimerFired
 from runtime_zmq.bridge import request_to_wire, result_from_wire
 from runtime_zmq.client import MPCacheClient, RemoteError
-from test_ops import CHUNK, key, register, store_chunks, tokens
+from test_server_ops import CHUNK, key, register, store_chunks, tokens
 
 SLOW_L2 = "python:slow_tier:make?delay=60"
 
@@ -110,7 +110,7 @@ def test_killed_client_leases_freed_by_ttl(start_server: Callable[..., ServerPro
         script = (
             "import sys, time\n"
             "from runtime_zmq.client import MPCacheClient\n"
-            "from test_ops import key, tokens\n"
+            "from test_server_ops import key, tokens\n"
             f"c = MPCacheClient({sp.url!r})\n"
             "c.lookup(key(tokens(4), 'victim')).result(5)\n"
             "print('hits', c.query_prefetch_status('victim').result(5), flush=True)\n"
