@@ -73,7 +73,7 @@ class Node:
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.name = name
-        self.machines: dict[str, Machine] = dict(machines)
+        self.machines: dict[str, Any] = dict(machines)
         self._interpret = interpret
         self._timer_event = timer_event
         self._arm_timer = arm_timer

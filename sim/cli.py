@@ -151,9 +151,22 @@ def cmd_shrink(args: argparse.Namespace) -> int:
         result, _ = run_scenario(scenario, args.profile)  # type: ignore[arg-type]
         return result.violation is not None and result.violation.code == code
 
-    found = find(scenarios(), fails, settings=settings(
-        max_examples=args.max_examples, deadline=None, database=None,
-        suppress_health_check=list(HealthCheck)))
+    from hypothesis.errors import NoSuchExample
+
+    from sim.corpus import reduce_scenario
+
+    try:
+        found = find(scenarios(), fails, settings=settings(
+            max_examples=args.max_examples, deadline=None, database=None,
+            suppress_health_check=list(HealthCheck)))
+    except NoSuchExample:
+        # Hypothesis's generator did not reach it: start from the first failing seed instead.
+        seed = next((s for s in range(args.seeds) if fails(draw_scenario(s))), None)
+        if seed is None:
+            print(f"no failing world found ({args.max_examples} examples, {args.seeds} seeds)")
+            return 1
+        print(f"Hypothesis found none; reducing seed {seed}")
+        found = reduce_scenario(draw_scenario(seed), fails)
     result, _ = run_scenario(found, args.profile)
     assert result.violation is not None
     print(f"shrunk to {len(found.requests)} request(s), {len(found.faults)} fault(s), "
@@ -195,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", required=True)
     p.add_argument("--code", help="violation code to look for (default: the profile's failure)")
     p.add_argument("--max-examples", type=int, default=2000)
+    p.add_argument("--seeds", type=int, default=200, help="seeds to try when Hypothesis finds nothing")
     p.add_argument("--save", action="store_true", help="write it to tests/sim/corpus/PROFILE.json")
     p.set_defaults(func=cmd_shrink)
     p = sub.add_parser("hashes", help=argparse.SUPPRESS)

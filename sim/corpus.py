@@ -8,6 +8,7 @@ core_sm is immune to it).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +42,54 @@ def from_json(text: str) -> tuple[Scenario, str, str]:
 
 def entries(directory: Path = CORPUS_DIR) -> list[Path]:
     return sorted(directory.glob("*.json"))
+
+
+def reduce_scenario(scenario: Scenario, still_fails: Callable[[Scenario], bool]) -> Scenario:
+    """Greedy delta reduction of a failing seed's world: drop faults, then requests, then turn
+    fault knobs off, keeping every step that still fails. Used when Hypothesis's generator does
+    not reach a failure the seeded generator finds."""
+    current = scenario
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(current.faults)):
+            candidate = attrs.evolve(current, faults=current.faults[:i] + current.faults[i + 1:])
+            if still_fails(candidate):
+                current, changed = candidate, True
+                break
+        if changed:
+            continue
+        for i in range(len(current.requests)):
+            candidate = attrs.evolve(current, requests=current.requests[:i] + current.requests[i + 1:])
+            if still_fails(candidate):
+                current, changed = candidate, True
+                break
+        if changed:
+            continue
+        cfg = current.config
+        for knobs in ({"drop_p": 0.0}, {"dup_p": 0.0}, {"reorder_p": 0.0}):
+            net = attrs.evolve(cfg.net, **knobs)
+            if net != cfg.net:
+                candidate = attrs.evolve(current, config=attrs.evolve(cfg, net=net))
+                if still_fails(candidate):
+                    current, changed = candidate, True
+                    break
+        if changed:
+            continue
+        for field, value in (("l2_fail_p", 0.0), ("copy_fail_p", 0.0), ("evict_after_prefetch_p", 0.0),
+                             ("num_engines", 1), ("num_servers", 1), ("tp", 1), ("l2_enabled", False)):
+            if getattr(cfg, field) != value:
+                candidate = attrs.evolve(current, config=attrs.evolve(cfg, **{field: value}))
+                if field == "num_engines":
+                    candidate = attrs.evolve(candidate, requests=tuple(
+                        attrs.evolve(r, engine=0) for r in candidate.requests))
+                if field in ("num_engines", "num_servers", "tp") and candidate.faults:
+                    continue  # faults name nodes; keep topology while faults remain
+                try:
+                    ok = still_fails(candidate)
+                except Exception:
+                    ok = False
+                if ok:
+                    current, changed = candidate, True
+                    break
+    return current

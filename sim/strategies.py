@@ -52,6 +52,7 @@ def world_configs(draw: st.DrawFn, faulty: bool = True) -> WorldConfig:
         abandoned_job_ttl=draw(st.sampled_from((10.0, 3.0))),
         net=net,
         safety_duration=draw(st.sampled_from((1.0, 2.0))),
+        liveness_bound=10.0,
     )
 
 
