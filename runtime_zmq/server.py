@@ -8,7 +8,7 @@
   ``noop``, ``health``, ``stats``, ``l1_info``, ``report_block_allocation`` (counted).
 * Effects: ``Reply``/``ErrorReply`` are encoded and sent (ROUTER_MANDATORY, non-blocking: a
   vanished or full peer costs a counter, never a wedge). ``StartTransfer`` goes to the
-  ``TransferExecutor``; ``ReadL2``/``WriteL2`` to the ``L2Worker`` threads. Their completions come
+  ``TransferExecutor``; ``ProbeL2``/``ReadL2``/``WriteL2`` to the ``L2Worker`` threads. Their completions come
   back as core_sm events through the completion channel (a queue plus a wake-up pipe the loop
   polls), and are handled on the loop thread like requests.
 * One timer: the poll timeout is ``machine.next_deadline()``; at it the loop handles
