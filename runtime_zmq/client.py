@@ -10,9 +10,11 @@ Contract
   fails with ``RemoteError(kind, message)`` for a server error reply, ``kind="timeout"`` after the
   per-request timeout, ``kind="unhealthy"`` when the heartbeat declares the server gone (every
   pending future fails at that moment: nothing waits on a dead server), or ``ClientClosed``.
-* One background thread receives replies, expires timeouts and sends heartbeats (``ping``). The
-  caller sends on its own thread under a lock, so a call costs exactly one thread hop (the reply
-  wake-up).
+* The caller sends on its own thread under a lock. A thread that blocks in ``result()`` (or
+  ``call()``) reads the socket itself while no other thread does, so a blocking call costs no
+  thread hop; otherwise one background thread receives replies. That thread also expires
+  timeouts and sends heartbeats (``ping``), and never holds the socket while a caller reads it.
+* Done-callbacks run on whichever thread received the reply, outside the client's locks.
 * Health: ``healthy`` is False until the first heartbeat reply, False after ``heartbeat_timeout``
   without any reply while requests or pings are outstanding, and True again on the next reply.
   ``on_health(healthy)`` callbacks run on the client thread; use them to feed core_sm's
