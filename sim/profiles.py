@@ -98,7 +98,9 @@ class NoCacheLookupClient(LookupClient):
     def check(self, request_id: str) -> int | None:
         result = super().check(request_id)
         pending = self._done.get(request_id)
-        if pending is not None:
+        # Only a lookup every server acked and answered is asked again (the old adapter blocked
+        # on the ack and dropped a lookup that failed, so those were never re-polled).
+        if pending is not None and all(leg.acked for leg in pending.legs.values()):
             # Back to querying: the next handle() sends a fresh status query to every server.
             del self._done[request_id]
             pending.result_tokens = None
