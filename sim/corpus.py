@@ -67,7 +67,8 @@ def reduce_scenario(scenario: Scenario, still_fails: Callable[[Scenario], bool])
         if changed:
             continue
         cfg = current.config
-        for knobs in ({"drop_p": 0.0}, {"dup_p": 0.0}, {"reorder_p": 0.0}):
+        knob_sets: tuple[dict[str, Any], ...] = ({"drop_p": 0.0}, {"dup_p": 0.0}, {"reorder_p": 0.0})
+        for knobs in knob_sets:
             net = attrs.evolve(cfg.net, **knobs)
             if net != cfg.net:
                 candidate = attrs.evolve(current, config=attrs.evolve(cfg, net=net))
@@ -76,8 +77,10 @@ def reduce_scenario(scenario: Scenario, still_fails: Callable[[Scenario], bool])
                     break
         if changed:
             continue
-        for field, value in (("l2_fail_p", 0.0), ("copy_fail_p", 0.0), ("evict_after_prefetch_p", 0.0),
-                             ("num_engines", 1), ("num_servers", 1), ("tp", 1), ("l2_enabled", False)):
+        simpler: tuple[tuple[str, Any], ...] = (
+            ("l2_fail_p", 0.0), ("copy_fail_p", 0.0), ("evict_after_prefetch_p", 0.0),
+            ("num_engines", 1), ("num_servers", 1), ("tp", 1), ("l2_enabled", False))
+        for field, value in simpler:
             if getattr(cfg, field) != value:
                 candidate = attrs.evolve(current, config=attrs.evolve(cfg, **{field: value}))
                 if field == "num_engines":

@@ -262,8 +262,8 @@ class SimEngine:
             client = node.machines[LOOKUP]
             pending = client._active.get(rid) if rid is not None else None
             leg = pending.legs.get(msg.server) if pending is not None else None
-            if (isinstance(msg.result, int) and not isinstance(msg.result, bool) and leg is not None
-                    and leg.chunks is None):
+            if (rid is not None and isinstance(msg.result, int) and not isinstance(msg.result, bool)
+                    and leg is not None and leg.chunks is None):
                 # The answer reached a lookup still waiting for this server: it must count.
                 key = (rid, msg.server)
                 self.delivered_hits[key] = max(self.delivered_hits.get(key, 0), msg.result)
@@ -555,7 +555,7 @@ class SimEngine:
         for w in self.workers:
             assert w.node is not None
             for s in range(self.num_servers):
-                event = Abort(req.rid) if outcome == "aborted" else EngineFinished((req.rid,))
+                event = Abort(req.rid) if outcome == "aborted" else EngineFinished((req.rid,))  # type: ignore[arg-type]
                 self.call(w.node, tc_name(s), event)
         self._ensure_step()
 

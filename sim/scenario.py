@@ -9,6 +9,7 @@ per-message decision (delays, drops, duplicates, copy latencies) and trio's sche
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import attrs
 
@@ -66,7 +67,7 @@ class FaultSpec:
 
     at: float
     kind: str
-    args: tuple[object, ...] = ()
+    args: tuple[Any, ...] = ()
 
 
 @attrs.frozen

@@ -317,7 +317,7 @@ class World:
             host.slots[slot] = data
             loaded.append(True)
         assert host.node is not None
-        host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))
+        host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))  # type: ignore[arg-type]  # core_sm converter=tuple
         if self.phase == "safety" and self.fault_rng.random() < self.config.evict_after_prefetch_p:
             # Cache chaos: memory pressure right after a prefetch lands (unleased objects go).
             from core_sm.messages import Clear
@@ -526,10 +526,10 @@ class World:
         kind, args = fault.kind, fault.args
         self.trace.mark(now, "-", "fault", f"{kind} {args}")
         if kind == "crash_server":
-            host = self.servers[int(args[0])]  # type: ignore[arg-type]
+            host = self.servers[int(args[0])]
             if host.up:
                 self.crash_server(host)
-                host.down_until = now + float(args[1])  # type: ignore[arg-type]
+                host.down_until = now + float(args[1])
                 self.timeline.at(host.down_until, self._restart_server, host)
         elif kind in ("partition", "clog"):
             a, b, one_way, dur = args
@@ -538,15 +538,15 @@ class World:
             if kind == "partition":
                 self.net.partition(str(a), str(b), bool(one_way))
             else:
-                self.net.clog(str(a), str(b), now + float(dur))  # type: ignore[arg-type]
-            self.timeline.at(now + float(dur), self._heal_link, str(a), str(b))  # type: ignore[arg-type]
+                self.net.clog(str(a), str(b), now + float(dur))
+            self.timeline.at(now + float(dur), self._heal_link, str(a), str(b))
         elif kind == "crash_engine":
-            engine = self.engines[int(args[0])]  # type: ignore[arg-type]
+            engine = self.engines[int(args[0])]
             if not engine.crashed:
                 self.stats["engine_crashes"] += 1
             engine.crash()
         elif kind == "clear":
-            host = self.servers[int(args[0])]  # type: ignore[arg-type]
+            host = self.servers[int(args[0])]
             if host.up and host.node is not None:
                 from core_sm.messages import Clear
 
