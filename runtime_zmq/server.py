@@ -309,7 +309,16 @@ class Server:
         elif req.op in ("store", "retrieve"):
             self._event_handles[reply_to] = req.args[3]
         if req.op == "register_instance":
-            self._instance_bytes[req.args[0]] = req.args[1].get("object_bytes", 0)
+            nbytes = req.args[1].get("object_bytes", 0)
+            self._instance_bytes[req.args[0]] = nbytes
+            if isinstance(nbytes, int) and 0 < nbytes * 4 <= self.pool.slot_bytes:
+                # fixed-size slots: small objects in large slots cap L1 at num_slots objects
+                log.warning(
+                    "instance %s stores %d-byte objects in %d-byte slots: L1 holds at most %d of "
+                    "them; --slot-mb %.3f would hold %d",
+                    req.args[0], nbytes, self.pool.slot_bytes, self.pool.num_slots,
+                    nbytes / (1 << 20), self.pool.size // max(nbytes, 1),
+                )
         elif req.op == "prepare_store":
             self._plan_instance[reply_to] = req.args[1]
         self._handle(event, now, reply_to)
