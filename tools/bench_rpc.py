@@ -50,6 +50,7 @@ INSTANCE_ID = 7001
 OBJECT_BYTES = 4096
 REQUEST_IDS = 64  # distinct request ids cycled by the latency loops
 REPLY_TIMEOUT_MS = 10_000
+END_UID_BASE = 1 << 40  # uids of the throughput workers' end_session requests
 
 TARGETS = {
     "pair_p50_vs_raw": 1.5,
@@ -242,7 +243,7 @@ def start_raw(transport: str, workdir: str) -> Server:
 
 def start_mpcache(transport: str, workdir: str, l1_gb: float) -> Server:
     url = _url(transport, workdir, "mpcache")
-    argv = [sys.executable, "-m", "runtime_zmq.cli", "--l1-size-gb", str(l1_gb),
+    argv = [sys.executable, "-m", "runtime_zmq.cli", "--l1-size-gb", str(l1_gb), "--slot-mb", "1",
             "--log-level", "WARNING"]
     if transport == "tcp":
         port = url.rsplit(":", 1)[1]
@@ -340,8 +341,12 @@ def _percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
     return pct(0.50), pct(0.99), pct(0.999)
 
 
-def measure_latency(url: str, what: str, calls: int, warmup: int, tag: str) -> tuple[float, float, float]:
-    """`what`: noop | pair | status. Returns (p50, p99, p99.9) in microseconds."""
+def measure_latency(url: str, what: str, calls: int, warmup: int, tag: str,
+                    expect_status: int | None = None) -> tuple[float, float, float]:
+    """`what`: noop | pair | status. Returns (p50, p99, p99.9) in microseconds.
+
+    `expect_status`: every status reply must be this hit count (so a row labelled "L1 hit"
+    cannot silently measure misses); None: not checked (the echo server has no result)."""
     frames = Frames.build(tag)
     ctx = zmq.Context.instance()
     sock = _dealer(ctx, url)
@@ -352,6 +357,8 @@ def measure_latency(url: str, what: str, calls: int, warmup: int, tag: str) -> t
     samples: list[int] = []
     uid = 0
 
+    expected = None if expect_status is None else msgpack.packb(expect_status)
+
     def rt(parts: list[bytes]) -> None:
         nonlocal uid
         uid += 1
@@ -361,6 +368,9 @@ def measure_latency(url: str, what: str, calls: int, warmup: int, tag: str) -> t
         reply = recv()
         if reply[1] != parts[0]:
             raise BenchError(f"{what}: error reply {msgpack.unpackb(reply[-1])!r}")
+        if expected is not None and parts[0] == frames.status_op and reply[2:] != [expected]:
+            got = msgpack.unpackb(reply[2]) if len(reply) > 2 else None
+            raise BenchError(f"{what}: status {got!r}, expected {expect_status}")
 
     try:
         if what == "status":
@@ -416,15 +426,24 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
                 _call(sock, 10**9 + i, "lookup", msgpack.unpackb(frames.lookup_keys[i]), 1)
                 _call(sock, 2 * 10**9 + i, "query_prefetch_status", msgpack.unpackb(frames.request_ids[i]))
 
+        # Lookups: every one under a request id never used before (as vLLM's are), each ended by
+        # an end_session sent when its ack arrives (not counted, but served), so the server does
+        # a lookup's full work every time and its tables stay bounded. The key frame is encoded
+        # once with a fixed-width placeholder id that is patched per request.
+        placeholder = "#" * len(f"{tag}-{0:010d}")
+        key_frame = msgpack.packb(lookup_key(_tokens(), placeholder))
+        marker = msgpack.packb(placeholder)
+        at = key_frame.find(marker)
+        head, tail = key_frame[:at], key_frame[at + len(marker):]
+
         def request(n: int) -> list[bytes]:
             i = n % ids
             if what == "noop":
                 return [msgpack.packb(n), frames.noop]
             if what == "status":
                 return [msgpack.packb(n), frames.status_op, frames.request_ids[i]]
-            # A new lookup for an id replaces that id's previous one (its leases are released),
-            # so cycling ids keeps the server's tables bounded, as a steady scheduler would.
-            return [msgpack.packb(n), frames.lookup_op, frames.lookup_keys[i], frames.tp_size]
+            rid = msgpack.packb(f"{tag}-{n:010d}")
+            return [msgpack.packb(n), frames.lookup_op, head + rid + tail, frames.tp_size]
 
         expected_op = {"noop": frames.noop, "status": frames.status_op, "lookup": frames.lookup_op}[what]
         warm_until = start_at
@@ -432,6 +451,25 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
             time.sleep(0.01)
         counting = False
         errors = 0
+        ends_sent = 0
+        ends_answered = 0
+
+        def on_reply(reply: list[bytes]) -> bool:
+            """Handles one reply; True when it answered a counted request."""
+            nonlocal inflight, errors, ends_sent, ends_answered
+            if reply[1] == frames.end_op:
+                ends_answered += 1
+                return False
+            inflight -= 1
+            if reply[1] != expected_op:
+                errors += 1
+            elif what == "lookup":
+                n = msgpack.unpackb(reply[0])
+                sock.send_multipart([msgpack.packb(END_UID_BASE + n), frames.end_op,
+                                     msgpack.packb(f"{tag}-{n:010d}")])
+                ends_sent += 1
+            return True
+
         while True:
             now = time.time()
             if not counting and now >= warm_until:
@@ -449,17 +487,14 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
                         reply = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    inflight -= 1
-                    if reply[1] != expected_op:
-                        errors += 1
-                    done += 1
-        # drain
-        deadline = time.time() + 5
-        while inflight and time.time() < deadline:
+                    if on_reply(reply):
+                        done += 1
+        # Drain: answers to what is still in flight, and the end_sessions they trigger.
+        deadline = time.time() + 10
+        while (inflight or ends_answered < ends_sent) and time.time() < deadline:
             if sock.poll(100):
-                sock.recv_multipart()
-                inflight -= 1
-        if what == "status" or what == "lookup":
+                on_reply(sock.recv_multipart())
+        if what == "status":
             for i in range(ids):
                 _call(sock, 3 * 10**9 + i, "end_session", msgpack.unpackb(frames.request_ids[i]))
         sock.close()
@@ -550,7 +585,9 @@ def run(args: argparse.Namespace) -> int:
                                     ("status", "status")):
                     if kind == "raw" and what == "status":
                         continue  # the echo of a status frame is the noop row, in effect
-                    p = measure_latency(server.url, what, args.calls, args.warmup, f"{tag}-{what}")
+                    expect = {"raw": None, "mpcache": TOKENS // CHUNK, "lmcache": 0}[kind]
+                    p = measure_latency(server.url, what, args.calls, args.warmup, f"{tag}-{what}",
+                                        expect_status=expect)
                     op = label
                     if what == "pair" and kind == "raw":
                         op = "echo pair (lookup frames)"
