@@ -143,9 +143,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start: %s", e)
         return 1
 
+    signals_seen = 0
+
     def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal %d: shutting down", signum)
-        server.stop()
+        # First signal: graceful shutdown. Second: harmless (supervisors and `timeout` often send
+        # two). Third: exit at once, in-flight work abandoned, the L1 segment's name removed.
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("signal %d: shutting down (up to %g s for in-flight work)", signum, config.shutdown_grace)
+            server.stop()
+        elif signals_seen == 2:
+            log.warning("signal %d: already shutting down; a third signal exits at once", signum)
+        else:
+            log.warning("signal %d: exiting at once", signum)
+            server.pool.unlink()
+            os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -161,7 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 50)
-    server.serve_forever(ready)
+    try:
+        server.serve_forever(ready)
+    finally:
+        # Shut down: a late signal must not kill the exiting process (the interpreter restores
+        # the default action of a signal with a Python handler when it finalizes, not of one
+        # ignored).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
 

@@ -107,6 +107,13 @@ class SharedMemoryPool:
         mm = self._open()
         return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
+    def unlink(self) -> None:
+        """Remove the segment's name now (a forced exit); mappings stay valid until unmapped."""
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Unmap and unlink. Views still held elsewhere keep the mapping alive until released."""
         mm, self._mm = self._mm, None

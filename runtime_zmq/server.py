@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,13 +110,19 @@ ReplyTo = tuple[bytes, bytes, bytes, str, float]  # identity, uid frame, op fram
 
 
 class CompletionChannel:
-    """Worker threads -> loop thread: ``post(event)`` from any thread; the loop polls ``fd``."""
+    """Worker threads -> loop thread: ``post(event)`` from any thread; the loop polls ``fd``.
+
+    ``wake``/``post`` after ``close`` do nothing (a late completion or a signal arriving while
+    the server exits): the pipe's descriptors may already belong to another file."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
+        # Re-entrant: a signal handler calling wake() may interrupt close() on the same thread.
+        self._lock = threading.RLock()
+        self._closed = False
 
     @property
     def fd(self) -> int:
@@ -126,10 +133,13 @@ class CompletionChannel:
         self.wake()
 
     def wake(self) -> None:
-        try:
-            os.write(self._w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
 
     def drain(self) -> list[object]:
         try:
@@ -145,8 +155,12 @@ class CompletionChannel:
                 return out
 
     def close(self) -> None:
-        os.close(self._r)
-        os.close(self._w)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # before the descriptors go: a re-entrant wake() sees it
+            os.close(self._r)
+            os.close(self._w)
 
 
 class Server:
@@ -208,7 +222,10 @@ class Server:
     # ------------------------------------------------------------------ public
 
     def stop(self) -> None:
-        """Ask the loop to shut down (any thread, or a signal handler)."""
+        """Ask the loop to shut down (any thread, or a signal handler). Idempotent: a call
+        during or after the shutdown does nothing."""
+        if self._stopping:
+            return
         self._stopping = True
         self.channel.wake()
 

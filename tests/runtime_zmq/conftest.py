@@ -51,7 +51,8 @@ class ServerProcess:
                     ready.set()
             ready.set()
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         if not ready.wait(timeout) or not self.url:
             self.kill()
             raise RuntimeError("server did not start:\n" + "\n".join(self.log))
@@ -66,6 +67,13 @@ class ServerProcess:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+    def output(self, timeout: float = 10.0) -> str:
+        """Everything the process printed (stdout and stderr), once it exited."""
+        assert self.proc is not None
+        self.proc.wait(timeout)
+        self._pump.join(timeout)
+        return "\n".join(self.log)
 
     @property
     def alive(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 import sys
 import time
@@ -173,3 +174,44 @@ def test_sigterm_answers_waiters_and_removes_segment(start_server: Callable[...,
         assert not os.path.exists(segment)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.0005, 0.001, 0.002, 0.005])
+def test_second_sigterm_right_after_the_first_is_harmless(start_server: Callable[..., ServerProcess], gap: float) -> None:
+    # `timeout 5 mpcache-server` under make delivers two SIGTERMs a moment apart; the second one
+    # lands anywhere in the shutdown (socket and pipe closing, interpreter exit): never a
+    # traceback, never a non-zero exit.
+    sp = start_server()
+    assert sp.proc is not None
+    sp.proc.send_signal(signal.SIGTERM)
+    time.sleep(gap)
+    if sp.proc.poll() is None:
+        sp.proc.send_signal(signal.SIGTERM)
+    out = sp.output()
+    assert sp.proc.returncode == 0, out
+    assert "Traceback" not in out and "Error" not in out, out
+    assert "mpcache-server stopped" in out
+
+
+def test_second_signal_during_a_slow_shutdown_is_logged_and_third_exits_at_once(start_server: Callable[..., ServerProcess]) -> None:
+    sp = start_server("--l2", SLOW_L2, "--shutdown-grace", "30")
+    assert sp.proc is not None
+    c = MPCacheClient(sp.url, request_timeout=10.0)
+    try:
+        segment = c.l1_info()["segment"]
+        c.lookup(key(tokens(2), "w")).result(5)  # an L2 read that stalls: shutdown waits for it
+    finally:
+        c.close()
+    sp.proc.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: any("mpcache-server stopping" in line for line in sp.log), timeout=10.0)
+    sp.proc.send_signal(signal.SIGINT)
+    assert wait_for(lambda: any("already shutting down" in line for line in sp.log), timeout=10.0)
+    time.sleep(0.3)
+    assert sp.alive  # still waiting for the stalled read, as the grace allows
+    t0 = time.monotonic()
+    sp.proc.send_signal(signal.SIGTERM)
+    out = sp.output(timeout=10.0)
+    assert sp.proc.returncode == 128 + signal.SIGTERM, out
+    assert time.monotonic() - t0 < 5.0
+    assert "exiting at once" in out and "Traceback" not in out, out
+    assert not os.path.exists(segment)

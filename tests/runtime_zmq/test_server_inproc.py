@@ -13,7 +13,7 @@ import pytest
 
 from core_sm.effects import StartTransfer
 from runtime_zmq.client import MPCacheClient, RemoteError
-from runtime_zmq.server import Server, ServerConfig
+from runtime_zmq.server import CompletionChannel, Server, ServerConfig
 from test_server_ops import key, tokens
 
 
@@ -122,3 +122,22 @@ def test_server_driven_store_and_retrieve_through_an_executor(threaded: tuple[Se
     assert executor.started[-1].kind.value == "retrieve"
     s = c.stats()
     assert s["transfers"] == 0 and s["transfers_in_flight"] == 0 and s["leases_held"] == 0
+
+
+def test_wake_and_stop_after_shutdown_do_nothing() -> None:
+    # A signal handler or a late worker thread may call these while (or after) the server exits.
+    channel = CompletionChannel()
+    channel.close()
+    channel.wake()
+    channel.post(object())
+    channel.close()
+    d = tempfile.mkdtemp(prefix="mpcache-inproc-")
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=8 << 20, slot_bytes=1 << 20))
+    loop = threading.Thread(target=server.serve_forever, name="server-loop")
+    loop.start()
+    server.stop()
+    server.stop()
+    loop.join(10)
+    assert not loop.is_alive()
+    server.stop()
+    server.channel.wake()
