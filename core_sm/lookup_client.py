@@ -12,8 +12,9 @@ Per request id (vLLM calls in brackets)::
     Cleanup [cleanup_lookup_result] -> forget it (a pending lookup also frees its leases)
     FreeUnusedLeases / EndRequest -> fire-and-forget FREE_LOOKUP_LOCKS / END_SESSION
 
-A failed request, an unhealthy server, or ``lookup_timeout`` resolves the lookup to 0 at once
-(no caller ever polls forever). A reply whose correlation the client no longer expects (a
+A failed request, an unhealthy server, a restarted server (``ServerEpoch`` with a new epoch: its
+jobs and leases are gone), or ``lookup_timeout`` resolves the lookup to 0 at once (no caller
+ever polls forever). A reply whose correlation the client no longer expects (a
 duplicate, a reply after a timeout) is ignored and counted in ``stats()["stale_replies"]``.
 ``check()`` is a pure read and never blocks; all sends happen in ``handle``.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import attrs
 
@@ -38,12 +40,17 @@ from core_sm.messages import (
     QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
+    ServerEpoch,
     ServerHealth,
     ServerRequest,
     SubmitLookup,
     TimerFired,
     WaitPrefetchStatus,
 )
+
+
+def _ranks_per_server(value: Iterable[Iterable[int]] | None) -> tuple[tuple[int, ...], ...] | None:
+    return None if value is None else tuple(tuple(ranks) for ranks in value)
 
 
 @attrs.frozen
@@ -59,6 +66,21 @@ class LookupClientConfig:
     use_wait: bool = False  # WAIT_PREFETCH_STATUS instead of polling QUERY_PREFETCH_STATUS
     wait_timeout: float = 1.0
     fire_and_forget_cap: int = 10_000  # replies to FREE/END we still recognise
+    # The KV ranks each server holds (tensor-parallel ranks spread over servers): entry s goes to
+    # server s as ``Lookup.ranks``. None: every server holds every rank of world_size.
+    ranks_per_server: tuple[tuple[int, ...], ...] | None = attrs.field(
+        default=None, converter=_ranks_per_server)
+
+    def __attrs_post_init__(self) -> None:
+        rps = self.ranks_per_server
+        if rps is None:
+            return
+        if len(rps) != self.num_servers:
+            raise ValueError(f"ranks_per_server names {len(rps)} servers, not num_servers={self.num_servers}")
+        for ranks in rps:
+            if not ranks or len(set(ranks)) != len(ranks) or not all(
+                    isinstance(r, int) and 0 <= r < self.world_size for r in ranks):
+                raise ValueError(f"ranks_per_server entry {ranks!r}: distinct ranks in [0, {self.world_size}) needed")
 
 
 class LookupState(enum.Enum):
@@ -92,12 +114,16 @@ TRANSITIONS: dict[tuple[LookupState, type], frozenset[LookupState]] = {
     (_L.AWAITING_ACK, TimerFired): frozenset({_L.AWAITING_ACK, _L.DONE}),
     (_L.QUERYING, TimerFired): frozenset({_L.QUERYING, _L.DONE}),
     (_L.DONE, TimerFired): frozenset({_L.DONE, _L.ABSENT}),
+    (_L.ABSENT, ServerEpoch): frozenset({_L.ABSENT}),
+    (_L.AWAITING_ACK, ServerEpoch): frozenset({_L.AWAITING_ACK, _L.DONE}),
+    (_L.QUERYING, ServerEpoch): frozenset({_L.QUERYING, _L.DONE}),
+    (_L.DONE, ServerEpoch): frozenset({_L.DONE}),
     **{(s, Cleanup): frozenset({_L.ABSENT}) for s in LookupState},
     **{(s, EndRequest): frozenset({_L.ABSENT}) for s in LookupState},
     **{(s, FreeUnusedLeases): frozenset({s}) for s in LookupState},
 }
 EVENTS = (SubmitLookup, ReplyReceived, RequestFailed, ServerHealth, TimerFired, Cleanup,
-          EndRequest, FreeUnusedLeases)
+          EndRequest, FreeUnusedLeases, ServerEpoch)
 
 
 @attrs.define
@@ -144,6 +170,7 @@ class LookupClient:
         self._correlations: dict[int, tuple[str, int]] = {}  # correlation -> (request, server)
         self._fire_and_forget: OrderedDict[int, None] = OrderedDict()
         self._healthy = [True] * self.config.num_servers
+        self._epochs: list[int | str | None] = [None] * self.config.num_servers
         self._next_correlation = 0
         self._counters = {
             name: 0
@@ -151,7 +178,7 @@ class LookupClient:
                          "status_queries_sent", "status_resends", "stale_replies", "timeouts",
                          "failures", "resolved", "resolved_zero", "frees_sent", "end_sessions_sent",
                          "fire_and_forget_replies", "expired_results", "bad_replies",
-                         "internal_errors")
+                         "internal_errors", "server_restarts")
         }
 
     # ============================================================================= public API
@@ -177,6 +204,8 @@ class LookupClient:
             self._on_reply(event.server, event.correlation, None, event, now, out)
         elif isinstance(event, ServerHealth):
             self._on_health(event, now, out)
+        elif isinstance(event, ServerEpoch):
+            self._on_epoch(event, now, out)
         elif isinstance(event, Cleanup):
             self._on_cleanup(event.request_id, now, out)
         elif isinstance(event, FreeUnusedLeases):
@@ -295,7 +324,7 @@ class LookupClient:
             pending.legs[s] = leg
             self._counters["lookups_sent"] += 1
             leg.lookup_correlation = self._send(
-                s, Lookup(key, self.config.num_readers), out, owner=(rid, s)
+                s, Lookup(key, self.config.num_readers, self._ranks_of(s)), out, owner=(rid, s)
             )
             if not self._wait_for_ack(pending, s):
                 self._send_query(pending, leg, now, out)
@@ -346,8 +375,23 @@ class LookupClient:
         self._healthy[ev.server] = bool(ev.healthy)
         if ev.healthy:
             return
+        self._fail_legs_on(ev.server, now, out)
+
+    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
+        if not 0 <= ev.server < self.config.num_servers:
+            self._counters["bad_replies"] += 1
+            return
+        old, self._epochs[ev.server] = self._epochs[ev.server], ev.epoch
+        if old is None or old == ev.epoch:
+            return
+        # The server restarted: the jobs and leases of lookups in flight on it are gone, and a
+        # status query would answer 0 anyway (or never come back).
+        self._counters["server_restarts"] += 1
+        self._fail_legs_on(ev.server, now, out)
+
+    def _fail_legs_on(self, server: int, now: float, out: list[Effect]) -> None:
         for pending in list(self._active.values()):
-            leg = pending.legs.get(ev.server)
+            leg = pending.legs.get(server)
             if leg is not None and leg.chunks is None:
                 self._counters["failures"] += 1
                 self._leg_answer(pending, leg, 0, now, out)
@@ -451,6 +495,10 @@ class LookupClient:
             if free_pending and self._healthy[leg.server] and pending.key.end > 0:
                 self._counters["frees_sent"] += 1
                 self._send(leg.server, FreeLookupLocks(pending.key), out, fire_and_forget=True)
+
+    def _ranks_of(self, server: int) -> tuple[int, ...] | None:
+        rps = self.config.ranks_per_server
+        return None if rps is None else rps[server]
 
     def _healthy_servers(self) -> list[int]:
         return [s for s, ok in enumerate(self._healthy) if ok]

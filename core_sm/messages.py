@@ -26,6 +26,7 @@ from typing import Union
 
 import attrs
 
+from core_sm.chunks import TokenIds, as_token_ids
 from core_sm.errors import ProtocolError
 
 ReplyTo = Hashable
@@ -38,6 +39,10 @@ OpId = tuple[str, int]
 
 def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(value)
+
+
+def _optional_int_tuple(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
 
 
 def _placements(value: Iterable[tuple[int, int]]) -> tuple[Placement, ...]:
@@ -64,12 +69,16 @@ class CacheKey:
     this worker stores/retrieves. ``token_ids`` is the request's full token sequence; the key
     addresses tokens ``[start, end)``. ``request_id`` is not part of the cache identity (it is
     the owner of leases and the job id); ``cache_salt`` is.
+
+    ``token_ids`` is a ``core_sm.chunks.TokenIds``: give packed little-endian uint32 ``bytes``
+    (taken as is, as the wire delivers them) or a sequence of ints (packed once, here); keys
+    built from either form of the same tokens are equal.
     """
 
     model_name: str
     world_size: int
     worker_id: int | None
-    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    token_ids: TokenIds = attrs.field(converter=as_token_ids)
     start: int
     end: int
     request_id: str
@@ -102,11 +111,29 @@ class Lookup:
     TP > 1 has several ranks reading one object), may start an L2 prefetch for the rest, registers
     the prefetch job. Reply: ``None`` (the ack). A duplicate for a live job is acked without new
     leases.
+
+    ``ranks``: the KV ranks this server holds for the request (tensor-parallel ranks spread over
+    several servers); a chunk hits when every one of those ranks is readable, and only those
+    ranks are leased or read from L2. ``None``: every rank in ``[0, key.world_size)``. Empty,
+    duplicated or out-of-range ranks are a VALIDATION error.
     """
 
     key: CacheKey
     num_readers: int = attrs.field(default=1, validator=_non_negative)
+    ranks: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_int_tuple)
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
+def lookup_num_readers(num_kv_readers: int, tp_size: int | None, world_size: int) -> int:
+    """``Lookup.num_readers`` for LMCache's wire fields: the key's ``num_kv_readers`` when it is
+    given (> 0, later LMCache versions), else the April 2026 rule from the lookup's legacy
+    ``tp_size`` payload (None when absent): ``tp = tp_size if tp_size > 1 else world_size``,
+    ``1 + (tp - 1 if tp > world_size else 0)`` -- so MLA with TP > 1 (the key's world size is
+    ``total / TP``) takes one read count per TP rank, everything else one."""
+    if num_kv_readers > 0:
+        return num_kv_readers
+    tp = tp_size if tp_size is not None and tp_size > 1 else world_size
+    return tp if tp > world_size else 1
 
 
 @attrs.frozen
@@ -393,6 +420,18 @@ class ServerHealth:
 
 
 @attrs.frozen
+class ServerEpoch:
+    """The runtime learned ``server``'s start id (``epoch``; from a ping reply, say). A value
+    different from the last one fed means the server restarted and lost every job, lease,
+    transfer and registration: the client resolves what was in flight on it (as for
+    ``ServerHealth(False)``) and, if it registers, registers again. The first value fed is only
+    remembered."""
+
+    server: int
+    epoch: int | str
+
+
+@attrs.frozen
 class SubmitLookup:
     """vLLM ``maybe_submit_lookup_request``: start a lookup (ignored if the id is already known)."""
 
@@ -481,6 +520,7 @@ ClientEvent = Union[
     ReplyReceived,
     RequestFailed,
     ServerHealth,
+    ServerEpoch,
     SubmitLookup,
     Cleanup,
     FreeUnusedLeases,

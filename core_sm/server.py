@@ -195,10 +195,15 @@ class PrefetchJob:
     l2_deadline: float | None = None
     hits: int | None = None
     freed_chunks: set[int] = attrs.Factory(set)
+    ranks: tuple[int, ...] | None = None  # the KV ranks this server holds (None: all)
 
     @property
     def state(self) -> JobState:
         return JobState.PENDING if self.hits is None else JobState.DONE
+
+    def rank_range(self) -> Sequence[int]:
+        """The ranks whose objects make a chunk a hit (leased, read from L2)."""
+        return range(self.key.world_size) if self.ranks is None else self.ranks
 
 
 @attrs.define
@@ -396,20 +401,29 @@ class LookupServer:
             self.index.lease_read(key, request_id, need, now)
         self.index.touch(key)
 
+    def _lease_prefix_for_lookup(
+        self, request_id: str, keys: Sequence[ObjectKey], num_readers: int, now: float
+    ) -> None:
+        """``_lease_for_lookup`` for every object of a lookup's L1 prefix, as one batch of the
+        index (a subclass overriding ``_lease_for_lookup`` has it called per object instead)."""
+        if type(self)._lease_for_lookup is not LookupServer._lease_for_lookup:
+            for key in keys:
+                self._lease_for_lookup(request_id, key, num_readers, now)
+            return
+        # Top-up per object, as _lease_for_lookup (READY objects being leased leave the LRU set,
+        # so its touch has nothing to move).
+        self.index.lease_reads(keys, request_id, num_readers, now, top_up=True)
+
     def _release_for_free_lookup_locks(
         self, request_id: str, keys: Sequence[ObjectKey], now: float
     ) -> int:
         """FREE_LOOKUP_LOCKS: release this request's leases on ``keys`` only (legacy: one count of
         whoever holds each key: F9). Returns the counts released."""
-        released = 0
-        for key in keys:
-            released += self.index.release_read(key, request_id, None, ReleaseReason.FREE, now)
-        return released
+        return self.index.release_reads(keys, request_id, None, ReleaseReason.FREE, now)
 
     def _release_after_retrieve(self, request_id: str, keys: Sequence[ObjectKey], now: float) -> None:
         """A successful RETRIEVE releases one of the request's counts per object."""
-        for key in keys:
-            self.index.release_read(key, request_id, 1, ReleaseReason.RETRIEVE, now)
+        self.index.release_reads(keys, request_id, 1, ReleaseReason.RETRIEVE, now)
 
     def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
         """Remember an answered job's count (legacy: nothing, so repeats see an unknown id: F1)."""
@@ -459,6 +473,11 @@ class LookupServer:
         err = self._validate_key(ev.key, scheduler=True)
         if err is None and ev.key.start != 0:
             err = f"a lookup key starts at token 0, not {ev.key.start}"
+        if err is None and ev.ranks is not None:
+            ranks, ws = ev.ranks, ev.key.world_size
+            if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < ws
+                                    for r in ranks) or len(set(ranks)) != len(ranks):
+                err = f"ranks must be distinct ints in [0, {ws}), not {ranks!r}"
         hashes: tuple[bytes, ...] = ()
         if err is None:
             hashes, err = self._hashes(ev.key, ev.key.end // self.config.chunk_size)
@@ -474,21 +493,16 @@ class LookupServer:
         self._start_job(ev, hashes, now, out)
 
     def _start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
-        key, rid, ws = ev.key, ev.key.request_id, ev.key.world_size
-        prefix = 0
-        for h in hashes:
-            if not all(self.index.is_readable(ObjectKey(h, r)) for r in range(ws)):
-                break
-            prefix += 1
+        key, rid = ev.key, ev.key.request_id
+        ranks = range(key.world_size) if ev.ranks is None else ev.ranks
+        prefix, prefix_keys = self.index.readable_prefix(hashes, ranks)
         if ev.num_readers > 0:
-            for i in range(prefix):
-                for r in range(ws):
-                    self._lease_for_lookup(rid, ObjectKey(hashes[i], r), ev.num_readers, now)
+            self._lease_prefix_for_lookup(rid, prefix_keys, ev.num_readers, now)
         self._counters["lookup_chunks"] += len(hashes)
         job = PrefetchJob(
             request_id=rid, serial=self._new_id(), key=key, hashes=hashes,
             num_readers=ev.num_readers, l1_prefix=prefix, created=now,
-            reap_at=now + self.config.abandoned_job_ttl,
+            reap_at=now + self.config.abandoned_job_ttl, ranks=ev.ranks,
         )
         self._jobs[rid] = job
         self._push_timer(job.reap_at, "reap", (rid, job.serial))
@@ -504,8 +518,8 @@ class LookupServer:
 
     def _missing_keys(self, job: PrefetchJob, upto: int) -> list[tuple[int, ObjectKey]]:
         """(chunk, key) of the objects not readable in chunks [l1_prefix, upto), prefix order."""
-        ws = job.key.world_size
-        return [(i, ObjectKey(job.hashes[i], r)) for i in range(job.l1_prefix, upto) for r in range(ws)
+        ranks = job.rank_range()
+        return [(i, ObjectKey(job.hashes[i], r)) for i in range(job.l1_prefix, upto) for r in ranks
                 if not self.index.is_readable(ObjectKey(job.hashes[i], r))]
 
     def _start_probe(self, job: PrefetchJob, now: float, out: list[Effect]) -> bool:
@@ -544,7 +558,7 @@ class LookupServer:
         chunks: list[int] = []
         stop = False
         for i in range(job.l1_prefix, upto):
-            for r in range(ws):
+            for r in job.rank_range():
                 k = ObjectKey(job.hashes[i], r)
                 if self.index.is_readable(k):
                     continue
@@ -837,9 +851,8 @@ class LookupServer:
         """The job's hits: its L1 prefix, extended over the chunks now readable on every rank
         (contiguously), which it leases (except chunks already freed)."""
         hits = job.l1_prefix
-        ws = job.key.world_size
         for i in range(job.l1_prefix, len(job.hashes)):
-            keys = [ObjectKey(job.hashes[i], r) for r in range(ws)]
+            keys = [ObjectKey(job.hashes[i], r) for r in job.rank_range()]
             if not all(self.index.is_readable(k) for k in keys):
                 break
             if i not in job.freed_chunks and job.num_readers > 0:
@@ -861,7 +874,7 @@ class LookupServer:
         upto = job.l1_prefix
         for i in range(job.l1_prefix, len(job.hashes)):
             if not all(self.index.is_readable(k) or k in present
-                       for k in (ObjectKey(job.hashes[i], r) for r in range(job.key.world_size))):
+                       for k in (ObjectKey(job.hashes[i], r) for r in job.rank_range())):
                 break
             upto = i + 1
         if upto > job.l1_prefix and self._start_read(job, upto, now, out):

@@ -22,8 +22,24 @@ Reporting (``finished() -> (sending, recving)``, each id at most once per set, m
 
 Health: while the server is unhealthy, new stores are skipped (done at once) and new retrieves
 fail at once into load errors; on becoming unhealthy, ops waiting on the server fail now, ops
-whose engine copy is running wait for ``CopyFinished``. A transition to healthy (including the
+whose engine copy is running wait for ``CopyFinished`` and then fail without a commit (their
+transfer id belongs to a server that may have restarted). A transition to healthy (including the
 first ``ServerHealth(server, True)`` the runtime feeds at start) sends ``RegisterInstance``.
+
+Restart detection (F13): a server that restarted between two heartbeats has forgotten the
+registration. Either sign of it starts a new one:
+
+* ``ServerEpoch(server, epoch)`` with an epoch different from the last one fed: handled as
+  ``ServerHealth(False)`` then ``ServerHealth(True)`` -- what was in flight fails now, and
+  ``RegisterInstance`` is sent again.
+* a ``NOT_REGISTERED`` error for an op sent while the client believed itself registered (and no
+  registration was acked after the op was sent): the client marks itself unregistered and sends
+  ``RegisterInstance`` once; the failing ops fail as usual (stores finish, retrieves become load
+  errors), later ops go out as usual.
+
+A registration that fails, or stays unanswered for ``registration_timeout``, is sent again after
+a backoff (``registration_retry`` doubling up to ``registration_retry_max``) while the server is
+healthy; ``next_deadline()`` covers it.
 """
 from __future__ import annotations
 
@@ -34,6 +50,7 @@ import attrs
 
 from core_sm.chunks import DEFAULT_CHUNK_SIZE
 from core_sm.effects import CopyBlocks, Effect, SendRequest
+from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.messages import (
     Abort,
     CacheKey,
@@ -49,6 +66,7 @@ from core_sm.messages import (
     RequestFailed,
     Retrieve,
     RetrieveResult,
+    ServerEpoch,
     ServerHealth,
     ServerRequest,
     Store,
@@ -73,6 +91,9 @@ class TransferClientConfig:
     server: int = 0
     op_timeout: float | None = None  # waiting on the server longer than this fails the op
     reported_cap: int = 100_000  # ids remembered to keep reports exactly-once
+    registration_timeout: float = 10.0  # an unanswered RegisterInstance counts as failed after this
+    registration_retry: float = 0.5  # delay before re-sending a failed registration; doubles...
+    registration_retry_max: float = 5.0  # ...up to this
 
 
 class OpState(enum.Enum):
@@ -110,9 +131,14 @@ TRANSITIONS: dict[tuple[OpState, type], frozenset[OpState]] = {
     **{(s, EngineFinished): frozenset({s}) for s in OpState},
     (_O.ABSENT, ServerHealth): frozenset({_O.ABSENT}),
     (_O.ABSENT, TimerFired): frozenset({_O.ABSENT}),
+    # A new epoch is a restart: as ServerHealth(False) then (True).
+    (_O.ABSENT, ServerEpoch): frozenset({_O.ABSENT}),
+    (_O.SENT, ServerEpoch): frozenset({_O.SENT, _O.ABSENT}),
+    (_O.COPYING, ServerEpoch): frozenset({_O.COPYING}),
+    (_O.COMMITTING, ServerEpoch): frozenset({_O.COMMITTING, _O.ABSENT}),
 }
 EVENTS = (SubmitStore, SubmitRetrieve, ReplyReceived, RequestFailed, CopyFinished, ServerHealth,
-          TimerFired, Abort, EngineFinished)
+          TimerFired, Abort, EngineFinished, ServerEpoch)
 
 
 @attrs.define
@@ -129,6 +155,8 @@ class TransferOp:
     sent_at: float
     transfer_id: int = -1
     copy_ok: bool = True
+    incarnation: int = 0  # the client's count of server losses when the op was submitted
+    registration: int = 0  # registrations acked when the op's last request was sent
 
 
 @attrs.define
@@ -140,6 +168,7 @@ class RequestRecord:
     next_seq: int = 0  # ops submitted so far
     ops: dict[OpId, TransferOp] = attrs.Factory(dict)
     engine_finished: bool = False
+    retrieve_failed: bool = False  # a retrieve failed since the request was last reported
 
 
 class TransferClient:
@@ -154,6 +183,12 @@ class TransferClient:
         self._by_correlation: dict[int, OpId] = {}
         self._ops: dict[OpId, TransferOp] = {}
         self._registration_correlation: int | None = None
+        self._registration_sent_at = 0.0
+        self._registration_retry_at: float | None = None  # a failed registration goes again then
+        self._registration_delay = self.config.registration_retry
+        self._registrations_acked = 0
+        self._incarnation = 0  # bumped whenever the server is lost (unhealthy, new epoch)
+        self._epoch: int | str | None = None
         self._healthy = True
         self._registered = False
         self._next_correlation = 0
@@ -161,13 +196,15 @@ class TransferClient:
         self._sending: dict[str, None] = {}
         self._recving: dict[str, None] = {}
         self._load_errors: dict[int, None] = {}
+        self._failed_retrieves: dict[str, None] = {}
         self._reported_sending: OrderedDict[str, None] = OrderedDict()
         self._counters = {
             name: 0
             for name in ("stores", "retrieves", "stores_failed", "retrieves_failed",
                          "stores_skipped_unhealthy", "stale_replies", "stale_copies",
                          "duplicate_finishes", "bad_replies", "timeouts", "registrations",
-                         "internal_errors")
+                         "internal_errors", "reregistrations", "registration_failures",
+                         "registration_timeouts", "registration_retries", "server_restarts")
         }
 
     # ============================================================================= public API
@@ -188,13 +225,15 @@ class TransferClient:
         if isinstance(event, (SubmitStore, SubmitRetrieve)):
             self._on_submit(event, now, out)
         elif isinstance(event, ReplyReceived):
-            self._on_reply(event.correlation, event.result, False, now, out)
+            self._on_reply(event.correlation, event.result, None, now, out)
         elif isinstance(event, RequestFailed):
-            self._on_reply(event.correlation, None, True, now, out)
+            self._on_reply(event.correlation, None, event.error, now, out)
         elif isinstance(event, CopyFinished):
             self._on_copy_finished(event, now, out)
         elif isinstance(event, ServerHealth):
             self._on_health(event, now, out)
+        elif isinstance(event, ServerEpoch):
+            self._on_epoch(event, now, out)
         elif isinstance(event, Abort):
             self._engine_finished(event.request_id)
         elif isinstance(event, EngineFinished):
@@ -218,6 +257,19 @@ class TransferClient:
         self._load_errors.clear()
         return errors
 
+    def failed_retrieves(self) -> frozenset[str]:
+        """Request ids reported in ``recving`` since the last call whose retrieves (some of
+        them) failed -- their failed blocks are in ``load_errors()``; clears. Like ``recving``,
+        never holds a request the engine already finished or aborted; at most ``reported_cap``
+        ids are kept (the oldest go first)."""
+        failed = frozenset(self._failed_retrieves)
+        self._failed_retrieves.clear()
+        return failed
+
+    def registered(self) -> bool:
+        """Whether the last ``RegisterInstance`` was acked and nothing has shown it lost since."""
+        return self._registered
+
     def op_state(self, op: OpId) -> OpState:
         record = self._ops.get(op)
         return OpState.ABSENT if record is None else record.state
@@ -231,10 +283,17 @@ class TransferClient:
         return RegisterInstance(c.instance_id, c.model_name, c.world_size, c.object_bytes, c.engine_driven)
 
     def next_deadline(self) -> float | None:
-        if self.config.op_timeout is None:
-            return None
-        waiting = [op.sent_at for op in self._ops.values() if op.state in (_O.SENT, _O.COMMITTING)]
-        return min(waiting) + self.config.op_timeout if waiting else None
+        candidates: list[float] = []
+        if self.config.op_timeout is not None:
+            waiting = [op.sent_at for op in self._ops.values() if op.state in (_O.SENT, _O.COMMITTING)]
+            if waiting:
+                candidates.append(min(waiting) + self.config.op_timeout)
+        if self._healthy:
+            if self._registration_correlation is not None:
+                candidates.append(self._registration_sent_at + self.config.registration_timeout)
+            if self._registration_retry_at is not None:
+                candidates.append(self._registration_retry_at)
+        return min(candidates) if candidates else None
 
     def stats(self) -> dict[str, int]:
         out = dict(self._counters)
@@ -245,6 +304,8 @@ class TransferClient:
         out["pending_sending"] = len(self._sending)
         out["pending_recving"] = len(self._recving)
         out["load_errors_pending"] = len(self._load_errors)
+        out["failed_retrieves_pending"] = len(self._failed_retrieves)
+        out["registered"] = int(self._registered)
         return out
 
     def check_invariants(self) -> None:
@@ -262,6 +323,12 @@ class TransferClient:
             assert record.ops or not record.engine_finished, "finished request kept after its ops"
         assert n == len(self._ops), "an op outside its request"
         assert len(self._reported_sending) <= self.config.reported_cap
+        assert len(self._failed_retrieves) <= self.config.reported_cap
+        assert self._registration_correlation is None or self._registration_retry_at is None, \
+            "a registration both in flight and scheduled"
+        if not self._healthy:
+            assert self._registration_correlation is None and self._registration_retry_at is None
+            assert not self._registered
 
     # ============================================================================= hooks
 
@@ -300,7 +367,8 @@ class TransferClient:
         key = CacheKey(c.model_name, c.world_size, c.worker_id, ev.token_ids, ev.start, ev.end,
                        ev.request_id, ev.cache_salt)
         skip = 0 if isinstance(ev, SubmitStore) else ev.skip_first_n_tokens
-        op = TransferOp(self._op_key(record), kind, key, ev.block_ids, skip, OpState.SENT, None, now)
+        op = TransferOp(self._op_key(record), kind, key, ev.block_ids, skip, OpState.SENT, None, now,
+                        incarnation=self._incarnation, registration=self._registrations_acked)
         if not self._healthy:
             self._complete(record, op, False, now)
             if is_store:
@@ -321,10 +389,18 @@ class TransferClient:
         self._ops[op.op] = op
         op.correlation = self._send(request, op.op, out)
 
-    def _on_reply(self, corr: int, result: object, failed: bool, now: float, out: list[Effect]) -> None:
+    def _on_reply(self, corr: int, result: object, error: ProtocolError | None, now: float,
+                  out: list[Effect]) -> None:
         if corr == self._registration_correlation:
             self._registration_correlation = None
-            self._registered = not failed
+            if error is None:
+                self._registered = True
+                self._registrations_acked += 1
+                self._registration_delay = self.config.registration_retry
+            else:
+                self._registered = False
+                self._counters["registration_failures"] += 1
+                self._schedule_registration_retry(now)
             return
         op_id = self._by_correlation.pop(corr, None)
         if op_id is None:
@@ -333,7 +409,9 @@ class TransferClient:
         op = self._ops[op_id]
         record = self._requests[op_id[0]]
         op.correlation = None
-        if failed:
+        if error is not None:
+            if getattr(error, "kind", None) is ErrorKind.NOT_REGISTERED:
+                self._on_not_registered(op, now, out)
             self._complete(record, op, False, now)
         elif op.state is OpState.SENT and self.config.engine_driven:
             if not isinstance(result, TransferPlan) or not result.ok:
@@ -346,6 +424,7 @@ class TransferClient:
                     # Nobody needs the data any more: skip the copy, release the plan now.
                     op.copy_ok = False
                     op.state = OpState.COMMITTING
+                    op.registration = self._registrations_acked
                     op.correlation = self._send(CommitTransfer(op.transfer_id, False), op.op, out)
                 else:
                     op.state = OpState.COPYING
@@ -368,33 +447,56 @@ class TransferClient:
             return
         op.copy_ok = bool(ev.ok)
         record = self._requests[op.op[0]]
-        if not self._healthy:
+        if not self._healthy or op.incarnation != self._incarnation:
+            # The server that planned this transfer is gone (or may be): its transfer id could
+            # name another client's transfer on a restarted server, so it is never committed.
             self._complete(record, op, False, now)
             self._maybe_drop(record)
             return
         op.state = OpState.COMMITTING
         op.sent_at = now
+        op.registration = self._registrations_acked
         op.correlation = self._send(CommitTransfer(op.transfer_id, op.copy_ok), op.op, out)
 
     def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
         if ev.server != self.config.server:
             return
         was_healthy = self._healthy
-        self._healthy = bool(ev.healthy)
-        if ev.healthy:
-            if not was_healthy or not self._registered:
-                self._counters["registrations"] += 1
-                if self._registration_correlation is not None:
-                    self._by_correlation.pop(self._registration_correlation, None)
-                self._registration_correlation = self._send(self.registration_request(), None, out)
+        if not ev.healthy:
+            if was_healthy:
+                self._lose_server(now)
             return
+        if not was_healthy:
+            self._healthy = True
+            self._send_registration(now, out)
+        elif not self._registered and self._registration_correlation is None:
+            self._send_registration(now, out)  # (a scheduled retry goes now)
+
+    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
+        if ev.server != self.config.server:
+            return
+        old, self._epoch = self._epoch, ev.epoch
+        if old is None or old == ev.epoch:
+            return
+        self._counters["server_restarts"] += 1
+        if self._healthy:  # else the transition to healthy registers
+            self._lose_server(now)
+            self._healthy = True
+            self._send_registration(now, out)
+
+    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
+        """The server does not know this instance: it restarted (or dropped it). Register again,
+        once: not for an op sent to a server already known lost, nor while a registration is
+        under way, nor for an op sent before the current registration was acked."""
+        if not self._healthy or op.incarnation != self._incarnation:
+            return
+        if self._registration_correlation is not None or self._registration_retry_at is not None:
+            return
+        if self._registered and op.registration != self._registrations_acked:
+            return
+        self._counters["reregistrations"] += 1
         self._registered = False
-        self._registration_correlation = None
-        for op in list(self._ops.values()):
-            if op.state in (OpState.SENT, OpState.COMMITTING):
-                record = self._requests[op.op[0]]
-                self._complete(record, op, False, now)
-                self._maybe_drop(record)
+        self._send_registration(now, out)
 
     def _engine_finished(self, rid: str) -> None:
         if rid in self._reported_sending:
@@ -406,11 +508,46 @@ class TransferClient:
         record.engine_finished = True
         if not self._report_recving_after_finish(record):
             self._recving.pop(rid, None)  # not reported yet: the request is gone from vLLM
+            self._failed_retrieves.pop(rid, None)
         self._maybe_drop(record)
 
     # ============================================================================= internals
 
+    def _lose_server(self, now: float) -> None:
+        """The server is unhealthy (or restarted): ops waiting on it fail now; ops whose engine
+        copy runs fail when it finishes; the registration is void."""
+        self._healthy = False
+        self._incarnation += 1
+        self._registered = False
+        self._registration_correlation = None
+        self._registration_retry_at = None
+        self._registration_delay = self.config.registration_retry
+        for op in list(self._ops.values()):
+            if op.state in (OpState.SENT, OpState.COMMITTING):
+                record = self._requests[op.op[0]]
+                self._complete(record, op, False, now)
+                self._maybe_drop(record)
+
+    def _send_registration(self, now: float, out: list[Effect]) -> None:
+        self._counters["registrations"] += 1
+        self._registration_retry_at = None
+        self._registration_sent_at = now
+        self._registration_correlation = self._send(self.registration_request(), None, out)
+
+    def _schedule_registration_retry(self, now: float) -> None:
+        self._registration_retry_at = now + self._registration_delay
+        self._registration_delay = min(self._registration_delay * 2, self.config.registration_retry_max)
+
     def _advance(self, now: float, out: list[Effect]) -> None:
+        if self._healthy:
+            if (self._registration_correlation is not None
+                    and self._registration_sent_at + self.config.registration_timeout <= now):
+                self._counters["registration_timeouts"] += 1
+                self._registration_correlation = None  # a late answer is stale
+                self._schedule_registration_retry(now)
+            if self._registration_retry_at is not None and self._registration_retry_at <= now:
+                self._counters["registration_retries"] += 1
+                self._send_registration(now, out)
         timeout = self.config.op_timeout
         if timeout is None:
             return
@@ -433,10 +570,17 @@ class TransferClient:
         if record.engine_finished and not self._report_recving_after_finish(record):
             return  # the blocks go back to vLLM through `sending`; no errors, no recving
         if not ok:
+            record.retrieve_failed = True
             for b in self._errors_for_failed_retrieve(op):
                 self._load_errors[b] = None
         if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
             self._recving[record.request_id] = None
+            if record.retrieve_failed:
+                record.retrieve_failed = False
+                self._failed_retrieves.pop(record.request_id, None)
+                self._failed_retrieves[record.request_id] = None
+                while len(self._failed_retrieves) > self.config.reported_cap:
+                    del self._failed_retrieves[next(iter(self._failed_retrieves))]
 
     def _drop_op(self, record: RequestRecord | None, op: TransferOp) -> None:
         if op.correlation is not None:

@@ -40,16 +40,22 @@ class Msg:
 class Pair:
     def __init__(self, num_servers: int = 1, server_cls: type[LookupServer] = LookupServer,
                  lookup_cls: type[LookupClient] = LookupClient, engine: bool = False,
+                 world_size: int = 1, ranks_per_server: tuple[tuple[int, ...], ...] | None = None,
                  **server_kw: Any) -> None:
+        """One lookup client over ``num_servers`` servers and one worker per server (worker s
+        talks to server s; with ``ranks_per_server`` it is the worker of rank
+        ``ranks_per_server[s][0]``, else of rank 0)."""
         cfg = ServerConfig(chunk_size=C, num_slots=64, slot_bytes=100, **server_kw)
         self.server_cls, self.cfg = server_cls, cfg
         self.servers = [server_cls(cfg) for _ in range(num_servers)]
         self.lookup = lookup_cls(LookupClientConfig(num_servers=num_servers, model_name="m",
-                                                    chunk_size=C, poll_interval=0.01,
-                                                    lookup_timeout=5.0))
+                                                    world_size=world_size, chunk_size=C,
+                                                    poll_interval=0.01, lookup_timeout=5.0,
+                                                    ranks_per_server=ranks_per_server))
         self.workers = [TransferClient(TransferClientConfig(
-            instance_id=s + 1, model_name="m", chunk_size=C, object_bytes=10, engine_driven=engine,
-            server=s)) for s in range(num_servers)]
+            instance_id=s + 1, model_name="m", world_size=world_size,
+            worker_id=0 if ranks_per_server is None else ranks_per_server[s][0], chunk_size=C,
+            object_bytes=10, engine_driven=engine, server=s)) for s in range(num_servers)]
         self.now = 0.0
         self.up: list[Msg] = []  # to servers
         self.down: list[Msg] = []  # to clients
@@ -140,6 +146,13 @@ class Pair:
         for s in range(len(self.workers)):
             self.client(f"w{s}", SubmitStore(rid, toks, 0, end, tuple(range(end // 2))))
         self.run()
+
+    def restart_server(self, s: int = 0) -> None:
+        """Server ``s`` crashes and comes back empty: requests on their way to it and its
+        pending completions are lost; replies it already sent may still arrive."""
+        self.servers[s] = self.server_cls(self.cfg)
+        self.up = [m for m in self.up if m.server != s]
+        self.internal = [(i, ev) for i, ev in self.internal if i != s]
 
     def leases(self, owner: str) -> int:
         return sum(srv.leases_by_owner().get(owner, 0) for srv in self.servers)

@@ -65,3 +65,13 @@ def test_doc_tables_are_the_code_tables() -> None:
     assert begin in DOC and end in DOC
     embedded = DOC[DOC.index(begin) + len(begin):DOC.index(end)]
     assert embedded == render_all(), "docs/core_sm.md tables are stale: paste `python -m core_sm.describe`"
+
+
+def test_client_stats_keys_are_the_documented_ones() -> None:
+    machines = {"LookupClient": core_sm.lookup_client.LookupClient(),
+                "TransferClient": core_sm.transfer_client.TransferClient()}
+    for name, machine in machines.items():
+        m = re.search(rf"`{name}\.stats\(\)`: `([^`]*)`", DOC)
+        assert m is not None, f"docs list no stats keys for {name}"
+        documented = {k.strip() for k in m.group(1).split(",")}
+        assert documented == set(machine.stats()), f"{name}.stats() keys differ from the doc"

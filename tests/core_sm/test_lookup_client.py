@@ -28,6 +28,7 @@ from core_sm.messages import (
     QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
+    ServerEpoch,
     ServerHealth,
     SubmitLookup,
     TimerFired,
@@ -260,6 +261,11 @@ def _walk_one(state: LookupState, event_type: type, n: int, acked: int, pick: Pi
         ev = SubmitLookup(RID, tokens(pick([0, 1, 3])))
     elif event_type is ServerHealth:
         ev = ServerHealth(pick(list(range(n + 1))), pick([True, False]))
+    elif event_type is ServerEpoch:
+        server = pick(list(range(n + 1)))
+        if pick([True, False]):
+            assert c.handle(ServerEpoch(server, "a"), 0.0) == []  # the first epoch is only noted
+        ev = ServerEpoch(server, pick(["a", "b"]))
     elif event_type is TimerFired:
         now = pick([0.0, 0.01, 9.99, 10.0, 100.0, 200.0])
         ev = TimerFired()
@@ -297,3 +303,46 @@ def test_every_listed_transition_happens() -> None:
                                                     _walk_one(state, event_type, n, acked, pick))))
     listed = {(s, e, nxt) for (s, e), ns in TRANSITIONS.items() for nxt in ns}
     assert listed - seen == set(), "listed but never seen"
+
+
+# ------------------------------------------------------------------- restart detection, ranks
+
+
+def test_new_epoch_mid_lookup_resolves_to_zero_once() -> None:
+    c = client(2)
+    c.handle(ServerEpoch(0, 1), 0.0)
+    c.handle(ServerEpoch(1, 1), 0.0)
+    fx = c.handle(SubmitLookup("r", tokens(2)), 0.0)
+    queries = sends(ack_all(c, fx))
+    assert c.check("r") is None
+    fx = c.handle(ServerEpoch(1, 2), 0.5)  # server 1 restarted: its job is gone
+    assert c.check("r") == 0 and c.stats()["server_restarts"] == 1
+    # server 0 may hold leases for the request: freed through the normal path
+    assert [(e.server, type(e.request)) for e in sends(fx)] == [(0, FreeLookupLocks)]
+    for q in queries:  # late answers change nothing
+        c.handle(ReplyReceived(q.server, q.correlation, 2), 0.6)
+    assert c.check("r") == 0 and c.stats()["resolved"] == 1 and c.stats()["stale_replies"] == 2
+    c.check_invariants()
+
+
+def test_first_or_same_epoch_changes_nothing() -> None:
+    c = client(1)
+    fx = c.handle(SubmitLookup("r", tokens(2)), 0.0)
+    ack_all(c, fx)
+    assert c.handle(ServerEpoch(0, "x"), 0.1) == [] and c.handle(ServerEpoch(0, "x"), 0.2) == []
+    assert c.check("r") is None
+    assert c.handle(ServerEpoch(5, "y"), 0.2) == [] and c.stats()["bad_replies"] == 1
+
+
+def test_lookups_name_each_servers_ranks() -> None:
+    c = client(2, world_size=4, ranks_per_server=((0, 1), (2, 3)))
+    fx = sends(c.handle(SubmitLookup("r", tokens(1)), 0.0), Lookup)
+    assert [(e.server, e.request.ranks) for e in fx if isinstance(e.request, Lookup)] == [(0, (0, 1)), (1, (2, 3))]
+    plain = sends(client(2).handle(SubmitLookup("r", tokens(1)), 0.0), Lookup)
+    assert all(isinstance(e.request, Lookup) and e.request.ranks is None for e in plain)
+
+
+@pytest.mark.parametrize("rps", [((0,),), ((0,), (5,)), ((0,), ()), ((0, 0), (1,))])
+def test_bad_ranks_per_server_is_refused_at_construction(rps: tuple[tuple[int, ...], ...]) -> None:
+    with pytest.raises(ValueError):
+        LookupClientConfig(num_servers=2, world_size=2, ranks_per_server=rps)

@@ -38,6 +38,7 @@ from core_sm.messages import (
     ReplyReceived,
     RequestFailed,
     Retrieve,
+    ServerEpoch,
     ServerHealth,
     Store,
     SubmitLookup,
@@ -65,7 +66,8 @@ keys = st.builds(CacheKey, names, small, st.one_of(st.none(), small), st.one_of(
                  small, small, rids, salts)
 server_requests = st.one_of(
     st.builds(Ping), st.builds(GetChunkSize),
-    st.builds(Lookup, keys, st.integers(0, 3)),
+    st.builds(Lookup, keys, st.integers(0, 3),
+              st.one_of(st.none(), st.lists(st.integers(-1, 3), max_size=3).map(tuple))),
     st.builds(QueryPrefetchStatus, rids),
     st.builds(WaitPrefetchStatus, rids, floats),
     st.builds(FreeLookupLocks, keys),
@@ -142,6 +144,7 @@ client_events = st.one_of(
     st.builds(RequestFailed, st.integers(-1, 2), st.integers(0, 30),
               st.just(ProtocolError(ErrorKind.TIMEOUT))),
     st.builds(ServerHealth, st.integers(-1, 2), st.booleans()),
+    st.builds(ServerEpoch, st.integers(-1, 2), st.sampled_from([1, 2, "x"])),
     st.builds(Cleanup, rids), st.builds(EndRequest, rids),
     st.builds(FreeUnusedLeases, rids, good_toks, small, small, salts),
     st.builds(TimerFired),

@@ -2,6 +2,7 @@
 Hypothesis network schedule checking liveness and lease cleanup."""
 from __future__ import annotations
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,11 +15,15 @@ from core_sm.messages import (
     FreeUnusedLeases,
     Lookup,
     QueryPrefetchStatus,
+    RegisterInstance,
+    ServerEpoch,
+    ServerHealth,
     SubmitLookup,
     SubmitRetrieve,
     SubmitStore,
 )
 from core_sm.server import LookupServer
+from core_sm.transfer_client import TransferClient
 from sm_helpers import C, tokens
 from sm_pair import Msg, Pair
 
@@ -260,3 +265,117 @@ def test_l2_round_trip_with_probe_after_l1_is_cleared() -> None:
     assert p.lookup.check("r") == 3 * C
     st_ = p.servers[0].stats()
     assert st_["l2_probes"] == 1 and st_["l2_reads"] == 1 and p.leases("r") == 3
+
+
+# ------------------------------------------------------------------- restart detection (F13)
+
+
+def test_restart_between_heartbeats_not_registered_then_registers_again() -> None:
+    """The server restarts between two heartbeats: the next store is refused NOT_REGISTERED,
+    the worker registers again by itself, and the store after that is cached."""
+    p = Pair()
+    toks = tokens(2)
+    p.store(toks, rid="before")
+    p.restart_server()
+    assert p.servers[0].stats()["instances"] == 0
+    p.store(toks, rid="refused")  # NOT_REGISTERED -> RegisterInstance, delivered by run()
+    w = p.workers[0]
+    assert w.stats()["stores_failed"] == 1 and w.stats()["reregistrations"] == 1
+    assert w.registered() and p.servers[0].stats()["instances"] == 1
+    p.store(toks, rid="after")
+    assert w.stats()["stores_failed"] == 1 and p.servers[0].stats()["objects"] == 2
+    p.client("w0", EngineFinished(("before", "refused", "after")))
+    assert w.finished() == (frozenset({"before", "refused", "after"}), frozenset())
+    p.client("lookup", SubmitLookup("r", toks))
+    p.settle()
+    assert p.lookup.check("r") == 2 * C  # cached again
+
+
+def test_many_refused_ops_register_once() -> None:
+    p = Pair()
+    toks = tokens(2)
+    p.restart_server()
+    for i in range(4):
+        p.client("w0", SubmitStore(f"s{i}", toks, 0, 2 * C, (0, 1, 2, 3)))
+        p.client("w0", SubmitRetrieve(f"r{i}", toks, 0, 2 * C, (4, 5, 6, 7)))
+    p.run()
+    w = p.workers[0]
+    assert w.stats()["reregistrations"] == 1 and w.stats()["registrations"] == 2
+    assert p.servers[0].stats()["instances"] == 1
+    assert w.finished()[1] == {f"r{i}" for i in range(4)} and w.load_errors() == {4, 5, 6, 7}
+    assert w.failed_retrieves() == {f"r{i}" for i in range(4)}
+
+
+def test_lost_registration_is_retried_with_backoff_until_it_lands() -> None:
+    p = Pair()
+    toks = tokens(2)
+    p.restart_server()
+    p.client("w0", SubmitStore("s", toks, 0, 2 * C, (0, 1, 2, 3)))
+    p.to_server()
+    p.to_client()  # NOT_REGISTERED -> RegisterInstance queued
+    w = p.workers[0]
+    sent_at = []
+    for _ in range(3):  # the registration, then each retry, is lost
+        assert len(p.up) == 1 and isinstance(p.up[0].request, RegisterInstance)
+        sent_at.append(p.now)
+        p.up.pop()
+        while not p.up:  # unanswered past registration_timeout, then the backoff delay
+            deadline = w.next_deadline()
+            assert deadline is not None
+            p.tick(deadline - p.now)
+    assert [round(b - a, 6) for a, b in zip(sent_at, sent_at[1:] + [p.now])] == [10.5, 11.0, 12.0]
+    p.run()
+    assert w.registered() and p.servers[0].stats()["instances"] == 1
+    assert w.stats()["registration_timeouts"] == 3 and w.stats()["registrations"] == 5
+    p.store(toks, rid="after")
+    assert p.servers[0].stats()["objects"] == 2
+
+
+def test_new_epoch_mid_lookup_resolves_to_zero_and_worker_registers_again() -> None:
+    p = Pair(num_servers=2)
+    toks = tokens(2)
+    p.store(toks)
+    for s in range(2):
+        p.client("lookup", ServerEpoch(s, 1))
+        p.client(f"w{s}", ServerEpoch(s, 1))
+    p.client("lookup", SubmitLookup("r", toks))
+    p.to_server()
+    p.to_server()
+    p.to_client()
+    p.to_client()  # both acked; the status queries are queued
+    p.client("w1", SubmitRetrieve("r", toks, 0, 2 * C, (0, 1, 2, 3)))
+    p.restart_server(1)
+    p.client("lookup", ServerEpoch(1, 2))
+    p.client("w1", ServerEpoch(1, 2))
+    assert p.lookup.check("r") == 0
+    w1 = p.workers[1]
+    assert w1.finished() == (frozenset(), frozenset({"r"})) and w1.load_errors() == {0, 1, 2, 3}
+    p.settle()
+    assert p.lookup.check("r") == 0 and p.lookup.stats()["resolved"] == 1
+    assert w1.registered() and p.servers[1].stats()["instances"] == 1
+    assert w1.finished() == (frozenset(), frozenset())  # no second completion
+    assert p.leases("r") == 0  # server 0's leases were freed through the normal path
+
+
+def test_tensor_parallel_ranks_spread_over_servers_hit() -> None:
+    """TP=2, rank 0's KV on server 0 and rank 1's on server 1: a lookup naming each server's
+    ranks hits; one asking every server for every rank cannot."""
+    toks = tokens(3)
+    cases: list[tuple[tuple[tuple[int, ...], ...] | None, int]] = [(((0,), (1,)), 3 * C), (None, 0)]
+    for rps, expect in cases:
+        p = Pair(num_servers=2, world_size=2, ranks_per_server=rps)
+        if rps is None:  # the same placement, stored by workers of ranks 0 and 1
+            p.workers[1] = TransferClient(attrs.evolve(p.workers[1].config, worker_id=1))
+            p.client("w1", ServerHealth(1, True))
+        p.store(toks)
+        assert [srv.stats()["objects"] for srv in p.servers] == [3, 3]
+        p.client("lookup", SubmitLookup("r", toks))
+        p.settle()
+        assert p.lookup.check("r") == expect
+        if expect:
+            assert p.leases("r") == 6  # 3 chunks x the one rank each server holds
+            for s in range(2):
+                p.client(f"w{s}", SubmitRetrieve("r", toks, 0, 3 * C, tuple(range(6))))
+            p.run()
+            assert all(w.finished()[1] == {"r"} and not w.load_errors() for w in p.workers)
+            assert p.leases("r") == 0

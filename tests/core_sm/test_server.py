@@ -573,3 +573,44 @@ def test_l2_probe_stale_and_expired() -> None:
     h.advance(50.0)  # the probe is never answered
     assert h.server.stats()["l2_probes_expired"] == 1 and h.server.stats()["l2_probes_in_flight"] == 0
     assert h.call(QueryPrefetchStatus("r")) == 0
+
+
+# ------------------------------------------------------------------- ranks per server
+
+
+def test_lookup_ranks_count_lease_and_free_only_those_ranks() -> None:
+    h = ServerHarness()
+    h.register(world_size=2)
+    toks = tokens(3)
+    h.store(toks, worker_id=1, world_size=2)  # this server holds rank 1 only (3 chunks)
+    h.store(toks, worker_id=0, world_size=2, end=C)
+    assert lookup(h, "all", toks, ws=2) == 1  # every rank: only chunk 0 has both
+    assert h.call(Lookup(key("r1", toks, world_size=2), 1, (1,))) is None
+    assert h.call(QueryPrefetchStatus("r1")) == 3
+    assert held(h, "r1") == 3  # rank 1's objects only
+    assert all(k.kv_rank == 1 for k in h.server.index.keys_leased_by("r1"))
+    assert h.call(Lookup(key("r0", toks, world_size=2), 1, (0,))) is None
+    assert h.call(QueryPrefetchStatus("r0")) == 1 and held(h, "r0") == 1
+    # FREE of the tail releases what r1 leased there, nothing of anyone else's
+    assert h.call(FreeLookupLocks(key("r1", toks, C, 3 * C, world_size=2))) is None
+    assert held(h, "r1") == 1 and held(h, "r0") == 1 and held(h, "all") == 2
+
+
+@pytest.mark.parametrize("ranks", [(), (2,), (-1,), (0, 0), (True,)])
+def test_lookup_with_bad_ranks_is_a_validation_error(ranks: tuple[int, ...]) -> None:
+    h = ServerHarness()
+    h.register(world_size=2)
+    rt = h.send(Lookup(key("r", tokens(1), world_size=2), 1, ranks))
+    assert h.error_kind(rt) is ErrorKind.VALIDATION
+    assert h.server.job_state("r") is JobState.ABSENT
+
+
+def test_l2_prefetch_reads_only_the_lookups_ranks() -> None:
+    h = ServerHarness(l2_enabled=True)
+    h.register(world_size=2)
+    toks = tokens(2)
+    h.call(Lookup(key("r", toks, world_size=2), 1, (1,)))
+    (read,) = h.reads.values()
+    assert [k.kv_rank for k, _slot in read.items] == [1, 1]
+    h.feed(L2ReadFinished(read.read_id, (True, True)))
+    assert h.call(QueryPrefetchStatus("r")) == 2 and held(h, "r") == 2

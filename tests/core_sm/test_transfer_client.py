@@ -20,6 +20,7 @@ from core_sm.messages import (
     RequestFailed,
     Retrieve,
     RetrieveResult,
+    ServerEpoch,
     ServerHealth,
     Store,
     StoreResult,
@@ -312,6 +313,11 @@ def _walk_one(state: OpState, kind: str, event_type: type, pick: Pick[Any]) -> O
         ev = CopyFinished(pick([op, ("r", 4242)]), pick([True, False]))
     elif event_type is ServerHealth:
         ev = ServerHealth(pick([0, 1]), pick([True, False]))
+    elif event_type is ServerEpoch:
+        server = pick([0, 1])
+        if pick([True, False]):
+            c.handle(ServerEpoch(server, 1), 0.0)  # the first epoch is only noted
+        ev = ServerEpoch(server, pick([1, 2]))
     elif event_type is TimerFired:
         now = pick([0.0, 4.9, 5.0, 50.0])
         ev = TimerFired()
@@ -352,3 +358,185 @@ def test_every_listed_transition_happens() -> None:
                 every_choice(lambda pick: record(state, kind, event_type, pick))
     listed = {(s, e, nxt) for (s, e), ns in TRANSITIONS.items() for nxt in ns}
     assert listed - seen == set(), "listed but never seen"
+
+
+# ------------------------------------------------------------------- restart detection (F13)
+
+NOT_REG = ProtocolError(ErrorKind.NOT_REGISTERED, "unknown instance 7")
+
+
+def registered(engine: bool = False, **kw: Any) -> TransferClient:
+    c = tc(engine=engine, **kw)
+    reg = only_send(c.handle(ServerHealth(0, True), 0.0))
+    c.handle(ReplyReceived(0, reg.correlation, None), 0.0)
+    assert c.registered() and c.next_deadline() is None
+    return c
+
+
+def registrations(effects: list[Effect]) -> list[SendRequest]:
+    return [e for e in effects if isinstance(e, SendRequest) and isinstance(e.request, RegisterInstance)]
+
+
+def test_not_registered_registers_again_once_and_ops_fail_cleanly() -> None:
+    c = registered()
+    s1, r, s2 = store(c, "s1"), retrieve(c, "r"), store(c, "s2")
+    fx = c.handle(RequestFailed(0, s1.correlation, NOT_REG), 1.0)
+    (reg,) = registrations(fx)
+    assert reg.request == c.registration_request() and not c.registered()
+    # the other ops of the lost registration fail too, without a second registration
+    assert c.handle(RequestFailed(0, r.correlation, NOT_REG), 1.0) == []
+    assert c.handle(RequestFailed(0, s2.correlation, NOT_REG), 1.0) == []
+    assert c.finished() == (frozenset(), frozenset({"r"})) and c.load_errors() == frozenset(BLOCKS)
+    assert c.stats()["reregistrations"] == 1 and c.stats()["stores_failed"] == 2
+    c.handle(EngineFinished(("s1", "s2", "r")), 1.0)
+    assert c.finished() == (frozenset({"s1", "s2", "r"}), frozenset())  # each once
+    assert c.handle(ReplyReceived(0, reg.correlation, None), 1.1) == [] and c.registered()
+    # the next store goes out as usual and succeeds
+    s3 = store(c, "s3", now=2.0)
+    c.handle(ReplyReceived(0, s3.correlation, StoreResult(True, 2)), 2.0)
+    assert c.stats()["stores_failed"] == 2 and c.stats()["registrations"] == 2
+
+
+def test_not_registered_for_an_op_sent_before_the_new_registration_is_ignored() -> None:
+    c = registered()
+    old = store(c, "old")
+    late = store(c, "late")
+    (reg,) = registrations(c.handle(RequestFailed(0, old.correlation, NOT_REG), 1.0))
+    c.handle(ReplyReceived(0, reg.correlation, None), 1.0)
+    # `late` was sent before that registration was acked: its refusal proves nothing
+    assert c.handle(RequestFailed(0, late.correlation, NOT_REG), 1.0) == [] and c.registered()
+    # an op sent after the ack that is refused does mean the registration is lost again
+    new = store(c, "new", now=2.0)
+    assert len(registrations(c.handle(RequestFailed(0, new.correlation, NOT_REG), 2.0))) == 1
+
+
+def test_other_errors_do_not_register() -> None:
+    c = registered()
+    s = store(c)
+    assert c.handle(RequestFailed(0, s.correlation, FAIL), 0.0) == [] and c.registered()
+
+
+def test_failed_registration_is_retried_with_bounded_backoff() -> None:
+    c = tc()
+    reg = only_send(c.handle(ServerHealth(0, True), 0.0))
+    now, delays = 0.0, []
+    for _ in range(6):
+        c.handle(RequestFailed(0, reg.correlation, FAIL), now)
+        deadline = c.next_deadline()
+        assert deadline is not None and not c.registered()
+        delays.append(deadline - now)
+        assert c.handle(TimerFired(), deadline - 0.01) == []  # not before the deadline
+        now = deadline
+        (reg,) = registrations(c.handle(TimerFired(), now))
+    assert delays == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    c.handle(ReplyReceived(0, reg.correlation, None), now)
+    assert c.registered() and c.next_deadline() is None
+    st = c.stats()
+    assert st["registration_failures"] == 6 and st["registration_retries"] == 6 and st["registrations"] == 7
+    # after a success the backoff starts again from the first delay
+    s = store(c, now=now)
+    (reg,) = registrations(c.handle(RequestFailed(0, s.correlation, NOT_REG), now))
+    c.handle(RequestFailed(0, reg.correlation, FAIL), now)
+    assert c.next_deadline() == now + 0.5
+
+
+def test_unanswered_registration_is_sent_again_and_its_late_answer_is_stale() -> None:
+    c = tc(registration_timeout=10.0)
+    first = only_send(c.handle(ServerHealth(0, True), 0.0))
+    assert c.next_deadline() == 10.0
+    assert c.handle(TimerFired(), 10.0) == [] and c.stats()["registration_timeouts"] == 1
+    assert c.next_deadline() == 10.5
+    (second,) = registrations(c.handle(TimerFired(), 10.5))
+    c.handle(ReplyReceived(0, first.correlation, None), 11.0)
+    assert not c.registered() and c.stats()["stale_replies"] == 1
+    c.handle(ReplyReceived(0, second.correlation, None), 11.0)
+    assert c.registered() and c.next_deadline() is None
+
+
+def test_no_registration_retry_while_unhealthy() -> None:
+    c = tc()
+    reg = only_send(c.handle(ServerHealth(0, True), 0.0))
+    c.handle(RequestFailed(0, reg.correlation, FAIL), 0.0)
+    c.handle(ServerHealth(0, False), 0.1)
+    assert c.next_deadline() is None and c.handle(TimerFired(), 100.0) == []
+    assert len(registrations(c.handle(ServerHealth(0, True), 101.0))) == 1
+
+
+def test_health_true_while_registering_does_not_register_twice() -> None:
+    c = tc()
+    only_send(c.handle(ServerHealth(0, True), 0.0))
+    assert c.handle(ServerHealth(0, True), 0.1) == []
+
+
+def test_new_epoch_is_a_restart() -> None:
+    c = registered()
+    assert c.handle(ServerEpoch(0, "a"), 0.0) == []  # the first epoch is only noted
+    assert c.handle(ServerEpoch(0, "a"), 0.5) == [] and c.registered()
+    assert c.handle(ServerEpoch(1, "z"), 0.5) == []  # another server's
+    s, r = store(c, "s"), retrieve(c, "r")
+    (reg,) = registrations(c.handle(ServerEpoch(0, "b"), 1.0))
+    assert not c.registered() and c.stats()["server_restarts"] == 1
+    assert c.finished() == (frozenset(), frozenset({"r"})) and c.load_errors() == frozenset(BLOCKS)
+    assert c.failed_retrieves() == {"r"}
+    # the old server's answers, if any arrive, are stale: no second completion
+    c.handle(ReplyReceived(0, s.correlation, StoreResult(True)), 1.0)
+    c.handle(ReplyReceived(0, r.correlation, RetrieveResult(True)), 1.0)
+    assert c.stats()["stale_replies"] == 2 and c.finished() == (frozenset(), frozenset())
+    c.handle(ReplyReceived(0, reg.correlation, None), 1.0)
+    assert c.registered()
+
+
+def test_new_epoch_while_unhealthy_registers_on_recovery_only() -> None:
+    c = registered()
+    c.handle(ServerEpoch(0, 1), 0.0)
+    c.handle(ServerHealth(0, False), 1.0)
+    assert c.handle(ServerEpoch(0, 2), 2.0) == []
+    assert len(registrations(c.handle(ServerHealth(0, True), 3.0))) == 1
+
+
+def test_engine_copy_outliving_a_restart_is_never_committed() -> None:
+    for lose in ("epoch", "flap"):
+        c = registered(engine=True)
+        c.handle(ServerEpoch(0, 1), 0.0)
+        p = retrieve(c)
+        (copy,) = c.handle(ReplyReceived(0, p.correlation, TransferPlan(6, ((0, 1),), True,
+                                                                         TransferKind.RETRIEVE)), 0.0)
+        if lose == "epoch":
+            c.handle(ServerEpoch(0, 2), 1.0)
+        else:
+            c.handle(ServerHealth(0, False), 1.0)
+            c.handle(ServerHealth(0, True), 1.5)
+        assert c.finished() == (frozenset(), frozenset())  # the engine copy still runs
+        # transfer 6 may be another client's on the restarted server: no CommitTransfer
+        assert c.handle(CopyFinished(copy.op, True), 2.0) == []
+        assert c.finished() == (frozenset(), frozenset({"r"})) and c.load_errors() == frozenset(BLOCKS)
+
+
+def test_failed_retrieves_are_reported_once_alongside_load_errors() -> None:
+    c = tc()
+    ok, bad = retrieve(c, "ok"), retrieve(c, "bad")
+    c.handle(ReplyReceived(0, ok.correlation, RetrieveResult(True, 2)), 0.0)
+    c.handle(ReplyReceived(0, bad.correlation, RetrieveResult(False, 2)), 0.0)
+    assert c.finished() == (frozenset(), frozenset({"ok", "bad"}))
+    assert c.failed_retrieves() == {"bad"} and c.load_errors() == frozenset(BLOCKS)
+    assert c.failed_retrieves() == frozenset()
+    # two retrieves of one request, one fails: reported once, when both are done
+    a, b = retrieve(c, "two"), retrieve(c, "two")
+    c.handle(RequestFailed(0, a.correlation, FAIL), 0.0)
+    assert c.failed_retrieves() == frozenset()
+    c.handle(ReplyReceived(0, b.correlation, RetrieveResult(True, 2)), 0.0)
+    assert c.failed_retrieves() == {"two"} and c.stats()["failed_retrieves_pending"] == 0
+    # aborted before being reported: gone, as from recving
+    r = retrieve(c, "gone")
+    c.handle(ReplyReceived(0, r.correlation, RetrieveResult(False, 2)), 0.0)
+    c.handle(Abort("gone"), 0.0)
+    assert c.failed_retrieves() == frozenset()
+
+
+def test_failed_retrieves_memory_is_bounded() -> None:
+    c = tc(reported_cap=3)
+    c.handle(ServerHealth(0, False), 0.0)
+    for i in range(5):
+        c.handle(SubmitRetrieve(f"r{i}", TOKS, 0, 2 * C, BLOCKS), 0.0)
+        c.check_invariants()
+    assert c.failed_retrieves() == {"r2", "r3", "r4"}
