@@ -20,6 +20,12 @@ Contract
   ``on_health(healthy)`` callbacks run on the client thread; use them to feed core_sm's
   ``ServerHealth`` event. ZMQ reconnects by itself (reconnect interval capped at 1 s, connect
   timeout 5 s), so a restarted server is found within about a second.
+* Restarts: the heartbeat is the ``health`` operation, whose reply carries the server's start id
+  (``epoch``, random per server process). ``epoch`` is the last one seen; ``on_epoch(epoch)``
+  callbacks run on the client thread when the first one arrives and whenever it changes (a server
+  that restarted, even between two heartbeats, without the health ever dropping); use them to
+  feed core_sm's ``ServerEpoch`` event. When one reply brings both a new epoch and the return of
+  health, the epoch callbacks run first.
 * ``call(...)`` is ``submit(...).result()``. Typed helpers name the operations.
 """
 
@@ -151,6 +157,10 @@ class MPCacheClient:
         self._health_cbs: list[Callable[[bool], None]] = []
         self._health_changed = threading.Condition()
         self._notify_health = False
+        self._epoch: int | str | None = None
+        self._epoch_cbs: list[Callable[[int | str], None]] = []
+        self._notify_epoch = False
+        self._heartbeat_at: float | None = None
         self._ping_uid: int | None = None
         self._next_ping = 0.0
         self._wake_r, self._wake_w = os.pipe()
@@ -170,6 +180,21 @@ class MPCacheClient:
     def on_health(self, callback: Callable[[bool], None]) -> None:
         """Register ``callback(healthy)``; it runs on the client thread at every change."""
         self._health_cbs.append(callback)
+
+    @property
+    def epoch(self) -> int | str | None:
+        """The server's start id from the last heartbeat reply (None before the first)."""
+        return self._epoch
+
+    @property
+    def heartbeat_at(self) -> float | None:
+        """``time.monotonic()`` of the last heartbeat reply (None before the first)."""
+        return self._heartbeat_at
+
+    def on_epoch(self, callback: Callable[[int | str], None]) -> None:
+        """Register ``callback(epoch)``; it runs on the client thread when the server's start id
+        is first learned and at every change (the server restarted)."""
+        self._epoch_cbs.append(callback)
 
     def wait_healthy(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
@@ -388,6 +413,9 @@ class MPCacheClient:
                 continue  # late reply to a request that timed out or failed
             if p.is_ping:
                 self._ping_uid = None
+                self._heartbeat_at = time.monotonic()
+                if len(frames) > 2 and frames[1] == p.op_frame:
+                    self._note_epoch(frames[2])
                 self._set_health(True, done)
                 continue
             op_frame = frames[1]
@@ -418,6 +446,22 @@ class MPCacheClient:
                     fut.set_exception(value)
             except Exception:  # cancelled by its owner meanwhile
                 pass
+
+    def _note_epoch(self, health_frame: bytes) -> None:
+        # called with self._lock held, on a heartbeat (``health``) reply
+        try:
+            reply = msgpack.unpackb(health_frame, raw=False)
+        except Exception:
+            return
+        epoch = reply.get("epoch") if isinstance(reply, dict) else None
+        if type(epoch) not in (int, str) or epoch == self._epoch:
+            return
+        if self._epoch is not None:
+            log.warning("mpcache server %s restarted (epoch %s -> %s)", self.url, self._epoch, epoch)
+        self._epoch = epoch
+        self._notify_epoch = True
+        if threading.current_thread() is not self._thread:
+            self._wake()
 
     def _set_health(self, healthy: bool, done: list[tuple[Future[Any], bool, Any]]) -> None:
         # called with self._lock held
@@ -481,7 +525,17 @@ class MPCacheClient:
                         wait_until = min(wait_until, self._deadlines[0][0])
                     notify, self._notify_health = self._notify_health, False
                     healthy = self._healthy
+                    notify_epoch, self._notify_epoch = self._notify_epoch, False
+                    epoch = self._epoch
                 self._finish(done)
+                if notify_epoch and epoch is not None:
+                    # before the health callbacks: a machine told "healthy" first would register
+                    # with the new server, then again on learning it restarted
+                    for epoch_cb in list(self._epoch_cbs):
+                        try:
+                            epoch_cb(epoch)
+                        except Exception:
+                            log.exception("epoch callback failed")
                 if notify:
                     with self._health_changed:
                         self._health_changed.notify_all()
@@ -528,4 +582,5 @@ class MPCacheClient:
         self._pending[uid] = _Pending(Future(), op_frame, "ping", deadline, True)
         heapq.heappush(self._deadlines, (deadline, uid))
 
-    _PING_FRAME = msgpack.packb("ping")
+    # The heartbeat: ``health`` rather than LMCache's ``ping``, for the epoch in its reply.
+    _PING_FRAME = msgpack.packb("health")

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -69,6 +70,9 @@ class ServerConfig:
     l2_workers: int = 4
     shutdown_grace: float = 5.0
     shm_dir: str = "/dev/shm"
+    # This server's start id, answered by ``health``: clients that see it change know the server
+    # restarted (and forgot every job, lease and registration). None: a random one.
+    epoch: int | None = None
 
 
 def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool) -> Any:
@@ -193,6 +197,7 @@ class Server:
         self._stopping = False
         self._last_answered: Any = None  # the last request answered (to never answer twice)
         self._started = time.time()
+        self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
         self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0, "block_allocation_records": 0}
         self._last_gauges = 0.0
         self.ctx = zmq.Context()
@@ -232,7 +237,7 @@ class Server:
     def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port)
-        log.info("mpcache-server listening on %s", self.bound_url)
+        log.info("mpcache-server listening on %s (epoch %d)", self.bound_url, self.epoch)
         if ready is not None:
             ready(self.bound_url)
         try:
@@ -455,6 +460,7 @@ class Server:
         elif op == "health":
             result = {
                 "status": "stopping" if self._stopping else "ok",
+                "epoch": self.epoch,
                 "pid": os.getpid(),
                 "uptime_s": time.time() - self._started,
                 "url": self.bound_url,

@@ -3,7 +3,9 @@ server's metrics endpoint."""
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import threading
 import time
 import urllib.request
@@ -160,4 +162,33 @@ def test_a_frozen_server_is_declared_unhealthy_then_recovers(start_server: Calla
         assert c.noop() == "OK"
     finally:
         sp.proc.send_signal(signal.SIGCONT)
+        c.close()
+
+
+def test_a_server_restarted_between_heartbeats_is_reported_by_its_epoch(start_server: Callable[..., ServerProcess]) -> None:
+    path = os.path.join(tempfile.mkdtemp(prefix="mpcache-epoch-"), "mpcache.sock")
+    old = start_server("--ipc", path)
+    epochs: list[int | str] = []
+    health: list[bool] = []
+    c = MPCacheClient(old.url, heartbeat_interval=1.0, heartbeat_timeout=3.0, wait_connected=False)
+    c.on_epoch(epochs.append)
+    c.on_health(health.append)
+    try:
+        assert c.wait_healthy(5.0)
+        first = c.health()["epoch"]
+        assert isinstance(first, int)
+        assert wait_for(lambda: epochs == [first])
+        assert c.epoch == first
+        # The new server binds the same path while the old one still runs (the client stays
+        # connected to the old one); the old one dies right after a heartbeat, and the client
+        # reconnects before the next: no heartbeat is lost, the health never drops.
+        start_server("--ipc", path)
+        beat = c.heartbeat_at
+        assert wait_for(lambda: c.heartbeat_at != beat)
+        old.kill()
+        assert wait_for(lambda: len(epochs) == 2, timeout=5.0)
+        assert epochs[1] != first and c.epoch == epochs[1]
+        assert c.health()["epoch"] == epochs[1]
+        assert health == [True]
+    finally:
         c.close()
