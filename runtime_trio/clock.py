@@ -59,6 +59,12 @@ class VirtualClock(trio.abc.Clock):
             self.jumps += 1
         return 0.0
 
+    def reset(self, start: float = 0.0) -> None:
+        """Move the clock to `start`. Only before a run or at its very start (no deadline set
+        yet): pytest-trio reuses one clock fixture for every Hypothesis example, and an example
+        must replay at the same instants to be reproducible."""
+        self._now = start
+
     def attach(self, token: trio.lowlevel.TrioToken, on_deadlock: Any) -> None:
         self._token = token
         self._on_deadlock = on_deadlock

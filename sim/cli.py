@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 
-from sim.oracles import FAILURES
+from sim.oracles import FAILURES, is_known_race
 from sim.profiles import PROFILES, get_profile
 from sim.runner import SeedResult, run_many, run_scenario
 from sim.scenario import draw_scenario
@@ -75,7 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(table([(k, f"{n}  {FAILURES.get(k, '')}") for k, n in sorted(kinds.items())]))
     for r in sorted(failing, key=lambda r: r.seed)[: args.show]:
         assert r.violation is not None
-        print(f"seed {r.seed}: {r.violation.reason()[:400]}")
+        known = " [known core_sm race, see docs/simulator.md]" if is_known_race(r.violation) else ""
+        print(f"seed {r.seed}: {r.violation.reason()[:400]}{known}")
         print(f"  replay: mpcache-sim replay {r.seed} --profile {args.profile} --chart seed{r.seed}.svg")
     if len(failing) > args.show:
         print(f"... and {len(failing) - args.show} more failing seeds")

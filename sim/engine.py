@@ -158,6 +158,7 @@ class SimEngine:
         self.delivered_hits: dict[tuple[str, int], int] = {}
         self.reported: dict[tuple[int, int, str], set[str]] = {}
         self.lookup_results: dict[str, int] = {}
+        self.block_owner: dict[int, str] = {}
         self.f2_watch: set[str] = set()
         root_cache: dict[str, bytes] = {}
         for spec in world.scenario.requests:
@@ -237,6 +238,13 @@ class SimEngine:
         if host.incarnation != incarnation or not host.up:
             ok = False  # the shared-memory segment went away with the server
         if ok:
+            self.check_blocks(worker, effect.op[0], effect.block_ids, effect.direction is TransferKind.RETRIEVE,
+                              f"engine {effect.direction.value} copy")
+            req = self.requests.get(effect.op[0])
+            for chunk, slot in effect.placements:
+                if req is not None and chunk < len(req.hashes):
+                    self.world._check_slot_target(host, slot, ObjectKey(req.hashes[chunk], worker.rank),
+                                                  f"engine {effect.direction.value} copy {effect.op}")
             if effect.direction is TransferKind.STORE:
                 for chunk, slot in effect.placements:
                     host.slots[slot] = worker.read_chunk(effect.start, effect.block_ids, chunk)
@@ -392,6 +400,8 @@ class SimEngine:
         if len(self.free_blocks) < need:
             return  # vLLM keeps the request waiting and asks again next step
         req.blocks = [self.free_blocks.pop() for _ in range(need)]
+        for b in req.blocks:
+            self.block_owner[b] = req.rid
         req.lm_hit = hit
         apc = min(req.spec.apc_blocks * self.bs, len(req.tokens))
         req.vllm_hit = apc
@@ -516,7 +526,7 @@ class SimEngine:
         if req.spec.preempt and not req.preempted:
             # Preempted: blocks back to the pool, recomputed from scratch later.
             req.preempted = True
-            self.free_blocks.extend(reversed(req.blocks))
+            self._free(req.blocks)
             req.blocks = None
             req.skip_lookup = True
             req.state = "waiting"
@@ -561,10 +571,27 @@ class SimEngine:
 
     def _release(self, req: SimRequest) -> None:
         assert req.blocks is not None
-        self.free_blocks.extend(reversed(req.blocks))
+        self._free(req.blocks)
         req.blocks = None
         self._mark_done(req)
         self._ensure_step()  # waiting requests may fit now
+
+    def _free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.block_owner.pop(b, None)
+        self.free_blocks.extend(reversed(blocks))
+
+    def check_blocks(self, worker: SimWorker, rid: str, block_ids: tuple[int, ...], writing: bool, what: str) -> None:
+        """A copy between engine blocks and L1 touches only blocks its request still holds: vLLM
+        freed them only after the request was reported finished, so a copy still running on freed
+        blocks reads (STORE: wrong KV stored, F10) or overwrites (RETRIEVE: another request's KV,
+        F16) memory that is no longer its own."""
+        for b in block_ids:
+            owner = self.block_owner.get(b)
+            if owner != rid:
+                code = "F16" if writing else "F10"
+                self.world.violation(code, worker.name, f"{what} for {rid} {'writes' if writing else 'reads'} block "
+                                     f"{b} after vLLM freed it ({'now held by ' + owner if owner else 'free'})")
 
     def _mark_done(self, req: SimRequest) -> None:
         req.state = "done"

@@ -46,3 +46,21 @@ class ViolationFound(Exception):
     def __init__(self, violation: Violation) -> None:
         super().__init__(violation.reason())
         self.violation = violation
+
+
+# Races in production core_sm the simulator has found and reported (docs/simulator.md, "Findings
+# so far"; reduced worlds in tests/sim/findings/). `mpcache-sim run` marks seeds that hit them;
+# the CI seed test lists them as known instead of failing, and fails on anything else. Remove an
+# entry once core_sm is fixed.
+KNOWN_CORE_SM_RACES: tuple[tuple[str, str], ...] = (
+    ("F10", "after vLLM freed it"),  # a STORE copy reads blocks its request no longer holds
+    ("F16", "after vLLM freed it"),  # a RETRIEVE copy writes blocks its request no longer holds
+    ("F10", "meanwhile given to"),  # an L2 read/write or copy outlived its slot reservation
+    ("F10", "after a load reported good holds"),  # data-level consequence of the above
+    ("F10", "carries data that was never stored"),  # same, seen at the L2 write
+)
+
+
+def is_known_race(violation: Violation | None) -> bool:
+    return violation is not None and any(
+        violation.code == code and text in violation.message for code, text in KNOWN_CORE_SM_RACES)

@@ -44,6 +44,7 @@ class Profile:
             tombstone_cap=1000,
             abandoned_job_ttl=cfg.abandoned_job_ttl,
             l2_enabled=cfg.l2_enabled,
+            l2_probe=cfg.l2_enabled and cfg.l2_probe,
             l2_read_timeout=2.0,
             write_behind=cfg.l2_enabled,
             high_watermark=0.9,

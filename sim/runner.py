@@ -41,7 +41,7 @@ class SeedResult:
         return self.violation is None
 
 
-def _seed_trio_scheduler(seed: int) -> None:
+def seed_trio_scheduler(seed: int) -> None:
     import trio._core._run as trio_run  # trio's scheduler randomness (batch order)
 
     # trio shuffles each batch of runnable tasks with `_r` only once Hypothesis is imported
@@ -74,7 +74,7 @@ def run_scenario(scenario: Scenario, profile_name: str = "default", *, keep_line
     from sim.world import World
 
     profile = get_profile(profile_name)
-    _seed_trio_scheduler(scenario.net_seed)
+    seed_trio_scheduler(scenario.net_seed)
     world = World(scenario, profile, keep_lines=keep_lines, chart=chart)
     clock = VirtualClock()
     driver = VirtualTimeDriver(clock)

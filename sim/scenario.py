@@ -27,6 +27,7 @@ class WorldConfig:
     l1_slots: int = 64
     lease_ttl: float = 30.0
     l2_enabled: bool = False
+    l2_probe: bool = False  # two-phase prefetch: ProbeL2 before ReadL2
     l2_latency_min: float = 0.001
     l2_latency_mean: float = 0.005
     l2_fail_p: float = 0.0
@@ -130,6 +131,7 @@ def draw_scenario(seed: int) -> Scenario:
         lease_ttl=rng.choice((2.0, 10.0, 60.0)),
         l2_enabled=rng.random() < 0.5,
         engine_driven=rng.random() < 0.3,
+        l2_probe=rng.random() < 0.3,
         abandoned_job_ttl=rng.choice((3.0, 10.0)),
         l2_latency_min=rng.choice((0.0005, 0.002)),
         l2_latency_mean=rng.choice((0.002, 0.02, 0.3)),

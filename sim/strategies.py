@@ -40,6 +40,7 @@ def world_configs(draw: st.DrawFn, faulty: bool = True) -> WorldConfig:
         l1_slots=draw(st.sampled_from((64, 12))),
         lease_ttl=draw(st.sampled_from((10.0, 2.0))),
         l2_enabled=draw(st.booleans()),
+        l2_probe=draw(st.booleans()),
         l2_latency_mean=draw(st.sampled_from((0.005, 0.3))),
         l2_fail_p=draw(st.sampled_from((0.0, 0.3))) if faulty else 0.0,
         copy_latency_mean=draw(st.sampled_from((0.002, 0.05))),

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from core_sm.chunks import ObjectKey
-from core_sm.effects import ErrorReply, ReadL2, Reply, StartTransfer, WriteL2
+from core_sm.effects import ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
 from core_sm.errors import ProtocolError
 from core_sm.messages import (
     EndSession,
@@ -151,7 +151,8 @@ class World:
         # (request id, server) to which an END_SESSION or FREE_LOOKUP_LOCKS was ever sent
         self.released_sent: set[tuple[str | None, int]] = set()
         self.stats: dict[str, int] = {"crashes": 0, "restarts": 0, "partitions": 0, "l2_fail": 0, "copy_fail": 0,
-                                      "evict_after_prefetch": 0, "engine_crashes": 0, "clears": 0}
+                                      "evict_after_prefetch": 0, "engine_crashes": 0, "clears": 0,
+                                      "l2_probes": 0}
 
     # =========================================================================== running
     def now(self) -> float:
@@ -274,6 +275,9 @@ class World:
         elif t is WriteL2:
             delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean)
             self.timeline.after(delay, self._finish_l2_write, host, host.incarnation, effect)
+        elif t is ProbeL2:
+            delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean / 4)
+            self.timeline.after(delay, self._finish_l2_probe, host, host.incarnation, effect)
         else:
             self.violation("SAFETY", node.name, f"server emitted an unknown effect {short(effect)}")
 
@@ -292,6 +296,13 @@ class World:
         if ok and worker is not None:
             from core_sm.messages import TransferKind
 
+            worker.engine.check_blocks(worker, effect.request_id, effect.block_ids,
+                                       effect.kind is TransferKind.RETRIEVE, f"{effect.kind.value} copy {effect.transfer_id}")
+            found = self.find_request(effect.request_id)
+            for chunk, slot in effect.placements:
+                if found is not None and chunk < len(found[1].hashes):
+                    key = ObjectKey(found[1].hashes[chunk], worker.rank)
+                    self._check_slot_target(host, slot, key, f"{effect.kind.value} copy {effect.transfer_id}")
             if effect.kind is TransferKind.STORE:
                 for chunk, slot in effect.placements:
                     host.slots[slot] = worker.read_chunk(effect.start, effect.block_ids, chunk)
@@ -314,6 +325,7 @@ class World:
                     self.stats["l2_fail"] += 1
                 loaded.append(False)
                 continue
+            self._check_slot_target(host, slot, key, f"L2 read {effect.read_id}")
             host.slots[slot] = data
             loaded.append(True)
         assert host.node is not None
@@ -325,12 +337,41 @@ class World:
             self.stats["evict_after_prefetch"] += 1
             host.node.post(SERVER, Clear(False, reply_to=self.operator_via(host)))
 
+    def slot_holder(self, host: ServerHost, slot: int) -> ObjectKey | None:
+        """Which object the server's index gives `slot` to right now (None: free)."""
+        assert host.node is not None
+        index = host.node.machines[SERVER].index
+        for key in index.objects():
+            if index.slot_of(key) == slot:
+                return key  # type: ignore[no-any-return]
+        return None
+
+    def _check_slot_target(self, host: ServerHost, slot: int, key: ObjectKey, what: str) -> None:
+        """An in-flight copy into/out of `slot` for `key` must find the slot still given to
+        `key` (or free): otherwise it writes into, or reads, another object's memory."""
+        holder = self.slot_holder(host, slot)
+        if holder is not None and holder != key:
+            self.violation("F10", host.name, f"{what} for {key.wire_name()[:12]} landed in slot {slot}, which the "
+                           f"server has meanwhile given to {holder.wire_name()[:12]}: the slot was freed while the "
+                           f"operation was still in flight")
+
+    def _finish_l2_probe(self, host: ServerHost, incarnation: int, effect: Any) -> None:
+        if host.incarnation != incarnation or not host.up:
+            return
+        from core_sm.messages import L2ProbeFinished
+
+        self.stats["l2_probes"] += 1
+        present = tuple(key in self.l2 for key in effect.keys)
+        assert host.node is not None
+        host.node.post(SERVER, L2ProbeFinished(effect.probe_id, present))  # type: ignore[arg-type]
+
     def _finish_l2_write(self, host: ServerHost, incarnation: int, effect: WriteL2) -> None:
         if host.incarnation != incarnation or not host.up:
             return
         ok = self.exec_rng.random() >= self.config.l2_fail_p
         if ok:
             for key, slot in effect.items:
+                self._check_slot_target(host, slot, key, f"L2 write {effect.write_id}")
                 data = host.slots.get(slot)
                 if data is None or data != self.expected_chunk(key):
                     self.violation("F10", host.name, f"L2 write of {key.wire_name()[:12]} from slot {slot} "

@@ -24,6 +24,10 @@ WHY = {
         "a duplicated STORE finds every chunk being written by the original one and is answered at "
         "once; the client takes that reply as completion and frees the blocks while the original "
         "copy still reads them"),
+    "late-l2-read-into-reused-slot": (
+        "an L2 read outlives its slot reservation (write-lease expiry; a forced CLEAR does the same "
+        "to in-flight L2 writes and copies): the server gives the slot to another object and the "
+        "late read lands in it"),
 }
 
 
