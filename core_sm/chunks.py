@@ -9,6 +9,9 @@
 * The root is a fixed function of its inputs (no process seed), so hashes are identical across
   processes, restarts and servers sharing an L2 tier.
 * One object = one chunk of one KV rank: ``ObjectKey(chunk_hash, kv_rank)``.
+* A request's tokens travel as ``TokenIds``: one immutable buffer of little-endian uint32, packed
+  once (or taken as received from the wire), so hashing reads chunk slices of it directly and no
+  step of the lookup path creates a Python object per token.
 
 Errors: ``chunk_hashes`` raises ``ValueError`` for a token id outside ``[0, 2**32)`` and
 ``TypeError`` for a non-int; machines catch that and answer ``ErrorKind.VALIDATION``.
@@ -19,9 +22,8 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
-
-import attrs
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple, overload
 
 DEFAULT_CHUNK_SIZE = 256
 MAX_CACHE_SALT_LEN = 128
@@ -69,12 +71,156 @@ def identity_root(model_name: str, world_size: int, cache_salt: str = "") -> byt
     return h.digest()
 
 
-def pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32 bytes (raises ValueError/TypeError if not uint32)."""
-    packed = array("I", token_ids)
+def pack_tokens(token_ids: Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (raises ValueError/TypeError/OverflowError if
+    not uint32). A list takes ``array.fromlist``'s fast path; a ``TokenIds`` is already packed."""
+    if isinstance(token_ids, TokenIds):
+        return token_ids.packed
+    packed = array("I")
+    if type(token_ids) is list:
+        packed.fromlist(token_ids)
+    else:
+        packed.extend(token_ids)
     if _BYTESWAP:
         packed.byteswap()
     return packed.tobytes()
+
+
+class TokenIds(Sequence[int]):
+    """A request's token ids as one immutable buffer of little-endian uint32 (hashable, equal
+    when the tokens are equal, whatever form they were built from).
+
+    ``TokenIds.from_packed(b)`` wraps packed bytes as received (no copy, no per-token work;
+    ``ValueError`` unless ``len(b) % 4 == 0``); ``TokenIds.from_ints(seq)`` packs a sequence once.
+    A sequence holding a value that is not a uint32 is kept as given instead of raising, so an
+    event carrying it can still be built and the machine answers it with a VALIDATION error:
+    ``valid`` is False and ``packed`` raises what packing raised (``ValueError``, ``TypeError`` or
+    ``OverflowError``). ``len`` counts tokens; indexing gives ints, slicing gives ``TokenIds``.
+    """
+
+    __slots__ = ("_packed", "_unpackable")
+
+    _packed: bytes | None
+    _unpackable: tuple[object, ...] | None
+
+    def __init__(self, token_ids: Iterable[int] = ()) -> None:
+        other = as_token_ids(token_ids)
+        object.__setattr__(self, "_packed", other._packed)
+        object.__setattr__(self, "_unpackable", other._unpackable)
+
+    @classmethod
+    def _make(cls, packed: bytes | None, unpackable: tuple[object, ...] | None) -> TokenIds:
+        self = object.__new__(cls)
+        object.__setattr__(self, "_packed", packed)
+        object.__setattr__(self, "_unpackable", unpackable)
+        return self
+
+    @classmethod
+    def from_packed(cls, packed: bytes) -> TokenIds:
+        if type(packed) is not bytes:
+            raise TypeError(f"packed token ids must be bytes, not {type(packed).__name__}")
+        if len(packed) % 4:
+            raise ValueError(f"{len(packed)} bytes is not a whole number of uint32 token ids")
+        return cls._make(packed, None)
+
+    @classmethod
+    def from_ints(cls, token_ids: Iterable[int]) -> TokenIds:
+        if type(token_ids) is not list and type(token_ids) is not tuple:
+            token_ids = list(token_ids)
+        try:
+            return cls._make(pack_tokens(token_ids), None)
+        except (TypeError, ValueError, OverflowError):
+            return cls._make(None, tuple(token_ids))
+
+    @property
+    def valid(self) -> bool:
+        """Whether every token id is a uint32."""
+        return self._packed is not None
+
+    @property
+    def packed(self) -> bytes:
+        """The little-endian uint32 bytes; raises if some token id is not a uint32."""
+        if self._packed is None:
+            assert self._unpackable is not None
+            pack_tokens(self._unpackable)  # type: ignore[arg-type]  # raises the precise error
+            raise ValueError("token ids are not all uint32")  # pragma: no cover
+        return self._packed
+
+    def tolist(self) -> list[int]:
+        if self._packed is None:
+            return list(self._unpackable or ())  # type: ignore[arg-type]
+        a = array("I")
+        a.frombytes(self._packed)
+        if _BYTESWAP:
+            a.byteswap()
+        return a.tolist()
+
+    def __len__(self) -> int:
+        if self._packed is None:
+            return len(self._unpackable or ())
+        return len(self._packed) >> 2
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> TokenIds: ...
+
+    def __getitem__(self, index: int | slice) -> int | TokenIds:
+        packed = self._packed
+        if isinstance(index, slice):
+            if packed is None:
+                return TokenIds._make(None, (self._unpackable or ())[index])
+            start, stop, step = index.indices(len(packed) >> 2)
+            if step == 1:
+                return TokenIds._make(packed[start * 4 : max(start, stop) * 4], None)
+            return TokenIds.from_ints(self.tolist()[index])
+        if packed is None:
+            return (self._unpackable or ())[index]  # type: ignore[return-value]
+        n = len(packed) >> 2
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("token index out of range")
+        return int.from_bytes(packed[index * 4 : index * 4 + 4], "little")
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TokenIds):
+            return NotImplemented
+        return self._packed == other._packed and self._unpackable == other._unpackable
+
+    def __hash__(self) -> int:
+        return hash((self._packed, self._unpackable))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("TokenIds is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("TokenIds is immutable")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (TokenIds._make, (self._packed, self._unpackable))
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = self[:4].tolist() if self._packed is not None else list(self[:4])
+        more = f", ... {n} tokens" if n > 4 else ""
+        return f"TokenIds({head!r}{more})"
+
+
+def as_token_ids(value: Iterable[int] | bytes) -> TokenIds:
+    """``TokenIds`` for packed bytes (as received), an existing ``TokenIds``, or a sequence of
+    ints (packed once). The converter of ``CacheKey.token_ids``."""
+    if type(value) is TokenIds:
+        return value
+    if type(value) is bytes:
+        return TokenIds.from_packed(value)
+    if isinstance(value, (str, bytearray, memoryview)):
+        raise TypeError(f"token ids cannot be a {type(value).__name__}")
+    return TokenIds.from_ints(value)
 
 
 def num_full_chunks(num_tokens: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
@@ -83,14 +229,15 @@ def num_full_chunks(num_tokens: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> in
 
 
 def chunk_hashes(
-    token_ids: Sequence[int],
+    token_ids: TokenIds | Sequence[int],
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     root: bytes = b"",
     num_chunks: int | None = None,
 ) -> tuple[bytes, ...]:
     """Prefix-chained hashes of the full chunks of ``token_ids`` (32 bytes each).
 
-    ``num_chunks`` limits the work to the first chunks (default: every full chunk).
+    ``num_chunks`` limits the work to the first chunks (default: every full chunk). A
+    ``TokenIds`` is hashed from its packed buffer directly (chunk slices of a memoryview).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, not {chunk_size}")
@@ -99,22 +246,27 @@ def chunk_hashes(
         n = min(n, max(0, num_chunks))
     if n == 0:
         return ()
-    data = pack_tokens(token_ids[: n * chunk_size])
     step = chunk_size * 4
+    if isinstance(token_ids, TokenIds):
+        data = memoryview(token_ids.packed)
+    else:
+        data = memoryview(pack_tokens(token_ids[: n * chunk_size]))
     out: list[bytes] = []
+    append = out.append
     prev = root
     blake2b = hashlib.blake2b
-    for i in range(n):
+    for offset in range(0, n * step, step):
         h = blake2b(prev, digest_size=_DIGEST_SIZE)
-        h.update(data[i * step : (i + 1) * step])
+        h.update(data[offset : offset + step])
         prev = h.digest()
-        out.append(prev)
+        append(prev)
     return tuple(out)
 
 
-@attrs.frozen(order=True)
-class ObjectKey:
-    """One L1/L2 object: one chunk (by its prefix hash) of one KV rank."""
+class ObjectKey(NamedTuple):
+    """One L1/L2 object: one chunk (by its prefix hash) of one KV rank. Immutable and ordered
+    (by hash, then rank); a named tuple so hashing and comparing it, which the L1 index does
+    for every object of every request, run in C."""
 
     chunk_hash: bytes
     kv_rank: int

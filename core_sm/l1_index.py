@@ -21,13 +21,17 @@ used READY, unleased object; when the used slots pass ``high_watermark`` it evic
 
 Every mutating method takes ``now`` and first expires what is due, so an expired lease is never
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
+
+Batch forms for a request's whole prefix (``readable_prefix``, ``lease_reads``, ``release_reads``,
+``release_owner``) do the same per object as the single forms, with one expiry step and one
+expiry-heap entry per call; a lease is a ``(count, expiry)`` pair per owner, not an object.
 """
 from __future__ import annotations
 
 import enum
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import attrs
 
@@ -79,10 +83,13 @@ OPERATIONS = ("reserve_write", "finish_write", "abort_write", "lease_read", "rel
               "expire", "evict", "clear", "clear_force")
 
 
-@attrs.define
-class _Lease:
-    count: int
-    expiry: float
+# A read lease: (count, expiry). A tuple, replaced on change: the lookup path takes one per object.
+_Lease = tuple[int, float]
+# An expiry-heap entry: (expiry, seq, keys, owner); owner None: the write reservation of keys[0].
+# One entry covers every key a batch leased at that expiry; it is stale for a key whose lease has
+# since been released or refreshed, and skipped then.
+_Expiry = tuple[float, int, tuple[ObjectKey, ...], "Owner | None"]
+_MIN_COMPACT = 1024  # the heap is rebuilt without stale entries when it doubles past this
 
 
 @attrs.define
@@ -119,8 +126,8 @@ class L1Index:
         self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
         self._evictable: OrderedDict[ObjectKey, None] = OrderedDict()  # READY, unleased; LRU first
         self._by_owner: dict[Owner, dict[ObjectKey, None]] = {}
-        # (expiry, seq, key, owner or None for the write reservation); stale entries skipped
-        self._expiries: list[tuple[float, int, ObjectKey, Owner | None]] = []
+        self._expiries: list[_Expiry] = []  # a heap; stale entries skipped, compacted
+        self._compact_at = _MIN_COMPACT
         self._seq = 0
         self._bytes = 0
         self._leases_taken = 0
@@ -156,11 +163,11 @@ class L1Index:
         if obj is None:
             return 0
         lease = obj.readers.get(owner)
-        return 0 if lease is None else lease.count
+        return 0 if lease is None else lease[0]
 
     def total_read_count(self, key: ObjectKey) -> int:
         obj = self._objects.get(key)
-        return 0 if obj is None else sum(lease.count for lease in obj.readers.values())
+        return 0 if obj is None else sum(lease[0] for lease in obj.readers.values())
 
     def owners_of(self, key: ObjectKey) -> tuple[Owner, ...]:
         obj = self._objects.get(key)
@@ -173,7 +180,7 @@ class L1Index:
         """Owner → total read counts it holds (only owners holding something)."""
         out: dict[Owner, int] = {}
         for owner, keys in self._by_owner.items():
-            out[owner] = sum(self._objects[k].readers[owner].count for k in keys)
+            out[owner] = sum(self._objects[k].readers[owner][0] for k in keys)
         return out
 
     @property
@@ -223,7 +230,7 @@ class L1Index:
         expiry = now + self.lease_ttl
         self._objects[key] = _Object(key, slot, nbytes, owner, expiry)
         self._bytes += nbytes
-        self._push_expiry(expiry, key, None)
+        self._push_expiry(expiry, (key,), None)
         self._evict_to_watermark()
         return slot
 
@@ -250,23 +257,74 @@ class L1Index:
 
     def lease_read(self, key: ObjectKey, owner: Owner, count: int, now: float) -> bool:
         """Add ``count`` read counts for ``owner`` on a readable object; refresh its expiry."""
+        return self.lease_reads((key,), owner, count, now) == 1
+
+    def lease_reads(
+        self, keys: Sequence[ObjectKey], owner: Owner, count: int, now: float, *, top_up: bool = False
+    ) -> int:
+        """``lease_read`` for each of ``keys``, in order, with one expiry step and one expiry
+        entry. ``top_up``: instead of adding ``count``, make ``owner`` hold at least ``count`` on
+        each (adding the shortfall and refreshing the expiry only where something is added).
+        Unreadable keys are skipped. Returns how many keys ``owner`` now holds (at least
+        ``count``, with ``top_up``) through this call or before it."""
         self.expire(now)
-        obj = self._objects.get(key)
-        if obj is None or obj.writer is not None or count < 1:
-            return False
+        if count < 1:
+            return 0
         expiry = now + self.lease_ttl
-        lease = obj.readers.get(owner)
-        if lease is None:
-            obj.readers[owner] = _Lease(count, expiry)
-            self._by_owner.setdefault(owner, {})[key] = None
-            self._evictable.pop(key, None)
-        else:
-            lease.count += count
-            lease.expiry = expiry
-        self._leases_taken += count
-        self._leases_held += count
-        self._push_expiry(expiry, key, owner)
-        return True
+        objects = self._objects
+        evictable = self._evictable
+        leased: list[ObjectKey] = []
+        held = 0
+        added = 0
+        by_owner: dict[ObjectKey, None] | None = None
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.writer is not None:
+                continue
+            readers = obj.readers
+            lease = readers.get(owner)
+            if lease is None:
+                readers[owner] = (count, expiry)
+                if by_owner is None:
+                    by_owner = self._by_owner.setdefault(owner, {})
+                by_owner[key] = None
+                evictable.pop(key, None)
+                added += count
+            else:
+                n = count - lease[0] if top_up else count
+                if n > 0:
+                    readers[owner] = (lease[0] + n, expiry)
+                    added += n
+                else:
+                    held += 1
+                    continue
+            leased.append(key)
+        self._leases_taken += added
+        self._leases_held += added
+        if leased:
+            self._push_expiry(expiry, tuple(leased), owner)
+        return held + len(leased)
+
+    def readable_prefix(
+        self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]
+    ) -> tuple[int, list[ObjectKey]]:
+        """How many leading chunks have every rank in ``ranks`` readable, and the keys of those
+        chunks (chunk by chunk, ranks in the order given)."""
+        objects = self._objects
+        keys: list[ObjectKey] = []
+        append = keys.append
+        chunks = 0
+        for h in chunk_hashes:
+            mark = len(keys)
+            for r in ranks:
+                key = ObjectKey(h, r)
+                obj = objects.get(key)
+                if obj is None or obj.writer is not None:
+                    del keys[mark:]
+                    return chunks, keys
+                append(key)
+            chunks += 1
+        return chunks, keys
 
     def release_read(
         self, key: ObjectKey, owner: Owner, count: int | None, reason: ReleaseReason, now: float
@@ -275,12 +333,34 @@ class L1Index:
         self.expire(now)
         return self._release(key, owner, count, reason)
 
-    def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
-        """Release every count ``owner`` holds, on every object."""
+    def release_reads(
+        self, keys: Iterable[ObjectKey], owner: Owner, count: int | None, reason: ReleaseReason, now: float
+    ) -> int:
+        """``release_read`` for each of ``keys``, in order, with one expiry step; returns the
+        counts released in all."""
         self.expire(now)
         released = 0
-        for key in tuple(self._by_owner.get(owner, ())):
-            released += self._release(key, owner, None, reason)
+        for key in keys:
+            released += self._release(key, owner, count, reason)
+        return released
+
+    def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
+        """Release every count ``owner`` holds, on every object (in the order it leased them)."""
+        self.expire(now)
+        keys = self._by_owner.pop(owner, None)
+        if not keys:
+            return 0
+        objects = self._objects
+        evictable = self._evictable
+        released = 0
+        for key in keys:
+            obj = objects[key]
+            readers = obj.readers
+            released += readers.pop(owner)[0]
+            if not readers and obj.writer is None:
+                evictable[key] = None  # released objects are the most recently used
+        self._leases_held -= released
+        self._leases_released[reason] += released
         return released
 
     def touch(self, key: ObjectKey) -> None:
@@ -294,16 +374,18 @@ class L1Index:
         """Release every lease and drop every write reservation whose expiry is ``<= now``."""
         heap = self._expiries
         while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            if not self._expiry_live(entry):
-                continue
-            _expiry, _seq, key, owner = entry
-            obj = self._objects[key]
+            expiry, _seq, keys, owner = heapq.heappop(heap)
             if owner is None:
-                self._write_expirations += 1
-                self._drop(obj)
-            else:
-                self._release(key, owner, None, ReleaseReason.TTL)
+                obj = self._objects.get(keys[0])
+                if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
+                    self._write_expirations += 1
+                    self._drop(obj)
+                continue
+            for key in keys:
+                obj = self._objects.get(key)
+                lease = None if obj is None else obj.readers.get(owner)
+                if lease is not None and lease[1] == expiry:
+                    self._release(key, owner, None, ReleaseReason.TTL)
 
     def clear(self, force: bool, protected: Callable[[Owner], bool] | None = None) -> int:
         """Drop READY unleased objects; with ``force`` also leased ones (their leases released as
@@ -335,11 +417,15 @@ class L1Index:
         assert not slots & set(self._free_slots), "a used slot is on the free list"
         assert len(slots) + len(self._free_slots) == self.num_slots, "slots lost"
         held = 0
+        pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
         for obj in self._objects.values():
-            for owner, lease in obj.readers.items():
-                assert lease.count > 0, "non-positive lease count"
+            if obj.writer is not None:
+                assert (obj.key, None, obj.write_expiry) in pending, "a write that would never expire"
+            for owner, (count, expiry) in obj.readers.items():
+                assert count > 0, "non-positive lease count"
                 assert obj.key in self._by_owner[owner], "owner map misses a lease"
-                held += lease.count
+                assert (obj.key, owner, expiry) in pending, "a lease that would never expire"
+                held += count
             ready_unleased = obj.writer is None and not obj.readers
             assert ready_unleased == (obj.key in self._evictable), "LRU set out of sync"
             assert not (obj.writer is not None and obj.readers), "read lease on a writing object"
@@ -353,19 +439,29 @@ class L1Index:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _push_expiry(self, expiry: float, key: ObjectKey, owner: Owner | None) -> None:
+    def _push_expiry(self, expiry: float, keys: tuple[ObjectKey, ...], owner: Owner | None) -> None:
         self._seq += 1
-        heapq.heappush(self._expiries, (expiry, self._seq, key, owner))
+        heapq.heappush(self._expiries, (expiry, self._seq, keys, owner))
+        if len(self._expiries) > self._compact_at:
+            # Released leases leave their entries behind until they come due (a TTL later);
+            # dropping the stale ones keeps the heap proportional to what is held.
+            live = [e for e in self._expiries if self._expiry_live(e)]
+            heapq.heapify(live)
+            self._expiries = live
+            self._compact_at = max(_MIN_COMPACT, 2 * len(live))
 
-    def _expiry_live(self, entry: tuple[float, int, ObjectKey, Owner | None]) -> bool:
-        expiry, _seq, key, owner = entry
-        obj = self._objects.get(key)
-        if obj is None:
-            return False
+    def _expiry_live(self, entry: _Expiry) -> bool:
+        expiry, _seq, keys, owner = entry
+        objects = self._objects
         if owner is None:
-            return obj.writer is not None and obj.write_expiry == expiry
-        lease = obj.readers.get(owner)
-        return lease is not None and lease.expiry == expiry
+            obj = objects.get(keys[0])
+            return obj is not None and obj.writer is not None and obj.write_expiry == expiry
+        for key in keys:
+            obj = objects.get(key)
+            lease = None if obj is None else obj.readers.get(owner)
+            if lease is not None and lease[1] == expiry:
+                return True
+        return False
 
     def _release(self, key: ObjectKey, owner: Owner, count: int | None, reason: ReleaseReason) -> int:
         obj = self._objects.get(key)
@@ -374,11 +470,13 @@ class L1Index:
         lease = obj.readers.get(owner)
         if lease is None:
             return 0
-        n = lease.count if count is None else max(0, min(count, lease.count))
-        lease.count -= n
+        held = lease[0]
+        n = held if count is None else max(0, min(count, held))
         self._leases_held -= n
         self._leases_released[reason] += n
-        if lease.count == 0:
+        if n < held:
+            obj.readers[owner] = (held - n, lease[1])
+        else:
             del obj.readers[owner]
             keys = self._by_owner[owner]
             del keys[key]

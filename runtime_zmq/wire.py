@@ -17,18 +17,22 @@ Contract (see docs/protocol.md and LMCache's MP wire format):
 Nothing here knows protocol semantics: decoding checks shapes and types only, and produces plain
 Python values (``WireKey`` for LMCache's ``IPCCacheServerKey`` map). ``runtime_zmq.bridge`` turns
 them into core_sm events. Decoding never raises: every failure is a ``DecodeError`` value.
+
+Token ids become a ``core_sm.chunks.TokenIds`` (one packed little-endian uint32 buffer): a msgpack
+bin of packed ids (mpcache's client) is wrapped as received; LMCache's list of ints is packed once,
+in C. Neither form costs a Python step per token after msgpack itself.
 """
 
 from __future__ import annotations
 
 import enum
-import sys
-from array import array
 from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
 import msgpack  # type: ignore[import-untyped]
+
+from core_sm.chunks import TokenIds, as_token_ids, pack_tokens
 
 # ---------------------------------------------------------------------------------------------
 # Error kinds on the wire (lower-case names of core_sm's ErrorKind; the codec's own failures use
@@ -87,7 +91,7 @@ class WireKey:
     model_name: str
     world_size: int
     worker_id: int | None
-    token_ids: tuple[int, ...]
+    token_ids: TokenIds = attrs.field(converter=as_token_ids)
     start: int
     end: int
     request_id: str
@@ -231,39 +235,38 @@ def _as_int_list(v: Any, what: str, limit: int) -> tuple[int, ...]:
     return tuple(v)
 
 
-_BIG_ENDIAN = sys.byteorder != "little"
-
-
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     """mpcache's compact form of ``token_ids``: little-endian uint32 bytes (a msgpack bin).
     Decoding it costs no Python object per token; LMCache's list form is accepted as well."""
-    a = array("I", token_ids)
-    if _BIG_ENDIAN:
-        a.byteswap()
-    return a.tobytes()
+    return pack_tokens(token_ids)
 
 
 def token_ids_for_wire(token_ids: Sequence[int]) -> bytes | list[int]:
     """The packed form when every id is a uint32, else the list (the server then answers the
-    bad ids with a validation error instead of the client failing to encode)."""
+    bad ids with a validation error instead of the client failing to encode). A ``TokenIds``
+    is sent as it is held, with no repacking."""
+    if isinstance(token_ids, TokenIds):
+        return token_ids.packed if token_ids.valid else list(token_ids)
     try:
         return pack_token_ids(token_ids)
     except (OverflowError, TypeError, ValueError):
         return list(token_ids)
 
 
-def _as_token_ids(v: Any, limit: int) -> tuple[int, ...]:
+def _as_token_ids(v: Any, limit: int) -> TokenIds:
     if type(v) is bytes:
         if len(v) % 4:
             raise _Bad(WireErrorKind.UNDECODABLE, f"key.token_ids: {len(v)} bytes is not a whole number of uint32")
         if len(v) // 4 > limit:
             raise _Bad(WireErrorKind.TOO_LARGE, f"key.token_ids: {len(v) // 4} items, limit {limit}")
-        a = array("I")
-        a.frombytes(v)
-        if _BIG_ENDIAN:
-            a.byteswap()
-        return tuple(a)
-    return _as_int_list(v, "key.token_ids", limit)
+        return TokenIds.from_packed(v)
+    if type(v) is not list:
+        raise _Bad(WireErrorKind.UNDECODABLE, f"key.token_ids: expected list[int] or bin, got {_type_name(v)}")
+    if len(v) > limit:
+        raise _Bad(WireErrorKind.TOO_LARGE, f"key.token_ids: {len(v)} items, limit {limit}")
+    # Packed once, in C (array.fromlist). A list holding something other than uint32 ids is kept
+    # as given; core_sm answers it with a validation error when it hashes the key.
+    return TokenIds.from_ints(v)
 
 
 _KEY_REQUIRED: Final = ("model_name", "world_size", "token_ids", "start", "end", "request_id")

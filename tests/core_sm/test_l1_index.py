@@ -148,6 +148,87 @@ def test_object_larger_than_slot_refused() -> None:
     assert L1Index(1, 10).reserve_write(K, "w", 11, 0) is None
 
 
+def _ready_index(keys: list[ObjectKey], ttl: float = 300.0) -> L1Index:
+    idx = L1Index(len(keys) + 2, 10, lease_ttl=ttl)
+    for k in keys:
+        assert idx.reserve_write(k, "w", 1, 0) is not None
+        assert idx.finish_write(k, "w", 0)
+    return idx
+
+
+def test_readable_prefix_stops_at_the_first_chunk_missing_a_rank() -> None:
+    hashes = [b"a", b"b", b"c", b"d"]
+    present = [ObjectKey(h, r) for h in hashes[:3] for r in range(2)]
+    present.remove(ObjectKey(b"c", 1))
+    idx = _ready_index(present + [ObjectKey(b"d", 0), ObjectKey(b"d", 1)])
+    assert idx.reserve_write(ObjectKey(b"c", 1), "w2", 1, 0) is not None  # being written: not readable
+    chunks, keys = idx.readable_prefix(hashes, range(2))
+    assert chunks == 2
+    assert keys == [ObjectKey(b"a", 0), ObjectKey(b"a", 1), ObjectKey(b"b", 0), ObjectKey(b"b", 1)]
+    assert idx.readable_prefix(hashes, (0,)) == (4, [ObjectKey(h, 0) for h in hashes])
+    assert idx.readable_prefix([], range(2)) == (0, [])
+
+
+def test_lease_reads_tops_up_and_refreshes_only_what_it_adds() -> None:
+    keys = [ObjectKey(bytes([i]), 0) for i in range(3)]
+    idx = _ready_index(keys, ttl=100)
+    assert idx.lease_read(keys[0], "r", 2, 0)
+    assert idx.lease_read(keys[1], "r", 1, 0)
+    missing = ObjectKey(b"x", 0)
+    assert idx.lease_reads([*keys, missing], "r", 2, 50, top_up=True) == 3
+    assert [idx.read_count(k, "r") for k in keys] == [2, 2, 2]
+    assert idx.stats()["leases_taken"] == 3 + 1 + 2
+    idx.expire(100)  # keys[0] was already at 2: not refreshed, so it expires with its first lease
+    assert [idx.read_count(k, "r") for k in keys] == [0, 2, 2]
+    idx.expire(150)
+    assert idx.stats()["leases_held"] == 0 and idx.released_by(ReleaseReason.TTL) == 6
+    idx.check_invariants()
+
+
+def test_lease_reads_adds_like_lease_read_per_key() -> None:
+    keys = [ObjectKey(bytes([i]), r) for i in range(3) for r in range(2)]
+    batch, single = _ready_index(keys), _ready_index(keys)
+    order = [keys[0], keys[3], keys[0], keys[5]]
+    assert batch.lease_reads(order, "o", 2, 1.0) == 4
+    for k in order:
+        assert single.lease_read(k, "o", 2, 1.0)
+    for k in keys:
+        assert batch.read_count(k, "o") == single.read_count(k, "o")
+        assert batch.state(k) is single.state(k)
+    assert batch.stats() == single.stats()
+    assert batch.lease_reads(order, "o", 0, 1.0) == 0  # a count below 1 leases nothing
+    batch.check_invariants()
+
+
+def test_release_reads_and_release_owner_are_exact() -> None:
+    keys = [ObjectKey(bytes([i]), 0) for i in range(4)]
+    idx = _ready_index(keys)
+    idx.lease_reads(keys, "a", 2, 0)
+    idx.lease_reads(keys[:2], "b", 1, 0)
+    assert idx.release_reads(keys[:3], "a", 1, ReleaseReason.RETRIEVE, 0) == 3
+    assert idx.release_reads(keys, "c", None, ReleaseReason.FREE, 0) == 0
+    assert [idx.read_count(k, "a") for k in keys] == [1, 1, 1, 2]
+    assert idx.release_owner("a", ReleaseReason.END_SESSION, 0) == 5
+    assert idx.release_owner("a", ReleaseReason.END_SESSION, 0) == 0
+    assert [idx.state(k) for k in keys] == [ObjectState.READ_LEASED] * 2 + [ObjectState.READY] * 2
+    assert idx.keys_leased_by("b") == tuple(keys[:2])
+    idx.check_invariants()
+
+
+def test_released_leases_do_not_pile_up_in_the_expiry_heap() -> None:
+    keys = [ObjectKey(bytes([i]), 0) for i in range(8)]
+    idx = _ready_index(keys, ttl=300)
+    idx.lease_read(keys[0], "kept", 1, 0)
+    for i in range(5000):
+        rid = f"r{i}"
+        idx.lease_reads(keys, rid, 1, float(i) / 1000)
+        idx.release_owner(rid, ReleaseReason.END_SESSION, float(i) / 1000)
+    assert len(idx._expiries) <= 2 * 1024 + 1  # compacted, not 5000 entries
+    idx.check_invariants()  # the kept lease still has its expiry entry
+    idx.expire(300)
+    assert idx.read_count(keys[0], "kept") == 0 and idx.released_by(ReleaseReason.TTL) == 1
+
+
 KEYS = [ObjectKey(bytes([i]), r) for i in range(4) for r in range(2)]
 OWNERS = ["a", "b", ("transfer", 1)]
 
@@ -201,16 +282,37 @@ class L1Machine(RuleBasedStateMachine):
             # a refresh moves every lease of this owner on this key
             self.taken += n
 
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=6), owner=st.sampled_from(OWNERS),
+          n=st.integers(1, 3), top_up=st.booleans())
+    def lease_batch(self, keys: list[ObjectKey], owner: object, n: int, top_up: bool) -> None:
+        readable = [k for k in keys if self.idx.is_readable(k)]
+        assert self.idx.lease_reads(keys, owner, n, self.now, top_up=top_up) == len(readable)
+        for key in readable:
+            count, exp = self.model.get((key, owner), (0, 0.0))
+            add = max(0, n - count) if top_up else n
+            if add:
+                self.model[(key, owner)] = (count + add, self.now + self.idx.lease_ttl)
+                self.taken += add
+
     @rule(key=st.sampled_from(KEYS), owner=st.sampled_from(OWNERS), n=st.one_of(st.none(), st.integers(1, 3)))
     def release(self, key: ObjectKey, owner: object, n: int | None) -> None:
         got = self.idx.release_read(key, owner, n, ReleaseReason.FREE, self.now)
+        assert got == self._release_model(key, owner, n)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=6), owner=st.sampled_from(OWNERS),
+          n=st.one_of(st.none(), st.integers(1, 3)))
+    def release_batch(self, keys: list[ObjectKey], owner: object, n: int | None) -> None:
+        want = sum(self._release_model(k, owner, n) for k in keys)
+        assert self.idx.release_reads(keys, owner, n, ReleaseReason.RETRIEVE, self.now) == want
+
+    def _release_model(self, key: ObjectKey, owner: object, n: int | None) -> int:
         count, exp = self.model.get((key, owner), (0, 0.0))
         want = count if n is None else min(n, count)
-        assert got == want
         if count - want:
             self.model[(key, owner)] = (count - want, exp)
         else:
             self.model.pop((key, owner), None)
+        return want
 
     @rule(owner=st.sampled_from(OWNERS))
     def release_owner(self, owner: object) -> None:
