@@ -16,6 +16,8 @@ What it measures, on tcp loopback and on ipc:
   `--duration` seconds: `noop`/echo, `status`, `lookup`;
 * start to first reply: from spawning the server process to the first `noop` answered.
 
+The servers of one transport run side by side and their latency rows are measured in
+alternating blocks of calls, so each row sees the same background load (this box is shared).
 All clients speak the wire format directly (a DEALER socket, msgpack frames), so the numbers are
 the servers', not a client library's. The echo server answers `[uid, op]` to anything, which is
 what a server whose handler returns `None` would send.
@@ -341,70 +343,97 @@ def _percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
     return pct(0.50), pct(0.99), pct(0.999)
 
 
-def measure_latency(url: str, what: str, calls: int, warmup: int, tag: str,
-                    expect_status: int | None = None) -> tuple[float, float, float]:
-    """`what`: noop | pair | status. Returns (p50, p99, p99.9) in microseconds.
+class LatencyProbe:
+    """One client (a DEALER, one request in flight) of one server, for the latency rows.
 
-    `expect_status`: every status reply must be this hit count (so a row labelled "L1 hit"
-    cannot silently measure misses); None: not checked (the echo server has no result)."""
-    frames = Frames.build(tag)
-    ctx = zmq.Context.instance()
-    sock = _dealer(ctx, url)
-    send = sock.send_multipart
-    recv = sock.recv_multipart
-    poll = sock.poll
-    clock = time.perf_counter_ns
-    samples: list[int] = []
-    uid = 0
+    Probes of several servers are run in alternating blocks (`interleaved`), so every server's
+    samples see the same background load: on a shared box, a row measured a minute after
+    another can see a very different tail."""
 
-    expected = None if expect_status is None else msgpack.packb(expect_status)
+    def __init__(self, url: str, tag: str, expect_status: int | None) -> None:
+        self.frames = Frames.build(tag)
+        self.sock = _dealer(zmq.Context.instance(), url)
+        self.uid = 0
+        # every status reply must be this hit count (so a row labelled "L1 hit" cannot silently
+        # measure misses); None: not checked (the echo server sends no result)
+        self.expected = None if expect_status is None else msgpack.packb(expect_status)
+        self.expect_status = expect_status
+        self.samples: dict[str, list[int]] = {}
 
-    def rt(parts: list[bytes]) -> None:
-        nonlocal uid
-        uid += 1
-        send([msgpack.packb(uid)] + parts, copy=True)
-        if not poll(REPLY_TIMEOUT_MS):
-            raise BenchError(f"{what}: no reply within {REPLY_TIMEOUT_MS} ms")
-        reply = recv()
+    def _rt(self, parts: list[bytes]) -> None:
+        self.uid += 1
+        self.sock.send_multipart([msgpack.packb(self.uid)] + parts, copy=True)
+        if not self.sock.poll(REPLY_TIMEOUT_MS):
+            raise BenchError(f"no reply within {REPLY_TIMEOUT_MS} ms")
+        reply = self.sock.recv_multipart()
         if reply[1] != parts[0]:
-            raise BenchError(f"{what}: error reply {msgpack.unpackb(reply[-1])!r}")
-        if expected is not None and parts[0] == frames.status_op and reply[2:] != [expected]:
+            raise BenchError(f"error reply {msgpack.unpackb(reply[-1])!r}")
+        if self.expected is not None and parts[0] == self.frames.status_op and reply[2:] != [self.expected]:
             got = msgpack.unpackb(reply[2]) if len(reply) > 2 else None
-            raise BenchError(f"{what}: status {got!r}, expected {expect_status}")
+            raise BenchError(f"status {got!r}, expected {self.expect_status}")
 
-    try:
+    def prepare(self, what: str) -> None:
         if what == "status":
-            # Finished lookups to query: statuses answer from the job (first) and then from the
-            # tombstone, which is the idempotent path a re-polling scheduler takes.
+            # Finished lookups to query: the first status answers from the job, the rest from
+            # its tombstone: the idempotent path a re-polling scheduler takes.
+            f = self.frames
             for i in range(REQUEST_IDS):
-                rt([frames.lookup_op, frames.lookup_keys[i], frames.tp_size])
-                rt([frames.status_op, frames.request_ids[i]])
-        for n in range(warmup + calls):
-            i = n % REQUEST_IDS
+                self._rt([f.lookup_op, f.lookup_keys[i], f.tp_size])
+                self._rt([f.status_op, f.request_ids[i]])
+
+    def finish(self, what: str) -> None:
+        if what == "status":
+            for i in range(REQUEST_IDS):
+                self._rt([self.frames.end_op, self.frames.request_ids[i]])
+
+    def run(self, what: str, start: int, n: int, record: bool) -> None:
+        """`n` calls of `what` (noop | pair | status); each pair is followed by an untimed
+        end_session, as the vLLM connector does, so nothing piles up in the server."""
+        f = self.frames
+        rt = self._rt
+        clock = time.perf_counter_ns
+        out = self.samples.setdefault(what, [])
+        for k in range(start, start + n):
+            i = k % REQUEST_IDS
             if what == "noop":
                 t0 = clock()
-                rt([frames.noop])
+                rt([f.noop])
                 t1 = clock()
             elif what == "pair":
                 t0 = clock()
-                rt([frames.lookup_op, frames.lookup_keys[i], frames.tp_size])
-                rt([frames.status_op, frames.request_ids[i]])
+                rt([f.lookup_op, f.lookup_keys[i], f.tp_size])
+                rt([f.status_op, f.request_ids[i]])
                 t1 = clock()
-                rt([frames.end_op, frames.request_ids[i]])
+                rt([f.end_op, f.request_ids[i]])
             elif what == "status":
                 t0 = clock()
-                rt([frames.status_op, frames.request_ids[i]])
+                rt([f.status_op, f.request_ids[i]])
                 t1 = clock()
             else:
                 raise ValueError(what)
-            if n >= warmup:
-                samples.append(t1 - t0)
-        if what == "status":
-            for i in range(REQUEST_IDS):
-                rt([frames.end_op, frames.request_ids[i]])
-    finally:
-        sock.close()
-    return _percentiles(samples)
+            if record:
+                out.append(t1 - t0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def interleaved(probes: Sequence[LatencyProbe], what: str, calls: int, warmup: int,
+                block: int = 500) -> list[tuple[float, float, float]]:
+    """Runs `warmup` then `calls` calls of `what` on every probe, alternating blocks of `block`
+    calls between them. Returns (p50, p99, p99.9) in microseconds per probe."""
+    for p in probes:
+        p.prepare(what)
+        p.run(what, 0, warmup, record=False)
+    done = 0
+    while done < calls:
+        n = min(block, calls - done)
+        for p in probes:
+            p.run(what, warmup + done, n, record=True)
+        done += n
+    for p in probes:
+        p.finish(what)
+    return [_percentiles(p.samples[what]) for p in probes]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,6 +561,15 @@ def measure_throughput(url: str, what: str, clients: int, window: int, duration:
 # The run
 
 
+def _row_label(kind: str, what: str) -> str:
+    if what == "noop":
+        return "echo" if kind == "raw" else "noop"
+    if what == "status":
+        return "status"
+    return {"raw": "echo pair (lookup frames)", "mpcache": "lookup+status (L1 32/32)",
+            "lmcache": "lookup+status (no KV: 0)"}[kind]
+
+
 @dataclass
 class Row:
     transport: str
@@ -564,49 +602,55 @@ def run(args: argparse.Namespace) -> int:
     tput: list[tuple[str, str, str, float]] = []
     starts: list[tuple[str, str, float]] = []
     rc = 0
-    servers: list[tuple[str, str]] = [("raw", t) for t in transports]
-    if not args.no_mpcache:
-        servers += [("mpcache", t) for t in transports]
-    if args.lmcache_venv:
-        servers.append(("lmcache", "tcp"))
     try:
-        for kind, transport in servers:
-            if kind == "raw":
-                server = start_raw(transport, workdir)
-            elif kind == "mpcache":
-                server = start_mpcache(transport, workdir, args.l1_size_gb)
-            else:
-                server = start_lmcache(transport, workdir, args.lmcache_venv)
-            starts.append((kind, transport, server.start_s))
-            tag = f"{kind}-{transport}"
+        for transport in transports:
+            # Every server of this transport runs at once, so their latency rows can be measured
+            # in alternating blocks under the same background load.
+            kinds = ["raw"] + ([] if args.no_mpcache else ["mpcache"])
+            if args.lmcache_venv and transport == "tcp":
+                kinds.append("lmcache")
+            servers: list[Server] = []
+            probes: list[LatencyProbe] = []
             try:
-                for what, label in (("noop", "echo" if kind == "raw" else "noop"),
-                                    ("pair", "lookup+status pair"),
-                                    ("status", "status")):
-                    if kind == "raw" and what == "status":
-                        continue  # the echo of a status frame is the noop row, in effect
+                for kind in kinds:
+                    if kind == "raw":
+                        server = start_raw(transport, workdir)
+                    elif kind == "mpcache":
+                        server = start_mpcache(transport, workdir, args.l1_size_gb)
+                    else:
+                        server = start_lmcache(transport, workdir, args.lmcache_venv)
+                    servers.append(server)
+                    starts.append((kind, transport, server.start_s))
                     expect = {"raw": None, "mpcache": TOKENS // CHUNK, "lmcache": 0}[kind]
-                    p = measure_latency(server.url, what, args.calls, args.warmup, f"{tag}-{what}",
-                                        expect_status=expect)
-                    op = label
-                    if what == "pair" and kind == "raw":
-                        op = "echo pair (lookup frames)"
-                    elif what == "pair" and kind == "mpcache":
-                        op = "lookup+status (L1 32/32)"
-                    elif what == "pair" and kind == "lmcache":
-                        op = "lookup+status (no KV: 0)"
-                    rows.append(Row(transport, kind, op, *p))
-                    print(_fmt_row(rows[-1], None), flush=True)
+                    probes.append(LatencyProbe(server.url, f"{kind}-{transport}", expect))
+                for what in ("noop", "pair", "status"):
+                    # the echo server's answer to a status frame is the noop row, in effect
+                    sel = [i for i, k in enumerate(kinds) if not (k == "raw" and what == "status")]
+                    try:
+                        results = interleaved([probes[i] for i in sel], what, args.calls, args.warmup)
+                    except BenchError as e:
+                        raise BenchError(f"{transport} {what}: {e}") from None
+                    for i, p in zip(sel, results):
+                        rows.append(Row(transport, kinds[i], _row_label(kinds[i], what), *p))
+                        print(_fmt_row(rows[-1], None), flush=True)
+                for p in probes:
+                    p.close()
+                probes = []
                 if not args.no_throughput:
-                    for what in ("noop", "status", "lookup"):
-                        if kind == "raw" and what != "noop":
-                            continue
-                        rate = measure_throughput(server.url, what, args.clients, args.window,
-                                                  args.duration, f"{tag}-t{what}")
-                        tput.append((transport, kind, "echo" if kind == "raw" else what, rate))
-                        print(f"# throughput {transport} {kind} {what}: {rate:,.0f} req/s", flush=True)
+                    for kind, server in zip(kinds, servers):
+                        for what in ("noop", "status", "lookup"):
+                            if kind == "raw" and what != "noop":
+                                continue
+                            rate = measure_throughput(server.url, what, args.clients, args.window,
+                                                      args.duration, f"{kind}-{transport}-t{what}")
+                            tput.append((transport, kind, "echo" if kind == "raw" else what, rate))
+                            print(f"# throughput {transport} {kind} {what}: {rate:,.0f} req/s",
+                                  flush=True)
             finally:
-                server.stop()
+                for p in probes:
+                    p.close()
+                for server in servers:
+                    server.stop()
     except BenchError as e:
         print(f"mpcache-bench rpc: {e}", file=sys.stderr)
         rc = 1
