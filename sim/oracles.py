@@ -20,7 +20,7 @@ FAILURES: dict[str, str] = {
     "F10": "corrupt KV (data read back differs from data stored)",
     "F11": "missing or double reply",
     "F12": "unbounded bookkeeping (abandoned state never reclaimed)",
-    "F16": "double completion",
+    "F16": "double completion, or a copy into blocks already freed",
     "HIT": "hit reported for data never stored",
     "LIVENESS": "request did not finish after heal",
     "DEADLOCK": "world idle with no deadline",
