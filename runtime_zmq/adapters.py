@@ -18,6 +18,7 @@ these classes, so tests can drive them in vLLM's exact call order with no vLLM i
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -44,6 +45,7 @@ from core_sm.messages import (
     RequestFailed,
     Retrieve,
     RetrieveResult,
+    ServerEpoch,
     ServerHealth,
     Store,
     StoreResult,
@@ -438,7 +440,8 @@ class _ServerLinks:
 
     ``send`` turns a ``SendRequest`` effect into a request whose completion (reply, error reply,
     timeout, server declared unhealthy) becomes exactly one ``ReplyReceived`` or
-    ``RequestFailed`` event; health changes become ``ServerHealth`` events. Events are queued by
+    ``RequestFailed`` event; health changes become ``ServerHealth`` events, the server's start id
+    (first seen, then every change: a restart) ``ServerEpoch`` events. Events are queued by
     the client thread and handed to the owner's machine by ``drain`` on the owner's thread, so a
     machine is only ever touched by one thread at a time (the owner holds its lock).
     """
@@ -462,7 +465,11 @@ class _ServerLinks:
                     wait_connected=False,
                 )
                 self.clients.append(client)
-                client.on_health(lambda healthy, index=index: self._on_health(index, healthy))
+                client.on_epoch(functools.partial(self._on_epoch, index))
+                client.on_health(functools.partial(self._on_health, index))
+                if client.epoch is not None:
+                    # learned before the callback was registered (repeating it is harmless)
+                    self._on_epoch(index, client.epoch)
             for url, client in zip(self.urls, self.clients):
                 if not client.wait_healthy(config.connect_timeout_s):
                     raise ServerUnreachable(
@@ -477,6 +484,11 @@ class _ServerLinks:
 
     def _on_health(self, server: int, healthy: bool) -> None:
         self._events.put(ServerHealth(server, healthy))
+
+    def _on_epoch(self, server: int, epoch: int | str) -> None:
+        # A changed start id: the server restarted (core_sm fails what was in flight on it and
+        # registers again), even if no heartbeat was lost.
+        self._events.put(ServerEpoch(server, epoch))
 
     def call(self, server: int, op: str, *args: Any) -> Any:
         """A blocking request (start-up only: chunk size, registration)."""

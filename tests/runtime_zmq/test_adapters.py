@@ -3,8 +3,10 @@ real ``mpcache-server`` processes: hit, miss, partial hit, prefix-cache overlap,
 phase, preemption, server restart, two servers. No vLLM needed."""
 from __future__ import annotations
 
+import os
 import random
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -242,6 +244,44 @@ def test_server_restart_degrades_to_misses_then_recovers(start_server: Callable[
     assert second.external == 3 * CHUNK - 1 and second.checked
     assert stats(server.url)["instances"] == 1  # the worker registered again by itself
     assert_clean(engine, server.url)
+
+
+def test_server_restarted_between_two_heartbeats_is_registered_again(start_server: Callable[..., Any], engine_factory: Any) -> None:
+    # A supervisor restarts the server faster than the heartbeat can notice: the health never
+    # drops, only the server's epoch changes. The new server binds the same ipc path while the
+    # old one still runs; the old one is killed (-9) right after a heartbeat, and the clients
+    # reconnect to the new one before the next.
+    path = os.path.join(tempfile.mkdtemp(prefix="mpcache-restart-"), "mpcache.sock")
+    old = start_server(*SERVER_FLAGS, "--ipc", path)
+    engine = engine_factory(old.url, request_timeout_s=1.0)
+    worker = engine.workers[0]
+    client = worker._links.clients[0]
+    health: list[bool] = []
+    client.on_health(health.append)
+    prompt = tokens(3 * CHUNK, 13)
+    engine.add("a", prompt)
+    engine.run_all()
+    hit = engine.add("b", prompt)
+    engine.run_all()
+    assert hit.external == 3 * CHUNK - 1
+    first_epoch = client.epoch
+    new = start_server(*SERVER_FLAGS, "--ipc", path)
+    beat = client.heartbeat_at
+    _wait(lambda: client.heartbeat_at != beat, 5)
+    old.kill()
+    _wait(lambda: client.epoch not in (None, first_epoch), 5)
+    assert health == [], "the heartbeat noticed the restart: this test needs it unnoticed"
+    engine.run_until(lambda: worker.machine.stats()["registered"] == 1 and worker.machine.stats()["server_restarts"] == 1)
+    assert stats(new.url)["instances"] == 1  # registered again, through the epoch
+    first = engine.add("c", prompt)
+    engine.run_all(timeout=20)
+    assert first.external == 0  # the new server is empty; this run stores into it
+    second = engine.add("d", prompt)
+    engine.run_all(timeout=20)
+    assert second.external == 3 * CHUNK - 1 and second.checked  # the stores went through
+    assert worker.machine.stats()["reregistrations"] == 0  # no NOT_REGISTERED was needed
+    assert health == []
+    assert_clean(engine, new.url)
 
 
 def test_server_dies_with_a_load_in_flight(start_server: Callable[..., Any], engine_factory: Any) -> None:
