@@ -44,19 +44,18 @@ from core_sm.messages import (
     ReplyReceived,
     RequestFailed,
     Retrieve,
-    RetrieveResult,
     ServerEpoch,
     ServerHealth,
     Store,
-    StoreResult,
     SubmitLookup,
     SubmitRetrieve,
     SubmitStore,
     TimerFired,
     TransferKind,
+    TransferPlan,
 )
 from core_sm.transfer_client import TransferClient, TransferClientConfig
-from runtime_zmq.bridge import key_to_wire, request_to_wire, result_from_wire
+from runtime_zmq.bridge import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
 from runtime_zmq.client import MPCacheClient, RemoteError
 
 log = logging.getLogger("mpcache.worker")
@@ -450,7 +449,7 @@ class _ServerLinks:
         self.urls = tuple(urls)
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._timeout = config.request_timeout_s
-        self._plan_segments: dict[int, tuple[str, int]] = {}
+        self._plan_segments: dict[int, PlanMemory] = {}
         self._plan_lock = threading.Lock()
         # Server-driven (GPU) engines: the registration's memory fields and the event source.
         self.gpu_registration: dict[str, Any] | None = None
@@ -496,23 +495,16 @@ class _ServerLinks:
 
     def send(self, effect: Any) -> None:
         request = effect.request
-        op: str
-        args: tuple[Any, ...]
         if isinstance(request, (Store, Retrieve)):
             # Server-driven (GPU): the wire carries the engine's interprocess event as well.
             if self.record_event is None:
                 raise RuntimeError("server-driven transfer without a registered GPU cache")
-            handle = self.record_event()
-            key = key_to_wire(request.key)
-            if isinstance(request, Store):
-                op, args = "store", (key, request.instance_id, list(request.block_ids), handle)
-            else:
-                op, args = "retrieve", (key, request.instance_id, list(request.block_ids), handle, request.skip_first_n_tokens)
+            op, args = request_to_wire(request, event_handle=self.record_event())
+        elif isinstance(request, RegisterInstance) and not request.engine_driven:
+            # The machine's (re-)registration names the engine; the runtime adds the memory.
+            op, args = request_to_wire(request, layout_extra=self.gpu_registration)
         else:
             op, args = request_to_wire(request)
-            if isinstance(request, RegisterInstance) and not request.engine_driven and self.gpu_registration:
-                # The machine's (re-)registration names the engine; the runtime adds the memory.
-                args = (args[0], {**args[1], **self.gpu_registration})
         future = self.clients[effect.server].submit(op, *args, timeout=self._timeout)
         future.add_done_callback(lambda done, effect=effect: self._completed(effect, done))
 
@@ -531,25 +523,24 @@ class _ServerLinks:
                 RequestFailed(effect.server, effect.correlation, ProtocolError(ErrorKind.UNHEALTHY, repr(exc)))
             )
             return
-        if isinstance(value, dict) and "transfer_id" in value and "segment" in value:
-            # The plan names the segment its slots live in; a restarted server has a new one.
-            with self._plan_lock:
-                self._plan_segments[int(value["transfer_id"])] = (str(value["segment"]), int(value["slot_bytes"]))
-                while len(self._plan_segments) > 4096:  # plans never copied (refused, abandoned)
-                    self._plan_segments.pop(next(iter(self._plan_segments)))
         try:
-            result = _server_driven_result(effect.request, value)
-            if result is None:
-                result = result_from_wire(effect.request, value)
+            result = result_from_wire(effect.request, value)
+            memory = plan_memory_from_wire(value) if isinstance(result, TransferPlan) and result.ok else None
         except Exception as exc:
             self._events.put(
                 RequestFailed(effect.server, effect.correlation, ProtocolError(ErrorKind.UNDECODABLE, repr(exc)))
             )
             return
+        if memory is not None:
+            # Recorded before the machine sees the plan: its copy maps the plan's segment.
+            with self._plan_lock:
+                self._plan_segments[result.transfer_id] = memory
+                while len(self._plan_segments) > 4096:  # plans never copied (refused, abandoned)
+                    self._plan_segments.pop(next(iter(self._plan_segments)))
         self._events.put(ReplyReceived(effect.server, effect.correlation, result))
 
-    def plan_segment(self, transfer_id: int) -> tuple[str, int] | None:
-        """``(segment path, slot bytes)`` of an engine-driven plan received (taken once)."""
+    def plan_segment(self, transfer_id: int) -> PlanMemory | None:
+        """The memory of an engine-driven plan received (taken once)."""
         with self._plan_lock:
             return self._plan_segments.pop(transfer_id, None)
 
@@ -1003,10 +994,10 @@ class WorkerAdapter(_MachineShell):
 
         ok = True
         try:
-            placement = self._links.plan_segment(effect.transfer_id)
-            if placement is None:
+            memory = self._links.plan_segment(effect.transfer_id)
+            if memory is None:
                 raise RuntimeError(f"no segment known for transfer {effect.transfer_id}")
-            path, slot_bytes = placement
+            path, slot_bytes = memory.segment, memory.slot_bytes
             if self._segment is None or self._segment_path != path or self._slot_bytes != slot_bytes:
                 self._map_segment(path, slot_bytes)
             bpc = self.chunk_size // self.block_size
@@ -1043,18 +1034,6 @@ class WorkerAdapter(_MachineShell):
                 except BufferError:
                     pass
                 self._segment = None
-
-
-def _server_driven_result(request: Any, value: Any) -> Any:
-    """A server-driven STORE / RETRIEVE reply (LMCache's ``[event_handle, ok]``) as the result
-    core_sm expects; None for any other request. The server answers only after its copy has
-    completed on the device, so the event handle adds nothing the worker must wait for."""
-    if not isinstance(request, (Store, Retrieve)):
-        return None
-    if not (isinstance(value, (list, tuple)) and len(value) == 2):
-        raise ValueError(f"unexpected reply {value!r} to a server-driven transfer")
-    ok = bool(value[1])
-    return StoreResult(ok=ok) if isinstance(request, Store) else RetrieveResult(ok=ok)
 
 
 def _gpu_physical_layout(layers: Sequence[Any], block_size: int) -> tuple[str, list[Any]]:

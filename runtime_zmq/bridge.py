@@ -2,14 +2,23 @@
 
 Server side: ``to_event(request, reply_to)`` builds the core_sm request for a decoded wire
 request, and ``result_to_wire(op, result, ...)`` turns a core_sm result into the msgpack value of
-the reply. Client side: ``request_to_wire(request)`` gives ``(op, args)`` for a core_sm request
-(what a ``SendRequest`` effect carries), and ``result_from_wire`` decodes a reply back into the
-result type core_sm expects.
+the reply. Client side, the mirror image: ``request_to_wire(request, ...)`` gives ``(op, args)``
+for a core_sm request (what a ``SendRequest`` effect carries), and ``result_from_wire`` decodes a
+reply back into the result type core_sm expects.
+
+What the wire carries and core_sm does not travels beside the core_sm values, in both
+directions: a server-driven STORE / RETRIEVE's interprocess event handle (``event_handle=`` on
+both sides), the memory behind an engine-driven plan's slots (``result_to_wire(...,
+segment=, slot_bytes=)`` / ``plan_memory_from_wire``), and a GPU engine's registration fields
+(``request_to_wire(..., layout_extra=)``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+import attrs
 
 from core_sm import messages as m
 from core_sm.messages import TransferKind, TransferPlan
@@ -145,8 +154,26 @@ def key_to_wire(key: m.CacheKey, num_kv_readers: int = 0) -> dict[str, Any]:
     }
 
 
-def request_to_wire(req: Any) -> tuple[str, tuple[Any, ...]]:
-    """``(op, payloads)`` for a core_sm server request (``SendRequest.request``)."""
+def request_to_wire(
+    req: Any, *, event_handle: bytes | None = None, layout_extra: Mapping[str, Any] | None = None
+) -> tuple[str, tuple[Any, ...]]:
+    """``(op, payloads)`` for a core_sm server request (``SendRequest.request``).
+
+    * ``Store`` / ``Retrieve`` (server-driven, GPU) need ``event_handle``: the interprocess CUDA
+      event the engine recorded before the request, which the server's copy waits on
+      (``("store", (key, instance_id, block_ids, event_handle))``, ``("retrieve", (key,
+      instance_id, block_ids, event_handle, skip_first_n_tokens))``); without it ``TypeError``.
+    * ``RegisterInstance``: ``layout_extra`` is merged into the layout map (a GPU engine's CUDA
+      IPC handles and geometry, which core_sm does not model).
+
+    Raises ``TypeError`` for a request with no client-side wire form."""
+    if isinstance(req, (m.Store, m.Retrieve)):
+        if event_handle is None:
+            raise TypeError(f"{type(req).__name__} (server-driven) needs the engine's event_handle")
+        key = key_to_wire(req.key)
+        if isinstance(req, m.Store):
+            return "store", (key, req.instance_id, list(req.block_ids), event_handle)
+        return "retrieve", (key, req.instance_id, list(req.block_ids), event_handle, req.skip_first_n_tokens)
     if isinstance(req, m.Lookup):
         return "lookup", (key_to_wire(req.key, req.num_readers), 1)
     if isinstance(req, m.QueryPrefetchStatus):
@@ -165,6 +192,8 @@ def request_to_wire(req: Any) -> tuple[str, tuple[Any, ...]]:
         return "get_chunk_size", ()
     if isinstance(req, m.RegisterInstance):
         layout = {"model_name": req.model_name, "world_size": req.world_size, "object_bytes": req.object_bytes, "engine_driven": req.engine_driven}
+        if layout_extra:
+            layout = {**layout_extra, **layout}  # the machine's fields win
         return "register_instance", (req.instance_id, layout)
     if isinstance(req, m.UnregisterInstance):
         return "unregister_instance", (req.instance_id,)
@@ -178,8 +207,36 @@ def request_to_wire(req: Any) -> tuple[str, tuple[Any, ...]]:
     raise TypeError(f"{type(req).__name__} has no wire form on this path")
 
 
+@attrs.frozen
+class PlanMemory:
+    """Where an engine-driven plan's slots live: placement ``(chunk, slot)`` is bytes
+    ``[slot * slot_bytes, slot * slot_bytes + object_bytes)`` of the file ``segment`` (a server
+    that restarted has a new one)."""
+
+    segment: str
+    slot_bytes: int
+
+
+def plan_memory_from_wire(value: Any) -> PlanMemory:
+    """The memory half of a ``prepare_store`` / ``prepare_retrieve`` reply (what
+    ``result_to_wire``'s ``segment`` and ``slot_bytes`` put there; ``result_from_wire`` gives the
+    ``TransferPlan``). Raises ``ValueError`` if the reply has none."""
+    if not isinstance(value, dict) or not isinstance(value.get("segment"), str) or type(value.get("slot_bytes")) is not int:
+        raise ValueError(f"not a plan with its memory: {value!r:.200}")
+    return PlanMemory(value["segment"], value["slot_bytes"])
+
+
 def result_from_wire(req: Any, value: Any) -> Any:
-    """Decode a reply value into the result type core_sm's client machines expect."""
+    """Decode a reply value into the result type core_sm's client machines expect.
+
+    Server-driven ``Store`` / ``Retrieve``: LMCache's ``[event_handle, ok]`` becomes
+    ``StoreResult(ok)`` / ``RetrieveResult(ok)`` (the server answers after its copy completed on
+    the device, so the handle adds nothing to wait for); any other shape raises ``ValueError``."""
+    if isinstance(req, (m.Store, m.Retrieve)):
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise ValueError(f"unexpected reply {value!r:.200} to a server-driven {type(req).__name__}")
+        ok = bool(value[1])
+        return m.StoreResult(ok=ok) if isinstance(req, m.Store) else m.RetrieveResult(ok=ok)
     if isinstance(req, (m.PrepareStore, m.PrepareRetrieve)) and isinstance(value, dict):
         kind = TransferKind(value.get("kind", "store"))
         return TransferPlan(

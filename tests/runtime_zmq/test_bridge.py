@@ -1,0 +1,100 @@
+"""bridge: the client-side forms are the mirror image of the server-side ones. Every core_sm
+request a client machine sends goes through the real codec (``request_to_wire`` -> frames ->
+``wire.decode_request`` -> ``to_event``) and comes back equal; every result the server encodes
+(``result_to_wire``) decodes back to the same core_sm value (``result_from_wire``), with what
+core_sm does not carry (event handles, a plan's memory) beside it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import msgpack  # type: ignore[import-untyped]
+import pytest
+
+from core_sm import messages as m
+from runtime_zmq import bridge, wire
+
+KEY = m.CacheKey("model", 2, 1, tuple(range(512)), 0, 512, "req-1", "salt")
+SCHED_KEY = m.CacheKey("model", 2, None, tuple(range(512)), 0, 512, "req-1")
+HANDLE = b"\x01" * 64
+
+REQUESTS: list[tuple[Any, dict[str, Any]]] = [
+    (m.Lookup(SCHED_KEY, 1), {}),
+    (m.QueryPrefetchStatus("req-1"), {}),
+    (m.WaitPrefetchStatus("req-1", 0.5), {}),
+    (m.FreeLookupLocks(SCHED_KEY), {}),
+    (m.EndSession("req-1"), {}),
+    (m.Clear(True), {}),
+    (m.Ping(), {}),
+    (m.GetChunkSize(), {}),
+    (m.RegisterInstance(7, "model", 2, 4096, True), {}),
+    (m.RegisterInstance(7, "model", 2, 4096, False), {"layout_extra": {"kv_layout": "nhd", "num_blocks": 8}}),
+    (m.UnregisterInstance(7), {}),
+    (m.PrepareStore(KEY, 7), {}),
+    (m.PrepareRetrieve(KEY, 7, 256), {}),
+    (m.CommitTransfer(3, True), {}),
+    (m.Store(KEY, 7, block_ids=tuple(range(32))), {"event_handle": HANDLE}),
+    (m.Retrieve(KEY, 7, block_ids=tuple(range(32)), skip_first_n_tokens=16), {"event_handle": HANDLE}),
+]
+
+
+def _through_the_codec(op: str, args: tuple[Any, ...]) -> wire.Request:
+    frames = [b"peer", msgpack.packb(1), msgpack.packb(op), *(msgpack.packb(a, use_bin_type=True) for a in args)]
+    decoded = wire.decode_request(frames, wire.Limits())
+    assert isinstance(decoded, wire.Request), decoded
+    return decoded
+
+
+@pytest.mark.parametrize("request_, extra", REQUESTS, ids=lambda v: type(v).__name__ if not isinstance(v, dict) else "")
+def test_every_client_request_survives_the_codec(request_: Any, extra: dict[str, Any]) -> None:
+    op, args = bridge.request_to_wire(request_, **extra)
+    decoded = _through_the_codec(op, args)
+    assert bridge.to_event(decoded, reply_to="rt") == attrs.evolve(request_, reply_to="rt")
+    if "event_handle" in extra:
+        assert decoded.args[3] == HANDLE  # the server's copy waits on it
+    if "layout_extra" in extra:
+        assert decoded.args[1]["kv_layout"] == "nhd" and decoded.args[1]["engine_driven"] is False
+
+
+def test_server_driven_requests_need_their_event_handle() -> None:
+    for request_ in (m.Store(KEY, 7, block_ids=(1, 2)), m.Retrieve(KEY, 7, block_ids=(1, 2))):
+        with pytest.raises(TypeError, match="event_handle"):
+            bridge.request_to_wire(request_)
+
+
+def test_the_machine_names_the_engine_even_if_layout_extra_disagrees() -> None:
+    _, args = bridge.request_to_wire(m.RegisterInstance(7, "model", 2, 4096, False), layout_extra={"model_name": "other", "tensors": []})
+    assert args[1]["model_name"] == "model" and args[1]["tensors"] == []
+
+
+def _reply_value(op: str, result: Any, **kw: Any) -> Any:
+    # what the client decodes: the server's msgpack value, through msgpack
+    return msgpack.unpackb(msgpack.packb(bridge.result_to_wire(op, result, **kw), use_bin_type=True), raw=False, strict_map_key=False)
+
+
+def test_results_come_back_as_core_sm_values() -> None:
+    plan = m.TransferPlan(5, ((0, 3), (1, 9)), True, m.TransferKind.RETRIEVE, 16)
+    value = _reply_value("prepare_retrieve", plan, segment="/dev/shm/mpcache-1-ab", slot_bytes=1 << 20)
+    assert bridge.result_from_wire(m.PrepareRetrieve(KEY, 7, 16), value) == plan
+    assert bridge.plan_memory_from_wire(value) == bridge.PlanMemory("/dev/shm/mpcache-1-ab", 1 << 20)
+    refused = m.TransferPlan(-1, (), False, m.TransferKind.RETRIEVE, 0)
+    assert bridge.result_from_wire(m.PrepareRetrieve(KEY, 7), _reply_value("prepare_retrieve", refused, segment="s", slot_bytes=4096)) == refused
+    stored = m.StoreResult(True, 2, 1)
+    assert bridge.result_from_wire(m.CommitTransfer(5, True), _reply_value("commit_store", stored)) == stored
+    retrieved = m.RetrieveResult(True, 2)
+    assert bridge.result_from_wire(m.CommitTransfer(5, True), _reply_value("commit_retrieve", retrieved)) == retrieved
+    # server-driven: LMCache's [event_handle, ok]
+    for ok in (True, False):
+        value = _reply_value("store", m.StoreResult(ok), event_handle=HANDLE)
+        assert value == [HANDLE, ok]
+        assert bridge.result_from_wire(m.Store(KEY, 7, block_ids=(1,)), value) == m.StoreResult(ok)
+        value = _reply_value("retrieve", m.RetrieveResult(ok), event_handle=HANDLE)
+        assert bridge.result_from_wire(m.Retrieve(KEY, 7, block_ids=(1,)), value) == m.RetrieveResult(ok)
+
+
+def test_malformed_replies_are_errors_not_results() -> None:
+    with pytest.raises(ValueError):
+        bridge.result_from_wire(m.Store(KEY, 7, block_ids=(1,)), True)
+    with pytest.raises(ValueError):
+        bridge.plan_memory_from_wire({"transfer_id": 1, "placements": []})
