@@ -1,8 +1,11 @@
 """A random walk over a client/server pair on a lossy, reordering network.
 
 Invariants: a lookup's answer never changes once given (until the request is cleaned up);
-`check` is None only for a lookup in flight; both machines stay consistent; at the end, with
-every request ended and time passed, no lease, job or correlation survives."""
+`check` is None only for a lookup in flight; both machines stay consistent; a worker reports an
+engine-finished request in `sending` once, never in the same report as `recving`; at the end,
+with every request ended and time passed, no lease, job or correlation survives, and every
+worker is registered with its server again, however often the servers restarted (told by a new
+epoch or not)."""
 from __future__ import annotations
 
 from hypothesis import settings
@@ -10,7 +13,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core_sm.lookup_client import LookupState
-from core_sm.messages import Cleanup, EndRequest, FreeUnusedLeases, SubmitLookup, SubmitRetrieve
+from core_sm.messages import (
+    Cleanup,
+    EndRequest,
+    EngineFinished,
+    FreeUnusedLeases,
+    ServerEpoch,
+    SubmitLookup,
+    SubmitRetrieve,
+    SubmitStore,
+)
 from sm_helpers import C, tokens
 from sm_pair import Pair
 
@@ -25,6 +37,32 @@ class PairMachine(RuleBasedStateMachine):
         self.p.store(BASE, end=2 * C)
         self.answers: dict[str, int] = {}
         self.submitted: set[str] = set()
+        self.epochs = [0] * servers
+        for s in range(servers):
+            self.tell_epoch(s)
+        self.sent: list[set[str]] = [set() for _ in range(servers)]
+
+    def tell_epoch(self, s: int) -> None:
+        self.p.client("lookup", ServerEpoch(s, self.epochs[s]))
+        self.p.client(f"w{s}", ServerEpoch(s, self.epochs[s]))
+
+    @rule(s=st.integers(0, 1), tell=st.booleans())
+    def restart(self, s: int, tell: bool) -> None:
+        s %= len(self.p.servers)
+        self.p.restart_server(s)
+        self.epochs[s] += 1
+        if tell:  # the heartbeat saw the new epoch; else only a NOT_REGISTERED can show it
+            self.tell_epoch(s)
+
+    @rule(rid=st.sampled_from(RIDS))
+    def store(self, rid: str) -> None:
+        for s in range(len(self.p.workers)):
+            self.p.client(f"w{s}", SubmitStore(rid, BASE, 0, 2 * C, (0, 1, 2, 3)))
+
+    @rule(rid=st.sampled_from(RIDS))
+    def engine_finished(self, rid: str) -> None:
+        for s in range(len(self.p.workers)):
+            self.p.client(f"w{s}", EngineFinished((rid,)))
 
     @rule(rid=st.sampled_from(RIDS), n=st.integers(0, 3))
     def submit(self, rid: str, n: int) -> None:
@@ -95,8 +133,12 @@ class PairMachine(RuleBasedStateMachine):
         self.p.lookup.check_invariants()
         for srv in self.p.servers:
             srv.check_invariants()
-        for w in self.p.workers:
+        for s, w in enumerate(self.p.workers):
             w.check_invariants()
+            sending, recving = w.finished()
+            assert not (sending & recving), "one request reported both ways"
+            assert not (sending & self.sent[s]), f"{sending & self.sent[s]} reported sending twice"
+            self.sent[s] |= sending
 
     def teardown(self) -> None:
         p = self.p
@@ -108,9 +150,18 @@ class PairMachine(RuleBasedStateMachine):
             p.client("lookup", Cleanup(rid))
             p.client("lookup", EndRequest(rid))
         p.run()
+        for s in range(len(p.servers)):
+            self.tell_epoch(s)  # the next heartbeat after a silent restart
+        p.run()
         p.tick(400.0)
         p.run()
+        for _ in range(3):  # a registration abandoned by the long tick goes again after its backoff
+            p.tick(5.0)
+            p.run()
+        for w in p.workers:
+            assert w.registered() and w.next_deadline() is None
         for srv in p.servers:
+            assert srv.stats()["instances"] == 1
             s = srv.stats()
             assert s["leases_held"] == 0 and s["jobs"] == 0 and s["waiters"] == 0
             assert s["transfers"] == 0 and s["internal_errors"] == 0
