@@ -61,8 +61,9 @@ def to_event(req: Request, reply_to: Any) -> Any:
     op, a = req.op, req.args
     if op == "lookup":
         key: WireKey = a[0]
-        # LMCache's key carries num_kv_readers (0 = not given: one reader per object).
-        return m.Lookup(to_cache_key(key), num_readers=max(1, key.num_kv_readers), reply_to=reply_to)
+        tp_size = a[1] if len(a) > 1 else None
+        readers = m.lookup_num_readers(key.num_kv_readers, tp_size, key.world_size)
+        return m.Lookup(to_cache_key(key), num_readers=readers, reply_to=reply_to)
     if op == "query_prefetch_status":
         return m.QueryPrefetchStatus(a[0], reply_to=reply_to)
     if op == "wait_prefetch_status":
