@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -709,8 +710,9 @@ class WorkerAdapter(_MachineShell):
         self.rank = rank
         self.block_size = block_size
         self.request_timeout_s = request_timeout_s
-        # One id per worker process (the pid) and rank: unique among the engines of a host.
-        self.instance_id = (os.getpid() << 8 | rank) & 0x7FFF_FFFF_FFFF_FFFF
+        # Random, not derived from the pid: engines in different containers sharing one server
+        # can have the same pid, and a registration replaces the one with the same id (F13).
+        self.instance_id = secrets.randbits(63)
         self._transfer: Any = None
         self._geometry: Any = None
         self._layers: list[Any] = []

@@ -335,6 +335,24 @@ def test_two_servers_sharing_redis_both_hit(start: Any, engine_factory: Any, red
     assert_clean(engine, a.url, b.url)
 
 
+def test_two_engines_of_one_process_share_a_server(start: Any, engine_factory: Any) -> None:
+    # Same pid, same rank: still two instances (an id derived from the pid made the second
+    # registration replace the first).
+    server = start()
+    first = engine_factory(server.url)
+    second = engine_factory(server.url)
+    assert first.workers[0].instance_id != second.workers[0].instance_id
+    assert stats(server.url)["instances"] == 2
+    prompt = tokens(3 * CHUNK, 14)
+    first.add("a", prompt)
+    first.run_all()
+    hit = second.add("b", prompt)
+    second.run_all()
+    assert hit.external == 3 * CHUNK - 1 and hit.checked
+    assert_clean(first, server.url)
+    assert_clean(second, server.url)
+
+
 def test_kv_roles_producer_stores_only_consumer_loads_only(start: Any, engine_factory: Any) -> None:
     server = start()
     prompt = tokens(2 * CHUNK + 1, 15)
