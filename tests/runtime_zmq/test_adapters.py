@@ -273,6 +273,8 @@ def test_server_restarted_between_two_heartbeats_is_registered_again(start_serve
     assert health == [], "the heartbeat noticed the restart: this test needs it unnoticed"
     engine.run_until(lambda: worker.machine.stats()["registered"] == 1 and worker.machine.stats()["server_restarts"] == 1)
     assert stats(new.url)["instances"] == 1  # registered again, through the epoch
+    # the scheduler's lookup client learned it too (its lookups on the old server resolve now)
+    _wait(lambda: engine.lookups.poll() is None and engine.lookups._machine.stats()["server_restarts"] == 1, 5)
     first = engine.add("c", prompt)
     engine.run_all(timeout=20)
     assert first.external == 0  # the new server is empty; this run stores into it
