@@ -8,12 +8,14 @@ What it measures, on tcp loopback and on ipc:
   `--warmup` calls:
   - `echo` / `noop`: the raw echo server vs mpcache's `noop`;
   - `pair`: `lookup` (8k tokens, 32 chunks, all in L1) then `query_prefetch_status`, timed
-    together. The raw baseline sends the very same frames to the echo server;
+    together, with the token ids as LMCache's client sends them (a list of ints); `pair_packed`:
+    the same with the token ids as one bin of little-endian uint32, as mpcache's own client
+    sends them. The raw baselines send the very same frames to the echo server;
   - `status`: `query_prefetch_status` alone (of a finished lookup);
   each pair is followed by an untimed `end_session`, as the vLLM connector does, so nothing piles
   up in the server;
 * throughput: `--clients` client processes, each with `--window` requests in flight, for
-  `--duration` seconds: `noop`/echo, `status`, `lookup`;
+  `--duration` seconds: `noop`/echo, `status`, `lookup` (list) and `lookup_packed`;
 * start to first reply: from spawning the server process to the first `noop` answered.
 
 The servers of one transport run side by side and their latency rows are measured in
@@ -25,6 +27,7 @@ what a server whose handler returns `None` would send.
 from __future__ import annotations
 
 import argparse
+import array
 import datetime
 import multiprocessing as mp
 import os
@@ -77,12 +80,15 @@ def _tokens(seed: int = 1234) -> list[int]:
     return [rng.randrange(1, 128_000) for _ in range(TOKENS)]
 
 
-def lookup_key(tokens: Sequence[int], request_id: str, worker_id: int | None = None) -> dict[str, Any]:
+def lookup_key(tokens: Sequence[int], request_id: str, worker_id: int | None = None,
+               packed: bool = False) -> dict[str, Any]:
+    """LMCache's key map. `packed`: token ids as one msgpack bin of little-endian uint32, the form
+    mpcache's own client sends (LMCache's client sends a list of ints)."""
     return {
         "model_name": MODEL,
         "world_size": 1,
         "worker_id": worker_id,
-        "token_ids": list(tokens),
+        "token_ids": array.array("I", tokens).tobytes() if packed else list(tokens),
         "start": 0,
         "end": len(tokens),
         "request_id": request_id,
@@ -102,6 +108,7 @@ class Frames:
     end_op: bytes = field(default_factory=lambda: msgpack.packb("end_session"))
     tp_size: bytes = field(default_factory=lambda: msgpack.packb(1))
     lookup_keys: list[bytes] = field(default_factory=list)
+    lookup_keys_packed: list[bytes] = field(default_factory=list)
     request_ids: list[bytes] = field(default_factory=list)
 
     @classmethod
@@ -111,6 +118,7 @@ class Frames:
         for i in range(REQUEST_IDS):
             rid = f"{tag}-{i}"
             f.lookup_keys.append(msgpack.packb(lookup_key(toks, rid)))
+            f.lookup_keys_packed.append(msgpack.packb(lookup_key(toks, rid, packed=True)))
             f.request_ids.append(msgpack.packb(rid))
         return f
 
@@ -387,7 +395,7 @@ class LatencyProbe:
                 self._rt([self.frames.end_op, self.frames.request_ids[i]])
 
     def run(self, what: str, start: int, n: int, record: bool) -> None:
-        """`n` calls of `what` (noop | pair | status); each pair is followed by an untimed
+        """`n` calls of `what` (noop | pair | pair_packed | status); each pair is followed by an untimed
         end_session, as the vLLM connector does, so nothing piles up in the server."""
         f = self.frames
         rt = self._rt
@@ -399,9 +407,10 @@ class LatencyProbe:
                 t0 = clock()
                 rt([f.noop])
                 t1 = clock()
-            elif what == "pair":
+            elif what == "pair" or what == "pair_packed":
+                keys = f.lookup_keys if what == "pair" else f.lookup_keys_packed
                 t0 = clock()
-                rt([f.lookup_op, f.lookup_keys[i], f.tp_size])
+                rt([f.lookup_op, keys[i], f.tp_size])
                 rt([f.status_op, f.request_ids[i]])
                 t1 = clock()
                 rt([f.end_op, f.request_ids[i]])
@@ -460,7 +469,7 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
         # a lookup's full work every time and its tables stay bounded. The key frame is encoded
         # once with a fixed-width placeholder id that is patched per request.
         placeholder = "#" * len(f"{tag}-{0:010d}")
-        key_frame = msgpack.packb(lookup_key(_tokens(), placeholder))
+        key_frame = msgpack.packb(lookup_key(_tokens(), placeholder, packed=what == "lookup_packed"))
         marker = msgpack.packb(placeholder)
         at = key_frame.find(marker)
         head, tail = key_frame[:at], key_frame[at + len(marker):]
@@ -474,7 +483,8 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
             rid = msgpack.packb(f"{tag}-{n:010d}")
             return [msgpack.packb(n), frames.lookup_op, head + rid + tail, frames.tp_size]
 
-        expected_op = {"noop": frames.noop, "status": frames.status_op, "lookup": frames.lookup_op}[what]
+        expected_op = {"noop": frames.noop, "status": frames.status_op, "lookup": frames.lookup_op,
+                       "lookup_packed": frames.lookup_op}[what]
         warm_until = start_at
         while time.time() < start_at - 1.0:
             time.sleep(0.01)
@@ -492,7 +502,7 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
             inflight -= 1
             if reply[1] != expected_op:
                 errors += 1
-            elif what == "lookup":
+            elif what in ("lookup", "lookup_packed"):
                 n = msgpack.unpackb(reply[0])
                 sock.send_multipart([msgpack.packb(END_UID_BASE + n), frames.end_op,
                                      msgpack.packb(f"{tag}-{n:010d}")])
@@ -566,14 +576,17 @@ def _row_label(kind: str, what: str) -> str:
         return "echo" if kind == "raw" else "noop"
     if what == "status":
         return "status"
-    return {"raw": "echo pair (lookup frames)", "mpcache": "lookup+status (L1 32/32)",
-            "lmcache": "lookup+status (no KV: 0)"}[kind]
+    if what == "pair_packed":
+        return {"raw": "echo pair (packed frames)", "mpcache": "lookup+status packed (L1 32/32)"}[kind]
+    return {"raw": "echo pair (list frames)", "mpcache": "lookup+status list (L1 32/32)",
+            "lmcache": "lookup+status list (no KV: 0)"}[kind]
 
 
 @dataclass
 class Row:
     transport: str
     server: str
+    what: str  # noop | pair | pair_packed | status
     op: str
     p50: float
     p99: float
@@ -582,7 +595,7 @@ class Row:
 
 def _fmt_row(r: Row, raw: Row | None) -> str:
     ratio = f"{r.p50 / raw.p50:5.2f}x {r.p99 / raw.p99:5.2f}x" if raw else f"{'':>6} {'':>6}"
-    return (f"| {r.transport:<4} | {r.server:<8} | {r.op:<28} | {r.p50:8.1f} | {r.p99:8.1f} | "
+    return (f"| {r.transport:<4} | {r.server:<8} | {r.op:<31} | {r.p50:8.1f} | {r.p99:8.1f} | "
             f"{r.p999:9.1f} | {ratio} |")
 
 
@@ -623,23 +636,28 @@ def run(args: argparse.Namespace) -> int:
                     starts.append((kind, transport, server.start_s))
                     expect = {"raw": None, "mpcache": TOKENS // CHUNK, "lmcache": 0}[kind]
                     probes.append(LatencyProbe(server.url, f"{kind}-{transport}", expect))
-                for what in ("noop", "pair", "status"):
-                    # the echo server's answer to a status frame is the noop row, in effect
-                    sel = [i for i, k in enumerate(kinds) if not (k == "raw" and what == "status")]
+                for what in ("noop", "pair", "pair_packed", "status"):
+                    # the echo server's answer to a status frame is the noop row, in effect;
+                    # LMCache's keys carry token ids as a list only
+                    sel = [i for i, k in enumerate(kinds)
+                           if not (k == "raw" and what == "status")
+                           and not (k == "lmcache" and what == "pair_packed")]
                     try:
                         results = interleaved([probes[i] for i in sel], what, args.calls, args.warmup)
                     except BenchError as e:
                         raise BenchError(f"{transport} {what}: {e}") from None
                     for i, p in zip(sel, results):
-                        rows.append(Row(transport, kinds[i], _row_label(kinds[i], what), *p))
+                        rows.append(Row(transport, kinds[i], what, _row_label(kinds[i], what), *p))
                         print(_fmt_row(rows[-1], None), flush=True)
                 for p in probes:
                     p.close()
                 probes = []
                 if not args.no_throughput:
                     for kind, server in zip(kinds, servers):
-                        for what in ("noop", "status", "lookup"):
+                        for what in ("noop", "status", "lookup", "lookup_packed"):
                             if kind == "raw" and what != "noop":
+                                continue
+                            if kind == "lmcache" and what == "lookup_packed":
                                 continue
                             rate = measure_throughput(server.url, what, args.clients, args.window,
                                                       args.duration, f"{kind}-{transport}-t{what}")
@@ -663,14 +681,12 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("| transport | server | op | p50 µs | p99 µs | p99.9 µs | vs raw p50, p99 |")
     print("|---|---|---|---:|---:|---:|---|")
-    raw_for = {}
+    raw_for = {(r.transport, r.what): r for r in rows if r.server == "raw"}
     for r in rows:
-        if r.server == "raw":
-            raw_for[(r.transport, "noop" if r.op == "echo" else "pair")] = r
-    for r in rows:
-        key = "pair" if "pair" in r.op or "lookup" in r.op else "noop"
-        raw = raw_for.get((r.transport, key)) if r.server != "raw" else None
-        print(_fmt_row(r, raw).replace("| ", "| ", 1))
+        # status rows compare with the echo of one small request, like noop
+        raw_what = "noop" if r.what == "status" else r.what
+        raw = raw_for.get((r.transport, raw_what)) if r.server != "raw" else None
+        print(_fmt_row(r, raw))
     if tput:
         print()
         print(f"| transport | server | op | req/s ({args.clients} clients) |")
@@ -703,15 +719,16 @@ def _targets(rows: list[Row], tput: list[tuple[str, str, str, float]],
     for r in rows:
         if r.server != "mpcache":
             continue
-        if r.op.startswith("lookup+status"):
-            raw = raw_for.get((r.transport, "pair"))
+        if r.what in ("pair", "pair_packed"):
+            raw = raw_for.get((r.transport, r.what))
+            form = "list" if r.what == "pair" else "packed"
             if raw:
                 x50, x99 = r.p50 / raw.p50, r.p99 / raw.p99
-                out.append(f"| {r.transport} pair p50 ≤ {TARGETS['pair_p50_vs_raw']}x raw pair | "
+                out.append(f"| {r.transport} pair ({form}) p50 ≤ {TARGETS['pair_p50_vs_raw']}x raw pair | "
                            f"{x50:.2f}x | {verdict(x50 <= TARGETS['pair_p50_vs_raw'])} |")
-                out.append(f"| {r.transport} pair p99 ≤ {TARGETS['pair_p99_vs_raw']}x raw pair | "
+                out.append(f"| {r.transport} pair ({form}) p99 ≤ {TARGETS['pair_p99_vs_raw']}x raw pair | "
                            f"{x99:.2f}x | {verdict(x99 <= TARGETS['pair_p99_vs_raw'])} |")
-        if r.op == "noop":
+        if r.what == "noop":
             raw = raw_for.get((r.transport, "noop"))
             if raw:
                 x = r.p50 / raw.p50
@@ -723,8 +740,9 @@ def _targets(rows: list[Row], tput: list[tuple[str, str, str, float]],
         if what == "status":
             out.append(f"| {transport} status ≥ {TARGETS['status_tput']:,.0f}/s | {rate:,.0f}/s | "
                        f"{verdict(rate >= TARGETS['status_tput'])} |")
-        if what == "lookup":
-            out.append(f"| {transport} lookup ≥ {TARGETS['lookup_tput']:,.0f}/s | {rate:,.0f}/s | "
+        if what in ("lookup", "lookup_packed"):
+            form = "list" if what == "lookup" else "packed"
+            out.append(f"| {transport} lookup ({form}) ≥ {TARGETS['lookup_tput']:,.0f}/s | {rate:,.0f}/s | "
                        f"{verdict(rate >= TARGETS['lookup_tput'])} |")
     for kind, transport, s in starts:
         if kind == "mpcache":
