@@ -13,10 +13,10 @@ Contract
 * The caller sends on its own thread under a lock. A thread that blocks in ``result()`` (or
   ``call()``) reads the socket itself while no other thread does, so a blocking call costs no
   thread hop; otherwise one background thread receives replies. That thread also expires
-  timeouts and sends heartbeats (``ping``), and never holds the socket while a caller reads it.
+  timeouts and sends heartbeats (``health``), and never holds the socket while a caller reads it.
 * Done-callbacks run on whichever thread received the reply, outside the client's locks.
 * Health: ``healthy`` is False until the first heartbeat reply, False after ``heartbeat_timeout``
-  without any reply while requests or pings are outstanding, and True again on the next reply.
+  without any reply while requests or heartbeats are outstanding, and True again on the next reply.
   ``on_health(healthy)`` callbacks run on the client thread; use them to feed core_sm's
   ``ServerHealth`` event. ZMQ reconnects by itself (reconnect interval capped at 1 s, connect
   timeout 5 s), so a restarted server is found within about a second.
