@@ -22,11 +22,15 @@ class Timeline:
         self._seq = 0
         self.executed = 0
         self.stop_at = math.inf
-        self._after_action: Callable[[], None] | None = None
+        self._sleep: trio.CancelScope | None = None
 
     def at(self, when: float, action: Callable[..., Any], *args: Any) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, action, args))
+        scope = self._sleep
+        if scope is not None and when < scope.deadline:
+            # The runner is asleep until a later instant: wake it in time for this entry.
+            scope.deadline = when
 
     def after(self, delay: float, action: Callable[..., Any], *args: Any) -> None:
         self.at(trio.current_time() + delay, action, *args)
@@ -38,15 +42,25 @@ class Timeline:
         return self._heap[0][0] if self._heap else math.inf
 
     async def run(self, until: float) -> None:
-        """Run entries up to virtual time `until` (inclusive), then return at `until`."""
+        """Run entries up to virtual time `until` (inclusive), then return at `until`.
+
+        The head is only peeked before sleeping: while the runner sleeps, the nodes woken by the
+        previous entry run and may schedule something earlier, which moves the wake-up (`at`)."""
         heap = self._heap
-        while heap and heap[0][0] <= until:
-            when, _, action, args = heapq.heappop(heap)
-            if when > trio.current_time():
-                await trio.sleep_until(when)
-            else:
-                # Let the nodes woken by the previous entry run first.
-                await trio.lowlevel.cancel_shielded_checkpoint()
+        while True:
+            target = heap[0][0] if heap and heap[0][0] <= until else until
+            if target > trio.current_time():
+                with trio.CancelScope(deadline=target) as scope:
+                    self._sleep = scope
+                    try:
+                        await trio.sleep_forever()
+                    finally:
+                        self._sleep = None
+                continue
+            if not heap or heap[0][0] > until:
+                return
+            _, _, action, args = heapq.heappop(heap)
             self.executed += 1
             action(*args)
-        await trio.sleep_until(until)
+            # Let the nodes woken by this entry run before the next one at the same instant.
+            await trio.lowlevel.cancel_shielded_checkpoint()

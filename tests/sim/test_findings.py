@@ -16,18 +16,13 @@ from sim.runner import run_scenario
 FINDINGS = Path(__file__).parent / "findings"
 
 WHY = {
-    "late-store-after-abandon": (
-        "TransferClient fails a server-driven STORE when the server turns unhealthy and reports the "
-        "request in `sending`, so vLLM frees its blocks; the delayed STORE still reaches the server "
-        "later, which copies the reused blocks into L1 (and L2) under the old keys"),
-    "duplicate-store-early-reply": (
-        "a duplicated STORE finds every chunk being written by the original one and is answered at "
-        "once; the client takes that reply as completion and frees the blocks while the original "
-        "copy still reads them"),
-    "late-l2-read-into-reused-slot": (
-        "an L2 read outlives its slot reservation (write-lease expiry; a forced CLEAR does the same "
-        "to in-flight L2 writes and copies): the server gives the slot to another object and the "
-        "late read lands in it"),
+    "late-store-after-error": (
+        "a STORE is answered with an error (instance not registered yet), the client settles the op "
+        "and vLLM frees the blocks; a duplicate of the same STORE arrives after registration and "
+        "the server copies from the freed blocks (no idempotency key / fence on transfers)"),
+    "late-retrieve-after-abandon": (
+        "a RETRIEVE is delivered (again) after the client settled it and the request finished; the "
+        "server starts a copy that writes into blocks vLLM has already freed"),
 }
 
 
