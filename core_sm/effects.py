@@ -43,8 +43,11 @@ class StartTransfer:
     not writing the first ``skip_first_n_tokens`` tokens of ``[start, end)``. ``block_ids`` are
     the request's, covering ``[start, end)``; chunk ``c`` starts at token ``c * chunk_size``.
     The runtime reports ``TransferFinished(transfer_id, ok)`` once the copy has really completed
-    (device event observed), never before. ``reply_to`` identifies the original request (the
-    runtime keeps its event handle under it)."""
+    (device event observed), never before -- also for a transfer the server already failed at
+    its lease TTL: the slots stay quarantined until then. ``reply_to`` identifies the original
+    request (the runtime keeps its event handle under it). ``not_after``: the STORE's deadline
+    (None: none); a runtime whose copy queue is backed up may fail a STORE copy not yet begun by
+    then (``TransferFinished(ok=False)``) -- the worker frees blocks given up on after it."""
 
     transfer_id: int
     kind: TransferKind
@@ -56,6 +59,7 @@ class StartTransfer:
     placements: tuple[Placement, ...] = attrs.field(converter=_tuple)
     block_ids: tuple[int, ...] = attrs.field(converter=_tuple)
     skip_first_n_tokens: int = 0
+    not_after: float | None = None
 
 
 @attrs.frozen
@@ -71,7 +75,8 @@ class ProbeL2:
 @attrs.frozen
 class ReadL2:
     """Load each ``(key, slot)`` from L2 into its slot; answer
-    ``L2ReadFinished(read_id, loaded)`` with one bool per item, in order."""
+    ``L2ReadFinished(read_id, loaded)`` with one bool per item, in order -- always, even after
+    the server gave up on the read at its lease TTL: the slots stay quarantined until then."""
 
     read_id: int
     items: tuple[tuple[ObjectKey, int], ...] = attrs.field(converter=_tuple)
@@ -80,7 +85,8 @@ class ReadL2:
 @attrs.frozen
 class WriteL2:
     """Write each ``(key, slot)`` to L2 (write-behind). The slots stay leased until
-    ``L2WriteFinished(write_id, ok)``."""
+    ``L2WriteFinished(write_id, ok)`` (or the lease TTL), and are never given to another object
+    before it arrives."""
 
     write_id: int
     items: tuple[tuple[ObjectKey, int], ...] = attrs.field(converter=_tuple)

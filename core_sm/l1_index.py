@@ -135,6 +135,10 @@ class L1Index:
         self._leases_held = 0
         self._evictions = 0
         self._write_expirations = 0
+        # Slots an in-flight effect (L2 read/write, copy, plan) still uses: never handed out
+        # until it ends. A pinned slot whose object is dropped waits in _quarantined.
+        self._pinned: dict[int, int] = {}
+        self._quarantined: set[int] = set()
 
     # ----------------------------------------------------------------------------- queries
 
@@ -208,6 +212,8 @@ class L1Index:
             "evictions": self._evictions,
             "write_expirations": self._write_expirations,
             "writing": sum(1 for o in self._objects.values() if o.writer is not None),
+            "quarantined_slots": len(self._quarantined),
+            "pinned_slots": len(self._pinned),
         }
         for reason, n in self._leases_released.items():
             out[f"leases_released_{reason.value}"] = n
@@ -224,8 +230,9 @@ class L1Index:
         self.expire(now)
         if key in self._objects or nbytes > self.slot_bytes or nbytes < 0:
             return None
-        if not self._free_slots and not self._evict_one():
-            return None
+        while not self._free_slots:  # an evicted object's slot may go to quarantine instead
+            if not self._evict_one():
+                return None
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
         self._objects[key] = _Object(key, slot, nbytes, owner, expiry)
@@ -407,6 +414,22 @@ class L1Index:
     def evict_to_watermark(self) -> int:
         return self._evict_to_watermark()
 
+    def pin_slot(self, slot: int) -> None:
+        """An effect that reads or writes ``slot`` is in flight: if its object is dropped
+        meanwhile, the slot is quarantined, not freed, until every pin is removed."""
+        self._pinned[slot] = self._pinned.get(slot, 0) + 1
+
+    def unpin_slot(self, slot: int) -> None:
+        """One in-flight effect on ``slot`` ended; a quarantined slot with no pin left is free."""
+        n = self._pinned.get(slot, 0) - 1
+        if n > 0:
+            self._pinned[slot] = n
+            return
+        self._pinned.pop(slot, None)
+        if slot in self._quarantined:
+            self._quarantined.discard(slot)
+            heapq.heappush(self._free_slots, slot)
+
     # ----------------------------------------------------------------------------- invariants
 
     def check_invariants(self) -> None:
@@ -415,7 +438,10 @@ class L1Index:
         slots = {o.slot for o in self._objects.values()}
         assert len(slots) == len(self._objects), "two objects share a slot"
         assert not slots & set(self._free_slots), "a used slot is on the free list"
-        assert len(slots) + len(self._free_slots) == self.num_slots, "slots lost"
+        assert not slots & self._quarantined, "a used slot is quarantined"
+        assert not self._quarantined & set(self._free_slots), "a quarantined slot is free"
+        assert self._quarantined <= set(self._pinned), "a quarantined slot with no pin"
+        assert len(slots) + len(self._free_slots) + len(self._quarantined) == self.num_slots, "slots lost"
         held = 0
         pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
         for obj in self._objects.values():
@@ -492,7 +518,10 @@ class L1Index:
         del self._objects[obj.key]
         self._evictable.pop(obj.key, None)
         self._bytes -= obj.nbytes
-        heapq.heappush(self._free_slots, obj.slot)
+        if obj.slot in self._pinned:
+            self._quarantined.add(obj.slot)
+        else:
+            heapq.heappush(self._free_slots, obj.slot)
 
     def _evict_one(self) -> bool:
         if not self._evictable:

@@ -215,13 +215,21 @@ class Store:
     """Server-driven STORE of ``[start, end)`` (chunk-aligned) for rank ``key.worker_id``.
 
     Chunks already in L1 (or being written) are skipped; the rest are write-reserved and a
-    ``StartTransfer`` is emitted. Reply after ``TransferFinished``: ``StoreResult``. ``block_ids``
-    is passed through to ``StartTransfer`` untouched (the runtime's copy needs it)."""
+    ``StartTransfer`` is emitted. Reply after ``TransferFinished``: ``StoreResult``; a store
+    whose chunks another in-flight store is writing is answered only once that write ends.
+    ``block_ids`` is passed through to ``StartTransfer`` untouched (the runtime's copy needs it).
+
+    ``not_after`` (keyword-only, default None = no deadline, as LMCache's clients send it): an
+    absolute time on the clock the server's ``now`` comes from (one host's monotonic clock in
+    production, virtual time in the simulator); a STORE handled after it is refused with a
+    ``TIMEOUT`` error, before any slot is reserved or copy started. The worker sets it so that
+    once it has passed (plus a copy grace) a STORE it gave up on can no longer read its blocks."""
 
     key: CacheKey
     instance_id: int
     block_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    not_after: float | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -230,24 +238,27 @@ class Retrieve:
     object is not readable the reply is ``RetrieveResult(ok=False)`` at once and nothing is
     copied. Otherwise ``StartTransfer``; after ``TransferFinished`` the request's read lease (one
     count per object) is released and ``RetrieveResult`` is sent. The first
-    ``skip_first_n_tokens`` tokens of the range must not be written to the engine."""
+    ``skip_first_n_tokens`` tokens of the range must not be written to the engine.
+    ``not_after``: as for ``Store`` (handled after it: ``TIMEOUT`` error, no copy, no lease)."""
 
     key: CacheKey
     instance_id: int
     block_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     skip_first_n_tokens: int = attrs.field(default=0, validator=_non_negative)
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    not_after: float | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
 class PrepareStore:
     """Engine-driven STORE, step 1. Reply at once: ``TransferPlan`` (slots to copy into); the
     engine copies, then sends ``CommitTransfer``. An uncommitted plan expires after the lease
-    TTL (its write reservations are dropped)."""
+    TTL (its write reservations are dropped). ``not_after``: as for ``Store`` (refused after it)."""
 
     key: CacheKey
     instance_id: int
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    not_after: float | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen

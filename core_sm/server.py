@@ -217,6 +217,21 @@ class Transfer:
     placements: tuple[Placement, ...]
     skipped: int
     deadline: float | None
+    wait_id: int | None = None  # its reply waits for other stores' writes (StoreWait)
+
+
+@attrs.define
+class StoreWait:
+    """The reply of a STORE some of whose chunks other in-flight server-driven stores are
+    writing: sent once every transfer in ``awaiting`` (its own included) has ended, so a
+    ``StoreResult`` never reaches the worker while a copy may still read its blocks."""
+
+    wait_id: int
+    reply_to: ReplyTo
+    awaiting: set[int]  # transfer ids
+    ok: bool = True
+    stored: int = 0
+    skipped: int = 0
 
 
 @attrs.define
@@ -262,6 +277,20 @@ class LookupServer:
         self._reads: dict[int, L2Read] = {}
         self._probes: dict[int, L2Probe] = {}
         self._writes: dict[int, tuple[ObjectKey, ...]] = {}
+        self._store_waits: dict[int, StoreWait] = {}
+        self._waits_on: dict[int, list[int]] = {}  # transfer id -> store waits awaiting it
+        # Slots pinned in the index by an in-flight effect, per effect: ("l2read", id),
+        # ("l2write", id), ("transfer", id). Unpinned by the effect's completion event only
+        # (an expired engine-driven plan: one more lease_ttl), whatever the TTLs did meanwhile.
+        self._pins: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._quarantined_plans: set[int] = set()
+        # Server-driven STORE/RETRIEVE ops that carry a not_after, by what identifies the op (a
+        # network duplicate has the same): answered -> the answer, kept until the not_after
+        # (later, _refuse_late covers it); unanswered -> the first copy's reply_to and the
+        # duplicates' reply_tos, all answered alike.
+        self._ops_done: OrderedDict[Hashable, tuple[bool, object, float]] = OrderedDict()
+        self._ops_running: dict[Hashable, tuple[ReplyTo, list[ReplyTo]]] = {}
+        self._op_of_reply: dict[ReplyTo, Hashable] = {}
         self._timers: list[tuple[float, int, str, Hashable]] = []
         self._due_reaps: list[str] = []
         self._roots: dict[tuple[str, int, str], bytes] = {}
@@ -274,7 +303,8 @@ class LookupServer:
                 "l2_reads", "l2_probes", "l2_writes", "stale_events", "transfers_started", "transfers_failed",
                 "retrieve_misses", "expired_plans", "expired_transfers", "l2_reads_expired", "l2_probes_expired",
                 "l2_writes_expired", "waiter_timeouts", "internal_errors",
-                "tombstones_dropped",
+                "tombstones_dropped", "late_transfers_refused", "stores_awaiting_writers",
+                "plan_quarantines_ended", "duplicate_transfers",
             )
         }
 
@@ -291,10 +321,12 @@ class LookupServer:
                 reply_to = getattr(event, "reply_to", None)
                 if reply_to is not None:
                     out.append(self._error(reply_to, ErrorKind.UNKNOWN_OP, type(event).__name__))
-                return out
-            if hasattr(event, "reply_to"):
-                self._counters["requests"] += 1
-            handler(self, event, now, out)
+            else:
+                if hasattr(event, "reply_to"):
+                    self._counters["requests"] += 1
+                handler(self, event, now, out)
+            if self._op_of_reply:  # a deferred STORE/RETRIEVE answered: its duplicates too
+                self._answer_duplicates(out)
         except Exception as exc:  # a bug: answer the request so no client waits forever
             self._counters["internal_errors"] += 1
             reply_to = getattr(event, "reply_to", None)
@@ -353,6 +385,8 @@ class LookupServer:
         out["l2_probes_in_flight"] = len(self._probes)
         out["l2_writes_in_flight"] = len(self._writes)
         out["instances"] = len(self._instances)
+        out["store_waits"] = len(self._store_waits)
+        out["pinned_effects"] = len(self._pins)
         return out
 
     def check_invariants(self) -> None:
@@ -381,6 +415,20 @@ class LookupServer:
                     assert ident in self._transfers, "lease of a finished transfer"
                 elif kind == "l2write":
                     assert ident in self._writes, "lease of a finished L2 write"
+        for wid, wait in self._store_waits.items():
+            assert wait.wait_id == wid and wait.awaiting, "a store wait with nothing to wait for"
+            for tid in wait.awaiting:
+                assert tid in self._transfers, "a store waits for a finished transfer"
+                assert wid in self._waits_on.get(tid, ()) or self._transfers[tid].wait_id == wid
+        for tid in self._waits_on:
+            assert tid in self._transfers, "waits registered on a finished transfer"
+        pinned = {slot for slots in self._pins.values() for slot in slots}
+        assert self.index.stats()["pinned_slots"] == len(pinned), "slot pins out of sync"
+        assert len(self._ops_running) == len(self._op_of_reply), "deferred op tables out of sync"
+        for reply_to, ident in self._op_of_reply.items():
+            assert self._ops_running[ident][0] == reply_to
+        for tid in self._quarantined_plans:
+            assert ("transfer", tid) in self._pins and tid not in self._transfers
 
     # ============================================================================= hooks
 
@@ -544,6 +592,7 @@ class LookupServer:
         self._counters["l2_reads"] += 1
         slots = tuple(self.index.slot_of(k) for k in read.keys)
         assert all(slot is not None for slot in slots)
+        self._pin("l2read", read.read_id, [slot for slot in slots if slot is not None])
         out.append(ReadL2(read.read_id, tuple(zip(read.keys, slots))))
         return True
 
@@ -680,6 +729,12 @@ class LookupServer:
         out.append(Reply(ev.reply_to, None))
 
     def _on_store(self, ev: Store | PrepareStore, now: float, out: list[Effect]) -> None:
+        self._transfer_once(ev, now, out, self._store)
+
+    def _on_retrieve(self, ev: Retrieve | PrepareRetrieve, now: float, out: list[Effect]) -> None:
+        self._transfer_once(ev, now, out, self._retrieve)
+
+    def _store(self, ev: Store | PrepareStore, now: float, out: list[Effect]) -> None:
         engine_driven = isinstance(ev, PrepareStore)
         inst, keys_or_err = self._worker_keys(ev.key, ev.instance_id, 0)
         if inst is None or isinstance(keys_or_err, ProtocolError):
@@ -692,24 +747,60 @@ class LookupServer:
         placements: list[Placement] = []
         reserved: list[ObjectKey] = []
         skipped = 0
+        awaited: dict[int, None] = {}  # running server-driven stores writing chunks of this one
         for offset, k in enumerate(keys_or_err):
             slot = self.index.reserve_write(k, owner, inst.object_bytes, now)
             if slot is None:
                 skipped += 1
+                writer = self.index.writer_of(k)
+                if not engine_driven and isinstance(writer, tuple) and writer[0] == "transfer":
+                    other = self._transfers.get(writer[1])
+                    if other is not None and not other.engine_driven:
+                        awaited[other.transfer_id] = None
             else:
                 placements.append((first + offset, slot))
                 reserved.append(k)
+        wait: StoreWait | None = None
+        if awaited:
+            # A duplicate (or a concurrent store of the same chunks): answering before those
+            # writes end would let the worker free blocks an in-flight copy may still read.
+            self._counters["stores_awaiting_writers"] += 1
+            wait = StoreWait(self._new_id(), ev.reply_to, set(awaited), skipped=skipped)
+            self._store_waits[wait.wait_id] = wait
+            for other_tid in awaited:
+                self._waits_on.setdefault(other_tid, []).append(wait.wait_id)
         if not engine_driven and not placements:
-            out.append(Reply(ev.reply_to, StoreResult(True, 0, skipped)))
+            if wait is None:
+                out.append(Reply(ev.reply_to, StoreResult(True, 0, skipped)))
             return
         t = Transfer(
             tid, TransferKind.STORE, engine_driven, ev.key.request_id, ev.reply_to,
             tuple(reserved), tuple(placements), skipped,
             now + self.config.lease_ttl,
         )
+        if wait is not None:
+            t.wait_id = wait.wait_id
+            wait.awaiting.add(tid)
         self._begin_transfer(t, ev, out)
 
-    def _on_retrieve(self, ev: Retrieve | PrepareRetrieve, now: float, out: list[Effect]) -> None:
+    def _refuse_late(self, ev: Store | PrepareStore | Retrieve, now: float, out: list[Effect]) -> bool:
+        """A STORE/RETRIEVE handled after its ``not_after`` (or with a malformed one) is refused
+        before anything is reserved, leased or copied: its worker may have given up on it and
+        handed the blocks back to vLLM."""
+        not_after = ev.not_after
+        if not_after is None:
+            return False
+        if isinstance(not_after, bool) or not isinstance(not_after, (int, float)) or math.isnan(not_after):
+            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, "not_after must be a number or None"))
+            return True
+        if now <= not_after:
+            return False
+        self._counters["late_transfers_refused"] += 1
+        out.append(self._error(ev.reply_to, ErrorKind.TIMEOUT,
+                               f"handled at {now:.6f}, after its not_after {not_after:.6f}"))
+        return True
+
+    def _retrieve(self, ev: Retrieve | PrepareRetrieve, now: float, out: list[Effect]) -> None:
         engine_driven = isinstance(ev, PrepareRetrieve)
         inst, keys_or_err = self._worker_keys(ev.key, ev.instance_id, ev.skip_first_n_tokens)
         if inst is None or isinstance(keys_or_err, ProtocolError):
@@ -745,6 +836,67 @@ class LookupServer:
         )
         self._begin_transfer(t, ev, out)
 
+    def _transfer_once(self, ev: Store | PrepareStore | Retrieve | PrepareRetrieve, now: float,
+                       out: list[Effect], run: Callable[[Any, float, list[Effect]], None]) -> None:
+        """Run a STORE/RETRIEVE handler at most once per op. A request handled after its
+        ``not_after`` is refused. A server-driven one with a ``not_after`` that the network
+        delivered twice (same instance, request, range, blocks, skip and ``not_after``: the same
+        op) never starts a second copy -- it could read or write blocks the worker got back
+        after the first answer: it is answered like the first copy, when that one is (its
+        answer is kept until the ``not_after``; later, the refusal covers it)."""
+        if not isinstance(ev, PrepareRetrieve) and self._refuse_late(ev, now, out):
+            return
+        ident: Hashable = None
+        if isinstance(ev, (Store, Retrieve)) and ev.not_after is not None:
+            skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
+            ident = (ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
+                     ev.block_ids, skip, ev.not_after)
+            while self._ops_done:  # answers whose not_after passed (or over the cap) go
+                oldest, (_ok, _result, until) = next(iter(self._ops_done.items()))
+                if until >= now and len(self._ops_done) <= self.config.tombstone_cap:
+                    break
+                del self._ops_done[oldest]
+            running = self._ops_running.get(ident)
+            if running is not None:
+                self._counters["duplicate_transfers"] += 1
+                running[1].append(ev.reply_to)
+                return
+            done = self._ops_done.get(ident)
+            if done is not None:
+                self._counters["duplicate_transfers"] += 1
+                out.append(_answer(ev.reply_to, done[0], done[1]))
+                return
+        mark = len(out)
+        run(ev, now, out)
+        if ident is None:
+            return
+        for e in out[mark:]:
+            if isinstance(e, (Reply, ErrorReply)) and e.reply_to == ev.reply_to:
+                self._remember_answer(ident, e)
+                return
+        self._ops_running[ident] = (ev.reply_to, [])
+        self._op_of_reply[ev.reply_to] = ident
+
+    def _remember_answer(self, ident: Hashable, answer: Reply | ErrorReply) -> None:
+        assert isinstance(ident, tuple)
+        ok = isinstance(answer, Reply)
+        self._ops_done[ident] = (ok, answer.result if isinstance(answer, Reply) else answer.error, ident[-1])
+        self._ops_done.move_to_end(ident)
+
+    def _answer_duplicates(self, out: list[Effect]) -> None:
+        """A deferred STORE/RETRIEVE was answered in ``out``: answer its duplicates alike."""
+        extra: list[Effect] = []
+        for e in out:
+            if isinstance(e, (Reply, ErrorReply)):
+                ident = self._op_of_reply.pop(e.reply_to, None)
+                if ident is None:
+                    continue
+                _first, duplicates = self._ops_running.pop(ident)
+                self._remember_answer(ident, e)
+                for reply_to in duplicates:
+                    extra.append(attrs.evolve(e, reply_to=reply_to))
+        out.extend(extra)
+
     def _begin_transfer(
         self, t: Transfer, ev: Store | PrepareStore | Retrieve | PrepareRetrieve, out: list[Effect]
     ) -> None:
@@ -753,6 +905,7 @@ class LookupServer:
         skip = getattr(ev, "skip_first_n_tokens", 0)
         assert t.deadline is not None
         self._push_timer(t.deadline, "transfer", t.transfer_id)
+        self._pin("transfer", t.transfer_id, [slot for _c, slot in t.placements])
         if t.engine_driven:
             out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip)))
         else:
@@ -760,24 +913,33 @@ class LookupServer:
             out.append(StartTransfer(
                 t.transfer_id, t.kind, ev.instance_id, t.request_id, ev.reply_to,
                 ev.key.start, ev.key.end, t.placements, ev.block_ids, skip,
+                ev.not_after,
             ))
 
     def _on_transfer_finished(self, ev: TransferFinished, now: float, out: list[Effect]) -> None:
         t = self._transfers.get(ev.transfer_id)
         if t is None or t.engine_driven:
             self._counters["stale_events"] += 1
+            if t is None and ev.transfer_id not in self._quarantined_plans:
+                self._unpin("transfer", ev.transfer_id)  # expired earlier: the copy is over now
             return
         del self._transfers[ev.transfer_id]
         self._finish_transfer(t, bool(ev.ok), t.reply_to, now, out)
+        self._unpin("transfer", t.transfer_id)
 
     def _on_commit(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
         t = self._transfers.get(ev.transfer_id)
         if t is None or not t.engine_driven:
+            if t is None and ev.transfer_id in self._quarantined_plans:
+                # An expired plan's engine finished its copy after all: quarantine over.
+                self._quarantined_plans.discard(ev.transfer_id)
+                self._unpin("transfer", ev.transfer_id)
             out.append(self._error(ev.reply_to, ErrorKind.UNKNOWN_TRANSFER,
                                    f"no prepared transfer {ev.transfer_id}"))
             return
         del self._transfers[ev.transfer_id]
         self._finish_transfer(t, bool(ev.ok), ev.reply_to, now, out)
+        self._unpin("transfer", t.transfer_id)
 
     def _finish_transfer(
         self, t: Transfer, ok: bool, reply_to: ReplyTo, now: float, out: list[Effect]
@@ -798,6 +960,13 @@ class LookupServer:
                                          t.skipped + len(t.keys) - len(stored))
             if stored and self.config.write_behind:
                 self._write_behind(stored, now, out)
+            written = ok and len(stored) == len(t.keys)
+            for wid in self._waits_on.pop(t.transfer_id, ()):
+                self._end_awaited(wid, t.transfer_id, written, None, out)
+            if t.wait_id is not None:
+                assert isinstance(result, StoreResult)
+                self._end_awaited(t.wait_id, t.transfer_id, result.ok, result, out)
+                return
         else:
             for k in t.keys:
                 self.index.release_read(k, owner, None, ReleaseReason.TRANSFER, now)
@@ -806,6 +975,19 @@ class LookupServer:
             result = RetrieveResult(ok, len(t.keys))
         if reply_to is not None:
             out.append(Reply(reply_to, result))
+
+    def _end_awaited(self, wait_id: int, transfer_id: int, ok: bool, own: StoreResult | None,
+                     out: list[Effect]) -> None:
+        """Transfer ``transfer_id``, which store wait ``wait_id`` awaits, ended (``own``: it is the
+        waiting store's own transfer, with its result); the last one sends the reply."""
+        wait = self._store_waits[wait_id]
+        wait.awaiting.discard(transfer_id)
+        wait.ok = wait.ok and ok
+        if own is not None:
+            wait.stored, wait.skipped = own.stored, own.skipped
+        if not wait.awaiting:
+            del self._store_waits[wait_id]
+            out.append(Reply(wait.reply_to, StoreResult(wait.ok, wait.stored, wait.skipped)))
 
     def _write_behind(self, keys: Sequence[ObjectKey], now: float, out: list[Effect]) -> None:
         wid = self._new_id()
@@ -821,20 +1003,23 @@ class LookupServer:
         self._writes[wid] = tuple(k for k, _ in items)
         self._push_timer(now + self.config.lease_ttl, "l2_write", wid)
         self._counters["l2_writes"] += 1
+        self._pin("l2write", wid, [slot for _k, slot in items])
         out.append(WriteL2(wid, tuple(items)))
 
     def _on_l2_write_finished(self, ev: L2WriteFinished, now: float, out: list[Effect]) -> None:
         keys = self._writes.pop(ev.write_id, None)
         if keys is None:
             self._counters["stale_events"] += 1
-            return
-        for k in keys:
-            self.index.release_read(k, ("l2write", ev.write_id), None, ReleaseReason.L2_WRITE, now)
+        else:
+            for k in keys:
+                self.index.release_read(k, ("l2write", ev.write_id), None, ReleaseReason.L2_WRITE, now)
+        self._unpin("l2write", ev.write_id)  # late (lease expired) or not, the write is over
 
     def _on_l2_read_finished(self, ev: L2ReadFinished, now: float, out: list[Effect]) -> None:
         read = self._reads.pop(ev.read_id, None)
         if read is None:
             self._counters["stale_events"] += 1
+            self._unpin("l2read", ev.read_id)  # expired: its slots leave quarantine now
             return
         owner = ("l2read", read.read_id)
         for i, k in enumerate(read.keys):
@@ -842,6 +1027,7 @@ class LookupServer:
                 self.index.finish_write(k, owner, now)
             else:
                 self.index.abort_write(k, owner, now)
+        self._unpin("l2read", ev.read_id)
         job = self._jobs.get(read.request_id) if read.request_id is not None else None
         if job is None or job.serial != read.job_serial or job.read_id != read.read_id:
             return
@@ -941,6 +1127,16 @@ class LookupServer:
                 t = self._transfers.pop(ident)
                 self._counters["expired_plans" if t.engine_driven else "expired_transfers"] += 1
                 self._finish_transfer(t, False, None if t.engine_driven else t.reply_to, now, out)
+                if t.engine_driven and ("transfer", ident) in self._pins:
+                    # The engine may still be copying (its commit lost) or be gone: no event
+                    # will say which, so its slots stay out of use one more lease TTL.
+                    self._quarantined_plans.add(ident)
+                    self._push_timer(now + self.config.lease_ttl, "plan_quarantine", ident)
+            elif kind == "plan_quarantine":
+                assert isinstance(ident, int)
+                self._quarantined_plans.discard(ident)
+                self._counters["plan_quarantines_ended"] += 1
+                self._unpin("transfer", ident)
             elif kind == "l2_read":
                 assert isinstance(ident, int)
                 self._expire_read(self._reads.pop(ident), now, out)
@@ -971,6 +1167,8 @@ class LookupServer:
             return ident in self._probes
         if kind == "l2_write":
             return ident in self._writes
+        if kind == "plan_quarantine":
+            return ident in self._quarantined_plans
         assert isinstance(ident, tuple)
         job = self._jobs.get(ident[0])
         if job is None or job.serial != ident[1]:
@@ -984,6 +1182,19 @@ class LookupServer:
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id
+
+    def _pin(self, kind: str, ident: int, slots: Sequence[int]) -> None:
+        """An effect on ``slots`` is in flight: none of them goes to another object before
+        ``_unpin`` (its completion event), even if its object is dropped meanwhile."""
+        if not slots:
+            return
+        self._pins[(kind, ident)] = tuple(slots)
+        for slot in slots:
+            self.index.pin_slot(slot)
+
+    def _unpin(self, kind: str, ident: int) -> None:
+        for slot in self._pins.pop((kind, ident), ()):
+            self.index.unpin_slot(slot)
 
     def _error(self, reply_to: ReplyTo, kind: ErrorKind, message: str) -> ErrorReply:
         self._counters["errors"] += 1
@@ -1056,6 +1267,13 @@ class LookupServer:
         assert key.worker_id is not None
         first = key.start // self.config.chunk_size
         return inst, tuple(ObjectKey(h, key.worker_id) for h in hashes[first:])
+
+
+def _answer(reply_to: ReplyTo, ok: bool, answer: object) -> Reply | ErrorReply:
+    if ok:
+        return Reply(reply_to, answer)
+    assert isinstance(answer, ProtocolError)
+    return ErrorReply(reply_to, answer)
 
 
 _Handler = Callable[[LookupServer, Any, float, list[Effect]], None]

@@ -37,6 +37,18 @@ registration. Either sign of it starts a new one:
   ``RegisterInstance`` once; the failing ops fail as usual (stores finish, retrieves become load
   errors), later ops go out as usual.
 
+Late-copy fence: a server-driven STORE or RETRIEVE carries ``not_after = now + window`` (the
+``transfer_timeout``; else ``op_timeout``; else 30 s), and the server refuses one it handles later
+(TIMEOUT, no copy). This assumes the worker's ``now`` and the server's are one clock: one host's
+monotonic clock in production (server and workers share the host), virtual time in the
+simulator. A DMA cannot be cancelled and the worker cannot know whether an op it gave up on
+(server unhealthy, new epoch, ``op_timeout``, a request the transport lost: ``UNHEALTHY``) is
+still in flight, so the request's blocks stay fenced until ``not_after + copy_grace`` (a copy
+the server began by ``not_after`` has ended by then): it is reported in ``sending`` (vLLM frees
+the blocks) or in ``recving`` with its load errors (vLLM recomputes into them) only then, never
+earlier; ``next_deadline()`` covers it. An op the server answered (result or error) needs no
+fence; engine-driven ops need none (the worker runs their copies itself).
+
 A registration that fails, or stays unanswered for ``registration_timeout``, is sent again after
 a backoff (``registration_retry`` doubling up to ``registration_retry_max``) while the server is
 healthy; ``next_deadline()`` covers it.
@@ -79,6 +91,9 @@ from core_sm.messages import (
 )
 
 
+DEFAULT_STORE_WINDOW = 30.0
+
+
 @attrs.frozen
 class TransferClientConfig:
     instance_id: int = 0
@@ -94,6 +109,15 @@ class TransferClientConfig:
     registration_timeout: float = 10.0  # an unanswered RegisterInstance counts as failed after this
     registration_retry: float = 0.5  # delay before re-sending a failed registration; doubles...
     registration_retry_max: float = 5.0  # ...up to this
+    # A server-driven STORE's not_after is sent_at + this (None: op_timeout, else 30 s).
+    transfer_timeout: float | None = None
+    # How long a copy the server began by not_after may still read the blocks.
+    copy_grace: float = 1.0
+
+    def transfer_window(self) -> float:
+        if self.transfer_timeout is not None:
+            return self.transfer_timeout
+        return self.op_timeout if self.op_timeout is not None else DEFAULT_STORE_WINDOW
 
 
 class OpState(enum.Enum):
@@ -157,6 +181,7 @@ class TransferOp:
     copy_ok: bool = True
     incarnation: int = 0  # the client's count of server losses when the op was submitted
     registration: int = 0  # registrations acked when the op's last request was sent
+    not_after: float | None = None  # a server-driven store's deadline at the server
 
 
 @attrs.define
@@ -169,6 +194,8 @@ class RequestRecord:
     ops: dict[OpId, TransferOp] = attrs.Factory(dict)
     engine_finished: bool = False
     retrieve_failed: bool = False  # a retrieve failed since the request was last reported
+    recving_fenced: bool = False  # its retrieves are done; recving waits for the fence
+    fenced_load_errors: list[int] = attrs.Factory(list)  # reported with that recving
 
 
 class TransferClient:
@@ -198,13 +225,16 @@ class TransferClient:
         self._load_errors: dict[int, None] = {}
         self._failed_retrieves: dict[str, None] = {}
         self._reported_sending: OrderedDict[str, None] = OrderedDict()
+        # request id -> time before which its blocks may still be read by a STORE given up on
+        self._fences: dict[str, float] = {}
         self._counters = {
             name: 0
             for name in ("stores", "retrieves", "stores_failed", "retrieves_failed",
                          "stores_skipped_unhealthy", "stale_replies", "stale_copies",
                          "duplicate_finishes", "bad_replies", "timeouts", "registrations",
                          "internal_errors", "reregistrations", "registration_failures",
-                         "registration_timeouts", "registration_retries", "server_restarts")
+                         "registration_timeouts", "registration_retries", "server_restarts",
+                         "store_fences")
         }
 
     # ============================================================================= public API
@@ -293,6 +323,8 @@ class TransferClient:
                 candidates.append(self._registration_sent_at + self.config.registration_timeout)
             if self._registration_retry_at is not None:
                 candidates.append(self._registration_retry_at)
+        if self._fences:
+            candidates.append(min(self._fences.values()))
         return min(candidates) if candidates else None
 
     def stats(self) -> dict[str, int]:
@@ -306,6 +338,7 @@ class TransferClient:
         out["load_errors_pending"] = len(self._load_errors)
         out["failed_retrieves_pending"] = len(self._failed_retrieves)
         out["registered"] = int(self._registered)
+        out["fenced_requests"] = len(self._fences)
         return out
 
     def check_invariants(self) -> None:
@@ -320,7 +353,10 @@ class TransferClient:
                 if op.state is OpState.COPYING:
                     assert op.correlation is None
                 n += 1
-            assert record.ops or not record.engine_finished, "finished request kept after its ops"
+            assert record.ops or not record.engine_finished or rid in self._fences, \
+                "finished request kept after its ops"
+        for rid in self._fences:
+            assert rid in self._requests, "a fence for a forgotten request"
         assert n == len(self._ops), "an op outside its request"
         assert len(self._reported_sending) <= self.config.reported_cap
         assert len(self._failed_retrieves) <= self.config.reported_cap
@@ -376,12 +412,14 @@ class TransferClient:
             self._maybe_drop(record)
             return
         request: ServerRequest
+        if is_store or not c.engine_driven:
+            op.not_after = now + c.transfer_window()
         if c.engine_driven:
-            request = PrepareStore(key, c.instance_id) if is_store else PrepareRetrieve(
+            request = PrepareStore(key, c.instance_id, not_after=op.not_after) if is_store else PrepareRetrieve(
                 key, c.instance_id, skip)
         else:
-            request = Store(key, c.instance_id, ev.block_ids) if is_store else Retrieve(
-                key, c.instance_id, ev.block_ids, skip)
+            request = Store(key, c.instance_id, ev.block_ids, not_after=op.not_after) if is_store else Retrieve(
+                key, c.instance_id, ev.block_ids, skip, not_after=op.not_after)
         old = record.ops.get(op.op)
         if old is not None:  # only a legacy _op_key can collide: the old op is lost (F15)
             self._drop_op(record, old)
@@ -412,6 +450,8 @@ class TransferClient:
         if error is not None:
             if getattr(error, "kind", None) is ErrorKind.NOT_REGISTERED:
                 self._on_not_registered(op, now, out)
+            elif getattr(error, "kind", None) is ErrorKind.UNHEALTHY:
+                self._fence_abandoned(record, op)  # the transport lost it: it may still arrive
             self._complete(record, op, False, now)
         elif op.state is OpState.SENT and self.config.engine_driven:
             if not isinstance(result, TransferPlan) or not result.ok:
@@ -525,6 +565,7 @@ class TransferClient:
         for op in list(self._ops.values()):
             if op.state in (OpState.SENT, OpState.COMMITTING):
                 record = self._requests[op.op[0]]
+                self._fence_abandoned(record, op)
                 self._complete(record, op, False, now)
                 self._maybe_drop(record)
 
@@ -538,6 +579,26 @@ class TransferClient:
         self._registration_retry_at = now + self._registration_delay
         self._registration_delay = min(self._registration_delay * 2, self.config.registration_retry_max)
 
+    def _fence_abandoned(self, record: RequestRecord, op: TransferOp) -> None:
+        """``op`` is given up on without an answer: if it is a server-driven STORE/RETRIEVE
+        still in flight, its request's blocks stay with it until the server can no longer copy."""
+        if op.state is not OpState.SENT or self.config.engine_driven or op.not_after is None:
+            return
+        until = op.not_after + self.config.copy_grace
+        self._counters["store_fences"] += 1
+        self._fences[record.request_id] = max(until, self._fences.get(record.request_id, until))
+
+    def _release_fences(self, now: float) -> None:
+        for rid in [rid for rid, until in self._fences.items() if until <= now]:
+            del self._fences[rid]
+            record = self._requests.get(rid)
+            if record is not None:
+                if record.recving_fenced:
+                    record.recving_fenced = False
+                    if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
+                        self._report_recving(record)
+                self._maybe_drop(record)
+
     def _advance(self, now: float, out: list[Effect]) -> None:
         if self._healthy:
             if (self._registration_correlation is not None
@@ -549,12 +610,17 @@ class TransferClient:
                 self._counters["registration_retries"] += 1
                 self._send_registration(now, out)
         timeout = self.config.op_timeout
-        if timeout is None:
-            return
+        if timeout is not None:
+            self._time_out_ops(now, timeout)
+        if self._fences:
+            self._release_fences(now)
+
+    def _time_out_ops(self, now: float, timeout: float) -> None:
         for op in list(self._ops.values()):
             if op.state in (OpState.SENT, OpState.COMMITTING) and op.sent_at + timeout <= now:
                 self._counters["timeouts"] += 1
                 record = self._requests[op.op[0]]
+                self._fence_abandoned(record, op)
                 self._complete(record, op, False, now)
                 self._maybe_drop(record)
 
@@ -571,16 +637,31 @@ class TransferClient:
             return  # the blocks go back to vLLM through `sending`; no errors, no recving
         if not ok:
             record.retrieve_failed = True
+            fenced = record.request_id in self._fences  # reported with recving, after the fence
             for b in self._errors_for_failed_retrieve(op):
-                self._load_errors[b] = None
+                if fenced:
+                    record.fenced_load_errors.append(b)
+                else:
+                    self._load_errors[b] = None
         if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
-            self._recving[record.request_id] = None
-            if record.retrieve_failed:
-                record.retrieve_failed = False
-                self._failed_retrieves.pop(record.request_id, None)
-                self._failed_retrieves[record.request_id] = None
-                while len(self._failed_retrieves) > self.config.reported_cap:
-                    del self._failed_retrieves[next(iter(self._failed_retrieves))]
+            if record.request_id in self._fences:
+                record.recving_fenced = True  # a late copy may still write its blocks
+            else:
+                self._report_recving(record)
+
+    def _report_recving(self, record: RequestRecord) -> None:
+        fenced_errors, record.fenced_load_errors = record.fenced_load_errors, []
+        if record.engine_finished and not self._report_recving_after_finish(record):
+            return
+        for b in fenced_errors:
+            self._load_errors[b] = None
+        self._recving[record.request_id] = None
+        if record.retrieve_failed:
+            record.retrieve_failed = False
+            self._failed_retrieves.pop(record.request_id, None)
+            self._failed_retrieves[record.request_id] = None
+            while len(self._failed_retrieves) > self.config.reported_cap:
+                del self._failed_retrieves[next(iter(self._failed_retrieves))]
 
     def _drop_op(self, record: RequestRecord | None, op: TransferOp) -> None:
         if op.correlation is not None:
@@ -593,8 +674,9 @@ class TransferClient:
         op.state = OpState.ABSENT
 
     def _maybe_drop(self, record: RequestRecord) -> None:
-        """Forget a request once nothing is in flight and (if finished) it has been reported."""
-        if record.ops:
+        """Forget a request once nothing is in flight (nor fenced) and (if finished) it has been
+        reported."""
+        if record.ops or record.request_id in self._fences:
             return
         if record.engine_finished:
             self._sending[record.request_id] = None

@@ -140,12 +140,16 @@ def test_unhealthy_drains_waiting_ops_and_refuses_new() -> None:
     s = store(c, "s")
     retrieve(c, "r")
     c.handle(ServerHealth(0, False), 0.0)
+    # The RETRIEVE may still reach the server: reported at its not_after (30 s) + copy grace.
+    assert c.finished() == (frozenset(), frozenset()) and c.load_errors() == frozenset()
+    assert c.next_deadline() == 31.0
+    c.handle(TimerFired(), 31.0)
     assert c.finished() == (frozenset(), frozenset({"r"}))
     assert c.load_errors() == frozenset(BLOCKS)
-    assert c.handle(SubmitRetrieve("q", TOKS, 0, 2 * C, BLOCKS), 0.0) == []
+    assert c.handle(SubmitRetrieve("q", TOKS, 0, 2 * C, BLOCKS), 31.0) == []
     assert c.finished()[1] == {"q"} and c.load_errors() == frozenset(BLOCKS)
-    assert c.handle(SubmitStore("q2", TOKS, 0, 2 * C, BLOCKS), 0.0) == []
-    c.handle(ReplyReceived(0, s.correlation, StoreResult(True)), 0.0)  # late: stale
+    assert c.handle(SubmitStore("q2", TOKS, 0, 2 * C, BLOCKS), 31.0) == []
+    c.handle(ReplyReceived(0, s.correlation, StoreResult(True)), 31.0)  # late: stale
     assert c.stats()["stale_replies"] == 1
 
 
@@ -154,7 +158,10 @@ def test_op_timeout() -> None:
     retrieve(c)
     assert c.next_deadline() == 5.0
     c.handle(TimerFired(), 5.0)
-    assert c.finished()[1] == {"r"} and c.stats()["timeouts"] == 1
+    assert c.finished()[1] == frozenset() and c.stats()["timeouts"] == 1
+    assert c.next_deadline() == 6.0  # not_after (sent + op_timeout) + copy grace
+    c.handle(TimerFired(), 6.0)
+    assert c.finished()[1] == {"r"}
 
 
 def test_engine_driven_flow() -> None:
@@ -476,14 +483,17 @@ def test_new_epoch_is_a_restart() -> None:
     s, r = store(c, "s"), retrieve(c, "r")
     (reg,) = registrations(c.handle(ServerEpoch(0, "b"), 1.0))
     assert not c.registered() and c.stats()["server_restarts"] == 1
-    assert c.finished() == (frozenset(), frozenset({"r"})) and c.load_errors() == frozenset(BLOCKS)
-    assert c.failed_retrieves() == {"r"}
-    # the old server's answers, if any arrive, are stale: no second completion
+    assert c.finished() == (frozenset(), frozenset())  # fenced: they may reach the new server
+    # the old server's answers, if any arrive, are stale: no completion from them
     c.handle(ReplyReceived(0, s.correlation, StoreResult(True)), 1.0)
     c.handle(ReplyReceived(0, r.correlation, RetrieveResult(True)), 1.0)
     assert c.stats()["stale_replies"] == 2 and c.finished() == (frozenset(), frozenset())
     c.handle(ReplyReceived(0, reg.correlation, None), 1.0)
     assert c.registered()
+    c.handle(TimerFired(), 31.0)  # not_after (sent at 0 + 30 s) + copy grace
+    assert c.finished() == (frozenset(), frozenset({"r"})) and c.load_errors() == frozenset(BLOCKS)
+    assert c.failed_retrieves() == {"r"}
+    assert c.finished() == (frozenset(), frozenset())
 
 
 def test_new_epoch_while_unhealthy_registers_on_recovery_only() -> None:

@@ -1,8 +1,7 @@
 """Races the simulator found in production core_sm, kept as reduced worlds (tests/sim/findings/).
 
-While the race is present the test is reported as xfail (with the race explained); once core_sm
-is fixed the same world must run clean, so the test becomes its regression test. Any other
-violation on these worlds fails the test.
+Each race is fixed in core_sm (docs/core_sm.md, "Copy races"), so each world must run clean:
+these are their regression tests. Any violation on these worlds fails the test.
 """
 from __future__ import annotations
 
@@ -30,6 +29,5 @@ WHY = {
 def test_known_core_sm_race(name: str) -> None:
     scenario, profile, code = from_json((FINDINGS / f"{name}.json").read_text())
     result, _ = run_scenario(scenario, profile)
-    if result.violation is not None and result.violation.code == code:
-        pytest.xfail(f"core_sm race still present ({code}): {WHY[name]}")
-    assert result.violation is None, result.violation.reason()
+    # Fixed in core_sm (docs/core_sm.md, "Copy races"): the world must run clean.
+    assert result.violation is None, f"{WHY[name]}: {result.violation.reason()}"
