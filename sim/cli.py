@@ -157,6 +157,8 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     from sim.corpus import reduce_scenario
 
     try:
+        if args.from_seeds:
+            raise NoSuchExample("skipped")
         found = find(scenarios(), fails, settings=settings(
             max_examples=args.max_examples, deadline=None, database=None,
             suppress_health_check=list(HealthCheck)))
@@ -166,7 +168,7 @@ def cmd_shrink(args: argparse.Namespace) -> int:
         if seed is None:
             print(f"no failing world found ({args.max_examples} examples, {args.seeds} seeds)")
             return 1
-        print(f"Hypothesis found none; reducing seed {seed}")
+        print(f"reducing seed {seed}")
         found = reduce_scenario(draw_scenario(seed), fails)
     result, _ = run_scenario(found, args.profile)
     assert result.violation is not None
@@ -210,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code", help="violation code to look for (default: the profile's failure)")
     p.add_argument("--max-examples", type=int, default=2000)
     p.add_argument("--seeds", type=int, default=200, help="seeds to try when Hypothesis finds nothing")
+    p.add_argument("--from-seeds", action="store_true", help="skip Hypothesis: reduce the first failing seed")
     p.add_argument("--save", action="store_true", help="write it to tests/sim/corpus/PROFILE.json")
     p.set_defaults(func=cmd_shrink)
     p = sub.add_parser("hashes", help=argparse.SUPPRESS)
