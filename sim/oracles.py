@@ -48,17 +48,12 @@ class ViolationFound(Exception):
         self.violation = violation
 
 
-# Races in production core_sm the simulator has found and reported (docs/simulator.md, "Findings
-# so far"; reduced worlds in tests/sim/findings/). `mpcache-sim run` marks seeds that hit them;
-# the CI seed test lists them as known instead of failing, and fails on anything else. Remove an
-# entry once core_sm is fixed.
-KNOWN_CORE_SM_RACES: tuple[tuple[str, str], ...] = (
-    ("F10", "after vLLM freed it"),  # a STORE copy reads blocks its request no longer holds
-    ("F16", "after vLLM freed it"),  # a RETRIEVE copy writes blocks its request no longer holds
-    ("F10", "meanwhile given to"),  # an L2 read/write or copy outlived its slot reservation
-    ("F10", "after a load reported good holds"),  # data-level consequence of the above
-    ("F10", "carries data that was never stored"),  # same, seen at the L2 write
-)
+# Races in production core_sm the simulator has found and that are not fixed yet, as (code,
+# message fragment). `mpcache-sim run` marks seeds that hit them; the CI seed test and the
+# Hypothesis properties list them as known instead of failing, and fail on anything else. Add an
+# entry only together with its reduced world in tests/sim/findings/; remove it when core_sm is
+# fixed. Empty: every race found so far is fixed (docs/simulator.md, "Findings so far").
+KNOWN_CORE_SM_RACES: tuple[tuple[str, str], ...] = ()
 
 
 def is_known_race(violation: Violation | None) -> bool:
