@@ -91,12 +91,17 @@ def to_event(req: Request, reply_to: Any) -> Any:
     if op == "unregister_instance":
         return m.UnregisterInstance(a[0], reply_to=reply_to)
     if op == "store":
-        return m.Store(to_cache_key(a[0]), a[1], block_ids=a[2], reply_to=reply_to)
+        not_after = a[4] if len(a) > 4 else None
+        return m.Store(to_cache_key(a[0]), a[1], block_ids=a[2], reply_to=reply_to, not_after=not_after)
     if op == "retrieve":
         skip = a[4] if len(a) > 4 else 0
-        return m.Retrieve(to_cache_key(a[0]), a[1], block_ids=a[2], skip_first_n_tokens=skip, reply_to=reply_to)
+        not_after = a[5] if len(a) > 5 else None
+        return m.Retrieve(
+            to_cache_key(a[0]), a[1], block_ids=a[2], skip_first_n_tokens=skip, reply_to=reply_to, not_after=not_after
+        )
     if op == "prepare_store":
-        return m.PrepareStore(to_cache_key(a[0]), a[1], reply_to=reply_to)
+        not_after = a[2] if len(a) > 2 else None
+        return m.PrepareStore(to_cache_key(a[0]), a[1], reply_to=reply_to, not_after=not_after)
     if op == "prepare_retrieve":
         skip = a[2] if len(a) > 2 else 0
         return m.PrepareRetrieve(to_cache_key(a[0]), a[1], skip_first_n_tokens=skip, reply_to=reply_to)
@@ -162,8 +167,10 @@ def request_to_wire(
 
     * ``Store`` / ``Retrieve`` (server-driven, GPU) need ``event_handle``: the interprocess CUDA
       event the engine recorded before the request, which the server's copy waits on
-      (``("store", (key, instance_id, block_ids, event_handle))``, ``("retrieve", (key,
-      instance_id, block_ids, event_handle, skip_first_n_tokens))``); without it ``TypeError``.
+      (``("store", (key, instance_id, block_ids, event_handle, not_after))``, ``("retrieve", (key,
+      instance_id, block_ids, event_handle, skip_first_n_tokens, not_after))``); without it
+      ``TypeError``. ``not_after`` (absolute seconds on the host's monotonic clock, or nil) is the
+      request's deadline at the server; ``PrepareStore`` carries it too, as a third payload.
     * ``RegisterInstance``: ``layout_extra`` is merged into the layout map (a GPU engine's CUDA
       IPC handles and geometry, which core_sm does not model).
 
@@ -173,8 +180,8 @@ def request_to_wire(
             raise TypeError(f"{type(req).__name__} (server-driven) needs the engine's event_handle")
         key = key_to_wire(req.key)
         if isinstance(req, m.Store):
-            return "store", (key, req.instance_id, list(req.block_ids), event_handle)
-        return "retrieve", (key, req.instance_id, list(req.block_ids), event_handle, req.skip_first_n_tokens)
+            return "store", (key, req.instance_id, list(req.block_ids), event_handle, req.not_after)
+        return "retrieve", (key, req.instance_id, list(req.block_ids), event_handle, req.skip_first_n_tokens, req.not_after)
     if isinstance(req, m.Lookup):
         return "lookup", (key_to_wire(req.key, req.num_readers), 1)
     if isinstance(req, m.QueryPrefetchStatus):
@@ -199,7 +206,7 @@ def request_to_wire(
     if isinstance(req, m.UnregisterInstance):
         return "unregister_instance", (req.instance_id,)
     if isinstance(req, m.PrepareStore):
-        return "prepare_store", (key_to_wire(req.key), req.instance_id)
+        return "prepare_store", (key_to_wire(req.key), req.instance_id, req.not_after)
     if isinstance(req, m.PrepareRetrieve):
         return "prepare_retrieve", (key_to_wire(req.key), req.instance_id, req.skip_first_n_tokens)
     if isinstance(req, m.CommitTransfer):

@@ -196,6 +196,7 @@ class Server:
         self._transfers_in_flight = 0
         self._stopping = False
         self._last_answered: Any = None  # the last request answered (to never answer twice)
+        self._replies_closed = False  # shutdown: every request was answered; send nothing more
         self._started = time.time()
         self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
         self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0, "block_allocation_records": 0}
@@ -381,22 +382,30 @@ class Server:
             log.error("unknown effect %r", eff)
 
     def _start_transfer(self, st: fx.StartTransfer) -> None:
-        nbytes = self._instance_bytes.get(st.instance_id, 0)
-        if st.kind is m.TransferKind.STORE and nbytes > 0:
-            for _chunk, slot in st.placements:
-                self.l2.note_slot_size(slot, nbytes)
-        handle = self._event_handles.get(st.reply_to, b"")  # type: ignore[call-overload]
+        # core_sm keeps the transfer's slots pinned until it handles TransferFinished, even
+        # after it expired the transfer: exactly one is posted, whatever the executor does
+        # (raises, reports twice or under another id).
         self._transfers_in_flight += 1
         post = self.channel.post
+        transfer_id = st.transfer_id
+        reported = threading.Lock()
 
-        def done(transfer_id: int, ok: bool) -> None:
-            post(m.TransferFinished(transfer_id, ok))
+        def done(_transfer_id: int, ok: bool) -> None:
+            if not reported.acquire(blocking=False):
+                log.warning("transfer %d reported finished more than once", transfer_id)
+                return
+            post(m.TransferFinished(transfer_id, bool(ok)))
 
         try:
+            nbytes = self._instance_bytes.get(st.instance_id, 0)
+            if st.kind is m.TransferKind.STORE and nbytes > 0:
+                for _chunk, slot in st.placements:
+                    self.l2.note_slot_size(slot, nbytes)
+            handle = self._event_handles.get(st.reply_to, b"")  # type: ignore[call-overload]
             self.executor.start(st, handle, done)
         except Exception:
             log.exception("transfer executor failed to start transfer %d", st.transfer_id)
-            done(st.transfer_id, False)
+            done(transfer_id, False)
 
     # ------------------------------------------------------------------ replies
 
@@ -417,6 +426,8 @@ class Server:
         self._outstanding.pop(rt, None)
         handle = self._event_handles.pop(rt, b"")
         iid = self._plan_instance.pop(rt, None)
+        if self._replies_closed:
+            return
         if type(result) not in (type(None), bool, int, str):
             if isinstance(result, m.TransferPlan) and result.ok:
                 self._note_plan(result, iid)
@@ -437,6 +448,8 @@ class Server:
         self._outstanding.pop(rt, None)
         self._event_handles.pop(rt, None)
         self._plan_instance.pop(rt, None)
+        if self._replies_closed:
+            return
         self._send(wire.encode_error(identity, uid_frame, op, kind, message))
         self._last_answered = rt
         self._counts["wire_errors"] += 1
@@ -517,12 +530,20 @@ class Server:
         while (self._transfers_in_flight > 0 or self.l2.in_flight > 0) and self.clock() < end:
             if poller.poll(50):
                 self._drain_completions()
-        self._drain_completions()
         for rt in list(self._outstanding):
             self._send_error(rt, "shutting_down", "the server is shutting down")
+        # Every request has had its one reply. Closing the executor and the tiers ends the work
+        # left: each effect still reports its completion (L2 work that never ran: as failed) and
+        # core_sm handles it, so its state is whole (no pinned slot) when the loop returns;
+        # the replies that handling makes are not sent.
+        self._replies_closed = True
+        for closing in (self.executor.close, self.l2.close):
+            try:
+                closing()
+            except Exception:
+                log.exception("closing %r failed", closing)
+        self._drain_completions()
         self.sock.close(linger=1000)
-        self.executor.close()
-        self.l2.close()
         self.pool.close()
         self.channel.close()
         self.ctx.term()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from core_sm.chunks import ObjectKey
@@ -92,11 +92,51 @@ class L2Worker:
         self._slot_nbytes[slot] = nbytes
 
     def probe(self, effect: ProbeL2) -> None:
+        self._submit(lambda: self._probe(effect), L2ProbeFinished(effect.probe_id, (False,) * len(effect.keys)))  # type: ignore[arg-type]
+
+    def read(self, effect: ReadL2) -> None:
+        self._submit(lambda: self._read(effect), L2ReadFinished(effect.read_id, (False,) * len(effect.items)))  # type: ignore[arg-type]
+
+    def write(self, effect: WriteL2) -> None:
+        # The bytes are read by the worker thread, later: the slots stay pinned until
+        # L2WriteFinished, so no writer races it. Their sizes are the ones known now.
+        sizes = [self._slot_nbytes.get(slot, self.pool.slot_bytes) for _, slot in effect.items]
+        self._submit(lambda: self._write(effect, sizes), L2WriteFinished(effect.write_id, False))
+
+    def _submit(self, work: Callable[[], object], failed: object) -> None:
+        """Run ``work`` (which returns the completion event) on a worker thread; post exactly
+        one completion whatever happens: ``failed`` if it raises, is cancelled at ``close`` or
+        cannot be queued. core_sm keeps the effect's slots pinned until it sees it."""
         with self._lock:
             self.in_flight += 1
-        self._exec.submit(self._probe, effect)
 
-    def _probe(self, effect: ProbeL2) -> None:
+        def run() -> None:
+            try:
+                event = work()
+            except Exception:
+                log.exception("L2 work failed")
+                self.errors += 1
+                event = failed
+            self._complete(event)
+
+        def cancelled(fut: Future[None]) -> None:
+            if fut.cancelled():
+                self._complete(failed)
+
+        try:
+            fut = self._exec.submit(run)
+        except Exception:  # shut down already
+            log.exception("L2 work could not be queued")
+            self._complete(failed)
+            return
+        fut.add_done_callback(cancelled)
+
+    def _complete(self, event: object) -> None:
+        with self._lock:
+            self.in_flight -= 1
+        self.post(event)
+
+    def _probe(self, effect: ProbeL2) -> object:
         present: list[bool] = []
         for key in effect.keys:
             k = storage_key(key)
@@ -110,24 +150,9 @@ class L2Worker:
                 if found:
                     break
             present.append(found)
-        with self._lock:
-            self.in_flight -= 1
-        self.post(L2ProbeFinished(effect.probe_id, tuple(present)))  # type: ignore[arg-type]
+        return L2ProbeFinished(effect.probe_id, tuple(present))  # type: ignore[arg-type]
 
-    def read(self, effect: ReadL2) -> None:
-        with self._lock:
-            self.in_flight += 1
-        self._exec.submit(self._read, effect)
-
-    def write(self, effect: WriteL2) -> None:
-        # Copy the bytes out now, on the loop thread? No: the slots stay leased until
-        # L2WriteFinished, so the worker may read them later without racing a writer.
-        sizes = [self._slot_nbytes.get(slot, self.pool.slot_bytes) for _, slot in effect.items]
-        with self._lock:
-            self.in_flight += 1
-        self._exec.submit(self._write, effect, sizes)
-
-    def _read(self, effect: ReadL2) -> None:
+    def _read(self, effect: ReadL2) -> object:
         loaded: list[bool] = []
         try:
             for key, slot in effect.items:
@@ -153,11 +178,9 @@ class L2Worker:
             loaded.extend([False] * (len(effect.items) - len(loaded)))
         self.reads += len(effect.items)
         self.read_hits += sum(loaded)
-        with self._lock:
-            self.in_flight -= 1
-        self.post(L2ReadFinished(effect.read_id, tuple(loaded)))  # type: ignore[arg-type]  # attrs converter typing
+        return L2ReadFinished(effect.read_id, tuple(loaded))  # type: ignore[arg-type]  # attrs converter typing
 
-    def _write(self, effect: WriteL2, sizes: list[int]) -> None:
+    def _write(self, effect: WriteL2, sizes: list[int]) -> object:
         ok = True
         try:
             for (key, slot), n in zip(effect.items, sizes):
@@ -174,9 +197,7 @@ class L2Worker:
             log.exception("L2 write failed")
             ok = False
         self.writes += len(effect.items)
-        with self._lock:
-            self.in_flight -= 1
-        self.post(L2WriteFinished(effect.write_id, ok))
+        return L2WriteFinished(effect.write_id, ok)
 
     def close(self) -> None:
         # Close the tiers first: a read stuck in a tier then fails (and is reported) instead of

@@ -74,6 +74,7 @@ class P(enum.Enum):
     INT = "int"
     OPT_INT = "int | None"
     FLOAT = "float"
+    OPT_FLOAT = "float | None"
     STR = "str"
     BOOL = "bool"
     BYTES = "bytes"
@@ -127,15 +128,16 @@ OPS: Final[tuple[OpSpec, ...]] = (
     # LMCache 0.5.6: (instance_id, model_name, records); April 2026: (records,)
     _spec("report_block_allocation", 23, P.ANY, P.ANY, P.ANY, optional_tail=2),
     # GPU, server-driven: key, instance_id, block_ids, event_ipc_handle[, skip_first_n_tokens]
-    _spec("store", 6, P.KEY, P.INT, P.INT_LIST, P.BYTES),
-    _spec("retrieve", 7, P.KEY, P.INT, P.INT_LIST, P.BYTES, P.INT, optional_tail=1),
+    # [, not_after] (mpcache's deadline; LMCache's clients leave it out)
+    _spec("store", 6, P.KEY, P.INT, P.INT_LIST, P.BYTES, P.OPT_FLOAT, optional_tail=1),
+    _spec("retrieve", 7, P.KEY, P.INT, P.INT_LIST, P.BYTES, P.INT, P.OPT_FLOAT, optional_tail=2),
     # mpcache's own
     _spec("health", None),
     _spec("stats", None),
     _spec("l1_info", None),
     _spec("register_instance", None, P.INT, P.MAP),
     _spec("unregister_instance", None, P.INT),
-    _spec("prepare_store", None, P.KEY, P.INT),
+    _spec("prepare_store", None, P.KEY, P.INT, P.OPT_FLOAT, optional_tail=1),
     _spec("prepare_retrieve", None, P.KEY, P.INT, P.INT, optional_tail=1),
     _spec("commit_store", None, P.INT, P.BOOL),
     _spec("commit_retrieve", None, P.INT, P.BOOL),
@@ -326,6 +328,12 @@ def _decode_param(p: P, v: Any, what: str, limits: Limits) -> Any:
         if type(v) is float or type(v) is int:
             return float(v)
         raise _Bad(WireErrorKind.UNDECODABLE, f"{what}: expected float, got {_type_name(v)}")
+    if p is P.OPT_FLOAT:
+        if v is None:
+            return None
+        if type(v) is float or type(v) is int:
+            return float(v)
+        raise _Bad(WireErrorKind.UNDECODABLE, f"{what}: expected float or nil, got {_type_name(v)}")
     if p is P.STR:
         return _as_str(v, what)
     if p is P.BOOL:

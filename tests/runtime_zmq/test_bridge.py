@@ -36,6 +36,10 @@ REQUESTS: list[tuple[Any, dict[str, Any]]] = [
     (m.CommitTransfer(3, True), {}),
     (m.Store(KEY, 7, block_ids=tuple(range(32))), {"event_handle": HANDLE}),
     (m.Retrieve(KEY, 7, block_ids=tuple(range(32)), skip_first_n_tokens=16), {"event_handle": HANDLE}),
+    # the worker's deadline at the server (TransferClient sets it)
+    (m.PrepareStore(KEY, 7, not_after=1234.5), {}),
+    (m.Store(KEY, 7, block_ids=(1, 2), not_after=99.25), {"event_handle": HANDLE}),
+    (m.Retrieve(KEY, 7, block_ids=(1, 2), skip_first_n_tokens=16, not_after=7.0), {"event_handle": HANDLE}),
 ]
 
 
@@ -98,3 +102,23 @@ def test_malformed_replies_are_errors_not_results() -> None:
         bridge.result_from_wire(m.Store(KEY, 7, block_ids=(1,)), True)
     with pytest.raises(ValueError):
         bridge.plan_memory_from_wire({"transfer_id": 1, "placements": []})
+
+
+def test_not_after_is_optional_on_the_wire() -> None:
+    # LMCache's clients send no deadline: the request decodes with not_after None
+    wkey = bridge.key_to_wire(KEY)
+    for op, args, want in (
+        ("store", (wkey, 7, [1, 2], HANDLE), m.Store(KEY, 7, block_ids=(1, 2))),
+        ("retrieve", (wkey, 7, [1, 2], HANDLE), m.Retrieve(KEY, 7, block_ids=(1, 2))),
+        ("retrieve", (wkey, 7, [1, 2], HANDLE, 16), m.Retrieve(KEY, 7, block_ids=(1, 2), skip_first_n_tokens=16)),
+        ("prepare_store", (wkey, 7), m.PrepareStore(KEY, 7)),
+        ("store", (wkey, 7, [1, 2], HANDLE, None), m.Store(KEY, 7, block_ids=(1, 2))),
+        ("prepare_store", (wkey, 7, 5), m.PrepareStore(KEY, 7, not_after=5.0)),
+    ):
+        event = bridge.to_event(_through_the_codec(op, args), reply_to="rt")
+        assert event == attrs.evolve(want, reply_to="rt"), (op, args)
+    # a deadline that is not a number is refused by the codec
+    frames = [b"peer", msgpack.packb(1), msgpack.packb("prepare_store"), msgpack.packb(wkey, use_bin_type=True),
+              msgpack.packb(7), msgpack.packb("soon")]
+    bad = wire.decode_request(frames, wire.Limits())
+    assert isinstance(bad, wire.DecodeError) and bad.kind.value == "undecodable"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -141,3 +142,62 @@ def test_wake_and_stop_after_shutdown_do_nothing() -> None:
     assert not loop.is_alive()
     server.stop()
     server.channel.wake()
+
+
+def test_store_after_its_not_after_is_refused_and_stores_nothing(threaded: tuple[Server, MPCacheClient]) -> None:
+    server, c = threaded
+    executor = server.executor
+    assert isinstance(executor, ThreadedExecutor)
+    assert c.register_instance(4, LAYOUT).result(5) is None
+    toks = tokens(2)
+    # the server's clock is this host's monotonic clock: a deadline one second ago has passed
+    late = time.monotonic() - 1.0
+    with pytest.raises(RemoteError) as e:
+        c.submit("store", key(toks, "s", worker_id=0), 4, list(range(32)), b"E" * 64, late).result(5)
+    assert e.value.kind == "timeout"
+    assert executor.started == []  # no copy
+    s = c.stats()
+    assert s["late_transfers_refused"] == 1 and s["transfers"] == 0 and s["objects"] == 0
+    c.lookup(key(toks, "r")).result(5)
+    assert c.query_prefetch_status("r").result(5) == 0
+    # the same STORE with a deadline ahead is served, and one without any (LMCache's form) too
+    ahead = time.monotonic() + 30.0
+    _handle, ok = c.submit("store", key(toks, "s", worker_id=0), 4, list(range(32)), b"E" * 64, ahead).result(5)
+    assert ok is True and len(executor.started) == 1
+    _handle, ok = c.store(key(tokens(1, seed=3), "t", worker_id=0), 4, list(range(16)), b"E" * 64).result(5)
+    assert ok is True
+
+
+class MisreportingExecutor(ThreadedExecutor):
+    """Reports every transfer twice, under a wrong id, from another thread."""
+
+    def start(self, transfer: StartTransfer, event_handle: bytes, done: Any) -> None:
+        self.started.append(transfer)
+
+        def twice() -> None:
+            done(transfer.transfer_id + 1000, True)
+            done(transfer.transfer_id, False)
+
+        threading.Timer(0.05, twice).start()
+
+
+def test_each_transfer_is_reported_to_core_sm_exactly_once() -> None:
+    for served in _serve(MisreportingExecutor()):
+        server, c = served
+        assert c.register_instance(4, LAYOUT).result(5) is None
+        _handle, ok = c.store(key(tokens(2), "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
+        assert ok is True  # the first report counts
+        time.sleep(0.2)
+        s = c.stats()
+        assert s["stale_events"] == 0 and s["transfers_in_flight"] == 0 and s["pinned_effects"] == 0
+
+
+def test_raising_executor_start_still_finishes_the_transfer(raising: tuple[Server, MPCacheClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    server, c = raising
+    monkeypatch.setattr(server.executor, "register_instance", lambda *a: None)
+    assert c.register_instance(4, LAYOUT).result(5) is None
+    _handle, ok = c.store(key(tokens(2), "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
+    assert ok is False
+    s = c.stats()
+    assert s["transfers"] == 0 and s["transfers_in_flight"] == 0 and s["pinned_effects"] == 0
+    assert s["quarantined_slots"] == 0 and s["free_slots"] == s["l1_num_slots"]
