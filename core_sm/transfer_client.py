@@ -17,7 +17,10 @@ Reporting (``finished() -> (sending, recving)``, each id at most once per set, m
   is not reported in ``recving`` (F16: no double completion).
 * ``sending``: once the engine finished the request (``EngineFinished``/``Abort``) **and** every
   op of the request is done -- an abort mid-transfer holds the blocks until the copy's completion
-  is observed. Every engine-finished id is reported exactly once (the connector's
+  is observed. So an engine-driven STORE whose plan arrives after the engine finished or aborted
+  the request is still copied and committed (the blocks are the request's until ``sending``),
+  while a RETRIEVE's late plan is committed ``ok=False`` without a copy (nobody reads it).
+  Every engine-finished id is reported exactly once (the connector's
   ``request_finished`` must therefore always delay freeing, as LMCache's does).
 
 Health: while the server is unhealthy, new stores are skipped (done at once) and new retrieves
@@ -234,7 +237,7 @@ class TransferClient:
                          "duplicate_finishes", "bad_replies", "timeouts", "registrations",
                          "internal_errors", "reregistrations", "registration_failures",
                          "registration_timeouts", "registration_retries", "server_restarts",
-                         "store_fences")
+                         "store_fences", "retrieves_skipped_finished")
         }
 
     # ============================================================================= public API
@@ -460,8 +463,12 @@ class TransferClient:
                 self._complete(record, op, False, now)
             else:
                 op.transfer_id = result.transfer_id
-                if record.engine_finished:
-                    # Nobody needs the data any more: skip the copy, release the plan now.
+                if record.engine_finished and op.kind is TransferKind.RETRIEVE:
+                    # Nobody will read the loaded blocks any more: skip the copy, release the
+                    # plan now. A STORE still copies: the engine holds a finished (or aborted)
+                    # request's blocks until it is reported in ``sending``, which waits for this
+                    # op's commit (see _maybe_drop), so the blocks are still the request's own.
+                    self._counters["retrieves_skipped_finished"] += 1
                     op.copy_ok = False
                     op.state = OpState.COMMITTING
                     op.registration = self._registrations_acked

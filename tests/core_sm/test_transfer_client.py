@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -207,14 +209,62 @@ def test_engine_driven_abort_waits_for_copy_then_commits() -> None:
     assert c.finished() == (frozenset({"r"}), frozenset())
 
 
-def test_plan_arriving_after_abort_is_released_without_copy() -> None:
+@pytest.mark.parametrize("end", [Abort("r"), EngineFinished(("r",))], ids=["abort", "finished"])
+def test_retrieve_plan_arriving_after_the_end_is_released_without_copy(end: Abort | EngineFinished) -> None:
+    c = tc(engine=True)
+    p = retrieve(c)
+    c.handle(end, 0.0)
+    commit = only_send(c.handle(ReplyReceived(0, p.correlation, TransferPlan(5, ((0, 1),), True,
+                                                                             TransferKind.RETRIEVE)), 0.0))
+    assert commit.request == CommitTransfer(5, False)
+    assert c.stats()["retrieves_skipped_finished"] == 1
+    assert c.finished() == (frozenset(), frozenset())
+    c.handle(ReplyReceived(0, commit.correlation, RetrieveResult(False, 0)), 0.0)
+    assert c.finished() == (frozenset({"r"}), frozenset())
+    assert c.load_errors() == frozenset()  # the request is gone from vLLM: nothing to recompute
+
+
+@pytest.mark.parametrize("end", [Abort("r"), EngineFinished(("r",))], ids=["abort", "finished"])
+def test_store_plan_arriving_after_the_end_is_copied_then_committed(end: Abort | EngineFinished) -> None:
+    # vLLM holds the finished (or aborted) request's blocks until `sending` names it, so the copy
+    # still reads the request's own KV: the store goes ahead and `sending` waits for the commit.
     c = tc(engine=True)
     p = store(c)
-    c.handle(Abort("r"), 0.0)
-    commit = only_send(c.handle(ReplyReceived(0, p.correlation, TransferPlan(5, ((0, 1),))), 0.0))
-    assert commit.request == CommitTransfer(5, False)
-    c.handle(ReplyReceived(0, commit.correlation, StoreResult(False)), 0.0)
+    c.handle(end, 0.0)
+    assert c.finished() == (frozenset(), frozenset())
+    (copy,) = c.handle(ReplyReceived(0, p.correlation, TransferPlan(5, ((0, 3), (1, 4)))), 0.0)
+    assert isinstance(copy, CopyBlocks) and copy.direction is TransferKind.STORE
+    assert copy.block_ids == BLOCKS and copy.placements == ((0, 3), (1, 4))
+    assert c.finished() == (frozenset(), frozenset())  # the copy reads the blocks now
+    commit = only_send(c.handle(CopyFinished(copy.op, True), 0.0))
+    assert commit.request == CommitTransfer(5, True)
+    assert c.finished() == (frozenset(), frozenset())  # not before the commit is answered
+    c.handle(ReplyReceived(0, commit.correlation, StoreResult(True, 2)), 0.0)
     assert c.finished() == (frozenset({"r"}), frozenset())
+    c.handle(TimerFired(), 1.0)
+    assert c.finished() == (frozenset(), frozenset())  # reported once
+    assert c.stats()["stores_failed"] == 0 and c.stats()["retrieves_skipped_finished"] == 0
+
+
+def test_store_plan_after_the_end_reports_sending_once_when_the_commit_fails() -> None:
+    c = tc(engine=True, op_timeout=5.0)
+    p = store(c)
+    c.handle(EngineFinished(("r",)), 0.0)
+    (copy,) = c.handle(ReplyReceived(0, p.correlation, TransferPlan(5, ((0, 3),))), 1.0)
+    commit = only_send(c.handle(CopyFinished(copy.op, True), 1.0))
+    c.handle(RequestFailed(0, commit.correlation, FAIL), 2.0)
+    assert c.finished() == (frozenset({"r"}), frozenset()) and c.stats()["stores_failed"] == 1
+    # a commit that is never answered times out, then the request is reported
+    p = store(c, "s", 3.0)
+    c.handle(EngineFinished(("s",)), 3.0)
+    (copy,) = c.handle(ReplyReceived(0, p.correlation, TransferPlan(6, ((0, 3),))), 3.0)
+    only_send(c.handle(CopyFinished(copy.op, True), 3.0))
+    c.handle(TimerFired(), 7.9)
+    assert c.finished() == (frozenset(), frozenset())
+    c.handle(TimerFired(), 8.0)
+    assert c.finished() == (frozenset({"s"}), frozenset())
+    c.handle(TimerFired(), 9.0)
+    assert c.finished() == (frozenset(), frozenset())
 
 
 def test_stale_copy_and_bad_reply() -> None:
