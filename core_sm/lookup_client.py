@@ -211,21 +211,22 @@ class LookupClient:
         elif isinstance(event, FreeUnusedLeases):
             self._on_free_unused(event, out)
         elif isinstance(event, EndRequest):
-            self._forget(event.request_id, now, out, free_pending=False)
-            for s in self._healthy_servers():
-                self._counters["end_sessions_sent"] += 1
-                self._send(s, EndSession(event.request_id), out, fire_and_forget=True)
+            self._on_end_request(event.request_id, now, out)
         elif isinstance(event, TimerFired):
             pass  # _advance did the work
         else:
             self._counters["stale_replies"] += 1
 
     def check(self, request_id: str) -> int | None:
-        """Tokens hit (a multiple of chunk_size) when DONE, None while pending, 0 if unknown."""
+        """Tokens hit (a multiple of chunk_size) when DONE, None while pending, 0 if unknown.
+        A pure read unless ``_keep_result_after_check`` says no (legacy profiles only)."""
         done = self._done.get(request_id)
         if done is not None:
-            assert done.result_tokens is not None
-            return done.result_tokens
+            result = done.result_tokens
+            assert result is not None
+            if not self._keep_result_after_check(done):
+                self._query_again(done)
+            return result
         if request_id in self._active:
             return None
         return 0
@@ -293,6 +294,19 @@ class LookupClient:
         """Abandon an unanswered status query and send a new one (legacy: True after
         poll_interval, so the abandoned answer consumes the job: F2)."""
         return False
+
+    def _end_pending_lookup(self, pending: PendingLookup, now: float, out: list[Effect]) -> None:
+        """``EndRequest`` for a request whose lookup is still pending (an abort): its state is
+        already dropped; release what the servers may hold for it -- END_SESSION to every healthy
+        server (legacy: nothing, so its leases and jobs leak: F8)."""
+        self._send_end_session(pending.request_id, out)
+
+    def _keep_result_after_check(self, pending: PendingLookup) -> bool:
+        """Whether a result ``check()`` delivered stays cached until Cleanup / ``result_ttl``
+        (legacy: False, so the next ``handle`` asks every server again, as an adapter without a
+        result cache did: with a server that pops the job on its answer and answers None for an
+        unknown id, that polls forever: F1)."""
+        return True
 
     def _may_resend(self) -> bool:
         """Whether ``_should_resend_status`` can ever say yes (keeps next_deadline quiet)."""
@@ -395,6 +409,29 @@ class LookupClient:
             if leg is not None and leg.chunks is None:
                 self._counters["failures"] += 1
                 self._leg_answer(pending, leg, 0, now, out)
+
+    def _on_end_request(self, rid: str, now: float, out: list[Effect]) -> None:
+        pending = self._active.get(rid)
+        self._forget(rid, now, out, free_pending=False)
+        if pending is not None:
+            self._end_pending_lookup(pending, now, out)
+        else:
+            self._send_end_session(rid, out)
+
+    def _send_end_session(self, rid: str, out: list[Effect]) -> None:
+        for s in self._healthy_servers():
+            self._counters["end_sessions_sent"] += 1
+            self._send(s, EndSession(rid), out, fire_and_forget=True)
+
+    def _query_again(self, pending: PendingLookup) -> None:
+        """Back to querying: the next ``handle`` sends a fresh status query to every server."""
+        del self._done[pending.request_id]
+        pending.result_tokens = None
+        for leg in pending.legs.values():
+            leg.chunks = None
+            leg.acked = True
+            leg.next_query_at = 0.0
+        self._active[pending.request_id] = pending
 
     def _on_cleanup(self, rid: str, now: float, out: list[Effect]) -> None:
         self._forget(rid, now, out, free_pending=True)

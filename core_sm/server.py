@@ -320,11 +320,11 @@ class LookupServer:
                 self._counters["stale_events"] += 1
                 reply_to = getattr(event, "reply_to", None)
                 if reply_to is not None:
-                    out.append(self._error(reply_to, ErrorKind.UNKNOWN_OP, type(event).__name__))
+                    self._error(out, reply_to, ErrorKind.UNKNOWN_OP, type(event).__name__)
             else:
                 if hasattr(event, "reply_to"):
                     self._counters["requests"] += 1
-                handler(self, event, now, out)
+                getattr(self, handler)(event, now, out)
             if self._op_of_reply:  # a deferred STORE/RETRIEVE answered: its duplicates too
                 self._answer_duplicates(out)
         except Exception as exc:  # a bug: answer the request so no client waits forever
@@ -333,7 +333,7 @@ class LookupServer:
             if reply_to is not None and not any(
                 isinstance(e, (Reply, ErrorReply)) and e.reply_to == reply_to for e in out
             ):
-                out.append(self._error(reply_to, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
+                self._error(out, reply_to, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
         return out
 
     def next_deadline(self) -> float | None:
@@ -431,6 +431,13 @@ class LookupServer:
             assert ("transfer", tid) in self._pins and tid not in self._transfers
 
     # ============================================================================= hooks
+
+    def _reply_error(self, out: list[Effect], reply_to: ReplyTo, error: ProtocolError) -> None:
+        """Answer the request behind ``reply_to`` with ``error``: every ``ErrorReply`` the server
+        sends is built here and counted in ``stats()["errors"]`` (legacy: send nothing, so the
+        request is never answered: F11)."""
+        self._counters["errors"] += 1
+        out.append(ErrorReply(reply_to, error))
 
     def _status_for_unknown(self, request_id: str) -> int | None:
         """Answer for a status query of an id with no job and no tombstone (legacy: None)."""
@@ -530,7 +537,7 @@ class LookupServer:
         if err is None:
             hashes, err = self._hashes(ev.key, ev.key.end // self.config.chunk_size)
         if err is not None:
-            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, err))
+            self._error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
         rid = ev.key.request_id
         job = self._jobs.get(rid)
@@ -658,14 +665,14 @@ class LookupServer:
     def _on_wait(self, ev: WaitPrefetchStatus, now: float, out: list[Effect]) -> None:
         self._counters["status_queries"] += 1
         if not isinstance(ev.timeout, (int, float)) or math.isnan(ev.timeout):
-            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, "timeout must be a number"))
+            self._error(out, ev.reply_to, ErrorKind.VALIDATION, "timeout must be a number")
             return
         job = self._jobs.get(ev.request_id)
         if job is None or job.hits is not None or ev.timeout <= 0:
             out.append(Reply(ev.reply_to, self._status(ev.request_id, now)))
             return
         if len(self._waiter_by_id) >= self.config.max_waiters:
-            out.append(self._error(ev.reply_to, ErrorKind.TOO_LARGE, "too many status waiters"))
+            self._error(out, ev.reply_to, ErrorKind.TOO_LARGE, "too many status waiters")
             return
         w = Waiter(self._new_id(), ev.request_id, ev.reply_to, now + min(ev.timeout, 1e9))
         self._waiters.setdefault(ev.request_id, {})[w.waiter_id] = w
@@ -686,7 +693,7 @@ class LookupServer:
         if err is None:
             hashes, err = self._hashes(key, last)
         if err is not None:
-            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, err))
+            self._error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
         keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(key.world_size)]
         self._release_for_free_lookup_locks(key.request_id, keys, now)
@@ -713,13 +720,13 @@ class LookupServer:
         elif not isinstance(ev.object_bytes, int) or ev.object_bytes < 0:
             err = "object_bytes must be >= 0"
         if err is not None:
-            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, err))
+            self._error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
         if ev.object_bytes > self.config.slot_bytes:
-            out.append(self._error(
+            self._error(out,
                 ev.reply_to, ErrorKind.TOO_LARGE,
                 f"object of {ev.object_bytes} B > slot of {self.config.slot_bytes} B",
-            ))
+            )
             return
         self._instances[ev.instance_id] = attrs.evolve(ev, reply_to=None)
         out.append(Reply(ev.reply_to, None))
@@ -739,7 +746,7 @@ class LookupServer:
         inst, keys_or_err = self._worker_keys(ev.key, ev.instance_id, 0)
         if inst is None or isinstance(keys_or_err, ProtocolError):
             assert isinstance(keys_or_err, ProtocolError)
-            out.append(ErrorReply(ev.reply_to, keys_or_err))
+            self._reply_error(out, ev.reply_to, keys_or_err)
             return
         tid = self._new_id()
         owner = ("transfer", tid)
@@ -791,13 +798,13 @@ class LookupServer:
         if not_after is None:
             return False
         if isinstance(not_after, bool) or not isinstance(not_after, (int, float)) or math.isnan(not_after):
-            out.append(self._error(ev.reply_to, ErrorKind.VALIDATION, "not_after must be a number or None"))
+            self._error(out, ev.reply_to, ErrorKind.VALIDATION, "not_after must be a number or None")
             return True
         if now <= not_after:
             return False
         self._counters["late_transfers_refused"] += 1
-        out.append(self._error(ev.reply_to, ErrorKind.TIMEOUT,
-                               f"handled at {now:.6f}, after its not_after {not_after:.6f}"))
+        self._error(out, ev.reply_to, ErrorKind.TIMEOUT,
+                               f"handled at {now:.6f}, after its not_after {not_after:.6f}")
         return True
 
     def _retrieve(self, ev: Retrieve | PrepareRetrieve, now: float, out: list[Effect]) -> None:
@@ -805,7 +812,7 @@ class LookupServer:
         inst, keys_or_err = self._worker_keys(ev.key, ev.instance_id, ev.skip_first_n_tokens)
         if inst is None or isinstance(keys_or_err, ProtocolError):
             assert isinstance(keys_or_err, ProtocolError)
-            out.append(ErrorReply(ev.reply_to, keys_or_err))
+            self._reply_error(out, ev.reply_to, keys_or_err)
             return
         keys = keys_or_err
         if not all(self.index.is_readable(k) for k in keys):
@@ -864,7 +871,12 @@ class LookupServer:
             done = self._ops_done.get(ident)
             if done is not None:
                 self._counters["duplicate_transfers"] += 1
-                out.append(_answer(ev.reply_to, done[0], done[1]))
+                ok, answer = done[0], done[1]
+                if ok:
+                    out.append(Reply(ev.reply_to, answer))
+                else:
+                    assert isinstance(answer, ProtocolError)
+                    self._reply_error(out, ev.reply_to, answer)
                 return
         mark = len(out)
         run(ev, now, out)
@@ -934,8 +946,8 @@ class LookupServer:
                 # An expired plan's engine finished its copy after all: quarantine over.
                 self._quarantined_plans.discard(ev.transfer_id)
                 self._unpin("transfer", ev.transfer_id)
-            out.append(self._error(ev.reply_to, ErrorKind.UNKNOWN_TRANSFER,
-                                   f"no prepared transfer {ev.transfer_id}"))
+            self._error(out, ev.reply_to, ErrorKind.UNKNOWN_TRANSFER,
+                                   f"no prepared transfer {ev.transfer_id}")
             return
         del self._transfers[ev.transfer_id]
         self._finish_transfer(t, bool(ev.ok), ev.reply_to, now, out)
@@ -1196,9 +1208,9 @@ class LookupServer:
         for slot in self._pins.pop((kind, ident), ()):
             self.index.unpin_slot(slot)
 
-    def _error(self, reply_to: ReplyTo, kind: ErrorKind, message: str) -> ErrorReply:
-        self._counters["errors"] += 1
-        return ErrorReply(reply_to, ProtocolError(kind, message))
+    def _error(self, out: list[Effect], reply_to: ReplyTo, kind: ErrorKind, message: str) -> None:
+        """Answer ``reply_to`` with a ``kind`` error (through ``_reply_error``)."""
+        self._reply_error(out, reply_to, ProtocolError(kind, message))
 
     def _object_bytes_for(self, model_name: str, world_size: int) -> int:
         for inst in self._instances.values():
@@ -1269,33 +1281,27 @@ class LookupServer:
         return inst, tuple(ObjectKey(h, key.worker_id) for h in hashes[first:])
 
 
-def _answer(reply_to: ReplyTo, ok: bool, answer: object) -> Reply | ErrorReply:
-    if ok:
-        return Reply(reply_to, answer)
-    assert isinstance(answer, ProtocolError)
-    return ErrorReply(reply_to, answer)
-
-
-_Handler = Callable[[LookupServer, Any, float, list[Effect]], None]
-_DISPATCH: dict[type, _Handler] = {
-    Ping: LookupServer._on_ping,
-    GetChunkSize: LookupServer._on_get_chunk_size,
-    Lookup: LookupServer._on_lookup,
-    QueryPrefetchStatus: LookupServer._on_query,
-    WaitPrefetchStatus: LookupServer._on_wait,
-    FreeLookupLocks: LookupServer._on_free,
-    EndSession: LookupServer._on_end_session,
-    Clear: LookupServer._on_clear,
-    RegisterInstance: LookupServer._on_register,
-    UnregisterInstance: LookupServer._on_unregister,
-    Store: LookupServer._on_store,
-    PrepareStore: LookupServer._on_store,
-    Retrieve: LookupServer._on_retrieve,
-    PrepareRetrieve: LookupServer._on_retrieve,
-    CommitTransfer: LookupServer._on_commit,
-    TransferFinished: LookupServer._on_transfer_finished,
-    L2ReadFinished: LookupServer._on_l2_read_finished,
-    L2ProbeFinished: LookupServer._on_l2_probe_finished,
-    L2WriteFinished: LookupServer._on_l2_write_finished,
-    TimerFired: LookupServer._on_timer,
+# Event type -> the name of its handler method, looked up on the instance so that a subclass
+# (a simulator profile) can override one handler.
+_DISPATCH: dict[type, str] = {
+    Ping: "_on_ping",
+    GetChunkSize: "_on_get_chunk_size",
+    Lookup: "_on_lookup",
+    QueryPrefetchStatus: "_on_query",
+    WaitPrefetchStatus: "_on_wait",
+    FreeLookupLocks: "_on_free",
+    EndSession: "_on_end_session",
+    Clear: "_on_clear",
+    RegisterInstance: "_on_register",
+    UnregisterInstance: "_on_unregister",
+    Store: "_on_store",
+    PrepareStore: "_on_store",
+    Retrieve: "_on_retrieve",
+    PrepareRetrieve: "_on_retrieve",
+    CommitTransfer: "_on_commit",
+    TransferFinished: "_on_transfer_finished",
+    L2ReadFinished: "_on_l2_read_finished",
+    L2ProbeFinished: "_on_l2_probe_finished",
+    L2WriteFinished: "_on_l2_write_finished",
+    TimerFired: "_on_timer",
 }

@@ -9,15 +9,15 @@ within 200 seeds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
 from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, ErrorReply, Reply
+from core_sm.effects import Effect, Reply
+from core_sm.errors import ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from core_sm.messages import EndRequest, Lookup, ServerEvent
+from core_sm.messages import Lookup, ReplyTo
 from core_sm.server import LookupServer, PrefetchJob, ServerConfig
 from core_sm.transfer_client import TransferClient, TransferClientConfig
 from sim.scenario import WorldConfig
@@ -96,21 +96,10 @@ class UnknownNoneServer(LookupServer):
 class NoCacheLookupClient(LookupClient):
     """check() of a finished lookup asks the server again (the adapter did not cache it)."""
 
-    def check(self, request_id: str) -> int | None:
-        result = super().check(request_id)
-        pending = self._done.get(request_id)
+    def _keep_result_after_check(self, pending: PendingLookup) -> bool:
         # Only a lookup every server acked and answered is asked again (the old adapter blocked
         # on the ack and dropped a lookup that failed, so those were never re-polled).
-        if pending is not None and all(leg.acked for leg in pending.legs.values()):
-            # Back to querying: the next handle() sends a fresh status query to every server.
-            del self._done[request_id]
-            pending.result_tokens = None
-            for leg in pending.legs.values():
-                leg.chunks = None
-                leg.acked = True
-                leg.next_query_at = 0.0
-            self._active[request_id] = pending
-        return result
+        return not all(leg.acked for leg in pending.legs.values())
 
 
 class UnknownNone(Profile):
@@ -190,15 +179,8 @@ class NoAckWait(Profile):
 
 
 class LeakOnAbortLookupClient(LookupClient):
-    def handle(self, event: Any, now: float) -> list[Effect]:
-        if type(event) is EndRequest and event.request_id in self._active:
-            pending = self._active.pop(event.request_id)
-            for leg in pending.legs.values():
-                for corr in (leg.lookup_correlation, leg.query_correlation):
-                    if corr is not None:
-                        self._correlations.pop(corr, None)
-            return []
-        return super().handle(event, now)
+    def _end_pending_lookup(self, pending: PendingLookup, now: float, out: list[Effect]) -> None:
+        pass
 
 
 class LeakOnAbort(Profile):
@@ -235,8 +217,8 @@ class ReleaseAll(Profile):
 
 
 class SilentErrorsServer(LookupServer):
-    def handle(self, event: ServerEvent, now: float) -> list[Effect]:
-        return [e for e in super().handle(event, now) if type(e) is not ErrorReply]
+    def _reply_error(self, out: list[Effect], reply_to: ReplyTo, error: ProtocolError) -> None:
+        pass
 
 
 class SilentErrors(Profile):
