@@ -329,12 +329,25 @@ class TransferFinished:
     ok: bool
 
 
+def _bools(values: Iterable[bool]) -> tuple[bool, ...]:
+    """Converter: any iterable of flags, kept as a tuple (typed, so callers may pass a list)."""
+    return tuple(values)
+
+
+def _request_ids(values: Iterable[str]) -> tuple[str, ...]:
+    """Converter: any iterable of request ids, kept as a tuple. A lone ``str`` is refused (it
+    would become one id per character)."""
+    if isinstance(values, str):
+        raise TypeError(f"request_ids must be an iterable of ids, not the str {values!r}")
+    return tuple(values)
+
+
 @attrs.frozen
 class L2ReadFinished:
     """A ``ReadL2`` completed: ``loaded[i]`` says whether item ``i`` was written into its slot."""
 
     read_id: int
-    loaded: tuple[bool, ...] = attrs.field(converter=tuple)
+    loaded: tuple[bool, ...] = attrs.field(converter=_bools)
 
 
 @attrs.frozen
@@ -343,7 +356,7 @@ class L2ProbeFinished:
     that follows may still miss)."""
 
     probe_id: int
-    present: tuple[bool, ...] = attrs.field(converter=tuple)
+    present: tuple[bool, ...] = attrs.field(converter=_bools)
 
 
 @attrs.frozen
@@ -524,7 +537,7 @@ class Abort:
 class EngineFinished:
     """vLLM ``get_finished(finished_req_ids)``: these requests finished in the engine."""
 
-    request_ids: tuple[str, ...] = attrs.field(converter=tuple)
+    request_ids: tuple[str, ...] = attrs.field(converter=_request_ids)
 
 
 ClientEvent = Union[

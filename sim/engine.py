@@ -565,7 +565,7 @@ class SimEngine:
         for w in self.workers:
             assert w.node is not None
             for s in range(self.num_servers):
-                event = Abort(req.rid) if outcome == "aborted" else EngineFinished((req.rid,))  # type: ignore[arg-type]
+                event = Abort(req.rid) if outcome == "aborted" else EngineFinished((req.rid,))
                 self.call(w.node, tc_name(s), event)
         self._ensure_step()
 

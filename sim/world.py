@@ -329,7 +329,7 @@ class World:
             host.slots[slot] = data
             loaded.append(True)
         assert host.node is not None
-        host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))  # type: ignore[arg-type]  # core_sm converter=tuple
+        host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))
         if self.phase == "safety" and self.fault_rng.random() < self.config.evict_after_prefetch_p:
             # Cache chaos: memory pressure right after a prefetch lands (unleased objects go).
             from core_sm.messages import Clear
@@ -363,7 +363,7 @@ class World:
         self.stats["l2_probes"] += 1
         present = tuple(key in self.l2 for key in effect.keys)
         assert host.node is not None
-        host.node.post(SERVER, L2ProbeFinished(effect.probe_id, present))  # type: ignore[arg-type]
+        host.node.post(SERVER, L2ProbeFinished(effect.probe_id, present))
 
     def _finish_l2_write(self, host: ServerHost, incarnation: int, effect: WriteL2) -> None:
         if host.incarnation != incarnation or not host.up:
