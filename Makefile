@@ -26,7 +26,7 @@ run: venv
 	$(VENV)/bin/mpcache-server
 
 test: venv
-	$(VPY) -m mypy --strict core_sm
+	$(VPY) -m mypy --strict core_sm runtime_trio sim
 	$(VPY) -m pytest -q
 
 sim: venv

@@ -119,7 +119,7 @@ class Node:
         """Hand one event to one machine and interpret its effects (synchronous)."""
         machine = self.machines[machine_name]
         now = self._clock()
-        effects = machine.handle(event, now)
+        effects: list[Any] = machine.handle(event, now)
         self.handled += 1
         if self._observer is not None:
             self._observer(self, machine_name, event, effects, now)

@@ -615,7 +615,7 @@ class SimEngine:
         if chunk >= len(req.hashes):
             return -2  # the partial tail chunk: never stored or loaded
         base = int.from_bytes(req.hashes[chunk][:6], "little") * 8 + rank
-        return base * 64 + (token - chunk * self.C) // self.bs
+        return int(base * 64 + (token - chunk * self.C) // self.bs)
 
     # =========================================================================== faults & phases
     def crash(self) -> None:

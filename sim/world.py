@@ -747,7 +747,7 @@ class ProbedServer:
     def handle(self, event: Any, now: float) -> list[Any]:
         if type(event) is not FreeLookupLocks:
             return self.inner.handle(event, now)  # type: ignore[no-any-return]
-        effects = self.inner.handle(TimerFired(), now)
+        effects: list[Any] = self.inner.handle(TimerFired(), now)
         before = dict(self.inner.leases_by_owner())
         effects += self.inner.handle(event, now)
         after = self.inner.leases_by_owner()
