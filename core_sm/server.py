@@ -113,6 +113,8 @@ class TransferState(enum.Enum):
 _J = JobState
 _T = TransferState
 _ALL_JOB_STATES = frozenset(JobState)
+# Stale timer entries the heap may hold beyond twice its live ones before it is rebuilt.
+_TIMER_COMPACT_SLACK = 256
 # The one transition table: (state of the entity the event addresses, event type) -> allowed next
 # states. An event addresses the job of its request id, or the transfer of its transfer id
 # (a new transfer starts ABSENT). A refused event (ErrorReply) leaves the state unchanged.
@@ -292,6 +294,8 @@ class LookupServer:
         self._ops_running: dict[Hashable, tuple[ReplyTo, list[ReplyTo]]] = {}
         self._op_of_reply: dict[ReplyTo, Hashable] = {}
         self._timers: list[tuple[float, int, str, Hashable]] = []
+        # The heap is rebuilt from its live entries when it grows past this (see _push_timer).
+        self._timers_compact_at = _TIMER_COMPACT_SLACK
         self._due_reaps: list[str] = []
         self._roots: dict[tuple[str, int, str], bytes] = {}
         self._next_id = 0
@@ -304,7 +308,7 @@ class LookupServer:
                 "retrieve_misses", "expired_plans", "expired_transfers", "l2_reads_expired", "l2_probes_expired",
                 "l2_writes_expired", "waiter_timeouts", "internal_errors",
                 "tombstones_dropped", "late_transfers_refused", "stores_awaiting_writers",
-                "plan_quarantines_ended", "duplicate_transfers",
+                "plan_quarantines_ended", "duplicate_transfers", "timer_compactions",
             )
         }
 
@@ -387,6 +391,7 @@ class LookupServer:
         out["instances"] = len(self._instances)
         out["store_waits"] = len(self._store_waits)
         out["pinned_effects"] = len(self._pins)
+        out["timers"] = len(self._timers)
         return out
 
     def check_invariants(self) -> None:
@@ -1165,7 +1170,19 @@ class LookupServer:
             self._due_reaps = []
 
     def _push_timer(self, deadline: float, kind: str, ident: Hashable) -> None:
+        """Arm a timer. An entry whose subject ended first (a job ended, a waiter answered, a
+        transfer finished) is not removed then: it goes stale, and is skipped when it comes
+        due. So that stale entries cannot pile up for a whole TTL (memory would follow the
+        request rate times the TTL), the heap is rebuilt from its live entries whenever it
+        holds more than twice the live entries of the last rebuild plus a slack: amortised
+        O(1) per timer, and the heap stays under ``2 * live + slack``. Entries are ordered by
+        ``(deadline, seq)`` with a unique seq, so a rebuild changes no firing order."""
         heapq.heappush(self._timers, (deadline, self._new_id(), kind, ident))
+        if len(self._timers) > self._timers_compact_at:
+            self._timers = [e for e in self._timers if self._timer_live(e)]
+            heapq.heapify(self._timers)
+            self._timers_compact_at = 2 * len(self._timers) + _TIMER_COMPACT_SLACK
+            self._counters["timer_compactions"] += 1
 
     def _timer_live(self, entry: tuple[float, int, str, Hashable]) -> bool:
         _deadline, _seq, kind, ident = entry
