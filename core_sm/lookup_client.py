@@ -28,6 +28,7 @@ import attrs
 
 from core_sm.chunks import DEFAULT_CHUNK_SIZE, pack_tokens, validate_cache_salt
 from core_sm.effects import Effect, SendRequest
+from core_sm.guarded import GuardedMachine
 from core_sm.messages import (
     CacheKey,
     Cleanup,
@@ -157,7 +158,7 @@ class PendingLookup:
         return LookupState.AWAITING_ACK
 
 
-class LookupClient:
+class LookupClient(GuardedMachine[ClientEvent]):
     """Scheduler-side lookup bookkeeping. ``handle(event, now)``, ``next_deadline()``,
     ``check(request_id)``."""
 
@@ -182,18 +183,6 @@ class LookupClient:
         }
 
     # ============================================================================= public API
-
-    def handle(self, event: ClientEvent, now: float) -> list[Effect]:
-        """Feed one event; returns the effects, in order. Never raises: events meant for other
-        machines are ignored and counted as stale; an exception (a bug) is counted in
-        ``stats()["internal_errors"]`` and the effects produced so far are returned."""
-        out: list[Effect] = []
-        try:
-            self._advance(now, out)
-            self._dispatch(event, now, out)
-        except Exception:
-            self._counters["internal_errors"] += 1
-        return out
 
     def _dispatch(self, event: ClientEvent, now: float, out: list[Effect]) -> None:
         if isinstance(event, SubmitLookup):

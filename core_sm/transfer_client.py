@@ -65,6 +65,7 @@ import attrs
 
 from core_sm.chunks import DEFAULT_CHUNK_SIZE
 from core_sm.effects import CopyBlocks, Effect, SendRequest
+from core_sm.guarded import GuardedMachine
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.messages import (
     Abort,
@@ -201,7 +202,7 @@ class RequestRecord:
     fenced_load_errors: list[int] = attrs.Factory(list)  # reported with that recving
 
 
-class TransferClient:
+class TransferClient(GuardedMachine[ClientEvent]):
     """Worker-side transfer bookkeeping. ``handle``, ``next_deadline``, ``finished``,
     ``load_errors``."""
 
@@ -241,18 +242,6 @@ class TransferClient:
         }
 
     # ============================================================================= public API
-
-    def handle(self, event: ClientEvent, now: float) -> list[Effect]:
-        """Feed one event; returns the effects, in order. Never raises: events meant for other
-        machines are ignored and counted as stale; an exception (a bug) is counted in
-        ``stats()["internal_errors"]`` and the effects produced so far are returned."""
-        out: list[Effect] = []
-        try:
-            self._advance(now, out)
-            self._dispatch(event, now, out)
-        except Exception:
-            self._counters["internal_errors"] += 1
-        return out
 
     def _dispatch(self, event: ClientEvent, now: float, out: list[Effect]) -> None:
         if isinstance(event, (SubmitStore, SubmitRetrieve)):
