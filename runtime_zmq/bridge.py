@@ -22,7 +22,7 @@ import attrs
 
 from core_sm import messages as m
 from core_sm.messages import TransferKind, TransferPlan
-from runtime_zmq.wire import Request, WireKey, token_ids_for_wire
+from runtime_zmq.wire import Request, WireKey, encode_key
 
 
 class BadRequest(Exception):
@@ -145,19 +145,8 @@ def result_to_wire(op: str, result: Any, *, event_handle: bytes = b"", segment: 
 
 
 def key_to_wire(key: m.CacheKey, num_kv_readers: int = 0) -> dict[str, Any]:
-    """The key map, token ids in mpcache's packed form when possible (``wire.pack_token_ids``)."""
-    return {
-        "model_name": key.model_name,
-        "world_size": key.world_size,
-        "worker_id": key.worker_id,
-        "token_ids": token_ids_for_wire(key.token_ids),
-        "start": key.start,
-        "end": key.end,
-        "request_id": key.request_id,
-        "cache_salt": key.cache_salt,
-        "request_configs": None,
-        "num_kv_readers": num_kv_readers,
-    }
+    """The key map a request carries (``wire.encode_key``)."""
+    return encode_key(key, num_kv_readers)
 
 
 def request_to_wire(

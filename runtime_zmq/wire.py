@@ -33,6 +33,7 @@ import attrs
 import msgpack  # type: ignore[import-untyped]
 
 from core_sm.chunks import TokenIds, as_token_ids, pack_tokens
+from core_sm.messages import CacheKey
 
 # ---------------------------------------------------------------------------------------------
 # Error kinds on the wire (lower-case names of core_sm's ErrorKind; the codec's own failures use
@@ -303,8 +304,12 @@ def decode_key(v: Any, limits: Limits) -> WireKey:
     )
 
 
-def encode_key(key: WireKey) -> dict[str, Any]:
-    """The msgpack map LMCache's client sends for ``key`` (used by mpcache's client)."""
+def encode_key(key: WireKey | CacheKey, num_kv_readers: int | None = None) -> dict[str, Any]:
+    """The msgpack map LMCache's client sends for ``key`` (used by mpcache's client and the
+    bridge); token ids in mpcache's packed form when possible. ``num_kv_readers`` defaults to
+    the key's own (0 for a core_sm ``CacheKey``, which carries none)."""
+    if num_kv_readers is None:
+        num_kv_readers = key.num_kv_readers if isinstance(key, WireKey) else 0
     return {
         "model_name": key.model_name,
         "world_size": key.world_size,
@@ -315,7 +320,7 @@ def encode_key(key: WireKey) -> dict[str, Any]:
         "request_id": key.request_id,
         "cache_salt": key.cache_salt,
         "request_configs": None,
-        "num_kv_readers": key.num_kv_readers,
+        "num_kv_readers": num_kv_readers,
     }
 
 
