@@ -807,6 +807,11 @@ class WorkerAdapter(_MachineShell):
         self._layers = layers
         self._geometry = geometry
         self._warm_up_kernels()
+        self._start_transfer_client(geometry.slot_bytes, engine_driven=True)
+
+    def _start_transfer_client(self, object_bytes: int, *, engine_driven: bool) -> None:
+        """The worker's core_sm bookkeeping, once the KV caches are registered; it then learns
+        the server's health (and registers the instance through core_sm)."""
         with self._lock:
             self._machine = TransferClient(
                 TransferClientConfig(
@@ -815,8 +820,8 @@ class WorkerAdapter(_MachineShell):
                     world_size=self.world_size,
                     worker_id=self.rank,
                     chunk_size=self.chunk_size,
-                    object_bytes=geometry.slot_bytes,
-                    engine_driven=True,
+                    object_bytes=object_bytes,
+                    engine_driven=engine_driven,
                     server=0,
                     op_timeout=self.request_timeout_s,
                 )
@@ -884,21 +889,7 @@ class WorkerAdapter(_MachineShell):
         self._gpu_event = event
         self._layers = views
         self._geometry = geometry
-        with self._lock:
-            self._machine = TransferClient(
-                TransferClientConfig(
-                    instance_id=self.instance_id,
-                    model_name=self.model_name,
-                    world_size=self.world_size,
-                    worker_id=self.rank,
-                    chunk_size=self.chunk_size,
-                    object_bytes=geometry.slot_bytes,
-                    engine_driven=False,
-                    server=0,
-                    op_timeout=self.request_timeout_s,
-                )
-            )
-        self._handle(ServerHealth(0, self._links.healthy(0)))
+        self._start_transfer_client(geometry.slot_bytes, engine_driven=False)
 
     @property
     def engine_driven(self) -> bool:
