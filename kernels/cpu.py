@@ -32,7 +32,11 @@ from kernels.layouts import (
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _gather_lanes(layers, pool, params, block_ids, slot_base, skip):  # type: ignore[no-untyped-def]
+def _copy_lanes(layers, pool, params, block_ids, slot_base, skip, to_pool):  # type: ignore[no-untyped-def]
+    """One pass over (block, layer, kv) units: ``to_pool`` gathers paged blocks into the chunk
+    slots (STORE), otherwise scatters the slots into the blocks (RETRIEVE). The first ``skip``
+    blocks of the list are left alone. Both directions share the address arithmetic, so they
+    cannot disagree on where a lane lives."""
     n_layers = params[P_LAYERS]
     kv_size = params[P_KV]
     bpc = params[P_BPC]
@@ -56,51 +60,19 @@ def _gather_lanes(layers, pool, params, block_ids, slot_base, skip):  # type: ig
         kv = r - layer * kv_size
         chunk = f // bpc
         j = f - chunk * bpc
-        src = layers[layer]
+        paged = layers[layer]
         pb = kv * s_kv + block_ids[f] * s_blk
         sb = slot_base[chunk] + ((kv * n_layers + layer) * c_tok + j * bs) * d
         for t in range(bs):
             for h in range(nh):
                 po = pb + t * s_tok + h * s_head
                 so = sb + (t * nh + h) * hl
-                for e in range(hl):
-                    pool[so + e] = src[po + e]
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _scatter_lanes(layers, pool, params, block_ids, slot_base, skip):  # type: ignore[no-untyped-def]
-    n_layers = params[P_LAYERS]
-    kv_size = params[P_KV]
-    bpc = params[P_BPC]
-    bs = params[P_BS]
-    nh = params[P_NH]
-    hl = params[P_HL]
-    s_kv = params[P_SKV]
-    s_blk = params[P_SBLK]
-    s_tok = params[P_STOK]
-    s_head = params[P_SHEAD]
-    c_tok = params[P_C]
-    d = nh * hl
-    per_block = n_layers * kv_size
-    n_units = block_ids.size * per_block
-    for u in numba.prange(n_units):
-        f = u // per_block
-        if f < skip:
-            continue
-        r = u - f * per_block
-        layer = r // kv_size
-        kv = r - layer * kv_size
-        chunk = f // bpc
-        j = f - chunk * bpc
-        dst = layers[layer]
-        pb = kv * s_kv + block_ids[f] * s_blk
-        sb = slot_base[chunk] + ((kv * n_layers + layer) * c_tok + j * bs) * d
-        for t in range(bs):
-            for h in range(nh):
-                po = pb + t * s_tok + h * s_head
-                so = sb + (t * nh + h) * hl
-                for e in range(hl):
-                    dst[po + e] = pool[so + e]
+                if to_pool:
+                    for e in range(hl):
+                        pool[so + e] = paged[po + e]
+                else:
+                    for e in range(hl):
+                        paged[po + e] = pool[so + e]
 
 
 class CpuKVTransfer:
@@ -134,13 +106,13 @@ class CpuKVTransfer:
         """STORE: engine blocks → chunk slots. ``block_ids``: ``[n_chunks, blocks_per_chunk]``;
         ``slot_offsets``: byte offset of each chunk's slot in the pool."""
         ids, base = self._check(block_ids, slot_offsets, 0)
-        _gather_lanes(self._layers, self._pool, self._params, ids, base, 0)
+        _copy_lanes(self._layers, self._pool, self._params, ids, base, 0, True)
 
     def scatter(self, slot_offsets: Sequence[int] | np.ndarray, block_ids: np.ndarray, skip_blocks: int = 0) -> None:
         """RETRIEVE: chunk slots → engine blocks, leaving the first ``skip_blocks`` blocks of
         the flattened block list untouched (the engine already holds them)."""
         ids, base = self._check(block_ids, slot_offsets, skip_blocks)
-        _scatter_lanes(self._layers, self._pool, self._params, ids, base, skip_blocks)
+        _copy_lanes(self._layers, self._pool, self._params, ids, base, skip_blocks, False)
 
     def _check(self, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
         return check_request(self.geometry, self._pool.size, block_ids, slot_offsets, skip)
