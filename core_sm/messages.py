@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Iterable
-from typing import Union
+from typing import Union, get_args
 
 import attrs
 
@@ -299,23 +299,7 @@ ServerRequest = Union[
     PrepareRetrieve,
     CommitTransfer,
 ]
-SERVER_REQUEST_TYPES: tuple[type, ...] = (
-    Ping,
-    GetChunkSize,
-    Lookup,
-    QueryPrefetchStatus,
-    WaitPrefetchStatus,
-    FreeLookupLocks,
-    EndSession,
-    Clear,
-    RegisterInstance,
-    UnregisterInstance,
-    Store,
-    Retrieve,
-    PrepareStore,
-    PrepareRetrieve,
-    CommitTransfer,
-)
+SERVER_REQUEST_TYPES: tuple[type, ...] = get_args(ServerRequest)  # one list: the Union above
 
 # ---------------------------------------------------------------------------------------------
 # Server internal events
