@@ -27,6 +27,9 @@ class ErrorKind(enum.Enum):
     TIMEOUT = "timeout"  # a client gave up waiting (client-side only)
     UNHEALTHY = "unhealthy"  # the client marked the server unhealthy (client-side only)
     INTERNAL = "internal"  # a bug: the runtime caught an exception it should not have seen
+    SHUTTING_DOWN = "shutting_down"  # the server is closing: the request was not handled
+    FORBIDDEN = "forbidden"  # the request names state another instance/connection owns, or needs admin
+    ILLEGAL_STATE = "illegal_state"  # the request is not allowed in the state of what it addresses
 
 
 @attrs.frozen

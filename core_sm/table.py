@@ -1,0 +1,137 @@
+"""The one dispatch mechanism of every core_sm machine: a transition table that ``handle`` runs.
+
+In the style of hyper-h2's ``H2ConnectionStateMachine``: a machine declares one ``Table``,
+``(state, event type) -> Transition(handler, next states)``, and its ``handle`` executes it --
+the table is not a description checked after the fact, it is what decides which code runs.
+
+Contract:
+
+* **Addressing.** Every event addresses one entity of the machine (a job of a request id, a
+  transfer id, an op, an instance, ...). The machine says which (``address(event) -> entity``)
+  and what state that entity is in (``state_of(entity) -> state``); an entity the machine does
+  not hold is in the table's ``absent`` state.
+* **Execution.** ``Dispatcher.run(event, now, out)`` looks up ``(state_of(address(event)),
+  type(event))``. Found: the row's handler runs, ``handler(event, now, out)``, appending effects
+  to ``out``. The handler is resolved on the machine *by the function given in the table* when
+  the dispatcher is built (``Table.bind``), so a subclass that overrides that method (a legacy
+  profile in the simulator) is what runs.
+* **Illegal pairs** never raise and are never silent: a request (an event with a ``reply_to``)
+  gets exactly one ``ErrorReply(reply_to, ProtocolError(table.illegal_kind, ...))`` through the
+  machine's ``refuse`` callback; an internal event (a completion, a typed timer) is counted in
+  ``counters["stale_events"]``. Nothing changes.
+* **Next states are enforced.** After the handler, the entity's state must be one the row lists
+  -- or, when the handler refused the request (an ``ErrorReply`` to its ``reply_to``), the state
+  it was in. Anything else is a bug in the machine: counted in ``counters["internal_errors"]``
+  (simulator oracles and metrics assert 0) and in ``counters["table_violations"]``, never raised.
+* **Typed timers.** A machine's timers are small frozen classes (``core_sm.timers.Timer``), one
+  per kind, that are events of its table like any other (their rows say what a deadline does in
+  each state) -- no string kinds, no if-chains.
+
+``Table.rows`` is a plain mapping, so tests walk every ``state x event`` pair and docs are
+rendered from it (``core_sm.describe``).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
+
+import attrs
+
+from core_sm.effects import Effect, ErrorReply
+from core_sm.errors import ErrorKind, ProtocolError
+
+S = TypeVar("S", bound=enum.Enum)
+# A handler as written in the machine's class: ``def _on_x(self, event, now, out) -> None``.
+Handler = Callable[[Any, Any, float, list[Effect]], None]
+BoundHandler = Callable[[Any, float, list[Effect]], None]
+
+
+@attrs.frozen
+class Transition(Generic[S]):
+    """One row: the method that handles the event in that state, and the states it may leave
+    the entity in (a refused request leaves it where it was)."""
+
+    handler: Handler
+    next_states: frozenset[S]
+
+
+class Table(Generic[S]):
+    """``(state, event type) -> Transition``. Build it once per machine class (a module constant).
+
+    ``absent`` is the state of an entity the machine does not hold; ``illegal_kind`` the
+    ``ErrorKind`` a request gets for a pair the table does not list."""
+
+    def __init__(self, name: str, states: type[S], absent: S,
+                 rows: Mapping[tuple[S, type], tuple[Handler, Iterable[S]]],
+                 illegal_kind: ErrorKind = ErrorKind.ILLEGAL_STATE) -> None:
+        self.name = name
+        self.states = states
+        self.absent = absent
+        self.illegal_kind = illegal_kind
+        self.rows: dict[tuple[S, type], Transition[S]] = {}
+        for (state, event_type), (handler, nexts) in rows.items():
+            if not isinstance(state, states):
+                raise TypeError(f"{name}: {state!r} is not a {states.__name__}")
+            self.rows[(state, event_type)] = Transition(handler, frozenset(nexts))
+
+    def events(self) -> tuple[type, ...]:
+        """Every event type some row names, in first-row order."""
+        return tuple(dict.fromkeys(e for _s, e in self.rows))
+
+    def allowed(self, state: S, event_type: type) -> frozenset[S] | None:
+        """The next states of ``(state, event_type)``, None for an illegal pair."""
+        row = self.rows.get((state, event_type))
+        return None if row is None else row.next_states
+
+    def bind(self, machine: object, address: Callable[[Any], Hashable],
+             state_of: Callable[[Hashable], S], counters: dict[str, int],
+             refuse: Callable[[list[Effect], Hashable, ProtocolError], None]) -> Dispatcher[S]:
+        """A dispatcher for ``machine``: every row's handler resolved on it (overrides win)."""
+        bound: dict[tuple[S, type], tuple[BoundHandler, frozenset[S]]] = {}
+        for key, row in self.rows.items():
+            bound[key] = (getattr(machine, row.handler.__name__), row.next_states)
+        return Dispatcher(self, bound, address, state_of, counters, refuse)
+
+
+class Dispatcher(Generic[S]):
+    """A table bound to one machine instance (see the module docstring for the contract)."""
+
+    def __init__(self, table: Table[S], bound: dict[tuple[S, type], tuple[BoundHandler, frozenset[S]]],
+                 address: Callable[[Any], Hashable], state_of: Callable[[Hashable], S],
+                 counters: dict[str, int],
+                 refuse: Callable[[list[Effect], Hashable, ProtocolError], None]) -> None:
+        self.table = table
+        self._bound = bound
+        self._address = address
+        self._state_of = state_of
+        self._counters = counters
+        self._refuse = refuse
+        for name in ("stale_events", "internal_errors", "table_violations"):
+            counters.setdefault(name, 0)
+
+    def run(self, event: Any, now: float, out: list[Effect]) -> bool:
+        """Execute the row of ``event``; True if one ran, False for an illegal pair."""
+        entity = self._address(event)
+        state = self._state_of(entity)
+        row = self._bound.get((state, type(event)))
+        reply_to = getattr(event, "reply_to", None)
+        if row is None:
+            if reply_to is None:
+                self._counters["stale_events"] += 1
+            else:
+                self._refuse(out, reply_to, ProtocolError(
+                    self.table.illegal_kind,
+                    f"{type(event).__name__} is not allowed in {type(state).__name__}.{state.name}"))
+            return False
+        handler, nexts = row
+        mark = len(out)
+        handler(event, now, out)
+        after = self._state_of(entity)
+        if after not in nexts:
+            refused = reply_to is not None and after is state and any(
+                isinstance(e, ErrorReply) and e.reply_to == reply_to for e in out[mark:])
+            if not refused:
+                self._counters["internal_errors"] += 1
+                self._counters["table_violations"] += 1
+        return True

@@ -1,0 +1,119 @@
+"""core_sm.table: the table is what handle runs -- rows dispatch, illegal pairs are typed
+errors (requests) or counted (internal events), next states are enforced, overrides win."""
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+
+import attrs
+
+from core_sm.effects import Effect, ErrorReply, Reply
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.table import Table
+from core_sm.timers import Timer, TimerHeap
+
+
+class DoorState(enum.Enum):
+    ABSENT = "absent"
+    OPEN = "open"
+
+
+@attrs.frozen
+class Open:
+    door: str
+    reply_to: Hashable = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class Close:
+    door: str
+    reply_to: Hashable = attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class Slam(Timer):
+    door: str
+
+
+class Doors:
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+        self.counters: dict[str, int] = {"errors": 0}
+        self.dispatch = TABLE.bind(self, lambda ev: ev.door, self.state, self.counters, self.refuse)
+
+    def state(self, door: Hashable) -> DoorState:
+        return DoorState.OPEN if door in self.open else DoorState.ABSENT
+
+    def refuse(self, out: list[Effect], reply_to: Hashable, error: ProtocolError) -> None:
+        self.counters["errors"] += 1
+        out.append(ErrorReply(reply_to, error))
+
+    def handle(self, event: object, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        self.dispatch.run(event, now, out)
+        return out
+
+    def _on_open(self, ev: Open, now: float, out: list[Effect]) -> None:
+        self.open.add(ev.door)
+        out.append(Reply(ev.reply_to, True))
+
+    def _on_close(self, ev: Close | Slam, now: float, out: list[Effect]) -> None:
+        self.open.discard(ev.door)
+        if isinstance(ev, Close):
+            out.append(Reply(ev.reply_to, True))
+
+    def _on_open_twice(self, ev: Open, now: float, out: list[Effect]) -> None:
+        out.append(ErrorReply(ev.reply_to, ProtocolError(ErrorKind.VALIDATION, "already open")))
+
+
+D = DoorState
+TABLE: Table[DoorState] = Table("doors", DoorState, D.ABSENT, {
+    (D.ABSENT, Open): (Doors._on_open, {D.OPEN}),
+    (D.OPEN, Open): (Doors._on_open_twice, {D.OPEN}),
+    (D.OPEN, Close): (Doors._on_close, {D.ABSENT}),
+    (D.OPEN, Slam): (Doors._on_close, {D.ABSENT}),
+})
+
+
+def test_rows_dispatch_and_illegal_pairs_are_typed_errors_or_counted() -> None:
+    d = Doors()
+    assert d.handle(Open("a", reply_to=1), 0.0) == [Reply(1, True)]
+    assert d.handle(Close("a", reply_to=2), 0.0) == [Reply(2, True)]
+    (err,) = d.handle(Close("a", reply_to=3), 0.0)
+    assert isinstance(err, ErrorReply) and err.reply_to == 3
+    assert err.error.kind is ErrorKind.ILLEGAL_STATE and "Close" in err.error.message
+    assert d.handle(Slam("a"), 0.0) == [] and d.counters["stale_events"] == 1
+    assert d.counters["internal_errors"] == 0
+    assert TABLE.events() == (Open, Close, Slam)
+    assert TABLE.allowed(D.ABSENT, Close) is None
+
+
+def test_a_refusal_may_leave_the_state_and_anything_else_outside_the_row_is_a_violation() -> None:
+    d = Doors()
+    d.handle(Open("a", reply_to=1), 0.0)
+    (err,) = d.handle(Open("a", reply_to=2), 0.0)  # refused: OPEN stays OPEN, which the row allows
+    assert isinstance(err, ErrorReply) and d.counters["table_violations"] == 0
+
+    class Broken(Doors):
+        def _on_close(self, ev: Close | Slam, now: float, out: list[Effect]) -> None:
+            out.append(Reply(ev.reply_to, True))  # forgets to close: OPEN is not a next state
+
+    b = Broken()
+    b.handle(Open("a", reply_to=1), 0.0)
+    assert b.handle(Close("a", reply_to=2), 0.0) == [Reply(2, True)]  # the override ran
+    assert b.counters["table_violations"] == 1 and b.counters["internal_errors"] == 1
+
+
+def test_timer_heap_skips_dead_entries_fires_in_order_and_stays_bounded() -> None:
+    alive = {"a", "b"}
+    heap = TimerHeap(lambda t: isinstance(t, Slam) and t.door in alive, slack=4)
+    heap.push(2.0, Slam("b"))
+    heap.push(1.0, Slam("a"))
+    heap.push(1.0, Slam("c"))  # dead at once
+    assert heap.next_deadline() == 1.0
+    assert list(heap.pop_due(1.5)) == [Slam("a")]
+    alive.clear()
+    for i in range(1000):
+        heap.push(float(i), Slam("x"))  # never live
+    assert len(heap) <= 2 * 0 + 4 + 1 and heap.compactions > 0
+    assert heap.next_deadline() is None
