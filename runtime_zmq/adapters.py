@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from core_sm.blocks import chunk_copies
 from core_sm.effects import CopyBlocks, SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.lookup_client import LookupClient, LookupClientConfig
@@ -993,22 +994,15 @@ class WorkerAdapter(_MachineShell):
             path, slot_bytes = memory.segment, memory.slot_bytes
             if self._segment is None or self._segment_path != path or self._slot_bytes != slot_bytes:
                 self._map_segment(path, slot_bytes)
-            bpc = self.chunk_size // self.block_size
-            first_chunk = effect.start // self.chunk_size
-            rows: list[tuple[int, tuple[int, ...], int]] = []
-            for chunk_index, slot in effect.placements:
-                # Placements name chunks by their index in the whole token sequence.
-                relative = chunk_index - first_chunk
-                blocks = tuple(effect.block_ids[relative * bpc : (relative + 1) * bpc])
-                if relative < 0 or len(blocks) != bpc:
-                    raise ValueError(f"placement chunk {chunk_index} outside [{effect.start}, {effect.end})")
-                rows.append((relative, blocks, slot * slot_bytes))
-            if rows and effect.direction is TransferKind.STORE:
-                self._transfer.gather(np.asarray([r[1] for r in rows], dtype=np.int64), [r[2] for r in rows])
-            elif rows:
-                for relative, blocks, offset in rows:
-                    skip_tokens = min(max(effect.skip_first_n_tokens - relative * self.chunk_size, 0), self.chunk_size)
-                    self._transfer.scatter([offset], np.asarray([blocks], dtype=np.int64), skip_tokens // self.block_size)
+            copies = chunk_copies(effect.direction, effect.start, effect.end, effect.placements, effect.block_ids,
+                                  effect.skip_first_n_tokens, self.chunk_size, self.block_size)
+            if copies and effect.direction is TransferKind.STORE:
+                self._transfer.gather(np.asarray([c.block_ids for c in copies], dtype=np.int64),
+                                      [c.slot * slot_bytes for c in copies])
+            else:
+                for copy in copies:
+                    self._transfer.scatter([copy.slot * slot_bytes], np.asarray([copy.block_ids], dtype=np.int64),
+                                           copy.skip_blocks)
         except Exception:
             log.exception("mpcache: copy for transfer %s failed", effect.transfer_id)
             ok = False

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from core_sm.blocks import chunk_copies
 from core_sm.effects import StartTransfer
 from core_sm.messages import TransferKind
 from runtime_zmq import gpu_ipc
@@ -54,30 +55,15 @@ class TransferRows:
 
 
 def plan_rows(st: StartTransfer, chunk_tokens: int, block_size: int, slot_bytes: int) -> TransferRows:
-    """Map a ``StartTransfer`` to kernel rows. Placements name chunks by their index in the whole
-    token sequence; ``block_ids`` cover ``[start, end)``. Chunks entirely inside the retrieve's
-    skipped prefix are dropped; a partly skipped one keeps ``skip_first_n_tokens // block_size``
-    of its blocks (the engine already holds them). Raises ``ValueError`` on inconsistent input."""
-    if chunk_tokens % block_size:
-        raise ValueError("chunk size is not a whole number of blocks")
+    """Map a ``StartTransfer`` to kernel rows (``core_sm.blocks.chunk_copies`` decides which
+    chunks and blocks). Only the first row can be partly skipped, so one ``skip_blocks`` for the
+    flattened list says it all. Raises ``ValueError`` on inconsistent input."""
+    copies = chunk_copies(st.kind, st.start, st.end, st.placements, st.block_ids, st.skip_first_n_tokens,
+                          chunk_tokens, block_size)
     bpc = chunk_tokens // block_size
-    first = st.start // chunk_tokens
-    skip_tokens = st.skip_first_n_tokens if st.kind is TransferKind.RETRIEVE else 0
-    rows: list[tuple[int, int]] = []
-    for chunk, slot in sorted(st.placements):
-        rel = chunk - first
-        if rel < 0 or (rel + 1) * bpc > len(st.block_ids):
-            raise ValueError(f"chunk {chunk} outside the block ids of [{st.start}, {st.end})")
-        if (rel + 1) * chunk_tokens <= skip_tokens:
-            continue  # the engine holds all of it
-        rows.append((rel, slot))
-    ids = np.asarray(st.block_ids, dtype=np.int64)
-    table = np.stack([ids[r * bpc : (r + 1) * bpc] for r, _ in rows]) if rows else np.zeros((0, bpc), np.int64)
-    offsets = np.asarray([s * slot_bytes for _, s in rows], dtype=np.int64)
-    skip = 0
-    if rows:
-        skip = max(0, skip_tokens - rows[0][0] * chunk_tokens) // block_size
-    return TransferRows(table, offsets, skip)
+    table = np.asarray([c.block_ids for c in copies], dtype=np.int64).reshape(len(copies), bpc)
+    offsets = np.asarray([c.slot * slot_bytes for c in copies], dtype=np.int64)
+    return TransferRows(table, offsets, copies[0].skip_blocks if copies else 0)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import trio
 
+from core_sm.blocks import chunk_copies
 from core_sm.chunks import ObjectKey, chunk_hashes, identity_root
 from core_sm.effects import CopyBlocks, SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
@@ -111,28 +112,30 @@ class SimWorker:
         self.alive = True
 
     # ---- copies (called by the server's transfer executor and by CopyBlocks) -------------
-    def _block_of(self, start: int, block_ids: tuple[int, ...], token: int) -> int | None:
-        i = (token - start) // self.engine.bs
-        return block_ids[i] if 0 <= i < len(block_ids) else None
-
-    def read_chunk(self, start: int, block_ids: tuple[int, ...], chunk: int) -> tuple[int, ...]:
-        C, bs = self.engine.C, self.engine.bs
-        out = []
-        for j in range(C // bs):
-            b = self._block_of(start, block_ids, chunk * C + j * bs)
-            out.append(self.blocks.get(b, -1) if b is not None else -1)
-        return tuple(out)
-
-    def write_chunk(self, start: int, block_ids: tuple[int, ...], chunk: int, data: tuple[int, ...] | None,
-                    skip: int) -> None:
-        C, bs = self.engine.C, self.engine.bs
-        for j in range(C // bs):
-            token = chunk * C + j * bs
-            if token < start + skip:
-                continue  # blocks vLLM already shares: never written
-            b = self._block_of(start, block_ids, token)
-            if b is not None:
-                self.blocks[b] = data[j] if data is not None else -3
+    def copy(self, host: Any, rid: str, kind: TransferKind, start: int, end: int,
+             placements: tuple[tuple[int, int], ...], block_ids: tuple[int, ...], skip: int, what: str) -> bool:
+        """Run one copy between this worker's blocks and ``host``'s slots, choosing chunks and
+        blocks with core_sm's ``chunk_copies`` (as the production copiers do). False: the plan
+        does not match its blocks (production logs it and reports the copy failed)."""
+        engine = self.engine
+        try:
+            copies = chunk_copies(kind, start, end, placements, block_ids, skip, engine.C, engine.bs)
+        except ValueError:
+            return False
+        engine.check_blocks(self, rid, block_ids, kind is TransferKind.RETRIEVE, what)
+        req = engine.requests.get(rid)
+        for chunk, slot in placements:
+            if req is not None and chunk < len(req.hashes):
+                engine.world._check_slot_target(host, slot, ObjectKey(req.hashes[chunk], self.rank), what)
+        for copy in copies:
+            if kind is TransferKind.STORE:
+                host.slots[copy.slot] = tuple(self.blocks.get(b, -1) for b in copy.block_ids)
+                engine.world.note_written(rid, copy.chunk, self.rank)
+            else:
+                data = host.slots.get(copy.slot)
+                for j in range(copy.skip_blocks, len(copy.block_ids)):
+                    self.blocks[copy.block_ids[j]] = data[j] if data is not None else -3
+        return True
 
 
 class SimEngine:
@@ -238,22 +241,9 @@ class SimEngine:
         if host.incarnation != incarnation or not host.up:
             ok = False  # the shared-memory segment went away with the server
         if ok:
-            self.check_blocks(worker, effect.op[0], effect.block_ids, effect.direction is TransferKind.RETRIEVE,
-                              f"engine {effect.direction.value} copy")
-            req = self.requests.get(effect.op[0])
-            for chunk, slot in effect.placements:
-                if req is not None and chunk < len(req.hashes):
-                    self.world._check_slot_target(host, slot, ObjectKey(req.hashes[chunk], worker.rank),
-                                                  f"engine {effect.direction.value} copy {effect.op}")
-            if effect.direction is TransferKind.STORE:
-                for chunk, slot in effect.placements:
-                    host.slots[slot] = worker.read_chunk(effect.start, effect.block_ids, chunk)
-                    self.world.note_written(effect.op[0], chunk, worker.rank)
-            else:
-                for chunk, slot in effect.placements:
-                    worker.write_chunk(effect.start, effect.block_ids, chunk, host.slots.get(slot),
-                                       effect.skip_first_n_tokens)
-        else:
+            ok = worker.copy(host, effect.op[0], effect.direction, effect.start, effect.end, effect.placements,
+                             effect.block_ids, effect.skip_first_n_tokens, f"engine {effect.direction.value} copy {effect.op}")
+        if not ok:
             self.world.stats["copy_fail"] += 1
         worker.node.post(machine, CopyFinished(effect.op, ok))
 

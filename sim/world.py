@@ -291,26 +291,11 @@ class World:
         worker = self.worker_by_instance(effect.instance_id)
         if worker is None or not worker.alive:
             ok = False
+        if ok and worker is not None:
+            ok = worker.copy(host, effect.request_id, effect.kind, effect.start, effect.end, effect.placements,
+                             effect.block_ids, effect.skip_first_n_tokens, f"{effect.kind.value} copy {effect.transfer_id}")
         if not ok:
             self.stats["copy_fail"] += 1
-        if ok and worker is not None:
-            from core_sm.messages import TransferKind
-
-            worker.engine.check_blocks(worker, effect.request_id, effect.block_ids,
-                                       effect.kind is TransferKind.RETRIEVE, f"{effect.kind.value} copy {effect.transfer_id}")
-            found = self.find_request(effect.request_id)
-            for chunk, slot in effect.placements:
-                if found is not None and chunk < len(found[1].hashes):
-                    key = ObjectKey(found[1].hashes[chunk], worker.rank)
-                    self._check_slot_target(host, slot, key, f"{effect.kind.value} copy {effect.transfer_id}")
-            if effect.kind is TransferKind.STORE:
-                for chunk, slot in effect.placements:
-                    host.slots[slot] = worker.read_chunk(effect.start, effect.block_ids, chunk)
-                    self.note_written(effect.request_id, chunk, worker.rank)
-            else:
-                for chunk, slot in effect.placements:
-                    worker.write_chunk(effect.start, effect.block_ids, chunk, host.slots.get(slot),
-                                       effect.skip_first_n_tokens)
         assert host.node is not None
         host.node.post(SERVER, TransferFinished(effect.transfer_id, ok))
 

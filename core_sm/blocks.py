@@ -1,0 +1,67 @@
+"""Which engine blocks a transfer's chunks touch, and which skipped tokens stay unwritten.
+
+One function, ``chunk_copies``, for every copier: the GPU executor (``runtime_zmq.gpu_transfer``),
+the CPU worker (``runtime_zmq.adapters``) and the simulator's worker. A transfer covers tokens
+``[start, end)`` of a request; ``block_ids`` are the request's engine blocks for exactly that
+range, in order; ``placements`` name chunks by their index in the *whole* token sequence (chunk
+``c`` starts at token ``c * chunk_size``) with the L1 slot each one goes to or comes from.
+
+A RETRIEVE does not write its first ``skip_first_n_tokens`` tokens (the engine holds them, maybe
+shared with other requests through its prefix cache: writing them would change another request's
+KV, F16): a chunk wholly inside that prefix is not copied at all, a chunk partly inside it keeps
+``skip // block_size`` of its leading blocks unwritten. vLLM's prefix cache shares whole blocks,
+so the skip is block aligned in practice; a partial block is written (the rounding that never
+leaves a token the engine does not hold unwritten). A STORE reads every block of its chunks.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from core_sm.messages import TransferKind
+
+
+@attrs.frozen
+class ChunkCopy:
+    """One chunk of a transfer: its index in the token sequence, its L1 slot, its
+    ``blocks_per_chunk`` engine blocks in order, and how many leading ones are not written."""
+
+    chunk: int
+    slot: int
+    block_ids: tuple[int, ...]
+    skip_blocks: int = 0
+
+
+def chunk_copies(
+    kind: TransferKind,
+    start: int,
+    end: int,
+    placements: Iterable[tuple[int, int]],
+    block_ids: Sequence[int],
+    skip_first_n_tokens: int,
+    chunk_size: int,
+    block_size: int,
+) -> tuple[ChunkCopy, ...]:
+    """The chunk copies of one transfer, in chunk order. Raises ``ValueError`` when the chunk size
+    is not a whole number of blocks, or a placement names a chunk outside ``[start, end)`` or
+    beyond ``block_ids`` (a plan that does not match its request: copy nothing)."""
+    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(f"chunk size {chunk_size} is not a whole number of {block_size}-token blocks")
+    if start % chunk_size:
+        raise ValueError(f"transfer start {start} is not chunk aligned ({chunk_size})")
+    per_chunk = chunk_size // block_size
+    first = start // chunk_size
+    skip_tokens = skip_first_n_tokens if kind is TransferKind.RETRIEVE else 0
+    copies: list[ChunkCopy] = []
+    for chunk, slot in sorted(placements):
+        relative = chunk - first
+        if relative < 0 or chunk * chunk_size >= end or (relative + 1) * per_chunk > len(block_ids):
+            raise ValueError(f"chunk {chunk} outside the {len(block_ids)} block ids of [{start}, {end})")
+        skipped = min(max(skip_tokens - relative * chunk_size, 0), chunk_size) // block_size
+        if skipped == per_chunk:
+            continue  # the engine holds all of it
+        blocks = tuple(int(b) for b in block_ids[relative * per_chunk : (relative + 1) * per_chunk])
+        copies.append(ChunkCopy(chunk, slot, blocks, skipped))
+    return tuple(copies)
+
