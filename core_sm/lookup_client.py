@@ -312,7 +312,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         C = self.config.chunk_size
         end = len(ev.token_ids) // C * C
         key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids, 0, end,
-                       rid, ev.cache_salt)
+                       rid, ev.cache_salt, ev.extras.prefix(end // C))
         pending = PendingLookup(rid, key, {}, now + self.config.lookup_timeout)
         if validate_cache_salt(ev.cache_salt) is not None or not _uint32_tokens(ev.token_ids[:end]):
             self._counters["invalid_submits"] += 1
@@ -429,7 +429,8 @@ class LookupClient(GuardedMachine[ClientEvent]):
         if ev.start >= ev.end:
             return
         key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids,
-                       ev.start, ev.end, ev.request_id, ev.cache_salt)
+                       ev.start, ev.end, ev.request_id, ev.cache_salt,
+                       ev.extras.prefix(ev.end // self.config.chunk_size))
         for s in self._healthy_servers():
             self._counters["frees_sent"] += 1
             self._send(s, FreeLookupLocks(key), out, fire_and_forget=True)

@@ -28,6 +28,7 @@ import attrs
 
 from core_sm.chunks import TokenIds, as_token_ids
 from core_sm.errors import ProtocolError
+from core_sm.keys import NO_EXTRAS, KeyExtras
 
 ReplyTo = Hashable
 # (chunk_index, slot): chunk_index counts from the start of the token sequence (token
@@ -68,7 +69,8 @@ class CacheKey:
     ``worker_id`` is None for a scheduler-side key (it covers every KV rank), else the KV rank
     this worker stores/retrieves. ``token_ids`` is the request's full token sequence; the key
     addresses tokens ``[start, end)``. ``request_id`` is not part of the cache identity (it is
-    the owner of leases and the job id); ``cache_salt`` is.
+    the owner of leases and the job id); ``cache_salt`` is, and so are ``extras`` (LoRA adapter,
+    KV dtype, model revision, multimodal / prompt-embedding hashes: ``core_sm.keys``).
 
     ``token_ids`` is a ``core_sm.chunks.TokenIds``: give packed little-endian uint32 ``bytes``
     (taken as is, as the wire delivers them) or a sequence of ints (packed once, here); keys
@@ -83,6 +85,7 @@ class CacheKey:
     end: int
     request_id: str
     cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,6 +449,7 @@ class SubmitLookup:
     request_id: str
     token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
 
 
 @attrs.frozen
@@ -465,6 +469,7 @@ class FreeUnusedLeases:
     start: int
     end: int
     cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
 
 
 @attrs.frozen
@@ -485,6 +490,7 @@ class SubmitStore:
     end: int
     block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
 
 
 @attrs.frozen
@@ -499,6 +505,7 @@ class SubmitRetrieve:
     block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     skip_first_n_tokens: int = 0
     cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
 
 
 @attrs.frozen

@@ -34,7 +34,8 @@ from typing import Any
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, ObjectKey, chunk_hashes, identity_root, validate_cache_salt
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, ObjectKey, identity_root, validate_cache_salt
+from core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
 from core_sm.effects import Effect, ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.l1_index import L1Index, Owner, ReleaseReason
@@ -297,7 +298,7 @@ class LookupServer:
         # The heap is rebuilt from its live entries when it grows past this (see _push_timer).
         self._timers_compact_at = _TIMER_COMPACT_SLACK
         self._due_reaps: list[str] = []
-        self._roots: dict[tuple[str, int, str], bytes] = {}
+        self._roots: dict[tuple[str, int, str, str], bytes] = {}
         self._next_id = 0
         self._counters: dict[str, int] = {
             name: 0
@@ -1247,6 +1248,9 @@ class LookupServer:
         salt_err = validate_cache_salt(key.cache_salt)
         if salt_err is not None:
             return salt_err
+        extras_err = validate_extras(key.extras, self.config.max_chunks_per_request)
+        if extras_err is not None:
+            return extras_err
         if scheduler:
             if key.worker_id is not None:
                 return "a scheduler key has worker_id None"
@@ -1264,14 +1268,15 @@ class LookupServer:
         return None
 
     def _hashes(self, key: CacheKey, num_chunks: int) -> tuple[tuple[bytes, ...], str | None]:
-        ident = (key.model_name, key.world_size, key.cache_salt)
+        ident = (key.model_name, key.world_size, key.cache_salt, key.extras.identity)
         root = self._roots.get(ident)
         if root is None:
             if len(self._roots) >= 1024:
                 self._roots.clear()
-            root = self._roots[ident] = identity_root(*ident)
+            root = self._roots[ident] = keyed_root(identity_root(*ident[:3]), ident[3])
         try:
-            return chunk_hashes(key.token_ids, self.config.chunk_size, root, num_chunks), None
+            return keyed_chunk_hashes(key.token_ids, self.config.chunk_size, root, num_chunks,
+                                      key.extras.chunk_extras), None
         except (ValueError, TypeError, OverflowError) as exc:
             return (), f"token ids must be uint32: {exc}"
 

@@ -393,7 +393,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
         if record is None:
             record = self._requests[ev.request_id] = RequestRecord(ev.request_id)
         key = CacheKey(c.model_name, c.world_size, c.worker_id, ev.token_ids, ev.start, ev.end,
-                       ev.request_id, ev.cache_salt)
+                       ev.request_id, ev.cache_salt, ev.extras.prefix(ev.end // c.chunk_size))
         skip = 0 if isinstance(ev, SubmitStore) else ev.skip_first_n_tokens
         op = TransferOp(self._op_key(record), kind, key, ev.block_ids, skip, OpState.SENT, None, now,
                         incarnation=self._incarnation, registration=self._registrations_acked)

@@ -34,6 +34,7 @@ import attrs
 from core_sm.blocks import chunk_copies
 from core_sm.effects import CopyBlocks, SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.keys import NO_EXTRAS, KeyExtras
 from core_sm.lookup_client import LookupClient, LookupClientConfig
 from core_sm.messages import (
     Cleanup,
@@ -97,6 +98,9 @@ class ConnectorConfig:
     * ``chunk_size``: if set, the chunk size the servers must report (a safety check).
     * ``store_decode_tokens``: also store chunks completed by generated tokens (default: only
       prompt chunks).
+    * ``model_identity``: a string that names the model's weights fleet-wide (a checkpoint
+      digest or release tag); part of every chunk key, so engines whose weights differ under
+      one model name never share KV.
     """
 
     server_urls: tuple[str, ...] = attrs.field(default=("tcp://127.0.0.1:5555",), converter=_parse_urls)
@@ -104,6 +108,7 @@ class ConnectorConfig:
     connect_timeout_s: float = attrs.field(default=5.0, converter=float)
     chunk_size: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
     store_decode_tokens: bool = attrs.field(default=False)
+    model_identity: str = attrs.field(default="", converter=str)
 
     @request_timeout_s.validator
     @connect_timeout_s.validator
@@ -161,6 +166,8 @@ class RetrieveOp:
     end: int
     block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     skip_first_n_tokens: int = 0
+    cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.start < self.end <= len(self.token_ids):
@@ -178,6 +185,8 @@ class StoreOp:
     start: int
     end: int
     block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.start < self.end <= len(self.token_ids):
@@ -209,11 +218,13 @@ class LookupService(Protocol):
     @property
     def chunk_size(self) -> int: ...
 
-    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "") -> None: ...
+    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "", extras: KeyExtras = NO_EXTRAS) -> None: ...
 
     def check(self, request_id: str) -> int | None: ...
 
-    def free_unused_leases(self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "") -> None: ...
+    def free_unused_leases(
+        self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "", extras: KeyExtras = NO_EXTRAS
+    ) -> None: ...
 
     def cleanup(self, request_id: str) -> None: ...
 
@@ -244,6 +255,11 @@ class RequestTracker:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
+    # Tokens [0, load_limit) may be loaded (kv_transfer_params max_load_tokens); None: no cap.
+    load_limit: int | None = None
+    # Tokens [0, store_limit) may be stored (kv_transfer_params max_offload_tokens); None: no cap.
+    store_limit: int | None = None
     # Lookup result in tokens (a multiple of the chunk size); None until known.
     hit_tokens: int | None = None
     # The engine's own (prefix cache) hit when the lookup result was used.
@@ -307,13 +323,26 @@ class StepPlanner:
         num_prompt_tokens: int,
         num_computed_tokens: int,
         cache_salt: str = "",
+        extras: KeyExtras = NO_EXTRAS,
+        *,
+        max_load_tokens: int | None = None,
+        max_offload_tokens: int | None = None,
     ) -> tuple[int | None, bool]:
         tracker = self._trackers.get(request_id)
         if tracker is None:
-            tracker = RequestTracker(request_id, token_ids, num_prompt_tokens, cache_salt or "")
+            chunk = self.chunk_size
+            tracker = RequestTracker(request_id, token_ids, num_prompt_tokens, cache_salt or "", extras)
+            if max_load_tokens is not None:
+                # As vLLM's OffloadingConnector: at most max_load_tokens beyond the engine's own
+                # hit, in whole chunks; 0 opts the request out of loading.
+                tracker.load_limit = (num_computed_tokens + max_load_tokens) // chunk * chunk
+            if max_offload_tokens is not None:
+                tracker.store_limit = max_offload_tokens // chunk * chunk
             self._trackers[request_id] = tracker
-            if self.load:
-                self._lookups.submit_lookup(request_id, list(token_ids[:num_prompt_tokens]), tracker.cache_salt)
+            if self.load and (tracker.load_limit is None or tracker.load_limit > num_computed_tokens):
+                self._lookups.submit_lookup(
+                    request_id, list(token_ids[:num_prompt_tokens]), tracker.cache_salt, tracker.extras
+                )
             else:
                 tracker.hit_tokens = 0
         if tracker.allocated:
@@ -327,6 +356,8 @@ class StepPlanner:
         tracker.engine_hit_tokens = num_computed_tokens
         # Leave the last prompt token to compute: the engine needs one token to sample from.
         loadable = min(tracker.hit_tokens, num_prompt_tokens - 1)
+        if tracker.load_limit is not None:
+            loadable = min(loadable, tracker.load_limit)
         if loadable <= num_computed_tokens:
             return 0, False
         return loadable - num_computed_tokens, True
@@ -343,12 +374,12 @@ class StepPlanner:
         prompt = list(tracker.token_ids[: tracker.num_prompt_tokens])
 
         def free(start: int, end: int) -> None:
-            self._lookups.free_unused_leases(request_id, prompt, start, end, tracker.cache_salt)
+            self._lookups.free_unused_leases(request_id, prompt, start, end, tracker.cache_salt, tracker.extras)
 
         if num_external_tokens > 0 and hit > 0:
             chunk = self.chunk_size
             start = tracker.engine_hit_tokens // chunk * chunk
-            end = hit
+            end = hit if tracker.load_limit is None else min(hit, tracker.load_limit)
             covered = len(tracker.block_ids) * self.block_size
             end = min(end, covered // chunk * chunk)
             if end > start:
@@ -382,6 +413,8 @@ class StepPlanner:
                     end,
                     tracker.block_ids[start // bs : end // bs],
                     skip,
+                    tracker.cache_salt,
+                    tracker.extras,
                 )
             )
         preempted_ids = tuple(sorted(set(preempted)))
@@ -412,13 +445,23 @@ class StepPlanner:
         if not self.store_decode_tokens:
             limit = min(limit, tracker.num_prompt_tokens)
         limit = min(limit, len(tracker.block_ids) * self.block_size)
+        if tracker.store_limit is not None:
+            limit = min(limit, tracker.store_limit)
         end = limit // self.chunk_size * self.chunk_size
         start = tracker.stored_until
         if end <= start:
             return None
         tracker.stored_until = end
         bs = self.block_size
-        return StoreOp(tracker.request_id, tracker.token_ids[:end], start, end, tracker.block_ids[start // bs : end // bs])
+        return StoreOp(
+            tracker.request_id,
+            tracker.token_ids[:end],
+            start,
+            end,
+            tracker.block_ids[start // bs : end // bs],
+            tracker.cache_salt,
+            tracker.extras,
+        )
 
     def request_finished(self, request_id: str) -> bool:
         """End the request's lookup session. Always True: the worker reports every finished
@@ -649,9 +692,9 @@ class SchedulerAdapter(_MachineShell):
     def chunk_size(self) -> int:
         return self._chunk_size
 
-    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "") -> None:
+    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "", extras: KeyExtras = NO_EXTRAS) -> None:
         self._pump()
-        self._handle(SubmitLookup(request_id, tuple(token_ids), cache_salt))
+        self._handle(SubmitLookup(request_id, tuple(token_ids), cache_salt, extras))
 
     def check(self, request_id: str) -> int | None:
         self._pump()
@@ -659,8 +702,10 @@ class SchedulerAdapter(_MachineShell):
             result = self._machine.check(request_id)
         return None if result is None else int(result)
 
-    def free_unused_leases(self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "") -> None:
-        self._handle(FreeUnusedLeases(request_id, tuple(token_ids), start, end, cache_salt))
+    def free_unused_leases(
+        self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "", extras: KeyExtras = NO_EXTRAS
+    ) -> None:
+        self._handle(FreeUnusedLeases(request_id, tuple(token_ids), start, end, cache_salt, extras))
 
     def cleanup(self, request_id: str) -> None:
         self._handle(Cleanup(request_id))
@@ -933,13 +978,17 @@ class WorkerAdapter(_MachineShell):
     def submit_retrieves(self, ops: Iterable[RetrieveOp]) -> None:
         self._require_registered()
         for op in ops:
-            self._handle(SubmitRetrieve(op.request_id, op.token_ids, op.start, op.end, op.block_ids, op.skip_first_n_tokens))
+            self._handle(
+                SubmitRetrieve(
+                    op.request_id, op.token_ids, op.start, op.end, op.block_ids, op.skip_first_n_tokens, op.cache_salt, op.extras
+                )
+            )
         self._pump()
 
     def submit_stores(self, ops: Iterable[StoreOp]) -> None:
         self._require_registered()
         for op in ops:
-            self._handle(SubmitStore(op.request_id, op.token_ids, op.start, op.end, op.block_ids))
+            self._handle(SubmitStore(op.request_id, op.token_ids, op.start, op.end, op.block_ids, op.cache_salt, op.extras))
         if self.engine_driven:
             # Copy out of the blocks now: after this step vLLM may hand them to another request.
             self.wait_for_store_copies()

@@ -39,6 +39,7 @@ def to_cache_key(k: WireKey) -> m.CacheKey:
         end=k.end,
         request_id=k.request_id,
         cache_salt=k.cache_salt,
+        extras=k.extras,
     )
 
 

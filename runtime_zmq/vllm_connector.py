@@ -42,6 +42,7 @@ from runtime_zmq.adapters import (
     StepPlanner,
     WorkerAdapter,
 )
+from runtime_zmq.vllm_keys import RequestKeyer, UnkeyableRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,6 +80,18 @@ def _model_identity(vllm_config: VllmConfig) -> tuple[str, int, int, int]:
     return model_name, world_size, int(parallel.rank), block_size
 
 
+def _token_cap(params: dict[str, Any], name: str, request_id: str) -> int | None:
+    """A per-request ``kv_transfer_params`` token cap (vLLM OffloadingConnector's convention:
+    a non-negative int, 0 opts out; anything else is ignored with a warning)."""
+    raw = params.get(name)
+    if raw is None:
+        return None
+    if type(raw) is int and raw >= 0:
+        return raw
+    logger.warning("request %s: %s must be a non-negative int, got %r; ignoring", request_id, name, raw)
+    return None
+
+
 class MPCacheConnector(KVConnectorBase_V1):
     """vLLM KV connector that offloads to and loads from mpcache servers."""
 
@@ -90,6 +103,7 @@ class MPCacheConnector(KVConnectorBase_V1):
         self._is_consumer = bool(transfer_config.is_kv_consumer)
         model_name, world_size, rank, block_size = _model_identity(vllm_config)
         self._planner: StepPlanner | None = None
+        self._keyer: RequestKeyer | None = None
         self._lookups: SchedulerAdapter | None = None
         self._worker: WorkerAdapter | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -98,6 +112,8 @@ class MPCacheConnector(KVConnectorBase_V1):
                 raise ValueError(
                     f"mpcache.chunk_size is {self._config.chunk_size} but the server uses {self._lookups.chunk_size}"
                 )
+            # Refuses (at start) an engine configuration whose KV mpcache cannot key.
+            self._keyer = RequestKeyer.from_vllm_config(vllm_config, self._lookups.chunk_size, self._config.model_identity)
             self._planner = StepPlanner(
                 self._lookups,
                 block_size,
@@ -126,13 +142,27 @@ class MPCacheConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._planner is not None
+        assert self._planner is not None and self._keyer is not None
+        tracker = self._planner.tracker(request.request_id)
+        if tracker is not None:
+            extras = tracker.extras
+        else:
+            try:
+                extras = self._keyer.extras(request)
+            except UnkeyableRequest as exc:
+                # Unknown to the planner, the request is neither loaded nor stored.
+                logger.warning("mpcache skips a request it cannot key: %s", exc)
+                return 0, False
+        params = request.kv_transfer_params or {}
         return self._planner.get_num_new_matched_tokens(
             request.request_id,
             request.all_token_ids,
             request.num_prompt_tokens,
             num_computed_tokens,
             request.cache_salt or "",
+            extras,
+            max_load_tokens=_token_cap(params, "max_load_tokens", request.request_id),
+            max_offload_tokens=_token_cap(params, "max_offload_tokens", request.request_id),
         )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -34,6 +34,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from core_sm.chunks import TokenIds, as_token_ids, pack_tokens
 from core_sm.messages import CacheKey
+from core_sm.keys import NO_EXTRAS, KeyExtras
 
 # ---------------------------------------------------------------------------------------------
 # Error kinds on the wire (lower-case names of core_sm's ErrorKind; the codec's own failures use
@@ -99,6 +100,7 @@ class WireKey:
     request_id: str
     cache_salt: str = ""
     num_kv_readers: int = 0
+    extras: KeyExtras = NO_EXTRAS
 
 
 @attrs.frozen
@@ -291,6 +293,7 @@ def decode_key(v: Any, limits: Limits) -> WireKey:
     readers = v.get("num_kv_readers", 0)
     if readers is None:
         readers = 0
+    extras = _decode_extras(v.get("key_identity"), v.get("chunk_extras"), limits)
     return WireKey(
         model_name=_as_str(v["model_name"], "key.model_name"),
         world_size=_as_int(v["world_size"], "key.world_size"),
@@ -301,16 +304,36 @@ def decode_key(v: Any, limits: Limits) -> WireKey:
         request_id=_as_str(v["request_id"], "key.request_id"),
         cache_salt=_as_str(salt, "key.cache_salt"),
         num_kv_readers=_as_int(readers, "key.num_kv_readers"),
+        extras=extras,
     )
+
+
+def _decode_extras(identity: Any, chunk_extras: Any, limits: Limits) -> KeyExtras:
+    """mpcache's key fields beyond LMCache's (``core_sm.keys``); absent or nil = none."""
+    if identity is None and chunk_extras is None:
+        return NO_EXTRAS
+    identity = "" if identity is None else _as_str(identity, "key.key_identity")
+    if chunk_extras is None:
+        chunk_extras = []
+    if type(chunk_extras) is not list:
+        raise _Bad(WireErrorKind.UNDECODABLE, f"key.chunk_extras: expected list[bin], got {_type_name(chunk_extras)}")
+    if len(chunk_extras) > limits.max_tokens:
+        raise _Bad(WireErrorKind.TOO_LARGE, f"key.chunk_extras: {len(chunk_extras)} items, limit {limits.max_tokens}")
+    for extra in chunk_extras:
+        if type(extra) is not bytes:
+            raise _Bad(WireErrorKind.UNDECODABLE, f"key.chunk_extras: expected bin items, got {_type_name(extra)}")
+    return KeyExtras(identity, tuple(chunk_extras))
 
 
 def encode_key(key: WireKey | CacheKey, num_kv_readers: int | None = None) -> dict[str, Any]:
     """The msgpack map LMCache's client sends for ``key`` (used by mpcache's client and the
     bridge); token ids in mpcache's packed form when possible. ``num_kv_readers`` defaults to
-    the key's own (0 for a core_sm ``CacheKey``, which carries none)."""
+    the key's own (0 for a core_sm ``CacheKey``, which carries none). mpcache's own key fields
+    (``key_identity``, ``chunk_extras``) are added only when the key has extras, so a key
+    without them is byte-for-byte LMCache's."""
     if num_kv_readers is None:
         num_kv_readers = key.num_kv_readers if isinstance(key, WireKey) else 0
-    return {
+    out: dict[str, Any] = {
         "model_name": key.model_name,
         "world_size": key.world_size,
         "worker_id": key.worker_id,
@@ -322,6 +345,10 @@ def encode_key(key: WireKey | CacheKey, num_kv_readers: int | None = None) -> di
         "request_configs": None,
         "num_kv_readers": num_kv_readers,
     }
+    if not key.extras.empty:
+        out["key_identity"] = key.extras.identity
+        out["chunk_extras"] = list(key.extras.chunk_extras)
+    return out
 
 
 def _decode_param(p: P, v: Any, what: str, limits: Limits) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 
+from core_sm.keys import NO_EXTRAS, KeyExtras
 from runtime_zmq.adapters import ConnectorConfig, ScheduledRequest, SchedulerAdapter, StepPlanner, WorkerAdapter
 
 BLOCK = 16
@@ -60,6 +61,11 @@ class Req:
     checked: bool = False
     max_decode: int = 2
     decoded: int = 0
+    # What vLLM passes besides the tokens: cache salt, key extras, kv_transfer_params caps.
+    cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
     num_prompt: int = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -104,11 +110,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request_id: str, tokens: Sequence[int], engine_hit: int = 0, max_decode: int = 2) -> Req:
+    def add(self, request_id: str, tokens: Sequence[int], engine_hit: int = 0, max_decode: int = 2, **keyed: Any) -> Req:
         """``engine_hit``: tokens the engine's own prefix cache holds (block multiple);
-        ``max_decode``: tokens generated after the prompt, one per step."""
+        ``max_decode``: tokens generated after the prompt, one per step; ``keyed``: ``Req``'s
+        cache_salt / extras / max_load_tokens / max_offload_tokens."""
         assert engine_hit % BLOCK == 0
-        req = Req(request_id, list(tokens), engine_hit=engine_hit, max_decode=max_decode)
+        req = Req(request_id, list(tokens), engine_hit=engine_hit, max_decode=max_decode, **keyed)
         self.requests[request_id] = req
         return req
 
@@ -146,7 +153,10 @@ class Engine:
                 forward.append((req, n))
             elif req.status == "waiting":
                 num_computed = req.engine_hit
-                need, load_async = self.planner.get_num_new_matched_tokens(req.request_id, req.tokens, req.num_prompt, num_computed)
+                need, load_async = self.planner.get_num_new_matched_tokens(
+                    req.request_id, req.tokens, req.num_prompt, num_computed, req.cache_salt, req.extras,
+                    max_load_tokens=req.max_load_tokens, max_offload_tokens=req.max_offload_tokens,
+                )
                 if need is None:
                     continue
                 assert need == 0 or load_async
