@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--slot-mb", type=float, default=float(_env("SLOT_MB", 32.0)), help="L1 slot size in MiB: the largest object (one chunk of one KV rank) (default 32)")
     cache.add_argument(
         "--l2", action="append", default=None, metavar="URL",
-        help="L2 tier, repeatable: disk:PATH or redis://HOST:PORT (env MPCACHE_L2: comma-separated)",
+        help="L2 tier, repeatable: disk:PATH, redis://HOST:PORT or redis+cluster://H:P,H:P "
+        "(env MPCACHE_L2, comma- or space-separated; put a Redis password in ?password_file=, never on the command line)",
     )
     cache.add_argument("--lease-ttl", type=float, default=float(_env("LEASE_TTL", 300.0)), help="seconds a read/write lease lives without use (default 300)")
     cache.add_argument("--job-ttl", type=float, default=float(_env("JOB_TTL", 60.0)), help="seconds a lookup nobody queries lives before its leases are reaped (default 60)")
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--l2-probe", action=argparse.BooleanOptionalAction, default=_env("L2_PROBE", "1") not in ("0", "false", "no"),
         help="ask L2 which objects it holds before reading (reads only the contiguous prefix; default on)",
     )
+    add_l2_flags(cache)
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-frame-mb", type=float, default=float(_env("MAX_FRAME_MB", 64.0)), help="largest payload frame in MiB (default 64)")
     lim.add_argument("--max-tokens", type=int, default=int(_env("MAX_TOKENS", 1 << 20)), help="most tokens in one key (default 1048576)")
@@ -77,8 +79,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         url = f"tcp://{args.host}:{args.port}"
     l2 = args.l2
     if l2 is None:
-        env = os.environ.get("MPCACHE_L2", "")
-        l2 = [u for u in env.split(",") if u]
+        from runtime_zmq.l2 import split_l2_urls
+
+        l2 = split_l2_urls(os.environ.get("MPCACHE_L2", ""))
     return ServerConfig(
         url=url,
         chunk_size=args.chunk_size,
@@ -94,7 +97,30 @@ def config_from_args(args: argparse.Namespace) -> Any:
         metrics_port=args.metrics_port,
         shutdown_grace=args.shutdown_grace,
         shm_dir=args.shm_dir,
+        l2_options=l2_options_from_args(args),
     )
+
+
+def add_l2_flags(group: Any) -> None:
+    """The L2 worker's flags (integrity secret, outages, bounds); see runtime_zmq/l2_worker.py."""
+    group.add_argument("--l2-secret-file", default=_env("L2_SECRET_FILE", None), metavar="PATH",
+                       help="the key L2 objects are sealed with (made 0600 at first start; servers sharing "
+                       "a Redis must share it; default PATH/.secret of the first disk tier, else "
+                       "~/.local/state/mpcache/l2.secret)")
+    group.add_argument("--l2-require", action=argparse.BooleanOptionalAction,
+                       default=_env("L2_REQUIRE", "0") not in ("0", "false", "no"),
+                       help="refuse to start when an L2 tier does not answer (default: start L1-only and reconnect with backoff)")
+    group.add_argument("--l2-deadline", type=float, default=float(_env("L2_DEADLINE", 5.0)),
+                       help="seconds an L2 effect may take (plus its bytes at 200 MB/s) before it is failed and its L1 slots freed (default 5)")
+    group.add_argument("--l2-queue", type=int, default=int(_env("L2_QUEUE", 256)),
+                       help="L2 effects waiting at most; when full, write-behind is dropped first (default 256)")
+
+
+def l2_options_from_args(args: argparse.Namespace) -> Any:
+    from runtime_zmq.l2_worker import L2Options
+
+    return L2Options(secret_file=args.l2_secret_file, require=args.l2_require,
+                     deadline_s=args.l2_deadline, queue_max=args.l2_queue)
 
 
 def _nvidia_device_present() -> bool:

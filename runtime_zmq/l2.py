@@ -19,16 +19,31 @@ Contract of every tier (`L2Tier`):
 * I/O failures raise `L2Error` (`L2Unavailable` when the backing service cannot be reached),
   with a message that names the tier; the caller turns them into a failed read/write.
 
+Optional methods the L2 worker uses when a tier has them: `contains_many(keys)` (one round
+trip), `delete(key)` (drop an object that failed its integrity check) and `ping()` (reachability,
+for the circuit breaker and the start check).
+
+Values are opaque to a tier: the L2 worker seals them (size + keyed checksum, `l2_seal`) before
+`write` and checks them after `read`.
+
 Tiers are opened from a URL (`open_tier`):
 
 * `disk:PATH[?max_bytes=N|max_gb=X][&fsync=1]`: one file per object under `PATH` (created with
   mode 0700; an existing `PATH` must not be group/other accessible). Writes go to a temporary file
-  and are renamed into place. With a cap, the least recently written or read objects are removed
-  first. One server process owns a directory at a time (an exclusive `flock` on `PATH/.lock`).
-* `redis://[:PASSWORD@]HOST:PORT[/DB][?ttl=SECONDS][&prefix=P][&timeout=SECONDS][&pool=N]` (also
-  `rediss://` and `valkey://`): keys are stored as `prefix + key` (default prefix `mpcache:`),
+  and are renamed into place. The least recently written or read objects are removed first when
+  the tier is over its cap; without `max_bytes`/`max_gb` the cap is half of what the file system
+  had available at start (free space plus the tier's own objects). One server process owns a
+  directory at a time (an exclusive `flock` on `PATH/.lock`).
+* `redis://[USER[:PASSWORD]@]HOST:PORT[/DB][?ttl=SECONDS][&prefix=P][&timeout=SECONDS][&pool=N]`
+  `[&password_file=PATH]` (also `rediss://` for TLS with `&ca=PATH&cert=PATH&key=PATH`, and
+  `valkey://`, `valkeys://`): keys are stored as `prefix + key` (default prefix `mpcache:`),
   values as binary strings, with an optional expiry. Several servers pointing at one Redis share
-  its objects: that is mpcache's multi-node tier.
+  its objects: that is mpcache's multi-node tier. Put the password in `password_file` (mode 0600)
+  or in the `MPCACHE_L2` environment variable, not on a command line; every name and message
+  shows the URL with its password replaced by `***`.
+* `redis+cluster://[USER@]HOST:PORT[,HOST:PORT...][?...]` (also `rediss+cluster://`,
+  `valkey+cluster://`): a Redis Cluster / Valkey cluster through redis-py's cluster client, with
+  the same parameters (see `runtime_zmq/l2_cluster.py`).
 """
 from __future__ import annotations
 
@@ -37,6 +52,7 @@ import fcntl
 import hashlib
 import itertools
 import os
+import re
 import stat
 import struct
 import threading
@@ -103,9 +119,36 @@ def open_tier(url: str) -> L2Tier:
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme in ("redis", "rediss", "valkey", "valkeys"):
         return RedisTier.from_url(url)
+    if scheme in ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster"):
+        from runtime_zmq.l2_cluster import RedisClusterTier
+
+        return RedisClusterTier.from_url(url)
     raise L2Error(
-        f"L2 URL {_redact(url)!r}: unknown tier; use disk:PATH or redis://HOST:PORT[/DB]"
+        f"L2 URL {_redact(url)!r}: unknown tier; use disk:PATH, redis://HOST:PORT[/DB] or "
+        f"redis+cluster://HOST:PORT,HOST:PORT"
     )
+
+
+def split_l2_urls(text: str) -> list[str]:
+    """Tier URLs from one string (the ``MPCACHE_L2`` variable): separated by commas or spaces.
+    A comma inside a cluster URL (``redis+cluster://h1:p1,h2:p2``) separates its hosts, not two
+    tiers: a piece that does not start a URL (``disk:``, ``python:``, ``SCHEME://``) continues
+    the one before it."""
+    urls: list[str] = []
+    for piece in text.replace(",", " , ").split():
+        if piece == ",":
+            if urls:
+                urls[-1] += ","
+            continue
+        if urls and urls[-1].endswith(",") and not re.match(r"^([a-z][a-z0-9+.-]*://|disk:|python:)", piece, re.I):
+            urls[-1] += piece
+        else:
+            if urls and urls[-1].endswith(","):
+                urls[-1] = urls[-1][:-1]
+            urls.append(piece)
+    if urls and urls[-1].endswith(","):
+        urls[-1] = urls[-1][:-1]
+    return [u for u in urls if u]
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,19 +204,18 @@ def _param_bool(url: str, params: dict[str, str], name: str, default: bool) -> b
 
 
 def _redact(url: str) -> str:
-    """The URL without its password, for messages and `name`."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    if parts.password is None:
+    """The URL without its password (``user:***@``), for messages and `name`. Works on any URL
+    shape, including cluster URLs with several hosts that urllib cannot parse."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    netloc = parts.hostname or ""
-    if parts.port is not None:
-        netloc = f"{netloc}:{parts.port}"
-    user = parts.username or ""
-    netloc = f"{user}:***@{netloc}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        return url
+    user, colon, _password = userinfo.partition(":")
+    redacted = f"{user}:***@" if colon else f"{user}@"
+    return f"{scheme}://{redacted}{hosts}{slash}{tail}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,17 +228,21 @@ _HEADER = struct.Struct("<4sIQ")
 # Keys up to this many bytes are hex-encoded into the file name (2 hex chars per byte; file
 # names are limited to 255 bytes); longer keys are named by their blake2b digest.
 _MAX_HEX_KEY = 100
+# Without an explicit cap a disk tier takes at most this share of the file system's space.
+DEFAULT_DISK_CAP_FRACTION = 0.5
 
 
 class DiskTier:
     """One file per object under a private directory; optional byte cap with LRU eviction."""
 
-    def __init__(self, path: str, *, max_bytes: int | None = None, fsync: bool = False) -> None:
+    def __init__(self, path: str, *, max_bytes: int | None = None, fsync: bool = False,
+                 default_cap_fraction: float | None = DEFAULT_DISK_CAP_FRACTION) -> None:
+        """``max_bytes`` None: the cap is ``default_cap_fraction`` of the file system's available
+        bytes plus the tier's own objects, measured at open (None as well: no cap)."""
         self._root = os.path.abspath(path)
         self._max_bytes = max_bytes
         self._fsync = fsync
-        cap = f", cap {max_bytes} B" if max_bytes is not None else ""
-        self.name = f"disk:{self._root}{cap}"
+        self.name = f"disk:{self._root}"
         self._lock = threading.Lock()
         # file name -> size in bytes, least recently used first.
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -210,12 +256,26 @@ class DiskTier:
             os.makedirs(self._tmp_dir, mode=0o700, exist_ok=True)
             self._clear_tmp()
             self._scan()
+            if self._max_bytes is None and default_cap_fraction is not None:
+                st = os.statvfs(self._root)
+                self._max_bytes = int((st.f_bavail * st.f_frsize + self._bytes) * default_cap_fraction)
             self._evict_over_cap()
         except BaseException:
             os.close(self._lock_fd)
             raise
+        if self._max_bytes is not None:
+            self.name += f", cap {self._max_bytes} B"
 
     # -- public API --------------------------------------------------------------------------
+
+    @property
+    def root(self) -> str:
+        """The tier's directory (the server keeps its L2 secret file here by default)."""
+        return self._root
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._max_bytes
 
     @property
     def bytes_stored(self) -> int:
@@ -313,9 +373,22 @@ class DiskTier:
     def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return [self.read(k) for k in keys]
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
     def write_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         for key, data in items:
             self.write(key, data)
+
+    def delete(self, key: bytes) -> None:
+        """Removes the object under ``key`` (nothing if there is none)."""
+        self._check_open()
+        name = self._file_name(key)
+        with self._lock:
+            _unlink_quietly(self._object_path(name))
+            size = self._index.pop(name, None)
+            if size is not None:
+                self._bytes -= size
 
     def close(self) -> None:
         with self._lock:
@@ -455,10 +528,78 @@ def _unlink_quietly(path: str) -> None:
 DEFAULT_REDIS_PREFIX = b"mpcache:"
 DEFAULT_REDIS_TIMEOUT_S = 2.0
 DEFAULT_REDIS_POOL = 16
+_REDIS_PARAMS = {"ttl", "timeout", "pool", "prefix", "password_file", "ca", "cert", "key"}
+
+
+def _redis_options(url: str, params: dict[str, str]) -> dict[str, Any]:
+    """The tier options and redis-py connection keywords a Redis URL's parameters name."""
+    _reject_unknown(url, params, _REDIS_PARAMS)
+    out: dict[str, Any] = {
+        "ttl_s": _param_int(url, params, "ttl") if "ttl" in params else None,
+        "timeout_s": _param_float(url, params, "timeout") if "timeout" in params else DEFAULT_REDIS_TIMEOUT_S,
+        "pool_size": _param_int(url, params, "pool") if "pool" in params else DEFAULT_REDIS_POOL,
+        "prefix": params["prefix"].encode() if "prefix" in params else DEFAULT_REDIS_PREFIX,
+    }
+    conn: dict[str, Any] = {}
+    if "password_file" in params:
+        conn["password"] = _read_password_file(url, params["password_file"])
+    tls = {"ca": "ssl_ca_certs", "cert": "ssl_certfile", "key": "ssl_keyfile"}
+    for name, kw in tls.items():
+        if name in params:
+            if not url.split("://", 1)[0].lower().startswith(("rediss", "valkeys")):
+                raise L2Error(f"L2 URL {_redact(url)!r}: {name}= needs a TLS scheme (rediss://)")
+            conn[kw] = params[name]
+    out["connection_kwargs"] = conn
+    return out
+
+
+def _read_password_file(url: str, path: str) -> str:
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as f:
+            password = f.read().strip("\r\n")
+    except OSError as e:
+        raise L2Error(f"L2 URL {_redact(url)!r}: password_file: {e}") from None
+    if st.st_mode & 0o077:
+        raise L2Error(
+            f"L2 URL {_redact(url)!r}: password_file {path} has mode {stat.S_IMODE(st.st_mode):04o}; "
+            f"it must not be accessible to group or others (chmod 600 it)"
+        )
+    if not password:
+        raise L2Error(f"L2 URL {_redact(url)!r}: password_file {path} is empty")
+    return password
+
+
+def translate_redis_error(redis: Any, name: str, e: Exception, what: str) -> L2Error:
+    """A redis-py exception as an `L2Error` (`L2Unavailable` when the service cannot be reached
+    or refuses our credentials), with a message that names the tier and holds no password."""
+    exc = redis.exceptions
+    # AuthenticationError is a ConnectionError in redis-py: test it first.
+    if isinstance(e, (exc.AuthenticationError, exc.NoPermissionError)):
+        return L2Unavailable(f"redis tier {name}: authentication failed: {e}")
+    if isinstance(e, exc.ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+        return L2Unavailable(f"redis tier {name}: not authorized: {e}")
+    if isinstance(e, (exc.ConnectionError, exc.TimeoutError)) or type(e).__name__ in (
+            "ClusterDownError", "MasterDownError", "SlotNotCoveredError", "TryAgainError"):
+        return L2Unavailable(f"redis tier {name}: unreachable ({what}): {e}")
+    return L2Error(f"redis tier {name}: {what} failed: {e}")
+
+
+def import_redis() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise L2Error(
+            "redis tier: the redis package is not installed (pip install 'mpcache[redis]')"
+        ) from None
+    return redis
 
 
 class RedisTier:
-    """Objects in a Redis (or Valkey) database, shared by every server that points at it."""
+    """Objects in a Redis (or Valkey) database, shared by every server that points at it.
+
+    Opening it does not connect: a Redis that is down at start makes the server start L1-only
+    (the L2 worker pings it and retries with backoff) unless the tier is required."""
 
     def __init__(
         self,
@@ -468,19 +609,14 @@ class RedisTier:
         prefix: bytes = DEFAULT_REDIS_PREFIX,
         timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
         pool_size: int = DEFAULT_REDIS_POOL,
+        connection_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        try:
-            import redis
-        except ImportError:
-            raise L2Error(
-                "redis tier: the redis package is not installed (pip install 'mpcache[redis]')"
-            ) from None
+        redis = import_redis()
         self._redis = redis
         self._ttl_s = ttl_s
         self._prefix = prefix
         self._closed = False
-        parts = urllib.parse.urlsplit(url)
-        scheme = parts.scheme.lower()
+        scheme = url.split("://", 1)[0].lower()
         # valkey:// is spelled redis:// to redis-py; the protocol is the same.
         redis_url = url
         if scheme.startswith("valkey"):
@@ -495,27 +631,17 @@ class RedisTier:
                 socket_connect_timeout=timeout_s,
                 socket_timeout=timeout_s,
                 health_check_interval=30,
+                **(connection_kwargs or {}),
             )
         except ValueError as e:
             raise L2Error(f"redis tier {self.name}: bad URL: {e}") from e
         self._client = redis.Redis(connection_pool=self._pool)
-        try:
-            self._client.ping()
-        except redis.exceptions.RedisError as e:
-            self._pool.disconnect()
-            raise self._translate(e, "PING") from e
 
     @classmethod
     def from_url(cls, url: str) -> RedisTier:
         parts = urllib.parse.urlsplit(url)
         params = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-        ttl_s = _param_int(url, params, "ttl") if "ttl" in params else None
-        timeout_s = (
-            _param_float(url, params, "timeout") if "timeout" in params else DEFAULT_REDIS_TIMEOUT_S
-        )
-        pool_size = _param_int(url, params, "pool") if "pool" in params else DEFAULT_REDIS_POOL
-        prefix = params["prefix"].encode() if "prefix" in params else DEFAULT_REDIS_PREFIX
-        _reject_unknown(url, params, {"ttl", "timeout", "pool", "prefix"})
+        options = _redis_options(url, params)
         if not parts.hostname:
             raise L2Error(f"L2 URL {_redact(url)!r}: redis tier needs a host (redis://HOST:PORT)")
         try:
@@ -525,7 +651,10 @@ class RedisTier:
         if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
             raise L2Error(f"L2 URL {_redact(url)!r}: the database must be a number (/0, /1, ...)")
         bare = urllib.parse.urlunsplit(parts._replace(query=""))
-        return cls(bare, ttl_s=ttl_s, prefix=prefix, timeout_s=timeout_s, pool_size=pool_size)
+        return cls(bare, **options)
+
+    def ping(self) -> None:
+        self._call("PING", lambda c: c.ping())
 
     def read(self, key: bytes) -> bytes | None:
         value = self._call("GET", lambda c: c.get(self._prefix + key))
@@ -534,8 +663,23 @@ class RedisTier:
     def contains(self, key: bytes) -> bool:
         return bool(self._call("EXISTS", lambda c: c.exists(self._prefix + key)))
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run(c: Any) -> Any:
+            pipe = c.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._prefix + key)
+            return pipe.execute()
+
+        return [bool(x) for x in self._call("EXISTS (pipelined)", run)]
+
     def write(self, key: bytes, data: bytes) -> None:
         self._call("SET", lambda c: c.set(self._prefix + key, data, ex=self._ttl_s))
+
+    def delete(self, key: bytes) -> None:
+        self._call("DEL", lambda c: c.delete(self._prefix + key))
 
     def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
@@ -570,15 +714,4 @@ class RedisTier:
         try:
             return fn(self._client)
         except self._redis.exceptions.RedisError as e:
-            raise self._translate(e, what) from e
-
-    def _translate(self, e: Exception, what: str) -> L2Error:
-        exc = self._redis.exceptions
-        # AuthenticationError is a ConnectionError in redis-py: test it first.
-        if isinstance(e, exc.AuthenticationError):
-            return L2Unavailable(f"redis tier {self.name}: authentication failed: {e}")
-        if isinstance(e, (exc.ConnectionError, exc.TimeoutError)):
-            return L2Unavailable(f"redis tier {self.name}: unreachable ({what}): {e}")
-        return L2Error(f"redis tier {self.name}: {what} failed: {e}")
-
-
+            raise translate_redis_error(self._redis, self.name, e, what) from e

@@ -42,7 +42,8 @@ from core_sm.errors import ErrorKind
 from runtime_zmq import bridge, wire
 from runtime_zmq.l1_pool import SharedMemoryPool
 from runtime_zmq.metrics import ServerMetrics
-from runtime_zmq.transfer import L2Worker, NoDeviceExecutor, TransferExecutor
+from runtime_zmq.l2_worker import L2Options, L2Worker
+from runtime_zmq.transfer import NoDeviceExecutor, TransferExecutor
 
 log = logging.getLogger("mpcache.server")
 
@@ -68,6 +69,7 @@ class ServerConfig:
     limits: wire.Limits = wire.Limits()
     metrics_port: int | None = None
     l2_workers: int = 4
+    l2_options: L2Options = L2Options()  # secret file, required tiers, deadlines, queue bound
     shutdown_grace: float = 5.0
     shm_dir: str = "/dev/shm"
     # This server's start id, answered by ``health``: clients that see it change know the server
@@ -185,7 +187,14 @@ class Server:
         if tiers is None:
             tiers = [open_l2(u) for u in config.l2_urls]
         self.channel = CompletionChannel()
-        self.l2 = L2Worker(tiers, self.pool, self.channel.post, workers=config.l2_workers)
+        try:
+            self.l2 = L2Worker(tiers, self.pool, self.channel.post, workers=config.l2_workers, options=config.l2_options)
+        except BaseException:  # a required tier down, a bad secret file: leave nothing behind
+            for tier in tiers:
+                tier.close()
+            self.channel.close()
+            self.pool.close()
+            raise
         self.executor: TransferExecutor = transfer_executor or NoDeviceExecutor()
         self.machine = make_machine(config, self.pool.num_slots, self.pool.slot_bytes, bool(tiers))
         self._outstanding: dict[ReplyTo, None] = {}
@@ -479,6 +488,7 @@ class Server:
                 "url": self.bound_url,
                 "chunk_size": self.config.chunk_size,
                 "l2": [repr(t) for t in self.l2.tiers],
+                "l2_tiers": self.l2.tier_states(),
             }
         elif op == "stats":
             result = self.stats()
@@ -502,11 +512,7 @@ class Server:
         out.update(self._counts)
         out["outstanding_requests"] = len(self._outstanding)
         out["transfers_in_flight"] = self._transfers_in_flight
-        out["l2_in_flight"] = self.l2.in_flight
-        out["l2_reads"] = self.l2.reads
-        out["l2_read_hits"] = self.l2.read_hits
-        out["l2_writes"] = self.l2.writes
-        out["l2_errors"] = self.l2.errors
+        out.update(self.l2.stats())
         out["l1_num_slots"] = self.pool.num_slots
         out["l1_slot_bytes"] = self.pool.slot_bytes
         out["l1_segment_created"] = self.pool.created

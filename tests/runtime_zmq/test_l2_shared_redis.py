@@ -6,6 +6,7 @@ from Redis into its own L1: the status query reports every chunk, and B's L1 the
 bytes A stored."""
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ redis = pytest.importorskip("redis", reason="redis-py is not installed (pip inst
 
 from runtime_zmq.client import MPCacheClient  # noqa: E402
 from runtime_zmq.l1_pool import MappedSegment  # noqa: E402
+from runtime_zmq.l2_seal import HEADER_BYTES  # noqa: E402
 
 try:
     from .redis_server import redis_server, redis_url  # noqa: F401
@@ -71,8 +73,9 @@ def test_store_on_a_is_found_through_b(
     start_server: Callable[..., Any], redis_url: str  # noqa: F811
 ) -> None:
     # Two nodes: separate processes, separate L1 segments, over tcp, one Redis between them.
-    a = start_server("--l2", redis_url, transport="tcp")
-    b = start_server("--l2", redis_url, transport="tcp")
+    secret = tempfile.mkdtemp(prefix="mpcache-secret-") + "/l2.secret"  # shared by the fleet
+    a = start_server("--l2", redis_url, "--l2-secret-file", secret, transport="tcp")
+    b = start_server("--l2", redis_url, "--l2-secret-file", secret, transport="tcp")
     raw = redis.Redis.from_url(redis_url)
     tokens = [(i * 7 + 3) % 30000 for i in range(CHUNKS * CHUNK)]
     with MPCacheClient(a.url, request_timeout=5.0) as ca, MPCacheClient(b.url, request_timeout=5.0) as cb:
@@ -98,7 +101,8 @@ def test_store_on_a_is_found_through_b(
 
         # A's write-behind puts the objects in Redis under the mpcache: prefix.
         _wait(lambda: len(raw.keys(b"mpcache:*")) == CHUNKS, 10, "A's write-behind to Redis")
-        assert sorted(len(raw.get(k) or b"") for k in raw.keys(b"mpcache:*")) == [OBJ_BYTES] * CHUNKS
+        # each value: the sealed envelope (layout header with size and keyed checksum) + the object
+        assert sorted(len(raw.get(k) or b"") for k in raw.keys(b"mpcache:*")) == [HEADER_BYTES + OBJ_BYTES] * CHUNKS
 
         # B: the lookup misses L1, hits L2, prefetches, and the status reports every chunk.
         assert cb.lookup(_key(tokens, "after")).result(5) is None
