@@ -3,9 +3,18 @@
 * Only **full** chunks of ``chunk_size`` tokens (default 256) are hashed, stored, looked up or
   counted; trailing tokens are ignored.
 * The hash is prefix-chained: ``h_0 = identity_root(model_name, world_size, cache_salt)``,
-  ``h_i = blake2b-256(h_{i-1} || tokens[(i-1)C : iC] as little-endian uint32)``. So chunk ``i``'s
-  hash identifies the whole prefix up to its end, and two requests share a chunk's object only if
-  they share the whole prefix, the model, the KV world size and the cache salt.
+  ``h_i = XXH3-128(h_{i-1} || tokens[(i-1)C : iC] as little-endian uint32)`` (16 bytes, the
+  big-endian canonical digest). So chunk ``i``'s hash identifies the whole prefix up to its end,
+  and two requests share a chunk's object only if they share the whole prefix, the model, the KV
+  world size and the cache salt.
+* Why XXH3-128 (the ``xxhash`` package): measured on the lookup path (docs/benchmarks.md, "Chunk
+  hashing"), it hashes 8,192 tokens in about 8 us; blake3, blake2b and sha256 cost 33-55 us,
+  because each 1 KiB chunk is its own call and a lone chunk gets no SIMD. It is not a
+  cryptographic hash: the cache already trusts the engines that store KV under a key, and
+  128 bits make accidental collisions negligible; deployments that do not trust one another's
+  engines must not share a server or an L2 tier (a cache salt separates names, not trust).
+* The layout version is folded into ``h_0``: changing the hash or the layout changes every key,
+  so an L2 tier written by an older layout is simply a miss (v1 was blake2b-256, 32 bytes).
 * The root is a fixed function of its inputs (no process seed), so hashes are identical across
   processes, restarts and servers sharing an L2 tier.
 * One object = one chunk of one KV rank: ``ObjectKey(chunk_hash, kv_rank)``.
@@ -18,20 +27,21 @@ Errors: ``chunk_hashes`` raises ``ValueError`` for a token id outside ``[0, 2**3
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, overload
 
+import xxhash
+
 DEFAULT_CHUNK_SIZE = 256
 MAX_CACHE_SALT_LEN = 128
 _FORBIDDEN_SALT_CHARS = ("@", "/", "\\", "\x00")
-_DIGEST_SIZE = 32
-# Bumped only if the hash layout changes: a new version makes every old L2 object a miss,
-# which is the safe failure.
-_HASH_LAYOUT_VERSION = b"mpcache-chunk-v1"
+CHUNK_HASH_SIZE = 16
+# Bumped whenever the hash or the layout changes: a new version makes every old L2 object a
+# miss, which is the safe failure. v1: blake2b-256; v2: XXH3-128.
+_HASH_LAYOUT_VERSION = b"mpcache-chunk-v2"
 _BYTESWAP = sys.byteorder != "little"
 assert array("I").itemsize == 4, "uint32 packing needs a 4-byte array('I')"
 
@@ -62,7 +72,7 @@ def identity_root(model_name: str, world_size: int, cache_salt: str = "") -> byt
         raise ValueError(reason)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, not {world_size}")
-    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    h = xxhash.xxh3_128()
     h.update(_HASH_LAYOUT_VERSION)
     for field in (model_name.encode("utf-8"), cache_salt.encode("utf-8")):
         h.update(struct.pack("<Q", len(field)))
@@ -234,7 +244,7 @@ def chunk_hashes(
     root: bytes = b"",
     num_chunks: int | None = None,
 ) -> tuple[bytes, ...]:
-    """Prefix-chained hashes of the full chunks of ``token_ids`` (32 bytes each).
+    """Prefix-chained hashes of the full chunks of ``token_ids`` (``CHUNK_HASH_SIZE`` bytes each).
 
     ``num_chunks`` limits the work to the first chunks (default: every full chunk). A
     ``TokenIds`` is hashed from its packed buffer directly (chunk slices of a memoryview).
@@ -254,9 +264,9 @@ def chunk_hashes(
     out: list[bytes] = []
     append = out.append
     prev = root
-    blake2b = hashlib.blake2b
+    xxh3_128 = xxhash.xxh3_128
     for offset in range(0, n * step, step):
-        h = blake2b(prev, digest_size=_DIGEST_SIZE)
+        h = xxh3_128(prev)
         h.update(data[offset : offset + step])
         prev = h.digest()
         append(prev)

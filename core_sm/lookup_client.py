@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, pack_tokens, validate_cache_salt
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, TokenIds, pack_tokens, validate_cache_salt
 from core_sm.effects import Effect, SendRequest
 from core_sm.guarded import GuardedMachine
 from core_sm.messages import (
@@ -314,7 +314,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids, 0, end,
                        rid, ev.cache_salt, ev.extras.prefix(end // C))
         pending = PendingLookup(rid, key, {}, now + self.config.lookup_timeout)
-        if validate_cache_salt(ev.cache_salt) is not None or not _uint32_tokens(ev.token_ids[:end]):
+        if validate_cache_salt(ev.cache_salt) is not None or not _uint32_tokens(ev.token_ids, end):
             self._counters["invalid_submits"] += 1
             self._resolve(pending, 0, now, out)
             return
@@ -546,9 +546,13 @@ class LookupClient(GuardedMachine[ClientEvent]):
         return corr
 
 
-def _uint32_tokens(token_ids: tuple[int, ...]) -> bool:
+def _uint32_tokens(token_ids: TokenIds, end: int) -> bool:
+    """Whether the first ``end`` ids are all uint32 (ids that did not pack are checked again
+    only up to ``end``)."""
+    if token_ids.valid:
+        return True
     try:
-        pack_tokens(token_ids)
+        pack_tokens(token_ids.tolist()[:end])
     except (TypeError, ValueError, OverflowError):
         return False
     return True

@@ -447,7 +447,7 @@ class SubmitLookup:
     """vLLM ``maybe_submit_lookup_request``: start a lookup (ignored if the id is already known)."""
 
     request_id: str
-    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    token_ids: TokenIds = attrs.field(converter=as_token_ids)  # packed once, here
     cache_salt: str = ""
     extras: KeyExtras = NO_EXTRAS
 
@@ -465,7 +465,7 @@ class FreeUnusedLeases:
     healthy server)."""
 
     request_id: str
-    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    token_ids: TokenIds = attrs.field(converter=as_token_ids)  # packed once, here
     start: int
     end: int
     cache_salt: str = ""

@@ -694,7 +694,7 @@ class SchedulerAdapter(_MachineShell):
 
     def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "", extras: KeyExtras = NO_EXTRAS) -> None:
         self._pump()
-        self._handle(SubmitLookup(request_id, tuple(token_ids), cache_salt, extras))
+        self._handle(SubmitLookup(request_id, token_ids, cache_salt, extras))
 
     def check(self, request_id: str) -> int | None:
         self._pump()
@@ -705,7 +705,7 @@ class SchedulerAdapter(_MachineShell):
     def free_unused_leases(
         self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "", extras: KeyExtras = NO_EXTRAS
     ) -> None:
-        self._handle(FreeUnusedLeases(request_id, tuple(token_ids), start, end, cache_salt, extras))
+        self._handle(FreeUnusedLeases(request_id, token_ids, start, end, cache_salt, extras))
 
     def cleanup(self, request_id: str) -> None:
         self._handle(Cleanup(request_id))

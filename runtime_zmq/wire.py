@@ -19,8 +19,9 @@ Python values (``WireKey`` for LMCache's ``IPCCacheServerKey`` map). ``runtime_z
 them into core_sm events. Decoding never raises: every failure is a ``DecodeError`` value.
 
 Token ids become a ``core_sm.chunks.TokenIds`` (one packed little-endian uint32 buffer): a msgpack
-bin of packed ids (mpcache's client) is wrapped as received; LMCache's list of ints is packed once,
-in C. Neither form costs a Python step per token after msgpack itself.
+bin of packed ids (mpcache's client) is wrapped as received; LMCache's list of ints is scanned out
+of the frame by a compiled decoder (``runtime_zmq.tokens``) into one uint32 buffer. Neither form
+costs a Python object per token.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import msgpack  # type: ignore[import-untyped]
 from core_sm.chunks import TokenIds, as_token_ids, pack_tokens
 from core_sm.messages import CacheKey
 from core_sm.keys import NO_EXTRAS, KeyExtras
+from runtime_zmq.tokens import decode_key_frame
 
 # ---------------------------------------------------------------------------------------------
 # Error kinds on the wire (lower-case names of core_sm's ErrorKind; the codec's own failures use
@@ -447,7 +449,11 @@ def decode_request(frames: Sequence[bytes], limits: Limits) -> Request | DecodeE
         for i, f in enumerate(payloads):
             what = f"{spec.name} payload {i}"
             try:
-                v = _unpack(f)
+                # A key's list-form token ids go straight into a uint32 buffer (runtime_zmq.tokens);
+                # any frame the scanner declines is decoded the ordinary way.
+                v = decode_key_frame(f) if spec.params[i] is P.KEY else None
+                if v is None:
+                    v = _unpack(f)
             except Exception:
                 raise _Bad(WireErrorKind.UNDECODABLE, f"{what}: not msgpack") from None
             args.append(_decode_param(spec.params[i], v, what, limits))

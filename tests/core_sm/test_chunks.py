@@ -4,10 +4,12 @@ import hashlib
 import struct
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core_sm.chunks import (
+    CHUNK_HASH_SIZE,
     DEFAULT_CHUNK_SIZE,
     ObjectKey,
     chunk_hashes,
@@ -27,21 +29,42 @@ def test_only_full_chunks_are_hashed() -> None:
     assert len(chunk_hashes(list(range(1024)), 256, root, num_chunks=2)) == 2
 
 
-def test_hash_layout_is_blake2b_over_prev_and_le_uint32() -> None:
+def _root_v(version: bytes, model: str, world_size: int, salt: str, hasher: object) -> bytes:
+    h = hasher()  # type: ignore[operator]
+    h.update(version)
+    for field in (model.encode(), salt.encode()):
+        h.update(struct.pack("<Q", len(field)) + field)
+    h.update(struct.pack("<Q", world_size))
+    return h.digest()  # type: ignore[no-any-return]
+
+
+def test_hash_layout_is_xxh3_128_over_prev_and_le_uint32() -> None:
+    # An independent re-statement of the documented layout (v2): root, then one XXH3-128 per chunk.
     root = identity_root("m", 2, "s")
-    toks = [1, 2, 3, 0xFFFFFFFF]
-    h1 = hashlib.blake2b(root + struct.pack("<4I", *toks[:4]), digest_size=32).digest()
-    assert chunk_hashes(toks, 4, root) == (h1,)
+    assert root == _root_v(b"mpcache-chunk-v2", "m", 2, "s", xxhash.xxh3_128)
+    toks = [1, 2, 3, 0xFFFFFFFF, 7, 8, 9, 10]
+    h1 = xxhash.xxh3_128_digest(root + struct.pack("<4I", *toks[:4]))
+    h2 = xxhash.xxh3_128_digest(h1 + struct.pack("<4I", *toks[4:]))
+    assert chunk_hashes(toks, 4, root) == (h1, h2)
+    assert len(h1) == CHUNK_HASH_SIZE == 16
     assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
 
 
 def test_hashes_are_pinned_across_processes_and_releases() -> None:
     # Known-answer vectors: a change here orphans every persisted L2 object, so it must be a
     # deliberate layout-version bump, never an accident.
-    assert identity_root("m", 1).hex() == (
-        "e5390fbaad3a1406f6d82d9f612a5214a3204f51bdab2b82aab7e4cca4962ac9")
-    assert chunk_hashes(list(range(256)), 256, identity_root("llama", 2, "s"))[0].hex() == (
-        "397b79ac03cabefd9c6e020e556d7fb4ba545c634e0995ddc7e8f0e00c7f382c")
+    assert identity_root("m", 1).hex() == "0e95d151f8677c32de10898568201ade"
+    assert chunk_hashes(list(range(256)), 256, identity_root("llama", 2, "s"))[0].hex() == "4abae4e9afc14195f284385b55a8ac6b"
+
+
+def test_keys_of_the_v1_layout_are_never_produced() -> None:
+    # v1 (blake2b-256, 32 bytes) named the L2 objects written before the hash changed; no v2 key
+    # can equal one, so such objects are misses (never read as this layout's KV).
+    old_root = _root_v(b"mpcache-chunk-v1", "llama", 2, "s", lambda: hashlib.blake2b(digest_size=32))
+    old = hashlib.blake2b(old_root + struct.pack("<256I", *range(256)), digest_size=32).digest()
+    assert old.hex() == "397b79ac03cabefd9c6e020e556d7fb4ba545c634e0995ddc7e8f0e00c7f382c"
+    new = chunk_hashes(list(range(256)), 256, identity_root("llama", 2, "s"))[0]
+    assert new != old[:CHUNK_HASH_SIZE] and ObjectKey(new, 0).wire_name() != ObjectKey(old, 0).wire_name()
 
 
 @pytest.mark.parametrize(

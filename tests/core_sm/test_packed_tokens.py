@@ -17,12 +17,11 @@ from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 # 8292 tokens spread over the whole uint32 range: 32 full chunks of 256 and a partial one.
 PINNED_TOKENS = [(i * 2654435761) % 2**32 for i in range(8192 + 100)]
-# Computed with the hashing code as it was before token ids could arrive packed (tuple ->
-# array('I') -> blake2b per chunk). Disk and Redis L2 objects are keyed by these hashes: this must
-# never change by accident.
-PINNED_CHAIN_SHA256 = "6f4bf7512ab339ac8a8ce7742d3d5a85972ff6ecc98a1ec77f9248791f93bec5"
-PINNED_FIRST = "da26c0239f7208a431566b1465cc3be4556eb8be597d2fdd721ff915584fa431"
-PINNED_LAST = "35d61140c9af75e567c72dfd1d37996fd7d239cc9a01ee1c88224e0610a57aab"
+# Hash layout v2 (XXH3-128 per chunk; v1 was blake2b-256). Disk and Redis L2 objects are keyed by
+# these hashes: this must never change by accident, only with a layout-version bump.
+PINNED_CHAIN_SHA256 = "ef22ff24b8fe0b64f4a57f630d403495c0ab6eb56880b378d9beab8b3348d4d9"
+PINNED_FIRST = "1a33fdfd4437b00398598b336922a36c"
+PINNED_LAST = "da5e8c625917bbc3b41f5a9e077589c4"
 
 
 def _le_bytes(toks: list[int]) -> bytes:

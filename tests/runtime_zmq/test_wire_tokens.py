@@ -83,3 +83,107 @@ def test_lookup_reader_counts_come_from_the_raw_wire_fields(
     more = () if tp_size is None else (tp_size,)
     ev = _lookup(_key(TOKENS, num_kv_readers=num_kv_readers, world_size=world_size), *more)
     assert ev.num_readers == want
+
+
+# --- the compiled list-form scanner (runtime_zmq.tokens) ------------------------------------------
+
+from array import array  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from runtime_zmq.tokens import decode_key_frame  # noqa: E402
+
+
+def _ordinary(frame: bytes) -> object:
+    return msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
+
+
+def _agrees(frame: bytes) -> bool:
+    """The scanner either declines, or gives msgpack's map with the ids packed; True if it took
+    the fast path."""
+    try:
+        fast = decode_key_frame(frame)
+    except Exception:
+        with pytest.raises(Exception):
+            _ordinary(frame)
+        return False
+    if fast is None:
+        return False
+    want = _ordinary(frame)
+    assert isinstance(want, dict)
+    ids = want.pop("token_ids")
+    got = dict(fast)
+    packed = got.pop("token_ids")
+    assert got == want
+    assert packed == array("I", ids).tobytes()
+    return True
+
+
+uint32s = st.lists(st.integers(0, 2**32 - 1), max_size=300)
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=40) | st.binary(max_size=300),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(uint32s, st.dictionaries(st.text(max_size=12).filter(lambda k: k != "token_ids"), msgpack_values, max_size=6))
+def test_scanner_gives_what_msgpack_gives(ids: list[int], extra: dict[str, Any]) -> None:
+    frame = msgpack.packb({**extra, **_key(ids)}, use_bin_type=True)
+    assert _agrees(frame)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**64 - 1) | st.none() | st.floats() | st.text(max_size=3), max_size=20))
+def test_scanner_declines_ids_that_are_not_uint32(ids: list[Any]) -> None:
+    frame = msgpack.packb(_key(ids), use_bin_type=True)
+    took = _agrees(frame)
+    assert took == all(type(t) is int and 0 <= t < 2**32 for t in ids)
+
+
+@settings(max_examples=500, deadline=None)
+@given(uint32s, st.data())
+def test_scanner_on_corrupted_frames_never_disagrees(ids: list[int], data: st.DataObject) -> None:
+    frame = bytearray(msgpack.packb(_key(ids), use_bin_type=True))
+    for _ in range(data.draw(st.integers(1, 4))):
+        frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(frame)))
+    _agrees(bytes(frame[:cut]) if data.draw(st.booleans()) else bytes(frame) + b"\x00")
+    _agrees(bytes(frame))
+
+
+@pytest.mark.parametrize("ids", [[0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1], list(range(70000))])
+def test_scanner_every_unsigned_width(ids: list[int]) -> None:
+    assert _agrees(msgpack.packb(_key(ids)))
+
+
+def test_scanner_signed_and_wide_forms_from_other_writers() -> None:
+    # int8..int64 and uint64 encodings of non-negative ids, which msgpack-python never writes
+    body = b"\xd0\x05" b"\xd1\x01\x00" b"\xd2\x00\x01\x00\x00" b"\xd3" + (7).to_bytes(8, "big") + b"\xcf" + (2**32 - 1).to_bytes(8, "big")
+    frame = b"\x81\xa9token_ids\x95" + body
+    assert decode_key_frame(frame) == {"token_ids": array("I", [5, 256, 65536, 7, 2**32 - 1]).tobytes()}
+    assert decode_key_frame(b"\x81\xa9token_ids\x91\xcf" + (2**32).to_bytes(8, "big")) is None
+    assert decode_key_frame(b"\x81\xa9token_ids\x91\xd0\xff") is None
+
+
+def test_scanner_declines_duplicates_bins_and_non_maps() -> None:
+    one = msgpack.packb([1, 2])
+    assert decode_key_frame(b"\x82\xa9token_ids" + one + b"\xa9token_ids" + one) is None
+    # the same key as a str8 counts as a duplicate too (msgpack keeps the last)
+    assert decode_key_frame(b"\x82\xa9token_ids" + one + b"\xd9\x09token_ids" + one) is None
+    assert decode_key_frame(msgpack.packb({"token_ids": b"\x01\x00\x00\x00"}, use_bin_type=True)) is None
+    assert decode_key_frame(msgpack.packb([1, 2, 3])) is None
+    assert decode_key_frame(b"") is None
+
+
+def test_scanner_header_counts_beyond_the_frame_allocate_nothing() -> None:
+    # an array32 header claiming 2**32-1 ids in a 20-byte frame is declined before any allocation
+    assert decode_key_frame(b"\x81\xa9token_ids\xdd\xff\xff\xff\xff\x01") is None
+    assert decode_key_frame(b"\xdf\xff\xff\xff\xff") is None
+
+
+def test_list_form_limit_is_enforced_through_the_scanner() -> None:
+    r = _decode(_key(list(range(100))), limits=Limits(max_tokens=99))
+    assert isinstance(r, DecodeError) and r.kind is WireErrorKind.TOO_LARGE
