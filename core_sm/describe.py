@@ -1,5 +1,9 @@
 """Render the machines' transition tables as Markdown (docs/core_sm.md embeds the output; a test
-keeps the two identical). ``python -m core_sm.describe`` prints every table."""
+keeps the two identical). ``python -m core_sm.describe`` prints every table.
+
+The server's tables are the ``core_sm.table.Table`` objects its ``handle`` executes (the handler
+of each row is shown); the client machines' and the L1 index's are still allowed-next-state maps.
+"""
 from __future__ import annotations
 
 import enum
@@ -7,9 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from core_sm import l1_index, lookup_client, server, transfer_client
+from core_sm.table import Table
 
-TABLES: dict[str, Mapping[Any, frozenset[Any]]] = {
-    "LookupServer (job of a request id, transfer)": server.TRANSITIONS,
+TABLES: dict[str, Table[Any] | Mapping[Any, frozenset[Any]]] = {
+    **server.TABLES,
     "LookupClient (lookup of a request id)": lookup_client.TRANSITIONS,
     "TransferClient (one op)": transfer_client.TRANSITIONS,
     "L1Index (one object)": l1_index.TRANSITIONS,
@@ -24,12 +29,24 @@ def _name(x: object) -> str:
     return str(x)
 
 
-def render(table: Mapping[Any, frozenset[Any]]) -> str:
-    """One row per (state, input): the next states, sorted by name."""
+def _nexts(nexts: frozenset[Any]) -> str:
+    return ", ".join(sorted(_name(n).split(".")[-1] for n in nexts))
+
+
+def render(table: Table[Any] | Mapping[Any, frozenset[Any]]) -> str:
+    """One row per (state, input): the handler that runs (executing tables) and the next
+    states, sorted by name."""
+    if isinstance(table, Table):
+        lines = ["| state | input | handler | next states |", "|---|---|---|---|"]
+        for (state, event), row in table.rows.items():
+            lines.append(f"| {_name(state)} | {_name(event)} | `{row.handler.__name__}` | {_nexts(row.next_states)} |")
+        lines.append("")
+        lines.append(f"Any other pair: a request is refused `{table.illegal_kind.value}`, "
+                     "an internal event is counted in `stale_events`.")
+        return "\n".join(lines)
     lines = ["| state | input | next states |", "|---|---|---|"]
     for (state, event), nexts in table.items():
-        names = ", ".join(sorted(_name(n).split(".")[-1] for n in nexts))
-        lines.append(f"| {_name(state)} | {_name(event)} | {names} |")
+        lines.append(f"| {_name(state)} | {_name(event)} | {_nexts(nexts)} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """Effects: what a machine asks its runtime to do. A machine never performs one itself.
 
-Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ProbeL2``, ``ReadL2``, ``WriteL2``.
+Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ProbeL2``, ``ReadL2``, ``WriteL2``,
+``InstanceReaped``.
 Client effects: ``SendRequest``, ``CopyBlocks``.
 Every effect is an ``attrs`` frozen class; a runtime dispatches on its type.
 """
@@ -47,7 +48,8 @@ class StartTransfer:
     its lease TTL: the slots stay quarantined until then. ``reply_to`` identifies the original
     request (the runtime keeps its event handle under it). ``not_after``: the STORE's deadline
     (None: none); a runtime whose copy queue is backed up may fail a STORE copy not yet begun by
-    then (``TransferFinished(ok=False)``) -- the worker frees blocks given up on after it."""
+    then (``TransferFinished(ok=False)``) -- the worker frees blocks given up on after it.
+    ``object_bytes``: the size of one object of the instance (bytes a placement's slot holds)."""
 
     transfer_id: int
     kind: TransferKind
@@ -60,6 +62,7 @@ class StartTransfer:
     block_ids: tuple[int, ...] = attrs.field(converter=_tuple)
     skip_first_n_tokens: int = 0
     not_after: float | None = None
+    object_bytes: int = 0
 
 
 @attrs.frozen
@@ -76,20 +79,33 @@ class ProbeL2:
 class ReadL2:
     """Load each ``(key, slot)`` from L2 into its slot; answer
     ``L2ReadFinished(read_id, loaded)`` with one bool per item, in order -- always, even after
-    the server gave up on the read at its lease TTL: the slots stay quarantined until then."""
+    the server gave up on the read at its lease TTL: the slots stay quarantined until then.
+    ``object_bytes``: the size of each object (what a slot receives)."""
 
     read_id: int
     items: tuple[tuple[ObjectKey, int], ...] = attrs.field(converter=_tuple)
+    object_bytes: int = 0
 
 
 @attrs.frozen
 class WriteL2:
     """Write each ``(key, slot)`` to L2 (write-behind). The slots stay leased until
     ``L2WriteFinished(write_id, ok)`` (or the lease TTL), and are never given to another object
-    before it arrives."""
+    before it arrives. ``object_bytes``: the size of each object (bytes of its slot to write)."""
 
     write_id: int
     items: tuple[tuple[ObjectKey, int], ...] = attrs.field(converter=_tuple)
+    object_bytes: int = 0
+
+
+@attrs.frozen
+class InstanceReaped:
+    """Engine instance ``instance_id`` sent no heartbeat for ``instance_ttl`` and was reaped:
+    release what the runtime keeps for it (GPU IPC mappings, staging memory). Its in-flight
+    copies must still be reported (``TransferFinished``); its later requests are refused
+    ``not_registered``."""
+
+    instance_id: int
 
 
 @attrs.frozen
@@ -119,4 +135,5 @@ class CopyBlocks:
     skip_first_n_tokens: int = 0
 
 
-Effect = Union[Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, SendRequest, CopyBlocks]
+Effect = Union[Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, SendRequest,
+               CopyBlocks]

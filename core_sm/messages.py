@@ -94,8 +94,12 @@ class CacheKey:
 
 @attrs.frozen
 class Ping:
-    """Heartbeat. Reply: ``True``."""
+    """Heartbeat. Reply: ``True``. With ``instance_id`` (an engine instance's liveness, sent
+    whatever its traffic): refreshes that registered instance so it is not reaped after
+    ``ServerConfig.instance_ttl``; an unknown or reaped id is refused ``NOT_REGISTERED``. Without
+    (LMCache's plain ping): names nothing."""
 
+    instance_id: int | None = None
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
 
 

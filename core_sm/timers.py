@@ -17,7 +17,7 @@ firing order.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import attrs
 
@@ -34,12 +34,12 @@ class TimerHeap:
     """Deadlines of typed timers. ``live(timer)`` says whether a timer's subject still exists
     with the state that armed it (the machine decides); dead entries are skipped and compacted."""
 
-    def __init__(self, live: Callable[[Timer], bool], slack: int = DEFAULT_COMPACT_SLACK) -> None:
+    def __init__(self, live: Callable[[Timer], bool], slack: int | None = None) -> None:
         self._live = live
-        self._slack = slack
+        self._slack = DEFAULT_COMPACT_SLACK if slack is None else slack
         self._heap: list[tuple[float, int, Timer]] = []
         self._seq = 0
-        self._compact_at = slack
+        self._compact_at = self._slack
         self.compactions = 0
 
     def __len__(self) -> int:
@@ -54,14 +54,14 @@ class TimerHeap:
             self._compact_at = 2 * len(self._heap) + self._slack
             self.compactions += 1
 
-    def pop_due(self, now: float) -> Iterator[Timer]:
-        """The live timers due at ``now``, in firing order (a timer pushed meanwhile that is
-        already due is yielded too)."""
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _deadline, _seq, timer = heapq.heappop(heap)
+    def pop_due(self, now: float) -> Timer | None:
+        """The next live timer due at ``now`` (firing order), removed; None when none is due.
+        Call it until None: a handler may push timers meanwhile (even due ones)."""
+        while self._heap and self._heap[0][0] <= now:
+            _deadline, _seq, timer = heapq.heappop(self._heap)
             if self._live(timer):
-                yield timer
+                return timer
+        return None
 
     def next_deadline(self) -> float | None:
         heap = self._heap

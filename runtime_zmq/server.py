@@ -387,6 +387,9 @@ class Server:
             self.l2.write(eff)  # type: ignore[arg-type]
         elif t is fx.ProbeL2:
             self.l2.probe(eff)  # type: ignore[arg-type]
+        elif t is fx.InstanceReaped:  # no heartbeat for instance_ttl: drop its GPU mappings
+            self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
+            self._instance_bytes.pop(eff.instance_id, None)  # type: ignore[attr-defined]
         else:
             log.error("unknown effect %r", eff)
 
@@ -406,7 +409,7 @@ class Server:
             post(m.TransferFinished(transfer_id, bool(ok)))
 
         try:
-            nbytes = self._instance_bytes.get(st.instance_id, 0)
+            nbytes = st.object_bytes
             if st.kind is m.TransferKind.STORE and nbytes > 0:
                 for _chunk, slot in st.placements:
                     self.l2.note_slot_size(slot, nbytes)

@@ -59,6 +59,8 @@ class ServerHarness:
         effects = self.server.handle(event, self.now)
         self._absorb(effects)
         self.server.check_invariants()
+        if type(self.server) is LookupServer:  # every transition the fixed server makes is a row
+            assert self.server.stats()["table_violations"] == 0, event
         return effects
 
     def _absorb(self, effects: list[Effect]) -> None:

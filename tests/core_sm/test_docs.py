@@ -15,13 +15,19 @@ import core_sm.l1_index
 import core_sm.lookup_client
 import core_sm.messages
 import core_sm.server
+import core_sm.server_core
+import core_sm.server_instances
+import core_sm.server_jobs
+import core_sm.server_l2
+import core_sm.server_transfers
 import core_sm.table
 import core_sm.timers
 import core_sm.transfer_client
 
 DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "core_sm.md").read_text()
 MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.l1_index, core_sm.lookup_client,
-           core_sm.messages, core_sm.server, core_sm.table, core_sm.timers, core_sm.transfer_client]
+           core_sm.messages, core_sm.server, core_sm.server_core, core_sm.server_instances,
+           core_sm.server_jobs, core_sm.server_l2, core_sm.server_transfers, core_sm.table, core_sm.timers, core_sm.transfer_client]
 NAMESPACE = {name: getattr(m, name) for m in MODULES for name in dir(m) if not name.startswith("__")}
 
 

@@ -34,6 +34,7 @@ from core_sm.messages import (
     WaitPrefetchStatus,
 )
 from core_sm.server import JobState, LookupServer, ServerConfig, TransferState
+from core_sm.server_core import L2WriteOwner
 from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 
@@ -404,11 +405,11 @@ def test_write_behind_holds_a_lease_until_l2_write_finished() -> None:
     toks = tokens(2)
     h.store(toks)
     (w,) = h.writes.values()
-    assert len(w.items) == 2 and held(h, ("l2write", w.write_id)) == 2
+    assert len(w.items) == 2 and held(h, L2WriteOwner(w.write_id)) == 2
     assert h.call(Clear(False)) is None
     assert h.server.stats()["objects"] == 2  # leased: not cleared
     h.feed(L2WriteFinished(w.write_id, True))
-    assert held(h, ("l2write", w.write_id)) == 0
+    assert held(h, L2WriteOwner(w.write_id)) == 0
     h.call(Clear(False))
     assert h.server.stats()["objects"] == 0
 
@@ -614,3 +615,65 @@ def test_l2_prefetch_reads_only_the_lookups_ranks() -> None:
     assert [k.kv_rank for k, _slot in read.items] == [1, 1]
     h.feed(L2ReadFinished(read.read_id, (True, True)))
     assert h.call(QueryPrefetchStatus("r")) == 2 and held(h, "r") == 2
+
+
+# ------------------------------------------------------------------------------ dead instances
+
+
+def test_a_silent_heartbeating_instance_is_reaped_and_its_plans_fail() -> None:
+    from core_sm.effects import InstanceReaped
+    from core_sm.server import InstanceState
+
+    h = ServerHarness(instance_ttl=60.0, lease_ttl=300.0)
+    h.register(engine_driven=True)
+    assert h.call(Ping(1)) is True  # the first heartbeat: watched from now on
+    plan = h.call(PrepareStore(key("w", tokens(2), worker_id=0), 1))
+    assert isinstance(plan, TransferPlan) and plan.ok
+    h.now = 59.0
+    assert h.call(Ping(1)) is True  # alive, idle
+    fx = h.advance(59.0 + 1.0 - h.now + 58.0)  # t = 118: 59 s since the last sign of life
+    assert not any(isinstance(e, InstanceReaped) for e in fx)
+    assert h.server.instance_state(1) is InstanceState.REGISTERED
+    fx = h.advance(1.0)  # t = 119 = 59 + 60
+    assert [e for e in fx if isinstance(e, InstanceReaped)] == [InstanceReaped(1)]
+    st = h.server.stats()
+    assert st["instances_reaped"] == 1 and st["instances"] == 0 and st["plans_of_reaped_instances"] == 1
+    assert h.server.transfer_state(plan.transfer_id) is TransferState.ABSENT
+    assert st["objects"] == 0  # the plan's reservations are dropped
+    # anything naming it now: not_registered, and the client registers again
+    assert h.error_kind(h.send(Ping(1))) is ErrorKind.NOT_REGISTERED
+    assert h.error_kind(h.send(Store(key("w", tokens(2), worker_id=0), 1))) is ErrorKind.NOT_REGISTERED
+    h.register(engine_driven=True)
+    assert h.server.instance_state(1) is InstanceState.REGISTERED
+
+
+def test_a_live_idle_instance_is_never_reaped_and_traffic_counts_as_life() -> None:
+    h = ServerHarness(instance_ttl=60.0, lease_ttl=10_000.0, abandoned_job_ttl=10_000.0)
+    h.register()
+    h.call(Ping(1))
+    for _ in range(100):  # 100 heartbeats 30 s apart, no traffic at all
+        h.advance(30.0)
+        assert h.call(Ping(1)) is True
+    h.register(instance_id=2)
+    h.call(Ping(2))
+    for _ in range(10):  # instance 2 only stores, 50 s apart
+        h.advance(50.0)
+        h.call(Ping(1))
+        rt = h.send(Store(key(f"s{len(h.log)}", tokens(1, seed=len(h.log)), worker_id=0), 2))
+        h.finish_all_transfers()
+        assert h.result(rt) == StoreResult(True, 1, 0)
+    st = h.server.stats()
+    assert st["instances_reaped"] == 0 and st["instances"] == 2 and st["heartbeats"] >= 111
+    assert st["timers"] < 50  # heartbeats move a time stamp, not a heap entry each
+
+
+def test_an_instance_that_never_heartbeats_is_not_reaped_and_plain_ping_still_answers() -> None:
+    h = ServerHarness(instance_ttl=1.0)
+    h.register()
+    h.advance(1000.0)
+    assert h.server.stats()["instances"] == 1 and h.call(Ping()) is True
+    off = ServerHarness(instance_ttl=None)
+    off.register()
+    off.call(Ping(1))
+    off.advance(10**6)
+    assert off.server.stats()["instances"] == 1

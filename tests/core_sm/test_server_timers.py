@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-import core_sm.server
+import core_sm.timers
 from core_sm.messages import EndSession, Lookup, TimerFired
 from core_sm.server import LookupServer, ServerConfig
 from sm_helpers import C, key, tokens
@@ -25,7 +25,7 @@ def test_ended_lookups_leave_a_bounded_timer_heap() -> None:
         rid = f"r{i}"
         server.handle(Lookup(key(rid, toks), 1, reply_to=("l", i)), 5.0)
         server.handle(EndSession(rid, reply_to=("e", i)), 5.0)
-        longest = max(longest, len(server._timers))
+        longest = max(longest, server.stats()["timers"])
     assert longest <= 300, longest  # about twice the live timers (one, or none) plus the slack
     assert server.stats()["timer_compactions"] > 100
     assert server.stats()["jobs"] == 0
@@ -56,7 +56,7 @@ def test_compaction_changes_no_effect_and_no_deadline(monkeypatch: pytest.Monkey
     # the open jobs are reaped oldest first, each at its own TTL
     assert effects[-3][0] == 150 and effects[-3][1] == pytest.approx(60.150)
     assert effects[-1] == (0, None)
-    monkeypatch.setattr(core_sm.server, "_TIMER_COMPACT_SLACK", 10**9)
+    monkeypatch.setattr(core_sm.timers, "DEFAULT_COMPACT_SLACK", 10**9)
     never = _server()
     assert _run(never) == effects
     assert never.stats()["timer_compactions"] == 0

@@ -1,0 +1,162 @@
+"""What the server's entity machines share: the configuration, the L1 index, one timer heap, the
+counters, slot pins of in-flight effects, and key validation / hashing.
+
+``LookupServer`` (core_sm/server.py) builds one ``ServerContext`` and hands it to each entity
+machine (jobs, transfers, L2 work, instances); none of them owns another's state, they call one
+another's methods. Internal lease/reservation owners are named types here (a request id, a
+``str``, owns lookup leases).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Union
+
+import attrs
+
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, identity_root, validate_cache_salt
+from core_sm.effects import Effect
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
+from core_sm.l1_index import L1Index
+from core_sm.messages import CacheKey, ReplyTo
+from core_sm.timers import Timer, TimerHeap
+
+
+@attrs.frozen
+class ServerConfig:
+    """Server knobs; defaults follow LMCache's where it has one."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    num_slots: int = 1024
+    slot_bytes: int = 1 << 20
+    lease_ttl: float = 300.0  # read/write leases and uncommitted engine-driven plans
+    tombstone_ttl: float = 60.0
+    tombstone_cap: int = 100_000
+    abandoned_job_ttl: float = 60.0  # a job never queried is reaped (its leases released)
+    l2_enabled: bool = False  # plan ReadL2 for what misses L1
+    l2_read_timeout: float = 30.0  # a job whose L2 work is not back resolves with its L1 prefix
+    # Ask L2 which objects it has (ProbeL2) before reserving L1 slots for a read: a miss then
+    # evicts nothing. Off until every runtime answers ProbeL2 with L2ProbeFinished.
+    l2_probe: bool = False
+    write_behind: bool = False  # WriteL2 every store once it is ready
+    high_watermark: float = 1.0
+    low_watermark: float = 1.0
+    max_waiters: int = 10_000
+    max_chunks_per_request: int = 1 << 16
+    # A registered instance that has sent a heartbeat (a Ping naming it) and then neither
+    # heartbeats nor sends requests for this long is reaped (None: never).
+    instance_ttl: float | None = 60.0
+
+
+@attrs.frozen(cache_hash=True)
+class TransferOwner:
+    """Holds a retrieve's read leases and a store's write reservations during its copy."""
+
+    transfer_id: int
+
+
+@attrs.frozen(cache_hash=True)
+class L2ReadOwner:
+    """Holds the write reservations an L2 read loads into."""
+
+    read_id: int
+
+
+@attrs.frozen(cache_hash=True)
+class L2WriteOwner:
+    """Holds the read leases of a write-behind while L2 copies the objects."""
+
+    write_id: int
+
+
+# The owner of an in-flight effect on slots (never a request id): what ``clear`` protects.
+EffectOwner = Union[TransferOwner, L2ReadOwner, L2WriteOwner]
+EFFECT_OWNERS = (TransferOwner, L2ReadOwner, L2WriteOwner)
+
+
+class ServerContext:
+    """Shared resources of the entity machines (one per ``LookupServer``)."""
+
+    def __init__(self, config: ServerConfig, counters: dict[str, int],
+                 reply_error: Callable[[list[Effect], ReplyTo, ProtocolError], None],
+                 timer_live: Callable[[Timer], bool]) -> None:
+        self.config = config
+        c = config
+        self.index = L1Index(c.num_slots, c.slot_bytes, c.lease_ttl, c.high_watermark, c.low_watermark)
+        self.counters = counters
+        self.reply_error = reply_error  # the server's hook: every ErrorReply goes through it
+        self.timers = TimerHeap(timer_live)
+        # Slots pinned in the index by an in-flight effect, per effect. Unpinned by the effect's
+        # completion event only (an expired engine-driven plan: one more lease_ttl), whatever
+        # the TTLs did meanwhile.
+        self.pins: dict[EffectOwner, tuple[int, ...]] = {}
+        self._roots: dict[tuple[str, int, str, str], bytes] = {}
+        self._next_id = 0
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def error(self, out: list[Effect], reply_to: ReplyTo, kind: ErrorKind, message: str) -> None:
+        """Answer ``reply_to`` with a ``kind`` error (through the server's ``_reply_error``)."""
+        self.reply_error(out, reply_to, ProtocolError(kind, message))
+
+    def pin(self, owner: EffectOwner, slots: Sequence[int]) -> None:
+        """An effect on ``slots`` is in flight: none of them goes to another object before
+        ``unpin`` (its completion event), even if its object is dropped meanwhile."""
+        if not slots:
+            return
+        self.pins[owner] = tuple(slots)
+        for slot in slots:
+            self.index.pin_slot(slot)
+
+    def unpin(self, owner: EffectOwner) -> None:
+        for slot in self.pins.pop(owner, ()):
+            self.index.unpin_slot(slot)
+
+    def validate_key(self, key: CacheKey, *, scheduler: bool, aligned: bool = True) -> str | None:
+        """None if ``key`` is well formed for a scheduler (``worker_id`` None) or worker request,
+        else the reason."""
+        if not isinstance(key, CacheKey):
+            return "key must be a CacheKey"
+        if not isinstance(key.model_name, str):
+            return "model_name must be a str"
+        if not isinstance(key.world_size, int) or isinstance(key.world_size, bool) or key.world_size < 1:
+            return f"world_size must be an int >= 1, not {key.world_size!r}"
+        if not isinstance(key.request_id, str):
+            return "request_id must be a str"
+        salt_err = validate_cache_salt(key.cache_salt)
+        if salt_err is not None:
+            return salt_err
+        extras_err = validate_extras(key.extras, self.config.max_chunks_per_request)
+        if extras_err is not None:
+            return extras_err
+        if scheduler:
+            if key.worker_id is not None:
+                return "a scheduler key has worker_id None"
+        elif not isinstance(key.worker_id, int) or not 0 <= key.worker_id < key.world_size:
+            return f"worker_id must be in [0, {key.world_size}), not {key.worker_id!r}"
+        if not isinstance(key.start, int) or not isinstance(key.end, int):
+            return "start and end must be ints"
+        if not 0 <= key.start <= key.end <= len(key.token_ids):
+            return f"range [{key.start}, {key.end}) outside the {len(key.token_ids)} tokens"
+        C = self.config.chunk_size
+        if aligned and (key.start % C or key.end % C):
+            return f"range [{key.start}, {key.end}) is not aligned to the chunk size {C}"
+        if key.end // C > self.config.max_chunks_per_request:
+            return "too many chunks in one request"
+        return None
+
+    def hashes(self, key: CacheKey, num_chunks: int) -> tuple[tuple[bytes, ...], str | None]:
+        """The first ``num_chunks`` chunk hashes of ``key``, or the reason they cannot be made."""
+        ident = (key.model_name, key.world_size, key.cache_salt, key.extras.identity)
+        root = self._roots.get(ident)
+        if root is None:
+            if len(self._roots) >= 1024:
+                self._roots.clear()
+            root = self._roots[ident] = keyed_root(identity_root(*ident[:3]), ident[3])
+        try:
+            return keyed_chunk_hashes(key.token_ids, self.config.chunk_size, root, num_chunks,
+                                      key.extras.chunk_extras), None
+        except (ValueError, TypeError, OverflowError) as exc:
+            return (), f"token ids must be uint32: {exc}"

@@ -1,0 +1,205 @@
+"""Registered engine instances: register, unregister, heartbeats, and the reaping of dead ones
+(F13, LMCache #4715).
+
+An event addresses the instance it names (``instance_id``); its state is ``InstanceState``.
+``INSTANCE_TABLE`` is what ``handle`` runs. Liveness is independent of traffic: a
+``Ping(instance_id=...)`` refreshes an instance (so does any request naming it). An instance's
+liveness is watched from its first heartbeat on (a client that never sends one -- LMCache's, or
+one built before heartbeats -- is never reaped, as before); one that then stays silent for
+``ServerConfig.instance_ttl`` seconds is reaped -- its registration goes, its uncommitted plans
+fail (their slots stay quarantined one more lease TTL, as for any expired plan), it is counted
+(``instances_reaped``) and the runtime gets ``InstanceReaped(instance_id)`` to release the GPU
+mappings and staging memory it keeps for it. A request naming it afterwards gets
+``NOT_REGISTERED`` (the client registers again once and retries). A plain ``Ping()`` (LMCache's)
+names no instance and is answered ``True``.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from core_sm.chunks import ObjectKey
+from core_sm.effects import Effect, InstanceReaped, Reply
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.messages import CacheKey, Ping, RegisterInstance, UnregisterInstance
+from core_sm.server_core import ServerContext
+from core_sm.table import Table
+from core_sm.timers import Timer
+
+if TYPE_CHECKING:
+    from core_sm.server_transfers import TransferMachine
+
+
+class InstanceState(enum.Enum):
+    """State of one engine instance id."""
+
+    ABSENT = "absent"  # never registered, unregistered, or reaped
+    REGISTERED = "registered"
+
+
+@attrs.frozen
+class InstanceDeadline(Timer):
+    """An instance may have been silent for ``instance_ttl``: reap it, or check again later."""
+
+    instance_id: int
+    generation: int
+
+
+@attrs.define
+class Instance:
+    registration: RegisterInstance
+    generation: int  # a registration's timers are not another's
+    last_seen: float
+    watched: bool = False  # it has sent a heartbeat: reaped when silent for instance_ttl
+
+
+def _instance_id(ev: Any) -> Hashable:
+    iid = getattr(ev, "instance_id", None)
+    return iid if isinstance(iid, int) and not isinstance(iid, bool) else None
+
+
+class InstanceMachine:
+    """The server's registered instances (see the module docstring)."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.transfers: TransferMachine  # set by LookupServer once both exist
+        self.instances: dict[int, Instance] = {}
+        self.dispatch = INSTANCE_TABLE.bind(self, _instance_id, self.state, ctx.counters, ctx.reply_error)
+
+    def state(self, instance_id: Hashable) -> InstanceState:
+        return InstanceState.REGISTERED if instance_id in self.instances else InstanceState.ABSENT
+
+    def timer_live(self, timer: Timer) -> bool:
+        assert isinstance(timer, InstanceDeadline)
+        inst = self.instances.get(timer.instance_id)
+        return inst is not None and inst.generation == timer.generation
+
+    def registration(self, instance_id: int) -> RegisterInstance | None:
+        inst = self.instances.get(instance_id)
+        return None if inst is None else inst.registration
+
+    def seen(self, instance_id: int, now: float) -> None:
+        """Traffic from ``instance_id`` proves it alive, like a heartbeat."""
+        inst = self.instances.get(instance_id)
+        if inst is not None:
+            inst.last_seen = now
+
+    def _arm(self, inst: Instance, iid: int, now: float) -> None:
+        ttl = self.ctx.config.instance_ttl
+        if ttl is not None:
+            self.ctx.timers.push(inst.last_seen + ttl, InstanceDeadline(iid, inst.generation))
+
+    # ============================================================================= requests
+
+    def _on_register(self, ev: RegisterInstance, now: float, out: list[Effect]) -> None:
+        ctx = self.ctx
+        err = None
+        if not isinstance(ev.world_size, int) or ev.world_size < 1:
+            err = "world_size must be >= 1"
+        elif not isinstance(ev.model_name, str):
+            err = "model_name must be a str"
+        elif not isinstance(ev.object_bytes, int) or ev.object_bytes < 0:
+            err = "object_bytes must be >= 0"
+        if err is not None:
+            ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
+            return
+        if ev.object_bytes > ctx.config.slot_bytes:
+            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
+                      f"object of {ev.object_bytes} B > slot of {ctx.config.slot_bytes} B")
+            return
+        old = self.instances.get(ev.instance_id)
+        inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now)
+        self.instances[ev.instance_id] = inst
+        if old is not None and old.watched:  # registering again: still a heartbeating client
+            inst.watched = True
+            self._arm(inst, ev.instance_id, now)
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_unregister(self, ev: UnregisterInstance, now: float, out: list[Effect]) -> None:
+        self.instances.pop(ev.instance_id, None)
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_plain_ping(self, ev: Ping, now: float, out: list[Effect]) -> None:
+        if ev.instance_id is None:
+            out.append(Reply(ev.reply_to, True))
+        else:
+            self.ctx.error(out, ev.reply_to, ErrorKind.NOT_REGISTERED,
+                           f"instance {ev.instance_id!r} is not registered")
+
+    def _on_heartbeat(self, ev: Ping, now: float, out: list[Effect]) -> None:
+        assert ev.instance_id is not None
+        inst = self.instances[ev.instance_id]
+        inst.last_seen = now
+        if not inst.watched:
+            inst.watched = True
+            self._arm(inst, ev.instance_id, now)
+        self.ctx.counters["heartbeats"] += 1
+        out.append(Reply(ev.reply_to, True))
+
+    # ============================================================================= timers
+
+    def _on_deadline(self, timer: InstanceDeadline, now: float, out: list[Effect]) -> None:
+        """Heartbeats only move ``last_seen`` (no heap entry per ping): at the deadline, an
+        instance seen since is checked again at its new deadline; a silent one is reaped."""
+        iid = timer.instance_id
+        inst = self.instances[iid]
+        ttl = self.ctx.config.instance_ttl
+        assert ttl is not None
+        if inst.last_seen + ttl > now:
+            self._arm(inst, iid, now)
+            return
+        del self.instances[iid]
+        self.ctx.counters["instances_reaped"] += 1
+        self.transfers.instance_gone(iid, now, out)
+        out.append(InstanceReaped(iid))
+
+    # ============================================================================= for transfers
+
+    def object_bytes_for(self, model_name: str, world_size: int) -> int:
+        for inst in self.instances.values():
+            reg = inst.registration
+            if reg.model_name == model_name and reg.world_size == world_size:
+                return reg.object_bytes
+        return self.ctx.config.slot_bytes
+
+    def worker_keys(self, key: CacheKey, instance_id: int, skip: int, now: float
+                    ) -> tuple[RegisterInstance | None, tuple[ObjectKey, ...] | ProtocolError]:
+        """The objects of a worker request's range, or why it is refused."""
+        ctx = self.ctx
+        inst = self.instances.get(instance_id) if isinstance(instance_id, int) else None
+        if inst is None:
+            return None, ProtocolError(ErrorKind.NOT_REGISTERED, f"instance {instance_id!r} is not registered")
+        inst.last_seen = now
+        reg = inst.registration
+        err = ctx.validate_key(key, scheduler=False)
+        if err is None and (key.model_name != reg.model_name or key.world_size != reg.world_size):
+            err = "key model_name/world_size differ from the registered instance"
+        if err is None and skip > key.end - key.start:
+            err = "skip_first_n_tokens beyond the range"
+        hashes: tuple[bytes, ...] = ()
+        if err is None:
+            hashes, err = ctx.hashes(key, key.end // ctx.config.chunk_size)
+        if err is not None:
+            return None, ProtocolError(ErrorKind.VALIDATION, err)
+        assert key.worker_id is not None
+        first = key.start // ctx.config.chunk_size
+        return reg, tuple(ObjectKey(h, key.worker_id) for h in hashes[first:])
+
+
+I = InstanceState
+# (state of the instance the event names, event type) -> (handler, next states). A Ping that
+# names no instance addresses the ABSENT row (LMCache's plain ping: True).
+INSTANCE_TABLE: Table[InstanceState] = Table("LookupServer instances (one instance id)", InstanceState, I.ABSENT, {
+    (I.ABSENT, RegisterInstance): (InstanceMachine._on_register, {I.REGISTERED}),
+    (I.REGISTERED, RegisterInstance): (InstanceMachine._on_register, {I.REGISTERED}),
+    (I.ABSENT, UnregisterInstance): (InstanceMachine._on_unregister, {I.ABSENT}),
+    (I.REGISTERED, UnregisterInstance): (InstanceMachine._on_unregister, {I.ABSENT}),
+    (I.ABSENT, Ping): (InstanceMachine._on_plain_ping, {I.ABSENT}),
+    (I.REGISTERED, Ping): (InstanceMachine._on_heartbeat, {I.REGISTERED}),
+    (I.REGISTERED, InstanceDeadline): (InstanceMachine._on_deadline, {I.REGISTERED, I.ABSENT}),
+})
+INSTANCE_TIMERS = (InstanceDeadline,)

@@ -1,0 +1,479 @@
+"""Transfers: server-driven STORE/RETRIEVE (``StartTransfer`` ... ``TransferFinished``) and
+engine-driven PREPARE/COMMIT plans, their ``not_after`` fences, answers to network duplicates,
+stores that wait for other stores' writes, and the quarantine of expired plans' slots.
+
+An event addresses one transfer by ``transfer_id`` (a creating request -- ``Store``,
+``Retrieve``, ``PrepareStore``, ``PrepareRetrieve`` -- addresses the new one, ABSENT before it);
+its state is ``TransferState``. ``TRANSFER_TABLE`` is what ``handle`` runs; a commit of a
+transfer that is not a prepared plan is refused ``UNKNOWN_TRANSFER`` by the table itself.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from core_sm.chunks import ObjectKey
+from core_sm.effects import Effect, ErrorReply, Reply, StartTransfer
+from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.l1_index import ReleaseReason
+from core_sm.messages import (
+    CommitTransfer,
+    Placement,
+    PrepareRetrieve,
+    PrepareStore,
+    ReplyTo,
+    Retrieve,
+    RetrieveResult,
+    Store,
+    StoreResult,
+    TransferFinished,
+    TransferKind,
+    TransferPlan,
+)
+from core_sm.server_core import ServerContext, TransferOwner
+from core_sm.table import Table
+from core_sm.timers import Timer
+
+if TYPE_CHECKING:
+    from core_sm.server import LookupServer
+    from core_sm.server_instances import InstanceMachine
+    from core_sm.server_l2 import L2Work
+
+TransferRequest = Store | PrepareStore | Retrieve | PrepareRetrieve
+# What identifies one server-driven op with a not_after (a network duplicate has the same):
+# (instance, request, rank, start, end, blocks, skip (-1: a store), not_after).
+OpIdent = tuple[int, str, int | None, int, int, tuple[int, ...], int, float]
+
+
+class TransferState(enum.Enum):
+    """State of one transfer id."""
+
+    ABSENT = "absent"
+    RUNNING = "running"  # server-driven: StartTransfer emitted, TransferFinished awaited
+    PREPARED = "prepared"  # engine-driven: TransferPlan sent, CommitTransfer awaited
+
+
+@attrs.frozen
+class TransferDeadline(Timer):
+    """An uncommitted plan, or a completion the runtime never reported, at ``lease_ttl``."""
+
+    transfer_id: int
+
+
+@attrs.frozen
+class PlanQuarantineEnd(Timer):
+    """An expired plan's slots may be reused: its engine had one more lease TTL to finish."""
+
+    transfer_id: int
+
+
+@attrs.define
+class Transfer:
+    transfer_id: int
+    kind: TransferKind
+    engine_driven: bool
+    request_id: str
+    reply_to: ReplyTo
+    keys: tuple[ObjectKey, ...]  # one per placement, same order
+    placements: tuple[Placement, ...]
+    skipped: int
+    deadline: float | None
+    object_bytes: int  # of its instance's objects
+    instance_id: int
+    wait_id: int | None = None  # its reply waits for other stores' writes (StoreWait)
+
+
+@attrs.define
+class StoreWait:
+    """The reply of a STORE some of whose chunks other in-flight server-driven stores are
+    writing: sent once every transfer in ``awaiting`` (its own included) has ended, so a
+    ``StoreResult`` never reaches the worker while a copy may still read its blocks."""
+
+    wait_id: int
+    reply_to: ReplyTo
+    awaiting: set[int]  # transfer ids
+    ok: bool = True
+    stored: int = 0
+    skipped: int = 0
+
+
+def _transfer_id(ev: Any) -> Hashable:
+    tid = getattr(ev, "transfer_id", None)  # None for a creating request: the new transfer
+    return tid if isinstance(tid, int) else None
+
+
+class TransferMachine:
+    """The server's transfers (see the module docstring)."""
+
+    def __init__(self, ctx: ServerContext, server: LookupServer, instances: InstanceMachine,
+                 l2: L2Work) -> None:
+        self.ctx = ctx
+        self.server = server
+        self.instances = instances
+        self.l2 = l2
+        self.transfers: dict[int, Transfer] = {}
+        self.store_waits: dict[int, StoreWait] = {}
+        self.waits_on: dict[int, list[int]] = {}  # transfer id -> store waits awaiting it
+        self.quarantined_plans: set[int] = set()
+        # Server-driven STORE/RETRIEVE ops that carry a not_after: answered -> (ok, answer,
+        # until), kept until the not_after (later, _refuse_late covers it); unanswered -> the
+        # first copy's reply_to and the duplicates' reply_tos, all answered alike.
+        self.ops_done: OrderedDict[OpIdent, tuple[bool, object, float]] = OrderedDict()
+        self.ops_running: dict[OpIdent, tuple[ReplyTo, list[ReplyTo]]] = {}
+        self.op_of_reply: dict[ReplyTo, OpIdent] = {}
+        self.dispatch = TRANSFER_TABLE.bind(self, _transfer_id, self.state, ctx.counters, ctx.reply_error)
+
+    def state(self, transfer_id: Hashable) -> TransferState:
+        t = self.transfers.get(transfer_id)  # type: ignore[call-overload]
+        if t is None:
+            return TransferState.ABSENT
+        return TransferState.PREPARED if t.engine_driven else TransferState.RUNNING
+
+    def timer_live(self, timer: Timer) -> bool:
+        if isinstance(timer, PlanQuarantineEnd):
+            return timer.transfer_id in self.quarantined_plans
+        assert isinstance(timer, TransferDeadline)
+        return timer.transfer_id in self.transfers
+
+    # ============================================================================= requests
+
+    def _on_store(self, ev: Store | PrepareStore, now: float, out: list[Effect]) -> None:
+        self._transfer_once(ev, now, out, self._store)
+
+    def _on_retrieve(self, ev: Retrieve | PrepareRetrieve, now: float, out: list[Effect]) -> None:
+        self._transfer_once(ev, now, out, self._retrieve)
+
+    def _store(self, ev: Any, now: float, out: list[Effect]) -> None:
+        assert isinstance(ev, (Store, PrepareStore))
+        ctx = self.ctx
+        engine_driven = isinstance(ev, PrepareStore)
+        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, 0, now)
+        if inst is None or isinstance(keys_or_err, ProtocolError):
+            assert isinstance(keys_or_err, ProtocolError)
+            self.server._reply_error(out, ev.reply_to, keys_or_err)
+            return
+        tid = ctx.new_id()
+        owner = TransferOwner(tid)
+        first = ev.key.start // ctx.config.chunk_size
+        placements: list[Placement] = []
+        reserved: list[ObjectKey] = []
+        skipped = 0
+        awaited: dict[int, None] = {}  # running server-driven stores writing chunks of this one
+        for offset, k in enumerate(keys_or_err):
+            slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now)
+            if slot is None:
+                skipped += 1
+                writer = ctx.index.writer_of(k)
+                if not engine_driven and isinstance(writer, TransferOwner):
+                    other = self.transfers.get(writer.transfer_id)
+                    if other is not None and not other.engine_driven:
+                        awaited[other.transfer_id] = None
+            else:
+                placements.append((first + offset, slot))
+                reserved.append(k)
+        wait: StoreWait | None = None
+        if awaited:
+            # A duplicate (or a concurrent store of the same chunks): answering before those
+            # writes end would let the worker free blocks an in-flight copy may still read.
+            ctx.counters["stores_awaiting_writers"] += 1
+            wait = StoreWait(ctx.new_id(), ev.reply_to, set(awaited), skipped=skipped)
+            self.store_waits[wait.wait_id] = wait
+            for other_tid in awaited:
+                self.waits_on.setdefault(other_tid, []).append(wait.wait_id)
+        if not engine_driven and not placements:
+            if wait is None:
+                out.append(Reply(ev.reply_to, StoreResult(True, 0, skipped)))
+            return
+        t = Transfer(
+            tid, TransferKind.STORE, engine_driven, ev.key.request_id, ev.reply_to,
+            tuple(reserved), tuple(placements), skipped, now + ctx.config.lease_ttl,
+            inst.object_bytes, ev.instance_id,
+        )
+        if wait is not None:
+            t.wait_id = wait.wait_id
+            wait.awaiting.add(tid)
+        self._begin(t, ev, out)
+
+    def _retrieve(self, ev: Any, now: float, out: list[Effect]) -> None:
+        assert isinstance(ev, (Retrieve, PrepareRetrieve))
+        ctx = self.ctx
+        engine_driven = isinstance(ev, PrepareRetrieve)
+        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, ev.skip_first_n_tokens, now)
+        if inst is None or isinstance(keys_or_err, ProtocolError):
+            assert isinstance(keys_or_err, ProtocolError)
+            self.server._reply_error(out, ev.reply_to, keys_or_err)
+            return
+        keys = keys_or_err
+        if not all(ctx.index.is_readable(k) for k in keys):
+            ctx.counters["retrieve_misses"] += 1
+            if engine_driven:
+                out.append(Reply(ev.reply_to, TransferPlan(-1, (), False, TransferKind.RETRIEVE,
+                                                           ev.skip_first_n_tokens)))
+            else:
+                out.append(Reply(ev.reply_to, RetrieveResult(False, len(keys))))
+            return
+        if not keys and not engine_driven:
+            out.append(Reply(ev.reply_to, RetrieveResult(True, 0)))
+            return
+        tid = ctx.new_id()
+        owner = TransferOwner(tid)
+        first = ev.key.start // ctx.config.chunk_size
+        placements: list[Placement] = []
+        for offset, k in enumerate(keys):
+            ctx.index.lease_read(k, owner, 1, now)
+            ctx.index.touch(k)
+            slot = ctx.index.slot_of(k)
+            assert slot is not None
+            placements.append((first + offset, slot))
+        t = Transfer(
+            tid, TransferKind.RETRIEVE, engine_driven, ev.key.request_id, ev.reply_to,
+            tuple(keys), tuple(placements), 0, now + ctx.config.lease_ttl, inst.object_bytes,
+            ev.instance_id,
+        )
+        self._begin(t, ev, out)
+
+    def _refuse_late(self, ev: Store | PrepareStore | Retrieve, now: float, out: list[Effect]) -> bool:
+        """A STORE/RETRIEVE handled after its ``not_after`` (or with a malformed one) is refused
+        before anything is reserved, leased or copied: its worker may have given up on it and
+        handed the blocks back to vLLM."""
+        not_after = ev.not_after
+        if not_after is None:
+            return False
+        if isinstance(not_after, bool) or not isinstance(not_after, (int, float)) or math.isnan(not_after):
+            self.ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, "not_after must be a number or None")
+            return True
+        if now <= not_after:
+            return False
+        self.ctx.counters["late_transfers_refused"] += 1
+        self.ctx.error(out, ev.reply_to, ErrorKind.TIMEOUT,
+                       f"handled at {now:.6f}, after its not_after {not_after:.6f}")
+        return True
+
+    def _transfer_once(self, ev: TransferRequest, now: float, out: list[Effect],
+                       run: Callable[[Any, float, list[Effect]], None]) -> None:
+        """Run a STORE/RETRIEVE handler at most once per op. A request handled after its
+        ``not_after`` is refused. A server-driven one with a ``not_after`` that the network
+        delivered twice (same instance, request, range, blocks, skip and ``not_after``: the same
+        op) never starts a second copy -- it could read or write blocks the worker got back
+        after the first answer: it is answered like the first copy, when that one is (its
+        answer is kept until the ``not_after``; later, the refusal covers it)."""
+        if not isinstance(ev, PrepareRetrieve) and self._refuse_late(ev, now, out):
+            return
+        ident: OpIdent | None = None
+        if isinstance(ev, (Store, Retrieve)) and ev.not_after is not None:
+            skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
+            ident = (ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
+                     ev.block_ids, skip, ev.not_after)
+            while self.ops_done:  # answers whose not_after passed (or over the cap) go
+                oldest, (_ok, _result, until) = next(iter(self.ops_done.items()))
+                if until >= now and len(self.ops_done) <= self.ctx.config.tombstone_cap:
+                    break
+                del self.ops_done[oldest]
+            running = self.ops_running.get(ident)
+            if running is not None:
+                self.ctx.counters["duplicate_transfers"] += 1
+                running[1].append(ev.reply_to)
+                return
+            done = self.ops_done.get(ident)
+            if done is not None:
+                self.ctx.counters["duplicate_transfers"] += 1
+                ok, answer = done[0], done[1]
+                if ok:
+                    out.append(Reply(ev.reply_to, answer))
+                else:
+                    assert isinstance(answer, ProtocolError)
+                    self.server._reply_error(out, ev.reply_to, answer)
+                return
+        mark = len(out)
+        run(ev, now, out)
+        if ident is None:
+            return
+        for e in out[mark:]:
+            if isinstance(e, (Reply, ErrorReply)) and e.reply_to == ev.reply_to:
+                self._remember_answer(ident, e)
+                return
+        self.ops_running[ident] = (ev.reply_to, [])
+        self.op_of_reply[ev.reply_to] = ident
+
+    def _remember_answer(self, ident: OpIdent, answer: Reply | ErrorReply) -> None:
+        ok = isinstance(answer, Reply)
+        self.ops_done[ident] = (ok, answer.result if isinstance(answer, Reply) else answer.error, ident[-1])
+        self.ops_done.move_to_end(ident)
+
+    def answer_duplicates(self, out: list[Effect]) -> None:
+        """A deferred STORE/RETRIEVE was answered in ``out``: answer its duplicates alike."""
+        extra: list[Effect] = []
+        for e in out:
+            if isinstance(e, (Reply, ErrorReply)):
+                ident = self.op_of_reply.pop(e.reply_to, None)
+                if ident is None:
+                    continue
+                _first, duplicates = self.ops_running.pop(ident)
+                self._remember_answer(ident, e)
+                for reply_to in duplicates:
+                    extra.append(attrs.evolve(e, reply_to=reply_to))
+        out.extend(extra)
+
+    def _begin(self, t: Transfer, ev: TransferRequest, out: list[Effect]) -> None:
+        ctx = self.ctx
+        self.transfers[t.transfer_id] = t
+        ctx.counters["transfers_started"] += 1
+        skip = getattr(ev, "skip_first_n_tokens", 0)
+        assert t.deadline is not None
+        ctx.timers.push(t.deadline, TransferDeadline(t.transfer_id))
+        ctx.pin(TransferOwner(t.transfer_id), [slot for _c, slot in t.placements])
+        if t.engine_driven:
+            out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip)))
+        else:
+            assert isinstance(ev, (Store, Retrieve))
+            out.append(StartTransfer(
+                t.transfer_id, t.kind, ev.instance_id, t.request_id, ev.reply_to,
+                ev.key.start, ev.key.end, t.placements, ev.block_ids, skip,
+                ev.not_after, t.object_bytes,
+            ))
+
+    # ============================================================================= completions
+
+    def _on_transfer_finished(self, ev: TransferFinished, now: float, out: list[Effect]) -> None:
+        t = self.transfers.pop(ev.transfer_id)
+        self._finish(t, bool(ev.ok), t.reply_to, now, out)
+        self.ctx.unpin(TransferOwner(t.transfer_id))
+
+    def _on_stale_finished(self, ev: TransferFinished, now: float, out: list[Effect]) -> None:
+        self.ctx.counters["stale_events"] += 1
+        if ev.transfer_id not in self.quarantined_plans:
+            self.ctx.unpin(TransferOwner(ev.transfer_id))  # expired earlier: the copy is over now
+
+    def _on_commit(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
+        t = self.transfers.pop(ev.transfer_id)
+        self._finish(t, bool(ev.ok), ev.reply_to, now, out)
+        self.ctx.unpin(TransferOwner(t.transfer_id))
+
+    def _on_commit_unknown(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
+        if ev.transfer_id in self.quarantined_plans:
+            # An expired plan's engine finished its copy after all: quarantine over.
+            self.quarantined_plans.discard(ev.transfer_id)
+            self.ctx.unpin(TransferOwner(ev.transfer_id))
+        self.ctx.error(out, ev.reply_to, ErrorKind.UNKNOWN_TRANSFER, f"no prepared transfer {ev.transfer_id}")
+
+    def _on_deadline(self, timer: TransferDeadline, now: float, out: list[Effect]) -> None:
+        """An uncommitted plan, or a completion the runtime never reported: fail it so the
+        request is answered (server-driven) and the bookkeeping is bounded."""
+        t = self.transfers[timer.transfer_id]
+        self.ctx.counters["expired_plans" if t.engine_driven else "expired_transfers"] += 1
+        self._expire(t, now, out)
+
+    def instance_gone(self, instance_id: int, now: float, out: list[Effect]) -> None:
+        """``instance_id`` was reaped: its uncommitted plans fail now. Its running server-driven
+        copies end as always, by their ``TransferFinished`` (the runtime reports one for every
+        ``StartTransfer``) or their deadline."""
+        for t in [t for t in self.transfers.values() if t.instance_id == instance_id and t.engine_driven]:
+            self.ctx.counters["plans_of_reaped_instances"] += 1
+            self._expire(t, now, out)
+
+    def _expire(self, t: Transfer, now: float, out: list[Effect]) -> None:
+        ctx, tid = self.ctx, t.transfer_id
+        del self.transfers[tid]
+        self._finish(t, False, None if t.engine_driven else t.reply_to, now, out)
+        if t.engine_driven and TransferOwner(tid) in ctx.pins:
+            # The engine may still be copying (its commit lost) or be gone: no event will say
+            # which, so its slots stay out of use one more lease TTL.
+            self.quarantined_plans.add(tid)
+            ctx.timers.push(now + ctx.config.lease_ttl, PlanQuarantineEnd(tid))
+
+    def _on_quarantine_end(self, timer: PlanQuarantineEnd, now: float, out: list[Effect]) -> None:
+        self.quarantined_plans.discard(timer.transfer_id)
+        self.ctx.counters["plan_quarantines_ended"] += 1
+        self.ctx.unpin(TransferOwner(timer.transfer_id))
+
+    def _finish(self, t: Transfer, ok: bool, reply_to: ReplyTo, now: float, out: list[Effect]) -> None:
+        """Complete a transfer; ``reply_to`` None (an expired plan) sends no reply."""
+        ctx = self.ctx
+        owner = TransferOwner(t.transfer_id)
+        if not ok:
+            ctx.counters["transfers_failed"] += 1
+        if t.kind is TransferKind.STORE:
+            stored: list[ObjectKey] = []
+            for k in t.keys:
+                if ok:
+                    if ctx.index.finish_write(k, owner, now):
+                        stored.append(k)
+                else:
+                    ctx.index.abort_write(k, owner, now)
+            result: object = StoreResult(ok and len(stored) == len(t.keys), len(stored),
+                                         t.skipped + len(t.keys) - len(stored))
+            if stored and ctx.config.write_behind:
+                self.l2.write_behind(stored, t.object_bytes, now, out)
+            written = ok and len(stored) == len(t.keys)
+            for wid in self.waits_on.pop(t.transfer_id, ()):
+                self._end_awaited(wid, t.transfer_id, written, None, out)
+            if t.wait_id is not None:
+                assert isinstance(result, StoreResult)
+                self._end_awaited(t.wait_id, t.transfer_id, result.ok, result, out)
+                return
+        else:
+            for k in t.keys:
+                ctx.index.release_read(k, owner, None, ReleaseReason.TRANSFER, now)
+            if ok:
+                self.server._release_after_retrieve(t.request_id, t.keys, now)
+            result = RetrieveResult(ok, len(t.keys))
+        if reply_to is not None:
+            out.append(Reply(reply_to, result))
+
+    def _end_awaited(self, wait_id: int, transfer_id: int, ok: bool, own: StoreResult | None,
+                     out: list[Effect]) -> None:
+        """Transfer ``transfer_id``, which store wait ``wait_id`` awaits, ended (``own``: it is the
+        waiting store's own transfer, with its result); the last one sends the reply."""
+        wait = self.store_waits[wait_id]
+        wait.awaiting.discard(transfer_id)
+        wait.ok = wait.ok and ok
+        if own is not None:
+            wait.stored, wait.skipped = own.stored, own.skipped
+        if not wait.awaiting:
+            del self.store_waits[wait_id]
+            out.append(Reply(wait.reply_to, StoreResult(wait.ok, wait.stored, wait.skipped)))
+
+    def check_invariants(self) -> None:
+        for owner in self.ctx.index.leases_by_owner():
+            if isinstance(owner, TransferOwner):
+                assert owner.transfer_id in self.transfers, "lease of a finished transfer"
+        for wid, wait in self.store_waits.items():
+            assert wait.wait_id == wid and wait.awaiting, "a store wait with nothing to wait for"
+            for tid in wait.awaiting:
+                assert tid in self.transfers, "a store waits for a finished transfer"
+                assert wid in self.waits_on.get(tid, ()) or self.transfers[tid].wait_id == wid
+        for tid in self.waits_on:
+            assert tid in self.transfers, "waits registered on a finished transfer"
+        assert len(self.ops_running) == len(self.op_of_reply), "deferred op tables out of sync"
+        for reply_to, ident in self.op_of_reply.items():
+            assert self.ops_running[ident][0] == reply_to
+        for tid in self.quarantined_plans:
+            assert TransferOwner(tid) in self.ctx.pins and tid not in self.transfers
+
+
+T = TransferState
+# (state of the transfer the event addresses, event type) -> (handler, next states). A creating
+# request addresses the transfer it may create (RUNNING / PREPARED) -- or none (ABSENT: refused,
+# a miss, nothing to copy, a duplicate). A completion of a plan is stale (not listed: counted); a
+# commit of a running server-driven transfer is refused UNKNOWN_TRANSFER (not listed).
+TRANSFER_TABLE: Table[TransferState] = Table(
+    "LookupServer transfers (one transfer id)", TransferState, T.ABSENT, {
+        (T.ABSENT, Store): (TransferMachine._on_store, {T.RUNNING, T.ABSENT}),
+        (T.ABSENT, Retrieve): (TransferMachine._on_retrieve, {T.RUNNING, T.ABSENT}),
+        (T.ABSENT, PrepareStore): (TransferMachine._on_store, {T.PREPARED, T.ABSENT}),
+        (T.ABSENT, PrepareRetrieve): (TransferMachine._on_retrieve, {T.PREPARED, T.ABSENT}),
+        (T.ABSENT, TransferFinished): (TransferMachine._on_stale_finished, {T.ABSENT}),
+        (T.ABSENT, CommitTransfer): (TransferMachine._on_commit_unknown, {T.ABSENT}),
+        (T.ABSENT, PlanQuarantineEnd): (TransferMachine._on_quarantine_end, {T.ABSENT}),
+        (T.RUNNING, TransferFinished): (TransferMachine._on_transfer_finished, {T.ABSENT}),
+        (T.RUNNING, TransferDeadline): (TransferMachine._on_deadline, {T.ABSENT}),
+        (T.PREPARED, CommitTransfer): (TransferMachine._on_commit, {T.ABSENT}),
+        (T.PREPARED, TransferDeadline): (TransferMachine._on_deadline, {T.ABSENT}),
+    }, illegal_kind=ErrorKind.UNKNOWN_TRANSFER)
+TRANSFER_CREATORS = (Store, Retrieve, PrepareStore, PrepareRetrieve)
+TRANSFER_TIMERS = (TransferDeadline, PlanQuarantineEnd)
