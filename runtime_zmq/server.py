@@ -39,7 +39,7 @@ import zmq
 from core_sm import effects as fx
 from core_sm import messages as m
 from core_sm.errors import ErrorKind
-from runtime_zmq import bridge, wire
+from runtime_zmq import bridge, tokens, wire
 from runtime_zmq.l1_pool import SharedMemoryPool
 from runtime_zmq.metrics import ServerMetrics
 from runtime_zmq.l2_worker import L2Options, L2Worker
@@ -245,6 +245,8 @@ class Server:
         self.channel.wake()
 
     def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
+        # the list-form token scanner compiles or loads (numba) while the loop already answers
+        self._token_scanner = tokens.load_in_background()
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port)
         log.info("mpcache-server listening on %s (epoch %d)", self.bound_url, self.epoch)
@@ -556,4 +558,5 @@ class Server:
         self.pool.close()
         self.channel.close()
         self.ctx.term()
+        self._token_scanner.join()
         log.info("mpcache-server stopped")

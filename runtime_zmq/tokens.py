@@ -21,246 +21,52 @@ Contract:
 * Work and memory are bounded by the frame: the scanner never allocates more than one uint32
   per remaining frame byte and never loops more than once per byte.
 
-The scanner is compiled with ``cache=True`` and an explicit signature when this module is
-imported (the server imports it at start), so no request pays numba's compile time; with a warm
-cache, loading it costs tens of milliseconds.
+Loading: ``load()`` compiles the scanner (numba, ``cache=True``, explicit signatures), about
+1.5-2 s the first time and 0.3 s from the cache, most of it importing numba. The server calls
+``load_in_background()`` when it starts, so its first reply does not wait for that; until the
+scanner is ready, ``decode_key_frame`` returns ``None`` (the ordinary path). No request ever pays
+numba's compile time.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
-import numba
 import numpy as np
 
 _TOKEN_IDS_KEY = np.frombuffer(b"token_ids", dtype=np.uint8)
 
-# Frames arrive as immutable bytes: the scanner reads them through a read-only view, no copy.
-_FRAME = numba.types.Array(numba.types.uint8, 1, "C", readonly=True)
-_I64 = numba.types.int64
-
-# Status codes of the scanner (anything but OK means: decode the frame the ordinary way).
-_OK = 0
-_FALLBACK = 1
+_OK = 0  # the scanner's status for "took the fast path" (runtime_zmq._tokens_scan)
 
 
-@numba.njit(_I64(_FRAME, _I64), cache=True, nogil=True)
-def _skip_value(buf: Any, pos: int) -> int:  # pragma: no cover - compiled
-    """Position just past the msgpack value starting at ``pos``, or -1 if it is malformed."""
-    n = buf.shape[0]
-    pending = 1
-    while pending > 0:
-        if pos >= n or pending > n - pos:
-            return -1
-        b = buf[pos]
-        pos += 1
-        pending -= 1
-        if b <= 0x7F or b >= 0xE0:
-            continue
-        if b <= 0x8F:
-            pending += 2 * (b & 0x0F)
-        elif b <= 0x9F:
-            pending += b & 0x0F
-        elif b <= 0xBF:
-            pos += b & 0x1F
-        elif b == 0xC0 or b == 0xC2 or b == 0xC3:
-            pass
-        elif b == 0xC1:
-            return -1
-        elif b == 0xC4 or b == 0xD9:
-            if pos + 1 > n:
-                return -1
-            pos += 1 + buf[pos]
-        elif b == 0xC5 or b == 0xDA:
-            if pos + 2 > n:
-                return -1
-            pos += 2 + ((np.int64(buf[pos]) << 8) | buf[pos + 1])
-        elif b == 0xC6 or b == 0xDB:
-            if pos + 4 > n:
-                return -1
-            pos += 4 + ((np.int64(buf[pos]) << 24) | (np.int64(buf[pos + 1]) << 16)
-                        | (np.int64(buf[pos + 2]) << 8) | buf[pos + 3])
-        elif b == 0xC7:
-            if pos + 1 > n:
-                return -1
-            pos += 2 + buf[pos]
-        elif b == 0xC8:
-            if pos + 2 > n:
-                return -1
-            pos += 3 + ((np.int64(buf[pos]) << 8) | buf[pos + 1])
-        elif b == 0xC9:
-            if pos + 4 > n:
-                return -1
-            pos += 5 + ((np.int64(buf[pos]) << 24) | (np.int64(buf[pos + 1]) << 16)
-                        | (np.int64(buf[pos + 2]) << 8) | buf[pos + 3])
-        elif b == 0xCA or b == 0xCE or b == 0xD2:
-            pos += 4
-        elif b == 0xCB or b == 0xCF or b == 0xD3:
-            pos += 8
-        elif b == 0xCC or b == 0xD0:
-            pos += 1
-        elif b == 0xCD or b == 0xD1:
-            pos += 2
-        elif b == 0xD4:
-            pos += 2
-        elif b == 0xD5:
-            pos += 3
-        elif b == 0xD6:
-            pos += 5
-        elif b == 0xD7:
-            pos += 9
-        elif b == 0xD8:
-            pos += 17
-        elif b == 0xDC or b == 0xDE:
-            if pos + 2 > n:
-                return -1
-            count = (np.int64(buf[pos]) << 8) | buf[pos + 1]
-            pos += 2
-            pending += 2 * count if b == 0xDE else count
-        else:  # 0xDD array32, 0xDF map32
-            if pos + 4 > n:
-                return -1
-            count = ((np.int64(buf[pos]) << 24) | (np.int64(buf[pos + 1]) << 16)
-                     | (np.int64(buf[pos + 2]) << 8) | buf[pos + 3])
-            pos += 4
-            pending += 2 * count if b == 0xDF else count
-        if pos > n:
-            return -1
-    return pos
+_scan_key_compiled: Callable[[Any, Any], Any] | None = None
+_load_lock = threading.Lock()
 
 
-@numba.njit(_I64(_FRAME, _I64, _I64), cache=True, nogil=True)
-def _be(buf: Any, pos: int, width: int) -> int:  # pragma: no cover - compiled
-    v = 0
-    for i in range(width):
-        v = (v << 8) | buf[pos + i]
-    return v
+def load() -> None:
+    """Compile (or load from numba's cache) the scanner; blocks; thread-safe and idempotent."""
+    global _scan_key_compiled
+    with _load_lock:
+        if _scan_key_compiled is None:
+            from runtime_zmq import _tokens_scan  # imports numba; compiles or loads the scanner
+
+            _scan_key_compiled = _tokens_scan.scan_key
 
 
-@numba.njit(
-    numba.types.Tuple((_I64, _I64, _I64, numba.types.uint32[::1]))(_FRAME, _FRAME),  # type: ignore[no-untyped-call]
-    cache=True,
-    nogil=True,
-)
-def _scan_key(buf: Any, name: Any) -> Any:  # pragma: no cover - compiled
-    """(status, start, end, ids): ``buf[start:end]`` is the ``token_ids`` array, ``ids`` its values."""
-    empty = np.empty(0, dtype=np.uint32)
-    n = buf.shape[0]
-    if n == 0:
-        return _FALLBACK, 0, 0, empty
-    b = buf[0]
-    pos = 1
-    if 0x80 <= b <= 0x8F:
-        entries = int(b & 0x0F)
-    elif b == 0xDE and n >= 3:
-        entries = _be(buf, 1, 2)
-        pos = 3
-    elif b == 0xDF and n >= 5:
-        entries = _be(buf, 1, 4)
-        pos = 5
-    else:
-        return _FALLBACK, 0, 0, empty
-    if 2 * entries > n - pos:
-        return _FALLBACK, 0, 0, empty
-    found = False
-    start = 0
-    end = 0
-    ids = empty
-    klen = name.shape[0]
-    for _ in range(entries):
-        # key: a str of any msgpack width whose bytes are ``name``; anything else is skipped
-        key_end = _skip_value(buf, pos)
-        if key_end < 0:
-            return _FALLBACK, 0, 0, empty
-        kb = buf[pos]
-        if 0xA0 <= kb <= 0xBF:
-            head = 1
-        elif kb == 0xD9:
-            head = 2
-        elif kb == 0xDA:
-            head = 3
-        elif kb == 0xDB:
-            head = 5
-        else:
-            head = 0
-        match = head > 0 and key_end - pos - head == klen
-        if match:
-            for i in range(klen):
-                if buf[pos + head + i] != name[i]:
-                    match = False
-                    break
-        pos = key_end
-        if not match:
-            pos = _skip_value(buf, pos)
-            if pos < 0:
-                return _FALLBACK, 0, 0, empty
-            continue
-        if found or pos >= n:
-            return _FALLBACK, 0, 0, empty
-        found = True
-        start = pos
-        ab = buf[pos]
-        if 0x90 <= ab <= 0x9F:
-            count = int(ab & 0x0F)
-            pos += 1
-        elif ab == 0xDC and pos + 3 <= n:
-            count = _be(buf, pos + 1, 2)
-            pos += 3
-        elif ab == 0xDD and pos + 5 <= n:
-            count = _be(buf, pos + 1, 4)
-            pos += 5
-        else:
-            return _FALLBACK, 0, 0, empty
-        if count > n - pos:
-            return _FALLBACK, 0, 0, empty
-        ids = np.empty(count, dtype=np.uint32)
-        for i in range(count):
-            if pos >= n:
-                return _FALLBACK, 0, 0, empty
-            # Plain branches in int64 arithmetic measured fastest (a table-driven, branch-free
-            # decode lengthens the dependency chain from one id's position to the next).
-            t = np.int64(buf[pos])
-            if t <= 0x7F:
-                ids[i] = t
-                pos += 1
-                continue
-            if pos + 5 <= n:
-                if t == 0xCD:
-                    ids[i] = (np.int64(buf[pos + 1]) << 8) | np.int64(buf[pos + 2])
-                    pos += 3
-                    continue
-                if t == 0xCE:
-                    ids[i] = ((np.int64(buf[pos + 1]) << 24) | (np.int64(buf[pos + 2]) << 16)
-                              | (np.int64(buf[pos + 3]) << 8) | np.int64(buf[pos + 4]))
-                    pos += 5
-                    continue
-            # The rarer forms, bounds-checked one by one: uint8, the signed forms other msgpack
-            # writers may use for a non-negative id, the 64-bit forms, or not a uint32 at all.
-            if t == 0xCC or t == 0xD0:
-                w = 1
-            elif t == 0xCD or t == 0xD1:
-                w = 2
-            elif t == 0xCE or t == 0xD2:
-                w = 4
-            elif t == 0xCF or t == 0xD3:
-                w = 8
-            else:  # negative fixint, nil, bool, float, str, ...
-                return _FALLBACK, 0, 0, empty
-            if pos + 1 + w > n or (t >= 0xD0 and buf[pos + 1] >= 0x80):
-                return _FALLBACK, 0, 0, empty
-            if w == 8:
-                if buf[pos + 1] or buf[pos + 2] or buf[pos + 3] or buf[pos + 4]:
-                    return _FALLBACK, 0, 0, empty
-                ids[i] = _be(buf, pos + 5, 4)
-            else:
-                ids[i] = _be(buf, pos + 1, w)
-            pos += 1 + w
-        end = pos
-    if not found or pos != n:
-        return _FALLBACK, 0, 0, empty
-    return _OK, start, end, ids
+def load_in_background() -> threading.Thread:
+    """Start ``load()`` on a thread and return it (the caller joins it when it shuts down)."""
+    thread = threading.Thread(target=load, name="mpcache-token-scanner", daemon=True)
+    thread.start()
+    return thread
+
+
+def ready() -> bool:
+    """Whether ``decode_key_frame`` takes the fast path."""
+    return _scan_key_compiled is not None
 
 
 _NIL = b"\xc0"
@@ -272,7 +78,10 @@ def decode_key_frame(frame: bytes) -> dict[Any, Any] | None:
     ``None`` to decode it the ordinary way (see the module docstring). Never raises for a
     frame the scanner declines; a frame whose other fields are not valid msgpack raises what
     ``msgpack.unpackb`` raises, as the ordinary path would."""
-    status, start, end, ids = _scan_key(np.frombuffer(frame, dtype=np.uint8), _TOKEN_IDS_KEY)
+    scan = _scan_key_compiled
+    if scan is None:
+        return None
+    status, start, end, ids = scan(np.frombuffer(frame, dtype=np.uint8), _TOKEN_IDS_KEY)
     if status != _OK:
         return None
     rest = msgpack.unpackb(frame[:start] + _NIL + frame[end:], raw=False, strict_map_key=False, use_list=True)

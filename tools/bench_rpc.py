@@ -16,7 +16,10 @@ What it measures, on tcp loopback and on ipc:
   up in the server;
 * throughput: `--clients` client processes, each with `--window` requests in flight, for
   `--duration` seconds: `noop`/echo, `status`, `lookup` (list) and `lookup_packed`;
-* start to first reply: from spawning the server process to the first `noop` answered.
+* start to first reply: from spawning the server process to the first `noop` answered;
+* with `--profile DIR` (needs `py-spy` on PATH or next to the interpreter): the mpcache server is
+  sampled by `py-spy record` during each throughput row; the collapsed stacks go to DIR and a
+  breakdown (share of samples per function, inclusive and self) is printed per row.
 
 The servers of one transport run side by side and their latency rows are measured in
 alternating blocks of calls, so each row sees the same background load (this box is shared).
@@ -543,8 +546,18 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
         out.put((0, 0, f"{type(e).__name__}: {e}"))
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_throughput(url: str, what: str, clients: int, window: int, duration: float,
-                       tag: str) -> float:
+                       tag: str, server_pid: int | None = None,
+                       cpu_out: list[float] | None = None) -> float:
+    """Requests per second over ``duration``; with ``server_pid``, appends to ``cpu_out`` the
+    server's CPU seconds over the same window (so CPU per request = cpu / (rate * duration))."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     # Children import this module; give them time to start before the clock starts.
@@ -555,6 +568,11 @@ def measure_throughput(url: str, what: str, clients: int, window: int, duration:
              for c in range(clients)]
     for p in procs:
         p.start()
+    if server_pid is not None and cpu_out is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = _cpu_seconds(server_pid)
+        time.sleep(max(0.0, end_at - time.time()))
+        cpu_out.append(_cpu_seconds(server_pid) - cpu0)
     results = [out.get(timeout=duration + 60) for _ in procs]
     for p in procs:
         p.join(timeout=10)
@@ -565,6 +583,69 @@ def measure_throughput(url: str, what: str, clients: int, window: int, duration:
     if errors:
         raise BenchError(f"throughput {what}: {errors} error replies")
     return sum(r[0] for r in results) / duration
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiling (py-spy on the mpcache server during a throughput row)
+
+
+def _py_spy() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    found = here if os.path.exists(here) else shutil.which("py-spy")
+    if not found:
+        raise BenchError("--profile needs py-spy (pip install py-spy)")
+    return found
+
+
+def start_profile(pid: int, out_path: str, duration: float) -> subprocess.Popen[bytes]:
+    """py-spy record of ``pid`` for ``duration`` s into ``out_path`` (collapsed stacks, one
+    "frame;frame;... count" line per distinct stack; idle samples included)."""
+    argv = [_py_spy(), "record", "-p", str(pid), "-o", out_path, "--format", "raw", "--idle",
+            "-r", "200", "-d", str(max(1, int(round(duration)))), "--nonblocking"]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _frame_name(frame: str) -> str:
+    """py-spy's raw frame "function (path/to/file.py:123)" as "function (file.py)": the lines of
+    one function count together."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rpartition(":")[0] or where.rstrip(")")
+    return f"{name} ({os.path.basename(path)})"
+
+
+def profile_breakdown(path: str, top: int = 14) -> list[str]:
+    """Lines of the breakdown: per function (all lines of one function together), the share of
+    samples whose stack holds it (inclusive) and whose innermost frame is it (self)."""
+    incl: dict[str, int] = {}
+    self_: dict[str, int] = {}
+    total = 0
+    try:
+        with open(path) as f:
+            for raw in f:
+                stack, _, count = raw.rstrip("\n").rpartition(" ")
+                if not count.isdigit():
+                    continue
+                n = int(count)
+                frames = [_frame_name(fr) for fr in stack.split(";")
+                          if fr and not fr.startswith(("process ", "thread "))]
+                # the loop thread only (the L2 and metrics threads wait on their queues)
+                if not any(fr.startswith("Server.serve_forever ") for fr in frames):
+                    continue
+                total += n
+                for name in set(frames):
+                    incl[name] = incl.get(name, 0) + n
+                self_[frames[-1]] = self_.get(frames[-1], 0) + n
+    except OSError:
+        return [f"(no profile at {path})"]
+    if not total:
+        return ["(no samples)"]
+    lines = [f"{total} samples of the loop thread at 200 Hz (idle included); inclusive % / self % per function:"]
+    for name, n in sorted(incl.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {100 * n / total:5.1f}% {100 * self_.get(name, 0) / total:5.1f}%  {name}")
+    lines.append("  top self:")
+    for name, n in sorted(self_.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {'':5} {100 * n / total:5.1f}%  {name}")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,6 +682,7 @@ def _fmt_row(r: Row, raw: Row | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    only = [w.strip() for w in (args.only or "noop,status,lookup,lookup_packed").split(",") if w.strip()]
     load = os.getloadavg()
     print(f"# mpcache-bench rpc  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  "
           f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
@@ -613,6 +695,7 @@ def run(args: argparse.Namespace) -> int:
     os.chmod(workdir, 0o700)
     rows: list[Row] = []
     tput: list[tuple[str, str, str, float]] = []
+    cpu_of: dict[tuple[str, str, str], tuple[float, float]] = {}
     starts: list[tuple[str, str, float]] = []
     rc = 0
     try:
@@ -636,7 +719,7 @@ def run(args: argparse.Namespace) -> int:
                     starts.append((kind, transport, server.start_s))
                     expect = {"raw": None, "mpcache": TOKENS // CHUNK, "lmcache": 0}[kind]
                     probes.append(LatencyProbe(server.url, f"{kind}-{transport}", expect))
-                for what in ("noop", "pair", "pair_packed", "status"):
+                for what in () if args.no_latency else ("noop", "pair", "pair_packed", "status"):
                     # the echo server's answer to a status frame is the noop row, in effect;
                     # LMCache's keys carry token ids as a list only
                     sel = [i for i, k in enumerate(kinds)
@@ -654,13 +737,32 @@ def run(args: argparse.Namespace) -> int:
                 probes = []
                 if not args.no_throughput:
                     for kind, server in zip(kinds, servers):
-                        for what in ("noop", "status", "lookup", "lookup_packed"):
+                        for what in only:
                             if kind == "raw" and what != "noop":
                                 continue
                             if kind == "lmcache" and what == "lookup_packed":
                                 continue
+                            prof = None
+                            if args.profile and kind == "mpcache":
+                                os.makedirs(args.profile, exist_ok=True)
+                                prof_path = os.path.join(args.profile, f"{transport}-{what}.txt")
+                                # the clients take about 2.5 s to start (measure_throughput)
+                                prof = (start_profile(server.proc.pid, prof_path, args.duration + 2.5), prof_path)
+                            cpu: list[float] = []
                             rate = measure_throughput(server.url, what, args.clients, args.window,
-                                                      args.duration, f"{kind}-{transport}-t{what}")
+                                                      args.duration, f"{kind}-{transport}-t{what}",
+                                                      server.proc.pid, cpu)
+                            if cpu and rate:
+                                cpu_of[(transport, kind, what)] = (cpu[0] / args.duration * 100,
+                                                                   cpu[0] * 1e6 / (rate * args.duration))
+                                print(f"# server CPU during {transport} {kind} {what}: "
+                                      f"{cpu[0] / args.duration * 100:.0f}% of a core, "
+                                      f"{cpu[0] * 1e6 / (rate * args.duration):.1f} us per request", flush=True)
+                            if prof is not None:
+                                prof[0].wait(timeout=60)
+                                print(f"# profile of mpcache, {transport} {what} ({prof[1]}):")
+                                for line in profile_breakdown(prof[1]):
+                                    print(f"#   {line}")
                             tput.append((transport, kind, "echo" if kind == "raw" else what, rate))
                             print(f"# throughput {transport} {kind} {what}: {rate:,.0f} req/s",
                                   flush=True)
@@ -689,10 +791,11 @@ def run(args: argparse.Namespace) -> int:
         print(_fmt_row(r, raw))
     if tput:
         print()
-        print(f"| transport | server | op | req/s ({args.clients} clients) |")
-        print("|---|---|---|---:|")
+        print(f"| transport | server | op | req/s ({args.clients} clients) | server CPU, % of a core | server CPU µs/req |")
+        print("|---|---|---|---:|---:|---:|")
         for transport, kind, what, rate in tput:
-            print(f"| {transport} | {kind} | {what} | {rate:,.0f} |")
+            pct, us = cpu_of.get((transport, kind, "noop" if what == "echo" else what), (float("nan"), float("nan")))
+            print(f"| {transport} | {kind} | {what} | {rate:,.0f} | {pct:.0f} | {us:.1f} |")
     if starts:
         print()
         print("| server | transport | start to first reply, s |")
@@ -760,6 +863,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=8, help="requests in flight per client")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per throughput row")
     parser.add_argument("--no-throughput", action="store_true", help="latency rows only")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy the mpcache server during the throughput rows")
+    parser.add_argument("--only", metavar="OPS", help="throughput rows to run (comma-separated: noop,status,lookup,lookup_packed)")
+    parser.add_argument("--no-latency", action="store_true", help="throughput rows only")
     parser.add_argument("--no-mpcache", action="store_true", help="skip mpcache (baselines only)")
     parser.add_argument("--l1-size-gb", type=float, default=1.0)
     parser.add_argument("--lmcache-venv", metavar="PATH",

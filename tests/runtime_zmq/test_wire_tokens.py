@@ -92,7 +92,10 @@ from array import array  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from runtime_zmq import tokens  # noqa: E402
 from runtime_zmq.tokens import decode_key_frame  # noqa: E402
+
+tokens.load()  # the server loads it in the background at start; here, before the tests
 
 
 def _ordinary(frame: bytes) -> object:
@@ -187,3 +190,10 @@ def test_scanner_header_counts_beyond_the_frame_allocate_nothing() -> None:
 def test_list_form_limit_is_enforced_through_the_scanner() -> None:
     r = _decode(_key(list(range(100))), limits=Limits(max_tokens=99))
     assert isinstance(r, DecodeError) and r.kind is WireErrorKind.TOO_LARGE
+
+
+def test_before_the_scanner_is_loaded_every_frame_takes_the_ordinary_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokens, "_scan_key_compiled", None)
+    assert not tokens.ready()
+    assert decode_key_frame(msgpack.packb(_key(TOKENS))) is None
+    assert _lookup(_key(TOKENS)).key.token_ids.tolist() == TOKENS

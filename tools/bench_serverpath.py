@@ -1,0 +1,147 @@
+"""`mpcache-bench serverpath`: the server's own CPU per request, in this process, no sockets.
+
+A real `runtime_zmq.server.Server` is built (shared-memory L1, core_sm machine, metrics) and the
+very frames `mpcache-bench rpc` sends are fed to its message handler (`Server._on_message`); its
+socket is replaced by a stub that keeps the last reply, so what is timed is decode, core_sm,
+encode and bookkeeping, not the transport. CPU time is this thread's (`time.thread_time`), so
+other load on a shared box changes the figures much less than it changes wall-clock rates.
+
+Rows: `noop`, `query_prefetch_status` of a finished lookup, and a lookup cycle (`lookup` of an
+8,192-token prompt whose 32 chunks are in L1, its `query_prefetch_status`, its `end_session`)
+with the token ids as LMCache's client sends them (list) and as mpcache's client does (packed).
+Each row: median and best of `--rounds` rounds of `--calls` calls. `--profile` adds a cProfile
+breakdown of the list-form cycle (self time per function).
+
+The implied ceiling: one core spends `1e6 / us` requests per second in the handler, before the
+transport (recv/send, the zmq I/O thread) and the loop's poll.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from tools.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOKENS, _tokens, lookup_key
+
+
+class _StubSocket:
+    """Stands in for the ROUTER socket: keeps the last reply sent."""
+
+    def __init__(self) -> None:
+        self.last: list[bytes] = []
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        self.last = frames
+
+
+def _frames(uid: int, op: str, *args: Any) -> list[bytes]:
+    return [b"peer", msgpack.packb(uid), msgpack.packb(op)] + [msgpack.packb(a, use_bin_type=True) for a in args]
+
+
+def _result(sock: _StubSocket) -> Any:
+    if msgpack.unpackb(sock.last[2]) == "error":
+        raise RuntimeError(f"error reply: {msgpack.unpackb(sock.last[3])!r}")
+    return msgpack.unpackb(sock.last[3]) if len(sock.last) > 3 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpcache-bench serverpath", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="cProfile the list-form lookup cycle")
+    args = parser.parse_args(argv)
+
+    from runtime_zmq import tokens
+    from runtime_zmq.server import Server, ServerConfig
+
+    tokens.load()  # the server loads it in the background at start; here, before timing
+    d = tempfile.mkdtemp(prefix="mpcache-serverpath-")
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=64 << 20, slot_bytes=1 << 20))
+    real_sock = server.sock
+    stub = _StubSocket()
+    server.sock = stub  # type: ignore[assignment]
+    handle = server._on_message
+    try:
+        toks = _tokens()
+        handle(_frames(1, "register_instance", INSTANCE_ID, {
+            "model_name": MODEL, "world_size": 1, "object_bytes": OBJECT_BYTES, "engine_driven": True}))
+        _result(stub)
+        handle(_frames(2, "prepare_store", lookup_key(toks, "pre", worker_id=0), INSTANCE_ID))
+        plan = _result(stub)
+        handle(_frames(3, "commit_store", plan["transfer_id"] if isinstance(plan, dict) else plan[0], True))
+        handle(_frames(4, "end_session", "pre"))
+
+        uid = [10]
+
+        def cycle_fn(packed: bool) -> Callable[[], None]:
+            placeholder = "#" * 16
+            key_frame = msgpack.packb(lookup_key(toks, placeholder, packed=packed), use_bin_type=True)
+            at = key_frame.find(msgpack.packb(placeholder))
+            head, tail = key_frame[:at], key_frame[at + len(msgpack.packb(placeholder)):]
+            lookup_op, status_op, end_op, one = (msgpack.packb(x) for x in ("lookup", "query_prefetch_status", "end_session", 1))
+
+            def cycle() -> None:
+                n = uid[0] = uid[0] + 1
+                rid = msgpack.packb(f"r{n:015d}")
+                handle([b"peer", msgpack.packb(n), lookup_op, head + rid + tail, one])
+                handle([b"peer", msgpack.packb(n), status_op, rid])
+                handle([b"peer", msgpack.packb(n), end_op, rid])
+            return cycle
+
+        list_cycle, packed_cycle = cycle_fn(False), cycle_fn(True)
+        list_cycle()
+        handle(_frames(5, "query_prefetch_status", f"r{uid[0]:015d}"))
+        # check: the prompt is a full hit (the status of an ended job is None; check a live one)
+        handle(_frames(6, "lookup", lookup_key(toks, "check"), 1))
+        handle(_frames(7, "query_prefetch_status", "check"))
+        hit = _result(stub)
+        if hit != TOKENS // CHUNK:
+            raise RuntimeError(f"pre-stored prompt: {hit!r} chunks found, expected {TOKENS // CHUNK}")
+        noop = [b"peer", msgpack.packb(8), msgpack.packb("noop")]
+        status = [b"peer", msgpack.packb(9), msgpack.packb("query_prefetch_status"), msgpack.packb("check")]
+        rows: list[tuple[str, Callable[[], None]]] = [
+            ("noop", lambda: handle(noop)),
+            ("query_prefetch_status", lambda: handle(status)),
+            ("lookup cycle, list ids (lookup+status+end)", list_cycle),
+            ("lookup cycle, packed ids (lookup+status+end)", packed_cycle),
+        ]
+        print(f"# server handler CPU per call, {args.rounds} rounds x {args.calls} calls; "
+              f"prompt {TOKENS} tokens = {TOKENS // CHUNK} chunks, all in L1")
+        print("| request | median µs | best µs | handler ceiling, one core |")
+        print("|---|---:|---:|---:|")
+        for name, fn in rows:
+            for _ in range(200):
+                fn()
+            per: list[float] = []
+            for _ in range(args.rounds):
+                t0 = time.thread_time()
+                for _ in range(args.calls):
+                    fn()
+                per.append((time.thread_time() - t0) / args.calls * 1e6)
+            med = statistics.median(per)
+            print(f"| {name} | {med:.1f} | {min(per):.1f} | {1e6 / med:,.0f}/s |")
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                list_cycle()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+            print("\n# cProfile, list-form lookup cycle (self time):")
+            for line in out.getvalue().splitlines():
+                if line.strip():
+                    print("#", line)
+    finally:
+        server.sock = real_sock
+        server._token_scanner = tokens.load_in_background()
+        server._shutdown()
+    return 0
