@@ -10,10 +10,11 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 
 import pytest
@@ -22,6 +23,33 @@ REDIS_BINARY = "redis-server"
 SKIP_REASON = (
     "redis-server is not installed (apt-get install redis-server; .ci/run installs it in CI)"
 )
+
+
+class TlsFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1 (made with the openssl command)."""
+
+    def __init__(self, directory: str) -> None:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise FileNotFoundError("openssl is not installed")
+        self.ca = os.path.join(directory, "ca.crt")
+        self.cert = os.path.join(directory, "server.crt")
+        self.key = os.path.join(directory, "server.key")
+        ca_key = os.path.join(directory, "ca.key")
+        csr = os.path.join(directory, "server.csr")
+        ext = os.path.join(directory, "san.ext")
+        with open(ext, "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\n")
+
+        def run(*args: str) -> None:
+            subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", self.ca,
+            "-days", "1", "-subj", "/CN=mpcache-test-ca")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.key, "-out", csr,
+            "-subj", "/CN=127.0.0.1")
+        run("x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", ca_key, "-CAcreateserial",
+            "-out", self.cert, "-days", "1", "-extfile", ext)
 
 
 def free_port() -> int:
@@ -33,8 +61,16 @@ def free_port() -> int:
 class RedisServer:
     """One `redis-server` process with no persistence, bound to 127.0.0.1 only."""
 
-    def __init__(self, port: int | None = None, start_timeout_s: float = 10.0) -> None:
-        """`port`: a fixed port (to restart a Redis where clients expect it); default: a free one."""
+    def __init__(self, port: int | None = None, start_timeout_s: float = 10.0, *,
+                 config: Sequence[str] = (), tls: TlsFiles | None = None,
+                 args: Sequence[str] = ()) -> None:
+        """`port`: a fixed port (to restart a Redis where clients expect it); default: a free one.
+        `config`: redis.conf lines (passwords, ACL users), written to a 0600 file, never on argv.
+        `tls`: serve TLS only on the port (the `rediss://` URL), with these certificates.
+        `args`: more command-line options (cluster mode)."""
+        self._config = list(config)
+        self.tls = tls
+        self._args = list(args)
         binary = shutil.which(REDIS_BINARY)
         if binary is None:
             raise FileNotFoundError(SKIP_REASON)
@@ -47,7 +83,13 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
+
+    @property
+    def directory(self) -> str:
+        assert self._dir is not None
+        return self._dir.name
 
     @property
     def pid(self) -> int:
@@ -61,17 +103,28 @@ class RedisServer:
         for _ in range(1 if self._fixed_port else 5):
             self.port = self._fixed_port or free_port()
             log = os.path.join(self._dir.name, "redis.log")
+            conf = os.path.join(self._dir.name, "redis.conf")
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(self._config) + "\n")
+            ports = ["--port", str(self.port)]
+            if self.tls is not None:
+                ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls.cert,
+                         "--tls-key-file", self.tls.key, "--tls-ca-cert-file", self.tls.ca,
+                         "--tls-auth-clients", "no"]
             self._proc = subprocess.Popen(
                 [
                     self._binary,
+                    conf,
                     "--bind", "127.0.0.1",
-                    "--port", str(self.port),
+                    *ports,
                     "--dir", self._dir.name,
                     "--save", "",
                     "--appendonly", "no",
                     "--daemonize", "no",
                     "--protected-mode", "yes",
                     "--logfile", log,
+                    *self._args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -107,9 +160,13 @@ class RedisServer:
             if self._proc.poll() is not None:
                 return False
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                    s = raw
+                    if self.tls is not None:
+                        ctx = ssl.create_default_context(cafile=self.tls.ca)
+                        s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return True
             except OSError:
                 pass
