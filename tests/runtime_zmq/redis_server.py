@@ -141,6 +141,13 @@ class RedisServer:
         self._terminate()
         self._cleanup_dir()
 
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, as in a crash (its directory stays until stop)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+
     def __enter__(self) -> RedisServer:
         self.start()
         return self
