@@ -179,12 +179,12 @@ class L2Worker:
 
     def read(self, effect: ReadL2) -> None:
         failed = L2ReadFinished(effect.read_id, (False,) * len(effect.items))  # type: ignore[arg-type]
-        self._submit("read", effect, failed, len(effect.items) * self.pool.slot_bytes)
+        self._submit("read", effect, failed, len(effect.items) * (effect.object_bytes or self.pool.slot_bytes))
 
     def write(self, effect: WriteL2) -> None:
         # The bytes are copied by the worker thread, later: the slots stay pinned until
         # L2WriteFinished, so no writer races it. Their sizes are the ones known now.
-        sizes = [self._slot_nbytes.get(slot, self.pool.slot_bytes) for _, slot in effect.items]
+        sizes = [effect.object_bytes or self._slot_nbytes.get(slot, self.pool.slot_bytes) for _, slot in effect.items]
         self._submit("write", (effect, sizes), L2WriteFinished(effect.write_id, False), sum(sizes))
 
     def _submit(self, kind: str, effect: Any, failed: object, nbytes: int) -> None:
@@ -401,7 +401,7 @@ class L2Worker:
                 continue
             for i, blob in zip(todo, blobs):
                 if blob is not None:
-                    payloads[i] = self._open(tier, keys[i], blob)
+                    payloads[i] = self._open(tier, keys[i], blob, effect.object_bytes)
         loaded = [False] * len(keys)
         with job.lock:
             if job.done:  # past its deadline: the slots may belong to another object already
@@ -416,13 +416,18 @@ class L2Worker:
         self.read_hits += sum(loaded)
         return L2ReadFinished(effect.read_id, tuple(loaded))  # type: ignore[arg-type]
 
-    def _open(self, tier: _Tier, key: bytes, blob: bytes) -> memoryview | None:
+    def _open(self, tier: _Tier, key: bytes, blob: bytes, object_bytes: int) -> memoryview | None:
+        """The payload of a tier's value, or None (a counted rejection). ``object_bytes`` > 0:
+        the exact size core_sm expects (the reading instance's object size)."""
         assert self._sealer is not None
         payload = self._sealer.open(key, blob)
         if not isinstance(payload, Rejection):
-            if len(payload) <= self.pool.slot_bytes:
+            if object_bytes > 0 and len(payload) != object_bytes:
+                reason = "wrong_size"
+            elif len(payload) <= self.pool.slot_bytes:
                 return payload
-            reason = "too_big"
+            else:
+                reason = "too_big"
         else:
             reason = payload.value
         self._count("l2_rejected")

@@ -204,3 +204,17 @@ def test_redis_planted_values_are_misses_and_deleted(tmp_path: Path) -> None:
             h.close()
     finally:
         server.stop()
+
+
+def test_a_valid_object_of_the_wrong_size_is_a_miss(disk: tuple[Harness, DiskTier]) -> None:
+    h, tier = disk
+    k = ObjectKey(b"\x33" * 16, 1)
+    h.store(k, 0, b"s" * 2048)
+    n = len(h.posted)
+    h.worker.read(ReadL2(77, ((k, 1),), object_bytes=4096))  # the reader expects 4096-byte objects
+    assert h.wait(n + 1)[-1] == L2ReadFinished(77, (False,))
+    assert h.worker.stats()["l2_rejected_wrong_size"] == 1 and tier.objects == 0
+    h.store(k, 0, b"t" * 4096)
+    n = len(h.posted)
+    h.worker.read(ReadL2(78, ((k, 1),), object_bytes=4096))
+    assert h.wait(n + 1)[-1] == L2ReadFinished(78, (True,))
