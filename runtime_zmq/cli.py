@@ -1,8 +1,15 @@
 """``mpcache-server``: run the mpcache KV-cache offload server.
 
-Every flag has an environment variable (``MPCACHE_<FLAG>``, e.g. ``MPCACHE_PORT``); a flag on the
-command line wins. Defaults: loopback only (``tcp://127.0.0.1:5555``), L1 only, L1 segment
-allocated lazily, metrics off.
+Every option is a flag, an environment variable ``MPCACHE_<FLAG>`` (e.g. ``MPCACHE_PORT``) and a
+key of the TOML file named by ``--config``; flag > environment > file > default (see
+``runtime_zmq.config`` and docs/configuration.md, generated from the definitions below). Every
+value is range-checked before anything starts; a bad one is one ``cannot start:`` line.
+
+Defaults: loopback only (``tcp://127.0.0.1:5555``), L1 only, the L1 segment allocated lazily,
+metrics, health and status over HTTP on ``127.0.0.1:9555``.
+
+Adding an option: put it in one of the groups below (``config.group(parser, TITLE)``) with a
+validating ``type`` from ``runtime_zmq.config``; its env var, file key and docs follow.
 """
 
 from __future__ import annotations
@@ -16,58 +23,134 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from runtime_zmq import config as cfg
 from runtime_zmq import wire
 
 GiB = 1 << 30
 MiB = 1 << 20
+DEFAULT_METRICS_PORT = 9555
+
+# argument groups, in --help order; other modules add their options to these by title
+LISTEN = "listening address"
+CACHE = "cache"
+L2 = "L2 tiers"
+LIMITS = "limits"
+HTTP = "metrics, health and status (HTTP)"
+LOGGING = "logging"
+OPERATIONS = "operations"
 
 
 def _env(name: str, default: Any) -> Any:
+    """Kept for options that read their environment variable themselves; ``config.parse`` now
+    reads ``MPCACHE_<DEST>`` for every option."""
     return os.environ.get(f"MPCACHE_{name}", default)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cfg.OptionParser(
         prog="mpcache-server",
         description="mpcache KV-cache offload server (LMCache MP-protocol compatible control plane).",
         epilog="Each flag can also be set by the environment variable MPCACHE_<FLAG> "
-        "(upper case, dashes as underscores), e.g. MPCACHE_PORT=5556.",
+        "(upper case, dashes as underscores, e.g. MPCACHE_PORT=5556) or as a key of the TOML file "
+        "given by --config; flag > environment > file. Reference: docs/configuration.md.",
     )
-    where = p.add_argument_group("listening address")
-    where.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="TCP bind address (default 127.0.0.1, loopback only)")
-    where.add_argument("--port", type=int, default=int(_env("PORT", 5555)), help="TCP port (default 5555; 0 picks a free one)")
-    where.add_argument("--ipc", default=_env("IPC", None), metavar="PATH", help="listen on a unix socket at PATH instead of TCP (its directory is created 0700)")
-    cache = p.add_argument_group("cache")
-    cache.add_argument("--chunk-size", type=int, default=int(_env("CHUNK_SIZE", 256)), help="tokens per chunk (default 256)")
-    cache.add_argument("--l1-size-gb", type=float, default=float(_env("L1_SIZE_GB", 4.0)), help="L1 shared-memory size in GiB (default 4; committed lazily)")
-    cache.add_argument("--slot-mb", type=float, default=float(_env("SLOT_MB", 32.0)), help="L1 slot size in MiB: the largest object (one chunk of one KV rank) (default 32)")
-    cache.add_argument(
+    p.add_argument("--version", action="version", version=f"%(prog)s {cfg.version()}")
+    p.add_argument("--config", metavar="FILE", default=None, help="TOML file with option values (keys named like the flags); env MPCACHE_CONFIG")
+    where = cfg.group(p, LISTEN)
+    where.add_argument("--host", type=cfg.host, default="127.0.0.1", help="TCP bind address (loopback only by default)")
+    where.add_argument("--port", type=cfg.port, default=5555, help="TCP port; 0 picks a free one")
+    where.add_argument("--ipc", default=None, metavar="PATH", help="listen on a unix socket at PATH instead of TCP (its directory is created 0700)")
+    cache = cfg.group(p, CACHE)
+    cache.add_argument("--chunk-size", type=cfg.chunk_size, default=256, help="tokens per chunk; a multiple of vLLM's block size")
+    cache.add_argument("--l1-size-gb", type=cfg.positive_float, default=4.0, help="L1 shared-memory size in GiB (committed lazily; clamped to the free space of /dev/shm)")
+    cache.add_argument("--slot-mb", type=cfg.positive_float, default=32.0, help="L1 slot size in MiB: the largest object (one chunk of one KV rank; see docs/troubleshooting.md for the formula)")
+    cache.add_argument("--lease-ttl", type=cfg.positive_float, default=300.0, help="seconds a read/write lease lives without use")
+    cache.add_argument("--job-ttl", type=cfg.positive_float, default=60.0, help="seconds a lookup nobody queries lives before its leases are reaped")
+    cache.add_argument("--tombstone-ttl", type=cfg.positive_float, default=60.0, help="seconds a delivered status is repeated for")
+    tiers = cfg.group(p, L2)
+    l2_urls = tiers.add_argument(
         "--l2", action="append", default=None, metavar="URL",
         help="L2 tier, repeatable: disk:PATH, redis://HOST:PORT or redis+cluster://H:P,H:P "
-        "(env MPCACHE_L2, comma- or space-separated; put a Redis password in ?password_file=, never on the command line)",
+        "(grammar below; env MPCACHE_L2 comma- or space-separated; put a Redis password in ?password_file=, never on the command line)",
     )
-    cache.add_argument("--lease-ttl", type=float, default=float(_env("LEASE_TTL", 300.0)), help="seconds a read/write lease lives without use (default 300)")
-    cache.add_argument("--job-ttl", type=float, default=float(_env("JOB_TTL", 60.0)), help="seconds a lookup nobody queries lives before its leases are reaped (default 60)")
-    cache.add_argument("--tombstone-ttl", type=float, default=float(_env("TOMBSTONE_TTL", 60.0)), help="seconds a delivered status is repeated for (default 60)")
-    cache.add_argument("--l2-read-timeout", type=float, default=float(_env("L2_READ_TIMEOUT", 30.0)), help="seconds before a lookup stops waiting for an L2 read and resolves with its L1 prefix (default 30)")
-    cache.add_argument(
-        "--l2-probe", action=argparse.BooleanOptionalAction, default=_env("L2_PROBE", "1") not in ("0", "false", "no"),
-        help="ask L2 which objects it holds before reading (reads only the contiguous prefix; default on)",
+    l2_urls.env_split = _split_l2_urls  # type: ignore[attr-defined]  # a cluster URL has commas
+    tiers.add_argument("--l2-read-timeout", type=cfg.positive_float, default=30.0, help="seconds before a lookup stops waiting for an L2 read and resolves with its L1 prefix")
+    tiers.add_argument(
+        "--l2-probe", action=argparse.BooleanOptionalAction, default=True,
+        help="ask L2 which objects it holds before reading (reads only the contiguous prefix)",
     )
-    add_l2_flags(cache)
-    lim = p.add_argument_group("limits")
-    lim.add_argument("--max-frame-mb", type=float, default=float(_env("MAX_FRAME_MB", 64.0)), help="largest payload frame in MiB (default 64)")
-    lim.add_argument("--max-tokens", type=int, default=int(_env("MAX_TOKENS", 1 << 20)), help="most tokens in one key (default 1048576)")
-    ops = p.add_argument_group("operations")
-    ops.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)) or None, help="serve Prometheus metrics on 127.0.0.1:PORT (default off)")
-    ops.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    add_l2_flags(tiers)
+    lim = cfg.group(p, LIMITS)
+    lim.add_argument("--max-frame-mb", type=cfg.positive_float, default=64.0, help="largest payload frame in MiB")
+    lim.add_argument("--max-tokens", type=cfg.positive_int, default=1 << 20, help="most tokens in one key")
+    http = cfg.group(p, HTTP)
+    http.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True, help="serve /metrics, /healthz, /readyz and /status over HTTP")
+    http.add_argument("--metrics-port", type=cfg.port, default=DEFAULT_METRICS_PORT, help="HTTP port for metrics and probes; 0 picks a free one")
+    http.add_argument("--metrics-host", type=cfg.host, default="127.0.0.1", help="HTTP bind address; 0.0.0.0 lets Prometheus scrape a pod")
+    logs = cfg.group(p, LOGGING)
+    logs.add_argument("--log-level", type=cfg.log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR (any case)")
+    logs.add_argument("--log-format", type=cfg.one_of("text", "json"), default="text", help="text, or json: one JSON object per line")
+    logs.add_argument("--summary-interval", type=cfg.non_negative_float, default=30.0, help="seconds between summary lines while the server is busy; 0: none")
+    ops = cfg.group(p, OPERATIONS)
     ops.add_argument(
-        "--gpu", choices=["auto", "on", "off"], default=_env("GPU", "auto"),
-        help="server-driven GPU transfers (runtime_zmq.gpu_transfer): auto = when an NVIDIA device is present (default auto)",
+        "--gpu", type=cfg.one_of("auto", "on", "off"), default="auto",
+        help="server-driven GPU transfers (runtime_zmq.gpu_transfer): auto = when an NVIDIA device is present",
     )
-    ops.add_argument("--shm-dir", default=_env("SHM_DIR", "/dev/shm"), help=argparse.SUPPRESS)
-    ops.add_argument("--shutdown-grace", type=float, default=float(_env("SHUTDOWN_GRACE", 5.0)), help="seconds to finish in-flight work on SIGTERM (default 5)")
+    ops.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
+    ops.add_argument("--shutdown-grace", type=cfg.non_negative_float, default=5.0, help="seconds to finish in-flight work on SIGTERM")
     return p
+
+
+def _split_l2_urls(text: str) -> list[str]:
+    from runtime_zmq.l2 import split_l2_urls
+
+    return split_l2_urls(text)
+
+
+def add_l2_flags(group: Any) -> None:
+    """The L2 worker's flags (integrity secret, outages, bounds); see runtime_zmq/l2_worker.py."""
+    group.add_argument("--l2-secret-file", default=None, metavar="PATH",
+                       help="the key L2 objects are sealed with (made 0600 at first start; servers sharing "
+                       "a Redis must share it; default PATH/.secret of the first disk tier, else "
+                       "~/.local/state/mpcache/l2.secret)")
+    group.add_argument("--l2-require", action=argparse.BooleanOptionalAction, default=False,
+                       help="refuse to start when an L2 tier does not answer, and answer /readyz 503 while one "
+                       "is down (default: start L1-only and reconnect with backoff)")
+    group.add_argument("--l2-deadline", type=cfg.positive_float, default=5.0,
+                       help="seconds an L2 effect may take (plus its bytes at 200 MB/s) before it is failed and its L1 slots freed")
+    group.add_argument("--l2-queue", type=cfg.positive_int, default=256,
+                       help="L2 effects waiting at most; when full, write-behind is dropped first")
+
+
+def l2_options_from_args(args: argparse.Namespace) -> Any:
+    from runtime_zmq.l2_worker import L2Options
+
+    return L2Options(secret_file=args.l2_secret_file, require=args.l2_require,
+                     deadline_s=args.l2_deadline, queue_max=args.l2_queue)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Flags over environment over ``--config`` file, validated (exits 2 with one line)."""
+    parser = build_parser()
+    args, sources = cfg.parse(parser, argv)
+    problem = check(args)
+    if problem is not None:
+        parser.exit(2, f"{parser.prog}: cannot start: {problem}\n")
+    return args, sources
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """Constraints between options (each option alone was checked by its type)."""
+    slot = int(args.slot_mb * MiB)
+    l1 = int(args.l1_size_gb * GiB)
+    if slot > l1:
+        return f"--slot-mb {args.slot_mb:g} is larger than --l1-size-gb {args.l1_size_gb:g}: L1 would hold no object"
+    if args.ipc is not None and not args.ipc.strip():
+        return "--ipc needs a path"
+    for url in args.l2 or ():
+        if not url.strip():
+            return "--l2 needs a URL (disk:PATH or redis://HOST:PORT)"
+    return None
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -77,50 +160,23 @@ def config_from_args(args: argparse.Namespace) -> Any:
         url = "ipc://" + os.path.abspath(args.ipc)
     else:
         url = f"tcp://{args.host}:{args.port}"
-    l2 = args.l2
-    if l2 is None:
-        from runtime_zmq.l2 import split_l2_urls
-
-        l2 = split_l2_urls(os.environ.get("MPCACHE_L2", ""))
     return ServerConfig(
         url=url,
         chunk_size=args.chunk_size,
         l1_size_bytes=int(args.l1_size_gb * GiB),
         slot_bytes=int(args.slot_mb * MiB),
-        l2_urls=tuple(l2),
+        l2_urls=tuple(args.l2 or ()),
         lease_ttl=args.lease_ttl,
         job_ttl=args.job_ttl,
         tombstone_ttl=args.tombstone_ttl,
         l2_read_timeout=args.l2_read_timeout,
         l2_probe=args.l2_probe,
         limits=wire.Limits(max_frame_bytes=int(args.max_frame_mb * MiB), max_tokens=args.max_tokens),
-        metrics_port=args.metrics_port,
+        metrics_port=None,  # the CLI serves HTTP itself (runtime_zmq.http)
         shutdown_grace=args.shutdown_grace,
         shm_dir=args.shm_dir,
         l2_options=l2_options_from_args(args),
     )
-
-
-def add_l2_flags(group: Any) -> None:
-    """The L2 worker's flags (integrity secret, outages, bounds); see runtime_zmq/l2_worker.py."""
-    group.add_argument("--l2-secret-file", default=_env("L2_SECRET_FILE", None), metavar="PATH",
-                       help="the key L2 objects are sealed with (made 0600 at first start; servers sharing "
-                       "a Redis must share it; default PATH/.secret of the first disk tier, else "
-                       "~/.local/state/mpcache/l2.secret)")
-    group.add_argument("--l2-require", action=argparse.BooleanOptionalAction,
-                       default=_env("L2_REQUIRE", "0") not in ("0", "false", "no"),
-                       help="refuse to start when an L2 tier does not answer (default: start L1-only and reconnect with backoff)")
-    group.add_argument("--l2-deadline", type=float, default=float(_env("L2_DEADLINE", 5.0)),
-                       help="seconds an L2 effect may take (plus its bytes at 200 MB/s) before it is failed and its L1 slots freed (default 5)")
-    group.add_argument("--l2-queue", type=int, default=int(_env("L2_QUEUE", 256)),
-                       help="L2 effects waiting at most; when full, write-behind is dropped first (default 256)")
-
-
-def l2_options_from_args(args: argparse.Namespace) -> Any:
-    from runtime_zmq.l2_worker import L2Options
-
-    return L2Options(secret_file=args.l2_secret_file, require=args.l2_require,
-                     deadline_s=args.l2_deadline, queue_max=args.l2_queue)
 
 
 def _nvidia_device_present() -> bool:
@@ -144,11 +200,16 @@ def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, sources = parse_args(argv)
+    from runtime_zmq import logs
+
+    repeats = logs.setup(args.log_level, args.log_format)
     log = logging.getLogger("mpcache.cli")
+    log.info("mpcache-server %s (python %s, pid %d)", cfg.version(), sys.version.split()[0], os.getpid())
+    log.info("config: %s", cfg.effective_line(args, sources))
     from runtime_zmq.server import Server
 
+    http_server = None
     try:
         config = config_from_args(args)
         executor = make_gpu_executor(args.gpu, config.chunk_size, log)
@@ -165,8 +226,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.warning("GPU transfers disabled (warm-up failed: %s)", e)
                 executor.close()
                 server.executor = NoDeviceExecutor()
+        server.metrics.attach(server, cfg.effective(args, sources), repeats, args.summary_interval, args.l2_require)
+        if args.metrics:
+            from runtime_zmq.http import OpsHttpServer
+
+            http_server = OpsHttpServer(server, args.metrics_host, args.metrics_port)
+            log.info("metrics and probes on %s (/metrics /healthz /readyz /status)", http_server.url)
+            print(f"mpcache-server http {http_server.url}", flush=True)
     except Exception as e:
         log.error("cannot start: %s", e)
+        if http_server is not None:
+            http_server.close()
         return 1
 
     signals_seen = 0
@@ -208,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # ignored).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if http_server is not None:
+            http_server.close()
     return 0
 
 

@@ -41,6 +41,7 @@ from core_sm import messages as m
 from core_sm.errors import ErrorKind
 from runtime_zmq import bridge, tokens, wire
 from runtime_zmq.l1_pool import SharedMemoryPool
+from runtime_zmq.config import version
 from runtime_zmq.metrics import ServerMetrics
 from runtime_zmq.l2_worker import L2Options, L2Worker
 from runtime_zmq.transfer import NoDeviceExecutor, TransferExecutor
@@ -52,6 +53,8 @@ MiB = 1 << 20
 
 # Operations answered by the runtime: no protocol state involved.
 _LOCAL_OPS = frozenset({"noop", "health", "stats", "l1_info", "report_block_allocation"})
+# Effects whose start the metrics time (L2 and copy latency histograms).
+_TIMED_EFFECTS = (fx.StartTransfer, fx.ReadL2, fx.WriteL2, fx.ProbeL2)
 
 
 @attrs.frozen
@@ -183,6 +186,7 @@ class Server:
         # the HTTP thread reads the snapshot the loop refreshes each second, never live state
         self._stats_snapshot: dict[str, Any] = {}
         self.metrics = ServerMetrics(lambda: self._stats_snapshot)
+        self.metrics.attach(self, {})
         self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir)
         if tiers is None:
             tiers = [open_l2(u) for u in config.l2_urls]
@@ -289,9 +293,12 @@ class Server:
             if now - self._last_gauges >= 1.0:
                 self._last_gauges = now
                 self._refresh_gauges()
+                self.metrics.tick(now)
 
     def _drain_completions(self) -> None:
         for ev in self.channel.drain():
+            if self.metrics.on_completion(ev, self.clock()):
+                continue  # an HTTP probe's call, run on this thread
             if isinstance(ev, m.TransferFinished):
                 self._transfers_in_flight -= 1
             elif isinstance(ev, m.L2ReadFinished):
@@ -324,6 +331,7 @@ class Server:
         return self._last_answered is rt
 
     def _serve(self, req: wire.Request, reply_to: ReplyTo, now: float) -> None:
+        self.metrics.on_request(req, reply_to)
         if req.op in _LOCAL_OPS:
             self._local(req, reply_to)
             return
@@ -375,6 +383,8 @@ class Server:
 
     def _interpret(self, eff: object) -> None:
         t = type(eff)
+        if t in _TIMED_EFFECTS:
+            self.metrics.started(eff, self.clock())
         if t is fx.Reply:
             rt = eff.reply_to  # type: ignore[attr-defined]
             self._send_result(rt, eff.result)  # type: ignore[attr-defined]
@@ -456,6 +466,7 @@ class Server:
         self._last_answered = rt
         self._counts["wire_replies"] += 1
         self.metrics.request(op, "ok", self.clock() - t0)
+        self.metrics.on_reply(rt, op, result)
 
     def _send_error(self, rt: Any, kind: str, message: str) -> None:
         identity, uid_frame, _op_frame, op, t0 = rt
@@ -469,6 +480,7 @@ class Server:
         self._counts["wire_errors"] += 1
         self.metrics.request(op, "error", self.clock() - t0)
         self.metrics.error(kind)
+        self.metrics.on_error(rt, op, kind, message)
 
     def _note_plan(self, plan: m.TransferPlan, instance_id: int | None) -> None:
         # The engine will map the segment: create it now.
@@ -487,6 +499,7 @@ class Server:
         elif op == "health":
             result = {
                 "status": "stopping" if self._stopping else "ok",
+                "version": version(),
                 "epoch": self.epoch,
                 "pid": os.getpid(),
                 "uptime_s": time.time() - self._started,

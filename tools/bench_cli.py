@@ -22,6 +22,11 @@ def available() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     names = available()
+    if args[:1] == ["--version"]:
+        from runtime_zmq.config import version
+
+        print(f"mpcache-bench {version()}")
+        return 0
     if not args or args[0] in ("-h", "--help"):
         print("usage: mpcache-bench {all|" + "|".join(names) + "} [args...]")
         print("each benchmark prints a results table; see docs/benchmarks.md")

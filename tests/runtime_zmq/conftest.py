@@ -92,6 +92,8 @@ def start_server() -> Iterator[Callable[..., ServerProcess]]:
             args += ["--ipc", os.path.join(tmp, f"sock{len(started)}", "mpcache.sock")]
         elif "--port" not in args:
             args += ["--port", "0"]
+        if "--metrics-port" not in args and "--no-metrics" not in args:
+            args += ["--metrics-port", "0"]  # a free port: tests run servers side by side
         if "--l1-size-gb" not in args:
             args += ["--l1-size-gb", "0.25", "--slot-mb", "1"]
         sp = ServerProcess(args, env).start()

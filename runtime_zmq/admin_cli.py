@@ -1,0 +1,185 @@
+"""``mpcache-cli``: talk to a running mpcache-server (like ``redis-cli``).
+
+    mpcache-cli [--url URL] ping                 round trip time of a ping
+    mpcache-cli health                           the server's health answer (epoch, status, ...)
+    mpcache-cli stats [--json]                   lookups, hit tokens, L1 use, errors
+    mpcache-cli clear [--force]                  drop every unleased object (admin)
+    mpcache-cli bench [--lookups N]              lookup + status round trips against this server
+
+``--url`` (env ``MPCACHE_URL``) is the server's ZMQ address, default ``tcp://127.0.0.1:5555``.
+Exit status: 0 on success, 1 when the server answered an error or is unhealthy, 2 on a usage
+error, 3 when it could not be reached within ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from runtime_zmq import config as cfg
+
+UNREACHABLE = 3
+
+
+def _subparsers(p: argparse.ArgumentParser) -> Any:
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return a
+    raise LookupError("no subcommands")
+
+
+class _CliParser(cfg.OptionParser):
+    failure = "error"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _CliParser(
+        prog="mpcache-cli",
+        description="Operator commands against a running mpcache-server.",
+        epilog="Exit status: 0 ok, 1 error answer or unhealthy, 2 usage, 3 unreachable.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {cfg.version()}")
+    conn = cfg.group(p, "connection")
+    conn.add_argument("--url", default="tcp://127.0.0.1:5555", help="the server's ZMQ address (tcp://HOST:PORT or ipc://PATH)")
+    conn.add_argument("--timeout", type=cfg.positive_float, default=5.0, help="seconds to wait for each answer")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CliParser)
+    sub.required = True
+    sub.add_parser("ping", help="round trip of a ping", description="Send ping and noop; print the round-trip times.")
+    sub.add_parser("health", help="the server's health answer", description="Print the health answer (status, epoch, version, uptime); exit 1 unless status is ok.")
+    stats = sub.add_parser("stats", help="lookups, hit tokens, L1 use, errors", description="Print the server's counters: lookups, hit tokens, stores, L1 use, errors.")
+    stats.add_argument("--json", action="store_true", help="print the raw stats answer as JSON")
+    clear = sub.add_parser("clear", help="drop every unleased object (admin)", description="Ask the server to clear L1 (objects under a lease stay until released).")
+    clear.add_argument("--force", action="store_true", help="also drop objects that are leased (their readers get misses)")
+    bench = sub.add_parser("bench", help="lookup + status round trips against this server", description="Lookups of random prompts (misses: nothing is stored) and their status queries, from one client; prints a table.")
+    bench.add_argument("--lookups", type=cfg.positive_int, default=2000, help="how many lookup + status pairs")
+    bench.add_argument("--chunks", type=cfg.positive_int, default=4, help="chunks per prompt")
+    bench.add_argument("--in-flight", type=cfg.positive_int, default=16, help="lookups sent before waiting for answers")
+    return p
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    return dict(_subparsers(build_parser()).choices)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from runtime_zmq.client import MPCacheClient
+
+    return MPCacheClient(args.url, request_timeout=args.timeout)
+
+
+def _call(fut_or_value: Any, timeout: float) -> Any:
+    return fut_or_value.result(timeout) if hasattr(fut_or_value, "result") else fut_or_value
+
+
+def cmd_ping(c: Any, args: argparse.Namespace) -> int:
+    for op in ("ping", "noop"):
+        t0 = time.perf_counter()
+        answer = c.call(op, timeout=args.timeout)
+        print(f"{op}: {answer!r} in {(time.perf_counter() - t0) * 1e3:.3f} ms")
+    return 0
+
+
+def cmd_health(c: Any, args: argparse.Namespace) -> int:
+    h = c.health()
+    print(json.dumps(h, indent=1, default=str))
+    return 0 if isinstance(h, dict) and h.get("status") == "ok" else 1
+
+
+def cmd_stats(c: Any, args: argparse.Namespace) -> int:
+    s = dict(c.stats())
+    if args.json:
+        print(json.dumps(s, indent=1, sort_keys=True, default=str))
+        return 0
+    chunk = int(c.get_chunk_size())
+    asked, hit = s.get("lookup_chunks", 0) * chunk, s.get("hit_chunks", 0) * chunk
+    slots, free, slot = s.get("l1_num_slots", 0), s.get("free_slots", 0), s.get("l1_slot_bytes", 0)
+    rows = [
+        ("lookups", s.get("lookups", 0)),
+        ("hit tokens", f"{hit} of {asked} ({100.0 * hit / asked:.1f}%)" if asked else "0 of 0"),
+        ("status queries", s.get("status_queries", 0)),
+        ("transfers started", s.get("transfers_started", 0)),
+        ("L1 objects", s.get("objects", 0)),
+        ("L1 used", f"{(slots - free) * slot / (1 << 30):.3f} of {slots * slot / (1 << 30):.3f} GiB ({slots - free}/{slots} slots of {slot >> 20} MiB)"),
+        ("L1 evictions", s.get("evictions", 0)),
+        ("leases held", s.get("leases_held", 0)),
+        ("L2 reads / hits / writes / errors", f"{s.get('l2_reads', 0)} / {s.get('l2_read_hits', 0)} / {s.get('l2_writes', 0)} / {s.get('l2_errors', 0)}"),
+        ("registered instances", s.get("instances", 0)),
+        ("error replies", s.get("wire_errors", 0)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_clear(c: Any, args: argparse.Namespace) -> int:
+    answer = _call(c.clear(args.force), args.timeout)
+    print(f"clear: {answer!r}")
+    return 0
+
+
+def cmd_bench(c: Any, args: argparse.Namespace) -> int:
+    chunk = int(c.get_chunk_size())
+    n, window = args.lookups, args.in_flight
+    rng = random.Random(0)
+    run = f"bench-{rng.getrandbits(32):08x}"
+    lat: list[float] = []
+    t_start = time.perf_counter()
+    for base in range(0, n, window):
+        batch = []
+        for i in range(base, min(n, base + window)):
+            toks = [rng.randrange(50_000) for _ in range(chunk * args.chunks)]
+            key = {"model_name": "mpcache-cli-bench", "world_size": 1, "worker_id": None, "token_ids": toks,
+                   "start": 0, "end": len(toks), "request_id": f"{run}-{i}", "cache_salt": "",
+                   "request_configs": None, "num_kv_readers": 0}
+            batch.append((time.perf_counter(), key["request_id"], c.lookup(key)))
+        for t0, rid, fut in batch:
+            fut.result(args.timeout)
+            status = c.wait_prefetch_status(rid, 1.0).result(args.timeout)
+            if not isinstance(status, int):
+                print(f"mpcache-cli bench: status of {rid} was {status!r}", file=sys.stderr)
+                return 1
+            lat.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_start
+    lat.sort()
+    q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [lat[0]] * 99
+    print(f"{'lookups':>8} {'tokens each':>11} {'in flight':>9} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{n:>8} {chunk * args.chunks:>11} {window:>9} {n / wall:>9.0f} {q[49] * 1e3:>8.3f} {q[98] * 1e3:>8.3f}")
+    return 0
+
+
+COMMANDS = {"ping": cmd_ping, "health": cmd_health, "stats": cmd_stats, "clear": cmd_clear, "bench": cmd_bench}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, _sources = cfg.parse(build_parser(), argv)
+    from runtime_zmq.client import ClientClosed, RemoteError
+
+    try:
+        c = _client(args)
+    except Exception as e:
+        print(f"mpcache-cli: cannot connect to {args.url}: {e}", file=sys.stderr)
+        return UNREACHABLE
+    try:
+        if not c.wait_healthy(args.timeout):
+            print(f"mpcache-cli: no answer from {args.url} within {args.timeout:g} s", file=sys.stderr)
+            return UNREACHABLE
+        return COMMANDS[args.command](c, args)
+    except RemoteError as e:
+        print(f"mpcache-cli: {args.command}: the server answered {e}", file=sys.stderr)
+        return 1
+    except (TimeoutError, ClientClosed) as e:
+        print(f"mpcache-cli: {args.command}: no answer from {args.url}: {e or 'timed out'}", file=sys.stderr)
+        return UNREACHABLE
+    finally:
+        c.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
