@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 
-.PHONY: run test sim bench e2e soak venv clean help
+.PHONY: run test sim bench e2e soak docs venv clean help
 
 help:
 	@echo "make run    start mpcache-server on its embedded defaults (L1 only, tcp://127.0.0.1:5555)"
@@ -13,6 +13,7 @@ help:
 	@echo "make bench  run the benchmarks (hashing, simulator, rpc)"
 	@echo "make e2e    real-vLLM end-to-end test in its own venv (.venv-vllm)"
 	@echo "make soak   long soak test (1M lookups)"
+	@echo "make docs   regenerate docs/configuration.md and docs/metrics.md from the code"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,6 +38,10 @@ bench: venv
 
 soak: venv
 	$(VPY) -m pytest -q -m slow
+
+docs: venv
+	$(VPY) -m runtime_zmq.config > docs/configuration.md
+	$(VPY) -m runtime_zmq.metrics > docs/metrics.md
 
 e2e:
 	bash .ci/e2e

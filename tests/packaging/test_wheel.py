@@ -1,0 +1,115 @@
+"""The built wheel, installed into a fresh venv the way a user installs it, runs: mpcache-server
+starts, mpcache-cli gets lookups answered, and the base dependencies pulled in do not include
+torch (or the simulator's trio / hypothesis). The venv has no access to the source tree."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _copy_tree(dst: str) -> None:
+    """The tracked files (a build in the checkout itself would leave build/ and egg-info)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    for name in files:
+        if not name:
+            continue
+        src = os.path.join(REPO, name.decode())
+        if not os.path.isfile(src):
+            continue
+        target = os.path.join(dst, name.decode())
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(src, target)
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[str]:
+    """The bin/ directory of a fresh venv with the wheel installed (dependencies from the index)."""
+    tmp = tempfile.mkdtemp(prefix="mpcache-wheel-")
+    try:
+        src, dist, venv = (os.path.join(tmp, d) for d in ("src", "dist", "venv"))
+        _copy_tree(src)
+        pip = [sys.executable, "-m", "pip"]
+        subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dist, "."], cwd=src,
+                       check=True, capture_output=True, timeout=120)
+        wheels = os.listdir(dist)
+        assert len(wheels) == 1 and wheels[0].startswith("mpcache-") and wheels[0].endswith("-py3-none-any.whl")
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", "--without-pip", venv], check=True, timeout=60)
+        out = subprocess.run([*pip, "--python", os.path.join(venv, "bin", "python"), "install", "-q",
+                              os.path.join(dist, wheels[0])], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, "pip install of the wheel failed (is the package index reachable?):\n" + out.stderr[-3000:]
+        yield os.path.join(venv, "bin")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("MPCACHE_")}
+    env["HOME"] = env.get("HOME", "/tmp")
+    return env
+
+
+def test_wheel_installs_only_the_server_dependencies(installed: str) -> None:
+    py = os.path.join(installed, "python")
+    probe = ("import importlib.util as u, json; "
+             "print(json.dumps({m: u.find_spec(m) is not None for m in "
+             "('torch', 'trio', 'hypothesis', 'zmq', 'msgpack', 'prometheus_client', 'runtime_zmq', 'core_sm')}))")
+    out = subprocess.run([py, "-c", probe], capture_output=True, text=True, cwd="/", env=_env(), timeout=60)
+    import json
+
+    found = json.loads(out.stdout)
+    assert found == {"torch": False, "trio": False, "hypothesis": False, "zmq": True, "msgpack": True,
+                     "prometheus_client": True, "runtime_zmq": True, "core_sm": True}, found
+    for command in ("mpcache-server", "mpcache-cli", "mpcache-sim", "mpcache-bench"):
+        assert os.access(os.path.join(installed, command), os.X_OK), command
+
+
+def test_installed_server_answers_lookups(installed: str) -> None:
+    server = subprocess.Popen(
+        [os.path.join(installed, "mpcache-server"), "--port", "0", "--metrics-port", "0", "--l1-size-gb", "0.06", "--slot-mb", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/", env=_env(),
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert server.stdout is not None
+        for line in server.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("mpcache-server ready "):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(60) and any(x.startswith("mpcache-server ready ") for x in lines), "\n".join(lines)
+        url = next(x.split()[-1] for x in lines if x.startswith("mpcache-server ready "))
+        assert any("mpcache.cli: mpcache-server " in x and "(python" in x for x in lines), "\n".join(lines)
+        cli = os.path.join(installed, "mpcache-cli")
+        out = subprocess.run([cli, "--url", url, "bench", "--lookups", "20", "--in-flight", "4"], capture_output=True,
+                             text=True, cwd="/", env=_env(), timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[1].split()[0] == "20"
+        out = subprocess.run([cli, "--url", url, "stats", "--json"], capture_output=True, text=True, cwd="/", env=_env(), timeout=60)
+        assert out.returncode == 0 and '"lookups": 20' in out.stdout, out.stdout + out.stderr
+        version = subprocess.run([cli, "--version"], capture_output=True, text=True, env=_env(), timeout=60).stdout
+        assert version.startswith("mpcache-cli ") and "unknown" not in version
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+    assert server.returncode == 0, "\n".join(lines)
