@@ -288,6 +288,13 @@ class TransferClient(GuardedMachine[ClientEvent]):
         self._failed_retrieves.clear()
         return failed
 
+    def stores_reading_blocks(self) -> bool:
+        """Whether a store may still read engine blocks: a STORE (server-driven: the server
+        answers once its copy completed) or a PrepareStore (engine-driven: the plan brings the
+        copy, which runs before the commit) not answered yet. The worker waits for False before
+        vLLM reuses blocks (preemption)."""
+        return any(op.kind is TransferKind.STORE and op.state is _O.SENT for op in self._ops.values())
+
     def registered(self) -> bool:
         """Whether the last ``RegisterInstance`` was acked and nothing has shown it lost since."""
         return self._registered

@@ -1,14 +1,11 @@
 """The engine-facing side of mpcache, importable without vLLM.
 
-Three pieces, in the order an engine step uses them:
+Two shells around core_sm machines, in the order an engine step uses them:
 
-* ``SchedulerAdapter`` (scheduler process): lookups over one or more servers. It is a thin shell
-  around core_sm's ``LookupClient``: it feeds the machine the calls and the replies of the
-  runtime_zmq clients, and sends what the machine asks. ``check`` never blocks.
-* ``StepPlanner`` (scheduler process): per-request bookkeeping in vLLM's vocabulary — how many
-  tokens a request can load, which chunk-aligned ranges to retrieve and to store each step — on
-  top of a ``SchedulerAdapter``. Its output, a ``StepPlan``, is the per-step metadata the worker
-  receives (plain, picklable).
+* ``SchedulerAdapter`` (scheduler process): core_sm's ``StepPlanner`` (which owns the
+  ``LookupClient``) over one or more servers. Its methods carry vLLM's scheduler calls as planner
+  events and return what the planner answers; it decides nothing itself. ``StepPlan`` (core_sm)
+  is the per-step metadata the workers receive (plain, picklable). Never blocks.
 * ``WorkerAdapter`` (worker process): stores and retrieves over one server, a thin shell around
   core_sm's ``TransferClient``; for CPU engines it maps the server's L1 segment and copies blocks
   itself (engine-driven) with the ``kernels`` CPU gather/scatter.
@@ -27,7 +24,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
@@ -37,12 +34,8 @@ from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.keys import NO_EXTRAS, KeyExtras
 from core_sm.lookup_client import LookupClient, LookupClientConfig
 from core_sm.messages import (
-    Cleanup,
     CopyFinished,
-    EndRequest,
     EngineFinished,
-    FreeUnusedLeases,
-    PrepareStore,
     RegisterInstance,
     ReplyReceived,
     RequestFailed,
@@ -50,12 +43,23 @@ from core_sm.messages import (
     ServerEpoch,
     ServerHealth,
     Store,
-    SubmitLookup,
     SubmitRetrieve,
     SubmitStore,
     TimerFired,
     TransferKind,
     TransferPlan,
+)
+from core_sm.planner import (
+    BlocksAllocated,
+    MatchAnswer,
+    MatchRequest,
+    PlannerConfig,
+    RequestFinished,
+    RequestTracker,
+    ScheduledRequest,
+    StepPlan,
+    StepPlanner,
+    StepScheduled,
 )
 from core_sm.transfer_client import TransferClient, TransferClientConfig
 from runtime_zmq.bridge import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
@@ -144,332 +148,6 @@ class ConnectorConfig:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         return self.server_urls[rank * len(self.server_urls) // world_size]
-
-
-# --------------------------------------------------------------------------------------------
-# Per-step plan: what the scheduler tells the workers
-# --------------------------------------------------------------------------------------------
-
-
-def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
-@attrs.frozen
-class RetrieveOp:
-    """Load tokens ``[start, end)`` of a request into ``block_ids`` (the blocks covering exactly
-    that range, in order); the first ``skip_first_n_tokens`` tokens are not written (the engine
-    already holds them, possibly shared with other requests)."""
-    request_id: str
-    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    start: int
-    end: int
-    block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    skip_first_n_tokens: int = 0
-    cache_salt: str = ""
-    extras: KeyExtras = NO_EXTRAS
-
-    def __attrs_post_init__(self) -> None:
-        if not 0 <= self.start < self.end <= len(self.token_ids):
-            raise ValueError(f"bad range [{self.start}, {self.end}) for {len(self.token_ids)} tokens")
-        if not 0 <= self.skip_first_n_tokens < self.end - self.start:
-            raise ValueError(f"skip {self.skip_first_n_tokens} outside [{self.start}, {self.end})")
-
-
-@attrs.frozen
-class StoreOp:
-    """Store tokens ``[start, end)`` of a request from ``block_ids`` (covering that range)."""
-
-    request_id: str
-    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    start: int
-    end: int
-    block_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    cache_salt: str = ""
-    extras: KeyExtras = NO_EXTRAS
-
-    def __attrs_post_init__(self) -> None:
-        if not 0 <= self.start < self.end <= len(self.token_ids):
-            raise ValueError(f"bad range [{self.start}, {self.end}) for {len(self.token_ids)} tokens")
-
-
-@attrs.frozen
-class StepPlan:
-    """One scheduler step's instructions to every worker. ``preempted``: requests whose blocks
-    were just taken back; the worker must finish touching them before the forward pass."""
-
-    retrieves: tuple[RetrieveOp, ...] = ()
-    stores: tuple[StoreOp, ...] = ()
-    preempted: tuple[str, ...] = ()
-
-    @property
-    def empty(self) -> bool:
-        return not (self.retrieves or self.stores or self.preempted)
-
-
-# --------------------------------------------------------------------------------------------
-# Scheduler side: per-request planning on top of the lookup adapter
-# --------------------------------------------------------------------------------------------
-
-
-class LookupService(Protocol):
-    """What ``StepPlanner`` needs from the lookup side (``SchedulerAdapter`` provides it)."""
-
-    @property
-    def chunk_size(self) -> int: ...
-
-    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "", extras: KeyExtras = NO_EXTRAS) -> None: ...
-
-    def check(self, request_id: str) -> int | None: ...
-
-    def free_unused_leases(
-        self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "", extras: KeyExtras = NO_EXTRAS
-    ) -> None: ...
-
-    def cleanup(self, request_id: str) -> None: ...
-
-    def end_request(self, request_id: str) -> None: ...
-
-
-@attrs.define
-class ScheduledRequest:
-    """One request scheduled this step, as the scheduler output describes it.
-
-    ``block_ids``: the request's new blocks; ``replaces_blocks``: they are its whole block list
-    (a new or resumed request) rather than an append. ``num_computed_tokens``: tokens computed
-    before this step; ``num_scheduled_tokens``: tokens computed by this step."""
-
-    request_id: str
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    block_ids: tuple[int, ...] | None
-    replaces_blocks: bool
-
-
-@attrs.define
-class RequestTracker:
-    """What the planner knows of one request between its first lookup and ``request_finished``."""
-
-    request_id: str
-    # The request's tokens (a live view in vLLM: decode tokens are appended to it).
-    token_ids: Sequence[int]
-    num_prompt_tokens: int
-    cache_salt: str = ""
-    extras: KeyExtras = NO_EXTRAS
-    # Tokens [0, load_limit) may be loaded (kv_transfer_params max_load_tokens); None: no cap.
-    load_limit: int | None = None
-    # Tokens [0, store_limit) may be stored (kv_transfer_params max_offload_tokens); None: no cap.
-    store_limit: int | None = None
-    # Lookup result in tokens (a multiple of the chunk size); None until known.
-    hit_tokens: int | None = None
-    # The engine's own (prefix cache) hit when the lookup result was used.
-    engine_hit_tokens: int = 0
-    # Set by the first update_state_after_alloc: lookups are over for this request.
-    allocated: bool = False
-    # A retrieve to emit in the next plan: (start, end, skip_first_n_tokens).
-    pending_retrieve: tuple[int, int, int] | None = None
-    block_ids: list[int] = attrs.Factory(list)
-    # Tokens [0, stored_until) are in mpcache already or their store has been planned.
-    stored_until: int = 0
-    preempted: bool = False
-
-
-class StepPlanner:
-    """Scheduler-side request bookkeeping in vLLM's call order. Never blocks.
-
-    * ``get_num_new_matched_tokens(request_id, token_ids, num_prompt_tokens, num_computed_tokens)``
-      → ``(None, True)`` while the lookup is pending; ``(n, True)`` when ``n > 0`` tokens will be
-      loaded asynchronously; ``(0, False)`` otherwise. At least one prompt token is always left to
-      compute. A request seen again after preemption loads nothing (its hit was used).
-    * ``update_state_after_alloc(request_id, block_ids, num_external_tokens)``: records the blocks;
-      on the first call frees the leases the engine will not use and plans the retrieve.
-    * ``build_plan(scheduled, preempted)`` → ``StepPlan``: the retrieves planned since the last
-      step, and a store for every chunk newly completed by this step.
-    * ``request_finished(request_id)`` → True: the blocks stay until the worker reports the request
-      in ``sending``.
-    """
-
-    def __init__(
-        self,
-        lookups: LookupService,
-        block_size: int,
-        *,
-        store_decode_tokens: bool = False,
-        load: bool = True,
-        store: bool = True,
-    ) -> None:
-        chunk_size = lookups.chunk_size
-        if block_size <= 0 or chunk_size % block_size:
-            raise ValueError(
-                f"mpcache chunk size {chunk_size} is not a multiple of the engine block size {block_size}; "
-                f"start the server with --chunk-size a multiple of {block_size}"
-            )
-        self._lookups = lookups
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.store_decode_tokens = store_decode_tokens
-        # vLLM's kv_role: a consumer loads, a producer stores (kv_both: both).
-        self.load = load
-        self.store = store
-        self._trackers: dict[str, RequestTracker] = {}
-
-    def tracker(self, request_id: str) -> RequestTracker | None:
-        return self._trackers.get(request_id)
-
-    def get_num_new_matched_tokens(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        num_prompt_tokens: int,
-        num_computed_tokens: int,
-        cache_salt: str = "",
-        extras: KeyExtras = NO_EXTRAS,
-        *,
-        max_load_tokens: int | None = None,
-        max_offload_tokens: int | None = None,
-    ) -> tuple[int | None, bool]:
-        tracker = self._trackers.get(request_id)
-        if tracker is None:
-            chunk = self.chunk_size
-            tracker = RequestTracker(request_id, token_ids, num_prompt_tokens, cache_salt or "", extras)
-            if max_load_tokens is not None:
-                # As vLLM's OffloadingConnector: at most max_load_tokens beyond the engine's own
-                # hit, in whole chunks; 0 opts the request out of loading.
-                tracker.load_limit = (num_computed_tokens + max_load_tokens) // chunk * chunk
-            if max_offload_tokens is not None:
-                tracker.store_limit = max_offload_tokens // chunk * chunk
-            self._trackers[request_id] = tracker
-            if self.load and (tracker.load_limit is None or tracker.load_limit > num_computed_tokens):
-                self._lookups.submit_lookup(
-                    request_id, list(token_ids[:num_prompt_tokens]), tracker.cache_salt, tracker.extras
-                )
-            else:
-                tracker.hit_tokens = 0
-        if tracker.allocated:
-            # Seen again after preemption: the lookup's leases are gone; recompute.
-            return 0, False
-        if tracker.hit_tokens is None:
-            hit = self._lookups.check(request_id)
-            if hit is None:
-                return None, True
-            tracker.hit_tokens = hit
-        tracker.engine_hit_tokens = num_computed_tokens
-        # Leave the last prompt token to compute: the engine needs one token to sample from.
-        loadable = min(tracker.hit_tokens, num_prompt_tokens - 1)
-        if tracker.load_limit is not None:
-            loadable = min(loadable, tracker.load_limit)
-        if loadable <= num_computed_tokens:
-            return 0, False
-        return loadable - num_computed_tokens, True
-
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        tracker = self._trackers.get(request_id)
-        if tracker is None:
-            return
-        tracker.block_ids = [int(b) for b in block_ids]
-        if tracker.allocated:
-            return
-        tracker.allocated = True
-        hit = tracker.hit_tokens or 0
-        prompt = list(tracker.token_ids[: tracker.num_prompt_tokens])
-
-        def free(start: int, end: int) -> None:
-            self._lookups.free_unused_leases(request_id, prompt, start, end, tracker.cache_salt, tracker.extras)
-
-        if num_external_tokens > 0 and hit > 0:
-            chunk = self.chunk_size
-            start = tracker.engine_hit_tokens // chunk * chunk
-            end = hit if tracker.load_limit is None else min(hit, tracker.load_limit)
-            covered = len(tracker.block_ids) * self.block_size
-            end = min(end, covered // chunk * chunk)
-            if end > start:
-                tracker.pending_retrieve = (start, end, tracker.engine_hit_tokens - start)
-                # The engine holds [0, start) itself; the retrieve consumes [start, end).
-                if start > 0:
-                    free(0, start)
-                if end < hit:
-                    free(end, hit)
-            else:
-                free(0, hit)
-        elif hit > 0:
-            free(0, hit)
-        self._lookups.cleanup(request_id)
-        # Chunks that hit are in mpcache already: never store them again.
-        tracker.stored_until = hit
-
-    def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
-        retrieves: list[RetrieveOp] = []
-        for tracker in self._trackers.values():
-            if tracker.pending_retrieve is None:
-                continue
-            start, end, skip = tracker.pending_retrieve
-            tracker.pending_retrieve = None
-            bs = self.block_size
-            retrieves.append(
-                RetrieveOp(
-                    tracker.request_id,
-                    tracker.token_ids[:end],
-                    start,
-                    end,
-                    tracker.block_ids[start // bs : end // bs],
-                    skip,
-                    tracker.cache_salt,
-                    tracker.extras,
-                )
-            )
-        preempted_ids = tuple(sorted(set(preempted)))
-        for request_id in preempted_ids:
-            preempted_tracker = self._trackers.get(request_id)
-            if preempted_tracker is not None:
-                preempted_tracker.preempted = True
-                preempted_tracker.block_ids = []
-        stores: list[StoreOp] = []
-        for request in scheduled:
-            scheduled_tracker = self._trackers.get(request.request_id)
-            if scheduled_tracker is None:
-                continue
-            if request.block_ids is not None:
-                if request.replaces_blocks:
-                    scheduled_tracker.block_ids = list(request.block_ids)
-                else:
-                    scheduled_tracker.block_ids.extend(request.block_ids)
-            store = self._plan_store(scheduled_tracker, request.num_computed_tokens + request.num_scheduled_tokens)
-            if store is not None:
-                stores.append(store)
-        return StepPlan(tuple(retrieves), tuple(stores), preempted_ids)
-
-    def _plan_store(self, tracker: RequestTracker, computed_tokens: int) -> StoreOp | None:
-        if not self.store:
-            return None
-        limit = min(computed_tokens, len(tracker.token_ids))
-        if not self.store_decode_tokens:
-            limit = min(limit, tracker.num_prompt_tokens)
-        limit = min(limit, len(tracker.block_ids) * self.block_size)
-        if tracker.store_limit is not None:
-            limit = min(limit, tracker.store_limit)
-        end = limit // self.chunk_size * self.chunk_size
-        start = tracker.stored_until
-        if end <= start:
-            return None
-        tracker.stored_until = end
-        bs = self.block_size
-        return StoreOp(
-            tracker.request_id,
-            tracker.token_ids[:end],
-            start,
-            end,
-            tracker.block_ids[start // bs : end // bs],
-            tracker.cache_salt,
-            tracker.extras,
-        )
-
-    def request_finished(self, request_id: str) -> bool:
-        """End the request's lookup session. Always True: the worker reports every finished
-        request once in ``sending`` when none of its transfers is in flight any more (an abort
-        mid-load included), and only then may vLLM free its blocks."""
-        self._trackers.pop(request_id, None)
-        self._lookups.end_request(request_id)
-        return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -589,12 +267,19 @@ class _ServerLinks:
         with self._plan_lock:
             return self._plan_segments.pop(transfer_id, None)
 
-    def drain(self) -> list[object]:
+    def drain(self, wait: float = 0.0) -> list[object]:
+        """The queued events; with ``wait > 0``, first block up to that long for one to arrive
+        (a caller waiting on a reply sleeps on the queue, it does not spin)."""
         events = []
+        if wait > 0:
+            try:
+                events.append(self._events.get(timeout=wait))
+            except queue.Empty:
+                return events
         while True:
             try:
                 events.append(self._events.get_nowait())
-            except Exception:
+            except queue.Empty:
                 return events
 
     def healthy(self, server: int) -> bool:
@@ -606,43 +291,40 @@ class _ServerLinks:
 
 
 class _MachineShell:
-    """Owns one core_sm client machine: every event goes through ``_handle`` under one lock, the
-    machine's effects are sent at once, and ``_pump`` feeds it the queued completions and its
-    timer. The machine never runs on the client thread."""
+    """Owns one core_sm machine: every event goes through ``_handle`` under one lock, the
+    machine's runtime effects (``SendRequest``, ``CopyBlocks``) are performed at once, and
+    ``_pump`` feeds it the queued completions and its timer. The machine never runs on the
+    client thread. ``_handle`` returns the machine's answers (planner effects) to the caller."""
 
     def __init__(self, links: _ServerLinks, machine: Any, clock: Any) -> None:
         self._links = links
         self._machine = machine
         self._clock = clock
         self._lock = threading.RLock()
-        # PrepareStore requests sent and not yet answered: their copies are still to come.
-        self._unanswered_store_prepares: set[tuple[int, int]] = set()
 
-    def _handle(self, event: object) -> None:
+    def _handle(self, event: object) -> list[Any]:
         with self._lock:
-            self._apply(self._machine.handle(event, self._clock()))
+            return self._apply(self._machine.handle(event, self._clock()))
 
-    def _apply(self, effects: Iterable[Any]) -> None:
+    def _apply(self, effects: Iterable[Any]) -> list[Any]:
+        answers = []
         for effect in effects:
             if isinstance(effect, SendRequest):
-                if isinstance(effect.request, (PrepareStore, Store)):
-                    self._unanswered_store_prepares.add((effect.server, effect.correlation))
                 self._links.send(effect)
             elif isinstance(effect, CopyBlocks):
                 self._copy(effect)
+            elif isinstance(effect, (MatchAnswer, StepPlan)):
+                answers.append(effect)
             else:
                 raise TypeError(f"unexpected effect {effect!r} from {type(self._machine).__name__}")
+        return answers
 
     def _copy(self, effect: Any) -> None:
         raise TypeError(f"{type(self).__name__} does not copy blocks")
 
-    def _pump(self) -> None:
-        with self._lock:
-            for event in self._links.drain():
-                server = getattr(event, "server", None)
-                correlation = getattr(event, "correlation", None)
-                if correlation is not None:
-                    self._unanswered_store_prepares.discard((server, correlation))
+    def _pump(self, wait: float = 0.0) -> None:
+        with self._lock:  # drained under the lock too: two threads must not reorder completions
+            for event in self._links.drain(wait):
                 self._apply(self._machine.handle(event, self._clock()))
             deadline = self._machine.next_deadline()
             now = self._clock()
@@ -651,29 +333,32 @@ class _MachineShell:
 
 
 class SchedulerAdapter(_MachineShell):
-    """Scheduler-side lookups over every configured server (core_sm ``LookupClient``).
+    """vLLM's scheduler calls on core_sm's ``StepPlanner`` over every configured server.
 
-    ``submit_lookup`` sends LOOKUP to every healthy server and returns; ``check`` returns the hit
-    in tokens once every server answered (the minimum over servers), ``None`` while pending, and
-    never ``None`` for a request it has no lookup pending for. A server that is down counts as a
-    miss (0) until its heartbeat answers again. Thread-safe; never blocks after ``connect``.
-    """
+    Each method is one planner event in vLLM's words and returns the planner's answer; see
+    ``core_sm.planner`` for what they mean (hits, loadable tokens, lease ranges, plans,
+    preemption). A server that is down counts as a miss until its heartbeat answers again.
+    Thread-safe; never blocks after ``connect``."""
 
-    def __init__(self, links: _ServerLinks, machine: Any, chunk_size: int, clock: Any = None) -> None:
+    def __init__(self, links: _ServerLinks, machine: StepPlanner, clock: Any = None) -> None:
         super().__init__(links, machine, clock or time.monotonic)
-        self._chunk_size = chunk_size
+        self.planner = machine
         for server in range(len(links.urls)):
             self._handle(ServerHealth(server, links.healthy(server)))
 
     @classmethod
-    def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int) -> SchedulerAdapter:
+    def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int, block_size: int,
+                load: bool = True, store: bool = True) -> SchedulerAdapter:
         """Connect to every server and agree on the chunk size; raises ``ServerUnreachable`` (a
         ``ConnectionError``) naming the server that did not answer, ``ValueError`` if the servers
-        disagree on the chunk size."""
+        disagree on the chunk size or it is not a multiple of ``block_size``. ``load`` /
+        ``store``: vLLM's kv_role (consumer / producer)."""
         links = _ServerLinks(config.server_urls, config)
         try:
             chunk_size = _agreed_chunk_size(links)
-            machine = LookupClient(
+            if config.chunk_size is not None and config.chunk_size != chunk_size:
+                raise ValueError(f"mpcache.chunk_size is {config.chunk_size} but the server uses {chunk_size}")
+            lookups = LookupClient(
                 LookupClientConfig(
                     num_servers=len(links.urls),
                     model_name=model_name,
@@ -683,36 +368,51 @@ class SchedulerAdapter(_MachineShell):
                     lookup_timeout=2 * config.request_timeout_s,
                 )
             )
-            return cls(links, machine, chunk_size)
+            planner = StepPlanner(
+                PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
+                              load=load, store=store),
+                lookups,
+            )
+            return cls(links, planner)
         except BaseException:
             links.close()
             raise
 
     @property
     def chunk_size(self) -> int:
-        return self._chunk_size
+        return int(self.planner.config.chunk_size)
 
-    def submit_lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str = "", extras: KeyExtras = NO_EXTRAS) -> None:
-        self._pump()
-        self._handle(SubmitLookup(request_id, token_ids, cache_salt, extras))
-
-    def check(self, request_id: str) -> int | None:
-        self._pump()
+    def tracker(self, request_id: str) -> RequestTracker | None:
         with self._lock:
-            result = self._machine.check(request_id)
-        return None if result is None else int(result)
+            return self.planner.tracker(request_id)
 
-    def free_unused_leases(
-        self, request_id: str, token_ids: Sequence[int], start: int, end: int, cache_salt: str = "", extras: KeyExtras = NO_EXTRAS
-    ) -> None:
-        self._handle(FreeUnusedLeases(request_id, token_ids, start, end, cache_salt, extras))
-
-    def cleanup(self, request_id: str) -> None:
-        self._handle(Cleanup(request_id))
-
-    def end_request(self, request_id: str) -> None:
+    def get_num_new_matched_tokens(
+        self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, num_computed_tokens: int,
+        cache_salt: str = "", extras: KeyExtras = NO_EXTRAS, *, max_load_tokens: int | None = None,
+        max_offload_tokens: int | None = None,
+    ) -> tuple[int | None, bool]:
         self._pump()
-        self._handle(EndRequest(request_id))
+        for answer in self._handle(MatchRequest(request_id, token_ids, num_prompt_tokens, num_computed_tokens,
+                                                cache_salt or "", extras, max_load_tokens, max_offload_tokens)):
+            if isinstance(answer, MatchAnswer):
+                return answer.tokens, answer.load_async
+        return 0, False  # the planner failed internally (counted): compute everything
+
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self._handle(BlocksAllocated(request_id, tuple(block_ids), num_external_tokens))
+
+    def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        for answer in self._handle(StepScheduled(tuple(scheduled), tuple(preempted))):
+            if isinstance(answer, StepPlan):
+                return answer
+        return StepPlan()  # the planner failed internally (counted): this step moves nothing
+
+    def request_finished(self, request_id: str) -> bool:
+        """Always True: the worker reports every finished request once in ``sending`` when
+        none of its transfers is in flight any more, and only then may vLLM free its blocks."""
+        self._pump()
+        self._handle(RequestFinished(request_id))
+        return True
 
     def poll(self) -> None:
         """Feed the machine what arrived (replies, health changes, its timer)."""
@@ -975,20 +675,16 @@ class WorkerAdapter(_MachineShell):
 
     # ------------------------------------------------------------------ per step
 
-    def submit_retrieves(self, ops: Iterable[RetrieveOp]) -> None:
+    def submit_retrieves(self, ops: Iterable[SubmitRetrieve]) -> None:
         self._require_registered()
         for op in ops:
-            self._handle(
-                SubmitRetrieve(
-                    op.request_id, op.token_ids, op.start, op.end, op.block_ids, op.skip_first_n_tokens, op.cache_salt, op.extras
-                )
-            )
+            self._handle(op)
         self._pump()
 
-    def submit_stores(self, ops: Iterable[StoreOp]) -> None:
+    def submit_stores(self, ops: Iterable[SubmitStore]) -> None:
         self._require_registered()
         for op in ops:
-            self._handle(SubmitStore(op.request_id, op.token_ids, op.start, op.end, op.block_ids, op.cache_salt, op.extras))
+            self._handle(op)
         if self.engine_driven:
             # Copy out of the blocks now: after this step vLLM may hand them to another request.
             self.wait_for_store_copies()
@@ -998,11 +694,18 @@ class WorkerAdapter(_MachineShell):
         plan (and was copied at once); server-driven, every STORE was answered (the server
         answers after its copy completed). Bounded by the request timeout (the machine fails
         the op then). Needed before vLLM reuses blocks (preemption)."""
+        if self._machine is None:
+            return
         deadline = time.monotonic() + self.request_timeout_s + 1.0
         self._pump()
-        while self._unanswered_store_prepares and time.monotonic() < deadline:
-            time.sleep(0.0002)
-            self._pump()
+        while True:
+            with self._lock:
+                if not self._machine.stores_reading_blocks():
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._pump(wait=min(left, 0.05))
 
     def poll(self) -> None:
         if self._machine is not None:

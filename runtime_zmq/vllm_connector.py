@@ -11,9 +11,9 @@ Load it with configuration only::
     }
 
 The class is instantiated twice, once per role, usually in two processes: the scheduler copy
-drives a ``StepPlanner`` over a ``SchedulerAdapter`` (lookups), the worker copy a
-``WorkerAdapter`` (stores and retrieves). Everything here translates vLLM objects into adapter
-calls; the bookkeeping lives in ``runtime_zmq.adapters`` and core_sm. See docs/vllm.md.
+drives core_sm's ``StepPlanner`` through a ``SchedulerAdapter``, the worker copy core_sm's
+``TransferClient`` through a ``WorkerAdapter``. Everything here translates vLLM objects into
+adapter calls; every decision lives in core_sm. See docs/vllm.md.
 """
 from __future__ import annotations
 
@@ -34,14 +34,8 @@ except ImportError as exc:  # pragma: no cover - exercised by a test without vLL
         f"(import failed: {exc})"
     ) from exc
 
-from runtime_zmq.adapters import (
-    ConnectorConfig,
-    ScheduledRequest,
-    SchedulerAdapter,
-    StepPlan,
-    StepPlanner,
-    WorkerAdapter,
-)
+from core_sm.planner import ScheduledRequest, StepPlan
+from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
 from runtime_zmq.vllm_keys import RequestKeyer, UnkeyableRequest
 
 if TYPE_CHECKING:
@@ -102,25 +96,16 @@ class MPCacheConnector(KVConnectorBase_V1):
         self._is_producer = bool(transfer_config.is_kv_producer)
         self._is_consumer = bool(transfer_config.is_kv_consumer)
         model_name, world_size, rank, block_size = _model_identity(vllm_config)
-        self._planner: StepPlanner | None = None
+        self._planner: SchedulerAdapter | None = None
         self._keyer: RequestKeyer | None = None
-        self._lookups: SchedulerAdapter | None = None
         self._worker: WorkerAdapter | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._lookups = SchedulerAdapter.connect(self._config, model_name=model_name, world_size=world_size)
-            if self._config.chunk_size is not None and self._config.chunk_size != self._lookups.chunk_size:
-                raise ValueError(
-                    f"mpcache.chunk_size is {self._config.chunk_size} but the server uses {self._lookups.chunk_size}"
-                )
-            # Refuses (at start) an engine configuration whose KV mpcache cannot key.
-            self._keyer = RequestKeyer.from_vllm_config(vllm_config, self._lookups.chunk_size, self._config.model_identity)
-            self._planner = StepPlanner(
-                self._lookups,
-                block_size,
-                store_decode_tokens=self._config.store_decode_tokens,
-                load=self._is_consumer,
-                store=self._is_producer,
+            self._planner = SchedulerAdapter.connect(
+                self._config, model_name=model_name, world_size=world_size, block_size=block_size,
+                load=self._is_consumer, store=self._is_producer,
             )
+            # Refuses (at start) an engine configuration whose KV mpcache cannot key.
+            self._keyer = RequestKeyer.from_vllm_config(vllm_config, self._planner.chunk_size, self._config.model_identity)
         else:
             self._worker = WorkerAdapter.connect(
                 self._config, model_name=model_name, world_size=world_size, rank=rank, block_size=block_size
@@ -264,5 +249,5 @@ class MPCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
-        if self._lookups is not None:
-            self._lookups.close()
+        if self._planner is not None:
+            self._planner.close()

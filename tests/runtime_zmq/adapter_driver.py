@@ -25,7 +25,8 @@ import attrs
 import torch
 
 from core_sm.keys import NO_EXTRAS, KeyExtras
-from runtime_zmq.adapters import ConnectorConfig, ScheduledRequest, SchedulerAdapter, StepPlanner, WorkerAdapter
+from core_sm.planner import ScheduledRequest
+from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
 
 BLOCK = 16
 CHUNK = 64
@@ -90,8 +91,9 @@ class Engine:
         (server-driven transfers); ``"cpu"``: vLLM's CPU layout (engine-driven)."""
         self.device = device
         self.config = ConnectorConfig(server_urls=list(server_urls), request_timeout_s=request_timeout_s, connect_timeout_s=5.0, store_decode_tokens=store_decode_tokens)
-        self.lookups = SchedulerAdapter.connect(self.config, model_name="tiny", world_size=world_size)
-        self.planner = StepPlanner(self.lookups, BLOCK, store_decode_tokens=store_decode_tokens, load=load, store=store)
+        self.planner = SchedulerAdapter.connect(self.config, model_name="tiny", world_size=world_size, block_size=BLOCK,
+                                                load=load, store=store)
+        self.lookups = self.planner
         self.workers: list[WorkerAdapter] = []
         self.kv: list[dict[str, torch.Tensor]] = []
         for rank in range(world_size):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable, StepPlanner
+from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable
 from runtime_zmq.client import MPCacheClient
 from adapter_driver import BLOCK, CHUNK, Engine
 
@@ -274,7 +274,7 @@ def test_server_restarted_between_two_heartbeats_is_registered_again(start_serve
     engine.run_until(lambda: worker.machine.stats()["registered"] == 1 and worker.machine.stats()["server_restarts"] == 1)
     assert stats(new.url)["instances"] == 1  # registered again, through the epoch
     # the scheduler's lookup client learned it too (its lookups on the old server resolve now)
-    _wait(lambda: engine.lookups.poll() is None and engine.lookups._machine.stats()["server_restarts"] == 1, 5)
+    _wait(lambda: engine.lookups.poll() is None and engine.lookups.planner.lookups.stats()["server_restarts"] == 1, 5)
     first = engine.add("c", prompt)
     engine.run_all(timeout=20)
     assert first.external == 0  # the new server is empty; this run stores into it
@@ -392,19 +392,16 @@ def test_start_fails_clearly_when_no_server_answers() -> None:
     config = ConnectorConfig(server_urls=f"127.0.0.1:{port}", connect_timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(ServerUnreachable, match=f"tcp://127.0.0.1:{port}"):
-        SchedulerAdapter.connect(config, model_name="m", world_size=1)
+        SchedulerAdapter.connect(config, model_name="m", world_size=1, block_size=BLOCK)
     assert time.monotonic() - t0 < 5
 
 
 def test_chunk_size_must_be_a_multiple_of_the_block_size(start: Any) -> None:
     server = start()
-    lookups = SchedulerAdapter.connect(ConnectorConfig(server_urls=server.url), model_name="m", world_size=1)
-    try:
-        with pytest.raises(ValueError, match="multiple of the engine block size 48"):
-            StepPlanner(lookups, 48)
-        StepPlanner(lookups, BLOCK)
-    finally:
-        lookups.close()
+    config = ConnectorConfig(server_urls=server.url)
+    with pytest.raises(ValueError, match="multiple of the engine block size 48"):
+        SchedulerAdapter.connect(config, model_name="m", world_size=1, block_size=48)
+    SchedulerAdapter.connect(config, model_name="m", world_size=1, block_size=BLOCK).close()
 
 
 def test_config_keys() -> None:

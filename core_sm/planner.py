@@ -1,0 +1,498 @@
+"""``StepPlanner``: the vLLM connector's scheduler side, as one pure machine.
+
+It owns the scheduler's ``LookupClient`` and decides everything the connector's scheduler half
+decides: how many tokens a request loads (the hit, less what the engine's own prefix cache
+holds, always leaving the last prompt token to compute), which read leases to free once the
+blocks are allocated, what each step retrieves and stores, and what preemption and aborts mean.
+``runtime_zmq.vllm_connector`` (production) and ``sim.engine`` (the simulator's model of vLLM's
+scheduler) both drive *this* class, through the same events in vLLM's call order.
+
+Events (vLLM's scheduler calls), each addressing one request:
+
+* ``MatchRequest`` (``get_num_new_matched_tokens``) -> one ``MatchAnswer``: ``tokens=None`` while
+  the lookup is pending (vLLM asks again next step); ``tokens > 0, load_async=True`` when that
+  many tokens beyond ``num_computed_tokens`` will be loaded; ``0, False`` otherwise. A request
+  seen again after its blocks were allocated (preempted, resumed) loads nothing: the lookup's
+  leases were freed or used, so it recomputes.
+* ``BlocksAllocated`` (``update_state_after_alloc``): records the blocks; the first one ends the
+  lookup (``Cleanup``), frees every lease the engine will not read through the retrieve
+  (``unused_lease_ranges``) and queues the retrieve for the next plan.
+* ``StepScheduled`` (``build_connector_meta``) -> one ``StepPlan``: the queued retrieves, a store
+  for every chunk newly completed by this step (prompt chunks; decode chunks with
+  ``store_decode_tokens``), and the preempted request ids.
+* ``RequestFinished`` (``request_finished``): ends the request (``EndRequest`` -> END_SESSION).
+  vLLM must always delay freeing the blocks: the worker reports the id in ``sending``.
+
+``ReplyReceived`` / ``RequestFailed`` / ``ServerHealth`` / ``ServerEpoch`` / ``TimerFired`` go to
+the lookup client. Effects: the lookup client's ``SendRequest``s, ``MatchAnswer``, ``StepPlan``.
+``handle`` never raises (a bug is counted in ``stats()["internal_errors"]``).
+
+Tensor parallelism: one planner serves every rank; the plan is the same for all of them, and
+each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+import attrs
+
+from core_sm.effects import Effect
+from core_sm.errors import ProtocolError
+from core_sm.keys import NO_EXTRAS, KeyExtras
+from core_sm.lookup_client import LookupClient
+from core_sm.messages import (
+    Cleanup,
+    EndRequest,
+    FreeUnusedLeases,
+    ReplyReceived,
+    RequestFailed,
+    ServerEpoch,
+    ServerHealth,
+    SubmitLookup,
+    SubmitRetrieve,
+    SubmitStore,
+    TimerFired,
+)
+from core_sm.table import Dispatcher, Table
+
+
+def _ids(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _strs(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(sorted({str(v) for v in values}))
+
+
+@attrs.frozen
+class PlannerConfig:
+    """``chunk_size``: the servers' (a multiple of ``block_size``, the engine's). ``load`` /
+    ``store``: vLLM's kv_role (a consumer loads, a producer stores; kv_both does both)."""
+
+    chunk_size: int
+    block_size: int
+    store_decode_tokens: bool = False
+    load: bool = True
+    store: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_size <= 0 or self.chunk_size <= 0 or self.chunk_size % self.block_size:
+            raise ValueError(
+                f"mpcache chunk size {self.chunk_size} is not a multiple of the engine block size {self.block_size}; "
+                f"start the server with --chunk-size a multiple of {self.block_size}"
+            )
+
+
+# ------------------------------------------------------------------------------------ events
+
+
+@attrs.frozen
+class MatchRequest:
+    """vLLM ``get_num_new_matched_tokens``. ``token_ids``: the request's tokens -- may be vLLM's
+    live list, which grows with decode tokens; the planner reads the prefixes it needs when it
+    needs them. ``num_computed_tokens``: what the engine's prefix cache holds. ``extras``: the
+    request's key extras (LoRA, multimodal...: ``core_sm.keys``). ``max_load_tokens`` /
+    ``max_offload_tokens``: vLLM ``kv_transfer_params`` caps (as its OffloadingConnector: at most
+    that many tokens loaded beyond the engine's own hit / stored, in whole chunks; 0 opts out).
+    Only the first ``MatchRequest`` of a request sets salt, extras and caps."""
+
+    request_id: str
+    token_ids: Sequence[int] = attrs.field(eq=False)
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
+
+
+@attrs.frozen
+class BlocksAllocated:
+    """vLLM ``update_state_after_alloc``: the request's blocks (its whole list, in order)."""
+
+    request_id: str
+    block_ids: tuple[int, ...] = attrs.field(converter=_ids)
+    num_external_tokens: int
+
+
+@attrs.frozen
+class ScheduledRequest:
+    """One request scheduled this step. ``block_ids``: its new blocks (None: none);
+    ``replaces_blocks``: they are its whole list (a new or resumed request), not an append.
+    ``num_computed_tokens``: computed before this step; ``num_scheduled_tokens``: by this step."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: tuple[int, ...] | None = attrs.field(converter=attrs.converters.optional(_ids))
+    replaces_blocks: bool = False
+
+
+@attrs.frozen
+class StepScheduled:
+    """vLLM ``build_connector_meta``: what this step schedules and which requests it preempted."""
+
+    scheduled: tuple[ScheduledRequest, ...] = attrs.field(converter=tuple)
+    preempted: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+
+
+@attrs.frozen
+class RequestPreempted:
+    """Part of a ``StepScheduled``: the request's blocks were taken back."""
+
+    request_id: str
+
+
+@attrs.frozen
+class RequestScheduled:
+    """Part of a ``StepScheduled``: one scheduled request."""
+
+    request: ScheduledRequest
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@attrs.frozen
+class RequestFinished:
+    """vLLM ``request_finished`` (finished, aborted or stopped)."""
+
+    request_id: str
+
+
+# ------------------------------------------------------------------------------------ effects
+
+
+@attrs.frozen
+class MatchAnswer:
+    """The answer to a ``MatchRequest``: vLLM's ``(num_external_tokens, load_async)``."""
+
+    request_id: str
+    tokens: int | None
+    load_async: bool
+
+
+@attrs.frozen
+class StepPlan:
+    """One step's instructions to every worker (plain data: vLLM pickles it). ``preempted``:
+    requests whose blocks were just taken back; workers finish reading them before the forward."""
+
+    retrieves: tuple[SubmitRetrieve, ...] = ()
+    stores: tuple[SubmitStore, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.retrieves or self.stores or self.preempted)
+
+
+PlannerEvent = Union[MatchRequest, BlocksAllocated, StepScheduled, RequestFinished, ReplyReceived,
+                     RequestFailed, ServerHealth, ServerEpoch, TimerFired]
+PlannerEffect = Union[Effect, MatchAnswer, StepPlan]
+# Handlers append PlannerEffects; the shared table types them as effects of any machine.
+Out = list[Any]
+LOOKUP_EVENTS = (ReplyReceived, RequestFailed, ServerHealth, ServerEpoch, TimerFired)
+
+
+# ------------------------------------------------------------------------------------ state
+
+
+class RequestState(enum.Enum):
+    ABSENT = "absent"  # unknown, or finished
+    LOOKING_UP = "looking_up"  # lookup submitted, hit unknown
+    MATCHED = "matched"  # hit known, no blocks yet
+    RUNNING = "running"  # blocks allocated: lookups are over for it
+    PREEMPTED = "preempted"  # blocks taken back; resumes with new blocks and recomputes
+
+
+@attrs.define
+class RequestTracker:
+    """What the planner knows of one request between its first ``MatchRequest`` and
+    ``RequestFinished``."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    cache_salt: str = ""
+    extras: KeyExtras = NO_EXTRAS
+    load_limit: int | None = None  # tokens [0, load_limit) may be loaded; None: no cap
+    store_limit: int | None = None  # tokens [0, store_limit) may be stored; None: no cap
+    state: RequestState = RequestState.LOOKING_UP
+    hit_tokens: int | None = None  # the lookup's result (a multiple of the chunk size)
+    engine_hit_tokens: int = 0  # the engine's own prefix-cache hit when the result was used
+    pending_retrieve: SubmitRetrieve | None = None  # for the next plan
+    block_ids: list[int] = attrs.Factory(list)
+    stored_until: int = 0  # tokens [0, stored_until) are stored or their store is planned
+
+    def prompt(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[: self.num_prompt_tokens])
+
+
+_R = RequestState
+
+
+class StepPlanner:
+    """See the module docstring. ``lookups``: the scheduler's ``LookupClient`` (a legacy
+    profile may pass a subclass)."""
+
+    def __init__(self, config: PlannerConfig, lookups: LookupClient) -> None:
+        if lookups.config.chunk_size != config.chunk_size:
+            raise ValueError(f"lookup chunk size {lookups.config.chunk_size} != planner's {config.chunk_size}")
+        self.config = config
+        self.lookups = lookups
+        self._trackers: dict[str, RequestTracker] = {}
+        self._step_stores: list[SubmitStore] = []  # the stores of the step being planned
+        self._counters: dict[str, int] = {"internal_errors": 0, "lookups_submitted": 0, "loads_planned": 0,
+                                          "stores_planned": 0, "recomputed_after_preemption": 0}
+        self._dispatch: Dispatcher[RequestState] = TABLE.bind(
+            self, self._address, self._state_of, self._counters, self._refuse)
+
+    # ------------------------------------------------------------------ the entry point
+
+    def handle(self, event: PlannerEvent, now: float) -> list[PlannerEffect]:
+        """Feed one event; returns the effects, in order. Never raises."""
+        out: Out = []
+        try:
+            if isinstance(event, LOOKUP_EVENTS):
+                out.extend(self.lookups.handle(event, now))
+            elif isinstance(event, StepScheduled):
+                self._on_step(event, now, out)
+            else:
+                self._dispatch.run(event, now, out)
+        except Exception:
+            self._counters["internal_errors"] += 1
+        return out
+
+    def next_deadline(self) -> float | None:
+        return self.lookups.next_deadline()
+
+    def tracker(self, request_id: str) -> RequestTracker | None:
+        return self._trackers.get(request_id)
+
+    def state(self, request_id: str) -> RequestState:
+        return self._state_of(request_id)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._counters)
+        out["requests"] = len(self._trackers)
+        out["lookup_internal_errors"] = self.lookups.stats().get("internal_errors", 0)
+        return out
+
+    def check_invariants(self) -> None:
+        self.lookups.check_invariants()
+        for rid, tracker in self._trackers.items():
+            assert tracker.request_id == rid, "tracker filed under another id"
+            if tracker.hit_tokens is not None:
+                assert tracker.hit_tokens % self.config.chunk_size == 0, "hit not chunk aligned"
+            assert tracker.stored_until % self.config.chunk_size == 0, "store boundary not chunk aligned"
+            if tracker.pending_retrieve is not None:
+                assert tracker.state is _R.RUNNING, "retrieve queued for a request without blocks"
+
+    # ------------------------------------------------------------------ table plumbing
+
+    @staticmethod
+    def _address(event: object) -> str:
+        return str(getattr(event, "request_id"))
+
+    def _state_of(self, request_id: object) -> RequestState:
+        tracker = self._trackers.get(str(request_id))
+        return _R.ABSENT if tracker is None else tracker.state
+
+    def _refuse(self, out: list[Effect], reply_to: object, error: ProtocolError) -> None:
+        raise AssertionError("planner events carry no reply_to")  # pragma: no cover
+
+    def _lookup(self, event: object, now: float, out: Out) -> None:
+        out.extend(self.lookups.handle(event, now))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ extension points
+
+    def loadable_tokens(self, tracker: RequestTracker) -> int:
+        """Tokens of the prompt a hit can cover: the engine needs the last prompt token to sample
+        from, so it is always computed."""
+        loadable = min(tracker.hit_tokens or 0, tracker.num_prompt_tokens - 1)
+        return loadable if tracker.load_limit is None else min(loadable, tracker.load_limit)
+
+    def unused_lease_ranges(self, hit: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Token ranges of the hit ``[0, hit)`` whose leases the engine will not read, when the
+        retrieve reads ``[start, end)`` (``end <= start``: no retrieve): everything else."""
+        if end <= start:
+            return [(0, hit)] if hit > 0 else []
+        ranges = []
+        if start > 0:
+            ranges.append((0, start))
+        if end < hit:
+            ranges.append((end, hit))
+        return ranges
+
+    def _match_after_allocation(self, tracker: RequestTracker, event: MatchRequest,
+                                out: Out) -> None:
+        """Seen again after its blocks were allocated (preempted, resumed): the lookup's leases
+        were freed or used by the first load, so the request recomputes."""
+        if tracker.hit_tokens:
+            self._counters["recomputed_after_preemption"] += 1
+        out.append(MatchAnswer(tracker.request_id, 0, False))
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_first_match(self, event: MatchRequest, now: float, out: Out) -> None:
+        chunk = self.config.chunk_size
+        tracker = RequestTracker(event.request_id, event.token_ids, event.num_prompt_tokens, event.cache_salt or "",
+                                 event.extras)
+        if event.max_load_tokens is not None:
+            tracker.load_limit = (event.num_computed_tokens + event.max_load_tokens) // chunk * chunk
+        if event.max_offload_tokens is not None:
+            tracker.store_limit = event.max_offload_tokens // chunk * chunk
+        self._trackers[event.request_id] = tracker
+        if self.config.load and (tracker.load_limit is None or tracker.load_limit > event.num_computed_tokens):
+            self._counters["lookups_submitted"] += 1
+            self._lookup(SubmitLookup(event.request_id, tracker.prompt(), tracker.cache_salt, tracker.extras),
+                         now, out)
+        else:
+            tracker.hit_tokens = 0
+            tracker.state = _R.MATCHED
+        self._on_match(event, now, out)
+
+    def _on_match(self, event: MatchRequest, now: float, out: Out) -> None:
+        tracker = self._trackers[event.request_id]
+        if tracker.hit_tokens is None:
+            hit = self.lookups.check(event.request_id)
+            if hit is None:
+                out.append(MatchAnswer(event.request_id, None, True))
+                return
+            tracker.hit_tokens = int(hit)
+            tracker.state = _R.MATCHED
+        tracker.engine_hit_tokens = event.num_computed_tokens
+        loadable = self.loadable_tokens(tracker)
+        if loadable <= event.num_computed_tokens:
+            out.append(MatchAnswer(event.request_id, 0, False))
+        else:
+            out.append(MatchAnswer(event.request_id, loadable - event.num_computed_tokens, True))
+
+    def _on_match_allocated(self, event: MatchRequest, now: float, out: Out) -> None:
+        self._match_after_allocation(self._trackers[event.request_id], event, out)
+
+    def _on_allocated(self, event: BlocksAllocated, now: float, out: Out) -> None:
+        tracker = self._trackers[event.request_id]
+        tracker.block_ids = list(event.block_ids)
+        tracker.state = _R.RUNNING
+        hit = tracker.hit_tokens or 0
+        chunk, block = self.config.chunk_size, self.config.block_size
+        start = end = 0
+        if event.num_external_tokens > 0 and hit > 0:
+            start = tracker.engine_hit_tokens // chunk * chunk
+            covered = len(tracker.block_ids) * block
+            end = min(hit if tracker.load_limit is None else min(hit, tracker.load_limit), covered // chunk * chunk)
+            if end > start:
+                self._counters["loads_planned"] += 1
+                tracker.pending_retrieve = SubmitRetrieve(
+                    tracker.request_id, tracker.token_ids[:end], start, end,
+                    tracker.block_ids[start // block : end // block], tracker.engine_hit_tokens - start,
+                    tracker.cache_salt, tracker.extras)
+        prompt = tracker.prompt()
+        for free_start, free_end in self.unused_lease_ranges(hit, start, end):
+            self._lookup(FreeUnusedLeases(tracker.request_id, prompt, free_start, free_end, tracker.cache_salt,
+                                          tracker.extras), now, out)
+        self._lookup(Cleanup(tracker.request_id), now, out)
+        # Chunks that hit are in mpcache already: never store them again.
+        tracker.stored_until = max(tracker.stored_until, hit)
+
+    def _on_blocks(self, event: BlocksAllocated, now: float, out: Out) -> None:
+        tracker = self._trackers[event.request_id]
+        tracker.block_ids = list(event.block_ids)
+        tracker.state = _R.RUNNING
+
+    def _on_preempted(self, event: RequestPreempted, now: float, out: Out) -> None:
+        tracker = self._trackers[event.request_id]
+        tracker.state = _R.PREEMPTED
+        tracker.block_ids = []
+        tracker.pending_retrieve = None
+
+    def _on_scheduled(self, event: RequestScheduled, now: float, out: Out) -> None:
+        tracker = self._trackers[event.request_id]
+        request = event.request
+        if request.block_ids is not None:
+            if request.replaces_blocks or tracker.state is _R.PREEMPTED:
+                tracker.block_ids = list(request.block_ids)
+            else:
+                tracker.block_ids.extend(request.block_ids)
+            tracker.state = _R.RUNNING
+        store = self._plan_store(tracker, request.num_computed_tokens + request.num_scheduled_tokens)
+        if store is not None:
+            self._step_stores.append(store)
+
+    def _on_finished(self, event: RequestFinished, now: float, out: Out) -> None:
+        self._trackers.pop(event.request_id, None)
+        self._lookup(EndRequest(event.request_id), now, out)
+
+    def _ignore(self, event: object, now: float, out: Out) -> None:
+        """A request the planner does not track (vLLM may call for one it never matched)."""
+
+    # ------------------------------------------------------------------ the step
+
+    def _on_step(self, event: StepScheduled, now: float, out: Out) -> None:
+        retrieves: list[SubmitRetrieve] = []
+        for tracker in self._trackers.values():
+            if tracker.pending_retrieve is not None:
+                retrieves.append(tracker.pending_retrieve)
+                tracker.pending_retrieve = None
+        for request_id in event.preempted:
+            self._dispatch.run(RequestPreempted(request_id), now, out)
+        self._step_stores = []
+        for request in event.scheduled:
+            self._dispatch.run(RequestScheduled(request), now, out)
+        out.append(StepPlan(tuple(retrieves), tuple(self._step_stores), event.preempted))
+        self._step_stores = []
+
+    def _plan_store(self, tracker: RequestTracker, computed_tokens: int) -> SubmitStore | None:
+        c = self.config
+        if not c.store:
+            return None
+        limit = min(computed_tokens, len(tracker.token_ids))
+        if not c.store_decode_tokens:
+            limit = min(limit, tracker.num_prompt_tokens)
+        limit = min(limit, len(tracker.block_ids) * c.block_size)
+        if tracker.store_limit is not None:
+            limit = min(limit, tracker.store_limit)
+        end = limit // c.chunk_size * c.chunk_size
+        start = tracker.stored_until
+        if end <= start:
+            return None
+        tracker.stored_until = end
+        self._counters["stores_planned"] += 1
+        return SubmitStore(tracker.request_id, tracker.token_ids[:end], start, end,
+                           tracker.block_ids[start // c.block_size : end // c.block_size], tracker.cache_salt,
+                           tracker.extras)
+
+
+_P = StepPlanner
+_ALL = tuple(RequestState)
+
+# The one transition table: (request's state, event) -> (handler, next states). handle runs it.
+TABLE: Table[RequestState] = Table("StepPlanner", RequestState, _R.ABSENT, {
+    (_R.ABSENT, MatchRequest): (_P._on_first_match, (_R.LOOKING_UP, _R.MATCHED)),
+    (_R.LOOKING_UP, MatchRequest): (_P._on_match, (_R.LOOKING_UP, _R.MATCHED)),
+    (_R.MATCHED, MatchRequest): (_P._on_match, (_R.MATCHED,)),
+    (_R.RUNNING, MatchRequest): (_P._on_match_allocated, (_R.RUNNING,)),
+    (_R.PREEMPTED, MatchRequest): (_P._on_match_allocated, (_R.PREEMPTED,)),
+    (_R.ABSENT, BlocksAllocated): (_P._ignore, (_R.ABSENT,)),
+    # Allocated before the lookup answered (vLLM got (None, True) and must not allocate; a
+    # kv_producer-only engine has no lookup): the hit counts as 0.
+    (_R.LOOKING_UP, BlocksAllocated): (_P._on_allocated, (_R.RUNNING,)),
+    (_R.MATCHED, BlocksAllocated): (_P._on_allocated, (_R.RUNNING,)),
+    (_R.RUNNING, BlocksAllocated): (_P._on_blocks, (_R.RUNNING,)),
+    (_R.PREEMPTED, BlocksAllocated): (_P._on_blocks, (_R.RUNNING,)),
+    (_R.ABSENT, RequestPreempted): (_P._ignore, (_R.ABSENT,)),
+    (_R.LOOKING_UP, RequestPreempted): (_P._ignore, (_R.LOOKING_UP,)),
+    (_R.MATCHED, RequestPreempted): (_P._ignore, (_R.MATCHED,)),
+    (_R.RUNNING, RequestPreempted): (_P._on_preempted, (_R.PREEMPTED,)),
+    (_R.PREEMPTED, RequestPreempted): (_P._on_preempted, (_R.PREEMPTED,)),
+    (_R.ABSENT, RequestScheduled): (_P._ignore, (_R.ABSENT,)),
+    (_R.RUNNING, RequestScheduled): (_P._on_scheduled, (_R.RUNNING,)),
+    (_R.PREEMPTED, RequestScheduled): (_P._on_scheduled, (_R.PREEMPTED, _R.RUNNING)),
+    **{(state, RequestFinished): (_P._on_finished, (_R.ABSENT,)) for state in _ALL},
+})
+"""Pairs not listed (scheduling a request before its blocks were allocated) are counted as
+stale events by the dispatcher and change nothing."""

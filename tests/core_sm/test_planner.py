@@ -1,0 +1,187 @@
+"""core_sm.planner.StepPlanner: the connector's scheduler side, with no runtime and no server.
+
+A stub lookup client answers ``check`` with a fixed hit and records what the planner asks of it,
+so each test states vLLM's calls and the planner's decisions directly."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core_sm.lookup_client import LookupClient, LookupClientConfig
+from core_sm.messages import Cleanup, EndRequest, FreeUnusedLeases, SubmitLookup, SubmitRetrieve, SubmitStore
+from core_sm.planner import (
+    TABLE,
+    BlocksAllocated,
+    MatchAnswer,
+    MatchRequest,
+    PlannerConfig,
+    RequestFinished,
+    RequestPreempted,
+    RequestScheduled,
+    RequestState,
+    ScheduledRequest,
+    StepPlan,
+    StepPlanner,
+    StepScheduled,
+)
+
+C, BS = 8, 2  # 4 blocks per chunk
+
+
+class StubLookups(LookupClient):
+    def __init__(self, hit: int | None) -> None:
+        super().__init__(LookupClientConfig(num_servers=1, model_name="m", chunk_size=C))
+        self.hit = hit
+        self.calls: list[Any] = []
+
+    def handle(self, event: Any, now: float) -> list[Any]:
+        self.calls.append(event)
+        return []
+
+    def check(self, request_id: str) -> int | None:
+        return self.hit
+
+
+def planner(hit: int | None, **kw: Any) -> tuple[StepPlanner, StubLookups]:
+    lookups = StubLookups(hit)
+    return StepPlanner(PlannerConfig(C, BS, **kw), lookups), lookups
+
+
+def match(p: StepPlanner, tokens: list[int], computed: int = 0, rid: str = "r") -> MatchAnswer:
+    (answer,) = [e for e in p.handle(MatchRequest(rid, tokens, len(tokens), computed), 0.0) if isinstance(e, MatchAnswer)]
+    return answer
+
+
+def step(p: StepPlanner, *scheduled: ScheduledRequest, preempted: tuple[str, ...] = ()) -> StepPlan:
+    (plan,) = [e for e in p.handle(StepScheduled(scheduled, preempted), 0.0) if isinstance(e, StepPlan)]
+    return plan
+
+
+def frees(lookups: StubLookups) -> list[tuple[int, int]]:
+    return [(e.start, e.end) for e in lookups.calls if isinstance(e, FreeUnusedLeases)]
+
+
+def test_pending_lookup_answers_none_and_asks_once() -> None:
+    p, lookups = planner(None)
+    assert match(p, list(range(3 * C))) == MatchAnswer("r", None, True)
+    assert match(p, list(range(3 * C))) == MatchAnswer("r", None, True)
+    assert [type(e) for e in lookups.calls] == [SubmitLookup]
+    assert p.state("r") is RequestState.LOOKING_UP
+
+
+def test_a_whole_prompt_hit_leaves_the_last_token_to_compute() -> None:
+    p, _ = planner(3 * C)
+    assert match(p, list(range(3 * C))) == MatchAnswer("r", 3 * C - 1, True)
+    assert match(p, list(range(3 * C)), computed=C) == MatchAnswer("r", 2 * C - 1, True)
+
+
+def test_hit_within_the_engine_prefix_cache_loads_nothing_and_frees_the_hit() -> None:
+    p, lookups = planner(C)
+    assert match(p, list(range(3 * C)), computed=2 * C) == MatchAnswer("r", 0, False)
+    p.handle(BlocksAllocated("r", range(12), 0), 0.0)
+    assert frees(lookups) == [(0, C)]
+    assert isinstance(lookups.calls[-1], Cleanup)
+    assert step(p).retrieves == ()
+
+
+def test_retrieve_and_the_lease_ranges_around_it() -> None:
+    # hit 3 chunks, the engine holds 1 chunk + 1 block, blocks cover only 2 chunks
+    p, lookups = planner(3 * C)
+    tokens = list(range(4 * C))
+    assert match(p, tokens, computed=C + BS) == MatchAnswer("r", 2 * C - BS, True)
+    p.handle(BlocksAllocated("r", range(100, 108), 2 * C - BS), 0.0)
+    assert frees(lookups) == [(0, C), (2 * C, 3 * C)]
+    plan = step(p)
+    assert plan.retrieves == (SubmitRetrieve("r", tokens[: 2 * C], C, 2 * C, (104, 105, 106, 107), BS),)
+    assert step(p).retrieves == ()  # planned once
+
+
+def test_stores_follow_completed_prompt_chunks_after_the_hit() -> None:
+    p, _ = planner(C)
+    tokens = list(range(3 * C + 3))
+    match(p, tokens)
+    blocks = tuple(range(14))
+    p.handle(BlocksAllocated("r", blocks, C - 0), 0.0)
+    step(p)  # the retrieve
+    plan = step(p, ScheduledRequest("r", C, 2 * C, blocks, True))
+    assert plan.stores == (SubmitStore("r", tokens[: 3 * C], C, 3 * C, blocks[4:12]),)
+    tokens.extend(range(5 * C))  # decode tokens: not stored by default
+    assert step(p, ScheduledRequest("r", 3 * C + 3, 3 * C, None)).stores == ()
+
+
+def test_preempted_request_recomputes_and_keeps_storing() -> None:
+    p, lookups = planner(C)
+    tokens = list(range(3 * C))
+    match(p, tokens)
+    p.handle(BlocksAllocated("r", range(12), C), 0.0)
+    step(p)
+    plan = step(p, preempted=("r",))
+    assert plan.preempted == ("r",) and p.state("r") is RequestState.PREEMPTED
+    assert match(p, tokens) == MatchAnswer("r", 0, False)
+    assert [type(e) for e in lookups.calls].count(SubmitLookup) == 1
+    p.handle(BlocksAllocated("r", range(20, 32), 0), 0.0)
+    plan = step(p, ScheduledRequest("r", 0, 3 * C, tuple(range(20, 32)), True))
+    assert plan.stores == (SubmitStore("r", tokens, C, 3 * C, range(24, 32)),)
+    assert p.stats()["recomputed_after_preemption"] == 1
+
+
+def test_finish_ends_the_session_and_forgets() -> None:
+    p, lookups = planner(None)
+    match(p, list(range(C + 1)))
+    p.handle(RequestFinished("r"), 0.0)
+    assert isinstance(lookups.calls[-1], EndRequest) and p.tracker("r") is None
+    p.handle(RequestFinished("never-seen"), 0.0)  # vLLM may finish one it never matched
+    assert p.stats()["internal_errors"] == 0
+
+
+def test_producer_only_never_looks_up_consumer_only_never_stores() -> None:
+    p, lookups = planner(2 * C, load=False)
+    assert match(p, list(range(3 * C))) == MatchAnswer("r", 0, False)
+    assert not [e for e in lookups.calls if isinstance(e, SubmitLookup)]
+    p, _ = planner(0, store=False)
+    match(p, list(range(3 * C)))
+    p.handle(BlocksAllocated("r", range(12), 0), 0.0)
+    assert step(p, ScheduledRequest("r", 0, 3 * C, tuple(range(12)), True)).stores == ()
+
+
+def test_block_size_must_divide_the_chunk() -> None:
+    with pytest.raises(ValueError, match="multiple of the engine block size 3"):
+        PlannerConfig(C, 3)
+
+
+def _drive_to(p: StepPlanner, state: RequestState, tokens: list[int]) -> None:
+    if state is RequestState.ABSENT:
+        return
+    match(p, tokens)
+    if state in (RequestState.LOOKING_UP, RequestState.MATCHED):
+        return
+    p.handle(BlocksAllocated("r", range(12), 0), 0.0)
+    if state is RequestState.PREEMPTED:
+        step(p, preempted=("r",))
+
+
+EVENTS = [
+    MatchRequest("r", list(range(3 * C)), 3 * C, 0),
+    BlocksAllocated("r", range(12), 2 * C),
+    RequestPreempted("r"),
+    RequestScheduled(ScheduledRequest("r", 0, 3 * C, tuple(range(12)), True)),
+    RequestFinished("r"),
+]
+
+
+@pytest.mark.parametrize("state", list(RequestState))
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_every_state_and_event_gives_a_listed_state_or_a_counted_stale_event(state: RequestState, event: Any) -> None:
+    p, _ = planner(None if state is RequestState.LOOKING_UP else 2 * C)
+    _drive_to(p, state, list(range(3 * C)))
+    assert p.state("r") is state
+    p.handle(event, 1.0)
+    stats = p.stats()
+    assert stats["internal_errors"] == 0
+    allowed = TABLE.allowed(state, type(event))
+    if allowed is None:
+        assert stats["stale_events"] == 1 and p.state("r") is state
+    else:
+        assert p.state("r") in allowed
+    p.check_invariants()
