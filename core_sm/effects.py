@@ -1,18 +1,20 @@
 """Effects: what a machine asks its runtime to do. A machine never performs one itself.
 
 Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ProbeL2``, ``ReadL2``, ``WriteL2``,
-``InstanceReaped``.
+``InstanceReaped``; with ``ServerConfig.kv_events``, also the facts a router needs: ``ChunksStored``,
+``ChunksRemoved``, ``AllChunksCleared``.
 Client effects: ``SendRequest``, ``CopyBlocks``.
 Every effect is an ``attrs`` frozen class; a runtime dispatches on its type.
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from typing import Any, Union
 
 import attrs
 
-from core_sm.chunks import ObjectKey
+from core_sm.chunks import ObjectKey, TokenIds
 from core_sm.errors import ProtocolError
 from core_sm.messages import OpId, Placement, ReplyTo, ServerRequest, TransferKind
 
@@ -108,6 +110,50 @@ class InstanceReaped:
     instance_id: int
 
 
+class Medium(enum.Enum):
+    """Where a chunk is held: L1 (this server's shared memory) or L2 (its tier)."""
+
+    L1 = "L1"
+    L2 = "L2"
+
+
+@attrs.frozen
+class StoredChunk:
+    """One chunk a server holds for every KV rank: its prefix hash, the previous chunk's (None
+    for chunk 0), its tokens, and the key parts a router may filter on (``cache_salt``,
+    ``KeyExtras.identity`` and the chunk's own extra)."""
+
+    chunk_hash: bytes
+    parent_hash: bytes | None
+    token_ids: TokenIds
+    cache_salt: str = ""
+    identity: str = ""
+    chunk_extra: bytes = b""
+
+
+@attrs.frozen
+class ChunksStored:
+    """These chunks became held in ``medium`` (every rank's object of each). Emitted once per
+    chunk until it leaves the medium; L2 chunks are never reported removed (a tier may drop
+    objects unseen), so L2 reports are hints."""
+
+    medium: Medium
+    chunks: tuple[StoredChunk, ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
+class ChunksRemoved:
+    """These chunks, reported stored in ``medium`` before, are no longer held there whole."""
+
+    medium: Medium
+    chunk_hashes: tuple[bytes, ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
+class AllChunksCleared:
+    """A clear: forget every chunk reported before (what survived it is not reported again)."""
+
+
 @attrs.frozen
 class SendRequest:
     """Client side: send ``request`` (a server request with ``reply_to=None``) to ``server``.
@@ -135,5 +181,7 @@ class CopyBlocks:
     skip_first_n_tokens: int = 0
 
 
-Effect = Union[Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, SendRequest,
-               CopyBlocks]
+Effect = Union[
+    Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, ChunksStored, ChunksRemoved,
+    AllChunksCleared, SendRequest, CopyBlocks,
+]

@@ -139,6 +139,9 @@ class L1Index:
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
         self._pinned: dict[int, int] = {}
         self._quarantined: set[int] = set()
+        # When a list, every dropped object's key is appended (the server drains it into its
+        # KV-event reports after each event); None: not tracked.
+        self.dropped: list[ObjectKey] | None = None
 
     # ----------------------------------------------------------------------------- queries
 
@@ -516,6 +519,8 @@ class L1Index:
         for owner in tuple(obj.readers):
             self._release(obj.key, owner, None, ReleaseReason.CLEAR)
         del self._objects[obj.key]
+        if self.dropped is not None:
+            self.dropped.append(obj.key)
         self._evictable.pop(obj.key, None)
         self._bytes -= obj.nbytes
         if obj.slot in self._pinned:

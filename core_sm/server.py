@@ -145,6 +145,8 @@ class LookupServer:
                 self._dispatch.run(event, now, out)
             if self.transfers.op_of_reply:  # a deferred STORE/RETRIEVE answered: its duplicates too
                 self.transfers.answer_duplicates(out)
+            if self.ctx.held is not None:
+                self.ctx.report_drops(out)
         except Exception as exc:  # a bug: answer the request so no client waits forever
             self._counters["internal_errors"] += 1
             reply_to = getattr(event, "reply_to", None)
@@ -292,6 +294,10 @@ class LookupServer:
     def _on_clear(self, ev: Clear, now: float, out: list[Effect]) -> None:
         # In-flight copies and L2 writes keep their objects: their slots are in use right now.
         self.index.clear(bool(ev.force), protected=lambda owner: isinstance(owner, EFFECT_OWNERS))
+        if self.ctx.held is not None:
+            assert self.index.dropped is not None
+            self.index.dropped.clear()  # AllChunksCleared covers them
+            self.ctx.held.cleared(out)
         out.append(Reply(ev.reply_to, None))
 
     def _on_timer(self, ev: TimerFired, now: float, out: list[Effect]) -> None:

@@ -16,6 +16,7 @@ import attrs
 from core_sm.chunks import DEFAULT_CHUNK_SIZE, identity_root, validate_cache_salt
 from core_sm.effects import Effect
 from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.holdings import HeldChunks
 from core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
 from core_sm.l1_index import L1Index
 from core_sm.messages import CacheKey, ReplyTo
@@ -46,6 +47,8 @@ class ServerConfig:
     # A registered instance that has sent a heartbeat (a Ping naming it) and then neither
     # heartbeats nor sends requests for this long is reaped (None: never).
     instance_ttl: float | None = 60.0
+    # Report what is held (ChunksStored / ChunksRemoved / AllChunksCleared: core_sm.holdings).
+    kv_events: bool = False
 
 
 @attrs.frozen(cache_hash=True)
@@ -92,6 +95,18 @@ class ServerContext:
         self.pins: dict[EffectOwner, tuple[int, ...]] = {}
         self._roots: dict[tuple[str, int, str, str], bytes] = {}
         self._next_id = 0
+        # kv_events: what was reported held; the index lists its drops for report_drops
+        self.held: HeldChunks | None = None
+        if c.kv_events:
+            self.held = HeldChunks()
+            self.index.dropped = []
+
+    def report_drops(self, out: list[Effect]) -> None:
+        """kv_events: chunks reported held that lost an L1 object since the last call."""
+        dropped = self.index.dropped
+        if self.held is not None and dropped:
+            self.held.dropped_l1(dropped, out)
+            dropped.clear()
 
     def new_id(self) -> int:
         self._next_id += 1

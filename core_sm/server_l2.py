@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, ProbeL2, ReadL2, WriteL2
+from core_sm.effects import Effect, ProbeL2, ReadL2, StoredChunk, WriteL2
 from core_sm.l1_index import ReleaseReason
 from core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
 from core_sm.server_core import L2ReadOwner, L2WriteOwner, ServerContext
@@ -88,6 +88,8 @@ class L2Work:
         self.reads: dict[int, L2Read] = {}
         self.probes: dict[int, L2Probe] = {}
         self.writes: dict[int, tuple[ObjectKey, ...]] = {}
+        # kv_events: per write, the world size and the chunks it holds (reported once written)
+        self.write_chunks: dict[int, tuple[int, dict[bytes, StoredChunk]]] = {}
         self.dispatch = L2_TABLE.bind(self, _work_id, self.state, ctx.counters, ctx.reply_error)
 
     def state(self, work_id: Hashable) -> L2State:
@@ -178,8 +180,9 @@ class L2Work:
         return L2Read(read_id, job.request_id, job.serial, tuple(chunks), tuple(keys))
 
     def write_behind(self, keys: Sequence[ObjectKey], object_bytes: int, now: float,
-                     out: list[Effect]) -> None:
-        """Copy freshly stored objects to L2; they stay leased until the write finishes."""
+                     out: list[Effect], chunks: tuple[int, Sequence[StoredChunk]] | None = None) -> None:
+        """Copy freshly stored objects to L2; they stay leased until the write finishes.
+        ``chunks`` (kv_events): the world size and the chunks, reported held in L2 once written."""
         ctx = self.ctx
         wid = ctx.new_id()
         owner = L2WriteOwner(wid)
@@ -192,6 +195,8 @@ class L2Work:
         if not items:
             return
         self.writes[wid] = tuple(k for k, _ in items)
+        if chunks is not None and chunks[1]:
+            self.write_chunks[wid] = (chunks[0], {c.chunk_hash: c for c in chunks[1]})
         ctx.timers.push(now + ctx.config.lease_ttl, L2WriteDeadline(wid))
         ctx.counters["l2_writes"] += 1
         ctx.pin(owner, [slot for _k, slot in items])
@@ -229,6 +234,9 @@ class L2Work:
         for k in keys:
             self.ctx.index.release_read(k, owner, None, ReleaseReason.L2_WRITE, now)
         self.ctx.unpin(owner)
+        reported = self.write_chunks.pop(ev.write_id, None)
+        if self.ctx.held is not None and reported is not None and ev.ok:
+            self.ctx.held.written_l2(keys, reported[1], reported[0], out)
 
     def _on_stale_write(self, ev: L2WriteFinished, now: float, out: list[Effect]) -> None:
         self.ctx.counters["stale_events"] += 1
@@ -253,6 +261,7 @@ class L2Work:
     def _on_write_deadline(self, timer: L2WriteDeadline, now: float, out: list[Effect]) -> None:
         self.ctx.counters["l2_writes_expired"] += 1
         owner = L2WriteOwner(timer.write_id)
+        self.write_chunks.pop(timer.write_id, None)
         for k in self.writes.pop(timer.write_id):
             self.ctx.index.release_read(k, owner, None, ReleaseReason.L2_WRITE, now)
 

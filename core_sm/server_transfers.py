@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, ErrorReply, Reply, StartTransfer
+from core_sm.effects import Effect, ErrorReply, Reply, StartTransfer, StoredChunk
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.messages import (
@@ -35,6 +35,7 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
+from core_sm.holdings import HeldChunks
 from core_sm.server_core import ServerContext, TransferOwner
 from core_sm.table import Table
 from core_sm.timers import Timer
@@ -86,6 +87,9 @@ class Transfer:
     object_bytes: int  # of its instance's objects
     instance_id: int
     wait_id: int | None = None  # its reply waits for other stores' writes (StoreWait)
+    # kv_events: the STORE's chunks, reported once their objects are ready on every rank
+    chunks: tuple[StoredChunk, ...] = ()
+    world_size: int = 1
 
 
 @attrs.define
@@ -194,6 +198,11 @@ class TransferMachine:
             tuple(reserved), tuple(placements), skipped, now + ctx.config.lease_ttl,
             inst.object_bytes, ev.instance_id,
         )
+        if ctx.held is not None and reserved:
+            C = ctx.config.chunk_size
+            hashes, _err = ctx.hashes(ev.key, ev.key.end // C)
+            t.chunks = HeldChunks.describe(ev.key, hashes, C, first, len(keys_or_err))
+            t.world_size = ev.key.world_size
         if wait is not None:
             t.wait_id = wait.wait_id
             wait.awaiting.add(tid)
@@ -407,8 +416,12 @@ class TransferMachine:
                     ctx.index.abort_write(k, owner, now)
             result: object = StoreResult(ok and len(stored) == len(t.keys), len(stored),
                                          t.skipped + len(t.keys) - len(stored))
+            if ctx.held is not None and stored:
+                ctx.report_drops(out)
+                ctx.held.stored_l1(t.chunks, t.world_size, ctx.index.is_readable, out)
             if stored and ctx.config.write_behind:
-                self.l2.write_behind(stored, t.object_bytes, now, out)
+                self.l2.write_behind(stored, t.object_bytes, now, out,
+                                     (t.world_size, t.chunks) if ctx.held is not None else None)
             written = ok and len(stored) == len(t.keys)
             for wid in self.waits_on.pop(t.transfer_id, ()):
                 self._end_awaited(wid, t.transfer_id, written, None, out)

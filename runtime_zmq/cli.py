@@ -35,6 +35,7 @@ LISTEN = "listening address"
 CACHE = "cache"
 L2 = "L2 tiers"
 LIMITS = "limits"
+KV_EVENTS = "KV events (for KV-aware routers)"
 HTTP = "metrics, health and status (HTTP)"
 LOGGING = "logging"
 OPERATIONS = "operations"
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     lim = cfg.group(p, LIMITS)
     lim.add_argument("--max-frame-mb", type=cfg.positive_float, default=64.0, help="largest payload frame in MiB")
     lim.add_argument("--max-tokens", type=cfg.positive_int, default=1 << 20, help="most tokens in one key")
+    events = cfg.group(p, KV_EVENTS)
+    events.add_argument("--kv-events", default=None, metavar="URL", help="publish what this server holds as vLLM KV events on a ZMQ PUB socket: a wildcard URL (tcp://*:5557) is bound, another (tcp://indexer:5557) connected to; default off (docs/fleet.md)")
+    events.add_argument("--kv-events-replay", default=None, metavar="URL", help="serve replays of the last 10,000 KV-event batches on a ZMQ ROUTER bound at URL; default off")
+    events.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic frame of every KV-event message, e.g. kv@POD_IP@MODEL for llm-d's indexer")
     http = cfg.group(p, HTTP)
     http.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True, help="serve /metrics, /healthz, /readyz and /status over HTTP")
     http.add_argument("--metrics-port", type=cfg.port, default=DEFAULT_METRICS_PORT, help="HTTP port for metrics and probes; 0 picks a free one")
@@ -176,6 +181,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         shutdown_grace=args.shutdown_grace,
         shm_dir=args.shm_dir,
         l2_options=l2_options_from_args(args),
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+        kv_events_topic=args.kv_events_topic,
     )
 
 

@@ -78,6 +78,10 @@ class ServerConfig:
     # This server's start id, answered by ``health``: clients that see it change know the server
     # restarted (and forgot every job, lease and registration). None: a random one.
     epoch: int | None = None
+    # KV events for routers (runtime_zmq.kv_events): PUB endpoint, replay ROUTER endpoint, topic
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
 
 
 def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool) -> Any:
@@ -96,6 +100,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             l2_read_timeout=config.l2_read_timeout,
             l2_probe=l2_enabled and config.l2_probe,
             write_behind=l2_enabled,
+            kv_events=bool(config.kv_events),
         )
     )
 
@@ -224,6 +229,16 @@ class Server:
         # gigabyte; anything below it is answered TOO_LARGE by the codec.
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(config.limits.max_frame_bytes * 4, 64 * MiB))
         self.bound_url = self._bind(config.url)
+        self.kv_events: Any = None
+        if config.kv_events:
+            from runtime_zmq.kv_events import KvEventPublisher
+
+            self.kv_events = KvEventPublisher(
+                config.kv_events, chunk_size=config.chunk_size, replay_endpoint=config.kv_events_replay,
+                topic=config.kv_events_topic,
+            )
+            log.info("KV events on %s (replay %s, first seq %d)", self.kv_events.endpoint,
+                     self.kv_events.replay_endpoint, self.kv_events.first_seq)
 
     def _bind(self, url: str) -> str:
         if url.startswith("ipc://"):
@@ -402,6 +417,9 @@ class Server:
         elif t is fx.InstanceReaped:  # no heartbeat for instance_ttl: drop its GPU mappings
             self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
             self._instance_bytes.pop(eff.instance_id, None)  # type: ignore[attr-defined]
+        elif t is fx.ChunksStored or t is fx.ChunksRemoved or t is fx.AllChunksCleared:
+            if self.kv_events is not None:
+                self.kv_events.publish((eff,))
         else:
             log.error("unknown effect %r", eff)
 
@@ -567,6 +585,8 @@ class Server:
             except Exception:
                 log.exception("closing %r failed", closing)
         self._drain_completions()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.sock.close(linger=1000)
         self.pool.close()
         self.channel.close()

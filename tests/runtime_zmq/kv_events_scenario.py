@@ -1,0 +1,144 @@
+"""A live server's KV-event stream after a real store, an eviction and a clear (shared by
+tests/runtime_zmq/test_kv_events.py and the vLLM-decoder test in tests/e2e).
+
+``run_scenario(start_server)`` starts ``mpcache-server --kv-events ... --kv-events-replay ...``
+with a 4-slot L1, subscribes, and drives the adapters in vLLM's call order (engine-driven CPU
+path): prompt A (3 chunks) is stored, prompt B (2 chunks) evicts A's least recently used chunks,
+then a forced clear. Returns the frames seen live, the replay from the first sequence number,
+and A's and B's chunk hashes as the server computed them.
+"""
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from core_sm.chunks import chunk_hashes, identity_root
+from core_sm.keys import KeyExtras, keyed_root, request_identity
+from runtime_zmq.client import MPCacheClient
+from adapter_driver import CHUNK, Engine
+
+LORA = KeyExtras(request_identity(lora_name="tenant-lora", lora_path="/adapters/t"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prompt(n_chunks: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n_chunks * CHUNK + 3)]
+
+
+def hashes_of(tokens: list[int], extras: KeyExtras, salt: str = "") -> tuple[bytes, ...]:
+    root = keyed_root(identity_root("tiny", 1, salt), extras.identity)
+    return chunk_hashes(tokens, CHUNK, root)
+
+
+class Subscriber:
+    """A SUB socket bound on loopback, as llm-d's central indexer binds one (the server's PUB
+    connects to it), read continuously by its own thread -- as a real subscriber is: zmq hands
+    a SUB's subscription to a new publisher only while the SUB's thread is using it."""
+
+    def __init__(self, prefix: bytes = b"kv@") -> None:
+        self.frames: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.endpoint = ""
+        self._thread = threading.Thread(target=self._run, args=(prefix,), daemon=True)
+        self._thread.start()
+        self._ready.wait(10.0)
+
+    def _run(self, prefix: bytes) -> None:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, prefix)
+        sub.bind("tcp://127.0.0.1:0")
+        self.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if sub.poll(50):
+                    self.frames.append(sub.recv_multipart())
+        finally:
+            sub.close(0)
+
+    def wait_for(self, until: Callable[[list[list[bytes]]], bool], timeout: float) -> list[list[bytes]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not until(list(self.frames)):
+            time.sleep(0.05)
+        return list(self.frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+
+def replay(url: str, start_seq: int, timeout: float = 10.0) -> list[list[bytes]]:
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(url)
+    try:
+        dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        out = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not dealer.poll(100):
+                continue
+            frames = dealer.recv_multipart()
+            if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                return out
+            out.append(frames[1:])
+        raise TimeoutError("no end of replay")
+    finally:
+        dealer.close(0)
+
+
+def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny") -> dict[str, Any]:
+    # As llm-d's central indexer: the subscriber binds, the server's PUB connects to it.
+    sub = Subscriber()
+    pub = sub.endpoint
+    rep = f"tcp://127.0.0.1:{free_port()}"
+    server = start_server("--chunk-size", str(CHUNK), "--l1-size-gb", str(4 / 1024), "--slot-mb", "1",
+                          "--kv-events", pub, "--kv-events-replay", rep, "--kv-events-topic", topic)
+    time.sleep(0.3)  # PUB/SUB joining: what was sent before is fetched by replay below
+    engine = Engine([server.url])
+    try:
+        a, b = prompt(3, 1), prompt(2, 2)
+        engine.add("a", a, extras=LORA, cache_salt="tenant-1")
+        engine.run_all()
+        engine.add("b", b)
+        engine.run_all()
+        with MPCacheClient(server.url, request_timeout=5.0) as client:
+            client.clear(True).result(5.0)
+            stats = dict(client.stats())
+
+        def saw_clear_after_store(frames: list[list[bytes]]) -> bool:
+            return len(frames) >= 3 and b"AllBlocksCleared" in frames[-1][2]
+
+        live = sub.wait_for(saw_clear_after_store, 10.0)
+        first_seq = int.from_bytes(live[0][1], "big") if live else 0
+        replayed = replay(rep, 0)
+    finally:
+        engine.close()
+        sub.close()
+    return {
+        "live": live,
+        "replay": replayed,
+        "first_live_seq": first_seq,
+        "a": hashes_of(a, LORA, "tenant-1"),
+        "b": hashes_of(b, KeyExtras()),
+        "a_tokens": a[: 3 * CHUNK],
+        "b_tokens": b[: 2 * CHUNK],
+        "stats": stats,
+        "topic": topic.encode(),
+        "server": server,
+    }
