@@ -15,8 +15,9 @@ same. ``core_sm.chunks`` folds model name, KV world size, cache salt and token i
   ``chunk_extra_digest`` builds one from vLLM's extra-key tuples.
 
 Hash layout, with ``h_i`` from ``core_sm.chunks.chunk_hashes``: ``root' = root`` when
-``identity`` is empty, else ``blake2b-256(root || "id" || len || identity)``; a chunk with a
-non-empty extra ``e_i`` is ``h_i' = blake2b-256(h_i || "ck" || len || e_i)`` and the chain
+``identity`` is empty, else ``blake2b(root || "id" || len || identity)``; a chunk with a
+non-empty extra ``e_i`` is ``h_i' = blake2b(h_i || "ck" || len || e_i)`` (digests as long as the
+chain's, ``CHUNK_HASH_SIZE``) and the chain
 continues from ``h_i'``. A key with no extras hashes exactly as before (LMCache's own client,
 which sends none, keeps its hits), and no keyed input serializes like an unkeyed one.
 
@@ -32,11 +33,12 @@ from collections.abc import Sequence
 
 import attrs
 
-from core_sm.chunks import TokenIds, chunk_hashes
+from core_sm.chunks import CHUNK_HASH_SIZE, TokenIds, chunk_hashes
 
 MAX_IDENTITY_LEN = 1024
 MAX_CHUNK_EXTRA_LEN = 64
-_DIGEST_SIZE = 32
+# Keyed roots and chunks are as long as core_sm.chunks' own hashes (one ObjectKey layout).
+_DIGEST_SIZE = CHUNK_HASH_SIZE
 _EXTRA_DIGEST_SIZE = 16
 
 
@@ -176,3 +178,21 @@ def request_identity(
     if not present:
         return ""
     return ";".join(f"{name}={len(value)}:{value}" for name, value in present)
+
+
+def identity_fields(identity: str) -> dict[str, str]:
+    """The fields of a ``request_identity`` string (``{}`` for ``""`` or for a string not in
+    that form: an identity is opaque to the server; this is only for reporting it)."""
+    fields: dict[str, str] = {}
+    pos = 0
+    while pos < len(identity):
+        eq = identity.find("=", pos)
+        colon = identity.find(":", eq + 1)
+        if eq < 0 or colon < 0 or not identity[eq + 1 : colon].isdigit():
+            return {}
+        end = colon + 1 + int(identity[eq + 1 : colon])
+        if end > len(identity) or (end < len(identity) and identity[end] != ";"):
+            return {}
+        fields[identity[pos:eq]] = identity[colon + 1 : end]
+        pos = end + 1
+    return fields
