@@ -82,7 +82,8 @@ class ReadL2:
     """Load each ``(key, slot)`` from L2 into its slot; answer
     ``L2ReadFinished(read_id, loaded)`` with one bool per item, in order -- always, even after
     the server gave up on the read at its lease TTL: the slots stay quarantined until then.
-    ``object_bytes``: the size of each object (what a slot receives)."""
+    ``object_bytes``: the size of each object (what a slot receives); 0 when no instance of
+    that model is registered on this server, so the size is not known and not checked."""
 
     read_id: int
     items: tuple[tuple[ObjectKey, int], ...] = attrs.field(converter=_tuple)

@@ -160,11 +160,19 @@ class InstanceMachine:
     # ============================================================================= for transfers
 
     def object_bytes_for(self, model_name: str, world_size: int) -> int:
+        """The object size of a registered instance of that model, else a whole slot (what a
+        reservation must be able to hold)."""
+        return self.registered_object_bytes(model_name, world_size) or self.ctx.config.slot_bytes
+
+    def registered_object_bytes(self, model_name: str, world_size: int) -> int:
+        """The object size an instance of that model registered, or 0 when none is registered
+        here (a server that only serves lookups for a fleet: the size is not known, so an L2
+        read must not demand one)."""
         for inst in self.instances.values():
             reg = inst.registration
             if reg.model_name == model_name and reg.world_size == world_size:
                 return reg.object_bytes
-        return self.ctx.config.slot_bytes
+        return 0
 
     def worker_keys(self, key: CacheKey, instance_id: int, skip: int, now: float
                     ) -> tuple[RegisterInstance | None, tuple[ObjectKey, ...] | ProtocolError]:
