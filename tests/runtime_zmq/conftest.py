@@ -25,6 +25,8 @@ class ServerProcess:
     """One ``mpcache-server`` child process. ``url`` is known once it printed its ready line."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        if "--metrics-port" not in args and "--no-metrics" not in args:
+            args = [*args, "--metrics-port", "0"]  # a free port: tests run servers side by side
         self.args = args
         self.env = env
         self.proc: subprocess.Popen[str] | None = None
@@ -92,8 +94,6 @@ def start_server() -> Iterator[Callable[..., ServerProcess]]:
             args += ["--ipc", os.path.join(tmp, f"sock{len(started)}", "mpcache.sock")]
         elif "--port" not in args:
             args += ["--port", "0"]
-        if "--metrics-port" not in args and "--no-metrics" not in args:
-            args += ["--metrics-port", "0"]  # a free port: tests run servers side by side
         if "--l1-size-gb" not in args:
             args += ["--l1-size-gb", "0.25", "--slot-mb", "1"]
         sp = ServerProcess(args, env).start()
