@@ -215,7 +215,8 @@ class RedisClusterTier:
     def _breaker(self, node: str) -> Breaker:
         b = self._breakers.get(node)
         if b is None:
-            b = self._breakers[node] = Breaker(threshold=1, backoff_s=0.5, backoff_max_s=10.0)
+            # a dead node costs one connection attempt per second at most; a failover is seen within ~1 s
+            b = self._breakers[node] = Breaker(threshold=1, backoff_s=0.25, backoff_max_s=1.0)
         return b
 
     def _run(self, what: str, keys: list[bytes], add: Callable[[Any, bytes], Any], missing: Any,

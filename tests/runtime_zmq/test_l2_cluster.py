@@ -138,3 +138,47 @@ def test_two_servers_share_the_cluster_and_survive_a_master_kill(
     finally:
         ca.close()
         cb.close()
+
+
+# The ACL that docs/fleet.md recommends for a cluster (the cluster client also runs COMMAND and
+# CLUSTER SLOTS/SHARDS/NODES to learn the topology).
+FLEET_ACL = ("user mpcache on >{pw} ~mpcache:* resetchannels -@all +get +set +mget +exists +del +ping "
+             "+cluster|slots +cluster|shards +cluster|nodes +readonly +info +command")
+
+
+def test_cluster_with_the_documented_acl_user() -> None:
+    from redis_server import RedisServer
+
+    pw = "fleet-pw-4471"
+    node = RedisServer(args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+                       config=[FLEET_ACL.format(pw=pw), "user default off", "user admin on >admin-pw ~* &* +@all"])
+    try:
+        node.start()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    try:
+        with socket.create_connection(("127.0.0.1", node.port), timeout=2) as s:  # a one-node cluster
+            s.sendall(b"AUTH admin admin-pw\r\nCLUSTER ADDSLOTSRANGE 0 16383\r\n")
+            time.sleep(0.1)
+            assert s.recv(100).count(b"+OK") == 2
+        pw_file = os.path.join(tempfile.mkdtemp(prefix="mpcache-pw-"), "pw")
+        with open(os.open(pw_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(pw)
+        tier = open_tier(f"redis+cluster://mpcache@127.0.0.1:{node.port}?password_file={pw_file}&timeout=1")
+        try:
+            end = time.monotonic() + 10
+            while True:
+                try:
+                    tier.ping()
+                    tier.write_many([(b"{a}-0", b"x")])
+                    break
+                except L2Error:
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(0.1)
+            assert tier.read_many([b"{a}-0", b"{b}-0"]) == [b"x", None] and tier.contains_many([b"{a}-0"]) == [True]
+            assert pw not in tier.name
+        finally:
+            tier.close()
+    finally:
+        node.stop()
