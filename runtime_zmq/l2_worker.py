@@ -417,12 +417,13 @@ class L2Worker:
         return L2ReadFinished(effect.read_id, tuple(loaded))  # type: ignore[arg-type]
 
     def _open(self, tier: _Tier, key: bytes, blob: bytes, object_bytes: int) -> memoryview | None:
-        """The payload of a tier's value, or None (a counted rejection). ``object_bytes`` > 0:
-        the exact size core_sm expects (the reading instance's object size)."""
+        """The payload of a tier's value, or None (a counted rejection). ``object_bytes``: the
+        size core_sm expects, exact when it is below the slot size (core_sm answers the slot size
+        when no registered instance tells it the model's object size)."""
         assert self._sealer is not None
         payload = self._sealer.open(key, blob)
         if not isinstance(payload, Rejection):
-            if object_bytes > 0 and len(payload) != object_bytes:
+            if 0 < object_bytes < self.pool.slot_bytes and len(payload) != object_bytes:
                 reason = "wrong_size"
             elif len(payload) <= self.pool.slot_bytes:
                 return payload
