@@ -109,7 +109,8 @@ class InstanceMachine:
             return
         if ev.object_bytes > ctx.config.slot_bytes:
             ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
-                      f"object of {ev.object_bytes} B > slot of {ctx.config.slot_bytes} B")
+                      f"object of {ev.object_bytes} B > slot of {ctx.config.slot_bytes} B: start the server "
+                      f"with --slot-mb {-(-ev.object_bytes // (1 << 20))} or more (docs/troubleshooting.md)")
             return
         old = self.instances.get(ev.instance_id)
         inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now)

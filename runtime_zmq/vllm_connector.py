@@ -36,6 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test without vLL
 
 from core_sm.planner import ScheduledRequest, StepPlan
 from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
+from runtime_zmq import vllm_stats
 from runtime_zmq.vllm_keys import RequestKeyer, UnkeyableRequest
 
 if TYPE_CHECKING:
@@ -92,10 +93,13 @@ class MPCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer_config = self._kv_transfer_config
+        vllm_stats.check_extra_config(transfer_config.kv_connector_extra_config)
+        self._stats = vllm_stats.TransferRecorder()
         self._config = ConnectorConfig.from_extra_config(transfer_config.kv_connector_extra_config)
         self._is_producer = bool(transfer_config.is_kv_producer)
         self._is_consumer = bool(transfer_config.is_kv_consumer)
         model_name, world_size, rank, block_size = _model_identity(vllm_config)
+        self._block_size = block_size
         self._planner: SchedulerAdapter | None = None
         self._keyer: RequestKeyer | None = None
         self._worker: WorkerAdapter | None = None
@@ -192,6 +196,8 @@ class MPCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", 0) or 0
+        self._stats.bytes_per_token = vllm_stats.bytes_per_token(kv_caches, num_blocks, self._block_size)
 
     def _plan(self) -> StepPlan | None:
         if self._connector_metadata is None:
@@ -212,6 +218,7 @@ class MPCacheConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is not None and plan.retrieves:
             self._worker.submit_retrieves(plan.retrieves)
+            self._stats.retrieves_submitted(plan.retrieves)
         self._worker.poll()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -228,6 +235,7 @@ class MPCacheConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is not None and plan.stores:
             self._worker.submit_stores(plan.stores)
+            self._stats.stores_submitted(plan.stores)
         self._worker.poll()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -237,12 +245,30 @@ class MPCacheConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         sending, recving = self._worker.finished(finished_req_ids)
+        self._stats.finished(sending, recving)
         # A failed load is reported through get_block_ids_with_load_errors (single KV group).
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
-        return set(self._worker.load_errors())
+        errors = set(self._worker.load_errors())
+        self._stats.finished((), (), load_failed_blocks=len(errors))
+        return errors
+
+    # ------------------------------------------------------------------ stats (vLLM's /metrics)
+
+    def get_kv_connector_stats(self) -> vllm_stats.MPCacheConnectorStats | None:
+        data = self._stats.take()
+        return None if data is None else vllm_stats.MPCacheConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> vllm_stats.MPCacheConnectorStats | None:
+        return vllm_stats.MPCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> vllm_stats.MPCachePromMetrics:
+        return vllm_stats.MPCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ both
 
