@@ -73,6 +73,20 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 )
 _NAMES = {name for name, *_ in METRICS}
 
+# What MPCacheConnector adds to vLLM's own /metrics (runtime_zmq/vllm_stats.py builds them; kept
+# here so docs/metrics.md lists them without importing vLLM). name -> (type, help)
+VLLM_METRICS: dict[str, tuple[str, str]] = {
+    "loads": ("counter", "Requests whose KV mpcache loaded"),
+    "load_tokens": ("counter", "Tokens loaded from mpcache"),
+    "load_bytes": ("counter", "KV bytes loaded from mpcache"),
+    "load_failed_blocks": ("counter", "KV blocks whose load from mpcache failed (vLLM recomputed them)"),
+    "stores": ("counter", "Requests whose KV was stored to mpcache"),
+    "store_tokens": ("counter", "Tokens stored to mpcache"),
+    "store_bytes": ("counter", "KV bytes stored to mpcache"),
+    "load_seconds": ("histogram", "Time from submitting a request's load to mpcache until vLLM was told it finished"),
+    "store_seconds": ("histogram", "Time from submitting a request's stores to mpcache until they finished"),
+}
+
 # core_sm / runtime stats that are live sizes (gauges); every other stat is a monotonic count.
 _STATE_GAUGES = frozenset({
     "jobs", "jobs_pending", "tombstones", "waiters", "transfers", "instances", "store_waits",
@@ -496,6 +510,20 @@ def render_markdown() -> str:
     for name, typ, labels, text in METRICS:
         shown = name + ("_total" if typ == "counter" and not name.endswith("_total") else "")
         lines.append(f"| `{shown}` | {typ} | {', '.join(f'`{x}`' for x in labels) or '—'} | {text} |")
+    lines += [
+        "",
+        "## In vLLM's /metrics",
+        "",
+        "`MPCacheConnector` reports through vLLM's connector-stats hooks, so these appear on the",
+        "engine's own `/metrics` (labelled like vLLM's other series, e.g. `model_name`, `engine`),",
+        "and vLLM's periodic `KV Transfer metrics:` log line. Hit tokens are vLLM's own",
+        "`vllm:external_prefix_cache_queries_total` / `vllm:external_prefix_cache_hits_total`.",
+        "",
+        "| name | type | meaning |",
+        "|---|---|---|",
+    ]
+    for name, (typ, text) in VLLM_METRICS.items():
+        lines.append(f"| `vllm:mpcache_{name}{'_total' if typ == 'counter' else ''}` | {typ} | {text} |")
     lines.append("")
     return "\n".join(lines)
 

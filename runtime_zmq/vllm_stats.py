@@ -27,11 +27,13 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from runtime_zmq.metrics import VLLM_METRICS
+
 logger = logging.getLogger("mpcache.vllm")
 
 MAX_SAMPLES = 1024
-_COUNTS = ("loads", "load_tokens", "load_bytes", "load_failed_blocks", "stores", "store_tokens", "store_bytes")
-_SAMPLES = ("load_seconds", "store_seconds")
+_COUNTS = tuple(name for name, (kind, _help) in VLLM_METRICS.items() if kind == "counter")
+_SAMPLES = tuple(name for name, (kind, _help) in VLLM_METRICS.items() if kind == "histogram")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # LMCache MP keys (kv_connector_extra_config) -> what to write for mpcache
@@ -178,19 +180,8 @@ class MPCachePromMetrics(KVConnectorPromMetrics):
     """vLLM-side series: ``vllm:mpcache_{load,store}_{tokens,bytes}_total``,
     ``vllm:mpcache_load_failed_blocks_total``, ``vllm:mpcache_{load,store}_seconds`` histograms."""
 
-    _COUNTERS = {
-        "loads": "Requests whose KV mpcache loaded",
-        "load_tokens": "Tokens loaded from mpcache",
-        "load_bytes": "KV bytes loaded from mpcache",
-        "load_failed_blocks": "KV blocks whose load from mpcache failed (vLLM recomputed them)",
-        "stores": "Requests whose KV was stored to mpcache",
-        "store_tokens": "Tokens stored to mpcache",
-        "store_bytes": "KV bytes stored to mpcache",
-    }
-    _HISTOGRAMS = {
-        "load_seconds": "Time from submitting a request's load to mpcache until vLLM was told it finished",
-        "store_seconds": "Time from submitting a request's stores to mpcache until they finished",
-    }
+    _COUNTERS = {name: text for name, (kind, text) in VLLM_METRICS.items() if kind == "counter"}
+    _HISTOGRAMS = {name: text for name, (kind, text) in VLLM_METRICS.items() if kind == "histogram"}
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
