@@ -37,6 +37,8 @@ LABEL_BUDGET = 32
 _LABEL_CHARS = 64
 _MAX_TRACKED_LOOKUPS = 1 << 16
 OTHER = ("other", "other")
+# Requests an idle engine keeps sending (heartbeats, polls): they do not make the server busy.
+_HEARTBEAT_OPS = frozenset({"ping", "noop", "health", "stats", "l1_info", "get_chunk_size"})
 OTHER_NONE = ("", "\0")  # a sentinel label: no lookup of this request is being counted
 
 # (name, type, labels, help): every family exposed; docs/metrics.md is generated from this list.
@@ -327,7 +329,7 @@ class ServerMetrics(Collector):
         from runtime_zmq import logs
 
         totals = {
-            "requests": sum(self.requests.values()),
+            "requests": sum(n for (op, _outcome), n in self.requests.items() if op not in _HEARTBEAT_OPS),
             "lookups": sum(r[0] for r in self.tokens.values()),
             "requested": sum(r[1] for r in self.tokens.values()),
             "hits": sum(r[2] for r in self.tokens.values()),
@@ -337,9 +339,10 @@ class ServerMetrics(Collector):
         delta = {k: v - self._summary_base.get(k, 0) for k, v in totals.items()}
         self._summary_base = totals
         if delta["requests"] == 0:
-            return  # idle: nothing to say
+            return  # idle (an engine's heartbeats do not count): nothing to say
         log.info("%s", logs.summary_line(elapsed, delta, self.l1_usage(), self.l2_state(),
-                                         {k: n for k, n in self.errors.items()}), extra={"summary": delta})
+                                         {k: n for k, n in self.errors.items()}),
+                 extra={"summary": delta, "no_fold": True})
 
     # state for gauges, /status and the summary ----------------------------------------------
     def _snapshot(self) -> dict[str, Any]:

@@ -97,22 +97,20 @@ class TransferRecorder:
     def finished(self, sending: Iterable[str] | None, recving: Iterable[str] | None, load_failed_blocks: int = 0) -> None:
         now = self.clock()
         with self._lock:
-            d = self._data
-            for rid in recving or ():
-                entry = self._loads.pop(rid, None)
-                if entry is not None:
-                    d["loads"] += 1
-                    d["load_tokens"] += entry[1]
-                    d["load_bytes"] += entry[1] * self.bytes_per_token
-                    _sample(d["load_seconds"], now - entry[0])
-            for rid in sending or ():
-                entry = self._stores.pop(rid, None)
-                if entry is not None:
-                    d["stores"] += 1
-                    d["store_tokens"] += entry[1]
-                    d["store_bytes"] += entry[1] * self.bytes_per_token
-                    _sample(d["store_seconds"], now - entry[0])
-            d["load_failed_blocks"] += load_failed_blocks
+            self._count_finished(self._loads, recving, "load", "loads", now)
+            self._count_finished(self._stores, sending, "store", "stores", now)
+            self._data["load_failed_blocks"] += load_failed_blocks
+
+    def _count_finished(self, table: dict[str, tuple[float, int]], request_ids: Iterable[str] | None,
+                        prefix: str, ops: str, now: float) -> None:
+        d = self._data
+        for rid in request_ids or ():
+            entry = table.pop(rid, None)
+            if entry is not None:
+                d[ops] += 1
+                d[f"{prefix}_tokens"] += entry[1]
+                d[f"{prefix}_bytes"] += entry[1] * self.bytes_per_token
+                _sample(d[f"{prefix}_seconds"], now - entry[0])
 
     def take(self) -> dict[str, Any] | None:
         with self._lock:
