@@ -183,6 +183,10 @@ class L1Index:
     def keys_leased_by(self, owner: Owner) -> tuple[ObjectKey, ...]:
         return tuple(self._by_owner.get(owner, ()))
 
+    def holds(self, owner: Owner) -> bool:
+        """Whether ``owner`` holds any read lease (O(1))."""
+        return bool(self._by_owner.get(owner))
+
     def leases_by_owner(self) -> dict[Owner, int]:
         """Owner → total read counts it holds (only owners holding something)."""
         out: dict[Owner, int] = {}

@@ -31,6 +31,11 @@ from core_sm.errors import ProtocolError
 from core_sm.keys import NO_EXTRAS, KeyExtras
 
 ReplyTo = Hashable
+# Who sent a request, as the runtime knows it (ZMQ: the ROUTER identity of the connection;
+# simulator: the node). Set by the runtime, never by a client; None: an in-process caller. What a
+# request creates (a job, its leases, a plan, a transfer, a registration) belongs to its peer,
+# and a request from another peer naming it is refused ``FORBIDDEN`` with nothing changed.
+Peer = Hashable
 # (chunk_index, slot): chunk_index counts from the start of the token sequence (token
 # offset chunk_index * chunk_size); slot is an L1 slot id in [0, num_slots).
 Placement = tuple[int, int]
@@ -101,6 +106,7 @@ class Ping:
 
     instance_id: int | None = None
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -108,6 +114,7 @@ class GetChunkSize:
     """Reply: the server's chunk size in tokens (int)."""
 
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -129,6 +136,7 @@ class Lookup:
     num_readers: int = attrs.field(default=1, validator=_non_negative)
     ranks: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_int_tuple)
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 def lookup_num_readers(num_kv_readers: int, tp_size: int | None, world_size: int) -> int:
@@ -151,6 +159,7 @@ class QueryPrefetchStatus:
 
     request_id: str
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -161,6 +170,7 @@ class WaitPrefetchStatus:
     request_id: str
     timeout: float
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -172,6 +182,7 @@ class FreeLookupLocks:
 
     key: CacheKey
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -181,6 +192,7 @@ class EndSession:
 
     request_id: str
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -192,6 +204,10 @@ class Clear:
 
     force: bool = True
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
+    # Set by the runtime when the caller presented the admin credential: clear is refused
+    # FORBIDDEN otherwise.
+    admin: bool = attrs.field(default=False, kw_only=True)
 
 
 @attrs.frozen
@@ -207,6 +223,7 @@ class RegisterInstance:
     object_bytes: int
     engine_driven: bool = False
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -215,6 +232,7 @@ class UnregisterInstance:
 
     instance_id: int
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -236,6 +254,7 @@ class Store:
     instance_id: int
     block_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
     not_after: float | None = attrs.field(default=None, kw_only=True)
 
 
@@ -253,6 +272,7 @@ class Retrieve:
     block_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     skip_first_n_tokens: int = attrs.field(default=0, validator=_non_negative)
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
     not_after: float | None = attrs.field(default=None, kw_only=True)
 
 
@@ -265,6 +285,7 @@ class PrepareStore:
     key: CacheKey
     instance_id: int
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
     not_after: float | None = attrs.field(default=None, kw_only=True)
 
 
@@ -277,6 +298,7 @@ class PrepareRetrieve:
     instance_id: int
     skip_first_n_tokens: int = attrs.field(default=0, validator=_non_negative)
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -287,6 +309,7 @@ class CommitTransfer:
     transfer_id: int
     ok: bool
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+    peer: Peer = attrs.field(default=None, kw_only=True)
 
 
 ServerRequest = Union[

@@ -101,7 +101,7 @@ _COUNTERS = (
     "l2_writes_expired", "waiter_timeouts", "internal_errors",
     "tombstones_dropped", "late_transfers_refused", "stores_awaiting_writers",
     "plan_quarantines_ended", "duplicate_transfers", "table_violations",
-    "heartbeats", "instances_reaped", "plans_of_reaped_instances",
+    "heartbeats", "instances_reaped", "plans_of_reaped_instances", "quota_skips", "clears_refused",
 )
 
 
@@ -292,6 +292,10 @@ class LookupServer:
         out.append(Reply(ev.reply_to, self.config.chunk_size))
 
     def _on_clear(self, ev: Clear, now: float, out: list[Effect]) -> None:
+        if ev.admin is not True:  # the runtime sets it for a caller with the admin credential
+            self._counters["clears_refused"] += 1
+            self.ctx.error(out, ev.reply_to, ErrorKind.FORBIDDEN, "clear needs the admin credential")
+            return
         # In-flight copies and L2 writes keep their objects: their slots are in use right now.
         self.index.clear(bool(ev.force), protected=lambda owner: isinstance(owner, EFFECT_OWNERS))
         if self.ctx.held is not None:

@@ -8,6 +8,7 @@ another's methods. Internal lease/reservation owners are named types here (a req
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Union
 
@@ -49,6 +50,20 @@ class ServerConfig:
     instance_ttl: float | None = 60.0
     # Report what is held (ChunksStored / ChunksRemoved / AllChunksCleared: core_sm.holdings).
     kv_events: bool = False
+    # Ownership and bounds: what one client may hold or name. Each refusal is one typed error.
+    id_seed: int = 0  # keys the transfer-id generator (a runtime passes a random one)
+    max_world_size: int = 4096  # world_size of a key or registration; ranks are < it
+    max_objects_per_request: int = 1 << 18  # chunks x ranks one request may name
+    max_jobs: int = 100_000  # live prefetch jobs in total ...
+    max_jobs_per_peer: int = 20_000  # ... and per peer (connection)
+    max_transfers_per_instance: int = 1024  # plans and running transfers of one instance
+    # L1 slots one instance's in-flight writes may hold reserved (None: a fair share, L1 divided
+    # by the instances registered): over it, a store skips chunks instead of evicting other
+    # tenants' ready objects for them.
+    max_slots_per_instance: int | None = None
+    plan_ttl: float = 30.0  # an uncommitted engine-driven plan expires after min(this, lease_ttl)
+    max_lookups_per_request: int = 64  # lookups of one request id (each refreshes its leases)
+    max_not_after_ahead: float = 60.0  # a not_after is held to at most now + this
 
 
 @attrs.frozen(cache_hash=True)
@@ -95,6 +110,8 @@ class ServerContext:
         self.pins: dict[EffectOwner, tuple[int, ...]] = {}
         self._roots: dict[tuple[str, int, str, str], bytes] = {}
         self._next_id = 0
+        self._next_transfer = 0
+        self._transfer_key = hashlib.blake2b(repr(config.id_seed).encode(), digest_size=32).digest()
         # kv_events: what was reported held; the index lists its drops for report_drops
         self.held: HeldChunks | None = None
         if c.kv_events:
@@ -111,6 +128,15 @@ class ServerContext:
     def new_id(self) -> int:
         self._next_id += 1
         return self._next_id
+
+    def new_transfer_id(self) -> int:
+        """An unguessable 63-bit transfer id (positive, fits msgpack's int64): a keyed hash of a
+        counter, so a client cannot commit or finish another's transfer by guessing its id,
+        and the same ``id_seed`` gives the same ids (the simulator's seeds replay)."""
+        self._next_transfer += 1
+        digest = hashlib.blake2b(self._next_transfer.to_bytes(8, "little"), key=self._transfer_key,
+                                 digest_size=8).digest()
+        return (int.from_bytes(digest, "little") & ((1 << 63) - 1)) or 1
 
     def error(self, out: list[Effect], reply_to: ReplyTo, kind: ErrorKind, message: str) -> None:
         """Answer ``reply_to`` with a ``kind`` error (through the server's ``_reply_error``)."""
@@ -138,6 +164,8 @@ class ServerContext:
             return "model_name must be a str"
         if not isinstance(key.world_size, int) or isinstance(key.world_size, bool) or key.world_size < 1:
             return f"world_size must be an int >= 1, not {key.world_size!r}"
+        if key.world_size > self.config.max_world_size:
+            return f"world_size {key.world_size} > {self.config.max_world_size}"
         if not isinstance(key.request_id, str):
             return "request_id must be a str"
         salt_err = validate_cache_salt(key.cache_salt)
@@ -160,6 +188,9 @@ class ServerContext:
             return f"range [{key.start}, {key.end}) is not aligned to the chunk size {C}"
         if key.end // C > self.config.max_chunks_per_request:
             return "too many chunks in one request"
+        objects = (key.end // C - key.start // C) * (key.world_size if scheduler else 1)
+        if objects > self.config.max_objects_per_request:
+            return f"{objects} objects (chunks x ranks) in one request > {self.config.max_objects_per_request}"
         return None
 
     def hashes(self, key: CacheKey, num_chunks: int) -> tuple[tuple[bytes, ...], str | None]:

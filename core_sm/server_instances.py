@@ -12,6 +12,10 @@ fail (their slots stay quarantined one more lease TTL, as for any expired plan),
 mappings and staging memory it keeps for it. A request naming it afterwards gets
 ``NOT_REGISTERED`` (the client registers again once and retries). A plain ``Ping()`` (LMCache's)
 names no instance and is answered ``True``.
+
+Ownership: an instance id belongs to the peer that registered it; a request from another peer
+naming it (register again, unregister, heartbeat, store, retrieve, prepare) is refused
+``FORBIDDEN`` and changes nothing.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import attrs
 from core_sm.chunks import ObjectKey
 from core_sm.effects import Effect, InstanceReaped, Reply
 from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.messages import CacheKey, Ping, RegisterInstance, UnregisterInstance
+from core_sm.messages import CacheKey, Peer, Ping, RegisterInstance, ReplyTo, UnregisterInstance
 from core_sm.server_core import ServerContext
 from core_sm.table import Table
 from core_sm.timers import Timer
@@ -54,6 +58,7 @@ class Instance:
     generation: int  # a registration's timers are not another's
     last_seen: float
     watched: bool = False  # it has sent a heartbeat: reaped when silent for instance_ttl
+    peer: Peer = None  # the connection that registered it
 
 
 def _instance_id(ev: Any) -> Hashable:
@@ -88,6 +93,12 @@ class InstanceMachine:
         if inst is not None:
             inst.last_seen = now
 
+    def _foreign(self, inst: Instance | None, peer: Peer, reply_to: ReplyTo, out: list[Effect]) -> bool:
+        if inst is None or inst.peer == peer:
+            return False
+        self.ctx.error(out, reply_to, ErrorKind.FORBIDDEN, "the instance belongs to another peer")
+        return True
+
     def _arm(self, inst: Instance, iid: int, now: float) -> None:
         ttl = self.ctx.config.instance_ttl
         if ttl is not None:
@@ -100,6 +111,8 @@ class InstanceMachine:
         err = None
         if not isinstance(ev.world_size, int) or ev.world_size < 1:
             err = "world_size must be >= 1"
+        elif ev.world_size > ctx.config.max_world_size:
+            err = f"world_size {ev.world_size} > {ctx.config.max_world_size}"
         elif not isinstance(ev.model_name, str):
             err = "model_name must be a str"
         elif not isinstance(ev.object_bytes, int) or ev.object_bytes < 0:
@@ -113,7 +126,9 @@ class InstanceMachine:
                       f"with --slot-mb {-(-ev.object_bytes // (1 << 20))} or more (docs/troubleshooting.md)")
             return
         old = self.instances.get(ev.instance_id)
-        inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now)
+        if self._foreign(old, ev.peer, ev.reply_to, out):
+            return
+        inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now, peer=ev.peer)
         self.instances[ev.instance_id] = inst
         if old is not None and old.watched:  # registering again: still a heartbeating client
             inst.watched = True
@@ -121,6 +136,8 @@ class InstanceMachine:
         out.append(Reply(ev.reply_to, None))
 
     def _on_unregister(self, ev: UnregisterInstance, now: float, out: list[Effect]) -> None:
+        if self._foreign(self.instances.get(ev.instance_id), ev.peer, ev.reply_to, out):
+            return
         self.instances.pop(ev.instance_id, None)
         out.append(Reply(ev.reply_to, None))
 
@@ -134,6 +151,8 @@ class InstanceMachine:
     def _on_heartbeat(self, ev: Ping, now: float, out: list[Effect]) -> None:
         assert ev.instance_id is not None
         inst = self.instances[ev.instance_id]
+        if self._foreign(inst, ev.peer, ev.reply_to, out):
+            return
         inst.last_seen = now
         if not inst.watched:
             inst.watched = True
@@ -160,6 +179,13 @@ class InstanceMachine:
 
     # ============================================================================= for transfers
 
+    def slot_quota(self) -> int:
+        """L1 slots one instance's in-flight stores may hold reserved."""
+        c = self.ctx.config
+        if c.max_slots_per_instance is not None:
+            return c.max_slots_per_instance
+        return max(1, c.num_slots // max(1, len(self.instances)))
+
     def object_bytes_for(self, model_name: str, world_size: int) -> int:
         """The object size of a registered instance of that model, else a whole slot (what a
         reservation must be able to hold)."""
@@ -175,13 +201,15 @@ class InstanceMachine:
                 return reg.object_bytes
         return 0
 
-    def worker_keys(self, key: CacheKey, instance_id: int, skip: int, now: float
+    def worker_keys(self, key: CacheKey, instance_id: int, skip: int, now: float, peer: Peer
                     ) -> tuple[RegisterInstance | None, tuple[ObjectKey, ...] | ProtocolError]:
         """The objects of a worker request's range, or why it is refused."""
         ctx = self.ctx
         inst = self.instances.get(instance_id) if isinstance(instance_id, int) else None
         if inst is None:
             return None, ProtocolError(ErrorKind.NOT_REGISTERED, f"instance {instance_id!r} is not registered")
+        if inst.peer != peer:
+            return None, ProtocolError(ErrorKind.FORBIDDEN, f"instance {instance_id!r} belongs to another peer")
         inst.last_seen = now
         reg = inst.registration
         err = ctx.validate_key(key, scheduler=False)

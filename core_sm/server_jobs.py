@@ -11,6 +11,13 @@ The legacy-profile hooks (``_status_for_unknown``, ``_on_duplicate_lookup``, ``_
 ``_release_for_free_lookup_locks``, ``_tombstone_after_answer``, ``_end_session``,
 ``_reap_abandoned_jobs``, ``_reply_error``) are methods of ``LookupServer``: this machine calls
 them there, so a profile overrides one method of the server.
+
+Ownership: a request id belongs to the peer (``Lookup.peer``, set by the runtime) whose lookup
+first named it, for as long as the server holds anything of it (job, tombstone, leases); a
+lookup, status query, wait, free or end session naming it from another peer is refused
+``FORBIDDEN`` and changes nothing. Bounds: ``max_jobs`` live jobs in total and
+``max_jobs_per_peer`` per peer, ``max_lookups_per_request`` lookups of one id (each refreshes its
+leases); over them a lookup is refused ``TOO_LARGE``.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from core_sm.errors import ErrorKind
 from core_sm.l1_index import ReleaseReason
 from core_sm.messages import (
     CacheKey,
+    Peer,
     EndSession,
     FreeLookupLocks,
     Lookup,
@@ -77,6 +85,22 @@ class WaiterDeadline(Timer):
     request_id: str
 
 
+@attrs.frozen
+class ForgetRequestId(Timer):
+    """The id's tombstone is gone but it still held leases then: forget its owner once it holds
+    none (checked again every lease TTL)."""
+
+    request_id: str
+
+
+@attrs.define
+class RequestIdOwner:
+    """Who owns a request id, and how often it was looked up."""
+
+    peer: Peer
+    lookups: int = 0
+
+
 @attrs.define
 class PrefetchJob:
     """One request id's lookup: the L1 prefix it leased, its L2 read, its answer."""
@@ -95,6 +119,7 @@ class PrefetchJob:
     hits: int | None = None
     freed_chunks: set[int] = attrs.Factory(set)
     ranks: tuple[int, ...] | None = None  # the KV ranks this server holds (None: all)
+    peer: Peer = None
 
     @property
     def state(self) -> JobState:
@@ -120,6 +145,39 @@ def _request_id(ev: Any) -> Hashable:
     return rid if isinstance(rid, str) else None
 
 
+class JobTable(dict[str, PrefetchJob]):
+    """The live jobs, counted per peer however a job leaves (a legacy profile deletes directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_peer: dict[Peer, int] = {}
+
+    def __setitem__(self, rid: str, job: PrefetchJob) -> None:
+        old = self.get(rid)
+        if old is not None:
+            self._drop(old)
+        super().__setitem__(rid, job)
+        self.per_peer[job.peer] = self.per_peer.get(job.peer, 0) + 1
+
+    def __delitem__(self, rid: str) -> None:
+        self._drop(self[rid])
+        super().__delitem__(rid)
+
+    def pop(self, rid: str, default: Any = None) -> Any:
+        job = super().pop(rid, None)
+        if job is None:
+            return default
+        self._drop(job)
+        return job
+
+    def _drop(self, job: PrefetchJob) -> None:
+        n = self.per_peer[job.peer] - 1
+        if n:
+            self.per_peer[job.peer] = n
+        else:
+            del self.per_peer[job.peer]
+
+
 class JobMachine:
     """The prefetch jobs of one server (see the module docstring)."""
 
@@ -127,7 +185,8 @@ class JobMachine:
         self.ctx = ctx
         self.server = server
         self.l2 = l2
-        self.jobs: dict[str, PrefetchJob] = {}
+        self.jobs = JobTable()
+        self.owners: dict[str, RequestIdOwner] = {}
         self.tombstones: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self.waiters: dict[str, dict[int, Waiter]] = {}
         self.waiter_by_id: dict[int, Waiter] = {}
@@ -143,6 +202,8 @@ class JobMachine:
         return JobState.ANSWERED if request_id in self.tombstones else JobState.ABSENT
 
     def timer_live(self, timer: Timer) -> bool:
+        if isinstance(timer, ForgetRequestId):
+            return timer.request_id in self.owners and self.state(timer.request_id) is JobState.ABSENT
         if isinstance(timer, WaiterDeadline):
             return timer.waiter_id in self.waiter_by_id
         assert isinstance(timer, (ReapJob, L2Timeout))
@@ -153,10 +214,29 @@ class JobMachine:
 
     def expire_tombstones(self, now: float) -> None:
         while self.tombstones:
-            _rid, (_hits, expiry) = next(iter(self.tombstones.items()))
+            rid, (_hits, expiry) = next(iter(self.tombstones.items()))
             if expiry > now:
                 break
             self.tombstones.popitem(last=False)
+            self._forget_owner(rid, now)
+
+    def _forget_owner(self, rid: str, now: float) -> None:
+        """The server no longer holds a job or tombstone of ``rid``: forget its owner now if it
+        holds no lease either, else once it holds none."""
+        if rid not in self.owners:
+            return
+        if self.ctx.index.holds(rid):
+            self.ctx.timers.push(now + self.ctx.config.lease_ttl, ForgetRequestId(rid))
+        else:
+            del self.owners[rid]
+
+    def _foreign(self, rid: str, peer: Peer, reply_to: ReplyTo, out: list[Effect]) -> bool:
+        """Refuse (FORBIDDEN) a request naming an id another peer owns."""
+        owner = self.owners.get(rid) if isinstance(rid, str) else None
+        if owner is None or owner.peer == peer:
+            return False
+        self.ctx.error(out, reply_to, ErrorKind.FORBIDDEN, f"request id {rid!r} belongs to another peer")
+        return True
 
     def next_tombstone_expiry(self) -> float | None:
         return next(iter(self.tombstones.values()))[1] if self.tombstones else None
@@ -181,7 +261,24 @@ class JobMachine:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
         rid = ev.key.request_id
+        if self._foreign(rid, ev.peer, ev.reply_to, out):
+            return
+        owner = self.owners.get(rid)
+        if owner is not None and owner.lookups >= ctx.config.max_lookups_per_request:
+            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
+                      f"request id {rid!r} looked up {owner.lookups} times")
+            return
         job = self.jobs.get(rid)
+        if job is None:
+            if len(self.jobs) >= ctx.config.max_jobs:
+                ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"{len(self.jobs)} prefetch jobs live")
+                return
+            if self.jobs.per_peer.get(ev.peer, 0) >= ctx.config.max_jobs_per_peer:
+                ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, "too many prefetch jobs of this peer")
+                return
+        if owner is None:
+            owner = self.owners[rid] = RequestIdOwner(ev.peer)
+        owner.lookups += 1
         if job is not None:
             self.server._on_duplicate_lookup(job, ev, now, out)
             return
@@ -198,7 +295,7 @@ class JobMachine:
         job = PrefetchJob(
             request_id=rid, serial=ctx.new_id(), key=key, hashes=hashes,
             num_readers=ev.num_readers, l1_prefix=prefix, created=now,
-            reap_at=now + ctx.config.abandoned_job_ttl, ranks=ev.ranks,
+            reap_at=now + ctx.config.abandoned_job_ttl, ranks=ev.ranks, peer=ev.peer,
         )
         self.jobs[rid] = job
         ctx.timers.push(job.reap_at, ReapJob(rid, job.serial))
@@ -214,6 +311,8 @@ class JobMachine:
 
     def _on_query(self, ev: QueryPrefetchStatus, now: float, out: list[Effect]) -> None:
         self.ctx.counters["status_queries"] += 1
+        if self._foreign(ev.request_id, ev.peer, ev.reply_to, out):
+            return
         out.append(Reply(ev.reply_to, self._status(ev.request_id, now)))
 
     def _status(self, rid: str, now: float) -> int | None:
@@ -235,6 +334,8 @@ class JobMachine:
         ctx.counters["status_queries"] += 1
         if not isinstance(ev.timeout, (int, float)) or math.isnan(ev.timeout):
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, "timeout must be a number")
+            return
+        if self._foreign(ev.request_id, ev.peer, ev.reply_to, out):
             return
         job = self.jobs.get(ev.request_id)
         if job is None or job.hits is not None or ev.timeout <= 0:
@@ -259,6 +360,8 @@ class JobMachine:
         if err is not None:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
+        if self._foreign(key.request_id, ev.peer, ev.reply_to, out):
+            return
         keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(key.world_size)]
         self.server._release_for_free_lookup_locks(key.request_id, keys, now)
         job = self.jobs.get(key.request_id)
@@ -267,6 +370,8 @@ class JobMachine:
         out.append(Reply(ev.reply_to, None))
 
     def _on_end_session(self, ev: EndSession, now: float, out: list[Effect]) -> None:
+        if self._foreign(ev.request_id, ev.peer, ev.reply_to, out):
+            return
         self.server._end_session(ev.request_id, now, out)
         out.append(Reply(ev.reply_to, None))
 
@@ -276,6 +381,9 @@ class JobMachine:
         self.server._due_reaps = [timer.request_id]
         self.server._reap_abandoned_jobs(now, out)
         self.server._due_reaps = []
+
+    def _on_forget_request_id(self, timer: ForgetRequestId, now: float, out: list[Effect]) -> None:
+        self._forget_owner(timer.request_id, now)
 
     def _on_waiter_deadline(self, timer: WaiterDeadline, now: float, out: list[Effect]) -> None:
         w = self.waiter_by_id.pop(timer.waiter_id)
@@ -360,6 +468,8 @@ class JobMachine:
         assert job.hits is not None
         del self.jobs[job.request_id]
         self.server._tombstone_after_answer(job.request_id, job.hits, now)
+        if job.request_id not in self.tombstones:  # a legacy profile keeps none
+            self._forget_owner(job.request_id, now)
 
     def answer_waiters(self, rid: str, result: int | None, out: list[Effect]) -> None:
         for w in self.waiters.pop(rid, {}).values():
@@ -371,8 +481,9 @@ class JobMachine:
         self.tombstones[request_id] = (hits, now + self.ctx.config.tombstone_ttl)
         self.tombstones.move_to_end(request_id)
         while len(self.tombstones) > self.ctx.config.tombstone_cap:
-            self.tombstones.popitem(last=False)
+            dropped, _entry = self.tombstones.popitem(last=False)
             self.ctx.counters["tombstones_dropped"] += 1
+            self._forget_owner(dropped, now)
 
     def end_session(self, request_id: str, now: float, out: list[Effect]) -> None:
         """Drop job, tombstone, waiters; release the id's leases."""
@@ -382,6 +493,7 @@ class JobMachine:
         self.tombstones.pop(request_id, None)
         self.answer_waiters(request_id, 0, out)
         self.ctx.index.release_owner(request_id, ReleaseReason.END_SESSION, now)
+        self.owners.pop(request_id, None)
 
     def reap(self, request_ids: Sequence[str], now: float, out: list[Effect]) -> None:
         """Drop the jobs of ``request_ids`` whose reap time has come, releasing their leases."""
@@ -395,6 +507,7 @@ class JobMachine:
                 self.l2.detach_read(job.read_id)
             self.answer_waiters(rid, 0, out)
             self.ctx.index.release_owner(rid, ReleaseReason.REAP, now)
+            self.owners.pop(rid, None)
 
     def check_invariants(self) -> None:
         assert len(self.tombstones) <= self.ctx.config.tombstone_cap, "tombstone cap"
@@ -413,6 +526,9 @@ class JobMachine:
             for wid, w in waiters.items():
                 assert self.waiter_by_id[wid] is w
         assert sum(len(w) for w in self.waiters.values()) == len(self.waiter_by_id)
+        assert sum(self.jobs.per_peer.values()) == len(self.jobs), "per-peer job counts"
+        for rid in self.jobs:
+            assert rid in self.owners, "a job whose id has no owner"
 
 
 J = JobState
@@ -444,5 +560,6 @@ JOB_TABLE: Table[JobState] = Table("LookupServer jobs (prefetch job of a request
     (J.ANSWERED, WaitPrefetchStatus): (JobMachine._on_wait, {J.ANSWERED}),
     (J.ANSWERED, FreeLookupLocks): (JobMachine._on_free, {J.ANSWERED}),
     (J.ANSWERED, EndSession): (JobMachine._on_end_session, {J.ABSENT}),
+    (J.ABSENT, ForgetRequestId): (JobMachine._on_forget_request_id, {J.ABSENT}),
 })
-JOB_TIMERS = (ReapJob, WaiterDeadline, L2Timeout)
+JOB_TIMERS = (ReapJob, WaiterDeadline, L2Timeout, ForgetRequestId)

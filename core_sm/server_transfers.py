@@ -6,6 +6,14 @@ An event addresses one transfer by ``transfer_id`` (a creating request -- ``Stor
 ``Retrieve``, ``PrepareStore``, ``PrepareRetrieve`` -- addresses the new one, ABSENT before it);
 its state is ``TransferState``. ``TRANSFER_TABLE`` is what ``handle`` runs; a commit of a
 transfer that is not a prepared plan is refused ``UNKNOWN_TRANSFER`` by the table itself.
+
+Ownership and bounds: transfer ids are unguessable (``ServerContext.new_transfer_id``); a
+transfer belongs to the peer (and instance) that created it, and a commit from another peer is
+refused ``FORBIDDEN``. One instance holds at most ``max_transfers_per_instance`` transfers
+(``TOO_LARGE`` beyond) and at most its ``slot_quota()`` of slots reserved by its in-flight stores (beyond,
+chunks are skipped: no other tenant's ready object is evicted for them). An uncommitted plan
+lives ``min(plan_ttl, lease_ttl)``; a ``not_after`` is held to at most ``now +
+max_not_after_ahead`` (the copy's deadline and how long its answer is kept for duplicates).
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.messages import (
     CommitTransfer,
+    Peer,
     Placement,
     PrepareRetrieve,
     PrepareStore,
@@ -86,6 +95,7 @@ class Transfer:
     deadline: float | None
     object_bytes: int  # of its instance's objects
     instance_id: int
+    peer: Peer = None
     wait_id: int | None = None  # its reply waits for other stores' writes (StoreWait)
     # kv_events: the STORE's chunks, reported once their objects are ready on every rank
     chunks: tuple[StoredChunk, ...] = ()
@@ -123,12 +133,14 @@ class TransferMachine:
         self.transfers: dict[int, Transfer] = {}
         self.store_waits: dict[int, StoreWait] = {}
         self.waits_on: dict[int, list[int]] = {}  # transfer id -> store waits awaiting it
-        self.quarantined_plans: set[int] = set()
+        self.quarantined_plans: dict[int, Peer] = {}  # expired plans whose slots stay out of use
+        self.per_instance: dict[int, int] = {}  # live transfers of each instance
+        self.reserved_of: dict[int, int] = {}  # slots reserved by each instance's live stores
         # Server-driven STORE/RETRIEVE ops that carry a not_after: answered -> (ok, answer,
         # until), kept until the not_after (later, _refuse_late covers it); unanswered -> the
         # first copy's reply_to and the duplicates' reply_tos, all answered alike.
         self.ops_done: OrderedDict[OpIdent, tuple[bool, object, float]] = OrderedDict()
-        self.ops_running: dict[OpIdent, tuple[ReplyTo, list[ReplyTo]]] = {}
+        self.ops_running: dict[OpIdent, tuple[ReplyTo, list[ReplyTo], float]] = {}
         self.op_of_reply: dict[ReplyTo, OpIdent] = {}
         self.dispatch = TRANSFER_TABLE.bind(self, _transfer_id, self.state, ctx.counters, ctx.reply_error)
 
@@ -156,12 +168,15 @@ class TransferMachine:
         assert isinstance(ev, (Store, PrepareStore))
         ctx = self.ctx
         engine_driven = isinstance(ev, PrepareStore)
-        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, 0, now)
+        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, 0, now, ev.peer)
         if inst is None or isinstance(keys_or_err, ProtocolError):
             assert isinstance(keys_or_err, ProtocolError)
             self.server._reply_error(out, ev.reply_to, keys_or_err)
             return
-        tid = ctx.new_id()
+        if self._over_transfer_cap(ev, out):
+            return
+        tid = self._new_transfer_id()
+        room = self.instances.slot_quota() - self.reserved_of.get(ev.instance_id, 0)
         owner = TransferOwner(tid)
         first = ev.key.start // ctx.config.chunk_size
         placements: list[Placement] = []
@@ -169,7 +184,15 @@ class TransferMachine:
         skipped = 0
         awaited: dict[int, None] = {}  # running server-driven stores writing chunks of this one
         for offset, k in enumerate(keys_or_err):
-            slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now)
+            if len(reserved) >= room:
+                if ctx.index.is_readable(k) or ctx.index.writer_of(k) is not None:
+                    slot = None  # present or being written: skipped as always
+                else:
+                    ctx.counters["quota_skips"] += 1
+                    skipped += 1
+                    continue
+            else:
+                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now)
             if slot is None:
                 skipped += 1
                 writer = ctx.index.writer_of(k)
@@ -195,8 +218,8 @@ class TransferMachine:
             return
         t = Transfer(
             tid, TransferKind.STORE, engine_driven, ev.key.request_id, ev.reply_to,
-            tuple(reserved), tuple(placements), skipped, now + ctx.config.lease_ttl,
-            inst.object_bytes, ev.instance_id,
+            tuple(reserved), tuple(placements), skipped, self._deadline(engine_driven, now),
+            inst.object_bytes, ev.instance_id, ev.peer,
         )
         if ctx.held is not None and reserved:
             C = ctx.config.chunk_size
@@ -206,13 +229,14 @@ class TransferMachine:
         if wait is not None:
             t.wait_id = wait.wait_id
             wait.awaiting.add(tid)
-        self._begin(t, ev, out)
+        self._begin(t, ev, now, out)
 
     def _retrieve(self, ev: Any, now: float, out: list[Effect]) -> None:
         assert isinstance(ev, (Retrieve, PrepareRetrieve))
         ctx = self.ctx
         engine_driven = isinstance(ev, PrepareRetrieve)
-        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, ev.skip_first_n_tokens, now)
+        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, ev.skip_first_n_tokens, now,
+                                                       ev.peer)
         if inst is None or isinstance(keys_or_err, ProtocolError):
             assert isinstance(keys_or_err, ProtocolError)
             self.server._reply_error(out, ev.reply_to, keys_or_err)
@@ -229,7 +253,9 @@ class TransferMachine:
         if not keys and not engine_driven:
             out.append(Reply(ev.reply_to, RetrieveResult(True, 0)))
             return
-        tid = ctx.new_id()
+        if self._over_transfer_cap(ev, out):
+            return
+        tid = self._new_transfer_id()
         owner = TransferOwner(tid)
         first = ev.key.start // ctx.config.chunk_size
         placements: list[Placement] = []
@@ -241,10 +267,43 @@ class TransferMachine:
             placements.append((first + offset, slot))
         t = Transfer(
             tid, TransferKind.RETRIEVE, engine_driven, ev.key.request_id, ev.reply_to,
-            tuple(keys), tuple(placements), 0, now + ctx.config.lease_ttl, inst.object_bytes,
-            ev.instance_id,
+            tuple(keys), tuple(placements), 0, self._deadline(engine_driven, now), inst.object_bytes,
+            ev.instance_id, ev.peer,
         )
-        self._begin(t, ev, out)
+        self._begin(t, ev, now, out)
+
+    def _new_transfer_id(self) -> int:
+        while True:
+            tid = self.ctx.new_transfer_id()
+            if tid not in self.transfers and tid not in self.quarantined_plans:
+                return tid
+
+    def _deadline(self, engine_driven: bool, now: float) -> float:
+        c = self.ctx.config
+        return now + (min(c.plan_ttl, c.lease_ttl) if engine_driven else c.lease_ttl)
+
+    def _over_transfer_cap(self, ev: TransferRequest, out: list[Effect]) -> bool:
+        cap = self.ctx.config.max_transfers_per_instance
+        if self.per_instance.get(ev.instance_id, 0) < cap:
+            return False
+        self.ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"instance has {cap} transfers in flight")
+        return True
+
+    def _take(self, tid: int) -> Transfer:
+        """Remove a live transfer from the tables (its completion or expiry)."""
+        t = self.transfers.pop(tid)
+        n = self.per_instance[t.instance_id] - 1
+        if n:
+            self.per_instance[t.instance_id] = n
+        else:
+            del self.per_instance[t.instance_id]
+        if t.kind is TransferKind.STORE and t.keys:
+            r = self.reserved_of[t.instance_id] - len(t.keys)
+            if r:
+                self.reserved_of[t.instance_id] = r
+            else:
+                del self.reserved_of[t.instance_id]
+        return t
 
     def _refuse_late(self, ev: Store | PrepareStore | Retrieve, now: float, out: list[Effect]) -> bool:
         """A STORE/RETRIEVE handled after its ``not_after`` (or with a malformed one) is refused
@@ -274,7 +333,9 @@ class TransferMachine:
         if not isinstance(ev, PrepareRetrieve) and self._refuse_late(ev, now, out):
             return
         ident: OpIdent | None = None
+        until = 0.0  # how long an answer is kept for duplicates
         if isinstance(ev, (Store, Retrieve)) and ev.not_after is not None:
+            until = min(ev.not_after, now + self.ctx.config.max_not_after_ahead)
             skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
             ident = (ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
                      ev.block_ids, skip, ev.not_after)
@@ -304,14 +365,14 @@ class TransferMachine:
             return
         for e in out[mark:]:
             if isinstance(e, (Reply, ErrorReply)) and e.reply_to == ev.reply_to:
-                self._remember_answer(ident, e)
+                self._remember_answer(ident, e, until)
                 return
-        self.ops_running[ident] = (ev.reply_to, [])
+        self.ops_running[ident] = (ev.reply_to, [], until)
         self.op_of_reply[ev.reply_to] = ident
 
-    def _remember_answer(self, ident: OpIdent, answer: Reply | ErrorReply) -> None:
+    def _remember_answer(self, ident: OpIdent, answer: Reply | ErrorReply, until: float) -> None:
         ok = isinstance(answer, Reply)
-        self.ops_done[ident] = (ok, answer.result if isinstance(answer, Reply) else answer.error, ident[-1])
+        self.ops_done[ident] = (ok, answer.result if isinstance(answer, Reply) else answer.error, until)
         self.ops_done.move_to_end(ident)
 
     def answer_duplicates(self, out: list[Effect]) -> None:
@@ -322,15 +383,18 @@ class TransferMachine:
                 ident = self.op_of_reply.pop(e.reply_to, None)
                 if ident is None:
                     continue
-                _first, duplicates = self.ops_running.pop(ident)
-                self._remember_answer(ident, e)
+                _first, duplicates, until = self.ops_running.pop(ident)
+                self._remember_answer(ident, e, until)
                 for reply_to in duplicates:
                     extra.append(attrs.evolve(e, reply_to=reply_to))
         out.extend(extra)
 
-    def _begin(self, t: Transfer, ev: TransferRequest, out: list[Effect]) -> None:
+    def _begin(self, t: Transfer, ev: TransferRequest, now: float, out: list[Effect]) -> None:
         ctx = self.ctx
         self.transfers[t.transfer_id] = t
+        self.per_instance[t.instance_id] = self.per_instance.get(t.instance_id, 0) + 1
+        if t.kind is TransferKind.STORE and t.keys:
+            self.reserved_of[t.instance_id] = self.reserved_of.get(t.instance_id, 0) + len(t.keys)
         ctx.counters["transfers_started"] += 1
         skip = getattr(ev, "skip_first_n_tokens", 0)
         assert t.deadline is not None
@@ -340,16 +404,19 @@ class TransferMachine:
             out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip)))
         else:
             assert isinstance(ev, (Store, Retrieve))
+            not_after = ev.not_after
+            if not_after is not None:
+                not_after = min(not_after, now + ctx.config.max_not_after_ahead)
             out.append(StartTransfer(
                 t.transfer_id, t.kind, ev.instance_id, t.request_id, ev.reply_to,
                 ev.key.start, ev.key.end, t.placements, ev.block_ids, skip,
-                ev.not_after, t.object_bytes,
+                not_after, t.object_bytes,
             ))
 
     # ============================================================================= completions
 
     def _on_transfer_finished(self, ev: TransferFinished, now: float, out: list[Effect]) -> None:
-        t = self.transfers.pop(ev.transfer_id)
+        t = self._take(ev.transfer_id)
         self._finish(t, bool(ev.ok), t.reply_to, now, out)
         self.ctx.unpin(TransferOwner(t.transfer_id))
 
@@ -359,14 +426,17 @@ class TransferMachine:
             self.ctx.unpin(TransferOwner(ev.transfer_id))  # expired earlier: the copy is over now
 
     def _on_commit(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
-        t = self.transfers.pop(ev.transfer_id)
+        if self.transfers[ev.transfer_id].peer != ev.peer:
+            self.ctx.error(out, ev.reply_to, ErrorKind.FORBIDDEN, f"transfer {ev.transfer_id} belongs to another peer")
+            return
+        t = self._take(ev.transfer_id)
         self._finish(t, bool(ev.ok), ev.reply_to, now, out)
         self.ctx.unpin(TransferOwner(t.transfer_id))
 
     def _on_commit_unknown(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
-        if ev.transfer_id in self.quarantined_plans:
+        if ev.transfer_id in self.quarantined_plans and self.quarantined_plans[ev.transfer_id] == ev.peer:
             # An expired plan's engine finished its copy after all: quarantine over.
-            self.quarantined_plans.discard(ev.transfer_id)
+            del self.quarantined_plans[ev.transfer_id]
             self.ctx.unpin(TransferOwner(ev.transfer_id))
         self.ctx.error(out, ev.reply_to, ErrorKind.UNKNOWN_TRANSFER, f"no prepared transfer {ev.transfer_id}")
 
@@ -387,16 +457,16 @@ class TransferMachine:
 
     def _expire(self, t: Transfer, now: float, out: list[Effect]) -> None:
         ctx, tid = self.ctx, t.transfer_id
-        del self.transfers[tid]
+        self._take(tid)
         self._finish(t, False, None if t.engine_driven else t.reply_to, now, out)
         if t.engine_driven and TransferOwner(tid) in ctx.pins:
             # The engine may still be copying (its commit lost) or be gone: no event will say
             # which, so its slots stay out of use one more lease TTL.
-            self.quarantined_plans.add(tid)
+            self.quarantined_plans[tid] = t.peer
             ctx.timers.push(now + ctx.config.lease_ttl, PlanQuarantineEnd(tid))
 
     def _on_quarantine_end(self, timer: PlanQuarantineEnd, now: float, out: list[Effect]) -> None:
-        self.quarantined_plans.discard(timer.transfer_id)
+        self.quarantined_plans.pop(timer.transfer_id, None)
         self.ctx.counters["plan_quarantines_ended"] += 1
         self.ctx.unpin(TransferOwner(timer.transfer_id))
 
@@ -467,6 +537,13 @@ class TransferMachine:
             assert self.ops_running[ident][0] == reply_to
         for tid in self.quarantined_plans:
             assert TransferOwner(tid) in self.ctx.pins and tid not in self.transfers
+        live: dict[int, int] = {}
+        reserved: dict[int, int] = {}
+        for t in self.transfers.values():
+            live[t.instance_id] = live.get(t.instance_id, 0) + 1
+            if t.kind is TransferKind.STORE and t.keys:
+                reserved[t.instance_id] = reserved.get(t.instance_id, 0) + len(t.keys)
+        assert live == self.per_instance and reserved == self.reserved_of, "per-instance transfer counts"
 
 
 T = TransferState

@@ -320,7 +320,7 @@ class World:
             from core_sm.messages import Clear
 
             self.stats["evict_after_prefetch"] += 1
-            host.node.post(SERVER, Clear(False, reply_to=self.operator_via(host)))
+            host.node.post(SERVER, Clear(False, reply_to=self.operator_via(host), admin=True))
 
     def slot_holder(self, host: ServerHost, slot: int) -> ObjectKey | None:
         """Which object the server's index gives `slot` to right now (None: free)."""
@@ -579,7 +579,7 @@ class World:
                 self._touch_all_live()
                 self.stats["clears"] += 1
                 via = self.operator_via(host)
-                host.node.post(SERVER, Clear(True, reply_to=via))
+                host.node.post(SERVER, Clear(True, reply_to=via, admin=True))
 
     def _touch_all_live(self) -> None:
         for engine in self.engines:

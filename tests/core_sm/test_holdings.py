@@ -76,7 +76,7 @@ def test_eviction_reports_removed_and_clear_reports_cleared() -> None:
     assert len(stored) == 1 and len(stored[0].chunks) == 2
     assert h.log.index(removed[0]) < h.log.index(stored[0])
     mark = len(h.log)
-    h.call(Clear(True))
+    h.call(Clear(True, admin=True))
     assert reports(h, mark) == [AllChunksCleared()]
     mark = len(h.log)
     store(h, first)  # reported again after the clear

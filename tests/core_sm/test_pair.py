@@ -257,7 +257,7 @@ def test_l2_round_trip_with_probe_after_l1_is_cleared() -> None:
     p = Pair(l2_enabled=True, l2_probe=True, write_behind=True)
     toks = tokens(3)
     p.store(toks)  # write-behind copies every chunk to L2
-    p.up.append(Msg("lookup", 0, 10_000, request=Clear(True)))
+    p.up.append(Msg("lookup", 0, 10_000, request=Clear(True, admin=True)))
     p.run()
     assert p.servers[0].stats()["objects"] == 0
     p.client("lookup", SubmitLookup("r", toks))

@@ -196,7 +196,7 @@ def test_expired_copy_and_forced_clear_keep_slots_until_completion() -> None:
     (t,) = h.transfers.values()
     h.advance(2.5)  # the retrieve is failed on schedule; its copy has not reported
     assert h.result(rt).ok is False  # type: ignore[attr-defined]
-    h.send(Clear(True))
+    h.send(Clear(True, admin=True))
     stats = h.server.stats()
     assert stats["objects"] == 0 and stats["quarantined_slots"] == 2 and stats["free_slots"] == 0
     other = h.send(Store(key("o", tokens(2, seed=5), worker_id=0), 1, BLOCKS))
@@ -211,7 +211,7 @@ def test_l2_write_slot_waits_for_its_completion() -> None:
     h.store(tokens(1), rid="w")
     (write,) = h.writes.values()
     h.advance(2.5)  # the write's lease expired
-    h.send(Clear(True))
+    h.send(Clear(True, admin=True))
     assert h.server.stats()["quarantined_slots"] == 1
     h.feed(L2WriteFinished(write.write_id, True))
     assert h.server.stats()["free_slots"] == 1
@@ -310,7 +310,7 @@ def test_duplicate_store_after_an_answer_gets_that_answer_and_no_copy() -> None:
     ok = h.send(other)
     h.finish_all_transfers()
     assert h.result(ok) == StoreResult(True, 2, 0)
-    h.send(Clear(True))  # the chunks are gone from L1
+    h.send(Clear(True, admin=True))  # the chunks are gone from L1
     dup = h.send(other)
     assert h.result(dup) == StoreResult(True, 2, 0) and not h.transfers
     h.now = 10.5  # after not_after: refused

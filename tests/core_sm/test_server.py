@@ -406,11 +406,11 @@ def test_write_behind_holds_a_lease_until_l2_write_finished() -> None:
     h.store(toks)
     (w,) = h.writes.values()
     assert len(w.items) == 2 and held(h, L2WriteOwner(w.write_id)) == 2
-    assert h.call(Clear(False)) is None
+    assert h.call(Clear(False, admin=True)) is None
     assert h.server.stats()["objects"] == 2  # leased: not cleared
     h.feed(L2WriteFinished(w.write_id, True))
     assert held(h, L2WriteOwner(w.write_id)) == 0
-    h.call(Clear(False))
+    h.call(Clear(False, admin=True))
     assert h.server.stats()["objects"] == 0
 
 
@@ -420,7 +420,7 @@ def test_clear_force_drops_leased_objects() -> None:
     toks = tokens(2)
     h.store(toks)
     lookup(h, "r", toks)
-    h.call(Clear(True))
+    h.call(Clear(True, admin=True))
     assert h.server.stats()["objects"] == 0 and h.server.stats()["bytes"] == 0
     assert h.server.index.released_by(ReleaseReason.CLEAR) == 2
     assert h.call(Retrieve(key("r", toks, worker_id=0), 1)) == RetrieveResult(False, 2)
@@ -495,14 +495,14 @@ def test_forced_clear_spares_objects_in_flight_copies_use() -> None:
     lookup(h, "r", toks)  # leases chunk 0 for r
     rt = h.send(Retrieve(key("r", toks, 0, C, worker_id=0), 1))  # copying chunk 0 now
     st = h.send(Store(key("w", toks, C, 2 * C, worker_id=0), 1))  # writing chunk 1 now
-    h.call(Clear(True))
+    h.call(Clear(True, admin=True))
     assert h.server.stats()["objects"] == 2  # neither slot may be handed out mid-copy
     assert held(h, "r") == 1  # a spared object keeps its leases
     h.finish_all_transfers()
     assert h.result(rt) == RetrieveResult(True, 1)
     assert held(h, "r") == 0
     assert h.result(st) == StoreResult(True, 1, 0)
-    h.call(Clear(True))
+    h.call(Clear(True, admin=True))
     assert h.server.stats()["objects"] == 0
 
 
@@ -624,7 +624,7 @@ def test_a_silent_heartbeating_instance_is_reaped_and_its_plans_fail() -> None:
     from core_sm.effects import InstanceReaped
     from core_sm.server import InstanceState
 
-    h = ServerHarness(instance_ttl=60.0, lease_ttl=300.0)
+    h = ServerHarness(instance_ttl=60.0, lease_ttl=300.0, plan_ttl=300.0)
     h.register(engine_driven=True)
     assert h.call(Ping(1)) is True  # the first heartbeat: watched from now on
     plan = h.call(PrepareStore(key("w", tokens(2), worker_id=0), 1))

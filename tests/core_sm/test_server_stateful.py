@@ -188,7 +188,7 @@ class ServerMachine(RuleBasedStateMachine):
 
     @rule(force=st.booleans())
     def clear(self, force: bool) -> None:
-        assert self.h.call(Clear(force)) is None
+        assert self.h.call(Clear(force, admin=True)) is None
 
     # ---- invariants
     @invariant()

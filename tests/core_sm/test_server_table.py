@@ -33,7 +33,7 @@ from core_sm.messages import (
     WaitPrefetchStatus,
 )
 from core_sm.server import SERVER_TABLE, TRANSFER_CREATORS, JobState, LookupServer, TransferState
-from core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, ReapJob
+from core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, ForgetRequestId, ReapJob
 from core_sm.server_transfers import TRANSFER_TABLE, TRANSFER_TIMERS
 from core_sm.table import Dispatcher
 from sm_helpers import C, MODEL, Pick, ServerHarness, every_choice, key, tokens
@@ -85,7 +85,7 @@ def harness_with_job(state: JobState, stored: int, readers: int, waiter: bool = 
     if state is JobState.ABSENT:
         return h
     if state is JobState.PENDING and stored == 3:
-        h.call(Clear(False))  # make sure something is missing so an L2 read is planned
+        h.call(Clear(False, admin=True))  # make sure something is missing so an L2 read is planned
     h.call(Lookup(key(RID, TOKS), readers))
     if state is not JobState.PENDING:
         for pr in list(h.probes.values()):
@@ -152,7 +152,7 @@ JOB_INPUTS: dict[type, JobInput] = {
     L2ReadFinished: _l2_finished,
     L2ProbeFinished: _l2_probe_finished,
     TimerFired: _timer,
-    Clear: lambda h, pick: Clear(pick([True, False])),
+    Clear: lambda h, pick: Clear(pick([True, False]), admin=True),
 }
 
 
@@ -242,7 +242,9 @@ def test_every_listed_job_transition_happens() -> None:
                             every_choice(run)
     listed = {(s, e, n) for (s, e), row in JOB_TABLE.rows.items() for n in row.next_states}
     legacy_only = {(JobState.PENDING, ReapJob, JobState.PENDING), (JobState.DONE, ReapJob, JobState.DONE)}
-    assert listed - seen - legacy_only == set(), "listed but never seen"
+    # leases outliving their tombstone: test_server_ownership drives that row
+    elsewhere = {(JobState.ABSENT, ForgetRequestId, JobState.ABSENT)}
+    assert listed - seen - legacy_only - elsewhere == set(), "listed but never seen"
     assert seen <= listed
 
 
@@ -294,7 +296,7 @@ def test_every_transfer_state_times_every_input(state: TransferState, kind: str,
         h.now += dt
         event = TimerFired()
     else:
-        event = Clear(ok)
+        event = Clear(ok, admin=True)
     rt = ("walk", 1) if hasattr(event, "reply_to") else None
     if rt is not None:
         event = attrs.evolve(event, reply_to=rt)

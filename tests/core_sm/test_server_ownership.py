@@ -1,0 +1,200 @@
+"""Ownership and bounds on the server machines: what one peer creates, another cannot touch;
+what one client may hold or name is bounded; every refusal is one typed error, nothing changes."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core_sm.effects import StartTransfer
+from core_sm.errors import ErrorKind
+from core_sm.messages import (
+    CacheKey,
+    Clear,
+    CommitTransfer,
+    EndSession,
+    FreeLookupLocks,
+    Lookup,
+    Ping,
+    PrepareStore,
+    QueryPrefetchStatus,
+    RegisterInstance,
+    Retrieve,
+    Store,
+    StoreResult,
+    TransferPlan,
+    UnregisterInstance,
+    WaitPrefetchStatus,
+)
+from core_sm.server import JobState, ServerConfig, TransferState
+from sm_helpers import C, MODEL, ServerHarness, key, tokens
+
+A, B = "peer-a", "peer-b"
+TOKS = tokens(3)
+
+
+def _call(h: ServerHarness, request: Any, peer: Any) -> Any:
+    import attrs
+
+    return h.send(attrs.evolve(request, peer=peer))
+
+
+def _register(h: ServerHarness, iid: int, peer: Any, engine_driven: bool = False) -> None:
+    assert h.result(_call(h, RegisterInstance(iid, MODEL, 1, 10, engine_driven), peer)) is None
+
+
+def _stored(h: ServerHarness, toks: tuple[int, ...], iid: int, peer: Any, rid: str = "w") -> Any:
+    rt = _call(h, Store(key(rid, toks, worker_id=0), iid), peer)
+    h.finish_all_transfers()
+    return h.result(rt)
+
+
+def test_a_request_id_belongs_to_the_peer_that_looked_it_up() -> None:
+    h = ServerHarness()
+    _register(h, 1, A)
+    _stored(h, TOKS, 1, A)
+    assert h.result(_call(h, Lookup(key("r", TOKS), 1), A)) is None
+    leases = h.server.leases_by_owner()["r"]
+    for request in (QueryPrefetchStatus("r"), WaitPrefetchStatus("r", 5.0), EndSession("r"),
+                    FreeLookupLocks(key("r", TOKS)), Lookup(key("r", TOKS), 2)):
+        assert h.error_kind(_call(h, request, B)) is ErrorKind.FORBIDDEN, request
+        assert h.server.job_state("r") is JobState.DONE and h.server.leases_by_owner()["r"] == leases
+    assert h.result(_call(h, QueryPrefetchStatus("r"), A)) == 3
+    assert h.error_kind(_call(h, QueryPrefetchStatus("r"), B)) is ErrorKind.FORBIDDEN  # tombstone too
+    assert h.result(_call(h, EndSession("r"), A)) is None
+    assert h.result(_call(h, QueryPrefetchStatus("r"), B)) == 0  # ended: the id is free again
+
+
+def test_an_id_stays_owned_while_its_leases_outlive_the_tombstone() -> None:
+    h = ServerHarness(tombstone_ttl=10.0, lease_ttl=100.0, abandoned_job_ttl=1000.0)
+    _register(h, 1, A)
+    _stored(h, TOKS, 1, A)
+    _call(h, Lookup(key("r", TOKS), 1), A)
+    assert h.result(_call(h, QueryPrefetchStatus("r"), A)) == 3
+    h.advance(50.0)  # tombstone gone, leases held
+    assert h.server.job_state("r") is JobState.ABSENT and h.server.leases_by_owner()["r"] == 3
+    assert h.error_kind(_call(h, FreeLookupLocks(key("r", TOKS)), B)) is ErrorKind.FORBIDDEN
+    assert h.server.leases_by_owner()["r"] == 3
+    h.advance(100.0)  # leases expired; the owner is forgotten at the next check
+    assert "r" not in h.server.leases_by_owner() and "r" not in h.server.jobs.owners
+    assert h.result(_call(h, Lookup(key("r", TOKS), 1), B)) is None  # a new owner
+
+
+def test_a_plan_is_committed_only_by_its_peer_and_transfer_ids_are_unguessable() -> None:
+    h = ServerHarness()
+    _register(h, 1, A, engine_driven=True)
+    plan = h.result(_call(h, PrepareStore(key("w", TOKS, worker_id=0), 1), A))
+    assert isinstance(plan, TransferPlan) and plan.ok
+    assert h.error_kind(_call(h, CommitTransfer(plan.transfer_id, True), B)) is ErrorKind.FORBIDDEN
+    assert h.server.transfer_state(plan.transfer_id) is TransferState.PREPARED
+    assert h.result(_call(h, CommitTransfer(plan.transfer_id, True), A)) == StoreResult(True, 3, 0)
+
+    def ids(seed: int) -> list[int]:
+        g = ServerHarness(ServerConfig(chunk_size=C, num_slots=64, slot_bytes=100, id_seed=seed))
+        g.register(engine_driven=True)
+        out = []
+        for i in range(20):
+            p = g.call(PrepareStore(key(f"w{i}", tokens(1, seed=i), worker_id=0), 1))
+            assert isinstance(p, TransferPlan)
+            out.append(p.transfer_id)
+        return out
+
+    a = ids(7)
+    assert a == ids(7) and a != ids(8)  # deterministic per seed, different across seeds
+    assert len(set(a)) == 20 and all(0 < t < 1 << 63 for t in a)
+    assert sum(t > 1 << 40 for t in a) >= 18 and sorted(a) != a  # not a small counter
+
+
+def test_an_instance_belongs_to_the_peer_that_registered_it() -> None:
+    h = ServerHarness()
+    _register(h, 1, A)
+    for request in (RegisterInstance(1, MODEL, 1, 10), UnregisterInstance(1), Ping(1),
+                    Store(key("w", TOKS, worker_id=0), 1), Retrieve(key("w", TOKS, worker_id=0), 1),
+                    PrepareStore(key("w", TOKS, worker_id=0), 1)):
+        assert h.error_kind(_call(h, request, B)) is ErrorKind.FORBIDDEN, request
+    assert h.server.stats()["instances"] == 1 and h.server.stats()["transfers"] == 0
+    assert _stored(h, TOKS, 1, A) == StoreResult(True, 3, 0)
+
+
+def test_clear_needs_the_admin_flag() -> None:
+    h = ServerHarness()
+    h.register()
+    h.store(TOKS)
+    assert h.error_kind(h.send(Clear(True))) is ErrorKind.FORBIDDEN
+    assert h.server.stats()["objects"] == 3 and h.server.stats()["clears_refused"] == 1
+    assert h.call(Clear(True, admin=True)) is None and h.server.stats()["objects"] == 0
+
+
+def test_jobs_are_bounded_in_total_and_per_peer() -> None:
+    h = ServerHarness(max_jobs=5, max_jobs_per_peer=3)
+    for i in range(3):
+        assert h.result(_call(h, Lookup(key(f"a{i}", TOKS), 1), A)) is None
+    assert h.error_kind(_call(h, Lookup(key("a3", TOKS), 1), A)) is ErrorKind.TOO_LARGE
+    for i in range(2):
+        assert h.result(_call(h, Lookup(key(f"b{i}", TOKS), 1), B)) is None
+    assert h.error_kind(_call(h, Lookup(key("b2", TOKS), 1), B)) is ErrorKind.TOO_LARGE  # total
+    assert h.result(_call(h, EndSession("a0"), A)) is None
+    assert h.result(_call(h, Lookup(key("b2", TOKS), 1), B)) is None
+    assert h.server.stats()["jobs"] == 5
+
+
+def test_lookups_of_one_request_id_are_capped() -> None:
+    h = ServerHarness(max_lookups_per_request=4)
+    for _ in range(4):
+        h.call(Lookup(key("r", TOKS), 1))
+        h.call(QueryPrefetchStatus("r"))
+    assert h.error_kind(h.send(Lookup(key("r", TOKS), 1))) is ErrorKind.TOO_LARGE
+    h.call(EndSession("r"))
+    assert h.call(Lookup(key("r", TOKS), 1)) is None  # a new session of the id
+
+
+def test_transfers_per_instance_are_capped_and_plans_live_seconds() -> None:
+    h = ServerHarness(max_transfers_per_instance=2, plan_ttl=5.0, lease_ttl=300.0)
+    h.register(engine_driven=True)
+    for i in range(2):
+        assert isinstance(h.call(PrepareStore(key(f"w{i}", tokens(1, seed=i), worker_id=0), 1)), TransferPlan)
+    assert h.error_kind(h.send(PrepareStore(key("w9", tokens(1, seed=9), worker_id=0), 1))) is ErrorKind.TOO_LARGE
+    h.advance(5.0)
+    assert h.server.stats()["transfers"] == 0 and h.server.stats()["expired_plans"] == 2
+    assert isinstance(h.call(PrepareStore(key("w9", tokens(1, seed=9), worker_id=0), 1)), TransferPlan)
+
+
+def test_an_instance_over_its_slot_quota_never_evicts_another_tenants_ready_objects() -> None:
+    h = ServerHarness(num_slots=8)
+    _register(h, 1, A, engine_driven=True)
+    _register(h, 2, B)
+    assert _stored(h, tokens(4, seed=1), 2, B, rid="b") == StoreResult(True, 4, 0)  # B: 4 ready
+    # A's uncommitted plan may reserve its fair share (8 slots / 2 instances), no more
+    plan = h.result(_call(h, PrepareStore(key("a", tokens(8, seed=2), worker_id=0), 1), A))
+    assert isinstance(plan, TransferPlan) and len(plan.placements) == 4
+    assert h.server.stats()["quota_skips"] == 4
+    b_keys = [k for k in h.server.index.objects() if h.server.index.is_readable(k)]
+    assert len(b_keys) == 4  # every one of B's objects is still there
+
+
+def test_not_after_is_held_to_now_plus_sixty_seconds() -> None:
+    h = ServerHarness()
+    h.register()
+    rt = h.send(Store(key("w", TOKS, worker_id=0), 1, not_after=1e15))
+    (st,) = [e for e in h.log if isinstance(e, StartTransfer)]
+    assert st.not_after == pytest.approx(h.now + 60.0)
+    h.finish_all_transfers()
+    assert h.result(rt) == StoreResult(True, 3, 0)
+    h.advance(61.0)
+    h.call(Lookup(key("other", TOKS), 1))  # any request: the kept answer expired
+    assert len(h.server.transfers.ops_done) in (0, 1)
+    h.send(Store(key("w2", tokens(1, seed=5), worker_id=0), 1, not_after=h.now + 1))
+    assert all(until <= h.now + 60.0 for _ok, _a, until in h.server.transfers.ops_done.values())
+
+
+@pytest.mark.parametrize("world_size,end_chunks", [(4097, 1), (4096, 65)])
+def test_world_size_and_objects_per_request_are_bounded(world_size: int, end_chunks: int) -> None:
+    h = ServerHarness(max_chunks_per_request=1 << 16)
+    toks = tokens(end_chunks)
+    assert h.error_kind(h.send(FreeLookupLocks(CacheKey(MODEL, world_size, None, toks, 0, end_chunks * C, "r")))) \
+        is ErrorKind.VALIDATION
+    assert h.error_kind(h.send(Lookup(CacheKey(MODEL, world_size, None, toks, 0, end_chunks * C, "r")))) \
+        is ErrorKind.VALIDATION
+    assert h.error_kind(h.send(RegisterInstance(5, MODEL, 4097, 10))) is ErrorKind.VALIDATION
+    assert h.server.stats()["jobs"] == 0 and h.server.stats()["instances"] == 0
+
