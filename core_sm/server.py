@@ -102,6 +102,7 @@ _COUNTERS = (
     "tombstones_dropped", "late_transfers_refused", "stores_awaiting_writers",
     "plan_quarantines_ended", "duplicate_transfers", "table_violations",
     "heartbeats", "instances_reaped", "plans_of_reaped_instances", "quota_skips", "clears_refused",
+    "stores_not_admitted",
 )
 
 

@@ -17,6 +17,7 @@ import attrs
 from core_sm.chunks import DEFAULT_CHUNK_SIZE, identity_root, validate_cache_salt
 from core_sm.effects import Effect
 from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.admission import StoreAdmission
 from core_sm.holdings import HeldChunks
 from core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
 from core_sm.l1_index import L1Index
@@ -64,6 +65,8 @@ class ServerConfig:
     plan_ttl: float = 30.0  # an uncommitted engine-driven plan expires after min(this, lease_ttl)
     max_lookups_per_request: int = 64  # lookups of one request id (each refreshes its leases)
     max_not_after_ahead: float = 60.0  # a not_after is held to at most now + this
+    # Store a chunk only once lookups asked for it this many times (core_sm.admission; 0/1: all).
+    store_threshold: int = 0
 
 
 @attrs.frozen(cache_hash=True)
@@ -114,6 +117,7 @@ class ServerContext:
         self._transfer_key = hashlib.blake2b(repr(config.id_seed).encode(), digest_size=32).digest()
         # kv_events: what was reported held; the index lists its drops for report_drops
         self.held: HeldChunks | None = None
+        self.admission = StoreAdmission(c.store_threshold) if c.store_threshold > 1 else None
         if c.kv_events:
             self.held = HeldChunks()
             self.index.dropped = []

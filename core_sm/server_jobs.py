@@ -283,6 +283,8 @@ class JobMachine:
             self.server._on_duplicate_lookup(job, ev, now, out)
             return
         self.tombstones.pop(rid, None)
+        if ctx.admission is not None:
+            ctx.admission.record(hashes)
         self.start_job(ev, hashes, now, out)
 
     def start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:

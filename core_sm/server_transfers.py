@@ -28,7 +28,7 @@ import attrs
 from core_sm.chunks import ObjectKey
 from core_sm.effects import Effect, ErrorReply, Reply, StartTransfer, StoredChunk
 from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.l1_index import ReleaseReason
+from core_sm.l1_index import ObjectState, ReleaseReason
 from core_sm.messages import (
     CommitTransfer,
     Peer,
@@ -183,7 +183,15 @@ class TransferMachine:
         reserved: list[ObjectKey] = []
         skipped = 0
         awaited: dict[int, None] = {}  # running server-driven stores writing chunks of this one
+        refusing = False  # admission refused a chunk: the ones after it are no prefix's hit either
         for offset, k in enumerate(keys_or_err):
+            if ctx.admission is not None and ctx.index.state(k) is ObjectState.ABSENT and (
+                    refusing or not ctx.admission.admits(k.chunk_hash)):
+                # Not looked up often enough yet: its slot stays with what is reused.
+                refusing = True
+                skipped += 1
+                ctx.counters["stores_not_admitted"] += 1
+                continue
             if len(reserved) >= room:
                 if ctx.index.is_readable(k) or ctx.index.writer_of(k) is not None:
                     slot = None  # present or being written: skipped as always

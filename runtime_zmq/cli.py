@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--lease-ttl", type=cfg.positive_float, default=300.0, help="seconds a read/write lease lives without use")
     cache.add_argument("--job-ttl", type=cfg.positive_float, default=60.0, help="seconds a lookup nobody queries lives before its leases are reaped")
     cache.add_argument("--tombstone-ttl", type=cfg.positive_float, default=60.0, help="seconds a delivered status is repeated for")
+    cache.add_argument("--store-threshold", type=cfg.non_negative_int, default=0, help="store a chunk only once lookups asked for its prefix this many times (0 or 1: store everything; 2 keeps one-off prompts from evicting reused ones)")
     tiers = cfg.group(p, L2)
     l2_urls = tiers.add_argument(
         "--l2", action="append", default=None, metavar="URL",
@@ -150,6 +151,8 @@ def check(args: argparse.Namespace) -> str | None:
     l1 = int(args.l1_size_gb * GiB)
     if slot > l1:
         return f"--slot-mb {args.slot_mb:g} is larger than --l1-size-gb {args.l1_size_gb:g}: L1 would hold no object"
+    if args.store_threshold > 255:
+        return f"--store-threshold {args.store_threshold} is above 255 (the admission sketch counts to 255)"
     if args.ipc is not None and not args.ipc.strip():
         return "--ipc needs a path"
     for url in args.l2 or ():
@@ -181,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         shutdown_grace=args.shutdown_grace,
         shm_dir=args.shm_dir,
         l2_options=l2_options_from_args(args),
+        store_threshold=args.store_threshold,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,

@@ -82,6 +82,8 @@ class ServerConfig:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = ""
+    # store a chunk only once lookups asked for it this many times (core_sm.admission; 0: all)
+    store_threshold: int = 0
 
 
 def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool) -> Any:
@@ -102,6 +104,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             write_behind=l2_enabled,
             kv_events=bool(config.kv_events),
             id_seed=secrets.randbits(128),  # transfer ids nobody can predict
+            store_threshold=config.store_threshold,
         )
     )
 

@@ -49,6 +49,7 @@ class Profile:
             write_behind=cfg.l2_enabled,
             high_watermark=0.9,
             low_watermark=0.7,
+            store_threshold=cfg.store_threshold,
         )
 
     def make_server(self, cfg: WorldConfig) -> LookupServer:

@@ -42,6 +42,7 @@ class WorldConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 2.5
     engine_driven: bool = False
+    store_threshold: int = 0  # core_sm.admission (not drawn: set by the tests that want it)
     abandoned_job_ttl: float = 10.0
     lookup_timeout: float = 5.0
     net: NetConfig = attrs.field(factory=NetConfig)

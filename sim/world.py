@@ -112,6 +112,10 @@ class ServerHost:
         # request id -> last of ("lookup", t) / ("end", t) handled in this incarnation
         self.last_session_event: dict[str, tuple[str, float]] = {}
         self.lookups_handled: set[str] = set()
+        # store admission oracle: LOOKUPs seen per chunk hash, and the objects readable after
+        # the last event (this incarnation)
+        self.chunk_lookups: dict[bytes, int] = {}
+        self.objects_held: frozenset[Any] = frozenset()
 
 
 class World:
@@ -248,6 +252,8 @@ class World:
         host.awaiting_reply = {}
         host.last_session_event = {}
         host.lookups_handled = set()
+        host.chunk_lookups = {}
+        host.objects_held = frozenset()
         machine = ProbedServer(self.profile.make_server(self.config), self, host)
         node = self.make_node(host.name, {SERVER: machine}, self._interpret_server)
         host.node = node
@@ -520,6 +526,25 @@ class World:
             for effect in effects:
                 if type(effect) is Reply and isinstance(effect.result, int) and effect.result > 0:
                     self._check_hit_history(node.name, event.request_id, effect.result, via)
+        if self.config.store_threshold > 1:
+            self._check_admission(host, server, event)
+
+    def _check_admission(self, host: ServerHost, server: Any, event: Any) -> None:
+        """Store admission: an object a STORE made ready belongs to a chunk that LOOKUPs asked
+        for at least ``store_threshold`` times in this incarnation."""
+        if type(event) is Lookup:
+            hashes, err = server.ctx.hashes(event.key, event.key.end // self.config.chunk_size)
+            for h in hashes if err is None else ():
+                host.chunk_lookups[h] = host.chunk_lookups.get(h, 0) + 1
+        index = server.index
+        held = frozenset(k for k in index.objects() if index.is_readable(k))
+        if type(event).__name__ in ("TransferFinished", "CommitTransfer"):
+            for key in held - host.objects_held:
+                seen = host.chunk_lookups.get(key.chunk_hash, 0)
+                if seen < self.config.store_threshold:
+                    self.violation("ADMISSION", host.name, f"{key.wire_name()[:12]} stored after {seen} "
+                                   f"lookups (store_threshold {self.config.store_threshold})")
+        host.objects_held = held
 
     def _check_leases_for(self, host: ServerHost, server: Any, rid: str, num_readers: int) -> None:
         index = server.index

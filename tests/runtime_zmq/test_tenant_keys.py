@@ -171,3 +171,20 @@ def test_wire_key_extras_round_trip_and_lmcache_keys_carry_none() -> None:
     for bad in ({"key_identity": 5}, {"chunk_extras": "x"}, {"chunk_extras": ["str"]}):
         with pytest.raises(_Bad):
             decode_key({**lmcache_map, **bad}, limits)
+
+
+# ------------------------------------------------------------------ store admission (--store-threshold)
+
+
+def test_store_threshold_stores_a_prompt_at_its_second_lookup(start_server: Callable[..., Any]) -> None:
+    server = start_server(*SERVER_FLAGS, "--store-threshold", "2")
+    eng = Engine([server.url])
+    try:
+        prompt = tokens(2 * CHUNK + 1, 9)
+        assert run(eng, "first", prompt) == 0
+        assert objects(server.url) == 0  # one lookup so far: not admitted
+        assert run(eng, "second", prompt) == 0
+        assert objects(server.url) == 2
+        assert run(eng, "third", prompt) == 2 * CHUNK
+    finally:
+        eng.close()
