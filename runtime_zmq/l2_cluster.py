@@ -192,7 +192,7 @@ class RedisClusterTier:
 
         try:
             client = RedisCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in self._nodes],
+                startup_nodes=[ClusterNode(h, p) for h, p in self._nodes],  # type: ignore[no-untyped-call]
                 socket_timeout=self._timeout_s,
                 socket_connect_timeout=self._timeout_s,
                 max_connections=self._pool_size,

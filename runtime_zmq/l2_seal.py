@@ -30,7 +30,9 @@ import os
 import secrets
 import stat
 import struct
+from typing import Any
 
+_blake3: Any
 try:  # optional, faster
     import blake3 as _blake3
 except ImportError:  # pragma: no cover - exercised only where blake3 is missing

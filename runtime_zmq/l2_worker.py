@@ -147,6 +147,8 @@ class L2Worker:
         self.counts: collections.Counter[str] = collections.Counter()
         self._rejects_pending: collections.Counter[str] = collections.Counter()
         self._rejects_logged_at = -1e18
+        self._drops_pending: collections.Counter[str] = collections.Counter()
+        self._drops_logged_at = -1e18
         o = self.options
         self._tiers = [_Tier(t, Breaker(o.breaker_threshold, o.breaker_backoff_s, o.breaker_backoff_max_s))
                        for t in tiers]
@@ -174,11 +176,11 @@ class L2Worker:
         self._slot_nbytes[slot] = nbytes
 
     def probe(self, effect: ProbeL2) -> None:
-        failed = L2ProbeFinished(effect.probe_id, (False,) * len(effect.keys))  # type: ignore[arg-type]
+        failed = L2ProbeFinished(effect.probe_id, (False,) * len(effect.keys))
         self._submit("probe", effect, failed, 0)
 
     def read(self, effect: ReadL2) -> None:
-        failed = L2ReadFinished(effect.read_id, (False,) * len(effect.items))  # type: ignore[arg-type]
+        failed = L2ReadFinished(effect.read_id, (False,) * len(effect.items))
         self._submit("read", effect, failed, len(effect.items) * (effect.object_bytes or self.pool.slot_bytes))
 
     def write(self, effect: WriteL2) -> None:
@@ -211,8 +213,20 @@ class L2Worker:
                 self._cond.notify_all()
         if dropped is not None:
             if not self._closed:
-                log.warning("L2 queue full (%d effects): dropped a %s", self.options.queue_max, dropped.kind)
+                self._note_drop(dropped.kind)
             self._finish(dropped, dropped.failed)
+
+    def _note_drop(self, kind: str) -> None:
+        now = self.clock()
+        with self._lock:
+            self._drops_pending[kind] += 1
+            if now - self._drops_logged_at < self.options.reject_log_interval_s:
+                return
+            self._drops_logged_at = now
+            summary = ", ".join(f"{n} {k}" for k, n in sorted(self._drops_pending.items()))
+            self._drops_pending.clear()
+        log.warning("L2 queue full (%d effects waiting): dropped %s (write-behind first; next report "
+                    "in %.0f s at most)", self.options.queue_max, summary, self.options.reject_log_interval_s)
 
     def _finish(self, job: _Effect, event: object) -> bool:
         """Reports ``job`` with ``event`` unless it was reported already."""
@@ -384,37 +398,40 @@ class L2Worker:
             if ok:
                 for i, f in zip(todo, found):
                     present[i] = bool(f)
-        return L2ProbeFinished(effect.probe_id, tuple(present))  # type: ignore[arg-type]
+        return L2ProbeFinished(effect.probe_id, tuple(present))
 
     def _do_read(self, job: _Effect) -> object:
         effect: ReadL2 = job.effect
         keys = [storage_key(k) for k, _ in effect.items]
-        payloads: list[memoryview | None] = [None] * len(keys)
-        for tier in self._tiers:
-            todo = [i for i, p in enumerate(payloads) if p is None]
-            if not todo or job.done:
-                break
-            if not self._allowed(tier):
-                continue
-            ok, blobs = self._call(job, tier, lambda: _read_many(tier.tier, [keys[i] for i in todo]), "read")
-            if not ok:
-                continue
-            for i, blob in zip(todo, blobs):
-                if blob is not None:
-                    payloads[i] = self._open(tier, keys[i], blob, effect.object_bytes)
         loaded = [False] * len(keys)
-        with job.lock:
-            if job.done:  # past its deadline: the slots may belong to another object already
-                return job.failed
-            for i, ((_, slot), payload) in enumerate(zip(effect.items, payloads)):
-                if payload is None:
+        # In batches of bounded bytes: a read of many large objects never holds them all at once.
+        for batch in _batches(len(keys), effect.object_bytes or self.pool.slot_bytes):
+            payloads: dict[int, memoryview] = {}
+            for tier in self._tiers:
+                todo = [i for i in batch if i not in payloads]
+                if not todo or job.done:
+                    break
+                if not self._allowed(tier):
                     continue
-                self.pool.write(slot, payload)
-                self._slot_nbytes[slot] = len(payload)
-                loaded[i] = True
+                ok, blobs = self._call(job, tier, lambda: _read_many(tier.tier, [keys[i] for i in todo]), "read")
+                if not ok:
+                    continue
+                for i, blob in zip(todo, blobs):
+                    if blob is not None:
+                        payload = self._open(tier, keys[i], blob, effect.object_bytes)
+                        if payload is not None:
+                            payloads[i] = payload
+            with job.lock:
+                if job.done:  # past its deadline: the slots may belong to another object already
+                    return job.failed
+                for i, payload in payloads.items():
+                    slot = effect.items[i][1]
+                    self.pool.write(slot, payload)
+                    self._slot_nbytes[slot] = len(payload)
+                    loaded[i] = True
         self.reads += len(keys)
         self.read_hits += sum(loaded)
-        return L2ReadFinished(effect.read_id, tuple(loaded))  # type: ignore[arg-type]
+        return L2ReadFinished(effect.read_id, tuple(loaded))
 
     def _open(self, tier: _Tier, key: bytes, blob: bytes, object_bytes: int) -> memoryview | None:
         """The payload of a tier's value, or None (a counted rejection). ``object_bytes``: the
@@ -458,23 +475,26 @@ class L2Worker:
     def _do_write(self, job: _Effect) -> object:
         effect, sizes = job.effect
         assert self._sealer is not None
-        with job.lock:  # copy out of the slots while the effect still pins them
-            if job.done:
-                return job.failed
-            items = [(storage_key(k), self.pool.view(slot, n)) for (k, slot), n in zip(effect.items, sizes)]
-            sealed = [(key, self._sealer.seal(key, data)) for key, data in items]
         ok = True
-        for tier in self._tiers:
-            if job.done:
-                ok = False
-                break
-            if not self._allowed(tier):
-                self._count("l2_writes_skipped")
-                ok = False
-                continue
-            done, _ = self._call(job, tier, lambda: _write_many(tier.tier, sealed), "write")
-            ok = ok and done
-        self.writes += len(sealed)
+        for batch in _batches(len(sizes), max(sizes, default=0)):
+            with job.lock:  # copy out of the slots while the effect still pins them
+                if job.done:
+                    return job.failed
+                sealed = []
+                for i in batch:
+                    (k, slot), n = effect.items[i], sizes[i]
+                    key = storage_key(k)
+                    sealed.append((key, self._sealer.seal(key, self.pool.view(slot, n))))
+            for tier in self._tiers:
+                if job.done:
+                    return job.failed
+                if not self._allowed(tier):
+                    self._count("l2_writes_skipped")
+                    ok = False
+                    continue
+                done, _ = self._call(job, tier, lambda: _write_many(tier.tier, sealed), "write")
+                ok = ok and done
+            self.writes += len(sealed)
         return L2WriteFinished(effect.write_id, ok)
 
     # -- observability and shutdown ----------------------------------------------------------
@@ -521,6 +541,15 @@ class L2Worker:
                 log.exception("closing L2 tier %r", t)
         for thread in self._threads:
             thread.join()
+
+
+# Bytes of objects one tier call moves at most (the batch is at least one object).
+BATCH_BYTES = 64 << 20
+
+
+def _batches(n: int, item_bytes: int) -> list[list[int]]:
+    per = max(1, BATCH_BYTES // max(1, item_bytes))
+    return [list(range(i, min(n, i + per))) for i in range(0, n, per)]
 
 
 def _read_many(tier: Any, keys: list[bytes]) -> list[Any]:

@@ -279,3 +279,21 @@ def test_disk_tier_has_a_default_cap(tmp_path: Any) -> None:
         assert "cap" in tier.name
     finally:
         tier.close()
+
+
+def test_large_effects_move_in_bounded_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime_zmq.l2_worker as l2w
+
+    monkeypatch.setattr(l2w, "BATCH_BYTES", 3 << 20)  # three 1 MiB objects per tier call
+    tier = Recorder()
+    h = Harness([tier])
+    try:
+        ks = _keys(8)
+        h.worker.write(WriteL2(1, tuple((k, i) for i, k in enumerate(ks)), object_bytes=1 << 20))
+        h.wait_for(lambda p: L2WriteFinished(1, True) in p)
+        h.worker.read(ReadL2(2, tuple((k, 8 + i) for i, k in enumerate(ks)), object_bytes=1 << 20))
+        h.wait_for(lambda p: L2ReadFinished(2, (True,) * 8) in p)
+        assert tier.calls == ["write_many:3", "write_many:3", "write_many:2",
+                              "read_many:3", "read_many:3", "read_many:2"]
+    finally:
+        h.close()
