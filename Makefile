@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: run test sim bench e2e soak docs venv clean help
 
@@ -15,9 +16,12 @@ help:
 	@echo "make soak   long soak test (1M lookups)"
 	@echo "make docs   regenerate docs/configuration.md and docs/metrics.md from the code"
 
+# The tests need torch: the `vllm` extra says only torch>=2.4 (so as not to move vLLM's own
+# pin), so the venv takes the CPU build vLLM uses first, or pip would pick the newest CUDA build.
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(PIP) install -q 'torch==$(TORCH_VERSION)'
 	$(PIP) install -q -e '.[test,redis]'
 	touch $@
 
