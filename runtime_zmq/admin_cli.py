@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     clear = sub.add_parser("clear", help="drop every unleased object (admin)", description="Ask the server to clear L1 (objects under a lease stay until released).")
     clear.add_argument("--force", action="store_true", help="also drop objects that are leased (their readers get misses)")
     bench = sub.add_parser("bench", help="lookup + status round trips against this server", description="Lookups of random prompts (misses: nothing is stored) and their status queries, from one client; prints a table.")
+    bench.add_argument("--url", default=argparse.SUPPRESS, help="the server's ZMQ address (as the global --url)")
     bench.add_argument("--lookups", type=cfg.positive_int, default=2000, help="how many lookup + status pairs")
     bench.add_argument("--chunks", type=cfg.positive_int, default=4, help="chunks per prompt")
     bench.add_argument("--in-flight", type=cfg.positive_int, default=16, help="lookups sent before waiting for answers")

@@ -44,6 +44,8 @@ def test_commands_against_a_server(start_server: Callable[..., ServerProcess]) -
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()[:2]
     assert header.split()[:2] == ["lookups", "tokens"] and row.split()[0] == "40"
+    out = cli("bench", "--url", sp.url, "--lookups", "5")  # the URL may follow the subcommand too
+    assert out.returncode == 0 and out.stdout.splitlines()[1].split()[0] == "5", out.stderr
 
 
 def test_unreachable_server_is_exit_3() -> None:
