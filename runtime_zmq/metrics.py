@@ -389,6 +389,13 @@ class ServerMetrics(Collector):
             out.append(row)
         return out
 
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Serve /metrics and the probes on addr:port from a daemon thread (``ServerConfig.metrics_port``
+        of an embedded server; the CLI builds its ``runtime_zmq.http.OpsHttpServer`` itself)."""
+        from runtime_zmq.http import OpsHttpServer
+
+        self._http = OpsHttpServer(self._server, addr, port, metrics=self)
+
     # scrape -------------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
         from runtime_zmq.config import version

@@ -107,6 +107,40 @@ def test_readyz_is_503_while_a_required_l2_tier_is_down(start_server: Callable[.
     assert get(http_url(best_effort) + "/readyz")[0] == 200
 
 
+def test_an_embedded_server_serves_the_probes_on_its_metrics_port() -> None:
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = tempfile.mkdtemp(prefix="mpcache-http-")
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=8 << 20, slot_bytes=1 << 20, metrics_port=port))
+    loop = threading.Thread(target=server.serve_forever)
+    loop.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert wait_ready(base)
+        assert get(base + "/healthz")[0] == 200
+        assert "mpcache_build_info" in get(base + "/metrics")[1]
+    finally:
+        server.stop()
+        loop.join(30)
+        server.metrics._http.close()
+
+
+def wait_ready(base: str, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if get(base + "/readyz")[0] == 200:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 def test_probes_answer_503_within_their_bound_when_the_loop_does_not_run() -> None:
     d = tempfile.mkdtemp(prefix="mpcache-http-")
     server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=8 << 20, slot_bytes=1 << 20))
