@@ -130,11 +130,15 @@ class ScheduledRequest:
     replaces_blocks: bool = False
 
 
+def _scheduled(values: Iterable[ScheduledRequest]) -> tuple[ScheduledRequest, ...]:
+    return tuple(values)
+
+
 @attrs.frozen
 class StepScheduled:
     """vLLM ``build_connector_meta``: what this step schedules and which requests it preempted."""
 
-    scheduled: tuple[ScheduledRequest, ...] = attrs.field(converter=tuple)
+    scheduled: tuple[ScheduledRequest, ...] = attrs.field(converter=_scheduled)
     preempted: tuple[str, ...] = attrs.field(default=(), converter=_strs)
 
 
@@ -226,6 +230,7 @@ class RequestTracker:
     pending_retrieve: SubmitRetrieve | None = None  # for the next plan
     block_ids: list[int] = attrs.Factory(list)
     stored_until: int = 0  # tokens [0, stored_until) are stored or their store is planned
+    leases_freed: tuple[tuple[int, int], ...] = ()  # the token ranges freed at allocation
 
     def prompt(self) -> tuple[int, ...]:
         return tuple(self.token_ids[: self.num_prompt_tokens])
@@ -392,7 +397,8 @@ class StepPlanner:
                     tracker.block_ids[start // block : end // block], tracker.engine_hit_tokens - start,
                     tracker.cache_salt, tracker.extras)
         prompt = tracker.prompt()
-        for free_start, free_end in self.unused_lease_ranges(hit, start, end):
+        tracker.leases_freed = tuple(self.unused_lease_ranges(hit, start, end))
+        for free_start, free_end in tracker.leases_freed:
             self._lookup(FreeUnusedLeases(tracker.request_id, prompt, free_start, free_end, tracker.cache_salt,
                                           tracker.extras), now, out)
         self._lookup(Cleanup(tracker.request_id), now, out)

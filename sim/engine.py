@@ -1,15 +1,20 @@
-"""A simulated vLLM engine: one scheduler node (LookupClient) and `tp` worker nodes (one
-TransferClient per server each), driven the way vLLM's KV connector drives LMCache's adapters.
+"""A simulated vLLM engine: a model of vLLM's scheduler (waiting queue, block pool, prefix-cache
+hits, async loads, preemption, aborts, finish) on one scheduler node that runs core_sm's
+``StepPlanner`` -- the class ``MPCacheConnector`` drives -- and `tp` worker nodes (one
+TransferClient per server each). Every protocol decision (loadable tokens, lease ranges,
+retrieve and store ranges, recompute after preemption) is the planner's; this file only calls
+it in vLLM's order and checks the outcome.
 
-Per request (LMCache MP connector lifecycle, reference §C.5)::
+Per request, in vLLM's call order (reference/vllm_connector.md)::
 
-    arrive -> SubmitLookup; each scheduler step: check() -> None (ask again next step) | tokens
-    allocate blocks (wait while the pool is short; vLLM asks check() again meanwhile)
-    Cleanup; FreeUnusedLeases for what vLLM's own prefix cache covers
-    RETRIEVE [floor(apc/C)*C, hit) from one server into the blocks (skip the APC part)
-    load reported in recving -> verify every loaded block's checksum; load errors are recomputed
-    compute the rest -> STORE the new full chunks to every server -> EngineFinished + EndRequest
-    every worker reports the id in sending -> blocks freed -> done
+    arrive -> waiting; each scheduler step: MatchRequest -> None (ask again next step) | tokens
+    allocate blocks (wait while the pool is short; vLLM asks again meanwhile) -> BlocksAllocated
+    end of step: StepScheduled -> StepPlan: its retrieves go to the workers (one server each)
+    load reported in recving -> verify every loaded block's checksum; load errors are recomputed;
+    BlocksAllocated again (vLLM's second update_state_after_alloc) -> compute
+    computed: StepScheduled with the request -> its stores go to every server -> decode
+    finish: RequestFinished + EngineFinished (or Abort) -> every worker reports it in sending
+    -> blocks freed -> done
 
 Aborts (before allocation, while loading, while computing) and preemption (blocks freed,
 recompute from scratch) follow the same calls vLLM makes. Worker memory is a dict of block id ->
@@ -27,28 +32,35 @@ from core_sm.blocks import chunk_copies
 from core_sm.chunks import ObjectKey, chunk_hashes, identity_root
 from core_sm.effects import CopyBlocks, SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.lookup_client import LookupState
 from core_sm.messages import (
     Abort,
-    Cleanup,
     CopyFinished,
-    EndRequest,
     EngineFinished,
-    FreeUnusedLeases,
     Ping,
     QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
     ServerHealth,
-    SubmitLookup,
     SubmitRetrieve,
-    SubmitStore,
     TransferKind,
     WaitPrefetchStatus,
+)
+from core_sm.planner import (
+    BlocksAllocated,
+    MatchAnswer,
+    MatchRequest,
+    RequestFinished,
+    ScheduledRequest,
+    StepPlan,
+    StepPlanner,
+    StepScheduled,
 )
 from runtime_trio import Address, Node
 from sim.scenario import RequestSpec, sched_name, server_name, worker_name
 
 MODEL = "sim-model"
+SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished)
 LOOKUP = "lookup"
 HB = "hb"
 
@@ -66,12 +78,11 @@ class SimRequest:
     state: str = "pending"  # pending, waiting, loading, computing, finishing, done
     outcome: str = ""
     done: bool = False
-    submitted: bool = False
-    skip_lookup: bool = False
     polls: int = 0
-    lm_hit: int | None = None
-    vllm_hit: int = 0
-    load_start: int = 0
+    lm_hit: int | None = None  # the planner's lookup result, for coverage stats
+    vllm_hit: int = 0  # the engine's prefix-cache hit (num_computed_tokens at the match)
+    external: int = 0  # the tokens the planner said would be loaded
+    retrieve: SubmitRetrieve | None = None  # the plan's retrieve, checked when it lands
     retrieve_server: int = 0
     loads_pending: set[int] = attrs.Factory(set)
     load_errors: set[tuple[int, int]] = attrs.Factory(set)  # (rank, block id)
@@ -163,6 +174,9 @@ class SimEngine:
         self.lookup_results: dict[str, int] = {}
         self.block_owner: dict[int, str] = {}
         self.f2_watch: set[str] = set()
+        # vLLM's per-step scheduler output, handed to the planner at the end of the step
+        self.step_requests: list[ScheduledRequest] = []
+        self.step_preempted: list[str] = []
         root_cache: dict[str, bytes] = {}
         for spec in world.scenario.requests:
             if spec.engine != index:
@@ -181,7 +195,7 @@ class SimEngine:
     async def start(self, nursery: trio.Nursery) -> None:
         w = self.world
         profile = w.profile
-        sched = w.make_node(sched_name(self.index), {LOOKUP: profile.make_lookup_client(self.cfg)},
+        sched = w.make_node(sched_name(self.index), {LOOKUP: profile.make_planner(self.cfg)},
                             self._interpret)
         self.sched = sched
         await w.start_node(sched)
@@ -214,6 +228,8 @@ class SimEngine:
     # =========================================================================== effects
     def _interpret(self, node: Node, machine: str, effect: Any) -> None:
         t = type(effect)
+        if t is MatchAnswer or t is StepPlan:
+            return  # the planner's answers: read by the caller from the call's effects
         if t is SendRequest:
             from sim.world import RequestMsg
 
@@ -257,8 +273,8 @@ class SimEngine:
             return
         if info is not None and machine == LOOKUP and info[1] in ("QueryPrefetchStatus", "WaitPrefetchStatus"):
             rid = info[0]
-            client = node.machines[LOOKUP]
-            pending = client._active.get(rid) if rid is not None else None
+            client = node.machines[LOOKUP].lookups
+            pending = client.pending(rid) if rid is not None and client.state(rid) is not LookupState.DONE else None
             leg = pending.legs.get(msg.server) if pending is not None else None
             if (rid is not None and isinstance(msg.result, int) and not isinstance(msg.result, bool)
                     and leg is not None and leg.chunks is None):
@@ -280,14 +296,18 @@ class SimEngine:
             machine_obj.check_invariants()
         except AssertionError as exc:
             self.world.violation("SAFETY", node.name, f"core_sm {machine} invariant: {exc}")
-        self._ensure_step()
+        if type(event) not in SCHEDULER_CALLS:
+            # Something arrived that a step may act on; the scheduler's own calls are made by a
+            # step, which acts on their answers itself.
+            self._ensure_step()
         if machine == LOOKUP and self.f2_watch:
+            lookups = machine_obj.lookups
             for rid in sorted(self.f2_watch):
-                pending = machine_obj._done.get(rid)
-                if pending is not None:
+                state = lookups.state(rid)
+                if state is LookupState.DONE:
                     self.f2_watch.discard(rid)
-                    self._check_resolution(rid, pending)
-                elif rid not in machine_obj._active:
+                    self._check_resolution(rid, lookups.pending(rid))
+                elif state is LookupState.ABSENT:
                     self.f2_watch.discard(rid)
 
     # =========================================================================== heartbeats
@@ -337,9 +357,6 @@ class SimEngine:
             return
         req.state = "waiting"
         req.arrived_at = self.world.now()
-        assert self.sched is not None
-        req.submitted = True
-        self.call(self.sched, LOOKUP, SubmitLookup(req.rid, req.tokens, req.spec.cache_salt))
         self._ensure_step()
 
     def _ensure_step(self) -> None:
@@ -365,59 +382,119 @@ class SimEngine:
                 self._schedule_waiting(req)
             elif st == "computing" and now >= req.compute_done_at:
                 self._compute_and_store(req)
+        self._build_plan()
+
+    def planner(self) -> StepPlanner:
+        assert self.sched is not None
+        machine: StepPlanner = self.sched.machines[LOOKUP]
+        return machine
 
     def _schedule_waiting(self, req: SimRequest) -> None:
+        """vLLM's waiting queue: ask the connector, allocate, tell the connector."""
         assert self.sched is not None
-        if req.skip_lookup:
-            hit = 0
-        else:
-            if not req.submitted:
-                req.submitted = True
-                self.call(self.sched, LOOKUP, SubmitLookup(req.rid, req.tokens, req.spec.cache_salt))
-            result = self.sched.machines[LOOKUP].check(req.rid)
-            self.world._arm_timer(self.sched, self.sched.next_deadline())
-            if result is None:
-                req.polls += 1
-                req.unresolved = True
-                return
-            req.unresolved = False
-            if not isinstance(result, int) or isinstance(result, bool) or result < 0 or result % self.C:
-                self.world.violation("SAFETY", self.sched.name, f"check({req.rid}) returned {result!r}")
-            hit = result
-            if req.rid not in self.lookup_results:
-                self.lookup_results[req.rid] = hit
+        apc = self._engine_prefix_hit(req)
+        effects = self.call(self.sched, LOOKUP, MatchRequest(req.rid, req.tokens, len(req.tokens), apc,
+                                                             req.spec.cache_salt,
+                                                             max_load_tokens=req.spec.max_load_tokens))
+        answers = [e for e in effects if type(e) is MatchAnswer]
+        if len(answers) != 1:
+            self.world.violation("SAFETY", self.sched.name, f"MatchRequest({req.rid}) answered {answers!r}")
+            return
+        external = answers[0].tokens
+        if external is None:
+            req.polls += 1
+            req.unresolved = True
+            return
+        req.unresolved = False
+        if external < 0 or apc + external >= len(req.tokens) or (external > 0) != answers[0].load_async:
+            self.world.violation("SAFETY", self.sched.name, f"MatchRequest({req.rid}) answered {answers[0]!r} "
+                                 f"for {len(req.tokens)} tokens, {apc} held by the engine")
+            return
+        tracker = self.planner().tracker(req.rid)
+        if tracker is not None and req.rid not in self.lookup_results and tracker.hit_tokens is not None:
+            self.lookup_results[req.rid] = tracker.hit_tokens
+            req.lm_hit = tracker.hit_tokens
         need = -(-len(req.tokens) // self.bs)
         if len(self.free_blocks) < need:
             return  # vLLM keeps the request waiting and asks again next step
         req.blocks = [self.free_blocks.pop() for _ in range(need)]
         for b in req.blocks:
             self.block_owner[b] = req.rid
-        req.lm_hit = hit
-        apc = min(req.spec.apc_blocks * self.bs, len(req.tokens))
         req.vllm_hit = apc
+        req.external = external
         for w in self.workers:
             for i in range(apc // self.bs):
                 w.blocks[req.blocks[i]] = self.expected_block(req, w.rank, i)
-        tokens, salt = req.tokens, req.spec.cache_salt
-        if not req.skip_lookup:
-            self.call(self.sched, LOOKUP, Cleanup(req.rid))
-        if hit > apc:
-            start = apc // self.C * self.C
-            if start > 0:
-                self.call(self.sched, LOOKUP, FreeUnusedLeases(req.rid, tokens, 0, apc, salt))
-            req.load_start = start
+        # vLLM allocates an async load's blocks for the tokens it will hold once loaded, the rest
+        # when the load lands; the model reserves them all now and tells the connector as vLLM.
+        held = -(-(apc + external) // self.bs) if external > 0 else need
+        self.call(self.sched, LOOKUP, BlocksAllocated(req.rid, req.blocks[:held], external))
+        if not req.preempted:  # a resumed request's leases were accounted at its first allocation
+            self._check_leases_accounted(req)
+        if external > 0:
+            # WAITING_FOR_REMOTE_KVS: runnable once every rank reported the load in recving
+            req.retrieve = None
             req.retrieve_server = int(req.rid[1:] or 0) % self.num_servers
             req.loads_pending = {w.rank for w in self.workers}
             req.state = "loading"
-            blocks = tuple(req.blocks[start // self.bs: hit // self.bs])
+        else:
+            self._start_compute(req)
+
+    def _check_leases_accounted(self, req: SimRequest) -> None:
+        """F8 at allocation: every token range of the hit is either read by the planned retrieve
+        or has its read leases freed at once -- a lease nobody will read must not wait for the
+        request's END_SESSION (a long decode, a deep queue)."""
+        tracker = self.planner().tracker(req.rid)
+        if tracker is None or not tracker.hit_tokens:
+            return
+        ranges = sorted(tracker.leases_freed + ((tracker.pending_retrieve.start, tracker.pending_retrieve.end),)
+                        if tracker.pending_retrieve is not None else tracker.leases_freed)
+        covered = 0
+        for start, end in ranges:
+            if start > covered:
+                break
+            covered = max(covered, end)
+        if covered < tracker.hit_tokens:
+            assert self.sched is not None
+            self.world.violation(
+                "F8", self.sched.name, f"{req.rid}: hit of {tracker.hit_tokens} tokens, but after allocation only "
+                f"[0, {covered}) is retrieved or freed (freed {list(tracker.leases_freed)}, retrieve "
+                f"{None if tracker.pending_retrieve is None else (tracker.pending_retrieve.start, tracker.pending_retrieve.end)}): "
+                f"the rest stays leased until the request ends")
+
+    def _engine_prefix_hit(self, req: SimRequest) -> int:
+        """vLLM's own prefix-cache hit: whole blocks, and never the last token (vLLM's
+        ``KVCacheManager.get_computed_blocks`` caps the hit one token short of the request)."""
+        block: int = self.bs
+        held_blocks: int = min(req.spec.apc_blocks, (len(req.tokens) - 1) // block)
+        return held_blocks * block
+
+    def _build_plan(self) -> None:
+        """vLLM's build_connector_meta at the end of the step; the workers run the plan."""
+        if self.sched is None or not self.sched.alive:
+            return
+        scheduled, preempted = tuple(self.step_requests), tuple(self.step_preempted)
+        self.step_requests, self.step_preempted = [], []
+        plans = [e for e in self.call(self.sched, LOOKUP, StepScheduled(scheduled, preempted)) if type(e) is StepPlan]
+        if len(plans) != 1:
+            self.world.violation("SAFETY", self.sched.name, f"StepScheduled answered {plans!r}")
+            return
+        plan = plans[0]
+        for op in plan.retrieves:
+            req = self.requests.get(op.request_id)
+            if req is None or req.state != "loading" or req.retrieve is not None:
+                self.world.violation("SAFETY", self.sched.name, f"plan retrieves {op.request_id} in state "
+                                     f"{req and req.state}")
+                continue
+            req.retrieve = op
             for w in self.workers:
                 assert w.node is not None
-                self.call(w.node, tc_name(req.retrieve_server),
-                          SubmitRetrieve(req.rid, tokens, start, hit, blocks, apc - start, salt))
-        else:
-            if hit > 0:
-                self.call(self.sched, LOOKUP, FreeUnusedLeases(req.rid, tokens, 0, hit, salt))
-            self._start_compute(req)
+                self.call(w.node, tc_name(req.retrieve_server), op)
+        for store in plan.stores:
+            for w in self.workers:
+                assert w.node is not None
+                for s in range(self.num_servers):
+                    self.call(w.node, tc_name(s), store)
 
     def _check_resolution(self, rid: str, pending: Any) -> None:
         """F2: a hit the server answered, received while the client still waited for that server,
@@ -478,11 +555,9 @@ class SimEngine:
         for req in self.order:
             if req.state == "loading" and not req.loads_pending:
                 self._verify_load(req)
-                if req.load_start > 0 and self.sched is not None:
-                    # vLLM calls update_state_after_alloc again when an async load lands; the
-                    # connector frees the APC-covered range again (FREE must be idempotent).
-                    self.call(self.sched, LOOKUP, FreeUnusedLeases(req.rid, req.tokens, 0, req.vllm_hit,
-                                                                   req.spec.cache_salt))
+                if self.sched is not None and req.blocks is not None:
+                    # vLLM calls update_state_after_alloc again when an async load lands.
+                    self.call(self.sched, LOOKUP, BlocksAllocated(req.rid, req.blocks, 0))
                 self._start_compute(req)
 
     def _recompute_errors(self, w: SimWorker, blocks: set[int]) -> None:
@@ -496,9 +571,10 @@ class SimEngine:
 
     def _verify_load(self, req: SimRequest) -> None:
         """F10: every block the load claimed to write holds exactly what was stored for it."""
-        assert req.blocks is not None and req.lm_hit is not None
-        first = req.vllm_hit // self.bs
-        last = req.lm_hit // self.bs
+        op = req.retrieve
+        assert req.blocks is not None and op is not None
+        first = (op.start + op.skip_first_n_tokens) // self.bs
+        last = op.end // self.bs
         for w in self.workers:
             for i in range(first, last):
                 b = req.blocks[i]
@@ -512,28 +588,24 @@ class SimEngine:
                         f"{got} instead of {want}: vLLM would decode over wrong KV")
 
     def _compute_and_store(self, req: SimRequest) -> None:
-        assert req.blocks is not None and req.lm_hit is not None
+        assert req.blocks is not None
         if req.spec.preempt and not req.preempted:
             # Preempted: blocks back to the pool, recomputed from scratch later.
             req.preempted = True
             self._free(req.blocks)
             req.blocks = None
-            req.skip_lookup = True
             req.state = "waiting"
+            self.step_preempted.append(req.rid)
             self._ensure_step()
             return
         for w in self.workers:
             for i in range(len(req.blocks)):
                 w.blocks[req.blocks[i]] = self.expected_block(req, w.rank, i)
-        full_end = len(req.tokens) // self.C * self.C
-        store_from = req.lm_hit if not req.skip_lookup else 0
-        salt = req.spec.cache_salt
-        if store_from < full_end:
-            blocks = tuple(req.blocks[store_from // self.bs: full_end // self.bs])
-            for w in self.workers:
-                assert w.node is not None
-                for s in range(self.num_servers):
-                    self.call(w.node, tc_name(s), SubmitStore(req.rid, req.tokens, store_from, full_end, blocks, salt))
+        # The whole prefill is one scheduled step (the engine's prefix cache and the load gave
+        # the rest); the plan's stores leave for the workers at the end of the step.
+        computed = req.vllm_hit + req.external
+        self.step_requests.append(ScheduledRequest(req.rid, computed, len(req.tokens) - computed,
+                                                   tuple(req.blocks), True))
         req.state = "decoding"
         self.world.timeline.after(self.cfg.decode_time, self._decoded, req)
 
@@ -546,7 +618,7 @@ class SimEngine:
         """vLLM request_finished: workers are told, the scheduler ends the lookup session."""
         assert self.sched is not None
         req.outcome = outcome
-        self.call(self.sched, LOOKUP, EndRequest(req.rid))
+        self.call(self.sched, LOOKUP, RequestFinished(req.rid))
         if req.blocks is None:
             self._mark_done(req)
             return

@@ -18,6 +18,7 @@ from core_sm.errors import ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
 from core_sm.messages import Lookup, ReplyTo
+from core_sm.planner import PlannerConfig, StepPlanner
 from core_sm.server import LookupServer, PrefetchJob, ServerConfig
 from core_sm.transfer_client import TransferClient, TransferClientConfig
 from sim.scenario import WorldConfig
@@ -32,6 +33,7 @@ class Profile:
     server_class: type[LookupServer] = LookupServer
     lookup_client_class: type[LookupClient] = LookupClient
     transfer_client_class: type[TransferClient] = TransferClient
+    planner_class: type[StepPlanner] = StepPlanner
     lookup_timeout: float | None = None  # None: the world's knob
 
     def server_config(self, cfg: WorldConfig) -> ServerConfig:
@@ -66,6 +68,11 @@ class Profile:
             lookup_timeout=cfg.lookup_timeout if self.lookup_timeout is None else self.lookup_timeout,
             result_ttl=60.0,
         ))
+
+    def make_planner(self, cfg: WorldConfig) -> StepPlanner:
+        """The scheduler's machine: the planner MPCacheConnector runs, over this profile's
+        lookup client."""
+        return self.planner_class(PlannerConfig(cfg.chunk_size, cfg.block_size), self.make_lookup_client(cfg))
 
     def make_transfer_client(self, cfg: WorldConfig, rank: int, instance_id: int, server: int) -> TransferClient:
         return self.transfer_client_class(TransferClientConfig(
@@ -245,10 +252,24 @@ class NoReaper(Profile):
     server_class = NoReaperServer
 
 
+# planner-tail-leak (F8): the connector frees only the leases in front of the retrieve, not those
+# past the allocated blocks or the request's load cap; they stay leased until the request ends.
+class TailLeakPlanner(StepPlanner):
+    def unused_lease_ranges(self, hit: int, start: int, end: int) -> list[tuple[int, int]]:
+        return [r for r in super().unused_lease_ranges(hit, start, end) if r[0] == 0 and (end <= start or r[1] <= start)]
+
+
+class PlannerTailLeak(Profile):
+    name = "planner-tail-leak"
+    failure = "F8"
+    description = "planner: leases past the retrieved range (load cap, uncovered tail) are never freed"
+    planner_class = TailLeakPlanner
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
-              ReleaseAll(), SilentErrors(), NoReaper())
+              ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 

@@ -60,6 +60,9 @@ class RequestSpec:
     abort_after: float | None = None  # abort this long after arrival
     preempt: bool = False
     cache_salt: str = ""
+    # vLLM kv_transfer_params max_load_tokens (None: no cap): at most this many tokens loaded
+    # beyond the engine's own hit.
+    max_load_tokens: int | None = None
 
 
 @attrs.frozen
@@ -152,6 +155,8 @@ def draw_scenario(seed: int) -> Scenario:
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]
     requests = []
+    # Drawn from their own stream, so that adding them left every other draw of a seed as it was.
+    caps = random.Random(seed * 7919 + 17)
     n_requests = rng.randint(4, 16)
     for i in range(n_requests):
         arrival = rng.uniform(0.0, config.safety_duration * 0.8)
@@ -170,6 +175,8 @@ def draw_scenario(seed: int) -> Scenario:
                 abort_after=abort_after,
                 preempt=rng.random() < 0.08,
                 cache_salt="bad/salt" if rng.random() < 0.03 else rng.choice(("", "", "", "tenant-a")),
+                max_load_tokens=caps.choice((0, chunk_size - 1, chunk_size, 2 * chunk_size + 3))
+                if caps.random() < 0.3 else None,
             )
         )
     faults: list[FaultSpec] = []

@@ -1,0 +1,27 @@
+"""The simulator drives the connector's own machines: the class the simulated scheduler and
+workers run is the class ``MPCacheConnector``'s adapters build (not a model of it)."""
+from __future__ import annotations
+
+import typing
+
+import runtime_zmq.adapters as adapters
+from core_sm.planner import StepPlanner
+from core_sm.transfer_client import TransferClient
+from sim.engine import LOOKUP, tc_name
+from sim.runner import run_scenario
+from sim.scenario import draw_scenario
+
+
+def test_the_simulator_drives_the_class_the_connector_drives() -> None:
+    # what the connector's scheduler shell holds, and what its worker shell builds
+    assert typing.get_type_hints(adapters.SchedulerAdapter.__init__)["machine"] is StepPlanner
+    assert adapters.StepPlanner is StepPlanner and adapters.TransferClient is TransferClient
+    result, world = run_scenario(draw_scenario(3))
+    assert result.ok, result.violation
+    for engine in world.engines:
+        assert engine.sched is not None and type(engine.sched.machines[LOOKUP]) is StepPlanner
+        for worker in engine.workers:
+            assert worker.node is not None
+            assert {type(worker.node.machines[tc_name(s)]) for s in range(engine.num_servers)} == {TransferClient}
+    planned = sum(e.sched.machines[LOOKUP].stats()["stores_planned"] for e in world.engines if e.sched)
+    assert planned > 0, "the world never asked the planner for a store"
