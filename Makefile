@@ -5,11 +5,12 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test sim bench e2e soak docs venv clean help
+.PHONY: run test test-gpu sim bench e2e soak docs venv clean help
 
 help:
 	@echo "make run    start mpcache-server on its embedded defaults (L1 only, tcp://127.0.0.1:5555)"
 	@echo "make test   create .venv, install .[test,redis], run mypy on core_sm and the tests"
+	@echo "make test-gpu  on a GPU host: every GPU test and the kernel tests on real CUDA (PY= a python with torch+CUDA)"
 	@echo "make sim    run 1000 simulator seeds (default profile)"
 	@echo "make bench  run the benchmarks (hashing, simulator, rpc)"
 	@echo "make e2e    real-vLLM end-to-end test in its own venv (.venv-vllm)"
@@ -32,7 +33,11 @@ run: venv
 
 test: venv
 	$(VPY) -m mypy --strict core_sm runtime_trio sim
-	$(VPY) -m pytest -q
+	MPCACHE_CUDASIM=1 $(VPY) -m pytest -q
+
+# On a GPU host, with a python that has torch (CUDA), numba-cuda, cuda-bindings, pyzmq, msgpack.
+test-gpu:
+	MPCACHE_REQUIRE_GPU=1 $(PY) -m pytest -q -m 'gpu or cuda' tests/kernels tests/runtime_zmq
 
 sim: venv
 	$(VENV)/bin/mpcache-sim run --seeds 1000 --jobs 2

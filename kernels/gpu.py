@@ -60,6 +60,7 @@ from kernels.layouts import (  # noqa: E402
     KVGeometry,
 )
 
+RELEASE_EVENTS = 64  # per stream: more than the calls that fit the staging ring at once
 DESC_MAX = 4096  # int64 words of one request descriptor (32 KiB of shared memory per CTA)
 D_NCHUNKS, D_SKIP, D_SLOTS = 0, 1, 2  # descriptor: [n_chunks, skip, slot_base * n, block_ids * n*bpc]
 UNROLL = 4  # independent loads in flight per thread (PCIe latency hiding in zero-copy mode)
@@ -74,10 +75,16 @@ def _make_kernel(gather: bool) -> Any:
         sh = cuda.shared.array(DESC_MAX, numba.int64)
         tid = cuda.threadIdx.x
         nthr = cuda.blockDim.x
-        n_chunks = desc[D_NCHUNKS]
+        # One thread reads the header, so every thread of the CTA sees the same chunk count
+        # even if the host rewrites it (``neutralize``) while the launch starts.
+        if tid == 0:
+            sh[D_NCHUNKS] = desc[D_NCHUNKS]
+            sh[D_SKIP] = desc[D_SKIP]
+        cuda.syncthreads()
+        n_chunks = sh[D_NCHUNKS]
         bpc = params[P_BPC]
         n_desc = D_SLOTS + n_chunks + n_chunks * bpc
-        i = tid
+        i = D_SLOTS + tid
         while i < n_desc:
             sh[i] = desc[i]
             i += nthr
@@ -182,6 +189,12 @@ def warm_kernels(lane_dtypes: Sequence[Any] = (np.uint64,)) -> None:
     """Compile (or load) both kernels for these lane types now, by running each on an empty
     request. A server calls this at start-up so that registering an engine costs no JIT
     (about 0.6 s per kernel and lane type on an H200)."""
+    # the request validation is numba njit too: compile (or load) it now, not on a first request
+    from kernels.layouts import PagedLayout
+
+    g = KVGeometry(PagedLayout.NHD, num_layers=1, num_blocks=4, block_size=1, num_heads=1, head_size=4, itemsize=2,
+                   chunk_tokens=2)
+    check_request(g, 64, np.zeros((1, 2), np.int64), np.zeros(1, np.int64), 0)
     desc = cuda.mapped_array(DESC_MAX, dtype=np.int64)
     _host_view(desc)[D_NCHUNKS] = 0
     params = cuda.to_device(np.zeros(P_COUNT + 1, dtype=np.int64))
@@ -265,7 +278,7 @@ class CudaKVTransfer:
         threads: int = 512,
         stream: Any = None,
         max_chunks: int = 32,
-        ring: int = 64,
+        ring: int = 256,
         raw_launch: bool = True,
         pipeline_pieces: int = 8,
         staging_min_chunks: int = 4,
@@ -292,7 +305,9 @@ class CudaKVTransfer:
         self._sim = bool(numba.config.ENABLE_CUDASIM)
         self._gather = gather_kernel[max_ctas, threads, self.stream]
         self._scatter = scatter_kernel[max_ctas, threads, self.stream]
-        self._desc = [cuda.mapped_array(DESC_MAX, dtype=np.int64) for _ in range(ring)]
+        # each descriptor holds one call's request; the kernel copies only its n_desc words
+        words = -(-(D_SLOTS + max_chunks * (1 + geometry.blocks_per_chunk)) // 64) * 64
+        self._desc = [cuda.mapped_array(words, dtype=np.int64) for _ in range(ring)]
         self._desc_host = [_host_view(d) for d in self._desc]
         self._events = [cuda.event() if self._sim else cuda.event(timing=False) for _ in range(ring)]
         self._used = [False] * ring
@@ -302,6 +317,14 @@ class CudaKVTransfer:
             self._staging_bases = np.arange(max_chunks, dtype=np.int64) * self._slot_lanes
             self._copy_stream = cuda.stream()
             self._memcpy = _Memcpy(self._copy_stream, self._sim)
+            # The staging buffer is a ring of chunk slots: a call takes the next free run, so
+            # its kernels may fill staging while the DMAs of the calls before still drain it
+            # (with join=False). A run is reused only after the work that last read it: the
+            # DMAs of a STORE (copy stream) or the scatters of a RETRIEVE (compute stream),
+            # each marked by a release event (one of RELEASE_EVENTS per stream, in turn).
+            self._ring_cursor = 0
+            self._released = {"copy": np.full(max_chunks, -1, np.int64), "compute": np.full(max_chunks, -1, np.int64)}
+            self._release_count = {"copy": 0, "compute": 0}
             if not self._sim:
                 from cuda.bindings import driver
 
@@ -309,11 +332,21 @@ class CudaKVTransfer:
                 self._order_event_objs = [cuda.event(timing=False) for _ in range(2)]  # owners
                 self._order_events = [e.handle for e in self._order_event_objs]
                 self._raw_streams = {id(self.stream): raw_stream(self.stream), id(self._copy_stream): raw_stream(self._copy_stream)}
+                self._release_event_objs = {k: [cuda.event(timing=False) for _ in range(RELEASE_EVENTS)] for k in self._released}
+                self._release_events = {k: [e.handle for e in v] for k, v in self._release_event_objs.items()}
+        self._touched: set[str] = set()  # streams with work since the last completion_stream()
+        if not self._sim:
+            from cuda.bindings import driver
+
+            self._query = driver.cuEventQuery
+            self._not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
+            self._raw_compute = raw_stream(self.stream)
         self._raw: dict[tuple[int, int], _RawLaunch] = {}
         self.launch_path = "numba"
         self.launch_error = ""
         # Compile (or load) both kernels now, at registration, not on the first request: an
         # empty request (0 chunks) runs each once.
+        check_request(geometry, self._pool_lanes, np.zeros((0, geometry.blocks_per_chunk), np.int64), np.zeros(0, np.int64), 0)
         self._desc_host[0][D_NCHUNKS] = 0
         for configured in (self._gather, self._scatter):
             configured(self._paged, self._pool, self._params, self._desc[0])
@@ -322,59 +355,145 @@ class CudaKVTransfer:
             self._build_raw_launchers(max_ctas, threads)
 
     # ---- public API ---------------------------------------------------------------------
-    def gather(self, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray) -> None:
+    def uses_staging(self, n_chunks: int, busy: bool = False) -> bool:
+        """Whether a call of ``n_chunks`` chunks goes through the device staging buffer (its
+        pool side is then a DMA, which ``neutralize`` cannot cancel). ``auto``: from
+        ``staging_min_chunks`` chunks, or for any call while earlier ones are still queued
+        (``busy``): its kernel then overlaps their DMAs."""
+        return self.mode == "staging" or (self.mode == "auto" and (busy or n_chunks >= self.staging_min_chunks))
+
+    def gather(self, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray, *, join: bool = True,
+               busy: bool = False) -> list[int]:
         """Enqueue STORE: blocks ``[n_chunks, blocks_per_chunk]`` → the slots at byte offsets
         ``slot_offsets`` in the pool. Raises ``ValueError`` (before enqueuing anything) on a
-        bad id or offset."""
+        bad id or offset. Returns the descriptor entries the call's kernels read (for
+        ``neutralize``).
+
+        ``join=True``: everything the call enqueues is done when ``self.stream`` reaches this
+        point (its DMAs are joined back). ``join=False``: they are not, so the next call's
+        kernels can overlap them; record completion on ``completion_stream()`` instead."""
         ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, 0)
         n = bases.shape[0]
         self._check_size(n)
-        if self.mode == "zerocopy" or (self.mode == "auto" and n < self.staging_min_chunks):
-            self._launch(self._gather, self._pool, ids, bases, 0)
-            return
+        if not self.uses_staging(n, busy):
+            self._touched.add("compute")
+            return [self._launch(self._gather, self._pool, ids, bases, 0)]
         # Pipelined: the DMA of piece p (copy stream) overlaps the gather of piece p+1.
         bpc = self.geometry.blocks_per_chunk
+        r0 = self._take_run(n)
+        self._wait_released(r0, n, "copy", self.stream)
+        used: list[int] = []
         for a, b in self._pieces(n):
-            self._launch(self._gather, self._staging, ids[a * bpc : b * bpc], self._staging_bases[a:b], 0)
+            used.append(self._launch(self._gather, self._staging, ids[a * bpc : b * bpc], self._staging_bases[r0 + a : r0 + b], 0))
             self._order(self.stream, self._copy_stream, 0)
-            self._copy_runs(bases, a, b, to_pool=True)
-        # the caller observes completion on self.stream; the next call's gather must not
-        # overwrite staging before these copies have read it
-        self._order(self._copy_stream, self.stream, 1)
+            self._copy_runs(bases, a, b, r0, to_pool=True)
+        self._release(r0, n, "copy", self._copy_stream)
+        if join:
+            self._order(self._copy_stream, self.stream, 1)
+            self._touched.add("compute")
+        else:
+            self._touched.add("copy")
+        return used
 
-    def scatter(self, slot_offsets: Sequence[int] | np.ndarray, block_ids: np.ndarray, skip_blocks: int = 0) -> None:
+    def scatter(self, slot_offsets: Sequence[int] | np.ndarray, block_ids: np.ndarray, skip_blocks: int = 0, *,
+                join: bool = True, busy: bool = False) -> list[int]:
         """Enqueue RETRIEVE: the slots → blocks, leaving the first ``skip_blocks`` blocks of the
-        flattened block list untouched."""
+        flattened block list untouched. Returns the descriptor entries used (``neutralize``).
+        ``join=True``: the DMAs into staging come after everything enqueued on ``self.stream``
+        before (as if on it); ``join=False``: only after what last read their staging run."""
         ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, skip_blocks)
         n = bases.shape[0]
         self._check_size(n)
-        if self.mode == "zerocopy" or (self.mode == "auto" and n < self.staging_min_chunks):
-            self._launch(self._scatter, self._pool, ids, bases, skip_blocks)
-            return
+        self._touched.add("compute")
+        if not self.uses_staging(n, busy):
+            return [self._launch(self._scatter, self._pool, ids, bases, skip_blocks)]
         bpc = self.geometry.blocks_per_chunk
+        used: list[int] = []
         first = skip_blocks // bpc  # chunks whose every block is skipped need not travel
-        # copies come after whatever the caller enqueued before (a wait on the engine's event,
-        # an earlier scatter still reading staging); scatter of piece p overlaps DMA of p+1
-        self._order(self.stream, self._copy_stream, 0)
-        for a, b in self._pieces(n - first):
-            a, b = a + first, b + first
-            self._copy_runs(bases, a, b, to_pool=False)
+        m = n - first
+        if m == 0:
+            return used
+        r0 = self._take_run(m)  # request chunk first + i <-> staging run slot r0 + i
+        self._wait_released(r0, m, "compute", self._copy_stream)
+        if join:
+            self._order(self.stream, self._copy_stream, 0)
+        # the scatter of piece p overlaps the DMA of piece p+1; pieces shrink, so the last
+        # scatter, which nothing hides, is small
+        for a, b in self._pieces(m, shrinking=True):
+            self._copy_runs(bases, first + a, first + b, r0 - first, to_pool=False)
             self._order(self._copy_stream, self.stream, 1)
-            skip = min(max(skip_blocks - a * bpc, 0), (b - a) * bpc)
-            self._launch(self._scatter, self._staging, ids[a * bpc : b * bpc], self._staging_bases[a:b], skip)
+            skip = min(max(skip_blocks - (first + a) * bpc, 0), (b - a) * bpc)
+            used.append(self._launch(self._scatter, self._staging, ids[(first + a) * bpc : (first + b) * bpc],
+                                     self._staging_bases[r0 + a : r0 + b], skip))
+        self._release(r0, m, "compute", self.stream)
+        return used
+
+    def raw_streams(self) -> list[Any]:
+        """The raw handles of the streams this transfer enqueues on: compute first, then the
+        copy stream if it has one. Real GPU only."""
+        if self.mode == "zerocopy":
+            return [self._raw_compute]
+        return [self._raw_compute, self._raw_streams[id(self._copy_stream)]]
+
+    def completion_stream(self) -> Any:
+        """The raw stream on which an event recorded now follows everything enqueued since the
+        last call of this method (joins the copy stream into the compute stream if both have
+        work). Real GPU only."""
+        touched, self._touched = self._touched, set()
+        if touched == {"copy"}:
+            return self._raw_streams[id(self._copy_stream)]
+        if "copy" in touched:
+            self._order(self._copy_stream, self.stream, 1)
+        return self._raw_compute
+
+    def neutralize(self, entries: Sequence[int]) -> None:
+        """Turn the kernels that will read these descriptor entries into no-ops (chunk count
+        0), for work that is enqueued but has not started (e.g. waiting on an engine's event
+        that never fires). A kernel that already read its descriptor is not affected."""
+        for r in entries:
+            self._desc_host[r][D_NCHUNKS] = 0
 
     # ---- internals ----------------------------------------------------------------------
     def _check_size(self, n: int) -> None:
         if n > self.max_chunks:
             raise ValueError(f"{n} chunks in one call; this transfer was built for at most {self.max_chunks}")
 
-    def _launch(self, configured: Any, slots: Any, ids: np.ndarray, bases: np.ndarray, skip: int) -> None:
+    def _take_run(self, n: int) -> int:
+        if self._ring_cursor + n > self.max_chunks:
+            self._ring_cursor = 0
+        r0 = self._ring_cursor
+        self._ring_cursor += n
+        return r0
+
+    def _wait_released(self, r0: int, n: int, which: str, stream: Any) -> None:
+        """``stream`` waits for the last work of kind ``which`` that read staging slots
+        [r0, r0 + n). (A release event recorded again since only waits for later work of the
+        same stream, which was enqueued before this call: never a deadlock.)"""
+        last = int(self._released[which][r0 : r0 + n].max())
+        if last < 0 or self._sim:
+            return
+        ev = self._release_events[which][last % RELEASE_EVENTS]
+        (err,) = self._drv.cuStreamWaitEvent(self._raw_streams[id(stream)], ev, 0)
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"staging wait failed: {err}")
+
+    def _release(self, r0: int, n: int, which: str, stream: Any) -> None:
+        k = self._release_count[which]
+        self._release_count[which] = k + 1
+        self._released[which][r0 : r0 + n] = k
+        if self._sim:
+            return
+        (err,) = self._drv.cuEventRecord(self._release_events[which][k % RELEASE_EVENTS], self._raw_streams[id(stream)])
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"staging release record failed: {err}")
+
+    def _launch(self, configured: Any, slots: Any, ids: np.ndarray, bases: np.ndarray, skip: int) -> int:
         r = self._next
+        if self._used[r] and not self._sim and self._query(self._events[r].handle)[0] == self._not_ready:
+            # the kernel that read this entry 'ring' launches ago has not run yet: never wait
+            # here (this is the server's loop thread); the caller fails this request
+            raise RuntimeError(f"descriptor ring full: {len(self._desc)} launches of this engine still queued")
         self._next = (r + 1) % len(self._desc)
-        if self._used[r]:
-            # the kernel that read this descriptor 'ring' calls ago must have started and read
-            # it; nearly always long done, so this returns at once (and releases the GIL if not)
-            self._events[r].synchronize()
         h = self._desc_host[r]
         n = bases.shape[0]
         h[D_NCHUNKS] = n
@@ -389,6 +508,7 @@ class CudaKVTransfer:
             configured(self._paged, slots, self._params, self._desc[r])
             self._events[r].record(self.stream)
         self._used[r] = True
+        return r
 
     def _build_raw_launchers(self, max_ctas: int, threads: int) -> None:
         """Pre-pack each (kernel, slots array, descriptor) launch so a call is one
@@ -409,27 +529,52 @@ class CudaKVTransfer:
             self._raw = {}
             self.launch_error = f"{type(e).__name__}: {e}"
 
-    def _copy_runs(self, pool_bases: np.ndarray, first: int, end: int, *, to_pool: bool) -> None:
+    def _copy_runs(self, pool_bases: np.ndarray, first: int, end: int, staging_base: int, *, to_pool: bool) -> None:
         """On the copy stream: one DMA per run of chunks in [first, end) whose slots are adjacent
         in the pool; chunk i uses staging chunk i."""
+        runs: list[tuple[int, int, int]] = []
         i = first
         while i < end:
             k = i + 1
             while k < end and pool_bases[k] == pool_bases[k - 1] + self._slot_lanes:
                 k += 1
             lanes = (k - i) * self._slot_lanes
+            staged = (staging_base + i) * self._slot_lanes
             if to_pool:
-                self._memcpy(self._pool, int(pool_bases[i]), self._staging, i * self._slot_lanes, lanes)
+                runs.append((int(pool_bases[i]), staged, lanes))
             else:
-                self._memcpy(self._staging, i * self._slot_lanes, self._pool, int(pool_bases[i]), lanes)
+                runs.append((staged, int(pool_bases[i]), lanes))
             i = k
+        if to_pool:
+            self._memcpy.many(self._pool, self._staging, runs)
+        else:
+            self._memcpy.many(self._staging, self._pool, runs)
 
-    def _pieces(self, n: int) -> list[tuple[int, int]]:
-        k = min(n, self.pipeline_pieces)
-        if k <= 0:
-            return []
-        edges = [n * p // k for p in range(k + 1)]
-        return [(edges[p], edges[p + 1]) for p in range(k)]
+    @property
+    def memcpy_path(self) -> str:
+        """How staging DMAs are issued: ``batch`` (one cuMemcpyBatchAsync per piece), ``each``
+        (one cuMemcpyAsync per run of adjacent slots) or ``none`` (zero-copy only)."""
+        return self._memcpy.path if self.mode != "zerocopy" else "none"
+
+    def _pieces(self, n: int, shrinking: bool = False) -> list[tuple[int, int]]:
+        """Pieces of 1, 2, 4, ... chunks (at most ``pipeline_pieces``; the last takes the rest):
+        for a STORE the first DMA starts after one chunk's kernel, and each kernel hides behind
+        the DMA of the piece before, half its size and several times slower. ``shrinking``
+        (RETRIEVE, kernel after DMA): the same sizes in reverse, so the last kernel is small."""
+        sizes: list[int] = []
+        left, size = n, 1
+        while left > 0:
+            take = left if len(sizes) == self.pipeline_pieces - 1 or left - size < 2 * size else size
+            sizes.append(take)
+            left -= take
+            size *= 2
+        if shrinking:
+            sizes.reverse()
+        out, a = [], 0
+        for k in sizes:
+            out.append((a, a + k))
+            a += k
+        return out
 
     def _order(self, before: Any, after: Any, which: int) -> None:
         """Work enqueued on ``after`` from now on runs after everything enqueued on ``before``
@@ -452,11 +597,14 @@ def _host_view(mapped: Any) -> np.ndarray:
 
 
 class _Memcpy:
-    """Asynchronous lane-range copy on one stream: cuMemcpyAsync on UVA addresses on a GPU,
-    a plain copy under the simulator (where streams are synchronous anyway)."""
+    """Asynchronous lane-range copies on one stream: on a GPU, one cuMemcpyBatchAsync per call
+    of ``many`` where the driver has it (CUDA 12.8+; a Python call per copy costs several
+    microseconds of host time), else one cuMemcpyAsync per copy, on UVA addresses; a plain copy
+    under the simulator (where streams are synchronous anyway)."""
 
     def __init__(self, stream: Any, sim: bool) -> None:
         self._sim = sim
+        self.path = "each"
         if not sim:
             from cuda.bindings import driver
 
@@ -465,6 +613,43 @@ class _Memcpy:
             self._ok = driver.CUresult.CUDA_SUCCESS
             self._handle = raw_stream(stream)
             self._ptr_cache: dict[int, int] = {}
+            self._batch: Any = getattr(driver, "cuMemcpyBatchAsync", None)
+            self._attrs: list[Any] = []
+            if self._batch is not None:
+                try:
+                    attr = driver.CUmemcpyAttributes()
+                    attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                    self._attrs = [attr]
+                    self.path = "batch"
+                except Exception:
+                    self._batch = None
+        self.batch_error = ""
+
+    def many(self, dst: Any, src: Any, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Copy ``(dst_off, src_off, lanes)`` runs from ``src`` to ``dst`` (lane offsets)."""
+        if self._sim or self.path != "batch" or len(runs) < 2:
+            for d, s, n in runs:
+                self(dst, d, src, s, n)
+            return
+        drv = self._driver
+        item = dst.dtype.itemsize
+        dp, sp = self._ptr(dst), self._ptr(src)
+        dsts = [drv.CUdeviceptr(dp + d * item) for d, _, _ in runs]
+        srcs = [drv.CUdeviceptr(sp + s * item) for _, s, _ in runs]
+        sizes = [n * item for _, _, n in runs]
+        try:
+            result = self._batch(dsts, srcs, sizes, len(runs), self._attrs, [0], 1, self._handle)
+            err = result[0] if isinstance(result, tuple) else result
+        except Exception as e:  # this cuda-bindings build takes other arguments: copy one by one
+            err = None
+            self.batch_error = f"{type(e).__name__}: {e}"
+        if err == self._ok:
+            return
+        if err is not None:
+            self.batch_error = f"cuMemcpyBatchAsync: {err}"
+        self.path = "each"  # nothing was enqueued by a failed call; never try it again
+        for d, s, n in runs:
+            self(dst, d, src, s, n)
 
     def __call__(self, dst: Any, dst_off: int, src: Any, src_off: int, lanes: int) -> None:
         if self._sim:

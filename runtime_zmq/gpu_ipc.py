@@ -135,10 +135,17 @@ def destroy_event(event: Any) -> None:
 
 
 def create_completion_event() -> Any:
-    """An event the polling thread can wait on without spinning a core and without timing."""
+    """An event the completion waiters query (``cuEventQuery``), without timing."""
     drv = _driver()
-    flags = 0x2 | 0x1  # CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC
+    flags = 0x2  # CU_EVENT_DISABLE_TIMING
     return check(drv.cuEventCreate(flags), "cuEventCreate")
+
+
+def allocation_range(address: int) -> tuple[int, int]:
+    """(base, size) of the device allocation that contains ``address`` (``cuMemGetAddressRange``:
+    for an opened IPC handle, the peer's whole allocation as mapped here)."""
+    base, size = check(_driver().cuMemGetAddressRange(address), "cuMemGetAddressRange")
+    return int(base), int(size)
 
 
 def register_host(address: int, size: int) -> int:

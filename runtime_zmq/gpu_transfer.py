@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,22 +67,88 @@ def plan_rows(st: StartTransfer, chunk_tokens: int, block_size: int, slot_bytes:
     return TransferRows(table, offsets, copies[0].skip_blocks if copies else 0)
 
 
+def check_layer_ranges(layers: Sequence[tuple[int, int, int, int]], layer_bytes: int) -> None:
+    """Refuse a registration whose tensors do not lie inside their allocations or overlap.
+
+    ``layers``: per layer ``(allocation base, allocation size, offset, nbytes)`` as this process
+    sees them (base and size from ``cuMemGetAddressRange`` on the opened IPC handle, offset and
+    nbytes as the engine declared them). Every layer must be exactly ``layer_bytes`` long, start
+    at a non-negative offset and end inside its allocation, and no two layers may share a byte
+    (the kernels would then write one layer's blocks over another's). Raises ``ValueError``."""
+    spans: list[tuple[int, int, int]] = []
+    for i, (base, size, offset, nbytes) in enumerate(layers):
+        if nbytes != layer_bytes:
+            raise ValueError(f"layer {i}: declares {nbytes} B, its shape needs {layer_bytes} B")
+        if offset < 0 or offset + nbytes > size:
+            raise ValueError(f"layer {i}: bytes [{offset}, {offset + nbytes}) lie outside its {size}-byte allocation")
+        spans.append((base + offset, base + offset + nbytes, i))
+    spans.sort()
+    for (a0, a1, i), (b0, b1, j) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"layers {i} and {j} overlap in device memory")
+
+
 @dataclass
 class _Pending:
     transfer_id: int
-    event: Any
     done: DoneFn
     ok: bool
+    nbytes: int
+    entries: list[int]  # descriptor ring entries its kernels read (CudaKVTransfer.neutralize)
+    pool_dma: bool  # a staging STORE: DMAs into L1 slots that neutralize cannot cancel
+    expected_done: float  # monotonic time the link model expects it done (when to poll)
+    event: Any = None  # our completion event, recorded after its copies
+    deadline: float = 0.0  # set when it becomes first in its instance's line
+
+
+class _Opened:
+    """CUDA IPC memory handles opened in this process, by handle bytes: one open per
+    allocation however many layers or instances use it, closed when the last one goes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_handle: dict[bytes, list[int]] = {}  # handle -> [address, users]
+
+    def open(self, handle: bytes) -> int:
+        with self._lock:
+            entry = self._by_handle.get(handle)
+            if entry is None:
+                entry = self._by_handle[handle] = [gpu_ipc.open_memory(handle), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def close(self, handle: bytes) -> None:
+        with self._lock:
+            entry = self._by_handle.get(handle)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._by_handle[handle]
+        try:
+            gpu_ipc.close_memory(entry[0])
+        except Exception:
+            log.exception("cuIpcCloseMemHandle failed")
 
 
 class _Instance:
-    def __init__(self, geometry: Any, transfer: Any, addresses: list[int], stream_handle: Any, pool_slot_bytes: int) -> None:
+    """One registered engine: its tensors, stream, transfers in flight (in stream order) and
+    the one waiter thread that observes them."""
+
+    def __init__(self, instance_id: int, geometry: Any, transfer: Any, handles: list[bytes], stream_handle: Any,
+                 pool_slot_bytes: int, lock: threading.Lock) -> None:
+        self.instance_id = instance_id
         self.geometry = geometry
         self.transfer = transfer
         self.pool_slot_bytes = pool_slot_bytes
-        self.addresses = addresses
+        self.handles = handles
         self.stream_handle = stream_handle
         self.worker_events: OrderedDict[bytes, Any] = OrderedDict()
+        self.pending: deque[_Pending] = deque()
+        self.cond = threading.Condition(lock)
+        self.state = "live"  # live -> closing (unregistered) | failed (an event never fired)
+        self.waiter: threading.Thread | None = None
 
     def worker_event(self, handle: bytes) -> Any:
         ev = self.worker_events.get(handle)
@@ -97,38 +164,52 @@ class _Instance:
 
 class GpuTransferExecutor:
     """``TransferExecutor`` for GPU engines. ``chunk_tokens``: the server's chunk size.
-    ``mode`` / ``max_ctas`` / ``threads`` / ``max_chunks`` / ``staging_min_chunks``: passed to
-    ``CudaKVTransfer`` (``auto``: zero-copy for small batches, pipelined staging for large)."""
+    ``mode`` / ``max_ctas`` / ``threads`` / ``max_chunks`` / ``staging_min_chunks`` /
+    ``pipeline_pieces``: passed to ``CudaKVTransfer`` (``auto``: zero-copy for small batches,
+    pipelined staging for large). ``transfer_timeout_s``: how long a transfer may stay first in
+    its instance's line before the instance is failed (its engine's event never fired).
+    ``link_gbps``: the copy rate the waiters assume to know when to look (not a limit)."""
 
     def __init__(self, chunk_tokens: int, *, mode: str = "auto", max_ctas: int = 16, threads: int = 512,
-                 max_chunks: int = 32, staging_min_chunks: int = 4) -> None:
+                 max_chunks: int = 32, staging_min_chunks: int = 4, pipeline_pieces: int = 8,
+                 transfer_timeout_s: float = 30.0, link_gbps: float = 60.0, max_in_flight: int = 128,
+                 warm_events: int = 256) -> None:
         self.chunk_tokens = chunk_tokens
         self.mode = mode
         self.max_ctas = max_ctas
         self.threads = threads
         self.max_chunks = max_chunks
         self.staging_min_chunks = staging_min_chunks
+        self.pipeline_pieces = pipeline_pieces
+        self.transfer_timeout_s = transfer_timeout_s
+        self.link_bytes_per_s = link_gbps * 1e9
+        self.max_in_flight = max_in_flight
+        self.warm_events = warm_events
         self._instances: dict[int, _Instance] = {}
+        self._draining: list[_Instance] = []  # unregistered or failed, copies still queued
         self._pools: dict[int, tuple[SharedMemoryPool, int]] = {}  # id(pool) -> (pool, device address)
-        self._cond = threading.Condition(threading.Lock())
-        self._pending: deque[_Pending] = deque()
+        self._opened = _Opened()
+        self._lock = threading.Lock()
         self._free_events: list[Any] = []
+        self._link_busy_until = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}
         self._closing = False
-        self._poller: threading.Thread | None = None
         self._ordinal = 0
-        self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0}
+        self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0, "instances_failed": 0,
+                       "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0}
 
     def warm_up(self, pool: SharedMemoryPool | None = None, ordinal: int = 0) -> None:
-        """Do at server start what would otherwise stall the first registration (the server
-        loop answers nothing meanwhile, and clients declare it dead after a few seconds): CUDA
-        context, kernel JIT for 8-byte lanes, and pinning the L1 segment (seconds for a large
-        one)."""
+        """Do at server start what would otherwise stall the first registration or the first
+        requests (the server loop answers nothing meanwhile): CUDA context, kernel JIT for
+        8-byte lanes, pinning the L1 segment (seconds for a large one), and a pool of
+        completion events, each recorded once."""
         from kernels.gpu import warm_kernels
 
         gpu_ipc.ensure_context(ordinal)
+        self._ordinal = ordinal
         warm_kernels()
         if pool is not None:
             self._pool_device_address(pool)
+        self._add_events(self.warm_events)
 
     # ---- TransferExecutor -------------------------------------------------------------------
     def register_instance(self, instance_id: int, layout: Mapping[str, Any], pool: SharedMemoryPool) -> str | None:
@@ -140,18 +221,29 @@ class GpuTransferExecutor:
         return None
 
     def unregister_instance(self, instance_id: int) -> None:
-        inst = self._instances.pop(instance_id, None)
-        if inst is None:
-            return
-        inst.transfer.stream.synchronize()  # releases the GIL; the stream's last copies land
-        for ev in inst.worker_events.values():
-            gpu_ipc.destroy_event(ev)
-        for addr in inst.addresses:
-            gpu_ipc.close_memory(addr)
+        """Stop taking transfers for the instance. Never waits: what is queued still lands, is
+        reported by the instance's waiter, and only then are its handles closed."""
+        with self._lock:
+            inst = self._instances.pop(instance_id, None)
+            if inst is None:
+                return
+            inst.state = "closing"
+            idle = not inst.pending
+            if not idle:
+                self._draining.append(inst)
+            inst.cond.notify()
+        if idle and inst.waiter is None:
+            self._release(inst)
 
     def start(self, transfer: StartTransfer, event_handle: bytes, done: DoneFn) -> None:
+        t0 = time.perf_counter_ns()
         inst = self._instances.get(transfer.instance_id)
         if inst is None:
+            done(transfer.transfer_id, False)
+            return
+        if len(inst.pending) >= self.max_in_flight:
+            log.warning("transfer %d: instance %d has %d transfers in flight already", transfer.transfer_id,
+                        transfer.instance_id, len(inst.pending))
             done(transfer.transfer_id, False)
             return
         try:
@@ -160,57 +252,87 @@ class GpuTransferExecutor:
             log.warning("transfer %d: %s", transfer.transfer_id, e)
             done(transfer.transfer_id, False)
             return
+        t1 = time.perf_counter_ns()
         ok = True
+        t_wait = t1
+        entries: list[int] = []
         stream = inst.stream_handle
+        store = transfer.kind is TransferKind.STORE
+        n = rows.block_ids.shape[0]
+        pool_dma = False
+        busy = bool(inst.pending)  # earlier copies still queued: overlap them (staging)
         try:
             if event_handle:
                 # the worker's forward pass (store) or its reads of those blocks (retrieve)
                 # must be ordered before our copy; waiting is on the device, not here
                 gpu_ipc.check(gpu_ipc._driver().cuStreamWaitEvent(stream, inst.worker_event(event_handle), 0), "cuStreamWaitEvent")
-            n = rows.block_ids.shape[0]
+            t_wait = time.perf_counter_ns()
             for b in range(0, n, self.max_chunks):
                 ids = rows.block_ids[b : b + self.max_chunks]
                 offs = rows.slot_offsets[b : b + self.max_chunks]
-                if transfer.kind is TransferKind.STORE:
-                    inst.transfer.gather(ids, offs)
+                if store:
+                    pool_dma |= inst.transfer.uses_staging(ids.shape[0], busy)
+                    entries += inst.transfer.gather(ids, offs, join=False, busy=busy)
                 else:
                     skip = min(max(rows.skip_blocks - b * inst.geometry.blocks_per_chunk, 0), ids.size)
-                    inst.transfer.scatter(offs, ids, skip)
+                    entries += inst.transfer.scatter(offs, ids, skip, join=False, busy=busy)
         except Exception:
             log.exception("transfer %d could not be enqueued", transfer.transfer_id)
             ok = False  # anything already enqueued still has to land before the slots move on
-        with self._cond:
-            event = self._free_events.pop() if self._free_events else None
+        t2 = time.perf_counter_ns()
+        nbytes = n * inst.geometry.slot_bytes
+        now = time.monotonic()
+        busy = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
+        self._link_busy_until[transfer.kind] = busy
+        p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy)
+        with self._lock:
+            p.event = self._free_events.pop() if self._free_events else None
         try:
-            if event is None:
-                event = gpu_ipc.create_completion_event()
-            gpu_ipc.check(gpu_ipc._driver().cuEventRecord(event, stream), "cuEventRecord")
+            if p.event is None:
+                p.event = self._new_event()
+            # after every copy of this transfer (its DMAs may still run on the copy stream)
+            gpu_ipc.check(gpu_ipc._driver().cuEventRecord(p.event, inst.transfer.completion_stream()), "cuEventRecord")
         except Exception:
-            # no event to observe: wait for the stream here (rare; releases the GIL) so the
-            # slots are not handed on while a copy may still be running
-            log.exception("transfer %d: no completion event", transfer.transfer_id)
-            inst.transfer.stream.synchronize()
-            with self._cond:
-                self._stats["failed"] += 1
-            done(transfer.transfer_id, False)
-            return
-        with self._cond:
+            # the waiter records one later (a later record covers this transfer's copies too)
+            log.exception("transfer %d: no completion event yet", transfer.transfer_id)
+            p.event = None
+        with self._lock:
             self._stats["started"] += 1
-            self._stats["bytes"] += int(rows.block_ids.shape[0]) * inst.geometry.slot_bytes
-            self._pending.append(_Pending(transfer.transfer_id, event, done, ok))
-            self._cond.notify()
+            self._stats["bytes"] += nbytes
+            self._stats["start_ns"] += time.perf_counter_ns() - t0
+            self._stats["plan_ns"] += t1 - t0
+            self._stats["enqueue_ns"] += t2 - t1
+            self._stats["wait_ns"] += t_wait - t1
+            if not inst.pending:
+                p.deadline = now + self.transfer_timeout_s
+                inst.cond.notify()
+            inst.pending.append(p)
 
     def close(self) -> None:
-        with self._cond:
+        """Stop the waiters after what is queued has landed (up to the transfer timeout for an
+        instance whose engine's event never fires, which is then left behind), then release."""
+        with self._lock:
             self._closing = True
-            self._cond.notify()
-        if self._poller is not None:
-            self._poller.join()
-            self._poller = None
-        for iid in list(self._instances):
-            self.unregister_instance(iid)
+            everyone = list(self._instances.values()) + self._draining
+            self._instances.clear()
+            for inst in everyone:
+                if inst.state == "live":
+                    inst.state = "closing"
+                inst.cond.notify()
+        for inst in everyone:
+            if inst.waiter is not None:
+                # a failed instance's copies may never end: do not wait for them
+                inst.waiter.join(0.5 if inst.state == "failed" else self.transfer_timeout_s + 5.0)
+                if inst.waiter.is_alive():
+                    log.error("GPU instance %d: copies still queued at close; its handles stay open", inst.instance_id)
+                    continue
+            elif not inst.pending:
+                self._release(inst)
         for pool, _ in self._pools.values():
-            gpu_ipc.unregister_host(pool.address)
+            try:
+                gpu_ipc.unregister_host(pool.address)
+            except Exception:
+                log.exception("cuMemHostUnregister failed")
         self._pools.clear()
         for ev in self._free_events:
             gpu_ipc.destroy_event(ev)
@@ -218,10 +340,13 @@ class GpuTransferExecutor:
 
     # ---- telemetry -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: started / finished / failed transfers, bytes, in flight."""
-        with self._cond:
+        """Counters for metrics: started / finished / failed transfers, bytes, in flight,
+        instances failed, completion events created after warm-up, host ns spent in start."""
+        with self._lock:
             out = dict(self._stats)
-            out["in_flight"] = len(self._pending)
+            out["in_flight"] = sum(len(i.pending) for i in (*self._instances.values(), *self._draining))
+            out["instances"] = len(self._instances)
+            out["memcpy_batch"] = int(any(i.transfer.memcpy_path == "batch" for i in self._instances.values()))
         return out
 
     # ---- internals -------------------------------------------------------------------------
@@ -248,11 +373,19 @@ class GpuTransferExecutor:
         gpu_ipc.ensure_context(self._ordinal)
         if instance_id in self._instances:
             self.unregister_instance(instance_id)  # re-registering replaces
-        addresses: list[int] = []
+        handles: list[bytes] = []
         try:
+            ranges = []
+            pointers = []
             for t in tensors:
-                addresses.append(gpu_ipc.open_memory(bytes(t["handle"])))
-            pointers = [a + int(t["offset"]) for a, t in zip(addresses, tensors)]
+                h = bytes(t["handle"])
+                address = self._opened.open(h)
+                handles.append(h)
+                base, size = gpu_ipc.allocation_range(address)
+                offset = int(t["offset"]) + (address - base)
+                ranges.append((base, size, offset, int(t.get("nbytes", geometry.layer_elements() * geometry.itemsize))))
+                pointers.append(base + offset)
+            check_layer_ranges(ranges, geometry.layer_elements() * geometry.itemsize)
             span, offsets = span_device_buffers(pointers, geometry.layer_elements() * geometry.itemsize, geometry.lane_dtype)
             pool_dev = self._pool_device_address(pool)
             lane = geometry.lane_bytes
@@ -262,15 +395,38 @@ class GpuTransferExecutor:
             stream = cuda.stream()
             transfer = CudaKVTransfer(geometry, span, offsets, pool_lanes, mode=self.mode, max_ctas=self.max_ctas,
                                       threads=self.threads, stream=stream, max_chunks=self.max_chunks,
-                                      staging_min_chunks=self.staging_min_chunks)
+                                      staging_min_chunks=self.staging_min_chunks, pipeline_pieces=self.pipeline_pieces)
         except BaseException:
-            for a in addresses:
-                gpu_ipc.close_memory(a)
+            for h in handles:
+                self._opened.close(h)
             raise
-        self._instances[instance_id] = _Instance(geometry, transfer, addresses, raw_stream(stream), pool.slot_bytes)
-        self._start_poller()
-        log.info("GPU instance %d: %d layers %s, %s mode, launch path %s", instance_id, geometry.num_layers,
-                 geometry.layout.value, self.mode, transfer.launch_path)
+        self._add_instance(instance_id, geometry, transfer, handles, raw_stream(stream), pool.slot_bytes)
+        log.info("GPU instance %d: %d layers %s, %s mode, launch path %s, staging DMAs %s %s", instance_id,
+                 geometry.num_layers, geometry.layout.value, self.mode, transfer.launch_path, transfer.memcpy_path,
+                 transfer._memcpy.batch_error if self.mode != "zerocopy" else "")
+
+    def _add_instance(self, instance_id: int, geometry: Any, transfer: Any, handles: list[bytes], stream_handle: Any,
+                      slot_bytes: int) -> _Instance:
+        inst = _Instance(instance_id, geometry, transfer, handles, stream_handle, slot_bytes, self._lock)
+        inst.waiter = threading.Thread(target=self._wait, args=(inst,), name=f"mpcache-gpu-waiter-{instance_id}", daemon=True)
+        with self._lock:
+            self._instances[instance_id] = inst
+            short = self.warm_events - len(self._free_events)
+        inst.waiter.start()
+        if short > 0:
+            self._add_events(short)  # the first requests must not pay for event creation
+        return inst
+
+    def _add_events(self, n: int) -> None:
+        events = [gpu_ipc.create_completion_event() for _ in range(n)]
+        with self._lock:
+            self._free_events.extend(events)
+
+    def _new_event(self) -> Any:
+        ev = gpu_ipc.create_completion_event()
+        with self._lock:
+            self._stats["events_created"] += 1
+        return ev
 
     def _pool_device_address(self, pool: SharedMemoryPool) -> int:
         entry = self._pools.get(id(pool))
@@ -279,40 +435,133 @@ class GpuTransferExecutor:
             self._pools[id(pool)] = entry
         return entry[1]
 
-    def _start_poller(self) -> None:
-        if self._poller is None:
-            self._poller = threading.Thread(target=self._poll, name="mpcache-gpu-completions", daemon=True)
-            self._poller.start()
-
-    def _poll(self) -> None:
+    def _wait(self, inst: _Instance) -> None:
+        """The instance's waiter: queries its transfers' completion events in stream order
+        (``cuEventQuery``, never a blocking wait), reports each exactly once, and fails the
+        instance if its first transfer outlives the timeout. It sleeps until the link model
+        says the first transfer should be done, then looks every 50 us, less often once late."""
         drv = gpu_ipc._driver()
         ready = drv.CUresult.CUDA_SUCCESS
         not_ready = drv.CUresult.CUDA_ERROR_NOT_READY
         gpu_ipc.ensure_context(self._ordinal)
         while True:
-            with self._cond:
-                while not self._pending and not self._closing:
-                    self._cond.wait()
-                if not self._pending:
-                    return  # closing, nothing left in flight
-                head = self._pending[0]
-            # Block on the device without the GIL (cuda.bindings releases it) and without our lock.
-            drv.cuEventSynchronize(head.event)
-            with self._cond:
-                snapshot = list(self._pending)
+            with self._lock:
+                while not inst.pending and inst.state == "live":
+                    inst.cond.wait()
+                if not inst.pending:
+                    break  # unregistered / failed / closing, nothing left in flight
+                snapshot = list(inst.pending)
+                self._stats["polls"] += 1
             finished: list[tuple[_Pending, bool]] = []
             for p in snapshot:
+                if p.event is None:
+                    p.event = self._late_event(inst)
+                    if p.event is None:
+                        break
                 (err,) = drv.cuEventQuery(p.event)
                 if err == not_ready:
-                    continue
+                    break  # one stream: nothing after it is done either
                 finished.append((p, p.ok and err == ready))
-            with self._cond:
-                for p, ok in finished:
-                    self._pending.remove(p)
-                    self._stats["finished" if ok else "failed"] += 1
-                    self._free_events.append(p.event)
+            now = time.monotonic()
+            if finished:
+                self._report(inst, finished, now)
+                continue
+            head = snapshot[0]
+            if now >= head.deadline and inst.state != "failed":
+                self._fail(inst, now)
+                continue
+            late = now - head.expected_done
+            if late < 0:
+                pause = min(-late, 0.002)
+            elif inst.state == "failed":
+                pause = 0.05
+            else:
+                pause = 50e-6 if late < 0.002 else (0.0005 if late < 0.05 else 0.005)
+            with self._lock:
+                if inst.pending and inst.pending[0] is head:
+                    inst.cond.wait(pause)
+        self._release(inst)
+
+    def _late_event(self, inst: _Instance) -> Any:
+        """An event after everything the instance's streams hold now (this thread may not use
+        the transfer's own ordering events: the loop thread does)."""
+        drv = gpu_ipc._driver()
+        try:
+            streams = inst.transfer.raw_streams()
+            ev = self._new_event()
+            for other in streams[1:]:
+                join = self._new_event()
+                gpu_ipc.check(drv.cuEventRecord(join, other), "cuEventRecord")
+                gpu_ipc.check(drv.cuStreamWaitEvent(streams[0], join, 0), "cuStreamWaitEvent")
+                gpu_ipc.destroy_event(join)  # the wait holds what it needs
+            gpu_ipc.check(drv.cuEventRecord(ev, streams[0]), "cuEventRecord")
+            return ev
+        except Exception:
+            log.exception("GPU instance %d: still no completion event", inst.instance_id)
+            return None
+
+    def _report(self, inst: _Instance, finished: list[tuple[_Pending, bool]], now: float) -> None:
+        with self._lock:
             for p, ok in finished:
-                try:
-                    p.done(p.transfer_id, ok)
-                except Exception:
-                    log.exception("completion callback for transfer %d failed", p.transfer_id)
+                inst.pending.remove(p)
+                self._stats["finished" if ok else "failed"] += 1
+                self._free_events.append(p.event)
+            if inst.pending:
+                inst.pending[0].deadline = now + self.transfer_timeout_s
+        for p, ok in finished:
+            try:
+                p.done(p.transfer_id, ok)
+            except Exception:
+                log.exception("completion callback for transfer %d failed", p.transfer_id)
+
+    def _fail(self, inst: _Instance, now: float) -> None:
+        """The first transfer has waited past the timeout (its engine's event never fired, or
+        the engine's GPU work hangs): unregister the instance, make its queued kernels no-ops,
+        and report at once every transfer whose queued work can no longer touch L1. The first
+        one (its kernel may be starting right now) and staging STOREs (their DMAs into L1
+        slots cannot be cancelled) are reported when their copies have really ended, so their
+        slots stay pinned until then."""
+        with self._lock:
+            if self._instances.get(inst.instance_id) is inst:
+                del self._instances[inst.instance_id]
+            if inst not in self._draining:
+                self._draining.append(inst)
+            inst.state = "failed"
+            self._stats["instances_failed"] += 1
+            queued = list(inst.pending)
+        for p in queued:
+            inst.transfer.neutralize(p.entries)
+            p.ok = False  # whatever still runs was (or may have been) cut short
+        with self._lock:  # (a lock operation is a full barrier: the zeroed counts are visible)
+            released = [p for p in queued[1:] if not p.pool_dma]
+            for p in released:
+                inst.pending.remove(p)
+                self._stats["failed"] += 1
+            held = len(inst.pending)
+        for p in released:
+            try:
+                gpu_ipc.destroy_event(p.event)  # it may still be recorded on the stuck stream
+            except Exception:
+                pass
+            try:
+                p.done(p.transfer_id, False)
+            except Exception:
+                log.exception("completion callback for transfer %d failed", p.transfer_id)
+        log.error("GPU instance %d failed: a transfer has not finished %.1f s after it came first in line (the engine's "
+                  "event never fired?); instance unregistered, %d transfers failed now, %d reported when their copies end",
+                  inst.instance_id, self.transfer_timeout_s, len(released), held)
+
+    def _release(self, inst: _Instance) -> None:
+        """Close what the instance opened; only once nothing of it is queued on the device."""
+        with self._lock:
+            if inst in self._draining:
+                self._draining.remove(inst)
+        for ev in inst.worker_events.values():
+            try:
+                gpu_ipc.destroy_event(ev)
+            except Exception:
+                log.exception("cuEventDestroy failed")
+        inst.worker_events.clear()
+        for h in inst.handles:
+            self._opened.close(h)
+        inst.handles = []

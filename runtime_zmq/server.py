@@ -555,6 +555,9 @@ class Server:
         out["outstanding_requests"] = len(self._outstanding)
         out["transfers_in_flight"] = self._transfers_in_flight
         out.update(self.l2.stats())
+        executor_stats = getattr(self.executor, "stats", None)
+        if callable(executor_stats):  # the GPU transfer engine's counters, as gpu_*
+            out.update({f"gpu_{k}": v for k, v in executor_stats().items()})
         out["l1_num_slots"] = self.pool.num_slots
         out["l1_slot_bytes"] = self.pool.slot_bytes
         out["l1_segment_created"] = self.pool.created

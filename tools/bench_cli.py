@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: mpcache-bench {all|" + "|".join(names) + "} [args...]")
         print("each benchmark prints a results table; see docs/benchmarks.md")
         return 0 if args else 2
-    name, rest = args[0], args[1:]
+    name, rest = args[0].replace("-", "_"), args[1:]  # `mpcache-bench gpu-server` runs tools/bench_gpu_server.py
     if name == "all":
         rc = 0
         for n in names:

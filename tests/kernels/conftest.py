@@ -1,18 +1,8 @@
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 
-# The CUDA kernels' tests run on the CUDA simulator unless a real GPU run is asked for
-# (MPCACHE_REAL_CUDA=1). numba reads this when numba.cuda is first imported.
-if "numba.cuda" not in sys.modules and os.environ.get("MPCACHE_REAL_CUDA") != "1":
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-    if "numba" in sys.modules:  # numba read its config already: tell it too
-        sys.modules["numba"].config.ENABLE_CUDASIM = 1
-
-from kernels.layouts import KVGeometry, PagedLayout  # noqa: E402
+from kernels.layouts import KVGeometry, PagedLayout
 
 
 def small_geometry(layout: PagedLayout, itemsize: int = 2, head_size: int = 8, num_layers: int = 3) -> KVGeometry:

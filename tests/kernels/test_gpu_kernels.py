@@ -1,6 +1,6 @@
 """The CUDA gather / scatter kernels against the numpy reference, on the CUDA simulator in CI
-(tiny geometry: a launch is a few hundred simulated threads) or on a real GPU with
-MPCACHE_REAL_CUDA=1. Both modes, every layout, full and partial unroll groups, skip prefixes,
+(``MPCACHE_CUDASIM=1``, set by ``make test``; tiny geometry: a launch is a few hundred simulated
+threads) or on a real GPU (``make test-gpu``). Both modes, every layout, full and partial unroll groups, skip prefixes,
 several lane widths, poisoned slots and untouched blocks."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kernels.layouts import KVGeometry, PagedLayout
 from tests.kernels.conftest import random_block_table, random_layers, small_geometry
 from tests.kernels.reference import gather_ref, scatter_ref
 
-pytestmark = pytest.mark.skipif(not cuda.is_available(), reason="needs the CUDA simulator or a GPU")
+pytestmark = pytest.mark.cuda  # tests/conftest.py: the simulator or a device, else skipped
 
 POISON = 0xA5
 GAP = 5  # lanes between layers in the span: the kernels must never touch them
@@ -150,6 +150,7 @@ def test_staging_pipeline_pieces_and_partial_skip(pieces: int) -> None:
     ids = random_block_table(g, rng, 3)
     slots = [2, 3, 0]  # 2 and 3 adjacent: one DMA for both
     xfer.gather(ids, [s * g.slot_bytes for s in slots])
+    xfer.stream.synchronize()
     want = gather_ref(g, src, ids)
     for i, s in enumerate(slots):
         np.testing.assert_array_equal(_slot(g, host, np.uint16, s), want[i])
@@ -160,3 +161,42 @@ def test_staging_pipeline_pieces_and_partial_skip(pieces: int) -> None:
     scatter_ref(g, expect, want, out_ids, 5)
     after, _ = eng.layers(np.uint16)
     np.testing.assert_array_equal(after[0], expect[0])
+
+
+@pytest.mark.parametrize("mode", ["staging", "auto"])
+def test_unjoined_calls_overlap_through_the_staging_ring(mode: str) -> None:
+    """join=False, as the server's executor calls: each call's kernels may run while the DMAs
+    of the calls before still drain the staging ring; runs wrap around the ring and are reused
+    only after what last read them. Every slot and block must still be exactly right."""
+    rng = np.random.default_rng(77)
+    g = small_geometry(PagedLayout.NHD, head_size=4, num_layers=2)  # 3 blocks per chunk
+    src = random_layers(g, rng, np.uint16)
+    eng = Engine(g, src)
+    pool, host = _pool(g, 24)
+    xfer = CudaKVTransfer(g, eng.span, eng.offsets, pool, mode=mode, max_ctas=2, threads=8, max_chunks=3, ring=64,
+                          pipeline_pieces=3)
+    calls = []
+    slot = 0
+    for k in range(10):
+        n = 1 + k % 3
+        ids = random_block_table(g, rng, n)
+        slots = list(range(slot, slot + n))[:: -1 if k % 2 else 1]
+        slot += n
+        xfer.gather(ids, [s * g.slot_bytes for s in slots], join=False, busy=True)
+        calls.append((ids, slots))
+    cuda.synchronize()
+    for ids, slots in calls:
+        want = gather_ref(g, src, ids)
+        for i, s in enumerate(slots):
+            np.testing.assert_array_equal(_slot(g, host, np.uint16, s), want[i])
+    expect = [a.copy() for a in src]
+    for k, (_, slots) in enumerate(calls):
+        out_ids = random_block_table(g, rng, len(slots))
+        skip = k % 4
+        xfer.scatter([s * g.slot_bytes for s in slots], out_ids, skip_blocks=skip, join=False, busy=True)
+        scatter_ref(g, expect, np.stack([_slot(g, host, np.uint16, s) for s in slots]), out_ids, skip)
+    cuda.synchronize()
+    after, gaps = eng.layers(np.uint16)
+    for a, b in zip(after, expect):
+        np.testing.assert_array_equal(a, b)
+    assert (gaps.view(np.uint8) == 0x5A).all()

@@ -7,7 +7,27 @@ from typing import Any
 STALE, FRESH, POISON = 0x1111, 0x2222, -23131  # int16 patterns
 
 
-def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_blocks: list[int], sleep_cycles: int) -> None:
+def stall(torch: Any, seconds: float) -> None:
+    """Keep this process's current stream busy for about ``seconds`` (GPU work only; returns
+    at once): a chain of large bf16 matrix products, sized by timing a few first."""
+    if seconds <= 0:
+        return
+    import time
+
+    a = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    torch.matmul(a, a, out=c)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        torch.matmul(a, a, out=c)
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - t0) / 3
+    for _ in range(int(seconds / per) + 1):
+        torch.matmul(a, a, out=c)
+
+
+def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_blocks: list[int], stall_s: float) -> None:
     import msgpack
     import torch
 
@@ -30,14 +50,19 @@ def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_b
         "device_uuid": device_uuid(torch.cuda.current_device()), "tensors": export_kv_tensors(layers),
     }
     conn.send_bytes(msgpack.packb(layout))
+    fresh = torch.tensor(fresh_blocks, device="cuda")  # on the device now: no host sync below
+    torch.cuda.synchronize()
     conn.recv_bytes()  # registered
-    # The "forward pass": a long kernel, then the blocks to store get their final contents, then
-    # the event. A server that did not wait on the event would copy STALE.
+    # The "forward pass": long GPU work, then the blocks to store get their final contents,
+    # then the event, all enqueued without waiting (a pageable copy here would block the host
+    # until the GPU work is done, and the event would be complete by the time it is sent).
+    # A server that did not wait on the event would copy STALE.
     event = torch.cuda.Event(interprocess=True)
-    torch.cuda._sleep(sleep_cycles)
+    stall(torch, stall_s)
     for t in layers:
-        t.view(torch.int16)[:, fresh_blocks] = FRESH
+        t.view(torch.int16).index_fill_(1, fresh, FRESH)
     event.record()
+    assert stall_s <= 0 or not event.query(), "the event completed before it was sent"
     conn.send_bytes(export_event(event))
     conn.recv_bytes()  # the server side is done with our memory
     torch.cuda.synchronize()

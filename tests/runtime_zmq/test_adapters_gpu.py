@@ -2,7 +2,7 @@
 CUDA IPC handle and copies after the worker's interprocess event), driven in vLLM's call order
 against a real ``mpcache-server --gpu on``. Needs a CUDA GPU:
 
-    MPCACHE_REAL_CUDA=1 python -m pytest -m gpu tests/runtime_zmq/test_adapters_gpu.py
+    make test-gpu      # or: python -m pytest -m gpu tests/runtime_zmq/test_adapters_gpu.py
 """
 from __future__ import annotations
 

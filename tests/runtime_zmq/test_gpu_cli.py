@@ -2,7 +2,7 @@
 transfer engine built and warmed up before the ready line), driven by a GPU engine worker that
 registers its KV cache by CUDA IPC handles and stores / retrieves through it; then SIGTERM.
 
-``python -m pytest -m gpu --noconftest tests/runtime_zmq/test_gpu_cli.py``
+``make test-gpu`` (or ``python -m pytest -m gpu tests/runtime_zmq/test_gpu_cli.py``)
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -49,11 +50,16 @@ def test_cli_gpu_server_store_and_retrieve() -> None:
         try:
             assert proc.stdout is not None
             url = ""
+            lines: list[str] = []
             for line in proc.stdout:
+                lines.append(line.rstrip())
                 if line.startswith("mpcache-server ready "):
                     url = line.split()[-1]
                     break
-            assert url, "server did not start"
+            assert url, "server did not start:\n" + "\n".join(lines)
+            # keep reading its output: a full pipe would stall the server's logging
+            pump = threading.Thread(target=lambda: lines.extend(x.rstrip() for x in proc.stdout), daemon=True)  # type: ignore[union-attr]
+            pump.start()
             ready_s = time.monotonic() - t0
             ctx = mp.get_context("spawn")
             parent, child = ctx.Pipe()
@@ -67,7 +73,11 @@ def test_cli_gpu_server_store_and_retrieve() -> None:
                 if worker.is_alive():
                     worker.kill()
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 0
+            try:
+                code = proc.wait(30)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code == 0, f"exit code {code} after SIGTERM; server output:\n" + "\n".join(lines[-60:])
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -2,7 +2,7 @@
 GpuTransferExecutor, and a worker process that registers its KV cache by CUDA IPC handles and
 STOREs / RETRIEVEs through MPCacheClient — the same core_sm paths CPU engines use.
 
-``MPCACHE_REAL_CUDA=1 python -m pytest -m gpu --noconftest tests/runtime_zmq/test_gpu_server.py``
+``make test-gpu``
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """GPU regression test of the server-driven data path (run on a GPU host:
-``MPCACHE_REAL_CUDA=1 python -m pytest -m gpu --noconftest tests/runtime_zmq/test_gpu_transfer.py``).
+``make test-gpu``).
 
 A worker process exports its KV cache and an interprocess event; the GpuTransferExecutor opens
 them and runs STORE / RETRIEVE transfers while other Python threads hammer the GIL, drive CUDA
@@ -53,7 +53,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
     dst = perm[3 * BPC : 6 * BPC]  # and retrieved into here
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_worker, args=(child, GEO, src, dst, 1_000_000_000))
+    proc = ctx.Process(target=run_worker, args=(child, GEO, src, dst, 3.0))
     proc.start()
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -105,6 +105,10 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
         t0 = time.perf_counter()
         # 1: store 3 chunks; must wait for the worker's long kernel and see FRESH data
         ex.start(_transfer(1, TransferKind.STORE, 2, 3, [7, 3, 11], src), event_handle, done)
+        from runtime_zmq import gpu_ipc
+
+        pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
+        assert pending == [600], f"the worker's event is not pending ({pending}): this test would prove nothing"
         # 2: retrieve them into other blocks, the first block skipped (engine holds 1 block + 3 tokens)
         ex.start(_transfer(2, TransferKind.RETRIEVE, 2, 3, [7, 3, 11], dst, skip=GEO["block_size"] + 3), event_handle, done)
         # 3..: many more round trips under pressure
@@ -124,7 +128,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
             results[tid] = ok
         elapsed = time.perf_counter() - t0
         assert all(results.values()), results
-        assert elapsed > 0.2  # the first store waited for the worker's ~0.5 s kernel
+        assert elapsed > 2.0  # the first store waited for the worker's ~3 s of GPU work
         time.sleep(0.05)
         assert finished.empty()
         assert stats_seen and ex.stats()["finished"] == 2 + n_more and ex.stats()["in_flight"] == 0
@@ -161,3 +165,112 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
         if proc.is_alive():
             proc.kill()
     assert not any(th.is_alive() for th in threads)
+
+
+@pytest.mark.timeout(240)
+def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
+    """Registration checks each tensor against its real allocation; an engine whose event never
+    fires (its GPU work outlives the transfer timeout) is failed and unregistered while another
+    engine's transfers finish on time, and the neutralized stores leave their L1 slots alone."""
+    import msgpack
+
+    from core_sm.messages import TransferKind
+    from runtime_zmq.gpu_transfer import GpuTransferExecutor
+    from runtime_zmq.l1_pool import SharedMemoryPool
+    from tests.runtime_zmq.gpu_worker import run_worker
+
+    rng = np.random.default_rng(12)
+    perm = [int(b) for b in rng.permutation(GEO["num_blocks"])]
+    src, dst = perm[: 3 * BPC], perm[3 * BPC : 6 * BPC]
+    ctx = mp.get_context("spawn")
+    # A: its event is recorded after ~6 s of GPU work; B: at once
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=run_worker, args=(child, GEO, src, dst, cycles))
+             for (_, child), cycles in zip(pipes, (6.0, 0.0))]
+    for p in procs:
+        p.start()
+    ex = None
+    pool = None
+    try:
+        layouts = []
+        for parent, _ in pipes:
+            assert parent.poll(120), "worker did not start"
+            layouts.append(msgpack.unpackb(parent.recv_bytes()))
+        slot_bytes = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2
+        pool = SharedMemoryPool(16 * slot_bytes, slot_bytes)
+        ex = GpuTransferExecutor(CHUNK, mode="zerocopy", max_ctas=8, transfer_timeout_s=1.0)
+        ex.warm_up(pool)
+
+        bad = dict(layouts[0], tensors=[dict(t) for t in layouts[0]["tensors"]])
+        bad["tensors"][0]["offset"] = 1 << 40
+        assert "outside" in (ex.register_instance(9, bad, pool) or "")
+        bad = dict(layouts[0], tensors=[dict(t) for t in layouts[0]["tensors"]])
+        bad["tensors"][1] = dict(bad["tensors"][0])
+        assert "overlap" in (ex.register_instance(9, bad, pool) or "")
+        assert ex.stats()["instances"] == 0
+
+        for iid, layout in ((1, layouts[0]), (2, layouts[1])):
+            reason = ex.register_instance(iid, layout, pool)
+            assert reason is None, reason
+        handles = []
+        for parent, _ in pipes:
+            parent.send_bytes(b"registered")
+            assert parent.poll(60), "worker sent no event"
+            handles.append(parent.recv_bytes())
+        for s in range(16):
+            pool.write(s, bytes([0x5C]) * slot_bytes)
+
+        finished: queue.Queue[tuple[int, bool, float]] = queue.Queue()
+
+        def done(tid: int, ok: bool) -> None:
+            finished.put((tid, ok, time.monotonic()))
+
+        t0 = time.monotonic()
+
+        def st(tid: int, iid: int, slots: list[int]):  # type: ignore[no-untyped-def]
+            from core_sm.effects import StartTransfer
+
+            placements = tuple((i, s) for i, s in enumerate(slots))
+            return StartTransfer(tid, TransferKind.STORE, iid, f"r{tid}", None, 0, len(slots) * CHUNK, placements,
+                                 tuple(src[: len(slots) * BPC]), 0)
+
+        ex.start(st(1, 1, [1]), handles[0], done)  # A, first in line: waits on A's long kernel
+        ex.start(st(2, 1, [2]), handles[0], done)  # A, behind it: neutralized
+        ex.start(st(3, 1, [3, 4]), handles[0], done)  # A: neutralized
+        from runtime_zmq import gpu_ipc
+
+        a_event_pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
+        assert a_event_pending == [600], f"A's event is not pending ({a_event_pending}): the stall did not hold"
+        for k in range(10):
+            ex.start(st(10 + k, 2, [8 + k % 4]), handles[1], done)  # B: runs while A hangs
+        results: dict[int, tuple[bool, float]] = {}
+        while len(results) < 12:  # all but the first in line
+            tid, ok, at = finished.get(timeout=30)
+            assert tid not in results
+            results[tid] = (ok, at - t0)
+        results_note = f"results {results}, A's event query {a_event_pending} (600 = not ready)"
+        assert 1 not in results, results_note  # first in line: reported only when its copy really ended
+        assert all(results[10 + k][0] for k in range(10)), results_note
+        assert max(results[10 + k][1] for k in range(10)) < 1.0, results_note  # B was not held up by A
+        assert results[2][0] is False and results[3][0] is False, results_note
+        assert 1.0 <= results[2][1] < 3.0, results_note
+        s = ex.stats()
+        assert s["instances_failed"] == 1 and s["instances"] == 1
+        tid, ok, at = finished.get(timeout=60)  # A's kernel ends after ~6 s
+        assert tid == 1 and ok is False and at - t0 > 2.0
+        for slot in (2, 3, 4):  # the neutralized stores never wrote their slots
+            assert pool.read(slot, slot_bytes) == bytes([0x5C]) * slot_bytes
+        assert ex.stats()["in_flight"] == 0
+    finally:
+        if ex is not None:
+            ex.close()
+        if pool is not None:
+            pool.close()
+        for (parent, _), p in zip(pipes, procs):
+            try:
+                parent.send_bytes(b"bye")
+            except OSError:
+                pass
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

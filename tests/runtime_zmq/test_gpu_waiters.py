@@ -1,0 +1,216 @@
+"""The GPU executor's completion logic without a GPU: a fake CUDA driver whose streams can be
+made to hang (an engine's event that never fires). One waiter per instance, cuEventQuery only,
+per-transfer deadlines: a stuck instance is failed and unregistered, the others finish on time,
+and no slot is reported free while a copy into it may still run."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from core_sm.effects import StartTransfer
+from core_sm.messages import TransferKind
+from runtime_zmq import gpu_ipc
+from runtime_zmq.gpu_transfer import GpuTransferExecutor, check_layer_ranges
+
+SUCCESS, NOT_READY = 0, 600
+C, BS = 8, 4  # 2 blocks per chunk
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.stuck = False
+
+
+class Event:
+    stream: Stream | None = None
+
+
+class Driver:
+    CUresult = SimpleNamespace(CUDA_SUCCESS=SUCCESS, CUDA_ERROR_NOT_READY=NOT_READY)
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def cuEventQuery(self, ev: Event) -> tuple[int]:
+        self.queries += 1
+        return (NOT_READY if ev.stream is not None and ev.stream.stuck else SUCCESS,)
+
+    def cuEventRecord(self, ev: Event, stream: Stream) -> tuple[int]:
+        ev.stream = stream
+        return (SUCCESS,)
+
+    def cuStreamWaitEvent(self, stream: Stream, ev: Any, flags: int) -> tuple[int]:
+        return (SUCCESS,)
+
+
+class Transfer:
+    """Stands in for CudaKVTransfer: records calls; has no synchronize() at all."""
+
+    memcpy_path = "none"
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.neutralized: list[int] = []
+
+    def uses_staging(self, n: int, busy: bool = False) -> bool:
+        return n >= 4
+
+    def completion_stream(self) -> Any:
+        return self.stream
+
+    def raw_streams(self) -> list[Any]:
+        return [self.stream]
+
+    def _call(self) -> list[int]:
+        self.next += 1
+        return [self.next]
+
+    def gather(self, ids: Any, offs: Any, **kw: Any) -> list[int]:
+        return self._call()
+
+    def scatter(self, offs: Any, ids: Any, skip: int, **kw: Any) -> list[int]:
+        return self._call()
+
+    def neutralize(self, entries: list[int]) -> None:
+        self.neutralized += entries
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    drv = Driver()
+    closed: list[int] = []
+    monkeypatch.setattr(gpu_ipc, "_driver", lambda: drv)
+    monkeypatch.setattr(gpu_ipc, "ensure_context", lambda ordinal=0: None)
+    monkeypatch.setattr(gpu_ipc, "create_completion_event", Event)
+    monkeypatch.setattr(gpu_ipc, "destroy_event", lambda ev: None)
+    monkeypatch.setattr(gpu_ipc, "open_event", lambda h: Event())
+    monkeypatch.setattr(gpu_ipc, "open_memory", lambda h: 0x1000 * h[0])
+    monkeypatch.setattr(gpu_ipc, "close_memory", closed.append)
+    return {"driver": drv, "closed": closed}
+
+
+def geometry() -> Any:
+    return SimpleNamespace(block_size=BS, blocks_per_chunk=C // BS, slot_bytes=1 << 20)
+
+
+def add(ex: GpuTransferExecutor, iid: int, handle: bytes) -> tuple[Any, Stream, Transfer]:
+    stream, transfer = Stream(), Transfer()
+    transfer.stream = stream  # type: ignore[attr-defined]
+    ex._opened.open(handle)
+    inst = ex._add_instance(iid, geometry(), transfer, [handle], stream, 1 << 20)
+    return inst, stream, transfer
+
+
+def st(tid: int, iid: int, n_chunks: int, kind: TransferKind = TransferKind.STORE) -> StartTransfer:
+    return StartTransfer(tid, kind, iid, f"r{tid}", None, 0, n_chunks * C, tuple((i, i) for i in range(n_chunks)),
+                         tuple(range(n_chunks * C // BS)), 0)
+
+
+class Done:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.results: dict[int, tuple[bool, float]] = {}
+
+    def __call__(self, tid: int, ok: bool) -> None:
+        with self.lock:
+            assert tid not in self.results, f"transfer {tid} reported twice"
+            self.results[tid] = (ok, time.monotonic())
+
+    def wait(self, tids: set[int], timeout: float = 5.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.lock:
+                if tids <= set(self.results):
+                    return
+            time.sleep(0.005)
+        raise AssertionError(f"not reported in time: {sorted(tids - set(self.results))}")
+
+
+def test_a_stuck_instance_is_failed_and_the_others_finish(fake_cuda: dict[str, Any]) -> None:
+    ex = GpuTransferExecutor(C, transfer_timeout_s=0.3, warm_events=4)
+    done = Done()
+    a, a_stream, a_transfer = add(ex, 1, b"\x01" * 64)
+    b, b_stream, _ = add(ex, 2, b"\x02" * 64)
+    a_stream.stuck = True
+    t0 = time.monotonic()
+    ex.start(st(10, 1, 1), b"e" * 64, done)  # first in line: held until its copy ends
+    ex.start(st(11, 1, 4), b"e" * 64, done)  # staging store: its DMA into L1 cannot be cancelled
+    ex.start(st(12, 1, 1), b"e" * 64, done)  # zero-copy store: neutralized, reported at the deadline
+    ex.start(st(13, 1, 2, TransferKind.RETRIEVE), b"e" * 64, done)  # retrieve: neutralized, reported
+    ex.start(st(20, 2, 2), b"f" * 64, done)
+    done.wait({20})
+    assert done.results[20][0] is True and done.results[20][1] - t0 < 0.2  # B is not held up by A
+    done.wait({12, 13}, timeout=3.0)
+    assert not done.results[12][0] and not done.results[13][0]
+    assert done.results[12][1] - t0 >= 0.3
+    assert 10 not in done.results and 11 not in done.results  # their slots stay pinned
+    assert sorted(a_transfer.neutralized) == [1, 2, 3, 4]
+    assert 1 not in ex._instances and 2 in ex._instances
+    assert ex.stats()["instances_failed"] == 1
+    ex.start(st(14, 1, 1), b"e" * 64, done)  # A is unregistered: refused at once
+    assert done.results[14][0] is False
+    ex.start(st(21, 2, 1), b"f" * 64, done)
+    done.wait({21})
+    assert done.results[21][0] is True
+    assert fake_cuda["closed"] == []  # A's memory stays mapped while its copies are queued
+    a_stream.stuck = False  # the engine's event fires at last
+    done.wait({10, 11})
+    assert not done.results[10][0] and not done.results[11][0]
+    a.waiter.join(2.0)
+    assert not a.waiter.is_alive() and fake_cuda["closed"] == [0x1000]
+    ex.close()
+    assert fake_cuda["closed"] == [0x1000, 0x2000]
+    s = ex.stats()
+    assert s["finished"] == 2 and s["failed"] == 4 and s["in_flight"] == 0
+
+
+def test_unregister_never_waits_and_closes_after_the_copies(fake_cuda: dict[str, Any]) -> None:
+    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4)
+    done = Done()
+    inst, stream, _ = add(ex, 1, b"\x03" * 64)
+    stream.stuck = True
+    ex.start(st(1, 1, 2), b"e" * 64, done)
+    t0 = time.monotonic()
+    ex.unregister_instance(1)
+    assert time.monotonic() - t0 < 0.05 and 1 not in ex._instances
+    time.sleep(0.05)
+    assert done.results == {} and fake_cuda["closed"] == []
+    stream.stuck = False
+    done.wait({1})
+    assert done.results[1][0] is True  # the copy it had queued really landed
+    inst.waiter.join(2.0)
+    assert fake_cuda["closed"] == [0x3000]
+    ex.close()
+
+
+def test_waiter_sleeps_until_the_copy_should_be_done(fake_cuda: dict[str, Any]) -> None:
+    """A 32-chunk store at 50 GB/s takes ~0.67 ms of link time per MiB chunk here; the waiter
+    polls a handful of times, not in a busy loop."""
+    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, link_gbps=0.5)  # 1 MiB chunk: 2 ms
+    done = Done()
+    inst, stream, _ = add(ex, 1, b"\x04" * 64)
+    stream.stuck = True
+    before = fake_cuda["driver"].queries
+    ex.start(st(1, 1, 16), b"", done)  # 32 ms expected
+    threading.Timer(0.03, lambda: setattr(stream, "stuck", False)).start()
+    done.wait({1})
+    assert fake_cuda["driver"].queries - before < 40
+    ex.close()
+
+
+def test_layer_ranges() -> None:
+    check_layer_ranges([(0, 1000, 0, 100), (0, 1000, 100, 100), (5000, 100, 0, 100)], 100)
+    with pytest.raises(ValueError, match="outside"):
+        check_layer_ranges([(0, 1000, 950, 100)], 100)
+    with pytest.raises(ValueError, match="outside"):
+        check_layer_ranges([(0, 1000, -8, 100)], 100)
+    with pytest.raises(ValueError, match="declares"):
+        check_layer_ranges([(0, 1000, 0, 64)], 100)
+    with pytest.raises(ValueError, match="overlap"):
+        check_layer_ranges([(0, 1000, 0, 100), (0, 1000, 50, 100)], 100)
+    with pytest.raises(ValueError, match="layers 0 and 2 overlap"):
+        check_layer_ranges([(0, 1000, 200, 100), (0, 1000, 0, 100), (0, 1000, 200, 100)], 100)

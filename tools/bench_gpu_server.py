@@ -1,0 +1,385 @@
+"""`mpcache-bench gpu-server [--engines 1,2,4] [--rounds N] [--out DIR]`: GPU store / retrieve
+through a real ``mpcache-server --gpu on`` (a separate process: ZMQ over ipc, core_sm, the GPU
+transfer engine with its interprocess-event waits and completion waiters).
+
+Engine processes (1-4) each hold a Llama-3-8B-like paged KV cache on the GPU (32 layers, 8 KV
+heads, head 128, bf16, block 16, vLLM NHD layout; chunk 256 tokens = one 32 MiB L1 slot),
+register it by CUDA IPC handles and issue concurrent STOREs of fresh prompts, then RETRIEVEs of
+them into other blocks (random block order), recording one interprocess event before each
+request as vLLM's worker does. Every first and last round is checked bitwise on the engine
+(retrieved blocks equal the stored ones).
+
+Per shape (requests in flight x chunks per request, split over the engines) it reports:
+
+* GB/s of the round (bytes / first send to last reply) against this run's pinned-memcpy ceiling
+  in the same direction;
+* p50 / p99 request latency (send to reply, on the engine);
+* server CPU per request (all its threads, /proc schedstat) and the GPU engine's host time per
+  transfer (``gpu_start_ns`` / ``gpu_started`` from the server's stats);
+* the first round after the server started, separately (a fresh server per single-engine shape).
+
+``--server-repo DIR`` runs the server from another checkout (e.g. an older commit) with this
+checkout's engines, for before/after tables. Prints a table; writes gpu_server.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+MiB = 1 << 20
+GEO = {"num_layers": 32, "block_size": 16, "num_heads": 8, "head_size": 128}
+CHUNK = 256
+BPC = CHUNK // GEO["block_size"]
+SLOT = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2  # 32 MiB
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _engine(conn: Any, url: str, iid: int, num_blocks: int, seed: int) -> None:
+    """One engine process: owns its KV cache, registers it, runs the phases the parent asks for."""
+    import numpy as np
+    import torch
+
+    from runtime_zmq.client import MPCacheClient
+    from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
+
+    torch.cuda.init()
+    shape = (2, num_blocks, GEO["block_size"], GEO["num_heads"], GEO["head_size"])
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    layers = []
+    for _ in range(GEO["num_layers"]):
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        t.view(torch.int16).random_(-32768, 32767, generator=gen)
+        layers.append(t)
+    torch.cuda.synchronize()
+    layout = {
+        "model_name": "bench/llama-3-8b", "world_size": 1, "object_bytes": SLOT, "engine_driven": False,
+        "kv_layout": "nhd", "num_blocks": num_blocks, **{k: GEO[k] for k in ("block_size", "num_heads", "head_size")},
+        "itemsize": 2, "device_uuid": device_uuid(torch.cuda.current_device()), "tensors": export_kv_tensors(layers),
+    }
+    client = MPCacheClient(url, request_timeout=120.0)
+    event = torch.cuda.Event(interprocess=True)
+    event.record()
+    handle = export_event(event)
+    rng = np.random.default_rng(seed)
+    try:
+        t0 = time.perf_counter()
+        client.register_instance(iid, layout).result(300)
+        conn.send({"registered_s": time.perf_counter() - t0})
+        while True:
+            msg = conn.recv()
+            if msg["op"] == "bye":
+                break
+            if msg["op"] == "ceiling":
+                conn.send(_ceiling(torch))
+                continue
+            conn.send(_phase(client, iid, handle, event, layers, rng, num_blocks, msg))
+    except Exception as e:
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        client.close()
+
+
+def _phase(client: Any, iid: int, handle: bytes, event: Any, layers: list[Any], rng: Any, num_blocks: int,
+           msg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    n_req, n_chunks, tag = msg["requests"], msg["chunks"], msg["tag"]
+    need = n_req * n_chunks * BPC
+    perm = [int(b) for b in rng.permutation(num_blocks)]
+    src = [perm[i * n_chunks * BPC : (i + 1) * n_chunks * BPC] for i in range(n_req)]
+    dst = [perm[need + i * n_chunks * BPC : need + (i + 1) * n_chunks * BPC] for i in range(n_req)] if 2 * need <= num_blocks else src
+    keys = []
+    for i in range(n_req):
+        base = 1_000 + (hash((tag, iid, i)) % 40_000_000)
+        tokens = list(range(base, base + n_chunks * CHUNK))
+        keys.append({"model_name": "bench/llama-3-8b", "world_size": 1, "worker_id": 0, "token_ids": tokens, "start": 0,
+                     "end": len(tokens), "request_id": f"{tag}-{iid}-{i}", "cache_salt": "", "request_configs": None,
+                     "num_kv_readers": 1})
+    before = None
+    if msg["check"]:
+        # compared as int16: random bit patterns include bf16 NaNs, which never compare equal
+        before = [torch.stack([t.view(torch.int16)[:, s] for t in layers]).clone() for s in src]
+    out: dict[str, Any] = {}
+    for kind in ("store", "retrieve"):
+        done_at = [0.0] * n_req
+        sent_at = [0.0] * n_req
+        futures = []
+        start_wall = time.monotonic()
+        for i in range(n_req):
+            event.record()  # what the engine's forward pass would be ordered by
+            sent_at[i] = time.perf_counter()
+            if kind == "store":
+                f = client.store(keys[i], iid, src[i], handle)
+            else:
+                f = client.retrieve(keys[i], iid, dst[i], handle, 0)
+
+            def stamp(_f: Any, i: int = i) -> None:
+                done_at[i] = time.perf_counter()
+            f.add_done_callback(stamp)
+            futures.append(f)
+        oks = []
+        for f in futures:
+            r = f.result(120)
+            oks.append(bool(r[-1]) if isinstance(r, (list, tuple)) else bool(r))
+        end_wall = time.monotonic()
+        lat = [(d - s) * 1e3 for s, d in zip(sent_at, done_at)]
+        out[kind] = {"start": start_wall, "end": end_wall, "lat_ms": lat, "ok": all(oks), "oks": sum(oks)}
+    if before is not None:
+        torch.cuda.synchronize()
+        good = all(torch.equal(torch.stack([t.view(torch.int16)[:, d] for t in layers]), b) for d, b in zip(dst, before))
+        out["check"] = good
+    return out
+
+
+def _ceiling(torch: Any) -> dict[str, float]:
+    n = 1 << 30
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev.random_(0, 255)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, fn in (("d2h", lambda: host.copy_(dev, non_blocking=True)), ("h2d", lambda: dev.copy_(host, non_blocking=True))):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[name] = n / statistics.median(times) / 1e9
+    return out
+
+
+def _server_cpu_ns(pid: int) -> int:
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass
+    return total
+
+
+class Server:
+    def __init__(self, repo: str, l1_gb: float, workdir: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+        sock = os.path.join(workdir, f"s{time.monotonic_ns()}", "mpcache.sock")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime_zmq.cli", "--gpu", "on", "--ipc", sock, "--chunk-size", str(CHUNK),
+             "--slot-mb", str(SLOT / MiB), "--l1-size-gb", str(l1_gb), "--log-level", "WARNING"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo, env=env)
+        self.url = ""
+        self.log: list[str] = []
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.append(line.rstrip())
+                if line.startswith("mpcache-server ready "):
+                    self.url = line.split()[-1]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(300) or not self.url:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "\n".join(self.log[-30:]))
+        self.ready_s = time.monotonic() - self.t0
+
+    def stats(self) -> dict[str, Any]:
+        from runtime_zmq.client import MPCacheClient
+
+        with MPCacheClient(self.url, request_timeout=10.0) as c:
+            return dict(c.stats())
+
+    def stop(self) -> None:
+        self.exit_code: int | None = self.proc.poll()
+        if self.exit_code is None:
+            t0 = time.monotonic()
+            self.proc.terminate()
+            try:
+                self.exit_code = self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                self.exit_code = None
+            self.stop_s = time.monotonic() - t0
+        if self.exit_code != 0:
+            print(f"server exit code {self.exit_code}; its last lines:\n" + "\n".join(self.log[-20:]), file=sys.stderr)
+
+
+def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdir: str) -> list[dict[str, Any]]:
+    """One server, ``n_engines`` engines, the shapes in order; rounds of each shape."""
+    server = Server(args.server_repo, args.l1_gb, workdir)
+    ctx = mp.get_context("spawn")
+    max_need = max(r * c for r, c in shapes)
+    per_engine_need = -(-max_need // n_engines) * BPC
+    num_blocks = 2 * per_engine_need + 64
+    pipes: list[Any] = []
+    procs: list[Any] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        for e in range(n_engines):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_engine, args=(child, server.url, e + 1, num_blocks, 100 + e), daemon=True)
+            p.start()
+            pipes.append(parent)
+            procs.append(p)
+        reg = [p.recv() for p in pipes]
+        for r in reg:
+            if "error" in r:
+                raise RuntimeError(r["error"])
+        if args.ceiling is None:
+            pipes[0].send({"op": "ceiling"})
+            args.ceiling = pipes[0].recv()
+        for n_req, n_chunks in shapes:
+            per = [n_req // n_engines + (1 if e < n_req % n_engines else 0) for e in range(n_engines)]
+            rounds = []
+            for rnd in range(args.rounds):
+                check = rnd in (0, args.rounds - 1)
+                s0 = server.stats()
+                c0 = _server_cpu_ns(server.proc.pid)
+                for e, conn in enumerate(pipes):
+                    conn.send({"op": "phase", "requests": per[e], "chunks": n_chunks, "tag": f"{n_engines}-{n_req}x{n_chunks}-{rnd}-{time.monotonic_ns()}",
+                            "check": check})
+                res = [conn.recv() for conn in pipes]
+                c1 = _server_cpu_ns(server.proc.pid)
+                s1 = server.stats()
+                for r in res:
+                    if "error" in r:
+                        raise RuntimeError(r["error"])
+                rounds.append({"res": res, "cpu_ns": c1 - c0, "s0": s0, "s1": s1})
+            rows.append(_summarise(n_engines, n_req, n_chunks, rounds, args.ceiling))
+    finally:
+        for conn in pipes:
+            try:
+                conn.send({"op": "bye"})
+            except OSError:
+                pass
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        server.stop()
+    for row in rows:
+        row["server_ready_s"] = server.ready_s
+        row["registered_s"] = max(r.get("registered_s", 0.0) for r in reg)
+        row["server_exit"] = server.exit_code
+        row["server_stop_s"] = getattr(server, "stop_s", float("nan"))
+    return rows
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+
+def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str, Any]], ceiling: dict[str, float]) -> dict[str, Any]:
+    row: dict[str, Any] = {"engines": n_engines, "requests": n_req, "chunks": n_chunks}
+    nbytes = n_req * n_chunks * SLOT
+    for kind, direction in (("store", "d2h"), ("retrieve", "h2d")):
+        def stats_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
+            gbps, lat, ok = [], [], True
+            for r in rs:
+                parts = [x[kind] for x in r["res"]]
+                wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+                gbps.append(nbytes / wall / 1e9)
+                for p in parts:
+                    lat += p["lat_ms"]
+                    ok &= p["ok"]
+            return {"gbps": statistics.median(gbps), "pct": statistics.median(gbps) / ceiling[direction] * 100,
+                    "p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99), "ok": ok}
+        row[kind] = stats_of(rounds[1:] if len(rounds) > 1 else rounds)
+        row[kind + "_first"] = stats_of(rounds[:1])
+    steady = rounds[1:] if len(rounds) > 1 else rounds
+    reqs = 2 * n_req * len(steady)
+    row["cpu_us_per_req"] = sum(r["cpu_ns"] for r in steady) / reqs / 1e3
+    started = sum(r["s1"].get("gpu_started", 0) - r["s0"].get("gpu_started", 0) for r in steady)
+    ns = sum(r["s1"].get("gpu_start_ns", 0) - r["s0"].get("gpu_start_ns", 0) for r in steady)
+    row["host_us_per_transfer"] = ns / started / 1e3 if started and ns else float("nan")
+    for part in ("plan", "enqueue", "wait"):
+        part_ns = sum(r["s1"].get(f"gpu_{part}_ns", 0) - r["s0"].get(f"gpu_{part}_ns", 0) for r in steady)
+        row[f"{part}_us_per_transfer"] = part_ns / started / 1e3 if started and part_ns else float("nan")
+    row["memcpy_batch"] = rounds[-1]["s1"].get("gpu_memcpy_batch", -1)
+    row["polls_per_transfer"] = (sum(r["s1"].get("gpu_polls", 0) - r["s0"].get("gpu_polls", 0) for r in steady) / started
+                                 if started else float("nan"))
+    row["events_created"] = rounds[-1]["s1"].get("gpu_events_created", -1)
+    row["failed"] = rounds[-1]["s1"].get("transfers_failed", rounds[-1]["s1"].get("gpu_failed", 0))
+    row["checked"] = all(x.get("check", True) for r in rounds for x in r["res"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mpcache-bench gpu-server")
+    ap.add_argument("--engines", default="1,2,4", help="engine process counts, comma-separated (default 1,2,4)")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds per shape; the first is reported separately")
+    ap.add_argument("--shapes", default="1x8,32x1,16x8,4x32", help="requests-in-flight x chunks per request, for one engine")
+    ap.add_argument("--multi-shapes", default="32x1,16x8", help="shapes for 2+ engines (requests split between them)")
+    ap.add_argument("--l1-gb", type=float, default=10.0)
+    ap.add_argument("--server-repo", default=REPO, help="checkout to run mpcache-server from (default: this one)")
+    ap.add_argument("--label", default="", help="a name for this run in the table / json")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args(argv)
+    args.ceiling = None
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench gpu-server: no CUDA GPU; nothing to measure", file=sys.stderr)
+        return 2
+
+    def parse(s: str) -> list[tuple[int, int]]:
+        return [(int(a), int(b)) for a, b in (x.split("x") for x in s.split(",") if x)]
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="mpcache-bench-") as workdir:
+        for n in [int(x) for x in args.engines.split(",")]:
+            if n == 1:
+                for shape in parse(args.shapes):  # a fresh server each: the first round is the first after start
+                    rows += _run_config(args, 1, [shape], workdir)
+            else:
+                rows += _run_config(args, n, parse(args.multi_shapes), workdir)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"gpu_server{('_' + args.label) if args.label else ''}.json"), "w") as f:
+        json.dump({"ceiling": args.ceiling, "rows": rows, "label": args.label}, f, indent=1)
+    _print(args, rows)
+    ok = all(r["store"]["ok"] and r["retrieve"]["ok"] and r["checked"] for r in rows)
+    return 0 if ok else 1
+
+
+def _print(args: Any, rows: list[dict[str, Any]]) -> None:
+    c = args.ceiling
+    print(f"{args.label or 'gpu-server'}: ceiling pinned memcpy 1 GiB D2H {c['d2h']:.1f} GB/s, H2D {c['h2d']:.1f} GB/s; "
+          f"server ready {rows[0]['server_ready_s']:.1f} s, registration {rows[0]['registered_s']:.2f} s")
+    hdr = (f"{'eng':>3} {'req x chunks':>12} {'dir':>8} {'GB/s':>6} {'%ceil':>6} {'p50 ms':>7} {'p99 ms':>7} | "
+           f"{'1st GB/s':>8} {'%ceil':>6} {'p50 ms':>7} {'p99 ms':>7} | {'cpu us/req':>10} {'host us/xfer':>12} {'check':>5}")
+    print(hdr)
+    tail = []
+    for r in rows:
+        for kind in ("store", "retrieve"):
+            s, f = r[kind], r[kind + "_first"]
+            print(f"{r['engines']:>3} {str(r['requests']) + ' x ' + str(r['chunks']):>12} {kind:>8} {s['gbps']:>6.1f} {s['pct']:>5.1f}% "
+                  f"{s['p50']:>7.2f} {s['p99']:>7.2f} | {f['gbps']:>8.1f} {f['pct']:>5.1f}% {f['p50']:>7.2f} {f['p99']:>7.2f} | "
+                  f"{r['cpu_us_per_req']:>10.0f} {r['host_us_per_transfer']:>12.1f} {'ok' if r['checked'] and s['ok'] else 'FAIL':>5}")
+        tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: host us/transfer plan {r.get('plan_us_per_transfer', float('nan')):.1f} "
+                    f"enqueue {r.get('enqueue_us_per_transfer', float('nan')):.1f} (event wait {r.get('wait_us_per_transfer', float('nan')):.1f}), polls/transfer {r.get('polls_per_transfer', float('nan')):.1f}, "
+                    f"batched DMAs {r.get('memcpy_batch')}, server exit {r.get('server_exit')} after {r.get('server_stop_s', float('nan')):.1f} s")
+    print("\n".join(tail))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

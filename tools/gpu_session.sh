@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU session on a CUDA host: versions, the mpcache-server GPU benchmark (this checkout, and
+# optionally an older server checkout for before/after), then `make test-gpu`. Logs and JSON go
+# to $OUT (default ./out). Usage, from the repo root:
+#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="bench before test"] bash tools/gpu_session.sh
+# WHEELS: a folder of wheels to install first (e.g. pyzmq where the host python lacks it).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"bench before test"}
+export PYTHONUNBUFFERED=1
+if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mpcache-site "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=/tmp/mpcache-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, numba, numpy, zmq, msgpack; from importlib.metadata import version as v; print('torch', torch.__version__, 'numba', numba.__version__, 'numba-cuda', v('numba-cuda'), 'cuda-bindings', v('cuda-bindings'), 'numpy', numpy.__version__, 'pyzmq', zmq.__version__)"
+rc=0
+for step in $STEPS; do
+    case $step in
+    bench)
+        timeout 240 python3 -m tools.bench_cli gpu-server --label after --out "$OUT" 2>&1 | tee "$OUT/bench_after.log" || rc=1 ;;
+    before)
+        if [ -n "${BEFORE_REPO:-}" ]; then
+            timeout 150 python3 -m tools.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \
+                --shapes 1x8,32x1,16x8 --rounds 4 --out "$OUT" 2>&1 | tee "$OUT/bench_before.log" || rc=1
+        fi ;;
+    kernels)
+        timeout 200 python3 -m tools.bench_cli kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
+    test)
+        if command -v make >/dev/null; then cmd=(make test-gpu PY=python3); else cmd=(env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -m "gpu or cuda" tests/kernels tests/runtime_zmq); fi
+        timeout 300 "${cmd[@]}" 2>&1 | tee "$OUT/test_gpu.log" | tail -40 || rc=1 ;;
+    esac
+done
+exit $rc
