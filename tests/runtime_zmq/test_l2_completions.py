@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -105,7 +104,8 @@ def test_shutdown_hands_core_sm_the_completion_of_every_l2_effect() -> None:
         c.lookup(key(tokens(1, seed=1), "b")).result(5)  # its read waits in the queue
         assert wait_for(lambda: c.stats()["l2_in_flight"] == 2, timeout=5.0)
         waiter = c.wait_prefetch_status("b", 30.0)
-        time.sleep(0.1)
+        # stop only once the server holds the wait (a request never read is never answered)
+        assert wait_for(lambda: c.stats()["waiters"] == 1, timeout=5.0)
         server.stop()
         loop.join(10)
         assert not loop.is_alive()
