@@ -83,6 +83,7 @@ class SimRequest:
     vllm_hit: int = 0  # the engine's prefix-cache hit (num_computed_tokens at the match)
     external: int = 0  # the tokens the planner said would be loaded
     retrieve: SubmitRetrieve | None = None  # the plan's retrieve, checked when it lands
+    retrieves_planned: int = 0
     retrieve_server: int = 0
     loads_pending: set[int] = attrs.Factory(set)
     load_errors: set[tuple[int, int]] = attrs.Factory(set)  # (rank, block id)
@@ -487,6 +488,13 @@ class SimEngine:
                                      f"{req and req.state}")
                 continue
             req.retrieve = op
+            req.retrieves_planned += 1
+            if req.retrieves_planned > 1:
+                # One lookup leases the hit once: the first load used those leases (or the first
+                # allocation freed them); a second load reads chunks nothing holds for it.
+                self.world.violation("F21", self.sched.name, f"{op.request_id}: load [{op.start}, {op.end}) planned "
+                                     f"again{' after preemption' if req.preempted else ''}, on the leases of a "
+                                     f"lookup its first allocation already spent")
             for w in self.workers:
                 assert w.node is not None
                 self.call(w.node, tc_name(req.retrieve_server), op)

@@ -21,6 +21,7 @@ FAILURES: dict[str, str] = {
     "F11": "missing or double reply",
     "F12": "unbounded bookkeeping (abandoned state never reclaimed)",
     "F16": "double completion, or a copy into blocks already freed",
+    "F21": "load on spent leases (a request's one lookup planned for a second load)",
     "HIT": "hit reported for data never stored",
     "LIVENESS": "request did not finish after heal",
     "DEADLOCK": "world idle with no deadline",

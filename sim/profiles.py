@@ -9,6 +9,7 @@ within 200 seeds.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -18,7 +19,15 @@ from core_sm.errors import ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
 from core_sm.messages import Lookup, ReplyTo
-from core_sm.planner import PlannerConfig, StepPlanner
+from core_sm.planner import (
+    BlocksAllocated,
+    MatchAnswer,
+    MatchRequest,
+    PlannerConfig,
+    RequestState,
+    RequestTracker,
+    StepPlanner,
+)
 from core_sm.server import LookupServer, PrefetchJob, ServerConfig
 from core_sm.transfer_client import TransferClient, TransferClientConfig
 from sim.scenario import WorldConfig
@@ -266,10 +275,36 @@ class PlannerTailLeak(Profile):
     planner_class = TailLeakPlanner
 
 
+# preempt-reuse: a preempted request, seen again, is answered from its old lookup's hit and
+# loads again -- on leases its first load used or its first allocation freed.
+class PreemptReusePlanner(StepPlanner):
+    def _match_after_allocation(self, tracker: RequestTracker, event: MatchRequest, out: list[Any]) -> None:
+        tracker.engine_hit_tokens = event.num_computed_tokens
+        loadable = self.loadable_tokens(tracker)
+        if loadable > event.num_computed_tokens:
+            out.append(MatchAnswer(tracker.request_id, loadable - event.num_computed_tokens, True))
+        else:
+            out.append(MatchAnswer(tracker.request_id, 0, False))
+
+    def _on_blocks(self, event: BlocksAllocated, now: float, out: list[Any]) -> None:
+        tracker = self._trackers[event.request_id]
+        if tracker.state is RequestState.PREEMPTED and event.num_external_tokens > 0:
+            self._on_allocated(event, now, out)
+        else:
+            super()._on_blocks(event, now, out)
+
+
+class PreemptReuse(Profile):
+    name = "preempt-reuse"
+    failure = "F21"
+    description = "planner: after preemption the request loads again from its lookup's (spent) leases"
+    planner_class = PreemptReusePlanner
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
-              ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak())
+              ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 

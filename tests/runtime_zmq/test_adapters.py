@@ -449,3 +449,19 @@ def _wait(predicate: Callable[[], bool], timeout: float) -> None:
 def _wait_leases_released(url: str, timeout: float = 5.0) -> None:
     # FREE_LOOKUP_LOCKS / END_SESSION are fire-and-forget: give them a moment to land.
     _wait(lambda: stats(url)["leases_held"] == 0 and stats(url)["jobs"] == 0, timeout)
+
+
+def test_tensor_parallel_ranks_store_and_load_their_own_objects(start: Any, engine_factory: Any) -> None:
+    """One scheduler, two worker ranks (TP=2): one plan for both; each rank stores its own KV
+    (the KV differs per rank) and loads exactly its own back."""
+    server = start()
+    engine = engine_factory(server.url, world_size=2)
+    prompt = tokens(3 * CHUNK + 5, 21)
+    first = engine.add("a", prompt)
+    engine.run_all()
+    assert first.external == 0 and stats(server.url)["objects"] == 3 * 2
+    second = engine.add("b", prompt)
+    engine.run_all()
+    assert second.external == 3 * CHUNK and second.checked  # every rank's blocks hold its own KV
+    assert stats(server.url)["hit_chunks"] == 3
+    assert_clean(engine, server.url)
