@@ -97,8 +97,11 @@ class ConnectorConfig:
       ``r * len(server_urls) // world_size``.
     * ``request_timeout_s``: a request with no reply after this long fails (lookup → 0 hits,
       retrieve → load error, store → dropped).
-    * ``connect_timeout_s``: how long the first contact (chunk size) may take at start before
-      the connector refuses to start with an error that names the URL.
+    * ``connect_timeout_s``: how long the first contact (chunk size) may take at start. A server
+      that has not answered by then is down: vLLM starts anyway, its lookups miss and its stores
+      are dropped until the server's heartbeat answers (the worker then registers); the chunk
+      size is ``chunk_size`` if set, else the server default 256.
+    * ``connect_strict``: refuse to start instead, with an error that names the URL.
     * ``chunk_size``: if set, the chunk size the servers must report (a safety check).
     * ``store_decode_tokens``: also store chunks completed by generated tokens (default: only
       prompt chunks).
@@ -112,6 +115,7 @@ class ConnectorConfig:
     connect_timeout_s: float = attrs.field(default=5.0, converter=float)
     chunk_size: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
     store_decode_tokens: bool = attrs.field(default=False)
+    connect_strict: bool = attrs.field(default=False)
     model_identity: str = attrs.field(default="", converter=str)
 
     @request_timeout_s.validator
@@ -121,6 +125,7 @@ class ConnectorConfig:
             raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be > 0, got {value}")
 
     @store_decode_tokens.validator
+    @connect_strict.validator
     def _boolean(self, attribute: attrs.Attribute[bool], value: object) -> None:
         if not isinstance(value, bool):
             raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be true or false, got {value!r}")
@@ -194,12 +199,16 @@ class _ServerLinks:
                     self._on_epoch(index, client.epoch)
             for url, client in zip(self.urls, self.clients):
                 if not client.wait_healthy(config.connect_timeout_s):
-                    raise ServerUnreachable(
+                    message = (
                         f"mpcache server at {url} did not answer within {config.connect_timeout_s:g} s "
                         f"(mpcache.connect_timeout_s); start it first, e.g. `mpcache-server --port "
                         f"{url.rsplit(':', 1)[-1] if url.startswith('tcp://') else 'PORT'}`, or fix "
                         f"mpcache.server_urls"
                     )
+                    if config.connect_strict:
+                        raise ServerUnreachable(message)
+                    log.warning("%s; starting without it: its lookups miss until it answers "
+                                "(mpcache.connect_strict: refuse to start instead)", message)
         except BaseException:
             self.close()
             raise
@@ -355,7 +364,7 @@ class SchedulerAdapter(_MachineShell):
         ``store``: vLLM's kv_role (consumer / producer)."""
         links = _ServerLinks(config.server_urls, config)
         try:
-            chunk_size = _agreed_chunk_size(links)
+            chunk_size = _agreed_chunk_size(links, config.chunk_size)
             if config.chunk_size is not None and config.chunk_size != chunk_size:
                 raise ValueError(f"mpcache.chunk_size is {config.chunk_size} but the server uses {chunk_size}")
             lookups = LookupClient(
@@ -422,12 +431,23 @@ class SchedulerAdapter(_MachineShell):
         self._links.close()
 
 
-def _agreed_chunk_size(links: _ServerLinks) -> int:
-    sizes = [int(links.call(server, "get_chunk_size")) for server in range(len(links.urls))]
-    if len(set(sizes)) != 1:
-        detail = ", ".join(f"{url}: {size}" for url, size in zip(links.urls, sizes))
+DEFAULT_CHUNK_SIZE = 256  # mpcache-server's default --chunk-size
+
+
+def _agreed_chunk_size(links: _ServerLinks, configured: int | None = None) -> int:
+    """The chunk size every reachable server reports; with none reachable (lazy start), the
+    configured one or the server default."""
+    up = [server for server in range(len(links.urls)) if links.healthy(server)]
+    sizes = [int(links.call(server, "get_chunk_size")) for server in up]
+    if len(set(sizes)) > 1:
+        detail = ", ".join(f"{links.urls[server]}: {size}" for server, size in zip(up, sizes))
         raise ValueError(f"mpcache servers disagree on the chunk size ({detail}); start them with the same --chunk-size")
-    return sizes[0]
+    if sizes:
+        return sizes[0]
+    chunk_size = configured if configured is not None else DEFAULT_CHUNK_SIZE
+    log.warning("no mpcache server reachable yet: assuming chunk size %d (set mpcache.chunk_size to the "
+                "servers' --chunk-size if it differs)", chunk_size)
+    return chunk_size
 
 
 class WorkerAdapter(_MachineShell):
@@ -473,7 +493,7 @@ class WorkerAdapter(_MachineShell):
         do not divide."""
         links = _ServerLinks([config.server_for_rank(rank, world_size)], config)
         try:
-            chunk_size = _agreed_chunk_size(links)
+            chunk_size = _agreed_chunk_size(links, config.chunk_size)
             if chunk_size % block_size:
                 raise ValueError(
                     f"mpcache chunk size {chunk_size} is not a multiple of the engine block size {block_size}"
@@ -546,14 +566,23 @@ class WorkerAdapter(_MachineShell):
         }
         # Registered once here so a refusal is an error at start, not silent misses later; the
         # machine registers again (idempotent) whenever the server comes back.
-        try:
-            self._links.call(0, "register_instance", self.instance_id, layout)
-        except RemoteError as exc:
-            raise RuntimeError(f"mpcache server {self._links.urls[0]} refused the KV cache registration: {exc}") from exc
+        self._register_at_start(layout)
         self._layers = layers
         self._geometry = geometry
         self._warm_up_kernels()
         self._start_transfer_client(geometry.slot_bytes, engine_driven=True)
+
+    def _register_at_start(self, layout: dict[str, Any]) -> None:
+        """Register now, so a refusal stops the engine at start with the server's reason; a server
+        not reachable yet (lazy start) is registered by the machine when it answers."""
+        if not self._links.healthy(0):
+            log.warning("mpcache server %s is not reachable: the KV caches are registered when it answers",
+                        self._links.urls[0])
+            return
+        try:
+            self._links.call(0, "register_instance", self.instance_id, layout)
+        except RemoteError as exc:
+            raise RuntimeError(f"mpcache server {self._links.urls[0]} refused the KV cache registration: {exc}") from exc
 
     def _start_transfer_client(self, object_bytes: int, *, engine_driven: bool) -> None:
         """The worker's core_sm bookkeeping, once the KV caches are registered; it then learns
@@ -616,10 +645,7 @@ class WorkerAdapter(_MachineShell):
             "engine_driven": False,
             **gpu_fields,
         }
-        try:
-            self._links.call(0, "register_instance", self.instance_id, layout)
-        except RemoteError as exc:
-            raise RuntimeError(f"mpcache server {self._links.urls[0]} refused the KV cache registration: {exc}") from exc
+        self._register_at_start(layout)
         # One interprocess event, recorded on the engine's current stream before every store or
         # retrieve request: the server's copy waits on it (a later record only waits longer).
         event = torch.cuda.Event(interprocess=True)

@@ -389,7 +389,7 @@ def test_decode_chunks_are_stored_when_asked(start: Any, engine_factory: Any) ->
 
 def test_start_fails_clearly_when_no_server_answers() -> None:
     port = _free_port()
-    config = ConnectorConfig(server_urls=f"127.0.0.1:{port}", connect_timeout_s=0.5)
+    config = ConnectorConfig(server_urls=f"127.0.0.1:{port}", connect_timeout_s=0.5, connect_strict=True)
     t0 = time.monotonic()
     with pytest.raises(ServerUnreachable, match=f"tcp://127.0.0.1:{port}"):
         SchedulerAdapter.connect(config, model_name="m", world_size=1, block_size=BLOCK)
