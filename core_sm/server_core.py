@@ -14,7 +14,7 @@ from typing import Union
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, identity_root, validate_cache_salt
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, TokenIds, identity_root, validate_cache_salt
 from core_sm.effects import Effect
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.admission import StoreAdmission
@@ -23,6 +23,7 @@ from core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
 from core_sm.l1_index import L1Index
 from core_sm.messages import CacheKey, ReplyTo
 from core_sm.timers import Timer, TimerHeap
+from core_sm.trace import PrehashedTokens
 
 
 @attrs.frozen
@@ -199,6 +200,9 @@ class ServerContext:
 
     def hashes(self, key: CacheKey, num_chunks: int) -> tuple[tuple[bytes, ...], str | None]:
         """The first ``num_chunks`` chunk hashes of ``key``, or the reason they cannot be made."""
+        tokens = key.token_ids
+        if type(tokens) is not TokenIds and isinstance(tokens, PrehashedTokens):
+            return tokens.hashes[: max(0, num_chunks)], None  # a replayed trace's key (core_sm.trace)
         ident = (key.model_name, key.world_size, key.cache_salt, key.extras.identity)
         root = self._roots.get(ident)
         if root is None:

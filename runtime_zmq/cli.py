@@ -36,6 +36,7 @@ CACHE = "cache"
 L2 = "L2 tiers"
 LIMITS = "limits"
 KV_EVENTS = "KV events (for KV-aware routers)"
+TRACE = "trace capture"
 HTTP = "metrics, health and status (HTTP)"
 LOGGING = "logging"
 OPERATIONS = "operations"
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--kv-events", default=None, metavar="URL", help="publish what this server holds as vLLM KV events on a ZMQ PUB socket: a wildcard URL (tcp://*:5557) is bound, another (tcp://indexer:5557) connected to; default off (docs/fleet.md)")
     events.add_argument("--kv-events-replay", default=None, metavar="URL", help="serve replays of the last 10,000 KV-event batches on a ZMQ ROUTER bound at URL; default off")
     events.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic frame of every KV-event message, e.g. kv@POD_IP@MODEL for llm-d's indexer")
+    trace = cfg.group(p, TRACE)
+    trace.add_argument("--trace", default=None, metavar="FILE", help="record the core_sm event stream to FILE (JSON lines; replay it with mpcache-sim replay-trace FILE); default off")
+    trace.add_argument("--trace-tokens", action=argparse.BooleanOptionalAction, default=False, help="keep token ids in the trace (default: chunk hashes only, no prompt text)")
+    trace.add_argument("--trace-max-mb", type=cfg.positive_float, default=256.0, help="rotate the trace to FILE.1 past this size in MiB")
     http = cfg.group(p, HTTP)
     http.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True, help="serve /metrics, /healthz, /readyz and /status over HTTP")
     http.add_argument("--metrics-port", type=cfg.port, default=DEFAULT_METRICS_PORT, help="HTTP port for metrics and probes; 0 picks a free one")
@@ -185,6 +190,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         shm_dir=args.shm_dir,
         l2_options=l2_options_from_args(args),
         store_threshold=args.store_threshold,
+        trace=args.trace,
+        trace_tokens=args.trace_tokens,
+        trace_max_bytes=int(args.trace_max_mb * MiB),
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,

@@ -84,6 +84,10 @@ class ServerConfig:
     kv_events_topic: str = ""
     # store a chunk only once lookups asked for it this many times (core_sm.admission; 0: all)
     store_threshold: int = 0
+    # record the core_sm event stream (runtime_zmq.trace_writer): file, keep token ids, size cap
+    trace: str | None = None
+    trace_tokens: bool = False
+    trace_max_bytes: int = 256 << 20
 
 
 def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool) -> Any:
@@ -233,6 +237,14 @@ class Server:
         # gigabyte; anything below it is answered TOO_LARGE by the codec.
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(config.limits.max_frame_bytes * 4, 64 * MiB))
         self.bound_url = self._bind(config.url)
+        self.trace: Any = None
+        if config.trace:
+            from runtime_zmq.trace_writer import TraceWriter
+
+            self.trace = TraceWriter(config.trace, self.machine, keep_tokens=config.trace_tokens,
+                                     max_bytes=config.trace_max_bytes)
+            log.info("tracing core_sm events to %s (%s)", config.trace,
+                     "token ids kept" if config.trace_tokens else "token ids as chunk hashes")
         self.kv_events: Any = None
         if config.kv_events:
             from runtime_zmq.kv_events import KvEventPublisher
@@ -391,6 +403,8 @@ class Server:
             self._outstanding[reply_to] = None
         try:
             effects = self.machine.handle(event, now)
+            if self.trace is not None:
+                self.trace.record(now, event, effects)
         except Exception as e:  # a core_sm bug: answer, log, keep serving
             log.exception("core_sm raised on %s", type(event).__name__)
             if reply_to is not None:
@@ -596,6 +610,8 @@ class Server:
         self._drain_completions()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.trace is not None:
+            self.trace.close()
         self.sock.close(linger=1000)
         self.pool.close()
         self.channel.close()

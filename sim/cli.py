@@ -192,6 +192,25 @@ def _version() -> str:
         return "unknown"
 
 
+def cmd_replay_trace(args: argparse.Namespace) -> int:
+    """Feed a fresh core_sm LookupServer the recorded events at their times; any record whose
+    effects differ from the recorded ones is a divergence."""
+    from core_sm.trace import replay
+
+    with open(args.file, encoding="utf-8") as f:
+        head = json.loads(f.readline())
+        if head.get("part", 0):
+            print(f"note: part {head['part']} of a rotated trace starts mid-run: divergences are expected")
+        t0 = time.perf_counter()
+        count, divergences = replay(head, (json.loads(line) for line in f if line.strip()))
+    print(f"replayed {count} events in {time.perf_counter() - t0:.2f} s: "
+          f"{'no divergence' if not divergences else f'{len(divergences)} divergence(s)'}")
+    for d in divergences:
+        print(f"  event {d.index} ({d.event}):\n    recorded {json.dumps(d.recorded)[:300]}\n"
+              f"    replayed {json.dumps(d.replayed)[:300]}")
+    return 1 if divergences else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpcache-sim", description="mpcache deterministic simulator")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -225,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-seeds", action="store_true", help="skip Hypothesis: reduce the first failing seed")
     p.add_argument("--save", action="store_true", help="write it to tests/sim/corpus/PROFILE.json")
     p.set_defaults(func=cmd_shrink)
+    p = sub.add_parser("replay-trace", help="re-run the server machine on a trace from mpcache-server --trace; exit 1 on a divergence")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_replay_trace)
     p = sub.add_parser("hashes", help=argparse.SUPPRESS)
     p.add_argument("seed_list", type=int, nargs="+")
     p.add_argument("--profile", default="default")

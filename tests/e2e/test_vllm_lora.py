@@ -3,27 +3,12 @@ each gets its own hits (``tools/e2e_vllm_lora.py`` drives vLLM and reports JSON;
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from test_vllm_e2e import _free_port, _run  # one way to run a tool in the vLLM venv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(args: list[str], log: Path, timeout: float) -> None:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
-    with open(log, "wb") as out:
-        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace").splitlines()[-40:]
-        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n" + "\n".join(tail))
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +16,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here: run `make e2e`")
     work = tmp_path_factory.mktemp("lora")
     _run(["-m", "tools.e2e_tiny_llama", str(work / "tiny")], work / "tiny.log", 300)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = work / "lora.json"
-    _run(["-m", "tools.e2e_vllm_lora", "--model", str(work / "tiny"), "--out", str(out), "--port", str(port)],
+    _run(["-m", "tools.e2e_vllm_lora", "--model", str(work / "tiny"), "--out", str(out), "--port", str(_free_port())],
          work / "lora.log", 900)
     result: dict[str, Any] = json.loads(out.read_text())
     print("e2e lora:", json.dumps({k: v for k, v in result.items() if k != "runs"}))

@@ -1,0 +1,191 @@
+"""Traces of the server machine: its event stream as a runtime fed it, replayable exactly.
+
+A trace is a header (the ``ServerConfig``, a format version, whether token ids are kept) and one
+record per ``LookupServer.handle`` call: ``[now, event, effects]``. ``TraceCodec`` turns events
+and effects into plain JSON-ready values and back; ``replay`` feeds a fresh ``LookupServer``
+with the same events at the same times and reports every record whose effects differ from the
+recorded ones (a divergence: the machines are not what produced the trace, or not
+deterministic).
+
+**No prompt text by default.** A key's token ids are recorded as its chunk hashes (as the
+server computed them, extras folded in) plus the token count; a replayed key carries them in
+``PrehashedTokens`` and the server uses them instead of hashing (``ServerContext.hashes``).
+Token ids anywhere else (the KV-event effects' ``StoredChunk``) are recorded as their count
+only. ``keep_tokens=True`` records the token ids themselves.
+
+Values: attrs instances as ``{"$": class name, field: value}``, tuples and lists as lists
+(decoded as tuples), bytes as ``{"b": hex}``, enums as ``{"e": "Class.NAME"}``, floats that JSON
+cannot hold (inf, nan) as ``{"f": repr}``. Classes come from ``core_sm.messages``,
+``core_sm.effects``, ``core_sm.keys``, ``core_sm.errors`` and ``core_sm.server_core`` (its
+``ServerConfig``). A value of another type raises ``TypeError`` when encoding.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from core_sm import effects as _effects
+from core_sm import errors as _errors
+from core_sm import keys as _keys
+from core_sm import messages as _messages
+from core_sm.chunks import TokenIds
+
+FORMAT = 1
+_CLASSES: dict[str, type] = {}
+for _module in (_messages, _effects, _keys, _errors):
+    for _name, _value in vars(_module).items():
+        if isinstance(_value, type) and (attrs.has(_value) or issubclass(_value, enum.Enum)):
+            _CLASSES.setdefault(_name, _value)
+
+
+def _class(name: str) -> type:
+    found = _CLASSES.get(name)
+    if found is None:
+        from core_sm import server_core  # late: it imports this module
+
+        for attr, value in vars(server_core).items():
+            if isinstance(value, type) and attrs.has(value):
+                _CLASSES.setdefault(attr, value)
+        found = _CLASSES[name]
+    return found
+
+
+class PrehashedTokens(TokenIds):
+    """Token ids known only by count and chunk hashes (a replayed trace key): ``len`` is the
+    recorded count, the ids read as zeros, ``hashes`` are what the server hashed them to."""
+
+    __slots__ = ("hashes",)
+
+    hashes: tuple[bytes, ...]
+
+    @classmethod
+    def make(cls, num_tokens: int, hashes: Sequence[bytes]) -> PrehashedTokens:
+        self = object.__new__(cls)
+        object.__setattr__(self, "_packed", bytes(4 * num_tokens))
+        object.__setattr__(self, "_unpackable", None)
+        object.__setattr__(self, "hashes", tuple(hashes))
+        return self
+
+
+class TraceCodec:
+    """Events and effects to JSON-ready values and back (module doc). ``hashes_of(key)``: the
+    chunk hashes the recorder stores for a key when token ids are not kept."""
+
+    def __init__(self, keep_tokens: bool = False, hashes_of: Any = None) -> None:
+        self.keep_tokens = keep_tokens
+        self.hashes_of = hashes_of
+
+    def encode(self, value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"f": repr(value)}
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return {"b": bytes(value).hex()}
+        if isinstance(value, enum.Enum):
+            return {"e": f"{type(value).__name__}.{value.name}"}
+        if isinstance(value, TokenIds):
+            if self.keep_tokens:
+                return {"t": value.packed.hex(), "n": len(value)}
+            return {"n": len(value)}
+        if isinstance(value, _messages.CacheKey) and not self.keep_tokens:
+            out = self._attrs(value)
+            hashes = self.hashes_of(value) if self.hashes_of is not None else ()
+            out["token_ids"] = {"n": len(value.token_ids), "h": [h.hex() for h in hashes]}
+            return out
+        if attrs.has(type(value)):
+            return self._attrs(value)
+        if isinstance(value, (tuple, list)):
+            return [self.encode(v) for v in value]
+        if isinstance(value, dict):
+            return {"d": [[self.encode(k), self.encode(v)] for k, v in value.items()]}
+        raise TypeError(f"cannot trace a {type(value).__name__}")
+
+    def _attrs(self, value: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"$": type(value).__name__}
+        for field in attrs.fields(type(value)):
+            out[field.name] = self.encode(getattr(value, field.name))
+        return out
+
+    def decode(self, value: Any) -> Any:
+        if isinstance(value, list):
+            return tuple(self.decode(v) for v in value)
+        if not isinstance(value, dict):
+            return value
+        if "$" in value:
+            cls = _class(value["$"])
+            kwargs = {k: self.decode(v) for k, v in value.items() if k != "$"}
+            tokens = kwargs.get("token_ids")
+            if isinstance(tokens, PrehashedTokens):
+                kwargs["token_ids"] = b""
+                obj = cls(**kwargs)
+                object.__setattr__(obj, "token_ids", tokens)  # the converter would copy it
+                return obj
+            return cls(**kwargs)
+        if "b" in value:
+            return bytes.fromhex(value["b"])
+        if "e" in value:
+            cls_name, _, member = value["e"].partition(".")
+            return _class(cls_name)[member]  # type: ignore[index]
+        if "f" in value:
+            return float(value["f"])
+        if "d" in value:
+            return {self.decode(k): self.decode(v) for k, v in value["d"]}
+        if "t" in value:
+            return TokenIds.from_packed(bytes.fromhex(value["t"]))
+        if "h" in value:
+            return PrehashedTokens.make(value["n"], [bytes.fromhex(h) for h in value["h"]])
+        if "n" in value:
+            return PrehashedTokens.make(value["n"], ())
+        raise ValueError(f"not a trace value: {value!r}")
+
+
+@attrs.frozen
+class Divergence:
+    """Record ``index`` (an event of type ``event``) produced other effects than recorded."""
+
+    index: int
+    event: str
+    recorded: Any
+    replayed: Any
+
+
+def header(config: Any, keep_tokens: bool, part: int = 0) -> dict[str, Any]:
+    """The first line of a trace file (``part`` > 0: a rotated file that starts mid-run)."""
+    return {"mpcache_trace": FORMAT, "keep_tokens": keep_tokens, "part": part,
+            "config": TraceCodec().encode(config)}
+
+
+def replay(head: dict[str, Any], records: Iterable[Sequence[Any]], max_divergences: int = 20,
+           ) -> tuple[int, list[Divergence]]:
+    """Re-run the server machine on a trace; returns (records replayed, divergences)."""
+    from core_sm.server import LookupServer, ServerConfig
+
+    if head.get("mpcache_trace") != FORMAT:
+        raise ValueError(f"not an mpcache trace of format {FORMAT}: {head.get('mpcache_trace')!r}")
+    codec = TraceCodec(keep_tokens=bool(head.get("keep_tokens")))
+    config = codec.decode(head["config"])
+    if not isinstance(config, ServerConfig):
+        raise ValueError("the trace header holds no ServerConfig")
+    server = LookupServer(config)
+    # Replayed effects are encoded as recorded: keys by their hashes, so both sides compare alike.
+    out_codec = TraceCodec(keep_tokens=codec.keep_tokens, hashes_of=_hashes_of(server))
+    divergences: list[Divergence] = []
+    n = 0
+    for n, (now, event, effects) in enumerate(records, 1):
+        ev = codec.decode(event)
+        got = out_codec.encode(server.handle(ev, float(now)))
+        if got != effects and len(divergences) < max_divergences:
+            divergences.append(Divergence(n - 1, type(ev).__name__, effects, got))
+    return n, divergences
+
+
+def _hashes_of(server: Any) -> Any:
+    def hashes(key: _messages.CacheKey) -> tuple[bytes, ...]:
+        found, _err = server.ctx.hashes(key, key.end // server.config.chunk_size)
+        return tuple(found)
+    return hashes
