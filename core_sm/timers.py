@@ -54,6 +54,10 @@ class TimerHeap:
             self._compact_at = 2 * len(self._heap) + self._slack
             self.compactions += 1
 
+    def due(self, now: float) -> bool:
+        """Whether some entry (live or stale) is due at ``now`` (cheap: the heap's top)."""
+        return bool(self._heap) and self._heap[0][0] <= now
+
     def pop_due(self, now: float) -> Timer | None:
         """The next live timer due at ``now`` (firing order), removed; None when none is due.
         Call it until None: a handler may push timers meanwhile (even due ones)."""

@@ -63,6 +63,15 @@ def record(dispatcher: Dispatcher[Any], seen: Seen) -> None:
     dispatcher.run = recording  # type: ignore[method-assign]
 
 
+def record_jobs(server: LookupServer, seen: Seen) -> None:
+    """``record`` the job machine, also where the server routes to it directly."""
+    run = server.jobs.dispatch.run
+    record(server.jobs.dispatch, seen)
+    for event_type, handler in list(server._rows.items()):
+        if handler == run:
+            server._rows[event_type] = server.jobs.dispatch.run
+
+
 def test_every_server_event_is_routed_and_every_table_row_is_a_method() -> None:
     from core_sm.messages import SERVER_REQUEST_TYPES, L2WriteFinished
 
@@ -195,7 +204,7 @@ def _walk_one(state: JobState, event_type: type, stored: int, readers: int, wait
     """One step of the walk; returns (next state, refused)."""
     h = harness_with_job(state, stored, readers, waiter, probe, l2_timeout)
     if seen is not None:
-        record(h.server.jobs.dispatch, seen)
+        record_jobs(h.server, seen)
     event = JOB_INPUTS[event_type](h, pick)
     rt = ("walk", 1) if hasattr(event, "reply_to") else None
     if rt is not None:
