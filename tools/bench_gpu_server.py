@@ -28,12 +28,12 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
+
+from tools.server_process import ServerProcess
 
 MiB = 1 << 20
 GEO = {"num_layers": 32, "block_size": 16, "num_heads": 8, "head_size": 128}
@@ -172,33 +172,13 @@ def _server_cpu_ns(pid: int) -> int:
     return total
 
 
-class Server:
+class Server(ServerProcess):
+    """``mpcache-server --gpu on`` for this benchmark (ipc socket, its chunk and slot size)."""
+
     def __init__(self, repo: str, l1_gb: float, workdir: str) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
         sock = os.path.join(workdir, f"s{time.monotonic_ns()}", "mpcache.sock")
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime_zmq.cli", "--gpu", "on", "--ipc", sock, "--chunk-size", str(CHUNK),
-             "--slot-mb", str(SLOT / MiB), "--l1-size-gb", str(l1_gb), "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo, env=env)
-        self.url = ""
-        self.log: list[str] = []
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.log.append(line.rstrip())
-                if line.startswith("mpcache-server ready "):
-                    self.url = line.split()[-1]
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(300) or not self.url:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "\n".join(self.log[-30:]))
-        self.ready_s = time.monotonic() - self.t0
+        super().__init__(["--gpu", "on", "--ipc", sock, "--chunk-size", str(CHUNK), "--slot-mb", str(SLOT / MiB),
+                          "--l1-size-gb", str(l1_gb), "--no-metrics", "--log-level", "WARNING"], repo=repo)
 
     def stats(self) -> dict[str, Any]:
         from runtime_zmq.client import MPCacheClient
@@ -206,20 +186,11 @@ class Server:
         with MPCacheClient(self.url, request_timeout=10.0) as c:
             return dict(c.stats())
 
-    def stop(self) -> None:
-        self.exit_code: int | None = self.proc.poll()
-        if self.exit_code is None:
-            t0 = time.monotonic()
-            self.proc.terminate()
-            try:
-                self.exit_code = self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                self.exit_code = None
-            self.stop_s = time.monotonic() - t0
-        if self.exit_code != 0:
-            print(f"server exit code {self.exit_code}; its last lines:\n" + "\n".join(self.log[-20:]), file=sys.stderr)
+    def stop(self, timeout: float = 60.0) -> int | None:
+        code = super().stop(timeout)
+        if code != 0:
+            print(f"server exit code {code}; its last lines:\n" + "\n".join(self.log[-20:]), file=sys.stderr)
+        return code
 
 
 def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdir: str) -> list[dict[str, Any]]:
@@ -279,7 +250,7 @@ def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdi
         row["server_ready_s"] = server.ready_s
         row["registered_s"] = max(r.get("registered_s", 0.0) for r in reg)
         row["server_exit"] = server.exit_code
-        row["server_stop_s"] = getattr(server, "stop_s", float("nan"))
+        row["server_stop_s"] = server.stop_s
     return rows
 
 

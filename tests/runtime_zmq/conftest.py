@@ -6,9 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 
 from runtime_zmq.client import MPCacheClient
+from tools.server_process import ServerProcess as ChildServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -36,28 +35,10 @@ class ServerProcess:
     def start(self, timeout: float = 30.0) -> ServerProcess:
         env = dict(os.environ)
         env.update(self.env or {})
-        # the repo, and this folder for test-only tiers (slow_tier)
-        env["PYTHONPATH"] = os.pathsep.join([REPO, HERE, env.get("PYTHONPATH", "")])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime_zmq.cli", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-        )
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.log.append(line.rstrip())
-                if line.startswith("mpcache-server ready "):
-                    self.url = line.split()[-1]
-                    ready.set()
-            ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        if not ready.wait(timeout) or not self.url:
-            self.kill()
-            raise RuntimeError("server did not start:\n" + "\n".join(self.log))
+        # this folder for test-only tiers (slow_tier); the helper puts the repo first
+        env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+        child = ChildServer(self.args, repo=REPO, env=env, ready_timeout=timeout)
+        self.proc, self.url, self.log, self._pump = child.proc, child.url, child.log, child.pump
         return self
 
     def kill(self) -> None:

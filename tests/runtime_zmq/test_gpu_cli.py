@@ -44,7 +44,7 @@ def test_cli_gpu_server_store_and_retrieve() -> None:
         t0 = time.monotonic()
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime_zmq.cli", "--gpu", "on", "--ipc", f"{d}/run/mpcache.sock",
-             "--chunk-size", str(CHUNK), "--slot-mb", str(slot / (1 << 20)), "--l1-size-gb", str(64 * slot / (1 << 30))],
+             "--chunk-size", str(CHUNK), "--slot-mb", str(slot / (1 << 20)), "--l1-size-gb", str(64 * slot / (1 << 30)), "--no-metrics"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
         )
         try:
