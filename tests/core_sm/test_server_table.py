@@ -357,3 +357,99 @@ def test_transfer_creators(creator: type, engine_driven: bool, stored: int, star
     else:
         assert reply is not None and new == 0
     assert not any(isinstance(e, ReadL2) for e in h.log)
+
+
+# ------------------------------------------------------------------------- instances, L2 work
+
+
+def _recording(server: LookupServer, machine: Any, seen: Seen) -> None:
+    run = machine.dispatch.run
+    record(machine.dispatch, seen)
+    for event_type, handler in list(server._rows.items()):
+        if handler == run:
+            server._rows[event_type] = machine.dispatch.run
+
+
+def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
+    from core_sm.messages import Ping, RegisterInstance, UnregisterInstance
+    from core_sm.server_instances import INSTANCE_TABLE
+
+    seen: Seen = set()
+    h = ServerHarness(instance_ttl=10.0)
+    _recording(h.server, h.server.instances, seen)
+    h.call(UnregisterInstance(1))  # ABSENT
+    assert h.error_kind(h.send(Ping(1))) is not None  # ABSENT, named: not registered
+    h.register()  # ABSENT -> REGISTERED
+    h.register()  # again
+    h.call(Ping(1))  # heartbeat: watched
+    h.advance(5.0)
+    h.call(Ping(1))
+    h.advance(6.0)  # deadline at 10: seen at 5, checked again
+    h.advance(10.0)  # silent: reaped
+    h.register(instance_id=2)
+    h.call(UnregisterInstance(2))
+    listed = {(s, e, n) for (s, e), row in INSTANCE_TABLE.rows.items() for n in row.next_states}
+    assert seen <= listed and listed - seen == set()
+
+
+def test_every_l2_row_runs_and_only_listed_transitions_happen() -> None:
+    from core_sm.messages import L2WriteFinished
+    from core_sm.server_l2 import L2_TABLE
+
+    seen: Seen = set()
+    for probe in (False, True):
+        h = ServerHarness(l2_enabled=True, l2_probe=probe, write_behind=True, lease_ttl=10.0,
+                          abandoned_job_ttl=100.0, l2_read_timeout=100.0, plan_ttl=100.0)
+        _recording(h.server, h.server.l2, seen)
+        h.register()
+        h.store(TOKS)  # write-behind
+        for w in list(h.writes.values()):
+            h.feed(L2WriteFinished(w.write_id, True))
+            h.feed(L2WriteFinished(w.write_id, True))  # stale
+        h.call(Clear(True, admin=True))
+        h.call(Lookup(key("a", TOKS), 1))  # probe or read
+        for pr in list(h.probes.values()):
+            h.feed(L2ProbeFinished(pr.probe_id, (True,) * len(pr.keys)))
+            h.feed(L2ProbeFinished(pr.probe_id, (True,)))  # stale
+        for rd in list(h.reads.values()):
+            h.feed(L2ReadFinished(rd.read_id, (True,) * len(rd.items)))
+            h.feed(L2ReadFinished(rd.read_id, (True,)))  # stale
+        h.reads.clear()
+        h.probes.clear()
+        h.call(Clear(True, admin=True))
+        h.store(tokens(2, seed=9), rid="w2")  # a write nobody answers
+        h.call(Lookup(key("b", tokens(3, seed=7)), 1))  # misses: an L2 step nobody answers
+        h.advance(11.0)  # all deadlines
+    listed = {(s, e, n) for (s, e), row in L2_TABLE.rows.items() for n in row.next_states}
+    assert seen <= listed and listed - seen == set()
+
+
+def test_every_transfer_row_runs_and_only_listed_transitions_happen() -> None:
+    seen: Seen = set()
+    h = ServerHarness(lease_ttl=10.0, plan_ttl=5.0)
+    _recording(h.server, h.server.transfers, seen)
+    h.register(engine_driven=True)
+    h.store(TOKS)  # Store: RUNNING, then TransferFinished
+    h.feed(TransferFinished(424242, True))  # ABSENT: stale
+    h.store(TOKS)  # nothing to write: no transfer (ABSENT -> ABSENT)
+    rt = h.send(Retrieve(key("r", TOKS, worker_id=0), 1))
+    h.finish_all_transfers()
+    assert h.reply(rt) is not None
+    h.send(Retrieve(key("m", tokens(2, seed=3), worker_id=0), 1))  # a miss: no transfer
+    plan = h.call(PrepareStore(key("p", tokens(2, seed=4), worker_id=0), 1))
+    assert isinstance(plan, TransferPlan)
+    h.call(CommitTransfer(plan.transfer_id, True))  # PREPARED -> ABSENT
+    h.send(CommitTransfer(plan.transfer_id, True))  # ABSENT: unknown
+    h.call(PrepareRetrieve(key("q", TOKS, worker_id=0), 1))  # a plan nobody commits
+    h.call(PrepareRetrieve(key("q2", tokens(2, seed=8), worker_id=0), 1))  # a miss: no plan
+    h.send(Store(key("s", tokens(2, seed=5), worker_id=0), 1))  # a copy nobody reports
+    h.transfers.clear()
+    h.advance(5.0)  # the plan expires (quarantined)
+    h.advance(5.0)  # the copy expires
+    h.advance(10.0)  # the quarantine ends
+    listed = {(s, e, n) for (s, e), row in TRANSFER_TABLE.rows.items() for n in row.next_states}
+    # A creating request addresses the transfer it creates, which has no id before: the row's
+    # RUNNING / PREPARED is the new transfer's state, checked by test_transfer_creators.
+    created = {(TransferState.ABSENT, c, n) for c in TRANSFER_CREATORS
+               for n in (TransferState.RUNNING, TransferState.PREPARED)}
+    assert seen <= listed and listed - created - seen == set()
