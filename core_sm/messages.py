@@ -417,13 +417,16 @@ class TransferPlan:
     """Engine-driven plan: copy chunk ``c`` from/to slot ``s`` for each ``(c, s)`` in
     ``placements``, skipping the first ``skip_first_n_tokens`` tokens of the range when writing
     into the engine. ``ok=False`` (retrieve of an unreadable range): nothing to do, no commit;
-    ``transfer_id`` is then -1. A plan with ``ok=True`` must be committed, even if empty."""
+    ``transfer_id`` is then -1. A plan with ``ok=True`` must be committed, even if empty.
+    ``object_bytes``: the size of one object of the instance (what a slot holds; 0: unknown), for
+    the runtime -- it is not sent on the wire."""
 
     transfer_id: int
     placements: tuple[Placement, ...] = attrs.field(converter=_placements)
     ok: bool = True
     kind: TransferKind = TransferKind.STORE
     skip_first_n_tokens: int = 0
+    object_bytes: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

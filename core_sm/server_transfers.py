@@ -409,7 +409,8 @@ class TransferMachine:
         ctx.timers.push(t.deadline, TransferDeadline(t.transfer_id))
         ctx.pin(TransferOwner(t.transfer_id), [slot for _c, slot in t.placements])
         if t.engine_driven:
-            out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip)))
+            out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip,
+                                                       t.object_bytes)))
         else:
             assert isinstance(ev, (Store, Retrieve))
             not_after = ev.not_after

@@ -218,7 +218,6 @@ class Server:
         self._event_handles: dict[ReplyTo, bytes] = {}
         # object sizes, so a write-behind copies only the bytes an object fills in its slot
         self._instance_bytes: dict[int, int] = {}
-        self._plan_instance: dict[ReplyTo, int] = {}
         self._transfers_in_flight = 0
         self._stopping = False
         self._last_answered: Any = None  # the last request answered (to never answer twice)
@@ -394,8 +393,6 @@ class Server:
                     req.args[0], nbytes, self.pool.slot_bytes, self.pool.num_slots,
                     nbytes / (1 << 20), self.pool.size // max(nbytes, 1),
                 )
-        elif req.op == "prepare_store":
-            self._plan_instance[reply_to] = req.args[1]
         self._handle(event, now, reply_to)
 
     def _handle(self, event: object, now: float, reply_to: ReplyTo | None) -> None:
@@ -487,12 +484,11 @@ class Server:
         identity, uid_frame, op_frame, op, t0 = rt
         self._outstanding.pop(rt, None)
         handle = self._event_handles.pop(rt, b"")
-        iid = self._plan_instance.pop(rt, None)
         if self._replies_closed:
             return
         if type(result) not in (type(None), bool, int, str):
             if isinstance(result, m.TransferPlan) and result.ok:
-                self._note_plan(result, iid)
+                self._note_plan(result)
             result = bridge.result_to_wire(op, result, event_handle=handle, segment=self.pool.path, slot_bytes=self.pool.slot_bytes)
         try:
             frames = wire.encode_reply(identity, uid_frame, op_frame, result)
@@ -510,7 +506,6 @@ class Server:
         identity, uid_frame, _op_frame, op, t0 = rt
         self._outstanding.pop(rt, None)
         self._event_handles.pop(rt, None)
-        self._plan_instance.pop(rt, None)
         if self._replies_closed:
             return
         self._send(wire.encode_error(identity, uid_frame, op, kind, message))
@@ -520,10 +515,10 @@ class Server:
         self.metrics.error(kind)
         self.metrics.on_error(rt, op, kind, message)
 
-    def _note_plan(self, plan: m.TransferPlan, instance_id: int | None) -> None:
+    def _note_plan(self, plan: m.TransferPlan) -> None:
         # The engine will map the segment: create it now.
         self.pool.ensure()
-        nbytes = self._instance_bytes.get(instance_id, 0) if instance_id is not None else 0
+        nbytes = plan.object_bytes
         if plan.kind is m.TransferKind.STORE and nbytes > 0:
             for _chunk, slot in plan.placements:
                 self.l2.note_slot_size(slot, nbytes)
