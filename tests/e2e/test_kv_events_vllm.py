@@ -4,6 +4,7 @@ a real store, removed after an eviction, cleared after a clear. Runs in ``.venv-
 (``make e2e``); the scenario is tests/runtime_zmq/kv_events_scenario.py."""
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,12 +14,18 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime_zmq"))
+RUNTIME_ZMQ_TESTS = Path(__file__).resolve().parents[1] / "runtime_zmq"
+sys.path.insert(0, str(RUNTIME_ZMQ_TESTS))
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="needs vLLM: run `make e2e`")
 msgspec = pytest.importorskip("msgspec")
 
-from conftest import start_server  # noqa: E402,F401  (the mpcache-server fixture)
+# the mpcache-server fixture of tests/runtime_zmq (by path: tests/conftest.py is also "conftest")
+_spec = importlib.util.spec_from_file_location("runtime_zmq_conftest", RUNTIME_ZMQ_TESTS / "conftest.py")
+assert _spec is not None and _spec.loader is not None
+_runtime_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_runtime_conftest)
+start_server = _runtime_conftest.start_server
 from kv_events_scenario import CHUNK, run_scenario  # noqa: E402
 
 
