@@ -288,6 +288,12 @@ class DiskTier:
         with self._lock:
             return len(self._index)
 
+    def stats(self) -> dict[str, int]:
+        """``bytes`` and ``objects`` held (from the index: no I/O), for metrics."""
+        with self._lock:
+            return {"bytes": self._bytes, "objects": len(self._index),
+                    "max_bytes": self._max_bytes if self._max_bytes is not None else -1}
+
     def read(self, key: bytes) -> bytes | None:
         self._check_open()
         name = self._file_name(key)

@@ -518,8 +518,16 @@ class L2Worker:
         return out
 
     def tier_states(self) -> list[dict[str, Any]]:
-        """Per tier: its name and breaker state (for ``health``)."""
-        return [{"tier": _redact(repr(t)), "state": t.breaker.state.value} for t in self._tiers]
+        """Per tier: its name and breaker state, and a cluster tier's per-node states (for
+        ``health``)."""
+        out: list[dict[str, Any]] = []
+        for t in self._tiers:
+            state: dict[str, Any] = {"tier": _redact(repr(t)), "state": t.breaker.state.value}
+            nodes = getattr(t.tier, "node_states", None)
+            if callable(nodes):  # a cluster tier: each node's breaker too
+                state["nodes"] = nodes()
+            out.append(state)
+        return out
 
     def close(self) -> None:
         # Close the tiers first: a call stuck in a tier then fails (and is reported) instead of

@@ -110,6 +110,8 @@ def test_two_servers_share_the_cluster_and_survive_a_master_kill(
             hits = c3.wait_prefetch_status("during", 10.0).result(12)
             took = time.monotonic() - started
             assert isinstance(hits, int) and hits < CHUNKS, hits  # misses for the dead node's slots
+            nodes = c3.health()["l2_tiers"][0]["nodes"]
+            assert nodes[f"127.0.0.1:{victim.port}"] in ("open", "half_open"), nodes
             assert took < 3.0, took  # bounded by the deadline, never a hang
             c3.end_session("during").result(5)
             s = c3.stats()

@@ -247,3 +247,13 @@ def test_concurrent_writers_and_readers_never_see_partial_values(tmp_path: Path)
         assert list((tmp_path / "l2" / ".tmp").iterdir()) == []
     finally:
         tier.close()
+
+
+def test_stats_for_metrics(tmp_path: Path) -> None:
+    tier = _tier(tmp_path / "l2", "?max_bytes=100000")
+    try:
+        tier.write(b"k", b"x" * 1000)
+        st = tier.stats()
+        assert st["objects"] == 1 and st["bytes"] == tier.bytes_stored > 1000 and st["max_bytes"] == 100000
+    finally:
+        tier.close()
