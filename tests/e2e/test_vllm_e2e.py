@@ -2,7 +2,7 @@
 
 Two vLLM processes on the tiny random Llama, prefix caching off: a baseline with no connector,
 and one with ``MPCacheConnector`` against a real ``mpcache-server`` process
-(``tools/e2e_vllm.py`` drives both and reports JSON; this module checks the reports).
+(``tests/e2e/vllm_driver.py`` drives both and reports JSON; this module checks the reports).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # the driver scripts beside this test
 
 
 def _have_vllm() -> bool:
@@ -56,14 +57,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model(workdir: Path) -> str:
     out = workdir / "tiny_llama"
-    _run(["-m", "tools.e2e_tiny_llama", str(out)], workdir / "tiny_llama.log", 300)
+    _run([str(HERE / "tiny_llama.py"), str(out)], workdir / "tiny_llama.log", 300)
     return str(out)
 
 
 @pytest.fixture(scope="module")
 def baseline(model: str, workdir: Path) -> dict[str, Any]:
     out = workdir / "baseline.json"
-    _run(["-m", "tools.e2e_vllm", "baseline", "--model", model, "--out", str(out)], workdir / "baseline.log", 600)
+    _run([str(HERE / "vllm_driver.py"), "baseline", "--model", model, "--out", str(out)], workdir / "baseline.log", 600)
     report: dict[str, Any] = json.loads(out.read_text())
     return report
 
@@ -71,7 +72,7 @@ def baseline(model: str, workdir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def connector(model: str, workdir: Path, baseline: dict[str, Any]) -> dict[str, Any]:
     out = workdir / "connector.json"
-    args = ["-m", "tools.e2e_vllm", "connector", "--model", model, "--out", str(out), "--port", str(_free_port())]
+    args = [str(HERE / "vllm_driver.py"), "connector", "--model", model, "--out", str(out), "--port", str(_free_port())]
     _run(args, workdir / "connector.log", 600)
     report: dict[str, Any] = json.loads(out.read_text())
     timings = {

@@ -4,7 +4,7 @@ The real-vLLM end-to-end test needs a model vLLM's CPU backend can load without 
 Two layers, hidden 64, two KV heads of 32 (the smallest head size the CPU attention backend
 accepts), 512-word vocabulary: about 150k parameters, built in seconds, deterministic for a seed.
 
-Usage: python -m tools.e2e_tiny_llama OUT_DIR [--seed N]
+Usage: python tests/e2e/tiny_llama.py OUT_DIR [--seed N]
 Prompts for it are space-separated words ``w0 .. w507`` (see ``prompt_words``).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ checks the report. Two modes:
   (the server killed and started again, then the prompts twice), and last ``corrupt`` (every L1
   slot overwritten with noise, then a prompt whose chunk is in L1: the output must change).
 
-Usage: python -m tools.e2e_vllm MODE --model DIR --out REPORT.json [--port N]
+Usage: python tests/e2e/vllm_driver.py MODE --model DIR --out REPORT.json [--port N]
 """
 from __future__ import annotations
 
