@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -103,11 +104,16 @@ class RequestIdOwner:
 
 @attrs.define
 class PrefetchJob:
-    """One request id's lookup: the L1 prefix it leased, its L2 read, its answer."""
+    """One request id's lookup: the L1 prefix it leased, its L2 read, its answer.
+
+    It keeps the chunk hashes, never the token ids (a job left to its TTL by a client that went
+    away costs its hashes and a few fields, not its prompt: ``mpcache-bench jobs``); the model
+    name is interned so live jobs share one string."""
 
     request_id: str
     serial: int
-    key: CacheKey
+    model_name: str
+    world_size: int
     hashes: tuple[bytes, ...]
     num_readers: int
     l1_prefix: int
@@ -117,7 +123,7 @@ class PrefetchJob:
     probe_id: int | None = None
     l2_deadline: float | None = None
     hits: int | None = None
-    freed_chunks: set[int] = attrs.Factory(set)
+    freed_chunks: set[int] | None = None  # chunks FreeLookupLocks released (made on first use)
     ranks: tuple[int, ...] | None = None  # the KV ranks this server holds (None: all)
     peer: Peer = None
 
@@ -127,7 +133,7 @@ class PrefetchJob:
 
     def rank_range(self) -> Sequence[int]:
         """The ranks whose objects make a chunk a hit (leased, read from L2)."""
-        return range(self.key.world_size) if self.ranks is None else self.ranks
+        return range(self.world_size) if self.ranks is None else self.ranks
 
 
 @attrs.define
@@ -295,7 +301,8 @@ class JobMachine:
             self.server._lease_prefix_for_lookup(rid, prefix_keys, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
         job = PrefetchJob(
-            request_id=rid, serial=ctx.new_id(), key=key, hashes=hashes,
+            request_id=rid, serial=ctx.new_id(), model_name=sys.intern(key.model_name),
+            world_size=key.world_size, hashes=hashes,
             num_readers=ev.num_readers, l1_prefix=prefix, created=now,
             reap_at=now + ctx.config.abandoned_job_ttl, ranks=ev.ranks, peer=ev.peer,
         )
@@ -368,6 +375,8 @@ class JobMachine:
         self.server._release_for_free_lookup_locks(key.request_id, keys, now)
         job = self.jobs.get(key.request_id)
         if job is not None and job.hits is None:
+            if job.freed_chunks is None:
+                job.freed_chunks = set()
             job.freed_chunks.update(range(first, last))
         out.append(Reply(ev.reply_to, None))
 
@@ -448,7 +457,7 @@ class JobMachine:
             keys = [ObjectKey(job.hashes[i], r) for r in job.rank_range()]
             if not all(index.is_readable(k) for k in keys):
                 break
-            if i not in job.freed_chunks and job.num_readers > 0:
+            if job.num_readers > 0 and (job.freed_chunks is None or i not in job.freed_chunks):
                 for k in keys:
                     self.server._lease_for_lookup(job.request_id, k, job.num_readers, now)
             hits += 1

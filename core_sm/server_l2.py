@@ -149,7 +149,7 @@ class L2Work:
         slots = tuple(ctx.index.slot_of(k) for k in read.keys)
         assert all(slot is not None for slot in slots)
         ctx.pin(L2ReadOwner(read.read_id), [slot for slot in slots if slot is not None])
-        object_bytes = self.instances.registered_object_bytes(job.key.model_name, job.key.world_size)
+        object_bytes = self.instances.registered_object_bytes(job.model_name, job.world_size)
         out.append(ReadL2(read.read_id, tuple(zip(read.keys, slots)), object_bytes))
         return True
 
@@ -159,7 +159,7 @@ class L2Work:
         ctx = self.ctx
         read_id = ctx.new_id()
         owner = L2ReadOwner(read_id)
-        nbytes = self.instances.object_bytes_for(job.key.model_name, job.key.world_size)
+        nbytes = self.instances.object_bytes_for(job.model_name, job.world_size)
         keys: list[ObjectKey] = []
         chunks: list[int] = []
         stop = False

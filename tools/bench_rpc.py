@@ -257,7 +257,7 @@ def start_raw(transport: str, workdir: str) -> Server:
 def start_mpcache(transport: str, workdir: str, l1_gb: float) -> Server:
     url = _url(transport, workdir, "mpcache")
     argv = [sys.executable, "-m", "runtime_zmq.cli", "--l1-size-gb", str(l1_gb), "--slot-mb", "1",
-            "--log-level", "WARNING"]
+            "--log-level", "WARNING", "--no-metrics"]
     if transport == "tcp":
         port = url.rsplit(":", 1)[1]
         argv += ["--host", "127.0.0.1", "--port", port]

@@ -4,7 +4,9 @@ The real-vLLM end-to-end test needs a model vLLM's CPU backend can load without 
 Two layers, hidden 64, two KV heads of 32 (the smallest head size the CPU attention backend
 accepts), 512-word vocabulary: about 150k parameters, built in seconds, deterministic for a seed.
 
-Usage: python tests/e2e/tiny_llama.py OUT_DIR [--seed N]
+Usage: python tests/e2e/tiny_llama.py OUT_DIR [--seed N] [--hidden H --layers L --heads N
+--kv-heads K --intermediate I --max-len T] (the size flags build a larger random model, as
+``mpcache-bench ttft`` does; the defaults are the tiny one).
 Prompts for it are space-separated words ``w0 .. w507`` (see ``prompt_words``).
 """
 from __future__ import annotations
@@ -27,14 +29,19 @@ def prompt_words(n: int, seed: int) -> str:
     return " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(n))
 
 
-def build(out_dir: Path, seed: int = 0) -> Path:
+TINY = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 2, "intermediate": 128, "max_len": 2048}
+
+
+def build(out_dir: Path, seed: int = 0, **size: int) -> Path:
     """Write config, safetensors weights and tokenizer files into ``out_dir``; return it.
 
-    Reuses an existing folder built with the same seed (a ``mpcache_tiny.json`` stamp says which).
+    ``size`` overrides the tiny model's dimensions (``TINY``'s keys). Reuses an existing folder
+    built with the same seed and size (a ``mpcache_tiny.json`` stamp says which).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dims = {**TINY, **size}
     stamp = out_dir / "mpcache_tiny.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("seed") == seed:
+    if stamp.exists() and json.loads(stamp.read_text()) == {"seed": seed, **dims}:
         return out_dir
 
     import torch
@@ -58,12 +65,12 @@ def build(out_dir: Path, seed: int = 0) -> Path:
 
     config = LlamaConfig(
         vocab_size=len(words),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+        hidden_size=dims["hidden"],
+        intermediate_size=dims["intermediate"],
+        num_hidden_layers=dims["layers"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"],
+        max_position_embeddings=dims["max_len"],
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
@@ -73,7 +80,7 @@ def build(out_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir, safe_serialization=True)
-    stamp.write_text(json.dumps({"seed": seed}))
+    stamp.write_text(json.dumps({"seed": seed, **dims}))
     return out_dir
 
 
@@ -81,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    for name, default in TINY.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     args = parser.parse_args(argv)
-    print(build(args.out_dir, args.seed))
+    print(build(args.out_dir, args.seed, **{name: getattr(args, name) for name in TINY}))
     return 0
 
 
