@@ -10,7 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import pytest
@@ -36,6 +36,21 @@ def _command(port: int, *args: str, timeout: float = 2.0) -> str:
                 if len(rest) >= int(head[1:]) + 2:
                     break
     return data.decode(errors="replace")
+
+
+def _poll(done: Callable[[], bool], timeout: float, what: str) -> float:
+    """Polls ``done`` (a node refusing the connection counts as not yet) every 50 ms; returns
+    the seconds it took, or raises ``RuntimeError(what)`` after ``timeout``."""
+    started = time.monotonic()
+    while True:
+        try:
+            if done():
+                return time.monotonic() - started
+        except OSError:
+            pass
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"{what} after {timeout} s")
+        time.sleep(0.05)
 
 
 class RedisClusterProcesses:
@@ -87,53 +102,37 @@ class RedisClusterProcesses:
 
     def wait_ok(self, timeout: float, ports: list[int] | None = None) -> float:
         """Waits until every (live) node reports cluster_state:ok; returns the seconds it took."""
-        started = time.monotonic()
         ports = ports if ports is not None else self.ports
-        while True:
-            try:
-                if all(self.info(p).get("cluster_state") == "ok" for p in ports):
-                    # and every node agrees every slot is served
-                    if all(self.info(p).get("cluster_slots_ok") == "16384" for p in ports):
-                        return time.monotonic() - started
-            except OSError:
-                pass
-            if time.monotonic() - started > timeout:
-                raise RuntimeError(f"Redis Cluster not ok after {timeout} s")
-            time.sleep(0.05)
+        # cluster_state ok, and every node agrees every slot is served
+        return _poll(lambda: all(self.info(p).get("cluster_state") == "ok"
+                                 and self.info(p).get("cluster_slots_ok") == "16384" for p in ports),
+                     timeout, "Redis Cluster not ok")
 
     def wait_replicas(self, timeout: float) -> None:
         """Waits until every replica finished its first sync (a replica that never synced refuses
         to take over: its data would be too old)."""
-        end = time.monotonic() + timeout
-        while True:
+        def synced() -> bool:
             states = [_command(p, "INFO", "replication") for p in self.ports]
             replicas = [t for t in states if "role:slave" in t]
-            if len(replicas) == self.masters * self.replicas and all("master_link_status:up" in t for t in replicas):
-                return
-            if time.monotonic() > end:
-                raise RuntimeError("Redis Cluster replicas did not sync")
-            time.sleep(0.05)
+            return len(replicas) == self.masters * self.replicas and all("master_link_status:up" in t for t in replicas)
+
+        _poll(synced, timeout, "Redis Cluster replicas did not sync")
 
     def wait_failover(self, dead: RedisServer, timeout: float = 30.0) -> float:
         """Waits until the live nodes marked ``dead`` failed and a replica took over its slots
-        (cluster_state ok again everywhere); returns the seconds it took."""
-        started = time.monotonic()
+        (every slot served again everywhere); returns the seconds it took."""
         live = [n.port for n in self.nodes if n is not dead]
-        while True:
-            try:
-                flagged = all(
-                    any(line.split()[1].split("@")[0].endswith(f":{dead.port}") and "fail" in line.split()[2]
-                        and "fail?" not in line.split()[2]
-                        for line in _command(p, "CLUSTER", "NODES").splitlines() if len(line.split()) > 2)
-                    for p in live
-                )
-                if flagged and all(self.info(p).get("cluster_slots_ok") == "16384" for p in live):
-                    return time.monotonic() - started
-            except OSError:
-                pass
-            if time.monotonic() - started > timeout:
-                raise RuntimeError(f"no failover of {dead.port} after {timeout} s")
-            time.sleep(0.05)
+
+        def marked_failed(port: int) -> bool:
+            for line in _command(port, "CLUSTER", "NODES").splitlines():
+                fields = line.split()
+                if len(fields) > 2 and fields[1].split("@")[0].endswith(f":{dead.port}"):
+                    return "fail" in fields[2] and "fail?" not in fields[2]
+            return False
+
+        return _poll(lambda: all(marked_failed(p) for p in live)
+                     and all(self.info(p).get("cluster_slots_ok") == "16384" for p in live),
+                     timeout, f"no failover of {dead.port}")
 
     def master_of(self, key: bytes) -> RedisServer:
         """The node that serves ``key``'s slot now."""
