@@ -1,0 +1,282 @@
+"""`mpcache-bench ttft`: time to first token in real vLLM (CPU) with and without mpcache.
+
+A random Llama is built locally (no hub; `tests/e2e/tiny_llama.py` with larger dimensions,
+default 4 layers, hidden 768, 12 heads, 4 KV heads: a 4,096-token prefill takes seconds on a
+2-core box). Each prompt is `--tokens` long (default 4,096), greedy, one output token; every
+request is driven step by step (`LLMEngine.step`) so the engine steps until its first token are
+counted. Three vLLM processes run in the vLLM venv (`--vllm-venv`, default `.venv-vllm`):
+
+1. no connector, vLLM's prefix cache on: **recompute** (first run of a prompt), then **vLLM
+   prefix cache** (the same prompt again);
+2. `MPCacheConnector` against an `mpcache-server` with two L2 tiers, Redis then disk (searched
+   in that order), vLLM's prefix cache off: **first pass** (a miss that stores; its cost against
+   recompute), **mpcache L1 hit**, then L1 cleared: **Redis L2 hit**, then L1 cleared and Redis
+   flushed: **disk L2 hit** (a second prompt, stored in the first pass and never read since);
+3. a fresh vLLM process against the same server: **hit from a fresh engine**.
+
+Per mode: TTFT, engine steps to the first token, cached tokens, and whether the first token
+equals recompute's. Also printed: this box's memcpy bandwidth and the load floor (the prompt's KV
+bytes at that bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CHUNK = 256
+TARGETS = {"l1_speedup": 150.0, "disk_speedup": 30.0, "first_pass_cost": 0.02}
+MODEL_DIMS = {"hidden": 768, "layers": 4, "heads": 12, "kv_heads": 4, "intermediate": 2048, "max_len": 8192}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------ child (inside the vLLM venv)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [4 + rng.randrange(508) for _ in range(n)]
+
+
+def _make_llm(model: str, max_len: int, transfer: dict[str, Any] | None, prefix_cache: bool) -> Any:
+    from vllm import LLM  # type: ignore[import-not-found, unused-ignore]
+
+    kwargs: dict[str, Any] = dict(model=model, tokenizer=model, dtype="float32", enforce_eager=True,
+                                  max_model_len=max_len, max_num_seqs=2, seed=0,
+                                  enable_prefix_caching=prefix_cache, max_num_batched_tokens=max_len)
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
+    return LLM(**kwargs)
+
+
+def _first_token(llm: Any, rid: str, ids: list[int]) -> dict[str, Any]:
+    """Submit one request and step the engine until its first token: TTFT, steps, cached."""
+    from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    steps = 0
+    while True:
+        outs = engine.step()
+        steps += 1
+        for o in outs:
+            if o.request_id == rid and o.outputs and o.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+                while engine.has_unfinished_requests():
+                    engine.step()
+                return {"ttft_s": round(ttft, 4), "steps": steps,
+                        "cached_tokens": int(o.num_cached_tokens or 0),
+                        "first_token": int(o.outputs[0].token_ids[0])}
+        if steps > 10_000:
+            raise RuntimeError("no first token after 10,000 engine steps")
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    p1, p2 = _prompt(args.tokens, 11), _prompt(args.tokens, 12)
+    warm = _prompt(CHUNK, 99)
+    out: dict[str, Any] = {}
+    if args.child == "nocache":
+        llm = _make_llm(args.model, args.max_len, None, prefix_cache=True)
+        _first_token(llm, "warm", warm)
+        out["recompute"] = _first_token(llm, "recompute", p1)
+        out["recompute_2"] = _first_token(llm, "recompute-2", p2)
+        out["vllm_prefix"] = _first_token(llm, "prefix", p1)
+        return out
+    from runtime_zmq.client import MPCacheClient
+
+    transfer = {
+        "kv_connector": "MPCacheConnector",
+        "kv_connector_module_path": "runtime_zmq.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"mpcache.server_urls": args.server, "mpcache.request_timeout_s": 30.0,
+                                      "mpcache.chunk_size": CHUNK},
+    }
+    llm = _make_llm(args.model, args.max_len, transfer, prefix_cache=False)
+    client = MPCacheClient(args.server, request_timeout=30.0)
+
+    def settle() -> None:
+        # stores and L2 write-behind are asynchronous: wait until the server has nothing in flight
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            s = client.stats()
+            if not s.get("transfers_in_flight", 0) and not s.get("l2_in_flight", 0) and not s.get("l2_writes_pending", 0):
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+
+    try:
+        if args.child == "fresh":
+            out["fresh_engine_hit"] = _first_token(llm, "fresh", p1)
+            return out
+        _first_token(llm, "warm", warm)
+        settle()
+        out["first_pass"] = _first_token(llm, "miss-1", p1)
+        out["first_pass_2"] = _first_token(llm, "miss-2", p2)
+        settle()
+        out["l1_hit"] = _first_token(llm, "hit-l1", p1)
+        client.clear(True).result(30)
+        out["redis_hit"] = _first_token(llm, "hit-redis", p1)
+        settle()
+        client.clear(True).result(30)
+        subprocess.run(["redis-cli", "-p", str(args.redis_port), "flushall"], check=True, capture_output=True)
+        out["disk_hit"] = _first_token(llm, "hit-disk", p2)
+        settle()
+        out["stats"] = client.stats()
+        return out
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------ parent
+
+
+def _memcpy_gbps() -> float:
+    import numpy as np
+
+    src = np.ones(256 << 20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return src.nbytes / best / 1e9
+
+
+def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server: str, redis_port: int,
+               log: Path) -> dict[str, Any]:
+    out = log.with_suffix(".json")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=str(REPO))
+    argv = [vpy, "-m", "tools.bench_ttft", "--child", mode, "--model", model, "--tokens", str(args.tokens),
+            "--max-len", str(args.tokens + 512), "--server", server, "--redis-port", str(redis_port),
+            "--child-out", str(out)]
+    with open(log, "wb") as f:
+        rc = subprocess.run(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1800).returncode
+    if rc != 0:
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        raise RuntimeError(f"vLLM child {mode} failed ({rc}); {log}:\n" + "\n".join(tail))
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def parent(args: argparse.Namespace) -> int:
+    vpy = str(Path(args.vllm_venv) / "bin" / "python")
+    if not os.path.exists(vpy):
+        print(f"mpcache-bench ttft: no vLLM venv at {args.vllm_venv} (make e2e builds .venv-vllm)", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="mpcache-bench-ttft-"))
+    load = os.getloadavg()
+    print(f"# mpcache-bench ttft: {args.tokens}-token prompts, random Llama {MODEL_DIMS}, float32; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    model = str(Path(args.model_dir) if args.model_dir else work / "model")
+    dims = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL_DIMS.items()]
+    subprocess.run([vpy, str(REPO / "tests" / "e2e" / "tiny_llama.py"), model, *dims], check=True,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
+    redis_port = _free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = _free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    kv_bytes = 2 * MODEL_DIMS["layers"] * MODEL_DIMS["kv_heads"] * (MODEL_DIMS["hidden"] // MODEL_DIMS["heads"]) * 4
+    slot_mb = kv_bytes * CHUNK / 2**20
+    server_log = open(work / "server.log", "wb")
+    server = subprocess.Popen([sys.executable, "-m", "runtime_zmq.cli", "--host", "127.0.0.1", "--port", str(port),
+                               "--chunk-size", str(CHUNK), "--l1-size-gb", "0.5", "--slot-mb", f"{slot_mb:g}",
+                               "--no-metrics", "--l2", f"redis://127.0.0.1:{redis_port}/0",
+                               "--l2", f"disk:{work / 'disk-l2'}"],
+                              cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=server_log,
+                              stderr=subprocess.STDOUT)
+    results: dict[str, Any] = {}
+    try:
+        t0 = time.perf_counter()
+        results.update(_run_child(vpy, "nocache", args, model, url, redis_port, work / "nocache.log"))
+        print(f"# nocache engine done in {time.perf_counter() - t0:.0f} s", flush=True)
+        results.update(_run_child(vpy, "connector", args, model, url, redis_port, work / "connector.log"))
+        print(f"# connector engine done in {time.perf_counter() - t0:.0f} s", flush=True)
+        results.update(_run_child(vpy, "fresh", args, model, url, redis_port, work / "fresh.log"))
+        print(f"# fresh engine done in {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        for proc in (server, redis):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server_log.close()
+    gbps = _memcpy_gbps()
+    prompt_kv = kv_bytes * (args.tokens // CHUNK * CHUNK)
+    floor_ms = prompt_kv / (gbps * 1e9) * 1e3
+    rec = results["recompute"]
+    print()
+    print("| mode | TTFT s | vs recompute | engine steps to first token | cached tokens | first token = recompute |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, label in (("recompute", "recompute (no connector)"), ("recompute_2", "recompute, 2nd prompt"),
+                        ("vllm_prefix", "vLLM prefix cache"), ("first_pass", "mpcache first pass (miss, stores)"),
+                        ("first_pass_2", "mpcache first pass, 2nd prompt"), ("l1_hit", "mpcache L1 hit"),
+                        ("fresh_engine_hit", "mpcache hit, fresh engine"), ("redis_hit", "mpcache Redis L2 hit (L1 cleared)"),
+                        ("disk_hit", "mpcache disk L2 hit (L1 cleared, Redis flushed)")):
+        r = results.get(name)
+        if r is None:
+            continue
+        same_prompt_ref = results["recompute_2"] if name in ("recompute_2", "first_pass_2", "disk_hit") else rec
+        print(f"| {label} | {r['ttft_s']:.3f} | {rec['ttft_s'] / r['ttft_s']:.1f}x | {r['steps']} | {r['cached_tokens']} | "
+              f"{'yes' if r['first_token'] == same_prompt_ref['first_token'] else 'NO'} |")
+    print()
+    print(f"memcpy (numpy, 256 MiB, best of 5): {gbps:.1f} GB/s; the prompt's KV: {prompt_kv / 2**20:.1f} MiB; "
+          f"load floor at memcpy speed: {floor_ms:.1f} ms")
+    cost = (results["first_pass"]["ttft_s"] + results["first_pass_2"]["ttft_s"]) / (rec["ttft_s"] + results["recompute_2"]["ttft_s"]) - 1
+    l1x = rec["ttft_s"] / results["l1_hit"]["ttft_s"]
+    diskx = results["recompute_2"]["ttft_s"] / results["disk_hit"]["ttft_s"]
+    print(f"| target | measured | verdict |\n|---|---|---|")
+    print(f"| L1 hit ≥ {TARGETS['l1_speedup']:.0f}x faster than recompute | {l1x:.1f}x | {'met' if l1x >= TARGETS['l1_speedup'] else 'MISSED'} |")
+    print(f"| disk L2 hit ≥ {TARGETS['disk_speedup']:.0f}x | {diskx:.1f}x | {'met' if diskx >= TARGETS['disk_speedup'] else 'MISSED'} |")
+    print(f"| first-pass cost ≤ {TARGETS['first_pass_cost']:.0%} | {cost:+.1%} | {'met' if cost <= TARGETS['first_pass_cost'] else 'MISSED'} |")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"# logs in {work}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpcache-bench ttft", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", str(REPO / ".venv-vllm")))
+    parser.add_argument("--model-dir", help="build (or reuse) the random model here")
+    parser.add_argument("--keep", action="store_true", help="keep the logs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--max-len", type=int, default=4608, help=argparse.SUPPRESS)
+    parser.add_argument("--server", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        Path(args.child_out).write_text(json.dumps(child(args)))
+        return 0
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
