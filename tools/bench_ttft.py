@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,12 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 CHUNK = 256
 TARGETS = {"l1_speedup": 150.0, "disk_speedup": 30.0, "first_pass_cost": 0.02}
 MODEL_DIMS = {"hidden": 768, "layers": 4, "heads": 12, "kv_heads": 4, "intermediate": 2048, "max_len": 8192}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------ child (inside the vLLM venv)
@@ -181,6 +174,8 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
 
 
 def parent(args: argparse.Namespace) -> int:
+    from tools.bench_rpc import _free_port
+
     vpy = str(Path(args.vllm_venv) / "bin" / "python")
     if not os.path.exists(vpy):
         print(f"mpcache-bench ttft: no vLLM venv at {args.vllm_venv} (make e2e builds .venv-vllm)", file=sys.stderr)
