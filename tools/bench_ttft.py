@@ -160,7 +160,9 @@ def _memcpy_gbps() -> float:
 def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server: str, redis_port: int,
                log: Path) -> dict[str, Any]:
     out = log.with_suffix(".json")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=str(REPO))
+    # the engine core in this process, so each LLMEngine.step() is one scheduler step (counted)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=str(REPO),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
     argv = [vpy, "-m", "tools.bench_ttft", "--child", mode, "--model", model, "--tokens", str(args.tokens),
             "--max-len", str(args.tokens + 512), "--server", server, "--redis-port", str(redis_port),
             "--child-out", str(out)]
