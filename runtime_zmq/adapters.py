@@ -62,7 +62,7 @@ from core_sm.planner import (
     StepScheduled,
 )
 from core_sm.transfer_client import TransferClient, TransferClientConfig
-from runtime_zmq.bridge import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
+from runtime_zmq.wire import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
 from runtime_zmq.client import MPCacheClient, RemoteError
 
 log = logging.getLogger("mpcache.worker")

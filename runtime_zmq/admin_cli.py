@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print the raw stats answer as JSON")
     clear = sub.add_parser("clear", help="drop every unleased object (admin)", description="Ask the server to clear L1 (objects under a lease stay until released).")
     clear.add_argument("--force", action="store_true", help="also drop objects that are leased (their readers get misses)")
+    clear.add_argument("--admin-token-file", metavar="PATH", default=None,
+                       help="the server's admin token (its --admin-token-file); without it the server refuses clear")
     bench = sub.add_parser("bench", help="lookup + status round trips against this server", description="Lookups of random prompts (misses: nothing is stored) and their status queries, from one client; prints a table.")
     bench.add_argument("--url", default=argparse.SUPPRESS, help="the server's ZMQ address (as the global --url)")
     bench.add_argument("--lookups", type=cfg.positive_int, default=2000, help="how many lookup + status pairs")
@@ -120,7 +123,12 @@ def cmd_stats(c: Any, args: argparse.Namespace) -> int:
 
 
 def cmd_clear(c: Any, args: argparse.Namespace) -> int:
-    answer = _call(c.clear(args.force), args.timeout)
+    token = None
+    if args.admin_token_file:
+        from runtime_zmq.auth import read_admin_token
+
+        token = read_admin_token(args.admin_token_file).decode("utf-8", "surrogateescape")
+    answer = _call(c.clear(args.force, token), args.timeout)
     print(f"clear: {answer!r}")
     return 0
 
@@ -128,8 +136,9 @@ def cmd_clear(c: Any, args: argparse.Namespace) -> int:
 def cmd_bench(c: Any, args: argparse.Namespace) -> int:
     chunk = int(c.get_chunk_size())
     n, window = args.lookups, args.in_flight
-    rng = random.Random(0)
-    run = f"bench-{rng.getrandbits(32):08x}"
+    rng = random.Random(0)  # the same prompts every run
+    # request ids of this run only: ids another connection used are that connection's (forbidden)
+    run = f"bench-{secrets.token_hex(4)}"
     lat: list[float] = []
     t_start = time.perf_counter()
     for base in range(0, n, window):

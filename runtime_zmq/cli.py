@@ -5,8 +5,9 @@ key of the TOML file named by ``--config``; flag > environment > file > default 
 ``runtime_zmq.config`` and docs/configuration.md, generated from the definitions below). Every
 value is range-checked before anything starts; a bad one is one ``cannot start:`` line.
 
-Defaults: loopback only (``tcp://127.0.0.1:5555``), L1 only, the L1 segment allocated lazily,
-metrics, health and status over HTTP on ``127.0.0.1:9555``.
+Defaults: loopback only (``tcp://127.0.0.1:5555``), L1 only, L1 memory reserved at start, no
+CURVE, ``clear`` refused (no admin token; docs/security.md), metrics, health and status over HTTP
+on ``127.0.0.1:9555``.
 
 Adding an option: put it in one of the groups below (``config.group(parser, TITLE)``) with a
 validating ``type`` from ``runtime_zmq.config``; its env var, file key and docs follow.
@@ -37,6 +38,7 @@ L2 = "L2 tiers"
 LIMITS = "limits"
 KV_EVENTS = "KV events (for KV-aware routers)"
 TRACE = "trace capture"
+SECURITY = "security (docs/security.md)"
 HTTP = "metrics, health and status (HTTP)"
 LOGGING = "logging"
 OPERATIONS = "operations"
@@ -64,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--ipc", default=None, metavar="PATH", help="listen on a unix socket at PATH instead of TCP (its directory is created 0700)")
     cache = cfg.group(p, CACHE)
     cache.add_argument("--chunk-size", type=cfg.chunk_size, default=256, help="tokens per chunk; a multiple of vLLM's block size")
-    cache.add_argument("--l1-size-gb", type=cfg.positive_float, default=4.0, help="L1 shared-memory size in GiB (committed lazily; clamped to the free space of /dev/shm)")
+    cache.add_argument("--l1-size-gb", type=cfg.positive_float, default=4.0, help="L1 shared-memory size in GiB (reserved at start unless --no-l1-reserve; clamped to the free space of /dev/shm)")
+    cache.add_argument(
+        "--l1-reserve", action=argparse.BooleanOptionalAction, default=True,
+        help="reserve L1's memory at start: a clear error if /dev/shm has no room, never a later SIGBUS; "
+        "--no-l1-reserve commits it page by page on first use (a fast start for a huge L1)",
+    )
     cache.add_argument("--slot-mb", type=cfg.positive_float, default=32.0, help="L1 slot size in MiB: the largest object (one chunk of one KV rank; see docs/troubleshooting.md for the formula)")
     cache.add_argument("--lease-ttl", type=cfg.positive_float, default=300.0, help="seconds a read/write lease lives without use")
     cache.add_argument("--job-ttl", type=cfg.positive_float, default=60.0, help="seconds a lookup nobody queries lives before its leases are reaped")
@@ -84,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_l2_flags(tiers)
     lim = cfg.group(p, LIMITS)
-    lim.add_argument("--max-frame-mb", type=cfg.positive_float, default=64.0, help="largest payload frame in MiB")
+    lim.add_argument("--max-frame-mb", type=cfg.positive_float, default=16.0, help="largest payload frame in MiB (zmq disconnects a peer sending one over twice this)")
+    lim.add_argument("--max-message-mb", type=cfg.positive_float, default=32.0, help="largest request, all its frames, in MiB (counted as frames are read)")
     lim.add_argument("--max-tokens", type=cfg.positive_int, default=1 << 20, help="most tokens in one key")
     events = cfg.group(p, KV_EVENTS)
     events.add_argument("--kv-events", default=None, metavar="URL", help="publish what this server holds as vLLM KV events on a ZMQ PUB socket: a wildcard URL (tcp://*:5557) is bound, another (tcp://indexer:5557) connected to; default off (docs/fleet.md)")
@@ -94,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--trace", default=None, metavar="FILE", help="record the core_sm event stream to FILE (JSON lines; replay it with mpcache-sim replay-trace FILE); default off")
     trace.add_argument("--trace-tokens", action=argparse.BooleanOptionalAction, default=False, help="keep token ids in the trace (default: chunk hashes only, no prompt text)")
     trace.add_argument("--trace-max-mb", type=cfg.positive_float, default=256.0, help="rotate the trace to FILE.1 past this size in MiB")
+    sec = cfg.group(p, SECURITY)
+    sec.add_argument("--curve-dir", default=None, metavar="DIR", help="TCP: require ZMQ CURVE with the keys `mpcache-server keygen DIR` made (default off)")
+    sec.add_argument("--ipc-group", default=None, metavar="GROUP", help="--ipc: let GROUP connect too (directory 0750, socket 0660; default: this uid only)")
+    sec.add_argument("--admin-token-file", default=None, metavar="PATH", help="clear needs the token in PATH (mode 600); default: clear is refused")
     http = cfg.group(p, HTTP)
     http.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True, help="serve /metrics, /healthz, /readyz and /status over HTTP")
     http.add_argument("--metrics-port", type=cfg.port, default=DEFAULT_METRICS_PORT, help="HTTP port for metrics and probes; 0 picks a free one")
@@ -184,7 +196,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         tombstone_ttl=args.tombstone_ttl,
         l2_read_timeout=args.l2_read_timeout,
         l2_probe=args.l2_probe,
-        limits=wire.Limits(max_frame_bytes=int(args.max_frame_mb * MiB), max_tokens=args.max_tokens),
+        limits=wire.Limits(max_frame_bytes=int(args.max_frame_mb * MiB), max_tokens=args.max_tokens,
+                           max_message_bytes=int(args.max_message_mb * MiB)),
         metrics_port=None,  # the CLI serves HTTP itself (runtime_zmq.http)
         shutdown_grace=args.shutdown_grace,
         shm_dir=args.shm_dir,
@@ -196,6 +209,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,
+        curve_dir=args.curve_dir,
+        ipc_group=args.ipc_group,
+        admin_token_file=args.admin_token_file,
+        l1_reserve=args.l1_reserve,
     )
 
 
@@ -220,6 +237,11 @@ def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["keygen"]:
+        from runtime_zmq.auth import keygen_main
+
+        return keygen_main(argv[1:])
     args, sources = parse_args(argv)
     from runtime_zmq import logs
 

@@ -35,6 +35,7 @@ import heapq
 import itertools
 import logging
 import os
+import secrets
 import select
 import threading
 import time
@@ -45,7 +46,8 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from runtime_zmq.wire import ERROR_OP_FRAME, WireKey, encode_key, token_ids_for_wire
+from core_sm.messages import CacheKey
+from runtime_zmq.wire import ERROR_OP_FRAME, encode_key, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
 
@@ -66,9 +68,9 @@ class ClientClosed(Exception):
     pass
 
 
-def _key_arg(key: WireKey | dict[str, Any]) -> dict[str, Any]:
+def _key_arg(key: CacheKey | dict[str, Any]) -> dict[str, Any]:
     """The key map to send; token ids packed (``wire.pack_token_ids``) when they are a list."""
-    if isinstance(key, WireKey):
+    if isinstance(key, CacheKey):
         return encode_key(key)
     toks = key.get("token_ids")
     if type(toks) is list or type(toks) is tuple:
@@ -121,6 +123,8 @@ class MPCacheClient:
         heartbeat_timeout: float = 3.0,
         wait_connected: bool = True,
         context: zmq.Context[Any] | None = None,
+        curve_dir: str | None = None,
+        curve_client: str | None = None,
     ) -> None:
         self.url = url
         self.request_timeout = request_timeout
@@ -129,6 +133,9 @@ class MPCacheClient:
         self._ctx = context or zmq.Context.instance()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # One random identity for this client's life: the server's ownership of what it creates
+        # (request ids, instances, transfers) follows it across reconnects.
+        sock.setsockopt(zmq.ROUTING_ID, b"mpc" + secrets.token_bytes(13))
         # Only queue to completed connections: while the server is down, a request fails now
         # instead of sitting in a buffer and reaching a restarted server long after its caller
         # gave up.
@@ -141,6 +148,14 @@ class MPCacheClient:
         # ZMTP heartbeats notice a silently dead TCP peer and force a reconnect.
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        # A server started with --curve-dir admits CURVE clients with an authorized key only
+        # (runtime_zmq.auth); MPCACHE_CURVE_DIR / MPCACHE_CURVE_CLIENT reach engines that build
+        # their client internally.
+        curve_dir = curve_dir or os.environ.get("MPCACHE_CURVE_DIR") or None
+        if curve_dir is not None and url.startswith("tcp://"):
+            from runtime_zmq.auth import client_curve
+
+            client_curve(sock, curve_dir, curve_client or os.environ.get("MPCACHE_CURVE_CLIENT", "client"))
         sock.connect(url)
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)
@@ -247,7 +262,7 @@ class MPCacheClient:
     def stats(self) -> dict[str, Any]:
         return dict(self.call("stats"))
 
-    def lookup(self, key: WireKey | dict[str, Any], tp_size: int = 1, *, timeout: float | None = None) -> Future[Any]:
+    def lookup(self, key: CacheKey | dict[str, Any], tp_size: int = 1, *, timeout: float | None = None) -> Future[Any]:
         return self.submit("lookup", _key_arg(key), tp_size, timeout=timeout)
 
     def query_prefetch_status(self, request_id: str, *, timeout: float | None = None) -> Future[Any]:
@@ -257,14 +272,17 @@ class MPCacheClient:
         t = (wait + self.request_timeout) if timeout is None else timeout
         return self.submit("wait_prefetch_status", request_id, float(wait), timeout=t)
 
-    def free_lookup_locks(self, key: WireKey | dict[str, Any], tp_size: int = 1) -> Future[Any]:
+    def free_lookup_locks(self, key: CacheKey | dict[str, Any], tp_size: int = 1) -> Future[Any]:
         return self.submit("free_lookup_locks", _key_arg(key), tp_size)
 
     def end_session(self, request_id: str) -> Future[Any]:
         return self.submit("end_session", request_id)
 
-    def clear(self, force: bool = False) -> Future[Any]:
-        return self.submit("clear", force)
+    def clear(self, force: bool = False, admin_token: str | None = None) -> Future[Any]:
+        """An admin operation: the server refuses it (``forbidden``) without its admin token."""
+        if admin_token is None:
+            return self.submit("clear", force)
+        return self.submit("clear", force, admin_token)
 
     # data plane (mpcache's own ops; docs/protocol.md)
     def l1_info(self) -> dict[str, Any]:
@@ -276,10 +294,10 @@ class MPCacheClient:
     def unregister_instance(self, instance_id: int) -> Future[Any]:
         return self.submit("unregister_instance", instance_id)
 
-    def prepare_store(self, key: WireKey | dict[str, Any], instance_id: int) -> Future[Any]:
+    def prepare_store(self, key: CacheKey | dict[str, Any], instance_id: int) -> Future[Any]:
         return self.submit("prepare_store", _key_arg(key), instance_id)
 
-    def prepare_retrieve(self, key: WireKey | dict[str, Any], instance_id: int, skip_first_n_tokens: int = 0) -> Future[Any]:
+    def prepare_retrieve(self, key: CacheKey | dict[str, Any], instance_id: int, skip_first_n_tokens: int = 0) -> Future[Any]:
         return self.submit("prepare_retrieve", _key_arg(key), instance_id, skip_first_n_tokens)
 
     def commit_store(self, transfer_id: int, ok: bool = True) -> Future[Any]:
@@ -288,11 +306,11 @@ class MPCacheClient:
     def commit_retrieve(self, transfer_id: int, ok: bool = True) -> Future[Any]:
         return self.submit("commit_retrieve", transfer_id, ok)
 
-    def store(self, key: WireKey | dict[str, Any], instance_id: int, block_ids: Sequence[int], event_handle: bytes) -> Future[Any]:
+    def store(self, key: CacheKey | dict[str, Any], instance_id: int, block_ids: Sequence[int], event_handle: bytes) -> Future[Any]:
         return self.submit("store", _key_arg(key), instance_id, list(block_ids), event_handle)
 
     def retrieve(
-        self, key: WireKey | dict[str, Any], instance_id: int, block_ids: Sequence[int], event_handle: bytes, skip_first_n_tokens: int = 0
+        self, key: CacheKey | dict[str, Any], instance_id: int, block_ids: Sequence[int], event_handle: bytes, skip_first_n_tokens: int = 0
     ) -> Future[Any]:
         return self.submit("retrieve", _key_arg(key), instance_id, list(block_ids), event_handle, skip_first_n_tokens)
 

@@ -1,9 +1,20 @@
 """The L1 memory behind core_sm's slot ids: one shared-memory segment of fixed-size slots.
 
 * The segment is a file in ``/dev/shm`` created with mode 0600 (only the server's user can map
-  it) and a name that includes the server's pid and a random suffix. It is created sparse
-  (``ftruncate``), so memory is committed page by page as slots are first written: a server with a
-  large ``--l1-size-gb`` starts in milliseconds and costs nothing until it caches something.
+  it) and a name that includes the server's pid and a random suffix: ``mpcache-<pid>-<8 hex>``.
+  The server holds a shared ``flock`` on it for its whole life.
+* ``reserve=True`` (the server's default, ``--l1-reserve``): its pages are reserved when it is
+  created (``posix_fallocate``; the server creates it at start-up), so a tmpfs without room fails
+  that call with a clear error at start instead of a SIGBUS on the first write to a page the
+  filesystem cannot back (tmpfs reports ENOSPC on a page fault as SIGBUS, in the server or in an
+  engine that maps the segment). The memory is committed then (about 0.1 s per 256 MiB).
+  ``reserve=False`` (``--no-l1-reserve``): created sparse (``ftruncate``) on first use and
+  committed page by page, a fast start for a huge L1 at the price of that SIGBUS risk if the
+  filesystem fills up later.
+* ``sweep_orphans`` (run when a pool is made) removes segments of mpcache servers that are gone:
+  the pid in the name is not a live process **and** an exclusive ``flock`` on the file succeeds
+  (no server holds it), the file is a regular file of this uid. ``kill -9`` leaves no lasting
+  litter: the next server on the host removes it.
 * Slot ``s`` occupies bytes ``[s * slot_bytes, (s + 1) * slot_bytes)``. Slot ids and their
   lifetime come from core_sm; this module only turns an id into memory.
 * Engine-driven clients (CPU engines) map the same file by path (``map_segment``) and copy into /
@@ -16,22 +27,93 @@
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
+import stat
 from typing import Final
 
 log = logging.getLogger("mpcache.l1")
 
 SHM_DIR: Final = "/dev/shm"
+_SEGMENT_NAME: Final = re.compile(r"^(?P<prefix>[A-Za-z0-9_.]+)-(?P<pid>[0-9]+)-[0-9a-f]{8}$")
+
+
+class ReservationError(OSError):
+    """The L1 segment's memory could not be reserved (the filesystem has no room for it)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def sweep_orphans(directory: str = SHM_DIR, prefix: str = "mpcache") -> list[str]:
+    """Remove ``prefix-<pid>-<hex>`` segments in ``directory`` left by servers that are gone.
+    A file is removed only when its pid is not a live process, it is a regular file owned by
+    this uid, and no process holds a lock on it (a live server holds one). Returns the paths
+    removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    me = os.geteuid()
+    for name in names:
+        mt = _SEGMENT_NAME.match(name)
+        if mt is None or mt.group("prefix") != prefix:
+            continue
+        pid = int(mt.group("pid"))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue  # held: a live server
+                raise
+            # still the file we locked (not replaced by a new one under the same name)?
+            try:
+                now = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except OSError as e:
+            log.warning("L1: could not check the old segment %s: %s", path, e)
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("L1: removed %d segment(s) of mpcache servers that are gone: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 class SharedMemoryPool:
     """``num_slots`` slots of ``slot_bytes`` in one shared-memory file. Not thread-safe for
     concurrent writes to the same slot (core_sm's leases guarantee there are none)."""
 
-    def __init__(self, size_bytes: int, slot_bytes: int, *, directory: str = SHM_DIR, prefix: str = "mpcache") -> None:
+    def __init__(self, size_bytes: int, slot_bytes: int, *, directory: str = SHM_DIR, prefix: str = "mpcache",
+                 reserve: bool = True) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot_bytes must be > 0")
         # Keep slots page-aligned so a slot never shares a page with its neighbour.
@@ -50,8 +132,10 @@ class SharedMemoryPool:
                 wanted, self.slot_bytes, directory, free, clamped,
             )
             wanted = clamped
+        self.reserve = reserve
         self.num_slots = int(wanted)
         self.size = self.num_slots * self.slot_bytes
+        sweep_orphans(directory, prefix)
         self.path = os.path.join(directory, f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}")
         self._mm: mmap.mmap | None = None
         self._fd = -1
@@ -59,10 +143,24 @@ class SharedMemoryPool:
     # Created on first use: the server's start-up path never touches the segment.
     def _open(self) -> mmap.mmap:
         if self._mm is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # "a server owns this": sweep_orphans keeps it
                 os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
-                os.ftruncate(fd, max(self.size, mmap.PAGESIZE))
+                nbytes = max(self.size, mmap.PAGESIZE)
+                try:
+                    if self.reserve:
+                        os.posix_fallocate(fd, 0, nbytes)
+                    else:
+                        os.ftruncate(fd, nbytes)
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                        raise
+                    raise ReservationError(
+                        e.errno,
+                        f"L1: cannot reserve {nbytes} bytes in {os.path.dirname(self.path)} ({e.strerror}); "
+                        "lower --l1-size-gb or free space there",
+                    ) from None
                 self._mm = mmap.mmap(fd, max(self.size, mmap.PAGESIZE), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except BaseException:
                 os.close(fd)

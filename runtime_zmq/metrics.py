@@ -209,7 +209,7 @@ class ServerMetrics(Collector):
     def on_request(self, req: Any, reply_to: Any) -> None:
         op = req.op
         if op == "lookup":
-            key: Any = req.args[0] if req.args else None
+            key: Any = req.args[0].key if req.args else None  # wire.KeyPayload: the CacheKey
             rid = getattr(key, "request_id", None)
             if isinstance(rid, str):
                 end = getattr(key, "end", 0)

@@ -2,8 +2,9 @@
 
     decode -> core_sm event -> handle(event, now) -> interpret effects -> encode
 
-* Requests are decoded by ``wire``, turned into core_sm requests by ``bridge``, and handled by
-  the machine. The loop contains no protocol decision: what to reply, when, with which leases,
+* Requests are received frame by frame under a byte and frame budget (an oversized message is
+  answered ``too_large`` and its frames dropped as they are read, never joined), decoded by the
+  ``wire`` codec table into core_sm requests, and handled by the machine. The loop contains no protocol decision: what to reply, when, with which leases,
   is the machine's. The only requests answered here are the ones with no protocol state:
   ``noop``, ``health``, ``stats``, ``l1_info``, ``report_block_allocation`` (counted).
 * Effects: ``Reply``/``ErrorReply`` are encoded and sent (ROUTER_MANDATORY, non-blocking: a
@@ -39,7 +40,7 @@ import zmq
 from core_sm import effects as fx
 from core_sm import messages as m
 from core_sm.errors import ErrorKind
-from runtime_zmq import bridge, tokens, wire
+from runtime_zmq import auth, tokens, wire
 from runtime_zmq.l1_pool import SharedMemoryPool
 from runtime_zmq.config import version
 from runtime_zmq.metrics import ServerMetrics
@@ -55,6 +56,8 @@ MiB = 1 << 20
 _LOCAL_OPS = frozenset({"noop", "health", "stats", "l1_info", "report_block_allocation"})
 # Effects whose start the metrics time (L2 and copy latency histograms).
 _TIMED_EFFECTS = (fx.StartTransfer, fx.ReadL2, fx.WriteL2, fx.ProbeL2)
+# frames at least this big are released by the frame-freeing thread, not the loop
+_BIG_FRAME = 1 << 20
 
 
 @attrs.frozen
@@ -75,6 +78,12 @@ class ServerConfig:
     l2_options: L2Options = L2Options()  # secret file, required tiers, deadlines, queue bound
     shutdown_grace: float = 5.0
     shm_dir: str = "/dev/shm"
+    # who may connect and who may clear (runtime_zmq.auth, docs/security.md)
+    curve_dir: str | None = None
+    ipc_group: str | None = None
+    admin_token_file: str | None = None
+    # reserve L1's pages at start (posix_fallocate) instead of committing them on first touch
+    l1_reserve: bool = True
     # This server's start id, answered by ``health``: clients that see it change know the server
     # restarted (and forgot every job, lease and registration). None: a random one.
     epoch: int | None = None
@@ -196,11 +205,13 @@ class Server:
     ) -> None:
         self.config = config
         self.clock = clock
+        self.limits = attrs.evolve(config.limits, chunk_size=config.chunk_size)
+        self.admin_token = auth.read_admin_token(config.admin_token_file) if config.admin_token_file else None
         # the HTTP thread reads the snapshot the loop refreshes each second, never live state
         self._stats_snapshot: dict[str, Any] = {}
         self.metrics = ServerMetrics(lambda: self._stats_snapshot)
         self.metrics.attach(self, {})
-        self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir)
+        self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir, reserve=config.l1_reserve)
         if tiers is None:
             tiers = [open_l2(u) for u in config.l2_urls]
         self.channel = CompletionChannel()
@@ -224,18 +235,43 @@ class Server:
         self._replies_closed = False  # shutdown: every request was answered; send nothing more
         self._started = time.time()
         self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
-        self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0, "block_allocation_records": 0}
+        self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0,
+                        "block_allocation_records": 0, "oversized_messages": 0}
+        # the longest one message kept the loop (wall and the loop thread's CPU), since start
+        self._max_message_s = 0.0
+        self._max_message_cpu_s = 0.0
+        self._last_oversized_log = -1e9
+        self._curve_user: str | None = None  # the User-Id of the message being served (CURVE)
+        self._frames_to_free: queue.SimpleQueue[zmq.Frame | None] = queue.SimpleQueue()
+        self._frame_freer = threading.Thread(target=self._free_frames, name="mpcache-frame-free", daemon=True)
+        self._frame_freer.start()
         self._last_gauges = 0.0
         self.ctx = zmq.Context()
+        self.authenticator: auth.CurveServer | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # a client that reconnects under its identity gets it back (its requests stay its own)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        # A hard cap far above the codec's limit: zmq drops the peer instead of buffering a
-        # gigabyte; anything below it is answered TOO_LARGE by the codec.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max(config.limits.max_frame_bytes * 4, 64 * MiB))
-        self.bound_url = self._bind(config.url)
+        # zmq's cap is per frame: a peer sending one frame over twice the codec's limit is
+        # disconnected by zmq (nothing is buffered past it); below it the loop answers too_large.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_frame_bytes)
+        try:
+            if config.l1_reserve:
+                # Reserve the segment's pages now, off the loop: no room is a start-up error, not
+                # a SIGBUS in the middle of a copy (l1_pool).
+                self.pool.ensure()
+            if config.curve_dir is not None:
+                if not config.url.startswith("tcp://"):
+                    raise ValueError("CURVE (--curve-dir) is for TCP; an ipc socket is guarded by its directory")
+                self.authenticator = auth.CurveServer(self.ctx, config.curve_dir)
+                self.authenticator.apply(self.sock)
+            self.bound_url = self._bind(config.url)
+        except BaseException:
+            self._close_socket()
+            raise
         self.trace: Any = None
         if config.trace:
             from runtime_zmq.trace_writer import TraceWriter
@@ -256,17 +292,30 @@ class Server:
                      self.kv_events.replay_endpoint, self.kv_events.first_seq)
 
     def _bind(self, url: str) -> str:
-        if url.startswith("ipc://"):
-            path = url[len("ipc://") :]
-            d = os.path.dirname(os.path.abspath(path))
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            if os.path.exists(path):
-                os.unlink(path)  # a stale socket from a killed server
-        self.sock.bind(url)
-        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if url.startswith("ipc://"):
-            os.chmod(url[len("ipc://") :], 0o600)
-        return bound
+        if not url.startswith("ipc://"):
+            self.sock.bind(url)
+            return str(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        path = os.path.abspath(url[len("ipc://") :])
+        group = auth.prepare_ipc_path(path, self.config.ipc_group)
+        self.sock.bind("ipc://" + path)
+        auth.restrict_ipc_socket(path, group)
+        return str(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def _stop_frame_freer(self) -> None:
+        self._frames_to_free.put(None)
+        self._frame_freer.join(10.0)
+
+    def _close_socket(self) -> None:
+        # start-up failed after the worker threads started: stop them, leave nothing behind
+        self.sock.close(linger=0)
+        self._stop_frame_freer()
+        self.l2.close()
+        self.executor.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.pool.close()
+        self.channel.close()
+        self.ctx.term()
 
     # ------------------------------------------------------------------ public
 
@@ -314,11 +363,20 @@ class Server:
             if sock in events:
                 # bounded batch so completions and timers are never starved by a flood
                 for _ in range(256):
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        received = self._receive(sock)
                     except zmq.Again:
                         break
-                    self._on_message(frames)
+                    if isinstance(received, list):
+                        self._on_message(received)
+                    else:
+                        self._on_refused(received)
+                    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                    if wall > self._max_message_s:
+                        self._max_message_s = wall
+                    if cpu > self._max_message_cpu_s:
+                        self._max_message_cpu_s = cpu
             now = self.clock()
             if now - self._last_gauges >= 1.0:
                 self._last_gauges = now
@@ -336,8 +394,83 @@ class Server:
                 self.metrics.count("l2_objects_read", len(ev.loaded))
             self._handle(ev, self.clock(), None)
 
-    def _on_message(self, frames: list[bytes]) -> None:
-        req = wire.decode_request(frames, self.config.limits)
+    def _receive(self, sock: zmq.Socket[Any]) -> list[bytes | memoryview] | wire.DecodeError | wire.Unattributable:
+        """One message, frame by frame, under ``limits``' frame and byte budget. Past the budget
+        the remaining frames are read and dropped one by one (never joined into one message or
+        copied into Python); the message is then answered ``too_large`` by its uid, if readable.
+        Raises ``zmq.Again`` when no message is waiting."""
+        lim = self.limits
+        head: list[bytes | memoryview] = []  # identity and uid: they address the reply, even to a refusal
+        kept: list[zmq.Frame] = []  # payload frames, not copied until the message is known good
+        total = 0  # bytes of the op and payload frames
+        over: str | None = None
+        count = 0
+        flags = zmq.NOBLOCK
+        while True:
+            frame = sock.recv(flags, copy=False)
+            flags = 0  # the rest of a message is already here: zmq delivers a message whole
+            count += 1
+            n = len(frame)
+            if count <= 2:
+                head.append(frame.bytes if n <= 256 else b"")
+                if count == 1 and self.authenticator is not None:
+                    # the CURVE key the authenticator admitted: the peer, stable across reconnects
+                    self._curve_user = frame.get("User-Id")
+            elif over is None:
+                total += n
+                if count > lim.max_frames + 3:
+                    over = f"more than {lim.max_frames} payload frames"
+                elif n > lim.max_frame_bytes:
+                    over = f"frame of {n} bytes, limit {lim.max_frame_bytes}"
+                elif total > lim.max_message_bytes:
+                    over = f"message over {lim.max_message_bytes} bytes"
+                if over is None:
+                    kept.append(frame)
+                else:
+                    self._discard(kept)  # what was kept goes now, not after the last frame
+                    kept = []
+            more = frame.more
+            if over is not None and n >= _BIG_FRAME:
+                self._frames_to_free.put(frame)
+            del frame
+            if not more:
+                break
+        if over is None:
+            # payloads are decoded straight from zmq's buffers: no copy before msgpack's own
+            return head + [f.buffer for f in kept]
+        self._counts["oversized_messages"] += 1
+        self.metrics.count("oversized_messages")
+        now = self.clock()
+        if now - self._last_oversized_log >= 1.0:  # a flood costs one line a second
+            self._last_oversized_log = now
+            log.warning("refused an oversized message (%d frames): %s (%d so far)", count, over,
+                        self._counts["oversized_messages"])
+        return wire.refusal(head, ErrorKind.TOO_LARGE, over)
+
+    def _discard(self, frames: list[zmq.Frame]) -> None:
+        for f in frames:
+            if len(f) >= _BIG_FRAME:
+                self._frames_to_free.put(f)
+
+    def _free_frames(self) -> None:
+        # Releasing a large zmq frame unmaps its pages: tens of milliseconds for a message of
+        # hundreds of MiB. This thread does it, so the loop never waits on it.
+        while True:
+            frame = self._frames_to_free.get()
+            if frame is None:
+                return
+            del frame
+
+    def _on_refused(self, req: wire.DecodeError | wire.Unattributable) -> None:
+        if isinstance(req, wire.DecodeError):
+            self._counts["wire_requests"] += 1
+            self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
+        else:
+            self._counts["malformed"] += 1
+            self.metrics.count("malformed_messages")
+
+    def _on_message(self, frames: list[bytes | memoryview]) -> None:
+        req = wire.decode_request(frames, self.limits)
         if isinstance(req, wire.Request):
             self._counts["wire_requests"] += 1
             now = self.clock()
@@ -357,6 +490,14 @@ class Server:
             self.metrics.count("malformed_messages")
             log.debug("unattributable message: %s", req.reason)
 
+    def _peer(self, req: wire.Request) -> Any:
+        """Who sent ``req``, for core_sm's ownership checks: the CURVE public key the
+        authenticator admitted, else the connection's ROUTER identity (mpcache's client keeps one
+        random identity across reconnects; the socket hands it over to the new connection)."""
+        if self._curve_user is not None:
+            return ("curve", self._curve_user)
+        return req.identity
+
     def _answered(self, rt: ReplyTo) -> bool:
         return self._last_answered is rt
 
@@ -366,12 +507,17 @@ class Server:
             self._local(req, reply_to)
             return
         try:
-            event = bridge.to_event(req, reply_to)
-        except (bridge.BadRequest, TypeError, ValueError) as e:
+            event = wire.to_event(req, reply_to, now, self.limits, peer=self._peer(req))
+        except (wire.BadRequest, TypeError, ValueError) as e:
             self._send_error(reply_to, ErrorKind.UNDECODABLE.value, str(e)[:500])
             return
-        if type(event) is m.Clear:  # core_sm refuses a clear not marked admin; until the admin
-            event = attrs.evolve(event, admin=True)  # credential is checked here, clear stays open
+        if type(event) is m.Clear:
+            # core_sm refuses a clear not marked admin: the mark is the admin token's check
+            admin = auth.admin_ok(self.admin_token, req.args[1] if len(req.args) > 1 else None)
+            if not admin:
+                log.warning("clear without the admin token (%s): refused",
+                            "none is configured: --admin-token-file" if self.admin_token is None else "wrong or missing")
+            event = attrs.evolve(event, admin=admin)
         if req.op == "register_instance" and not req.args[1].get("engine_driven", False):
             reason = self.executor.register_instance(req.args[0], req.args[1], self.pool)
             if reason is not None:
@@ -489,7 +635,7 @@ class Server:
         if type(result) not in (type(None), bool, int, str):
             if isinstance(result, m.TransferPlan) and result.ok:
                 self._note_plan(result)
-            result = bridge.result_to_wire(op, result, event_handle=handle, segment=self.pool.path, slot_bytes=self.pool.slot_bytes)
+            result = wire.result_to_wire(op, result, event_handle=handle, segment=self.pool.path, slot_bytes=self.pool.slot_bytes)
         try:
             frames = wire.encode_reply(identity, uid_frame, op_frame, result)
         except Exception as e:
@@ -570,6 +716,9 @@ class Server:
         out["l1_num_slots"] = self.pool.num_slots
         out["l1_slot_bytes"] = self.pool.slot_bytes
         out["l1_segment_created"] = self.pool.created
+        out["token_scanner_ready"] = tokens.ready()
+        out["loop_max_message_ms"] = self._max_message_s * 1000.0
+        out["loop_max_message_cpu_ms"] = self._max_message_cpu_s * 1000.0
         return out
 
     def _refresh_gauges(self) -> None:
@@ -591,7 +740,7 @@ class Server:
             if poller.poll(50):
                 self._drain_completions()
         for rt in list(self._outstanding):
-            self._send_error(rt, "shutting_down", "the server is shutting down")
+            self._send_error(rt, ErrorKind.SHUTTING_DOWN.value, "the server is shutting down")
         # Every request has had its one reply. Closing the executor and the tiers ends the work
         # left: each effect still reports its completion (L2 work that never ran: as failed) and
         # core_sm handles it, so its state is whole (no pinned slot) when the loop returns;
@@ -608,6 +757,9 @@ class Server:
         if self.trace is not None:
             self.trace.close()
         self.sock.close(linger=1000)
+        self._stop_frame_freer()
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.pool.close()
         self.channel.close()
         self.ctx.term()

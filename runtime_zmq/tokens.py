@@ -54,6 +54,10 @@ def load() -> None:
         if _scan_key_compiled is None:
             from runtime_zmq import _tokens_scan  # imports numba; compiles or loads the scanner
 
+            # the first call costs ~8 ms more (numba's dispatch warming up): pay it here, on the
+            # loading thread, not on the server loop's first list-form key
+            warm = np.frombuffer(msgpack.packb({"token_ids": [1, 2]}), dtype=np.uint8)
+            _tokens_scan.scan_key(warm, _TOKEN_IDS_KEY)
             _scan_key_compiled = _tokens_scan.scan_key
 
 
@@ -73,18 +77,23 @@ _NIL = b"\xc0"
 _BIG_ENDIAN = sys.byteorder != "little"
 
 
-def decode_key_frame(frame: bytes) -> dict[Any, Any] | None:
+def decode_key_frame(frame: bytes | memoryview, unpack: Callable[[bytes], Any] | None = None) -> dict[Any, Any] | None:
     """The key map of ``frame`` with ``token_ids`` as packed little-endian uint32 bytes, or
     ``None`` to decode it the ordinary way (see the module docstring). Never raises for a
     frame the scanner declines; a frame whose other fields are not valid msgpack raises what
-    ``msgpack.unpackb`` raises, as the ordinary path would."""
+    ``msgpack.unpackb`` raises, as the ordinary path would. ``unpack`` decodes the rest of the
+    map (default ``msgpack.unpackb``; the server passes one with its per-payload limits)."""
     scan = _scan_key_compiled
     if scan is None:
         return None
     status, start, end, ids = scan(np.frombuffer(frame, dtype=np.uint8), _TOKEN_IDS_KEY)
     if status != _OK:
         return None
-    rest = msgpack.unpackb(frame[:start] + _NIL + frame[end:], raw=False, strict_map_key=False, use_list=True)
+    remainder = bytes(frame[:start]) + _NIL + bytes(frame[end:])
+    if unpack is not None:
+        rest = unpack(remainder)
+    else:
+        rest = msgpack.unpackb(remainder, raw=False, strict_map_key=False, use_list=True)
     if type(rest) is not dict:  # pragma: no cover - the scanner only accepts a map
         return None
     if _BIG_ENDIAN:  # pragma: no cover - little-endian hosts only in CI

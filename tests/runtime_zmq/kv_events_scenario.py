@@ -9,8 +9,11 @@ and A's and B's chunk hashes as the server computed them.
 """
 from __future__ import annotations
 
+import os
 import random
+import secrets
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -107,8 +110,14 @@ def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny
     sub = Subscriber()
     pub = sub.endpoint
     rep = f"tcp://127.0.0.1:{free_port()}"
+    # clear is an admin operation (docs/security.md): the scenario's clear presents the token
+    admin_token = secrets.token_hex(16)
+    token_file = os.path.join(tempfile.mkdtemp(prefix="mpcache-kv-events-"), "admin.token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(admin_token)
     server = start_server("--chunk-size", str(CHUNK), "--l1-size-gb", str(4 / 1024), "--slot-mb", "1",
-                          "--kv-events", pub, "--kv-events-replay", rep, "--kv-events-topic", topic)
+                          "--kv-events", pub, "--kv-events-replay", rep, "--kv-events-topic", topic,
+                          "--admin-token-file", token_file)
     time.sleep(0.3)  # PUB/SUB joining: what was sent before is fetched by replay below
     engine = Engine([server.url])
     try:
@@ -118,7 +127,7 @@ def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny
         engine.add("b", b)
         engine.run_all()
         with MPCacheClient(server.url, request_timeout=5.0) as client:
-            client.clear(True).result(5.0)
+            client.clear(True, admin_token).result(5.0)
             stats = dict(client.stats())
 
         def saw_clear_after_store(frames: list[list[bytes]]) -> bool:

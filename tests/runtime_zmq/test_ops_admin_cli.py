@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from conftest import REPO, ServerProcess
 from runtime_zmq.client import MPCacheClient
@@ -20,8 +21,11 @@ def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, env=env, timeout=timeout)
 
 
-def test_commands_against_a_server(start_server: Callable[..., ServerProcess]) -> None:
-    sp = start_server()
+def test_commands_against_a_server(start_server: Callable[..., ServerProcess], tmp_path: Any) -> None:
+    token = tmp_path / "admin.token"
+    token.write_text("a-test-admin-token-of-32-bytes!!\n")
+    os.chmod(token, 0o600)
+    sp = start_server("--admin-token-file", str(token))
     with MPCacheClient(sp.url) as c:
         register(c, 1)
         toks = tokens(2, seed=3)
@@ -39,6 +43,8 @@ def test_commands_against_a_server(start_server: Callable[..., ServerProcess]) -
     out = cli("--url", sp.url, "stats", "--json")
     assert json.loads(out.stdout)["hit_chunks"] == 2
     out = cli("--url", sp.url, "clear")
+    assert out.returncode != 0 and "forbidden" in out.stdout + out.stderr  # clear is an admin operation
+    out = cli("--url", sp.url, "clear", "--admin-token-file", str(token))
     assert out.returncode == 0 and out.stdout.startswith("clear:")
     out = cli("--url", sp.url, "bench", "--lookups", "40", "--in-flight", "8")
     assert out.returncode == 0, out.stderr

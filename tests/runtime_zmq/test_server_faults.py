@@ -20,7 +20,7 @@ from core_sm.effects import SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.lookup_client import LookupClient, LookupClientConfig
 from core_sm.messages import ReplyReceived, RequestFailed, ServerHealth, SubmitLookup, TimerFired
-from runtime_zmq.bridge import request_to_wire, result_from_wire
+from runtime_zmq.wire import request_to_wire, result_from_wire
 from runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import CHUNK, key, register, store_chunks, tokens
 
@@ -88,7 +88,7 @@ def test_kill_9_mid_lookup_resolves_zero_then_recovers(start_server: Callable[..
         assert time.monotonic() - t0 < 5.0
         assert wait_for(lambda: not client.healthy, timeout=5.0)
         # the same address comes back: the client finds it within about a second
-        sp2 = ServerProcess(["--ipc", ipc_path, "--l1-size-gb", "0.25", "--slot-mb", "1"]).start()
+        sp2 = ServerProcess(["--ipc", ipc_path, "--l1-size-gb", "0.25", "--slot-mb", "1", "--metrics-port", "0"]).start()
         try:
             assert client.wait_healthy(5.0)
             drv.pump(0.1)

@@ -50,7 +50,8 @@ def test_success_replies_match_lmcache_shapes(raw: RawDealer) -> None:
     assert raw.request([P(7), P(10), P("r"), P(0.5)]) == [P(7), P(10), P(0)]
     assert raw.request([P(8), P(12), P(key(toks, "r")), P(1)]) == [P(8), P(12)]
     assert raw.request([P(9), P(13), P("r")]) == [P(9), P(13)]
-    assert raw.request([P(10), P(20), P(False)]) == [P(10), P(20)]
+    # clear is an admin operation (docs/security.md): without the server's token, forbidden
+    assert_error(raw.request([P(10), P(20), P(False)]), 10, "forbidden")
     assert raw.request([P(11), P(23), P(1), P("m"), P([])]) == [P(11), P(23)]
     # extra key fields (request_configs, future fields) are ignored
     assert raw.request([P(12), P("lookup"), P(key(toks, "x", future_field=[1, 2])), P(1)]) == [P(12), P("lookup")]

@@ -90,7 +90,7 @@ def messages(draw: Any) -> tuple[list[bytes], bool]:
 
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[tuple[ServerProcess, MPCacheClient, RawDealer]]:
-    sp = ServerProcess(["--port", "0", "--l1-size-gb", "0.25", "--slot-mb", "1"]).start()
+    sp = ServerProcess(["--port", "0", "--l1-size-gb", "0.25", "--slot-mb", "1", "--metrics-port", "0"]).start()
     c = MPCacheClient(sp.url, request_timeout=5.0)
     # objects that lookups could lease if a bug let a malformed request through
     register(c, 1)

@@ -7,9 +7,10 @@ import msgpack
 import pytest
 
 from core_sm.chunks import TokenIds, pack_tokens
+from core_sm.errors import ErrorKind
 from core_sm.messages import Lookup
-from runtime_zmq.bridge import to_event
-from runtime_zmq.wire import DecodeError, Limits, Request, WireErrorKind, decode_request, token_ids_for_wire
+from runtime_zmq.wire import to_event
+from runtime_zmq.wire import DecodeError, Limits, Request, decode_request, token_ids_for_wire
 
 TOKENS = [(i * 7919) % 200_000 for i in range(1000)]
 
@@ -58,11 +59,11 @@ def test_a_list_with_non_uint32_ids_still_builds_an_event(bad: list[object]) -> 
 
 @pytest.mark.parametrize(
     "token_ids,kind",
-    [(b"\x00" * 6, WireErrorKind.UNDECODABLE), ("abc", WireErrorKind.UNDECODABLE),
-     ({"a": 1}, WireErrorKind.UNDECODABLE), (list(range(11)), WireErrorKind.TOO_LARGE),
-     (pack_tokens(range(11)), WireErrorKind.TOO_LARGE)],
+    [(b"\x00" * 6, ErrorKind.UNDECODABLE), ("abc", ErrorKind.UNDECODABLE),
+     ({"a": 1}, ErrorKind.UNDECODABLE), (list(range(11)), ErrorKind.TOO_LARGE),
+     (pack_tokens(range(11)), ErrorKind.TOO_LARGE)],
 )
-def test_bad_token_frames_are_refused_while_decoding(token_ids: object, kind: WireErrorKind) -> None:
+def test_bad_token_frames_are_refused_while_decoding(token_ids: object, kind: ErrorKind) -> None:
     r = _decode(_key(token_ids), limits=Limits(max_tokens=10))
     assert isinstance(r, DecodeError) and r.kind is kind
 
@@ -189,7 +190,7 @@ def test_scanner_header_counts_beyond_the_frame_allocate_nothing() -> None:
 
 def test_list_form_limit_is_enforced_through_the_scanner() -> None:
     r = _decode(_key(list(range(100))), limits=Limits(max_tokens=99))
-    assert isinstance(r, DecodeError) and r.kind is WireErrorKind.TOO_LARGE
+    assert isinstance(r, DecodeError) and r.kind is ErrorKind.TOO_LARGE
 
 
 def test_before_the_scanner_is_loaded_every_frame_takes_the_ordinary_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""bridge: the client-side forms are the mirror image of the server-side ones. Every core_sm
+"""The codec table: the client-side forms are the mirror image of the server-side ones. Every core_sm
 request a client machine sends goes through the real codec (``request_to_wire`` -> frames ->
 ``wire.decode_request`` -> ``to_event``) and comes back equal; every result the server encodes
 (``result_to_wire``) decodes back to the same core_sm value (``result_from_wire``), with what
@@ -13,7 +13,7 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 
 from core_sm import messages as m
-from runtime_zmq import bridge, wire
+from runtime_zmq import wire
 
 KEY = m.CacheKey("model", 2, 1, tuple(range(512)), 0, 512, "req-1", "salt")
 SCHED_KEY = m.CacheKey("model", 2, None, tuple(range(512)), 0, 512, "req-1")
@@ -52,9 +52,9 @@ def _through_the_codec(op: str, args: tuple[Any, ...]) -> wire.Request:
 
 @pytest.mark.parametrize("request_, extra", REQUESTS, ids=lambda v: type(v).__name__ if not isinstance(v, dict) else "")
 def test_every_client_request_survives_the_codec(request_: Any, extra: dict[str, Any]) -> None:
-    op, args = bridge.request_to_wire(request_, **extra)
+    op, args = wire.request_to_wire(request_, **extra)
     decoded = _through_the_codec(op, args)
-    assert bridge.to_event(decoded, reply_to="rt") == attrs.evolve(request_, reply_to="rt")
+    assert wire.to_event(decoded, reply_to="rt") == attrs.evolve(request_, reply_to="rt")
     if "event_handle" in extra:
         assert decoded.args[3] == HANDLE  # the server's copy waits on it
     if "layout_extra" in extra:
@@ -64,49 +64,49 @@ def test_every_client_request_survives_the_codec(request_: Any, extra: dict[str,
 def test_server_driven_requests_need_their_event_handle() -> None:
     for request_ in (m.Store(KEY, 7, block_ids=(1, 2)), m.Retrieve(KEY, 7, block_ids=(1, 2))):
         with pytest.raises(TypeError, match="event_handle"):
-            bridge.request_to_wire(request_)
+            wire.request_to_wire(request_)
 
 
 def test_the_machine_names_the_engine_even_if_layout_extra_disagrees() -> None:
-    _, args = bridge.request_to_wire(m.RegisterInstance(7, "model", 2, 4096, False), layout_extra={"model_name": "other", "tensors": []})
+    _, args = wire.request_to_wire(m.RegisterInstance(7, "model", 2, 4096, False), layout_extra={"model_name": "other", "tensors": []})
     assert args[1]["model_name"] == "model" and args[1]["tensors"] == []
 
 
 def _reply_value(op: str, result: Any, **kw: Any) -> Any:
     # what the client decodes: the server's msgpack value, through msgpack
-    return msgpack.unpackb(msgpack.packb(bridge.result_to_wire(op, result, **kw), use_bin_type=True), raw=False, strict_map_key=False)
+    return msgpack.unpackb(msgpack.packb(wire.result_to_wire(op, result, **kw), use_bin_type=True), raw=False, strict_map_key=False)
 
 
 def test_results_come_back_as_core_sm_values() -> None:
     plan = m.TransferPlan(5, ((0, 3), (1, 9)), True, m.TransferKind.RETRIEVE, 16)
     value = _reply_value("prepare_retrieve", plan, segment="/dev/shm/mpcache-1-ab", slot_bytes=1 << 20)
-    assert bridge.result_from_wire(m.PrepareRetrieve(KEY, 7, 16), value) == plan
-    assert bridge.plan_memory_from_wire(value) == bridge.PlanMemory("/dev/shm/mpcache-1-ab", 1 << 20)
+    assert wire.result_from_wire(m.PrepareRetrieve(KEY, 7, 16), value) == plan
+    assert wire.plan_memory_from_wire(value) == wire.PlanMemory("/dev/shm/mpcache-1-ab", 1 << 20)
     refused = m.TransferPlan(-1, (), False, m.TransferKind.RETRIEVE, 0)
-    assert bridge.result_from_wire(m.PrepareRetrieve(KEY, 7), _reply_value("prepare_retrieve", refused, segment="s", slot_bytes=4096)) == refused
+    assert wire.result_from_wire(m.PrepareRetrieve(KEY, 7), _reply_value("prepare_retrieve", refused, segment="s", slot_bytes=4096)) == refused
     stored = m.StoreResult(True, 2, 1)
-    assert bridge.result_from_wire(m.CommitTransfer(5, True), _reply_value("commit_store", stored)) == stored
+    assert wire.result_from_wire(m.CommitTransfer(5, True), _reply_value("commit_store", stored)) == stored
     retrieved = m.RetrieveResult(True, 2)
-    assert bridge.result_from_wire(m.CommitTransfer(5, True), _reply_value("commit_retrieve", retrieved)) == retrieved
+    assert wire.result_from_wire(m.CommitTransfer(5, True), _reply_value("commit_retrieve", retrieved)) == retrieved
     # server-driven: LMCache's [event_handle, ok]
     for ok in (True, False):
         value = _reply_value("store", m.StoreResult(ok), event_handle=HANDLE)
         assert value == [HANDLE, ok]
-        assert bridge.result_from_wire(m.Store(KEY, 7, block_ids=(1,)), value) == m.StoreResult(ok)
+        assert wire.result_from_wire(m.Store(KEY, 7, block_ids=(1,)), value) == m.StoreResult(ok)
         value = _reply_value("retrieve", m.RetrieveResult(ok), event_handle=HANDLE)
-        assert bridge.result_from_wire(m.Retrieve(KEY, 7, block_ids=(1,)), value) == m.RetrieveResult(ok)
+        assert wire.result_from_wire(m.Retrieve(KEY, 7, block_ids=(1,)), value) == m.RetrieveResult(ok)
 
 
 def test_malformed_replies_are_errors_not_results() -> None:
     with pytest.raises(ValueError):
-        bridge.result_from_wire(m.Store(KEY, 7, block_ids=(1,)), True)
+        wire.result_from_wire(m.Store(KEY, 7, block_ids=(1,)), True)
     with pytest.raises(ValueError):
-        bridge.plan_memory_from_wire({"transfer_id": 1, "placements": []})
+        wire.plan_memory_from_wire({"transfer_id": 1, "placements": []})
 
 
 def test_not_after_is_optional_on_the_wire() -> None:
     # LMCache's clients send no deadline: the request decodes with not_after None
-    wkey = bridge.key_to_wire(KEY)
+    wkey = wire.encode_key(KEY)
     for op, args, want in (
         ("store", (wkey, 7, [1, 2], HANDLE), m.Store(KEY, 7, block_ids=(1, 2))),
         ("retrieve", (wkey, 7, [1, 2], HANDLE), m.Retrieve(KEY, 7, block_ids=(1, 2))),
@@ -115,7 +115,7 @@ def test_not_after_is_optional_on_the_wire() -> None:
         ("store", (wkey, 7, [1, 2], HANDLE, None), m.Store(KEY, 7, block_ids=(1, 2))),
         ("prepare_store", (wkey, 7, 5), m.PrepareStore(KEY, 7, not_after=5.0)),
     ):
-        event = bridge.to_event(_through_the_codec(op, args), reply_to="rt")
+        event = wire.to_event(_through_the_codec(op, args), reply_to="rt")
         assert event == attrs.evolve(want, reply_to="rt"), (op, args)
     # a deadline that is not a number is refused by the codec
     frames = [b"peer", msgpack.packb(1), msgpack.packb("prepare_store"), msgpack.packb(wkey, use_bin_type=True),
