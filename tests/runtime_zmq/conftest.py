@@ -63,11 +63,19 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
+# Every server the fixture starts has this admin token (clear needs it: docs/security.md);
+# a test clears with ``client.clear(force, ADMIN_TOKEN)``.
+ADMIN_TOKEN = "mpcache-test-admin-token-0123456789"
+
+
 @pytest.fixture
 def start_server() -> Iterator[Callable[..., ServerProcess]]:
     """``start_server(*flags, transport="tcp"|"ipc")`` → a running ServerProcess."""
     started: list[ServerProcess] = []
     tmp = tempfile.mkdtemp(prefix="mpcache-test-")
+    token_file = os.path.join(tmp, "admin.token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(ADMIN_TOKEN)
 
     def start(*flags: str, transport: str = "tcp", env: dict[str, str] | None = None) -> ServerProcess:
         args = list(flags)
@@ -77,6 +85,8 @@ def start_server() -> Iterator[Callable[..., ServerProcess]]:
             args += ["--port", "0"]
         if "--l1-size-gb" not in args:
             args += ["--l1-size-gb", "0.25", "--slot-mb", "1"]
+        if "--admin-token-file" not in args:
+            args += ["--admin-token-file", token_file]
         sp = ServerProcess(args, env).start()
         started.append(sp)
         return sp

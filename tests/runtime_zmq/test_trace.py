@@ -12,6 +12,7 @@ from typing import Any
 from runtime_zmq.client import MPCacheClient
 from sim.cli import main as sim_main
 from adapter_driver import CHUNK, Engine
+from conftest import ADMIN_TOKEN
 
 
 def _traffic(start_server: Callable[..., Any], path: str, *flags: str) -> list[int]:
@@ -26,7 +27,7 @@ def _traffic(start_server: Callable[..., Any], path: str, *flags: str) -> list[i
             engine.add(rid, tokens)
             engine.run_all()
         with MPCacheClient(server.url, request_timeout=5.0) as client:
-            client.clear(True).result(5.0)
+            client.clear(True, ADMIN_TOKEN).result(5.0)
     finally:
         engine.close()
     assert server.terminate() == 0
