@@ -447,3 +447,19 @@ def test_another_connection_cannot_touch_a_clients_request_or_transfer(victim: A
     c.end_session("mine").result(5)
     assert honest_hits(c, toks, "after") == 4
 
+
+
+def test_million_token_lookups_do_not_retain_their_tokens(victim: Any) -> None:
+    # 40 one-million-token lookups retained +180 MiB (each job kept its 4 MiB key)
+    sp, c, raw, toks = victim
+    rss0 = proc_mib(sp.proc.pid, "VmRSS")
+    for i in range(40):
+        packed = struct.pack(f"<{1 << 20}I", *range(i, i + (1 << 20)))
+        big = key([], f"million-{i}")
+        big["token_ids"], big["end"] = packed, 1 << 20
+        assert raw.request([P(i), P("lookup"), P(big, use_bin_type=True), P(1)], timeout=10) == [P(i), P("lookup")]
+    assert c.stats()["jobs"] >= 40  # the jobs are alive; their tokens are not
+    grown = proc_mib(sp.proc.pid, "VmRSS") - rss0
+    assert grown < 40, grown
+    assert cpu_ms(c) < 10.0
+    assert honest_hits(c, toks, "after") == 4
