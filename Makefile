@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 
 help:
 	@echo "make run    start mpcache-server on its embedded defaults (L1 only, tcp://127.0.0.1:5555)"
-	@echo "make test   create .venv, install .[test,redis], run mypy on core_sm and the tests"
+	@echo "make test   create .venv, install .[test,redis], mypy --strict on core_sm, runtime_trio, sim and runtime_zmq, then the tests"
 	@echo "make test-gpu  on a GPU host: every GPU test and the kernel tests on real CUDA (PY= a python with torch+CUDA)"
 	@echo "make sim    run 1000 simulator seeds (default profile)"
 	@echo "make bench  run the benchmarks (hashing, simulator, rpc)"
@@ -32,7 +32,7 @@ run: venv
 	$(VENV)/bin/mpcache-server
 
 test: venv
-	$(VPY) -m mypy --strict core_sm runtime_trio sim
+	$(VPY) -m mypy --strict core_sm runtime_trio sim runtime_zmq
 	MPCACHE_CUDASIM=1 $(VPY) -m pytest -q
 
 # On a GPU host, with a python that has torch (CUDA), numba-cuda, cuda-bindings, pyzmq, msgpack.

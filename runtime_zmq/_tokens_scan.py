@@ -114,7 +114,7 @@ def _be(buf: Any, pos: int, width: int) -> int:  # pragma: no cover - compiled
 
 
 @numba.njit(
-    numba.types.Tuple((_I64, _I64, _I64, numba.types.uint32[::1]))(_FRAME, _FRAME),  # type: ignore[no-untyped-call]
+    numba.types.Tuple((_I64, _I64, _I64, numba.types.uint32[::1]))(_FRAME, _FRAME),
     cache=True,
     nogil=True,
 )

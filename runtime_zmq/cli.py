@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="L2 tier, repeatable: disk:PATH, redis://HOST:PORT or redis+cluster://H:P,H:P "
         "(grammar below; env MPCACHE_L2 comma- or space-separated; put a Redis password in ?password_file=, never on the command line)",
     )
-    l2_urls.env_split = _split_l2_urls  # type: ignore[attr-defined]  # a cluster URL has commas
+    setattr(l2_urls, "env_split", _split_l2_urls)  # a cluster URL has commas
     tiers.add_argument("--l2-read-timeout", type=cfg.positive_float, default=30.0, help="seconds before a lookup stops waiting for an L2 read and resolves with its L1 prefix")
     tiers.add_argument(
         "--l2-probe", action=argparse.BooleanOptionalAction, default=True,

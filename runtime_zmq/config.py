@@ -376,7 +376,7 @@ def _type_text(action: argparse.Action) -> str:
             positive_float: "number > 0", non_negative_float: "number >= 0",
             chunk_size: "multiple of 16, > 0", log_level: "log level (any case)", boolean: "boolean",
             host: "host", int: "integer", float: "number",
-        }.get(t, getattr(t, "__name__", "string").replace("_", " "))  # type: ignore[call-overload]
+        }.get(t, getattr(t, "__name__", "string").replace("_", " "))
     return kind + (" (repeatable)" if _is_list(action) else "")
 
 

@@ -131,7 +131,7 @@ class KvEventPublisher:
         self.chunk_size = chunk_size
         self._topic = topic.encode("utf-8")
         self._clock = clock
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
