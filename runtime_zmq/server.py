@@ -405,7 +405,7 @@ class Server:
         total = 0  # bytes of the op and payload frames
         over: str | None = None
         count = 0
-        flags = zmq.NOBLOCK
+        flags: int = zmq.NOBLOCK
         while True:
             frame = sock.recv(flags, copy=False)
             flags = 0  # the rest of a message is already here: zmq delivers a message whole
@@ -415,7 +415,8 @@ class Server:
                 head.append(frame.bytes if n <= 256 else b"")
                 if count == 1 and self.authenticator is not None:
                     # the CURVE key the authenticator admitted: the peer, stable across reconnects
-                    self._curve_user = frame.get("User-Id")
+                    user = frame.get("User-Id")
+                    self._curve_user = user if isinstance(user, str) else None
             elif over is None:
                 total += n
                 if count > lim.max_frames + 3:
