@@ -10,11 +10,8 @@ growth, the honest client's worst ``noop`` round trip, and whether its hits are 
 from __future__ import annotations
 
 import argparse
-import os
 import struct
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -23,6 +20,7 @@ import zmq
 
 from runtime_zmq.client import MPCacheClient
 from runtime_zmq.l1_pool import MappedSegment
+from tools.server_process import ServerProcess
 
 P = msgpack.packb
 MiB = 1 << 20
@@ -56,24 +54,6 @@ def _bombs() -> list[tuple[str, list[bytes]]]:
     ]
 
 
-def _drain(stream: Any) -> None:
-    for _line in stream:  # keep the server's log pipe from filling
-        pass
-
-
-def _start(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    p = subprocess.Popen([sys.executable, "-m", "runtime_zmq.cli", "--port", "0", "--no-metrics", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env=env)
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.startswith("mpcache-server ready "):
-            threading.Thread(target=_drain, args=(p.stdout,), daemon=True).start()
-            return p, line.split()[-1]
-    raise RuntimeError("server did not start")
-
-
 def _mib(pid: int, field: str) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -100,7 +80,8 @@ def _prepare(c: MPCacheClient) -> None:
 
 
 def run_one(name: str, frames: list[bytes], server_args: list[str]) -> dict[str, Any]:
-    proc, url = _start(server_args)
+    server = ServerProcess(["--port", "0", "--no-metrics", *server_args])
+    proc, url = server.proc, server.url
     try:
         c = MPCacheClient(url, request_timeout=30.0)
         _prepare(c)
@@ -140,8 +121,7 @@ def run_one(name: str, frames: list[bytes], server_args: list[str]) -> dict[str,
         c.close()
         return out
     finally:
-        proc.kill()
-        proc.wait(10)
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
