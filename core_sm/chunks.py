@@ -284,3 +284,47 @@ class ObjectKey(NamedTuple):
     def wire_name(self) -> str:
         """A stable printable name (L2 file/Redis key): hex hash, then the rank."""
         return f"{self.chunk_hash.hex()}-{self.kv_rank}"
+
+
+class PackedHashes(Sequence[bytes]):
+    """One request's chunk hashes in one buffer, for records that outlive the request (a lookup
+    job): 16 bytes a hash instead of a ``bytes`` object (~49 bytes) plus its tuple slot. Indexing
+    gives the hash as ``bytes``. Built by ``pack_hashes`` when every hash has the same size."""
+
+    __slots__ = ("_buf", "_width")
+
+    def __init__(self, buf: bytes, width: int) -> None:
+        self._buf = buf
+        self._width = width
+
+    def __len__(self) -> int:
+        return len(self._buf) // self._width
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[bytes, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | tuple[bytes, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("chunk index out of range")
+        w = self._width
+        return self._buf[index * w : index * w + w]
+
+
+def pack_hashes(hashes: Sequence[bytes]) -> Sequence[bytes]:
+    """``hashes`` as a ``PackedHashes`` when they all have one size (the plain chain), else as
+    given (keyed chunks of ``core_sm.keys`` can differ in size)."""
+    if not hashes:
+        return ()
+    width = len(hashes[0])
+    if width == 0 or any(len(h) != width for h in hashes):
+        return tuple(hashes)
+    return PackedHashes(b"".join(hashes), width)
+

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from core_sm.chunks import ObjectKey
+from core_sm.chunks import ObjectKey, pack_hashes
 from core_sm.effects import Effect, Reply
 from core_sm.errors import ErrorKind
 from core_sm.l1_index import ReleaseReason
@@ -114,7 +114,7 @@ class PrefetchJob:
     serial: int
     model_name: str
     world_size: int
-    hashes: tuple[bytes, ...]
+    hashes: Sequence[bytes]  # chunks.pack_hashes: one buffer, not a bytes object per chunk
     num_readers: int
     l1_prefix: int
     created: float
@@ -302,7 +302,7 @@ class JobMachine:
         ctx.counters["lookup_chunks"] += len(hashes)
         job = PrefetchJob(
             request_id=rid, serial=ctx.new_id(), model_name=sys.intern(key.model_name),
-            world_size=key.world_size, hashes=hashes,
+            world_size=key.world_size, hashes=pack_hashes(hashes),
             num_readers=ev.num_readers, l1_prefix=prefix, created=now,
             reap_at=now + ctx.config.abandoned_job_ttl, ranks=ev.ranks, peer=ev.peer,
         )

@@ -159,7 +159,7 @@ class OverwriteDupServer(LookupServer):
     def _on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
         self._counters["duplicate_lookups"] += 1
         del self._jobs[job.request_id]
-        self._start_job(event, job.hashes, now, out)
+        self._start_job(event, tuple(job.hashes), now, out)
 
     def _lease_for_lookup(self, request_id: str, key: ObjectKey, num_readers: int, now: float) -> None:
         self.index.lease_read(key, request_id, num_readers, now)  # count-only locks: no top-up

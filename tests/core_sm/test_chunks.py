@@ -111,3 +111,25 @@ def test_object_key() -> None:
     assert k.wire_name() == "0102-3"
     assert k == ObjectKey(b"\x01\x02", 3) and k < ObjectKey(b"\x01\x02", 4)
     assert DEFAULT_CHUNK_SIZE == 256
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(min_size=16, max_size=16), max_size=40))
+def test_packed_hashes_index_like_the_tuple(hashes: list[bytes]) -> None:
+    from core_sm.chunks import PackedHashes, pack_hashes
+
+    packed = pack_hashes(hashes)
+    assert isinstance(packed, PackedHashes) or not hashes
+    assert len(packed) == len(hashes) and list(packed) == hashes
+    for i in range(-len(hashes), len(hashes)):
+        assert packed[i] == hashes[i]
+    assert tuple(packed[1:5]) == tuple(hashes[1:5])
+    with pytest.raises(IndexError):
+        packed[len(hashes)]
+
+
+def test_mixed_size_hashes_stay_a_tuple() -> None:
+    from core_sm.chunks import pack_hashes
+
+    mixed = (b"a" * 16, b"b" * 32)
+    assert pack_hashes(mixed) == mixed
