@@ -4,6 +4,7 @@
     mpcache-sim replay SEED [--profile P] [--chart FILE.svg] [--quiet]
     mpcache-sim list-profiles
     mpcache-sim check-determinism [--seeds N] [--profile P]
+    mpcache-sim sweep TRACE --l1-size-gb 1,2,4,8 [--png OUT.png]
 
 `run` exits 1 if any seed found a violation and prints, per failing seed, its reason and the
 one command that replays it.
@@ -211,6 +212,12 @@ def cmd_replay_trace(args: argparse.Namespace) -> int:
     return 1 if divergences else 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from sim.sweep import main_sweep
+
+    return main_sweep(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpcache-sim", description="mpcache deterministic simulator")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -247,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("replay-trace", help="re-run the server machine on a trace from mpcache-server --trace; exit 1 on a divergence")
     p.add_argument("file")
     p.set_defaults(func=cmd_replay_trace)
+    p = sub.add_parser("sweep", help="re-run a server trace at each L1 size: hit rate and evictions per size")
+    p.add_argument("file")
+    p.add_argument("--l1-size-gb", required=True, help="comma-separated sizes, e.g. 1,2,4,8")
+    p.add_argument("--png", metavar="OUT.png", help="plot of hit rate vs size")
+    p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("hashes", help=argparse.SUPPRESS)
     p.add_argument("seed_list", type=int, nargs="+")
     p.add_argument("--profile", default="default")
