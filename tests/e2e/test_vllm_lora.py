@@ -1,12 +1,12 @@
 """Real vLLM (CPU) with LoRA through mpcache: two adapters on the same prompt never share KV and
-each gets its own hits (``tools/e2e_vllm_lora.py`` drives vLLM and reports JSON; ``make e2e``)."""
+each gets its own hits (``tests/e2e/vllm_lora_driver.py`` drives vLLM and reports JSON; ``make e2e``)."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
 import pytest
-from test_vllm_e2e import _free_port, _run  # one way to run a tool in the vLLM venv
+from test_vllm_e2e import HERE, _free_port, _run  # one way to run a driver in the vLLM venv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here: run `make e2e`")
     work = tmp_path_factory.mktemp("lora")
-    _run(["-m", "tools.e2e_tiny_llama", str(work / "tiny")], work / "tiny.log", 300)
+    _run([str(HERE / "tiny_llama.py"), str(work / "tiny")], work / "tiny.log", 300)
     out = work / "lora.json"
-    _run(["-m", "tools.e2e_vllm_lora", "--model", str(work / "tiny"), "--out", str(out), "--port", str(_free_port())],
+    _run([str(HERE / "vllm_lora_driver.py"), "--model", str(work / "tiny"), "--out", str(out), "--port", str(_free_port())],
          work / "lora.log", 900)
     result: dict[str, Any] = json.loads(out.read_text())
     print("e2e lora:", json.dumps({k: v for k, v in result.items() if k != "runs"}))

@@ -7,7 +7,7 @@ peft), then one vLLM with ``enable_lora`` (prefix caching off, so every hit come
 runs the same prompt as: adapter A, adapter B, no adapter (each must miss: different KV), then
 A and B again (each must hit its own KV and reproduce its own first output).
 
-Usage: python -m tools.e2e_vllm_lora --model DIR --out REPORT.json [--port N]
+Usage: python tests/e2e/vllm_lora_driver.py --model DIR --out REPORT.json [--port N]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.e2e_vllm import ServerProcess
+from vllm_driver import ServerProcess  # beside this script (run as a script, its folder is on sys.path)
 
 RANK = 8
 MAX_TOKENS = 12
