@@ -34,7 +34,8 @@ registration. Either sign of it starts a new one:
 
 * ``ServerEpoch(server, epoch)`` with an epoch different from the last one fed: handled as
   ``ServerHealth(False)`` then ``ServerHealth(True)`` -- what was in flight fails now, and
-  ``RegisterInstance`` is sent again.
+  ``RegisterInstance`` is sent again.  The *first* epoch fed after a registration went out registers again
+  too (idempotent): that registration may have reached an incarnation that has since restarted.
 * a ``NOT_REGISTERED`` error for an op sent while the client believed itself registered (and no
   registration was acked after the op was sent): the client marks itself unregistered and sends
   ``RegisterInstance`` once; the failing ops fail as usual (stores finish, retrieves become load
@@ -519,7 +520,15 @@ class TransferClient(GuardedMachine[ClientEvent]):
         if ev.server != self.config.server:
             return
         old, self._epoch = self._epoch, ev.epoch
-        if old is None or old == ev.epoch:
+        if old is None:
+            # The first epoch learned after a registration went out cannot tell which server
+            # incarnation took that registration (a restart before the first heartbeat reply):
+            # register again (idempotent) rather than be unknown to a new server (F13).
+            if self._healthy and (self._registered or self._registration_correlation is not None):
+                self._counters["reregistrations"] += 1
+                self._send_registration(now, out)
+            return
+        if old == ev.epoch:
             return
         self._counters["server_restarts"] += 1
         if self._healthy:  # else the transition to healthy registers

@@ -32,6 +32,7 @@ from core_sm.blocks import chunk_copies
 from core_sm.chunks import ObjectKey, chunk_hashes, identity_root
 from core_sm.effects import CopyBlocks, SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
 from core_sm.lookup_client import LookupState
 from core_sm.messages import (
     Abort,
@@ -41,8 +42,10 @@ from core_sm.messages import (
     QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
+    ServerEpoch,
     ServerHealth,
     SubmitRetrieve,
+    TimerFired,
     TransferKind,
     WaitPrefetchStatus,
 )
@@ -97,18 +100,19 @@ class SimRequest:
 
 
 class Heartbeat:
-    """The runtime's health view of each server from one client node (not protocol logic:
-    a ping every interval; no pong for `timeout` -> unhealthy; a pong -> healthy; a pong from a
-    new server incarnation -> unhealthy then healthy, as a reconnect is seen by a real client)."""
+    """One client node's heartbeats: core_sm's ``HealthMonitor`` decides when to ping and what a
+    reply or a silence means (health, and the server's epoch: a restart between two heartbeats
+    reaches the machines as ``ServerEpoch``); this only carries its pings and their replies (the
+    reply names the server incarnation that answered, as the ZMQ runtime's reply carries the
+    server's epoch)."""
 
     def __init__(self, engine: SimEngine, node_name: str, targets: dict[int, list[str]]) -> None:
         self.engine = engine
         self.node_name = node_name
         self.targets = targets  # server -> machines to tell
-        n = engine.world.config.num_servers
-        self.last_pong = [0.0] * n
-        self.healthy = [True] * n
-        self.incarnation = [1] * n
+        cfg = engine.world.config
+        self.monitor = HealthMonitor(HealthConfig(cfg.num_servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
+                                                  backoff_max=4 * cfg.heartbeat_interval, initially_healthy=True))
         self.seq = 0
         self.running = True
 
@@ -315,38 +319,37 @@ class SimEngine:
     def _ping(self, hb: Heartbeat) -> None:
         if not hb.running or self.crashed:
             return
-        from sim.world import RequestMsg
-
-        now = self.world.now()
-        for s in range(self.num_servers):
-            hb.seq += 1
-            self.world.send(Address(hb.node_name, HB), Address(server_name(s), "server"),
-                            RequestMsg(s, -hb.seq, Ping()))
-            if hb.healthy[s] and now - hb.last_pong[s] > self.cfg.heartbeat_timeout:
-                self._set_health(hb, s, False)
-        self.world.timeline.after(self.cfg.heartbeat_interval, self._ping, hb)
+        self._apply_health(hb, hb.monitor.handle(TimerFired(), self.world.now()))
+        deadline = hb.monitor.next_deadline()
+        if deadline is not None:
+            self.world.timeline.at(max(deadline, self.world.now()), self._ping, hb)
 
     def _pong(self, node_name: str, msg: Any) -> None:
         hb = next(h for h in self.heartbeats if h.node_name == node_name)
-        s = msg.server
-        hb.last_pong[s] = self.world.now()
-        incarnation = self.world.servers[s].incarnation
-        if incarnation != hb.incarnation[s]:
-            hb.incarnation[s] = incarnation
-            if hb.healthy[s]:
-                self._set_health(hb, s, False)  # a reconnect: the old server's state is gone
-        if not hb.healthy[s]:
-            self._set_health(hb, s, True)
+        reply = HeartbeatReply(msg.server, self.world.servers[msg.server].incarnation)
+        self._apply_health(hb, hb.monitor.handle(reply, self.world.now()))
 
-    def _set_health(self, hb: Heartbeat, server: int, healthy: bool) -> None:
-        hb.healthy[server] = healthy
+    def _apply_health(self, hb: Heartbeat, effects: list[Any]) -> None:
+        from sim.world import RequestMsg
+
+        now = self.world.now()
         node = self.world.nodes.get(hb.node_name)
-        self.world.trace.line(self.world.now(), hb.node_name, f"health server{server} -> {'up' if healthy else 'DOWN'}")
-        self.touch_all_live()
-        if node is None or not node.alive:
-            return
-        for machine in hb.targets[server]:
-            self.call(node, machine, ServerHealth(server, healthy))
+        for effect in effects:
+            if type(effect) is SendHeartbeat:
+                hb.seq += 1
+                self.world.send(Address(hb.node_name, HB), Address(server_name(effect.server), "server"),
+                                RequestMsg(effect.server, -hb.seq, Ping()))
+                continue
+            if type(effect) is ServerHealth:
+                self.world.trace.line(now, hb.node_name, f"health server{effect.server} -> "
+                                      f"{'up' if effect.healthy else 'DOWN'}")
+                self.touch_all_live()
+            elif type(effect) is ServerEpoch:
+                self.world.trace.line(now, hb.node_name, f"epoch server{effect.server} -> {effect.epoch}")
+                self.touch_all_live()
+            if node is not None and node.alive:
+                for machine in hb.targets[effect.server]:
+                    self.call(node, machine, effect)
 
     def stop_heartbeats(self) -> None:
         for hb in self.heartbeats:

@@ -20,6 +20,7 @@ FAILURES: dict[str, str] = {
     "F10": "corrupt KV (data read back differs from data stored)",
     "F11": "missing or double reply",
     "F12": "unbounded bookkeeping (abandoned state never reclaimed)",
+    "F13": "missed restart (a live engine never registered again with a restarted server)",
     "F16": "double completion, or a copy into blocks already freed",
     "F21": "load on spent leases (a request's one lookup planned for a second load)",
     "HIT": "hit reported for data never stored",

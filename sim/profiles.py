@@ -18,7 +18,7 @@ from core_sm.effects import Effect, Reply
 from core_sm.errors import ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from core_sm.messages import Lookup, ReplyTo
+from core_sm.messages import Lookup, ReplyTo, ServerEpoch
 from core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
@@ -29,7 +29,7 @@ from core_sm.planner import (
     StepPlanner,
 )
 from core_sm.server import LookupServer, PrefetchJob, ServerConfig
-from core_sm.transfer_client import TransferClient, TransferClientConfig
+from core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
 from sim.scenario import WorldConfig
 
 MODEL = "sim-model"
@@ -301,10 +301,28 @@ class PreemptReuse(Profile):
     planner_class = PreemptReusePlanner
 
 
+# missed-epoch (F13): a restart between two heartbeats goes unnoticed -- the worker neither
+# registers again on the new epoch nor on the not_registered answers that follow.
+class MissedEpochTransferClient(TransferClient):
+    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
+        if ev.server == self.config.server:
+            self._epoch = ev.epoch
+
+    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
+        return None
+
+
+class MissedEpoch(Profile):
+    name = "missed-epoch"
+    failure = "F13"
+    description = "worker: a server restart between two heartbeats is not noticed; never registers again"
+    transfer_client_class = MissedEpochTransferClient
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
-              ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse())
+              ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 

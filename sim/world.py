@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from core_sm.chunks import ObjectKey
+from core_sm.transfer_client import TransferClientConfig
 from core_sm.effects import ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
 from core_sm.errors import ProtocolError
 from core_sm.messages import (
@@ -187,6 +188,10 @@ class World:
             # Phase 3: quiescence.
             await self.timeline.run(self.now() + 1.0)
             self._check_quiescent()
+            # A lost registration is retried after it timed out, with backoff: give it that long.
+            tc = TransferClientConfig()
+            await self.timeline.run(self.now() + tc.registration_timeout + tc.registration_retry_max + 1.0)
+            self._check_registered()
             horizon = max(cfg.lease_ttl, self.profile.server_config(cfg).abandoned_job_ttl) * 2 + 1.0
             for engine in self.engines:
                 engine.stop_heartbeats()
@@ -654,7 +659,8 @@ class World:
                        f"first: {first}")
 
     def _check_quiescent(self) -> None:
-        """Everything landed: no reply owed, no lease held by a request that ended cleanly."""
+        """Everything landed: no reply owed, no lease held by a request that ended cleanly, every
+        live worker registered with every server (checked later, ``_check_registered``)."""
         for host in self.servers:
             if not host.up or host.node is None:
                 continue
@@ -682,6 +688,24 @@ class World:
                     self.violation("F8", host.name, f"{owner} finished ({req.outcome}) without faults but still holds "
                                    f"{count} read lease(s) on {host.name}, {why}: "
                                    f"{' | '.join(list(self.recent.get(owner, []))[-3:])}")
+
+    def _check_registered(self) -> None:
+        """F13: after heal and quiescence a live worker is registered with every server that is up
+        -- a restart must not leave it unknown there (every store refused not_registered)."""
+        from core_sm.server_instances import InstanceState
+
+        for host in self.servers:
+            if not host.up or host.node is None:
+                continue
+            server = host.node.machines[SERVER]
+            for engine in self.engines:
+                if engine.crashed:
+                    continue
+                for worker in engine.workers:
+                    if worker.alive and server.instance_state(worker.instance_id) is not InstanceState.REGISTERED:
+                        self.violation("F13", host.name, f"{worker.name} (instance {worker.instance_id}) is not "
+                                       f"registered with {host.name} (incarnation {host.incarnation}) after heal: "
+                                       f"its stores and retrieves are refused not_registered")
 
     def _check_drained(self) -> None:
         """After the TTLs: abandoned jobs reaped, every lease back."""
