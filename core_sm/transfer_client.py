@@ -237,7 +237,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
             for name in ("stores", "retrieves", "stores_failed", "retrieves_failed",
                          "stores_skipped_unhealthy", "stale_replies", "stale_copies",
                          "duplicate_finishes", "bad_replies", "timeouts", "registrations",
-                         "internal_errors", "reregistrations", "registration_failures",
+                         "internal_errors", "reregistrations", "registrations_on_first_epoch", "registration_failures",
                          "registration_timeouts", "registration_retries", "server_restarts",
                          "store_fences", "retrieves_skipped_finished")
         }
@@ -525,7 +525,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
             # incarnation took that registration (a restart before the first heartbeat reply):
             # register again (idempotent) rather than be unknown to a new server (F13).
             if self._healthy and (self._registered or self._registration_correlation is not None):
-                self._counters["reregistrations"] += 1
+                self._counters["registrations_on_first_epoch"] += 1
                 self._send_registration(now, out)
             return
         if old == ev.epoch:
