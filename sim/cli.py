@@ -4,6 +4,7 @@
     mpcache-sim replay SEED [--profile P] [--chart FILE.svg] [--quiet]
     mpcache-sim list-profiles
     mpcache-sim check-determinism [--seeds N] [--profile P]
+    mpcache-sim fleet --seeds N [--servers S] [--engines E] [--tier-nodes T]
     mpcache-sim sweep TRACE --l1-size-gb 1,2,4,8 [--png OUT.png]
 
 `run` exits 1 if any seed found a violation and prints, per failing seed, its reason and the
@@ -212,6 +213,35 @@ def cmd_replay_trace(args: argparse.Namespace) -> int:
     return 1 if divergences else 0
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    """Seeds of a fleet world (sim/fleet.py): N servers x M engines over a cluster L2 tier."""
+    from sim.fleet import run_fleet_seed
+
+    started = time.perf_counter()
+    failing, totals = [], Counter()  # type: ignore[var-annotated]
+    for seed in range(args.start, args.start + args.seeds):
+        r = run_fleet_seed(seed, args.servers, args.engines, args.tier_nodes)
+        totals.update(r.tier)
+        if not r.ok:
+            failing.append(r)
+    n = args.seeds
+    rows = [
+        ("fleet", f"{args.servers} servers x {args.engines} engines, tier of {args.tier_nodes} nodes"),
+        ("seeds", f"{n} ({args.start}..{args.start + n - 1})"),
+        ("passed / failed", f"{n - len(failing)} / {len(failing)}"),
+        ("tier faults", f"{totals['tier_crashes']} crashes ({totals['tier_objects_lost']} objects lost), "
+                        f"{totals['tier_partitions']} partitions"),
+        ("tier reads", f"{totals['tier_reads']} ({totals['tier_read_faults']} missed on a fault)"),
+        ("tier probes", f"{totals['tier_probes']} ({totals['tier_probe_faults']} absent on a fault)"),
+        ("tier writes", f"{totals['tier_writes']} ({totals['tier_write_faults']} failed on a fault)"),
+        ("wall time", f"{time.perf_counter() - started:.2f} s"),
+    ]
+    print(table(rows))
+    for r in failing[: args.show]:
+        print(f"seed {r.seed}: {r.violation.reason()[:400]}")
+    return 1 if failing else 0
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from sim.sweep import main_sweep
 
@@ -254,6 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("replay-trace", help="re-run the server machine on a trace from mpcache-server --trace; exit 1 on a divergence")
     p.add_argument("file")
     p.set_defaults(func=cmd_replay_trace)
+    p = sub.add_parser("fleet", help="seeds of a fleet: servers x engines over a cluster L2 tier with node "
+                                     "crashes and partitions; exit 1 on any violation")
+    p.add_argument("--seeds", type=int, default=100)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--servers", type=int, default=3)
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--tier-nodes", type=int, default=3)
+    p.add_argument("--show", type=int, default=10, help="failing seeds to print")
+    p.set_defaults(func=cmd_fleet)
     p = sub.add_parser("sweep", help="re-run a server trace at each L1 size: hit rate and evictions per size")
     p.add_argument("file")
     p.add_argument("--l1-size-gb", required=True, help="comma-separated sizes, e.g. 1,2,4,8")

@@ -31,6 +31,7 @@ class WorldConfig:
     l2_latency_min: float = 0.001
     l2_latency_mean: float = 0.005
     l2_fail_p: float = 0.0
+    tier_nodes: int = 0  # >0: L2 is a cluster tier of this many nodes (sim.fleet; not drawn)
     copy_latency_mean: float = 0.002
     copy_fail_p: float = 0.0
     evict_after_prefetch_p: float = 0.0

@@ -138,6 +138,9 @@ class World:
         self.nodes: dict[str, Node] = {}
         self.servers = [ServerHost(i) for i in range(self.config.num_servers)]
         self.l2: dict[ObjectKey, tuple[int, ...]] = {}
+        from sim.fleet import make_tier  # a fleet's cluster tier replaces self.l2 (sim/fleet.py)
+
+        self.tier = make_tier(self.config)
         self.written: set[ObjectKey] = set()  # every object ever written into L1 or L2 (history)
         self.violations: list[Violation] = []
         self.phase = "safety"
@@ -315,7 +318,7 @@ class World:
             return
         loaded = []
         for key, slot in effect.items:
-            data = self.l2.get(key)
+            data = self.l2.get(key) if self.tier is None else self.tier.get(host.index, key)
             if data is None or self.exec_rng.random() < self.config.l2_fail_p:
                 if data is not None:
                     self.stats["l2_fail"] += 1
@@ -357,7 +360,10 @@ class World:
         from core_sm.messages import L2ProbeFinished
 
         self.stats["l2_probes"] += 1
-        present = tuple(key in self.l2 for key in effect.keys)
+        if self.tier is None:
+            present = tuple(key in self.l2 for key in effect.keys)
+        else:
+            present = tuple(self.tier.has(host.index, key) for key in effect.keys)
         assert host.node is not None
         host.node.post(SERVER, L2ProbeFinished(effect.probe_id, present))
 
@@ -372,7 +378,10 @@ class World:
                 if data is None or data != self.expected_chunk(key):
                     self.violation("F10", host.name, f"L2 write of {key.wire_name()[:12]} from slot {slot} "
                                    f"carries data that was never stored for it")
-                self.l2[key] = data  # type: ignore[assignment]
+                if self.tier is None:
+                    self.l2[key] = data  # type: ignore[assignment]
+                elif data is not None and not self.tier.put(host.index, key, data):
+                    ok = False  # a tier node down or cut off: the write failed (a later miss)
         assert host.node is not None
         host.node.post(SERVER, L2WriteFinished(effect.write_id, ok))
 
@@ -610,6 +619,9 @@ class World:
                 self.stats["clears"] += 1
                 via = self.operator_via(host)
                 host.node.post(SERVER, Clear(True, reply_to=via, admin=True))
+        elif kind.startswith("tier_") and self.tier is not None:
+            self._touch_all_live()
+            self.tier.inject(self, fault)
 
     def _touch_all_live(self) -> None:
         for engine in self.engines:
@@ -642,6 +654,8 @@ class World:
         self.liveness_started = now
         self.trace.mark(now, "-", "heal", "liveness phase: network healed, faults off, servers restarted")
         self.net.calm()
+        if self.tier is not None:
+            self.tier.heal()
         for host in self.servers:
             if not host.up:
                 self._restart_server(host)
