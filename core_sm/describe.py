@@ -1,8 +1,9 @@
 """Render the machines' transition tables as Markdown (docs/core_sm.md embeds the output; a test
 keeps the two identical). ``python -m core_sm.describe`` prints every table.
 
-The server's tables are the ``core_sm.table.Table`` objects its ``handle`` executes (the handler
-of each row is shown); the client machines' and the L1 index's are still allowed-next-state maps.
+The server's and the StepPlanner's tables are the ``core_sm.table.Table`` objects their ``handle``
+executes (the handler of each row is shown); the client machines' and the L1 index's are still
+allowed-next-state maps.
 """
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from core_sm import l1_index, lookup_client, server, transfer_client
+from core_sm import l1_index, lookup_client, planner, server, transfer_client
 from core_sm.table import Table
 
 TABLES: dict[str, Table[Any] | Mapping[Any, frozenset[Any]]] = {
     **server.TABLES,
+    "StepPlanner (one request id, the connector's scheduler side)": planner.TABLE,
     "LookupClient (lookup of a request id)": lookup_client.TRANSITIONS,
     "TransferClient (one op)": transfer_client.TRANSITIONS,
     "L1Index (one object)": l1_index.TRANSITIONS,
@@ -29,6 +31,11 @@ def _name(x: object) -> str:
     return str(x)
 
 
+def _has_reply_to(event_type: type) -> bool:
+    """Whether an event type is a request (answered, so an illegal pair is refused to it)."""
+    return any("reply_to" in getattr(k, "__annotations__", {}) for k in event_type.__mro__)
+
+
 def _nexts(nexts: frozenset[Any]) -> str:
     return ", ".join(sorted(_name(n).split(".")[-1] for n in nexts))
 
@@ -41,8 +48,11 @@ def render(table: Table[Any] | Mapping[Any, frozenset[Any]]) -> str:
         for (state, event), row in table.rows.items():
             lines.append(f"| {_name(state)} | {_name(event)} | `{row.handler.__name__}` | {_nexts(row.next_states)} |")
         lines.append("")
-        lines.append(f"Any other pair: a request is refused `{table.illegal_kind.value}`, "
-                     "an internal event is counted in `stale_events`.")
+        if any(_has_reply_to(event) for _state, event in table.rows):
+            lines.append(f"Any other pair: a request is refused `{table.illegal_kind.value}`, "
+                         "an internal event is counted in `stale_events`.")
+        else:
+            lines.append("Any other pair is counted in `stale_events` and changes nothing.")
         return "\n".join(lines)
     lines = ["| state | input | next states |", "|---|---|---|"]
     for (state, event), nexts in table.items():
