@@ -18,7 +18,7 @@ from core_sm.effects import Effect, Reply
 from core_sm.errors import ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from core_sm.messages import Lookup, ReplyTo, ServerEpoch
+from core_sm.messages import Clear, Lookup, ReplyTo, ServerEpoch
 from core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
@@ -319,10 +319,30 @@ class MissedEpoch(Profile):
     transfer_client_class = MissedEpochTransferClient
 
 
+# trust-all (F22): the server before ownership -- every request is trusted as if its own peer
+# had created what it names, and any caller may clear. The ownership checks compare the event's
+# ``peer`` (and Clear's ``admin``), so the one place to turn them all off is where events enter.
+class TrustAllServer(LookupServer):
+    def handle(self, event: Any, now: float) -> list[Effect]:
+        if getattr(event, "peer", None) is not None:
+            event = attrs.evolve(event, peer=None)
+        if type(event) is Clear:
+            event = attrs.evolve(event, admin=True)
+        return super().handle(event, now)
+
+
+class TrustAll(Profile):
+    name = "trust-all"
+    failure = "F22"
+    description = "server: no ownership -- any peer may use another's request ids, transfers, instances; clear needs no admin"
+    server_class = TrustAllServer
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
-              ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch())
+              ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
+              TrustAll())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 

@@ -43,6 +43,7 @@ class WorldConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 2.5
     engine_driven: bool = False
+    adversary: bool = False  # an adversarial client node (sim/adversary.py)
     store_threshold: int = 0  # core_sm.admission (not drawn: set by the tests that want it)
     abandoned_job_ttl: float = 10.0
     lookup_timeout: float = 5.0
@@ -151,6 +152,8 @@ def draw_scenario(seed: int) -> Scenario:
         decode_time=rng.choice((0.002, 0.03, 0.2)),
         net=net,
         safety_duration=rng.choice((1.0, 2.0, 3.0)),
+        # its own stream: every other draw of a seed stays as it was
+        adversary=random.Random(f"{seed}:adversary").random() < 0.4,
     )
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))

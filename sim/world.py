@@ -44,6 +44,7 @@ from core_sm.messages import (
     WaitPrefetchStatus,
 )
 from runtime_trio import Address, Node
+from sim.adversary import ADVERSARY, Adversary
 from sim.net import Packet, SimNet
 from sim.oracles import Violation, ViolationFound
 from sim.scenario import FaultSpec, Scenario, server_name
@@ -153,6 +154,7 @@ class World:
         self._nursery: trio.Nursery | None = None
         self._deliveries = 0
         self.engines = [SimEngine(self, e) for e in range(self.config.num_engines)]
+        self.adversary = Adversary(self) if self.config.adversary else None  # sim/adversary.py
         self.touched: set[str] = set()  # request ids some fault may have hit
         # (request id, server) -> {pid: sent at} of LOOKUPs sent and not yet handed to the server
         self.lookups_in_flight: dict[tuple[str, int], dict[int, float]] = {}
@@ -179,6 +181,8 @@ class World:
                 self.timeline.at(t0 + fault.at, self._inject, fault)
             for engine in self.engines:
                 engine.schedule_workload()
+            if self.adversary is not None:
+                self.adversary.start(t0)
             # Phase 1: safety.
             await self.timeline.run(t0 + cfg.safety_duration)
             # Phase 2: liveness.
@@ -444,6 +448,8 @@ class World:
 
     def touch_packet(self, packet: Packet) -> None:
         """A fault hit this packet: the requests it concerns are no longer 'clean'."""
+        if ADVERSARY in (packet.src.node, packet.dst.node):
+            return  # the adversary's own traffic
         rid = request_id_of(packet.message)
         if rid is not None:
             self.touched.add(rid)
@@ -456,6 +462,9 @@ class World:
                 engine.touch_reply(packet.dst.node, packet.message)
 
     def _deliver_packet(self, packet: Packet) -> None:
+        if self.adversary is not None and packet.dst.node == ADVERSARY:
+            self.adversary.on_reply(packet.message)
+            return
         node = self.nodes.get(packet.dst.node)
         rec = self.trace.messages.get(packet.pid)
         if node is None or not node.alive:
@@ -473,7 +482,8 @@ class World:
             self._deliveries += 1
             via = Via(packet.src.node, packet.src.machine, msg.server, msg.correlation, packet.pid,
                       request_id_of(msg.request), self._deliveries)
-            event = attrs.evolve(msg.request, reply_to=via)
+            # peer: who sent it, as a runtime names the connection (core_sm's ownership checks)
+            event = attrs.evolve(msg.request, reply_to=via, peer=packet.src.node)
             if self.config.server_workers > 1 and self.exec_rng.random() < 0.5:
                 # A worker pool: this handler starts a little later than its arrival.
                 self.timeline.after(self.exec_rng.uniform(0, self.config.server_handler_jitter),
@@ -502,15 +512,18 @@ class World:
         server = node.machines[SERVER]
         via = getattr(event, "reply_to", None)
         name = type(event).__name__
+        honest = not (isinstance(via, Via) and via.node == ADVERSARY)
         if isinstance(via, Via):
             host.awaiting_reply[via] = (name, now)
-            if name == "QueryPrefetchStatus" or name == "WaitPrefetchStatus":
+            if honest and (name == "QueryPrefetchStatus" or name == "WaitPrefetchStatus"):
                 rid = event.request_id
                 in_flight = self.lookups_in_flight.get((rid, host.index), {})
                 if rid not in host.lookups_handled and any(t >= host.started_at for t in in_flight.values()):
                     self.violation("F5", node.name, f"status query for {rid} handled before its LOOKUP, which "
                                    f"was still on its way to {host.name}; the answer cannot be the lookup's")
-        if type(event) is Lookup:
+        if not honest:
+            pass  # its ids are not the honest requests' sessions
+        elif type(event) is Lookup:
             rid = event.key.request_id
             host.lookups_handled.add(rid)
             host.last_session_event[rid] = ("lookup", now)
@@ -529,18 +542,18 @@ class World:
             server.check_invariants()
         except AssertionError as exc:
             self.violation("SAFETY", node.name, f"core_sm invariant: {exc}")
-        if type(event) is Lookup:
+        if type(event) is Lookup and honest:
             self._check_leases_for(host, server, event.key.request_id, event.num_readers)
         index = server.index
         used = index.bytes_used
         if used > index.num_slots * index.slot_bytes or index.used_slots > index.num_slots:
             self.violation("SAFETY", node.name, f"bytes accounting: {used} B in {index.used_slots} of "
                            f"{index.num_slots} slots of {index.slot_bytes} B")
-        if type(event) is QueryPrefetchStatus or type(event) is WaitPrefetchStatus:
+        if honest and (type(event) is QueryPrefetchStatus or type(event) is WaitPrefetchStatus):
             for effect in effects:
                 if type(effect) is Reply and isinstance(effect.result, int) and effect.result > 0:
                     self._check_hit_history(node.name, event.request_id, effect.result, via)
-        if self.config.store_threshold > 1:
+        if self.config.store_threshold > 1 and honest:
             self._check_admission(host, server, event)
 
     def _check_admission(self, host: ServerHost, server: Any, event: Any) -> None:
@@ -793,6 +806,16 @@ class ProbedServer:
         return self.inner.next_deadline()  # type: ignore[no-any-return]
 
     def handle(self, event: Any, now: float) -> list[Any]:
+        adversary = self.world.adversary
+        if adversary is None:
+            return self._handle(event, now)
+        if adversary.sent(event):  # judged by its own oracle (F22)
+            return adversary.judge(self.inner, self.host, event, now)
+        effects = self._handle(event, now)
+        adversary.observe(self.host.index, event, effects)
+        return effects
+
+    def _handle(self, event: Any, now: float) -> list[Any]:
         if type(event) is not FreeLookupLocks:
             return self.inner.handle(event, now)  # type: ignore[no-any-return]
         effects: list[Any] = self.inner.handle(TimerFired(), now)
