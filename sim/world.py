@@ -553,7 +553,7 @@ class World:
             for effect in effects:
                 if type(effect) is Reply and isinstance(effect.result, int) and effect.result > 0:
                     self._check_hit_history(node.name, event.request_id, effect.result, via)
-        if self.config.store_threshold > 1 and honest:
+        if self.config.store_threshold > 1:  # every LOOKUP counts, the adversary's too
             self._check_admission(host, server, event)
 
     def _check_admission(self, host: ServerHost, server: Any, event: Any) -> None:
