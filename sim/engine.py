@@ -106,9 +106,13 @@ class Heartbeat:
     reply names the server incarnation that answered, as the ZMQ runtime's reply carries the
     server's epoch)."""
 
-    def __init__(self, engine: SimEngine, node_name: str, targets: dict[int, list[str]]) -> None:
+    def __init__(self, engine: SimEngine, node_name: str, targets: dict[int, list[str]],
+                 instance_id: int | None = None) -> None:
         self.engine = engine
         self.node_name = node_name
+        # A worker's heartbeat names its instance (Ping(instance_id)): its liveness at the server,
+        # independent of its traffic, so an idle live instance is never reaped (F19).
+        self.instance_id = instance_id
         self.targets = targets  # server -> machines to tell
         cfg = engine.world.config
         self.monitor = HealthMonitor(HealthConfig(cfg.num_servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
@@ -211,7 +215,8 @@ class SimEngine:
             node = w.make_node(worker.name, machines, self._interpret)
             worker.node = node
             await w.start_node(node)
-            self.heartbeats.append(Heartbeat(self, node.name, {s: [tc_name(s)] for s in range(self.num_servers)}))
+            self.heartbeats.append(Heartbeat(self, node.name, {s: [tc_name(s)] for s in range(self.num_servers)},
+                                             worker.instance_id))
             for s in range(self.num_servers):
                 self.call(node, tc_name(s), ServerHealth(s, True))
         for hb in self.heartbeats:
@@ -338,7 +343,7 @@ class SimEngine:
             if type(effect) is SendHeartbeat:
                 hb.seq += 1
                 self.world.send(Address(hb.node_name, HB), Address(server_name(effect.server), "server"),
-                                RequestMsg(effect.server, -hb.seq, Ping()))
+                                RequestMsg(effect.server, -hb.seq, Ping(hb.instance_id)))
                 continue
             if type(effect) is ServerHealth:
                 self.world.trace.line(now, hb.node_name, f"health server{effect.server} -> "

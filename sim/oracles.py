@@ -21,6 +21,7 @@ FAILURES: dict[str, str] = {
     "F11": "missing or double reply",
     "F12": "unbounded bookkeeping (abandoned state never reclaimed)",
     "F13": "missed restart (a live engine never registered again with a restarted server)",
+    "F19": "live instance reaped (its heartbeats reached the server, or it was never registered again)",
     "F16": "double completion, or a copy into blocks already freed",
     "F21": "load on spent leases (a request's one lookup planned for a second load)",
     "F22": "tenant harmed (another peer's request changed an honest tenant's state)",

@@ -18,7 +18,7 @@ from core_sm.effects import Effect, Reply
 from core_sm.errors import ProtocolError
 from core_sm.l1_index import ReleaseReason
 from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from core_sm.messages import Clear, Lookup, ReplyTo, ServerEpoch
+from core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch
 from core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
@@ -44,6 +44,11 @@ class Profile:
     transfer_client_class: type[TransferClient] = TransferClient
     planner_class: type[StepPlanner] = StepPlanner
     lookup_timeout: float | None = None  # None: the world's knob
+    # Simulated worlds last seconds, so the server reaps a silent instance after 4 s, not the
+    # production 60: longer than the heartbeat timeout (2.5 s) and the longest scheduled partition
+    # (3 s), so a live worker is reaped only after it has seen the server down (and registers
+    # again on recovery), and every world has idle gaps longer than the TTL (after its traffic).
+    instance_ttl: float = 4.0
 
     def server_config(self, cfg: WorldConfig) -> ServerConfig:
         return ServerConfig(
@@ -61,6 +66,7 @@ class Profile:
             high_watermark=0.9,
             low_watermark=0.7,
             store_threshold=cfg.store_threshold,
+            instance_ttl=self.instance_ttl,
         )
 
     def make_server(self, cfg: WorldConfig) -> LookupServer:
@@ -338,11 +344,38 @@ class TrustAll(Profile):
     server_class = TrustAllServer
 
 
+# idle-reap (F19, LMCache #4715): the server counts only traffic as liveness (an instance
+# heartbeat is answered but refreshes nothing), so a live instance idle for instance_ttl is
+# reaped; the worker never registers again on not_registered, so its retrieves fail forever.
+class TrafficLivenessServer(LookupServer):
+    def _on_ping(self, ev: Ping, now: float, out: list[Effect]) -> None:
+        inst = self.instances.instances.get(ev.instance_id) if ev.instance_id is not None else None
+        if inst is None:
+            super()._on_ping(ev, now, out)
+            return
+        seen = inst.last_seen
+        super()._on_ping(ev, now, out)
+        inst.last_seen = seen
+
+
+class NeverReregisterTransferClient(TransferClient):
+    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
+        return None
+
+
+class IdleReap(Profile):
+    name = "idle-reap"
+    failure = "F19"
+    description = "server: only traffic keeps an instance alive (idle ones reaped); worker: never registers again"
+    server_class = TrafficLivenessServer
+    transfer_client_class = NeverReregisterTransferClient
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
-              TrustAll())
+              TrustAll(), IdleReap())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 

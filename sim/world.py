@@ -29,7 +29,7 @@ import trio
 
 from core_sm.chunks import ObjectKey
 from core_sm.transfer_client import TransferClientConfig
-from core_sm.effects import ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
+from core_sm.effects import ErrorReply, InstanceReaped, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
 from core_sm.errors import ProtocolError
 from core_sm.messages import (
     EndSession,
@@ -118,6 +118,10 @@ class ServerHost:
         # the last event (this incarnation)
         self.chunk_lookups: dict[bytes, int] = {}
         self.objects_held: frozenset[Any] = frozenset()
+        # instance liveness (F19), this incarnation: instance id -> when its last heartbeat was
+        # handled while it was registered; the instances this incarnation reaped
+        self.heartbeat_seen: dict[int, float] = {}
+        self.reaped: set[int] = set()
 
 
 class World:
@@ -264,6 +268,7 @@ class World:
         host.awaiting_reply = {}
         host.last_session_event = {}
         host.lookups_handled = set()
+        host.heartbeat_seen, host.reaped = {}, set()
         host.chunk_lookups = {}
         host.objects_held = frozenset()
         machine = ProbedServer(self.profile.make_server(self.config), self, host)
@@ -296,8 +301,26 @@ class World:
         elif t is ProbeL2:
             delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean / 4)
             self.timeline.after(delay, self._finish_l2_probe, host, host.incarnation, effect)
+        elif t is InstanceReaped:
+            self._on_instance_reaped(host, effect)
         else:
             self.violation("SAFETY", node.name, f"server emitted an unknown effect {short(effect)}")
+
+    def _on_instance_reaped(self, host: ServerHost, effect: InstanceReaped) -> None:
+        """F19 (LMCache #4715): the server may reap an instance only after ``instance_ttl`` without
+        a heartbeat from it -- one whose heartbeat it handled less than that ago was live."""
+        now = self.now()
+        iid = effect.instance_id
+        host.reaped.add(iid)
+        self.stats["instances_reaped"] = self.stats.get("instances_reaped", 0) + 1
+        self.trace.line(now, host.name, f"instance {iid} reaped")
+        seen = host.heartbeat_seen.get(iid)
+        ttl = self.profile.server_config(self.config).instance_ttl
+        worker = self.worker_by_instance(iid)
+        if seen is not None and ttl is not None and now - seen < ttl and worker is not None and worker.alive:
+            self.violation("F19", host.name, f"{worker.name} (instance {iid}) reaped although its heartbeat "
+                           f"reached {host.name} {now - seen:.3f}s ago (instance_ttl {ttl:g}s): a live idle "
+                           f"instance; its retrieves are refused not_registered from now on")
 
     def _latency(self, mean: float) -> float:
         return self.exec_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
@@ -513,6 +536,11 @@ class World:
         via = getattr(event, "reply_to", None)
         name = type(event).__name__
         honest = not (isinstance(via, Via) and via.node == ADVERSARY)
+        if honest and type(event) is Ping and isinstance(event.instance_id, int):
+            from core_sm.server_instances import InstanceState
+
+            if server.instance_state(event.instance_id) is InstanceState.REGISTERED:
+                host.heartbeat_seen[event.instance_id] = now
         if isinstance(via, Via):
             host.awaiting_reply[via] = (name, now)
             if honest and (name == "QueryPrefetchStatus" or name == "WaitPrefetchStatus"):
@@ -730,6 +758,10 @@ class World:
                     continue
                 for worker in engine.workers:
                     if worker.alive and server.instance_state(worker.instance_id) is not InstanceState.REGISTERED:
+                        if worker.instance_id in host.reaped:
+                            self.violation("F19", host.name, f"{worker.name} (instance {worker.instance_id}) was "
+                                           f"reaped by {host.name} and never registered again: its retrieves "
+                                           f"are refused not_registered forever")
                         self.violation("F13", host.name, f"{worker.name} (instance {worker.instance_id}) is not "
                                        f"registered with {host.name} (incarnation {host.incarnation}) after heal: "
                                        f"its stores and retrieves are refused not_registered")
