@@ -32,7 +32,7 @@ run: venv
 	$(VENV)/bin/mpcache-server
 
 test: venv
-	$(VPY) -m mypy --strict core_sm runtime_trio sim runtime_zmq
+	PYTHONPATH=. $(VPY) -m mypy --strict core_sm runtime_trio sim runtime_zmq
 	MPCACHE_CUDASIM=1 $(VPY) -m pytest -q
 
 # On a GPU host, with a python that has torch (CUDA), numba-cuda, cuda-bindings, pyzmq, msgpack.
