@@ -309,13 +309,17 @@ class PreemptReuse(Profile):
 
 # missed-epoch (F13): a restart between two heartbeats goes unnoticed -- the worker neither
 # registers again on the new epoch nor on the not_registered answers that follow.
-class MissedEpochTransferClient(TransferClient):
-    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
-        if ev.server == self.config.server:
-            self._epoch = ev.epoch
+class NeverReregisterTransferClient(TransferClient):
+    """A worker that never registers again on not_registered (missed-epoch, idle-reap)."""
 
     def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
         return None
+
+
+class MissedEpochTransferClient(NeverReregisterTransferClient):
+    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
+        if ev.server == self.config.server:
+            self._epoch = ev.epoch
 
 
 class MissedEpoch(Profile):
@@ -356,11 +360,6 @@ class TrafficLivenessServer(LookupServer):
         seen = inst.last_seen
         super()._on_ping(ev, now, out)
         inst.last_seen = seen
-
-
-class NeverReregisterTransferClient(TransferClient):
-    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
-        return None
 
 
 class IdleReap(Profile):
