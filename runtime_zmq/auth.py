@@ -38,6 +38,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from runtime_zmq.private_file import PrivateFileError, read_private_file
+
 log = logging.getLogger("mpcache.auth")
 
 SERVER_NAME: Final = "server"
@@ -201,16 +203,9 @@ def read_admin_token(path: str) -> bytes:
     """The admin token in ``path`` (surrounding whitespace stripped). The file must belong to
     the server's uid and be readable by it alone; an empty token is refused."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise AuthError(f"cannot read the admin token file {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise AuthError(f"admin token file {path} must belong to this user and be mode 600 (is {stat.S_IMODE(st.st_mode):o})")
-        token = os.read(fd, 4096).strip()
-    finally:
-        os.close(fd)
+        token = read_private_file(path)
+    except PrivateFileError as e:
+        raise AuthError(f"admin token file {path}: {e}") from None
     if len(token) < 16:
         raise AuthError(f"admin token in {path} is shorter than 16 bytes")
     return token

@@ -28,9 +28,10 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 import struct
 from typing import Any
+
+from runtime_zmq.private_file import PrivateFileError, read_private_file
 
 _blake3: Any
 try:  # optional, faster
@@ -100,23 +101,9 @@ def load_or_create_secret(path: str) -> bytes:
         finally:
             os.close(fd)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise SecretFileError(f"L2 secret file {path}: cannot open it: {e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SecretFileError(f"L2 secret file {path}: not a regular file")
-        if st.st_uid != os.getuid():
-            raise SecretFileError(f"L2 secret file {path}: owned by uid {st.st_uid}, not by this user")
-        if st.st_mode & 0o077:
-            raise SecretFileError(
-                f"L2 secret file {path}: mode {stat.S_IMODE(st.st_mode):04o}; it must not be "
-                f"accessible to group or others (chmod 600 it)"
-            )
-        text = os.read(fd, 4096).decode("ascii", errors="replace").strip()
-    finally:
-        os.close(fd)
+        text = read_private_file(path).decode("ascii", errors="replace")
+    except PrivateFileError as e:
+        raise SecretFileError(f"L2 secret file {path}: {e}") from None
     try:
         secret = bytes.fromhex(text)
     except ValueError:
