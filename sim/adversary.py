@@ -56,10 +56,11 @@ from core_sm.messages import (
     WaitPrefetchStatus,
 )
 from runtime_trio import Address
+from sim.ports import ReplyMsg, RequestMsg
 from sim.scenario import server_name
 
 if TYPE_CHECKING:
-    from sim.world import ReplyMsg, ServerHost, World
+    from sim.world import ServerHost, World
 
 ADVERSARY = "adv0"
 MACHINE = "adv"
@@ -104,7 +105,7 @@ class Adversary:
         request = self._build(kind, server)
         if request is not None:
             self.correlation += 1
-            from sim.world import SERVER, RequestMsg  # late: world imports this module
+            from sim.world import SERVER  # late: world imports this module
             world.trace.line(world.now(), ADVERSARY, f"adversary {kind}")
             # Straight onto the network: the world's per-request bookkeeping (lookups in flight,
             # releases sent) is about the honest clients.

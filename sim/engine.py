@@ -60,6 +60,7 @@ from core_sm.planner import (
     StepScheduled,
 )
 from runtime_trio import Address, Node
+from sim.ports import RequestMsg, WorldPort
 from sim.scenario import RequestSpec, sched_name, server_name, worker_name
 
 MODEL = "sim-model"
@@ -146,7 +147,7 @@ class SimWorker:
         req = engine.requests.get(rid)
         for chunk, slot in placements:
             if req is not None and chunk < len(req.hashes):
-                engine.world._check_slot_target(host, slot, ObjectKey(req.hashes[chunk], self.rank), what)
+                engine.world.check_slot_target(host, slot, ObjectKey(req.hashes[chunk], self.rank), what)
         for copy in copies:
             if kind is TransferKind.STORE:
                 host.slots[copy.slot] = tuple(self.blocks.get(b, -1) for b in copy.block_ids)
@@ -159,7 +160,7 @@ class SimWorker:
 
 
 class SimEngine:
-    def __init__(self, world: Any, index: int) -> None:
+    def __init__(self, world: WorldPort, index: int) -> None:
         self.world = world
         self.index = index
         cfg = world.config
@@ -232,7 +233,7 @@ class SimEngine:
     def call(self, node: Node, machine: str, event: Any) -> list[Any]:
         """A synchronous call from vLLM into a machine (as the connector does), then re-arm."""
         effects = node.step(machine, event)
-        self.world._arm_timer(node, node.next_deadline())
+        self.world.arm_timer(node, node.next_deadline())
         return effects
 
     # =========================================================================== effects
@@ -241,8 +242,6 @@ class SimEngine:
         if t is MatchAnswer or t is StepPlan:
             return  # the planner's answers: read by the caller from the call's effects
         if t is SendRequest:
-            from sim.world import RequestMsg
-
             rid = _rid(effect.request)
             self.sent[(node.name, machine, effect.correlation)] = (rid, type(effect.request).__name__)
             if len(self.sent) > 4096:
@@ -252,7 +251,7 @@ class SimEngine:
         elif t is CopyBlocks:
             worker = self.workers[int(node.name.split(".")[1])]
             server = int(machine[2:])
-            delay = self.world._latency(self.cfg.copy_latency_mean)
+            delay = self.world.latency(self.cfg.copy_latency_mean)
             self.world.timeline.after(delay, self._finish_copy, worker, machine, server,
                                       self.world.servers[server].incarnation, effect)
         else:
@@ -335,8 +334,6 @@ class SimEngine:
         self._apply_health(hb, hb.monitor.handle(reply, self.world.now()))
 
     def _apply_health(self, hb: Heartbeat, effects: list[Any]) -> None:
-        from sim.world import RequestMsg
-
         now = self.world.now()
         node = self.world.nodes.get(hb.node_name)
         for effect in effects:

@@ -30,7 +30,6 @@ import trio
 from core_sm.chunks import ObjectKey
 from core_sm.transfer_client import TransferClientConfig
 from core_sm.effects import ErrorReply, InstanceReaped, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
-from core_sm.errors import ProtocolError
 from core_sm.messages import (
     EndSession,
     FreeLookupLocks,
@@ -45,8 +44,10 @@ from core_sm.messages import (
 )
 from runtime_trio import Address, Node
 from sim.adversary import ADVERSARY, Adversary
+from sim.engine import SimEngine
 from sim.net import Packet, SimNet
 from sim.oracles import Violation, ViolationFound
+from sim.ports import ReplyMsg, RequestMsg, Via, request_id_of
 from sim.scenario import FaultSpec, Scenario, server_name
 from sim.timeline import Timeline
 from sim.trace import MessageRecord, Trace, short
@@ -55,46 +56,6 @@ SERVER = "server"
 HEARTBEAT = "hb"
 # Replies to requests whose answer may legitimately come later than the handling event.
 DEFERRED_REPLIES = ("Store", "Retrieve", "WaitPrefetchStatus", "CommitTransfer")
-
-
-@attrs.frozen
-class Via:
-    """The simulator's `reply_to`: who asked, under which correlation, through which packet."""
-
-    node: str
-    machine: str
-    server: int
-    correlation: int
-    pid: int
-    request_id: str | None
-    delivery: int = 0  # a duplicated packet is two requests, each owed its own reply
-
-
-@attrs.frozen
-class RequestMsg:
-    server: int
-    correlation: int
-    request: Any
-
-
-@attrs.frozen
-class ReplyMsg:
-    server: int
-    correlation: int
-    result: Any = None
-    error: ProtocolError | None = None
-    request_id: str | None = None  # what the answered request was about (traces, fault tracking)
-
-
-def request_id_of(message: Any) -> str | None:
-    """The request id a message is about (for per-request fault tracking and charts)."""
-    if isinstance(message, RequestMsg):
-        message = message.request
-    rid = getattr(message, "request_id", None)
-    if rid is None:
-        key = getattr(message, "key", None)
-        rid = getattr(key, "request_id", None)
-    return rid if isinstance(rid, str) else None
 
 
 class ServerHost:
@@ -126,8 +87,6 @@ class ServerHost:
 
 class World:
     def __init__(self, scenario: Scenario, profile: Any, *, keep_lines: bool = True, chart: bool = False) -> None:
-        from sim.engine import SimEngine  # late: engine imports world types
-
         self.scenario = scenario
         self.config = scenario.config
         self.profile = profile
@@ -212,7 +171,7 @@ class World:
 
     # =========================================================================== nodes
     def make_node(self, name: str, machines: dict[str, Any], interpret: Callable[[Node, str, Any], None]) -> Node:
-        node = Node(name, machines, interpret, timer_event=TimerFired, arm_timer=self._arm_timer,
+        node = Node(name, machines, interpret, timer_event=TimerFired, arm_timer=self.arm_timer,
                     observer=self._observe)
         self.nodes[name] = node
         self._armed.pop(name, None)
@@ -222,7 +181,7 @@ class World:
         assert self._nursery is not None
         await self._nursery.start(node.run)
 
-    def _arm_timer(self, node: Node, deadline: float | None) -> None:
+    def arm_timer(self, node: Node, deadline: float | None) -> None:
         if deadline is None:
             return
         now = self.now()
@@ -290,16 +249,16 @@ class World:
                 msg = ReplyMsg(via.server, via.correlation, None, effect.error, via.request_id)
             self.send(Address(node.name, SERVER), Address(via.node, via.machine), msg)
         elif t is StartTransfer:
-            delay = self._latency(self.config.copy_latency_mean)
+            delay = self.latency(self.config.copy_latency_mean)
             self.timeline.after(delay, self._finish_transfer, host, host.incarnation, effect)
         elif t is ReadL2:
-            delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean)
+            delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean)
             self.timeline.after(delay, self._finish_l2_read, host, host.incarnation, effect)
         elif t is WriteL2:
-            delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean)
+            delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean)
             self.timeline.after(delay, self._finish_l2_write, host, host.incarnation, effect)
         elif t is ProbeL2:
-            delay = self.config.l2_latency_min + self._latency(self.config.l2_latency_mean / 4)
+            delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean / 4)
             self.timeline.after(delay, self._finish_l2_probe, host, host.incarnation, effect)
         elif t is InstanceReaped:
             self._on_instance_reaped(host, effect)
@@ -322,7 +281,7 @@ class World:
                            f"reached {host.name} {now - seen:.3f}s ago (instance_ttl {ttl:g}s): a live idle "
                            f"instance; its retrieves are refused not_registered from now on")
 
-    def _latency(self, mean: float) -> float:
+    def latency(self, mean: float) -> float:
         return self.exec_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
 
     def _finish_transfer(self, host: ServerHost, incarnation: int, effect: StartTransfer) -> None:
@@ -351,7 +310,7 @@ class World:
                     self.stats["l2_fail"] += 1
                 loaded.append(False)
                 continue
-            self._check_slot_target(host, slot, key, f"L2 read {effect.read_id}")
+            self.check_slot_target(host, slot, key, f"L2 read {effect.read_id}")
             host.slots[slot] = data
             loaded.append(True)
         assert host.node is not None
@@ -372,7 +331,7 @@ class World:
                 return key  # type: ignore[no-any-return]
         return None
 
-    def _check_slot_target(self, host: ServerHost, slot: int, key: ObjectKey, what: str) -> None:
+    def check_slot_target(self, host: ServerHost, slot: int, key: ObjectKey, what: str) -> None:
         """An in-flight copy into/out of `slot` for `key` must find the slot still given to
         `key` (or free): otherwise it writes into, or reads, another object's memory."""
         holder = self.slot_holder(host, slot)
@@ -400,7 +359,7 @@ class World:
         ok = self.exec_rng.random() >= self.config.l2_fail_p
         if ok:
             for key, slot in effect.items:
-                self._check_slot_target(host, slot, key, f"L2 write {effect.write_id}")
+                self.check_slot_target(host, slot, key, f"L2 write {effect.write_id}")
                 data = host.slots.get(slot)
                 if data is None or data != self.expected_chunk(key):
                     self.violation("F10", host.name, f"L2 write of {key.wire_name()[:12]} from slot {slot} "

@@ -1,0 +1,99 @@
+"""What the simulator's engine model needs from the world it lives in, and the messages they
+exchange.
+
+``sim.world.World`` implements ``WorldPort``; ``sim.engine`` is written against this protocol
+only, so the engine imports no World and reaches no private member of it (the world creates the
+engines; the dependency runs one way).
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+import attrs
+
+from core_sm.chunks import ObjectKey
+from core_sm.errors import ProtocolError
+from runtime_trio import Address, Node
+from sim.timeline import Timeline
+from sim.trace import Trace
+
+__all__ = ["ReplyMsg", "RequestMsg", "Via", "WorldPort", "request_id_of"]
+
+
+@attrs.frozen
+class Via:
+    """The simulator's `reply_to`: who asked, under which correlation, through which packet."""
+
+    node: str
+    machine: str
+    server: int
+    correlation: int
+    pid: int
+    request_id: str | None
+    delivery: int = 0  # a duplicated packet is two requests, each owed its own reply
+
+
+@attrs.frozen
+class RequestMsg:
+    server: int
+    correlation: int
+    request: Any
+
+
+@attrs.frozen
+class ReplyMsg:
+    server: int
+    correlation: int
+    result: Any = None
+    error: ProtocolError | None = None
+    request_id: str | None = None  # what the answered request was about (traces, fault tracking)
+
+
+def request_id_of(message: Any) -> str | None:
+    """The request id a message is about (for per-request fault tracking and charts)."""
+    if isinstance(message, RequestMsg):
+        message = message.request
+    rid = getattr(message, "request_id", None)
+    if rid is None:
+        key = getattr(message, "key", None)
+        rid = getattr(key, "request_id", None)
+    return rid if isinstance(rid, str) else None
+
+
+class WorldPort(Protocol):
+    """The world as the engine model sees it."""
+
+    config: Any
+    scenario: Any
+    profile: Any
+    t0: float
+    timeline: Timeline
+    trace: Trace
+    exec_rng: random.Random
+    servers: list[Any]
+    nodes: dict[str, Node]
+    recent: dict[str, deque[str]]
+    touched: set[str]
+    stats: dict[str, int]
+
+    def now(self) -> float: ...
+
+    def make_node(self, name: str, machines: dict[str, Any],
+                  interpret: Callable[[Node, str, Any], None]) -> Node: ...
+
+    def start_node(self, node: Node) -> Coroutine[Any, Any, None]: ...
+
+    def arm_timer(self, node: Node, deadline: float | None) -> None: ...
+
+    def latency(self, mean: float) -> float: ...
+
+    def send(self, src: Address, dst: Address, message: Any) -> None: ...
+
+    def violation(self, code: str, node: str, message: str) -> None: ...
+
+    def note_written(self, rid: str, chunk: int, rank: int) -> None: ...
+
+    def check_slot_target(self, host: Any, slot: int, key: ObjectKey, what: str) -> None: ...
