@@ -59,12 +59,8 @@ healthy; ``next_deadline()`` covers it.
 """
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 
-import attrs
-
-from core_sm.chunks import DEFAULT_CHUNK_SIZE
 from core_sm.effects import CopyBlocks, Effect, SendRequest
 from core_sm.guarded import GuardedMachine
 from core_sm.errors import ErrorKind, ProtocolError
@@ -94,113 +90,18 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
+from core_sm.transfer_ops import (
+    DEFAULT_STORE_WINDOW,
+    EVENTS,
+    TRANSITIONS,
+    OpState,
+    RequestRecord,
+    TransferClientConfig,
+    TransferOp,
+)
 
-
-DEFAULT_STORE_WINDOW = 30.0
-
-
-@attrs.frozen
-class TransferClientConfig:
-    instance_id: int = 0
-    model_name: str = ""
-    world_size: int = 1
-    worker_id: int = 0
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    object_bytes: int = 0
-    engine_driven: bool = False
-    server: int = 0
-    op_timeout: float | None = None  # waiting on the server longer than this fails the op
-    reported_cap: int = 100_000  # ids remembered to keep reports exactly-once
-    registration_timeout: float = 10.0  # an unanswered RegisterInstance counts as failed after this
-    registration_retry: float = 0.5  # delay before re-sending a failed registration; doubles...
-    registration_retry_max: float = 5.0  # ...up to this
-    # A server-driven STORE's not_after is sent_at + this (None: op_timeout, else 30 s).
-    transfer_timeout: float | None = None
-    # How long a copy the server began by not_after may still read the blocks.
-    copy_grace: float = 1.0
-
-    def transfer_window(self) -> float:
-        if self.transfer_timeout is not None:
-            return self.transfer_timeout
-        return self.op_timeout if self.op_timeout is not None else DEFAULT_STORE_WINDOW
-
-
-class OpState(enum.Enum):
-    ABSENT = "absent"  # never submitted, or done
-    SENT = "sent"  # request sent, reply awaited
-    COPYING = "copying"  # engine-driven: CopyBlocks emitted, CopyFinished awaited
-    COMMITTING = "committing"  # engine-driven: CommitTransfer sent, reply awaited
-
-
-_O = OpState
-# The one transition table: (op's state, event type) -> allowed next states. A reply or failure
-# for another correlation (stale, another op's) leaves the op where it is.
-TRANSITIONS: dict[tuple[OpState, type], frozenset[OpState]] = {
-    (_O.ABSENT, SubmitStore): frozenset({_O.SENT, _O.ABSENT}),
-    (_O.ABSENT, SubmitRetrieve): frozenset({_O.SENT, _O.ABSENT}),
-    (_O.ABSENT, ReplyReceived): frozenset({_O.ABSENT}),
-    (_O.ABSENT, RequestFailed): frozenset({_O.ABSENT}),
-    (_O.ABSENT, CopyFinished): frozenset({_O.ABSENT}),
-    (_O.SENT, ReplyReceived): frozenset({_O.ABSENT, _O.COPYING, _O.COMMITTING, _O.SENT}),
-    (_O.SENT, RequestFailed): frozenset({_O.ABSENT, _O.SENT}),
-    (_O.SENT, CopyFinished): frozenset({_O.SENT}),
-    (_O.SENT, ServerHealth): frozenset({_O.SENT, _O.ABSENT}),
-    (_O.SENT, TimerFired): frozenset({_O.SENT, _O.ABSENT}),
-    (_O.COPYING, CopyFinished): frozenset({_O.COMMITTING, _O.ABSENT, _O.COPYING}),  # another op's: stays
-    (_O.COPYING, ReplyReceived): frozenset({_O.COPYING}),
-    (_O.COPYING, RequestFailed): frozenset({_O.COPYING}),
-    (_O.COPYING, ServerHealth): frozenset({_O.COPYING}),
-    (_O.COPYING, TimerFired): frozenset({_O.COPYING}),
-    (_O.COMMITTING, ReplyReceived): frozenset({_O.ABSENT, _O.COMMITTING}),
-    (_O.COMMITTING, RequestFailed): frozenset({_O.ABSENT, _O.COMMITTING}),
-    (_O.COMMITTING, CopyFinished): frozenset({_O.COMMITTING}),
-    (_O.COMMITTING, ServerHealth): frozenset({_O.COMMITTING, _O.ABSENT}),
-    (_O.COMMITTING, TimerFired): frozenset({_O.COMMITTING, _O.ABSENT}),
-    **{(s, Abort): frozenset({s}) for s in OpState},
-    **{(s, EngineFinished): frozenset({s}) for s in OpState},
-    (_O.ABSENT, ServerHealth): frozenset({_O.ABSENT}),
-    (_O.ABSENT, TimerFired): frozenset({_O.ABSENT}),
-    # A new epoch is a restart: as ServerHealth(False) then (True).
-    (_O.ABSENT, ServerEpoch): frozenset({_O.ABSENT}),
-    (_O.SENT, ServerEpoch): frozenset({_O.SENT, _O.ABSENT}),
-    (_O.COPYING, ServerEpoch): frozenset({_O.COPYING}),
-    (_O.COMMITTING, ServerEpoch): frozenset({_O.COMMITTING, _O.ABSENT}),
-}
-EVENTS = (SubmitStore, SubmitRetrieve, ReplyReceived, RequestFailed, CopyFinished, ServerHealth,
-          TimerFired, Abort, EngineFinished, ServerEpoch)
-
-
-@attrs.define
-class TransferOp:
-    """One store or retrieve of one request, from submit to its final reply."""
-
-    op: OpId
-    kind: TransferKind
-    key: CacheKey
-    block_ids: tuple[int, ...]
-    skip_first_n_tokens: int
-    state: OpState
-    correlation: int | None
-    sent_at: float
-    transfer_id: int = -1
-    copy_ok: bool = True
-    incarnation: int = 0  # the client's count of server losses when the op was submitted
-    registration: int = 0  # registrations acked when the op's last request was sent
-    not_after: float | None = None  # a server-driven store's deadline at the server
-
-
-@attrs.define
-class RequestRecord:
-    """One request's ops in flight; dropped once nothing is in flight (and, if the engine
-    finished it, once it has been queued for the ``sending`` report)."""
-
-    request_id: str
-    next_seq: int = 0  # ops submitted so far
-    ops: dict[OpId, TransferOp] = attrs.Factory(dict)
-    engine_finished: bool = False
-    retrieve_failed: bool = False  # a retrieve failed since the request was last reported
-    recving_fenced: bool = False  # its retrieves are done; recving waits for the fence
-    fenced_load_errors: list[int] = attrs.Factory(list)  # reported with that recving
+__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "TRANSITIONS", "OpState", "RequestRecord", "TransferClient",
+           "TransferClientConfig", "TransferOp"]
 
 
 class TransferClient(GuardedMachine[ClientEvent]):
@@ -294,7 +195,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
         answers once its copy completed) or a PrepareStore (engine-driven: the plan brings the
         copy, which runs before the commit) not answered yet. The worker waits for False before
         vLLM reuses blocks (preemption)."""
-        return any(op.kind is TransferKind.STORE and op.state is _O.SENT for op in self._ops.values())
+        return any(op.kind is TransferKind.STORE and op.state is OpState.SENT for op in self._ops.values())
 
     def registered(self) -> bool:
         """Whether the last ``RegisterInstance`` was acked and nothing has shown it lost since."""
@@ -315,7 +216,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
     def next_deadline(self) -> float | None:
         candidates: list[float] = []
         if self.config.op_timeout is not None:
-            waiting = [op.sent_at for op in self._ops.values() if op.state in (_O.SENT, _O.COMMITTING)]
+            waiting = [op.sent_at for op in self._ops.values() if op.state in (OpState.SENT, OpState.COMMITTING)]
             if waiting:
                 candidates.append(min(waiting) + self.config.op_timeout)
         if self._healthy:
