@@ -11,7 +11,10 @@ checks the report. Two modes:
   (the server killed and started again, then the prompts twice), and last ``corrupt`` (every L1
   slot overwritten with noise, then a prompt whose chunk is in L1: the output must change).
 
-Usage: python tests/e2e/vllm_driver.py MODE --model DIR --out REPORT.json [--port N]
+* ``connector-tp`` (with ``--tp N``): the prompts twice, miss then hit, under tensor parallelism,
+  with each worker rank's own connector counters after each phase (``collective_rpc``).
+
+Usage: python tests/e2e/vllm_driver.py MODE --model DIR --out REPORT.json [--port N] [--tp N]
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ def prompts() -> dict[str, list[int]]:
     return out
 
 
-def make_llm(model: str, kv_transfer_config: dict[str, Any] | None) -> Any:
+def make_llm(model: str, kv_transfer_config: dict[str, Any] | None, tp: int = 1) -> Any:
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -54,6 +57,7 @@ def make_llm(model: str, kv_transfer_config: dict[str, Any] | None) -> Any:
         max_num_seqs=4,
         seed=0,
         enable_prefix_caching=False,
+        tensor_parallel_size=tp,
     )
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
@@ -76,10 +80,21 @@ def generate(llm: Any, token_ids: list[int]) -> dict[str, Any]:
 
 def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    llm = make_llm(args.model, None)
+    llm = make_llm(args.model, None, args.tp)
     init_s = time.perf_counter() - t0
     results = {name: generate(llm, ids) for name, ids in prompts().items()}
-    return {"mode": "baseline", "init_s": round(init_s, 2), "results": results}
+    return {"mode": "baseline", "tp": args.tp, "init_s": round(init_s, 2), "results": results}
+
+
+def omp_bind_per_rank(tp: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` CPU workers its own share of this
+    process's CPUs (``0|1`` on a 2-core box); None if there are fewer CPUs than ranks. vLLM's
+    ``auto`` binding wants one NUMA node per rank and refuses TP > 1 on a one-node box."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        return None
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
 
 
 # ------------------------------------------------------------------ connector mode
@@ -151,6 +166,53 @@ def wait_idle(llm: Any, timeout: float = 60.0) -> list[Any]:
     return outputs
 
 
+def transfer_config(url: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "MPCacheConnector",
+        "kv_connector_module_path": "runtime_zmq.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "mpcache.server_urls": url,
+            "mpcache.request_timeout_s": 5.0,
+            "mpcache.chunk_size": 256,
+        },
+    }
+
+
+def _rank_stats(worker: Any) -> dict[str, Any]:
+    """Runs inside each vLLM worker (``collective_rpc``): its rank and its connector's
+    TransferClient counters (stores, retrieves, failures)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    adapter = get_kv_transfer_group()._worker
+    return {"rank": adapter.rank, "instance_id": adapter.instance_id, **adapter.machine.stats()}
+
+
+def run_connector_tp(args: argparse.Namespace) -> dict[str, Any]:
+    """Tensor parallel: the prompts twice (miss, then hit), each rank's own counters after
+    each phase, and the server's."""
+    server = ServerProcess(args.port, Path(args.out).with_suffix(".server.log"))
+    report: dict[str, Any] = {"mode": "connector-tp", "tp": args.tp, "phases": {}}
+    report["server_start_s"] = round(server.start(), 3)
+    phases = report["phases"]
+    try:
+        t0 = time.perf_counter()
+        llm = make_llm(args.model, transfer_config(server.url), args.tp)
+        report["init_s"] = round(time.perf_counter() - t0, 2)
+        ps = prompts()
+        phases["miss"] = {name: generate(llm, ids) for name, ids in ps.items() if name != "p300_tail"}
+        phases["miss_ranks"] = llm.collective_rpc(_rank_stats)
+        phases["miss_stats"] = server.stats()
+        phases["hit"] = {name: generate(llm, ids) for name, ids in ps.items()}
+        phases["hit_ranks"] = llm.collective_rpc(_rank_stats)
+        phases["hit_stats"] = server.stats()
+        del llm
+    finally:
+        server.stop()
+    return report
+
+
 def run_connector(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -159,19 +221,8 @@ def run_connector(args: argparse.Namespace) -> dict[str, Any]:
     report["server_start_s"] = round(server.start(), 3)
     phases = report["phases"]
     try:
-        transfer = {
-            "kv_connector": "MPCacheConnector",
-            "kv_connector_module_path": "runtime_zmq.vllm_connector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "mpcache.server_urls": server.url,
-                "mpcache.request_timeout_s": 5.0,
-                "mpcache.chunk_size": 256,
-            },
-        }
         t0 = time.perf_counter()
-        llm = make_llm(args.model, transfer)
+        llm = make_llm(args.model, transfer_config(server.url))
         report["init_s"] = round(time.perf_counter() - t0, 2)
         ps = prompts()
 
@@ -225,15 +276,23 @@ def run_connector(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("baseline", "connector"))
+    parser.add_argument("mode", choices=("baseline", "connector", "connector-tp"))
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--port", type=int, default=15555)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.tp > 1:
+        bind = omp_bind_per_rank(args.tp)
+        if bind is None:
+            raise SystemExit(f"tensor_parallel_size {args.tp} needs at least {args.tp} CPUs")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of _rank_stats
     t0 = time.perf_counter()
-    report = run_baseline(args) if args.mode == "baseline" else run_connector(args)
+    runs = {"baseline": run_baseline, "connector": run_connector, "connector-tp": run_connector_tp}
+    report = runs[args.mode](args)
     report["total_s"] = round(time.perf_counter() - t0, 2)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({k: v for k, v in report.items() if k not in ("results", "phases")}))
