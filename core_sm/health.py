@@ -1,29 +1,56 @@
-"""``HealthMonitor``: one client node's view of every server's health and epoch, as a pure machine.
+"""``HealthMonitor``: one client node's view of every server's health and epoch, and of the
+liveness of the engine instances it registered there, as a pure machine.
 
 A client node (a vLLM scheduler or worker) pings each server; the monitor decides when, and
 what the answers mean for the node's protocol machines (``LookupClient``, ``TransferClient``,
 ``StepPlanner``), which it tells through the events they already take:
 
-* every ``interval`` it asks for one heartbeat per server (``SendHeartbeat``); while a server is
-  unhealthy the interval doubles per miss up to ``backoff_max`` (a dead server is not hammered)
-  and resets once it answers;
+* every ``interval`` it asks for one heartbeat per server (``SendHeartbeat``);
 * no reply for ``timeout`` -> ``ServerHealth(server, False)``: the machines fail what is pending
-  on it and skip it until it is back;
+  on it and skip it until it is back; with ``fail_pending`` (a transport that holds requests of
+  its own, such as the ZMQ client) also ``FailPending(server)``: every request still waiting
+  on that server fails now, nothing waits on a dead server. A heartbeat the transport could not
+  even send (``HeartbeatUnsent``: no connection) is the same verdict at once;
+* while a server is unhealthy it is probed every ``probe_interval`` (default: ``interval``);
+  once it has been silent for ``timeout`` the period doubles per probe up to ``backoff_max`` (a
+  dead server is not hammered), and resets once it answers;
 * a reply (``HeartbeatReply(server, epoch)``) -> ``ServerHealth(server, True)`` if it was not
   healthy; its ``epoch`` (the server's start id) -> ``ServerEpoch(server, epoch)`` the first time
   and whenever it changes, *before* the health change: a restart between two heartbeats (F13),
   which no timeout ever showed, makes the machines resolve what was in flight and register again.
 
+Instances (F13/F19, LMCache #4715: a server reaps an instance that stops heartbeating, so the
+heartbeat must name it, whatever its traffic). The transport tells the monitor what it saw:
+
+* ``InstanceRegistered(server, iid)`` (a registration of ``iid`` was acknowledged) /
+  ``InstanceUnregistered``: from then on every heartbeat of a healthy server also asks for
+  ``SendInstancePing(server, iid)`` -- an idle live instance is never reaped.
+* ``InstancePingRefused(server, iid, kind)``: ``not_registered`` means the server dropped it
+  (reaped while this node could not reach it, say): ``Register(server, iid)`` -- register again
+  with the registration last sent -- so the next request finds it.
+* ``RequestRefused(server, iid, request, kind, retried)``: a request naming ``iid`` (a store, a
+  retrieve, a prepare) got an error. ``not_registered`` on a first attempt: the request waits,
+  ``Register(server, iid)`` goes out (once for all that wait), and on ``InstanceRegistered`` each
+  gets ``Resend(server, request)``; a registration that fails (``RegistrationFailed``) or a
+  server that goes unhealthy gives each ``GiveUp(server, request)``. Any other error, or a
+  second ``not_registered`` after the resend: ``GiveUp`` at once -- a request is resent at most
+  once and never waits for more than one registration (its own timeout still runs in the
+  transport), so a RETRIEVE never hangs on a reaped instance.
+
 ``handle(event, now) -> effects`` never raises; ``next_deadline()`` is the next ping or timeout.
-Driven by the simulator's client nodes (``sim/engine.py``) with virtual time.
+The same class is driven by the simulator's client nodes (``sim/engine.py``, virtual time) and
+by ``runtime_zmq.client.MPCacheClient`` (one monitor per server connection).
 """
 from __future__ import annotations
 
-from typing import Union
+from collections.abc import Callable, Hashable
+from typing import Any, Union
 
 import attrs
 
 from core_sm.messages import ServerEpoch, ServerHealth, TimerFired
+
+NOT_REGISTERED = "not_registered"  # ErrorKind.NOT_REGISTERED's wire value
 
 
 @attrs.frozen
@@ -33,10 +60,19 @@ class HealthConfig:
     timeout: float = 2.5
     backoff_max: float = 8.0
     initially_healthy: bool = False  # the runtime already told the machines "healthy"
+    probe_interval: float | None = None  # ping period while unhealthy, before backoff (None: interval)
+    fail_pending: bool = False  # emit FailPending with every ServerHealth(False)
+    max_waiting: int = 4096  # requests one instance's re-registration may hold; more give up
 
     def __attrs_post_init__(self) -> None:
-        if self.num_servers < 1 or not 0 < self.interval < self.timeout or self.backoff_max < self.interval:
-            raise ValueError(f"bad health config {self!r}: need 0 < interval < timeout, backoff_max >= interval")
+        probe = self.interval if self.probe_interval is None else self.probe_interval
+        if (self.num_servers < 1 or not 0 < self.interval < self.timeout or self.backoff_max < self.interval
+                or not 0 < probe <= self.interval or self.max_waiting < 0):
+            raise ValueError(f"bad health config {self!r}: need 0 < interval < timeout, backoff_max >= interval, "
+                             f"0 < probe_interval <= interval")
+
+
+# ---------------------------------------------------------------------------------------------- events
 
 
 @attrs.frozen
@@ -48,14 +84,110 @@ class HeartbeatReply:
 
 
 @attrs.frozen
+class HeartbeatUnsent:
+    """The transport could not send ``server``'s heartbeat: no connection to it."""
+
+    server: int
+
+
+@attrs.frozen
+class InstanceRegistered:
+    """A registration of ``instance_id`` at ``server`` was acknowledged."""
+
+    server: int
+    instance_id: int
+
+
+@attrs.frozen
+class InstanceUnregistered:
+    """The node unregistered ``instance_id`` at ``server`` (or is about to)."""
+
+    server: int
+    instance_id: int
+
+
+@attrs.frozen
+class RegistrationFailed:
+    """A registration of ``instance_id`` at ``server`` failed or went unanswered."""
+
+    server: int
+    instance_id: int
+
+
+@attrs.frozen
+class InstancePingRefused:
+    """``server`` answered ``instance_id``'s heartbeat with the error ``kind``."""
+
+    server: int
+    instance_id: int
+    kind: str
+
+
+@attrs.frozen
+class RequestRefused:
+    """``server`` answered ``request`` (the transport's opaque id for it), which names
+    ``instance_id``, with the error ``kind``; ``retried``: it was already resent once."""
+
+    server: int
+    instance_id: int
+    request: Hashable
+    kind: str
+    retried: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- effects
+
+
+@attrs.frozen
 class SendHeartbeat:
     """Effect: send one heartbeat to ``server``; its reply comes back as ``HeartbeatReply``."""
 
     server: int
 
 
-HealthEvent = Union[HeartbeatReply, TimerFired]
-HealthEffect = Union[SendHeartbeat, ServerHealth, ServerEpoch]
+@attrs.frozen
+class SendInstancePing:
+    """Effect: send ``Ping(instance_id)`` to ``server`` (the instance's liveness there)."""
+
+    server: int
+    instance_id: int
+
+
+@attrs.frozen
+class FailPending:
+    """Effect: fail every request still waiting on ``server`` (it stopped answering)."""
+
+    server: int
+
+
+@attrs.frozen
+class Register:
+    """Effect: send ``instance_id``'s last registration to ``server`` again."""
+
+    server: int
+    instance_id: int
+
+
+@attrs.frozen
+class Resend:
+    """Effect: send ``request`` again (the instance it names is registered again)."""
+
+    server: int
+    request: Hashable
+
+
+@attrs.frozen
+class GiveUp:
+    """Effect: fail ``request`` with the error the server gave it."""
+
+    server: int
+    request: Hashable
+
+
+HealthEvent = Union[HeartbeatReply, HeartbeatUnsent, InstanceRegistered, InstanceUnregistered, RegistrationFailed,
+                    InstancePingRefused, RequestRefused, TimerFired]
+HealthEffect = Union[SendHeartbeat, SendInstancePing, ServerHealth, ServerEpoch, FailPending, Register, Resend,
+                     GiveUp]
 
 
 @attrs.define
@@ -65,21 +197,44 @@ class _Server:
     next_ping: float
     period: float
     epoch: int | str | None = None
+    instances: dict[int, None] = attrs.Factory(dict)  # registered and acknowledged: pinged
+    registering: set[int] = attrs.Factory(set)  # re-registrations this monitor asked for
+    waiting: dict[int, list[Hashable]] = attrs.Factory(dict)  # instance -> requests to resend
 
 
 class HealthMonitor:
     def __init__(self, config: HealthConfig, now: float = 0.0) -> None:
         self.config = config
-        self._servers = [_Server(config.initially_healthy, now, now, config.interval)
-                         for _ in range(config.num_servers)]
-        self._counters = {"internal_errors": 0, "heartbeats_sent": 0, "unhealthy": 0, "recovered": 0,
-                          "epoch_changes": 0, "stale_replies": 0}
+        period = config.interval if config.initially_healthy else self._probe
+        self._servers = [_Server(config.initially_healthy, now, now, period) for _ in range(config.num_servers)]
+        self._counters = {"internal_errors": 0, "heartbeats_sent": 0, "heartbeats_unsent": 0, "unhealthy": 0,
+                          "recovered": 0, "epoch_changes": 0, "stale_replies": 0, "instance_pings": 0,
+                          "instances_lost": 0, "reregistrations": 0, "resends": 0, "give_ups": 0}
+        self._dispatch: dict[type, Callable[[Any, float, list[HealthEffect]], None]] = {
+            HeartbeatReply: self._on_reply,
+            HeartbeatUnsent: self._on_unsent,
+            TimerFired: self._on_timer,
+            InstanceRegistered: self._on_registered,
+            InstanceUnregistered: self._on_unregistered,
+            RegistrationFailed: self._on_registration_failed,
+            InstancePingRefused: self._on_ping_refused,
+            RequestRefused: self._on_refused,
+        }
+
+    @property
+    def _probe(self) -> float:
+        c = self.config
+        return c.interval if c.probe_interval is None else c.probe_interval
 
     def healthy(self, server: int) -> bool:
         return self._servers[server].healthy
 
     def epoch(self, server: int) -> int | str | None:
         return self._servers[server].epoch
+
+    def instances(self, server: int) -> tuple[int, ...]:
+        """The instances whose heartbeats go to ``server``."""
+        return tuple(self._servers[server].instances)
 
     def stats(self) -> dict[str, int]:
         return dict(self._counters)
@@ -92,35 +247,66 @@ class HealthMonitor:
     def handle(self, event: HealthEvent, now: float) -> list[HealthEffect]:
         out: list[HealthEffect] = []
         try:
-            if isinstance(event, HeartbeatReply):
-                self._on_reply(event, now, out)
-            elif isinstance(event, TimerFired):
-                self._on_timer(now, out)
-            else:
+            handler = self._dispatch.get(type(event))
+            if handler is None:
                 self._counters["stale_replies"] += 1
+            else:
+                handler(event, now, out)
         except Exception:
             self._counters["internal_errors"] += 1
         return out
 
-    def _on_timer(self, now: float, out: list[HealthEffect]) -> None:
+    def _server(self, index: int) -> _Server | None:
+        if isinstance(index, int) and 0 <= index < len(self._servers):
+            return self._servers[index]
+        self._counters["stale_replies"] += 1
+        return None
+
+    # ------------------------------------------------------------------------------ health
+
+    def _lose(self, index: int, server: _Server, now: float, out: list[HealthEffect]) -> None:
+        server.healthy = False
+        server.period = self._probe
+        server.next_ping = min(server.next_ping, now + server.period)
+        self._counters["unhealthy"] += 1
+        out.append(ServerHealth(index, False))
+        if self.config.fail_pending:
+            out.append(FailPending(index))
+        # what waited on a re-registration fails with the rest; a registration in flight is
+        # forgotten (the transport fails it with the rest; the machines register on recovery)
+        for requests in server.waiting.values():
+            out.extend(GiveUp(index, r) for r in requests)
+            self._counters["give_ups"] += len(requests)
+        server.waiting.clear()
+        server.registering.clear()
+
+    def _on_timer(self, _ev: TimerFired, now: float, out: list[HealthEffect]) -> None:
         c = self.config
         for index, server in enumerate(self._servers):
             if server.healthy and now - server.last_reply >= c.timeout:
-                server.healthy = False
-                self._counters["unhealthy"] += 1
-                out.append(ServerHealth(index, False))
+                self._lose(index, server, now, out)
             if server.next_ping <= now:
                 out.append(SendHeartbeat(index))
                 self._counters["heartbeats_sent"] += 1
-                if not server.healthy and now - server.last_reply >= c.timeout:
+                if server.healthy:
+                    out.extend(SendInstancePing(index, iid) for iid in server.instances)
+                    self._counters["instance_pings"] += len(server.instances)
+                elif now - server.last_reply >= c.timeout:
                     server.period = min(server.period * 2, c.backoff_max)
                 server.next_ping = now + server.period
 
-    def _on_reply(self, event: HeartbeatReply, now: float, out: list[HealthEffect]) -> None:
-        if not 0 <= event.server < len(self._servers):
-            self._counters["stale_replies"] += 1
+    def _on_unsent(self, event: HeartbeatUnsent, now: float, out: list[HealthEffect]) -> None:
+        server = self._server(event.server)
+        if server is None:
             return
-        server = self._servers[event.server]
+        self._counters["heartbeats_unsent"] += 1
+        if server.healthy:
+            self._lose(event.server, server, now, out)
+
+    def _on_reply(self, event: HeartbeatReply, now: float, out: list[HealthEffect]) -> None:
+        server = self._server(event.server)
+        if server is None:
+            return
         server.last_reply = max(server.last_reply, now)
         if event.epoch is not None and event.epoch != server.epoch:
             if server.epoch is not None:
@@ -133,3 +319,64 @@ class HealthMonitor:
             server.next_ping = min(server.next_ping, now + server.period)
             self._counters["recovered"] += 1
             out.append(ServerHealth(event.server, True))
+
+    # ------------------------------------------------------------------------------ instances
+
+    def _on_registered(self, event: InstanceRegistered, now: float, out: list[HealthEffect]) -> None:
+        server = self._server(event.server)
+        if server is None:
+            return
+        server.instances[event.instance_id] = None
+        server.registering.discard(event.instance_id)
+        requests = server.waiting.pop(event.instance_id, [])
+        out.extend(Resend(event.server, r) for r in requests)
+        self._counters["resends"] += len(requests)
+
+    def _on_unregistered(self, event: InstanceUnregistered, now: float, out: list[HealthEffect]) -> None:
+        server = self._server(event.server)
+        if server is None:
+            return
+        server.instances.pop(event.instance_id, None)
+        server.registering.discard(event.instance_id)
+        requests = server.waiting.pop(event.instance_id, [])
+        out.extend(GiveUp(event.server, r) for r in requests)
+        self._counters["give_ups"] += len(requests)
+
+    def _on_registration_failed(self, event: RegistrationFailed, now: float, out: list[HealthEffect]) -> None:
+        server = self._server(event.server)
+        if server is None:
+            return
+        server.registering.discard(event.instance_id)
+        requests = server.waiting.pop(event.instance_id, [])
+        out.extend(GiveUp(event.server, r) for r in requests)
+        self._counters["give_ups"] += len(requests)
+
+    def _register(self, index: int, server: _Server, iid: int, out: list[HealthEffect]) -> None:
+        if iid not in server.registering:
+            server.registering.add(iid)
+            self._counters["reregistrations"] += 1
+            out.append(Register(index, iid))
+
+    def _on_ping_refused(self, event: InstancePingRefused, now: float, out: list[HealthEffect]) -> None:
+        server = self._server(event.server)
+        if server is None or event.instance_id not in server.instances or event.kind != NOT_REGISTERED:
+            return  # unregistered meanwhile, or an error that says nothing about the registration
+        del server.instances[event.instance_id]
+        self._counters["instances_lost"] += 1
+        if server.healthy:
+            self._register(event.server, server, event.instance_id, out)
+
+    def _on_refused(self, event: RequestRefused, now: float, out: list[HealthEffect]) -> None:
+        server = self._server(event.server)
+        if server is None:
+            return
+        waiting = server.waiting.get(event.instance_id, [])
+        if (event.kind != NOT_REGISTERED or event.retried or not server.healthy
+                or len(waiting) >= self.config.max_waiting):
+            self._counters["give_ups"] += 1
+            out.append(GiveUp(event.server, event.request))
+            return
+        if server.instances.pop(event.instance_id, None) is not None:
+            self._counters["instances_lost"] += 1
+        server.waiting[event.instance_id] = [*waiting, event.request]
+        self._register(event.server, server, event.instance_id, out)

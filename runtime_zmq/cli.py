@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--slot-mb", type=cfg.positive_float, default=32.0, help="L1 slot size in MiB: the largest object (one chunk of one KV rank; see docs/troubleshooting.md for the formula)")
     cache.add_argument("--lease-ttl", type=cfg.positive_float, default=300.0, help="seconds a read/write lease lives without use")
     cache.add_argument("--job-ttl", type=cfg.positive_float, default=60.0, help="seconds a lookup nobody queries lives before its leases are reaped")
+    cache.add_argument("--instance-ttl", type=cfg.non_negative_float, default=60.0, help="seconds a registered engine instance may go without a heartbeat before it is reaped (registration, plans, leases, GPU mappings released; 0: never). Reaping starts at an instance's first heartbeat")
     cache.add_argument("--tombstone-ttl", type=cfg.positive_float, default=60.0, help="seconds a delivered status is repeated for")
     cache.add_argument("--store-threshold", type=cfg.non_negative_int, default=0, help="store a chunk only once lookups asked for its prefix this many times (0 or 1: store everything; 2 keeps one-off prompts from evicting reused ones)")
     tiers = cfg.group(p, L2)
@@ -194,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         lease_ttl=args.lease_ttl,
         job_ttl=args.job_ttl,
         tombstone_ttl=args.tombstone_ttl,
+        instance_ttl=args.instance_ttl or None,
         l2_read_timeout=args.l2_read_timeout,
         l2_probe=args.l2_probe,
         limits=wire.Limits(max_frame_bytes=int(args.max_frame_mb * MiB), max_tokens=args.max_tokens,

@@ -15,17 +15,30 @@ Contract
   thread hop; otherwise one background thread receives replies. That thread also expires
   timeouts and sends heartbeats (``health``), and never holds the socket while a caller reads it.
 * Done-callbacks run on whichever thread received the reply, outside the client's locks.
-* Health: ``healthy`` is False until the first heartbeat reply, False after ``heartbeat_timeout``
-  without any reply while requests or heartbeats are outstanding, and True again on the next reply.
-  ``on_health(healthy)`` callbacks run on the client thread; use them to feed core_sm's
-  ``ServerHealth`` event. ZMQ reconnects by itself (reconnect interval capped at 1 s, connect
-  timeout 5 s), so a restarted server is found within about a second.
+* Health is decided by core_sm's ``HealthMonitor`` (the machine the simulator drives); this
+  client only carries its heartbeats and replies and performs its verdicts. ``healthy`` is False
+  until the first heartbeat reply, False after ``heartbeat_timeout`` without one (or at once when
+  a heartbeat cannot be sent: no connection), and True again on the next reply; when it turns
+  False every pending request fails (``unhealthy``). While unhealthy the server is probed every
+  0.1 s, then (after ``heartbeat_timeout``) with a doubling period up to ``heartbeat_backoff_max``
+  (default: the larger of ``heartbeat_interval`` and ``reconnect_ivl_max``). ``on_health(healthy)``
+  callbacks run on the client thread; use them to feed core_sm's ``ServerHealth`` event. ZMQ
+  reconnects by itself (reconnect interval capped at 1 s, connect timeout 5 s), so a restarted
+  server is found within about a second.
 * Restarts: the heartbeat is the ``health`` operation, whose reply carries the server's start id
   (``epoch``, random per server process). ``epoch`` is the last one seen; ``on_epoch(epoch)``
   callbacks run on the client thread when the first one arrives and whenever it changes (a server
   that restarted, even between two heartbeats, without the health ever dropping); use them to
-  feed core_sm's ``ServerEpoch`` event. When one reply brings both a new epoch and the return of
-  health, the epoch callbacks run first.
+  feed core_sm's ``ServerEpoch`` event. Callbacks run in the order the monitor decided: when one
+  reply brings both a new epoch and the return of health, the epoch callbacks run first.
+* Instances: every ``register_instance`` this client sends is remembered (its payloads); once the
+  server acknowledges it, every heartbeat also sends ``ping(instance_id)``, so an idle live engine
+  is never reaped by the server's ``--instance-ttl``; ``unregister_instance`` stops that. A
+  ``store``/``retrieve``/``prepare_store``/``prepare_retrieve`` refused ``not_registered`` (the
+  server reaped or forgot the instance) is not failed at once: the registration is sent again
+  (once for all the requests it refuses) and the request is resent once; a failed registration,
+  a second refusal, or the request's own timeout fails it -- it never hangs. A heartbeat
+  ``ping(instance_id)`` refused ``not_registered`` registers again at once.
 * ``call(...)`` is ``submit(...).result()``. Typed helpers name the operations.
 """
 
@@ -46,7 +59,24 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from core_sm.messages import CacheKey
+from core_sm.health import (
+    FailPending,
+    GiveUp,
+    HealthConfig,
+    HealthMonitor,
+    HeartbeatReply,
+    HeartbeatUnsent,
+    InstancePingRefused,
+    InstanceRegistered,
+    InstanceUnregistered,
+    Register,
+    RegistrationFailed,
+    RequestRefused,
+    Resend,
+    SendHeartbeat,
+    SendInstancePing,
+)
+from core_sm.messages import CacheKey, ServerEpoch, ServerHealth, TimerFired
 from runtime_zmq.wire import ERROR_OP_FRAME, encode_key, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
@@ -100,15 +130,32 @@ class ReplyFuture(Future[Any]):
         return super().exception(timeout=None if timeout is None else 0)
 
 
-class _Pending:
-    __slots__ = ("future", "op_frame", "op", "deadline", "is_ping")
+# What a pending request is to the client: a caller's request, a heartbeat (``health``), an
+# instance heartbeat (``ping(instance_id)``) or a registration (the caller's or a re-registration).
+REQUEST, HEARTBEAT, INSTANCE_PING, REGISTRATION = "request", "heartbeat", "instance_ping", "registration"
 
-    def __init__(self, future: Future[Any], op_frame: bytes, op: str | int, deadline: float, is_ping: bool) -> None:
+# The payload that names the engine instance, for the operations a ``not_registered`` refusal
+# may be retried for (the server refuses them before any work) -- wire codec knowledge.
+_INSTANCE_ARG = {"store": 1, "retrieve": 1, "prepare_store": 1, "prepare_retrieve": 1}
+_ROLE_BY_OP = {"register_instance": REGISTRATION}
+_MAX_REGISTRATIONS = 1024  # remembered registrations (an engine has a handful of instances)
+SERVER = 0  # this client's server, in its HealthMonitor
+
+
+class _Pending:
+    __slots__ = ("future", "op_frame", "op", "deadline", "role", "instance", "payload", "retried", "error")
+
+    def __init__(self, future: Future[Any], op_frame: bytes, op: str | int, deadline: float, role: str,
+                 instance: int | None = None, payload: list[bytes] | None = None) -> None:
         self.future = future
         self.op_frame = op_frame
         self.op = op
         self.deadline = deadline
-        self.is_ping = is_ping
+        self.role = role
+        self.instance = instance  # the engine instance it names, if any
+        self.payload = payload  # kept only for a request that may be resent
+        self.retried = False
+        self.error: RemoteError | None = None  # a refusal waiting on the monitor's verdict
 
 
 class MPCacheClient:
@@ -121,6 +168,7 @@ class MPCacheClient:
         reconnect_ivl_max: float = 1.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 3.0,
+        heartbeat_backoff_max: float | None = None,
         wait_connected: bool = True,
         context: zmq.Context[Any] | None = None,
         curve_dir: str | None = None,
@@ -168,16 +216,26 @@ class MPCacheClient:
         self._deadlines: list[tuple[float, int]] = []
         self._uids = itertools.count(1)
         self._closed = False
+        self._monitor = HealthMonitor(HealthConfig(
+            1, heartbeat_interval, heartbeat_timeout,
+            backoff_max=max(heartbeat_interval, reconnect_ivl_max) if heartbeat_backoff_max is None
+            else heartbeat_backoff_max,
+            probe_interval=min(0.1, heartbeat_interval), fail_pending=True), time.monotonic())
+        self._effects: dict[type, Callable[[Any, list[tuple[Future[Any], bool, Any]]], None]] = {
+            SendHeartbeat: self._do_heartbeat, SendInstancePing: self._do_instance_ping,
+            ServerHealth: self._do_health, ServerEpoch: self._do_epoch, FailPending: self._do_fail_pending,
+            Register: self._do_register, Resend: self._do_resend, GiveUp: self._do_give_up,
+        }
+        # instance id -> payload frames of the last register_instance sent for it
+        self._registrations: dict[int, list[bytes]] = {}
         self._healthy = False
         self._health_cbs: list[Callable[[bool], None]] = []
         self._health_changed = threading.Condition()
-        self._notify_health = False
         self._epoch: int | str | None = None
         self._epoch_cbs: list[Callable[[int | str], None]] = []
-        self._notify_epoch = False
+        # (callbacks, value) in the order the monitor decided; run on the client thread
+        self._notices: list[tuple[list[Any], Any]] = []
         self._heartbeat_at: float | None = None
-        self._ping_uid: int | None = None
-        self._next_ping = 0.0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -223,12 +281,12 @@ class MPCacheClient:
 
     def submit(self, op: str | int, *args: Any, timeout: float | None = None) -> Future[Any]:
         """Send ``[uid, op, *args]``; the future resolves to the reply's result."""
-        return self._submit(op, args, self.request_timeout if timeout is None else timeout, False)
+        return self._submit(op, args, self.request_timeout if timeout is None else timeout)
 
     def call(self, op: str | int, *args: Any, timeout: float | None = None) -> Any:
         t = self.request_timeout if timeout is None else timeout
         # the future's own timeout fires first; the extra second only guards a wedged client thread
-        return self._submit(op, args, t, False, direct=True).result(t + 1.0)
+        return self._submit(op, args, t, direct=True).result(t + 1.0)
 
     def close(self) -> None:
         with self._lock:
@@ -250,8 +308,9 @@ class MPCacheClient:
     def noop(self) -> Any:
         return self.call("noop")
 
-    def ping(self) -> Any:
-        return self.call("ping")
+    def ping(self, instance_id: int | None = None) -> Any:
+        """LMCache's ping; with ``instance_id``, that registered instance's heartbeat."""
+        return self.call("ping") if instance_id is None else self.call("ping", instance_id)
 
     def get_chunk_size(self) -> int:
         return int(self.call("get_chunk_size"))
@@ -316,7 +375,7 @@ class MPCacheClient:
 
     # ------------------------------------------------------------------ internals
 
-    def _submit(self, op: str | int, args: Sequence[Any], timeout: float, is_ping: bool, direct: bool = False) -> Future[Any]:
+    def _submit(self, op: str | int, args: Sequence[Any], timeout: float, direct: bool = False) -> Future[Any]:
         """Send one request. ``direct``: the caller blocks on the result at once (and so reads
         the socket itself): no need to wake the client thread."""
         fut: Future[Any] = ReplyFuture(self)
@@ -326,29 +385,22 @@ class MPCacheClient:
         except Exception as e:
             fut.set_exception(RemoteError("undecodable", f"cannot encode request: {e}", str(op)))
             return fut
+        role = _ROLE_BY_OP.get(op, REQUEST) if isinstance(op, str) else REQUEST
+        index = _INSTANCE_ARG.get(op, 0 if role is REGISTRATION else -1) if isinstance(op, str) else -1
+        instance = args[index] if 0 <= index < len(args) and type(args[index]) is int else None
         done: list[tuple[Future[Any], bool, Any]] = []
         with self._lock:
             if self._closed:
                 fut.set_exception(ClientClosed("client closed"))
                 return fut
-            uid = next(self._uids)
-            uid_frame = msgpack.packb(uid)
-            deadline = time.monotonic() + timeout
-            try:
-                self._sock.send_multipart([uid_frame, op_frame, *payload], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                fut.set_exception(RemoteError("unhealthy", "server not connected (or its queue is full)", str(op)))
-                return fut
-            except zmq.ZMQError as e:
-                fut.set_exception(RemoteError("unhealthy", f"send failed: {e}", str(op)))
-                return fut
-            self._pending[uid] = _Pending(fut, op_frame, op, deadline, is_ping)
-            heapq.heappush(self._deadlines, (deadline, uid))
-            if len(self._deadlines) > 2 * len(self._pending) + 1024:
-                # entries of answered requests linger until their deadline: at 10k calls/s with
-                # a 300 s timeout that would be millions; rebuild from what is still pending
-                self._deadlines = [(p.deadline, u) for u, p in self._pending.items()]
-                heapq.heapify(self._deadlines)
+            if instance is not None and role is REGISTRATION:
+                self._remember_registration(instance, payload)
+            elif op == "unregister_instance" and args and type(args[0]) is int:
+                self._registrations.pop(args[0], None)
+                self._feed(InstanceUnregistered(SERVER, args[0]), done)
+            keep = payload if role is REQUEST and instance is not None else None
+            self._send_locked(_Pending(fut, op_frame, op, time.monotonic() + timeout, role, instance, keep), payload,
+                              done)
             # A send may consume the socket's read notification: drain here so no reply waits
             # for the next timeout of the client thread.
             if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -359,6 +411,38 @@ class MPCacheClient:
             self._wake()
         self._finish(done)
         return fut
+
+    def _send_locked(self, p: _Pending, payload: Sequence[bytes], done: list[tuple[Future[Any], bool, Any]]) -> bool:
+        """Send ``p`` under a new uid and track it; False (``p`` failed ``unhealthy``) when the
+        socket would not take it. Called with ``self._lock`` held."""
+        uid = next(self._uids)
+        try:
+            self._sock.send_multipart([msgpack.packb(uid), p.op_frame, *payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._unsent(p, RemoteError("unhealthy", "server not connected (or its queue is full)", str(p.op)), done)
+            return False
+        except zmq.ZMQError as e:
+            self._unsent(p, RemoteError("unhealthy", f"send failed: {e}", str(p.op)), done)
+            return False
+        self._pending[uid] = p
+        heapq.heappush(self._deadlines, (p.deadline, uid))
+        if len(self._deadlines) > 2 * len(self._pending) + 1024:
+            # entries of answered requests linger until their deadline: at 10k calls/s with
+            # a 300 s timeout that would be millions; rebuild from what is still pending
+            self._deadlines = [(q.deadline, u) for u, q in self._pending.items()]
+            heapq.heapify(self._deadlines)
+        return True
+
+    def _unsent(self, p: _Pending, error: RemoteError, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        done.append((p.future, False, error))
+        if p.role is REGISTRATION and p.instance is not None:
+            self._feed(RegistrationFailed(SERVER, p.instance), done)
+
+    def _remember_registration(self, instance: int, payload: list[bytes]) -> None:
+        self._registrations.pop(instance, None)
+        self._registrations[instance] = payload
+        while len(self._registrations) > _MAX_REGISTRATIONS:
+            self._registrations.pop(next(iter(self._registrations)))
 
     def _wake(self) -> None:
         try:
@@ -429,28 +513,66 @@ class MPCacheClient:
             p = self._pending.pop(uid, None) if type(uid) is int else None
             if p is None:
                 continue  # late reply to a request that timed out or failed
-            if p.is_ping:
-                self._ping_uid = None
-                self._heartbeat_at = time.monotonic()
-                if len(frames) > 2 and frames[1] == p.op_frame:
-                    self._note_epoch(frames[2])
-                self._set_health(True, done)
-                continue
-            op_frame = frames[1]
-            try:
-                if op_frame == ERROR_OP_FRAME:
-                    body = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else {}
-                    if not isinstance(body, dict):
-                        body = {"kind": "internal", "message": repr(body)}
-                    done.append((p.future, False, RemoteError(str(body.get("kind")), str(body.get("message")), body.get("op"))))
-                elif op_frame != p.op_frame:
-                    done.append((p.future, False, RemoteError("internal", f"reply op {op_frame!r} does not match {p.op_frame!r}")))
-                elif len(frames) > 2:
-                    done.append((p.future, True, msgpack.unpackb(frames[2], raw=False, strict_map_key=False)))
-                else:
-                    done.append((p.future, True, None))
-            except Exception as e:
-                done.append((p.future, False, RemoteError("undecodable", f"reply did not decode: {e}")))
+            ok, value = self._decode(p, frames)
+            self._on_reply[p.role](self, uid, p, ok, value, done)
+
+    @staticmethod
+    def _decode(p: _Pending, frames: list[bytes]) -> tuple[bool, Any]:
+        """(True, result) or (False, RemoteError) for one reply."""
+        op_frame = frames[1]
+        try:
+            if op_frame == ERROR_OP_FRAME:
+                body = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else {}
+                if not isinstance(body, dict):
+                    body = {"kind": "internal", "message": repr(body)}
+                return False, RemoteError(str(body.get("kind")), str(body.get("message")), body.get("op"))
+            if op_frame != p.op_frame:
+                return False, RemoteError("internal", f"reply op {op_frame!r} does not match {p.op_frame!r}")
+            if len(frames) > 2:
+                return True, msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+            return True, None
+        except Exception as e:
+            return False, RemoteError("undecodable", f"reply did not decode: {e}")
+
+    # one reply, by what the request was to the client -------------------------------------
+
+    def _reply_request(self, uid: int, p: _Pending, ok: bool, value: Any,
+                       done: list[tuple[Future[Any], bool, Any]]) -> None:
+        if ok or p.instance is None:
+            done.append((p.future, ok, value))
+            return
+        # a refusal of a request naming an instance: the monitor decides (resend or give up)
+        p.error = value
+        self._pending[uid] = p  # parked under its uid; its deadline still runs
+        self._feed(RequestRefused(SERVER, p.instance, uid, value.kind, p.retried), done)
+
+    def _reply_heartbeat(self, uid: int, p: _Pending, ok: bool, value: Any,
+                         done: list[tuple[Future[Any], bool, Any]]) -> None:
+        self._heartbeat_at = time.monotonic()
+        epoch = value.get("epoch") if ok and isinstance(value, dict) else None
+        self._feed(HeartbeatReply(SERVER, epoch if type(epoch) in (int, str) else None), done)
+
+    def _reply_instance_ping(self, uid: int, p: _Pending, ok: bool, value: Any,
+                             done: list[tuple[Future[Any], bool, Any]]) -> None:
+        if not ok and p.instance is not None:
+            self._feed(InstancePingRefused(SERVER, p.instance, value.kind), done)
+
+    def _reply_registration(self, uid: int, p: _Pending, ok: bool, value: Any,
+                            done: list[tuple[Future[Any], bool, Any]]) -> None:
+        done.append((p.future, ok, value))
+        if p.instance is not None:
+            self._feed(InstanceRegistered(SERVER, p.instance) if ok else RegistrationFailed(SERVER, p.instance), done)
+
+    _on_reply = {REQUEST: _reply_request, HEARTBEAT: _reply_heartbeat, INSTANCE_PING: _reply_instance_ping,
+                 REGISTRATION: _reply_registration}
+
+    def _expire(self, p: _Pending, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        """``p``'s deadline passed without a reply (heartbeats: the monitor's timeout covers them)."""
+        if p.role is REQUEST or p.role is REGISTRATION:
+            error = p.error or RemoteError("timeout", "no reply within the request timeout", str(p.op))
+            done.append((p.future, False, error))
+        if p.role is REGISTRATION and p.instance is not None:
+            self._feed(RegistrationFailed(SERVER, p.instance), done)
 
     @staticmethod
     def _finish(done: list[tuple[Future[Any], bool, Any]]) -> None:
@@ -465,40 +587,78 @@ class MPCacheClient:
             except Exception:  # cancelled by its owner meanwhile
                 pass
 
-    def _note_epoch(self, health_frame: bytes) -> None:
-        # called with self._lock held, on a heartbeat (``health``) reply
-        try:
-            reply = msgpack.unpackb(health_frame, raw=False)
-        except Exception:
-            return
-        epoch = reply.get("epoch") if isinstance(reply, dict) else None
-        if type(epoch) not in (int, str) or epoch == self._epoch:
-            return
-        if self._epoch is not None:
-            log.warning("mpcache server %s restarted (epoch %s -> %s)", self.url, self._epoch, epoch)
-        self._epoch = epoch
-        self._notify_epoch = True
+    # the monitor: its events in, its effects performed (called with self._lock held) -------
+
+    def _feed(self, event: Any, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        work = self._monitor.handle(event, time.monotonic())
+        while work:
+            effect = work.pop(0)
+            self._effects[type(effect)](effect, done)
+
+    def _do_heartbeat(self, effect: SendHeartbeat, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        # ``health`` rather than LMCache's ``ping``: its reply carries the server's epoch
+        p = _Pending(Future(), _HEALTH_FRAME, "health", time.monotonic() + self.heartbeat_timeout, HEARTBEAT)
+        if not self._send_locked(p, (), done):
+            # no completed connection (IMMEDIATE): the server is gone or not up yet. Replies it
+            # sent before it went (a shutting_down answer, say) are delivered first.
+            self._drain_locked(done)
+            self._feed(HeartbeatUnsent(SERVER), done)
+
+    def _do_instance_ping(self, effect: SendInstancePing, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        p = _Pending(Future(), _PING_FRAME, "ping", time.monotonic() + self.heartbeat_timeout, INSTANCE_PING,
+                     effect.instance_id)
+        self._send_locked(p, (msgpack.packb(effect.instance_id),), done)
+
+    def _do_health(self, effect: ServerHealth, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        self._healthy = effect.healthy
+        log.log(logging.INFO if effect.healthy else logging.WARNING, "mpcache server %s is %s", self.url,
+                "answering" if effect.healthy else "not answering")
+        self._notice(self._health_cbs, effect.healthy)
+
+    def _do_epoch(self, effect: ServerEpoch, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        log.info("mpcache server %s: start id (epoch) %s, was %s", self.url, effect.epoch, self._epoch)
+        self._epoch = effect.epoch
+        self._notice(self._epoch_cbs, effect.epoch)
+
+    def _notice(self, callbacks: list[Any], value: Any) -> None:
+        self._notices.append((callbacks, value))
         if threading.current_thread() is not self._thread:
             self._wake()
 
-    def _set_health(self, healthy: bool, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        # called with self._lock held
-        if healthy == self._healthy:
+    def _do_fail_pending(self, effect: FailPending, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        log.warning("mpcache server %s stopped answering; failing %d pending request(s)", self.url,
+                    sum(1 for p in self._pending.values() if p.role is REQUEST or p.role is REGISTRATION))
+        for p in self._pending.values():
+            done.append((p.future, False, RemoteError("unhealthy", "server stopped answering", str(p.op))))
+        self._pending.clear()
+        self._deadlines.clear()
+
+    def _do_register(self, effect: Register, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        payload = self._registrations.get(effect.instance_id)
+        if payload is None:  # never registered through this client: nothing to send again
+            self._feed(RegistrationFailed(SERVER, effect.instance_id), done)
             return
-        self._healthy = healthy
-        if not healthy:
-            log.warning("mpcache server %s stopped answering; failing %d pending request(s)", self.url, len(self._pending))
-            for p in self._pending.values():
-                if not p.is_ping:
-                    done.append((p.future, False, RemoteError("unhealthy", "server stopped answering", str(p.op))))
-            self._pending.clear()
-            self._deadlines.clear()
-            self._ping_uid = None
-        else:
-            log.info("mpcache server %s is answering", self.url)
-        self._notify_health = True
-        if threading.current_thread() is not self._thread:
-            self._wake()
+        log.warning("mpcache server %s does not know instance %d (reaped or restarted): registering it again",
+                    self.url, effect.instance_id)
+        p = _Pending(Future(), _REGISTER_FRAME, "register_instance", time.monotonic() + self.request_timeout,
+                     REGISTRATION, effect.instance_id)
+        self._send_locked(p, payload, done)
+
+    def _do_resend(self, effect: Resend, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        uid = effect.request
+        p = self._pending.pop(uid, None) if type(uid) is int else None
+        if p is None or p.payload is None:
+            return  # timed out or failed meanwhile
+        p.retried, p.error = True, None
+        if not self._send_locked(p, p.payload, done):
+            return  # failed unhealthy on the spot
+        log.info("mpcache: %s for instance %s sent again after its registration", p.op, p.instance)
+
+    def _do_give_up(self, effect: GiveUp, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        uid = effect.request
+        p = self._pending.pop(uid, None) if type(uid) is int else None
+        if p is not None:
+            done.append((p.future, False, p.error or RemoteError("not_registered", "instance not registered", str(p.op))))
 
     def _run(self) -> None:
         poller = select.poll()
@@ -522,46 +682,30 @@ class MPCacheClient:
                         self._drain_locked(done)
                         self._recv_lock.release()
                     self._io_watching = receiving
-                    # expire per-request timeouts; a heartbeat that timed out means unhealthy
                     while self._deadlines and self._deadlines[0][0] <= now:
                         _, uid = heapq.heappop(self._deadlines)
-                        p = self._pending.pop(uid, None)
-                        if p is None:
-                            continue
-                        if p.is_ping:
-                            self._ping_uid = None
-                            self._set_health(False, done)
-                        else:
-                            done.append((p.future, False, RemoteError("timeout", "no reply within the request timeout", str(p.op))))
-                    if now >= self._next_ping and self._ping_uid is None:
-                        # probe fast while unhealthy so a restarted server is found at once
-                        interval = self.heartbeat_interval if self._healthy else min(0.1, self.heartbeat_interval)
-                        self._next_ping = now + interval
-                        self._send_ping_locked(now, done)
-                    wait_until = self._next_ping
+                        p = self._pending.get(uid)
+                        if p is not None and p.deadline <= now:
+                            del self._pending[uid]
+                            self._expire(p, done)
+                    deadline = self._monitor.next_deadline()
+                    if deadline is not None and deadline <= now:
+                        self._feed(TimerFired(), done)
+                        deadline = self._monitor.next_deadline()
+                    wait_until = now + 1.0 if deadline is None else deadline
                     if self._deadlines:
                         wait_until = min(wait_until, self._deadlines[0][0])
-                    notify, self._notify_health = self._notify_health, False
-                    healthy = self._healthy
-                    notify_epoch, self._notify_epoch = self._notify_epoch, False
-                    epoch = self._epoch
+                    notices, self._notices = self._notices, []
                 self._finish(done)
-                if notify_epoch and epoch is not None:
-                    # before the health callbacks: a machine told "healthy" first would register
-                    # with the new server, then again on learning it restarted
-                    for epoch_cb in list(self._epoch_cbs):
+                for callbacks, value in notices:
+                    if callbacks is self._health_cbs:
+                        with self._health_changed:
+                            self._health_changed.notify_all()
+                    for cb in list(callbacks):
                         try:
-                            epoch_cb(epoch)
+                            cb(value)
                         except Exception:
-                            log.exception("epoch callback failed")
-                if notify:
-                    with self._health_changed:
-                        self._health_changed.notify_all()
-                    for cb in list(self._health_cbs):
-                        try:
-                            cb(healthy)
-                        except Exception:
-                            log.exception("health callback failed")
+                            log.exception("health/epoch callback failed")
                 timeout_ms = max(0.0, (wait_until - time.monotonic()) * 1000)
                 if receiving:
                     # The FD is edge-triggered; cap the sleep so a lost edge costs at most 50 ms.
@@ -586,19 +730,7 @@ class MPCacheClient:
             os.close(self._wake_r)
             os.close(self._wake_w)
 
-    def _send_ping_locked(self, now: float, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        uid = next(self._uids)
-        op_frame = self._PING_FRAME
-        try:
-            self._sock.send_multipart([msgpack.packb(uid), op_frame], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            # no completed connection (IMMEDIATE): the server is gone or not up yet
-            self._set_health(False, done)
-            return
-        self._ping_uid = uid
-        deadline = now + self.heartbeat_timeout
-        self._pending[uid] = _Pending(Future(), op_frame, "ping", deadline, True)
-        heapq.heappush(self._deadlines, (deadline, uid))
 
-    # The heartbeat: ``health`` rather than LMCache's ``ping``, for the epoch in its reply.
-    _PING_FRAME = msgpack.packb("health")
+_HEALTH_FRAME = msgpack.packb("health")
+_PING_FRAME = msgpack.packb("ping")
+_REGISTER_FRAME = msgpack.packb("register_instance")

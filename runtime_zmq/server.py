@@ -69,6 +69,8 @@ class ServerConfig:
     l2_urls: tuple[str, ...] = ()
     lease_ttl: float = 300.0
     job_ttl: float = 60.0
+    # a registered instance that sent heartbeats and then none for this long is reaped (None: never)
+    instance_ttl: float | None = 60.0
     tombstone_ttl: float = 60.0
     l2_read_timeout: float = 30.0
     l2_probe: bool = True
@@ -110,6 +112,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             slot_bytes=slot_bytes,
             lease_ttl=config.lease_ttl,
             abandoned_job_ttl=config.job_ttl,
+            instance_ttl=config.instance_ttl,
             tombstone_ttl=config.tombstone_ttl,
             l2_enabled=l2_enabled,
             l2_read_timeout=config.l2_read_timeout,
@@ -579,6 +582,9 @@ class Server:
         elif t is fx.ProbeL2:
             self.l2.probe(eff)  # type: ignore[arg-type]
         elif t is fx.InstanceReaped:  # no heartbeat for instance_ttl: drop its GPU mappings
+            log.warning("instance %s sent no heartbeat for %g s: reaped (its registration, plans, leases and "
+                        "GPU mappings are released; it must register again)",
+                        eff.instance_id, self.config.instance_ttl)  # type: ignore[attr-defined]
             self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
             self._instance_bytes.pop(eff.instance_id, None)  # type: ignore[attr-defined]
         elif t is fx.ChunksStored or t is fx.ChunksRemoved or t is fx.AllChunksCleared:

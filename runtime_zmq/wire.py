@@ -520,8 +520,11 @@ def _spec(name: str, legacy: int | None, *params: P, optional_tail: int = 0, req
 # Data plane: mpcache's own (documented in docs/protocol.md); they have no legacy id.
 OPS: Final[tuple[OpSpec, ...]] = (
     _spec("noop", 24),
+    # ping([instance_id]): LMCache's heartbeat sends none (or nil); mpcache's engines name each
+    # registered instance, whose liveness at the server it is (--instance-ttl)
     _spec("ping", 22, P.OPT_INT, optional_tail=1, request_type=m.Ping,
-          build=lambda a, rt, pr, now, lim: m.Ping(reply_to=rt, peer=pr), encode=lambda r, h, x: ()),
+          build=lambda a, rt, pr, now, lim: m.Ping(_opt(a, 0), reply_to=rt, peer=pr),
+          encode=lambda r, h, x: () if r.instance_id is None else (r.instance_id,)),
     _spec("get_chunk_size", 21, request_type=m.GetChunkSize,
           build=lambda a, rt, pr, now, lim: m.GetChunkSize(reply_to=rt, peer=pr), encode=lambda r, h, x: ()),
     _spec("lookup", 8, P.KEY, P.INT, optional_tail=1, request_type=m.Lookup, build=_lookup,

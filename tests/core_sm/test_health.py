@@ -58,3 +58,98 @@ def test_a_reply_from_an_unknown_server_is_counted_not_raised() -> None:
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError):
         HealthConfig(1, interval=3.0, timeout=2.0)
+
+
+# ---------------------------------------------------------------------------- production's needs
+
+from core_sm.health import (  # noqa: E402
+    FailPending,
+    GiveUp,
+    HeartbeatUnsent,
+    InstancePingRefused,
+    InstanceRegistered,
+    InstanceUnregistered,
+    Register,
+    RegistrationFailed,
+    RequestRefused,
+    Resend,
+    SendInstancePing,
+)
+
+
+def one(**kw: object) -> HealthMonitor:
+    return HealthMonitor(HealthConfig(1, interval=1.0, timeout=3.0, backoff_max=1.0, probe_interval=0.1,  # type: ignore[arg-type]
+                                      fail_pending=True, **kw))
+
+
+def test_unhealthy_fails_pending_and_probes_fast_then_backs_off() -> None:
+    m = one(initially_healthy=True)
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    assert m.handle(HeartbeatUnsent(0), 0.5) == [ServerHealth(0, False), FailPending(0)]
+    assert m.handle(HeartbeatUnsent(0), 0.6) == []  # once
+    pings, now = [], 0.5
+    while now < 8.0:
+        now = m.next_deadline()  # type: ignore[assignment]
+        if SendHeartbeat(0) in m.handle(TimerFired(), now):
+            pings.append(round(now, 3))
+    gaps = [round(b - a, 3) for a, b in zip(pings, pings[1:])]
+    assert gaps[0] == 0.1 and max(gaps) == 1.0 and gaps == sorted(gaps)  # 100 ms probes, then up to 1 s
+    assert m.handle(HeartbeatReply(0, 1), now) == [ServerHealth(0, True)]
+
+
+def test_registered_instances_are_pinged_with_every_heartbeat_while_healthy() -> None:
+    m = one()
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    m.handle(InstanceRegistered(0, 7), 0.1)
+    m.handle(InstanceRegistered(0, 8), 0.1)
+    assert m.handle(TimerFired(), 1.0) == [SendHeartbeat(0), SendInstancePing(0, 7), SendInstancePing(0, 8)]
+    m.handle(InstanceUnregistered(0, 7), 1.1)
+    assert m.handle(TimerFired(), 2.0) == [SendHeartbeat(0), SendInstancePing(0, 8)]
+    assert m.instances(0) == (8,)
+    # down: only the plain heartbeat probes
+    assert ServerHealth(0, False) in m.handle(TimerFired(), 5.0)
+    assert [e for e in m.handle(TimerFired(), 6.0) if not isinstance(e, SendHeartbeat)] == []
+
+
+def test_a_refused_ping_registers_again_once() -> None:
+    m = one()
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    m.handle(InstanceRegistered(0, 7), 0.0)
+    assert m.handle(InstancePingRefused(0, 7, "not_registered"), 1.0) == [Register(0, 7)]
+    assert m.handle(InstancePingRefused(0, 7, "not_registered"), 1.0) == []  # no longer pinged
+    assert m.handle(InstancePingRefused(0, 9, "not_registered"), 1.0) == []  # never registered here
+    assert m.handle(InstanceRegistered(0, 7), 1.2) == [] and m.instances(0) == (7,)
+    assert m.handle(InstancePingRefused(0, 7, "internal"), 2.0) == [] and m.instances(0) == (7,)
+
+
+def test_not_registered_registers_once_for_all_waiting_requests_then_resends_each_once() -> None:
+    m = one()
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    m.handle(InstanceRegistered(0, 7), 0.0)
+    assert m.handle(RequestRefused(0, 7, "a", "not_registered"), 1.0) == [Register(0, 7)]
+    assert m.handle(RequestRefused(0, 7, "b", "not_registered"), 1.0) == []  # joins the registration
+    assert m.handle(InstanceRegistered(0, 7), 1.1) == [Resend(0, "a"), Resend(0, "b")]
+    # refused again after its resend: given up, no second registration for it
+    assert m.handle(RequestRefused(0, 7, "a", "not_registered", retried=True), 1.2) == [GiveUp(0, "a")]
+    # other errors are the request's own
+    assert m.handle(RequestRefused(0, 7, "c", "validation"), 1.3) == [GiveUp(0, "c")]
+    assert m.stats()["reregistrations"] == 1 and m.stats()["resends"] == 2
+
+
+def test_a_failed_registration_or_a_lost_server_gives_up_what_waited() -> None:
+    m = one()
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    assert m.handle(RequestRefused(0, 7, "a", "not_registered"), 0.5) == [Register(0, 7)]
+    assert m.handle(RegistrationFailed(0, 7), 0.6) == [GiveUp(0, "a")]
+    assert m.handle(RequestRefused(0, 7, "b", "not_registered"), 0.7) == [Register(0, 7)]
+    assert m.handle(HeartbeatUnsent(0), 0.8) == [ServerHealth(0, False), FailPending(0), GiveUp(0, "b")]
+    assert m.handle(RequestRefused(0, 7, "c", "not_registered"), 0.9) == [GiveUp(0, "c")]  # unhealthy
+    m.handle(HeartbeatReply(0, 1), 1.0)
+    assert m.handle(RequestRefused(0, 7, "d", "not_registered"), 1.1) == [Register(0, 7)]  # not stuck
+
+
+def test_waiting_requests_are_bounded() -> None:
+    m = one(max_waiting=2)
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    effects = [m.handle(RequestRefused(0, 7, i, "not_registered"), 0.5) for i in range(3)]
+    assert effects == [[Register(0, 7)], [], [GiveUp(0, 2)]]

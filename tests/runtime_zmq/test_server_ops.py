@@ -54,7 +54,8 @@ def test_control_plane_ops(client: MPCacheClient) -> None:
     assert client.noop() == "OK"
     assert client.ping() is True
     assert client.call("ping", None) is True
-    assert client.call("ping", 7) is True
+    with pytest.raises(RemoteError, match="not_registered"):  # a named ping is that instance's heartbeat
+        client.call("ping", 7)
     assert client.get_chunk_size() == CHUNK
     # legacy integer op ids reach the same handlers
     assert client.call(24) == "OK"

@@ -25,3 +25,20 @@ def test_the_simulator_drives_the_class_the_connector_drives() -> None:
             assert {type(worker.node.machines[tc_name(s)]) for s in range(engine.num_servers)} == {TransferClient}
     planned = sum(e.sched.machines[LOOKUP].stats()["stores_planned"] for e in world.engines if e.sched)
     assert planned > 0, "the world never asked the planner for a store"
+
+
+def test_the_simulator_drives_the_health_monitor_the_zmq_client_drives() -> None:
+    from core_sm.health import HealthMonitor
+    from runtime_zmq.client import MPCacheClient
+
+    # what the production client builds (a socket needs no server to exist)
+    client = MPCacheClient("tcp://127.0.0.1:1", wait_connected=False, connect_timeout=0.2)
+    try:
+        assert type(client._monitor) is HealthMonitor
+    finally:
+        client.close()
+    result, world = run_scenario(draw_scenario(3))
+    assert result.ok, result.violation
+    beats = [hb for engine in world.engines for hb in engine.heartbeats]
+    assert beats and {type(hb.monitor) for hb in beats} == {HealthMonitor}
+    assert sum(hb.monitor.stats()["heartbeats_sent"] for hb in beats) > 0

@@ -1,0 +1,100 @@
+"""Dead-instance reaping against a live server (F13/F19, LMCache #4715): the client's heartbeats
+name every instance it registered, so an idle live engine is never reaped; one that goes silent
+is reaped (registration and plans released, logged, counted); a request naming a reaped
+instance registers it again once and is resent -- a store and a retrieve both complete."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from conftest import ServerProcess, wait_for
+from runtime_zmq.client import MPCacheClient, RemoteError
+from runtime_zmq.l1_pool import MappedSegment
+from test_server_ops import CHUNK, OBJ_BYTES, key, pattern, register, store_chunks, tokens
+
+TTL = 1.0
+
+
+def test_a_heartbeating_idle_engine_lives_and_a_silent_one_is_reaped(start_server: Callable[..., ServerProcess]) -> None:
+    sp = start_server("--instance-ttl", str(TTL))
+    idle = MPCacheClient(sp.url, request_timeout=5.0, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    dying = MPCacheClient(sp.url, request_timeout=5.0, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    try:
+        register(idle, 1)
+        register(dying, 2)
+        plan = dying.prepare_store(key(tokens(2, seed=3), "dying", worker_id=0), 2).result(5)
+        assert plan["ok"]
+        # both are heartbeating: watched by the server from their first ping(instance_id) on
+        assert wait_for(lambda: idle.stats()["heartbeats"] >= 4, timeout=5.0)
+        dying.close()  # the engine dies without unregistering; its plan stays uncommitted
+        t0 = time.monotonic()
+        assert wait_for(lambda: idle.stats()["instances_reaped"] == 1, timeout=5 * TTL)
+        reaped_after = time.monotonic() - t0
+        assert TTL * 0.5 <= reaped_after <= TTL + 2.0, reaped_after
+        stats = idle.stats()
+        assert stats["instances"] == 1 and stats["plans_of_reaped_instances"] == 1
+        assert wait_for(lambda: any("instance 2 sent no heartbeat" in line and "reaped" in line for line in sp.log))
+        # its plan is gone: a commit of it is refused, not applied
+        with pytest.raises(RemoteError):
+            idle.commit_store(plan["transfer_id"], True).result(5)
+        # the idle engine sent nothing but heartbeats for 3 TTLs and is still registered
+        time.sleep(3 * TTL)
+        stats = idle.stats()
+        assert stats["instances_reaped"] == 1 and stats["instances"] == 1
+        assert store_chunks(idle, tokens(2, seed=4), "idle", iid=1, seed=4)["ok"]
+        assert idle._monitor.stats()["reregistrations"] == 0  # never needed to register again
+    finally:
+        idle.close()
+        dying.close()
+
+
+def _retrieve(c: MPCacheClient, toks: list[int], rid: str, iid: int, seed: int) -> None:
+    assert c.lookup(key(toks, rid)).result(5) is None
+    assert c.wait_prefetch_status(rid, 2.0).result(5) == len(toks) // CHUNK
+    plan = c.prepare_retrieve(key(toks, rid, worker_id=0), iid, 0).result(5)
+    assert plan["ok"] and plan["kind"] == "retrieve"
+    seg = MappedSegment(plan["segment"], plan["slot_bytes"], 1 << 30)
+    try:
+        for chunk, slot, _off in plan["placements"]:
+            assert bytes(seg.view(slot, OBJ_BYTES)) == pattern(chunk, seed)
+    finally:
+        seg.close()
+    assert c.commit_retrieve(plan["transfer_id"], True).result(5)["ok"]
+    assert c.end_session(rid).result(5) is None
+
+
+def test_a_store_and_a_retrieve_for_a_reaped_instance_register_again_once_and_complete(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    sp = start_server("--instance-ttl", str(TTL))
+    # heartbeats far apart: the instance's own heartbeat never comes before the requests, so the
+    # requests are what find it reaped (an engine whose heartbeats were lost for a TTL)
+    c = MPCacheClient(sp.url, request_timeout=5.0, heartbeat_interval=30.0, heartbeat_timeout=60.0)
+    try:
+        register(c, 5)
+        toks = tokens(3, seed=7)
+
+        def reap() -> None:
+            reaped = c.stats()["instances_reaped"]
+            assert c.ping(5) is True  # one heartbeat: the server watches it, then silence
+            assert wait_for(lambda: c.stats()["instances_reaped"] == reaped + 1, timeout=5 * TTL)
+            with pytest.raises(RemoteError, match="not_registered"):
+                c.ping(5)
+
+        reap()
+        t0 = time.monotonic()
+        assert store_chunks(c, toks, "w", iid=5, seed=7) == {"ok": True, "stored": 3, "skipped": 0}
+        reap()
+        _retrieve(c, toks, "r", 5, 7)
+        assert time.monotonic() - t0 < 5.0 + 2 * 5 * TTL
+        monitor = c._monitor.stats()
+        assert monitor["reregistrations"] == 2 and monitor["resends"] == 2 and monitor["give_ups"] == 0
+        assert c.stats()["instances"] == 1
+        # an instance this client never registered: refused at once, nothing to register again
+        with pytest.raises(RemoteError, match="not_registered"):
+            c.prepare_store(key(toks, "x", worker_id=0), 99).result(5)
+    finally:
+        c.close()
