@@ -256,16 +256,18 @@ class GpuTransferExecutor:
         ok = True
         t_wait = t1
         entries: list[int] = []
-        stream = inst.stream_handle
         store = transfer.kind is TransferKind.STORE
         n = rows.block_ids.shape[0]
         pool_dma = False
-        busy = bool(inst.pending)  # earlier copies still queued: overlap them (staging)
+        now = time.monotonic()
+        # earlier copies still queued, this engine's or another's in the same direction (the
+        # link model says so): overlap them (staging) rather than compete for the link
+        busy = bool(inst.pending) or self._link_busy_until[transfer.kind] > now
         try:
             if event_handle:
                 # the worker's forward pass (store) or its reads of those blocks (retrieve)
                 # must be ordered before our copy; waiting is on the device, not here
-                gpu_ipc.check(gpu_ipc._driver().cuStreamWaitEvent(stream, inst.worker_event(event_handle), 0), "cuStreamWaitEvent")
+                inst.transfer.wait_event(inst.worker_event(event_handle))
             t_wait = time.perf_counter_ns()
             for b in range(0, n, self.max_chunks):
                 ids = rows.block_ids[b : b + self.max_chunks]
@@ -281,7 +283,6 @@ class GpuTransferExecutor:
             ok = False  # anything already enqueued still has to land before the slots move on
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        now = time.monotonic()
         busy = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
         self._link_busy_until[transfer.kind] = busy
         p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy)
@@ -291,7 +292,7 @@ class GpuTransferExecutor:
             if p.event is None:
                 p.event = self._new_event()
             # after every copy of this transfer (its DMAs may still run on the copy stream)
-            gpu_ipc.check(gpu_ipc._driver().cuEventRecord(p.event, inst.transfer.completion_stream()), "cuEventRecord")
+            inst.transfer.record_completion(p.event)
         except Exception:
             # the waiter records one later (a later record covers this transfer's copies too)
             log.exception("transfer %d: no completion event yet", transfer.transfer_id)

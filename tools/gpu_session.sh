@@ -2,7 +2,7 @@
 # One GPU session on a CUDA host: versions, the mpcache-server GPU benchmark (this checkout, and
 # optionally an older server checkout for before/after), then `make test-gpu`. Logs and JSON go
 # to $OUT (default ./out). Usage, from the repo root:
-#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="bench before test"] bash tools/gpu_session.sh
+#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="profile kernels bench before test"] bash tools/gpu_session.sh
 # WHEELS: a folder of wheels to install first (e.g. pyzmq where the host python lacks it).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -26,6 +26,8 @@ for step in $STEPS; do
             timeout 150 python3 -m tools.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \
                 --shapes 1x8,32x1,16x8 --rounds 4 --out "$OUT" 2>&1 | tee "$OUT/bench_before.log" || rc=1
         fi ;;
+    profile)
+        timeout 150 python3 -m tools.host_profile_kernels 2>&1 | tee "$OUT/host_profile.log" || rc=1 ;;
     kernels)
         timeout 200 python3 -m tools.bench_cli kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
     test)

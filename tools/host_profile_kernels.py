@@ -1,85 +1,205 @@
-"""Where the host time of one CudaKVTransfer call goes (GPU host): `python -m tools.host_profile_kernels`.
+"""Where the host time of a CudaKVTransfer call goes (GPU host): `python -m tools.host_profile_kernels`.
 
-Times, per chunk count, the pieces of a zero-copy call: request validation, filling the
-descriptor (into mapped pinned, plain pinned and pageable memory), and the packed launch.
+Llama-3-8B KV geometry (32 layers, 8 KV heads, head 128, bf16, block 16, chunk 256 = 32 MiB).
+
+1. The cost of each driver call of the enqueue path, through ``kernels.gpu.FastDriver`` (ctypes
+   into libcuda) and through cuda-bindings (what the path used before): event record, stream
+   wait, event query, kernel launch, and a batch of 17 DMAs against 17 single ones.
+2. Per mode (zero-copy, staging, auto), staging piece growth and staging grid, per chunk count (1, 8, 32):
+   host time per call as the server's executor makes them (``join=False``, ``busy``), the
+   device time of one call alone (store / retrieve), and GB/s of calls back to back. Every
+   configuration is checked bit for bit (store into poisoned slots, retrieve into poisoned
+   blocks) against torch indexing.
+Prints two tables; exits 1 if a check fails.
 """
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from typing import Any, Callable
 
 import numpy as np
 
 
-def main() -> None:
+def _us(fn: Callable[[], Any], n: int = 200) -> float:
+    v = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        v.append(time.perf_counter_ns() - t0)
+    return statistics.median(v) / 1e3
+
+
+def main() -> int:
     import torch
+    from cuda.bindings import driver as drv
     from numba import cuda
 
-    from kernels.cpu import check_request
-    from kernels.gpu import CudaKVTransfer, span_device_buffers
+    from kernels.gpu import CudaKVTransfer, as_handle, fast_driver, raw_stream, span_device_buffers
     from kernels.layouts import KVGeometry, PagedLayout
 
-    g = KVGeometry(PagedLayout.NHD, 32, 1024, 16, 8, 128, 2, 256)
-    layers = [torch.empty(g.layer_shape(), dtype=torch.bfloat16, device="cuda") for _ in range(g.num_layers)]
+    torch.cuda.init()
+    dev = torch.device("cuda")
+    g = KVGeometry(PagedLayout.NHD, 32, 2 * 32 * 16 + 64, 16, 8, 128, 2, 256)
+    slot = g.slot_bytes
+    layers = []
+    for _ in range(g.num_layers):
+        t = torch.empty(g.layer_shape(), dtype=torch.bfloat16, device=dev)
+        t.view(torch.int16).random_(-32768, 32767)
+        layers.append(t)
     span, offs = span_device_buffers([t.data_ptr() for t in layers], layers[0].nbytes, g.lane_dtype)
-    pool_t = torch.empty(40 * g.slot_bytes, dtype=torch.uint8, pin_memory=True)
+    n_slots = 64
+    pool_t = torch.empty(n_slots * slot, dtype=torch.uint8, pin_memory=True)
     pool = cuda.from_cuda_array_interface({"shape": (pool_t.numel() // 8,), "typestr": "<u8", "data": (pool_t.data_ptr(), False),
                                            "version": 3, "strides": None}, owner=None, sync=False)
-    x = CudaKVTransfer(g, span, offs, pool, max_chunks=32)
-    mapped = np.asarray(cuda.mapped_array(4096, dtype=np.int64))
-    pinned = cuda.pinned_array(4096, dtype=np.int64)
-    plain = np.zeros(4096, dtype=np.int64)
-    rng = np.random.default_rng(0)
+    torch.cuda.synchronize()
+    rng = np.random.default_rng(11)
+    bpc = g.blocks_per_chunk
+    perm = rng.permutation(g.num_blocks)
+    src_ids = perm[: 32 * bpc].reshape(32, bpc).astype(np.int64)
+    dst_ids = perm[32 * bpc : 64 * bpc].reshape(32, bpc).astype(np.int64)
+    slots = rng.permutation(n_slots)[:32].astype(np.int64) * slot  # scattered: one DMA per chunk
 
-    def t_us(fn, n=300) -> float:  # type: ignore[no-untyped-def]
-        v = []
-        for _ in range(n):
-            t0 = time.perf_counter_ns()
-            fn()
-            v.append(time.perf_counter_ns() - t0)
-        return statistics.median(v) / 1e3
+    # ---- 1. driver calls
+    fd = fast_driver()
+    s = cuda.stream()
+    s_raw = raw_stream(s)
+    s_h = as_handle(s_raw)
+    ev = cuda.event(timing=False)
+    ev_raw = ev.handle
+    ev_h = as_handle(ev_raw)
+    scratch = torch.empty(17 * (1 << 16), dtype=torch.uint8, device=dev)
+    host = torch.empty(17 * (1 << 16), dtype=torch.uint8, pin_memory=True)
+    dsts = [host.data_ptr() + i * (1 << 16) for i in range(17)]
+    srcs = [scratch.data_ptr() + i * (1 << 16) for i in range(17)]
+    runs = np.array([dsts, srcs, [1 << 16] * 17], dtype=np.int64)
+    rows_addr = [int(runs[k].ctypes.data) for k in range(3)]
+    attr = drv.CUmemcpyAttributes()
+    attr.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 
-    print(f"launch path {x.launch_path} {x.launch_error}")
-    print(f"{'chunks':>6} {'validate':>9} {'fill mapped':>12} {'fill pinned':>12} {'fill plain':>11} {'whole call':>11} {'call+sync':>10} {'idle call':>10} {'idle+ev':>8}")
-    for n in (1, 8, 32):
-        ids = rng.permutation(g.num_blocks)[: n * 16].reshape(n, 16).astype(np.int64)
-        so = (np.arange(n, dtype=np.int64) * g.slot_bytes)
-        flat = ids.reshape(-1)
-        a = t_us(lambda: check_request(g, pool.shape[0], ids, so, 0))
+    def bind_batch() -> None:
+        drv.cuMemcpyBatchAsync([drv.CUdeviceptr(d) for d in dsts], [drv.CUdeviceptr(x) for x in srcs], [1 << 16] * 17, 17,
+                               [attr], [0], 1, s_raw)
 
-        def fill(buf):  # type: ignore[no-untyped-def]
-            buf[0] = n
-            buf[1] = 0
-            buf[2 : 2 + n] = so
-            buf[2 + n : 2 + n + flat.size] = flat
-        b = t_us(lambda: fill(mapped))
-        c = t_us(lambda: fill(pinned))
-        d = t_us(lambda: fill(plain))
-        x.gather(ids, so)
-        x.stream.synchronize()
-        e = t_us(lambda: x.gather(ids, so), 50)
-        x.stream.synchronize()
+    def bind_each() -> None:
+        for d, x in zip(dsts, srcs):
+            drv.cuMemcpyAsync(d, x, 1 << 16, s_raw)
 
-        def call_sync() -> None:
-            x.gather(ids, so)
-            x.stream.synchronize()
-        f = t_us(call_sync, 20)
+    def fast_each() -> None:
+        for d, x in zip(dsts, srcs):
+            fd.memcpy(d, x, 1 << 16, s_h)
 
-        def idle(with_event: bool) -> float:
-            v = []
-            for _ in range(20):
-                x.stream.synchronize()
-                if with_event:
-                    ev = cuda.event()
-                    ev.record(x.stream)
-                t0 = time.perf_counter_ns()
-                x.gather(ids, so)
-                v.append(time.perf_counter_ns() - t0)
-            x.stream.synchronize()
-            return statistics.median(v) / 1e3
-        h1, h2 = idle(False), idle(True)
-        print(f"{n:>6} {a:>9.1f} {b:>12.1f} {c:>12.1f} {d:>11.1f} {e:>11.1f} {f:>10.1f} {h1:>10.1f} {h2:>8.1f}")
+    calls = [
+        ("cuEventRecord", lambda: drv.cuEventRecord(ev_raw, s_raw), lambda: fd.record(ev_h, s_h)),
+        ("cuStreamWaitEvent", lambda: drv.cuStreamWaitEvent(s_raw, ev_raw, 0), lambda: fd.wait(s_h, ev_h, 0)),
+        ("cuEventQuery", lambda: drv.cuEventQuery(ev_raw), lambda: fd.query(ev_h)),
+        ("17 x cuMemcpyAsync 64 KiB", bind_each, fast_each),
+        ("cuMemcpyBatchAsync 17 x 64 KiB", bind_batch,
+         (lambda: fd.batch(rows_addr[0], rows_addr[1], rows_addr[2], 17, fd.batch_attrs, fd.batch_attr_idx, 1, s_h))
+         if fd.batch is not None else None),
+    ]
+    print(f"{'driver call':<32} {'cuda-bindings us':>17} {'FastDriver us':>14}")
+    for name, a, b in calls:
+        ta = _us(a, 100)
+        s.synchronize()
+        tb = _us(b, 100) if b is not None else float("nan")
+        s.synchronize()
+        print(f"{name:<32} {ta:>17.2f} {tb:>14.2f}")
+    err = fd.batch(rows_addr[0], rows_addr[1], rows_addr[2], 17, fd.batch_attrs, fd.batch_attr_idx, 1, s_h) if fd.batch else -1
+    print(f"batch copy path: {'cuMemcpyBatchAsync_v2' if fd.batch is not None else 'none'} (test call: CUDA error {err})")
+    s.synchronize()
+
+    # ---- 2. calls
+    def slot_chunks(offsets: np.ndarray) -> torch.Tensor:
+        return torch.stack([pool_t[int(o) : int(o) + slot].view(torch.int16) for o in offsets])
+
+    def want_chunks(ids: np.ndarray) -> torch.Tensor:
+        idx = torch.as_tensor(ids.reshape(-1), device=dev)
+        out = torch.empty((ids.shape[0], 2, g.num_layers, g.chunk_tokens, g.hidden), dtype=torch.int16, device=dev)
+        for li, t in enumerate(layers):
+            out[:, :, li] = t.view(torch.int16).index_select(1, idx).view(2, ids.shape[0], g.chunk_tokens, g.hidden).transpose(0, 1)
+        return out.reshape(ids.shape[0], -1).cpu()
+
+    def blocks(ids: np.ndarray) -> torch.Tensor:
+        idx = torch.as_tensor(ids.reshape(-1), device=dev)
+        return torch.stack([t.view(torch.int16).index_select(1, idx) for t in layers])
+
+    # (mode, staging piece growth, staging grid); 16 CTAs was the staging grid before
+    configs = [("zerocopy", 2, 64), ("staging", 2, 16), ("staging", 2, 64), ("staging", 4, 64), ("auto", 2, 64), ("auto", 4, 64)]
+    print(f"\n{'mode':<9} {'growth':>6} {'st.ctas':>7} {'chunks':>6} {'store host us':>13} {'retr host us':>12} {'store alone ms':>14} "
+          f"{'retr alone ms':>13} {'memcpy ms':>9} {'store GB/s':>10} {'retr GB/s':>9} {'check':>5}")
+    ok_all = True
+    for mode, growth, st_ctas in configs:
+        x = CudaKVTransfer(g, span, offs, pool, mode=mode, max_chunks=32, ring=256, piece_growth=growth, staging_ctas=st_ctas)
+        st = x.stream
+        for n in (1, 8, 32):
+            ids, so, out = src_ids[:n], slots[:n], dst_ids[:n]
+            for o in so:
+                pool_t[int(o) : int(o) + slot].fill_(0x5A)
+            x.gather(ids, so, join=False, busy=True)
+            ev_done = cuda.event(timing=False)
+            ev_done.record(st)
+            x.record_completion(ev_done.handle)
+            ev_done.synchronize()
+            cuda.synchronize()
+            ok = bool(torch.equal(slot_chunks(so), want_chunks(ids)))
+            for t in layers:
+                t.view(torch.int16).index_fill_(1, torch.as_tensor(out.reshape(-1), device=dev), -23131)
+            torch.cuda.synchronize()
+            x.scatter(so, out, 0, join=False, busy=True)
+            cuda.synchronize()
+            ok &= bool(torch.equal(blocks(out), blocks(ids)))
+            ok_all &= ok
+
+            def host_us(call: Callable[[], Any], k: int) -> float:
+                v = []
+                for _ in range(5):
+                    cuda.synchronize()
+                    for _ in range(k):
+                        t0 = time.perf_counter_ns()
+                        call()
+                        v.append(time.perf_counter_ns() - t0)
+                cuda.synchronize()
+                return statistics.median(v) / 1e3
+
+            k = 4 if n == 32 else 8
+            h_store = host_us(lambda: x.gather(ids, so, join=False, busy=True), k)
+            h_retr = host_us(lambda: x.scatter(so, out, 0, join=False, busy=True), k)
+
+            def alone(call: Callable[[], Any]) -> float:
+                v = []
+                for _ in range(5):
+                    cuda.synchronize()
+                    e0, e1 = cuda.event(), cuda.event()
+                    e0.record(st)
+                    call()
+                    x.record_completion(e1.handle)
+                    e1.synchronize()
+                    v.append(cuda.event_elapsed_time(e0, e1))
+                return statistics.median(v)
+
+            a_store = alone(lambda: x.gather(ids, so, join=False, busy=False))
+            a_retr = alone(lambda: x.scatter(so, out, 0, join=False, busy=False))
+
+            def burst(call: Callable[[], Any]) -> float:
+                cuda.synchronize()
+                e0, e1 = cuda.event(), cuda.event()
+                e0.record(st)
+                for _ in range(k):
+                    call()
+                x.record_completion(e1.handle)
+                e1.synchronize()
+                return k * n * slot / (cuda.event_elapsed_time(e0, e1) / 1e3) / 1e9
+
+            b_store = burst(lambda: x.gather(ids, so, join=False, busy=True))
+            b_retr = burst(lambda: x.scatter(so, out, 0, join=False, busy=True))
+            memcpy_ms = n * slot / 55.2e9 * 1e3
+            print(f"{mode:<9} {growth:>6} {st_ctas:>7} {n:>6} {h_store:>13.1f} {h_retr:>12.1f} {a_store:>14.2f} {a_retr:>13.2f} "
+                  f"{memcpy_ms:>9.2f} {b_store:>10.1f} {b_retr:>9.1f} {'ok' if ok else 'FAIL':>5}", flush=True)
+        del x
+    return 0 if ok_all else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -200,3 +200,36 @@ def test_unjoined_calls_overlap_through_the_staging_ring(mode: str) -> None:
     for a, b in zip(after, expect):
         np.testing.assert_array_equal(a, b)
     assert (gaps.view(np.uint8) == 0x5A).all()
+
+
+def test_dma_runs_merge_adjacent_slots_both_ways() -> None:
+    """The staging DMA plan: one copy per run of adjacent pool slots, with the staging chunk of
+    each request chunk; addresses are base + lanes * scale."""
+    from kernels.gpu import _dma_runs
+
+    out = np.zeros((3, 8), np.int64)
+    pool = np.array([30, 40, 50, 10, 60, 70], np.int64)  # slots of 10 lanes: 30-40-50 and 60-70 adjacent
+    n = _dma_runs(pool, 0, 6, 2, 10, 1000, 5000, 8, True, out)  # STORE: staging -> pool
+    assert n == 3
+    assert out[:, :n].tolist() == [[1000 + 30 * 8, 1000 + 10 * 8, 1000 + 60 * 8],
+                                   [5000 + 20 * 8, 5000 + 50 * 8, 5000 + 60 * 8],
+                                   [30 * 8, 10 * 8, 20 * 8]]
+    n = _dma_runs(pool, 2, 5, -2, 10, 7000, 0, 1, False, out)  # RETRIEVE chunks 2..4: pool -> staging 0..2
+    assert n == 3
+    assert out[:, :n].tolist() == [[7000, 7010, 7020], [50, 10, 60], [10, 10, 10]]
+
+
+@pytest.mark.parametrize(("growth", "n", "want"), [
+    (2, 8, [1, 2, 5]), (2, 32, [1, 2, 4, 8, 17]), (2, 2, [1, 1]), (4, 1, [1]), (4, 4, [1, 3]), (4, 8, [1, 7]),
+    (4, 32, [1, 4, 27]), (1, 8, [8]),  # growth 1 here: pipeline_pieces=1, one piece
+])
+def test_staging_pieces(growth: int, n: int, want: list[int]) -> None:
+    g = small_geometry(PagedLayout.NHD, head_size=4, num_layers=1)
+    eng = Engine(g, random_layers(g, np.random.default_rng(5), np.uint16))
+    pool, _ = _pool(g, 2)
+    xfer = CudaKVTransfer(g, eng.span, eng.offsets, pool, mode="staging", max_ctas=1, threads=4, max_chunks=32,
+                          piece_growth=max(growth, 2), pipeline_pieces=1 if growth == 1 else 8)
+    for shrinking in (False, True):
+        pieces = xfer._pieces(n, shrinking)
+        assert [b - a for a, b in pieces] == (want[::-1] if shrinking else want)
+        assert pieces[0][0] == 0 and pieces[-1][1] == n and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))

@@ -62,6 +62,12 @@ class Transfer:
     def completion_stream(self) -> Any:
         return self.stream
 
+    def wait_event(self, ev: Any) -> None:
+        pass
+
+    def record_completion(self, ev: Event) -> None:
+        ev.stream = self.stream
+
     def raw_streams(self) -> list[Any]:
         return [self.stream]
 
