@@ -2,21 +2,33 @@
 
 * Only **full** chunks of ``chunk_size`` tokens (default 256) are hashed, stored, looked up or
   counted; trailing tokens are ignored.
-* The hash is prefix-chained: ``h_0 = identity_root(model_name, world_size, cache_salt)``,
-  ``h_i = XXH3-128(h_{i-1} || tokens[(i-1)C : iC] as little-endian uint32)`` (16 bytes, the
-  big-endian canonical digest). So chunk ``i``'s hash identifies the whole prefix up to its end,
-  and two requests share a chunk's object only if they share the whole prefix, the model, the KV
-  world size and the cache salt.
-* Why XXH3-128 (the ``xxhash`` package): measured on the lookup path (docs/benchmarks.md, "Chunk
-  hashing"), it hashes 8,192 tokens in about 8 us; blake3, blake2b and sha256 cost 33-55 us,
-  because each 1 KiB chunk is its own call and a lone chunk gets no SIMD. It is not a
-  cryptographic hash: the cache already trusts the engines that store KV under a key, and
-  128 bits make accidental collisions negligible; deployments that do not trust one another's
-  engines must not share a server or an L2 tier (a cache salt separates names, not trust).
-* The layout version is folded into ``h_0``: changing the hash or the layout changes every key,
-  so an L2 tier written by an older layout is simply a miss (v1 was blake2b-256, 32 bytes).
-* The root is a fixed function of its inputs (no process seed), so hashes are identical across
-  processes, restarts and servers sharing an L2 tier.
+* The hash is a **keyed** prefix chain (layout v3). A ``ChunkChain`` holds one 32-byte chain key
+  (a server's or a fleet's secret: configuration, never read here) and hashes with truncated
+  secret-prefix SHA-256 (AMAC)::
+
+      root = SHA-256(B_root || u64 len(model) || model || u64 len(salt) || salt || u64 world_size)[:16]
+      h_0  = root;  h_i = SHA-256(B_step || h_{i-1} || tokens[(i-1)C : iC] as LE uint32)[:16]
+
+  where ``B_root`` / ``B_step`` are 64-byte blocks holding the layout tag, the role and the key
+  (the hasher state after them is computed once and copied per call). Chunk ``i``'s hash
+  identifies the whole prefix up to its end, the model, the KV world size, the cache salt and
+  the key, so two requests share an object only if they share all of them.
+* Why keyed: an unkeyed hash lets a client compute a victim's keys offline, and XXH3 (v2) is not
+  collision-resistant (seed-independent collisions are known even for seeded XXH3), so a tenant
+  allowed to store could craft tokens whose chain collides with another tenant's prefix and
+  plant KV under it. Without the key nobody can predict a hash or aim a collision; and SHA-256
+  stays collision-resistant even if the key leaks. Truncated secret-prefix SHA-256 is a PRF
+  (Bellare, Bernstein, Tessaro: "AMAC", 2016) and cannot be length-extended since 16 of the 32
+  digest bytes are kept. Why SHA-256 over keyed BLAKE3 / BLAKE2b: measured on the lookup path
+  (``mpcache-bench hash``, docs/benchmarks.md "Keyed chunk chain"), every chunk is its own
+  serial 1 KiB call, where SHA-NI's SHA-256 beats single-chunk BLAKE3 and BLAKE2b.
+* Servers that share an L2 tier must use the same chain key (runtime_zmq derives it from the L2
+  sealing secret they already share), else each one's objects are the other's misses.
+* The layout version is in ``B_root`` and ``B_step``: changing the hash or the layout changes
+  every key, so an L2 tier written by an older layout is simply a miss (v1 was blake2b-256,
+  v2 unkeyed XXH3-128).
+* ``PUBLIC_CHAIN`` (an all-zero key) is what tests, tools and ``core_sm`` defaults use; it is not
+  secret: a server always runs with its own key (runtime_zmq never uses this one).
 * One object = one chunk of one KV rank: ``ObjectKey(chunk_hash, kv_rank)``.
 * A request's tokens travel as ``TokenIds``: one immutable buffer of little-endian uint32, packed
   once (or taken as received from the wire), so hashing reads chunk slices of it directly and no
@@ -24,24 +36,26 @@
 
 Errors: ``chunk_hashes`` raises ``ValueError`` for a token id outside ``[0, 2**32)`` and
 ``TypeError`` for a non-int; machines catch that and answer ``ErrorKind.VALIDATION``.
+``ChunkChain`` raises ``ValueError`` for a key that is not 32 bytes.
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, overload
 
-import xxhash
-
 DEFAULT_CHUNK_SIZE = 256
 MAX_CACHE_SALT_LEN = 128
 _FORBIDDEN_SALT_CHARS = ("@", "/", "\\", "\x00")
 CHUNK_HASH_SIZE = 16
+CHAIN_KEY_BYTES = 32
 # Bumped whenever the hash or the layout changes: a new version makes every old L2 object a
-# miss, which is the safe failure. v1: blake2b-256; v2: XXH3-128.
-_HASH_LAYOUT_VERSION = b"mpcache-chunk-v2"
+# miss, which is the safe failure. v1: blake2b-256; v2: XXH3-128; v3: keyed SHA-256 (AMAC).
+_HASH_LAYOUT_VERSION = b"mpcache-chunk-v3"
+_SHA256_BLOCK = 64
 _BYTESWAP = sys.byteorder != "little"
 assert array("I").itemsize == 4, "uint32 packing needs a 4-byte array('I')"
 
@@ -61,24 +75,100 @@ def validate_cache_salt(cache_salt: object) -> str | None:
     return None
 
 
-def identity_root(model_name: str, world_size: int, cache_salt: str = "") -> bytes:
-    """The chain's starting value ``h_0``: folds model name, KV world size and cache salt.
+class ChunkChain:
+    """The keyed chain of one server or fleet: ``root`` and ``hashes`` under one chain key.
 
-    Each field is length-prefixed so no two different identities serialize alike.
-    Raises ``ValueError`` for an invalid salt or a world size < 1.
+    Immutable; holds the SHA-256 states after the two key blocks (copied per call), never the
+    key's bytes in a printable form. ``ValueError`` unless ``key`` is ``CHAIN_KEY_BYTES`` bytes.
     """
-    reason = validate_cache_salt(cache_salt)
-    if reason is not None:
-        raise ValueError(reason)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, not {world_size}")
-    h = xxhash.xxh3_128()
-    h.update(_HASH_LAYOUT_VERSION)
-    for field in (model_name.encode("utf-8"), cache_salt.encode("utf-8")):
-        h.update(struct.pack("<Q", len(field)))
-        h.update(field)
-    h.update(struct.pack("<Q", world_size))
-    return h.digest()
+
+    __slots__ = ("_root_base", "_step_base", "fingerprint")
+
+    _root_base: "hashlib._Hash"
+    _step_base: "hashlib._Hash"
+    fingerprint: str
+
+    def __init__(self, key: bytes) -> None:
+        if type(key) is not bytes or len(key) != CHAIN_KEY_BYTES:
+            raise ValueError(f"a chain key is {CHAIN_KEY_BYTES} bytes")
+        for name, role in (("_root_base", b"root"), ("_step_base", b"step")):
+            block = (_HASH_LAYOUT_VERSION + b"/" + role + b"/" + key).ljust(_SHA256_BLOCK, b"\0")
+            object.__setattr__(self, name, hashlib.sha256(block))
+        # Printable and safe to log (a one-way function of the key): tells apart servers that
+        # run with different keys (each sees the other's L2 objects as misses).
+        fp = hashlib.sha256(_HASH_LAYOUT_VERSION + b"/fingerprint/" + key).hexdigest()[:16]
+        object.__setattr__(self, "fingerprint", fp)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("ChunkChain is immutable")
+
+    def __repr__(self) -> str:
+        return f"ChunkChain(fingerprint={self.fingerprint})"
+
+    def root(self, model_name: str, world_size: int, cache_salt: str = "") -> bytes:
+        """The chain's starting value ``h_0``: folds model name, KV world size and cache salt.
+
+        Each field is length-prefixed so no two different identities serialize alike.
+        Raises ``ValueError`` for an invalid salt or a world size < 1.
+        """
+        reason = validate_cache_salt(cache_salt)
+        if reason is not None:
+            raise ValueError(reason)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, not {world_size}")
+        h = self._root_base.copy()
+        for field in (model_name.encode("utf-8"), cache_salt.encode("utf-8")):
+            h.update(struct.pack("<Q", len(field)))
+            h.update(field)
+        h.update(struct.pack("<Q", world_size))
+        return h.digest()[:CHUNK_HASH_SIZE]
+
+    def hashes(
+        self,
+        token_ids: TokenIds | Sequence[int],
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        root: bytes = b"",
+        num_chunks: int | None = None,
+    ) -> tuple[bytes, ...]:
+        """Prefix-chained hashes of the full chunks of ``token_ids`` (``CHUNK_HASH_SIZE`` bytes
+        each), starting from ``root``.
+
+        ``num_chunks`` limits the work to the first chunks (default: every full chunk). A
+        ``TokenIds`` is hashed from its packed buffer directly (chunk slices of a memoryview).
+        """
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, not {chunk_size}")
+        n = len(token_ids) // chunk_size
+        if num_chunks is not None:
+            n = min(n, max(0, num_chunks))
+        if n == 0:
+            return ()
+        step = chunk_size * 4
+        if isinstance(token_ids, TokenIds):
+            data = memoryview(token_ids.packed)
+        else:
+            data = memoryview(pack_tokens(token_ids[: n * chunk_size]))
+        out: list[bytes] = []
+        append = out.append
+        prev = root
+        copy = self._step_base.copy
+        for offset in range(0, n * step, step):
+            h = copy()
+            h.update(prev)
+            h.update(data[offset : offset + step])
+            prev = h.digest()[:CHUNK_HASH_SIZE]
+            append(prev)
+        return tuple(out)
+
+
+PUBLIC_CHAIN_KEY = bytes(CHAIN_KEY_BYTES)
+PUBLIC_CHAIN = ChunkChain(PUBLIC_CHAIN_KEY)
+
+
+def identity_root(model_name: str, world_size: int, cache_salt: str = "",
+                  chain: ChunkChain = PUBLIC_CHAIN) -> bytes:
+    """``chain.root(...)`` (``PUBLIC_CHAIN`` by default: tests and tools)."""
+    return chain.root(model_name, world_size, cache_salt)
 
 
 def pack_tokens(token_ids: Iterable[int]) -> bytes:
@@ -243,34 +333,10 @@ def chunk_hashes(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     root: bytes = b"",
     num_chunks: int | None = None,
+    chain: ChunkChain = PUBLIC_CHAIN,
 ) -> tuple[bytes, ...]:
-    """Prefix-chained hashes of the full chunks of ``token_ids`` (``CHUNK_HASH_SIZE`` bytes each).
-
-    ``num_chunks`` limits the work to the first chunks (default: every full chunk). A
-    ``TokenIds`` is hashed from its packed buffer directly (chunk slices of a memoryview).
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, not {chunk_size}")
-    n = len(token_ids) // chunk_size
-    if num_chunks is not None:
-        n = min(n, max(0, num_chunks))
-    if n == 0:
-        return ()
-    step = chunk_size * 4
-    if isinstance(token_ids, TokenIds):
-        data = memoryview(token_ids.packed)
-    else:
-        data = memoryview(pack_tokens(token_ids[: n * chunk_size]))
-    out: list[bytes] = []
-    append = out.append
-    prev = root
-    xxh3_128 = xxhash.xxh3_128
-    for offset in range(0, n * step, step):
-        h = xxh3_128(prev)
-        h.update(data[offset : offset + step])
-        prev = h.digest()
-        append(prev)
-    return tuple(out)
+    """``chain.hashes(...)`` (``PUBLIC_CHAIN`` by default: tests and tools)."""
+    return chain.hashes(token_ids, chunk_size, root, num_chunks)
 
 
 class ObjectKey(NamedTuple):

@@ -14,7 +14,7 @@ same. ``core_sm.chunks`` folds model name, KV world size, cache salt and token i
   block extra keys), ``b""`` for a chunk with none; chunks past the tuple's end have none.
   ``chunk_extra_digest`` builds one from vLLM's extra-key tuples.
 
-Hash layout, with ``h_i`` from ``core_sm.chunks.chunk_hashes``: ``root' = root`` when
+Hash layout, with ``h_i`` from ``core_sm.chunks.ChunkChain.hashes`` (keyed by the chain key): ``root' = root`` when
 ``identity`` is empty, else ``blake2b(root || "id" || len || identity)``; a chunk with a
 non-empty extra ``e_i`` is ``h_i' = blake2b(h_i || "ck" || len || e_i)`` (digests as long as the
 chain's, ``CHUNK_HASH_SIZE``) and the chain
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from core_sm.chunks import CHUNK_HASH_SIZE, TokenIds, chunk_hashes
+from core_sm.chunks import CHUNK_HASH_SIZE, PUBLIC_CHAIN, ChunkChain, TokenIds
 
 MAX_IDENTITY_LEN = 1024
 MAX_CHUNK_EXTRA_LEN = 64
@@ -101,24 +101,25 @@ def keyed_chunk_hashes(
     root: bytes,
     num_chunks: int,
     chunk_extras: Sequence[bytes] = (),
+    chain: ChunkChain = PUBLIC_CHAIN,
 ) -> tuple[bytes, ...]:
-    """Prefix-chained hashes of the first ``num_chunks`` full chunks, with per-chunk extras
-    folded in (the module doc's layout). Without extras: ``chunks.chunk_hashes`` unchanged."""
+    """Prefix-chained hashes of the first ``num_chunks`` full chunks under ``chain``, with
+    per-chunk extras folded in (the module doc's layout). Without extras: ``chain.hashes``."""
     last_keyed = max((i + 1 for i, e in enumerate(chunk_extras[:num_chunks]) if e), default=0)
     if last_keyed == 0:
-        return chunk_hashes(token_ids, chunk_size, root, num_chunks)
+        return chain.hashes(token_ids, chunk_size, root, num_chunks)
     n = min(num_chunks, len(token_ids) // chunk_size)
     out: list[bytes] = []
     prev = root
     for i in range(min(last_keyed, n)):
-        (h,) = chunk_hashes(token_ids[i * chunk_size : (i + 1) * chunk_size], chunk_size, prev, 1)
+        (h,) = chain.hashes(token_ids[i * chunk_size : (i + 1) * chunk_size], chunk_size, prev, 1)
         extra = chunk_extras[i]
         if extra:
             h = hashlib.blake2b(h + _field(b"ck", extra), digest_size=_DIGEST_SIZE).digest()
         out.append(h)
         prev = h
     if n > last_keyed:
-        out.extend(chunk_hashes(token_ids[last_keyed * chunk_size :], chunk_size, prev, n - last_keyed))
+        out.extend(chain.hashes(token_ids[last_keyed * chunk_size :], chunk_size, prev, n - last_keyed))
     return tuple(out)
 
 

@@ -14,7 +14,7 @@ from typing import Union
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, TokenIds, identity_root, validate_cache_salt
+from core_sm.chunks import CHAIN_KEY_BYTES, DEFAULT_CHUNK_SIZE, PUBLIC_CHAIN_KEY, ChunkChain, TokenIds, validate_cache_salt
 from core_sm.effects import Effect
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.admission import StoreAdmission
@@ -68,6 +68,15 @@ class ServerConfig:
     max_not_after_ahead: float = 60.0  # a not_after is held to at most now + this
     # Store a chunk only once lookups asked for it this many times (core_sm.admission; 0/1: all).
     store_threshold: int = 0
+    # Keys the chunk chain (core_sm.chunks.ChunkChain): a server's or fleet's secret, the same on
+    # every server sharing an L2 tier. The default is public (tests, the simulator's fixed
+    # worlds); runtime_zmq always passes its own.
+    chain_key: bytes = attrs.field(default=PUBLIC_CHAIN_KEY, repr=False)
+
+    @chain_key.validator
+    def _check_chain_key(self, attribute: object, value: bytes) -> None:
+        if type(value) is not bytes or len(value) != CHAIN_KEY_BYTES:
+            raise ValueError(f"chain_key must be {CHAIN_KEY_BYTES} bytes")
 
 
 @attrs.frozen(cache_hash=True)
@@ -112,6 +121,7 @@ class ServerContext:
         # completion event only (an expired engine-driven plan: one more lease_ttl), whatever
         # the TTLs did meanwhile.
         self.pins: dict[EffectOwner, tuple[int, ...]] = {}
+        self.chain = ChunkChain(c.chain_key)
         self._roots: dict[tuple[str, int, str, str], bytes] = {}
         self._next_id = 0
         self._next_transfer = 0
@@ -208,9 +218,9 @@ class ServerContext:
         if root is None:
             if len(self._roots) >= 1024:
                 self._roots.clear()
-            root = self._roots[ident] = keyed_root(identity_root(*ident[:3]), ident[3])
+            root = self._roots[ident] = keyed_root(self.chain.root(*ident[:3]), ident[3])
         try:
             return keyed_chunk_hashes(key.token_ids, self.config.chunk_size, root, num_chunks,
-                                      key.extras.chunk_extras), None
+                                      key.extras.chunk_extras, self.chain), None
         except (ValueError, TypeError, OverflowError) as exc:
             return (), f"token ids must be uint32: {exc}"

@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--curve-dir", default=None, metavar="DIR", help="TCP: require ZMQ CURVE with the keys `mpcache-server keygen DIR` made (default off)")
     sec.add_argument("--ipc-group", default=None, metavar="GROUP", help="--ipc: let GROUP connect too (directory 0750, socket 0660; default: this uid only)")
     sec.add_argument("--admin-token-file", default=None, metavar="PATH", help="clear needs the token in PATH (mode 600); default: clear is refused")
+    sec.add_argument("--chunk-key-file", default=None, metavar="PATH", help="the secret chunk keys are hashed with (made 0600 at first start; servers sharing an L2 must share it); default: derived from the L2 secret, else random per start")
     http = cfg.group(p, HTTP)
     http.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True, help="serve /metrics, /healthz, /readyz and /status over HTTP")
     http.add_argument("--metrics-port", type=cfg.port, default=DEFAULT_METRICS_PORT, help="HTTP port for metrics and probes; 0 picks a free one")
@@ -214,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         curve_dir=args.curve_dir,
         ipc_group=args.ipc_group,
         admin_token_file=args.admin_token_file,
+        chunk_key_file=args.chunk_key_file,
         l1_reserve=args.l1_reserve,
     )
 

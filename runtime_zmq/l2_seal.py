@@ -2,14 +2,15 @@
 
 A tier is storage mpcache does not control: a disk other processes can write, a Redis other
 clients can `SET` into. A value read back is served as KV to an engine, so a short, long, flipped
-or planted value must never reach a slot. Each value is an envelope (L2 layout version 3):
+or planted value must never reach a slot. Each value is an envelope (L2 layout version 4; v4 came
+with the keyed chunk chain of core_sm.chunks layout v3, so objects of older servers are misses):
 
     offset  size  field
-    0       4     magic b"MPL3" (the layout version is in the magic: older layouts never match)
+    0       4     magic b"MPL4" (the layout version is in the magic: older layouts never match)
     4       1     MAC algorithm: 1 = BLAKE2b-256 keyed, 2 = BLAKE3 keyed (256-bit)
     5       3     zero
     8       8     payload size in bytes (u64 little endian)
-    16      32    tag = MAC(secret, "mpcache-l2-v3" | u32 len(key) | key | u64 size | payload)
+    16      32    tag = MAC(secret, "mpcache-l2-v4" | u32 len(key) | key | u64 size | payload)
     48      size  payload (the object's bytes, exactly as they were in the L1 slot)
 
 The tag covers the object's L2 key, so a valid envelope copied under another key is rejected as
@@ -20,6 +21,11 @@ Writers use BLAKE3 when the `blake3` package is importable (about 5x faster than
 32 MiB objects, see docs/benchmarks.md), else BLAKE2b from the standard library. A reader checks
 an envelope with the algorithm it names, so mixed fleets interoperate as long as every reader can
 compute BLAKE3 whenever any writer does.
+
+The same secret keys the chunk chain (``Sealer.chain_key``, a key derived for that purpose only):
+servers sharing a tier must hash a prompt to the same chunk keys, and they already share this
+file. ``load_or_create_secret`` also makes and checks a separate chain key file
+(``--chunk-key-file``) for servers that want one without L2.
 """
 from __future__ import annotations
 
@@ -49,11 +55,12 @@ __all__ = [
     "load_or_create_secret",
 ]
 
-LAYOUT_VERSION = 3
-_MAGIC = b"MPL3"
+LAYOUT_VERSION = 4
+_MAGIC = b"MPL4"
 _HEADER = struct.Struct("<4sB3xQ32s")
 HEADER_BYTES = _HEADER.size
-_DOMAIN = b"mpcache-l2-v3"
+_DOMAIN = b"mpcache-l2-v4"
+_CHAIN_KEY_DOMAIN = b"mpcache-chunk-chain-key-v3"
 SECRET_BYTES = 32
 
 
@@ -76,24 +83,25 @@ class SecretFileError(Exception):
     """The secret file cannot be created or used (mode, owner, content)."""
 
 
-def load_or_create_secret(path: str) -> bytes:
+def load_or_create_secret(path: str, what: str = "L2 secret file") -> bytes:
     """The 32-byte secret in ``path`` (64 hex digits), creating the file (mode 0600, directory
     0700 if it has to be made) with a fresh random secret when it does not exist.
 
     Refused (``SecretFileError``): a file that is not a regular file, not owned by this user,
-    readable or writable by group/others, or that does not hold exactly 64 hex digits."""
+    readable or writable by group/others, or that does not hold exactly 64 hex digits. ``what``
+    names the file in the errors."""
     path = os.path.abspath(path)
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as e:
-        raise SecretFileError(f"L2 secret file {path}: cannot create {directory}: {e}") from e
+        raise SecretFileError(f"{what} {path}: cannot create {directory}: {e}") from e
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
         pass
     except OSError as e:
-        raise SecretFileError(f"L2 secret file {path}: cannot create it: {e}") from e
+        raise SecretFileError(f"{what} {path}: cannot create it: {e}") from e
     else:
         try:
             os.write(fd, secrets.token_bytes(SECRET_BYTES).hex().encode() + b"\n")
@@ -103,14 +111,14 @@ def load_or_create_secret(path: str) -> bytes:
     try:
         text = read_private_file(path).decode("ascii", errors="replace")
     except PrivateFileError as e:
-        raise SecretFileError(f"L2 secret file {path}: {e}") from None
+        raise SecretFileError(f"{what} {path}: {e}") from None
     try:
         secret = bytes.fromhex(text)
     except ValueError:
         secret = b""
     if len(secret) != SECRET_BYTES:
         raise SecretFileError(
-            f"L2 secret file {path}: must hold {SECRET_BYTES * 2} hex digits "
+            f"{what} {path}: must hold {SECRET_BYTES * 2} hex digits "
             f"(delete it to have a new one made)"
         )
     return secret
@@ -128,6 +136,11 @@ class Sealer:
             raise ValueError("BLAKE3 needs the blake3 package")
         self._secret = secret
         self.algorithm = algorithm
+
+    def chain_key(self) -> bytes:
+        """The chunk-chain key (core_sm.chunks.ChunkChain) of servers sharing this secret: a
+        keyed hash of a fixed label, so the secret itself never keys anything but seals."""
+        return hashlib.blake2b(_CHAIN_KEY_DOMAIN, key=self._secret, digest_size=32).digest()
 
     def seal(self, key: bytes, payload: bytes | memoryview) -> bytes:
         """The envelope of ``payload`` stored under ``key``."""

@@ -169,6 +169,12 @@ class L2Worker:
     def tiers(self) -> list[Any]:
         return [t.tier for t in self._tiers]
 
+    @property
+    def chain_key(self) -> bytes | None:
+        """The chunk-chain key every server sharing these tiers derives from their secret (None
+        without tiers): a prompt then has one key in the whole fleet."""
+        return self._sealer.chain_key() if self._sealer is not None and self._tiers else None
+
     # -- submission (loop thread) ------------------------------------------------------------
 
     def note_slot_size(self, slot: int, nbytes: int) -> None:

@@ -99,10 +99,28 @@ class ServerConfig:
     trace: str | None = None
     trace_tokens: bool = False
     trace_max_bytes: int = 256 << 20
+    # the chunk-chain key (core_sm.chunks.ChunkChain): this file's 32 bytes (made 0600 at first
+    # start); None: derived from the L2 secret when there are tiers, else random for this start
+    chunk_key_file: str | None = None
 
 
-def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool) -> Any:
-    """Build core_sm's LookupServer for this configuration."""
+def chunk_chain_key(config: ServerConfig, l2: L2Worker) -> tuple[bytes, str]:
+    """The chunk-chain key and where it came from: ``--chunk-key-file``, else the key servers
+    sharing the L2 tiers derive from their secret, else a random one (an L1-only server's keys
+    need not match anyone's; they change at each start, as its L1 does)."""
+    if config.chunk_key_file:
+        from runtime_zmq.l2_seal import load_or_create_secret
+
+        return load_or_create_secret(config.chunk_key_file, "chunk key file"), config.chunk_key_file
+    derived = l2.chain_key
+    if derived is not None:
+        return derived, "the L2 secret"
+    return secrets.token_bytes(32), "random (L1 only)"
+
+
+def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool,
+                 chain_key: bytes | None = None) -> Any:
+    """Build core_sm's LookupServer for this configuration (``chain_key`` None: a random one)."""
     from core_sm.server import LookupServer, ServerConfig as SmConfig
 
     return LookupServer(
@@ -121,6 +139,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             kv_events=bool(config.kv_events),
             id_seed=secrets.randbits(128),  # transfer ids nobody can predict
             store_threshold=config.store_threshold,
+            chain_key=chain_key if chain_key is not None else secrets.token_bytes(32),
         )
     )
 
@@ -227,7 +246,16 @@ class Server:
             self.pool.close()
             raise
         self.executor: TransferExecutor = transfer_executor or NoDeviceExecutor()
-        self.machine = make_machine(config, self.pool.num_slots, self.pool.slot_bytes, bool(tiers))
+        try:
+            chain_key, chain_source = chunk_chain_key(config, self.l2)
+        except BaseException:  # a bad key file: leave nothing behind
+            self.l2.close()
+            self.channel.close()
+            self.pool.close()
+            raise
+        self.machine = make_machine(config, self.pool.num_slots, self.pool.slot_bytes, bool(tiers), chain_key)
+        log.info("chunk keys are keyed by %s (fingerprint %s); servers sharing an L2 must share it",
+                 chain_source, self.machine.ctx.chain.fingerprint)
         self._outstanding: dict[ReplyTo, None] = {}
         self._event_handles: dict[ReplyTo, bytes] = {}
         # object sizes, so a write-behind copies only the bytes an object fills in its slot

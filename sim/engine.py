@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from core_sm.blocks import chunk_copies
-from core_sm.chunks import ObjectKey, chunk_hashes, identity_root
+from core_sm.chunks import ChunkChain, ObjectKey
 from core_sm.effects import CopyBlocks, SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
@@ -188,15 +188,16 @@ class SimEngine:
         self.step_requests: list[ScheduledRequest] = []
         self.step_preempted: list[str] = []
         root_cache: dict[str, bytes] = {}
+        chain = ChunkChain(cfg.chain_key)  # the world's servers hash with the same key
         for spec in world.scenario.requests:
             if spec.engine != index:
                 continue
             salt = spec.cache_salt
             try:
-                root = root_cache.setdefault(salt, identity_root(MODEL, self.tp, salt))
+                root = root_cache.setdefault(salt, chain.root(MODEL, self.tp, salt))
             except ValueError:
-                root = identity_root(MODEL, self.tp, "")
-            hashes = chunk_hashes(spec.prompt, self.C, root)
+                root = chain.root(MODEL, self.tp, "")
+            hashes = chain.hashes(spec.prompt, self.C, root)
             req = SimRequest(spec, spec.request_id, spec.prompt, hashes)
             self.requests[spec.request_id] = req
             self.order.append(req)

@@ -67,6 +67,7 @@ class Profile:
             low_watermark=0.7,
             store_threshold=cfg.store_threshold,
             instance_ttl=self.instance_ttl,
+            chain_key=cfg.chain_key,
         )
 
     def make_server(self, cfg: WorldConfig) -> LookupServer:

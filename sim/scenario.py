@@ -8,6 +8,7 @@ per-message decision (delays, drops, duplicates, copy latencies) and trio's sche
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -50,6 +51,13 @@ class WorldConfig:
     net: NetConfig = attrs.field(factory=NetConfig)
     safety_duration: float = 4.0
     liveness_bound: float = 30.0
+    chain_seed: int = 0  # seeds the world's chunk-chain key (chain_key); draw_scenario: the seed
+
+    @property
+    def chain_key(self) -> bytes:
+        """The world's chunk-chain key (core_sm.chunks.ChunkChain), a function of ``chain_seed``:
+        the servers and the engine model hash alike, and a seed replays byte for byte."""
+        return hashlib.sha256(b"mpcache-sim-chain/" + str(self.chain_seed).encode()).digest()
 
 
 @attrs.frozen
@@ -154,6 +162,7 @@ def draw_scenario(seed: int) -> Scenario:
         safety_duration=rng.choice((1.0, 2.0, 3.0)),
         # its own stream: every other draw of a seed stays as it was
         adversary=random.Random(f"{seed}:adversary").random() < 0.4,
+        chain_seed=seed,
     )
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))

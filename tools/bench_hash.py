@@ -1,39 +1,52 @@
-"""`mpcache-bench hash`: time core_sm's prefix-chained chunk hashing (target: 8k tokens <= 20 us).
+"""`mpcache-bench hash`: time core_sm's keyed prefix-chained chunk hashing (target: 8k tokens <= 20 us).
 
 Prints one row per prompt length: chunks hashed, median and p90 microseconds per call, and
-throughput in million tokens per second; then the candidate hashes for the chain, each run the
-same way (one call per 1 KiB chunk over the previous digest and the chunk's packed ids), which
-is how the layout's hash was chosen (``--no-candidates`` skips them).
+throughput in million tokens per second (a random chain key, as a server runs); then the
+candidate hashes for the chain, each run the same way (one call per 1 KiB chunk over the
+previous digest and the chunk's packed ids), which is how the layout's hash was chosen
+(``--no-candidates`` skips them). Keyed candidates start from a state that already holds the key.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import secrets
 import statistics
 import time
 from collections.abc import Callable
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, TokenIds, chunk_hashes, identity_root, pack_tokens
+from core_sm.chunks import DEFAULT_CHUNK_SIZE, ChunkChain, TokenIds, pack_tokens
 
 TARGET_8K_MS = 0.02
 
 
 def _candidates() -> dict[str, Callable[[bytes], object] | None]:
-    """Chain constructors: each maps prev||chunk to a digest the same way chunk_hashes does."""
+    """Chain constructors: each maps prev||chunk to a digest the same way the chain does."""
     import xxhash
 
+    key = secrets.token_bytes(32)
+    sha_keyed = hashlib.sha256(key.ljust(64, b"\0"))
+    blake2b_keyed = hashlib.blake2b(key=key, digest_size=16)
+    seed = int.from_bytes(key[:8], "little")
     out: dict[str, Callable[[bytes], object] | None] = {
-        "xxh3-128 (layout v2)": xxhash.xxh3_128,
-        "blake2b-256 (layout v1)": lambda prev: hashlib.blake2b(prev, digest_size=32),
-        "sha256": hashlib.sha256,
+        "keyed sha256 (layout v3)": lambda prev: _updated(sha_keyed.copy(), prev),
+        "keyed blake2b-128": lambda prev: _updated(blake2b_keyed.copy(), prev),
+        "xxh3-128 (v2, unkeyed)": xxhash.xxh3_128,
+        "xxh3-128 seeded (no MAC)": lambda prev: xxhash.xxh3_128(prev, seed=seed),
     }
     try:
-        import blake3  # not a dependency: measured where installed (it is in vLLM's venv)
+        import blake3
 
-        out["blake3"] = blake3.blake3
+        blake3_keyed = blake3.blake3(key=key)
+        out["keyed blake3"] = lambda prev: _updated(blake3_keyed.copy(), prev)
     except ImportError:
-        out["blake3"] = None
+        out["keyed blake3"] = None
     return out
+
+
+def _updated(h: object, data: bytes) -> object:
+    h.update(data)  # type: ignore[attr-defined]
+    return h
 
 
 def _time_chain(make: Callable[[bytes], object], packed: bytes, step: int, repeat: int) -> float:
@@ -50,11 +63,12 @@ def _time_chain(make: Callable[[bytes], object], packed: bytes, step: int, repea
     return statistics.median(samples)
 
 
-def _time_one(tokens: list[int] | TokenIds, chunk_size: int, root: bytes, repeat: int) -> list[float]:
+def _time_one(chain: ChunkChain, tokens: list[int] | TokenIds, chunk_size: int, root: bytes,
+              repeat: int) -> list[float]:
     samples = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        chunk_hashes(tokens, chunk_size, root)
+        chain.hashes(tokens, chunk_size, root)
         samples.append(time.perf_counter() - t0)
     return samples
 
@@ -67,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=300)
     parser.add_argument("--no-candidates", action="store_true", help="skip the candidate-hash table")
     args = parser.parse_args(argv)
-    root = identity_root("bench-model", 1, "")
+    chain = ChunkChain(secrets.token_bytes(32))
+    root = chain.root("bench-model", 1, "")
     lengths = [int(x) for x in args.lengths.split(",") if x]
     print(f"chunk_size={args.chunk_size} repeat={args.repeat} (token ids < 2**17, as a real vocab)")
     print("median_us: ids already packed (TokenIds, as the server hashes them); list_us: a list of ints, packing included")
@@ -76,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     for n in lengths:
         tokens = [(i * 7919) % 131072 for i in range(n)]
         packed = TokenIds.from_ints(tokens)
-        chunk_hashes(packed, args.chunk_size, root)  # warm up
-        samples = sorted(_time_one(packed, args.chunk_size, root, args.repeat))
+        chain.hashes(packed, args.chunk_size, root)  # warm up
+        samples = sorted(_time_one(chain, packed, args.chunk_size, root, args.repeat))
         med = statistics.median(samples)
         p90 = samples[int(0.9 * (len(samples) - 1))]
-        list_med = statistics.median(_time_one(tokens, args.chunk_size, root, args.repeat))
+        list_med = statistics.median(_time_one(chain, tokens, args.chunk_size, root, args.repeat))
         print(f"{n:>8} {n // args.chunk_size:>7} {med * 1e6:>10.1f} {p90 * 1e6:>9.1f} "
               f"{n / med / 1e6:>8.1f} {list_med * 1e6:>9.1f}")
         if n == 8192 and med * 1e3 > TARGET_8K_MS:

@@ -17,11 +17,11 @@ from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 # 8292 tokens spread over the whole uint32 range: 32 full chunks of 256 and a partial one.
 PINNED_TOKENS = [(i * 2654435761) % 2**32 for i in range(8192 + 100)]
-# Hash layout v2 (XXH3-128 per chunk; v1 was blake2b-256). Disk and Redis L2 objects are keyed by
+# Hash layout v3 (keyed SHA-256 per chunk, here the public chain; v2 XXH3-128, v1 blake2b-256). Disk and Redis L2 objects are keyed by
 # these hashes: this must never change by accident, only with a layout-version bump.
-PINNED_CHAIN_SHA256 = "ef22ff24b8fe0b64f4a57f630d403495c0ab6eb56880b378d9beab8b3348d4d9"
-PINNED_FIRST = "1a33fdfd4437b00398598b336922a36c"
-PINNED_LAST = "da5e8c625917bbc3b41f5a9e077589c4"
+PINNED_CHAIN_SHA256 = "41c39db4118281840774e0daa991efbfda0a9a49c763a4b3f5749021d402bb87"
+PINNED_FIRST = "5a7bb7f48ca10ec98b89a5dc40c27fcd"
+PINNED_LAST = "591c709d04d4f8604aa89ffa4a65e244"
 
 
 def _le_bytes(toks: list[int]) -> bytes:

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from core_sm.chunks import chunk_hashes, identity_root
+from core_sm.chunks import ChunkChain
 from core_sm.keys import KeyExtras, keyed_root, request_identity
 from runtime_zmq.client import MPCacheClient
 from adapter_driver import CHUNK, Engine
@@ -40,9 +40,10 @@ def prompt(n_chunks: int, seed: int) -> list[int]:
     return [rng.randrange(50_000) for _ in range(n_chunks * CHUNK + 3)]
 
 
-def hashes_of(tokens: list[int], extras: KeyExtras, salt: str = "") -> tuple[bytes, ...]:
-    root = keyed_root(identity_root("tiny", 1, salt), extras.identity)
-    return chunk_hashes(tokens, CHUNK, root)
+def hashes_of(tokens: list[int], extras: KeyExtras, chain_key: bytes, salt: str = "") -> tuple[bytes, ...]:
+    chain = ChunkChain(chain_key)
+    root = keyed_root(chain.root("tiny", 1, salt), extras.identity)
+    return chain.hashes(tokens, CHUNK, root)
 
 
 class Subscriber:
@@ -115,9 +116,14 @@ def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny
     token_file = os.path.join(tempfile.mkdtemp(prefix="mpcache-kv-events-"), "admin.token")
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(admin_token)
+    # the server's chunk keys are keyed (docs/security.md): give it a known key to compare with
+    chain_key = secrets.token_bytes(32)
+    key_file = os.path.join(os.path.dirname(token_file), "chunk.key")
+    with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(chain_key.hex())
     server = start_server("--chunk-size", str(CHUNK), "--l1-size-gb", str(4 / 1024), "--slot-mb", "1",
                           "--kv-events", pub, "--kv-events-replay", rep, "--kv-events-topic", topic,
-                          "--admin-token-file", token_file)
+                          "--admin-token-file", token_file, "--chunk-key-file", key_file)
     time.sleep(0.3)  # PUB/SUB joining: what was sent before is fetched by replay below
     engine = Engine([server.url])
     try:
@@ -143,8 +149,8 @@ def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny
         "live": live,
         "replay": replayed,
         "first_live_seq": first_seq,
-        "a": hashes_of(a, LORA, "tenant-1"),
-        "b": hashes_of(b, KeyExtras()),
+        "a": hashes_of(a, LORA, chain_key, "tenant-1"),
+        "b": hashes_of(b, KeyExtras(), chain_key),
         "a_tokens": a[: 3 * CHUNK],
         "b_tokens": b[: 2 * CHUNK],
         "stats": stats,

@@ -44,7 +44,8 @@ def test_seal_round_trip_and_every_rejection(alg: MacAlgorithm) -> None:
     assert s.open(KEY, bytes(flipped)) is Rejection.FORGED
     assert s.open(b"{ff}-0", blob) is Rejection.FORGED  # a valid object moved under another key
     assert Sealer(bytes(32), alg).open(KEY, blob) is Rejection.FORGED  # sealed without our secret
-    assert s.open(KEY, b"MPL2" + blob[4:]) is Rejection.BAD_HEADER  # the old layout
+    assert s.open(KEY, b"MPL2" + blob[4:]) is Rejection.BAD_HEADER  # an old layout
+    assert s.open(KEY, b"MPL3" + blob[4:]) is Rejection.BAD_HEADER  # the unkeyed-chain layout
     # a size field rewritten to match a cut value: still caught by the tag
     cut = bytearray(blob[:-100])
     struct.pack_into("<Q", cut, 8, len(payload) - 100)
