@@ -24,7 +24,8 @@ heartbeat must name it, whatever its traffic). The transport tells the monitor w
 
 * ``InstanceRegistered(server, iid)`` (a registration of ``iid`` was acknowledged) /
   ``InstanceUnregistered``: from then on every heartbeat of a healthy server also asks for
-  ``SendInstancePing(server, iid)`` -- an idle live instance is never reaped.
+  ``SendInstancePing(server, iid)`` -- an idle live instance is never reaped. A new epoch (the
+  server restarted and knows none) stops them until the next acknowledged registration.
 * ``InstancePingRefused(server, iid, kind)``: ``not_registered`` means the server dropped it
   (reaped while this node could not reach it, say): ``Register(server, iid)`` -- register again
   with the registration last sent -- so the next request finds it.
@@ -311,6 +312,9 @@ class HealthMonitor:
         if event.epoch is not None and event.epoch != server.epoch:
             if server.epoch is not None:
                 self._counters["epoch_changes"] += 1
+                # a restarted server knows no instance: the machines register theirs again
+                # (ServerEpoch), and each is pinged again once that is acknowledged
+                server.instances.clear()
             server.epoch = event.epoch
             out.append(ServerEpoch(event.server, event.epoch))
         if not server.healthy:
@@ -323,33 +327,29 @@ class HealthMonitor:
     # ------------------------------------------------------------------------------ instances
 
     def _on_registered(self, event: InstanceRegistered, now: float, out: list[HealthEffect]) -> None:
-        server = self._server(event.server)
-        if server is None:
-            return
-        server.instances[event.instance_id] = None
-        server.registering.discard(event.instance_id)
-        requests = server.waiting.pop(event.instance_id, [])
-        out.extend(Resend(event.server, r) for r in requests)
-        self._counters["resends"] += len(requests)
+        server = self._release(event.server, event.instance_id, Resend, "resends", out)
+        if server is not None:
+            server.instances[event.instance_id] = None
 
     def _on_unregistered(self, event: InstanceUnregistered, now: float, out: list[HealthEffect]) -> None:
-        server = self._server(event.server)
-        if server is None:
-            return
-        server.instances.pop(event.instance_id, None)
-        server.registering.discard(event.instance_id)
-        requests = server.waiting.pop(event.instance_id, [])
-        out.extend(GiveUp(event.server, r) for r in requests)
-        self._counters["give_ups"] += len(requests)
+        server = self._release(event.server, event.instance_id, GiveUp, "give_ups", out)
+        if server is not None:
+            server.instances.pop(event.instance_id, None)
 
     def _on_registration_failed(self, event: RegistrationFailed, now: float, out: list[HealthEffect]) -> None:
-        server = self._server(event.server)
+        self._release(event.server, event.instance_id, GiveUp, "give_ups", out)
+
+    def _release(self, index: int, iid: int, verdict: type[Resend] | type[GiveUp], counter: str,
+                 out: list[HealthEffect]) -> _Server | None:
+        """``iid``'s re-registration is over: every request that waited on it gets ``verdict``."""
+        server = self._server(index)
         if server is None:
-            return
-        server.registering.discard(event.instance_id)
-        requests = server.waiting.pop(event.instance_id, [])
-        out.extend(GiveUp(event.server, r) for r in requests)
-        self._counters["give_ups"] += len(requests)
+            return None
+        server.registering.discard(iid)
+        requests = server.waiting.pop(iid, [])
+        out.extend(verdict(index, r) for r in requests)
+        self._counters[counter] += len(requests)
+        return server
 
     def _register(self, index: int, server: _Server, iid: int, out: list[HealthEffect]) -> None:
         if iid not in server.registering:

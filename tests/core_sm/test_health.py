@@ -120,6 +120,9 @@ def test_a_refused_ping_registers_again_once() -> None:
     assert m.handle(InstancePingRefused(0, 9, "not_registered"), 1.0) == []  # never registered here
     assert m.handle(InstanceRegistered(0, 7), 1.2) == [] and m.instances(0) == (7,)
     assert m.handle(InstancePingRefused(0, 7, "internal"), 2.0) == [] and m.instances(0) == (7,)
+    # a restart: the machines register again (ServerEpoch); no ping meanwhile, so no second Register
+    assert m.handle(HeartbeatReply(0, 2), 2.1) == [ServerEpoch(0, 2)] and m.instances(0) == ()
+    assert m.handle(TimerFired(), 3.0) == [SendHeartbeat(0)]
 
 
 def test_not_registered_registers_once_for_all_waiting_requests_then_resends_each_once() -> None:

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import ServerProcess, wait_for
 from runtime_zmq.client import MPCacheClient, RemoteError
-from runtime_zmq.l1_pool import MappedSegment
-from test_server_ops import CHUNK, OBJ_BYTES, key, pattern, register, store_chunks, tokens
+from test_server_ops import key, register, store_chunks, tokens
+from test_tiers_shared import _retrieve_and_check
 
 TTL = 1.0
 
@@ -51,21 +51,6 @@ def test_a_heartbeating_idle_engine_lives_and_a_silent_one_is_reaped(start_serve
         dying.close()
 
 
-def _retrieve(c: MPCacheClient, toks: list[int], rid: str, iid: int, seed: int) -> None:
-    assert c.lookup(key(toks, rid)).result(5) is None
-    assert c.wait_prefetch_status(rid, 2.0).result(5) == len(toks) // CHUNK
-    plan = c.prepare_retrieve(key(toks, rid, worker_id=0), iid, 0).result(5)
-    assert plan["ok"] and plan["kind"] == "retrieve"
-    seg = MappedSegment(plan["segment"], plan["slot_bytes"], 1 << 30)
-    try:
-        for chunk, slot, _off in plan["placements"]:
-            assert bytes(seg.view(slot, OBJ_BYTES)) == pattern(chunk, seed)
-    finally:
-        seg.close()
-    assert c.commit_retrieve(plan["transfer_id"], True).result(5)["ok"]
-    assert c.end_session(rid).result(5) is None
-
-
 def test_a_store_and_a_retrieve_for_a_reaped_instance_register_again_once_and_complete(
     start_server: Callable[..., ServerProcess],
 ) -> None:
@@ -88,7 +73,7 @@ def test_a_store_and_a_retrieve_for_a_reaped_instance_register_again_once_and_co
         t0 = time.monotonic()
         assert store_chunks(c, toks, "w", iid=5, seed=7) == {"ok": True, "stored": 3, "skipped": 0}
         reap()
-        _retrieve(c, toks, "r", 5, 7)
+        _retrieve_and_check(c, toks, "r", 5, 7)
         assert time.monotonic() - t0 < 5.0 + 2 * 5 * TTL
         monitor = c._monitor.stats()
         assert monitor["reregistrations"] == 2 and monitor["resends"] == 2 and monitor["give_ups"] == 0
