@@ -83,3 +83,51 @@ def test_a_store_and_a_retrieve_for_a_reaped_instance_register_again_once_and_co
             c.prepare_store(key(toks, "x", worker_id=0), 99).result(5)
     finally:
         c.close()
+
+
+def test_the_adapters_load_and_store_through_a_reaped_instance(start_server: Callable[..., ServerProcess]) -> None:
+    """The vLLM worker adapter, in vLLM's call order: its instance is reaped while its server
+    stays healthy (its instance heartbeats lost); the next load and the next store each find it
+    gone, register it again once and go through -- nothing hangs, no load error, no recompute."""
+    from adapter_driver import CHUNK as A_CHUNK, Engine
+    from core_sm.health import SendInstancePing
+    from test_adapters import SERVER_FLAGS
+    from test_adapters import tokens as a_tokens
+
+    sp = start_server(*SERVER_FLAGS, "--instance-ttl", str(TTL))
+    engine = Engine((sp.url,), request_timeout_s=5.0)
+    try:
+        worker = engine.workers[0]
+        client = worker._links.clients[0]
+        iid = worker.machine.config.instance_id
+        with MPCacheClient(sp.url, request_timeout=5.0) as probe:
+            prompt = a_tokens(3 * A_CHUNK, 21)
+            engine.add("a", prompt)
+            engine.run_all()
+            assert wait_for(lambda: probe.stats()["heartbeats"] >= 1, timeout=5.0)  # watched
+            # from here the instance's heartbeats are lost; the server itself keeps answering
+            client._effects[SendInstancePing] = lambda effect, done: None
+
+            def reap() -> None:
+                reaped = probe.stats()["instances_reaped"]
+                client.ping(iid)  # one heartbeat (a re-registered instance is watched from its first)
+                assert wait_for(lambda: probe.stats()["instances_reaped"] == reaped + 1, timeout=5 * TTL)
+                assert client.healthy
+
+            assert wait_for(lambda: probe.stats()["instances_reaped"] == 1, timeout=5 * TTL)
+            hit = engine.add("b", prompt)  # a load for the reaped instance
+            engine.run_all(timeout=20)
+            assert hit.external == 3 * A_CHUNK - 1 and hit.checked
+            reap()
+            other = a_tokens(3 * A_CHUNK, 22)
+            engine.add("c", other)  # a store for the reaped instance
+            engine.run_all(timeout=20)
+            again = engine.add("d", other)
+            engine.run_all(timeout=20)
+            assert again.external == 3 * A_CHUNK - 1 and again.checked  # c's store went through
+            assert client._monitor.stats()["reregistrations"] == 2 and client._monitor.stats()["give_ups"] == 0
+            assert worker.machine.stats()["reregistrations"] == 0  # the machine never saw not_registered
+            assert worker.machine.stats()["retrieves_failed"] == 0
+            assert probe.stats()["instances"] == 1
+    finally:
+        engine.close()
