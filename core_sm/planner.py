@@ -10,8 +10,10 @@ scheduler) both drive *this* class, through the same events in vLLM's call order
 Events (vLLM's scheduler calls), each addressing one request:
 
 * ``MatchRequest`` (``get_num_new_matched_tokens``) -> one ``MatchAnswer``: ``tokens=None`` while
-  the lookup is pending (vLLM asks again next step); ``tokens > 0, load_async=True`` when that
-  many tokens beyond ``num_computed_tokens`` will be loaded; ``0, False`` otherwise. A request
+  the lookup is pending (the caller may wait for it until ``wait_until``, else vLLM asks again
+  next step); ``tokens > 0`` when that many tokens beyond ``num_computed_tokens`` will be loaded,
+  ``load_async=False`` for a load small enough to finish within the step
+  (``PlannerConfig.sync_load_max_tokens``); ``0, False`` otherwise. A request
   seen again after its blocks were allocated (preempted, resumed) loads nothing: the lookup's
   leases were freed or used, so it recomputes.
 * ``BlocksAllocated`` (``update_state_after_alloc``): records the blocks; the first one ends the
@@ -69,13 +71,26 @@ def _strs(values: Iterable[str]) -> tuple[str, ...]:
 @attrs.frozen
 class PlannerConfig:
     """``chunk_size``: the servers' (a multiple of ``block_size``, the engine's). ``load`` /
-    ``store``: vLLM's kv_role (a consumer loads, a producer stores; kv_both does both)."""
+    ``store``: vLLM's kv_role (a consumer loads, a producer stores; kv_both does both).
+
+    Steps a hit waits (vLLM's floor is one: the step that computes the last prompt token):
+
+    * ``lookup_wait``: seconds after a request's first ``MatchRequest`` during which the caller
+      may wait for the lookup's answer and ask again (``MatchAnswer.wait_until``), instead of
+      answering "not yet" and costing the request a step; 0: never wait.
+    * ``sync_load_max_tokens``: a load of at most this many tokens is synchronous
+      (``load_async=False``): vLLM schedules the request in the same step, and the workers finish
+      the load before that step's forward (``StepPlan.sync_loads``); larger loads are
+      asynchronous (the request waits in WAITING_FOR_REMOTE_KVS for a later step). 0: always
+      asynchronous."""
 
     chunk_size: int
     block_size: int
     store_decode_tokens: bool = False
     load: bool = True
     store: bool = True
+    lookup_wait: float = 0.0
+    sync_load_max_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0 or self.chunk_size <= 0 or self.chunk_size % self.block_size:
@@ -83,6 +98,10 @@ class PlannerConfig:
                 f"mpcache chunk size {self.chunk_size} is not a multiple of the engine block size {self.block_size}; "
                 f"start the server with --chunk-size a multiple of {self.block_size}"
             )
+        if not 0 <= self.lookup_wait <= 1.0:
+            raise ValueError(f"lookup wait must be between 0 and 1 s (it blocks the scheduler), got {self.lookup_wait}")
+        if self.sync_load_max_tokens < 0:
+            raise ValueError(f"sync_load_max_tokens must be >= 0, got {self.sync_load_max_tokens}")
 
 
 # ------------------------------------------------------------------------------------ events
@@ -172,11 +191,14 @@ class RequestFinished:
 
 @attrs.frozen
 class MatchAnswer:
-    """The answer to a ``MatchRequest``: vLLM's ``(num_external_tokens, load_async)``."""
+    """The answer to a ``MatchRequest``: vLLM's ``(num_external_tokens, load_async)``.
+    ``wait_until`` (only with ``tokens=None``): the caller may wait for replies until then and
+    send the same ``MatchRequest`` again (``PlannerConfig.lookup_wait``); None: answer vLLM now."""
 
     request_id: str
     tokens: int | None
     load_async: bool
+    wait_until: float | None = None
 
 
 @attrs.frozen
@@ -187,6 +209,9 @@ class StepPlan:
     retrieves: tuple[SubmitRetrieve, ...] = ()
     stores: tuple[SubmitStore, ...] = ()
     preempted: tuple[str, ...] = ()
+    # Requests among ``retrieves`` vLLM loads synchronously: their loads complete before this
+    # step's forward, and are not reported as finished receiving (vLLM never waited for them).
+    sync_loads: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -228,6 +253,8 @@ class RequestTracker:
     hit_tokens: int | None = None  # the lookup's result (a multiple of the chunk size)
     engine_hit_tokens: int = 0  # the engine's own prefix-cache hit when the result was used
     pending_retrieve: SubmitRetrieve | None = None  # for the next plan
+    first_match_at: float = 0.0  # when vLLM first asked (the lookup wait runs from here)
+    sync_load: bool = False  # the load was answered synchronous (load_async=False)
     block_ids: list[int] = attrs.Factory(list)
     stored_until: int = 0  # tokens [0, stored_until) are stored or their store is planned
     leases_freed: tuple[tuple[int, int], ...] = ()  # the token ranges freed at allocation
@@ -350,6 +377,7 @@ class StepPlanner:
             tracker.load_limit = (event.num_computed_tokens + event.max_load_tokens) // chunk * chunk
         if event.max_offload_tokens is not None:
             tracker.store_limit = event.max_offload_tokens // chunk * chunk
+        tracker.first_match_at = now
         self._trackers[event.request_id] = tracker
         if self.config.load and (tracker.load_limit is None or tracker.load_limit > event.num_computed_tokens):
             self._counters["lookups_submitted"] += 1
@@ -365,16 +393,21 @@ class StepPlanner:
         if tracker.hit_tokens is None:
             hit = self.lookups.check(event.request_id)
             if hit is None:
-                out.append(MatchAnswer(event.request_id, None, True))
+                wait = self.config.lookup_wait
+                out.append(MatchAnswer(event.request_id, None, True,
+                                       tracker.first_match_at + wait if wait > 0 else None))
                 return
             tracker.hit_tokens = int(hit)
             tracker.state = _R.MATCHED
         tracker.engine_hit_tokens = event.num_computed_tokens
         loadable = self.loadable_tokens(tracker)
         if loadable <= event.num_computed_tokens:
+            tracker.sync_load = False
             out.append(MatchAnswer(event.request_id, 0, False))
         else:
-            out.append(MatchAnswer(event.request_id, loadable - event.num_computed_tokens, True))
+            tokens = loadable - event.num_computed_tokens
+            tracker.sync_load = tokens <= self.config.sync_load_max_tokens
+            out.append(MatchAnswer(event.request_id, tokens, not tracker.sync_load))
 
     def _on_match_allocated(self, event: MatchRequest, now: float, out: Out) -> None:
         self._match_after_allocation(self._trackers[event.request_id], event, out)
@@ -440,16 +473,19 @@ class StepPlanner:
 
     def _on_step(self, event: StepScheduled, now: float, out: Out) -> None:
         retrieves: list[SubmitRetrieve] = []
+        sync_loads: list[str] = []
         for tracker in self._trackers.values():
             if tracker.pending_retrieve is not None:
                 retrieves.append(tracker.pending_retrieve)
                 tracker.pending_retrieve = None
+                if tracker.sync_load:
+                    sync_loads.append(tracker.request_id)
         for request_id in event.preempted:
             self._dispatch.run(RequestPreempted(request_id), now, out)
         self._step_stores = []
         for request in event.scheduled:
             self._dispatch.run(RequestScheduled(request), now, out)
-        out.append(StepPlan(tuple(retrieves), tuple(self._step_stores), event.preempted))
+        out.append(StepPlan(tuple(retrieves), tuple(self._step_stores), event.preempted, tuple(sync_loads)))
         self._step_stores = []
 
     def _plan_store(self, tracker: RequestTracker, computed_tokens: int) -> SubmitStore | None:

@@ -108,6 +108,13 @@ class ConnectorConfig:
     * ``model_identity``: a string that names the model's weights fleet-wide (a checkpoint
       digest or release tag); part of every chunk key, so engines whose weights differ under
       one model name never share KV.
+    * ``lookup_wait_ms``: how long vLLM's scheduler may wait for a new request's lookup answer
+      before answering "not yet" (which costs the request an engine step); an L1 answer takes
+      well under 1 ms. 0: never wait.
+    * ``sync_load_max_tokens``: loads of at most this many tokens finish within the step that
+      schedules the request (vLLM's synchronous load) instead of a later one. Default: every
+      load for CPU engines (the worker copies on the step's thread either way), none for GPU
+      engines (the server's copy overlaps compute). 0: always asynchronous.
     """
 
     server_urls: tuple[str, ...] = attrs.field(default=("tcp://127.0.0.1:5555",), converter=_parse_urls)
@@ -117,6 +124,24 @@ class ConnectorConfig:
     store_decode_tokens: bool = attrs.field(default=False)
     connect_strict: bool = attrs.field(default=False)
     model_identity: str = attrs.field(default="", converter=str)
+    lookup_wait_ms: float = attrs.field(default=5.0, converter=float)
+    sync_load_max_tokens: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
+
+    @lookup_wait_ms.validator
+    def _wait(self, attribute: attrs.Attribute[float], value: float) -> None:
+        if not 0 <= value <= 1000:
+            raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be between 0 and 1000, got {value}")
+
+    @sync_load_max_tokens.validator
+    def _sync(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None and value < 0:
+            raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be >= 0, got {value}")
+
+    def sync_load_tokens(self, cpu_engine: bool) -> int:
+        """``sync_load_max_tokens``, its default resolved for the engine's device."""
+        if self.sync_load_max_tokens is not None:
+            return self.sync_load_max_tokens
+        return 1 << 40 if cpu_engine else 0
 
     @request_timeout_s.validator
     @connect_timeout_s.validator
@@ -357,11 +382,12 @@ class SchedulerAdapter(_MachineShell):
 
     @classmethod
     def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int, block_size: int,
-                load: bool = True, store: bool = True) -> SchedulerAdapter:
+                load: bool = True, store: bool = True, cpu_engine: bool = False) -> SchedulerAdapter:
         """Connect to every server and agree on the chunk size; raises ``ServerUnreachable`` (a
         ``ConnectionError``) naming the server that did not answer, ``ValueError`` if the servers
         disagree on the chunk size or it is not a multiple of ``block_size``. ``load`` /
-        ``store``: vLLM's kv_role (consumer / producer)."""
+        ``store``: vLLM's kv_role (consumer / producer). ``cpu_engine``: the workers' KV is in
+        host memory (the default of ``sync_load_max_tokens``)."""
         links = _ServerLinks(config.server_urls, config)
         try:
             chunk_size = _agreed_chunk_size(links, config.chunk_size)
@@ -379,7 +405,8 @@ class SchedulerAdapter(_MachineShell):
             )
             planner = StepPlanner(
                 PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
-                              load=load, store=store),
+                              load=load, store=store, lookup_wait=config.lookup_wait_ms / 1000.0,
+                              sync_load_max_tokens=config.sync_load_tokens(cpu_engine)),
                 lookups,
             )
             return cls(links, planner)
@@ -401,11 +428,21 @@ class SchedulerAdapter(_MachineShell):
         max_offload_tokens: int | None = None,
     ) -> tuple[int | None, bool]:
         self._pump()
-        for answer in self._handle(MatchRequest(request_id, token_ids, num_prompt_tokens, num_computed_tokens,
-                                                cache_salt or "", extras, max_load_tokens, max_offload_tokens)):
-            if isinstance(answer, MatchAnswer):
+        event = MatchRequest(request_id, token_ids, num_prompt_tokens, num_computed_tokens, cache_salt or "",
+                             extras, max_load_tokens, max_offload_tokens)
+        while True:
+            answer = next((a for a in self._handle(event) if isinstance(a, MatchAnswer)), None)
+            if answer is None:
+                return 0, False  # the planner failed internally (counted): compute everything
+            left = -1.0 if answer.wait_until is None else answer.wait_until - self._clock()
+            if answer.tokens is not None or left <= 0:
                 return answer.tokens, answer.load_async
-        return 0, False  # the planner failed internally (counted): compute everything
+            # The planner allows a short wait for the lookup's answer: sleep on the reply queue
+            # (bounded by the machine's own timer), then ask the same question again.
+            deadline = self.planner.next_deadline()
+            if deadline is not None:
+                left = min(left, max(deadline - self._clock(), 0.0))
+            self._pump(wait=max(left, 1e-4))
 
     def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self._handle(BlocksAllocated(request_id, tuple(block_ids), num_external_tokens))
@@ -485,6 +522,7 @@ class WorkerAdapter(_MachineShell):
         self._segment: Any = None
         self._segment_path = ""
         self._slot_bytes = 0
+        self._sync_loads: set[str] = set()  # synchronous loads whose recving vLLM must not see
 
     @classmethod
     def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int, rank: int, block_size: int) -> WorkerAdapter:
@@ -701,11 +739,28 @@ class WorkerAdapter(_MachineShell):
 
     # ------------------------------------------------------------------ per step
 
-    def submit_retrieves(self, ops: Iterable[SubmitRetrieve]) -> None:
+    def submit_retrieves(self, ops: Iterable[SubmitRetrieve], sync_ids: Iterable[str] = ()) -> None:
+        """Submit the step's retrieves. Those of ``sync_ids`` (vLLM loads them synchronously:
+        the step's forward reads their blocks) are complete when this returns -- copied, or
+        failed into ``load_errors()`` -- bounded by the request timeout, and are not reported
+        in ``finished``'s recving (vLLM never waits for them)."""
         self._require_registered()
         for op in ops:
             self._handle(op)
+        waiting = set(sync_ids)
+        self._sync_loads |= waiting
         self._pump()
+        if not waiting:
+            return
+        deadline = time.monotonic() + self.request_timeout_s + 1.0
+        while True:
+            with self._lock:
+                # A sync load's request has no other op yet: its ops are this step's retrieves.
+                waiting = {rid for rid in waiting if self._machine.ops_of(rid)}
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            self._pump(wait=min(left, 0.05))
 
     def submit_stores(self, ops: Iterable[SubmitStore]) -> None:
         self._require_registered()
@@ -746,7 +801,12 @@ class WorkerAdapter(_MachineShell):
         self._pump()
         with self._lock:
             sending, recving = self._machine.finished()
-        return set(sending), set(recving)
+        recving_set = set(recving)
+        if self._sync_loads:
+            done = recving_set & self._sync_loads
+            self._sync_loads -= done | set(sending)
+            recving_set -= done
+        return set(sending), recving_set
 
     def load_errors(self) -> set[int]:
         if self._machine is None:

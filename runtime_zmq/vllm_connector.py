@@ -75,6 +75,16 @@ def _model_identity(vllm_config: VllmConfig) -> tuple[str, int, int, int]:
     return model_name, world_size, int(parallel.rank), block_size
 
 
+def _cpu_engine(vllm_config: VllmConfig) -> bool:
+    """Whether the workers' KV caches are in host memory (vLLM's CPU platform)."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if device is None:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    return str(device) == "cpu"
+
+
 def _token_cap(params: dict[str, Any], name: str, request_id: str) -> int | None:
     """A per-request ``kv_transfer_params`` token cap (vLLM OffloadingConnector's convention:
     a non-negative int, 0 opts out; anything else is ignored with a warning)."""
@@ -106,7 +116,7 @@ class MPCacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._planner = SchedulerAdapter.connect(
                 self._config, model_name=model_name, world_size=world_size, block_size=block_size,
-                load=self._is_consumer, store=self._is_producer,
+                load=self._is_consumer, store=self._is_producer, cpu_engine=_cpu_engine(vllm_config),
             )
             # Refuses (at start) an engine configuration whose KV mpcache cannot key.
             self._keyer = RequestKeyer.from_vllm_config(vllm_config, self._planner.chunk_size, self._config.model_identity)
@@ -217,13 +227,16 @@ class MPCacheConnector(KVConnectorBase_V1):
         assert self._worker is not None
         plan = self._plan()
         if plan is not None and plan.retrieves:
-            self._worker.submit_retrieves(plan.retrieves)
+            # vLLM calls this before the forward when the step has synchronous loads: those are
+            # complete (or failed into load errors) when submit_retrieves returns.
             self._stats.retrieves_submitted(plan.retrieves)
+            self._worker.submit_retrieves(plan.retrieves, plan.sync_loads)
+            self._stats.finished((), plan.sync_loads)
         self._worker.poll()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous and whole-request: a request is scheduled only after its load
-        # finished, so no layer ever waits here.
+        # Loads are whole-request: an asynchronous one is scheduled only after it finished, a
+        # synchronous one finished in start_load_kv, so no layer ever waits here.
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

@@ -86,11 +86,16 @@ class Engine:
         load: bool = True,
         store: bool = True,
         device: str = "cpu",
+        lookup_wait_ms: float = 0.0,
+        sync_load_max_tokens: int = 0,
     ) -> None:
         """``device="cuda"``: KV caches in vLLM's CUDA layout ``[2, NB, BS, NH, HS]`` on the GPU
-        (server-driven transfers); ``"cpu"``: vLLM's CPU layout (engine-driven)."""
+        (server-driven transfers); ``"cpu"``: vLLM's CPU layout (engine-driven).
+        ``lookup_wait_ms`` / ``sync_load_max_tokens``: the connector's settings (default here: the
+        lookup never waited for, every load asynchronous)."""
         self.device = device
-        self.config = ConnectorConfig(server_urls=list(server_urls), request_timeout_s=request_timeout_s, connect_timeout_s=5.0, store_decode_tokens=store_decode_tokens)
+        self.config = ConnectorConfig(server_urls=list(server_urls), request_timeout_s=request_timeout_s, connect_timeout_s=5.0, store_decode_tokens=store_decode_tokens,
+                                      lookup_wait_ms=lookup_wait_ms, sync_load_max_tokens=sync_load_max_tokens)
         self.planner = SchedulerAdapter.connect(self.config, model_name="tiny", world_size=world_size, block_size=BLOCK,
                                                 load=load, store=store)
         self.lookups = self.planner
@@ -109,6 +114,7 @@ class Engine:
         self.preempted: set[str] = set()
         self.load_errors_seen: set[int] = set()
         self.steps = 0
+        self.sync_loads = 0  # requests loaded within the step that scheduled them
 
     # ------------------------------------------------------------------ requests
 
@@ -143,6 +149,7 @@ class Engine:
         self.steps += 1
         scheduled: list[ScheduledRequest] = []
         forward: list[tuple[Req, int]] = []
+        sync_loaded: list[Req] = []
         for req in list(self.requests.values()):
             if req.status == "loading" and req.recv_reported == len(self.workers):
                 # vLLM: the load finished; the request becomes runnable (2nd alloc call).
@@ -161,17 +168,24 @@ class Engine:
                 )
                 if need is None:
                     continue
-                assert need == 0 or load_async
+                assert need > 0 or not load_async
                 assert num_computed + need < req.num_prompt, "at least one prompt token must be left to compute"
                 req.external = need
-                self._grow(req, num_computed + need)
+                if need > 0 and not load_async:
+                    # vLLM's synchronous load: blocks for the whole prompt now, scheduled this step.
+                    self._grow(req, len(req.tokens))
+                else:
+                    self._grow(req, num_computed + need)
                 self._fill_engine_hit(req)
                 self.planner.update_state_after_alloc(req.request_id, req.blocks, need)
                 req.computed = num_computed + need
-                if need > 0:
+                if need > 0 and load_async:
                     req.status = "loading"
                     req.loaded_tokens = need
                     continue
+                if need > 0:
+                    req.loaded_tokens = need
+                    sync_loaded.append(req)
                 req.status = "running"
                 self._grow(req, len(req.tokens))
                 n = len(req.tokens) - req.computed
@@ -190,16 +204,35 @@ class Engine:
         self.preempted = set()
         finished_ids, self.finished_for_workers = self.finished_for_workers, set()
         errors: set[int] = set()
-        for rank, worker in enumerate(self.workers):
+        assert sorted(plan.sync_loads) == sorted(r.request_id for r in sync_loaded)
+        for worker in self.workers:
             if plan.preempted:
                 worker.wait_for_store_copies()
-            worker.submit_retrieves(plan.retrieves)
+            # vLLM calls start_load_kv before the forward when the step has synchronous loads.
+            worker.submit_retrieves(plan.retrieves, plan.sync_loads)
+        if sync_loaded:
+            # A failed synchronous load is reported in this pass; vLLM (recompute policy) then
+            # recomputes the request from its first bad block.
+            early: set[int] = set().union(*(w.load_errors() for w in self.workers))
+            self._apply_load_errors(early)
+            for req in sync_loaded:
+                self.sync_loads += 1
+                bad = [i for i, block in enumerate(req.blocks) if block in early]
+                if bad:
+                    req.computed = min(req.computed, bad[0] * BLOCK)
+                    req.loaded_tokens = max(0, req.computed - req.engine_hit)
+                else:
+                    self._check_loaded(req)
+            sync_ids = {id(r) for r in sync_loaded}
+            forward = [(r, len(r.tokens) - r.computed) if id(r) in sync_ids else (r, n) for r, n in forward]
+        for rank, worker in enumerate(self.workers):
             for req, n in forward:
                 self._compute(rank, req, req.computed, req.computed + n)
             worker.submit_stores(plan.stores)
             sending, recving = worker.finished(finished_ids)
             errors |= worker.load_errors()
             for rid in recving:
+                assert rid not in plan.sync_loads, f"{rid}: a synchronous load reported as finished receiving"
                 self.requests[rid].recv_reported += 1
             for rid in sending:
                 self.requests[rid].finished_reported += 1

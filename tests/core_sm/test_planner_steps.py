@@ -1,0 +1,55 @@
+"""core_sm.planner: the settings that cut the steps a hit waits -- the lookup wait
+(``MatchAnswer.wait_until``) and synchronous loads (``load_async=False``, ``StepPlan.sync_loads``)."""
+from __future__ import annotations
+
+import pytest
+
+from core_sm.planner import BlocksAllocated, MatchAnswer, MatchRequest, PlannerConfig
+
+from test_planner import BS, C, planner, step
+
+
+def _match(p, tokens, now, computed=0):  # type: ignore[no-untyped-def]
+    (answer,) = [e for e in p.handle(MatchRequest("r", tokens, len(tokens), computed), now) if isinstance(e, MatchAnswer)]
+    return answer
+
+
+def test_a_pending_lookup_may_be_waited_for_until_the_deadline_of_the_first_match() -> None:
+    p, _ = planner(None, lookup_wait=0.004)
+    tokens = list(range(4 * C))
+    first = _match(p, tokens, 10.0)
+    assert (first.tokens, first.wait_until) == (None, pytest.approx(10.004))
+    again = _match(p, tokens, 10.003)  # asking again does not move the deadline
+    assert again.wait_until == pytest.approx(10.004)
+
+
+def test_without_a_lookup_wait_a_pending_lookup_is_answered_at_once() -> None:
+    p, _ = planner(None)
+    assert _match(p, list(range(4 * C)), 1.0).wait_until is None
+
+
+def test_a_small_load_is_synchronous_and_named_in_the_plan() -> None:
+    p, _ = planner(4 * C, sync_load_max_tokens=4 * C)
+    tokens = list(range(4 * C + 3))
+    answer = _match(p, tokens, 0.0)
+    assert (answer.tokens, answer.load_async) == (4 * C, False)
+    p.handle(BlocksAllocated("r", tuple(range(len(tokens) // BS + 1)), 4 * C), 0.0)
+    plan = step(p)
+    assert [r.request_id for r in plan.retrieves] == ["r"] and plan.sync_loads == ("r",)
+
+
+def test_a_load_over_the_limit_stays_asynchronous() -> None:
+    p, _ = planner(4 * C, sync_load_max_tokens=4 * C - 1)
+    tokens = list(range(4 * C + 3))
+    answer = _match(p, tokens, 0.0)
+    assert (answer.tokens, answer.load_async) == (4 * C, True)
+    p.handle(BlocksAllocated("r", tuple(range(4 * C // BS)), 4 * C), 0.0)
+    plan = step(p)
+    assert len(plan.retrieves) == 1 and plan.sync_loads == ()
+
+
+def test_the_settings_are_bounded() -> None:
+    with pytest.raises(ValueError):
+        PlannerConfig(C, BS, lookup_wait=2.0)
+    with pytest.raises(ValueError):
+        PlannerConfig(C, BS, sync_load_max_tokens=-1)
