@@ -296,6 +296,10 @@ def warm_kernels(lane_dtypes: Sequence[Any] = (np.uint64,)) -> None:
                    chunk_tokens=2)
     check_request(g, 64, np.zeros((1, 2), np.int64), np.zeros(1, np.int64), 0)
     _dma_runs(np.zeros(1, np.int64), 0, 1, 0, 1, 0, 0, 1, True, np.zeros((3, 1), np.int64))
+    if not numba.config.ENABLE_CUDASIM:  # the compiled enqueue, with the argument types a transfer passes
+        z1, z2 = np.zeros(1, np.int64), np.zeros((1, 2), np.int64)
+        fast_enqueue()(OP_DRY, z1, z1, 0, z2, np.zeros(S_COUNT, np.int64), np.zeros((7, 1), np.int64),
+                       np.zeros((4, 1), np.int64), np.zeros((1, 64), np.int64), np.zeros((3, 1), np.int64), z1)
     desc = cuda.mapped_array(DESC_MAX, dtype=np.int64)
     _host_view(desc)[D_NCHUNKS] = 0
     params = cuda.to_device(np.zeros(P_COUNT + 1, dtype=np.int64))
@@ -385,6 +389,7 @@ class CudaKVTransfer:
         staging_min_chunks: int = 4,
         piece_growth: int = PIECE_GROWTH,
         staging_ctas: int = STAGING_CTAS,
+        compiled_enqueue: bool = True,
     ) -> None:
         if mode not in ("zerocopy", "staging", "auto"):
             raise ValueError(f"mode must be 'zerocopy', 'staging' or 'auto', not {mode!r}")
@@ -420,8 +425,17 @@ class CudaKVTransfer:
         self._scatter_st = scatter_kernel[self.staging_ctas, threads, self.stream]
         # each descriptor holds one call's request; the kernel copies only its n_desc words
         words = -(-(D_SLOTS + max_chunks * (1 + geometry.blocks_per_chunk)) // 64) * 64
-        self._desc = [cuda.mapped_array(words, dtype=np.int64) for _ in range(ring)]
-        self._desc_host = [_host_view(d) for d in self._desc]
+        if self._sim:
+            self._desc = [cuda.mapped_array(words, dtype=np.int64) for _ in range(ring)]
+            self._desc_host = [_host_view(d) for d in self._desc]
+        else:  # one mapped block (the compiled enqueue writes it as a 2-D array), a view per entry
+            self._desc_all = cuda.mapped_array((ring, words), dtype=np.int64)
+            self._desc_2d = _host_view(self._desc_all)
+            self._desc_host = [self._desc_2d[r] for r in range(ring)]
+            dev0 = device_pointer(self._desc_all)
+            self._desc = [cuda.from_cuda_array_interface(
+                {"shape": (words,), "typestr": "<i8", "data": (dev0 + r * words * 8, False), "version": 3, "strides": None},
+                owner=self._desc_all, sync=False) for r in range(ring)]
         self._events = [cuda.event() if self._sim else cuda.event(timing=False) for _ in range(ring)]
         self._used = [False] * ring
         self._cover = list(range(ring))  # entry -> the entry whose event follows its kernel
@@ -463,8 +477,17 @@ class CudaKVTransfer:
         for configured in (self._gather, self._scatter):
             configured(self._paged, self._pool, self._params, self._desc[0])
         self.stream.synchronize()
+        self._enq: Any = None
+        self.enqueue_path = "python"
+        self.enqueue_error = ""
         if not self._sim and raw_launch:
             self._build_raw_launchers(max_ctas, threads)
+            if self.launch_path == "raw" and compiled_enqueue and (mode == "zerocopy" or self._memcpy.path == "batch"):
+                try:
+                    self._setup_compiled_enqueue(ring, max_ctas, threads)
+                except Exception as e:  # pragma: no cover - depends on the numba / driver build
+                    self._enq = None
+                    self.enqueue_error = f"{type(e).__name__}: {e}"
 
     # ---- public API ---------------------------------------------------------------------
     def uses_staging(self, n_chunks: int, busy: bool = False) -> bool:
@@ -487,11 +510,15 @@ class CudaKVTransfer:
         ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, 0)
         n = bases.shape[0]
         self._check_size(n)
+        if self._enq is not None:
+            return self._compiled_call(False, self.uses_staging(n, busy), ids, bases, 0, join)
         if not self.uses_staging(n, busy):
+            self._check_ring(1)
             self._touched.add("compute")
             return self._mark([self._launch(self._gather, self._pool, ids, bases, 0)])
         # Pipelined: the DMA of piece p (copy stream) overlaps the gather of piece p+1.
         bpc = self._bpc
+        self._check_ring(len(self._pieces(n)))
         r0 = self._take_run(n)
         self._wait_released(r0, n, "copy", self.stream)
         used: list[int] = []
@@ -517,8 +544,11 @@ class CudaKVTransfer:
         ids, bases = check_request(self.geometry, self._pool_lanes, block_ids, slot_offsets, skip_blocks)
         n = bases.shape[0]
         self._check_size(n)
+        if self._enq is not None:
+            return self._compiled_call(True, self.uses_staging(n, busy), ids, bases, skip_blocks, join)
         self._touched.add("compute")
         if not self.uses_staging(n, busy):
+            self._check_ring(1)
             return self._mark([self._launch(self._scatter, self._pool, ids, bases, skip_blocks)])
         bpc = self.geometry.blocks_per_chunk
         used: list[int] = []
@@ -526,6 +556,7 @@ class CudaKVTransfer:
         m = n - first
         if m == 0:
             return used
+        self._check_ring(len(self._pieces(m, shrinking=True)))
         r0 = self._take_run(m)  # request chunk first + i <-> staging run slot r0 + i
         self._wait_released(r0, m, "compute", self._copy_stream)
         if join:
@@ -588,6 +619,83 @@ class CudaKVTransfer:
             self._desc_host[r][D_NCHUNKS] = 0
 
     # ---- internals ----------------------------------------------------------------------
+    def _setup_compiled_enqueue(self, ring: int, max_ctas: int, threads: int) -> None:
+        """The state the compiled enqueue works on (see ``_make_enqueue``), from what the
+        Python path set up: handles, packed launch arguments, release events, DMA arrays."""
+        fd = self._fd
+        st = np.zeros(S_COUNT, dtype=np.int64)
+        st[S_RING] = ring
+        st[S_COMPUTE] = self._sid[id(self.stream)]
+        st[S_CTAS] = max_ctas
+        st[S_ST_CTAS] = self.staging_ctas
+        st[S_THREADS] = threads
+        st[S_BPC] = self._bpc
+        st[S_SLOT_LANES] = self._slot_lanes
+        st[S_MAX_CHUNKS] = self.max_chunks
+        table = np.zeros((7, ring), dtype=np.int64)
+        table[R_COVER] = np.arange(ring)
+        table[R_EVENT] = self._event_h
+        rows = [(R_P_G, self._gather, self._pool, S_F_G), (R_P_S, self._scatter, self._pool, S_F_S)]
+        rel = np.full((4, max(self.max_chunks, RELEASE_EVENTS)), -1, dtype=np.int64)
+        if self.mode != "zerocopy":
+            rows += [(R_P_GST, self._gather_st, self._staging, S_F_GST), (R_P_SST, self._scatter_st, self._staging, S_F_SST)]
+            st[S_COPY] = self._sid[id(self._copy_stream)]
+            st[S_ORD0], st[S_ORD1] = self._order_events
+            m = self._memcpy
+            st[S_POOL] = m.base(self._pool)
+            st[S_STAGING] = m.base(self._staging)
+            st[S_SCALE] = m.scale
+            st[S_RUNS0], st[S_RUNS1], st[S_RUNS2] = m._rows
+            st[S_ATTRS] = fd.batch_attrs
+            st[S_ATTR_IDX] = fd.batch_attr_idx
+            rel[2, :RELEASE_EVENTS] = self._release_events["copy"]
+            rel[3, :RELEASE_EVENTS] = self._release_events["compute"]
+            self._runs = m.runs
+        else:
+            self._runs = np.zeros((3, 1), dtype=np.int64)
+        for row, configured, slots, func in rows:
+            raw = self._raw[(id(configured), id(slots))]
+            table[row] = raw._params
+            st[func] = raw._func
+        self._st, self._ring_table, self._rel = st, table, rel
+        self._used_out = np.zeros(self.pipeline_pieces + 1, dtype=np.int64)
+        self._one_piece = np.zeros((1, 2), dtype=np.int64)
+        self._piece_arrays: dict[tuple[int, bool], np.ndarray] = {}
+        enq = fast_enqueue()
+        enq(OP_DRY, self._one_piece[0], self._one_piece[0], 0, self._one_piece, st, table, rel, self._desc_2d, self._runs,
+            self._used_out)  # compiled now (once per process), not on a first request
+        self._enq = enq
+        self.enqueue_path = "compiled"
+
+    def _compiled_call(self, scatter: bool, staging: bool, ids: np.ndarray, bases: np.ndarray, skip: int,
+                       join: bool) -> list[int]:
+        op = (OP_SCATTER if scatter else 0) | (OP_STAGING if staging else 0) | (OP_JOIN if join else 0)
+        if staging:
+            m = bases.shape[0] - (skip // self._bpc if scatter else 0)
+            if m == 0:
+                return []
+            key = (m, scatter)
+            pieces = self._piece_arrays.get(key)
+            if pieces is None:
+                pieces = self._piece_arrays[key] = np.asarray(self._pieces(m, scatter), dtype=np.int64).reshape(-1, 2)
+        else:
+            pieces = self._one_piece
+        st = self._st
+        cnt = self._enq(op, ids, bases, skip, pieces, st, self._ring_table, self._rel, self._desc_2d, self._runs,
+                        self._used_out)
+        self._touched.add("compute" if scatter or not staging or join else "copy")
+        err = int(st[S_ERR])
+        if err:
+            st[S_ERR] = 0
+            if err == ERR_RING_FULL:
+                # the kernel that read an entry 'ring' launches ago has not run yet: never wait
+                # here (this is the server's loop thread); the caller fails this request
+                raise RuntimeError(f"descriptor ring full: {len(self._desc)} launches of this engine still queued")
+            where = {W_LAUNCH: "cuLaunchKernel", W_RECORD: "cuEventRecord", W_WAIT: "cuStreamWaitEvent",
+                     W_COPY: "staging DMA"}.get(int(st[S_WHERE]), "driver call")
+            raise RuntimeError(f"{where} failed: CUDA error {err - 1000}")
+        return self._used_out[:cnt].tolist()
+
     def _check_size(self, n: int) -> None:
         if n > self.max_chunks:
             raise ValueError(f"{n} chunks in one call; this transfer was built for at most {self.max_chunks}")
@@ -620,12 +728,19 @@ class CudaKVTransfer:
         if err != CUDA_SUCCESS:
             raise RuntimeError(f"staging release record failed: CUDA error {err}")
 
+    def _check_ring(self, k: int) -> None:
+        """Before a call enqueues anything: its next ``k`` descriptor entries must be free."""
+        if self._sim:
+            return
+        for i in range(k):
+            r = (self._next + i) % len(self._desc)
+            if self._used[r] and self._fd.query(self._event_h[self._cover[r]]) == CUDA_ERROR_NOT_READY:
+                # the kernel that read this entry 'ring' launches ago has not run yet: never wait
+                # here (this is the server's loop thread); the caller fails this request
+                raise RuntimeError(f"descriptor ring full: {len(self._desc)} launches of this engine still queued")
+
     def _launch(self, configured: Any, slots: Any, ids: np.ndarray, bases: np.ndarray, skip: int) -> int:
         r = self._next
-        if self._used[r] and not self._sim and self._fd.query(self._event_h[self._cover[r]]) == CUDA_ERROR_NOT_READY:
-            # the kernel that read this entry 'ring' launches ago has not run yet: never wait
-            # here (this is the server's loop thread); the caller fails this request
-            raise RuntimeError(f"descriptor ring full: {len(self._desc)} launches of this engine still queued")
         self._next = (r + 1) % len(self._desc)
         h = self._desc_host[r]
         n = bases.shape[0]
@@ -735,6 +850,234 @@ class CudaKVTransfer:
             err = fd.wait(self._sid[id(after)], ev, 0)
         if err != CUDA_SUCCESS:
             raise RuntimeError(f"stream ordering failed: CUDA error {err}")
+
+
+# ---- the enqueue path in one compiled call (real GPU) ----------------------------------------
+# Scalars of a transfer's compiled enqueue state (``st``, int64; handles as their bit patterns).
+(S_ERR, S_WHERE, S_NEXT, S_RING, S_COMPUTE, S_COPY, S_ORD0, S_ORD1, S_CTAS, S_ST_CTAS, S_THREADS, S_F_G, S_F_S,
+ S_POOL, S_STAGING, S_SCALE, S_SLOT_LANES, S_BPC, S_ATTRS, S_ATTR_IDX, S_RUNS0, S_RUNS1, S_RUNS2, S_RELC_COPY,
+ S_RELC_COMPUTE, S_CURSOR, S_MAX_CHUNKS, S_F_GST, S_F_SST, S_COUNT) = range(30)
+# Rows of the descriptor ring table (``ring``): in use, covering entry, event, packed launch
+# arguments of gather / scatter with the pool, and with staging.
+R_USED, R_COVER, R_EVENT, R_P_G, R_P_S, R_P_GST, R_P_SST = range(7)
+ERR_RING_FULL = 1  # st[S_ERR]; a failed driver call: 1000 + its CUDA error, st[S_WHERE] says which call
+OP_SCATTER, OP_STAGING, OP_JOIN, OP_DRY = 1, 2, 4, 8
+W_LAUNCH, W_RECORD, W_WAIT, W_COPY = 1, 2, 3, 4
+
+_ENQUEUE: Any = None
+
+
+def fast_enqueue() -> Any:
+    """The process's compiled enqueue (``_make_enqueue``), built on first use."""
+    global _ENQUEUE
+    if _ENQUEUE is None:
+        _ENQUEUE = _make_enqueue()
+    return _ENQUEUE
+
+
+def _make_enqueue() -> Any:
+    """One njit function that makes a whole gather / scatter call's driver calls: the ring
+    check, descriptor fills, launches, stream orderings, the staging DMA runs and batch copy,
+    the release and completion records, with the same steps in the same order as
+    ``CudaKVTransfer``'s Python path (which the simulator runs). The driver functions are
+    ctypes pointers into libcuda that numba calls directly: a call costs one dispatch plus the
+    driver's own time, instead of tens of Python statements per piece."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+
+    def fn(name: str, *argtypes: Any) -> Any:
+        f = lib[name]  # (item access: a new function object, not the one FastDriver configured)
+        f.argtypes = list(argtypes)
+        f.restype = ctypes.c_int
+        return f
+
+    cu_launch = fn("cuLaunchKernel", u64, u32, u32, u32, u32, u32, u32, u32, u64, u64, u64)
+    cu_record = fn("cuEventRecord", u64, u64)
+    cu_wait = fn("cuStreamWaitEvent", u64, u64, u32)
+    cu_query = fn("cuEventQuery", u64)
+    cu_copy = fn("cuMemcpyAsync", u64, u64, u64, u64)
+    cu_batch = fn("cuMemcpyBatchAsync_v2", u64, u64, u64, u64, u64, u64, u64, u64)
+
+    @numba.njit(nogil=False)
+    def record(st, ev, stream):  # type: ignore[no-untyped-def]
+        err = cu_record(np.uint64(ev), np.uint64(stream))
+        if err != 0 and st[S_ERR] == 0:
+            st[S_ERR] = 1000 + err
+            st[S_WHERE] = W_RECORD
+        return err == 0
+
+    @numba.njit(nogil=False)
+    def wait(st, stream, ev):  # type: ignore[no-untyped-def]
+        err = cu_wait(np.uint64(stream), np.uint64(ev), np.uint32(0))
+        if err != 0 and st[S_ERR] == 0:
+            st[S_ERR] = 1000 + err
+            st[S_WHERE] = W_WAIT
+        return err == 0
+
+    @numba.njit(nogil=False)
+    def order(st, before, after, ev):  # type: ignore[no-untyped-def]
+        return record(st, ev, before) and wait(st, after, ev)
+
+    @numba.njit(nogil=False)
+    def launch(st, ring, desc, row, grid, ids, i0, i1, base0, skip):  # type: ignore[no-untyped-def]
+        """Staging kernel for chunks [i0, i1) of the call into the next ring entry; chunk
+        i0 + k at staging lane base0 + k * slot lanes."""
+        r = st[S_NEXT]
+        st[S_NEXT] = (r + 1) % st[S_RING]
+        h = desc[r]
+        n = i1 - i0
+        bpc = st[S_BPC]
+        h[D_NCHUNKS] = n
+        h[D_SKIP] = skip
+        for k in range(n):
+            h[D_SLOTS + k] = base0 + k * st[S_SLOT_LANES]
+        for k in range(n * bpc):
+            h[D_SLOTS + n + k] = ids[i0 * bpc + k]
+        func = st[S_F_GST] if row == R_P_GST else st[S_F_SST]
+        err = cu_launch(np.uint64(func), np.uint32(grid), np.uint32(1), np.uint32(1), np.uint32(st[S_THREADS]),
+                        np.uint32(1), np.uint32(1), np.uint32(0), np.uint64(st[S_COMPUTE]), np.uint64(ring[row, r]),
+                        np.uint64(0))
+        ring[R_USED, r] = 1
+        if err != 0 and st[S_ERR] == 0:
+            st[S_ERR] = 1000 + err
+            st[S_WHERE] = W_LAUNCH
+        return r
+
+    @numba.njit(nogil=False)
+    def launch_direct(st, ring, desc, row, ids, bases, skip):  # type: ignore[no-untyped-def]
+        r = st[S_NEXT]
+        st[S_NEXT] = (r + 1) % st[S_RING]
+        h = desc[r]
+        n = bases.shape[0]
+        h[D_NCHUNKS] = n
+        h[D_SKIP] = skip
+        for k in range(n):
+            h[D_SLOTS + k] = bases[k]
+        for k in range(ids.shape[0]):
+            h[D_SLOTS + n + k] = ids[k]
+        func = st[S_F_G] if row == R_P_G else st[S_F_S]
+        err = cu_launch(np.uint64(func), np.uint32(st[S_CTAS]), np.uint32(1), np.uint32(1), np.uint32(st[S_THREADS]),
+                        np.uint32(1), np.uint32(1), np.uint32(0), np.uint64(st[S_COMPUTE]), np.uint64(ring[row, r]),
+                        np.uint64(0))
+        ring[R_USED, r] = 1
+        if err != 0 and st[S_ERR] == 0:
+            st[S_ERR] = 1000 + err
+            st[S_WHERE] = W_LAUNCH
+        return r
+
+    @numba.njit(nogil=False)
+    def copy_runs(st, runs, bases, first, end, staging_base, to_pool):  # type: ignore[no-untyped-def]
+        if to_pool:
+            count = _dma_runs(bases, first, end, staging_base, st[S_SLOT_LANES], st[S_POOL], st[S_STAGING], st[S_SCALE],
+                              True, runs)
+        else:
+            count = _dma_runs(bases, first, end, staging_base, st[S_SLOT_LANES], st[S_STAGING], st[S_POOL], st[S_SCALE],
+                              False, runs)
+        if count > 1:
+            err = cu_batch(np.uint64(st[S_RUNS0]), np.uint64(st[S_RUNS1]), np.uint64(st[S_RUNS2]), np.uint64(count),
+                           np.uint64(st[S_ATTRS]), np.uint64(st[S_ATTR_IDX]), np.uint64(1), np.uint64(st[S_COPY]))
+        else:
+            err = cu_copy(np.uint64(runs[0, 0]), np.uint64(runs[1, 0]), np.uint64(runs[2, 0]), np.uint64(st[S_COPY]))
+        if err != 0 and st[S_ERR] == 0:
+            st[S_ERR] = 1000 + err
+            st[S_WHERE] = W_COPY
+
+    @numba.njit(nogil=False)
+    def enqueue(op, ids, bases, skip, pieces, st, ring, rel, desc, runs, used):  # type: ignore[no-untyped-def]
+        """One call. Returns the number of ring entries used (written to ``used``); on error
+        st[S_ERR] is set (a full ring is found before anything is enqueued)."""
+        if op & OP_DRY:
+            return 0
+        scatter = (op & OP_SCATTER) != 0
+        staging = (op & OP_STAGING) != 0
+        join = (op & OP_JOIN) != 0
+        n_launch = pieces.shape[0] if staging else 1
+        ring_n = st[S_RING]
+        for k in range(n_launch):  # the ring entries this call will take must all be free
+            r = (st[S_NEXT] + k) % ring_n
+            if ring[R_USED, r] != 0 and cu_query(np.uint64(ring[R_EVENT, ring[R_COVER, r]])) == CUDA_ERROR_NOT_READY:
+                st[S_ERR] = ERR_RING_FULL
+                return 0
+        cnt = 0
+        n = bases.shape[0]
+        bpc = st[S_BPC]
+        if not staging:
+            used[0] = launch_direct(st, ring, desc, R_P_S if scatter else R_P_G, ids, bases, skip)
+            cnt = 1
+        elif not scatter:
+            # STORE: gather piece p into staging, its DMA on the copy stream overlaps piece p+1
+            if st[S_CURSOR] + n > st[S_MAX_CHUNKS]:
+                st[S_CURSOR] = 0
+            r0 = st[S_CURSOR]
+            st[S_CURSOR] = r0 + n
+            last = -1
+            for i in range(r0, r0 + n):
+                last = max(last, rel[0, i])
+            if last >= 0:
+                wait(st, st[S_COMPUTE], rel[2, last % RELEASE_EVENTS])
+            for p in range(pieces.shape[0]):
+                if st[S_ERR] != 0:
+                    break
+                a = pieces[p, 0]
+                b = pieces[p, 1]
+                used[cnt] = launch(st, ring, desc, R_P_GST, st[S_ST_CTAS], ids, a, b, (r0 + a) * st[S_SLOT_LANES], 0)
+                cnt += 1
+                if st[S_ERR] == 0 and order(st, st[S_COMPUTE], st[S_COPY], st[S_ORD0]):
+                    copy_runs(st, runs, bases, a, b, r0, True)
+            k = st[S_RELC_COPY]
+            st[S_RELC_COPY] = k + 1
+            for i in range(r0, r0 + n):
+                rel[0, i] = k
+            record(st, rel[2, k % RELEASE_EVENTS], st[S_COPY])
+            if join and st[S_ERR] == 0:
+                order(st, st[S_COPY], st[S_COMPUTE], st[S_ORD1])
+        else:
+            # RETRIEVE: DMA piece p into staging, scatter it while piece p+1's DMA runs
+            first = skip // bpc
+            m = n - first
+            if m == 0:
+                return 0
+            if st[S_CURSOR] + m > st[S_MAX_CHUNKS]:
+                st[S_CURSOR] = 0
+            r0 = st[S_CURSOR]
+            st[S_CURSOR] = r0 + m
+            last = -1
+            for i in range(r0, r0 + m):
+                last = max(last, rel[1, i])
+            if last >= 0:
+                wait(st, st[S_COPY], rel[3, last % RELEASE_EVENTS])
+            if join:
+                order(st, st[S_COMPUTE], st[S_COPY], st[S_ORD0])
+            for p in range(pieces.shape[0]):
+                if st[S_ERR] != 0:
+                    break
+                a = pieces[p, 0]
+                b = pieces[p, 1]
+                copy_runs(st, runs, bases, first + a, first + b, r0 - first, False)
+                if st[S_ERR] != 0 or not order(st, st[S_COPY], st[S_COMPUTE], st[S_ORD1]):
+                    break
+                sk = min(max(skip - (first + a) * bpc, 0), (b - a) * bpc)
+                used[cnt] = launch(st, ring, desc, R_P_SST, st[S_ST_CTAS], ids, first + a, first + b,
+                                   (r0 + a) * st[S_SLOT_LANES], sk)
+                cnt += 1
+            k = st[S_RELC_COMPUTE]
+            st[S_RELC_COMPUTE] = k + 1
+            for i in range(r0, r0 + m):
+                rel[1, i] = k
+            record(st, rel[3, k % RELEASE_EVENTS], st[S_COMPUTE])
+        # one event after the call's kernels, which every entry of the call points to (also
+        # after a failed driver call: the entries launched so far must not be reused early)
+        if cnt == 0:
+            return 0
+        lastr = used[cnt - 1]
+        for i in range(cnt):
+            ring[R_COVER, used[i]] = lastr
+        record(st, ring[R_EVENT, lastr], st[S_COMPUTE])
+        return cnt
+
+    return enqueue
 
 
 def _host_view(mapped: Any) -> np.ndarray:

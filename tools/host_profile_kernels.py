@@ -5,7 +5,8 @@ Llama-3-8B KV geometry (32 layers, 8 KV heads, head 128, bf16, block 16, chunk 2
 1. The cost of each driver call of the enqueue path, through ``kernels.gpu.FastDriver`` (ctypes
    into libcuda) and through cuda-bindings (what the path used before): event record, stream
    wait, event query, kernel launch, and a batch of 17 DMAs against 17 single ones.
-2. Per mode (zero-copy, staging, auto), staging piece growth and staging grid, per chunk count (1, 8, 32):
+2. Per mode (zero-copy, staging, auto), staging piece growth, staging grid and enqueue path
+   (compiled or Python), per chunk count (1, 8, 32):
    host time per call as the server's executor makes them (``join=False``, ``busy``), the
    device time of one call alone (store / retrieve), and GB/s of calls back to back. Every
    configuration is checked bit for bit (store into poisoned slots, retrieve into poisoned
@@ -125,13 +126,18 @@ def main() -> int:
         idx = torch.as_tensor(ids.reshape(-1), device=dev)
         return torch.stack([t.view(torch.int16).index_select(1, idx) for t in layers])
 
-    # (mode, staging piece growth, staging grid); 16 CTAs was the staging grid before
-    configs = [("zerocopy", 2, 64), ("staging", 2, 16), ("staging", 2, 64), ("staging", 4, 64), ("auto", 2, 64), ("auto", 4, 64)]
-    print(f"\n{'mode':<9} {'growth':>6} {'st.ctas':>7} {'chunks':>6} {'store host us':>13} {'retr host us':>12} {'store alone ms':>14} "
+    # (mode, staging piece growth, staging grid, compiled enqueue); 16 CTAs and growth 2 were the
+    # staging defaults before, the Python enqueue the only one
+    configs = [("zerocopy", 4, 64, False), ("zerocopy", 4, 64, True), ("staging", 2, 16, False), ("staging", 4, 64, False),
+               ("staging", 4, 64, True), ("auto", 4, 64, False), ("auto", 4, 64, True)]
+    print(f"\n{'mode':<9} {'growth':>6} {'st.ctas':>7} {'enqueue':>8} {'chunks':>6} {'store host us':>13} {'retr host us':>12} {'store alone ms':>14} "
           f"{'retr alone ms':>13} {'memcpy ms':>9} {'store GB/s':>10} {'retr GB/s':>9} {'check':>5}")
     ok_all = True
-    for mode, growth, st_ctas in configs:
-        x = CudaKVTransfer(g, span, offs, pool, mode=mode, max_chunks=32, ring=256, piece_growth=growth, staging_ctas=st_ctas)
+    for mode, growth, st_ctas, compiled in configs:
+        x = CudaKVTransfer(g, span, offs, pool, mode=mode, max_chunks=32, ring=256, piece_growth=growth, staging_ctas=st_ctas,
+                           compiled_enqueue=compiled)
+        if compiled and x.enqueue_path != "compiled":
+            print(f"compiled enqueue not in use: {x.enqueue_error}")
         st = x.stream
         for n in (1, 8, 32):
             ids, so, out = src_ids[:n], slots[:n], dst_ids[:n]
@@ -195,7 +201,7 @@ def main() -> int:
             b_store = burst(lambda: x.gather(ids, so, join=False, busy=True))
             b_retr = burst(lambda: x.scatter(so, out, 0, join=False, busy=True))
             memcpy_ms = n * slot / 55.2e9 * 1e3
-            print(f"{mode:<9} {growth:>6} {st_ctas:>7} {n:>6} {h_store:>13.1f} {h_retr:>12.1f} {a_store:>14.2f} {a_retr:>13.2f} "
+            print(f"{mode:<9} {growth:>6} {st_ctas:>7} {x.enqueue_path:>8} {n:>6} {h_store:>13.1f} {h_retr:>12.1f} {a_store:>14.2f} {a_retr:>13.2f} "
                   f"{memcpy_ms:>9.2f} {b_store:>10.1f} {b_retr:>9.1f} {'ok' if ok else 'FAIL':>5}", flush=True)
         del x
     return 0 if ok_all else 1

@@ -46,6 +46,7 @@ def _assert_fast_launch(xfer: CudaKVTransfer) -> None:
 
     if not numba.config.ENABLE_CUDASIM:
         assert xfer.launch_path == "raw", xfer.launch_error
+        assert xfer.enqueue_path == "compiled", xfer.enqueue_error
 
 
 def _pool(g: KVGeometry, n_slots: int, fill: np.ndarray | None = None):  # type: ignore[no-untyped-def]
@@ -146,7 +147,7 @@ def test_staging_pipeline_pieces_and_partial_skip(pieces: int) -> None:
     eng = Engine(g, src)
     pool, host = _pool(g, 5)
     xfer = CudaKVTransfer(g, eng.span, eng.offsets, pool, mode="staging", max_ctas=2, threads=4, max_chunks=3,
-                          ring=4, pipeline_pieces=pieces)
+                          ring=4, pipeline_pieces=pieces, piece_growth=2)
     ids = random_block_table(g, rng, 3)
     slots = [2, 3, 0]  # 2 and 3 adjacent: one DMA for both
     xfer.gather(ids, [s * g.slot_bytes for s in slots])
@@ -163,18 +164,22 @@ def test_staging_pipeline_pieces_and_partial_skip(pieces: int) -> None:
     np.testing.assert_array_equal(after[0], expect[0])
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("mode", ["staging", "auto"])
-def test_unjoined_calls_overlap_through_the_staging_ring(mode: str) -> None:
+def test_unjoined_calls_overlap_through_the_staging_ring(mode: str, compiled: bool) -> None:
     """join=False, as the server's executor calls: each call's kernels may run while the DMAs
     of the calls before still drain the staging ring; runs wrap around the ring and are reused
-    only after what last read them. Every slot and block must still be exactly right."""
+    only after what last read them. Every slot and block must still be exactly right. On a GPU,
+    through the compiled enqueue and through the Python path (the simulator runs the latter)."""
     rng = np.random.default_rng(77)
     g = small_geometry(PagedLayout.NHD, head_size=4, num_layers=2)  # 3 blocks per chunk
     src = random_layers(g, rng, np.uint16)
     eng = Engine(g, src)
     pool, host = _pool(g, 24)
     xfer = CudaKVTransfer(g, eng.span, eng.offsets, pool, mode=mode, max_ctas=2, threads=8, max_chunks=3, ring=64,
-                          pipeline_pieces=3)
+                          pipeline_pieces=3, piece_growth=2, compiled_enqueue=compiled)
+    if compiled:
+        _assert_fast_launch(xfer)
     calls = []
     slot = 0
     for k in range(10):

@@ -141,6 +141,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
 
         inst = ex._instances[1]
         assert inst.transfer.launch_path == "raw", inst.transfer.launch_error
+        assert inst.transfer.enqueue_path == "compiled", inst.transfer.enqueue_error
         base = int(inst.transfer._paged.__cuda_array_interface__["data"][0])
         n_elems = inst.geometry.layer_elements()
         for off in inst.transfer._layer_offsets:
