@@ -11,7 +11,9 @@ Llama-3-8B KV geometry (32 layers, 8 KV heads, head 128, bf16, block 16, chunk 2
    device time of one call alone (store / retrieve), and GB/s of calls back to back. Every
    configuration is checked bit for bit (store into poisoned slots, retrieve into poisoned
    blocks) against torch indexing.
-Prints two tables; exits 1 if a check fails.
+3. Two engines' staging calls in the same direction at once (two stream pairs) against one
+   engine making both calls: whether the link loses rate to copies from several streams.
+Prints three tables; exits 1 if a check fails.
 """
 from __future__ import annotations
 
@@ -204,6 +206,38 @@ def main() -> int:
             print(f"{mode:<9} {growth:>6} {st_ctas:>7} {x.enqueue_path:>8} {n:>6} {h_store:>13.1f} {h_retr:>12.1f} {a_store:>14.2f} {a_retr:>13.2f} "
                   f"{memcpy_ms:>9.2f} {b_store:>10.1f} {b_retr:>9.1f} {'ok' if ok else 'FAIL':>5}", flush=True)
         del x
+
+    # ---- 3. two engines' copies in the same direction at once (separate streams, as two
+    # registered instances have) against one engine doing both calls
+    xa = CudaKVTransfer(g, span, offs, pool, mode="staging", max_chunks=32, ring=256)
+    xb = CudaKVTransfer(g, span, offs, pool, mode="staging", max_chunks=32, ring=256)
+    print(f"\n{'8-chunk calls x 2, back to back':<44} {'store GB/s':>10} {'retr GB/s':>9}")
+    for label, second in (("one engine (one stream pair)", xa), ("two engines (two stream pairs) at once", xb)):
+        res = []
+        for scatter in (False, True):
+            v = []
+            for _ in range(5):
+                cuda.synchronize()
+                e0, ea, eb = cuda.event(), cuda.event(), cuda.event()
+                e0.record(xa.stream)
+                e0.wait(second.stream)
+                for x, half in ((xa, 0), (second, 1)):
+                    ids, so = (dst_ids if scatter else src_ids)[half * 8 : half * 8 + 8], slots[half * 8 : half * 8 + 8]
+                    if scatter:
+                        x.scatter(so, ids, 0, join=False, busy=True)
+                    else:
+                        x.gather(ids, so, join=False, busy=True)
+                xa.record_completion(ea.handle)
+                if second is not xa:
+                    second.record_completion(eb.handle)
+                ea.synchronize()
+                t = cuda.event_elapsed_time(e0, ea)
+                if second is not xa:
+                    eb.synchronize()
+                    t = max(t, cuda.event_elapsed_time(e0, eb))
+                v.append(16 * slot / (t / 1e3) / 1e9)
+            res.append(statistics.median(v))
+        print(f"{label:<44} {res[0]:>10.1f} {res[1]:>9.1f}", flush=True)
     return 0 if ok_all else 1
 
 
