@@ -837,6 +837,12 @@ class WorkerAdapter(_MachineShell):
             if copies and effect.direction is TransferKind.STORE:
                 self._transfer.gather(np.asarray([c.block_ids for c in copies], dtype=np.int64),
                                       [c.slot * slot_bytes for c in copies])
+            elif copies and not any(c.skip_blocks for c in copies[1:]):
+                # One kernel call for the whole retrieve (the skip is a prefix: only the first
+                # chunk can keep leading blocks unwritten); a launch per chunk costs more than
+                # the copy on a busy host.
+                self._transfer.scatter([c.slot * slot_bytes for c in copies],
+                                       np.asarray([c.block_ids for c in copies], dtype=np.int64), copies[0].skip_blocks)
             else:
                 for copy in copies:
                     self._transfer.scatter([copy.slot * slot_bytes], np.asarray([copy.block_ids], dtype=np.int64),

@@ -64,6 +64,42 @@ def _make_llm(model: str, max_len: int, transfer: dict[str, Any] | None, prefix_
     return LLM(**kwargs)
 
 
+class _ConnectorTimes:
+    """Wall time spent in the connector's calls, in this process (the engine core and its one
+    worker run here): where a hit's time-to-first-token goes."""
+
+    CALLS = {"lookup": "get_num_new_matched_tokens", "load": "start_load_kv", "store": "wait_for_save",
+             "plan": "build_connector_meta", "finished": "get_transfer_results"}
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group  # type: ignore[import-not-found, unused-ignore]
+
+        self.ms = dict.fromkeys(self.CALLS, 0.0)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        worker = get_kv_transfer_group()
+        for name, method in self.CALLS.items():
+            owner = scheduler if name in ("lookup", "plan") else worker
+            setattr(owner, method, self._timed(name, getattr(owner, method)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[name] += (time.perf_counter() - t0) * 1e3
+
+        return call
+
+    def take(self) -> dict[str, float]:
+        out = {k: round(v, 2) for k, v in self.ms.items()}
+        self.ms = dict.fromkeys(self.CALLS, 0.0)
+        return out
+
+
+_TIMES: _ConnectorTimes | None = None
+
+
 def _first_token(llm: Any, rid: str, ids: list[int], opt_out: bool = False) -> dict[str, Any]:
     """Submit one request and step the engine until its first token: TTFT, steps, cached.
     ``opt_out``: the request neither loads from nor stores to mpcache."""
@@ -74,6 +110,8 @@ def _first_token(llm: Any, rid: str, ids: list[int], opt_out: bool = False) -> d
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, extra_args=None)
     if extra is not None:
         params.extra_args = {"kv_transfer_params": extra}
+    if _TIMES is not None:
+        _TIMES.take()
     t0 = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": ids}, params)
     steps = 0
@@ -83,11 +121,12 @@ def _first_token(llm: Any, rid: str, ids: list[int], opt_out: bool = False) -> d
         for o in outs:
             if o.request_id == rid and o.outputs and o.outputs[0].token_ids:
                 ttft = time.perf_counter() - t0
+                connector_ms = _TIMES.take() if _TIMES is not None else None
                 while engine.has_unfinished_requests():
                     engine.step()
                 return {"ttft_s": round(ttft, 4), "steps": steps,
                         "cached_tokens": int(o.num_cached_tokens or 0),
-                        "first_token": int(o.outputs[0].token_ids[0])}
+                        "first_token": int(o.outputs[0].token_ids[0]), "connector_ms": connector_ms}
         if steps > 10_000:
             raise RuntimeError("no first token after 10,000 engine steps")
 
@@ -119,6 +158,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                                       "mpcache.chunk_size": CHUNK, **json.loads(args.connector_config)},
     }
     llm = _make_llm(args.model, args.max_len, transfer, prefix_cache=False)
+    global _TIMES
+    _TIMES = _ConnectorTimes(llm)
     client = MPCacheClient(args.server, request_timeout=30.0)
     admin_token = Path(args.admin_token_file).read_text().strip()  # clear is an admin operation
 
@@ -279,6 +320,20 @@ def parent(args: argparse.Namespace) -> int:
     print()
     print(f"memcpy (numpy, 256 MiB, best of 5): {gbps:.1f} GB/s; the prompt's KV: {prompt_kv / 2**20:.1f} MiB; "
           f"load floor at memcpy speed: {floor_ms:.1f} ms")
+    print()
+    print("Where the time to first token goes (ms, in the connector's calls until the first token; "
+          "the rest is vLLM: the forward and its own Python):")
+    print()
+    print("| mode | sample | TTFT ms | " + " | ".join(_ConnectorTimes.CALLS) + " | rest |")
+    print("|---|---:|---:|" + "---:|" * (len(_ConnectorTimes.CALLS) + 1))
+    for name, label in rows:
+        for i, r in enumerate(results.get(name) or []):
+            ms = r.get("connector_ms")
+            if not ms:
+                continue
+            rest = r["ttft_s"] * 1e3 - sum(ms.values())
+            print(f"| {label} | {i} | {r['ttft_s'] * 1e3:.1f} | " + " | ".join(f"{ms[k]:.1f}" for k in _ConnectorTimes.CALLS)
+                  + f" | {rest:.1f} |")
     cost = _median(results["first_pass"]) / rec - 1
     cost_same = _median(results["first_pass"]) / _median(results["opted_out"]) - 1
     pairs = [f["ttft_s"] / o["ttft_s"] - 1 for f, o in zip(results["first_pass"], results["opted_out"])]
