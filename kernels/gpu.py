@@ -881,16 +881,18 @@ def fast_enqueue() -> Any:
     return _ENQUEUE
 
 
-def _make_enqueue() -> Any:
+def _make_enqueue(lib: Any = None) -> Any:
     """One njit function that makes a whole gather / scatter call's driver calls: the ring
     check, descriptor fills, launches, stream orderings, the staging DMA runs and batch copy,
     the release and completion records, with the same steps in the same order as
     ``CudaKVTransfer``'s Python path (which the simulator runs). The driver functions are
     ctypes pointers into libcuda that numba calls directly: a call costs one dispatch plus the
-    driver's own time, instead of tens of Python statements per piece."""
+    driver's own time, instead of tens of Python statements per piece. ``lib``: where the
+    driver functions come from (``lib[name]``; default libcuda; tests pass ctypes callbacks)."""
     import ctypes
 
-    lib = ctypes.CDLL("libcuda.so.1")
+    if lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
 
     def fn(name: str, *argtypes: Any) -> Any:

@@ -1,0 +1,156 @@
+"""The compiled GPU enqueue (kernels.gpu._make_enqueue) against a fake driver: ctypes callbacks
+in place of libcuda, so CI checks what a call hands the driver, in which order, without a GPU.
+On a GPU the same function is checked end to end by the kernel and server tests."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kernels.gpu as kg
+
+U64, U32, INT = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
+PROTOS = {
+    "cuLaunchKernel": (U64, U32, U32, U32, U32, U32, U32, U32, U64, U64, U64),
+    "cuEventRecord": (U64, U64),
+    "cuStreamWaitEvent": (U64, U64, U32),
+    "cuEventQuery": (U64,),
+    "cuMemcpyAsync": (U64, U64, U64, U64),
+    "cuMemcpyBatchAsync_v2": (U64,) * 8,
+}
+COMPUTE, COPY, ORD0, ORD1 = 100, 200, 11, 12
+POOL, STAGING, LANE, SLOT = 1_000_000, 5_000_000, 8, 10  # addresses; lane bytes; lanes per slot
+
+
+class FakeDriver:
+    """Records each call as a tuple; ``fail_launch`` makes that launch (0-based) fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.not_ready: set[int] = set()  # events a query reports pending
+        self.fail_launch = -1
+        self._keep: list[Any] = []
+
+    def __getitem__(self, name: str) -> Any:
+        def call(*a: int) -> int:
+            if name == "cuEventQuery":
+                return kg.CUDA_ERROR_NOT_READY if a[0] in self.not_ready else 0
+            if name == "cuLaunchKernel":
+                n = sum(1 for c in self.calls if c[0] == "launch")
+                self.calls.append(("launch", a[0], a[1], a[8], a[9]))  # function, grid, stream, params
+                return 1 if n == self.fail_launch else 0
+            if name == "cuEventRecord":
+                self.calls.append(("record", a[0], a[1]))
+            elif name == "cuStreamWaitEvent":
+                self.calls.append(("wait", a[0], a[1]))
+            elif name == "cuMemcpyAsync":
+                self.calls.append(("copy", a[3], [(a[0], a[1], a[2])]))
+            else:
+                runs = [tuple(int(x) for x in (ctypes.c_int64 * a[3]).from_address(a[k])) for k in range(3)]
+                self.calls.append(("copy", a[7], list(zip(*runs))))
+            return 0
+        cb = ctypes.CFUNCTYPE(INT, *PROTOS[name])(call)
+        self._keep.append(cb)
+        return cb
+
+
+def state(ring: int = 8) -> dict[str, Any]:
+    st = np.zeros(kg.S_COUNT, np.int64)
+    st[kg.S_RING], st[kg.S_COMPUTE], st[kg.S_COPY], st[kg.S_ORD0], st[kg.S_ORD1] = ring, COMPUTE, COPY, ORD0, ORD1
+    st[kg.S_CTAS], st[kg.S_ST_CTAS], st[kg.S_THREADS], st[kg.S_BPC], st[kg.S_SLOT_LANES] = 16, 64, 512, 2, SLOT
+    st[kg.S_MAX_CHUNKS], st[kg.S_POOL], st[kg.S_STAGING], st[kg.S_SCALE] = 4, POOL, STAGING, LANE
+    st[kg.S_F_G], st[kg.S_F_S], st[kg.S_F_GST], st[kg.S_F_SST] = 1, 2, 3, 4
+    runs = np.zeros((3, 4), np.int64)
+    st[kg.S_RUNS0], st[kg.S_RUNS1], st[kg.S_RUNS2] = (runs[k].ctypes.data for k in range(3))
+    table = np.zeros((7, ring), np.int64)
+    table[kg.R_COVER] = np.arange(ring)
+    table[kg.R_EVENT] = np.arange(ring) + 300
+    for row in (kg.R_P_G, kg.R_P_S, kg.R_P_GST, kg.R_P_SST):
+        table[row] = np.arange(ring) + 1000 * row
+    rel = np.full((4, 64), -1, np.int64)
+    rel[2], rel[3] = np.arange(64) + 400, np.arange(64) + 500
+    return {"st": st, "table": table, "rel": rel, "desc": np.zeros((ring, 64), np.int64), "runs": runs,
+            "used": np.zeros(9, np.int64)}
+
+
+def call(enq: Any, s: dict[str, Any], op: int, ids: np.ndarray, bases: np.ndarray, skip: int, pieces: list[list[int]]) -> list[int]:
+    n = enq(op, ids, bases, skip, np.array(pieces, np.int64).reshape(-1, 2), s["st"], s["table"], s["rel"], s["desc"],
+            s["runs"], s["used"])
+    return [int(x) for x in s["used"][:n]]
+
+
+IDS = np.arange(6, dtype=np.int64) + 40  # 3 chunks of 2 blocks
+BASES = np.array([30, 40, 0], np.int64)  # pool slots (lanes): 30 and 40 adjacent
+
+
+@pytest.fixture(scope="module")
+def fake() -> tuple[FakeDriver, Any]:
+    drv = FakeDriver()
+    return drv, kg._make_enqueue(drv)  # compiled once for the module (~10 s on a small box)
+
+
+def test_staging_store_then_retrieve_and_zero_copy(fake: tuple[FakeDriver, Any]) -> None:
+    drv, enq = fake
+    drv.calls.clear()
+    s = state()
+    assert call(enq, s, kg.OP_STAGING, IDS, BASES, 0, [[0, 1], [1, 3]]) == [0, 1]
+    assert s["st"][kg.S_ERR] == 0
+    assert drv.calls == [
+        ("launch", 3, 64, COMPUTE, 1000 * kg.R_P_GST + 0),  # piece 1: chunk 0 into staging slot 0
+        ("record", ORD0, COMPUTE), ("wait", COPY, ORD0),
+        ("copy", COPY, [(POOL + 30 * LANE, STAGING, SLOT * LANE)]),
+        ("launch", 3, 64, COMPUTE, 1000 * kg.R_P_GST + 1),  # piece 2: chunks 1, 2 (slots 40, 0: two runs)
+        ("record", ORD0, COMPUTE), ("wait", COPY, ORD0),
+        ("copy", COPY, [(POOL + 40 * LANE, STAGING + 10 * LANE, 80), (POOL, STAGING + 20 * LANE, 80)]),
+        ("record", 400, COPY),  # staging run released after the DMAs
+        ("record", 301, COMPUTE),  # one event after the call's kernels
+    ]
+    assert s["desc"][0, :5].tolist() == [1, 0, 0, 40, 41]
+    assert s["desc"][1, :8].tolist() == [2, 0, 10, 20, 42, 43, 44, 45]
+    assert s["table"][kg.R_COVER, :2].tolist() == [1, 1] and s["rel"][0, :4].tolist() == [0, 0, 0, -1]
+    drv.calls.clear()
+    # RETRIEVE with 3 blocks held: chunk 0 does not travel, chunk 1 keeps its first block
+    assert call(enq, s, kg.OP_STAGING | kg.OP_SCATTER, IDS, BASES, 3, [[0, 1], [1, 2]]) == [2, 3]
+    assert drv.calls == [
+        ("copy", COPY, [(STAGING, POOL + 40 * LANE, 80)]), ("record", ORD1, COPY), ("wait", COMPUTE, ORD1),
+        ("launch", 4, 64, COMPUTE, 1000 * kg.R_P_SST + 2),
+        ("copy", COPY, [(STAGING + 10 * LANE, POOL, 80)]), ("record", ORD1, COPY), ("wait", COMPUTE, ORD1),
+        ("launch", 4, 64, COMPUTE, 1000 * kg.R_P_SST + 3),
+        ("record", 500, COMPUTE), ("record", 303, COMPUTE),
+    ]
+    assert s["desc"][2, :5].tolist() == [1, 1, 0, 42, 43] and s["desc"][3, :5].tolist() == [1, 0, 10, 44, 45]
+    drv.calls.clear()
+    # a joined one-chunk STORE takes staging slot 2, which the first STORE's DMAs last read
+    assert call(enq, s, kg.OP_STAGING | kg.OP_JOIN, IDS[:2], BASES[:1], 0, [[0, 1]]) == [4]
+    assert drv.calls == [
+        ("wait", COMPUTE, 400), ("launch", 3, 64, COMPUTE, 1000 * kg.R_P_GST + 4),
+        ("record", ORD0, COMPUTE), ("wait", COPY, ORD0), ("copy", COPY, [(POOL + 30 * LANE, STAGING + 20 * LANE, 80)]),
+        ("record", 401, COPY), ("record", ORD1, COPY), ("wait", COMPUTE, ORD1), ("record", 304, COMPUTE),
+    ]
+    drv.calls.clear()
+    assert call(enq, s, 0, IDS, BASES, 0, [[0, 0]]) == [5]  # zero-copy: one launch on the pool, 16 CTAs
+    assert drv.calls == [("launch", 1, 16, COMPUTE, 1000 * kg.R_P_G + 5), ("record", 305, COMPUTE)]
+    assert s["desc"][5, :11].tolist() == [3, 0, 30, 40, 0, 40, 41, 42, 43, 44, 45]
+
+
+def test_a_full_ring_enqueues_nothing_and_a_failed_launch_stops_the_call(fake: tuple[FakeDriver, Any]) -> None:
+    drv, enq = fake
+    drv.calls.clear()
+    s = state(ring=2)
+    assert call(enq, s, 0, IDS, BASES, 0, [[0, 0]]) == [0]
+    assert call(enq, s, 0, IDS, BASES, 0, [[0, 0]]) == [1]
+    drv.calls.clear()
+    drv.not_ready = {300}  # entry 0's kernel has not run yet
+    assert call(enq, s, kg.OP_STAGING, IDS, BASES, 0, [[0, 1], [1, 3]]) == []
+    assert s["st"][kg.S_ERR] == kg.ERR_RING_FULL and drv.calls == [] and s["st"][kg.S_NEXT] == 0
+    s["st"][kg.S_ERR] = 0
+    drv.not_ready = set()
+    drv.fail_launch = 1
+    assert call(enq, s, kg.OP_STAGING, IDS, BASES, 0, [[0, 1], [1, 3]]) == [0, 1]
+    assert s["st"][kg.S_ERR] == 1001 and s["st"][kg.S_WHERE] == kg.W_LAUNCH
+    names = [c[0] for c in drv.calls]
+    assert names == ["launch", "record", "wait", "copy", "launch", "record", "record"]  # no DMA after the failure
+    assert drv.calls[-2] == ("record", 400, COPY)  # the staging run released after the DMAs that did go out
+    assert drv.calls[-1] == ("record", 301, COMPUTE)  # both entries still covered by an event
