@@ -19,6 +19,29 @@ Capacity is ``num_slots`` fixed-size slots of ``slot_bytes``. Eviction picks the
 used READY, unleased object; when the used slots pass ``high_watermark`` it evicts down to
 ``low_watermark``; a reservation that finds no free slot evicts one object first.
 
+**L1 is shared by quota.** Every object is charged to one *tenant* (the instance that stored it;
+``None``: no tenant, e.g. loaded from L2 for a lookup, or its instance is gone). With
+``tenant_share`` set (the server sets it to each instance's fair share of the slots), the
+victim of an eviction a reservation needs is chosen by who asked:
+
+* a tenant at or over its share evicts its **own** least recently used object first;
+* otherwise (or when it has none evictable) the least recently used object among those of no
+  tenant and of tenants **over** their share;
+* a tenant within its share evicts its own objects only when nothing else may go;
+* an object of a tenant within its share (charged objects <= share) is never evicted for
+  another tenant, so a tenant that floods L1 with committed objects pushes out its own;
+* a reservation of no tenant (an L2 read for a lookup: the scheduler asking is no registered
+  instance, so the server cannot tell whose it is) may also evict from tenants exactly at their
+  share -- else one engine that fills L1 would never get an L2 hit loaded -- never from a
+  tenant below its share.
+
+Free slots are used by anyone (a tenant may hold more than its share while L1 has room).
+An object read by several tenants stays charged to the one that stored it (one charge per
+object, never double-counted; readers pay nothing): a tenant cannot move its objects onto
+another's quota by reading them, and the object's eviction follows its storer's share.
+``forget_tenant`` re-charges a gone instance's objects to no tenant. ``tenant_share`` None:
+one global LRU, as before.
+
 Every mutating method takes ``now`` and first expires what is due, so an expired lease is never
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
 
@@ -38,6 +61,7 @@ import attrs
 from core_sm.chunks import ObjectKey
 
 Owner = Hashable
+Tenant = Hashable  # an instance id; None: no tenant
 
 
 class ObjectState(enum.Enum):
@@ -99,6 +123,9 @@ class _Object:
     nbytes: int
     writer: Owner | None  # not None while WRITING
     write_expiry: float
+    tenant: Tenant | None
+    lru: OrderedDict[ObjectKey, None]  # its tenant's READY-unleased objects (it is in it when so)
+    used: int = 0  # recency: the index's use sequence when it last became or was made MRU
     readers: dict[Owner, _Lease] = attrs.Factory(dict)
 
 
@@ -124,7 +151,12 @@ class L1Index:
         self.low_watermark = low_watermark
         self._objects: dict[ObjectKey, _Object] = {}
         self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
-        self._evictable: OrderedDict[ObjectKey, None] = OrderedDict()  # READY, unleased; LRU first
+        # READY, unleased objects per tenant, least recently used first (``_Object.lru``)
+        self._lru: dict[Tenant | None, OrderedDict[ObjectKey, None]] = {None: OrderedDict()}
+        self._charged: dict[Tenant | None, int] = {}  # objects (any state) charged per tenant
+        self._use_seq = 0
+        # Slots each tenant may hold while L1 is full (None: no quotas, one global LRU).
+        self.tenant_share: int | None = None
         self._by_owner: dict[Owner, dict[ObjectKey, None]] = {}
         self._expiries: list[_Expiry] = []  # a heap; stale entries skipped, compacted
         self._compact_at = _MIN_COMPACT
@@ -134,6 +166,7 @@ class L1Index:
         self._leases_released: dict[ReleaseReason, int] = {r: 0 for r in ReleaseReason}
         self._leases_held = 0
         self._evictions = 0
+        self._evictions_for_others = 0  # the victim was charged to another tenant (or to none)
         self._write_expirations = 0
         # Slots an in-flight effect (L2 read/write, copy, plan) still uses: never handed out
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
@@ -217,6 +250,8 @@ class L1Index:
             "leases_taken": self._leases_taken,
             "lease_owners": len(self._by_owner),
             "evictions": self._evictions,
+            "evictions_for_others": self._evictions_for_others,
+            "tenants": sum(1 for t in self._charged if t is not None),
             "write_expirations": self._write_expirations,
             "writing": sum(1 for o in self._objects.values() if o.writer is not None),
             "quarantined_slots": len(self._quarantined),
@@ -231,22 +266,57 @@ class L1Index:
 
     # ----------------------------------------------------------------------------- writes
 
-    def reserve_write(self, key: ObjectKey, owner: Owner, nbytes: int, now: float) -> int | None:
-        """ABSENT → WRITING owned by ``owner``; returns the slot, or None (present already,
-        object too large, or no slot even after evicting)."""
+    def reserve_write(self, key: ObjectKey, owner: Owner, nbytes: int, now: float,
+                      tenant: Tenant | None = None) -> int | None:
+        """ABSENT → WRITING owned by ``owner``, the object charged to ``tenant``; returns the
+        slot, or None (present already, object too large, or no slot even after evicting what
+        the quota lets ``tenant`` evict)."""
         self.expire(now)
         if key in self._objects or nbytes > self.slot_bytes or nbytes < 0:
             return None
         while not self._free_slots:  # an evicted object's slot may go to quarantine instead
-            if not self._evict_one():
+            if not self._evict_one(tenant):
                 return None
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
-        self._objects[key] = _Object(key, slot, nbytes, owner, expiry)
+        lru = self._lru.get(tenant)
+        if lru is None:
+            lru = self._lru[tenant] = OrderedDict()
+        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, tenant, lru)
+        self._charged[tenant] = self._charged.get(tenant, 0) + 1
         self._bytes += nbytes
         self._push_expiry(expiry, (key,), None)
-        self._evict_to_watermark()
+        self._evict_to_watermark(tenant)
         return slot
+
+    def tenant_of(self, key: ObjectKey) -> Tenant | None:
+        obj = self._objects.get(key)
+        return None if obj is None else obj.tenant
+
+    def charged(self, tenant: Tenant | None) -> int:
+        """Objects (any state) charged to ``tenant``."""
+        return self._charged.get(tenant, 0)
+
+    def forget_tenant(self, tenant: Tenant) -> int:
+        """``tenant`` is gone (its instance unregistered or reaped): its objects are charged to no
+        tenant from now on (still readable, the first to go when room is needed). Returns how
+        many. Their recency is kept."""
+        if tenant is None or tenant not in self._charged:
+            return 0
+        common = self._lru[None]
+        moved = [o for o in self._objects.values() if o.tenant == tenant]
+        for obj in moved:
+            obj.tenant = None
+            obj.lru = common
+        old = self._lru.pop(tenant, OrderedDict())
+        # merge its evictable objects into the common LRU, keeping one recency order
+        merged = sorted([*(self._objects[k] for k in common), *(self._objects[k] for k in old)],
+                        key=lambda o: o.used)
+        common.clear()
+        for obj in merged:
+            common[obj.key] = None
+        self._charged[None] = self._charged.get(None, 0) + self._charged.pop(tenant)
+        return len(moved)
 
     def finish_write(self, key: ObjectKey, owner: Owner, now: float) -> bool:
         """WRITING (by ``owner``) → READY (most recently used). False if not ``owner``'s write."""
@@ -255,7 +325,7 @@ class L1Index:
         if obj is None or obj.writer is None or obj.writer != owner:
             return False
         obj.writer = None
-        self._evictable[key] = None
+        self._mark_evictable(obj)
         return True
 
     def abort_write(self, key: ObjectKey, owner: Owner, now: float) -> bool:
@@ -286,7 +356,6 @@ class L1Index:
             return 0
         expiry = now + self.lease_ttl
         objects = self._objects
-        evictable = self._evictable
         leased: list[ObjectKey] = []
         held = 0
         added = 0
@@ -302,7 +371,7 @@ class L1Index:
                 if by_owner is None:
                     by_owner = self._by_owner.setdefault(owner, {})
                 by_owner[key] = None
-                evictable.pop(key, None)
+                obj.lru.pop(key, None)
                 added += count
             else:
                 n = count - lease[0] if top_up else count
@@ -365,22 +434,24 @@ class L1Index:
         if not keys:
             return 0
         objects = self._objects
-        evictable = self._evictable
         released = 0
         for key in keys:
             obj = objects[key]
             readers = obj.readers
             released += readers.pop(owner)[0]
             if not readers and obj.writer is None:
-                evictable[key] = None  # released objects are the most recently used
+                self._mark_evictable(obj)  # released objects are the most recently used
         self._leases_held -= released
         self._leases_released[reason] += released
         return released
 
     def touch(self, key: ObjectKey) -> None:
         """Mark a READY object most recently used."""
-        if key in self._evictable:
-            self._evictable.move_to_end(key)
+        obj = self._objects.get(key)
+        if obj is not None and key in obj.lru:
+            obj.lru.move_to_end(key)
+            self._use_seq += 1
+            obj.used = self._use_seq
 
     # ----------------------------------------------------------------------------- time, capacity
 
@@ -460,13 +531,23 @@ class L1Index:
                 assert (obj.key, owner, expiry) in pending, "a lease that would never expire"
                 held += count
             ready_unleased = obj.writer is None and not obj.readers
-            assert ready_unleased == (obj.key in self._evictable), "LRU set out of sync"
+            assert ready_unleased == (obj.key in obj.lru), "LRU set out of sync"
+            assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
             assert not (obj.writer is not None and obj.readers), "read lease on a writing object"
         for owner, keys in self._by_owner.items():
             assert keys, "empty owner entry"
             for k in keys:
                 assert owner in self._objects[k].readers, "owner map has a stale lease"
         assert held == self._leases_held, "held lease counter"
+        charged: dict[Tenant | None, int] = {}
+        for obj in self._objects.values():
+            charged[obj.tenant] = charged.get(obj.tenant, 0) + 1
+        assert charged == self._charged, "tenant charges"
+        assert sum(len(lru) for lru in self._lru.values()) == sum(
+            1 for o in self._objects.values() if o.writer is None and not o.readers), "LRU sizes"
+        for tenant, lru in self._lru.items():
+            uses = [self._objects[k].used for k in lru]
+            assert uses == sorted(uses), f"tenant {tenant!r}'s LRU out of recency order"
         released = sum(self._leases_released.values())
         assert self._leases_taken == held + released, "a lease was neither held nor released once"
 
@@ -516,7 +597,7 @@ class L1Index:
             if not keys:
                 del self._by_owner[owner]
             if not obj.readers and obj.writer is None:
-                self._evictable[key] = None  # released objects are the most recently used
+                self._mark_evictable(obj)  # released objects are the most recently used
         return n
 
     def _drop(self, obj: _Object) -> None:
@@ -525,26 +606,72 @@ class L1Index:
         del self._objects[obj.key]
         if self.dropped is not None:
             self.dropped.append(obj.key)
-        self._evictable.pop(obj.key, None)
+        obj.lru.pop(obj.key, None)
+        self._uncharge(obj.tenant)
         self._bytes -= obj.nbytes
         if obj.slot in self._pinned:
             self._quarantined.add(obj.slot)
         else:
             heapq.heappush(self._free_slots, obj.slot)
 
-    def _evict_one(self) -> bool:
-        if not self._evictable:
+    def _mark_evictable(self, obj: _Object) -> None:
+        obj.lru[obj.key] = None
+        obj.lru.move_to_end(obj.key)
+        self._use_seq += 1
+        obj.used = self._use_seq
+
+    def _uncharge(self, tenant: Tenant | None) -> None:
+        n = self._charged[tenant] - 1
+        if n:
+            self._charged[tenant] = n
+        else:
+            del self._charged[tenant]
+            if tenant is not None:
+                self._lru.pop(tenant, None)  # empty: its objects are gone
+
+    def _oldest(self, lrus: Iterable[OrderedDict[ObjectKey, None]]) -> _Object | None:
+        best: _Object | None = None
+        for lru in lrus:
+            if lru:
+                obj = self._objects[next(iter(lru))]
+                if best is None or obj.used < best.used:
+                    best = obj
+        return best
+
+    def _victim(self, requester: Tenant | None) -> _Object | None:
+        """The object an eviction for ``requester`` drops (the module doc's quota rules)."""
+        share = self.tenant_share
+        if share is None:
+            return self._oldest(self._lru.values())
+        charged = self._charged
+        own = self._lru.get(requester) if requester is not None else None
+        if own and charged.get(requester, 0) >= share:
+            return self._objects[next(iter(own))]
+        # Nobody's reservation (an L2 read for a lookup: the server cannot tell which instance
+        # the scheduler asking serves) may also take from tenants exactly at their share, so a
+        # single engine that fills L1 still gets its L2 hits loaded; never from one below it.
+        limit = share - 1 if requester is None else share
+        victim = self._oldest(lru for tenant, lru in self._lru.items() if tenant != requester
+                              and (tenant is None or charged.get(tenant, 0) > limit))
+        if victim is None and own:
+            victim = self._objects[next(iter(own))]
+        return victim
+
+    def _evict_one(self, requester: Tenant | None = None) -> bool:
+        victim = self._victim(requester)
+        if victim is None:
             return False
-        key, _ = self._evictable.popitem(last=False)
-        self._drop(self._objects[key])
+        self._drop(victim)
         self._evictions += 1
+        if victim.tenant != requester:
+            self._evictions_for_others += 1
         return True
 
-    def _evict_to_watermark(self) -> int:
+    def _evict_to_watermark(self, requester: Tenant | None = None) -> int:
         if self.num_slots == 0 or self.used_slots <= self.high_watermark * self.num_slots:
             return 0
         evicted = 0
-        while self.used_slots > self.low_watermark * self.num_slots and self._evict_one():
+        while self.used_slots > self.low_watermark * self.num_slots and self._evict_one(requester):
             evicted += 1
         return evicted
 

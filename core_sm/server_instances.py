@@ -130,6 +130,7 @@ class InstanceMachine:
             return
         inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now, peer=ev.peer)
         self.instances[ev.instance_id] = inst
+        self._shares_changed()
         if old is not None and old.watched:  # registering again: still a heartbeating client
             inst.watched = True
             self._arm(inst, ev.instance_id, now)
@@ -138,7 +139,8 @@ class InstanceMachine:
     def _on_unregister(self, ev: UnregisterInstance, now: float, out: list[Effect]) -> None:
         if self._foreign(self.instances.get(ev.instance_id), ev.peer, ev.reply_to, out):
             return
-        self.instances.pop(ev.instance_id, None)
+        if self.instances.pop(ev.instance_id, None) is not None:
+            self._tenant_gone(ev.instance_id)
         out.append(Reply(ev.reply_to, None))
 
     def _on_plain_ping(self, ev: Ping, now: float, out: list[Effect]) -> None:
@@ -175,7 +177,19 @@ class InstanceMachine:
         del self.instances[iid]
         self.ctx.counters["instances_reaped"] += 1
         self.transfers.instance_gone(iid, now, out)
+        self._tenant_gone(iid)
         out.append(InstanceReaped(iid))
+
+    # ============================================================================= L1 quota
+
+    def _shares_changed(self) -> None:
+        """L1 is shared by quota (core_sm.l1_index): each instance's share is ``slot_quota()``."""
+        self.ctx.index.tenant_share = self.slot_quota()
+
+    def _tenant_gone(self, instance_id: int) -> None:
+        """A gone instance's objects stay readable, charged to no tenant (the first to go)."""
+        self.ctx.index.forget_tenant(instance_id)
+        self._shares_changed()
 
     # ============================================================================= for transfers
 

@@ -11,7 +11,10 @@ Ownership and bounds: transfer ids are unguessable (``ServerContext.new_transfer
 transfer belongs to the peer (and instance) that created it, and a commit from another peer is
 refused ``FORBIDDEN``. One instance holds at most ``max_transfers_per_instance`` transfers
 (``TOO_LARGE`` beyond) and at most its ``slot_quota()`` of slots reserved by its in-flight stores (beyond,
-chunks are skipped: no other tenant's ready object is evicted for them). An uncommitted plan
+chunks are skipped: no other tenant's ready object is evicted for them). Its committed objects
+are charged to it in the L1 index, which shares L1 by the same quota: an instance at or over
+its share that needs a slot evicts its own least recently used objects first, and never an
+object of an instance within its share (core_sm.l1_index). An uncommitted plan
 lives ``min(plan_ttl, lease_ttl)``; a ``not_after`` is held to at most ``now +
 max_not_after_ahead`` (the copy's deadline and how long its answer is kept for duplicates).
 """
@@ -200,7 +203,7 @@ class TransferMachine:
                     skipped += 1
                     continue
             else:
-                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now)
+                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now, ev.instance_id)
             if slot is None:
                 skipped += 1
                 writer = ctx.index.writer_of(k)
