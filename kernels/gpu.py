@@ -929,21 +929,17 @@ def _make_enqueue(lib: Any = None) -> Any:
         return record(st, ev, before) and wait(st, after, ev)
 
     @numba.njit(nogil=False)
-    def launch(st, ring, desc, row, grid, ids, i0, i1, base0, skip):  # type: ignore[no-untyped-def]
-        """Staging kernel for chunks [i0, i1) of the call into the next ring entry; chunk
-        i0 + k at staging lane base0 + k * slot lanes."""
+    def take_entry(st, desc, n, skip):  # type: ignore[no-untyped-def]
+        """The next descriptor ring entry, its header written (chunk count, skip)."""
         r = st[S_NEXT]
         st[S_NEXT] = (r + 1) % st[S_RING]
-        h = desc[r]
-        n = i1 - i0
-        bpc = st[S_BPC]
-        h[D_NCHUNKS] = n
-        h[D_SKIP] = skip
-        for k in range(n):
-            h[D_SLOTS + k] = base0 + k * st[S_SLOT_LANES]
-        for k in range(n * bpc):
-            h[D_SLOTS + n + k] = ids[i0 * bpc + k]
-        func = st[S_F_GST] if row == R_P_GST else st[S_F_SST]
+        desc[r, D_NCHUNKS] = n
+        desc[r, D_SKIP] = skip
+        return r
+
+    @numba.njit(nogil=False)
+    def fire(st, ring, row, r, func, grid):  # type: ignore[no-untyped-def]
+        """Launch the kernel ``func`` on entry r's descriptor (launch arguments: ``ring[row, r]``)."""
         err = cu_launch(np.uint64(func), np.uint32(grid), np.uint32(1), np.uint32(1), np.uint32(st[S_THREADS]),
                         np.uint32(1), np.uint32(1), np.uint32(0), np.uint64(st[S_COMPUTE]), np.uint64(ring[row, r]),
                         np.uint64(0))
@@ -954,26 +950,28 @@ def _make_enqueue(lib: Any = None) -> Any:
         return r
 
     @numba.njit(nogil=False)
-    def launch_direct(st, ring, desc, row, ids, bases, skip):  # type: ignore[no-untyped-def]
-        r = st[S_NEXT]
-        st[S_NEXT] = (r + 1) % st[S_RING]
-        h = desc[r]
-        n = bases.shape[0]
-        h[D_NCHUNKS] = n
-        h[D_SKIP] = skip
+    def launch(st, ring, desc, row, grid, ids, i0, i1, base0, skip):  # type: ignore[no-untyped-def]
+        """Staging kernel for chunks [i0, i1) of the call into the next ring entry; chunk
+        i0 + k at staging lane base0 + k * slot lanes."""
+        n = i1 - i0
+        bpc = st[S_BPC]
+        r = take_entry(st, desc, n, skip)
         for k in range(n):
-            h[D_SLOTS + k] = bases[k]
+            desc[r, D_SLOTS + k] = base0 + k * st[S_SLOT_LANES]
+        for k in range(n * bpc):
+            desc[r, D_SLOTS + n + k] = ids[i0 * bpc + k]
+        return fire(st, ring, row, r, st[S_F_GST] if row == R_P_GST else st[S_F_SST], grid)
+
+    @numba.njit(nogil=False)
+    def launch_direct(st, ring, desc, row, ids, bases, skip):  # type: ignore[no-untyped-def]
+        """Zero-copy kernel for the whole call (its own pool slot bases) into the next entry."""
+        n = bases.shape[0]
+        r = take_entry(st, desc, n, skip)
+        for k in range(n):
+            desc[r, D_SLOTS + k] = bases[k]
         for k in range(ids.shape[0]):
-            h[D_SLOTS + n + k] = ids[k]
-        func = st[S_F_G] if row == R_P_G else st[S_F_S]
-        err = cu_launch(np.uint64(func), np.uint32(st[S_CTAS]), np.uint32(1), np.uint32(1), np.uint32(st[S_THREADS]),
-                        np.uint32(1), np.uint32(1), np.uint32(0), np.uint64(st[S_COMPUTE]), np.uint64(ring[row, r]),
-                        np.uint64(0))
-        ring[R_USED, r] = 1
-        if err != 0 and st[S_ERR] == 0:
-            st[S_ERR] = 1000 + err
-            st[S_WHERE] = W_LAUNCH
-        return r
+            desc[r, D_SLOTS + n + k] = ids[k]
+        return fire(st, ring, row, r, st[S_F_G] if row == R_P_G else st[S_F_S], st[S_CTAS])
 
     @numba.njit(nogil=False)
     def copy_runs(st, runs, bases, first, end, staging_base, to_pool):  # type: ignore[no-untyped-def]
@@ -991,6 +989,31 @@ def _make_enqueue(lib: Any = None) -> Any:
         if err != 0 and st[S_ERR] == 0:
             st[S_ERR] = 1000 + err
             st[S_WHERE] = W_COPY
+
+    @numba.njit(nogil=False)
+    def take_run(st, rel, which, n, stream):  # type: ignore[no-untyped-def]
+        """The next run of n staging slots; ``stream`` waits for the last work of kind
+        ``which`` (0: a STORE's DMAs, 1: a RETRIEVE's scatters) that read any of them."""
+        if st[S_CURSOR] + n > st[S_MAX_CHUNKS]:
+            st[S_CURSOR] = 0
+        r0 = st[S_CURSOR]
+        st[S_CURSOR] = r0 + n
+        last = -1
+        for i in range(r0, r0 + n):
+            last = max(last, rel[which, i])
+        if last >= 0:
+            wait(st, stream, rel[2 + which, last % RELEASE_EVENTS])
+        return r0
+
+    @numba.njit(nogil=False)
+    def release(st, rel, which, r0, n, stream):  # type: ignore[no-untyped-def]
+        """Staging slots [r0, r0 + n) were last read by what ``stream`` holds now."""
+        counter = S_RELC_COPY if which == 0 else S_RELC_COMPUTE
+        k = st[counter]
+        st[counter] = k + 1
+        for i in range(r0, r0 + n):
+            rel[which, i] = k
+        record(st, rel[2 + which, k % RELEASE_EVENTS], stream)
 
     @numba.njit(nogil=False)
     def enqueue(op, ids, bases, skip, pieces, st, ring, rel, desc, runs, used):  # type: ignore[no-untyped-def]
@@ -1016,15 +1039,7 @@ def _make_enqueue(lib: Any = None) -> Any:
             cnt = 1
         elif not scatter:
             # STORE: gather piece p into staging, its DMA on the copy stream overlaps piece p+1
-            if st[S_CURSOR] + n > st[S_MAX_CHUNKS]:
-                st[S_CURSOR] = 0
-            r0 = st[S_CURSOR]
-            st[S_CURSOR] = r0 + n
-            last = -1
-            for i in range(r0, r0 + n):
-                last = max(last, rel[0, i])
-            if last >= 0:
-                wait(st, st[S_COMPUTE], rel[2, last % RELEASE_EVENTS])
+            r0 = take_run(st, rel, 0, n, st[S_COMPUTE])
             for p in range(pieces.shape[0]):
                 if st[S_ERR] != 0:
                     break
@@ -1034,11 +1049,7 @@ def _make_enqueue(lib: Any = None) -> Any:
                 cnt += 1
                 if st[S_ERR] == 0 and order(st, st[S_COMPUTE], st[S_COPY], st[S_ORD0]):
                     copy_runs(st, runs, bases, a, b, r0, True)
-            k = st[S_RELC_COPY]
-            st[S_RELC_COPY] = k + 1
-            for i in range(r0, r0 + n):
-                rel[0, i] = k
-            record(st, rel[2, k % RELEASE_EVENTS], st[S_COPY])
+            release(st, rel, 0, r0, n, st[S_COPY])
             if join and st[S_ERR] == 0:
                 order(st, st[S_COPY], st[S_COMPUTE], st[S_ORD1])
         else:
@@ -1047,15 +1058,7 @@ def _make_enqueue(lib: Any = None) -> Any:
             m = n - first
             if m == 0:
                 return 0
-            if st[S_CURSOR] + m > st[S_MAX_CHUNKS]:
-                st[S_CURSOR] = 0
-            r0 = st[S_CURSOR]
-            st[S_CURSOR] = r0 + m
-            last = -1
-            for i in range(r0, r0 + m):
-                last = max(last, rel[1, i])
-            if last >= 0:
-                wait(st, st[S_COPY], rel[3, last % RELEASE_EVENTS])
+            r0 = take_run(st, rel, 1, m, st[S_COPY])
             if join:
                 order(st, st[S_COMPUTE], st[S_COPY], st[S_ORD0])
             for p in range(pieces.shape[0]):
@@ -1070,11 +1073,7 @@ def _make_enqueue(lib: Any = None) -> Any:
                 used[cnt] = launch(st, ring, desc, R_P_SST, st[S_ST_CTAS], ids, first + a, first + b,
                                    (r0 + a) * st[S_SLOT_LANES], sk)
                 cnt += 1
-            k = st[S_RELC_COMPUTE]
-            st[S_RELC_COMPUTE] = k + 1
-            for i in range(r0, r0 + m):
-                rel[1, i] = k
-            record(st, rel[3, k % RELEASE_EVENTS], st[S_COMPUTE])
+            release(st, rel, 1, r0, m, st[S_COMPUTE])
         # one event after the call's kernels, which every entry of the call points to (also
         # after a failed driver call: the entries launched so far must not be reused early)
         if cnt == 0:
