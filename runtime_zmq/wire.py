@@ -113,6 +113,10 @@ class UnpackLimits:
     max_map_len: int
 
 
+# id(limits) -> (limits, {shape: its msgpack limits}); the Limits object is kept, so an id reused
+# after it was freed can never match
+_LIMITS_TABLES: dict[int, tuple[Limits, dict[P, UnpackLimits]]] = {}
+
 # A key's fields besides its token ids: names, salt, identity, one 64-byte extra per chunk.
 _KEY_FIELDS_BYTES: Final = 512 * 1024
 
@@ -122,6 +126,17 @@ _SMALL: Final = 64
 
 
 def _unpack_limits(p: P, limits: Limits) -> UnpackLimits:
+    """msgpack's limits for a payload of shape ``p``: computed once per ``Limits`` (a server
+    keeps one for its life), not per frame."""
+    table = _LIMITS_TABLES.get(id(limits))
+    if table is None or table[0] is not limits:
+        if len(_LIMITS_TABLES) >= 64:  # tests build many Limits; a server one
+            _LIMITS_TABLES.clear()
+        table = _LIMITS_TABLES[id(limits)] = (limits, {q: _compute_unpack_limits(q, limits) for q in P})
+    return table[1][p]
+
+
+def _compute_unpack_limits(p: P, limits: Limits) -> UnpackLimits:
     if p is P.KEY:
         # strings: model name, request id, salt; a bin or an array: the token ids
         strings = max(limits.max_salt_bytes, limits.max_name_bytes, MAX_IDENTITY_LEN)
@@ -646,10 +661,21 @@ class Unattributable:
     reason: str
 
 
+# msgpack's unsigned int headers: first byte -> the frame's whole length
+_UINT_FRAME_LEN: Final = {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9}
+
+
 def decode_uid(uid_frame: bytes | memoryview) -> int | None:
     """The uid a frame carries, or None when it is not a short msgpack int."""
-    if len(uid_frame) > 16:
+    n = len(uid_frame)
+    if n > 16 or n == 0:
         return None
+    # the forms every client sends (a positive fixint or a uint 8..64) without msgpack's call
+    b0 = uid_frame[0]
+    if b0 < 0x80:
+        return b0 if n == 1 else None
+    if _UINT_FRAME_LEN.get(b0) == n:
+        return int.from_bytes(uid_frame[1:], "big")
     try:
         uid = _unpack(uid_frame)
     except Exception:
@@ -666,6 +692,61 @@ def refusal(frames: Sequence[bytes | memoryview], kind: ErrorKind, message: str)
     if uid is None:
         return Unattributable(message)
     return DecodeError(bytes(frames[0]), bytes(frames[1]), uid, None, kind, message)
+
+
+# op frame (msgpack of the name, or of LMCache's legacy id) -> its row: the op frame is a
+# dictionary key, not a msgpack call
+_SPEC_BY_OP_FRAME: Final[dict[bytes, OpSpec]] = {
+    **{msgpack.packb(s.name): s for s in OPS},
+    **{msgpack.packb(s.legacy_id): s for s in OPS if s.legacy_id is not None},
+}
+
+
+def _short_str(f: bytes | memoryview, limit: int) -> str | None:
+    """A msgpack fixstr/str8 frame of at most ``limit`` bytes of valid UTF-8, decoded without
+    msgpack (request ids: the payload of most requests); None: take the ordinary path, which
+    gives the same value or the same refusal."""
+    n = len(f)
+    if n == 0:
+        return None
+    b0 = f[0]
+    if 0xA0 <= b0 <= 0xBF:
+        start = 1
+        size = b0 & 0x1F
+    elif b0 == 0xD9 and n >= 2:
+        start = 2
+        size = f[1]
+    else:
+        return None
+    if start + size != n or size > limit:
+        return None
+    try:
+        return bytes(f[start:]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _spec_of_op_frame(op_frame: bytes) -> OpSpec:
+    """The row of an op frame that is not in the byte table (e.g. a non-canonical msgpack
+    encoding of a name or id); raises ``_Bad`` for an unknown or malformed op."""
+    try:
+        op_raw = _unpack(op_frame)
+    except Exception:
+        raise _Bad(ErrorKind.UNDECODABLE, "op frame is not msgpack") from None
+    spec: OpSpec | None
+    if type(op_raw) is str:
+        spec = OPS_BY_NAME.get(op_raw)
+        if spec is None:
+            raise _Bad(ErrorKind.UNKNOWN_OP, f"unknown operation {op_raw[:64]!r}")
+        return spec
+    if type(op_raw) is int:
+        spec = OPS_BY_LEGACY_ID.get(op_raw)
+        if spec is None:
+            unserved = LEGACY_UNSERVED.get(op_raw)
+            what = f" ({unserved}: not served by mpcache)" if unserved else ""
+            raise _Bad(ErrorKind.UNKNOWN_OP, f"unknown operation id {op_raw}{what}")
+        return spec
+    raise _Bad(ErrorKind.UNKNOWN_OP, f"op is {_type_name(op_raw)}, not str or int")
 
 
 def decode_request(frames: Sequence[bytes | memoryview], limits: Limits) -> Request | DecodeError | Unattributable:
@@ -696,23 +777,9 @@ def decode_request(frames: Sequence[bytes | memoryview], limits: Limits) -> Requ
         if len(frames[2]) > 70:
             raise _Bad(ErrorKind.UNKNOWN_OP, "op frame longer than any operation name")
         op_frame = bytes(frames[2])
-        try:
-            op_raw = _unpack(op_frame)
-        except Exception:
-            raise _Bad(ErrorKind.UNDECODABLE, "op frame is not msgpack") from None
-        spec: OpSpec | None
-        if type(op_raw) is str:
-            spec = OPS_BY_NAME.get(op_raw)
-            if spec is None:
-                raise _Bad(ErrorKind.UNKNOWN_OP, f"unknown operation {op_raw[:64]!r}")
-        elif type(op_raw) is int:
-            spec = OPS_BY_LEGACY_ID.get(op_raw)
-            if spec is None:
-                unserved = LEGACY_UNSERVED.get(op_raw)
-                what = f" ({unserved}: not served by mpcache)" if unserved else ""
-                raise _Bad(ErrorKind.UNKNOWN_OP, f"unknown operation id {op_raw}{what}")
-        else:
-            raise _Bad(ErrorKind.UNKNOWN_OP, f"op is {_type_name(op_raw)}, not str or int")
+        spec = _SPEC_BY_OP_FRAME.get(op_frame)
+        if spec is None:
+            spec = _spec_of_op_frame(op_frame)
         op_name = spec.name
         payloads = frames[3:]
         np_, nmax = len(payloads), len(spec.params)
@@ -721,8 +788,13 @@ def decode_request(frames: Sequence[bytes | memoryview], limits: Limits) -> Requ
             raise _Bad(ErrorKind.BAD_ARITY, f"{spec.name}: {np_} payload(s), expected {want}")
         args = []
         for i, f in enumerate(payloads):
-            what = f"{spec.name} payload {i}"
             p = spec.params[i]
+            if p is P.ID or p is P.STR:
+                short = _short_str(f, limits.max_name_bytes)
+                if short is not None:
+                    args.append(short)
+                    continue
+            what = f"{spec.name} payload {i}"
             try:
                 ul = _unpack_limits(p, limits)
                 v = None
@@ -838,10 +910,20 @@ def result_from_wire(req: Any, value: Any) -> Any:
 # Encoding frames
 
 
+# the result frames of the commonest replies (hit counts, "OK"), encoded once
+_INT_RESULT_FRAMES: Final = tuple(msgpack.packb(i) for i in range(4097))
+_OK_FRAME: Final = msgpack.packb("OK")
+
+
 def encode_reply(identity: bytes, uid_frame: bytes, op_frame: bytes, result: Any) -> list[bytes]:
     """Success reply: the result frame is present only when ``result`` is not None."""
     if result is None:
         return [identity, uid_frame, op_frame]
+    t = type(result)
+    if t is int and 0 <= result < len(_INT_RESULT_FRAMES):
+        return [identity, uid_frame, op_frame, _INT_RESULT_FRAMES[result]]
+    if t is str and result == "OK":
+        return [identity, uid_frame, op_frame, _OK_FRAME]
     return [identity, uid_frame, op_frame, msgpack.packb(result, use_bin_type=True)]
 
 

@@ -553,6 +553,132 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# ---------------------------------------------------------------------------------------------
+# The C throughput client (tools/rpc_client.c)
+
+_C_CLIENT_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rpc_client.c")
+
+
+def _libzmq() -> str | None:
+    """The libzmq this pyzmq runs on (the wheel ships one), else the system's."""
+    import ctypes.util
+    import glob
+
+    site = os.path.dirname(os.path.dirname(os.path.abspath(zmq.__file__)))
+    for pattern in ("pyzmq.libs/libzmq*.so*", "zmq/.libs/libzmq*.so*"):
+        found = sorted(glob.glob(os.path.join(site, pattern)))
+        if found:
+            return found[0]
+    name = ctypes.util.find_library("zmq")
+    return name
+
+
+def build_c_client(workdir: str) -> tuple[str | None, str]:
+    """Compiles tools/rpc_client.c into ``workdir``; returns (path, "") or (None, why not)."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc)"
+    lib = _libzmq()
+    if lib is None:
+        return None, "no libzmq found"
+    out = os.path.join(workdir, "rpc_client")
+    if os.path.isabs(lib):
+        link = [f"-L{os.path.dirname(lib)}", f"-l:{os.path.basename(lib)}", f"-Wl,-rpath,{os.path.dirname(lib)}"]
+    else:
+        link = [f"-l:{lib}"]
+    argv = [cc, "-O2", "-o", out, _C_CLIENT_SRC] + link
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        return None, f"cc failed: {done.stderr.strip()[:300]}"
+    return out, ""
+
+
+def _c_spec(what: str, tag: str, expect_status: int | None) -> bytes:
+    """The spec file of one C client (the layout is in tools/rpc_client.c)."""
+    frames = Frames.build(tag)
+    lookup = what in ("lookup", "lookup_packed")
+    prefix = f"{tag}-"
+    head = tail = b""
+    if lookup:
+        placeholder = "#" * len(f"{prefix}{0:010d}")
+        key_frame = msgpack.packb(lookup_key(_tokens(), placeholder, packed=what == "lookup_packed"))
+        marker = msgpack.packb(placeholder)
+        at = key_frame.find(marker)
+        head, tail = key_frame[:at], key_frame[at + len(marker):]
+    op = {"noop": frames.noop, "status": frames.status_op, "lookup": frames.lookup_op,
+          "lookup_packed": frames.lookup_op}[what]
+    expect = msgpack.packb(expect_status) if what == "status" and expect_status is not None else b""
+    args: list[bytes] = []
+    prep: list[list[bytes]] = []
+    post: list[list[bytes]] = []
+    if what == "status":
+        # finished lookups to query (named on the client's own connection: a request id belongs
+        # to the peer that named it), so every status answers their hit count; ended afterwards
+        args = frames.request_ids
+        for i, rid in enumerate(frames.request_ids):
+            prep.append([frames.lookup_op, frames.lookup_keys[i], frames.tp_size])
+            prep.append([frames.status_op, rid])
+            post.append([frames.end_op, rid])
+    blobs = [b"lookup" if lookup else b"fixed", op, expect, frames.end_op if lookup else b"",
+             prefix.encode(), head, tail, frames.tp_size, op,
+             f"{len(args)} {len(prep)} {len(post)}".encode()]
+    blobs += args
+    for msg in prep + post:
+        blobs.append(b"".join(len(f).to_bytes(4, "little") + f for f in msg))
+    out = [len(blobs).to_bytes(4, "little")]
+    for b in blobs:
+        out += [len(b).to_bytes(4, "little"), b]
+    return b"".join(out)
+
+
+def measure_throughput_c(client: str, url: str, what: str, clients: int, window: int, duration: float,
+                         tag: str, expect_status: int | None, server_pid: int | None = None,
+                         cpu_out: list[float] | None = None, client_cpu_out: list[float] | None = None) -> float:
+    """``measure_throughput`` with the C client processes (``client``: the built binary);
+    ``client_cpu_out`` gets the clients' CPU seconds (their whole run, warm-up and drain too)."""
+    import resource
+
+    workdir = tempfile.mkdtemp(prefix="mpcache-bench-c-")
+    tags = [f"{tag}-c{c}" for c in range(clients)]
+    try:
+        specs = []
+        for t in tags:
+            path = os.path.join(workdir, f"{t}.spec")
+            with open(path, "wb") as f:
+                f.write(_c_spec(what, t, expect_status))
+            specs.append(path)
+        start_at = time.time() + 1.0
+        end_at = start_at + duration
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        procs = [subprocess.Popen([client, url, spec, str(window), repr(start_at), repr(end_at)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for spec in specs]
+        if server_pid is not None and cpu_out is not None:
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu0 = _cpu_seconds(server_pid)
+            time.sleep(max(0.0, end_at - time.time()))
+            cpu_out.append(_cpu_seconds(server_pid) - cpu0)
+        outs = [p.communicate(timeout=duration + 60) for p in procs]
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if client_cpu_out is not None:
+            client_cpu_out.append((ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime))
+        done = errors = 0
+        for p, (stdout, stderr) in zip(procs, outs):
+            if p.returncode != 0:
+                raise BenchError(f"throughput {what}: C client exited {p.returncode}: {stderr.strip()[:300]}")
+            d, e, ends_sent, ends_answered = (int(x) for x in stdout.split())
+            if ends_answered < ends_sent:
+                raise BenchError(f"throughput {what}: {ends_sent - ends_answered} end_session replies missing")
+            done += d
+            errors += e
+        if errors:
+            first = next((e.strip() for _, e in outs if e.strip()), "")
+            raise BenchError(f"throughput {what}: {errors} error replies; {first[:400]}")
+        return done / duration
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def measure_throughput(url: str, what: str, clients: int, window: int, duration: float,
                        tag: str, server_pid: int | None = None,
                        cpu_out: list[float] | None = None) -> float:
@@ -695,7 +821,13 @@ def run(args: argparse.Namespace) -> int:
     os.chmod(workdir, 0o700)
     rows: list[Row] = []
     tput: list[tuple[str, str, str, float]] = []
-    cpu_of: dict[tuple[str, str, str], tuple[float, float]] = {}
+    cpu_of: dict[tuple[str, str, str], tuple[float, float, float]] = {}
+    c_client: str | None = None
+    if args.client == "c" and not args.no_throughput:
+        c_client, why = build_c_client(workdir)
+        if c_client is None:
+            print(f"# the C throughput client could not be built ({why}): Python clients instead")
+    print(f"# throughput clients: {'C (tools/rpc_client.c)' if c_client else 'Python'}")
     starts: list[tuple[str, str, float]] = []
     rc = 0
     try:
@@ -749,15 +881,25 @@ def run(args: argparse.Namespace) -> int:
                                 # the clients take about 2.5 s to start (measure_throughput)
                                 prof = (start_profile(server.proc.pid, prof_path, args.duration + 2.5), prof_path)
                             cpu: list[float] = []
-                            rate = measure_throughput(server.url, what, args.clients, args.window,
-                                                      args.duration, f"{kind}-{transport}-t{what}",
-                                                      server.proc.pid, cpu)
+                            client_cpu: list[float] = []
+                            row_tag = f"{kind}-{transport}-t{what}"
+                            if c_client is not None:
+                                expect = {"raw": None, "mpcache": TOKENS // CHUNK, "lmcache": 0}[kind]
+                                rate = measure_throughput_c(c_client, server.url, what, args.clients, args.window,
+                                                            args.duration, row_tag, expect, server.proc.pid, cpu,
+                                                            client_cpu)
+                            else:
+                                rate = measure_throughput(server.url, what, args.clients, args.window,
+                                                          args.duration, row_tag, server.proc.pid, cpu)
                             if cpu and rate:
+                                # clients: CPU of their whole run over the requests counted (an upper bound)
+                                cl = client_cpu[0] * 1e6 / (rate * args.duration) if client_cpu else float("nan")
                                 cpu_of[(transport, kind, what)] = (cpu[0] / args.duration * 100,
-                                                                   cpu[0] * 1e6 / (rate * args.duration))
+                                                                   cpu[0] * 1e6 / (rate * args.duration), cl)
                                 print(f"# server CPU during {transport} {kind} {what}: "
                                       f"{cpu[0] / args.duration * 100:.0f}% of a core, "
-                                      f"{cpu[0] * 1e6 / (rate * args.duration):.1f} us per request", flush=True)
+                                      f"{cpu[0] * 1e6 / (rate * args.duration):.1f} us per request; "
+                                      f"clients {cl:.1f} us per request", flush=True)
                             if prof is not None:
                                 prof[0].wait(timeout=60)
                                 print(f"# profile of mpcache, {transport} {what} ({prof[1]}):")
@@ -791,11 +933,13 @@ def run(args: argparse.Namespace) -> int:
         print(_fmt_row(r, raw))
     if tput:
         print()
-        print(f"| transport | server | op | req/s ({args.clients} clients) | server CPU, % of a core | server CPU µs/req |")
-        print("|---|---|---|---:|---:|---:|")
+        print(f"| transport | server | op | req/s ({args.clients} clients) | server CPU, % of a core | "
+              f"server CPU µs/req | clients' CPU µs/req |")
+        print("|---|---|---|---:|---:|---:|---:|")
+        nan = float("nan")
         for transport, kind, what, rate in tput:
-            pct, us = cpu_of.get((transport, kind, "noop" if what == "echo" else what), (float("nan"), float("nan")))
-            print(f"| {transport} | {kind} | {what} | {rate:,.0f} | {pct:.0f} | {us:.1f} |")
+            pct, us, cl = cpu_of.get((transport, kind, "noop" if what == "echo" else what), (nan, nan, nan))
+            print(f"| {transport} | {kind} | {what} | {rate:,.0f} | {pct:.0f} | {us:.1f} | {cl:.1f} |")
     if starts:
         print()
         print("| server | transport | start to first reply, s |")
@@ -863,6 +1007,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=8, help="requests in flight per client")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per throughput row")
     parser.add_argument("--no-throughput", action="store_true", help="latency rows only")
+    parser.add_argument("--client", choices=("c", "python"), default="c",
+                        help="throughput client processes: c (tools/rpc_client.c, built with cc; "
+                             "Python if it cannot be built) or python")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the mpcache server during the throughput rows")
     parser.add_argument("--only", metavar="OPS", help="throughput rows to run (comma-separated: noop,status,lookup,lookup_packed)")
     parser.add_argument("--no-latency", action="store_true", help="throughput rows only")

@@ -122,3 +122,92 @@ def test_not_after_is_optional_on_the_wire() -> None:
               msgpack.packb(7), msgpack.packb("soon")]
     bad = wire.decode_request(frames, wire.Limits())
     assert isinstance(bad, wire.DecodeError) and bad.kind.value == "undecodable"
+
+
+# The decoder's fast paths (uid, op frame, short strings, cached reply frames) must give exactly
+# what msgpack's ordinary path gives, refusals included.
+
+UIDS = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**63, 2**64 - 1, -1, -33, -2**40]
+
+
+@pytest.mark.parametrize("uid", UIDS)
+def test_uid_fast_path_matches_msgpack(uid: int) -> None:
+    frame = msgpack.packb(uid)
+    assert wire.decode_uid(frame) == uid
+    assert wire.decode_uid(memoryview(frame)) == uid
+
+
+@pytest.mark.parametrize("frame", [b"", b"\x05\x00", b"\xcc", b"\xcc\x01\x02", b"\xcf" + b"\x00" * 7,
+                                   b"\xa1x", msgpack.packb(1.5), msgpack.packb(None), b"\xcd\x00\x05"])
+def test_uid_fast_path_refuses_what_msgpack_refuses(frame: bytes) -> None:
+    try:
+        expected = msgpack.unpackb(frame)
+        expected = expected if type(expected) is int else None
+    except Exception:
+        expected = None
+    assert wire.decode_uid(frame) == expected
+
+
+def test_every_op_frame_is_in_the_byte_table_and_matches_the_generic_decoder() -> None:
+    for spec in wire.OPS:
+        forms = [msgpack.packb(spec.name)] + ([msgpack.packb(spec.legacy_id)] if spec.legacy_id is not None else [])
+        for frame in forms:
+            assert wire._SPEC_BY_OP_FRAME[frame] is spec
+            assert wire._spec_of_op_frame(frame) is spec
+    # a non-canonical encoding of an op (str8 instead of fixstr) still decodes, the long way
+    name = b"noop"
+    frames = [b"peer", msgpack.packb(1), b"\xd9" + bytes([len(name)]) + name]
+    req = wire.decode_request(frames, wire.Limits())
+    assert isinstance(req, wire.Request) and req.op == "noop"
+
+
+@pytest.mark.parametrize("payload", [
+    msgpack.packb("req-1"),
+    msgpack.packb("é" * 40),  # str8, multi-byte
+    msgpack.packb("x" * 256),  # at the limit
+    msgpack.packb("x" * 257),  # over it: refused
+    b"\xa3\xff\xfe\xfd",  # invalid UTF-8: refused
+    b"\xa5abc",  # truncated
+    b"\xa2abc",  # trailing bytes
+    msgpack.packb(12),  # not a string
+    msgpack.packb(b"bytes"),
+    msgpack.packb("x" * 40, use_bin_type=True)[:1] + b"x" * 40,
+])
+def test_request_id_fast_path_matches_the_ordinary_decoder(payload: bytes) -> None:
+    limits = wire.Limits()
+    frames = [b"peer", msgpack.packb(5), msgpack.packb("query_prefetch_status"), payload]
+    fast = wire.decode_request(frames, limits)
+    # the ordinary path alone: what decode_request gave before the fast path
+    try:
+        v = wire._unpack(payload, wire._compute_unpack_limits(wire.P.ID, limits), limits.max_containers)
+        slow: Any = ("ok", wire._decode_param(wire.P.ID, v, "query_prefetch_status payload 0", limits))
+    except wire._Bad as e:
+        slow = ("refused", e.kind)
+    except ValueError as e:
+        slow = ("refused", wire.ErrorKind.TOO_LARGE if "exceeds max" in str(e) else wire.ErrorKind.UNDECODABLE)
+    except Exception:
+        slow = ("refused", wire.ErrorKind.UNDECODABLE)
+    if isinstance(fast, wire.Request):
+        assert slow == ("ok", fast.args[0])
+    else:
+        assert isinstance(fast, wire.DecodeError)
+        assert slow == ("refused", fast.kind)
+
+
+@pytest.mark.parametrize("result", [0, 1, 32, 4096, 4097, -1, True, False, "OK", "ok", 2**40, None])
+def test_cached_reply_frames_are_msgpack_of_the_result(result: Any) -> None:
+    frames = wire.encode_reply(b"peer", b"\x01", b"\xa4noop", result)
+    if result is None:
+        assert frames == [b"peer", b"\x01", b"\xa4noop"]
+        return
+    value = msgpack.unpackb(frames[3])
+    assert value == result and type(value) is type(result)
+
+
+def test_unpack_limits_follow_the_limits_object() -> None:
+    small = wire.Limits(max_name_bytes=8)
+    assert wire._unpack_limits(wire.P.ID, small).max_str_len == 8
+    assert wire._unpack_limits(wire.P.ID, wire.Limits()).max_str_len == 256
+    frames = [b"peer", msgpack.packb(5), msgpack.packb("end_session"), msgpack.packb("x" * 9)]
+    refused = wire.decode_request(frames, small)
+    assert isinstance(refused, wire.DecodeError) and refused.kind is wire.ErrorKind.TOO_LARGE
