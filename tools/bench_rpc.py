@@ -15,7 +15,14 @@ What it measures, on tcp loopback and on ipc:
   each pair is followed by an untimed `end_session`, as the vLLM connector does, so nothing piles
   up in the server;
 * throughput: `--clients` client processes, each with `--window` requests in flight, for
-  `--duration` seconds: `noop`/echo, `status`, `lookup` (list) and `lookup_packed`;
+  `--duration` seconds: `noop`/echo, `status`, `lookup` (list) and `lookup_packed`. The clients
+  are C (`tools/rpc_client.c`, compiled with `cc` against the libzmq pyzmq ships; `--client
+  python` or no compiler: the Python clients), so they cost the box a fraction of what the
+  server does and the row measures the server: each request is a real round trip with pre-encoded
+  frames, a fresh uid and, for lookups, a fresh request id ended by an `end_session`; a reply
+  that is an error, or a status that is not the expected hit count, fails the row. Per row the
+  server's CPU per request and the clients' (their whole run over the counted requests) are
+  printed;
 * start to first reply: from spawning the server process to the first `noop` answered;
 * with `--profile DIR` (needs `py-spy` on PATH or next to the interpreter): the mpcache server is
   sampled by `py-spy record` during each throughput row; the collapsed stacks go to DIR and a
