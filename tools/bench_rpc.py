@@ -654,12 +654,31 @@ def measure_throughput_c(client: str, url: str, what: str, clients: int, window:
             with open(path, "wb") as f:
                 f.write(_c_spec(what, t, expect_status))
             specs.append(path)
-        start_at = time.time() + 1.0
-        end_at = start_at + duration
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        procs = [subprocess.Popen([client, url, spec, str(window), repr(start_at), repr(end_at)],
+        procs = [subprocess.Popen([client, url, spec, str(window)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for spec in specs]
+        try:
+            # every client connected and set up before the clock starts (a loaded box can take
+            # seconds to start four processes); then half a second of warm-up, uncounted
+            for p in procs:
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                if line.strip() != "ready":
+                    p.wait(timeout=10)
+                    raise BenchError(f"throughput {what}: C client exited {p.returncode} before it was ready: "
+                                     f"{p.stderr.read().strip()[:300] if p.stderr else ''}")
+            start_at = time.time() + 0.5
+            end_at = start_at + duration
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write(f"{start_at!r} {end_at!r}\n")
+                p.stdin.flush()
+        except BaseException:
+            for p in procs:
+                p.kill()
+                p.wait(timeout=10)
+            raise
         if server_pid is not None and cpu_out is not None:
             time.sleep(max(0.0, start_at - time.time()))
             cpu0 = _cpu_seconds(server_pid)

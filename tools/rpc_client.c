@@ -8,8 +8,10 @@
    a fresh uid per request, each reply matched by its op frame (and, where given, its result
    frame), so an error reply or a wrong hit count is counted as an error, never as done.
 
-   usage: rpc_client URL SPEC_FILE WINDOW START_AT END_AT
-     START_AT / END_AT: wall-clock seconds (time.time()); replies before START_AT are not counted.
+   usage: rpc_client URL SPEC_FILE WINDOW
+     After connecting and its set-up calls it prints "ready" and reads "START_AT END_AT" from
+     stdin: wall-clock seconds (time.time()); it sends from then on, and counts the replies that
+     arrive between START_AT and END_AT (so a slow start on a loaded box never eats the window).
    SPEC_FILE: u32 count, then count blobs of (u32 length, bytes), little-endian:
      0 mode ("fixed" | "lookup")   1 op frame a counted reply carries
      2 result frame a counted reply must carry (empty: not checked)
@@ -164,14 +166,14 @@ static void call_message(void *s, const blob *msg, uint64_t uid) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: rpc_client URL SPEC_FILE WINDOW START_AT END_AT\n");
+    if (argc != 4) {
+        fprintf(stderr, "usage: rpc_client URL SPEC_FILE WINDOW\n");
         return 2;
     }
     const char *url = argv[1];
     load_spec(argv[2]);
     long window = atol(argv[3]);
-    double start_at = atof(argv[4]), end_at = atof(argv[5]);
+    double start_at = 0, end_at = 0;
     if (nblobs < 10 || window < 1) die("bad arguments");
     int lookup = blob_is(&blobs[0], "lookup");
     const blob *expect_op = &blobs[1], *expect_result = &blobs[2], *end_op = &blobs[3];
@@ -198,6 +200,9 @@ int main(int argc, char **argv) {
     zmq_setsockopt(s, ZMQ_RCVHWM, &zero, sizeof zero);
     if (zmq_connect(s, url) != 0) die("connect failed");
     for (unsigned i = 0; i < nprep; i++) call_message(s, &prep[i], (1ULL << 50) + i);
+    printf("ready\n");
+    fflush(stdout);
+    if (scanf("%lf %lf", &start_at, &end_at) != 2) die("no START_AT END_AT on stdin");
 
     size_t keycap = head->n + tail->n + 256;
     unsigned char *key = malloc(keycap);
