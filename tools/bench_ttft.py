@@ -346,6 +346,12 @@ def parent(args: argparse.Namespace) -> int:
     print(f"| disk L2 hit ≥ {TARGETS['disk_speedup']:.0f}x | {diskx:.1f}x | {'met' if diskx >= TARGETS['disk_speedup'] else 'MISSED'} |")
     print(f"| first-pass cost ≤ {TARGETS['first_pass_cost']:.0%}, vs the no-connector engine (medians) | {cost:+.1%} | "
           f"{'met' if cost <= TARGETS['first_pass_cost'] else 'MISSED'} |")
+    shares = [sum(r["connector_ms"].values()) / (r["ttft_s"] * 1e3) for r in results["first_pass"] if r.get("connector_ms")]
+    if shares:
+        share = max(shares)
+        print(f"| first-pass cost ≤ {TARGETS['first_pass_cost']:.0%}, the connector's own calls (lookup, store copy, plans) "
+              f"as a share of the first pass's TTFT (worst of {', '.join(f'{x:.1%}' for x in shares)}) | {share:.1%} | "
+              f"{'met' if share <= TARGETS['first_pass_cost'] else 'MISSED'} |")
     print(f"| first-pass cost ≤ {TARGETS['first_pass_cost']:.0%}, vs the same prompt opted out just before (medians; "
           f"pairs {', '.join(f'{c:+.1%}' for c in pairs)}) | {cost_same:+.1%} | "
           f"{'met' if cost_same <= TARGETS['first_pass_cost'] else 'MISSED'} |")
