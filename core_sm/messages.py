@@ -343,6 +343,19 @@ class TransferFinished:
     ok: bool
 
 
+@attrs.frozen
+class InstanceFailed:
+    """The server runtime gave up on engine instance ``instance_id`` (its GPU transfer engine
+    saw a copy never start or never end: the engine's event never fired, or its GPU work hangs)
+    and dropped what it kept for it. The server releases the instance as for a reap: its
+    registration goes, its uncommitted plans fail; its running copies still end by their
+    ``TransferFinished``. Counted ``instances_failed``; an id not registered (any more) is a
+    stale event. ``reason`` is for the log."""
+
+    instance_id: int
+    reason: str = ""
+
+
 def _bools(values: Iterable[bool]) -> tuple[bool, ...]:
     """Converter: any iterable of flags, kept as a tuple (typed, so callers may pass a list)."""
     return tuple(values)
@@ -387,7 +400,8 @@ class TimerFired:
 
 
 ServerEvent = Union[
-    ServerRequest, TransferFinished, L2ReadFinished, L2ProbeFinished, L2WriteFinished, TimerFired
+    ServerRequest, TransferFinished, InstanceFailed, L2ReadFinished, L2ProbeFinished, L2WriteFinished,
+    TimerFired,
 ]
 
 # ---------------------------------------------------------------------------------------------

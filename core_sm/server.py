@@ -49,6 +49,7 @@ from core_sm.messages import (
     EndSession,
     FreeLookupLocks,
     GetChunkSize,
+    InstanceFailed,
     L2ProbeFinished,
     L2ReadFinished,
     L2WriteFinished,
@@ -101,7 +102,7 @@ _COUNTERS = (
     "l2_writes_expired", "waiter_timeouts", "internal_errors",
     "tombstones_dropped", "late_transfers_refused", "stores_awaiting_writers",
     "plan_quarantines_ended", "duplicate_transfers", "table_violations",
-    "heartbeats", "instances_reaped", "plans_of_reaped_instances", "quota_skips", "clears_refused",
+    "heartbeats", "instances_reaped", "instances_failed", "plans_of_reaped_instances", "quota_skips", "clears_refused",
     "stores_not_admitted",
 )
 
@@ -367,7 +368,7 @@ _ROUTES: dict[type, Any] = {
     **{t: LookupServer._to_transfers for t in (Store, Retrieve, PrepareStore, PrepareRetrieve,
                                                CommitTransfer, TransferFinished)},
     **{t: LookupServer._to_l2 for t in (L2ReadFinished, L2ProbeFinished, L2WriteFinished)},
-    **{t: LookupServer._to_instances for t in (RegisterInstance, UnregisterInstance)},
+    **{t: LookupServer._to_instances for t in (RegisterInstance, UnregisterInstance, InstanceFailed)},
 }
 # The server's own table: which machine each event goes to (the entity tables decide what it
 # does there), and the rows of what addresses the server itself.

@@ -13,6 +13,11 @@ mappings and staging memory it keeps for it. A request naming it afterwards gets
 ``NOT_REGISTERED`` (the client registers again once and retries). A plain ``Ping()`` (LMCache's)
 names no instance and is answered ``True``.
 
+``InstanceFailed(instance_id)`` comes from the runtime when its GPU transfer engine gave up on the
+instance (a copy whose engine event never fired): the instance is released as a reap releases
+it, counted ``instances_failed``, with no ``InstanceReaped`` (the runtime dropped its mappings
+already). Its running copies still end by their ``TransferFinished``.
+
 Ownership: an instance id belongs to the peer that registered it; a request from another peer
 naming it (register again, unregister, heartbeat, store, retrieve, prepare) is refused
 ``FORBIDDEN`` and changes nothing.
@@ -28,7 +33,7 @@ import attrs
 from core_sm.chunks import ObjectKey
 from core_sm.effects import Effect, InstanceReaped, Reply
 from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.messages import CacheKey, Peer, Ping, RegisterInstance, ReplyTo, UnregisterInstance
+from core_sm.messages import CacheKey, InstanceFailed, Peer, Ping, RegisterInstance, ReplyTo, UnregisterInstance
 from core_sm.server_core import ServerContext
 from core_sm.table import Table
 from core_sm.timers import Timer
@@ -180,6 +185,19 @@ class InstanceMachine:
         self._tenant_gone(iid)
         out.append(InstanceReaped(iid))
 
+    # ============================================================================= runtime
+
+    def _on_failed(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
+        """The runtime failed the instance (its GPU engine's event never fired): release it as a
+        reap does. No ``InstanceReaped``: the runtime already dropped what it kept for it."""
+        del self.instances[ev.instance_id]
+        self.ctx.counters["instances_failed"] += 1
+        self.transfers.instance_gone(ev.instance_id, now, out)
+        self._tenant_gone(ev.instance_id)
+
+    def _on_failed_stale(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
+        self.ctx.counters["stale_events"] += 1
+
     # ============================================================================= L1 quota
 
     def _shares_changed(self) -> None:
@@ -252,5 +270,7 @@ INSTANCE_TABLE: Table[InstanceState] = Table("LookupServer instances (one instan
     (I.ABSENT, Ping): (InstanceMachine._on_plain_ping, {I.ABSENT}),
     (I.REGISTERED, Ping): (InstanceMachine._on_heartbeat, {I.REGISTERED}),
     (I.REGISTERED, InstanceDeadline): (InstanceMachine._on_deadline, {I.REGISTERED, I.ABSENT}),
+    (I.REGISTERED, InstanceFailed): (InstanceMachine._on_failed, {I.ABSENT}),
+    (I.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {I.ABSENT}),
 })
 INSTANCE_TIMERS = (InstanceDeadline,)

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +194,7 @@ class GpuTransferExecutor:
         self._link_busy_until = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}
         self._closing = False
         self._ordinal = 0
+        self.on_instance_failed: Callable[[int, str], None] | None = None  # set by the server
         self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0, "instances_failed": 0,
                        "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0}
 
@@ -551,6 +552,13 @@ class GpuTransferExecutor:
         log.error("GPU instance %d failed: a transfer has not finished %.1f s after it came first in line (the engine's "
                   "event never fired?); instance unregistered, %d transfers failed now, %d reported when their copies end",
                   inst.instance_id, self.transfer_timeout_s, len(released), held)
+        tell = self.on_instance_failed
+        if tell is not None:  # the server hands it to core_sm (registration, plans, quota)
+            try:
+                tell(inst.instance_id, f"a GPU transfer did not finish {self.transfer_timeout_s:g} s after it came "
+                                       "first in line")
+            except Exception:
+                log.exception("reporting the failure of instance %d failed", inst.instance_id)
 
     def _release(self, inst: _Instance) -> None:
         """Close what the instance opened; only once nothing of it is queued on the device."""

@@ -252,6 +252,8 @@ class Server:
             self.pool.close()
             raise
         self.executor: TransferExecutor = transfer_executor or NoDeviceExecutor()
+        # an instance the executor fails by itself is core_sm's to release (registration, plans)
+        self.executor.on_instance_failed = self._post_instance_failed
         try:
             chain_key, chain_source = chunk_chain_key(config, self.l2)
         except BaseException:  # a bad key file: leave nothing behind
@@ -428,12 +430,20 @@ class Server:
                 self._refresh_gauges()
                 self.metrics.tick(now)
 
+    def _post_instance_failed(self, instance_id: int, reason: str) -> None:
+        self.channel.post(m.InstanceFailed(instance_id, reason))
+
     def _drain_completions(self) -> None:
         for ev in self.channel.drain():
             if self.metrics.on_completion(ev, self.clock()):
                 continue  # an HTTP probe's call, run on this thread
             if isinstance(ev, m.TransferFinished):
                 self._transfers_in_flight -= 1
+            elif isinstance(ev, m.InstanceFailed):
+                log.error("instance %s failed by the transfer engine (%s): its registration and plans are released "
+                          "(it must register again); its copies are reported failed as they end",
+                          ev.instance_id, ev.reason)
+                self._instance_bytes.pop(ev.instance_id, None)
             elif isinstance(ev, m.L2ReadFinished):
                 self.metrics.count("l2_hits", sum(ev.loaded))
                 self.metrics.count("l2_objects_read", len(ev.loaded))

@@ -24,10 +24,18 @@ log = logging.getLogger("mpcache.transfer")
 
 DoneFn = Callable[[int, bool], None]
 PostFn = Callable[[object], None]
+InstanceFailedFn = Callable[[int, str], None]
 
 
 class TransferExecutor(Protocol):
-    """Server-driven KV copies between an engine's paged cache and L1 slots."""
+    """Server-driven KV copies between an engine's paged cache and L1 slots.
+
+    ``on_instance_failed``: set by the server; the executor calls it (from any thread) with the
+    instance id and a reason when it gives up on an instance by itself (its engine's event never
+    fired): the server then tells core_sm (``InstanceFailed``), which releases the instance's
+    registration and plans. The executor still reports every started transfer via ``done``."""
+
+    on_instance_failed: InstanceFailedFn | None
 
     def register_instance(self, instance_id: int, layout: Mapping[str, Any], pool: SharedMemoryPool) -> str | None:
         """Open the instance's KV memory (CUDA IPC handles in ``layout``). Returns None on
@@ -46,6 +54,8 @@ class TransferExecutor(Protocol):
 
 class NoDeviceExecutor:
     """No server-driven engines on this server (no GPU support loaded)."""
+
+    on_instance_failed: InstanceFailedFn | None = None  # it never fails one
 
     def register_instance(self, instance_id: int, layout: Mapping[str, Any], pool: SharedMemoryPool) -> str | None:
         return "this server has no GPU transfer engine; register the instance as engine_driven"

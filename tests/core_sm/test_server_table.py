@@ -73,10 +73,10 @@ def record_jobs(server: LookupServer, seen: Seen) -> None:
 
 
 def test_every_server_event_is_routed_and_every_table_row_is_a_method() -> None:
-    from core_sm.messages import SERVER_REQUEST_TYPES, L2WriteFinished
+    from core_sm.messages import SERVER_REQUEST_TYPES, InstanceFailed, L2WriteFinished
 
     routed = set(SERVER_TABLE.events())
-    assert set(SERVER_REQUEST_TYPES) | {TransferFinished, L2ReadFinished, L2ProbeFinished,
+    assert set(SERVER_REQUEST_TYPES) | {TransferFinished, InstanceFailed, L2ReadFinished, L2ProbeFinished,
                                         L2WriteFinished, TimerFired} == routed
     s = LookupServer()
     for table, machine in ((JOB_TABLE, s.jobs), (TRANSFER_TABLE, s.transfers)):
@@ -388,6 +388,11 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
     h.advance(10.0)  # silent: reaped
     h.register(instance_id=2)
     h.call(UnregisterInstance(2))
+    from core_sm.messages import InstanceFailed
+
+    h.register(instance_id=3)
+    h.feed(InstanceFailed(3))  # REGISTERED -> ABSENT (the runtime failed it)
+    h.feed(InstanceFailed(3))  # ABSENT: stale
     listed = {(s, e, n) for (s, e), row in INSTANCE_TABLE.rows.items() for n in row.next_states}
     assert seen <= listed and listed - seen == set()
 
