@@ -1,9 +1,9 @@
 """Render the machines' transition tables as Markdown (docs/core_sm.md embeds the output; a test
 keeps the two identical). ``python -m core_sm.describe`` prints every table.
 
-The server's and the StepPlanner's tables are the ``core_sm.table.Table`` objects their ``handle``
-executes (the handler of each row is shown); the client machines' and the L1 index's are still
-allowed-next-state maps.
+The server's, the StepPlanner's, the LookupClient's and the TransferClient's tables are the
+``core_sm.table.Table`` objects their ``handle`` executes (the handler of each row is shown); the
+L1 index's is the allowed-next-state map of its operations.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from core_sm.table import Table
 TABLES: dict[str, Table[Any] | Mapping[Any, frozenset[Any]]] = {
     **server.TABLES,
     "StepPlanner (one request id, the connector's scheduler side)": planner.TABLE,
-    "LookupClient (lookup of a request id)": lookup_client.TRANSITIONS,
-    "TransferClient (one op)": transfer_client.TRANSITIONS,
+    **lookup_client.TABLES,
+    **transfer_client.TABLES,
     "L1Index (one object)": l1_index.TRANSITIONS,
 }
 

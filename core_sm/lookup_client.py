@@ -17,17 +17,26 @@ jobs and leases are gone), or ``lookup_timeout`` resolves the lookup to 0 at onc
 ever polls forever). A reply whose correlation the client no longer expects (a
 duplicate, a reply after a timeout) is ignored and counted in ``stats()["stale_replies"]``.
 ``check()`` is a pure read and never blocks; all sends happen in ``handle``.
+
+Dispatch (``core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
+through one of two tables it executes -- ``LOOKUP_TABLE`` (one request id's lookup: the vLLM
+calls, the replies by their correlation, its timers ``LookupDeadline`` / ``Requery`` /
+``StatusResend`` / ``ResultExpiry``, and ``LegLost`` when a server fails under it) and
+``SERVER_VIEW_TABLE`` (one server: ``ServerHealth`` / ``ServerEpoch``). ``TimerFired`` only
+makes the due timers run. Any other event type is counted in ``stale_replies``.
 """
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
 from core_sm.chunks import DEFAULT_CHUNK_SIZE, TokenIds, pack_tokens, validate_cache_salt
 from core_sm.effects import Effect, SendRequest
+from core_sm.errors import ProtocolError
 from core_sm.guarded import GuardedMachine
 from core_sm.messages import (
     CacheKey,
@@ -48,6 +57,8 @@ from core_sm.messages import (
     TimerFired,
     WaitPrefetchStatus,
 )
+from core_sm.table import Dispatcher, Table
+from core_sm.timers import Timer, TimerHeap
 
 
 def _ranks_per_server(value: Iterable[Iterable[int]] | None) -> tuple[tuple[int, ...], ...] | None:
@@ -91,40 +102,63 @@ class LookupState(enum.Enum):
     DONE = "done"  # result cached
 
 
-_L = LookupState
-_ALL = frozenset(LookupState)
-# The one transition table: (request's state, event type) -> allowed next states.
-TRANSITIONS: dict[tuple[LookupState, type], frozenset[LookupState]] = {
-    (_L.ABSENT, SubmitLookup): frozenset({_L.AWAITING_ACK, _L.DONE}),
-    (_L.AWAITING_ACK, SubmitLookup): frozenset({_L.AWAITING_ACK}),
-    (_L.QUERYING, SubmitLookup): frozenset({_L.QUERYING}),
-    (_L.DONE, SubmitLookup): frozenset({_L.DONE}),
-    (_L.ABSENT, ReplyReceived): frozenset({_L.ABSENT}),
-    (_L.AWAITING_ACK, ReplyReceived): frozenset({_L.AWAITING_ACK, _L.QUERYING, _L.DONE}),
-    (_L.QUERYING, ReplyReceived): frozenset({_L.QUERYING, _L.DONE}),
-    (_L.DONE, ReplyReceived): frozenset({_L.DONE}),
-    (_L.ABSENT, RequestFailed): frozenset({_L.ABSENT}),
-    (_L.AWAITING_ACK, RequestFailed): frozenset({_L.AWAITING_ACK, _L.DONE}),
-    (_L.QUERYING, RequestFailed): frozenset({_L.QUERYING, _L.DONE}),
-    (_L.DONE, RequestFailed): frozenset({_L.DONE}),
-    (_L.ABSENT, ServerHealth): frozenset({_L.ABSENT}),
-    (_L.AWAITING_ACK, ServerHealth): frozenset({_L.AWAITING_ACK, _L.DONE}),
-    (_L.QUERYING, ServerHealth): frozenset({_L.QUERYING, _L.DONE}),
-    (_L.DONE, ServerHealth): frozenset({_L.DONE}),
-    (_L.ABSENT, TimerFired): frozenset({_L.ABSENT}),
-    (_L.AWAITING_ACK, TimerFired): frozenset({_L.AWAITING_ACK, _L.DONE}),
-    (_L.QUERYING, TimerFired): frozenset({_L.QUERYING, _L.DONE}),
-    (_L.DONE, TimerFired): frozenset({_L.DONE, _L.ABSENT}),
-    (_L.ABSENT, ServerEpoch): frozenset({_L.ABSENT}),
-    (_L.AWAITING_ACK, ServerEpoch): frozenset({_L.AWAITING_ACK, _L.DONE}),
-    (_L.QUERYING, ServerEpoch): frozenset({_L.QUERYING, _L.DONE}),
-    (_L.DONE, ServerEpoch): frozenset({_L.DONE}),
-    **{(s, Cleanup): frozenset({_L.ABSENT}) for s in LookupState},
-    **{(s, EndRequest): frozenset({_L.ABSENT}) for s in LookupState},
-    **{(s, FreeUnusedLeases): frozenset({s}) for s in LookupState},
-}
+class ServerView(enum.Enum):
+    """One server, as the lookup client sees it."""
+
+    UNKNOWN = "unknown"  # not one of the client's num_servers
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+# The events a LookupClient takes (what the runtime feeds it).
 EVENTS = (SubmitLookup, ReplyReceived, RequestFailed, ServerHealth, TimerFired, Cleanup,
           EndRequest, FreeUnusedLeases, ServerEpoch)
+
+
+# ------------------------------------------------------------------ typed timers, internal events
+
+
+@attrs.frozen
+class LookupDeadline(Timer):
+    """``lookup_timeout`` after the submit: a lookup still pending resolves to 0."""
+
+    request_id: str
+    serial: int
+
+
+@attrs.frozen
+class Requery(Timer):
+    """``poll_interval`` after a ``None`` status answer from ``server``: ask it again."""
+
+    request_id: str
+    serial: int
+    server: int
+
+
+@attrs.frozen
+class StatusResend(Timer):
+    """``poll_interval`` after a status query (legacy hook only): maybe abandon it, send another."""
+
+    request_id: str
+    serial: int
+    server: int
+    correlation: int
+
+
+@attrs.frozen
+class ResultExpiry(Timer):
+    """``result_ttl`` after the result: a DONE result never cleaned up is forgotten."""
+
+    request_id: str
+    serial: int
+
+
+@attrs.frozen
+class LegLost:
+    """Internal: ``server`` became unhealthy or restarted while this lookup waited on it."""
+
+    request_id: str
+    server: int
 
 
 @attrs.define
@@ -148,6 +182,7 @@ class PendingLookup:
     deadline: float
     result_tokens: int | None = None
     expires_at: float = 0.0
+    serial: int = 0  # this (re)activation's: the timers armed for it name it
 
     @property
     def state(self) -> LookupState:
@@ -162,8 +197,6 @@ class LookupClient(GuardedMachine[ClientEvent]):
     """Scheduler-side lookup bookkeeping. ``handle(event, now)``, ``next_deadline()``,
     ``check(request_id)``."""
 
-    TRANSITIONS = TRANSITIONS
-
     def __init__(self, config: LookupClientConfig | None = None) -> None:
         self.config = config if config is not None else LookupClientConfig()
         self._active: dict[str, PendingLookup] = {}  # AWAITING_ACK / QUERYING
@@ -173,6 +206,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         self._healthy = [True] * self.config.num_servers
         self._epochs: list[int | str | None] = [None] * self.config.num_servers
         self._next_correlation = 0
+        self._next_serial = 0
         self._counters = {
             name: 0
             for name in ("submits", "duplicate_submits", "invalid_submits", "lookups_sent",
@@ -181,29 +215,22 @@ class LookupClient(GuardedMachine[ClientEvent]):
                          "fire_and_forget_replies", "expired_results", "bad_replies",
                          "internal_errors", "server_restarts")
         }
+        self._timers = TimerHeap(self._timer_live)
+        self._lookups: Dispatcher[LookupState] = LOOKUP_TABLE.bind(
+            self, self._address, self.state, self._counters, self._refuse)
+        self._servers: Dispatcher[ServerView] = SERVER_VIEW_TABLE.bind(
+            self, _server_of, self._view, self._counters, self._refuse)
+        # What the runtime feeds goes to the table that names it (timers and LegLost are internal).
+        self._routes: dict[type, Dispatcher[Any]] = {**{t: self._lookups for t in LOOKUP_TABLE.events() if t in EVENTS},
+                        **{t: self._servers for t in SERVER_VIEW_TABLE.events() if t in EVENTS}}
 
     # ============================================================================= public API
 
     def _dispatch(self, event: ClientEvent, now: float, out: list[Effect]) -> None:
-        if isinstance(event, SubmitLookup):
-            self._on_submit(event, now, out)
-        elif isinstance(event, ReplyReceived):
-            self._on_reply(event.server, event.correlation, event.result, None, now, out)
-        elif isinstance(event, RequestFailed):
-            self._on_reply(event.server, event.correlation, None, event, now, out)
-        elif isinstance(event, ServerHealth):
-            self._on_health(event, now, out)
-        elif isinstance(event, ServerEpoch):
-            self._on_epoch(event, now, out)
-        elif isinstance(event, Cleanup):
-            self._on_cleanup(event.request_id, now, out)
-        elif isinstance(event, FreeUnusedLeases):
-            self._on_free_unused(event, out)
-        elif isinstance(event, EndRequest):
-            self._on_end_request(event.request_id, now, out)
-        elif isinstance(event, TimerFired):
-            pass  # _advance did the work
-        else:
+        route = self._routes.get(type(event))
+        if route is not None:
+            route.run(event, now, out)
+        elif type(event) is not TimerFired:  # TimerFired: the due timers ran in _advance
             self._counters["stale_replies"] += 1
 
     def check(self, request_id: str) -> int | None:
@@ -220,10 +247,11 @@ class LookupClient(GuardedMachine[ClientEvent]):
             return None
         return 0
 
-    def state(self, request_id: str) -> LookupState:
-        if request_id in self._done:
+    def state(self, request_id: object) -> LookupState:
+        rid = str(request_id)
+        if rid in self._done:
             return LookupState.DONE
-        pending = self._active.get(request_id)
+        pending = self._active.get(rid)
         return LookupState.ABSENT if pending is None else pending.state
 
     def pending(self, request_id: str) -> PendingLookup | None:
@@ -233,17 +261,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         return self._healthy[server]
 
     def next_deadline(self) -> float | None:
-        candidates: list[float] = []
-        for p in self._active.values():
-            candidates.append(p.deadline)
-            for leg in p.legs.values():
-                if leg.next_query_at is not None:
-                    candidates.append(leg.next_query_at)
-                if leg.query_correlation is not None and self._may_resend():
-                    candidates.append(leg.query_sent_at + self.config.poll_interval)
-        if self._done:
-            candidates.append(next(iter(self._done.values())).expires_at)
-        return min(candidates) if candidates else None
+        return self._timers.next_deadline()
 
     def stats(self) -> dict[str, int]:
         out = dict(self._counters)
@@ -252,6 +270,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         out["correlations"] = len(self._correlations)
         out["fire_and_forget_pending"] = len(self._fire_and_forget)
         out["healthy_servers"] = sum(self._healthy)
+        out["timers"] = len(self._timers)
         return out
 
     def check_invariants(self) -> None:
@@ -260,17 +279,23 @@ class LookupClient(GuardedMachine[ClientEvent]):
             assert p is not None, "a correlation for a request that is not active"
             leg = p.legs[server]
             assert corr in (leg.lookup_correlation, leg.query_correlation), "orphan correlation"
+        live = {t for t in self._timers.timers() if self._timer_live(t)}
         for rid, p in self._active.items():
             assert p.result_tokens is None and rid not in self._done
+            assert LookupDeadline(rid, p.serial) in live, "a pending lookup without its deadline"
             for leg in p.legs.values():
                 if leg.chunks is not None:
                     assert leg.query_correlation is None and leg.next_query_at is None
                 if leg.query_correlation is not None:
                     assert leg.next_query_at is None, "two queries for one leg"
-        for p in self._done.values():
+                if leg.next_query_at is not None:
+                    assert Requery(rid, p.serial, leg.server) in live, "a re-query without its timer"
+        for rid, p in self._done.items():
             assert p.result_tokens is not None and p.result_tokens >= 0
             assert p.result_tokens % self.config.chunk_size == 0
+            assert ResultExpiry(rid, p.serial) in live, "a cached result without its expiry"
         assert len(self._fire_and_forget) <= self.config.fire_and_forget_cap
+        assert self._counters.get("table_violations", 0) == 0, "a handler left a state its row does not list"
 
     # ============================================================================= hooks
 
@@ -298,17 +323,55 @@ class LookupClient(GuardedMachine[ClientEvent]):
         return True
 
     def _may_resend(self) -> bool:
-        """Whether ``_should_resend_status`` can ever say yes (keeps next_deadline quiet)."""
+        """Whether ``_should_resend_status`` can ever say yes (only then is a StatusResend armed)."""
         return type(self)._should_resend_status is not LookupClient._should_resend_status
 
-    # ============================================================================= handlers
+    # ============================================================================= table plumbing
+
+    def _address(self, event: object) -> str | None:
+        """The request id an event of LOOKUP_TABLE addresses: a reply's is its correlation's
+        (None, so ABSENT, for one the client no longer expects)."""
+        corr = getattr(event, "correlation", None)
+        if corr is not None and not isinstance(event, Timer):
+            owner = self._correlations.get(corr)
+            return None if owner is None else owner[0]
+        return str(getattr(event, "request_id"))
+
+    def _view(self, server: object) -> ServerView:
+        if not isinstance(server, int) or not 0 <= server < self.config.num_servers:
+            return ServerView.UNKNOWN
+        return ServerView.HEALTHY if self._healthy[server] else ServerView.UNHEALTHY
+
+    def _refuse(self, out: list[Effect], reply_to: object, error: ProtocolError) -> None:
+        raise AssertionError("client events carry no reply_to")  # pragma: no cover
+
+    def _timer_live(self, timer: Timer) -> bool:
+        if isinstance(timer, ResultExpiry):
+            done = self._done.get(timer.request_id)
+            return done is not None and done.serial == timer.serial
+        pending = self._active.get(getattr(timer, "request_id"))
+        if pending is None or pending.serial != getattr(timer, "serial"):
+            return False
+        if isinstance(timer, Requery):
+            return pending.legs[timer.server].next_query_at is not None
+        if isinstance(timer, StatusResend):
+            return pending.legs[timer.server].query_correlation == timer.correlation
+        return True
+
+    def _advance(self, now: float, out: list[Effect]) -> None:
+        timers = self._timers
+        if not timers.due(now):
+            return
+        timer = timers.pop_due(now)
+        while timer is not None:
+            self._lookups.run(timer, now, out)
+            timer = timers.pop_due(now)
+
+    # ============================================================================= lookup rows
 
     def _on_submit(self, ev: SubmitLookup, now: float, out: list[Effect]) -> None:
         self._counters["submits"] += 1
         rid = ev.request_id
-        if rid in self._active or rid in self._done:
-            self._counters["duplicate_submits"] += 1
-            return
         C = self.config.chunk_size
         end = len(ev.token_ids) // C * C
         key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids, 0, end,
@@ -321,7 +384,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         if end == 0 or not all(self._healthy):
             self._resolve(pending, 0, now, out)
             return
-        self._active[rid] = pending
+        self._activate(pending)
         for s in range(self.config.num_servers):
             leg = ServerLeg(s)
             pending.legs[s] = leg
@@ -332,26 +395,34 @@ class LookupClient(GuardedMachine[ClientEvent]):
             if not self._wait_for_ack(pending, s):
                 self._send_query(pending, leg, now, out)
 
-    def _on_reply(
-        self, server: int, corr: int, result: object, failure: RequestFailed | None, now: float,
-        out: list[Effect],
-    ) -> None:
-        owner = self._correlations.pop(corr, None)
-        if owner is None:
-            if corr in self._fire_and_forget:
-                del self._fire_and_forget[corr]
-                self._counters["fire_and_forget_replies"] += 1
-            else:
-                self._counters["stale_replies"] += 1
-            return
-        rid, s = owner
+    def _on_duplicate_submit(self, ev: SubmitLookup, now: float, out: list[Effect]) -> None:
+        self._counters["submits"] += 1
+        self._counters["duplicate_submits"] += 1
+
+    def _on_stray_reply(self, ev: ReplyReceived | RequestFailed, now: float, out: list[Effect]) -> None:
+        """A reply to no pending lookup: a fire-and-forget FREE/END's, or stale."""
+        if ev.correlation in self._fire_and_forget:
+            del self._fire_and_forget[ev.correlation]
+            self._counters["fire_and_forget_replies"] += 1
+        else:
+            self._counters["stale_replies"] += 1
+
+    def _on_reply(self, ev: ReplyReceived, now: float, out: list[Effect]) -> None:
+        self._answer(ev.server, ev.correlation, ev.result, False, now, out)
+
+    def _on_failure(self, ev: RequestFailed, now: float, out: list[Effect]) -> None:
+        self._answer(ev.server, ev.correlation, None, True, now, out)
+
+    def _answer(self, server: int, corr: int, result: object, failed: bool, now: float,
+                out: list[Effect]) -> None:
+        rid, s = self._correlations.pop(corr)
         pending = self._active[rid]
         leg = pending.legs[s]
         if s != server:
             self._counters["bad_replies"] += 1
         if corr == leg.lookup_correlation:
             leg.lookup_correlation = None
-            if failure is not None:
+            if failed:
                 self._counters["failures"] += 1
                 self._leg_answer(pending, leg, 0, now, out)
                 return
@@ -360,30 +431,84 @@ class LookupClient(GuardedMachine[ClientEvent]):
                 self._send_query(pending, leg, now, out)
             return
         leg.query_correlation = None
-        if failure is not None:
+        if failed:
             self._counters["failures"] += 1
             self._leg_answer(pending, leg, 0, now, out)
         elif result is None:
             leg.next_query_at = now + self.config.poll_interval
+            self._timers.push(leg.next_query_at, Requery(rid, pending.serial, s))
         elif isinstance(result, int) and not isinstance(result, bool) and result >= 0:
             self._leg_answer(pending, leg, result, now, out)
         else:
             self._counters["bad_replies"] += 1
             self._leg_answer(pending, leg, 0, now, out)
 
+    def _on_end_request(self, ev: EndRequest, now: float, out: list[Effect]) -> None:
+        rid = ev.request_id
+        pending = self._active.get(rid)
+        self._forget(rid, now, out, free_pending=False)
+        if pending is not None:
+            self._end_pending_lookup(pending, now, out)
+        else:
+            self._send_end_session(rid, out)
+
+    def _on_cleanup(self, ev: Cleanup, now: float, out: list[Effect]) -> None:
+        self._forget(ev.request_id, now, out, free_pending=True)
+
+    def _on_free_unused(self, ev: FreeUnusedLeases, now: float, out: list[Effect]) -> None:
+        if ev.start >= ev.end:
+            return
+        key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids,
+                       ev.start, ev.end, ev.request_id, ev.cache_salt,
+                       ev.extras.prefix(ev.end // self.config.chunk_size))
+        for s in self._healthy_servers():
+            self._counters["frees_sent"] += 1
+            self._send(s, FreeLookupLocks(key), out, fire_and_forget=True)
+
+    def _on_deadline(self, ev: LookupDeadline, now: float, out: list[Effect]) -> None:
+        self._counters["timeouts"] += 1
+        self._resolve(self._active[ev.request_id], 0, now, out)
+
+    def _on_requery(self, ev: Requery, now: float, out: list[Effect]) -> None:
+        pending = self._active[ev.request_id]
+        if pending.deadline <= now:  # both due: the lookup's time is up, ask nothing more
+            self._on_deadline(LookupDeadline(ev.request_id, ev.serial), now, out)
+            return
+        leg = pending.legs[ev.server]
+        leg.next_query_at = None
+        self._send_query(pending, leg, now, out)
+
+    def _on_status_resend(self, ev: StatusResend, now: float, out: list[Effect]) -> None:
+        pending = self._active[ev.request_id]
+        leg = pending.legs[ev.server]
+        if not self._should_resend_status(pending, leg, now):
+            self._timers.push(now + self.config.poll_interval, ev)  # asked again later
+            return
+        self._counters["status_resends"] += 1
+        self._correlations.pop(ev.correlation, None)
+        leg.query_correlation = None
+        self._send_query(pending, leg, now, out)
+
+    def _on_result_expiry(self, ev: ResultExpiry, now: float, out: list[Effect]) -> None:
+        del self._done[ev.request_id]
+        self._counters["expired_results"] += 1
+
+    def _on_leg_lost(self, ev: LegLost, now: float, out: list[Effect]) -> None:
+        pending = self._active[ev.request_id]
+        self._counters["failures"] += 1
+        self._leg_answer(pending, pending.legs[ev.server], 0, now, out)
+
+    # ============================================================================= server rows
+
+    def _on_unknown_server(self, ev: ServerHealth | ServerEpoch, now: float, out: list[Effect]) -> None:
+        self._counters["bad_replies"] += 1
+
     def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
-        if not 0 <= ev.server < self.config.num_servers:
-            self._counters["bad_replies"] += 1
-            return
         self._healthy[ev.server] = bool(ev.healthy)
-        if ev.healthy:
-            return
-        self._fail_legs_on(ev.server, now, out)
+        if not ev.healthy:
+            self._fail_legs_on(ev.server, now, out)
 
     def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
-        if not 0 <= ev.server < self.config.num_servers:
-            self._counters["bad_replies"] += 1
-            return
         old, self._epochs[ev.server] = self._epochs[ev.server], ev.epoch
         if old is None or old == ev.epoch:
             return
@@ -395,17 +520,17 @@ class LookupClient(GuardedMachine[ClientEvent]):
     def _fail_legs_on(self, server: int, now: float, out: list[Effect]) -> None:
         for pending in list(self._active.values()):
             leg = pending.legs.get(server)
-            if leg is not None and leg.chunks is None:
-                self._counters["failures"] += 1
-                self._leg_answer(pending, leg, 0, now, out)
+            if leg is not None and leg.chunks is None and self._active.get(pending.request_id) is pending:
+                self._lookups.run(LegLost(pending.request_id, server), now, out)
 
-    def _on_end_request(self, rid: str, now: float, out: list[Effect]) -> None:
-        pending = self._active.get(rid)
-        self._forget(rid, now, out, free_pending=False)
-        if pending is not None:
-            self._end_pending_lookup(pending, now, out)
-        else:
-            self._send_end_session(rid, out)
+    # ============================================================================= internals
+
+    def _activate(self, pending: PendingLookup) -> None:
+        """``pending`` is (again) waiting on its servers: a new serial, its deadline armed."""
+        self._next_serial += 1
+        pending.serial = self._next_serial
+        self._active[pending.request_id] = pending
+        self._timers.push(pending.deadline, LookupDeadline(pending.request_id, pending.serial))
 
     def _send_end_session(self, rid: str, out: list[Effect]) -> None:
         for s in self._healthy_servers():
@@ -416,52 +541,12 @@ class LookupClient(GuardedMachine[ClientEvent]):
         """Back to querying: the next ``handle`` sends a fresh status query to every server."""
         del self._done[pending.request_id]
         pending.result_tokens = None
+        self._activate(pending)
         for leg in pending.legs.values():
             leg.chunks = None
             leg.acked = True
             leg.next_query_at = 0.0
-        self._active[pending.request_id] = pending
-
-    def _on_cleanup(self, rid: str, now: float, out: list[Effect]) -> None:
-        self._forget(rid, now, out, free_pending=True)
-
-    def _on_free_unused(self, ev: FreeUnusedLeases, out: list[Effect]) -> None:
-        if ev.start >= ev.end:
-            return
-        key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids,
-                       ev.start, ev.end, ev.request_id, ev.cache_salt,
-                       ev.extras.prefix(ev.end // self.config.chunk_size))
-        for s in self._healthy_servers():
-            self._counters["frees_sent"] += 1
-            self._send(s, FreeLookupLocks(key), out, fire_and_forget=True)
-
-    # ============================================================================= internals
-
-    def _advance(self, now: float, out: list[Effect]) -> None:
-        while self._done:
-            rid, p = next(iter(self._done.items()))
-            if p.expires_at > now:
-                break
-            del self._done[rid]
-            self._counters["expired_results"] += 1
-        for pending in list(self._active.values()):
-            if pending.deadline <= now:
-                self._counters["timeouts"] += 1
-                self._resolve(pending, 0, now, out)
-                continue
-            for leg in pending.legs.values():
-                if leg.next_query_at is not None and leg.next_query_at <= now:
-                    leg.next_query_at = None
-                    self._send_query(pending, leg, now, out)
-                elif (
-                    leg.query_correlation is not None
-                    and leg.query_sent_at + self.config.poll_interval <= now
-                    and self._should_resend_status(pending, leg, now)
-                ):
-                    self._counters["status_resends"] += 1
-                    self._correlations.pop(leg.query_correlation, None)
-                    leg.query_correlation = None
-                    self._send_query(pending, leg, now, out)
+            self._timers.push(0.0, Requery(pending.request_id, pending.serial, leg.server))
 
     def _send_query(self, pending: PendingLookup, leg: ServerLeg, now: float, out: list[Effect]) -> None:
         assert leg.query_correlation is None
@@ -472,7 +557,10 @@ class LookupClient(GuardedMachine[ClientEvent]):
             request = QueryPrefetchStatus(pending.request_id)
         self._counters["status_queries_sent"] += 1
         leg.query_sent_at = now
-        leg.query_correlation = self._send(leg.server, request, out, owner=(pending.request_id, leg.server))
+        corr = leg.query_correlation = self._send(leg.server, request, out, owner=(pending.request_id, leg.server))
+        if self._may_resend():
+            self._timers.push(now + self.config.poll_interval,
+                              StatusResend(pending.request_id, pending.serial, leg.server, corr))
 
     def _leg_answer(
         self, pending: PendingLookup, leg: ServerLeg, chunks: int, now: float, out: list[Effect]
@@ -505,6 +593,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         pending.result_tokens = chunks * C
         pending.expires_at = now + self.config.result_ttl
         self._done[pending.request_id] = pending
+        self._timers.push(pending.expires_at, ResultExpiry(pending.request_id, pending.serial))
         self._counters["resolved"] += 1
         if chunks == 0:
             self._counters["resolved_zero"] += 1
@@ -544,6 +633,48 @@ class LookupClient(GuardedMachine[ClientEvent]):
                 self._fire_and_forget.popitem(last=False)
         out.append(SendRequest(server, corr, request))
         return corr
+
+
+def _server_of(event: object) -> object:
+    return getattr(event, "server")
+
+
+_L, _V, _C = LookupState, ServerView, LookupClient
+_PENDING = (_L.AWAITING_ACK, _L.QUERYING)
+
+# One request id's lookup: (its state, event) -> (handler, next states). handle runs it.
+LOOKUP_TABLE: Table[LookupState] = Table("LookupClient (lookup of a request id)", LookupState, _L.ABSENT, {
+    (_L.ABSENT, SubmitLookup): (_C._on_submit, (_L.AWAITING_ACK, _L.DONE)),
+    **{(s, SubmitLookup): (_C._on_duplicate_submit, (s,)) for s in (*_PENDING, _L.DONE)},
+    (_L.ABSENT, ReplyReceived): (_C._on_stray_reply, (_L.ABSENT,)),
+    (_L.AWAITING_ACK, ReplyReceived): (_C._on_reply, (_L.AWAITING_ACK, _L.QUERYING, _L.DONE)),
+    (_L.QUERYING, ReplyReceived): (_C._on_reply, (_L.QUERYING, _L.DONE)),
+    (_L.ABSENT, RequestFailed): (_C._on_stray_reply, (_L.ABSENT,)),
+    **{(s, RequestFailed): (_C._on_failure, (_L.DONE,)) for s in _PENDING},
+    **{(s, LookupDeadline): (_C._on_deadline, (_L.DONE,)) for s in _PENDING},
+    # AWAITING_ACK: only a client that queries before the ack (legacy) has a re-query then.
+    (_L.AWAITING_ACK, Requery): (_C._on_requery, (_L.AWAITING_ACK, _L.DONE)),
+    (_L.QUERYING, Requery): (_C._on_requery, (_L.QUERYING, _L.DONE)),
+    **{(s, StatusResend): (_C._on_status_resend, (s,)) for s in _PENDING},
+    **{(s, LegLost): (_C._on_leg_lost, (_L.DONE,)) for s in _PENDING},
+    (_L.DONE, ResultExpiry): (_C._on_result_expiry, (_L.ABSENT,)),
+    **{(s, Cleanup): (_C._on_cleanup, (_L.ABSENT,)) for s in LookupState},
+    **{(s, EndRequest): (_C._on_end_request, (_L.ABSENT,)) for s in LookupState},
+    **{(s, FreeUnusedLeases): (_C._on_free_unused, (s,)) for s in LookupState},
+})
+"""A reply addresses the lookup its correlation belongs to (ABSENT: no pending lookup expects it).
+Pairs not listed (a timer of a lookup that ended) never run: the timer heap skips a timer whose
+lookup is gone, and the dispatcher counts any other in ``stale_events``."""
+
+# One server as the client sees it: ServerHealth / ServerEpoch (the lookups it fails: LegLost).
+SERVER_VIEW_TABLE: Table[ServerView] = Table("LookupClient (one server's health and epoch)", ServerView,
+                                            _V.UNKNOWN, {
+    (_V.UNKNOWN, ServerHealth): (_C._on_unknown_server, (_V.UNKNOWN,)),
+    (_V.UNKNOWN, ServerEpoch): (_C._on_unknown_server, (_V.UNKNOWN,)),
+    **{(s, ServerHealth): (_C._on_health, (_V.HEALTHY, _V.UNHEALTHY)) for s in (_V.HEALTHY, _V.UNHEALTHY)},
+    **{(s, ServerEpoch): (_C._on_epoch, (s,)) for s in (_V.HEALTHY, _V.UNHEALTHY)},
+})
+TABLES: dict[str, Table[Any]] = {t.name: t for t in (LOOKUP_TABLE, SERVER_VIEW_TABLE)}
 
 
 def _uint32_tokens(token_ids: TokenIds, end: int) -> bool:

@@ -29,7 +29,8 @@ Contract:
   each state) -- no string kinds, no if-chains.
 
 ``Table.rows`` is a plain mapping, so tests walk every ``state x event`` pair and docs are
-rendered from it (``core_sm.describe``).
+rendered from it (``core_sm.describe``); ``Dispatcher.trace`` (a list, when a test sets one)
+records every row executed, so a walk can show each listed transition happening.
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ class Dispatcher(Generic[S]):
         self._refuse = refuse
         for name in ("stale_events", "table_violations"):
             counters.setdefault(name, 0)
+        # Tests set a list here to record every executed row as (state, event type, state after).
+        self.trace: list[tuple[S, type, S]] | None = None
 
     def rows(self) -> list[tuple[tuple[S, type], tuple[BoundHandler, frozenset[S]]]]:
         """The bound rows: ((state, event type), (handler on the machine, next states))."""
@@ -138,6 +141,8 @@ class Dispatcher(Generic[S]):
         mark = len(out)
         handler(event, now, out)
         after = self._state_of(entity)
+        if self.trace is not None:
+            self.trace.append((state, type(event), after))
         if after._value_ not in nexts:
             reply_to = getattr(event, "reply_to", None)
             refused = reply_to is not None and after is state and any(

@@ -56,10 +56,18 @@ fence; engine-driven ops need none (the worker runs their copies itself).
 A registration that fails, or stays unanswered for ``registration_timeout``, is sent again after
 a backoff (``registration_retry`` doubling up to ``registration_retry_max``) while the server is
 healthy; ``next_deadline()`` covers it.
+
+Dispatch (``core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
+through one of three tables it executes -- ``LINK_TABLE`` (its server: ``ServerHealth``,
+``ServerEpoch``, the registration's answer and timers, ``NotRegistered``), ``REQUEST_TABLE``
+(one request id: submits, ``RequestEnded`` for ``Abort`` and each id of ``EngineFinished``, the
+fence's end) and ``OP_TABLE`` (one op: replies by their correlation, ``CopyFinished``, its
+timeout, ``OpServerLost``). ``TimerFired`` only makes the due timers run.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from core_sm.effects import CopyBlocks, Effect, SendRequest
 from core_sm.guarded import GuardedMachine
@@ -90,25 +98,35 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
+from core_sm.table import Dispatcher, Table
+from core_sm.timers import Timer, TimerHeap
 from core_sm.transfer_ops import (
     DEFAULT_STORE_WINDOW,
     EVENTS,
-    TRANSITIONS,
+    FenceEnd,
+    LinkState,
+    NotRegistered,
+    OpServerLost,
     OpState,
+    OpTimeout,
+    RegistrationAnswered,
+    RegistrationRetry,
+    RegistrationTimeout,
+    RequestEnded,
     RequestRecord,
     TransferClientConfig,
     TransferOp,
+    TransferRequestState,
 )
 
-__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "TRANSITIONS", "OpState", "RequestRecord", "TransferClient",
-           "TransferClientConfig", "TransferOp"]
+__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "LINK_TABLE", "OP_TABLE", "REQUEST_TABLE", "TABLES", "LinkState",
+           "OpState", "RequestRecord", "TransferClient", "TransferClientConfig", "TransferOp",
+           "TransferRequestState"]
 
 
 class TransferClient(GuardedMachine[ClientEvent]):
     """Worker-side transfer bookkeeping. ``handle``, ``next_deadline``, ``finished``,
     ``load_errors``."""
-
-    TRANSITIONS = TRANSITIONS
 
     def __init__(self, config: TransferClientConfig | None = None) -> None:
         self.config = config if config is not None else TransferClientConfig()
@@ -142,30 +160,30 @@ class TransferClient(GuardedMachine[ClientEvent]):
                          "registration_timeouts", "registration_retries", "server_restarts",
                          "store_fences", "retrieves_skipped_finished")
         }
+        self._timers = TimerHeap(self._timer_live)
+        self._link: Dispatcher[LinkState] = LINK_TABLE.bind(
+            self, self._link_address, self._link_state, self._counters, self._refuse)
+        self._request_d: Dispatcher[TransferRequestState] = REQUEST_TABLE.bind(
+            self, _request_id, self.request_state, self._counters, self._refuse)
+        self._op_d: Dispatcher[OpState] = OP_TABLE.bind(self, self._op_address, self.op_state,
+                                                        self._counters, self._refuse)
+        self._timer_route: dict[type, Dispatcher[Any]] = {
+            RegistrationTimeout: self._link, RegistrationRetry: self._link, FenceEnd: self._request_d,
+            OpTimeout: self._op_d}
+        # What the runtime feeds goes to the table of the entity it addresses.
+        self._routes: dict[type, Any] = {
+            ServerHealth: self._link.run, ServerEpoch: self._link.run, CopyFinished: self._op_d.run,
+            ReplyReceived: self._route_reply, RequestFailed: self._route_reply,
+            SubmitStore: self._request_d.run, SubmitRetrieve: self._request_d.run,
+            Abort: self._route_ended, EngineFinished: self._route_ended}
 
     # ============================================================================= public API
 
     def _dispatch(self, event: ClientEvent, now: float, out: list[Effect]) -> None:
-        if isinstance(event, (SubmitStore, SubmitRetrieve)):
-            self._on_submit(event, now, out)
-        elif isinstance(event, ReplyReceived):
-            self._on_reply(event.correlation, event.result, None, now, out)
-        elif isinstance(event, RequestFailed):
-            self._on_reply(event.correlation, None, event.error, now, out)
-        elif isinstance(event, CopyFinished):
-            self._on_copy_finished(event, now, out)
-        elif isinstance(event, ServerHealth):
-            self._on_health(event, now, out)
-        elif isinstance(event, ServerEpoch):
-            self._on_epoch(event, now, out)
-        elif isinstance(event, Abort):
-            self._engine_finished(event.request_id)
-        elif isinstance(event, EngineFinished):
-            for rid in event.request_ids:
-                self._engine_finished(rid)
-        elif isinstance(event, TimerFired):
-            pass
-        else:
+        route = self._routes.get(type(event))
+        if route is not None:
+            route(event, now, out)
+        elif type(event) is not TimerFired:  # TimerFired: the due timers ran in _advance
             self._counters["stale_replies"] += 1
 
     def finished(self) -> tuple[frozenset[str], frozenset[str]]:
@@ -201,8 +219,8 @@ class TransferClient(GuardedMachine[ClientEvent]):
         """Whether the last ``RegisterInstance`` was acked and nothing has shown it lost since."""
         return self._registered
 
-    def op_state(self, op: OpId) -> OpState:
-        record = self._ops.get(op)
+    def op_state(self, op: object) -> OpState:
+        record = self._ops.get(op)  # type: ignore[call-overload]
         return OpState.ABSENT if record is None else record.state
 
     def ops_of(self, request_id: str) -> tuple[OpId, ...]:
@@ -214,19 +232,17 @@ class TransferClient(GuardedMachine[ClientEvent]):
         return RegisterInstance(c.instance_id, c.model_name, c.world_size, c.object_bytes, c.engine_driven)
 
     def next_deadline(self) -> float | None:
-        candidates: list[float] = []
-        if self.config.op_timeout is not None:
-            waiting = [op.sent_at for op in self._ops.values() if op.state in (OpState.SENT, OpState.COMMITTING)]
-            if waiting:
-                candidates.append(min(waiting) + self.config.op_timeout)
-        if self._healthy:
-            if self._registration_correlation is not None:
-                candidates.append(self._registration_sent_at + self.config.registration_timeout)
-            if self._registration_retry_at is not None:
-                candidates.append(self._registration_retry_at)
-        if self._fences:
-            candidates.append(min(self._fences.values()))
-        return min(candidates) if candidates else None
+        return self._timers.next_deadline()
+
+    def request_state(self, request_id: object) -> TransferRequestState:
+        rid = str(request_id)
+        record = self._requests.get(rid)
+        if record is not None:
+            return TransferRequestState.FINISHING if record.engine_finished else TransferRequestState.ACTIVE
+        return TransferRequestState.REPORTED if rid in self._reported_sending else TransferRequestState.ABSENT
+
+    def link_state(self) -> LinkState:
+        return self._link_state(self.config.server)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._counters)
@@ -240,6 +256,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
         out["failed_retrieves_pending"] = len(self._failed_retrieves)
         out["registered"] = int(self._registered)
         out["fenced_requests"] = len(self._fences)
+        out["timers"] = len(self._timers)
         return out
 
     def check_invariants(self) -> None:
@@ -266,6 +283,18 @@ class TransferClient(GuardedMachine[ClientEvent]):
         if not self._healthy:
             assert self._registration_correlation is None and self._registration_retry_at is None
             assert not self._registered
+        live = {t for t in self._timers.timers() if self._timer_live(t)}
+        for rid, until in self._fences.items():
+            assert FenceEnd(rid, until) in live, "a fence without its end"
+        if self._registration_correlation is not None:
+            assert RegistrationTimeout(self._registration_correlation) in live
+        if self._registration_retry_at is not None:
+            assert RegistrationRetry(self._registration_retry_at) in live
+        if self.config.op_timeout is not None:
+            for op in self._ops.values():
+                if op.state in (OpState.SENT, OpState.COMMITTING):
+                    assert OpTimeout(op.op, op.sent_at) in live, "an op waiting without its timeout"
+        assert self._counters.get("table_violations", 0) == 0, "a handler left a state its row does not list"
 
     # ============================================================================= hooks
 
@@ -291,7 +320,67 @@ class TransferClient(GuardedMachine[ClientEvent]):
         tokens_per_block = span // len(blocks)
         return blocks[op.skip_first_n_tokens // tokens_per_block:]
 
-    # ============================================================================= handlers
+    # ============================================================================= table plumbing
+
+    def _link_address(self, event: object) -> object:
+        return getattr(event, "server", self.config.server)
+
+    def _link_state(self, server: object) -> LinkState:
+        if server != self.config.server:
+            return LinkState.OTHER
+        if not self._healthy:
+            return LinkState.DOWN
+        if self._registration_correlation is not None:
+            return LinkState.REGISTERING
+        if self._registration_retry_at is not None:
+            return LinkState.RETRY_WAIT
+        return LinkState.REGISTERED if self._registered else LinkState.UNREGISTERED
+
+    def _op_address(self, event: object) -> OpId | None:
+        if isinstance(event, (ReplyReceived, RequestFailed)):
+            return self._by_correlation.get(event.correlation)
+        op: OpId = getattr(event, "op")
+        return op
+
+    def _refuse(self, out: list[Effect], reply_to: object, error: ProtocolError) -> None:
+        raise AssertionError("client events carry no reply_to")  # pragma: no cover
+
+    def _route_reply(self, event: ReplyReceived | RequestFailed, now: float, out: list[Effect]) -> None:
+        """A reply answers the registration in flight, or the op its correlation names."""
+        if event.correlation == self._registration_correlation:
+            error = event.error if isinstance(event, RequestFailed) else None
+            self._link.run(RegistrationAnswered(error), now, out)
+        else:
+            self._op_d.run(event, now, out)
+
+    def _route_ended(self, event: Abort | EngineFinished, now: float, out: list[Effect]) -> None:
+        for rid in (event.request_id,) if isinstance(event, Abort) else event.request_ids:
+            self._request_d.run(RequestEnded(rid), now, out)
+
+    def _timer_live(self, timer: Timer) -> bool:
+        if isinstance(timer, OpTimeout):
+            op = self._ops.get(timer.op)
+            return (op is not None and op.state in (OpState.SENT, OpState.COMMITTING)
+                    and op.sent_at == timer.sent_at)
+        if isinstance(timer, FenceEnd):
+            return self._fences.get(timer.request_id) == timer.until
+        if not self._healthy:
+            return False
+        if isinstance(timer, RegistrationTimeout):
+            return self._registration_correlation == timer.correlation
+        assert isinstance(timer, RegistrationRetry)
+        return self._registration_retry_at == timer.at
+
+    def _advance(self, now: float, out: list[Effect]) -> None:
+        timers = self._timers
+        if not timers.due(now):
+            return
+        timer = timers.pop_due(now)
+        while timer is not None:
+            self._timer_route[type(timer)].run(timer, now, out)
+            timer = timers.pop_due(now)
+
+    # ============================================================================= request rows
 
     def _on_submit(self, ev: SubmitStore | SubmitRetrieve, now: float, out: list[Effect]) -> None:
         c = self.config
@@ -327,30 +416,52 @@ class TransferClient(GuardedMachine[ClientEvent]):
         record.ops[op.op] = op
         self._ops[op.op] = op
         op.correlation = self._send(request, op.op, out)
+        self._arm_op_timeout(op)
 
-    def _on_reply(self, corr: int, result: object, error: ProtocolError | None, now: float,
-                  out: list[Effect]) -> None:
-        if corr == self._registration_correlation:
-            self._registration_correlation = None
-            if error is None:
-                self._registered = True
-                self._registrations_acked += 1
-                self._registration_delay = self.config.registration_retry
-            else:
-                self._registered = False
-                self._counters["registration_failures"] += 1
-                self._schedule_registration_retry(now)
+    def _on_request_ended(self, ev: RequestEnded, now: float, out: list[Effect]) -> None:
+        rid = ev.request_id
+        if rid in self._reported_sending:
+            self._counters["duplicate_finishes"] += 1
             return
-        op_id = self._by_correlation.pop(corr, None)
-        if op_id is None:
-            self._counters["stale_replies"] += 1
-            return
+        record = self._requests.get(rid)
+        if record is None:
+            record = self._requests[rid] = RequestRecord(rid)
+        record.engine_finished = True
+        if not self._report_recving_after_finish(record):
+            self._recving.pop(rid, None)  # not reported yet: the request is gone from vLLM
+            self._failed_retrieves.pop(rid, None)
+        self._maybe_drop(record)
+
+    def _on_fence_end(self, ev: FenceEnd, now: float, out: list[Effect]) -> None:
+        rid = ev.request_id
+        del self._fences[rid]
+        record = self._requests[rid]
+        if record.recving_fenced:
+            record.recving_fenced = False
+            if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
+                self._report_recving(record)
+        self._maybe_drop(record)
+
+    # ============================================================================= op rows
+
+    def _on_stale_reply(self, ev: ReplyReceived | RequestFailed, now: float, out: list[Effect]) -> None:
+        self._counters["stale_replies"] += 1
+
+    def _on_reply(self, ev: ReplyReceived, now: float, out: list[Effect]) -> None:
+        self._answer(ev.correlation, ev.result, None, now, out)
+
+    def _on_failure(self, ev: RequestFailed, now: float, out: list[Effect]) -> None:
+        self._answer(ev.correlation, None, ev.error, now, out)
+
+    def _answer(self, corr: int, result: object, error: ProtocolError | None, now: float,
+                out: list[Effect]) -> None:
+        op_id = self._by_correlation.pop(corr)
         op = self._ops[op_id]
         record = self._requests[op_id[0]]
         op.correlation = None
         if error is not None:
             if getattr(error, "kind", None) is ErrorKind.NOT_REGISTERED:
-                self._on_not_registered(op, now, out)
+                self._link.run(NotRegistered(op), now, out)
             elif getattr(error, "kind", None) is ErrorKind.UNHEALTHY:
                 self._fence_abandoned(record, op)  # the transport lost it: it may still arrive
             self._complete(record, op, False, now)
@@ -366,6 +477,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
                     # plan now. A STORE still copies: the engine holds a finished (or aborted)
                     # request's blocks until it is reported in ``sending``, which waits for this
                     # op's commit (see _maybe_drop), so the blocks are still the request's own.
+                    # (Its OpTimeout still counts from the PrepareRetrieve.)
                     self._counters["retrieves_skipped_finished"] += 1
                     op.copy_ok = False
                     op.state = OpState.COMMITTING
@@ -385,11 +497,11 @@ class TransferClient(GuardedMachine[ClientEvent]):
                 self._complete(record, op, bool(result.ok) and op.copy_ok, now)
         self._maybe_drop(record)
 
+    def _on_stale_copy(self, ev: CopyFinished, now: float, out: list[Effect]) -> None:
+        self._counters["stale_copies"] += 1
+
     def _on_copy_finished(self, ev: CopyFinished, now: float, out: list[Effect]) -> None:
-        op = self._ops.get(ev.op)
-        if op is None or op.state is not OpState.COPYING:
-            self._counters["stale_copies"] += 1
-            return
+        op = self._ops[ev.op]
         op.copy_ok = bool(ev.ok)
         record = self._requests[op.op[0]]
         if not self._healthy or op.incarnation != self._incarnation:
@@ -402,14 +514,28 @@ class TransferClient(GuardedMachine[ClientEvent]):
         op.sent_at = now
         op.registration = self._registrations_acked
         op.correlation = self._send(CommitTransfer(op.transfer_id, op.copy_ok), op.op, out)
+        self._arm_op_timeout(op)
+
+    def _on_op_timeout(self, ev: OpTimeout, now: float, out: list[Effect]) -> None:
+        self._counters["timeouts"] += 1
+        self._give_up(self._ops[ev.op], now)
+
+    def _on_server_lost(self, ev: OpServerLost, now: float, out: list[Effect]) -> None:
+        self._give_up(self._ops[ev.op], now)
+
+    def _on_copy_outlives_server(self, ev: OpServerLost, now: float, out: list[Effect]) -> None:
+        """The engine copy runs on: it fails without a commit when it finishes."""
+
+    # ============================================================================= link rows
+
+    def _on_other_server(self, ev: ServerHealth | ServerEpoch, now: float, out: list[Effect]) -> None:
+        """Another server's health or epoch: not this client's."""
 
     def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
-        if ev.server != self.config.server:
-            return
         was_healthy = self._healthy
         if not ev.healthy:
             if was_healthy:
-                self._lose_server(now)
+                self._lose_server(now, out)
             return
         if not was_healthy:
             self._healthy = True
@@ -418,8 +544,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
             self._send_registration(now, out)  # (a scheduled retry goes now)
 
     def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
-        if ev.server != self.config.server:
-            return
         old, self._epoch = self._epoch, ev.epoch
         if old is None:
             # The first epoch learned after a registration went out cannot tell which server
@@ -433,9 +557,32 @@ class TransferClient(GuardedMachine[ClientEvent]):
             return
         self._counters["server_restarts"] += 1
         if self._healthy:  # else the transition to healthy registers
-            self._lose_server(now)
+            self._lose_server(now, out)
             self._healthy = True
             self._send_registration(now, out)
+
+    def _on_registration_answer(self, ev: RegistrationAnswered, now: float, out: list[Effect]) -> None:
+        self._registration_correlation = None
+        if ev.error is None:
+            self._registered = True
+            self._registrations_acked += 1
+            self._registration_delay = self.config.registration_retry
+        else:
+            self._registered = False
+            self._counters["registration_failures"] += 1
+            self._schedule_registration_retry(now)
+
+    def _on_registration_timeout(self, ev: RegistrationTimeout, now: float, out: list[Effect]) -> None:
+        self._counters["registration_timeouts"] += 1
+        self._registration_correlation = None  # a late answer is stale
+        self._schedule_registration_retry(now)
+
+    def _on_registration_retry(self, ev: RegistrationRetry, now: float, out: list[Effect]) -> None:
+        self._counters["registration_retries"] += 1
+        self._send_registration(now, out)
+
+    def _on_not_registered_reply(self, ev: NotRegistered, now: float, out: list[Effect]) -> None:
+        self._on_not_registered(ev.op, now, out)
 
     def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
         """The server does not know this instance: it restarted (or dropped it). Register again,
@@ -451,22 +598,9 @@ class TransferClient(GuardedMachine[ClientEvent]):
         self._registered = False
         self._send_registration(now, out)
 
-    def _engine_finished(self, rid: str) -> None:
-        if rid in self._reported_sending:
-            self._counters["duplicate_finishes"] += 1
-            return
-        record = self._requests.get(rid)
-        if record is None:
-            record = self._requests[rid] = RequestRecord(rid)
-        record.engine_finished = True
-        if not self._report_recving_after_finish(record):
-            self._recving.pop(rid, None)  # not reported yet: the request is gone from vLLM
-            self._failed_retrieves.pop(rid, None)
-        self._maybe_drop(record)
-
     # ============================================================================= internals
 
-    def _lose_server(self, now: float) -> None:
+    def _lose_server(self, now: float, out: list[Effect]) -> None:
         """The server is unhealthy (or restarted): ops waiting on it fail now; ops whose engine
         copy runs fail when it finishes; the registration is void."""
         self._healthy = False
@@ -475,22 +609,32 @@ class TransferClient(GuardedMachine[ClientEvent]):
         self._registration_correlation = None
         self._registration_retry_at = None
         self._registration_delay = self.config.registration_retry
-        for op in list(self._ops.values()):
-            if op.state in (OpState.SENT, OpState.COMMITTING):
-                record = self._requests[op.op[0]]
-                self._fence_abandoned(record, op)
-                self._complete(record, op, False, now)
-                self._maybe_drop(record)
+        for op_id in list(self._ops):
+            if op_id in self._ops:
+                self._op_d.run(OpServerLost(op_id), now, out)
+
+    def _give_up(self, op: TransferOp, now: float) -> None:
+        """``op`` waited on the server in vain: it fails (fenced if a copy may still run)."""
+        record = self._requests[op.op[0]]
+        self._fence_abandoned(record, op)
+        self._complete(record, op, False, now)
+        self._maybe_drop(record)
+
+    def _arm_op_timeout(self, op: TransferOp) -> None:
+        if self.config.op_timeout is not None:
+            self._timers.push(op.sent_at + self.config.op_timeout, OpTimeout(op.op, op.sent_at))
 
     def _send_registration(self, now: float, out: list[Effect]) -> None:
         self._counters["registrations"] += 1
         self._registration_retry_at = None
         self._registration_sent_at = now
-        self._registration_correlation = self._send(self.registration_request(), None, out)
+        corr = self._registration_correlation = self._send(self.registration_request(), None, out)
+        self._timers.push(now + self.config.registration_timeout, RegistrationTimeout(corr))
 
     def _schedule_registration_retry(self, now: float) -> None:
-        self._registration_retry_at = now + self._registration_delay
+        at = self._registration_retry_at = now + self._registration_delay
         self._registration_delay = min(self._registration_delay * 2, self.config.registration_retry_max)
+        self._timers.push(at, RegistrationRetry(at))
 
     def _fence_abandoned(self, record: RequestRecord, op: TransferOp) -> None:
         """``op`` is given up on without an answer: if it is a server-driven STORE/RETRIEVE
@@ -499,43 +643,10 @@ class TransferClient(GuardedMachine[ClientEvent]):
             return
         until = op.not_after + self.config.copy_grace
         self._counters["store_fences"] += 1
-        self._fences[record.request_id] = max(until, self._fences.get(record.request_id, until))
-
-    def _release_fences(self, now: float) -> None:
-        for rid in [rid for rid, until in self._fences.items() if until <= now]:
-            del self._fences[rid]
-            record = self._requests.get(rid)
-            if record is not None:
-                if record.recving_fenced:
-                    record.recving_fenced = False
-                    if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
-                        self._report_recving(record)
-                self._maybe_drop(record)
-
-    def _advance(self, now: float, out: list[Effect]) -> None:
-        if self._healthy:
-            if (self._registration_correlation is not None
-                    and self._registration_sent_at + self.config.registration_timeout <= now):
-                self._counters["registration_timeouts"] += 1
-                self._registration_correlation = None  # a late answer is stale
-                self._schedule_registration_retry(now)
-            if self._registration_retry_at is not None and self._registration_retry_at <= now:
-                self._counters["registration_retries"] += 1
-                self._send_registration(now, out)
-        timeout = self.config.op_timeout
-        if timeout is not None:
-            self._time_out_ops(now, timeout)
-        if self._fences:
-            self._release_fences(now)
-
-    def _time_out_ops(self, now: float, timeout: float) -> None:
-        for op in list(self._ops.values()):
-            if op.state in (OpState.SENT, OpState.COMMITTING) and op.sent_at + timeout <= now:
-                self._counters["timeouts"] += 1
-                record = self._requests[op.op[0]]
-                self._fence_abandoned(record, op)
-                self._complete(record, op, False, now)
-                self._maybe_drop(record)
+        old = self._fences.get(record.request_id)
+        if old is None or until > old:
+            self._fences[record.request_id] = until
+            self._timers.push(until, FenceEnd(record.request_id, until))
 
     def _complete(self, record: RequestRecord, op: TransferOp, ok: bool, now: float) -> None:
         """Op done: drop it; report a retrieve's outcome."""
@@ -607,4 +718,71 @@ class TransferClient(GuardedMachine[ClientEvent]):
             self._by_correlation[corr] = op
         out.append(SendRequest(self.config.server, corr, request))
         return corr
+
+
+def _request_id(event: object) -> str:
+    return str(getattr(event, "request_id"))
+
+
+_O, _Q, _K, _T = OpState, TransferRequestState, LinkState, TransferClient
+_UP = (_K.UNREGISTERED, _K.REGISTERING, _K.RETRY_WAIT, _K.REGISTERED)
+
+# Its server: (link state, event) -> (handler, next states). handle runs it.
+LINK_TABLE: Table[LinkState] = Table("TransferClient (its server: health and registration)", LinkState, _K.OTHER, {
+    (_K.OTHER, ServerHealth): (_T._on_other_server, (_K.OTHER,)),
+    (_K.OTHER, ServerEpoch): (_T._on_other_server, (_K.OTHER,)),
+    (_K.DOWN, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
+    (_K.UNREGISTERED, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
+    (_K.REGISTERING, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
+    (_K.RETRY_WAIT, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
+    (_K.REGISTERED, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERED)),
+    # A new epoch is a restart: as ServerHealth(False) then (True).
+    (_K.DOWN, ServerEpoch): (_T._on_epoch, (_K.DOWN,)),
+    (_K.UNREGISTERED, ServerEpoch): (_T._on_epoch, (_K.UNREGISTERED, _K.REGISTERING)),
+    (_K.REGISTERING, ServerEpoch): (_T._on_epoch, (_K.REGISTERING,)),
+    (_K.RETRY_WAIT, ServerEpoch): (_T._on_epoch, (_K.RETRY_WAIT, _K.REGISTERING)),
+    (_K.REGISTERED, ServerEpoch): (_T._on_epoch, (_K.REGISTERED, _K.REGISTERING)),
+    (_K.REGISTERING, RegistrationAnswered): (_T._on_registration_answer, (_K.REGISTERED, _K.RETRY_WAIT)),
+    (_K.REGISTERING, RegistrationTimeout): (_T._on_registration_timeout, (_K.RETRY_WAIT,)),
+    (_K.RETRY_WAIT, RegistrationRetry): (_T._on_registration_retry, (_K.REGISTERING,)),
+    (_K.UNREGISTERED, NotRegistered): (_T._on_not_registered_reply, (_K.REGISTERING,)),
+    (_K.REGISTERING, NotRegistered): (_T._on_not_registered_reply, (_K.REGISTERING,)),
+    (_K.RETRY_WAIT, NotRegistered): (_T._on_not_registered_reply, (_K.RETRY_WAIT,)),
+    (_K.REGISTERED, NotRegistered): (_T._on_not_registered_reply, (_K.REGISTERED, _K.REGISTERING)),
+})
+
+# One request id: (its state, event) -> (handler, next states).
+REQUEST_TABLE: Table[TransferRequestState] = Table("TransferClient (one request id)", TransferRequestState,
+                                                   _Q.ABSENT, {
+    **{(_Q.ABSENT, t): (_T._on_submit, (_Q.ACTIVE, _Q.ABSENT)) for t in (SubmitStore, SubmitRetrieve)},
+    **{(_Q.ACTIVE, t): (_T._on_submit, (_Q.ACTIVE,)) for t in (SubmitStore, SubmitRetrieve)},
+    **{(_Q.FINISHING, t): (_T._on_submit, (_Q.FINISHING,)) for t in (SubmitStore, SubmitRetrieve)},
+    **{(_Q.REPORTED, t): (_T._on_submit, (_Q.ACTIVE, _Q.REPORTED)) for t in (SubmitStore, SubmitRetrieve)},
+    (_Q.ABSENT, RequestEnded): (_T._on_request_ended, (_Q.REPORTED,)),
+    # ACTIVE stays ACTIVE when the id was reported before (a repeat finish).
+    (_Q.ACTIVE, RequestEnded): (_T._on_request_ended, (_Q.ACTIVE, _Q.FINISHING)),
+    (_Q.FINISHING, RequestEnded): (_T._on_request_ended, (_Q.FINISHING,)),
+    (_Q.REPORTED, RequestEnded): (_T._on_request_ended, (_Q.REPORTED,)),
+    (_Q.ACTIVE, FenceEnd): (_T._on_fence_end, (_Q.ACTIVE, _Q.ABSENT, _Q.REPORTED)),
+    (_Q.FINISHING, FenceEnd): (_T._on_fence_end, (_Q.FINISHING, _Q.REPORTED)),
+})
+
+# One op: (its state, event) -> (handler, next states). A reply addresses the op of its
+# correlation (ABSENT: no op expects it).
+OP_TABLE: Table[OpState] = Table("TransferClient (one op)", OpState, _O.ABSENT, {
+    (_O.ABSENT, ReplyReceived): (_T._on_stale_reply, (_O.ABSENT,)),
+    (_O.ABSENT, RequestFailed): (_T._on_stale_reply, (_O.ABSENT,)),
+    (_O.SENT, ReplyReceived): (_T._on_reply, (_O.ABSENT, _O.COPYING, _O.COMMITTING)),
+    (_O.SENT, RequestFailed): (_T._on_failure, (_O.ABSENT,)),
+    (_O.COMMITTING, ReplyReceived): (_T._on_reply, (_O.ABSENT,)),
+    (_O.COMMITTING, RequestFailed): (_T._on_failure, (_O.ABSENT,)),
+    **{(s, CopyFinished): (_T._on_stale_copy, (s,)) for s in (_O.ABSENT, _O.SENT, _O.COMMITTING)},
+    (_O.COPYING, CopyFinished): (_T._on_copy_finished, (_O.COMMITTING, _O.ABSENT)),
+    (_O.SENT, OpTimeout): (_T._on_op_timeout, (_O.ABSENT,)),
+    (_O.COMMITTING, OpTimeout): (_T._on_op_timeout, (_O.ABSENT,)),
+    (_O.SENT, OpServerLost): (_T._on_server_lost, (_O.ABSENT,)),
+    (_O.COMMITTING, OpServerLost): (_T._on_server_lost, (_O.ABSENT,)),
+    (_O.COPYING, OpServerLost): (_T._on_copy_outlives_server, (_O.COPYING,)),
+})
+TABLES: dict[str, Table[Any]] = {t.name: t for t in (LINK_TABLE, REQUEST_TABLE, OP_TABLE)}
 

@@ -1,5 +1,6 @@
-"""The transfer client's records: its config, an op's states with the allowed-transition table
-the walk tests read, one op (a store or retrieve of one request) and one request's ops.
+"""The transfer client's records: its config, the states of its three tables (its server link,
+one request, one op), its typed timers and internal events, one op (a store or retrieve of one
+request) and one request's ops.
 
 ``core_sm.transfer_client.TransferClient`` is the machine that keeps them; it re-exports these
 names, so ``from core_sm.transfer_client import TransferClientConfig, OpState`` keeps working.
@@ -11,6 +12,7 @@ import enum
 import attrs
 
 from core_sm.chunks import DEFAULT_CHUNK_SIZE
+from core_sm.errors import ProtocolError
 from core_sm.messages import (
     Abort,
     CacheKey,
@@ -26,9 +28,11 @@ from core_sm.messages import (
     TimerFired,
     TransferKind,
 )
+from core_sm.timers import Timer
 
-__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "TRANSITIONS", "OpState", "RequestRecord",
-           "TransferClientConfig", "TransferOp"]
+__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "FenceEnd", "LinkState", "NotRegistered", "OpServerLost",
+           "OpState", "OpTimeout", "RegistrationAnswered", "RegistrationRetry", "RegistrationTimeout",
+           "RequestEnded", "RequestRecord", "TransferClientConfig", "TransferOp", "TransferRequestState"]
 
 
 DEFAULT_STORE_WINDOW = 30.0
@@ -67,39 +71,27 @@ class OpState(enum.Enum):
     COMMITTING = "committing"  # engine-driven: CommitTransfer sent, reply awaited
 
 
-# The one transition table: (op's state, event type) -> allowed next states. A reply or failure
-# for another correlation (stale, another op's) leaves the op where it is.
-TRANSITIONS: dict[tuple[OpState, type], frozenset[OpState]] = {
-    (OpState.ABSENT, SubmitStore): frozenset({OpState.SENT, OpState.ABSENT}),
-    (OpState.ABSENT, SubmitRetrieve): frozenset({OpState.SENT, OpState.ABSENT}),
-    (OpState.ABSENT, ReplyReceived): frozenset({OpState.ABSENT}),
-    (OpState.ABSENT, RequestFailed): frozenset({OpState.ABSENT}),
-    (OpState.ABSENT, CopyFinished): frozenset({OpState.ABSENT}),
-    (OpState.SENT, ReplyReceived): frozenset({OpState.ABSENT, OpState.COPYING, OpState.COMMITTING, OpState.SENT}),
-    (OpState.SENT, RequestFailed): frozenset({OpState.ABSENT, OpState.SENT}),
-    (OpState.SENT, CopyFinished): frozenset({OpState.SENT}),
-    (OpState.SENT, ServerHealth): frozenset({OpState.SENT, OpState.ABSENT}),
-    (OpState.SENT, TimerFired): frozenset({OpState.SENT, OpState.ABSENT}),
-    (OpState.COPYING, CopyFinished): frozenset({OpState.COMMITTING, OpState.ABSENT, OpState.COPYING}),  # another op's: stays
-    (OpState.COPYING, ReplyReceived): frozenset({OpState.COPYING}),
-    (OpState.COPYING, RequestFailed): frozenset({OpState.COPYING}),
-    (OpState.COPYING, ServerHealth): frozenset({OpState.COPYING}),
-    (OpState.COPYING, TimerFired): frozenset({OpState.COPYING}),
-    (OpState.COMMITTING, ReplyReceived): frozenset({OpState.ABSENT, OpState.COMMITTING}),
-    (OpState.COMMITTING, RequestFailed): frozenset({OpState.ABSENT, OpState.COMMITTING}),
-    (OpState.COMMITTING, CopyFinished): frozenset({OpState.COMMITTING}),
-    (OpState.COMMITTING, ServerHealth): frozenset({OpState.COMMITTING, OpState.ABSENT}),
-    (OpState.COMMITTING, TimerFired): frozenset({OpState.COMMITTING, OpState.ABSENT}),
-    **{(s, Abort): frozenset({s}) for s in OpState},
-    **{(s, EngineFinished): frozenset({s}) for s in OpState},
-    (OpState.ABSENT, ServerHealth): frozenset({OpState.ABSENT}),
-    (OpState.ABSENT, TimerFired): frozenset({OpState.ABSENT}),
-    # A new epoch is a restart: as ServerHealth(False) then (True).
-    (OpState.ABSENT, ServerEpoch): frozenset({OpState.ABSENT}),
-    (OpState.SENT, ServerEpoch): frozenset({OpState.SENT, OpState.ABSENT}),
-    (OpState.COPYING, ServerEpoch): frozenset({OpState.COPYING}),
-    (OpState.COMMITTING, ServerEpoch): frozenset({OpState.COMMITTING, OpState.ABSENT}),
-}
+class LinkState(enum.Enum):
+    """The client's server, as the client sees it: health and registration."""
+
+    OTHER = "other"  # a server index that is not this client's
+    DOWN = "down"  # unhealthy: nothing is sent
+    UNREGISTERED = "unregistered"  # healthy, never registered (start: feed ServerHealth(True))
+    REGISTERING = "registering"  # a RegisterInstance in flight
+    RETRY_WAIT = "retry_wait"  # the last registration failed; the next one goes after a backoff
+    REGISTERED = "registered"  # the last registration was acked
+
+
+class TransferRequestState(enum.Enum):
+    """One request id on the worker."""
+
+    ABSENT = "absent"  # no op, never reported in sending (or forgotten since)
+    ACTIVE = "active"  # ops in flight (or fenced); the engine has not finished it
+    FINISHING = "finishing"  # the engine finished or aborted it; ops in flight (or fenced)
+    REPORTED = "reported"  # reported in sending, remembered so a repeat finish is ignored
+
+
+# The events a TransferClient takes (what the runtime feeds it).
 EVENTS = (SubmitStore, SubmitRetrieve, ReplyReceived, RequestFailed, CopyFinished, ServerHealth,
           TimerFired, Abort, EngineFinished, ServerEpoch)
 
@@ -135,3 +127,64 @@ class RequestRecord:
     retrieve_failed: bool = False  # a retrieve failed since the request was last reported
     recving_fenced: bool = False  # its retrieves are done; recving waits for the fence
     fenced_load_errors: list[int] = attrs.Factory(list)  # reported with that recving
+
+
+# ------------------------------------------------------------------ typed timers, internal events
+
+
+@attrs.frozen
+class RegistrationTimeout(Timer):
+    """``registration_timeout`` after a RegisterInstance: unanswered, it counts as failed."""
+
+    correlation: int
+
+
+@attrs.frozen
+class RegistrationRetry(Timer):
+    """The backoff after a failed registration is over: register again."""
+
+    at: float
+
+
+@attrs.frozen
+class OpTimeout(Timer):
+    """``op_timeout`` after an op's request went out: still unanswered, the op fails."""
+
+    op: OpId
+    sent_at: float
+
+
+@attrs.frozen
+class FenceEnd(Timer):
+    """A request's late-copy fence is over: its blocks are reported (sending / recving)."""
+
+    request_id: str
+    until: float
+
+
+@attrs.frozen
+class RegistrationAnswered:
+    """Internal: the reply to the registration in flight (``error`` None: acked)."""
+
+    error: ProtocolError | None
+
+
+@attrs.frozen
+class NotRegistered:
+    """Internal: the server answered ``op`` NOT_REGISTERED."""
+
+    op: TransferOp = attrs.field(eq=False)
+
+
+@attrs.frozen
+class OpServerLost:
+    """Internal: the server became unhealthy or restarted while ``op`` waited on it."""
+
+    op: OpId
+
+
+@attrs.frozen
+class RequestEnded:
+    """Internal: ``Abort(request_id)``, or one id of ``EngineFinished``: the engine is done with it."""
+
+    request_id: str

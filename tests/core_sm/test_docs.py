@@ -89,3 +89,16 @@ def test_client_stats_keys_are_the_documented_ones() -> None:
         assert m is not None, f"docs list no stats keys for {name}"
         documented = {k.strip() for k in m.group(1).split(",")}
         assert documented == set(machine.stats()), f"{name}.stats() keys differ from the doc"
+
+
+def test_every_executing_table_is_in_the_doc() -> None:
+    """The docs show the tables each machine's ``handle`` runs -- the client machines' too."""
+    from core_sm import describe, lookup_client, planner, transfer_client
+
+    tables = [*core_sm.server.TABLES.values(), planner.TABLE, *lookup_client.TABLES.values(),
+              *transfer_client.TABLES.values()]
+    assert len(lookup_client.TABLES) == 2 and len(transfer_client.TABLES) == 3
+    for table in tables:
+        assert isinstance(table, core_sm.table.Table)
+        assert describe.TABLES[table.name] is table, table.name
+        assert f"### {table.name}\n\n| state | input | handler | next states |" in DOC, table.name
