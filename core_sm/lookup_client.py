@@ -27,14 +27,12 @@ makes the due timers run. Any other event type is counted in ``stale_replies``.
 """
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
-from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, TokenIds, pack_tokens, validate_cache_salt
+from core_sm.chunks import TokenIds, pack_tokens, validate_cache_salt
 from core_sm.effects import Effect, SendRequest
 from core_sm.errors import ProtocolError
 from core_sm.guarded import GuardedMachine
@@ -57,140 +55,26 @@ from core_sm.messages import (
     TimerFired,
     WaitPrefetchStatus,
 )
+from core_sm.lookup_ops import (
+    EVENTS,
+    LegLost,
+    LookupClientConfig,
+    LookupDeadline,
+    LookupState,
+    PendingLookup,
+    Requery,
+    ResultExpiry,
+    ServerLeg,
+    ServerView,
+    StatusResend,
+)
 from core_sm.table import Dispatcher, Table
 from core_sm.timers import Timer, TimerHeap
 
+__all__ = ["EVENTS", "LOOKUP_TABLE", "SERVER_VIEW_TABLE", "TABLES", "LegLost", "LookupClient", "LookupClientConfig",
+           "LookupDeadline", "LookupState", "PendingLookup", "Requery", "ResultExpiry", "ServerLeg", "ServerView",
+           "StatusResend"]
 
-def _ranks_per_server(value: Iterable[Iterable[int]] | None) -> tuple[tuple[int, ...], ...] | None:
-    return None if value is None else tuple(tuple(ranks) for ranks in value)
-
-
-@attrs.frozen
-class LookupClientConfig:
-    num_servers: int = 1
-    model_name: str = ""
-    world_size: int = 1
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    num_readers: int = 1  # read counts per object (MLA with TP > 1: TP)
-    poll_interval: float = 0.005  # delay before re-querying after a None answer
-    lookup_timeout: float = 30.0  # a lookup unresolved by then resolves to 0
-    result_ttl: float = 600.0  # a DONE result never cleaned up is forgotten after this
-    use_wait: bool = False  # WAIT_PREFETCH_STATUS instead of polling QUERY_PREFETCH_STATUS
-    wait_timeout: float = 1.0
-    fire_and_forget_cap: int = 10_000  # replies to FREE/END we still recognise
-    # The KV ranks each server holds (tensor-parallel ranks spread over servers): entry s goes to
-    # server s as ``Lookup.ranks``. None: every server holds every rank of world_size.
-    ranks_per_server: tuple[tuple[int, ...], ...] | None = attrs.field(
-        default=None, converter=_ranks_per_server)
-
-    def __attrs_post_init__(self) -> None:
-        rps = self.ranks_per_server
-        if rps is None:
-            return
-        if len(rps) != self.num_servers:
-            raise ValueError(f"ranks_per_server names {len(rps)} servers, not num_servers={self.num_servers}")
-        for ranks in rps:
-            if not ranks or len(set(ranks)) != len(ranks) or not all(
-                    isinstance(r, int) and 0 <= r < self.world_size for r in ranks):
-                raise ValueError(f"ranks_per_server entry {ranks!r}: distinct ranks in [0, {self.world_size}) needed")
-
-
-class LookupState(enum.Enum):
-    ABSENT = "absent"
-    AWAITING_ACK = "awaiting_ack"  # some server has not acked its LOOKUP
-    QUERYING = "querying"  # every server acked; waiting for hit counts
-    DONE = "done"  # result cached
-
-
-class ServerView(enum.Enum):
-    """One server, as the lookup client sees it."""
-
-    UNKNOWN = "unknown"  # not one of the client's num_servers
-    HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"
-
-
-# The events a LookupClient takes (what the runtime feeds it).
-EVENTS = (SubmitLookup, ReplyReceived, RequestFailed, ServerHealth, TimerFired, Cleanup,
-          EndRequest, FreeUnusedLeases, ServerEpoch)
-
-
-# ------------------------------------------------------------------ typed timers, internal events
-
-
-@attrs.frozen
-class LookupDeadline(Timer):
-    """``lookup_timeout`` after the submit: a lookup still pending resolves to 0."""
-
-    request_id: str
-    serial: int
-
-
-@attrs.frozen
-class Requery(Timer):
-    """``poll_interval`` after a ``None`` status answer from ``server``: ask it again."""
-
-    request_id: str
-    serial: int
-    server: int
-
-
-@attrs.frozen
-class StatusResend(Timer):
-    """``poll_interval`` after a status query (legacy hook only): maybe abandon it, send another."""
-
-    request_id: str
-    serial: int
-    server: int
-    correlation: int
-
-
-@attrs.frozen
-class ResultExpiry(Timer):
-    """``result_ttl`` after the result: a DONE result never cleaned up is forgotten."""
-
-    request_id: str
-    serial: int
-
-
-@attrs.frozen
-class LegLost:
-    """Internal: ``server`` became unhealthy or restarted while this lookup waited on it."""
-
-    request_id: str
-    server: int
-
-
-@attrs.define
-class ServerLeg:
-    """One server's part of one lookup."""
-
-    server: int
-    lookup_correlation: int | None = None  # LOOKUP in flight
-    acked: bool = False
-    query_correlation: int | None = None  # the one status query in flight
-    query_sent_at: float = 0.0
-    next_query_at: float | None = None  # re-query time after a None answer
-    chunks: int | None = None  # this server's answer
-
-
-@attrs.define
-class PendingLookup:
-    request_id: str
-    key: CacheKey
-    legs: dict[int, ServerLeg]
-    deadline: float
-    result_tokens: int | None = None
-    expires_at: float = 0.0
-    serial: int = 0  # this (re)activation's: the timers armed for it name it
-
-    @property
-    def state(self) -> LookupState:
-        if self.result_tokens is not None:
-            return LookupState.DONE
-        if all(leg.acked or leg.chunks is not None for leg in self.legs.values()):
-            return LookupState.QUERYING
-        return LookupState.AWAITING_ACK
 
 
 class LookupClient(GuardedMachine[ClientEvent]):

@@ -29,17 +29,7 @@ whose engine copy is running wait for ``CopyFinished`` and then fail without a c
 transfer id belongs to a server that may have restarted). A transition to healthy (including the
 first ``ServerHealth(server, True)`` the runtime feeds at start) sends ``RegisterInstance``.
 
-Restart detection (F13): a server that restarted between two heartbeats has forgotten the
-registration. Either sign of it starts a new one:
-
-* ``ServerEpoch(server, epoch)`` with an epoch different from the last one fed: handled as
-  ``ServerHealth(False)`` then ``ServerHealth(True)`` -- what was in flight fails now, and
-  ``RegisterInstance`` is sent again.  The *first* epoch fed after a registration went out registers again
-  too (idempotent): that registration may have reached an incarnation that has since restarted.
-* a ``NOT_REGISTERED`` error for an op sent while the client believed itself registered (and no
-  registration was acked after the op was sent): the client marks itself unregistered and sends
-  ``RegisterInstance`` once; the failing ops fail as usual (stores finish, retrieves become load
-  errors), later ops go out as usual.
+Restart detection (F13) and registration retries: ``core_sm.transfer_link``.
 
 Late-copy fence: a server-driven STORE or RETRIEVE carries ``not_after = now + window`` (the
 ``transfer_timeout``; else ``op_timeout``; else 30 s), and the server refuses one it handles later
@@ -52,10 +42,6 @@ the server began by ``not_after`` has ended by then): it is reported in ``sendin
 the blocks) or in ``recving`` with its load errors (vLLM recomputes into them) only then, never
 earlier; ``next_deadline()`` covers it. An op the server answered (result or error) needs no
 fence; engine-driven ops need none (the worker runs their copies itself).
-
-A registration that fails, or stays unanswered for ``registration_timeout``, is sent again after
-a backoff (``registration_retry`` doubling up to ``registration_retry_max``) while the server is
-healthy; ``next_deadline()`` covers it.
 
 Dispatch (``core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
 through one of three tables it executes -- ``LINK_TABLE`` (its server: ``ServerHealth``,
@@ -82,7 +68,6 @@ from core_sm.messages import (
     OpId,
     PrepareRetrieve,
     PrepareStore,
-    RegisterInstance,
     ReplyReceived,
     RequestFailed,
     Retrieve,
@@ -99,6 +84,7 @@ from core_sm.messages import (
     TransferPlan,
 )
 from core_sm.table import Dispatcher, Table
+from core_sm.transfer_link import LINK_TABLE, RegistrationLink
 from core_sm.timers import Timer, TimerHeap
 from core_sm.transfer_ops import (
     DEFAULT_STORE_WINDOW,
@@ -119,12 +105,12 @@ from core_sm.transfer_ops import (
     TransferRequestState,
 )
 
-__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "LINK_TABLE", "OP_TABLE", "REQUEST_TABLE", "TABLES", "LinkState",
+__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "LINK_TABLE", "RegistrationLink", "OP_TABLE", "REQUEST_TABLE", "TABLES", "LinkState",
            "OpState", "RequestRecord", "TransferClient", "TransferClientConfig", "TransferOp",
            "TransferRequestState"]
 
 
-class TransferClient(GuardedMachine[ClientEvent]):
+class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
     """Worker-side transfer bookkeeping. ``handle``, ``next_deadline``, ``finished``,
     ``load_errors``."""
 
@@ -133,15 +119,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
         self._requests: dict[str, RequestRecord] = {}
         self._by_correlation: dict[int, OpId] = {}
         self._ops: dict[OpId, TransferOp] = {}
-        self._registration_correlation: int | None = None
-        self._registration_sent_at = 0.0
-        self._registration_retry_at: float | None = None  # a failed registration goes again then
-        self._registration_delay = self.config.registration_retry
-        self._registrations_acked = 0
-        self._incarnation = 0  # bumped whenever the server is lost (unhealthy, new epoch)
-        self._epoch: int | str | None = None
-        self._healthy = True
-        self._registered = False
+        self._init_link()
         self._next_correlation = 0
         self._next_seq = 0  # client-wide, so an OpId is never reused
         self._sending: dict[str, None] = {}
@@ -215,10 +193,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
         vLLM reuses blocks (preemption)."""
         return any(op.kind is TransferKind.STORE and op.state is OpState.SENT for op in self._ops.values())
 
-    def registered(self) -> bool:
-        """Whether the last ``RegisterInstance`` was acked and nothing has shown it lost since."""
-        return self._registered
-
     def op_state(self, op: object) -> OpState:
         record = self._ops.get(op)  # type: ignore[call-overload]
         return OpState.ABSENT if record is None else record.state
@@ -226,10 +200,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
     def ops_of(self, request_id: str) -> tuple[OpId, ...]:
         record = self._requests.get(request_id)
         return () if record is None else tuple(record.ops)
-
-    def registration_request(self) -> RegisterInstance:
-        c = self.config
-        return RegisterInstance(c.instance_id, c.model_name, c.world_size, c.object_bytes, c.engine_driven)
 
     def next_deadline(self) -> float | None:
         return self._timers.next_deadline()
@@ -240,9 +210,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
         if record is not None:
             return TransferRequestState.FINISHING if record.engine_finished else TransferRequestState.ACTIVE
         return TransferRequestState.REPORTED if rid in self._reported_sending else TransferRequestState.ABSENT
-
-    def link_state(self) -> LinkState:
-        return self._link_state(self.config.server)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._counters)
@@ -321,20 +288,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
         return blocks[op.skip_first_n_tokens // tokens_per_block:]
 
     # ============================================================================= table plumbing
-
-    def _link_address(self, event: object) -> object:
-        return getattr(event, "server", self.config.server)
-
-    def _link_state(self, server: object) -> LinkState:
-        if server != self.config.server:
-            return LinkState.OTHER
-        if not self._healthy:
-            return LinkState.DOWN
-        if self._registration_correlation is not None:
-            return LinkState.REGISTERING
-        if self._registration_retry_at is not None:
-            return LinkState.RETRY_WAIT
-        return LinkState.REGISTERED if self._registered else LinkState.UNREGISTERED
 
     def _op_address(self, event: object) -> OpId | None:
         if isinstance(event, (ReplyReceived, RequestFailed)):
@@ -526,92 +479,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
     def _on_copy_outlives_server(self, ev: OpServerLost, now: float, out: list[Effect]) -> None:
         """The engine copy runs on: it fails without a commit when it finishes."""
 
-    # ============================================================================= link rows
-
-    def _on_other_server(self, ev: ServerHealth | ServerEpoch, now: float, out: list[Effect]) -> None:
-        """Another server's health or epoch: not this client's."""
-
-    def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
-        was_healthy = self._healthy
-        if not ev.healthy:
-            if was_healthy:
-                self._lose_server(now, out)
-            return
-        if not was_healthy:
-            self._healthy = True
-            self._send_registration(now, out)
-        elif not self._registered and self._registration_correlation is None:
-            self._send_registration(now, out)  # (a scheduled retry goes now)
-
-    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
-        old, self._epoch = self._epoch, ev.epoch
-        if old is None:
-            # The first epoch learned after a registration went out cannot tell which server
-            # incarnation took that registration (a restart before the first heartbeat reply):
-            # register again (idempotent) rather than be unknown to a new server (F13).
-            if self._healthy and (self._registered or self._registration_correlation is not None):
-                self._counters["registrations_on_first_epoch"] += 1
-                self._send_registration(now, out)
-            return
-        if old == ev.epoch:
-            return
-        self._counters["server_restarts"] += 1
-        if self._healthy:  # else the transition to healthy registers
-            self._lose_server(now, out)
-            self._healthy = True
-            self._send_registration(now, out)
-
-    def _on_registration_answer(self, ev: RegistrationAnswered, now: float, out: list[Effect]) -> None:
-        self._registration_correlation = None
-        if ev.error is None:
-            self._registered = True
-            self._registrations_acked += 1
-            self._registration_delay = self.config.registration_retry
-        else:
-            self._registered = False
-            self._counters["registration_failures"] += 1
-            self._schedule_registration_retry(now)
-
-    def _on_registration_timeout(self, ev: RegistrationTimeout, now: float, out: list[Effect]) -> None:
-        self._counters["registration_timeouts"] += 1
-        self._registration_correlation = None  # a late answer is stale
-        self._schedule_registration_retry(now)
-
-    def _on_registration_retry(self, ev: RegistrationRetry, now: float, out: list[Effect]) -> None:
-        self._counters["registration_retries"] += 1
-        self._send_registration(now, out)
-
-    def _on_not_registered_reply(self, ev: NotRegistered, now: float, out: list[Effect]) -> None:
-        self._on_not_registered(ev.op, now, out)
-
-    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
-        """The server does not know this instance: it restarted (or dropped it). Register again,
-        once: not for an op sent to a server already known lost, nor while a registration is
-        under way, nor for an op sent before the current registration was acked."""
-        if not self._healthy or op.incarnation != self._incarnation:
-            return
-        if self._registration_correlation is not None or self._registration_retry_at is not None:
-            return
-        if self._registered and op.registration != self._registrations_acked:
-            return
-        self._counters["reregistrations"] += 1
-        self._registered = False
-        self._send_registration(now, out)
-
     # ============================================================================= internals
-
-    def _lose_server(self, now: float, out: list[Effect]) -> None:
-        """The server is unhealthy (or restarted): ops waiting on it fail now; ops whose engine
-        copy runs fail when it finishes; the registration is void."""
-        self._healthy = False
-        self._incarnation += 1
-        self._registered = False
-        self._registration_correlation = None
-        self._registration_retry_at = None
-        self._registration_delay = self.config.registration_retry
-        for op_id in list(self._ops):
-            if op_id in self._ops:
-                self._op_d.run(OpServerLost(op_id), now, out)
 
     def _give_up(self, op: TransferOp, now: float) -> None:
         """``op`` waited on the server in vain: it fails (fenced if a copy may still run)."""
@@ -623,18 +491,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
     def _arm_op_timeout(self, op: TransferOp) -> None:
         if self.config.op_timeout is not None:
             self._timers.push(op.sent_at + self.config.op_timeout, OpTimeout(op.op, op.sent_at))
-
-    def _send_registration(self, now: float, out: list[Effect]) -> None:
-        self._counters["registrations"] += 1
-        self._registration_retry_at = None
-        self._registration_sent_at = now
-        corr = self._registration_correlation = self._send(self.registration_request(), None, out)
-        self._timers.push(now + self.config.registration_timeout, RegistrationTimeout(corr))
-
-    def _schedule_registration_retry(self, now: float) -> None:
-        at = self._registration_retry_at = now + self._registration_delay
-        self._registration_delay = min(self._registration_delay * 2, self.config.registration_retry_max)
-        self._timers.push(at, RegistrationRetry(at))
 
     def _fence_abandoned(self, record: RequestRecord, op: TransferOp) -> None:
         """``op`` is given up on without an answer: if it is a server-driven STORE/RETRIEVE
@@ -724,32 +580,7 @@ def _request_id(event: object) -> str:
     return str(getattr(event, "request_id"))
 
 
-_O, _Q, _K, _T = OpState, TransferRequestState, LinkState, TransferClient
-_UP = (_K.UNREGISTERED, _K.REGISTERING, _K.RETRY_WAIT, _K.REGISTERED)
-
-# Its server: (link state, event) -> (handler, next states). handle runs it.
-LINK_TABLE: Table[LinkState] = Table("TransferClient (its server: health and registration)", LinkState, _K.OTHER, {
-    (_K.OTHER, ServerHealth): (_T._on_other_server, (_K.OTHER,)),
-    (_K.OTHER, ServerEpoch): (_T._on_other_server, (_K.OTHER,)),
-    (_K.DOWN, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
-    (_K.UNREGISTERED, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
-    (_K.REGISTERING, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
-    (_K.RETRY_WAIT, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERING)),
-    (_K.REGISTERED, ServerHealth): (_T._on_health, (_K.DOWN, _K.REGISTERED)),
-    # A new epoch is a restart: as ServerHealth(False) then (True).
-    (_K.DOWN, ServerEpoch): (_T._on_epoch, (_K.DOWN,)),
-    (_K.UNREGISTERED, ServerEpoch): (_T._on_epoch, (_K.UNREGISTERED, _K.REGISTERING)),
-    (_K.REGISTERING, ServerEpoch): (_T._on_epoch, (_K.REGISTERING,)),
-    (_K.RETRY_WAIT, ServerEpoch): (_T._on_epoch, (_K.RETRY_WAIT, _K.REGISTERING)),
-    (_K.REGISTERED, ServerEpoch): (_T._on_epoch, (_K.REGISTERED, _K.REGISTERING)),
-    (_K.REGISTERING, RegistrationAnswered): (_T._on_registration_answer, (_K.REGISTERED, _K.RETRY_WAIT)),
-    (_K.REGISTERING, RegistrationTimeout): (_T._on_registration_timeout, (_K.RETRY_WAIT,)),
-    (_K.RETRY_WAIT, RegistrationRetry): (_T._on_registration_retry, (_K.REGISTERING,)),
-    (_K.UNREGISTERED, NotRegistered): (_T._on_not_registered_reply, (_K.REGISTERING,)),
-    (_K.REGISTERING, NotRegistered): (_T._on_not_registered_reply, (_K.REGISTERING,)),
-    (_K.RETRY_WAIT, NotRegistered): (_T._on_not_registered_reply, (_K.RETRY_WAIT,)),
-    (_K.REGISTERED, NotRegistered): (_T._on_not_registered_reply, (_K.REGISTERED, _K.REGISTERING)),
-})
+_O, _Q, _T = OpState, TransferRequestState, TransferClient
 
 # One request id: (its state, event) -> (handler, next states).
 REQUEST_TABLE: Table[TransferRequestState] = Table("TransferClient (one request id)", TransferRequestState,

@@ -13,6 +13,7 @@ import core_sm.effects
 import core_sm.errors
 import core_sm.l1_index
 import core_sm.lookup_client
+import core_sm.lookup_ops
 import core_sm.messages
 import core_sm.server
 import core_sm.server_core
@@ -23,6 +24,7 @@ import core_sm.server_transfers
 import core_sm.table
 import core_sm.timers
 import core_sm.transfer_client
+import core_sm.transfer_link
 import core_sm.transfer_ops
 import core_sm.admission
 import core_sm.holdings
@@ -30,9 +32,9 @@ import core_sm.keys
 import core_sm.trace
 
 DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "core_sm.md").read_text()
-MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.l1_index, core_sm.lookup_client,
+MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.l1_index, core_sm.lookup_client, core_sm.lookup_ops,
            core_sm.messages, core_sm.server, core_sm.server_core, core_sm.server_instances,
-           core_sm.server_jobs, core_sm.server_l2, core_sm.server_transfers, core_sm.table, core_sm.timers, core_sm.transfer_client, core_sm.transfer_ops,
+           core_sm.server_jobs, core_sm.server_l2, core_sm.server_transfers, core_sm.table, core_sm.timers, core_sm.transfer_client, core_sm.transfer_link, core_sm.transfer_ops,
            core_sm.keys, core_sm.admission, core_sm.holdings, core_sm.trace]
 NAMESPACE = {name: getattr(m, name) for m in MODULES for name in dir(m) if not name.startswith("__")}
 
