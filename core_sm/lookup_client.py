@@ -68,7 +68,7 @@ from core_sm.lookup_ops import (
     ServerView,
     StatusResend,
 )
-from core_sm.table import Dispatcher, Table
+from core_sm.table import Dispatcher, Table, run_due_timers
 from core_sm.timers import Timer, TimerHeap
 
 __all__ = ["EVENTS", "LOOKUP_TABLE", "SERVER_VIEW_TABLE", "TABLES", "LegLost", "LookupClient", "LookupClientConfig",
@@ -243,13 +243,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         return True
 
     def _advance(self, now: float, out: list[Effect]) -> None:
-        timers = self._timers
-        if not timers.due(now):
-            return
-        timer = timers.pop_due(now)
-        while timer is not None:
-            self._lookups.run(timer, now, out)
-            timer = timers.pop_due(now)
+        run_due_timers(self._timers, lambda _timer: self._lookups, now, out)
 
     # ============================================================================= lookup rows
 

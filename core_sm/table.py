@@ -42,6 +42,7 @@ import attrs
 
 from core_sm.effects import Effect, ErrorReply
 from core_sm.errors import ErrorKind, ProtocolError
+from core_sm.timers import Timer, TimerHeap
 
 S = TypeVar("S", bound=enum.Enum)
 # A handler as written in the machine's class: ``def _on_x(self, event, now, out) -> None``.
@@ -150,3 +151,15 @@ class Dispatcher(Generic[S]):
             if not refused:
                 self._counters["table_violations"] += 1
         return True
+
+
+def run_due_timers(timers: TimerHeap, dispatcher_of: Callable[[Timer], Dispatcher[Any]], now: float,
+                   out: list[Effect]) -> None:
+    """Run every live timer due at ``now`` through the dispatcher of its table, in firing order
+    (a handler may arm more, even due ones: they run too)."""
+    if not timers.due(now):
+        return
+    timer = timers.pop_due(now)
+    while timer is not None:
+        dispatcher_of(timer).run(timer, now, out)
+        timer = timers.pop_due(now)

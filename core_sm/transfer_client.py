@@ -83,7 +83,7 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
-from core_sm.table import Dispatcher, Table
+from core_sm.table import Dispatcher, Table, run_due_timers
 from core_sm.transfer_link import LINK_TABLE, RegistrationLink
 from core_sm.timers import Timer, TimerHeap
 from core_sm.transfer_ops import (
@@ -325,13 +325,7 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         return self._registration_retry_at == timer.at
 
     def _advance(self, now: float, out: list[Effect]) -> None:
-        timers = self._timers
-        if not timers.due(now):
-            return
-        timer = timers.pop_due(now)
-        while timer is not None:
-            self._timer_route[type(timer)].run(timer, now, out)
-            timer = timers.pop_due(now)
+        run_due_timers(self._timers, lambda timer: self._timer_route[type(timer)], now, out)
 
     # ============================================================================= request rows
 

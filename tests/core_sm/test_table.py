@@ -9,7 +9,7 @@ import attrs
 
 from core_sm.effects import Effect, ErrorReply, Reply
 from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.table import Table
+from core_sm.table import Table, run_due_timers
 from core_sm.timers import Timer, TimerHeap
 
 
@@ -117,3 +117,19 @@ def test_timer_heap_skips_dead_entries_fires_in_order_and_stays_bounded() -> Non
         heap.push(float(i), Slam("x"))  # never live
     assert len(heap) <= 2 * 0 + 4 + 1 and heap.compactions > 0
     assert heap.next_deadline() is None
+
+
+def test_run_due_timers_runs_each_live_due_timer_through_its_table_in_order() -> None:
+    d = Doors()
+    for door in ("a", "b", "c"):
+        d.handle(Open(door, reply_to=door), 0.0)
+    heap = TimerHeap(lambda t: isinstance(t, Slam) and t.door in d.open)
+    heap.push(2.0, Slam("b"))
+    heap.push(1.0, Slam("a"))
+    heap.push(1.5, Slam("z"))  # no such door: dead, skipped
+    heap.push(9.0, Slam("c"))  # not due
+    d.dispatch.trace = []
+    out: list[Effect] = []
+    run_due_timers(heap, lambda _timer: d.dispatch, 5.0, out)
+    assert [(s, e) for s, e, _after in d.dispatch.trace] == [(D.OPEN, Slam), (D.OPEN, Slam)]
+    assert d.open == {"c"} and d.counters["stale_events"] == 0 and heap.next_deadline() == 9.0
