@@ -155,14 +155,24 @@ class Divergence:
 
 
 def header(config: Any, keep_tokens: bool, part: int = 0) -> dict[str, Any]:
-    """The first line of a trace file (``part`` > 0: a rotated file that starts mid-run)."""
+    """The first line of a trace file (``part`` > 0: a rotated file that starts mid-run). The
+    chunk-chain key is a secret and never written: the header names its fingerprint only."""
+    from core_sm.chunks import PUBLIC_CHAIN_KEY, ChunkChain
+
+    chain = ChunkChain(config.chain_key)
     return {"mpcache_trace": FORMAT, "keep_tokens": keep_tokens, "part": part,
-            "config": TraceCodec().encode(config)}
+            "chain_fingerprint": chain.fingerprint,
+            "config": TraceCodec().encode(attrs.evolve(config, chain_key=PUBLIC_CHAIN_KEY))}
 
 
 def replay(head: dict[str, Any], records: Iterable[Sequence[Any]], max_divergences: int = 20,
-           ) -> tuple[int, list[Divergence]]:
-    """Re-run the server machine on a trace; returns (records replayed, divergences)."""
+           chain_key: bytes | None = None) -> tuple[int, list[Divergence]]:
+    """Re-run the server machine on a trace; returns (records replayed, divergences).
+
+    A trace without token ids (the default) replays as is: its keys carry the hashes the server
+    computed. A ``keep_tokens`` trace is hashed again, so it needs the server's ``chain_key``
+    (``ValueError`` without it, or with a key whose fingerprint is not the trace's)."""
+    from core_sm.chunks import ChunkChain
     from core_sm.server import LookupServer, ServerConfig
 
     if head.get("mpcache_trace") != FORMAT:
@@ -171,6 +181,13 @@ def replay(head: dict[str, Any], records: Iterable[Sequence[Any]], max_divergenc
     config = codec.decode(head["config"])
     if not isinstance(config, ServerConfig):
         raise ValueError("the trace header holds no ServerConfig")
+    if chain_key is not None:
+        if ChunkChain(chain_key).fingerprint != head.get("chain_fingerprint"):
+            raise ValueError("the chunk key given is not the one the traced server used (fingerprints differ)")
+        config = attrs.evolve(config, chain_key=chain_key)
+    elif codec.keep_tokens and head.get("chain_fingerprint") != ChunkChain(config.chain_key).fingerprint:
+        raise ValueError("this trace keeps token ids, so replaying it hashes them again: give the traced "
+                         "server's chunk key (its --chunk-key-file)")
     server = LookupServer(config)
     # Replayed effects are encoded as recorded: keys by their hashes, so both sides compare alike.
     out_codec = TraceCodec(keep_tokens=codec.keep_tokens, hashes_of=_hashes_of(server))

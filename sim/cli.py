@@ -204,7 +204,16 @@ def cmd_replay_trace(args: argparse.Namespace) -> int:
         if head.get("part", 0):
             print(f"note: part {head['part']} of a rotated trace starts mid-run: divergences are expected")
         t0 = time.perf_counter()
-        count, divergences = replay(head, (json.loads(line) for line in f if line.strip()))
+        chain_key = None
+        if args.chunk_key_file:  # 64 hex digits, as mpcache-server's --chunk-key-file holds
+            with open(args.chunk_key_file, encoding="ascii") as kf:
+                chain_key = bytes.fromhex(kf.read().strip())
+        try:
+            count, divergences = replay(head, (json.loads(line) for line in f if line.strip()),
+                                        chain_key=chain_key)
+        except ValueError as e:
+            print(f"cannot replay {args.file}: {e}")
+            return 2
     print(f"replayed {count} events in {time.perf_counter() - t0:.2f} s: "
           f"{'no divergence' if not divergences else f'{len(divergences)} divergence(s)'}")
     for d in divergences:
@@ -283,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_shrink)
     p = sub.add_parser("replay-trace", help="re-run the server machine on a trace from mpcache-server --trace; exit 1 on a divergence")
     p.add_argument("file")
+    p.add_argument("--chunk-key-file", default=None, metavar="PATH",
+                   help="the traced server's chunk key (needed for a --trace-tokens trace, which is hashed again)")
     p.set_defaults(func=cmd_replay_trace)
     p = sub.add_parser("fleet", help="seeds of a fleet: servers x engines over a cluster L2 tier with node "
                                      "crashes and partitions; exit 1 on any violation")

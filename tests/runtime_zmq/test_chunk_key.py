@@ -7,6 +7,7 @@ import stat
 import tempfile
 import threading
 from collections.abc import Iterator
+from typing import Any
 from contextlib import contextmanager
 
 import pytest
@@ -73,3 +74,35 @@ def test_chunk_key_file_is_made_private_and_used() -> None:
     with pytest.raises(SecretFileError, match="chunk key file"):
         with running(chunk_key_file=path):
             pass
+
+
+def test_a_trace_never_holds_the_chunk_key_and_a_token_trace_replays_only_with_it(
+        start_server: Any, tmp_path: Any, capsys: Any) -> None:
+    import random
+
+    from adapter_driver import CHUNK, Engine
+    from sim.cli import main as sim_main
+
+    key_file = str(tmp_path / "chunk.key")
+    key = bytes(range(100, 132))
+    with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(key.hex())
+    trace = str(tmp_path / "tokens.trace")
+    server = start_server("--chunk-size", str(CHUNK), "--l1-size-gb", str(4 / 1024), "--slot-mb", "1",
+                          "--trace", trace, "--trace-tokens", "--chunk-key-file", key_file)
+    engine = Engine([server.url])
+    rng = random.Random(3)
+    prompt = [rng.randrange(50_000) for _ in range(2 * CHUNK + 1)]
+    try:
+        for rid in ("a", "b"):
+            engine.add(rid, prompt)
+            engine.run_all()
+    finally:
+        engine.close()
+    assert server.terminate() == 0
+    text = open(trace).read()
+    assert key.hex() not in text and ChunkChain(key).fingerprint in text
+    assert sim_main(["replay-trace", trace]) == 2
+    assert "chunk key" in capsys.readouterr().out
+    assert sim_main(["replay-trace", trace, "--chunk-key-file", key_file]) == 0
+    assert "no divergence" in capsys.readouterr().out
