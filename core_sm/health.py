@@ -10,7 +10,9 @@ what the answers mean for the node's protocol machines (``LookupClient``, ``Tran
   on it and skip it until it is back; with ``fail_pending`` (a transport that holds requests of
   its own, such as the ZMQ client) also ``FailPending(server)``: every request still waiting
   on that server fails now, nothing waits on a dead server. A heartbeat the transport could not
-  even send (``HeartbeatUnsent``: no connection) is the same verdict at once;
+  even send (``HeartbeatUnsent``: no connection at that moment) is counted, not a verdict: a
+  transport that reconnects by itself (ZMQ) may still deliver the replies of that server, and
+  only the ``timeout`` without a reply says it is gone;
 * while a server is unhealthy it is probed every ``probe_interval`` (default: ``interval``);
   once it has been silent for ``timeout`` the period doubles per probe up to ``backoff_max`` (a
   dead server is not hammered), and resets once it answers;
@@ -156,9 +158,11 @@ class SendInstancePing:
 
 @attrs.frozen
 class FailPending:
-    """Effect: fail every request still waiting on ``server`` (it stopped answering)."""
+    """Effect: fail every request still waiting on ``server`` (it stopped answering; ``reason``
+    says how the monitor knows, for the log)."""
 
     server: int
+    reason: str = ""
 
 
 @attrs.frozen
@@ -272,7 +276,7 @@ class HealthMonitor:
         self._counters["unhealthy"] += 1
         out.append(ServerHealth(index, False))
         if self.config.fail_pending:
-            out.append(FailPending(index))
+            out.append(FailPending(index, f"no heartbeat reply for {self.config.timeout:g} s"))
         # what waited on a re-registration fails with the rest; a registration in flight is
         # forgotten (the transport fails it with the rest; the machines register on recovery)
         for requests in server.waiting.values():
@@ -301,8 +305,6 @@ class HealthMonitor:
         if server is None:
             return
         self._counters["heartbeats_unsent"] += 1
-        if server.healthy:
-            self._lose(event.server, server, now, out)
 
     def _on_reply(self, event: HeartbeatReply, now: float, out: list[HealthEffect]) -> None:
         server = self._server(event.server)

@@ -17,11 +17,13 @@ Contract
 * Done-callbacks run on whichever thread received the reply, outside the client's locks.
 * Health is decided by core_sm's ``HealthMonitor`` (the machine the simulator drives); this
   client only carries its heartbeats and replies and performs its verdicts. ``healthy`` is False
-  until the first heartbeat reply, False after ``heartbeat_timeout`` without one (or at once when
-  a heartbeat cannot be sent: no connection), and True again on the next reply; when it turns
-  False every pending request fails (``unhealthy``). While unhealthy the server is probed every
-  0.1 s, then (after ``heartbeat_timeout``) with a doubling period up to ``heartbeat_backoff_max``
-  (default: the larger of ``heartbeat_interval`` and ``reconnect_ivl_max``). ``on_health(healthy)``
+  until the first heartbeat reply, False after ``heartbeat_timeout`` without one, and True again
+  on the next reply; when it turns False every pending request fails (``unhealthy``). A
+  heartbeat that cannot be sent (no connection at that moment) decides nothing: ZMQ reconnects by
+  itself and the server's replies may still come. While unhealthy the server is probed every
+  0.1 s, then (once silent for ``heartbeat_timeout``) with a doubling period up to
+  ``heartbeat_backoff_max`` (default: the larger of ``heartbeat_interval`` and
+  ``reconnect_ivl_max``). ``on_health(healthy)``
   callbacks run on the client thread; use them to feed core_sm's ``ServerHealth`` event. ZMQ
   reconnects by itself (reconnect interval capped at 1 s, connect timeout 5 s), so a restarted
   server is found within about a second.
@@ -598,6 +600,9 @@ class MPCacheClient:
     def _do_heartbeat(self, effect: SendHeartbeat, done: list[tuple[Future[Any], bool, Any]]) -> None:
         # ``health`` rather than LMCache's ``ping``: its reply carries the server's epoch
         p = _Pending(Future(), _HEALTH_FRAME, "health", time.monotonic() + self.heartbeat_timeout, HEARTBEAT)
+        # replies that arrived meanwhile are read before a send can find the connection gone (a
+        # server's last answers come just before it closes)
+        self._drain_locked(done)
         if not self._send_locked(p, (), done):
             # no completed connection (IMMEDIATE): the server is gone or not up yet. Replies it
             # sent before it went (a shutting_down answer, say) are delivered first.
@@ -626,8 +631,8 @@ class MPCacheClient:
             self._wake()
 
     def _do_fail_pending(self, effect: FailPending, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        log.warning("mpcache server %s stopped answering; failing %d pending request(s)", self.url,
-                    sum(1 for p in self._pending.values() if p.role is REQUEST or p.role is REGISTRATION))
+        log.warning("mpcache server %s stopped answering (%s); failing %d pending request(s)", self.url,
+                    effect.reason, sum(1 for p in self._pending.values() if p.role is REQUEST or p.role is REGISTRATION))
         for p in self._pending.values():
             done.append((p.future, False, RemoteError("unhealthy", "server stopped answering", str(p.op))))
         self._pending.clear()
