@@ -205,6 +205,12 @@ class L1Index:
         lease = obj.readers.get(owner)
         return 0 if lease is None else lease[0]
 
+    def lease_expiry(self, key: ObjectKey, owner: Owner) -> float | None:
+        """When ``owner``'s read lease on ``key`` expires (None: it holds none)."""
+        obj = self._objects.get(key)
+        lease = None if obj is None else obj.readers.get(owner)
+        return None if lease is None else lease[1]
+
     def total_read_count(self, key: ObjectKey) -> int:
         obj = self._objects.get(key)
         return 0 if obj is None else sum(lease[0] for lease in obj.readers.values())
@@ -344,13 +350,15 @@ class L1Index:
         return self.lease_reads((key,), owner, count, now) == 1
 
     def lease_reads(
-        self, keys: Sequence[ObjectKey], owner: Owner, count: int, now: float, *, top_up: bool = False
+        self, keys: Sequence[ObjectKey], owner: Owner, count: int, now: float, *, top_up: bool = False,
+        refresh: bool = False,
     ) -> int:
         """``lease_read`` for each of ``keys``, in order, with one expiry step and one expiry
         entry. ``top_up``: instead of adding ``count``, make ``owner`` hold at least ``count`` on
-        each (adding the shortfall and refreshing the expiry only where something is added).
-        Unreadable keys are skipped. Returns how many keys ``owner`` now holds (at least
-        ``count``, with ``top_up``) through this call or before it."""
+        each (adding the shortfall and refreshing the expiry only where something is added;
+        ``refresh``: where nothing is added too -- a lease renewal). Unreadable keys are
+        skipped. Returns how many keys ``owner`` now holds (at least ``count``, with
+        ``top_up``) through this call or before it."""
         self.expire(now)
         if count < 1:
             return 0
@@ -378,6 +386,8 @@ class L1Index:
                 if n > 0:
                     readers[owner] = (lease[0] + n, expiry)
                     added += n
+                elif refresh:
+                    readers[owner] = (lease[0], expiry)
                 else:
                     held += 1
                     continue

@@ -25,6 +25,17 @@ Events (vLLM's scheduler calls), each addressing one request:
 * ``RequestFinished`` (``request_finished``): ends the request (``EndRequest`` -> END_SESSION).
   vLLM must always delay freeing the blocks: the worker reports the id in ``sending``.
 
+Read leases under a deep queue (F20, LMCache #4691): a hit's leases expire ``lease_ttl`` after
+the lookup that took them, and a request may wait in vLLM's queue longer than that between its
+match and its allocation. The planner counts the leases from the moment it sent that lookup (the
+server took them later, so they live at least that long) and renews them while the request
+waits: half a TTL after the lookup it looks the request up again (a server renews the leases a
+lookup of the same id holds, and recovers those of objects still resident), at most
+``max_lease_renewals`` times (the server caps lookups per id). A hit is loaded only while at
+least a quarter of the TTL is left; otherwise the planner renews first (the match answers
+``None`` meanwhile) or, with no renewal left, gives the hit up (frees its leases, answers 0: the
+request recomputes). So a load never relies on leases that may have expired.
+
 ``ReplyReceived`` / ``RequestFailed`` / ``ServerHealth`` / ``ServerEpoch`` / ``TimerFired`` go to
 the lookup client. Effects: the lookup client's ``SendRequest``s, ``MatchAnswer``, ``StepPlan``.
 ``handle`` never raises (a bug is counted in ``stats()["internal_errors"]``).
@@ -35,6 +46,7 @@ each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``)
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
@@ -91,8 +103,15 @@ class PlannerConfig:
     store: bool = True
     lookup_wait: float = 0.0
     sync_load_max_tokens: int = 0
+    # The servers' read lease TTL (mpcache-server --lease-ttl); None: leases never expire.
+    lease_ttl: float | None = 300.0
+    max_lease_renewals: int = 16  # lookups again per request (the server allows 64 lookups per id)
 
     def __attrs_post_init__(self) -> None:
+        if self.lease_ttl is not None and not self.lease_ttl > 0:
+            raise ValueError(f"lease_ttl must be > 0 or None, not {self.lease_ttl}")
+        if self.max_lease_renewals < 0:
+            raise ValueError(f"max_lease_renewals must be >= 0, not {self.max_lease_renewals}")
         if self.block_size <= 0 or self.chunk_size <= 0 or self.chunk_size % self.block_size:
             raise ValueError(
                 f"mpcache chunk size {self.chunk_size} is not a multiple of the engine block size {self.block_size}; "
@@ -180,6 +199,15 @@ class RequestScheduled:
 
 
 @attrs.frozen
+class LeaseRenewalDue:
+    """The planner's own timer: the leases of a waiting request's hit are half way to expiry.
+    ``leased_at`` names the lookup whose leases they are (a later one makes it stale)."""
+
+    request_id: str
+    leased_at: float
+
+
+@attrs.frozen
 class RequestFinished:
     """vLLM ``request_finished`` (finished, aborted or stopped)."""
 
@@ -258,6 +286,8 @@ class RequestTracker:
     block_ids: list[int] = attrs.Factory(list)
     stored_until: int = 0  # tokens [0, stored_until) are stored or their store is planned
     leases_freed: tuple[tuple[int, int], ...] = ()  # the token ranges freed at allocation
+    leased_at: float | None = None  # when the lookup whose leases back the hit was sent
+    lease_renewals: int = 0  # lookups again to renew them
 
     def prompt(self) -> tuple[int, ...]:
         return tuple(self.token_ids[: self.num_prompt_tokens])
@@ -277,8 +307,13 @@ class StepPlanner:
         self.lookups = lookups
         self._trackers: dict[str, RequestTracker] = {}
         self._step_stores: list[SubmitStore] = []  # the stores of the step being planned
+        # (due, seq, request id, leased_at): lease renewals, a heap; an entry whose request moved
+        # on (allocated, renewed, finished) is stale and skipped when it comes due
+        self._renewals: list[tuple[float, int, str, float]] = []
+        self._renewal_seq = 0
         self._counters: dict[str, int] = {"internal_errors": 0, "lookups_submitted": 0, "loads_planned": 0,
-                                          "stores_planned": 0, "recomputed_after_preemption": 0}
+                                          "stores_planned": 0, "recomputed_after_preemption": 0,
+                                          "lease_renewals": 0, "hits_given_up": 0}
         self._dispatch: Dispatcher[RequestState] = TABLE.bind(
             self, self._address, self._state_of, self._counters, self._refuse)
 
@@ -290,6 +325,8 @@ class StepPlanner:
         try:
             if isinstance(event, LOOKUP_EVENTS):
                 out.extend(self.lookups.handle(event, now))
+                if isinstance(event, TimerFired):
+                    self._renew_due(now, out)
             elif isinstance(event, StepScheduled):
                 self._on_step(event, now, out)
             else:
@@ -299,7 +336,11 @@ class StepPlanner:
         return out
 
     def next_deadline(self) -> float | None:
-        return self.lookups.next_deadline()
+        deadline = self.lookups.next_deadline()
+        if self._renewals:  # the top may be stale: one early TimerFired then pops it
+            due = self._renewals[0][0]
+            deadline = due if deadline is None else min(deadline, due)
+        return deadline
 
     def tracker(self, request_id: str) -> RequestTracker | None:
         return self._trackers.get(request_id)
@@ -322,6 +363,7 @@ class StepPlanner:
             assert tracker.stored_until % self.config.chunk_size == 0, "store boundary not chunk aligned"
             if tracker.pending_retrieve is not None:
                 assert tracker.state is _R.RUNNING, "retrieve queued for a request without blocks"
+            assert tracker.lease_renewals <= self.config.max_lease_renewals, "renewed past the cap"
 
     # ------------------------------------------------------------------ table plumbing
 
@@ -359,6 +401,18 @@ class StepPlanner:
             ranges.append((end, hit))
         return ranges
 
+    def renew_at(self, tracker: RequestTracker) -> float | None:
+        """When to renew the leases of a waiting request's hit: half a TTL after the lookup that
+        took them (None: never)."""
+        ttl = self.config.lease_ttl
+        return None if ttl is None or tracker.leased_at is None else tracker.leased_at + ttl / 2
+
+    def leases_loadable(self, tracker: RequestTracker, now: float) -> bool:
+        """Whether the hit may be loaded now: its leases live at least a quarter of a TTL more
+        (the retrieve must reach the server before they expire)."""
+        ttl = self.config.lease_ttl
+        return ttl is None or tracker.leased_at is None or now <= tracker.leased_at + ttl * 3 / 4
+
     def _match_after_allocation(self, tracker: RequestTracker, event: MatchRequest,
                                 out: Out) -> None:
         """Seen again after its blocks were allocated (preempted, resumed): the lookup's leases
@@ -381,8 +435,10 @@ class StepPlanner:
         self._trackers[event.request_id] = tracker
         if self.config.load and (tracker.load_limit is None or tracker.load_limit > event.num_computed_tokens):
             self._counters["lookups_submitted"] += 1
+            tracker.leased_at = now
             self._lookup(SubmitLookup(event.request_id, tracker.prompt(), tracker.cache_salt, tracker.extras),
                          now, out)
+            self._schedule_renewal(tracker, self.renew_at(tracker))
         else:
             tracker.hit_tokens = 0
             tracker.state = _R.MATCHED
@@ -401,6 +457,12 @@ class StepPlanner:
             tracker.state = _R.MATCHED
         tracker.engine_hit_tokens = event.num_computed_tokens
         loadable = self.loadable_tokens(tracker)
+        if loadable > event.num_computed_tokens and not self.leases_loadable(tracker, now):
+            # The leases may expire before the retrieve reaches the server: renew them first.
+            if self._renew(tracker, now, out):
+                out.append(MatchAnswer(event.request_id, None, True))
+                return
+            loadable = 0
         if loadable <= event.num_computed_tokens:
             tracker.sync_load = False
             out.append(MatchAnswer(event.request_id, 0, False))
@@ -408,6 +470,53 @@ class StepPlanner:
             tokens = loadable - event.num_computed_tokens
             tracker.sync_load = tokens <= self.config.sync_load_max_tokens
             out.append(MatchAnswer(event.request_id, tokens, not tracker.sync_load))
+
+    def _on_renewal_due(self, event: LeaseRenewalDue, now: float, out: Out) -> None:
+        """Renew a waiting request's leases. vLLM may not ask about a request for a long time
+        (a full scheduler does not reach it), so a lookup it has not seen answered yet is read
+        here; one still in flight is looked at again an eighth of a TTL later."""
+        tracker = self._trackers[event.request_id]
+        if tracker.leased_at != event.leased_at:
+            return  # a later lookup holds the leases now
+        if tracker.state is _R.LOOKING_UP:
+            hit = self.lookups.check(tracker.request_id)
+            if hit is None:
+                ttl = self.config.lease_ttl
+                self._schedule_renewal(tracker, None if ttl is None else now + ttl / 8)
+                return
+            tracker.hit_tokens = int(hit)
+            tracker.state = _R.MATCHED
+        if tracker.hit_tokens:
+            self._renew(tracker, now, out)
+
+    def _schedule_renewal(self, tracker: RequestTracker, due: float | None) -> None:
+        if due is not None and tracker.leased_at is not None:
+            self._renewal_seq += 1
+            heapq.heappush(self._renewals, (due, self._renewal_seq, tracker.request_id, tracker.leased_at))
+
+    def _renew(self, tracker: RequestTracker, now: float, out: Out) -> bool:
+        """Look a waiting request up again, so the servers renew (or recover) its hit's leases;
+        with no renewal left, give the hit up: free its leases, the request recomputes. True: a
+        renewal is under way (the request is LOOKING_UP again)."""
+        if tracker.lease_renewals >= self.config.max_lease_renewals:
+            self._counters["hits_given_up"] += 1
+            hit, tracker.hit_tokens, tracker.leased_at = tracker.hit_tokens or 0, 0, None
+            self._lookup(FreeUnusedLeases(tracker.request_id, tracker.prompt(), 0, hit, tracker.cache_salt,
+                                          tracker.extras), now, out)
+            return False
+        tracker.lease_renewals += 1
+        self._counters["lease_renewals"] += 1
+        tracker.hit_tokens, tracker.leased_at, tracker.state = None, now, _R.LOOKING_UP
+        self._lookup(Cleanup(tracker.request_id), now, out)  # forgets the answered lookup; frees nothing
+        self._lookup(SubmitLookup(tracker.request_id, tracker.prompt(), tracker.cache_salt, tracker.extras),
+                     now, out)
+        self._schedule_renewal(tracker, self.renew_at(tracker))
+        return True
+
+    def _renew_due(self, now: float, out: Out) -> None:
+        while self._renewals and self._renewals[0][0] <= now:
+            _due, _seq, request_id, leased_at = heapq.heappop(self._renewals)
+            self._dispatch.run(LeaseRenewalDue(request_id, leased_at), now, out)
 
     def _on_match_allocated(self, event: MatchRequest, now: float, out: Out) -> None:
         self._match_after_allocation(self._trackers[event.request_id], event, out)
@@ -519,6 +628,12 @@ TABLE: Table[RequestState] = Table("StepPlanner", RequestState, _R.ABSENT, {
     (_R.MATCHED, MatchRequest): (_P._on_match, (_R.MATCHED,)),
     (_R.RUNNING, MatchRequest): (_P._on_match_allocated, (_R.RUNNING,)),
     (_R.PREEMPTED, MatchRequest): (_P._on_match_allocated, (_R.PREEMPTED,)),
+    # A renewal due while the request still waits looks it up again; once it holds blocks the
+    # leases are spent or freed: nothing to renew.
+    (_R.LOOKING_UP, LeaseRenewalDue): (_P._on_renewal_due, (_R.LOOKING_UP, _R.MATCHED)),
+    (_R.MATCHED, LeaseRenewalDue): (_P._on_renewal_due, (_R.MATCHED, _R.LOOKING_UP)),
+    **{(state, LeaseRenewalDue): (_P._ignore, (state,))
+       for state in (_R.ABSENT, _R.RUNNING, _R.PREEMPTED)},
     (_R.ABSENT, BlocksAllocated): (_P._ignore, (_R.ABSENT,)),
     # Allocated before the lookup answered (vLLM got (None, True) and must not allocate; a
     # kv_producer-only engine has no lookup): the hit counts as 0.

@@ -246,10 +246,9 @@ class LookupServer:
         out.append(Reply(event.reply_to, None))
 
     def _lease_for_lookup(self, request_id: str, key: ObjectKey, num_readers: int, now: float) -> None:
-        """Make ``request_id`` hold ``num_readers`` counts on ``key`` (tops up, never adds twice)."""
-        need = num_readers - self.index.read_count(key, request_id)
-        if need > 0:
-            self.index.lease_read(key, request_id, need, now)
+        """Make ``request_id`` hold ``num_readers`` counts on ``key`` (tops up, never adds twice;
+        renews a lease it holds)."""
+        self.index.lease_reads((key,), request_id, num_readers, now, top_up=True, refresh=True)
         self.index.touch(key)
 
     def _lease_prefix_for_lookup(
@@ -262,8 +261,10 @@ class LookupServer:
                 self._lease_for_lookup(request_id, key, num_readers, now)
             return
         # Top-up per object, as _lease_for_lookup (READY objects being leased leave the LRU set,
-        # so its touch has nothing to move).
-        self.index.lease_reads(keys, request_id, num_readers, now, top_up=True)
+        # so its touch has nothing to move). Every lookup of an id also renews the leases it
+        # already holds: a connector whose request waits in a deep queue looks it up again
+        # before they expire (bounded by max_lookups_per_request).
+        self.index.lease_reads(keys, request_id, num_readers, now, top_up=True, refresh=True)
 
     def _release_for_free_lookup_locks(
         self, request_id: str, keys: Sequence[ObjectKey], now: float

@@ -115,6 +115,9 @@ class ConnectorConfig:
       schedules the request (vLLM's synchronous load) instead of a later one. Default: every
       load for CPU engines (the worker copies on the step's thread either way), none for GPU
       engines (the server's copy overlaps compute). 0: always asynchronous.
+    * ``lease_ttl_s``: the servers' ``--lease-ttl`` (default 300, as theirs). A request that
+      waits in vLLM's queue renews its hit's read leases every half of it and loads only while
+      a quarter is left; set it no higher than the servers' (lower only renews more often).
     """
 
     server_urls: tuple[str, ...] = attrs.field(default=("tcp://127.0.0.1:5555",), converter=_parse_urls)
@@ -126,6 +129,7 @@ class ConnectorConfig:
     model_identity: str = attrs.field(default="", converter=str)
     lookup_wait_ms: float = attrs.field(default=5.0, converter=float)
     sync_load_max_tokens: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
+    lease_ttl_s: float = attrs.field(default=300.0, converter=float)
 
     @lookup_wait_ms.validator
     def _wait(self, attribute: attrs.Attribute[float], value: float) -> None:
@@ -145,6 +149,7 @@ class ConnectorConfig:
 
     @request_timeout_s.validator
     @connect_timeout_s.validator
+    @lease_ttl_s.validator
     def _positive(self, attribute: attrs.Attribute[float], value: float) -> None:
         if not value > 0:
             raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be > 0, got {value}")
@@ -406,7 +411,8 @@ class SchedulerAdapter(_MachineShell):
             planner = StepPlanner(
                 PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
                               load=load, store=store, lookup_wait=config.lookup_wait_ms / 1000.0,
-                              sync_load_max_tokens=config.sync_load_tokens(cpu_engine)),
+                              sync_load_max_tokens=config.sync_load_tokens(cpu_engine),
+                              lease_ttl=config.lease_ttl_s),
                 lookups,
             )
             return cls(links, planner)
@@ -448,6 +454,9 @@ class SchedulerAdapter(_MachineShell):
         self._handle(BlocksAllocated(request_id, tuple(block_ids), num_external_tokens))
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        # Every step, even one that matches no request (a full scheduler): the planner's timer
+        # renews the leases of requests waiting in the queue.
+        self._pump()
         for answer in self._handle(StepScheduled(tuple(scheduled), tuple(preempted))):
             if isinstance(answer, StepPlan):
                 return answer

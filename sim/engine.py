@@ -65,6 +65,7 @@ from sim.scenario import RequestSpec, sched_name, server_name, worker_name
 
 MODEL = "sim-model"
 SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished)
+RUNNING = ("loading", "computing", "decoding")  # requests that count against max_running
 LOOKUP = "lookup"
 HB = "hb"
 
@@ -96,6 +97,9 @@ class SimRequest:
     compute_done_at: float = 0.0
     preempted: bool = False
     unresolved: bool = False  # the last check() answered None
+    # the retrieve server's lease expiry for the hit when last seen held, with that server's
+    # incarnation and the world's clear count then
+    lease_seen: tuple[float, int, int] | None = None
     arrived_at: float = 0.0
     finished_at: float = 0.0
 
@@ -383,10 +387,16 @@ class SimEngine:
             return
         self._collect_worker_reports()
         now = self.world.now()
+        cap = self.cfg.max_running
+        running = sum(1 for r in self.order if r.state in RUNNING)
         for req in self.order:
             st = req.state
             if st == "waiting":
+                self._note_leases(req)
+                if cap is not None and running >= cap:
+                    continue  # vLLM's scheduler is full: it does not reach the request this step
                 self._schedule_waiting(req)
+                running += req.state in RUNNING
             elif st == "computing" and now >= req.compute_done_at:
                 self._compute_and_store(req)
         self._build_plan()
@@ -441,7 +451,7 @@ class SimEngine:
         if external > 0:
             # WAITING_FOR_REMOTE_KVS: runnable once every rank reported the load in recving
             req.retrieve = None
-            req.retrieve_server = int(req.rid[1:] or 0) % self.num_servers
+            req.retrieve_server = self._retrieve_server(req)
             req.loads_pending = {w.rank for w in self.workers}
             req.state = "loading"
         else:
@@ -469,6 +479,65 @@ class SimEngine:
                 f"{None if tracker.pending_retrieve is None else (tracker.pending_retrieve.start, tracker.pending_retrieve.end)}): "
                 f"the rest stays leased until the request ends")
 
+    def _retrieve_server(self, req: SimRequest) -> int:
+        server: int = int(req.rid[1:] or 0) % self.num_servers
+        return server
+
+    def _leases(self, req: SimRequest, start: int, end: int) -> tuple[float | None, bool] | None:
+        """The earliest expiry of ``req``'s read leases on chunks ``[start, end)`` (tokens) of
+        every rank at its retrieve server, and whether it holds all of them (None: the server
+        is down)."""
+        host = self.world.servers[self._retrieve_server(req)]
+        if not host.up or host.node is None:
+            return None
+        index = host.node.machines["server"].index
+        earliest: float | None = None
+        held = True
+        for chunk in range(start // self.C, min(end // self.C, len(req.hashes))):
+            for rank in range(self.tp):
+                expiry = index.lease_expiry(ObjectKey(req.hashes[chunk], rank), req.rid)
+                if expiry is None:
+                    held = False
+                elif earliest is None or expiry < earliest:
+                    earliest = expiry
+        return earliest, held
+
+    def _note_leases(self, req: SimRequest) -> None:
+        """Remember when the leases of a waiting request's answered lookup expire (the server
+        forgets an expired lease; the F20 check must know it expired)."""
+        lookups = self.planner().lookups
+        if lookups.state(req.rid) is not LookupState.DONE:
+            return
+        pending = lookups.pending(req.rid)
+        hit = 0 if pending is None else pending.result_tokens or 0
+        seen = self._leases(req, 0, hit) if hit else None
+        if seen is not None and seen[1] and seen[0] is not None:
+            host = self.world.servers[self._retrieve_server(req)]
+            req.lease_seen = (seen[0], host.incarnation, self.world.stats["clears"])
+
+    def _check_retrieve_leases(self, req: SimRequest, op: SubmitRetrieve) -> None:
+        """F20: a planned load reads through read leases its request still holds at the server.
+        A request that waited in the queue longer than its leases live must renew them first or
+        recompute: once they expired, the objects may be evicted and the hit is a load error."""
+        seen = self._leases(req, op.start, op.end)
+        if seen is None:
+            return
+        earliest, held = seen
+        now = self.world.now()
+        expired_at = earliest if earliest is not None and earliest <= now else None
+        last = req.lease_seen
+        if expired_at is None and not held and last is not None and last[0] <= now:
+            # Gone, and due to expire by now anyway: expired, unless a restart or a clear took it.
+            if (last[1], last[2]) == (self.world.servers[self._retrieve_server(req)].incarnation,
+                                      self.world.stats["clears"]):
+                expired_at = last[0]
+        if expired_at is not None:
+            assert self.sched is not None
+            self.world.violation(
+                "F20", self.sched.name, f"{req.rid}: load [{op.start}, {op.end}) planned at {now:.3f} after waiting "
+                f"{now - req.arrived_at:.3f} s in the queue, on read leases that expired at {expired_at:.3f} "
+                f"(lease TTL {self.cfg.lease_ttl}): the hit becomes a load error once the objects are evicted")
+
     def _engine_prefix_hit(self, req: SimRequest) -> int:
         """vLLM's own prefix-cache hit: whole blocks, and never the last token (vLLM's
         ``KVCacheManager.get_computed_blocks`` caps the hit one token short of the request)."""
@@ -495,6 +564,7 @@ class SimEngine:
                 continue
             req.retrieve = op
             req.retrieves_planned += 1
+            self._check_retrieve_leases(req, op)
             if req.retrieves_planned > 1:
                 # One lookup leases the hit once: the first load used those leases (or the first
                 # allocation freed them); a second load reads chunks nothing holds for it.

@@ -23,6 +23,7 @@ FAILURES: dict[str, str] = {
     "F13": "missed restart (a live engine never registered again with a restarted server)",
     "F19": "live instance reaped (its heartbeats reached the server, or it was never registered again)",
     "F16": "double completion, or a copy into blocks already freed",
+    "F20": "load on expired leases (a hit's read leases lapsed while its request waited in the queue)",
     "F21": "load on spent leases (a request's one lookup planned for a second load)",
     "F22": "tenant harmed (another peer's request changed an honest tenant's state)",
     "HIT": "hit reported for data never stored",

@@ -88,7 +88,8 @@ class Profile:
     def make_planner(self, cfg: WorldConfig) -> StepPlanner:
         """The scheduler's machine: the planner MPCacheConnector runs, over this profile's
         lookup client."""
-        return self.planner_class(PlannerConfig(cfg.chunk_size, cfg.block_size), self.make_lookup_client(cfg))
+        return self.planner_class(PlannerConfig(cfg.chunk_size, cfg.block_size, lease_ttl=cfg.lease_ttl),
+                                  self.make_lookup_client(cfg))
 
     def make_transfer_client(self, cfg: WorldConfig, rank: int, instance_id: int, server: int) -> TransferClient:
         return self.transfer_client_class(TransferClientConfig(
@@ -308,6 +309,24 @@ class PreemptReuse(Profile):
     planner_class = PreemptReusePlanner
 
 
+# lease-expiry-under-queue (F20, LMCache #4691): the planner neither renews a waiting request's
+# read leases nor checks their age before loading, so a request that waited in a deep queue longer
+# than the lease TTL loads a hit whose leases are gone (an evicted object: a load error).
+class NoRenewalPlanner(StepPlanner):
+    def renew_at(self, tracker: RequestTracker) -> float | None:
+        return None
+
+    def leases_loadable(self, tracker: RequestTracker, now: float) -> bool:
+        return True
+
+
+class LeaseExpiryUnderQueue(Profile):
+    name = "lease-expiry-under-queue"
+    failure = "F20"
+    description = "planner: a hit's read leases are never renewed while the request waits in a deep queue"
+    planner_class = NoRenewalPlanner
+
+
 # missed-epoch (F13): a restart between two heartbeats goes unnoticed -- the worker neither
 # registers again on the new epoch nor on the not_registered answers that follow.
 class NeverReregisterTransferClient(TransferClient):
@@ -375,7 +394,7 @@ PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
-              TrustAll(), IdleReap())
+              TrustAll(), IdleReap(), LeaseExpiryUnderQueue())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 

@@ -41,6 +41,10 @@ class WorldConfig:
     step_interval: float = 0.01
     compute_time: float = 0.01
     decode_time: float = 0.05
+    # vLLM's max_num_seqs: at most this many requests hold blocks at once; the rest wait in the
+    # queue, unmatched once the scheduler is full (None: no cap). A small cap and long decodes
+    # make deep queues, where a matched request waits longer than its hit's read leases live.
+    max_running: int | None = None
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 2.5
     engine_driven: bool = False
@@ -164,6 +168,14 @@ def draw_scenario(seed: int) -> Scenario:
         adversary=random.Random(f"{seed}:adversary").random() < 0.4,
         chain_seed=seed,
     )
+    queue = random.Random(f"{seed}:queue")  # deep queues: their own stream too
+    max_running = queue.choice((None, 1, 2))
+    # Only in worlds whose drawn lease TTL is the short one, where a queue can outlast it; the
+    # others, and those with the adversary (its requests and the legacy over-release profiles race
+    # for the first violation, and each profile must show its own), keep their timing as drawn.
+    if max_running is not None and not config.adversary and config.lease_ttl <= 2.0:
+        config = attrs.evolve(config, max_running=max_running, decode_time=queue.choice((0.5, 1.0)),
+                              lease_ttl=min(config.lease_ttl, queue.choice((1.0, 2.0))))
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]

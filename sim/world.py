@@ -267,7 +267,8 @@ class World:
 
     def _on_instance_reaped(self, host: ServerHost, effect: InstanceReaped) -> None:
         """F19 (LMCache #4715): the server may reap an instance only after ``instance_ttl`` without
-        a heartbeat from it -- one whose heartbeat it handled less than that ago was live."""
+        a heartbeat from it -- one whose heartbeat it handled less than that ago was live
+        (compared as the server does, ``seen + ttl > now``: ``now - seen`` may round below it)."""
         now = self.now()
         iid = effect.instance_id
         host.reaped.add(iid)
@@ -276,7 +277,7 @@ class World:
         seen = host.heartbeat_seen.get(iid)
         ttl = self.profile.server_config(self.config).instance_ttl
         worker = self.worker_by_instance(iid)
-        if seen is not None and ttl is not None and now - seen < ttl and worker is not None and worker.alive:
+        if seen is not None and ttl is not None and seen + ttl > now and worker is not None and worker.alive:
             self.violation("F19", host.name, f"{worker.name} (instance {iid}) reaped although its heartbeat "
                            f"reached {host.name} {now - seen:.3f}s ago (instance_ttl {ttl:g}s): a live idle "
                            f"instance; its retrieves are refused not_registered from now on")

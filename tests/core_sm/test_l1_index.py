@@ -492,3 +492,18 @@ def test_server_two_instances_one_floods_the_others_hits_survive() -> None:
 
     assert h.call(UnregisterInstance(2)) is None
     assert idx.charged(2) == 0 and idx.charged(None) == 3 and idx.tenant_share == 8
+
+
+def test_lease_reads_refresh_renews_held_leases_and_lease_expiry_reads_them() -> None:
+    keys = [ObjectKey(bytes([i]), 0) for i in range(2)]
+    idx = _ready_index(keys, ttl=100)
+    assert idx.lease_read(keys[0], "r", 1, 0)
+    assert idx.lease_expiry(keys[0], "r") == 100 and idx.lease_expiry(keys[1], "r") is None
+    assert idx.lease_reads(keys, "r", 1, 60, top_up=True, refresh=True) == 2
+    assert [idx.lease_expiry(k, "r") for k in keys] == [160, 160]
+    assert [idx.read_count(k, "r") for k in keys] == [1, 1]  # renewed, not added
+    idx.expire(100)
+    assert [idx.read_count(k, "r") for k in keys] == [1, 1]
+    idx.expire(160)
+    assert idx.stats()["leases_held"] == 0
+    idx.check_invariants()

@@ -9,10 +9,19 @@ from typing import Any
 import pytest
 
 from core_sm.lookup_client import LookupClient, LookupClientConfig
-from core_sm.messages import Cleanup, EndRequest, FreeUnusedLeases, SubmitLookup, SubmitRetrieve, SubmitStore
+from core_sm.messages import (
+    Cleanup,
+    EndRequest,
+    FreeUnusedLeases,
+    SubmitLookup,
+    SubmitRetrieve,
+    SubmitStore,
+    TimerFired,
+)
 from core_sm.planner import (
     TABLE,
     BlocksAllocated,
+    LeaseRenewalDue,
     MatchAnswer,
     MatchRequest,
     PlannerConfig,
@@ -48,8 +57,8 @@ def planner(hit: int | None, **kw: Any) -> tuple[StepPlanner, StubLookups]:
     return StepPlanner(PlannerConfig(C, BS, **kw), lookups), lookups
 
 
-def match(p: StepPlanner, tokens: list[int], computed: int = 0, rid: str = "r") -> MatchAnswer:
-    (answer,) = [e for e in p.handle(MatchRequest(rid, tokens, len(tokens), computed), 0.0) if isinstance(e, MatchAnswer)]
+def match(p: StepPlanner, tokens: list[int], computed: int = 0, rid: str = "r", now: float = 0.0) -> MatchAnswer:
+    (answer,) = [e for e in p.handle(MatchRequest(rid, tokens, len(tokens), computed), now) if isinstance(e, MatchAnswer)]
     return answer
 
 
@@ -165,6 +174,7 @@ EVENTS = [
     MatchRequest("r", list(range(3 * C)), 3 * C, 0),
     BlocksAllocated("r", range(12), 2 * C),
     RequestPreempted("r"),
+    LeaseRenewalDue("r", 0.0),
     RequestScheduled(ScheduledRequest("r", 0, 3 * C, tuple(range(12)), True)),
     RequestFinished("r"),
 ]
@@ -185,3 +195,84 @@ def test_every_state_and_event_gives_a_listed_state_or_a_counted_stale_event(sta
     else:
         assert p.state("r") in allowed
     p.check_invariants()
+
+
+# ------------------------------------------------------------------ leases under a deep queue (F20)
+
+
+def asks(lookups: StubLookups) -> list[type]:
+    """What the planner asked of the lookup client (its timer ticks aside)."""
+    return [type(e) for e in lookups.calls if not isinstance(e, TimerFired)]
+
+
+
+def test_a_waiting_hit_is_looked_up_again_half_a_ttl_after_its_lookup() -> None:
+    p, lookups = planner(2 * C, lease_ttl=10.0)
+    tokens = list(range(3 * C))
+    assert match(p, tokens) == MatchAnswer("r", 2 * C, True)
+    assert p.next_deadline() == 5.0
+    p.handle(TimerFired(), 4.9)
+    assert asks(lookups) == [SubmitLookup]
+    lookups.hit = None  # the renewal is in flight: vLLM is asked to wait
+    p.handle(TimerFired(), 5.0)
+    assert asks(lookups) == [SubmitLookup, Cleanup, SubmitLookup]
+    assert p.state("r") is RequestState.LOOKING_UP and p.stats()["lease_renewals"] == 1
+    assert match(p, tokens, now=5.1) == MatchAnswer("r", None, True)
+    lookups.hit = C  # the renewal found less resident: that is the hit now
+    assert match(p, tokens, now=5.2) == MatchAnswer("r", C, True)
+    assert p.next_deadline() == 10.0  # half a TTL after the renewal was sent
+
+
+def test_a_renewal_due_before_vllm_saw_the_answer_reads_it_then_renews() -> None:
+    p, lookups = planner(None, lease_ttl=8.0)
+    tokens = list(range(3 * C))
+    assert match(p, tokens) == MatchAnswer("r", None, True)
+    p.handle(TimerFired(), 4.0)  # still in flight: looked at again an eighth of a TTL later
+    assert p.next_deadline() == 5.0 and asks(lookups) == [SubmitLookup]
+    lookups.hit = 2 * C  # answered, but a full scheduler has not asked about the request since
+    p.handle(TimerFired(), 5.0)
+    assert asks(lookups) == [SubmitLookup, Cleanup, SubmitLookup]
+
+
+def test_old_leases_are_renewed_before_loading_never_loaded() -> None:
+    p, lookups = planner(2 * C, lease_ttl=10.0)
+    tokens = list(range(3 * C))
+    assert match(p, tokens) == MatchAnswer("r", 2 * C, True)  # looked up at 0
+    assert match(p, tokens, now=7.5) == MatchAnswer("r", 2 * C, True)  # a quarter TTL left: fine
+    # vLLM did not allocate; its next call comes later than the timer would (no TimerFired).
+    assert match(p, tokens, now=7.6) == MatchAnswer("r", None, True)
+    assert asks(lookups) == [SubmitLookup, Cleanup, SubmitLookup]
+    assert match(p, tokens, now=7.7) == MatchAnswer("r", 2 * C, True)  # renewed at 7.6
+
+
+def test_with_no_renewal_left_the_hit_is_given_up_and_its_leases_freed() -> None:
+    p, lookups = planner(2 * C, lease_ttl=10.0, max_lease_renewals=1)
+    tokens = list(range(3 * C))
+    match(p, tokens)
+    p.handle(TimerFired(), 5.0)  # renewal 1 of 1
+    assert match(p, tokens, now=5.0) == MatchAnswer("r", 2 * C, True)
+    p.handle(TimerFired(), 10.0)  # no renewal left
+    assert frees(lookups) == [(0, 2 * C)] and p.stats()["hits_given_up"] == 1
+    assert match(p, tokens, now=10.0) == MatchAnswer("r", 0, False)
+    p.handle(BlocksAllocated("r", range(12), 0), 10.0)
+    assert step(p).retrieves == ()
+    p.check_invariants()
+
+
+def test_allocated_requests_are_not_renewed() -> None:
+    p, lookups = planner(2 * C, lease_ttl=10.0)
+    tokens = list(range(3 * C))
+    match(p, tokens)
+    p.handle(BlocksAllocated("r", range(12), 2 * C), 0.0)
+    n = len(asks(lookups))
+    p.handle(TimerFired(), 5.0)
+    assert len(asks(lookups)) == n and p.stats()["lease_renewals"] == 0
+    assert p.next_deadline() is None  # the stale entry was popped
+
+
+def test_lease_ttl_none_never_renews() -> None:
+    p, lookups = planner(2 * C, lease_ttl=None)
+    assert match(p, list(range(3 * C)), now=1e6) == MatchAnswer("r", 2 * C, True)
+    assert p.next_deadline() is None
+    with pytest.raises(ValueError):
+        PlannerConfig(C, BS, lease_ttl=0.0)
