@@ -89,7 +89,9 @@ class PlannerConfig:
 
     * ``lookup_wait``: seconds after a request's first ``MatchRequest`` during which the caller
       may wait for the lookup's answer and ask again (``MatchAnswer.wait_until``), instead of
-      answering "not yet" and costing the request a step; 0: never wait.
+      answering "not yet" and costing the request a step; 0: never wait. It is also the budget
+      of one scheduling pass (the matches between two ``StepScheduled``): however many new
+      requests a pass sees, it waits at most this long in all.
     * ``sync_load_max_tokens``: a load of at most this many tokens is synchronous
       (``load_async=False``): vLLM schedules the request in the same step, and the workers finish
       the load before that step's forward (``StepPlan.sync_loads``); larger loads are
@@ -311,6 +313,7 @@ class StepPlanner:
         # on (allocated, renewed, finished) is stale and skipped when it comes due
         self._renewals: list[tuple[float, int, str, float]] = []
         self._renewal_seq = 0
+        self._pass_started_at: float | None = None  # the first MatchRequest since the last step
         self._counters: dict[str, int] = {"internal_errors": 0, "lookups_submitted": 0, "loads_planned": 0,
                                           "stores_planned": 0, "recomputed_after_preemption": 0,
                                           "lease_renewals": 0, "hits_given_up": 0}
@@ -330,6 +333,8 @@ class StepPlanner:
             elif isinstance(event, StepScheduled):
                 self._on_step(event, now, out)
             else:
+                if isinstance(event, MatchRequest) and self._pass_started_at is None:
+                    self._pass_started_at = now
                 self._dispatch.run(event, now, out)
         except Exception:
             self._counters["internal_errors"] += 1
@@ -450,8 +455,11 @@ class StepPlanner:
             hit = self.lookups.check(event.request_id)
             if hit is None:
                 wait = self.config.lookup_wait
-                out.append(MatchAnswer(event.request_id, None, True,
-                                       tracker.first_match_at + wait if wait > 0 else None))
+                until = None
+                if wait > 0:
+                    started = self._pass_started_at if self._pass_started_at is not None else now
+                    until = min(tracker.first_match_at, started) + wait
+                out.append(MatchAnswer(event.request_id, None, True, until))
                 return
             tracker.hit_tokens = int(hit)
             tracker.state = _R.MATCHED
@@ -581,6 +589,7 @@ class StepPlanner:
     # ------------------------------------------------------------------ the step
 
     def _on_step(self, event: StepScheduled, now: float, out: Out) -> None:
+        self._pass_started_at = None
         retrieves: list[SubmitRetrieve] = []
         sync_loads: list[str] = []
         for tracker in self._trackers.values():

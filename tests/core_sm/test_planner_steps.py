@@ -53,3 +53,15 @@ def test_the_settings_are_bounded() -> None:
         PlannerConfig(C, BS, lookup_wait=2.0)
     with pytest.raises(ValueError):
         PlannerConfig(C, BS, sync_load_max_tokens=-1)
+
+
+def test_one_scheduling_pass_waits_at_most_the_lookup_wait_in_all() -> None:
+    p, _ = planner(None, lookup_wait=0.004)
+    a, b = list(range(4 * C)), list(range(1, 4 * C + 1))
+    (first,) = [e for e in p.handle(MatchRequest("a", a, len(a), 0), 10.0) if isinstance(e, MatchAnswer)]
+    (second,) = [e for e in p.handle(MatchRequest("b", b, len(b), 0), 10.003) if isinstance(e, MatchAnswer)]
+    assert first.wait_until == pytest.approx(10.004)
+    assert second.wait_until == pytest.approx(10.004)  # the pass's budget, not b's own 5 ms
+    step(p)  # the next pass has a budget of its own; b's own wait is over by then
+    (again,) = [e for e in p.handle(MatchRequest("b", b, len(b), 0), 20.0) if isinstance(e, MatchAnswer)]
+    assert again.wait_until is not None and again.wait_until < 20.0
