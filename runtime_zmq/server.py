@@ -60,6 +60,9 @@ _TIMED_EFFECTS = (fx.StartTransfer, fx.ReadL2, fx.WriteL2, fx.ProbeL2)
 _backend_send = zmq.backend.Socket.send
 _backend_recv = zmq.backend.Socket.recv
 _SEND_MORE = zmq.NOBLOCK | zmq.SNDMORE
+# replies held during one receive batch: at most this many, for at most this long
+_REPLY_BATCH = 16
+_REPLY_HOLD_S = 0.0005
 # results sent as they are (no result_to_wire conversion)
 _PLAIN_RESULTS = frozenset({bool, int, str})
 # frames at least this big are released by the frame-freeing thread, not the loop
@@ -265,6 +268,9 @@ class Server:
         log.info("chunk keys are keyed by %s (fingerprint %s); servers sharing an L2 must share it",
                  chain_source, self.machine.ctx.chain.fingerprint)
         self._outstanding: dict[ReplyTo, None] = {}
+        # replies held during a receive batch (None: outside one, sent at once) and since when
+        self._reply_batch: list[list[bytes]] | None = None
+        self._reply_batch_since = 0.0
         self._event_handles: dict[ReplyTo, bytes] = {}
         # object sizes, so a write-behind copies only the bytes an object fills in its slot
         self._instance_bytes: dict[int, int] = {}
@@ -386,7 +392,6 @@ class Server:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.channel.fd, zmq.POLLIN)
         sock = self.sock
-        perf_counter = time.perf_counter
         while not self._stopping:
             now = self.clock()
             deadline = self.machine.next_deadline()
@@ -401,29 +406,13 @@ class Server:
             if self.channel.fd in events:
                 self._drain_completions()
             if sock in events:
-                # The longest message's wall time, and a bound on its CPU: the least of its wall
-                # time and the loop thread's CPU since the batch began. thread_time is a system
-                # call (~1.3 us here), so it is read once a batch and again only for a message
-                # whose wall time could raise the maximum (a message's CPU never exceeds its wall).
                 batch_cpu0 = time.thread_time()
-                # bounded batch so completions and timers are never starved by a flood
-                for _ in range(256):
-                    t0 = perf_counter()
-                    try:
-                        received = self._receive(sock)
-                    except zmq.Again:
-                        break
-                    if isinstance(received, list):
-                        self._on_message(received)
-                    else:
-                        self._on_refused(received)
-                    wall = perf_counter() - t0
-                    if wall > self._max_message_s:
-                        self._max_message_s = wall
-                    if wall > self._max_message_cpu_s:
-                        cpu = min(wall, time.thread_time() - batch_cpu0)
-                        if cpu > self._max_message_cpu_s:
-                            self._max_message_cpu_s = cpu
+                self._reply_batch = []  # replies wait for the batch's end (_send)
+                try:
+                    self._receive_batch(sock, batch_cpu0)
+                finally:
+                    self._flush_replies()
+                    self._reply_batch = None
             now = self.clock()
             if now - self._last_gauges >= 1.0:
                 self._last_gauges = now
@@ -432,6 +421,34 @@ class Server:
 
     def _post_instance_failed(self, instance_id: int, reason: str) -> None:
         self.channel.post(m.InstanceFailed(instance_id, reason))
+
+    def _receive_batch(self, sock: zmq.Socket[Any], batch_cpu0: float) -> None:
+        """Up to 256 waiting messages (bounded, so completions and timers are never starved by a
+        flood), each timed: the longest message's wall time, and a bound on its CPU: the least of
+        its wall time and the loop thread's CPU since the batch began (``batch_cpu0``).
+        thread_time is a system call (~1.3 us here), so it is read once a batch and again only
+        for a message whose wall time could raise the maximum (a message's CPU never exceeds its
+        wall time)."""
+        perf_counter = time.perf_counter
+        for _ in range(256):
+            t0 = perf_counter()
+            if self._reply_batch and t0 - self._reply_batch_since >= _REPLY_HOLD_S:
+                self._flush_replies()  # held long enough: not behind one more message
+            try:
+                received = self._receive(sock)
+            except zmq.Again:
+                break
+            if isinstance(received, list):
+                self._on_message(received)
+            else:
+                self._on_refused(received)
+            wall = perf_counter() - t0
+            if wall > self._max_message_s:
+                self._max_message_s = wall
+            if wall > self._max_message_cpu_s:
+                cpu = min(wall, time.thread_time() - batch_cpu0)
+                if cpu > self._max_message_cpu_s:
+                    self._max_message_cpu_s = cpu
 
     def _drain_completions(self) -> None:
         for ev in self.channel.drain():
@@ -674,6 +691,29 @@ class Server:
     # ------------------------------------------------------------------ replies
 
     def _send(self, frames: list[bytes]) -> None:
+        batch = self._reply_batch
+        if batch is None:
+            self._send_now(frames)
+            return
+        # Inside a receive batch replies are held and sent together at its end: a send that
+        # finds zmq's I/O thread asleep wakes it (a system call, and on a busy box the loop thread
+        # then waits for a core), so one wake-up per batch instead of per reply. Held at most
+        # _REPLY_BATCH replies, and past _REPLY_HOLD_S sent before the next message is read (so a
+        # reply waits at most that plus one message's handling).
+        if not batch:
+            self._reply_batch_since = time.perf_counter()
+        batch.append(frames)
+        if len(batch) >= _REPLY_BATCH or time.perf_counter() - self._reply_batch_since >= _REPLY_HOLD_S:
+            self._flush_replies()
+
+    def _flush_replies(self) -> None:
+        batch = self._reply_batch
+        if batch:
+            self._reply_batch = []
+            for frames in batch:
+                self._send_now(frames)
+
+    def _send_now(self, frames: list[bytes]) -> None:
         sock = self.sock
         try:
             if isinstance(sock, zmq.Socket):

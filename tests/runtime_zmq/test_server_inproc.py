@@ -201,3 +201,34 @@ def test_raising_executor_start_still_finishes_the_transfer(raising: tuple[Serve
     s = c.stats()
     assert s["transfers"] == 0 and s["transfers_in_flight"] == 0 and s["pinned_effects"] == 0
     assert s["quarantined_slots"] == 0 and s["free_slots"] == s["l1_num_slots"]
+
+
+def test_replies_held_in_a_receive_batch_all_go_out_in_order(threaded: tuple[Server, MPCacheClient]) -> None:
+    """Replies wait for the end of their receive batch (one wake-up of zmq's I/O thread per
+    batch): 200 pipelined requests, more than one batch's hold of replies, each answered once, in
+    order, and a request alone after them is answered at once."""
+    import msgpack  # type: ignore[import-untyped]
+    import zmq
+
+    server, _c = threaded
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.bound_url)
+    try:
+        ops = ["noop", "query_prefetch_status"] * 100
+        for uid, op in enumerate(ops):
+            frames = [msgpack.packb(uid), msgpack.packb(op)] + ([msgpack.packb(f"r{uid}")] if op != "noop" else [])
+            sock.send_multipart(frames)
+        got = []
+        for _ in ops:
+            assert sock.poll(5000), f"{len(got)} of {len(ops)} replies"
+            reply = sock.recv_multipart()
+            got.append((msgpack.unpackb(reply[0]), msgpack.unpackb(reply[1])))
+        assert got == list(enumerate(ops))
+        assert not sock.poll(100)  # nothing twice
+        t0 = time.monotonic()
+        sock.send_multipart([msgpack.packb(999), msgpack.packb("noop")])
+        assert sock.poll(2000) and msgpack.unpackb(sock.recv_multipart()[0]) == 999
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        sock.close()
