@@ -459,6 +459,26 @@ def interleaved(probes: Sequence[LatencyProbe], what: str, calls: int, warmup: i
 # Throughput (several client processes, pipelined)
 
 
+def _key_template(prefix: str, packed: bool) -> tuple[bytes, bytes]:
+    """The benchmark prompt's key frame around its request id, for ids ``prefix`` + 10 digits:
+    ``head + msgpack(id) + tail`` is the frame (encoded once, patched per request)."""
+    placeholder = "#" * len(f"{prefix}{0:010d}")
+    key_frame = msgpack.packb(lookup_key(_tokens(), placeholder, packed=packed))
+    marker = msgpack.packb(placeholder)
+    at = key_frame.find(marker)
+    return key_frame[:at], key_frame[at + len(marker):]
+
+
+def _server_cpu_over(server_pid: int | None, start_at: float, end_at: float, cpu_out: list[float] | None) -> None:
+    """Waits out [start_at, end_at] and appends the server's CPU seconds over it to ``cpu_out``."""
+    if server_pid is None or cpu_out is None:
+        return
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu0 = _cpu_seconds(server_pid)
+    time.sleep(max(0.0, end_at - time.time()))
+    cpu_out.append(_cpu_seconds(server_pid) - cpu0)
+
+
 def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: float, tag: str,
                  out: Any) -> None:
     try:
@@ -478,11 +498,7 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
         # an end_session sent when its ack arrives (not counted, but served), so the server does
         # a lookup's full work every time and its tables stay bounded. The key frame is encoded
         # once with a fixed-width placeholder id that is patched per request.
-        placeholder = "#" * len(f"{tag}-{0:010d}")
-        key_frame = msgpack.packb(lookup_key(_tokens(), placeholder, packed=what == "lookup_packed"))
-        marker = msgpack.packb(placeholder)
-        at = key_frame.find(marker)
-        head, tail = key_frame[:at], key_frame[at + len(marker):]
+        head, tail = _key_template(f"{tag}-", what == "lookup_packed")
 
         def request(n: int) -> list[bytes]:
             i = n % ids
@@ -607,11 +623,7 @@ def _c_spec(what: str, tag: str, expect_status: int | None) -> bytes:
     prefix = f"{tag}-"
     head = tail = b""
     if lookup:
-        placeholder = "#" * len(f"{prefix}{0:010d}")
-        key_frame = msgpack.packb(lookup_key(_tokens(), placeholder, packed=what == "lookup_packed"))
-        marker = msgpack.packb(placeholder)
-        at = key_frame.find(marker)
-        head, tail = key_frame[:at], key_frame[at + len(marker):]
+        head, tail = _key_template(prefix, what == "lookup_packed")
     op = {"noop": frames.noop, "status": frames.status_op, "lookup": frames.lookup_op,
           "lookup_packed": frames.lookup_op}[what]
     expect = msgpack.packb(expect_status) if what == "status" and expect_status is not None else b""
@@ -679,11 +691,7 @@ def measure_throughput_c(client: str, url: str, what: str, clients: int, window:
                 p.kill()
                 p.wait(timeout=10)
             raise
-        if server_pid is not None and cpu_out is not None:
-            time.sleep(max(0.0, start_at - time.time()))
-            cpu0 = _cpu_seconds(server_pid)
-            time.sleep(max(0.0, end_at - time.time()))
-            cpu_out.append(_cpu_seconds(server_pid) - cpu0)
+        _server_cpu_over(server_pid, start_at, end_at, cpu_out)
         outs = [p.communicate(timeout=duration + 60) for p in procs]
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if client_cpu_out is not None:
@@ -720,11 +728,7 @@ def measure_throughput(url: str, what: str, clients: int, window: int, duration:
              for c in range(clients)]
     for p in procs:
         p.start()
-    if server_pid is not None and cpu_out is not None:
-        time.sleep(max(0.0, start_at - time.time()))
-        cpu0 = _cpu_seconds(server_pid)
-        time.sleep(max(0.0, end_at - time.time()))
-        cpu_out.append(_cpu_seconds(server_pid) - cpu0)
+    _server_cpu_over(server_pid, start_at, end_at, cpu_out)
     results = [out.get(timeout=duration + 60) for _ in procs]
     for p in procs:
         p.join(timeout=10)
@@ -965,7 +969,8 @@ def run(args: argparse.Namespace) -> int:
         nan = float("nan")
         for transport, kind, what, rate in tput:
             pct, us, cl = cpu_of.get((transport, kind, "noop" if what == "echo" else what), (nan, nan, nan))
-            print(f"| {transport} | {kind} | {what} | {rate:,.0f} | {pct:.0f} | {us:.1f} | {cl:.1f} |")
+            cl_s = f"{cl:.1f}" if cl == cl else "-"  # not measured for the Python clients
+            print(f"| {transport} | {kind} | {what} | {rate:,.0f} | {pct:.0f} | {us:.1f} | {cl_s} |")
     if starts:
         print()
         print("| server | transport | start to first reply, s |")
