@@ -1,5 +1,6 @@
-"""A simulated vLLM engine: a model of vLLM's scheduler (waiting queue, block pool, prefix-cache
-hits, async loads, preemption, aborts, finish) on one scheduler node that runs core_sm's
+"""A simulated vLLM engine: vLLM's scheduler (``sim.vllm_scheduler.SchedulerModel``: waiting
+queue, block pool, prefix-cache hits, async loads, preemption, recompute, finish -- the model the
+adapter tests drive the production connector with) on one scheduler node that runs core_sm's
 ``StepPlanner`` -- the class ``MPCacheConnector`` drives -- and `tp` worker nodes (one
 TransferClient per server each). Every protocol decision (loadable tokens, lease ranges,
 retrieve and store ranges, recompute after preemption) is the planner's; this file only calls
@@ -23,6 +24,7 @@ value, so every copy is checked end to end: a value is a function of (chunk hash
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -33,6 +35,7 @@ from core_sm.chunks import ChunkChain, ObjectKey
 from core_sm.effects import CopyBlocks, SendRequest
 from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
+from core_sm.keys import NO_EXTRAS, KeyExtras
 from core_sm.lookup_client import LookupState
 from core_sm.messages import (
     Abort,
@@ -62,6 +65,7 @@ from core_sm.planner import (
 from runtime_trio import Address, Node
 from sim.ports import RequestMsg, WorldPort
 from sim.scenario import RequestSpec, sched_name, server_name, worker_name
+from sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
 
 MODEL = "sim-model"
 SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished)
@@ -92,8 +96,7 @@ class SimRequest:
     retrieve_server: int = 0
     loads_pending: set[int] = attrs.Factory(set)
     load_errors: set[tuple[int, int]] = attrs.Factory(set)  # (rank, block id)
-    finishing: set[tuple[int, int]] = attrs.Factory(set)  # (rank, server) yet to report sending
-    blocks: list[int] | None = None
+    q: QueuedRequest | None = None  # the request as the scheduler model tracks it
     compute_done_at: float = 0.0
     preempted: bool = False
     unresolved: bool = False  # the last check() answered None
@@ -102,6 +105,21 @@ class SimRequest:
     lease_seen: tuple[float, int, int] | None = None
     arrived_at: float = 0.0
     finished_at: float = 0.0
+
+    @property
+    def queued(self) -> QueuedRequest:
+        assert self.q is not None
+        return self.q
+
+    @property
+    def blocks(self) -> list[int] | None:
+        """Its blocks (None: it holds none)."""
+        return self.queued.blocks or None
+
+    @property
+    def finishing(self) -> set[Any]:
+        """The (rank, server) pairs yet to report it in sending."""
+        return self.queued.unsent
 
 
 class Heartbeat:
@@ -175,7 +193,7 @@ class SimEngine:
         self.num_servers = cfg.num_servers
         self.sched: Node | None = None
         self.workers = [SimWorker(self, r) for r in range(cfg.tp)]
-        self.free_blocks = list(range(cfg.blocks_per_worker))
+        self.model = SchedulerModel(_PlannerCalls(self), cfg.block_size, cfg.blocks_per_worker, cfg.max_running)
         self.requests: dict[str, SimRequest] = {}
         self.order: list[SimRequest] = []
         self.crashed = False
@@ -186,11 +204,7 @@ class SimEngine:
         self.delivered_hits: dict[tuple[str, int], int] = {}
         self.reported: dict[tuple[int, int, str], set[str]] = {}
         self.lookup_results: dict[str, int] = {}
-        self.block_owner: dict[int, str] = {}
         self.f2_watch: set[str] = set()
-        # vLLM's per-step scheduler output, handed to the planner at the end of the step
-        self.step_requests: list[ScheduledRequest] = []
-        self.step_preempted: list[str] = []
         root_cache: dict[str, bytes] = {}
         chain = ChunkChain(cfg.chain_key)  # the world's servers hash with the same key
         for spec in world.scenario.requests:
@@ -203,6 +217,8 @@ class SimEngine:
                 root = chain.root(MODEL, self.tp, "")
             hashes = chain.hashes(spec.prompt, self.C, root)
             req = SimRequest(spec, spec.request_id, spec.prompt, hashes)
+            req.q = self.model.add(QueuedRequest(spec.request_id, list(spec.prompt), spec.apc_blocks, spec.cache_salt,
+                                                 max_load_tokens=spec.max_load_tokens))
             self.requests[spec.request_id] = req
             self.order.append(req)
 
@@ -387,15 +403,12 @@ class SimEngine:
             return
         self._collect_worker_reports()
         now = self.world.now()
-        cap = self.cfg.max_running
-        running = sum(1 for r in self.order if r.state in RUNNING)
+        running = self.model.running()
         for req in self.order:
             st = req.state
             if st == "waiting":
                 self._note_leases(req)
-                if cap is not None and running >= cap:
-                    continue  # vLLM's scheduler is full: it does not reach the request this step
-                self._schedule_waiting(req)
+                self._schedule_waiting(req, running)
                 running += req.state in RUNNING
             elif st == "computing" and now >= req.compute_done_at:
                 self._compute_and_store(req)
@@ -406,49 +419,31 @@ class SimEngine:
         machine: StepPlanner = self.sched.machines[LOOKUP]
         return machine
 
-    def _schedule_waiting(self, req: SimRequest) -> None:
-        """vLLM's waiting queue: ask the connector, allocate, tell the connector."""
+    def _schedule_waiting(self, req: SimRequest, running: int) -> None:
+        """vLLM's waiting queue: the scheduler model asks the connector, allocates, tells it."""
         assert self.sched is not None
-        apc = self._engine_prefix_hit(req)
-        effects = self.call(self.sched, LOOKUP, MatchRequest(req.rid, req.tokens, len(req.tokens), apc,
-                                                             req.spec.cache_salt,
-                                                             max_load_tokens=req.spec.max_load_tokens))
-        answers = [e for e in effects if type(e) is MatchAnswer]
-        if len(answers) != 1:
-            self.world.violation("SAFETY", self.sched.name, f"MatchRequest({req.rid}) answered {answers!r}")
-            return
-        external = answers[0].tokens
-        if external is None:
+        admitted = self.model.admit(req.queued, running)
+        if admitted is Admission.FULL:
+            return  # vLLM's scheduler is full: it does not reach the request this step
+        if admitted is Admission.PENDING:
             req.polls += 1
             req.unresolved = True
             return
         req.unresolved = False
-        if external < 0 or apc + external >= len(req.tokens) or (external > 0) != answers[0].load_async:
-            self.world.violation("SAFETY", self.sched.name, f"MatchRequest({req.rid}) answered {answers[0]!r} "
-                                 f"for {len(req.tokens)} tokens, {apc} held by the engine")
-            return
         tracker = self.planner().tracker(req.rid)
         if tracker is not None and req.rid not in self.lookup_results and tracker.hit_tokens is not None:
             self.lookup_results[req.rid] = tracker.hit_tokens
             req.lm_hit = tracker.hit_tokens
-        need = -(-len(req.tokens) // self.bs)
-        if len(self.free_blocks) < need:
+        if admitted is Admission.NO_BLOCKS:
             return  # vLLM keeps the request waiting and asks again next step
-        req.blocks = [self.free_blocks.pop() for _ in range(need)]
-        for b in req.blocks:
-            self.block_owner[b] = req.rid
-        req.vllm_hit = apc
-        req.external = external
+        blocks = req.queued.blocks
+        req.vllm_hit, req.external = req.queued.engine_hit, req.queued.external
         for w in self.workers:
-            for i in range(apc // self.bs):
-                w.blocks[req.blocks[i]] = self.expected_block(req, w.rank, i)
-        # vLLM allocates an async load's blocks for the tokens it will hold once loaded, the rest
-        # when the load lands; the model reserves them all now and tells the connector as vLLM.
-        held = -(-(apc + external) // self.bs) if external > 0 else need
-        self.call(self.sched, LOOKUP, BlocksAllocated(req.rid, req.blocks[:held], external))
+            for i in range(req.vllm_hit // self.bs):
+                w.blocks[blocks[i]] = self.expected_block(req, w.rank, i)
         if not req.preempted:  # a resumed request's leases were accounted at its first allocation
             self._check_leases_accounted(req)
-        if external > 0:
+        if admitted is Admission.LOADING:
             # WAITING_FOR_REMOTE_KVS: runnable once every rank reported the load in recving
             req.retrieve = None
             req.retrieve_server = self._retrieve_server(req)
@@ -538,24 +533,11 @@ class SimEngine:
                 f"{now - req.arrived_at:.3f} s in the queue, on read leases that expired at {expired_at:.3f} "
                 f"(lease TTL {self.cfg.lease_ttl}): the hit becomes a load error once the objects are evicted")
 
-    def _engine_prefix_hit(self, req: SimRequest) -> int:
-        """vLLM's own prefix-cache hit: whole blocks, and never the last token (vLLM's
-        ``KVCacheManager.get_computed_blocks`` caps the hit one token short of the request)."""
-        block: int = self.bs
-        held_blocks: int = min(req.spec.apc_blocks, (len(req.tokens) - 1) // block)
-        return held_blocks * block
-
     def _build_plan(self) -> None:
         """vLLM's build_connector_meta at the end of the step; the workers run the plan."""
         if self.sched is None or not self.sched.alive:
             return
-        scheduled, preempted = tuple(self.step_requests), tuple(self.step_preempted)
-        self.step_requests, self.step_preempted = [], []
-        plans = [e for e in self.call(self.sched, LOOKUP, StepScheduled(scheduled, preempted)) if type(e) is StepPlan]
-        if len(plans) != 1:
-            self.world.violation("SAFETY", self.sched.name, f"StepScheduled answered {plans!r}")
-            return
-        plan = plans[0]
+        plan = self.model.end_step()
         for op in plan.retrieves:
             req = self.requests.get(op.request_id)
             if req is None or req.state != "loading" or req.retrieve is not None:
@@ -631,9 +613,9 @@ class SimEngine:
                     if req is None or req.state != "finishing":
                         self.world.violation("F16", w.name, f"{rid} reported in sending while {req and req.state}")
                         continue
-                    req.finishing.discard((w.rank, s))
-                    if not req.finishing:
-                        self._release(req)
+                    if self.model.sent(req.queued, (w.rank, s)):
+                        self._mark_done(req)
+                        self._ensure_step()  # waiting requests may fit now
             if errors_all:
                 self._recompute_errors(w, errors_all)
         for req in self.order:
@@ -641,17 +623,19 @@ class SimEngine:
                 self._verify_load(req)
                 if self.sched is not None and req.blocks is not None:
                     # vLLM calls update_state_after_alloc again when an async load lands.
-                    self.call(self.sched, LOOKUP, BlocksAllocated(req.rid, req.blocks, 0))
+                    self.model.load_landed(req.queued)
                 self._start_compute(req)
 
     def _recompute_errors(self, w: SimWorker, blocks: set[int]) -> None:
+        """vLLM recomputes a request with a bad block from that block on, on every rank."""
         for req in self.order:
-            if req.blocks is None or req.state != "loading":
+            if req.blocks is None or req.state != "loading" or not blocks.intersection(req.blocks):
                 continue
-            for i, b in enumerate(req.blocks):
-                if b in blocks:
-                    req.load_errors.add((w.rank, b))
-                    w.blocks[b] = self.expected_block(req, w.rank, i)
+            kept = self.model.recompute_from(req.queued, blocks)
+            for i in range(kept // self.bs, len(req.blocks)):
+                for worker in self.workers:
+                    req.load_errors.add((worker.rank, req.blocks[i]))
+                    worker.blocks[req.blocks[i]] = self.expected_block(req, worker.rank, i)
 
     def _verify_load(self, req: SimRequest) -> None:
         """F10: every block the load claimed to write holds exactly what was stored for it."""
@@ -676,10 +660,8 @@ class SimEngine:
         if req.spec.preempt and not req.preempted:
             # Preempted: blocks back to the pool, recomputed from scratch later.
             req.preempted = True
-            self._free(req.blocks)
-            req.blocks = None
+            self.model.preempt(req.queued)
             req.state = "waiting"
-            self.step_preempted.append(req.rid)
             self._ensure_step()
             return
         for w in self.workers:
@@ -687,9 +669,7 @@ class SimEngine:
                 w.blocks[req.blocks[i]] = self.expected_block(req, w.rank, i)
         # The whole prefill is one scheduled step (the engine's prefix cache and the load gave
         # the rest); the plan's stores leave for the workers at the end of the step.
-        computed = req.vllm_hit + req.external
-        self.step_requests.append(ScheduledRequest(req.rid, computed, len(req.tokens) - computed,
-                                                   tuple(req.blocks), True))
+        self.model.schedule_prefill(req.queued)
         req.state = "decoding"
         self.world.timeline.after(self.cfg.decode_time, self._decoded, req)
 
@@ -702,12 +682,10 @@ class SimEngine:
         """vLLM request_finished: workers are told, the scheduler ends the lookup session."""
         assert self.sched is not None
         req.outcome = outcome
-        self.call(self.sched, LOOKUP, RequestFinished(req.rid))
-        if req.blocks is None:
+        if not self.model.finish(req.queued, {(w.rank, s) for w in self.workers for s in range(self.num_servers)}):
             self._mark_done(req)
             return
         req.state = "finishing"
-        req.finishing = {(w.rank, s) for w in self.workers for s in range(self.num_servers)}
         for w in self.workers:
             assert w.node is not None
             for s in range(self.num_servers):
@@ -715,25 +693,13 @@ class SimEngine:
                 self.call(w.node, tc_name(s), event)
         self._ensure_step()
 
-    def _release(self, req: SimRequest) -> None:
-        assert req.blocks is not None
-        self._free(req.blocks)
-        req.blocks = None
-        self._mark_done(req)
-        self._ensure_step()  # waiting requests may fit now
-
-    def _free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.block_owner.pop(b, None)
-        self.free_blocks.extend(reversed(blocks))
-
     def check_blocks(self, worker: SimWorker, rid: str, block_ids: tuple[int, ...], writing: bool, what: str) -> None:
         """A copy between engine blocks and L1 touches only blocks its request still holds: vLLM
         freed them only after the request was reported finished, so a copy still running on freed
         blocks reads (STORE: wrong KV stored, F10) or overwrites (RETRIEVE: another request's KV,
         F16) memory that is no longer its own."""
         for b in block_ids:
-            owner = self.block_owner.get(b)
+            owner = self.model.block_owner.get(b)
             if owner != rid:
                 code = "F16" if writing else "F10"
                 self.world.violation(code, worker.name, f"{what} for {rid} {'writes' if writing else 'reads'} block "
@@ -819,3 +785,52 @@ def _rid(request: Any) -> str | None:
     if rid is None:
         rid = getattr(getattr(request, "key", None), "request_id", None)
     return rid
+
+
+class _PlannerCalls:
+    """The scheduler model's connector: vLLM's scheduler calls as events to the scheduler node's
+    ``StepPlanner`` (what ``SchedulerAdapter`` does in production), each answer checked."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    def _node(self) -> Node:
+        assert self.engine.sched is not None
+        return self.engine.sched
+
+    def get_num_new_matched_tokens(
+        self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, num_computed_tokens: int,
+        cache_salt: str = "", extras: KeyExtras = NO_EXTRAS, *, max_load_tokens: int | None = None,
+        max_offload_tokens: int | None = None,
+    ) -> tuple[int | None, bool]:
+        node = self._node()
+        effects = self.engine.call(node, LOOKUP, MatchRequest(
+            request_id, token_ids, num_prompt_tokens, num_computed_tokens, cache_salt, extras,
+            max_load_tokens=max_load_tokens, max_offload_tokens=max_offload_tokens))
+        answers = [e for e in effects if type(e) is MatchAnswer]
+        if len(answers) != 1:
+            self.engine.world.violation("SAFETY", node.name, f"MatchRequest({request_id}) answered {answers!r}")
+        answer = answers[0]
+        tokens = answer.tokens
+        # The simulated planner loads asynchronously (sync_load_max_tokens 0): a load is async.
+        if tokens is not None and (tokens < 0 or num_computed_tokens + tokens >= num_prompt_tokens
+                                   or (tokens > 0) != answer.load_async):
+            self.engine.world.violation("SAFETY", node.name, f"MatchRequest({request_id}) answered {answer!r} for "
+                                        f"{num_prompt_tokens} tokens, {num_computed_tokens} held by the engine")
+        return tokens, answer.load_async
+
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self.engine.call(self._node(), LOOKUP, BlocksAllocated(request_id, tuple(block_ids), num_external_tokens))
+
+    def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        node = self._node()
+        plans = [e for e in self.engine.call(node, LOOKUP, StepScheduled(tuple(scheduled), tuple(preempted)))
+                 if type(e) is StepPlan]
+        if len(plans) != 1:
+            self.engine.world.violation("SAFETY", node.name, f"StepScheduled answered {plans!r}")
+        plan: StepPlan = plans[0]
+        return plan
+
+    def request_finished(self, request_id: str) -> bool:
+        self.engine.call(self._node(), LOOKUP, RequestFinished(request_id))
+        return True

@@ -1,6 +1,9 @@
 """A miniature of vLLM's scheduler + workers that calls mpcache's adapters in vLLM's order.
 
-No vLLM, no model: a "forward" writes, for every computed token, a KV vector that is a function
+The scheduling is the simulator's model of vLLM (``sim.vllm_scheduler.SchedulerModel``: queue,
+block pool, prefix-cache hit, the connector calls in vLLM's order, synchronous and asynchronous
+loads, preemption, recompute, delayed frees), driving the real ``SchedulerAdapter``. No vLLM, no
+model: a "forward" writes, for every computed token, a KV vector that is a function
 of the token's whole prefix (a rolling hash), so a load is right only if every byte of every
 loaded block came from the same prefix. The call order per step follows vLLM 0.32's
 ``Scheduler.schedule`` and the worker's ``KVConnectorModelRunnerMixin``:
@@ -24,9 +27,8 @@ from typing import Any
 import attrs
 import torch
 
-from core_sm.keys import NO_EXTRAS, KeyExtras
-from core_sm.planner import ScheduledRequest
 from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
+from sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
 
 BLOCK = 16
 CHUNK = 64
@@ -47,34 +49,23 @@ def prefix_values(tokens: Sequence[int]) -> list[float]:
 
 
 @attrs.define
-class Req:
-    request_id: str
-    tokens: list[int]
-    engine_hit: int = 0
-    status: str = "waiting"  # waiting | loading | running | finished
-    blocks: list[int] = attrs.Factory(list)
-    computed: int = 0
+class Req(QueuedRequest):
+    """A request of the model (``sim.vllm_scheduler.QueuedRequest``: status, blocks, computed,
+    external, freed, ...) plus what this engine checks: what was loaded, the workers' reports,
+    the decode."""
+
     loaded_tokens: int = 0  # tokens that came from mpcache
-    external: int = 0
     finished_reported: int = 0  # workers that reported it in sending
     recv_reported: int = 0
-    freed: bool = False
     checked: bool = False
     max_decode: int = 2
     decoded: int = 0
-    # What vLLM passes besides the tokens: cache salt, key extras, kv_transfer_params caps.
-    cache_salt: str = ""
-    extras: KeyExtras = NO_EXTRAS
-    max_load_tokens: int | None = None
-    max_offload_tokens: int | None = None
-    num_prompt: int = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.num_prompt = len(self.tokens)
 
 
 class Engine:
-    """One scheduler and ``len(worker_urls)`` worker ranks (a TP world)."""
+    """One scheduler and ``world_size`` worker ranks (a TP world). The scheduling is
+    ``sim.vllm_scheduler.SchedulerModel`` -- the simulator's model of vLLM -- over the real
+    ``SchedulerAdapter``; this class adds the workers' calls and a forward that writes KV."""
 
     def __init__(
         self,
@@ -99,6 +90,7 @@ class Engine:
         self.planner = SchedulerAdapter.connect(self.config, model_name="tiny", world_size=world_size, block_size=BLOCK,
                                                 load=load, store=store)
         self.lookups = self.planner
+        self.scheduler = SchedulerModel(self.planner, BLOCK, NUM_BLOCKS)
         self.workers: list[WorkerAdapter] = []
         self.kv: list[dict[str, torch.Tensor]] = []
         for rank in range(world_size):
@@ -108,10 +100,8 @@ class Engine:
             worker.register_kv_caches(caches)
             self.workers.append(worker)
             self.kv.append(caches)
-        self.free_blocks = list(range(NUM_BLOCKS))
         self.requests: dict[str, Req] = {}
         self.finished_for_workers: set[str] = set()
-        self.preempted: set[str] = set()
         self.load_errors_seen: set[int] = set()
         self.steps = 0
         self.sync_loads = 0  # requests loaded within the step that scheduled them
@@ -123,8 +113,9 @@ class Engine:
         ``max_decode``: tokens generated after the prompt, one per step; ``keyed``: ``Req``'s
         cache_salt / extras / max_load_tokens / max_offload_tokens."""
         assert engine_hit % BLOCK == 0
-        req = Req(request_id, list(tokens), engine_hit=engine_hit, max_decode=max_decode, **keyed)
+        req = Req(request_id, list(tokens), engine_hit // BLOCK, max_decode=max_decode, **keyed)
         self.requests[request_id] = req
+        self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> None:
@@ -137,71 +128,40 @@ class Engine:
         """vLLM preemption: blocks go back at once, the request recomputes from scratch later."""
         req = self.requests[request_id]
         assert req.status == "running"
-        self._release(req)
-        req.status = "waiting"
-        req.computed = 0
-        req.engine_hit = 0
-        self.preempted.add(request_id)
+        self.scheduler.preempt(req)
+        req.apc_blocks = 0  # its prefix-cache blocks went back with the rest: recomputed too
 
     # ------------------------------------------------------------------ one engine step
 
     def step(self) -> None:
         self.steps += 1
-        scheduled: list[ScheduledRequest] = []
+        model = self.scheduler
         forward: list[tuple[Req, int]] = []
         sync_loaded: list[Req] = []
         for req in list(self.requests.values()):
             if req.status == "loading" and req.recv_reported == len(self.workers):
                 # vLLM: the load finished; the request becomes runnable (2nd alloc call).
-                req.status = "running"
                 self._check_loaded(req)
-                self._grow(req, len(req.tokens))
-                self.planner.update_state_after_alloc(req.request_id, req.blocks, 0)
-                n = len(req.tokens) - req.computed
-                scheduled.append(ScheduledRequest(req.request_id, req.computed, n, tuple(req.blocks), True))
-                forward.append((req, n))
+                model.load_landed(req)
+                forward.append((req, model.schedule_prefill(req)))
             elif req.status == "waiting":
-                num_computed = req.engine_hit
-                need, load_async = self.planner.get_num_new_matched_tokens(
-                    req.request_id, req.tokens, req.num_prompt, num_computed, req.cache_salt, req.extras,
-                    max_load_tokens=req.max_load_tokens, max_offload_tokens=req.max_offload_tokens,
-                )
-                if need is None:
+                admitted = model.admit(req)
+                if admitted in (Admission.PENDING, Admission.FULL, Admission.NO_BLOCKS):
                     continue
-                assert need > 0 or not load_async
-                assert num_computed + need < req.num_prompt, "at least one prompt token must be left to compute"
-                req.external = need
-                if need > 0 and not load_async:
-                    # vLLM's synchronous load: blocks for the whole prompt now, scheduled this step.
-                    self._grow(req, len(req.tokens))
-                else:
-                    self._grow(req, num_computed + need)
                 self._fill_engine_hit(req)
-                self.planner.update_state_after_alloc(req.request_id, req.blocks, need)
-                req.computed = num_computed + need
-                if need > 0 and load_async:
-                    req.status = "loading"
-                    req.loaded_tokens = need
+                req.loaded_tokens = req.external
+                if admitted is Admission.LOADING:
                     continue
-                if need > 0:
-                    req.loaded_tokens = need
-                    sync_loaded.append(req)
-                req.status = "running"
-                self._grow(req, len(req.tokens))
-                n = len(req.tokens) - req.computed
-                scheduled.append(ScheduledRequest(req.request_id, req.computed, n, tuple(req.blocks), True))
-                forward.append((req, n))
+                if admitted is Admission.SYNC_LOAD:
+                    sync_loaded.append(req)  # vLLM's synchronous load: scheduled this step
+                forward.append((req, model.schedule_prefill(req)))
             elif req.status == "running" and req.decoded < req.max_decode:
                 # A decode step: one new token (a function of the sequence so far).
                 req.tokens.append((sum(req.tokens) * 31 + len(req.tokens)) % 50_000)
                 req.decoded += 1
-                old = len(req.blocks)
-                self._grow(req, len(req.tokens))
-                new_blocks = tuple(req.blocks[old:]) or None
-                scheduled.append(ScheduledRequest(req.request_id, req.computed, 1, new_blocks, False))
+                model.schedule(req, 1, model.grow(req, len(req.tokens)) or None)
                 forward.append((req, 1))
-        plan = self.planner.build_plan(scheduled, self.preempted)
-        self.preempted = set()
+        plan = model.end_step()
         finished_ids, self.finished_for_workers = self.finished_for_workers, set()
         errors: set[int] = set()
         assert sorted(plan.sync_loads) == sorted(r.request_id for r in sync_loaded)
@@ -217,9 +177,8 @@ class Engine:
             self._apply_load_errors(early)
             for req in sync_loaded:
                 self.sync_loads += 1
-                bad = [i for i, block in enumerate(req.blocks) if block in early]
-                if bad:
-                    req.computed = min(req.computed, bad[0] * BLOCK)
+                if early.intersection(req.blocks):
+                    model.recompute_from(req, early)
                     req.loaded_tokens = max(0, req.computed - req.engine_hit)
                 else:
                     self._check_loaded(req)
@@ -236,14 +195,12 @@ class Engine:
                 self.requests[rid].recv_reported += 1
             for rid in sending:
                 self.requests[rid].finished_reported += 1
+                model.sent(self.requests[rid], rank)
         for req, n in forward:
             req.computed += n
         self._apply_load_errors(errors)
         for req in self.requests.values():
-            if req.status == "finished" and not req.freed and req.finished_reported == len(self.workers):
-                self._release(req)
-                req.freed = True
-            elif req.status == "running" and req.computed == len(req.tokens) and req.decoded >= req.max_decode:
+            if req.status == "running" and req.computed == len(req.tokens) and req.decoded >= req.max_decode:
                 self._finish(req)
 
     def run_until(self, predicate: Any, timeout: float = 10.0) -> None:
@@ -260,17 +217,8 @@ class Engine:
     # ------------------------------------------------------------------ internals
 
     def _finish(self, req: Req) -> None:
-        assert self.planner.request_finished(req.request_id) is True
-        req.status = "finished"
+        self.scheduler.finish(req, range(len(self.workers)))
         self.finished_for_workers.add(req.request_id)
-
-    def _grow(self, req: Req, tokens: int) -> None:
-        while len(req.blocks) * BLOCK < tokens:
-            req.blocks.append(self.free_blocks.pop(0))
-
-    def _release(self, req: Req) -> None:
-        self.free_blocks.extend(req.blocks)
-        req.blocks = []
 
     def _fill_engine_hit(self, req: Req) -> None:
         values = prefix_values(req.tokens)
@@ -320,16 +268,12 @@ class Engine:
             return
         self.load_errors_seen |= errors
         for req in self.requests.values():
-            if req.status != "loading":
-                continue
-            for index, block in enumerate(req.blocks):
-                if block in errors:
-                    req.computed = min(req.computed, index * BLOCK)
-                    req.loaded_tokens = max(0, req.computed - req.engine_hit)
-                    break
+            if req.status == "loading":
+                self.scheduler.recompute_from(req, errors)
+                req.loaded_tokens = max(0, req.computed - req.engine_hit)
 
     def blocks_in_use(self) -> int:
-        return NUM_BLOCKS - len(self.free_blocks)
+        return self.scheduler.blocks_in_use()
 
     def close(self) -> None:
         for worker in self.workers:

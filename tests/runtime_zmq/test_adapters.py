@@ -1,4 +1,5 @@
-"""The vLLM adapters driven in vLLM's call order (tests/runtime_zmq/adapter_driver.py) against
+"""The vLLM adapters driven in vLLM's call order (tests/runtime_zmq/adapter_driver.py, scheduling
+with the simulator's model of vLLM, sim.vllm_scheduler) against
 real ``mpcache-server`` processes: hit, miss, partial hit, prefix-cache overlap, aborts at every
 phase, preemption, server restart, two servers. No vLLM needed."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable
 from runtime_zmq.client import MPCacheClient
 from adapter_driver import BLOCK, CHUNK, Engine
+from sim.vllm_scheduler import SchedulerModel
 
 try:
     from redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
@@ -69,6 +71,8 @@ def engine_factory() -> Iterator[Callable[..., Engine]]:
 def test_miss_then_hit_loads_exact_kv(start: Any, engine_factory: Any) -> None:
     server = start()
     engine = engine_factory(server.url)
+    # One model of vLLM: this engine schedules through the simulator's, over the real adapter.
+    assert type(engine.scheduler) is SchedulerModel and engine.scheduler.connector is engine.planner
     prompt = tokens(4 * CHUNK + 10, 1)
     first = engine.add("a", prompt)
     engine.run_all()

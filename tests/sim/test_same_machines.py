@@ -10,6 +10,7 @@ from core_sm.transfer_client import TransferClient
 from sim.engine import LOOKUP, tc_name
 from sim.runner import run_scenario
 from sim.scenario import draw_scenario
+from sim.vllm_scheduler import SchedulerModel
 
 
 def test_the_simulator_drives_the_class_the_connector_drives() -> None:
@@ -20,6 +21,9 @@ def test_the_simulator_drives_the_class_the_connector_drives() -> None:
     assert result.ok, result.violation
     for engine in world.engines:
         assert engine.sched is not None and type(engine.sched.machines[LOOKUP]) is StepPlanner
+        # vLLM's scheduler is the one model the adapter tests drive the production adapter with
+        # (tests/runtime_zmq/adapter_driver.py; test_adapters.py checks that side).
+        assert type(engine.model) is SchedulerModel
         for worker in engine.workers:
             assert worker.node is not None
             assert {type(worker.node.machines[tc_name(s)]) for s in range(engine.num_servers)} == {TransferClient}
