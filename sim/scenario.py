@@ -175,7 +175,7 @@ def draw_scenario(seed: int) -> Scenario:
     # for the first violation, and each profile must show its own), keep their timing as drawn.
     if max_running is not None and not config.adversary and config.lease_ttl <= 2.0:
         config = attrs.evolve(config, max_running=max_running, decode_time=queue.choice((0.5, 1.0)),
-                              lease_ttl=min(config.lease_ttl, queue.choice((1.0, 2.0))))
+                              lease_ttl=1.0)
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]
