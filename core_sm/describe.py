@@ -1,7 +1,8 @@
 """Render the machines' transition tables as Markdown (docs/core_sm.md embeds the output; a test
 keeps the two identical). ``python -m core_sm.describe`` prints every table.
 
-The server's, the StepPlanner's, the LookupClient's and the TransferClient's tables are the
+The server's, the StepPlanner's, the LookupClient's, the TransferClient's and the HealthMonitor's
+tables are the
 ``core_sm.table.Table`` objects their ``handle`` executes (the handler of each row is shown); the
 L1 index's is the allowed-next-state map of its operations.
 """
@@ -11,7 +12,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from core_sm import l1_index, lookup_client, planner, server, transfer_client
+from core_sm import health, l1_index, lookup_client, planner, server, transfer_client
 from core_sm.table import Table
 
 TABLES: dict[str, Table[Any] | Mapping[Any, frozenset[Any]]] = {
@@ -19,6 +20,7 @@ TABLES: dict[str, Table[Any] | Mapping[Any, frozenset[Any]]] = {
     "StepPlanner (one request id, the connector's scheduler side)": planner.TABLE,
     **lookup_client.TABLES,
     **transfer_client.TABLES,
+    **health.TABLES,
     "L1Index (one object)": l1_index.TRANSITIONS,
 }
 

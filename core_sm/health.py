@@ -46,12 +46,17 @@ by ``runtime_zmq.client.MPCacheClient`` (one monitor per server connection).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import enum
+from collections.abc import Hashable
 from typing import Any, Union
 
 import attrs
 
+from core_sm.effects import Effect
+from core_sm.errors import ProtocolError
 from core_sm.messages import ServerEpoch, ServerHealth, TimerFired
+from core_sm.table import Dispatcher, Table
+from core_sm.timers import Timer
 
 NOT_REGISTERED = "not_registered"  # ErrorKind.NOT_REGISTERED's wire value
 
@@ -195,6 +200,42 @@ HealthEffect = Union[SendHeartbeat, SendInstancePing, ServerHealth, ServerEpoch,
                      GiveUp]
 
 
+class HealthState(enum.Enum):
+    """One server as the monitor sees it (``ABSENT``: an index this monitor does not watch)."""
+
+    ABSENT = "absent"
+    HEALTHY = "healthy"  # answered within ``timeout``: pinged every ``interval``, instances too
+    PROBING = "probing"  # unhealthy: probed every ``probe_interval``, with backoff once silent
+
+
+# ---------------------------------------------------------------------------------------------- timers
+# The monitor's typed timers, one per kind, events of its table. Their deadlines are the
+# server's ``next_ping`` and ``last_reply + timeout``; ``TimerFired`` runs the due ones server by
+# server in index order, a server's timeout before its ping (see ``HealthMonitor._run_due``).
+
+
+@attrs.frozen
+class HeartbeatDue(Timer):
+    """A healthy server's ping is due: one heartbeat, and one ping per registered instance."""
+
+    server: int
+
+
+@attrs.frozen
+class HeartbeatTimeout(Timer):
+    """A healthy server has not answered for ``timeout``."""
+
+    server: int
+
+
+@attrs.frozen
+class ProbeDue(Timer):
+    """An unhealthy server's probe is due (its period doubles once it has been silent for
+    ``timeout``, up to ``backoff_max``)."""
+
+    server: int
+
+
 @attrs.define
 class _Server:
     healthy: bool
@@ -215,21 +256,18 @@ class HealthMonitor:
         self._counters = {"internal_errors": 0, "heartbeats_sent": 0, "heartbeats_unsent": 0, "unhealthy": 0,
                           "recovered": 0, "epoch_changes": 0, "stale_replies": 0, "instance_pings": 0,
                           "instances_lost": 0, "reregistrations": 0, "resends": 0, "give_ups": 0}
-        self._dispatch: dict[type, Callable[[Any, float, list[HealthEffect]], None]] = {
-            HeartbeatReply: self._on_reply,
-            HeartbeatUnsent: self._on_unsent,
-            TimerFired: self._on_timer,
-            InstanceRegistered: self._on_registered,
-            InstanceUnregistered: self._on_unregistered,
-            RegistrationFailed: self._on_registration_failed,
-            InstancePingRefused: self._on_ping_refused,
-            RequestRefused: self._on_refused,
-        }
+        self._table: Dispatcher[HealthState] = TABLE.bind(self, _server_of, self.state, self._counters,
+                                                          self._refuse)
 
     @property
     def _probe(self) -> float:
         c = self.config
         return c.interval if c.probe_interval is None else c.probe_interval
+
+    def state(self, index: Hashable) -> HealthState:
+        if isinstance(index, int) and 0 <= index < len(self._servers):
+            return HealthState.HEALTHY if self._servers[index].healthy else HealthState.PROBING
+        return HealthState.ABSENT
 
     def healthy(self, server: int) -> bool:
         return self._servers[server].healthy
@@ -250,26 +288,40 @@ class HealthMonitor:
         return min(deadlines)
 
     def handle(self, event: HealthEvent, now: float) -> list[HealthEffect]:
-        out: list[HealthEffect] = []
+        out: list[Any] = []
         try:
-            handler = self._dispatch.get(type(event))
-            if handler is None:
-                self._counters["stale_replies"] += 1
+            if type(event) is TimerFired:
+                self._run_due(now, out)
+            elif type(event) in _INPUTS:
+                self._table.run(event, now, out)
             else:
-                handler(event, now, out)
+                self._counters["stale_replies"] += 1
         except Exception:
             self._counters["internal_errors"] += 1
         return out
 
-    def _server(self, index: int) -> _Server | None:
-        if isinstance(index, int) and 0 <= index < len(self._servers):
-            return self._servers[index]
+    def _run_due(self, now: float, out: list[Effect]) -> None:
+        """Every timer due at ``now``, through the table: server by server in index order, a
+        healthy server's timeout before its ping (so a ping due with the timeout is a probe)."""
+        c = self.config
+        for index, server in enumerate(self._servers):
+            if server.healthy and now - server.last_reply >= c.timeout:
+                self._table.run(HeartbeatTimeout(index), now, out)
+            if server.next_ping <= now:
+                self._table.run(HeartbeatDue(index) if server.healthy else ProbeDue(index), now, out)
+
+    @staticmethod
+    def _refuse(out: list[Effect], reply_to: Hashable, error: ProtocolError) -> None:
+        """No event of the monitor is a request (none has a ``reply_to``): never called."""
+
+    def _on_unknown_server(self, _ev: Any, now: float, out: list[Any]) -> None:
         self._counters["stale_replies"] += 1
-        return None
 
     # ------------------------------------------------------------------------------ health
 
-    def _lose(self, index: int, server: _Server, now: float, out: list[HealthEffect]) -> None:
+    def _on_timeout(self, event: HeartbeatTimeout, now: float, out: list[Any]) -> None:
+        index = event.server
+        server = self._servers[index]
         server.healthy = False
         server.period = self._probe
         server.next_ping = min(server.next_ping, now + server.period)
@@ -285,31 +337,29 @@ class HealthMonitor:
         server.waiting.clear()
         server.registering.clear()
 
-    def _on_timer(self, _ev: TimerFired, now: float, out: list[HealthEffect]) -> None:
-        c = self.config
-        for index, server in enumerate(self._servers):
-            if server.healthy and now - server.last_reply >= c.timeout:
-                self._lose(index, server, now, out)
-            if server.next_ping <= now:
-                out.append(SendHeartbeat(index))
-                self._counters["heartbeats_sent"] += 1
-                if server.healthy:
-                    out.extend(SendInstancePing(index, iid) for iid in server.instances)
-                    self._counters["instance_pings"] += len(server.instances)
-                elif now - server.last_reply >= c.timeout:
-                    server.period = min(server.period * 2, c.backoff_max)
-                server.next_ping = now + server.period
+    def _on_heartbeat_due(self, event: HeartbeatDue, now: float, out: list[Any]) -> None:
+        index = event.server
+        server = self._servers[index]
+        out.append(SendHeartbeat(index))
+        self._counters["heartbeats_sent"] += 1
+        out.extend(SendInstancePing(index, iid) for iid in server.instances)
+        self._counters["instance_pings"] += len(server.instances)
+        server.next_ping = now + server.period
 
-    def _on_unsent(self, event: HeartbeatUnsent, now: float, out: list[HealthEffect]) -> None:
-        server = self._server(event.server)
-        if server is None:
-            return
+    def _on_probe_due(self, event: ProbeDue, now: float, out: list[Any]) -> None:
+        index = event.server
+        server = self._servers[index]
+        out.append(SendHeartbeat(index))
+        self._counters["heartbeats_sent"] += 1
+        if now - server.last_reply >= self.config.timeout:
+            server.period = min(server.period * 2, self.config.backoff_max)
+        server.next_ping = now + server.period
+
+    def _on_unsent(self, event: HeartbeatUnsent, now: float, out: list[Any]) -> None:
         self._counters["heartbeats_unsent"] += 1
 
-    def _on_reply(self, event: HeartbeatReply, now: float, out: list[HealthEffect]) -> None:
-        server = self._server(event.server)
-        if server is None:
-            return
+    def _on_reply(self, event: HeartbeatReply, now: float, out: list[Any]) -> None:
+        server = self._servers[event.server]
         server.last_reply = max(server.last_reply, now)
         if event.epoch is not None and event.epoch != server.epoch:
             if server.epoch is not None:
@@ -328,50 +378,44 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------------------ instances
 
-    def _on_registered(self, event: InstanceRegistered, now: float, out: list[HealthEffect]) -> None:
+    def _on_registered(self, event: InstanceRegistered, now: float, out: list[Any]) -> None:
         server = self._release(event.server, event.instance_id, Resend, "resends", out)
-        if server is not None:
-            server.instances[event.instance_id] = None
+        server.instances[event.instance_id] = None
 
-    def _on_unregistered(self, event: InstanceUnregistered, now: float, out: list[HealthEffect]) -> None:
+    def _on_unregistered(self, event: InstanceUnregistered, now: float, out: list[Any]) -> None:
         server = self._release(event.server, event.instance_id, GiveUp, "give_ups", out)
-        if server is not None:
-            server.instances.pop(event.instance_id, None)
+        server.instances.pop(event.instance_id, None)
 
-    def _on_registration_failed(self, event: RegistrationFailed, now: float, out: list[HealthEffect]) -> None:
+    def _on_registration_failed(self, event: RegistrationFailed, now: float, out: list[Any]) -> None:
         self._release(event.server, event.instance_id, GiveUp, "give_ups", out)
 
     def _release(self, index: int, iid: int, verdict: type[Resend] | type[GiveUp], counter: str,
-                 out: list[HealthEffect]) -> _Server | None:
+                 out: list[Any]) -> _Server:
         """``iid``'s re-registration is over: every request that waited on it gets ``verdict``."""
-        server = self._server(index)
-        if server is None:
-            return None
+        server = self._servers[index]
         server.registering.discard(iid)
         requests = server.waiting.pop(iid, [])
         out.extend(verdict(index, r) for r in requests)
         self._counters[counter] += len(requests)
         return server
 
-    def _register(self, index: int, server: _Server, iid: int, out: list[HealthEffect]) -> None:
+    def _register(self, index: int, server: _Server, iid: int, out: list[Any]) -> None:
         if iid not in server.registering:
             server.registering.add(iid)
             self._counters["reregistrations"] += 1
             out.append(Register(index, iid))
 
-    def _on_ping_refused(self, event: InstancePingRefused, now: float, out: list[HealthEffect]) -> None:
-        server = self._server(event.server)
-        if server is None or event.instance_id not in server.instances or event.kind != NOT_REGISTERED:
+    def _on_ping_refused(self, event: InstancePingRefused, now: float, out: list[Any]) -> None:
+        server = self._servers[event.server]
+        if event.instance_id not in server.instances or event.kind != NOT_REGISTERED:
             return  # unregistered meanwhile, or an error that says nothing about the registration
         del server.instances[event.instance_id]
         self._counters["instances_lost"] += 1
         if server.healthy:
             self._register(event.server, server, event.instance_id, out)
 
-    def _on_refused(self, event: RequestRefused, now: float, out: list[HealthEffect]) -> None:
-        server = self._server(event.server)
-        if server is None:
-            return
+    def _on_refused(self, event: RequestRefused, now: float, out: list[Any]) -> None:
+        server = self._servers[event.server]
         waiting = server.waiting.get(event.instance_id, [])
         if (event.kind != NOT_REGISTERED or event.retried or not server.healthy
                 or len(waiting) >= self.config.max_waiting):
@@ -382,3 +426,35 @@ class HealthMonitor:
             self._counters["instances_lost"] += 1
         server.waiting[event.instance_id] = [*waiting, event.request]
         self._register(event.server, server, event.instance_id, out)
+
+
+def _server_of(event: Any) -> Hashable:
+    server: Hashable = event.server
+    return server
+
+
+_H, _M = HealthState, HealthMonitor
+_WATCHED = (_H.HEALTHY, _H.PROBING)
+# What the transport feeds (TimerFired is not addressed to a server: it runs the due timers).
+_INPUTS = (HeartbeatReply, HeartbeatUnsent, InstanceRegistered, InstanceUnregistered, RegistrationFailed,
+           InstancePingRefused, RequestRefused)
+
+# One server's health: (its state, event) -> (handler, next states). handle runs it.
+TABLE: Table[HealthState] = Table("HealthMonitor (one server's health, epoch and instances)", HealthState,
+                                  _H.ABSENT, {
+    **{(_H.ABSENT, e): (_M._on_unknown_server, (_H.ABSENT,)) for e in _INPUTS},
+    (_H.HEALTHY, HeartbeatDue): (_M._on_heartbeat_due, (_H.HEALTHY,)),
+    (_H.HEALTHY, HeartbeatTimeout): (_M._on_timeout, (_H.PROBING,)),
+    (_H.PROBING, ProbeDue): (_M._on_probe_due, (_H.PROBING,)),
+    **{(s, HeartbeatReply): (_M._on_reply, (_H.HEALTHY,)) for s in _WATCHED},
+    **{(s, HeartbeatUnsent): (_M._on_unsent, (s,)) for s in _WATCHED},
+    **{(s, InstanceRegistered): (_M._on_registered, (s,)) for s in _WATCHED},
+    **{(s, InstanceUnregistered): (_M._on_unregistered, (s,)) for s in _WATCHED},
+    **{(s, RegistrationFailed): (_M._on_registration_failed, (s,)) for s in _WATCHED},
+    **{(s, InstancePingRefused): (_M._on_ping_refused, (s,)) for s in _WATCHED},
+    **{(s, RequestRefused): (_M._on_refused, (s,)) for s in _WATCHED},
+})
+"""An event naming a server this monitor does not watch is ``ABSENT`` and only counted in
+``stale_replies``. A timer runs only in the state that makes it due (``_run_due``), so no other
+timer pair ever runs; the dispatcher would count one in ``stale_events``."""
+TABLES: dict[str, Table[Any]] = {TABLE.name: TABLE}

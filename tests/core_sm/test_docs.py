@@ -11,6 +11,7 @@ import attrs
 import core_sm.chunks
 import core_sm.effects
 import core_sm.errors
+import core_sm.health
 import core_sm.l1_index
 import core_sm.lookup_client
 import core_sm.lookup_ops
@@ -32,7 +33,7 @@ import core_sm.keys
 import core_sm.trace
 
 DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "core_sm.md").read_text()
-MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.l1_index, core_sm.lookup_client, core_sm.lookup_ops,
+MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.health, core_sm.l1_index, core_sm.lookup_client, core_sm.lookup_ops,
            core_sm.messages, core_sm.server, core_sm.server_core, core_sm.server_instances,
            core_sm.server_jobs, core_sm.server_l2, core_sm.server_transfers, core_sm.table, core_sm.timers, core_sm.transfer_client, core_sm.transfer_link, core_sm.transfer_ops,
            core_sm.keys, core_sm.admission, core_sm.holdings, core_sm.trace]
@@ -95,10 +96,10 @@ def test_client_stats_keys_are_the_documented_ones() -> None:
 
 def test_every_executing_table_is_in_the_doc() -> None:
     """The docs show the tables each machine's ``handle`` runs -- the client machines' too."""
-    from core_sm import describe, lookup_client, planner, transfer_client
+    from core_sm import describe, health, lookup_client, planner, transfer_client
 
     tables = [*core_sm.server.TABLES.values(), planner.TABLE, *lookup_client.TABLES.values(),
-              *transfer_client.TABLES.values()]
+              *transfer_client.TABLES.values(), health.TABLE]
     assert len(lookup_client.TABLES) == 2 and len(transfer_client.TABLES) == 3
     for table in tables:
         assert isinstance(table, core_sm.table.Table)

@@ -1,9 +1,13 @@
 """core_sm.health.HealthMonitor: pings, timeouts, backoff and epochs, with no runtime."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
+from core_sm.health import (_INPUTS, NOT_REGISTERED, TABLE, HealthConfig, HealthMonitor, HealthState, HeartbeatDue,
+                            HeartbeatReply, HeartbeatTimeout, HeartbeatUnsent, InstancePingRefused,
+                            InstanceRegistered, ProbeDue, RequestRefused, SendHeartbeat, SendInstancePing)
 from core_sm.messages import ServerEpoch, ServerHealth, TimerFired
 
 
@@ -168,3 +172,100 @@ def test_waiting_requests_are_bounded() -> None:
     m.handle(HeartbeatReply(0, 1), 0.0)
     effects = [m.handle(RequestRefused(0, 7, i, "not_registered"), 0.5) for i in range(3)]
     assert effects == [[Register(0, 7)], [], [GiveUp(0, 2)]]
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+WALK_INPUTS = [*_INPUTS, TimerFired]
+TIMERS = (HeartbeatDue, HeartbeatTimeout, ProbeDue)
+
+
+def _event(event_type: type, server: int, now: float) -> Any:
+    if event_type is HeartbeatReply:
+        return HeartbeatReply(server, 2)
+    if event_type is HeartbeatUnsent:
+        return HeartbeatUnsent(server)
+    if event_type is InstancePingRefused:
+        return InstancePingRefused(server, 7, NOT_REGISTERED)
+    if event_type is RequestRefused:
+        return RequestRefused(server, 7, "r2", NOT_REGISTERED)
+    if event_type is TimerFired:
+        return TimerFired()
+    return event_type(server, 7)
+
+
+def _in_state(state: HealthState) -> tuple[HealthMonitor, int]:
+    """A two-server monitor, server 0 in ``state`` (ABSENT: the events name server 5), with an
+    acknowledged instance and a request waiting on another's re-registration."""
+    m = HealthMonitor(HealthConfig(2, interval=1.0, timeout=2.5, backoff_max=4.0, initially_healthy=True,
+                                   fail_pending=True))
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    m.handle(InstanceRegistered(0, 7), 0.0)
+    m.handle(RequestRefused(0, 8, "r1", NOT_REGISTERED), 0.0)
+    if state is HealthState.PROBING:
+        m.handle(TimerFired(), 2.5)
+    assert m.state(0) is (HealthState.PROBING if state is HealthState.PROBING else HealthState.HEALTHY)
+    return m, 5 if state is HealthState.ABSENT else 0
+
+
+def _times(state: HealthState) -> tuple[float, ...]:
+    """When the input comes: before the timeout (a ping due), at and well past it."""
+    return (3.0, 6.0, 30.0) if state is HealthState.PROBING else (1.0, 2.6, 6.0, 30.0)
+
+
+@pytest.mark.parametrize("state", list(HealthState))
+@pytest.mark.parametrize("event_type", WALK_INPUTS)
+def test_every_state_times_every_input(state: HealthState, event_type: type) -> None:
+    """Each pair runs its row (or, for a pair the table does not list, nothing runs and nothing
+    changes), leaves the server in one of the row's next states, and never counts a violation."""
+    for now in _times(state):
+        m, server = _in_state(state)
+        m._table.trace = []
+        effects = m.handle(_event(event_type, server, now), now)
+        stats = m.stats()
+        assert stats["table_violations"] == 0 and stats["internal_errors"] == 0 and stats["stale_events"] == 0
+        for before, ran, after in m._table.trace:
+            assert after in TABLE.rows[(before, ran)].next_states
+        if event_type is TimerFired:
+            assert all(ran in TIMERS for _b, ran, _a in m._table.trace)
+            if state is HealthState.HEALTHY and now >= 2.5:
+                assert effects[0] == ServerHealth(0, False) and m.state(0) is HealthState.PROBING
+        elif (state, event_type) in TABLE.rows:
+            assert m._table.trace == [(state, event_type, m.state(server))]
+        else:
+            assert m._table.trace == [] and effects == []
+        if state is HealthState.ABSENT and event_type is not TimerFired:
+            assert effects == [] and stats["stale_replies"] == 1
+
+
+def test_every_row_runs_and_an_unlisted_timer_pair_changes_nothing() -> None:
+    ran: set[tuple[HealthState, type]] = set()
+    for state in HealthState:
+        for event_type in WALK_INPUTS:
+            for now in _times(state):
+                m, server = _in_state(state)
+                m._table.trace = []
+                m.handle(_event(event_type, server, now), now)
+                ran |= {(b, e) for b, e, _a in m._table.trace}
+    assert ran == set(TABLE.rows), set(TABLE.rows) - ran
+    for state in (HealthState.HEALTHY, HealthState.PROBING):
+        for timer in TIMERS:
+            if (state, timer) in TABLE.rows:
+                continue
+            m, server = _in_state(state)
+            before = (m.state(server), m.next_deadline(), m.instances(server))
+            out: list[Any] = []
+            assert not m._table.run(timer(server), 9.0, out) and out == []
+            assert (m.state(server), m.next_deadline(), m.instances(server)) == before
+            assert m.stats()["stale_events"] == 1
+
+
+def test_a_ping_due_with_the_timeout_is_a_probe() -> None:
+    """The timeout runs before the ping of the same server, so the ping is a probe (no instance
+    pings) and, the server being silent for the timeout already, its period doubles."""
+    m = HealthMonitor(HealthConfig(1, interval=1.0, timeout=2.0, backoff_max=4.0, initially_healthy=True))
+    m.handle(InstanceRegistered(0, 3), 0.0)
+    assert m.handle(TimerFired(), 0.0) == [SendHeartbeat(0), SendInstancePing(0, 3)]
+    m.handle(TimerFired(), 1.0)
+    assert m.handle(TimerFired(), 2.0) == [ServerHealth(0, False), SendHeartbeat(0)]
+    assert m.next_deadline() == 4.0
