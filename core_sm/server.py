@@ -23,9 +23,10 @@ Contract highlights (docs/core_sm.md has the tables):
   later (Store/Retrieve after ``TransferFinished``, CommitTransfer, WaitPrefetchStatus on
   completion or deadline). Internal events and timers never get a reply; an internal event with
   an unknown id is ignored and counted (``stats()["stale_events"]``). ``handle`` never raises.
-* Read leases are owned by the request id that looked them up (``num_readers`` counts per object)
-  and end by exactly one of: RETRIEVE (one count per object per successful retrieve), FREE, END
-  SESSION, REAP (abandoned job), TTL, or a forced CLEAR.
+* Read leases are owned by the request that looked them up -- ``RequestKey(peer, request id)``:
+  two peers naming one request id are two requests (``num_readers`` counts per object) -- and end
+  by exactly one of: RETRIEVE (one count per object per successful retrieve), FREE, END SESSION,
+  REAP (abandoned job), TTL, or a forced CLEAR.
 * Status: ``None`` while pending, hit chunks when done (then a tombstone repeats it for
   ``tombstone_ttl``), ``0`` for an unknown id.
 
@@ -68,9 +69,9 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
-from core_sm.server_core import EFFECT_OWNERS, ServerConfig, ServerContext
+from core_sm.server_core import EFFECT_OWNERS, RequestKey, ServerConfig, ServerContext
 from core_sm.server_instances import INSTANCE_TABLE, INSTANCE_TIMERS, InstanceMachine, InstanceState
-from core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobMachine, JobState, PrefetchJob
+from core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobMachine, JobState, JobTable, PrefetchJob, ReapJob
 from core_sm.server_l2 import L2_TABLE, L2_TIMERS, L2State, L2Work
 from core_sm.server_transfers import (
     TRANSFER_CREATORS,
@@ -84,7 +85,7 @@ from core_sm.timers import Timer
 
 __all__ = [
     "LookupServer", "ServerConfig", "ServerState", "JobState", "TransferState", "L2State",
-    "InstanceState", "PrefetchJob", "SERVER_TABLE", "TABLES", "TRANSFER_CREATORS",
+    "InstanceState", "PrefetchJob", "RequestKey", "SERVER_TABLE", "TABLES", "TRANSFER_CREATORS",
 ]
 
 
@@ -120,7 +121,7 @@ class LookupServer:
         self.jobs = JobMachine(ctx, self, self.l2)
         self.transfers = TransferMachine(ctx, self, self.instances, self.l2)
         self.l2.jobs, self.l2.instances, self.instances.transfers = self.jobs, self.instances, self.transfers
-        self._due_reaps: list[str] = []  # for _reap_abandoned_jobs
+        self._due_reaps: list[RequestKey] = []  # for _reap_abandoned_jobs
         self._timer_machine: dict[type, Any] = {
             **{t: self.jobs for t in JOB_TIMERS}, **{t: self.l2 for t in L2_TIMERS},
             **{t: self.transfers for t in TRANSFER_TIMERS}, **{t: self.instances for t in INSTANCE_TIMERS},
@@ -175,11 +176,12 @@ class LookupServer:
     def next_deadline(self) -> float | None:
         """The earliest time at which ``handle(TimerFired(), t)`` has work to do (may be early)."""
         candidates = [t for t in (self.ctx.timers.next_deadline(), self.jobs.next_tombstone_expiry(),
-                                  self.index.next_expiry()) if t is not None]
+                                  self.jobs.reap_queue.next_deadline(), self.index.next_expiry())
+                      if t is not None]
         return min(candidates) if candidates else None
 
-    def job_state(self, request_id: str) -> JobState:
-        return self.jobs.state(request_id)
+    def job_state(self, request_id: str, peer: Any = None) -> JobState:
+        return self.jobs.state(RequestKey(peer, request_id))
 
     def transfer_state(self, transfer_id: int) -> TransferState:
         return self.transfers.state(transfer_id)
@@ -187,15 +189,20 @@ class LookupServer:
     def instance_state(self, instance_id: int) -> InstanceState:
         return self.instances.state(instance_id)
 
-    def job(self, request_id: str) -> PrefetchJob | None:
-        return self.jobs.jobs.get(request_id)
+    def job(self, request_id: str, peer: Any = None) -> PrefetchJob | None:
+        return self.jobs.jobs.get(RequestKey(peer, request_id))
 
-    def tombstone(self, request_id: str) -> int | None:
-        entry = self.jobs.tombstones.get(request_id)
+    def tombstone(self, request_id: str, peer: Any = None) -> int | None:
+        entry = self.jobs.tombstones.get(RequestKey(peer, request_id))
         return None if entry is None else entry[0]
 
     def leases_by_owner(self) -> dict[Owner, int]:
+        """Owner (a ``RequestKey`` for lookup leases) -> the read counts it holds."""
         return self.index.leases_by_owner()
+
+    def leases_of(self, request_id: str, peer: Any = None) -> int:
+        """The lookup read counts the request ``(peer, request_id)`` holds."""
+        return self.index.leases_by_owner().get(RequestKey(peer, request_id), 0)
 
     def stats(self) -> dict[str, int]:
         """A snapshot for metrics and simulator oracles (flat name → int)."""
@@ -214,6 +221,8 @@ class LookupServer:
         out["store_waits"] = len(transfers.store_waits)
         out["pinned_effects"] = len(self.ctx.pins)
         out["timers"] = len(self.ctx.timers)
+        out["reap_queue"] = len(jobs.reap_queue)
+        out["reap_queue_compactions"] = jobs.reap_queue.compactions
         out["timer_compactions"] = self.ctx.timers.compactions
         return out
 
@@ -235,8 +244,8 @@ class LookupServer:
         self._counters["errors"] += 1
         out.append(ErrorReply(reply_to, error))
 
-    def _status_for_unknown(self, request_id: str) -> int | None:
-        """Answer for a status query of an id with no job and no tombstone (legacy: None)."""
+    def _status_for_unknown(self, key: RequestKey) -> int | None:
+        """Answer for a status query of a request with no job and no tombstone (legacy: None)."""
         return 0
 
     def _on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
@@ -245,46 +254,60 @@ class LookupServer:
         self._counters["duplicate_lookups"] += 1
         out.append(Reply(event.reply_to, None))
 
-    def _lease_for_lookup(self, request_id: str, key: ObjectKey, num_readers: int, now: float) -> None:
-        """Make ``request_id`` hold ``num_readers`` counts on ``key`` (tops up, never adds twice;
+    def _lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None:
+        """Make ``owner`` hold ``num_readers`` counts on ``key`` (tops up, never adds twice;
         renews a lease it holds)."""
-        self.index.lease_reads((key,), request_id, num_readers, now, top_up=True, refresh=True)
+        self.index.lease_reads((key,), owner, num_readers, now, top_up=True, refresh=True)
         self.index.touch(key)
 
     def _lease_prefix_for_lookup(
-        self, request_id: str, keys: Sequence[ObjectKey], num_readers: int, now: float
+        self, owner: RequestKey, keys: Sequence[ObjectKey], num_readers: int, now: float
     ) -> None:
         """``_lease_for_lookup`` for every object of a lookup's L1 prefix, as one batch of the
         index (a subclass overriding ``_lease_for_lookup`` has it called per object instead)."""
         if type(self)._lease_for_lookup is not LookupServer._lease_for_lookup:
             for key in keys:
-                self._lease_for_lookup(request_id, key, num_readers, now)
+                self._lease_for_lookup(owner, key, num_readers, now)
             return
         # Top-up per object, as _lease_for_lookup (READY objects being leased leave the LRU set,
-        # so its touch has nothing to move). Every lookup of an id also renews the leases it
+        # so its touch has nothing to move). Every lookup of a request also renews the leases it
         # already holds: a connector whose request waits in a deep queue looks it up again
         # before they expire (bounded by max_lookups_per_request).
-        self.index.lease_reads(keys, request_id, num_readers, now, top_up=True, refresh=True)
+        self.index.lease_reads(keys, owner, num_readers, now, top_up=True, refresh=True)
 
     def _release_for_free_lookup_locks(
-        self, request_id: str, keys: Sequence[ObjectKey], now: float
+        self, owner: RequestKey, keys: Sequence[ObjectKey], now: float
     ) -> int:
         """FREE_LOOKUP_LOCKS: release this request's leases on ``keys`` only (legacy: one count of
         whoever holds each key: F9). Returns the counts released."""
-        return self.index.release_reads(keys, request_id, None, ReleaseReason.FREE, now)
+        return self.index.release_reads(keys, owner, None, ReleaseReason.FREE, now)
 
-    def _release_after_retrieve(self, request_id: str, keys: Sequence[ObjectKey], now: float) -> None:
-        """A successful RETRIEVE releases one of the request's counts per object."""
-        self.index.release_reads(keys, request_id, 1, ReleaseReason.RETRIEVE, now)
+    def _release_after_retrieve(self, owner: RequestKey, keys: Sequence[ObjectKey], now: float) -> None:
+        """A successful RETRIEVE releases one of the request's lookup counts per object it copied.
 
-    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
+        The retrieving peer's own count if it holds one (a peer that both looks up and retrieves,
+        or engines sharing one CURVE key); else -- the scheduler that looked up and the worker that
+        retrieves are different connections of one engine -- the count of the one other peer whose
+        request of this id holds the object. When several do (two peers use the id), none is
+        released: each keeps its leases until its own FREE, END_SESSION or TTL."""
+        index = self.index
+        rid = owner.request_id
+        for key in keys:
+            if index.read_count(key, owner) > 0:
+                index.release_read(key, owner, 1, ReleaseReason.RETRIEVE, now)
+                continue
+            others = [o for o in index.owners_of(key) if isinstance(o, RequestKey) and o.request_id == rid]
+            if len(others) == 1:
+                index.release_read(key, others[0], 1, ReleaseReason.RETRIEVE, now)
+
+    def _tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
         """Remember an answered job's count (legacy: nothing, so repeats see an unknown id: F1)."""
-        self.jobs.tombstone(request_id, hits, now)
+        self.jobs.tombstone(key, hits, now)
 
-    def _end_session(self, request_id: str, now: float, out: list[Effect]) -> None:
-        """END_SESSION: drop job, tombstone, waiters; release the id's leases (legacy LMCache
+    def _end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None:
+        """END_SESSION: drop job, tombstone, waiters; release the request's leases (legacy LMCache
         April: only the session goes, the job and its leases stay: F12)."""
-        self.jobs.end_session(request_id, now, out)
+        self.jobs.end_session(key, now, out)
 
     def _reap_abandoned_jobs(self, now: float, out: list[Effect]) -> None:
         """Drop the jobs due for reaping (``self._due_reaps``: never answered within
@@ -294,7 +317,7 @@ class LookupServer:
 
     # The job table and its start, for legacy profiles that replace a job (OverwriteDup).
     @property
-    def _jobs(self) -> dict[str, PrefetchJob]:
+    def _jobs(self) -> JobTable:
         return self.jobs.jobs
 
     def _start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
@@ -343,8 +366,13 @@ class LookupServer:
 
     def _advance(self, now: float, out: list[Effect]) -> None:
         self.index.expire(now)
-        if self.jobs.tombstones:
-            self.jobs.expire_tombstones(now)
+        jobs = self.jobs
+        if jobs.tombstones:
+            jobs.expire_tombstones(now)
+        reap_at = jobs.reap_queue.next_deadline()
+        if reap_at is not None and reap_at <= now:
+            for key in jobs.due_reaps(now):
+                jobs.dispatch.run(ReapJob(key), now, out)
         timers = self.ctx.timers
         if not timers.due(now):
             return

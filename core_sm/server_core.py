@@ -3,14 +3,14 @@ counters, slot pins of in-flight effects, and key validation / hashing.
 
 ``LookupServer`` (core_sm/server.py) builds one ``ServerContext`` and hands it to each entity
 machine (jobs, transfers, L2 work, instances); none of them owns another's state, they call one
-another's methods. Internal lease/reservation owners are named types here (a request id, a
-``str``, owns lookup leases).
+another's methods. Lease/reservation owners are named types here: a ``RequestKey`` (peer,
+request id) owns lookup leases, the effect owners own the leases and reservations of copies.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Union
+from typing import NamedTuple, Union
 
 import attrs
 
@@ -21,7 +21,7 @@ from core_sm.admission import StoreAdmission
 from core_sm.holdings import HeldChunks
 from core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
 from core_sm.l1_index import L1Index
-from core_sm.messages import CacheKey, ReplyTo
+from core_sm.messages import CacheKey, Peer, ReplyTo
 from core_sm.timers import Timer, TimerHeap
 from core_sm.trace import PrehashedTokens
 
@@ -77,6 +77,17 @@ class ServerConfig:
     def _check_chain_key(self, attribute: object, value: bytes) -> None:
         if type(value) is not bytes or len(value) != CHAIN_KEY_BYTES:
             raise ValueError(f"chain_key must be {CHAIN_KEY_BYTES} bytes")
+
+
+class RequestKey(NamedTuple):
+    """A request as the server knows it: the peer that sent it and the request id it named.
+
+    Prefetch jobs, tombstones, status waiters, lookup counts and lookup read leases are keyed by
+    it, so two peers naming one request id are two independent requests: neither can see, free,
+    end or take over the other's (request ids are often guessable: counters)."""
+
+    peer: Peer
+    request_id: str
 
 
 @attrs.frozen(cache_hash=True)

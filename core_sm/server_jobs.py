@@ -1,23 +1,31 @@
-"""Prefetch jobs: one per request id -- lookup, status, wait, free, end session, tombstones and
+"""Prefetch jobs: one per request -- lookup, status, wait, free, end session, tombstones and
 the reaper of abandoned jobs.
 
-An event addresses the job of its request id (``Lookup``/``FreeLookupLocks``: ``key.request_id``;
-the typed timers name theirs). The job's state is ``JobState``: ABSENT (never seen, ended,
-reaped, or tombstone expired), PENDING (its L2 work is outstanding), DONE (hit count known, not
-yet answered), ANSWERED (a tombstone repeats the answer). ``JOB_TABLE`` is what ``handle`` runs.
-L2 completions address the L2 work (core_sm/server_l2.py), which hands the job its result here.
+A request is a ``RequestKey``: the peer that sent it (``Lookup.peer`` etc., set by the runtime)
+and the request id it names. An event addresses the job of its request (``Lookup`` /
+``FreeLookupLocks``: ``(peer, key.request_id)``; the typed timers name theirs). The job's state
+is ``JobState``: ABSENT (never seen, ended, reaped, or tombstone expired), PENDING (its L2 work is
+outstanding), DONE (hit count known, not yet answered), ANSWERED (a tombstone repeats the
+answer). ``JOB_TABLE`` is what ``handle`` runs. L2 completions address the L2 work
+(core_sm/server_l2.py), which hands the job its result here.
 
 The legacy-profile hooks (``_status_for_unknown``, ``_on_duplicate_lookup``, ``_lease_for_lookup``,
 ``_release_for_free_lookup_locks``, ``_tombstone_after_answer``, ``_end_session``,
 ``_reap_abandoned_jobs``, ``_reply_error``) are methods of ``LookupServer``: this machine calls
 them there, so a profile overrides one method of the server.
 
-Ownership: a request id belongs to the peer (``Lookup.peer``, set by the runtime) whose lookup
-first named it, for as long as the server holds anything of it (job, tombstone, leases); a
-lookup, status query, wait, free or end session naming it from another peer is refused
-``FORBIDDEN`` and changes nothing. Bounds: ``max_jobs`` live jobs in total and
-``max_jobs_per_peer`` per peer, ``max_lookups_per_request`` lookups of one id (each refreshes its
-leases); over them a lookup is refused ``TOO_LARGE``.
+Ownership: everything of a request -- its job, tombstone, waiters, lookup count and lookup read
+leases -- is keyed by (peer, request id). Two peers naming the same request id are two
+independent requests: a status query, wait, free or end session sees and changes only the
+sender's own, so no peer can read, free, end or squat another's (a lookup of an id another peer
+uses is simply a lookup of the sender's own). Bounds: ``max_jobs`` live jobs in total and
+``max_jobs_per_peer`` per peer, ``max_lookups_per_request`` lookups of one request while the
+server holds anything of it (each refreshes its leases); over them a lookup is refused
+``TOO_LARGE``.
+
+Memory: a job whose hit count is known keeps no hashes (``PrefetchJob.work`` is dropped), and
+its reap deadline is an entry of one ``ReapQueue`` (all jobs share ``abandoned_job_ttl``, so
+they come due in the order they started) rather than a timer on the heap.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import enum
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -44,9 +52,9 @@ from core_sm.messages import (
     ReplyTo,
     WaitPrefetchStatus,
 )
-from core_sm.server_core import ServerContext
+from core_sm.server_core import RequestKey, ServerContext
 from core_sm.table import Table
-from core_sm.timers import Timer
+from core_sm.timers import ReapQueue, Timer
 
 if TYPE_CHECKING:
     from core_sm.server import LookupServer
@@ -54,7 +62,7 @@ if TYPE_CHECKING:
 
 
 class JobState(enum.Enum):
-    """State of the prefetch job of one request id."""
+    """State of the prefetch job of one request (peer, request id)."""
 
     ABSENT = "absent"  # never seen, ended, reaped, or tombstone expired
     PENDING = "pending"  # an L2 read is outstanding
@@ -64,17 +72,17 @@ class JobState(enum.Enum):
 
 @attrs.frozen
 class ReapJob(Timer):
-    """The job was never answered within ``abandoned_job_ttl``: reap it (its leases go)."""
+    """The job was never answered within ``abandoned_job_ttl``: reap it (its leases go). Made
+    when the reap queue says the job is due (the queue holds the job, not a timer)."""
 
-    request_id: str
-    serial: int
+    key: RequestKey
 
 
 @attrs.frozen
 class L2Timeout(Timer):
     """The job's L2 work is not back within ``l2_read_timeout``: resolve with its L1 prefix."""
 
-    request_id: str
+    key: RequestKey
     serial: int
 
 
@@ -83,105 +91,195 @@ class WaiterDeadline(Timer):
     """A ``WaitPrefetchStatus`` reached its timeout: answer ``None``."""
 
     waiter_id: int
-    request_id: str
+    key: RequestKey
 
 
 @attrs.frozen
 class ForgetRequestId(Timer):
-    """The id's tombstone is gone but it still held leases then: forget its owner once it holds
-    none (checked again every lease TTL)."""
+    """The request's job and tombstone are gone but it still held leases then: forget its lookup
+    count once it holds none (checked again every lease TTL)."""
 
-    request_id: str
-
-
-@attrs.define
-class RequestIdOwner:
-    """Who owns a request id, and how often it was looked up."""
-
-    peer: Peer
-    lookups: int = 0
+    key: RequestKey
 
 
-@attrs.define
-class PrefetchJob:
-    """One request id's lookup: the L1 prefix it leased, its L2 read, its answer.
+@attrs.define(slots=True, weakref_slot=False, eq=False)
+class JobWork:
+    """What a job needs only until its hit count is known: its chunk hashes (one buffer, never
+    the token ids), the L1 prefix it leased, its L2 read or probe."""
 
-    It keeps the chunk hashes, never the token ids (a job left to its TTL by a client that went
-    away costs its hashes and a few fields, not its prompt: ``mpcache-bench jobs``); the model
-    name is interned so live jobs share one string."""
-
-    request_id: str
     serial: int
-    model_name: str
+    model_name: str  # interned: live jobs share one string
     world_size: int
     hashes: Sequence[bytes]  # chunks.pack_hashes: one buffer, not a bytes object per chunk
     num_readers: int
     l1_prefix: int
-    created: float
-    reap_at: float
+    ranks: tuple[int, ...] | None  # the KV ranks this server holds (None: all)
     read_id: int | None = None
     probe_id: int | None = None
     l2_deadline: float | None = None
-    hits: int | None = None
     freed_chunks: set[int] | None = None  # chunks FreeLookupLocks released (made on first use)
-    ranks: tuple[int, ...] | None = None  # the KV ranks this server holds (None: all)
-    peer: Peer = None
+
+
+@attrs.define(slots=True, weakref_slot=False, eq=False)
+class PrefetchJob:
+    """One request's lookup. While it is PENDING, ``work`` holds its hashes and L2 state; once its
+    hit count is known ``work`` is dropped, so a job left to its TTL by a client that went away
+    costs four references (and its entries in the job table and the reap queue), not its
+    prompt: ``mpcache-bench jobs``. Its reap deadline is in the machine's ``ReapQueue``."""
+
+    request_id: str
+    peer: Peer
+    hits: int | None = None
+    work: JobWork | None = None
+
+    @property
+    def key(self) -> RequestKey:
+        return RequestKey(self.peer, self.request_id)
 
     @property
     def state(self) -> JobState:
         return JobState.PENDING if self.hits is None else JobState.DONE
 
+    def pending(self) -> JobWork:
+        """The pending work (the job must be PENDING)."""
+        work = self.work
+        assert work is not None, "a done job has no pending work"
+        return work
+
+    # The pending work's fields, as the L2 machine (core_sm/server_l2.py) reads and sets them.
+    @property
+    def serial(self) -> int | None:
+        return None if self.work is None else self.work.serial
+
+    @property
+    def hashes(self) -> Sequence[bytes]:
+        return self.pending().hashes
+
+    @property
+    def model_name(self) -> str:
+        return self.pending().model_name
+
+    @property
+    def world_size(self) -> int:
+        return self.pending().world_size
+
+    @property
+    def l1_prefix(self) -> int:
+        return self.pending().l1_prefix
+
+    @property
+    def num_readers(self) -> int:
+        return self.pending().num_readers
+
+    @property
+    def freed_chunks(self) -> set[int] | None:
+        return None if self.work is None else self.work.freed_chunks
+
+    @property
+    def read_id(self) -> int | None:
+        return None if self.work is None else self.work.read_id
+
+    @read_id.setter
+    def read_id(self, value: int | None) -> None:
+        self.pending().read_id = value
+
+    @property
+    def probe_id(self) -> int | None:
+        return None if self.work is None else self.work.probe_id
+
+    @probe_id.setter
+    def probe_id(self, value: int | None) -> None:
+        self.pending().probe_id = value
+
     def rank_range(self) -> Sequence[int]:
         """The ranks whose objects make a chunk a hit (leased, read from L2)."""
-        return range(self.world_size) if self.ranks is None else self.ranks
+        work = self.pending()
+        return range(work.world_size) if work.ranks is None else work.ranks
 
 
 @attrs.define
 class Waiter:
     waiter_id: int
-    request_id: str
+    key: RequestKey
     reply_to: ReplyTo
     deadline: float
 
 
-def _request_id(ev: Any) -> Hashable:
-    """The request id an event addresses (None when it is not a str: the handler refuses it)."""
-    rid = ev.key.request_id if isinstance(ev, (Lookup, FreeLookupLocks)) and isinstance(ev.key, CacheKey) \
-        else getattr(ev, "request_id", None)
-    return rid if isinstance(rid, str) else None
+def _request_key(ev: Any) -> Hashable:
+    """The request an event addresses: (its peer, its request id), or the key a timer names
+    (None when the request id is not a str: the handler refuses it)."""
+    rid: object
+    if isinstance(ev, (Lookup, FreeLookupLocks)):
+        rid = ev.key.request_id if isinstance(ev.key, CacheKey) else None
+    else:
+        rid = getattr(ev, "request_id", None)
+        if rid is None:
+            return getattr(ev, "key", None)  # a timer
+    return RequestKey(ev.peer, rid) if isinstance(rid, str) else None
 
 
-class JobTable(dict[str, PrefetchJob]):
-    """The live jobs, counted per peer however a job leaves (a legacy profile deletes directly)."""
+class JobTable:
+    """The live jobs: per peer, one dict of request id -> job (no key object per job), so a
+    peer's job count is the size of its dict."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.per_peer: dict[Peer, int] = {}
+        self.by_peer: dict[Peer, dict[str, PrefetchJob]] = {}
+        self._count = 0
 
-    def __setitem__(self, rid: str, job: PrefetchJob) -> None:
-        old = self.get(rid)
-        if old is not None:
-            self._drop(old)
-        super().__setitem__(rid, job)
-        self.per_peer[job.peer] = self.per_peer.get(job.peer, 0) + 1
+    def __len__(self) -> int:
+        return self._count
 
-    def __delitem__(self, rid: str) -> None:
-        self._drop(self[rid])
-        super().__delitem__(rid)
+    def __contains__(self, key: RequestKey) -> bool:
+        return self.get(key) is not None
 
-    def pop(self, rid: str, default: Any = None) -> Any:
-        job = super().pop(rid, None)
+    def get(self, key: RequestKey) -> PrefetchJob | None:
+        jobs = self.by_peer.get(key[0])
+        return None if jobs is None else jobs.get(key[1])
+
+    def holds(self, job: PrefetchJob) -> bool:
+        """Whether ``job`` is the live job of its request (not ended, reaped or replaced)."""
+        jobs = self.by_peer.get(job.peer)
+        return jobs is not None and jobs.get(job.request_id) is job
+
+    def count_of(self, peer: Peer) -> int:
+        jobs = self.by_peer.get(peer)
+        return 0 if jobs is None else len(jobs)
+
+    def __setitem__(self, key: RequestKey, job: PrefetchJob) -> None:
+        assert job.peer == key[0] and job.request_id == key[1], "a job under another request's key"
+        jobs = self.by_peer.get(key[0])
+        if jobs is None:
+            jobs = self.by_peer[key[0]] = {}
+        if key[1] not in jobs:
+            self._count += 1
+        jobs[key[1]] = job
+
+    def pop(self, key: RequestKey, default: Any = None) -> Any:
+        jobs = self.by_peer.get(key[0])
+        job = None if jobs is None else jobs.pop(key[1], None)
         if job is None:
             return default
-        self._drop(job)
+        self._count -= 1
+        if not jobs:
+            del self.by_peer[key[0]]
         return job
 
-    def _drop(self, job: PrefetchJob) -> None:
-        n = self.per_peer[job.peer] - 1
-        if n:
-            self.per_peer[job.peer] = n
-        else:
-            del self.per_peer[job.peer]
+    def __delitem__(self, key: RequestKey) -> None:
+        if self.pop(key) is None:
+            raise KeyError(key)
+
+    def items(self) -> Iterator[tuple[RequestKey, PrefetchJob]]:
+        for peer, jobs in self.by_peer.items():
+            for rid, job in jobs.items():
+                yield RequestKey(peer, rid), job
+
+    def values(self) -> Iterator[PrefetchJob]:
+        for jobs in self.by_peer.values():
+            yield from jobs.values()
+
+    def __iter__(self) -> Iterator[RequestKey]:
+        for key, _job in self.items():
+            yield key
 
 
 class JobMachine:
@@ -192,57 +290,67 @@ class JobMachine:
         self.server = server
         self.l2 = l2
         self.jobs = JobTable()
-        self.owners: dict[str, RequestIdOwner] = {}
-        self.tombstones: OrderedDict[str, tuple[int, float]] = OrderedDict()
-        self.waiters: dict[str, dict[int, Waiter]] = {}
+        # jobs in the order their reap deadlines come (one TTL: a FIFO, no timer per job)
+        self.reap_queue: ReapQueue[PrefetchJob] = ReapQueue(self.jobs.holds)
+        # Lookups beyond the first of a request that is still held (job, tombstone or leases),
+        # for max_lookups_per_request: a request looked up once costs no entry here.
+        self.repeats: dict[RequestKey, int] = {}
+        self.tombstones: OrderedDict[RequestKey, tuple[int, float]] = OrderedDict()
+        self.waiters: dict[RequestKey, dict[int, Waiter]] = {}
         self.waiter_by_id: dict[int, Waiter] = {}
-        self.dispatch = JOB_TABLE.bind(self, _request_id, self.state, ctx.counters, ctx.reply_error)
+        self.dispatch = JOB_TABLE.bind(self, _request_key, self.state, ctx.counters, ctx.reply_error)
 
     # ============================================================================= queries
 
-    def state(self, request_id: Hashable) -> JobState:
-        job = self.jobs.get(request_id)  # type: ignore[call-overload]
+    def state(self, key: Hashable) -> JobState:
+        if not isinstance(key, RequestKey):
+            return JobState.ABSENT
+        job = self.jobs.get(key)
         if job is not None:
-            state: JobState = job.state
-            return state
-        return JobState.ANSWERED if request_id in self.tombstones else JobState.ABSENT
+            return job.state
+        return JobState.ANSWERED if key in self.tombstones else JobState.ABSENT
 
     def timer_live(self, timer: Timer) -> bool:
         if isinstance(timer, ForgetRequestId):
-            return timer.request_id in self.owners and self.state(timer.request_id) is JobState.ABSENT
+            return timer.key in self.repeats and self.state(timer.key) is JobState.ABSENT
         if isinstance(timer, WaiterDeadline):
             return timer.waiter_id in self.waiter_by_id
-        assert isinstance(timer, (ReapJob, L2Timeout))
-        job = self.jobs.get(timer.request_id)
-        if job is None or job.serial != timer.serial:
-            return False
-        return job.hits is None if isinstance(timer, L2Timeout) else True
+        if isinstance(timer, ReapJob):
+            return timer.key in self.jobs
+        assert isinstance(timer, L2Timeout)
+        job = self.jobs.get(timer.key)
+        return job is not None and job.hits is None and job.serial == timer.serial
+
+    def held(self, key: RequestKey) -> bool:
+        """Whether the server holds anything of the request: a job, a tombstone or a lease."""
+        return key in self.jobs or key in self.tombstones or self.ctx.index.holds(key)
 
     def expire_tombstones(self, now: float) -> None:
         while self.tombstones:
-            rid, (_hits, expiry) = next(iter(self.tombstones.items()))
+            key, (_hits, expiry) = next(iter(self.tombstones.items()))
             if expiry > now:
                 break
             self.tombstones.popitem(last=False)
-            self._forget_owner(rid, now)
+            self._forget_repeats(key, now)
 
-    def _forget_owner(self, rid: str, now: float) -> None:
-        """The server no longer holds a job or tombstone of ``rid``: forget its owner now if it
-        holds no lease either, else once it holds none."""
-        if rid not in self.owners:
+    def due_reaps(self, now: float) -> list[RequestKey]:
+        """The requests whose jobs reached their reap deadline at ``now``, taken off the queue."""
+        due: list[RequestKey] = []
+        job = self.reap_queue.pop_due(now)
+        while job is not None:
+            due.append(job.key)
+            job = self.reap_queue.pop_due(now)
+        return due
+
+    def _forget_repeats(self, key: RequestKey, now: float) -> None:
+        """The server no longer holds a job or tombstone of ``key``: forget its lookup count now
+        if it holds no lease either, else once it holds none."""
+        if key not in self.repeats:
             return
-        if self.ctx.index.holds(rid):
-            self.ctx.timers.push(now + self.ctx.config.lease_ttl, ForgetRequestId(rid))
+        if self.ctx.index.holds(key):
+            self.ctx.timers.push(now + self.ctx.config.lease_ttl, ForgetRequestId(key))
         else:
-            del self.owners[rid]
-
-    def _foreign(self, rid: str, peer: Peer, reply_to: ReplyTo, out: list[Effect]) -> bool:
-        """Refuse (FORBIDDEN) a request naming an id another peer owns."""
-        owner = self.owners.get(rid) if isinstance(rid, str) else None
-        if owner is None or owner.peer == peer:
-            return False
-        self.ctx.error(out, reply_to, ErrorKind.FORBIDDEN, f"request id {rid!r} belongs to another peer")
-        return True
+            del self.repeats[key]
 
     def next_tombstone_expiry(self) -> float | None:
         return next(iter(self.tombstones.values()))[1] if self.tombstones else None
@@ -266,77 +374,75 @@ class JobMachine:
         if err is not None:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
-        rid = ev.key.request_id
-        if self._foreign(rid, ev.peer, ev.reply_to, out):
-            return
-        owner = self.owners.get(rid)
-        if owner is not None and owner.lookups >= ctx.config.max_lookups_per_request:
+        key = RequestKey(ev.peer, ev.key.request_id)
+        job = self.jobs.get(key)
+        held = job is not None or self.held(key)
+        lookups = 1 + self.repeats.get(key, 0) if held else 0
+        if lookups >= ctx.config.max_lookups_per_request:
             ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
-                      f"request id {rid!r} looked up {owner.lookups} times")
+                      f"request id {key.request_id!r} looked up {lookups} times")
             return
-        job = self.jobs.get(rid)
         if job is None:
             if len(self.jobs) >= ctx.config.max_jobs:
                 ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"{len(self.jobs)} prefetch jobs live")
                 return
-            if self.jobs.per_peer.get(ev.peer, 0) >= ctx.config.max_jobs_per_peer:
+            if self.jobs.count_of(ev.peer) >= ctx.config.max_jobs_per_peer:
                 ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, "too many prefetch jobs of this peer")
                 return
-        if owner is None:
-            owner = self.owners[rid] = RequestIdOwner(ev.peer)
-        owner.lookups += 1
+        if held:
+            self.repeats[key] = lookups
+        else:
+            self.repeats.pop(key, None)  # a count left from before everything of it went
         if job is not None:
             self.server._on_duplicate_lookup(job, ev, now, out)
             return
-        self.tombstones.pop(rid, None)
+        self.tombstones.pop(key, None)
         if ctx.admission is not None:
             ctx.admission.record(hashes)
         self.start_job(ev, hashes, now, out)
 
     def start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
-        ctx, key, rid = self.ctx, ev.key, ev.key.request_id
-        ranks = range(key.world_size) if ev.ranks is None else ev.ranks
+        ctx, ckey = self.ctx, ev.key
+        key = RequestKey(ev.peer, ckey.request_id)
+        ranks = range(ckey.world_size) if ev.ranks is None else ev.ranks
         prefix, prefix_keys = ctx.index.readable_prefix(hashes, ranks)
-        if ev.num_readers > 0:
-            self.server._lease_prefix_for_lookup(rid, prefix_keys, ev.num_readers, now)
+        if ev.num_readers > 0 and prefix_keys:
+            self.server._lease_prefix_for_lookup(key, prefix_keys, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
-        job = PrefetchJob(
-            request_id=rid, serial=ctx.new_id(), model_name=sys.intern(key.model_name),
-            world_size=key.world_size, hashes=pack_hashes(hashes),
-            num_readers=ev.num_readers, l1_prefix=prefix, created=now,
-            reap_at=now + ctx.config.abandoned_job_ttl, ranks=ev.ranks, peer=ev.peer,
-        )
-        self.jobs[rid] = job
-        ctx.timers.push(job.reap_at, ReapJob(rid, job.serial))
+        job = PrefetchJob(ckey.request_id, ev.peer, work=JobWork(
+            serial=ctx.new_id(), model_name=sys.intern(ckey.model_name), world_size=ckey.world_size,
+            hashes=pack_hashes(hashes), num_readers=ev.num_readers, l1_prefix=prefix, ranks=ev.ranks,
+        ))
+        self.jobs[key] = job
+        self.reap_queue.push(now + ctx.config.abandoned_job_ttl, job)
         out.append(Reply(ev.reply_to, None))
         if ctx.config.l2_enabled and prefix < len(hashes):
             started = (self.l2.start_probe(job, now, out) if ctx.config.l2_probe
                        else self.l2.start_read(job, len(hashes), now, out))
             if started:
-                job.l2_deadline = now + ctx.config.l2_read_timeout
-                ctx.timers.push(job.l2_deadline, L2Timeout(rid, job.serial))
+                work = job.pending()
+                work.l2_deadline = now + ctx.config.l2_read_timeout
+                ctx.timers.push(work.l2_deadline, L2Timeout(key, work.serial))
                 return
         self.complete(job, prefix, now, out)
 
     def _on_query(self, ev: QueryPrefetchStatus, now: float, out: list[Effect]) -> None:
         self.ctx.counters["status_queries"] += 1
-        if self._foreign(ev.request_id, ev.peer, ev.reply_to, out):
-            return
-        out.append(Reply(ev.reply_to, self._status(ev.request_id, now)))
+        out.append(Reply(ev.reply_to, self._status(RequestKey(ev.peer, ev.request_id), now)))
 
-    def _status(self, rid: str, now: float) -> int | None:
-        job = self.jobs.get(rid)
+    def _status(self, key: RequestKey, now: float) -> int | None:
+        job = self.jobs.get(key)
         if job is not None:
             if job.hits is None:
                 return None
             hits = job.hits
             self._consume(job, now)
             return hits
-        tomb = self.tombstones.get(rid)
+        tomb = self.tombstones.get(key)
         if tomb is not None:
             return tomb[0]
         self.ctx.counters["unknown_status"] += 1
-        return self.server._status_for_unknown(rid)
+        return self.server._status_for_unknown(key)
 
     def _on_wait(self, ev: WaitPrefetchStatus, now: float, out: list[Effect]) -> None:
         ctx = self.ctx
@@ -344,69 +450,67 @@ class JobMachine:
         if not isinstance(ev.timeout, (int, float)) or math.isnan(ev.timeout):
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, "timeout must be a number")
             return
-        if self._foreign(ev.request_id, ev.peer, ev.reply_to, out):
-            return
-        job = self.jobs.get(ev.request_id)
+        key = RequestKey(ev.peer, ev.request_id)
+        job = self.jobs.get(key)
         if job is None or job.hits is not None or ev.timeout <= 0:
-            out.append(Reply(ev.reply_to, self._status(ev.request_id, now)))
+            out.append(Reply(ev.reply_to, self._status(key, now)))
             return
         if len(self.waiter_by_id) >= ctx.config.max_waiters:
             ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, "too many status waiters")
             return
-        w = Waiter(ctx.new_id(), ev.request_id, ev.reply_to, now + min(ev.timeout, 1e9))
-        self.waiters.setdefault(ev.request_id, {})[w.waiter_id] = w
+        w = Waiter(ctx.new_id(), key, ev.reply_to, now + min(ev.timeout, 1e9))
+        self.waiters.setdefault(key, {})[w.waiter_id] = w
         self.waiter_by_id[w.waiter_id] = w
-        ctx.timers.push(w.deadline, WaiterDeadline(w.waiter_id, w.request_id))
+        ctx.timers.push(w.deadline, WaiterDeadline(w.waiter_id, key))
 
     def _on_free(self, ev: FreeLookupLocks, now: float, out: list[Effect]) -> None:
-        ctx, key = self.ctx, ev.key
-        err = ctx.validate_key(key, scheduler=True, aligned=False)
+        ctx, ckey = self.ctx, ev.key
+        err = ctx.validate_key(ckey, scheduler=True, aligned=False)
         C = ctx.config.chunk_size
         hashes: tuple[bytes, ...] = ()
         if err is None:
-            first, last = key.start // C, key.end // C
-            hashes, err = ctx.hashes(key, last)
+            first, last = ckey.start // C, ckey.end // C
+            hashes, err = ctx.hashes(ckey, last)
         if err is not None:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
-        if self._foreign(key.request_id, ev.peer, ev.reply_to, out):
-            return
-        keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(key.world_size)]
-        self.server._release_for_free_lookup_locks(key.request_id, keys, now)
-        job = self.jobs.get(key.request_id)
-        if job is not None and job.hits is None:
-            if job.freed_chunks is None:
-                job.freed_chunks = set()
-            job.freed_chunks.update(range(first, last))
+        key = RequestKey(ev.peer, ckey.request_id)
+        keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
+        self.server._release_for_free_lookup_locks(key, keys, now)
+        job = self.jobs.get(key)
+        if job is not None and job.work is not None:
+            work = job.work
+            if work.freed_chunks is None:
+                work.freed_chunks = set()
+            work.freed_chunks.update(range(first, last))
         out.append(Reply(ev.reply_to, None))
 
     def _on_end_session(self, ev: EndSession, now: float, out: list[Effect]) -> None:
-        if self._foreign(ev.request_id, ev.peer, ev.reply_to, out):
-            return
-        self.server._end_session(ev.request_id, now, out)
+        self.server._end_session(RequestKey(ev.peer, ev.request_id), now, out)
         out.append(Reply(ev.reply_to, None))
 
     # ============================================================================= timers
 
     def _on_reap(self, timer: ReapJob, now: float, out: list[Effect]) -> None:
-        self.server._due_reaps = [timer.request_id]
+        self.server._due_reaps = [timer.key]
         self.server._reap_abandoned_jobs(now, out)
         self.server._due_reaps = []
 
     def _on_forget_request_id(self, timer: ForgetRequestId, now: float, out: list[Effect]) -> None:
-        self._forget_owner(timer.request_id, now)
+        self._forget_repeats(timer.key, now)
 
     def _on_waiter_deadline(self, timer: WaiterDeadline, now: float, out: list[Effect]) -> None:
         w = self.waiter_by_id.pop(timer.waiter_id)
-        waiters = self.waiters[w.request_id]
+        waiters = self.waiters[w.key]
         del waiters[timer.waiter_id]
         if not waiters:
-            del self.waiters[w.request_id]
+            del self.waiters[w.key]
         self.ctx.counters["waiter_timeouts"] += 1
         out.append(Reply(w.reply_to, None))
 
     def _on_l2_timeout(self, timer: L2Timeout, now: float, out: list[Effect]) -> None:
-        job = self.jobs[timer.request_id]
+        job = self.jobs.get(timer.key)
+        assert job is not None
         self.ctx.counters["l2_timeouts"] += 1
         if job.read_id is not None:
             self.l2.detach_read(job.read_id)
@@ -414,132 +518,148 @@ class JobMachine:
 
     # ============================================================================= L2 results
 
+    def _job_of(self, key: RequestKey | None, serial: int) -> PrefetchJob | None:
+        """The pending job an L2 read or probe was started for, if it is still that job."""
+        job = self.jobs.get(key) if key is not None else None
+        return job if job is not None and job.serial == serial else None
+
     def read_finished(self, read: L2Read, now: float, out: list[Effect]) -> None:
         """The L2 read ``read`` landed (its objects are written or aborted)."""
-        job = self.jobs.get(read.request_id) if read.request_id is not None else None
-        if job is None or job.serial != read.job_serial or job.read_id != read.read_id:
+        job = self._job_of(read.request, read.job_serial)
+        if job is None or job.read_id != read.read_id:
             return
         self._extend_and_complete(job, now, out)
 
     def read_expired(self, read: L2Read, now: float, out: list[Effect]) -> None:
-        job = self.jobs.get(read.request_id) if read.request_id is not None else None
+        job = self._job_of(read.request, read.job_serial)
         if job is not None and job.read_id == read.read_id:
             self.complete(job, job.l1_prefix, now, out)
 
     def probe_finished(self, probe: L2Probe, present: set[ObjectKey], now: float,
                        out: list[Effect]) -> None:
-        job = self.jobs.get(probe.request_id)
-        if job is None or job.serial != probe.job_serial or job.probe_id != probe.probe_id:
+        job = self._job_of(probe.request, probe.job_serial)
+        if job is None or job.probe_id != probe.probe_id:
             return
         job.probe_id = None
         index = self.ctx.index
-        upto = job.l1_prefix
-        for i in range(job.l1_prefix, len(job.hashes)):
+        work = job.pending()
+        upto = work.l1_prefix
+        for i in range(work.l1_prefix, len(work.hashes)):
             if not all(index.is_readable(k) or k in present
-                       for k in (ObjectKey(job.hashes[i], r) for r in job.rank_range())):
+                       for k in (ObjectKey(work.hashes[i], r) for r in job.rank_range())):
                 break
             upto = i + 1
-        if upto > job.l1_prefix and self.l2.start_read(job, upto, now, out):
+        if upto > work.l1_prefix and self.l2.start_read(job, upto, now, out):
             return
         self._extend_and_complete(job, now, out)
 
     def probe_expired(self, probe: L2Probe, now: float, out: list[Effect]) -> None:
-        job = self.jobs.get(probe.request_id)
-        if job is not None and job.serial == probe.job_serial and job.probe_id == probe.probe_id:
+        job = self._job_of(probe.request, probe.job_serial)
+        if job is not None and job.probe_id == probe.probe_id:
             self.complete(job, job.l1_prefix, now, out)
 
     def _extend_and_complete(self, job: PrefetchJob, now: float, out: list[Effect]) -> None:
         """The job's hits: its L1 prefix, extended over the chunks now readable on every rank
         (contiguously), which it leases (except chunks already freed)."""
         index = self.ctx.index
-        hits = job.l1_prefix
-        for i in range(job.l1_prefix, len(job.hashes)):
-            keys = [ObjectKey(job.hashes[i], r) for r in job.rank_range()]
+        work = job.pending()
+        key = job.key
+        hits = work.l1_prefix
+        for i in range(work.l1_prefix, len(work.hashes)):
+            keys = [ObjectKey(work.hashes[i], r) for r in job.rank_range()]
             if not all(index.is_readable(k) for k in keys):
                 break
-            if job.num_readers > 0 and (job.freed_chunks is None or i not in job.freed_chunks):
+            if work.num_readers > 0 and (work.freed_chunks is None or i not in work.freed_chunks):
                 for k in keys:
-                    self.server._lease_for_lookup(job.request_id, k, job.num_readers, now)
+                    self.server._lease_for_lookup(key, k, work.num_readers, now)
             hits += 1
         self.complete(job, hits, now, out)
 
     # ============================================================================= helpers
 
     def complete(self, job: PrefetchJob, hits: int, now: float, out: list[Effect]) -> None:
+        """The job's hit count is known: it drops its pending work (hashes, L2 state) and keeps
+        the count until it is answered, ended or reaped."""
         job.hits = hits
-        job.read_id = None
-        job.probe_id = None
-        job.l2_deadline = None
+        job.work = None
         self.ctx.counters["hit_chunks"] += hits
-        if job.request_id in self.waiters:
-            self.answer_waiters(job.request_id, hits, out)
+        key = job.key
+        if key in self.waiters:
+            self.answer_waiters(key, hits, out)
             self._consume(job, now)
 
     def _consume(self, job: PrefetchJob, now: float) -> None:
         assert job.hits is not None
-        del self.jobs[job.request_id]
-        self.server._tombstone_after_answer(job.request_id, job.hits, now)
-        if job.request_id not in self.tombstones:  # a legacy profile keeps none
-            self._forget_owner(job.request_id, now)
+        key = job.key
+        del self.jobs[key]
+        self.server._tombstone_after_answer(key, job.hits, now)
+        if key not in self.tombstones:  # a legacy profile keeps none
+            self._forget_repeats(key, now)
 
-    def answer_waiters(self, rid: str, result: int | None, out: list[Effect]) -> None:
-        for w in self.waiters.pop(rid, {}).values():
+    def answer_waiters(self, key: RequestKey, result: int | None, out: list[Effect]) -> None:
+        for w in self.waiters.pop(key, {}).values():
             del self.waiter_by_id[w.waiter_id]
             out.append(Reply(w.reply_to, result))
 
-    def tombstone(self, request_id: str, hits: int, now: float) -> None:
+    def tombstone(self, key: RequestKey, hits: int, now: float) -> None:
         """Remember an answered job's count for ``tombstone_ttl`` (bounded by ``tombstone_cap``)."""
-        self.tombstones[request_id] = (hits, now + self.ctx.config.tombstone_ttl)
-        self.tombstones.move_to_end(request_id)
+        self.tombstones[key] = (hits, now + self.ctx.config.tombstone_ttl)
+        self.tombstones.move_to_end(key)
         while len(self.tombstones) > self.ctx.config.tombstone_cap:
             dropped, _entry = self.tombstones.popitem(last=False)
             self.ctx.counters["tombstones_dropped"] += 1
-            self._forget_owner(dropped, now)
+            self._forget_repeats(dropped, now)
 
-    def end_session(self, request_id: str, now: float, out: list[Effect]) -> None:
-        """Drop job, tombstone, waiters; release the id's leases."""
-        job = self.jobs.pop(request_id, None)
-        if job is not None and job.read_id is not None:
-            self.l2.detach_read(job.read_id)
-        self.tombstones.pop(request_id, None)
-        self.answer_waiters(request_id, 0, out)
-        self.ctx.index.release_owner(request_id, ReleaseReason.END_SESSION, now)
-        self.owners.pop(request_id, None)
-
-    def reap(self, request_ids: Sequence[str], now: float, out: list[Effect]) -> None:
-        """Drop the jobs of ``request_ids`` whose reap time has come, releasing their leases."""
-        for rid in request_ids:
-            job = self.jobs.get(rid)
-            if job is None or job.reap_at > now:
-                continue
-            del self.jobs[rid]
-            self.ctx.counters["reaped_jobs"] += 1
+    def _drop(self, key: RequestKey) -> PrefetchJob | None:
+        """Take the request's job out of the table (its L2 read, if any, lands for nobody)."""
+        job: PrefetchJob | None = self.jobs.pop(key, None)
+        if job is not None:
             if job.read_id is not None:
                 self.l2.detach_read(job.read_id)
-            self.answer_waiters(rid, 0, out)
-            self.ctx.index.release_owner(rid, ReleaseReason.REAP, now)
-            self.owners.pop(rid, None)
+            job.work = None  # its entry in the reap queue is stale now: keep it small
+        return job
+
+    def end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None:
+        """Drop job, tombstone, waiters; release the request's leases."""
+        self._drop(key)
+        self.tombstones.pop(key, None)
+        self.answer_waiters(key, 0, out)
+        self.ctx.index.release_owner(key, ReleaseReason.END_SESSION, now)
+        self.repeats.pop(key, None)
+
+    def reap(self, keys: Sequence[RequestKey], now: float, out: list[Effect]) -> None:
+        """Drop the jobs of ``keys`` (their reap deadline came), releasing their leases."""
+        for key in keys:
+            if self._drop(key) is None:
+                continue
+            self.ctx.counters["reaped_jobs"] += 1
+            self.answer_waiters(key, 0, out)
+            self.ctx.index.release_owner(key, ReleaseReason.REAP, now)
+            self.repeats.pop(key, None)
 
     def check_invariants(self) -> None:
         assert len(self.tombstones) <= self.ctx.config.tombstone_cap, "tombstone cap"
-        for rid, job in self.jobs.items():
-            assert job.request_id == rid
-            assert rid not in self.tombstones, "a live job and a tombstone for one id"
+        count = 0
+        for key, job in self.jobs.items():
+            count += 1
+            assert job.key == key
+            assert key not in self.tombstones, "a live job and a tombstone for one request"
             if job.hits is None:
+                assert job.work is not None, "a pending job without its work"
                 assert self.l2.is_reading(job.read_id) != self.l2.is_probing(job.probe_id), \
                     "pending job: one L2 step"
             else:
-                assert 0 <= job.hits <= len(job.hashes), "hits out of range"
-        for rid, waiters in self.waiters.items():
+                assert job.work is None, "a done job keeps its pending work"
+                assert job.hits >= 0, "hits out of range"
+        assert count == len(self.jobs), "job count"
+        for key, waiters in self.waiters.items():
             assert waiters, "empty waiter list"
-            waited = self.jobs.get(rid)
+            waited = self.jobs.get(key)
             assert waited is not None and waited.hits is None, "a waiter for a job that is not pending"
             for wid, w in waiters.items():
-                assert self.waiter_by_id[wid] is w
+                assert self.waiter_by_id[wid] is w and w.key == key
         assert sum(len(w) for w in self.waiters.values()) == len(self.waiter_by_id)
-        assert sum(self.jobs.per_peer.values()) == len(self.jobs), "per-peer job counts"
-        for rid in self.jobs:
-            assert rid in self.owners, "a job whose id has no owner"
+        assert all(n >= 1 for n in self.repeats.values()), "lookup counts"
 
 
 J = JobState

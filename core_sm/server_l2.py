@@ -19,7 +19,7 @@ from core_sm.chunks import ObjectKey
 from core_sm.effects import Effect, ProbeL2, ReadL2, StoredChunk, WriteL2
 from core_sm.l1_index import ReleaseReason
 from core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
-from core_sm.server_core import L2ReadOwner, L2WriteOwner, ServerContext
+from core_sm.server_core import L2ReadOwner, L2WriteOwner, RequestKey, ServerContext
 from core_sm.table import Table
 from core_sm.timers import Timer
 
@@ -55,7 +55,7 @@ class L2WriteDeadline(Timer):
 @attrs.define
 class L2Read:
     read_id: int
-    request_id: str | None  # None once its job is gone (ended, timed out): loads still land
+    request: RequestKey | None  # None once its job is gone (ended, timed out): loads still land
     job_serial: int
     chunk_of_item: tuple[int, ...]
     keys: tuple[ObjectKey, ...]
@@ -64,7 +64,7 @@ class L2Read:
 @attrs.define
 class L2Probe:
     probe_id: int
-    request_id: str
+    request: RequestKey
     job_serial: int
     keys: tuple[ObjectKey, ...]
 
@@ -114,7 +114,7 @@ class L2Work:
         """The read's job is gone: its loads still land, for no one."""
         read = self.reads.get(read_id)
         if read is not None:
-            read.request_id = None
+            read.request = None
 
     # ============================================================================= starting work
 
@@ -129,7 +129,7 @@ class L2Work:
         keys = tuple(k for _i, k in self._missing_keys(job, len(job.hashes)))
         if not keys:
             return False
-        probe = L2Probe(ctx.new_id(), job.request_id, job.serial, keys)
+        probe = L2Probe(ctx.new_id(), job.key, job.pending().serial, keys)
         self.probes[probe.probe_id] = probe
         job.probe_id = probe.probe_id
         ctx.timers.push(now + ctx.config.lease_ttl, L2ProbeDeadline(probe.probe_id))
@@ -177,7 +177,7 @@ class L2Work:
                 break
         if not keys:
             return None
-        return L2Read(read_id, job.request_id, job.serial, tuple(chunks), tuple(keys))
+        return L2Read(read_id, job.key, job.pending().serial, tuple(chunks), tuple(keys))
 
     def write_behind(self, keys: Sequence[ObjectKey], object_bytes: int, now: float,
                      out: list[Effect], chunks: tuple[int, Sequence[StoredChunk]] | None = None) -> None:

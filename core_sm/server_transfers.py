@@ -48,7 +48,7 @@ from core_sm.messages import (
     TransferPlan,
 )
 from core_sm.holdings import HeldChunks
-from core_sm.server_core import ServerContext, TransferOwner
+from core_sm.server_core import RequestKey, ServerContext, TransferOwner
 from core_sm.table import Table
 from core_sm.timers import Timer
 
@@ -515,7 +515,7 @@ class TransferMachine:
             for k in t.keys:
                 ctx.index.release_read(k, owner, None, ReleaseReason.TRANSFER, now)
             if ok:
-                self.server._release_after_retrieve(t.request_id, t.keys, now)
+                self.server._release_after_retrieve(RequestKey(t.peer, t.request_id), t.keys, now)
             result = RetrieveResult(ok, len(t.keys))
         if reply_to is not None:
             out.append(Reply(reply_to, result))

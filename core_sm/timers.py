@@ -1,7 +1,7 @@
 """Typed timers and the one bounded heap that holds them.
 
 A timer kind is a small frozen class (subclass ``Timer``) naming what it is about -- e.g. a
-job's reap deadline ``ReapJob(request_id, serial)`` -- and, once due, it is an event of its
+job's L2 deadline ``L2Timeout(key, serial)`` -- and, once due, it is an event of its
 machine's ``core_sm.table.Table`` like any other: its rows say what the deadline does in each
 state of the entity it addresses. No string kinds.
 
@@ -13,13 +13,21 @@ says so) and is skipped when it comes due. So that stale entries cannot pile up 
 whenever it holds more than twice the live entries of the last rebuild plus ``slack``:
 amortised O(1) per timer, and the heap stays under ``2 * live + slack``. A rebuild changes no
 firing order.
+
+Deadlines that all follow one TTL (a job's reap deadline: ``abandoned_job_ttl`` after its
+lookup) come due in the order they were armed, and there is one per live job: they sit in a
+``ReapQueue`` (a FIFO of 16 B entries) instead of the heap.
 """
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import attrs
+
+T = TypeVar("T")
 
 # Stale entries the heap may hold beyond twice its live ones before it is rebuilt.
 DEFAULT_COMPACT_SLACK = 256
@@ -76,3 +84,76 @@ class TimerHeap:
     def timers(self) -> list[Timer]:
         """Every entry, live or stale (tests and invariants)."""
         return [e[2] for e in self._heap]
+
+
+class ReapQueue(Generic[T]):
+    """Deadlines of one TTL, in the order they were armed: a FIFO, not a heap entry per item.
+
+    Every item armed with one TTL comes due in the order it was armed, so a queue does what the
+    heap does for a fraction of the memory: an entry is a float in an array and a reference in a
+    list (16 B, no object). A deadline earlier than the last one armed (a clock that stepped
+    back) is held to the last one: an item is never due before its deadline, at worst later.
+    ``live(item)`` says whether the item still waits for its deadline; an item that ended first
+    goes stale, is skipped when it reaches the front, and is compacted away (as in
+    ``TimerHeap``) once the queue holds more than twice the live entries of the last rebuild
+    plus ``slack``."""
+
+    def __init__(self, live: Callable[[T], bool], slack: int | None = None) -> None:
+        self._live = live
+        self._slack = DEFAULT_COMPACT_SLACK if slack is None else slack
+        self._times = array("d")
+        self._items: list[T | None] = []
+        self._head = 0
+        self._compact_at = self._slack
+        self.compactions = 0
+
+    def __len__(self) -> int:
+        return len(self._items) - self._head
+
+    def push(self, deadline: float, item: T) -> None:
+        times = self._times
+        if len(times) > self._head and deadline < times[-1]:
+            deadline = times[-1]
+        times.append(deadline)
+        self._items.append(item)
+        if len(self._items) - self._head > self._compact_at:
+            self._compact()
+
+    def _compact(self) -> None:
+        live = [(t, i) for t, i in zip(self._times[self._head:], self._items[self._head:])
+                if i is not None and self._live(i)]
+        self._times = array("d", (t for t, _i in live))
+        self._items = [i for _t, i in live]
+        self._head = 0
+        self._compact_at = 2 * len(live) + self._slack
+        self.compactions += 1
+
+    def _drop_front(self) -> None:
+        self._items[self._head] = None
+        self._head += 1
+        if self._head > 64 and 2 * self._head > len(self._items):
+            del self._items[: self._head]
+            del self._times[: self._head]
+            self._head = 0
+
+    def pop_due(self, now: float) -> T | None:
+        """The next live item whose deadline is ``<= now``, removed; None when none is due."""
+        while self._head < len(self._items) and self._times[self._head] <= now:
+            item = self._items[self._head]
+            self._drop_front()
+            if item is not None and self._live(item):
+                return item
+        return None
+
+    def next_deadline(self) -> float | None:
+        """The deadline of the first live entry (stale ones in front are dropped)."""
+        while self._head < len(self._items):
+            item = self._items[self._head]
+            if item is not None and self._live(item):
+                return self._times[self._head]
+            self._drop_front()
+        return None
+
+    def items(self) -> list[T]:
+        """Every entry still queued, live or stale (tests and invariants)."""
+        return [i for i in self._items[self._head:] if i is not None]

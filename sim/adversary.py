@@ -55,6 +55,7 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
+from core_sm.server_core import RequestKey
 from runtime_trio import Address
 from sim.ports import ReplyMsg, RequestMsg
 from sim.scenario import server_name
@@ -89,7 +90,7 @@ class Adversary:
         self.own_ids: deque[str] = deque(maxlen=16)
         self.correlation = 0
         # request ids the adversary's own LOOKUPs created, per server incarnation
-        self.claimed: dict[tuple[str, int], set[str]] = {}
+        self.claimed: dict[tuple[str, int], set[RequestKey]] = {}
         self.stats: dict[str, int] = {"adversary_sent": 0, "adversary_refused": 0, "adversary_answered": 0}
 
     # =========================================================================== attacking
@@ -126,7 +127,10 @@ class Adversary:
         """The id has an owner on that server now (what the adversary saw there): a LOOKUP of it
         is an attack on that owner, not a claim of a name nobody holds (see docs/simulator.md)."""
         host = self.world.servers[server]
-        return host.up and host.node is not None and rid in host.node.machines["server"].jobs.owners
+        if not host.up or host.node is None:
+            return False
+        jobs = host.node.machines["server"].jobs
+        return any(k.request_id == rid and k.peer != ADVERSARY for k in (*jobs.jobs, *jobs.tombstones))
 
     def _registered(self, server: int, iid: int) -> bool:
         host = self.world.servers[server]
@@ -262,13 +266,13 @@ class Adversary:
         before = honest_state(server, claimed)
         effects += server.handle(event, now)
         after = honest_state(server, claimed)
-        # A LOOKUP of an id no one holds on this server makes the adversary its owner (first
-        # come, first served): its own state from now on, not a tenant's.
-        for rid in after["request ids"].keys() - before["request ids"].keys():
-            claimed.add(rid)
-            # Its honest namesake, if it comes later, is refused forbidden here: a fault that
-            # hit it, so the leak and miss oracles do not judge it.
-            self.world.touched.add(rid)
+        # The adversary's requests are keyed by its own peer, so nothing it creates is a
+        # tenant's. Only a server that ignores peers (trust-all) files them under a tenant's key:
+        # a job it so creates is its own state from now on (its honest namesake, coming later,
+        # shares it: a fault that hit it, so the leak and miss oracles do not judge it).
+        for key in after["jobs"].keys() - before["jobs"].keys():
+            claimed.add(key)
+            self.world.touched.add(key.request_id)
         for iid in after["instances"].keys() - before["instances"].keys():
             if after["instances"][iid][0] == ADVERSARY:  # claimed the same way (a race with its owner)
                 before["instances"][iid] = after["instances"][iid]
@@ -297,18 +301,20 @@ class Adversary:
                              f"tenants' {part}: {detail}")
 
 
-def honest_state(server: Any, claimed: set[str]) -> dict[str, Any]:
+def honest_state(server: Any, claimed: set[RequestKey]) -> dict[str, Any]:
     """What belongs to the honest tenants on one server, as comparable values. The adversary
-    registers no instance, so every instance, transfer and plan is an honest tenant's."""
-    def _honest(rid: Any) -> bool:
-        return not (isinstance(rid, str) and (rid.startswith(PREFIX) or rid in claimed))
+    registers no instance, so every instance, transfer and plan is an honest tenant's; a request
+    (peer, request id) is a tenant's unless the adversary sent it."""
+    def _honest(key: Any) -> bool:
+        return not (isinstance(key, RequestKey) and (key.peer == ADVERSARY or key.request_id.startswith(PREFIX)
+                                                     or key in claimed))
 
     jobs = server.jobs
     index = server.index
     return {
-        "request ids": {rid: (o.peer, o.lookups) for rid, o in jobs.owners.items() if _honest(rid)},
-        "jobs": {rid: (j.serial, j.hits, frozenset(j.freed_chunks or ()), j.peer)
-                 for rid, j in jobs.jobs.items() if _honest(rid)},
+        "request ids": {k: n for k, n in jobs.repeats.items() if _honest(k)},
+        "jobs": {k: (j.serial, j.hits, frozenset(j.freed_chunks or ()), j.peer)
+                 for k, j in jobs.jobs.items() if _honest(k)},
         "tombstones": {rid: v for rid, v in jobs.tombstones.items() if _honest(rid)},
         "leases": {o: n for o, n in index.leases_by_owner().items() if _honest(o)},
         "transfers": {tid: (t.kind, t.request_id, t.instance_id, t.peer, t.deadline)

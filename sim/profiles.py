@@ -28,7 +28,7 @@ from core_sm.planner import (
     RequestTracker,
     StepPlanner,
 )
-from core_sm.server import LookupServer, PrefetchJob, ServerConfig
+from core_sm.server import LookupServer, PrefetchJob, RequestKey, ServerConfig
 from core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
 from sim.scenario import WorldConfig
 
@@ -111,10 +111,10 @@ class Profile:
 
 
 class UnknownNoneServer(LookupServer):
-    def _status_for_unknown(self, request_id: str) -> int | None:
+    def _status_for_unknown(self, key: RequestKey) -> int | None:
         return None
 
-    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
+    def _tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
         pass
 
 
@@ -142,7 +142,7 @@ class UnknownNone(Profile):
 
 
 class PopOnceServer(LookupServer):
-    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
+    def _tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
         pass
 
 
@@ -166,11 +166,12 @@ class ResendStatus(Profile):
 class OverwriteDupServer(LookupServer):
     def _on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
         self._counters["duplicate_lookups"] += 1
-        del self._jobs[job.request_id]
-        self._start_job(event, tuple(job.hashes), now, out)
+        del self._jobs[job.key]
+        hashes, _err = self.ctx.hashes(event.key, event.key.end // self.config.chunk_size)
+        self._start_job(event, hashes, now, out)
 
-    def _lease_for_lookup(self, request_id: str, key: ObjectKey, num_readers: int, now: float) -> None:
-        self.index.lease_read(key, request_id, num_readers, now)  # count-only locks: no top-up
+    def _lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None:
+        self.index.lease_read(key, owner, num_readers, now)  # count-only locks: no top-up
         self.index.touch(key)
 
 
@@ -220,11 +221,11 @@ class LeakOnAbort(Profile):
 
 
 class ReleaseAllServer(LookupServer):
-    def _release_for_free_lookup_locks(self, request_id: str, keys: Sequence[ObjectKey], now: float) -> int:
+    def _release_for_free_lookup_locks(self, request: RequestKey, keys: Sequence[ObjectKey], now: float) -> int:
         released = 0
         for key in keys:
-            owners = [o for o in self.index.owners_of(key) if isinstance(o, str)]
-            owner = request_id if request_id in owners else (owners[0] if owners else None)
+            owners = [o for o in self.index.owners_of(key) if isinstance(o, RequestKey)]
+            owner = request if request in owners else (owners[0] if owners else None)
             if owner is not None:
                 released += self.index.release_read(key, owner, 1, ReleaseReason.FREE, now)
         return released

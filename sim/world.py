@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from core_sm.chunks import ObjectKey
+from core_sm.server_core import RequestKey
 from core_sm.transfer_client import TransferClientConfig
 from core_sm.effects import ErrorReply, InstanceReaped, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
 from core_sm.messages import (
@@ -531,7 +532,7 @@ class World:
         except AssertionError as exc:
             self.violation("SAFETY", node.name, f"core_sm invariant: {exc}")
         if type(event) is Lookup and honest:
-            self._check_leases_for(host, server, event.key.request_id, event.num_readers)
+            self._check_leases_for(host, server, RequestKey(event.peer, event.key.request_id), event.num_readers)
         index = server.index
         used = index.bytes_used
         if used > index.num_slots * index.slot_bytes or index.used_slots > index.num_slots:
@@ -561,7 +562,7 @@ class World:
                                    f"lookups (store_threshold {self.config.store_threshold})")
         host.objects_held = held
 
-    def _check_leases_for(self, host: ServerHost, server: Any, rid: str, num_readers: int) -> None:
+    def _check_leases_for(self, host: ServerHost, server: Any, rid: RequestKey, num_readers: int) -> None:
         index = server.index
         for key in index.keys_leased_by(rid):
             n = index.read_count(key, rid)
@@ -684,9 +685,10 @@ class World:
                     continue  # answered at its own deadline
                 self.violation("F11", host.name, f"{name} from {via.node} handled at {t:.6f} never got a reply")
             server = host.node.machines[SERVER]
-            for owner, count in sorted(server.leases_by_owner().items(), key=lambda kv: repr(kv[0])):
-                if not isinstance(owner, str) or count <= 0:
+            for lease_owner, count in sorted(server.leases_by_owner().items(), key=lambda kv: repr(kv[0])):
+                if not isinstance(lease_owner, RequestKey) or count <= 0 or lease_owner.peer == ADVERSARY:
                     continue
+                owner = lease_owner.request_id
                 engine_req = self.find_request(owner)
                 if engine_req is None:
                     continue
@@ -816,7 +818,7 @@ class ProbedServer:
         after = self.inner.leases_by_owner()
         rid = event.key.request_id
         for owner, count in before.items():
-            if owner != rid and isinstance(owner, str) and after.get(owner, 0) < count:
+            if isinstance(owner, RequestKey) and owner.request_id != rid and after.get(owner, 0) < count:
                 self.world.violation("F9", self.host.name, f"FREE_LOOKUP_LOCKS from {rid} released {owner}'s read "
                                      f"lease(s) ({count} -> {after.get(owner, 0)}): {owner}'s objects may now be "
                                      f"evicted before its RETRIEVE")

@@ -155,4 +155,4 @@ class Pair:
         self.internal = [(i, ev) for i, ev in self.internal if i != s]
 
     def leases(self, owner: str) -> int:
-        return sum(srv.leases_by_owner().get(owner, 0) for srv in self.servers)
+        return sum(srv.leases_of(owner) for srv in self.servers)

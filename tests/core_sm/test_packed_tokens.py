@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from core_sm.chunks import ObjectKey, TokenIds, as_token_ids, chunk_hashes, identity_root, pack_tokens
 from core_sm.errors import ErrorKind
 from core_sm.messages import CacheKey, EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, lookup_num_readers
-from core_sm.server import LookupServer, ServerConfig
+from core_sm.server import LookupServer, RequestKey, ServerConfig
 from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 # 8292 tokens spread over the whole uint32 range: 32 full chunks of 256 and a partial one.
@@ -117,12 +117,12 @@ def test_server_serves_packed_keys_like_int_keys() -> None:
     k = CacheKey(MODEL, 1, None, packed, 0, 4 * C, "p")
     assert h.call(Lookup(k)) is None
     assert h.call(QueryPrefetchStatus("p")) == 3
-    assert h.server.leases_by_owner()["p"] == 3
+    assert h.server.leases_of("p") == 3
     # FREE with the int form releases the leases the packed form took, and only the range's
     assert h.call(FreeLookupLocks(key("p", toks, 2 * C, 4 * C))) is None
-    assert h.server.leases_by_owner()["p"] == 2
+    assert h.server.leases_of("p") == 2
     assert h.call(EndSession("p")) is None
-    assert "p" not in h.server.leases_by_owner()
+    assert h.server.leases_of("p") == 0
 
 
 @pytest.mark.parametrize("toks", [(1, 2, -1, 4), (1, 2, 3, 2**32), (1, 2, 3, "x")])
@@ -147,18 +147,18 @@ def test_lookup_leases_the_prefix_of_every_rank_once_per_reader() -> None:
         h.store(toks, worker_id=rank, world_size=2, end=2 * C)
     assert h.call(Lookup(key("r", toks, world_size=2), 3)) is None
     assert h.call(QueryPrefetchStatus("r")) == 2
-    assert sorted(h.server.index.keys_leased_by("r")) == sorted(
+    assert sorted(h.server.index.keys_leased_by(RequestKey(None, "r"))) == sorted(
         ObjectKey(hh, r) for hh in chunk_hashes(toks, C, identity_root(MODEL, 2))[:2] for r in range(2))
-    assert h.server.leases_by_owner()["r"] == 2 * 2 * 3
+    assert h.server.leases_of("r") == 2 * 2 * 3
 
 
 def test_an_overridden_per_object_lease_hook_still_sees_every_object() -> None:
-    calls: list[tuple[str, ObjectKey, int]] = []
+    calls: list[tuple[RequestKey, ObjectKey, int]] = []
 
     class Recording(LookupServer):
-        def _lease_for_lookup(self, request_id: str, key: ObjectKey, num_readers: int, now: float) -> None:
-            calls.append((request_id, key, num_readers))
-            super()._lease_for_lookup(request_id, key, num_readers, now)
+        def _lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None:
+            calls.append((owner, key, num_readers))
+            super()._lease_for_lookup(owner, key, num_readers, now)
 
     h = ServerHarness(server=Recording(ServerConfig(chunk_size=C, num_slots=64, slot_bytes=100)))
     h.register()
@@ -166,8 +166,8 @@ def test_an_overridden_per_object_lease_hook_still_sees_every_object() -> None:
     h.store(toks)
     assert h.call(Lookup(key("r", toks), 2)) is None
     hashes: Sequence[bytes] = chunk_hashes(toks, C, identity_root(MODEL, 1))
-    assert calls == [("r", ObjectKey(hh, 0), 2) for hh in hashes]
-    assert h.server.leases_by_owner()["r"] == 6
+    assert calls == [(RequestKey(None, "r"), ObjectKey(hh, 0), 2) for hh in hashes]
+    assert h.server.leases_of("r") == 6
 
 
 # ------------------------------------------------------------------------------ reader counts

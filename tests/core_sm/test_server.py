@@ -46,7 +46,8 @@ def lookup(h: ServerHarness, rid: str, toks: tuple[int, ...], readers: int = 1, 
 
 
 def held(h: ServerHarness, owner: object) -> int:
-    return h.server.leases_by_owner().get(owner, 0)
+    """Read counts of ``owner``: a request id (of the harness's peer, None) or an effect owner."""
+    return h.server.leases_of(owner) if isinstance(owner, str) else h.server.leases_by_owner().get(owner, 0)
 
 
 def test_ping_and_chunk_size() -> None:

@@ -1,5 +1,6 @@
-"""Ownership and bounds on the server machines: what one peer creates, another cannot touch;
-what one client may hold or name is bounded; every refusal is one typed error, nothing changes."""
+"""Ownership and bounds on the server machines: what one peer creates, another cannot touch (a
+request is (peer, request id): another peer naming the id names a request of its own); what one
+client may hold or name is bounded; every refusal is one typed error, nothing changes."""
 from __future__ import annotations
 
 from typing import Any
@@ -26,7 +27,7 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
-from core_sm.server import JobState, ServerConfig, TransferState
+from core_sm.server import JobState, RequestKey, ServerConfig, TransferState
 from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 A, B = "peer-a", "peer-b"
@@ -49,35 +50,91 @@ def _stored(h: ServerHarness, toks: tuple[int, ...], iid: int, peer: Any, rid: s
     return h.result(rt)
 
 
-def test_a_request_id_belongs_to_the_peer_that_looked_it_up() -> None:
+def test_two_peers_naming_one_request_id_are_two_requests() -> None:
     h = ServerHarness()
     _register(h, 1, A)
     _stored(h, TOKS, 1, A)
     assert h.result(_call(h, Lookup(key("r", TOKS), 1), A)) is None
-    leases = h.server.leases_by_owner()["r"]
-    for request in (QueryPrefetchStatus("r"), WaitPrefetchStatus("r", 5.0), EndSession("r"),
-                    FreeLookupLocks(key("r", TOKS)), Lookup(key("r", TOKS), 2)):
-        assert h.error_kind(_call(h, request, B)) is ErrorKind.FORBIDDEN, request
-        assert h.server.job_state("r") is JobState.DONE and h.server.leases_by_owner()["r"] == leases
+    assert h.server.leases_of("r", A) == 3
+    # B names A's id: every request of B's is about B's own request "r", none is refused
+    assert h.result(_call(h, QueryPrefetchStatus("r"), B)) == 0  # B has no such request
+    assert h.result(_call(h, WaitPrefetchStatus("r", 5.0), B)) == 0
+    for request in (EndSession("r"), FreeLookupLocks(key("r", TOKS))):
+        assert h.result(_call(h, request, B)) is None, request
+    assert h.server.job_state("r", A) is JobState.DONE and h.server.leases_of("r", A) == 3
+    assert h.result(_call(h, Lookup(key("r", TOKS), 2), B)) is None  # B's own job and leases
+    assert h.server.job_state("r", B) is JobState.DONE and h.server.leases_of("r", B) == 6
+    assert h.result(_call(h, EndSession("r"), B)) is None
+    assert h.server.leases_of("r", B) == 0 and h.server.leases_of("r", A) == 3
     assert h.result(_call(h, QueryPrefetchStatus("r"), A)) == 3
-    assert h.error_kind(_call(h, QueryPrefetchStatus("r"), B)) is ErrorKind.FORBIDDEN  # tombstone too
+    assert h.result(_call(h, QueryPrefetchStatus("r"), B)) == 0  # A's tombstone is A's
     assert h.result(_call(h, EndSession("r"), A)) is None
-    assert h.result(_call(h, QueryPrefetchStatus("r"), B)) == 0  # ended: the id is free again
+    assert h.server.leases_of("r", A) == 0 and h.server.stats()["errors"] == 0
 
 
-def test_an_id_stays_owned_while_its_leases_outlive_the_tombstone() -> None:
-    h = ServerHarness(tombstone_ttl=10.0, lease_ttl=100.0, abandoned_job_ttl=1000.0)
+def test_a_squatter_that_looks_up_an_id_first_denies_nothing() -> None:
+    h = ServerHarness()
     _register(h, 1, A)
     _stored(h, TOKS, 1, A)
+    # B guesses A's next id and looks it up first, over junk tokens and the same tokens
+    assert h.result(_call(h, Lookup(key("cmpl-7", tokens(2, seed=9)), 1), B)) is None
+    for _ in range(3):
+        assert h.result(_call(h, Lookup(key("cmpl-8", TOKS), 1), B)) is None
+    assert h.result(_call(h, Lookup(key("cmpl-7", TOKS), 1), A)) is None
+    assert h.result(_call(h, QueryPrefetchStatus("cmpl-7"), A)) == 3  # A's lookup hit normally
+    assert h.result(_call(h, FreeLookupLocks(key("cmpl-7", TOKS, 0, C)), A)) is None
+    assert h.server.leases_of("cmpl-7", A) == 2
+    assert h.result(_call(h, EndSession("cmpl-7"), A)) is None
+    assert h.server.leases_of("cmpl-7", A) == 0
+    assert h.server.job_state("cmpl-7", B) is JobState.DONE  # the squatter's own job is untouched
+    assert h.result(_call(h, Lookup(key("cmpl-8", TOKS), 1), A)) is None  # B's repeats count for B
+    assert h.result(_call(h, QueryPrefetchStatus("cmpl-8"), A)) == 3
+    assert h.server.stats()["errors"] == 0
+
+
+def test_leases_that_outlive_the_tombstone_stay_their_peers() -> None:
+    h = ServerHarness(tombstone_ttl=10.0, lease_ttl=100.0, abandoned_job_ttl=1000.0, max_lookups_per_request=3)
+    _register(h, 1, A)
+    _stored(h, TOKS, 1, A)
+    for _ in range(2):
+        _call(h, Lookup(key("r", TOKS), 1), A)
+        assert h.result(_call(h, QueryPrefetchStatus("r"), A)) == 3
+    h.advance(50.0)  # tombstone gone, leases held
+    assert h.server.job_state("r", A) is JobState.ABSENT and h.server.leases_of("r", A) == 3
+    assert h.result(_call(h, FreeLookupLocks(key("r", TOKS)), B)) is None
+    assert h.result(_call(h, EndSession("r"), B)) is None
+    assert h.server.leases_of("r", A) == 3
+    # the lookup count lives as long as the leases: the third lookup is A's last one
+    assert h.result(_call(h, Lookup(key("r", TOKS), 1), A)) is None
+    assert h.error_kind(_call(h, Lookup(key("r", TOKS), 1), A)) is ErrorKind.TOO_LARGE
+    assert h.result(_call(h, Lookup(key("r", TOKS), 1), B)) is None  # B's count is B's
+    assert h.result(_call(h, QueryPrefetchStatus("r"), A)) == 3
+    h.advance(200.0)  # tombstone and leases gone: the count is forgotten
+    assert h.server.leases_of("r", A) == 0 and RequestKey(A, "r") not in h.server.jobs.repeats
+    assert h.result(_call(h, Lookup(key("r", TOKS), 1), A)) is None
+
+
+def test_a_retrieve_releases_its_own_peers_lease_else_the_one_other_holders() -> None:
+    W = "worker"  # an engine's scheduler (A) looks up, its worker (W) retrieves: two connections
+    h = ServerHarness()
+    _register(h, 1, W)
+    _stored(h, TOKS, 1, W)
     _call(h, Lookup(key("r", TOKS), 1), A)
     assert h.result(_call(h, QueryPrefetchStatus("r"), A)) == 3
-    h.advance(50.0)  # tombstone gone, leases held
-    assert h.server.job_state("r") is JobState.ABSENT and h.server.leases_by_owner()["r"] == 3
-    assert h.error_kind(_call(h, FreeLookupLocks(key("r", TOKS)), B)) is ErrorKind.FORBIDDEN
-    assert h.server.leases_by_owner()["r"] == 3
-    h.advance(100.0)  # leases expired; the owner is forgotten at the next check
-    assert "r" not in h.server.leases_by_owner() and "r" not in h.server.jobs.owners
-    assert h.result(_call(h, Lookup(key("r", TOKS), 1), B)) is None  # a new owner
+    rt = _call(h, Retrieve(key("r", TOKS, worker_id=0), 1), W)
+    h.finish_all_transfers()
+    assert h.result(rt).ok and h.server.leases_of("r", A) == 0  # A's count went with the copy
+    # two peers' requests of one id hold the objects: a third peer's retrieve releases neither
+    _call(h, Lookup(key("r", TOKS), 1), A)
+    _call(h, Lookup(key("r", TOKS), 1), B)
+    rt = _call(h, Retrieve(key("r", TOKS, worker_id=0), 1), W)
+    h.finish_all_transfers()
+    assert h.result(rt).ok and h.server.leases_of("r", A) == 3 and h.server.leases_of("r", B) == 3
+    _call(h, Lookup(key("r", TOKS), 1), W)  # the retrieving peer's own request comes first
+    rt = _call(h, Retrieve(key("r", TOKS, worker_id=0), 1), W)
+    h.finish_all_transfers()
+    assert h.result(rt).ok and h.server.leases_of("r", W) == 0
+    assert h.server.leases_of("r", A) == 3 and h.server.leases_of("r", B) == 3
 
 
 def test_a_plan_is_committed_only_by_its_peer_and_transfer_ids_are_unguessable() -> None:

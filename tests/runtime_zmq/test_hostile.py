@@ -430,13 +430,19 @@ def test_no_room_for_l1_is_a_clear_start_up_error(monkeypatch: Any, tmp_path: An
 
 def test_another_connection_cannot_touch_a_clients_request_or_transfer(victim: Any) -> None:
     # Any client could end_session / free_lookup_locks another's request id, and commit another
-    # client's plan before the victim wrote anything.
+    # client's plan before the victim wrote anything. A request id names a request of the sender's
+    # own: another connection naming it ends, frees and queries nothing of the victim's.
     sp, c, raw, toks = victim
     assert c.lookup(key(toks, "mine")).result(5) is None
     assert c.query_prefetch_status("mine").result(5) == 4
-    assert error_kind(raw.request([P(1), P("end_session"), P("mine")])) == "forbidden"
-    assert error_kind(raw.request([P(2), P("free_lookup_locks"), P(key(toks, "mine")), P(1)])) == "forbidden"
-    assert error_kind(raw.request([P(3), P("query_prefetch_status"), P("mine")])) == "forbidden"
+    assert c.lookup(key(toks, "mine2")).result(5) is None  # answered later: the job stays DONE
+    leases = c.stats()["leases_held"]
+    assert raw.request([P(1), P("end_session"), P("mine2")]) == [P(1), P("end_session")]
+    assert raw.request([P(2), P("free_lookup_locks"), P(key(toks, "mine2")), P(1)]) == [P(2), P("free_lookup_locks")]
+    assert raw.request([P(3), P("query_prefetch_status"), P("mine2")]) == [P(3), P("query_prefetch_status"), P(0)]
+    assert c.stats()["leases_held"] == leases
+    assert c.query_prefetch_status("mine2").result(5) == 4
+    c.end_session("mine2").result(5)
     other = tokens(2, seed=99)
     plan = c.prepare_store(key(other, "w", worker_id=0), 1).result(5)
     assert plan["ok"]
@@ -463,3 +469,27 @@ def test_million_token_lookups_do_not_retain_their_tokens(victim: Any) -> None:
     assert grown < 40, grown
     assert cpu_ms(c) < 10.0
     assert honest_hits(c, toks, "after") == 4
+
+
+def test_a_squatter_that_looks_up_the_victims_next_id_first_denies_it_nothing(victim: Any) -> None:
+    # Request ids are often counters: a peer that looked up the id an honest engine would use next
+    # (over junk tokens or over the victim's own) owned it, and the victim's lookup, status and
+    # free were refused forbidden. Now the squatter's lookups make a request of its own.
+    sp, c, raw, toks = victim
+    assert c.stats()["leases_held"] == 0
+    for i in range(10):
+        squat = key(toks if i % 2 == 0 else tokens(1, seed=50), "cmpl-1")
+        assert raw.request([P(100 + i), P("lookup"), P(squat), P(1)]) == [P(100 + i), P("lookup")]
+    assert c.stats()["leases_held"] == 4  # the squatter's first lookup leased the prefix
+    assert c.lookup(key(toks, "cmpl-1")).result(5) is None
+    assert c.query_prefetch_status("cmpl-1").result(5) == 4  # a normal hit
+    assert c.stats()["leases_held"] == 8
+    assert c.free_lookup_locks(key(toks, "cmpl-1", start=0, end=256)).result(5) is None
+    assert c.stats()["leases_held"] == 7
+    c.end_session("cmpl-1").result(5)
+    assert c.stats()["leases_held"] == 4  # the victim's own leases went, the squatter's stay
+    assert honest_hits(c, toks, "cmpl-2") == 4
+    # the squatter's request is its own: its status, then its end
+    assert raw.request([P(200), P("query_prefetch_status"), P("cmpl-1")]) == [P(200), P("query_prefetch_status"), P(4)]
+    assert raw.request([P(201), P("end_session"), P("cmpl-1")]) == [P(201), P("end_session")]
+    assert c.stats()["leases_held"] == 0
