@@ -61,3 +61,46 @@ def test_compaction_changes_no_effect_and_no_deadline(monkeypatch: pytest.Monkey
     never = _server()
     assert _run(never) == effects
     assert never.stats()["reap_queue_compactions"] == 0
+
+
+def test_reap_queue_keeps_arming_order_never_fires_early_and_compacts_stale_entries() -> None:
+    live: set[str] = set()
+    q: core_sm.timers.ReapQueue[str] = core_sm.timers.ReapQueue(live.__contains__, slack=4)
+    for name, deadline in (("a", 1.0), ("b", 2.0), ("c", 1.5), ("d", 3.0)):  # c: a clock that stepped back
+        live.add(name)
+        q.push(deadline, name)
+    assert q.next_deadline() == 1.0 and q.pop_due(1.9) == "a" and q.pop_due(1.9) is None
+    assert q.pop_due(2.0) == "b" and q.pop_due(2.0) == "c"  # held to b's deadline, not earlier
+    live.discard("d")  # ended before its deadline: stale, skipped
+    assert q.next_deadline() is None and len(q) == 0
+    for i in range(1000):  # one live entry in front of many that end at once
+        live.add(f"x{i}")
+        q.push(10.0 + i, f"x{i}")
+        if i:
+            live.discard(f"x{i}")
+    assert len(q) <= 2 * 1 + 4 + 1 and q.compactions > 0
+    assert q.pop_due(1e9) == "x0" and q.pop_due(1e9) is None
+
+
+def test_an_abandoned_job_costs_under_200_bytes_and_is_given_back() -> None:
+    import gc
+    import tracemalloc
+
+    server = _server()
+    toks = tokens(4)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(4000):  # the request id strings are made here: what the server keeps counts
+        server.handle(Lookup(key(f"abandoned-{i:08d}", toks), 1, reply_to=("l", i)), 1.0)
+    gc.collect()
+    live = tracemalloc.get_traced_memory()[0]
+    server.handle(TimerFired(), 62.0)
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert server.stats()["reaped_jobs"] == 4000 and server.stats()["jobs"] == 0
+    # misses: no leases, so what is left is the job (its hashes dropped once done), its request id
+    # and its entries in the job table and the reap queue (mpcache-bench jobs measures 10,000)
+    assert (live - base) / 4000 <= 200, (live - base) / 4000
+    assert (after - base) / 4000 < 8, (after - base) / 4000
