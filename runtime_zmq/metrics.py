@@ -92,7 +92,7 @@ VLLM_METRICS: dict[str, tuple[str, str]] = {
 # core_sm / runtime stats that are live sizes (gauges); every other stat is a monotonic count.
 _STATE_GAUGES = frozenset({
     "jobs", "jobs_pending", "tombstones", "waiters", "transfers", "instances", "store_waits",
-    "pinned_effects", "timers", "objects", "bytes", "free_slots", "leases_held", "lease_owners",
+    "pinned_effects", "timers", "reap_queue", "objects", "bytes", "free_slots", "leases_held", "lease_owners",
     "writing", "quarantined_slots", "pinned_slots", "outstanding_requests", "l1_num_slots",
     "l1_slot_bytes", "l1_segment_created", "l2_queued", "l2_tiers_open",
 })
