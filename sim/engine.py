@@ -37,6 +37,7 @@ from core_sm.errors import ErrorKind, ProtocolError
 from core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
 from core_sm.keys import NO_EXTRAS, KeyExtras
 from core_sm.lookup_client import LookupState
+from core_sm.server_core import RequestKey
 from core_sm.messages import (
     Abort,
     CopyFinished,
@@ -486,11 +487,17 @@ class SimEngine:
         if not host.up or host.node is None:
             return None
         index = host.node.machines["server"].index
+        # the lookup's leases are its scheduler's request (peer, id); a server that ignores
+        # peers (trust-all) files them under no peer
+        owners = (RequestKey(sched_name(self.index), req.rid), RequestKey(None, req.rid))
         earliest: float | None = None
         held = True
         for chunk in range(start // self.C, min(end // self.C, len(req.hashes))):
             for rank in range(self.tp):
-                expiry = index.lease_expiry(ObjectKey(req.hashes[chunk], rank), req.rid)
+                okey = ObjectKey(req.hashes[chunk], rank)
+                expiry = index.lease_expiry(okey, owners[0])
+                if expiry is None:
+                    expiry = index.lease_expiry(okey, owners[1])
                 if expiry is None:
                     held = False
                 elif earliest is None or expiry < earliest:
