@@ -32,7 +32,7 @@ run: venv
 	$(VENV)/bin/mpcache-server
 
 test: venv
-	PYTHONPATH=. $(VPY) -m mypy --strict core_sm runtime_trio sim runtime_zmq
+	PYTHONPATH=. $(VPY) -m mypy --strict -p mpcache.core_sm -p mpcache.runtime_trio -p mpcache.sim -p mpcache.runtime_zmq -m mpcache.vllm
 	MPCACHE_CUDASIM=1 $(VPY) -m pytest -q
 
 # On a GPU host, with a python that has torch (CUDA), numba-cuda, cuda-bindings, pyzmq, msgpack.
@@ -49,8 +49,8 @@ soak: venv
 	$(VPY) -m pytest -q -m slow
 
 docs: venv
-	$(VPY) -m runtime_zmq.config > docs/configuration.md
-	$(VPY) -m runtime_zmq.metrics > docs/metrics.md
+	$(VPY) -m mpcache.runtime_zmq.config > docs/configuration.md
+	$(VPY) -m mpcache.runtime_zmq.metrics > docs/metrics.md
 
 e2e:
 	bash .ci/e2e

@@ -1,7 +1,7 @@
 """Which engine blocks a transfer's chunks touch, and which skipped tokens stay unwritten.
 
-One function, ``chunk_copies``, for every copier: the GPU executor (``runtime_zmq.gpu_transfer``),
-the CPU worker (``runtime_zmq.adapters``) and the simulator's worker. A transfer covers tokens
+One function, ``chunk_copies``, for every copier: the GPU executor (``mpcache.runtime_zmq.gpu_transfer``),
+the CPU worker (``mpcache.runtime_zmq.adapters``) and the simulator's worker. A transfer covers tokens
 ``[start, end)`` of a request; ``block_ids`` are the request's engine blocks for exactly that
 range, in order; ``placements`` name chunks by their index in the *whole* token sequence (chunk
 ``c`` starts at token ``c * chunk_size``) with the L1 slot each one goes to or comes from.
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from core_sm.messages import TransferKind
+from mpcache.core_sm.messages import TransferKind
 
 
 @attrs.frozen

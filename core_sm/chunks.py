@@ -386,7 +386,7 @@ class PackedHashes(Sequence[bytes]):
 
 def pack_hashes(hashes: Sequence[bytes]) -> Sequence[bytes]:
     """``hashes`` as a ``PackedHashes`` when they all have one size (the plain chain), else as
-    given (keyed chunks of ``core_sm.keys`` can differ in size)."""
+    given (keyed chunks of ``mpcache.core_sm.keys`` can differ in size)."""
     if not hashes:
         return ()
     width = len(hashes[0])

@@ -1,9 +1,9 @@
 """Render the machines' transition tables as Markdown (docs/core_sm.md embeds the output; a test
-keeps the two identical). ``python -m core_sm.describe`` prints every table.
+keeps the two identical). ``python -m mpcache.core_sm.describe`` prints every table.
 
 The server's, the StepPlanner's, the LookupClient's, the TransferClient's and the HealthMonitor's
 tables are the
-``core_sm.table.Table`` objects their ``handle`` executes (the handler of each row is shown); the
+``mpcache.core_sm.table.Table`` objects their ``handle`` executes (the handler of each row is shown); the
 L1 index's is the allowed-next-state map of its operations.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from core_sm import health, l1_index, lookup_client, planner, server, transfer_client
-from core_sm.table import Table
+from mpcache.core_sm import health, l1_index, lookup_client, planner, server, transfer_client
+from mpcache.core_sm.table import Table
 
 TABLES: dict[str, Table[Any] | Mapping[Any, frozenset[Any]]] = {
     **server.TABLES,

@@ -14,9 +14,9 @@ from typing import Any, Union
 
 import attrs
 
-from core_sm.chunks import ObjectKey, TokenIds
-from core_sm.errors import ProtocolError
-from core_sm.messages import OpId, Placement, ReplyTo, ServerRequest, TransferKind
+from mpcache.core_sm.chunks import ObjectKey, TokenIds
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.messages import OpId, Placement, ReplyTo, ServerRequest, TransferKind
 
 
 def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
@@ -25,7 +25,7 @@ def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
 
 @attrs.frozen
 class Reply:
-    """Send ``result`` (None, bool, int, or a result class from ``core_sm.messages``) to the
+    """Send ``result`` (None, bool, int, or a result class from ``mpcache.core_sm.messages``) to the
     requester behind ``reply_to``."""
 
     reply_to: ReplyTo

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from core_sm.effects import Effect
+from mpcache.core_sm.effects import Effect
 
 EventT = TypeVar("EventT")
 

@@ -42,7 +42,7 @@ heartbeat must name it, whatever its traffic). The transport tells the monitor w
 
 ``handle(event, now) -> effects`` never raises; ``next_deadline()`` is the next ping or timeout.
 The same class is driven by the simulator's client nodes (``sim/engine.py``, virtual time) and
-by ``runtime_zmq.client.MPCacheClient`` (one monitor per server connection).
+by ``mpcache.runtime_zmq.client.MPCacheClient`` (one monitor per server connection).
 """
 from __future__ import annotations
 
@@ -52,11 +52,11 @@ from typing import Any, Union
 
 import attrs
 
-from core_sm.effects import Effect
-from core_sm.errors import ProtocolError
-from core_sm.messages import ServerEpoch, ServerHealth, TimerFired
-from core_sm.table import Dispatcher, Table
-from core_sm.timers import Timer
+from mpcache.core_sm.effects import Effect
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.messages import ServerEpoch, ServerHealth, TimerFired
+from mpcache.core_sm.table import Dispatcher, Table
+from mpcache.core_sm.timers import Timer
 
 NOT_REGISTERED = "not_registered"  # ErrorKind.NOT_REGISTERED's wire value
 

@@ -1,7 +1,7 @@
 """What a server has told routers it holds: the source of its KV events.
 
 ``HeldChunks`` turns the server's own facts into ``ChunksStored`` / ``ChunksRemoved`` /
-``AllChunksCleared`` effects (``core_sm.effects``), which a runtime publishes (runtime_zmq's
+``AllChunksCleared`` effects (``mpcache.core_sm.effects``), which a runtime publishes (runtime_zmq's
 ``kv_events``: vLLM's KV-events wire format). The server calls it at four points:
 
 * a STORE's objects became READY (``stored_l1``): each chunk whose objects are now readable for
@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import AllChunksCleared, ChunksRemoved, ChunksStored, Effect, Medium, StoredChunk
-from core_sm.messages import CacheKey
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import AllChunksCleared, ChunksRemoved, ChunksStored, Effect, Medium, StoredChunk
+from mpcache.core_sm.messages import CacheKey
 
 L2_REPORTED_CAP = 1 << 20
 L2_PARTIAL_CAP = 1 << 16

@@ -1,7 +1,7 @@
 """Tenant-safe chunk keys: everything besides model, ranks, salt and tokens that changes the KV.
 
 Two requests may share a chunk's object only if every input that shaped that chunk's KV is the
-same. ``core_sm.chunks`` folds model name, KV world size, cache salt and token ids; a
+same. ``mpcache.core_sm.chunks`` folds model name, KV world size, cache salt and token ids; a
 ``KeyExtras`` carries the rest:
 
 * ``identity`` -- one string for what holds for the whole request: the LoRA adapter (name and
@@ -14,7 +14,7 @@ same. ``core_sm.chunks`` folds model name, KV world size, cache salt and token i
   block extra keys), ``b""`` for a chunk with none; chunks past the tuple's end have none.
   ``chunk_extra_digest`` builds one from vLLM's extra-key tuples.
 
-Hash layout, with ``h_i`` from ``core_sm.chunks.ChunkChain.hashes`` (keyed by the chain key): ``root' = root`` when
+Hash layout, with ``h_i`` from ``mpcache.core_sm.chunks.ChunkChain.hashes`` (keyed by the chain key): ``root' = root`` when
 ``identity`` is empty, else ``blake2b(root || "id" || len || identity)``; a chunk with a
 non-empty extra ``e_i`` is ``h_i' = blake2b(h_i || "ck" || len || e_i)`` (digests as long as the
 chain's, ``CHUNK_HASH_SIZE``) and the chain
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from core_sm.chunks import CHUNK_HASH_SIZE, PUBLIC_CHAIN, ChunkChain, TokenIds
+from mpcache.core_sm.chunks import CHUNK_HASH_SIZE, PUBLIC_CHAIN, ChunkChain, TokenIds
 
 MAX_IDENTITY_LEN = 1024
 MAX_CHUNK_EXTRA_LEN = 64

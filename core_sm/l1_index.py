@@ -58,7 +58,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import attrs
 
-from core_sm.chunks import ObjectKey
+from mpcache.core_sm.chunks import ObjectKey
 
 Owner = Hashable
 Tenant = Hashable  # an instance id; None: no tenant

@@ -18,7 +18,7 @@ ever polls forever). A reply whose correlation the client no longer expects (a
 duplicate, a reply after a timeout) is ignored and counted in ``stats()["stale_replies"]``.
 ``check()`` is a pure read and never blocks; all sends happen in ``handle``.
 
-Dispatch (``core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
+Dispatch (``mpcache.core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
 through one of two tables it executes -- ``LOOKUP_TABLE`` (one request id's lookup: the vLLM
 calls, the replies by their correlation, its timers ``LookupDeadline`` / ``Requery`` /
 ``StatusResend`` / ``ResultExpiry``, and ``LegLost`` when a server fails under it) and
@@ -32,11 +32,11 @@ from typing import Any
 
 import attrs
 
-from core_sm.chunks import TokenIds, pack_tokens, validate_cache_salt
-from core_sm.effects import Effect, SendRequest
-from core_sm.errors import ProtocolError
-from core_sm.guarded import GuardedMachine
-from core_sm.messages import (
+from mpcache.core_sm.chunks import TokenIds, pack_tokens, validate_cache_salt
+from mpcache.core_sm.effects import Effect, SendRequest
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.guarded import GuardedMachine
+from mpcache.core_sm.messages import (
     CacheKey,
     Cleanup,
     ClientEvent,
@@ -55,7 +55,7 @@ from core_sm.messages import (
     TimerFired,
     WaitPrefetchStatus,
 )
-from core_sm.lookup_ops import (
+from mpcache.core_sm.lookup_ops import (
     EVENTS,
     LegLost,
     LookupClientConfig,
@@ -68,8 +68,8 @@ from core_sm.lookup_ops import (
     ServerView,
     StatusResend,
 )
-from core_sm.table import Dispatcher, Table, run_due_timers
-from core_sm.timers import Timer, TimerHeap
+from mpcache.core_sm.table import Dispatcher, Table, run_due_timers
+from mpcache.core_sm.timers import Timer, TimerHeap
 
 __all__ = ["EVENTS", "LOOKUP_TABLE", "SERVER_VIEW_TABLE", "TABLES", "LegLost", "LookupClient", "LookupClientConfig",
            "LookupDeadline", "LookupState", "PendingLookup", "Requery", "ResultExpiry", "ServerLeg", "ServerView",

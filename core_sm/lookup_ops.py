@@ -2,8 +2,8 @@
 server), its typed timers and internal event, and one lookup's bookkeeping (``PendingLookup``
 with one ``ServerLeg`` per server).
 
-``core_sm.lookup_client.LookupClient`` is the machine that keeps them; it re-exports these
-names, so ``from core_sm.lookup_client import LookupClientConfig, LookupState`` keeps working.
+``mpcache.core_sm.lookup_client.LookupClient`` is the machine that keeps them; it re-exports these
+names, so ``from mpcache.core_sm.lookup_client import LookupClientConfig, LookupState`` keeps working.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE
-from core_sm.messages import (
+from mpcache.core_sm.chunks import DEFAULT_CHUNK_SIZE
+from mpcache.core_sm.messages import (
     CacheKey,
     Cleanup,
     EndRequest,
@@ -25,7 +25,7 @@ from core_sm.messages import (
     SubmitLookup,
     TimerFired,
 )
-from core_sm.timers import Timer
+from mpcache.core_sm.timers import Timer
 
 __all__ = ["EVENTS", "LegLost", "LookupClientConfig", "LookupDeadline", "LookupState", "PendingLookup",
            "Requery", "ResultExpiry", "ServerLeg", "ServerView", "StatusResend"]

@@ -26,9 +26,9 @@ from typing import Union, get_args
 
 import attrs
 
-from core_sm.chunks import TokenIds, as_token_ids
-from core_sm.errors import ProtocolError
-from core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.chunks import TokenIds, as_token_ids
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 
 ReplyTo = Hashable
 # Who sent a request, as the runtime knows it (ZMQ: the ROUTER identity of the connection;
@@ -75,9 +75,9 @@ class CacheKey:
     this worker stores/retrieves. ``token_ids`` is the request's full token sequence; the key
     addresses tokens ``[start, end)``. ``request_id`` is not part of the cache identity (it is
     the owner of leases and the job id); ``cache_salt`` is, and so are ``extras`` (LoRA adapter,
-    KV dtype, model revision, multimodal / prompt-embedding hashes: ``core_sm.keys``).
+    KV dtype, model revision, multimodal / prompt-embedding hashes: ``mpcache.core_sm.keys``).
 
-    ``token_ids`` is a ``core_sm.chunks.TokenIds``: give packed little-endian uint32 ``bytes``
+    ``token_ids`` is a ``mpcache.core_sm.chunks.TokenIds``: give packed little-endian uint32 ``bytes``
     (taken as is, as the wire delivers them) or a sequence of ints (packed once, here); keys
     built from either form of the same tokens are equal.
     """

@@ -4,7 +4,7 @@ It owns the scheduler's ``LookupClient`` and decides everything the connector's 
 decides: how many tokens a request loads (the hit, less what the engine's own prefix cache
 holds, always leaving the last prompt token to compute), which read leases to free once the
 blocks are allocated, what each step retrieves and stores, and what preemption and aborts mean.
-``runtime_zmq.vllm_connector`` (production) and ``sim.engine`` (the simulator's model of vLLM's
+``mpcache.runtime_zmq.vllm_connector`` (production) and ``mpcache.sim.engine`` (the simulator's model of vLLM's
 scheduler) both drive *this* class, through the same events in vLLM's call order.
 
 Events (vLLM's scheduler calls), each addressing one request:
@@ -52,11 +52,11 @@ from typing import Any, Union
 
 import attrs
 
-from core_sm.effects import Effect
-from core_sm.errors import ProtocolError
-from core_sm.keys import NO_EXTRAS, KeyExtras
-from core_sm.lookup_client import LookupClient
-from core_sm.messages import (
+from mpcache.core_sm.effects import Effect
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.lookup_client import LookupClient
+from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
     FreeUnusedLeases,
@@ -69,7 +69,7 @@ from core_sm.messages import (
     SubmitStore,
     TimerFired,
 )
-from core_sm.table import Dispatcher, Table
+from mpcache.core_sm.table import Dispatcher, Table
 
 
 def _ids(values: Iterable[int]) -> tuple[int, ...]:
@@ -133,7 +133,7 @@ class MatchRequest:
     """vLLM ``get_num_new_matched_tokens``. ``token_ids``: the request's tokens -- may be vLLM's
     live list, which grows with decode tokens; the planner reads the prefixes it needs when it
     needs them. ``num_computed_tokens``: what the engine's prefix cache holds. ``extras``: the
-    request's key extras (LoRA, multimodal...: ``core_sm.keys``). ``max_load_tokens`` /
+    request's key extras (LoRA, multimodal...: ``mpcache.core_sm.keys``). ``max_load_tokens`` /
     ``max_offload_tokens``: vLLM ``kv_transfer_params`` caps (as its OffloadingConnector: at most
     that many tokens loaded beyond the engine's own hit / stored, in whole chunks; 0 opts out).
     Only the first ``MatchRequest`` of a request sets salt, extras and caps."""

@@ -3,12 +3,12 @@
 An event addresses one entity, and that entity's machine handles it through its own executing
 table (core_sm/table.py):
 
-* prefetch jobs of a request id -- ``core_sm.server_jobs`` (lookup, status, wait, free, end
+* prefetch jobs of a request id -- ``mpcache.core_sm.server_jobs`` (lookup, status, wait, free, end
   session, tombstones, reaping abandoned jobs);
-* transfers of a transfer id -- ``core_sm.server_transfers`` (store/retrieve, prepare/commit,
+* transfers of a transfer id -- ``mpcache.core_sm.server_transfers`` (store/retrieve, prepare/commit,
   ``not_after`` fences, answers to duplicates);
-* L2 work of a read/probe/write id -- ``core_sm.server_l2``;
-* engine instances -- ``core_sm.server_instances`` (register, unregister, heartbeats, reaping
+* L2 work of a read/probe/write id -- ``mpcache.core_sm.server_l2``;
+* engine instances -- ``mpcache.core_sm.server_instances`` (register, unregister, heartbeats, reaping
   dead instances).
 
 ``LookupServer``'s own table (one state, SERVING) routes each event type to its machine and
@@ -40,11 +40,11 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, ErrorReply, Reply
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.l1_index import Owner, ReleaseReason
-from core_sm.messages import (
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import Effect, ErrorReply, Reply
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.l1_index import Owner, ReleaseReason
+from mpcache.core_sm.messages import (
     Clear,
     CommitTransfer,
     EndSession,
@@ -69,19 +69,19 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
-from core_sm.server_core import EFFECT_OWNERS, RequestKey, ServerConfig, ServerContext
-from core_sm.server_instances import INSTANCE_TABLE, INSTANCE_TIMERS, InstanceMachine, InstanceState
-from core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobMachine, JobState, JobTable, PrefetchJob, ReapJob
-from core_sm.server_l2 import L2_TABLE, L2_TIMERS, L2State, L2Work
-from core_sm.server_transfers import (
+from mpcache.core_sm.server_core import EFFECT_OWNERS, RequestKey, ServerConfig, ServerContext
+from mpcache.core_sm.server_instances import INSTANCE_TABLE, INSTANCE_TIMERS, InstanceMachine, InstanceState
+from mpcache.core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobMachine, JobState, JobTable, PrefetchJob, ReapJob
+from mpcache.core_sm.server_l2 import L2_TABLE, L2_TIMERS, L2State, L2Work
+from mpcache.core_sm.server_transfers import (
     TRANSFER_CREATORS,
     TRANSFER_TABLE,
     TRANSFER_TIMERS,
     TransferMachine,
     TransferState,
 )
-from core_sm.table import Dispatcher, Table
-from core_sm.timers import Timer
+from mpcache.core_sm.table import Dispatcher, Table
+from mpcache.core_sm.timers import Timer
 
 __all__ = [
     "LookupServer", "ServerConfig", "ServerState", "JobState", "TransferState", "L2State",

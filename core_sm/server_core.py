@@ -14,16 +14,16 @@ from typing import NamedTuple, Union
 
 import attrs
 
-from core_sm.chunks import CHAIN_KEY_BYTES, DEFAULT_CHUNK_SIZE, PUBLIC_CHAIN_KEY, ChunkChain, TokenIds, validate_cache_salt
-from core_sm.effects import Effect
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.admission import StoreAdmission
-from core_sm.holdings import HeldChunks
-from core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
-from core_sm.l1_index import L1Index
-from core_sm.messages import CacheKey, Peer, ReplyTo
-from core_sm.timers import Timer, TimerHeap
-from core_sm.trace import PrehashedTokens
+from mpcache.core_sm.chunks import CHAIN_KEY_BYTES, DEFAULT_CHUNK_SIZE, PUBLIC_CHAIN_KEY, ChunkChain, TokenIds, validate_cache_salt
+from mpcache.core_sm.effects import Effect
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.admission import StoreAdmission
+from mpcache.core_sm.holdings import HeldChunks
+from mpcache.core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
+from mpcache.core_sm.l1_index import L1Index
+from mpcache.core_sm.messages import CacheKey, Peer, ReplyTo
+from mpcache.core_sm.timers import Timer, TimerHeap
+from mpcache.core_sm.trace import PrehashedTokens
 
 
 @attrs.frozen

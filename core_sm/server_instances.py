@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, InstanceReaped, Reply
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.messages import CacheKey, InstanceFailed, Peer, Ping, RegisterInstance, ReplyTo, UnregisterInstance
-from core_sm.server_core import ServerContext
-from core_sm.table import Table
-from core_sm.timers import Timer
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import Effect, InstanceReaped, Reply
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.messages import CacheKey, InstanceFailed, Peer, Ping, RegisterInstance, ReplyTo, UnregisterInstance
+from mpcache.core_sm.server_core import ServerContext
+from mpcache.core_sm.table import Table
+from mpcache.core_sm.timers import Timer
 
 if TYPE_CHECKING:
-    from core_sm.server_transfers import TransferMachine
+    from mpcache.core_sm.server_transfers import TransferMachine
 
 
 class InstanceState(enum.Enum):
@@ -201,7 +201,7 @@ class InstanceMachine:
     # ============================================================================= L1 quota
 
     def _shares_changed(self) -> None:
-        """L1 is shared by quota (core_sm.l1_index): each instance's share is ``slot_quota()``."""
+        """L1 is shared by quota (mpcache.core_sm.l1_index): each instance's share is ``slot_quota()``."""
         self.ctx.index.tenant_share = self.slot_quota()
 
     def _tenant_gone(self, instance_id: int) -> None:

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from core_sm.chunks import ObjectKey, pack_hashes
-from core_sm.effects import Effect, Reply
-from core_sm.errors import ErrorKind
-from core_sm.l1_index import ReleaseReason
-from core_sm.messages import (
+from mpcache.core_sm.chunks import ObjectKey, pack_hashes
+from mpcache.core_sm.effects import Effect, Reply
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.l1_index import ReleaseReason
+from mpcache.core_sm.messages import (
     CacheKey,
     Peer,
     EndSession,
@@ -52,13 +52,13 @@ from core_sm.messages import (
     ReplyTo,
     WaitPrefetchStatus,
 )
-from core_sm.server_core import RequestKey, ServerContext
-from core_sm.table import Table
-from core_sm.timers import ReapQueue, Timer
+from mpcache.core_sm.server_core import RequestKey, ServerContext
+from mpcache.core_sm.table import Table
+from mpcache.core_sm.timers import ReapQueue, Timer
 
 if TYPE_CHECKING:
-    from core_sm.server import LookupServer
-    from core_sm.server_l2 import L2Probe, L2Read, L2Work
+    from mpcache.core_sm.server import LookupServer
+    from mpcache.core_sm.server_l2 import L2Probe, L2Read, L2Work
 
 
 class JobState(enum.Enum):

@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, ProbeL2, ReadL2, StoredChunk, WriteL2
-from core_sm.l1_index import ReleaseReason
-from core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
-from core_sm.server_core import L2ReadOwner, L2WriteOwner, RequestKey, ServerContext
-from core_sm.table import Table
-from core_sm.timers import Timer
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import Effect, ProbeL2, ReadL2, StoredChunk, WriteL2
+from mpcache.core_sm.l1_index import ReleaseReason
+from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
+from mpcache.core_sm.server_core import L2ReadOwner, L2WriteOwner, RequestKey, ServerContext
+from mpcache.core_sm.table import Table
+from mpcache.core_sm.timers import Timer
 
 if TYPE_CHECKING:
-    from core_sm.server_instances import InstanceMachine
-    from core_sm.server_jobs import JobMachine, PrefetchJob
+    from mpcache.core_sm.server_instances import InstanceMachine
+    from mpcache.core_sm.server_jobs import JobMachine, PrefetchJob
 
 
 class L2State(enum.Enum):

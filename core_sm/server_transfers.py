@@ -14,7 +14,7 @@ refused ``FORBIDDEN``. One instance holds at most ``max_transfers_per_instance``
 chunks are skipped: no other tenant's ready object is evicted for them). Its committed objects
 are charged to it in the L1 index, which shares L1 by the same quota: an instance at or over
 its share that needs a slot evicts its own least recently used objects first, and never an
-object of an instance within its share (core_sm.l1_index). An uncommitted plan
+object of an instance within its share (mpcache.core_sm.l1_index). An uncommitted plan
 lives ``min(plan_ttl, lease_ttl)``; a ``not_after`` is held to at most ``now +
 max_not_after_ahead`` (the copy's deadline and how long its answer is kept for duplicates).
 """
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, ErrorReply, Reply, StartTransfer, StoredChunk
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.l1_index import ObjectState, ReleaseReason
-from core_sm.messages import (
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import Effect, ErrorReply, Reply, StartTransfer, StoredChunk
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.l1_index import ObjectState, ReleaseReason
+from mpcache.core_sm.messages import (
     CommitTransfer,
     Peer,
     Placement,
@@ -47,15 +47,15 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
-from core_sm.holdings import HeldChunks
-from core_sm.server_core import RequestKey, ServerContext, TransferOwner
-from core_sm.table import Table
-from core_sm.timers import Timer
+from mpcache.core_sm.holdings import HeldChunks
+from mpcache.core_sm.server_core import RequestKey, ServerContext, TransferOwner
+from mpcache.core_sm.table import Table
+from mpcache.core_sm.timers import Timer
 
 if TYPE_CHECKING:
-    from core_sm.server import LookupServer
-    from core_sm.server_instances import InstanceMachine
-    from core_sm.server_l2 import L2Work
+    from mpcache.core_sm.server import LookupServer
+    from mpcache.core_sm.server_instances import InstanceMachine
+    from mpcache.core_sm.server_l2 import L2Work
 
 TransferRequest = Store | PrepareStore | Retrieve | PrepareRetrieve
 # What identifies one server-driven op with a not_after (a network duplicate has the same):

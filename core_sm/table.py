@@ -24,12 +24,12 @@ Contract:
   it was in. Anything else is counted in ``counters["table_violations"]``, never raised: the
   machine's walk tests assert 0 for the fixed machines. (Not an internal error: a legacy profile
   of the simulator changes transitions on purpose, and must be caught by its oracle, not this.)
-* **Typed timers.** A machine's timers are small frozen classes (``core_sm.timers.Timer``), one
+* **Typed timers.** A machine's timers are small frozen classes (``mpcache.core_sm.timers.Timer``), one
   per kind, that are events of its table like any other (their rows say what a deadline does in
   each state) -- no string kinds, no if-chains.
 
 ``Table.rows`` is a plain mapping, so tests walk every ``state x event`` pair and docs are
-rendered from it (``core_sm.describe``); ``Dispatcher.trace`` (a list, when a test sets one)
+rendered from it (``mpcache.core_sm.describe``); ``Dispatcher.trace`` (a list, when a test sets one)
 records every row executed, so a walk can show each listed transition happening.
 """
 from __future__ import annotations
@@ -40,9 +40,9 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
-from core_sm.effects import Effect, ErrorReply
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.timers import Timer, TimerHeap
+from mpcache.core_sm.effects import Effect, ErrorReply
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.timers import Timer, TimerHeap
 
 S = TypeVar("S", bound=enum.Enum)
 # A handler as written in the machine's class: ``def _on_x(self, event, now, out) -> None``.

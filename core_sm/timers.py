@@ -2,7 +2,7 @@
 
 A timer kind is a small frozen class (subclass ``Timer``) naming what it is about -- e.g. a
 job's L2 deadline ``L2Timeout(key, serial)`` -- and, once due, it is an event of its
-machine's ``core_sm.table.Table`` like any other: its rows say what the deadline does in each
+machine's ``mpcache.core_sm.table.Table`` like any other: its rows say what the deadline does in each
 state of the entity it addresses. No string kinds.
 
 ``TimerHeap`` orders entries by ``(deadline, seq)`` with a unique ``seq``, so firing order is

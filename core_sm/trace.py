@@ -15,8 +15,8 @@ only. ``keep_tokens=True`` records the token ids themselves.
 
 Values: attrs instances as ``{"$": class name, field: value}``, tuples and lists as lists
 (decoded as tuples), bytes as ``{"b": hex}``, enums as ``{"e": "Class.NAME"}``, floats that JSON
-cannot hold (inf, nan) as ``{"f": repr}``. Classes come from ``core_sm.messages``,
-``core_sm.effects``, ``core_sm.keys``, ``core_sm.errors`` and ``core_sm.server_core`` (its
+cannot hold (inf, nan) as ``{"f": repr}``. Classes come from ``mpcache.core_sm.messages``,
+``mpcache.core_sm.effects``, ``mpcache.core_sm.keys``, ``mpcache.core_sm.errors`` and ``mpcache.core_sm.server_core`` (its
 ``ServerConfig``). A value of another type raises ``TypeError`` when encoding.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Any
 
 import attrs
 
-from core_sm import effects as _effects
-from core_sm import errors as _errors
-from core_sm import keys as _keys
-from core_sm import messages as _messages
-from core_sm.chunks import TokenIds
+from mpcache.core_sm import effects as _effects
+from mpcache.core_sm import errors as _errors
+from mpcache.core_sm import keys as _keys
+from mpcache.core_sm import messages as _messages
+from mpcache.core_sm.chunks import TokenIds
 
 FORMAT = 1
 _CLASSES: dict[str, type] = {}
@@ -45,7 +45,7 @@ for _module in (_messages, _effects, _keys, _errors):
 def _class(name: str) -> type:
     found = _CLASSES.get(name)
     if found is None:
-        from core_sm import server_core  # late: it imports this module
+        from mpcache.core_sm import server_core  # late: it imports this module
 
         for attr, value in vars(server_core).items():
             if isinstance(value, type) and attrs.has(value):
@@ -157,7 +157,7 @@ class Divergence:
 def header(config: Any, keep_tokens: bool, part: int = 0) -> dict[str, Any]:
     """The first line of a trace file (``part`` > 0: a rotated file that starts mid-run). The
     chunk-chain key is a secret and never written: the header names its fingerprint only."""
-    from core_sm.chunks import PUBLIC_CHAIN_KEY, ChunkChain
+    from mpcache.core_sm.chunks import PUBLIC_CHAIN_KEY, ChunkChain
 
     chain = ChunkChain(config.chain_key)
     return {"mpcache_trace": FORMAT, "keep_tokens": keep_tokens, "part": part,
@@ -172,8 +172,8 @@ def replay(head: dict[str, Any], records: Iterable[Sequence[Any]], max_divergenc
     A trace without token ids (the default) replays as is: its keys carry the hashes the server
     computed. A ``keep_tokens`` trace is hashed again, so it needs the server's ``chain_key``
     (``ValueError`` without it, or with a key whose fingerprint is not the trace's)."""
-    from core_sm.chunks import ChunkChain
-    from core_sm.server import LookupServer, ServerConfig
+    from mpcache.core_sm.chunks import ChunkChain
+    from mpcache.core_sm.server import LookupServer, ServerConfig
 
     if head.get("mpcache_trace") != FORMAT:
         raise ValueError(f"not an mpcache trace of format {FORMAT}: {head.get('mpcache_trace')!r}")

@@ -29,7 +29,7 @@ whose engine copy is running wait for ``CopyFinished`` and then fail without a c
 transfer id belongs to a server that may have restarted). A transition to healthy (including the
 first ``ServerHealth(server, True)`` the runtime feeds at start) sends ``RegisterInstance``.
 
-Restart detection (F13) and registration retries: ``core_sm.transfer_link``.
+Restart detection (F13) and registration retries: ``mpcache.core_sm.transfer_link``.
 
 Late-copy fence: a server-driven STORE or RETRIEVE carries ``not_after = now + window`` (the
 ``transfer_timeout``; else ``op_timeout``; else 30 s), and the server refuses one it handles later
@@ -43,7 +43,7 @@ the blocks) or in ``recving`` with its load errors (vLLM recomputes into them) o
 earlier; ``next_deadline()`` covers it. An op the server answered (result or error) needs no
 fence; engine-driven ops need none (the worker runs their copies itself).
 
-Dispatch (``core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
+Dispatch (``mpcache.core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
 through one of three tables it executes -- ``LINK_TABLE`` (its server: ``ServerHealth``,
 ``ServerEpoch``, the registration's answer and timers, ``NotRegistered``), ``REQUEST_TABLE``
 (one request id: submits, ``RequestEnded`` for ``Abort`` and each id of ``EngineFinished``, the
@@ -55,10 +55,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from core_sm.effects import CopyBlocks, Effect, SendRequest
-from core_sm.guarded import GuardedMachine
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.messages import (
+from mpcache.core_sm.effects import CopyBlocks, Effect, SendRequest
+from mpcache.core_sm.guarded import GuardedMachine
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.messages import (
     Abort,
     CacheKey,
     ClientEvent,
@@ -83,10 +83,10 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
-from core_sm.table import Dispatcher, Table, run_due_timers
-from core_sm.transfer_link import LINK_TABLE, RegistrationLink
-from core_sm.timers import Timer, TimerHeap
-from core_sm.transfer_ops import (
+from mpcache.core_sm.table import Dispatcher, Table, run_due_timers
+from mpcache.core_sm.transfer_link import LINK_TABLE, RegistrationLink
+from mpcache.core_sm.timers import Timer, TimerHeap
+from mpcache.core_sm.transfer_ops import (
     DEFAULT_STORE_WINDOW,
     EVENTS,
     FenceEnd,

@@ -25,11 +25,11 @@ healthy; ``next_deadline()`` covers it.
 """
 from __future__ import annotations
 
-from core_sm.effects import Effect
-from core_sm.messages import OpId, RegisterInstance, ServerEpoch, ServerHealth, ServerRequest
-from core_sm.table import Dispatcher, Table
-from core_sm.timers import TimerHeap
-from core_sm.transfer_ops import (
+from mpcache.core_sm.effects import Effect
+from mpcache.core_sm.messages import OpId, RegisterInstance, ServerEpoch, ServerHealth, ServerRequest
+from mpcache.core_sm.table import Dispatcher, Table
+from mpcache.core_sm.timers import TimerHeap
+from mpcache.core_sm.transfer_ops import (
     LinkState,
     NotRegistered,
     OpServerLost,

@@ -2,8 +2,8 @@
 one request, one op), its typed timers and internal events, one op (a store or retrieve of one
 request) and one request's ops.
 
-``core_sm.transfer_client.TransferClient`` is the machine that keeps them; it re-exports these
-names, so ``from core_sm.transfer_client import TransferClientConfig, OpState`` keeps working.
+``mpcache.core_sm.transfer_client.TransferClient`` is the machine that keeps them; it re-exports these
+names, so ``from mpcache.core_sm.transfer_client import TransferClientConfig, OpState`` keeps working.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import enum
 
 import attrs
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE
-from core_sm.errors import ProtocolError
-from core_sm.messages import (
+from mpcache.core_sm.chunks import DEFAULT_CHUNK_SIZE
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.messages import (
     Abort,
     CacheKey,
     CopyFinished,
@@ -28,7 +28,7 @@ from core_sm.messages import (
     TimerFired,
     TransferKind,
 )
-from core_sm.timers import Timer
+from mpcache.core_sm.timers import Timer
 
 __all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "FenceEnd", "LinkState", "NotRegistered", "OpServerLost",
            "OpState", "OpTimeout", "RegistrationAnswered", "RegistrationRetry", "RegistrationTimeout",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-from kernels.layouts import (
+from mpcache.kernels.layouts import (
     P_BPC,
     P_BS,
     P_C,

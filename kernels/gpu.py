@@ -43,8 +43,8 @@ if not hasattr(np, "row_stack"):
 import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from kernels.cpu import check_request  # noqa: E402
-from kernels.layouts import (  # noqa: E402
+from mpcache.kernels.cpu import check_request  # noqa: E402
+from mpcache.kernels.layouts import (  # noqa: E402
     P_BPC,
     P_BS,
     P_C,
@@ -290,7 +290,7 @@ def warm_kernels(lane_dtypes: Sequence[Any] = (np.uint64,)) -> None:
     request. A server calls this at start-up so that registering an engine costs no JIT
     (about 0.6 s per kernel and lane type on an H200)."""
     # the request validation is numba njit too: compile (or load) it now, not on a first request
-    from kernels.layouts import PagedLayout
+    from mpcache.kernels.layouts import PagedLayout
 
     g = KVGeometry(PagedLayout.NHD, num_layers=1, num_blocks=4, block_size=1, num_heads=1, head_size=4, itemsize=2,
                    chunk_tokens=2)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from runtime_trio.node import Node
+from mpcache.runtime_trio.node import Node
 
 
 @attrs.frozen

@@ -1,4 +1,4 @@
-"""The compiled scanner behind ``runtime_zmq.tokens`` (imported only by ``tokens.load()``, so
+"""The compiled scanner behind ``mpcache.runtime_zmq.tokens`` (imported only by ``tokens.load()``, so
 numba is imported and the scanner compiled or loaded from numba's cache off the import path).
 
 ``scan_key(buf, name) -> (status, start, end, ids)``: walks the msgpack map in ``buf`` (a

@@ -10,7 +10,7 @@ Two shells around core_sm machines, in the order an engine step uses them:
   core_sm's ``TransferClient``; for CPU engines it maps the server's L1 segment and copies blocks
   itself (engine-driven) with the ``kernels`` CPU gather/scatter.
 
-The vLLM connector (``runtime_zmq.vllm_connector``) only translates vLLM objects into calls on
+The vLLM connector (``mpcache.runtime_zmq.vllm_connector``) only translates vLLM objects into calls on
 these classes, so tests can drive them in vLLM's exact call order with no vLLM installed.
 """
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 
 import attrs
 
-from core_sm.blocks import chunk_copies
-from core_sm.effects import CopyBlocks, SendRequest
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.keys import NO_EXTRAS, KeyExtras
-from core_sm.lookup_client import LookupClient, LookupClientConfig
-from core_sm.messages import (
+from mpcache.core_sm.blocks import chunk_copies
+from mpcache.core_sm.effects import CopyBlocks, SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+from mpcache.core_sm.messages import (
     CopyFinished,
     EngineFinished,
     RegisterInstance,
@@ -49,7 +49,7 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
-from core_sm.planner import (
+from mpcache.core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
     MatchRequest,
@@ -61,9 +61,9 @@ from core_sm.planner import (
     StepPlanner,
     StepScheduled,
 )
-from core_sm.transfer_client import TransferClient, TransferClientConfig
-from runtime_zmq.wire import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
-from runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
+from mpcache.runtime_zmq.wire import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 
 log = logging.getLogger("mpcache.worker")
 
@@ -375,7 +375,7 @@ class SchedulerAdapter(_MachineShell):
     """vLLM's scheduler calls on core_sm's ``StepPlanner`` over every configured server.
 
     Each method is one planner event in vLLM's words and returns the planner's answer; see
-    ``core_sm.planner`` for what they mean (hits, loadable tokens, lease ranges, plans,
+    ``mpcache.core_sm.planner`` for what they mean (hits, loadable tokens, lease ranges, plans,
     preemption). A server that is down counts as a miss until its heartbeat answers again.
     Thread-safe; never blocks after ``connect``."""
 
@@ -574,7 +574,7 @@ class WorkerAdapter(_MachineShell):
         after an interprocess event the worker records with each store / retrieve.
         Raises ``ValueError`` on an unexpected layout, the server's error (e.g. ``too_large``:
         a chunk does not fit an L1 slot) as ``RuntimeError``."""
-        from kernels.layouts import KVGeometry, PagedLayout
+        from mpcache.kernels.layouts import KVGeometry, PagedLayout
 
         layers = list(kv_caches.values())
         if not layers:
@@ -653,8 +653,8 @@ class WorkerAdapter(_MachineShell):
     def _register_gpu(self, layers: list[Any]) -> None:
         import torch
 
-        from kernels.layouts import KVGeometry, PagedLayout
-        from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
+        from mpcache.kernels.layouts import KVGeometry, PagedLayout
+        from mpcache.runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
 
         name, views = _gpu_physical_layout(layers, self.block_size)
         first = views[0]
@@ -718,7 +718,7 @@ class WorkerAdapter(_MachineShell):
         """Load (or compile) the copy kernels now, not on the first request's critical path."""
         import numpy as np
 
-        from kernels.cpu import CpuKVTransfer
+        from mpcache.kernels.cpu import CpuKVTransfer
 
         bpc = self.chunk_size // self.block_size
         scratch = CpuKVTransfer(self._geometry, self._layers, np.zeros(self._geometry.slot_bytes, dtype=np.uint8))
@@ -729,7 +729,7 @@ class WorkerAdapter(_MachineShell):
         """Map the server's L1 segment (again after a server restart: a new segment)."""
         import numpy as np
 
-        from kernels.cpu import CpuKVTransfer
+        from mpcache.kernels.cpu import CpuKVTransfer
 
         fd = os.open(path, os.O_RDWR)
         try:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from runtime_zmq import config as cfg
+from mpcache.runtime_zmq import config as cfg
 
 UNREACHABLE = 3
 
@@ -72,7 +72,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from runtime_zmq.client import MPCacheClient
+    from mpcache.runtime_zmq.client import MPCacheClient
 
     return MPCacheClient(args.url, request_timeout=args.timeout)
 
@@ -125,7 +125,7 @@ def cmd_stats(c: Any, args: argparse.Namespace) -> int:
 def cmd_clear(c: Any, args: argparse.Namespace) -> int:
     token = None
     if args.admin_token_file:
-        from runtime_zmq.auth import read_admin_token
+        from mpcache.runtime_zmq.auth import read_admin_token
 
         token = read_admin_token(args.admin_token_file).decode("utf-8", "surrogateescape")
     answer = _call(c.clear(args.force, token), args.timeout)
@@ -169,7 +169,7 @@ COMMANDS = {"ping": cmd_ping, "health": cmd_health, "stats": cmd_stats, "clear":
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, _sources = cfg.parse(build_parser(), argv)
-    from runtime_zmq.client import ClientClosed, RemoteError
+    from mpcache.runtime_zmq.client import ClientClosed, RemoteError
 
     try:
         c = _client(args)

@@ -38,7 +38,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from runtime_zmq.private_file import PrivateFileError, read_private_file
+from mpcache.runtime_zmq.private_file import PrivateFileError, read_private_file
 
 log = logging.getLogger("mpcache.auth")
 

@@ -2,7 +2,7 @@
 
 Every option is a flag, an environment variable ``MPCACHE_<FLAG>`` (e.g. ``MPCACHE_PORT``) and a
 key of the TOML file named by ``--config``; flag > environment > file > default (see
-``runtime_zmq.config`` and docs/configuration.md, generated from the definitions below). Every
+``mpcache.runtime_zmq.config`` and docs/configuration.md, generated from the definitions below). Every
 value is range-checked before anything starts; a bad one is one ``cannot start:`` line.
 
 Defaults: loopback only (``tcp://127.0.0.1:5555``), L1 only, L1 memory reserved at start, no
@@ -10,7 +10,7 @@ CURVE, ``clear`` refused (no admin token; docs/security.md), metrics, health and
 on ``127.0.0.1:9555``.
 
 Adding an option: put it in one of the groups below (``config.group(parser, TITLE)``) with a
-validating ``type`` from ``runtime_zmq.config``; its env var, file key and docs follow.
+validating ``type`` from ``mpcache.runtime_zmq.config``; its env var, file key and docs follow.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from runtime_zmq import config as cfg
-from runtime_zmq import wire
+from mpcache.runtime_zmq import config as cfg
+from mpcache.runtime_zmq import wire
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     ops = cfg.group(p, OPERATIONS)
     ops.add_argument(
         "--gpu", type=cfg.one_of("auto", "on", "off"), default="auto",
-        help="server-driven GPU transfers (runtime_zmq.gpu_transfer): auto = when an NVIDIA device is present",
+        help="server-driven GPU transfers (mpcache.runtime_zmq.gpu_transfer): auto = when an NVIDIA device is present",
     )
     ops.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
     ops.add_argument("--shutdown-grace", type=cfg.non_negative_float, default=5.0, help="seconds to finish in-flight work on SIGTERM")
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split_l2_urls(text: str) -> list[str]:
-    from runtime_zmq.l2 import split_l2_urls
+    from mpcache.runtime_zmq.l2 import split_l2_urls
 
     return split_l2_urls(text)
 
@@ -148,7 +148,7 @@ def add_l2_flags(group: Any) -> None:
 
 
 def l2_options_from_args(args: argparse.Namespace) -> Any:
-    from runtime_zmq.l2_worker import L2Options
+    from mpcache.runtime_zmq.l2_worker import L2Options
 
     return L2Options(secret_file=args.l2_secret_file, require=args.l2_require,
                      deadline_s=args.l2_deadline, queue_max=args.l2_queue)
@@ -181,7 +181,7 @@ def check(args: argparse.Namespace) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from runtime_zmq.server import ServerConfig
+    from mpcache.runtime_zmq.server import ServerConfig
 
     if args.ipc:
         url = "ipc://" + os.path.abspath(args.ipc)
@@ -230,7 +230,7 @@ def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger) -> Any:
     if mode == "off" or (mode == "auto" and not _nvidia_device_present()):
         return None
     try:
-        from runtime_zmq.gpu_transfer import GpuTransferExecutor
+        from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
 
         return GpuTransferExecutor(chunk_size)
     except Exception as e:
@@ -243,17 +243,17 @@ def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["keygen"]:
-        from runtime_zmq.auth import keygen_main
+        from mpcache.runtime_zmq.auth import keygen_main
 
         return keygen_main(argv[1:])
     args, sources = parse_args(argv)
-    from runtime_zmq import logs
+    from mpcache.runtime_zmq import logs
 
     repeats = logs.setup(args.log_level, args.log_format)
     log = logging.getLogger("mpcache.cli")
     log.info("mpcache-server %s (python %s, pid %d)", cfg.version(), sys.version.split()[0], os.getpid())
     log.info("config: %s", cfg.effective_line(args, sources))
-    from runtime_zmq.server import Server
+    from mpcache.runtime_zmq.server import Server
 
     http_server = None
     try:
@@ -267,14 +267,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as e:
                 if args.gpu == "on":
                     raise
-                from runtime_zmq.transfer import NoDeviceExecutor
+                from mpcache.runtime_zmq.transfer import NoDeviceExecutor
 
                 log.warning("GPU transfers disabled (warm-up failed: %s)", e)
                 executor.close()
                 server.executor = NoDeviceExecutor()
         server.metrics.attach(server, cfg.effective(args, sources), repeats, args.summary_interval, args.l2_require)
         if args.metrics:
-            from runtime_zmq.http import OpsHttpServer
+            from mpcache.runtime_zmq.http import OpsHttpServer
 
             http_server = OpsHttpServer(server, args.metrics_host, args.metrics_port)
             log.info("metrics and probes on %s (/metrics /healthz /readyz /status)", http_server.url)

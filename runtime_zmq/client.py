@@ -61,7 +61,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from core_sm.health import (
+from mpcache.core_sm.health import (
     FailPending,
     GiveUp,
     HealthConfig,
@@ -78,8 +78,8 @@ from core_sm.health import (
     SendHeartbeat,
     SendInstancePing,
 )
-from core_sm.messages import CacheKey, ServerEpoch, ServerHealth, TimerFired
-from runtime_zmq.wire import ERROR_OP_FRAME, encode_key, token_ids_for_wire
+from mpcache.core_sm.messages import CacheKey, ServerEpoch, ServerHealth, TimerFired
+from mpcache.runtime_zmq.wire import ERROR_OP_FRAME, encode_key, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
 
@@ -203,7 +203,7 @@ class MPCacheClient:
         # their client internally.
         curve_dir = curve_dir or os.environ.get("MPCACHE_CURVE_DIR") or None
         if curve_dir is not None and url.startswith("tcp://"):
-            from runtime_zmq.auth import client_curve
+            from mpcache.runtime_zmq.auth import client_curve
 
             client_curve(sock, curve_dir, curve_client or os.environ.get("MPCACHE_CURVE_CLIENT", "client"))
         sock.connect(url)

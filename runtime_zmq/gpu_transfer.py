@@ -3,7 +3,7 @@ instances (the ``TransferExecutor`` seam of ``runtime_zmq/transfer.py``).
 
 Per registered instance it holds the worker's per-layer KV tensors, opened once from CUDA IPC
 handles (bytes plus shape / dtype / strides / device UUID — no pickle), a dedicated stream and a
-``kernels.gpu.CudaKVTransfer`` between those tensors and the pinned L1 segment.
+``mpcache.kernels.gpu.CudaKVTransfer`` between those tensors and the pinned L1 segment.
 
 A transfer is enqueued, never waited on, by ``start`` (the server's loop thread):
 ``cuStreamWaitEvent`` on the worker's interprocess event → gather / scatter → ``cuEventRecord`` of
@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from core_sm.blocks import chunk_copies
-from core_sm.effects import StartTransfer
-from core_sm.messages import TransferKind
-from runtime_zmq import gpu_ipc
-from runtime_zmq.l1_pool import SharedMemoryPool
-from runtime_zmq.transfer import DoneFn
+from mpcache.core_sm.blocks import chunk_copies
+from mpcache.core_sm.effects import StartTransfer
+from mpcache.core_sm.messages import TransferKind
+from mpcache.runtime_zmq import gpu_ipc
+from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
+from mpcache.runtime_zmq.transfer import DoneFn
 
 log = logging.getLogger("mpcache.gpu")
 
@@ -56,7 +56,7 @@ class TransferRows:
 
 
 def plan_rows(st: StartTransfer, chunk_tokens: int, block_size: int, slot_bytes: int) -> TransferRows:
-    """Map a ``StartTransfer`` to kernel rows (``core_sm.blocks.chunk_copies`` decides which
+    """Map a ``StartTransfer`` to kernel rows (``mpcache.core_sm.blocks.chunk_copies`` decides which
     chunks and blocks). Only the first row can be partly skipped, so one ``skip_blocks`` for the
     flattened list says it all. Raises ``ValueError`` on inconsistent input."""
     copies = chunk_copies(st.kind, st.start, st.end, st.placements, st.block_ids, st.skip_first_n_tokens,
@@ -203,7 +203,7 @@ class GpuTransferExecutor:
         requests (the server loop answers nothing meanwhile): CUDA context, kernel JIT for
         8-byte lanes, pinning the L1 segment (seconds for a large one), and a pool of
         completion events, each recorded once."""
-        from kernels.gpu import warm_kernels
+        from mpcache.kernels.gpu import warm_kernels
 
         gpu_ipc.ensure_context(ordinal)
         self._ordinal = ordinal
@@ -355,8 +355,8 @@ class GpuTransferExecutor:
     def _register(self, instance_id: int, layout: Mapping[str, Any], pool: SharedMemoryPool) -> None:
         from numba import cuda
 
-        from kernels.gpu import CudaKVTransfer, raw_stream, span_device_buffers
-        from kernels.layouts import KVGeometry, PagedLayout
+        from mpcache.kernels.gpu import CudaKVTransfer, raw_stream, span_device_buffers
+        from mpcache.kernels.layouts import KVGeometry, PagedLayout
 
         tensors = list(layout["tensors"])
         geometry = KVGeometry(

@@ -33,8 +33,8 @@ from typing import Any
 
 from prometheus_client.exposition import choose_encoder
 
-from runtime_zmq.config import version
-from runtime_zmq.metrics import LoopCall, ServerMetrics
+from mpcache.runtime_zmq.config import version
+from mpcache.runtime_zmq.metrics import LoopCall, ServerMetrics
 
 log = logging.getLogger("mpcache.http")
 

@@ -1,7 +1,7 @@
 """KV events: what a server holds, published in vLLM's KV-events wire format for KV-aware routers.
 
 The facts come from core_sm (``ChunksStored`` / ``ChunksRemoved`` / ``AllChunksCleared``, see
-``core_sm.holdings``); this module only translates and sends them, as vLLM's own
+``mpcache.core_sm.holdings``); this module only translates and sends them, as vLLM's own
 ``ZmqEventPublisher`` does:
 
 * **PUB** on ``endpoint`` (bound when it is a wildcard such as ``tcp://*:5557``, ipc or
@@ -40,8 +40,8 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from core_sm import effects as fx
-from core_sm.keys import identity_fields
+from mpcache.core_sm import effects as fx
+from mpcache.core_sm.keys import identity_fields
 
 log = logging.getLogger("mpcache.kv_events")
 

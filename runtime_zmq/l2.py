@@ -120,7 +120,7 @@ def open_tier(url: str) -> L2Tier:
     if scheme in ("redis", "rediss", "valkey", "valkeys"):
         return RedisTier.from_url(url)
     if scheme in ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster"):
-        from runtime_zmq.l2_cluster import RedisClusterTier
+        from mpcache.runtime_zmq.l2_cluster import RedisClusterTier
 
         return RedisClusterTier.from_url(url)
     raise L2Error(

@@ -30,7 +30,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from runtime_zmq.l2 import (
+from mpcache.runtime_zmq.l2 import (
     L2Error,
     L2Unavailable,
     _redact,
@@ -39,7 +39,7 @@ from runtime_zmq.l2 import (
     import_redis,
     translate_redis_error,
 )
-from runtime_zmq.l2_health import Breaker
+from mpcache.runtime_zmq.l2_health import Breaker
 
 __all__ = ["RedisClusterTier", "parse_cluster_url"]
 

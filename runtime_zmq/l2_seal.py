@@ -3,7 +3,7 @@
 A tier is storage mpcache does not control: a disk other processes can write, a Redis other
 clients can `SET` into. A value read back is served as KV to an engine, so a short, long, flipped
 or planted value must never reach a slot. Each value is an envelope (L2 layout version 4; v4 came
-with the keyed chunk chain of core_sm.chunks layout v3, so objects of older servers are misses):
+with the keyed chunk chain of mpcache.core_sm.chunks layout v3, so objects of older servers are misses):
 
     offset  size  field
     0       4     magic b"MPL4" (the layout version is in the magic: older layouts never match)
@@ -37,7 +37,7 @@ import secrets
 import struct
 from typing import Any
 
-from runtime_zmq.private_file import PrivateFileError, read_private_file
+from mpcache.runtime_zmq.private_file import PrivateFileError, read_private_file
 
 _blake3: Any
 try:  # optional, faster
@@ -138,7 +138,7 @@ class Sealer:
         self.algorithm = algorithm
 
     def chain_key(self) -> bytes:
-        """The chunk-chain key (core_sm.chunks.ChunkChain) of servers sharing this secret: a
+        """The chunk-chain key (mpcache.core_sm.chunks.ChunkChain) of servers sharing this secret: a
         keyed hash of a fixed label, so the secret itself never keys anything but seals."""
         return hashlib.blake2b(_CHAIN_KEY_DOMAIN, key=self._secret, digest_size=32).digest()
 

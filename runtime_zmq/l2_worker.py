@@ -37,13 +37,13 @@ from typing import Any
 
 import attrs
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import ProbeL2, ReadL2, WriteL2
-from core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
-from runtime_zmq.l1_pool import SharedMemoryPool
-from runtime_zmq.l2 import L2Unavailable, _redact
-from runtime_zmq.l2_health import Breaker, BreakerState
-from runtime_zmq.l2_seal import Rejection, Sealer, load_or_create_secret
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import ProbeL2, ReadL2, WriteL2
+from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
+from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
+from mpcache.runtime_zmq.l2 import L2Unavailable, _redact
+from mpcache.runtime_zmq.l2_health import Breaker, BreakerState
+from mpcache.runtime_zmq.l2_seal import Rejection, Sealer, load_or_create_secret
 
 log = logging.getLogger("mpcache.l2")
 

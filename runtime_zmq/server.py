@@ -37,15 +37,15 @@ from typing import Any
 import attrs
 import zmq
 
-from core_sm import effects as fx
-from core_sm import messages as m
-from core_sm.errors import ErrorKind
-from runtime_zmq import auth, tokens, wire
-from runtime_zmq.l1_pool import SharedMemoryPool
-from runtime_zmq.config import version
-from runtime_zmq.metrics import ServerMetrics
-from runtime_zmq.l2_worker import L2Options, L2Worker
-from runtime_zmq.transfer import NoDeviceExecutor, TransferExecutor
+from mpcache.core_sm import effects as fx
+from mpcache.core_sm import messages as m
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.runtime_zmq import auth, tokens, wire
+from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
+from mpcache.runtime_zmq.config import version
+from mpcache.runtime_zmq.metrics import ServerMetrics
+from mpcache.runtime_zmq.l2_worker import L2Options, L2Worker
+from mpcache.runtime_zmq.transfer import NoDeviceExecutor, TransferExecutor
 
 log = logging.getLogger("mpcache.server")
 
@@ -118,7 +118,7 @@ def chunk_chain_key(config: ServerConfig, l2: L2Worker) -> tuple[bytes, str]:
     sharing the L2 tiers derive from their secret, else a random one (an L1-only server's keys
     need not match anyone's; they change at each start, as its L1 does)."""
     if config.chunk_key_file:
-        from runtime_zmq.l2_seal import load_or_create_secret
+        from mpcache.runtime_zmq.l2_seal import load_or_create_secret
 
         return load_or_create_secret(config.chunk_key_file, "chunk key file"), config.chunk_key_file
     derived = l2.chain_key
@@ -130,7 +130,7 @@ def chunk_chain_key(config: ServerConfig, l2: L2Worker) -> tuple[bytes, str]:
 def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool,
                  chain_key: bytes | None = None) -> Any:
     """Build core_sm's LookupServer for this configuration (``chain_key`` None: a random one)."""
-    from core_sm.server import LookupServer, ServerConfig as SmConfig
+    from mpcache.core_sm.server import LookupServer, ServerConfig as SmConfig
 
     return LookupServer(
         SmConfig(
@@ -154,7 +154,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
 
 
 def open_l2(url: str) -> Any:
-    """An L2 tier from its URL: ``disk:PATH`` / ``redis://...`` (runtime_zmq.l2), or
+    """An L2 tier from its URL: ``disk:PATH`` / ``redis://...`` (mpcache.runtime_zmq.l2), or
     ``python:MODULE:FACTORY[?ARG]`` for a tier of your own (``FACTORY(ARG)`` returns an object with
     the ``L2Tier`` methods)."""
     if url.startswith("python:"):
@@ -163,7 +163,7 @@ def open_l2(url: str) -> Any:
         spec, _, arg = url[len("python:") :].partition("?")
         module, _, factory = spec.rpartition(":")
         return getattr(importlib.import_module(module), factory)(arg)
-    from runtime_zmq.l2 import open_tier
+    from mpcache.runtime_zmq.l2 import open_tier
 
     return open_tier(url)
 
@@ -319,7 +319,7 @@ class Server:
             raise
         self.trace: Any = None
         if config.trace:
-            from runtime_zmq.trace_writer import TraceWriter
+            from mpcache.runtime_zmq.trace_writer import TraceWriter
 
             self.trace = TraceWriter(config.trace, self.machine, keep_tokens=config.trace_tokens,
                                      max_bytes=config.trace_max_bytes)
@@ -327,7 +327,7 @@ class Server:
                      "token ids kept" if config.trace_tokens else "token ids as chunk hashes")
         self.kv_events: Any = None
         if config.kv_events:
-            from runtime_zmq.kv_events import KvEventPublisher
+            from mpcache.runtime_zmq.kv_events import KvEventPublisher
 
             self.kv_events = KvEventPublisher(
                 config.kv_events, chunk_size=config.chunk_size, replay_endpoint=config.kv_events_replay,

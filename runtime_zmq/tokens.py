@@ -52,7 +52,7 @@ def load() -> None:
     global _scan_key_compiled
     with _load_lock:
         if _scan_key_compiled is None:
-            from runtime_zmq import _tokens_scan  # imports numba; compiles or loads the scanner
+            from mpcache.runtime_zmq import _tokens_scan  # imports numba; compiles or loads the scanner
 
             # the first call costs ~8 ms more (numba's dispatch warming up): pay it here, on the
             # loading thread, not on the server loop's first list-form key

@@ -1,4 +1,4 @@
-"""``mpcache-server --trace FILE``: record the server machine's event stream (core_sm.trace).
+"""``mpcache-server --trace FILE``: record the server machine's event stream (mpcache.core_sm.trace).
 
 One JSON line per ``LookupServer.handle`` call (``[now, event, effects]``) after a header line;
 token ids are recorded as chunk hashes unless ``--trace-tokens`` (no prompt text by default).
@@ -14,7 +14,7 @@ import logging
 import os
 from typing import IO, Any
 
-from core_sm.trace import TraceCodec, header
+from mpcache.core_sm.trace import TraceCodec, header
 
 log = logging.getLogger("mpcache.trace")
 

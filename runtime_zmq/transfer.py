@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from core_sm.effects import StartTransfer
-from runtime_zmq.l1_pool import SharedMemoryPool
+from mpcache.core_sm.effects import StartTransfer
+from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
 
 log = logging.getLogger("mpcache.transfer")
 
@@ -71,4 +71,4 @@ class NoDeviceExecutor:
 
 
 # The L2 worker lives with the tiers it drives; kept importable from here.
-from runtime_zmq.l2_worker import L2Worker, storage_key  # noqa: E402,F401
+from mpcache.runtime_zmq.l2_worker import L2Worker, storage_key  # noqa: E402,F401

@@ -4,7 +4,7 @@ Load it with configuration only::
 
     kv_transfer_config={
         "kv_connector": "MPCacheConnector",
-        "kv_connector_module_path": "runtime_zmq.vllm_connector",
+        "kv_connector_module_path": "mpcache.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"mpcache.server_urls": "tcp://127.0.0.1:5555"},
@@ -30,14 +30,14 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - exercised by a test without vLLM
     raise ImportError(
-        "runtime_zmq.vllm_connector needs vLLM; install it with: pip install 'mpcache[vllm]' "
+        "mpcache.runtime_zmq.vllm_connector needs vLLM; install it with: pip install 'mpcache[vllm]' "
         f"(import failed: {exc})"
     ) from exc
 
-from core_sm.planner import ScheduledRequest, StepPlan
-from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
-from runtime_zmq import vllm_stats
-from runtime_zmq.vllm_keys import RequestKeyer, UnkeyableRequest
+from mpcache.core_sm.planner import ScheduledRequest, StepPlan
+from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
+from mpcache.runtime_zmq import vllm_stats
+from mpcache.runtime_zmq.vllm_keys import RequestKeyer, UnkeyableRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -4,7 +4,7 @@
 refuses (``UnkeyableConfig``, a ``ValueError`` naming the setting) a configuration whose KV it
 cannot key: KV that two requests would then share although it differs is a wrong answer and a
 cross-tenant leak, so a start-time error is the only safe outcome. ``keyer.extras(request)``
-then gives each request's ``core_sm.keys.KeyExtras``:
+then gives each request's ``mpcache.core_sm.keys.KeyExtras``:
 
 * ``identity`` (every chunk): the KV cache dtype (``auto`` resolved to the model dtype), the
   model revision, dtype and quantization, ``mpcache.model_identity``, and the request's LoRA
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from core_sm.keys import NO_EXTRAS, KeyExtras, chunk_extra_digest, request_identity
+from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras, chunk_extra_digest, request_identity
 
 ExtraKeysFn = Callable[[Any, int, int, int], "tuple[tuple[Any, ...] | None, int]"]
 # vLLM's own tags for entries keyed separately (identity / cache_salt).

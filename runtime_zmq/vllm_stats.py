@@ -27,7 +27,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from runtime_zmq.metrics import VLLM_METRICS
+from mpcache.runtime_zmq.metrics import VLLM_METRICS
 
 logger = logging.getLogger("mpcache.vllm")
 

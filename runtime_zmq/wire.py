@@ -17,7 +17,7 @@ Contract (see docs/protocol.md and LMCache's MP wire format):
 ``OPS`` is the one table: for each operation its name, LMCache's legacy id, the shape of every
 payload, the msgpack limits each payload is decoded under, the core_sm request it builds
 (``to_event``) and the payloads a core_sm request is sent as (``request_to_wire``). The key map
-(LMCache's ``IPCCacheServerKey``) decodes straight into ``core_sm.messages.CacheKey``.
+(LMCache's ``IPCCacheServerKey``) decodes straight into ``mpcache.core_sm.messages.CacheKey``.
 
 Bounds come before any work (``Limits``): a payload is unpacked under per-payload msgpack limits
 (``max_str_len``, ``max_bin_len``, ``max_array_len``, ``max_map_len``) and a cap on the number of
@@ -26,9 +26,9 @@ instead of allocating them; world size, names, request ids, token and block-id c
 ranks and deadlines are checked before the request reaches core_sm. Each refusal is one
 ``DecodeError`` (``too_large`` or ``undecodable``/``validation``). Decoding never raises.
 
-Token ids become a ``core_sm.chunks.TokenIds`` (one packed little-endian uint32 buffer): a msgpack
+Token ids become a ``mpcache.core_sm.chunks.TokenIds`` (one packed little-endian uint32 buffer): a msgpack
 bin of packed ids (mpcache's client) is wrapped as received; LMCache's list of ints is scanned out
-of the frame by a compiled decoder (``runtime_zmq.tokens``) into one uint32 buffer. Neither form
+of the frame by a compiled decoder (``mpcache.runtime_zmq.tokens``) into one uint32 buffer. Neither form
 costs a Python object per token.
 """
 
@@ -41,12 +41,12 @@ from typing import Any, Final
 import attrs
 import msgpack  # type: ignore[import-untyped]
 
-from core_sm import messages as m
-from core_sm.chunks import TokenIds, pack_tokens
-from core_sm.errors import ErrorKind
-from core_sm.keys import MAX_CHUNK_EXTRA_LEN, MAX_IDENTITY_LEN, NO_EXTRAS, KeyExtras
-from core_sm.messages import CacheKey, TransferKind, TransferPlan
-from runtime_zmq.tokens import decode_key_frame
+from mpcache.core_sm import messages as m
+from mpcache.core_sm.chunks import TokenIds, pack_tokens
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.keys import MAX_CHUNK_EXTRA_LEN, MAX_IDENTITY_LEN, NO_EXTRAS, KeyExtras
+from mpcache.core_sm.messages import CacheKey, TransferKind, TransferPlan
+from mpcache.runtime_zmq.tokens import decode_key_frame
 
 ERROR_OP: Final = "error"
 ERROR_OP_FRAME: Final = msgpack.packb(ERROR_OP)
@@ -320,7 +320,7 @@ def _key_payload(v: Any, limits: Limits) -> KeyPayload:
 
 
 def _decode_extras(identity: Any, chunk_extras: Any, max_chunks: int) -> KeyExtras:
-    """mpcache's key fields beyond LMCache's (``core_sm.keys``); absent or nil = none. At most
+    """mpcache's key fields beyond LMCache's (``mpcache.core_sm.keys``); absent or nil = none. At most
     ``max_chunks`` extras, each at most ``MAX_CHUNK_EXTRA_LEN`` bytes."""
     if identity is None and chunk_extras is None:
         return NO_EXTRAS

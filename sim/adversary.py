@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from core_sm.effects import Reply
-from core_sm.messages import (
+from mpcache.core_sm.effects import Reply
+from mpcache.core_sm.messages import (
     CacheKey,
     Clear,
     CommitTransfer,
@@ -55,13 +55,13 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
-from core_sm.server_core import RequestKey
-from runtime_trio import Address
-from sim.ports import ReplyMsg, RequestMsg
-from sim.scenario import server_name
+from mpcache.core_sm.server_core import RequestKey
+from mpcache.runtime_trio import Address
+from mpcache.sim.ports import ReplyMsg, RequestMsg
+from mpcache.sim.scenario import server_name
 
 if TYPE_CHECKING:
-    from sim.world import ServerHost, World
+    from mpcache.sim.world import ServerHost, World
 
 ADVERSARY = "adv0"
 MACHINE = "adv"
@@ -106,7 +106,7 @@ class Adversary:
         request = self._build(kind, server)
         if request is not None:
             self.correlation += 1
-            from sim.world import SERVER  # late: world imports this module
+            from mpcache.sim.world import SERVER  # late: world imports this module
             world.trace.line(world.now(), ADVERSARY, f"adversary {kind}")
             # Straight onto the network: the world's per-request bookkeeping (lookups in flight,
             # releases sent) is about the honest clients.
@@ -141,7 +141,7 @@ class Adversary:
         if key is not None:
             return key[1]  # type: ignore[no-any-return]
         cfg = self.world.config
-        from sim.profiles import MODEL
+        from mpcache.sim.profiles import MODEL
         return CacheKey(MODEL, cfg.tp, None, tuple(range(1, cfg.chunk_size + 1)), 0, cfg.chunk_size, PREFIX + "0")
 
     def _own_id(self) -> str:
@@ -291,7 +291,7 @@ class Adversary:
         return effects
 
     def _harm(self, host: ServerHost, event: Any, part: str, old: Any, new: Any) -> None:
-        from sim.trace import short
+        from mpcache.sim.trace import short
         if isinstance(old, dict) and isinstance(new, dict):
             changed = sorted((k for k in old.keys() | new.keys() if old.get(k) != new.get(k)), key=repr)[:3]
             detail = "; ".join(f"{k!r}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)

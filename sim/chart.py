@@ -12,7 +12,7 @@ import re
 from html import escape
 from typing import Any
 
-from sim.trace import Mark, MessageRecord
+from mpcache.sim.trace import Mark, MessageRecord
 
 LANE_W = 130
 ROW_H = 16

@@ -18,10 +18,10 @@ import sys
 import time
 from collections import Counter
 
-from sim.oracles import FAILURES, is_known_race
-from sim.profiles import PROFILES, get_profile
-from sim.runner import SeedResult, run_many, run_scenario
-from sim.scenario import draw_scenario
+from mpcache.sim.oracles import FAILURES, is_known_race
+from mpcache.sim.profiles import PROFILES, get_profile
+from mpcache.sim.runner import SeedResult, run_many, run_scenario
+from mpcache.sim.scenario import draw_scenario
 
 
 def _bar(done: int, total: int, failing: int, started: float) -> str:
@@ -95,7 +95,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(line)
     print(f"# events {result.events}  virtual time {result.virtual_time:.6f} s  trace hash {result.trace_hash}")
     if args.chart:
-        from sim.chart import render, requests_in
+        from mpcache.sim.chart import render, requests_in
 
         rids = requests_in(result.violation.message) if result.violation is not None else set()
         with open(args.chart, "w") as f:
@@ -118,7 +118,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_hashes(args: argparse.Namespace) -> int:
     """Internal (determinism check): print {seed: trace hash} or {seed: [lines]} as JSON."""
-    from sim.runner import run_seed
+    from mpcache.sim.runner import run_seed
 
     out: dict[str, object] = {}
     for s in args.seed_list:
@@ -129,7 +129,7 @@ def cmd_hashes(args: argparse.Namespace) -> int:
 
 
 def cmd_check_determinism(args: argparse.Namespace) -> int:
-    from sim.determinism import check
+    from mpcache.sim.determinism import check
 
     seeds = list(range(args.start, args.start + args.seeds))
     found = check(seeds, args.profile)
@@ -144,8 +144,8 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     """Let Hypothesis find and shrink a world that fails under a legacy profile; save it."""
     from hypothesis import HealthCheck, find, settings
 
-    from sim.corpus import CORPUS_DIR, to_json
-    from sim.strategies import scenarios
+    from mpcache.sim.corpus import CORPUS_DIR, to_json
+    from mpcache.sim.strategies import scenarios
 
     profile = get_profile(args.profile)
     code = args.code or profile.failure
@@ -156,7 +156,7 @@ def cmd_shrink(args: argparse.Namespace) -> int:
 
     from hypothesis.errors import NoSuchExample
 
-    from sim.corpus import reduce_scenario
+    from mpcache.sim.corpus import reduce_scenario
 
     try:
         if args.from_seeds:
@@ -197,7 +197,7 @@ def _version() -> str:
 def cmd_replay_trace(args: argparse.Namespace) -> int:
     """Feed a fresh core_sm LookupServer the recorded events at their times; any record whose
     effects differ from the recorded ones is a divergence."""
-    from core_sm.trace import replay
+    from mpcache.core_sm.trace import replay
 
     with open(args.file, encoding="utf-8") as f:
         head = json.loads(f.readline())
@@ -224,7 +224,7 @@ def cmd_replay_trace(args: argparse.Namespace) -> int:
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Seeds of a fleet world (sim/fleet.py): N servers x M engines over a cluster L2 tier."""
-    from sim.fleet import run_fleet_seed
+    from mpcache.sim.fleet import run_fleet_seed
 
     started = time.perf_counter()
     failing, totals = [], Counter()  # type: ignore[var-annotated]
@@ -252,7 +252,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from sim.sweep import main_sweep
+    from mpcache.sim.sweep import main_sweep
 
     return main_sweep(args)
 

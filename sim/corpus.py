@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from sim.net import NetConfig
-from sim.scenario import FaultSpec, RequestSpec, Scenario, WorldConfig
+from mpcache.sim.net import NetConfig
+from mpcache.sim.scenario import FaultSpec, RequestSpec, Scenario, WorldConfig
 
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "tests" / "sim" / "corpus"
 

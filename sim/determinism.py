@@ -14,8 +14,8 @@ import sys
 
 import attrs
 
-from sim.runner import run_seed
-from sim.trace import first_divergence
+from mpcache.sim.runner import run_seed
+from mpcache.sim.trace import first_divergence
 
 
 @attrs.frozen
@@ -35,7 +35,7 @@ class Divergence:
 
 def _child(args: list[str], hashseed: str) -> str:
     env = dict(os.environ, PYTHONHASHSEED=hashseed)
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", *args], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "mpcache.sim.cli", *args], env=env, capture_output=True, text=True,
                           check=True)
     return proc.stdout
 

@@ -1,4 +1,4 @@
-"""A simulated vLLM engine: vLLM's scheduler (``sim.vllm_scheduler.SchedulerModel``: waiting
+"""A simulated vLLM engine: vLLM's scheduler (``mpcache.sim.vllm_scheduler.SchedulerModel``: waiting
 queue, block pool, prefix-cache hits, async loads, preemption, recompute, finish -- the model the
 adapter tests drive the production connector with) on one scheduler node that runs core_sm's
 ``StepPlanner`` -- the class ``MPCacheConnector`` drives -- and `tp` worker nodes (one
@@ -30,15 +30,15 @@ from typing import Any
 import attrs
 import trio
 
-from core_sm.blocks import chunk_copies
-from core_sm.chunks import ChunkChain, ObjectKey
-from core_sm.effects import CopyBlocks, SendRequest
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
-from core_sm.keys import NO_EXTRAS, KeyExtras
-from core_sm.lookup_client import LookupState
-from core_sm.server_core import RequestKey
-from core_sm.messages import (
+from mpcache.core_sm.blocks import chunk_copies
+from mpcache.core_sm.chunks import ChunkChain, ObjectKey
+from mpcache.core_sm.effects import CopyBlocks, SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
+from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.lookup_client import LookupState
+from mpcache.core_sm.server_core import RequestKey
+from mpcache.core_sm.messages import (
     Abort,
     CopyFinished,
     EngineFinished,
@@ -53,7 +53,7 @@ from core_sm.messages import (
     TransferKind,
     WaitPrefetchStatus,
 )
-from core_sm.planner import (
+from mpcache.core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
     MatchRequest,
@@ -63,10 +63,10 @@ from core_sm.planner import (
     StepPlanner,
     StepScheduled,
 )
-from runtime_trio import Address, Node
-from sim.ports import RequestMsg, WorldPort
-from sim.scenario import RequestSpec, sched_name, server_name, worker_name
-from sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
+from mpcache.runtime_trio import Address, Node
+from mpcache.sim.ports import RequestMsg, WorldPort
+from mpcache.sim.scenario import RequestSpec, sched_name, server_name, worker_name
+from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
 
 MODEL = "sim-model"
 SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished)

@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from sim.scenario import FaultSpec, Scenario, draw_scenario
+from mpcache.sim.scenario import FaultSpec, Scenario, draw_scenario
 
 
 class ClusterTier:
@@ -164,7 +164,7 @@ class FleetResult:
 
 def run_fleet_seed(seed: int, servers: int = 3, engines: int = 4, tier_nodes: int = 3,
                    keep_lines: bool = False) -> FleetResult:
-    from sim.runner import run_scenario
+    from mpcache.sim.runner import run_scenario
 
     result, world = run_scenario(draw_fleet_scenario(seed, servers, engines, tier_nodes), keep_lines=keep_lines)
     tier = dict(world.tier.stats) if world.tier is not None else {}

@@ -24,8 +24,8 @@ from typing import Any
 
 import attrs
 
-from runtime_trio import Address
-from sim.timeline import Timeline
+from mpcache.runtime_trio import Address
+from mpcache.sim.timeline import Timeline
 
 
 @attrs.define

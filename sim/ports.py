@@ -1,7 +1,7 @@
 """What the simulator's engine model needs from the world it lives in, and the messages they
 exchange.
 
-``sim.world.World`` implements ``WorldPort``; ``sim.engine`` is written against this protocol
+``mpcache.sim.world.World`` implements ``WorldPort``; ``mpcache.sim.engine`` is written against this protocol
 only, so the engine imports no World and reaches no private member of it (the world creates the
 engines; the dependency runs one way).
 """
@@ -14,11 +14,11 @@ from typing import Any, Protocol
 
 import attrs
 
-from core_sm.chunks import ObjectKey
-from core_sm.errors import ProtocolError
-from runtime_trio import Address, Node
-from sim.timeline import Timeline
-from sim.trace import Trace
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.runtime_trio import Address, Node
+from mpcache.sim.timeline import Timeline
+from mpcache.sim.trace import Trace
 
 __all__ = ["ReplyMsg", "RequestMsg", "Via", "WorldPort", "request_id_of"]
 

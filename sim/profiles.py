@@ -13,13 +13,13 @@ from typing import Any
 
 import attrs
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import Effect, Reply
-from core_sm.errors import ProtocolError
-from core_sm.l1_index import ReleaseReason
-from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch
-from core_sm.planner import (
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import Effect, Reply
+from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.l1_index import ReleaseReason
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
+from mpcache.core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch
+from mpcache.core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
     MatchRequest,
@@ -28,9 +28,9 @@ from core_sm.planner import (
     RequestTracker,
     StepPlanner,
 )
-from core_sm.server import LookupServer, PrefetchJob, RequestKey, ServerConfig
-from core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
-from sim.scenario import WorldConfig
+from mpcache.core_sm.server import LookupServer, PrefetchJob, RequestKey, ServerConfig
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
+from mpcache.sim.scenario import WorldConfig
 
 MODEL = "sim-model"
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import attrs
 
-from runtime_trio import DeadlockError
-from runtime_trio.clock import VirtualClock, VirtualTimeDriver
-from sim.oracles import Violation, ViolationFound
-from sim.profiles import get_profile
-from sim.scenario import Scenario, draw_scenario
+from mpcache.runtime_trio import DeadlockError
+from mpcache.runtime_trio.clock import VirtualClock, VirtualTimeDriver
+from mpcache.sim.oracles import Violation, ViolationFound
+from mpcache.sim.profiles import get_profile
+from mpcache.sim.scenario import Scenario, draw_scenario
 
 
 @attrs.frozen
@@ -71,7 +71,7 @@ except ImportError:  # pragma: no cover
 def run_scenario(scenario: Scenario, profile_name: str = "default", *, keep_lines: bool = False,
                  chart: bool = False) -> tuple[SeedResult, Any]:
     """Run one world; returns the result and the world (for charts and debugging)."""
-    from sim.world import World
+    from mpcache.sim.world import World
 
     profile = get_profile(profile_name)
     seed_trio_scheduler(scenario.net_seed)

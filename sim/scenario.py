@@ -2,7 +2,7 @@
 
 A `Scenario` is plain data. `draw_scenario(seed)` builds it from `random.Random(seed)` (swarm
 testing: fault rates, TTLs, capacities and latencies are themselves drawn per seed);
-`sim.strategies` builds the same type from Hypothesis, so failures shrink to fewer requests,
+`mpcache.sim.strategies` builds the same type from Hypothesis, so failures shrink to fewer requests,
 fewer faults and smaller knobs. The scenario also carries `net_seed`, which seeds every
 per-message decision (delays, drops, duplicates, copy latencies) and trio's scheduler.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from sim.net import NetConfig
+from mpcache.sim.net import NetConfig
 
 
 @attrs.frozen
@@ -59,7 +59,7 @@ class WorldConfig:
 
     @property
     def chain_key(self) -> bytes:
-        """The world's chunk-chain key (core_sm.chunks.ChunkChain), a function of ``chain_seed``:
+        """The world's chunk-chain key (mpcache.core_sm.chunks.ChunkChain), a function of ``chain_seed``:
         the servers and the engine model hash alike, and a seed replays byte for byte."""
         return hashlib.sha256(b"mpcache-sim-chain/" + str(self.chain_seed).encode()).digest()
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from sim.net import NetConfig
-from sim.scenario import FaultSpec, RequestSpec, Scenario, WorldConfig, server_name, sched_name, worker_name
+from mpcache.sim.net import NetConfig
+from mpcache.sim.scenario import FaultSpec, RequestSpec, Scenario, WorldConfig, server_name, sched_name, worker_name
 
 
 @st.composite

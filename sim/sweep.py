@@ -1,7 +1,7 @@
 """Capacity planning: re-run a captured server trace at other L1 sizes and count hits.
 
 ``mpcache-sim sweep FILE --l1-size-gb 1,2,4,8`` feeds the events of an ``mpcache-server --trace``
-file (``core_sm.trace``) to a fresh server machine per size, with ``num_slots`` = size / the
+file (``mpcache.core_sm.trace``) to a fresh server machine per size, with ``num_slots`` = size / the
 trace's ``slot_bytes``, and counts what the machine answers. At another size the effects differ
 from the recorded ones by design (other hits, other slots, other transfers), so nothing is
 compared with the record; instead every oracle that holds for any size is checked:
@@ -31,8 +31,8 @@ from typing import Any
 
 import attrs
 
-from core_sm.effects import ErrorReply, Reply
-from core_sm.trace import FORMAT, PrehashedTokens, TraceCodec
+from mpcache.core_sm.effects import ErrorReply, Reply
+from mpcache.core_sm.trace import FORMAT, PrehashedTokens, TraceCodec
 
 GiB = 1 << 30
 
@@ -87,8 +87,8 @@ def sweep(head: dict[str, Any], records: Sequence[Any], sizes_gb: Iterable[float
 
 
 def run_size(head: dict[str, Any], records: Sequence[Any], size_gb: float, check_every: int = 1) -> SweepRow:
-    from core_sm import messages as m
-    from core_sm.server import LookupServer
+    from mpcache.core_sm import messages as m
+    from mpcache.core_sm.server import LookupServer
 
     codec = TraceCodec(keep_tokens=bool(head.get("keep_tokens")))
     recorded_config = codec.decode(head["config"])
@@ -200,7 +200,7 @@ class _HitCounter:
         self.queries: dict[Any, str] = {}  # status query reply_to -> request id
 
     def before(self, event: Any) -> None:
-        from core_sm import messages as m
+        from mpcache.core_sm import messages as m
 
         if isinstance(event, m.Lookup):
             self.open[event.key.request_id] = event.key
@@ -276,7 +276,7 @@ def main_sweep(args: Any) -> int:
         for v in r.violations[:5]:
             print(f"  {r.size_gb:g}GB: {v}")
     if args.png:
-        from sim.png import line_plot
+        from mpcache.sim.png import line_plot
 
         with open(args.png, "wb") as f:
             f.write(line_plot([r.token_hit_rate for r in rows]))

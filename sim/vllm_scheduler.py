@@ -2,7 +2,7 @@
 
 This is the one model of vLLM in mpcache: the simulator's engine (``sim/engine.py``, over
 core_sm's ``StepPlanner`` on a simulated node) and the adapter tests' engine
-(``tests/runtime_zmq/adapter_driver.py``, over ``runtime_zmq.adapters.SchedulerAdapter`` and
+(``tests/runtime_zmq/adapter_driver.py``, over ``mpcache.runtime_zmq.adapters.SchedulerAdapter`` and
 real servers) both schedule through ``SchedulerModel``. It decides only what vLLM decides
 (reference/vllm_connector.md; vLLM 0.32 ``Scheduler.schedule`` and ``KVCacheManager``):
 
@@ -31,8 +31,8 @@ from typing import Protocol
 
 import attrs
 
-from core_sm.keys import NO_EXTRAS, KeyExtras
-from core_sm.planner import ScheduledRequest, StepPlan
+from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.planner import ScheduledRequest, StepPlan
 
 
 class Connector(Protocol):

@@ -27,11 +27,11 @@ from typing import Any
 import attrs
 import trio
 
-from core_sm.chunks import ObjectKey
-from core_sm.server_core import RequestKey
-from core_sm.transfer_client import TransferClientConfig
-from core_sm.effects import ErrorReply, InstanceReaped, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
-from core_sm.messages import (
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.server_core import RequestKey
+from mpcache.core_sm.transfer_client import TransferClientConfig
+from mpcache.core_sm.effects import ErrorReply, InstanceReaped, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
+from mpcache.core_sm.messages import (
     EndSession,
     FreeLookupLocks,
     L2ReadFinished,
@@ -43,15 +43,15 @@ from core_sm.messages import (
     TransferFinished,
     WaitPrefetchStatus,
 )
-from runtime_trio import Address, Node
-from sim.adversary import ADVERSARY, Adversary
-from sim.engine import SimEngine
-from sim.net import Packet, SimNet
-from sim.oracles import Violation, ViolationFound
-from sim.ports import ReplyMsg, RequestMsg, Via, request_id_of
-from sim.scenario import FaultSpec, Scenario, server_name
-from sim.timeline import Timeline
-from sim.trace import MessageRecord, Trace, short
+from mpcache.runtime_trio import Address, Node
+from mpcache.sim.adversary import ADVERSARY, Adversary
+from mpcache.sim.engine import SimEngine
+from mpcache.sim.net import Packet, SimNet
+from mpcache.sim.oracles import Violation, ViolationFound
+from mpcache.sim.ports import ReplyMsg, RequestMsg, Via, request_id_of
+from mpcache.sim.scenario import FaultSpec, Scenario, server_name
+from mpcache.sim.timeline import Timeline
+from mpcache.sim.trace import MessageRecord, Trace, short
 
 SERVER = "server"
 HEARTBEAT = "hb"
@@ -103,7 +103,7 @@ class World:
         self.nodes: dict[str, Node] = {}
         self.servers = [ServerHost(i) for i in range(self.config.num_servers)]
         self.l2: dict[ObjectKey, tuple[int, ...]] = {}
-        from sim.fleet import make_tier  # a fleet's cluster tier replaces self.l2 (sim/fleet.py)
+        from mpcache.sim.fleet import make_tier  # a fleet's cluster tier replaces self.l2 (sim/fleet.py)
 
         self.tier = make_tier(self.config)
         self.written: set[ObjectKey] = set()  # every object ever written into L1 or L2 (history)
@@ -319,7 +319,7 @@ class World:
         host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))
         if self.phase == "safety" and self.fault_rng.random() < self.config.evict_after_prefetch_p:
             # Cache chaos: memory pressure right after a prefetch lands (unleased objects go).
-            from core_sm.messages import Clear
+            from mpcache.core_sm.messages import Clear
 
             self.stats["evict_after_prefetch"] += 1
             host.node.post(SERVER, Clear(False, reply_to=self.operator_via(host), admin=True))
@@ -345,7 +345,7 @@ class World:
     def _finish_l2_probe(self, host: ServerHost, incarnation: int, effect: Any) -> None:
         if host.incarnation != incarnation or not host.up:
             return
-        from core_sm.messages import L2ProbeFinished
+        from mpcache.core_sm.messages import L2ProbeFinished
 
         self.stats["l2_probes"] += 1
         if self.tier is None:
@@ -498,7 +498,7 @@ class World:
         name = type(event).__name__
         honest = not (isinstance(via, Via) and via.node == ADVERSARY)
         if honest and type(event) is Ping and isinstance(event.instance_id, int):
-            from core_sm.server_instances import InstanceState
+            from mpcache.core_sm.server_instances import InstanceState
 
             if server.instance_state(event.instance_id) is InstanceState.REGISTERED:
                 host.heartbeat_seen[event.instance_id] = now
@@ -615,7 +615,7 @@ class World:
         elif kind == "clear":
             host = self.servers[int(args[0])]
             if host.up and host.node is not None:
-                from core_sm.messages import Clear
+                from mpcache.core_sm.messages import Clear
 
                 self._touch_all_live()
                 self.stats["clears"] += 1
@@ -709,7 +709,7 @@ class World:
     def _check_registered(self) -> None:
         """F13: after heal and quiescence a live worker is registered with every server that is up
         -- a restart must not leave it unknown there (every store refused not_registered)."""
-        from core_sm.server_instances import InstanceState
+        from mpcache.core_sm.server_instances import InstanceState
 
         for host in self.servers:
             if not host.up or host.node is None:

@@ -15,9 +15,9 @@ import random
 import time
 from typing import Any
 
-from core_sm.messages import CacheKey, EndSession, Lookup, QueryPrefetchStatus, RegisterInstance, Store, TransferFinished
-from core_sm.effects import Reply, StartTransfer
-from core_sm.server import LookupServer, ServerConfig
+from mpcache.core_sm.messages import CacheKey, EndSession, Lookup, QueryPrefetchStatus, RegisterInstance, Store, TransferFinished
+from mpcache.core_sm.effects import Reply, StartTransfer
+from mpcache.core_sm.server import LookupServer, ServerConfig
 
 CHUNK = 16
 

@@ -8,9 +8,7 @@ import importlib
 import pkgutil
 import sys
 
-import tools
-
-
+import mpcache.tools as tools
 def available() -> list[str]:
     return sorted(
         m.name[len("bench_"):]
@@ -23,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     names = available()
     if args[:1] == ["--version"]:
-        from runtime_zmq.config import version
+        from mpcache.runtime_zmq.config import version
 
         print(f"mpcache-bench {version()}")
         return 0
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(name: str, argv: list[str]) -> int:
-    module = importlib.import_module(f"tools.bench_{name}")
+    module = importlib.import_module(f"mpcache.tools.bench_{name}")
     return int(module.main(argv) or 0)
 
 

@@ -33,14 +33,14 @@ import tempfile
 import time
 from typing import Any
 
-from tools.server_process import ServerProcess
+from mpcache.tools.server_process import ServerProcess
 
 MiB = 1 << 20
 GEO = {"num_layers": 32, "block_size": 16, "num_heads": 8, "head_size": 128}
 CHUNK = 256
 BPC = CHUNK // GEO["block_size"]
 SLOT = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2  # 32 MiB
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def _engine(conn: Any, url: str, iid: int, num_blocks: int, seed: int) -> None:
@@ -48,8 +48,8 @@ def _engine(conn: Any, url: str, iid: int, num_blocks: int, seed: int) -> None:
     import numpy as np
     import torch
 
-    from runtime_zmq.client import MPCacheClient
-    from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
+    from mpcache.runtime_zmq.client import MPCacheClient
+    from mpcache.runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
 
     torch.cuda.init()
     shape = (2, num_blocks, GEO["block_size"], GEO["num_heads"], GEO["head_size"])
@@ -181,7 +181,7 @@ class Server(ServerProcess):
                           "--l1-size-gb", str(l1_gb), "--no-metrics", "--log-level", "WARNING"], repo=repo)
 
     def stats(self) -> dict[str, Any]:
-        from runtime_zmq.client import MPCacheClient
+        from mpcache.runtime_zmq.client import MPCacheClient
 
         with MPCacheClient(self.url, request_timeout=10.0) as c:
             return dict(c.stats())

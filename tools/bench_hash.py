@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from core_sm.chunks import DEFAULT_CHUNK_SIZE, ChunkChain, TokenIds, pack_tokens
+from mpcache.core_sm.chunks import DEFAULT_CHUNK_SIZE, ChunkChain, TokenIds, pack_tokens
 
 TARGET_8K_MS = 0.02
 

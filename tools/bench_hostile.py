@@ -18,9 +18,9 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.l1_pool import MappedSegment
-from tools.server_process import ServerProcess
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.l1_pool import MappedSegment
+from mpcache.tools.server_process import ServerProcess
 
 P = msgpack.packb
 MiB = 1 << 20

@@ -30,7 +30,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from tools.bench_rpc import BenchError, _call, _dealer, _start, _env_with_repo, _url, lookup_key
+from mpcache.tools.bench_rpc import BenchError, _call, _dealer, _start, _env_with_repo, _url, lookup_key
 
 TARGET_BYTES_PER_JOB = 200
 
@@ -78,7 +78,7 @@ def server_row(num_tokens: int, jobs: int, job_ttl: float) -> tuple[int, int, in
     workdir = tempfile.mkdtemp(prefix="mpcache-bench-jobs-")
     url = _url("tcp", workdir, "jobs")
     port = url.rsplit(":", 1)[1]
-    argv = [sys.executable, "-m", "runtime_zmq.cli", "--l1-size-gb", "0.25", "--slot-mb", "1",
+    argv = [sys.executable, "-m", "mpcache.runtime_zmq.cli", "--l1-size-gb", "0.25", "--slot-mb", "1",
             "--log-level", "WARNING", "--no-metrics", "--host", "127.0.0.1", "--port", port,
             "--job-ttl", str(job_ttl), "--tombstone-ttl", "1"]
     server = _start("mpcache", "tcp", argv, url, workdir, env=_env_with_repo())
@@ -114,8 +114,8 @@ def server_row(num_tokens: int, jobs: int, job_ttl: float) -> tuple[int, int, in
 
 def core_sm_row(num_tokens: int, jobs: int) -> tuple[float, float]:
     """(bytes per abandoned job while live, bytes per job left after the reaper) in core_sm."""
-    from core_sm import messages as m
-    from core_sm.server import LookupServer, ServerConfig
+    from mpcache.core_sm import messages as m
+    from mpcache.core_sm.server import LookupServer, ServerConfig
 
     sm = LookupServer(ServerConfig(chunk_size=256, num_slots=64, slot_bytes=1 << 20))
     now = 0.0

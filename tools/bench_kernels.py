@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from numba import cuda
 
-    from kernels.gpu import CudaKVTransfer, raw_stream, span_device_buffers
-    from kernels.layouts import KVGeometry, PagedLayout
+    from mpcache.kernels.gpu import CudaKVTransfer, raw_stream, span_device_buffers
+    from mpcache.kernels.layouts import KVGeometry, PagedLayout
 
     torch.cuda.init()
     dev = torch.device("cuda")

@@ -11,7 +11,7 @@ import argparse
 import os
 import time
 
-from runtime_zmq.l2_seal import MacAlgorithm, Sealer
+from mpcache.runtime_zmq.l2_seal import MacAlgorithm, Sealer
 
 
 def _best(fn: object, repeat: int) -> float:

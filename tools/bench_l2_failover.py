@@ -16,14 +16,14 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "runtime_zmq"))  # the cluster fixture
 
 
 def _round(node_timeout_ms: int, n_keys: int) -> tuple[float, int, float, float]:
     from redis_cluster import RedisClusterProcesses  # type: ignore[import-not-found]
 
-    from runtime_zmq.l2 import L2Unavailable, open_tier
+    from mpcache.runtime_zmq.l2 import L2Unavailable, open_tier
 
     with RedisClusterProcesses(node_timeout_ms=node_timeout_ms) as cluster:
         tier = open_tier(cluster.url("timeout=0.5"))

@@ -257,13 +257,13 @@ def _url(transport: str, workdir: str, name: str) -> str:
 
 def start_raw(transport: str, workdir: str) -> Server:
     url = _url(transport, workdir, "raw")
-    argv = [sys.executable, "-m", "tools.bench_rpc", "--echo-server", url]
+    argv = [sys.executable, "-m", "mpcache.tools.bench_rpc", "--echo-server", url]
     return _start("raw", transport, argv, url, workdir, env=_env_with_repo())
 
 
 def start_mpcache(transport: str, workdir: str, l1_gb: float) -> Server:
     url = _url(transport, workdir, "mpcache")
-    argv = [sys.executable, "-m", "runtime_zmq.cli", "--l1-size-gb", str(l1_gb), "--slot-mb", "1",
+    argv = [sys.executable, "-m", "mpcache.runtime_zmq.cli", "--l1-size-gb", str(l1_gb), "--slot-mb", "1",
             "--log-level", "WARNING", "--no-metrics"]
     if transport == "tcp":
         port = url.rsplit(":", 1)[1]
@@ -295,7 +295,7 @@ def start_lmcache(transport: str, workdir: str, venv: str) -> Server:
 
 def _env_with_repo() -> dict[str, str]:
     env = dict(os.environ)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -579,7 +579,7 @@ def _cpu_seconds(pid: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # The C throughput client (tools/rpc_client.c)
 
-_C_CLIENT_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rpc_client.c")
+_C_CLIENT_SRC = os.path.join(os.path.dirname(os.path.realpath(__file__)), "rpc_client.c")
 
 
 def _libzmq() -> str | None:

@@ -20,13 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=16)
     args = parser.parse_args(argv)
-    from runtime_zmq import admin_cli
+    from mpcache.runtime_zmq import admin_cli
 
     bench = ["bench", "--lookups", str(args.lookups), "--chunks", str(args.chunks), "--in-flight", str(args.in_flight)]
     if args.url is not None:
         return admin_cli.main(["--url", args.url, *bench])
     server = subprocess.Popen(
-        [sys.executable, "-m", "runtime_zmq.cli", "--port", "0", "--no-metrics", "--l1-size-gb", "0.25", "--slot-mb", "1",
+        [sys.executable, "-m", "mpcache.runtime_zmq.cli", "--port", "0", "--no-metrics", "--l1-size-gb", "0.25", "--slot-mb", "1",
          "--log-level", "warning"],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ),
     )

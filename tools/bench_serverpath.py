@@ -1,6 +1,6 @@
 """`mpcache-bench serverpath`: the server's own CPU per request, in this process, no sockets.
 
-A real `runtime_zmq.server.Server` is built (shared-memory L1, core_sm machine, metrics) and the
+A real `mpcache.runtime_zmq.server.Server` is built (shared-memory L1, core_sm machine, metrics) and the
 very frames `mpcache-bench rpc` sends are fed to its message handler (`Server._on_message`); its
 socket is replaced by a stub that keeps the last reply, so what is timed is decode, core_sm,
 encode and bookkeeping, not the transport. CPU time is this thread's (`time.thread_time`), so
@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from tools.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOKENS, _tokens, lookup_key
+from mpcache.tools.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOKENS, _tokens, lookup_key
 
 
 class _StubSocket:
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile the list-form lookup cycle")
     args = parser.parse_args(argv)
 
-    from runtime_zmq import tokens
-    from runtime_zmq.server import Server, ServerConfig
+    from mpcache.runtime_zmq import tokens
+    from mpcache.runtime_zmq.server import Server, ServerConfig
 
     tokens.load()  # the server loads it in the background at start; here, before timing
     d = tempfile.mkdtemp(prefix="mpcache-serverpath-")

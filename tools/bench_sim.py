@@ -12,7 +12,7 @@ import platform
 import statistics
 import time
 
-from sim.runner import run_many
+from mpcache.sim.runner import run_many
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ import random
 import tempfile
 import time
 
-from runtime_zmq.client import MPCacheClient
-from tools.server_process import ServerProcess
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.tools.server_process import ServerProcess
 
 CHUNK = 64
 SLOT_GB = 1 / 1024
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = server.stop()
         print(f"live server: {args.requests} requests over {args.prompts} prompts of {args.chunks} chunks "
               f"(Pareto {args.alpha}) in {time.perf_counter() - t0:.1f} s, {args.slots} slots; exit {rc}")
-        from sim.cli import main as sim_main
+        from mpcache.sim.cli import main as sim_main
 
         sizes = ",".join(repr(int(s) * SLOT_GB) for s in args.sizes.split(","))
         return sim_main(["sweep", path, "--l1-size-gb", sizes, *(["--png", args.png] if args.png else [])])

@@ -147,11 +147,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         out["recompute_disk_prompt"] = [_first_token(llm, "recompute-d", disk_prompt)]
         out["vllm_prefix"] = [_first_token(llm, "prefix", prompts[0])]
         return out
-    from runtime_zmq.client import MPCacheClient
+    from mpcache.runtime_zmq.client import MPCacheClient
 
     transfer = {
         "kv_connector": "MPCacheConnector",
-        "kv_connector_module_path": "runtime_zmq.vllm_connector",
+        "kv_connector_module_path": "mpcache.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"mpcache.server_urls": args.server, "mpcache.request_timeout_s": 30.0,
@@ -230,7 +230,7 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
     # the engine core in this process, so each LLMEngine.step() is one scheduler step (counted)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=str(REPO),
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    argv = [vpy, "-m", "tools.bench_ttft", "--child", mode, "--model", model, "--tokens", str(args.tokens),
+    argv = [vpy, "-m", "mpcache.tools.bench_ttft", "--child", mode, "--model", model, "--tokens", str(args.tokens),
             "--max-len", str(args.tokens + 512), "--server", server, "--redis-port", str(redis_port),
             "--child-out", str(out), "--admin-token-file", str(log.parent / "admin-token"), "--samples", str(args.samples), "--connector-config", args.connector_config]
     with open(log, "wb") as f:
@@ -243,7 +243,7 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
 
 
 def parent(args: argparse.Namespace) -> int:
-    from tools.bench_rpc import _free_port
+    from mpcache.tools.bench_rpc import _free_port
 
     vpy = str(Path(args.vllm_venv) / "bin" / "python")
     if not os.path.exists(vpy):
@@ -268,7 +268,7 @@ def parent(args: argparse.Namespace) -> int:
     token_file.write_text(secrets.token_hex(16))
     token_file.chmod(0o600)
     server_log = open(work / "server.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "runtime_zmq.cli", "--host", "127.0.0.1", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "mpcache.runtime_zmq.cli", "--host", "127.0.0.1", "--port", str(port),
                                "--chunk-size", str(CHUNK), "--l1-size-gb", "0.5", "--slot-mb", f"{slot_mb:g}",
                                "--no-metrics", "--admin-token-file", str(token_file), "--l2", f"redis://127.0.0.1:{redis_port}/0",
                                "--l2", f"disk:{work / 'disk-l2'}"],

@@ -1,5 +1,5 @@
 """Which CUDA interprocess-event records does another process see? (GPU host:
-``python -m tools.gpu_ipc_event_probe``.)
+``python -m mpcache.tools.gpu_ipc_event_probe``.)
 
 The server orders its copies after an engine's work with ``cuStreamWaitEvent`` on the engine's
 interprocess event, opened from its 64-byte handle. This probe runs an exporter process (torch,
@@ -23,7 +23,7 @@ def _exporter(conn: Any) -> None:
     import torch
 
     from tests.runtime_zmq.gpu_worker import stall
-    from runtime_zmq.gpu_ipc import export_event
+    from mpcache.runtime_zmq.gpu_ipc import export_event
 
     torch.cuda.init()
     # case 1: record after GPU work, then export
@@ -49,12 +49,12 @@ def _exporter(conn: Any) -> None:
 def main() -> None:
     from numba import cuda
 
-    from runtime_zmq import gpu_ipc
+    from mpcache.runtime_zmq import gpu_ipc
 
     gpu_ipc.ensure_context(0)
     drv = gpu_ipc._driver()
     stream = cuda.stream()
-    from kernels.gpu import raw_stream
+    from mpcache.kernels.gpu import raw_stream
 
     raw = raw_stream(stream)
     ctx = mp.get_context("spawn")
@@ -88,7 +88,7 @@ def _short_exporter(conn: Any) -> None:
     import torch
 
     from tests.runtime_zmq.gpu_worker import stall
-    from runtime_zmq.gpu_ipc import export_event
+    from mpcache.runtime_zmq.gpu_ipc import export_event
 
     torch.cuda.init()
     ev = torch.cuda.Event(interprocess=True)
@@ -102,7 +102,7 @@ def _short_exporter(conn: Any) -> None:
 def sequential(destroy: bool) -> None:
     """Two exporter processes one after the other: does the second one's event, opened in
     the same importer, still show its pending record?"""
-    from runtime_zmq import gpu_ipc
+    from mpcache.runtime_zmq import gpu_ipc
 
     gpu_ipc.ensure_context(0)
     drv = gpu_ipc._driver()

@@ -20,16 +20,16 @@ rc=0
 for step in $STEPS; do
     case $step in
     bench)
-        timeout 240 python3 -m tools.bench_cli gpu-server --label after --out "$OUT" 2>&1 | tee "$OUT/bench_after.log" || rc=1 ;;
+        timeout 240 python3 -m mpcache.tools.bench_cli gpu-server --label after --out "$OUT" 2>&1 | tee "$OUT/bench_after.log" || rc=1 ;;
     before)
         if [ -n "${BEFORE_REPO:-}" ]; then
-            timeout 150 python3 -m tools.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \
+            timeout 150 python3 -m mpcache.tools.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \
                 --shapes 1x8,32x1,16x8 --rounds 4 --out "$OUT" 2>&1 | tee "$OUT/bench_before.log" || rc=1
         fi ;;
     profile)
-        timeout 150 python3 -m tools.host_profile_kernels 2>&1 | tee "$OUT/host_profile.log" || rc=1 ;;
+        timeout 150 python3 -m mpcache.tools.host_profile_kernels 2>&1 | tee "$OUT/host_profile.log" || rc=1 ;;
     kernels)
-        timeout 200 python3 -m tools.bench_cli kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
+        timeout 200 python3 -m mpcache.tools.bench_cli kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
     test)
         if command -v make >/dev/null; then cmd=(make test-gpu PY=python3); else cmd=(env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -m "gpu or cuda" tests/kernels tests/runtime_zmq); fi
         timeout 300 "${cmd[@]}" 2>&1 | tee "$OUT/test_gpu.log" | tail -40 || rc=1 ;;

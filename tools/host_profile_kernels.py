@@ -1,8 +1,8 @@
-"""Where the host time of a CudaKVTransfer call goes (GPU host): `python -m tools.host_profile_kernels`.
+"""Where the host time of a CudaKVTransfer call goes (GPU host): `python -m mpcache.tools.host_profile_kernels`.
 
 Llama-3-8B KV geometry (32 layers, 8 KV heads, head 128, bf16, block 16, chunk 256 = 32 MiB).
 
-1. The cost of each driver call of the enqueue path, through ``kernels.gpu.FastDriver`` (ctypes
+1. The cost of each driver call of the enqueue path, through ``mpcache.kernels.gpu.FastDriver`` (ctypes
    into libcuda) and through cuda-bindings (what the path used before): event record, stream
    wait, event query, kernel launch, and a batch of 17 DMAs against 17 single ones.
 2. Per mode (zero-copy, staging, auto), staging piece growth, staging grid and enqueue path
@@ -39,8 +39,8 @@ def main() -> int:
     from cuda.bindings import driver as drv
     from numba import cuda
 
-    from kernels.gpu import CudaKVTransfer, as_handle, fast_driver, raw_stream, span_device_buffers
-    from kernels.layouts import KVGeometry, PagedLayout
+    from mpcache.kernels.gpu import CudaKVTransfer, as_handle, fast_driver, raw_stream, span_device_buffers
+    from mpcache.kernels.layouts import KVGeometry, PagedLayout
 
     torch.cuda.init()
     dev = torch.device("cuda")

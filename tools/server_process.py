@@ -1,5 +1,5 @@
 """An ``mpcache-server`` child process for benchmarks: started with the given flags from a
-checkout (``python -m runtime_zmq.cli``), its output read continuously (a full pipe would stall
+checkout (``python -m mpcache.runtime_zmq.cli``), its output read continuously (a full pipe would stall
 its logging), ready once it printed ``mpcache-server ready URL``; stopped with SIGTERM, keeping
 its exit code and how long it took."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 class ServerProcess:
@@ -21,7 +21,7 @@ class ServerProcess:
         run_env["PYTHONPATH"] = os.pathsep.join([repo, run_env.get("PYTHONPATH", "")])
         run_env.setdefault("PYTHONUNBUFFERED", "1")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime_zmq.cli", *flags], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "mpcache.runtime_zmq.cli", *flags], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, cwd=repo, env=run_env)
         self.url = ""
         self.log: list[str] = []

@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 
 import attrs
 
-from core_sm.effects import Effect, ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
-from core_sm.messages import CacheKey, RegisterInstance
-from core_sm.server import LookupServer, ServerConfig
+from mpcache.core_sm.effects import Effect, ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
+from mpcache.core_sm.messages import CacheKey, RegisterInstance
+from mpcache.core_sm.server import LookupServer, ServerConfig
 
 C = 4  # a tiny chunk size keeps token lists short
 T = TypeVar("T")
@@ -82,7 +82,7 @@ class ServerHarness:
 
     def advance(self, dt: float) -> list[Effect]:
         self.now += dt
-        from core_sm.messages import TimerFired
+        from mpcache.core_sm.messages import TimerFired
 
         return self.feed(TimerFired())
 
@@ -109,7 +109,7 @@ class ServerHarness:
         assert self.call(RegisterInstance(instance_id, MODEL, world_size, object_bytes, engine_driven)) is None
 
     def finish_all_transfers(self, ok: bool = True) -> None:
-        from core_sm.messages import TransferFinished
+        from mpcache.core_sm.messages import TransferFinished
 
         for tid in list(self.transfers):
             del self.transfers[tid]
@@ -117,7 +117,7 @@ class ServerHarness:
 
     def store(self, toks: tuple[int, ...], rid: str = "writer", worker_id: int = 0,
               world_size: int = 1, start: int = 0, end: int | None = None, ok: bool = True) -> object:
-        from core_sm.messages import Store
+        from mpcache.core_sm.messages import Store
 
         rt = self.send(Store(key(rid, toks, start, end, worker_id, world_size), 1))
         self.finish_all_transfers(ok)

@@ -9,9 +9,9 @@ from typing import Any
 
 import attrs
 
-from core_sm.effects import CopyBlocks, ErrorReply, ProbeL2, ReadL2, Reply, SendRequest, StartTransfer, WriteL2
-from core_sm.lookup_client import LookupClient, LookupClientConfig
-from core_sm.messages import (
+from mpcache.core_sm.effects import CopyBlocks, ErrorReply, ProbeL2, ReadL2, Reply, SendRequest, StartTransfer, WriteL2
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+from mpcache.core_sm.messages import (
     CopyFinished,
     L2ProbeFinished,
     L2ReadFinished,
@@ -23,8 +23,8 @@ from core_sm.messages import (
     TimerFired,
     TransferFinished,
 )
-from core_sm.server import LookupServer, ServerConfig
-from core_sm.transfer_client import TransferClient, TransferClientConfig
+from mpcache.core_sm.server import LookupServer, ServerConfig
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 from sm_helpers import C
 
 

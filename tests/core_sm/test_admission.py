@@ -1,4 +1,4 @@
-"""Store admission (core_sm.admission): a chunk is stored only once lookups asked for it
+"""Store admission (mpcache.core_sm.admission): a chunk is stored only once lookups asked for it
 ``threshold`` times; the sketch is bounded and ages."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from core_sm.admission import StoreAdmission
-from core_sm.messages import EndSession, Lookup, QueryPrefetchStatus, Store
-from core_sm.server import ServerConfig
+from mpcache.core_sm.admission import StoreAdmission
+from mpcache.core_sm.messages import EndSession, Lookup, QueryPrefetchStatus, Store
+from mpcache.core_sm.server import ServerConfig
 
 from sm_helpers import C, ServerHarness, key, tokens
 

@@ -1,10 +1,10 @@
-"""core_sm.blocks: the one answer to "which blocks does a chunk touch, which stay unwritten"."""
+"""mpcache.core_sm.blocks: the one answer to "which blocks does a chunk touch, which stay unwritten"."""
 from __future__ import annotations
 
 import pytest
 
-from core_sm.blocks import ChunkCopy, chunk_copies
-from core_sm.messages import TransferKind
+from mpcache.core_sm.blocks import ChunkCopy, chunk_copies
+from mpcache.core_sm.messages import TransferKind
 
 C, BS = 8, 2  # 4 blocks per chunk
 BLOCKS = tuple(range(100, 112))  # three chunks' worth

@@ -8,7 +8,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_sm.chunks import (
+from mpcache.core_sm.chunks import (
     CHUNK_HASH_SIZE,
     DEFAULT_CHUNK_SIZE,
     ChunkChain,
@@ -158,7 +158,7 @@ def test_object_key() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.binary(min_size=16, max_size=16), max_size=40))
 def test_packed_hashes_index_like_the_tuple(hashes: list[bytes]) -> None:
-    from core_sm.chunks import PackedHashes, pack_hashes
+    from mpcache.core_sm.chunks import PackedHashes, pack_hashes
 
     packed = pack_hashes(hashes)
     assert isinstance(packed, PackedHashes) or not hashes
@@ -171,7 +171,7 @@ def test_packed_hashes_index_like_the_tuple(hashes: list[bytes]) -> None:
 
 
 def test_mixed_size_hashes_stay_a_tuple() -> None:
-    from core_sm.chunks import pack_hashes
+    from mpcache.core_sm.chunks import pack_hashes
 
     mixed = (b"a" * 16, b"b" * 32)
     assert pack_hashes(mixed) == mixed

@@ -8,30 +8,31 @@ import re
 
 import attrs
 
-import core_sm.chunks
-import core_sm.effects
-import core_sm.errors
-import core_sm.health
-import core_sm.l1_index
-import core_sm.lookup_client
-import core_sm.lookup_ops
-import core_sm.messages
-import core_sm.server
-import core_sm.server_core
-import core_sm.server_instances
-import core_sm.server_jobs
-import core_sm.server_l2
-import core_sm.server_transfers
-import core_sm.table
-import core_sm.timers
-import core_sm.transfer_client
-import core_sm.transfer_link
-import core_sm.transfer_ops
-import core_sm.admission
-import core_sm.holdings
-import core_sm.keys
-import core_sm.trace
+from mpcache import core_sm
 
+import mpcache.core_sm.chunks
+import mpcache.core_sm.effects
+import mpcache.core_sm.errors
+import mpcache.core_sm.health
+import mpcache.core_sm.l1_index
+import mpcache.core_sm.lookup_client
+import mpcache.core_sm.lookup_ops
+import mpcache.core_sm.messages
+import mpcache.core_sm.server
+import mpcache.core_sm.server_core
+import mpcache.core_sm.server_instances
+import mpcache.core_sm.server_jobs
+import mpcache.core_sm.server_l2
+import mpcache.core_sm.server_transfers
+import mpcache.core_sm.table
+import mpcache.core_sm.timers
+import mpcache.core_sm.transfer_client
+import mpcache.core_sm.transfer_link
+import mpcache.core_sm.transfer_ops
+import mpcache.core_sm.admission
+import mpcache.core_sm.holdings
+import mpcache.core_sm.keys
+import mpcache.core_sm.trace
 DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "core_sm.md").read_text()
 MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.health, core_sm.l1_index, core_sm.lookup_client, core_sm.lookup_ops,
            core_sm.messages, core_sm.server, core_sm.server_core, core_sm.server_instances,
@@ -76,12 +77,12 @@ def test_error_kinds_match() -> None:
 
 
 def test_doc_tables_are_the_code_tables() -> None:
-    from core_sm.describe import render_all
+    from mpcache.core_sm.describe import render_all
 
     begin, end = "<!-- BEGIN GENERATED TABLES -->\n", "\n<!-- END GENERATED TABLES -->"
     assert begin in DOC and end in DOC
     embedded = DOC[DOC.index(begin) + len(begin):DOC.index(end)]
-    assert embedded == render_all(), "docs/core_sm.md tables are stale: paste `python -m core_sm.describe`"
+    assert embedded == render_all(), "docs/core_sm.md tables are stale: paste `python -m mpcache.core_sm.describe`"
 
 
 def test_client_stats_keys_are_the_documented_ones() -> None:
@@ -96,7 +97,7 @@ def test_client_stats_keys_are_the_documented_ones() -> None:
 
 def test_every_executing_table_is_in_the_doc() -> None:
     """The docs show the tables each machine's ``handle`` runs -- the client machines' too."""
-    from core_sm import describe, health, lookup_client, planner, transfer_client
+    from mpcache.core_sm import describe, health, lookup_client, planner, transfer_client
 
     tables = [*core_sm.server.TABLES.values(), planner.TABLE, *lookup_client.TABLES.values(),
               *transfer_client.TABLES.values(), health.TABLE]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_sm.effects import Effect, ErrorReply, Reply, SendRequest
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup
-from core_sm.messages import (
+from mpcache.core_sm.effects import Effect, ErrorReply, Reply, SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup
+from mpcache.core_sm.messages import (
     CommitTransfer,
     EndRequest,
     EndSession,
@@ -20,7 +20,7 @@ from core_sm.messages import (
     SubmitLookup,
     TimerFired,
 )
-from core_sm.server import LookupServer, ServerConfig
+from mpcache.core_sm.server import LookupServer, ServerConfig
 from sm_helpers import C, ServerHarness, tokens
 
 

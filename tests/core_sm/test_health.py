@@ -1,14 +1,14 @@
-"""core_sm.health.HealthMonitor: pings, timeouts, backoff and epochs, with no runtime."""
+"""mpcache.core_sm.health.HealthMonitor: pings, timeouts, backoff and epochs, with no runtime."""
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 
-from core_sm.health import (_INPUTS, NOT_REGISTERED, TABLE, HealthConfig, HealthMonitor, HealthState, HeartbeatDue,
+from mpcache.core_sm.health import (_INPUTS, NOT_REGISTERED, TABLE, HealthConfig, HealthMonitor, HealthState, HeartbeatDue,
                             HeartbeatReply, HeartbeatTimeout, HeartbeatUnsent, InstancePingRefused,
                             InstanceRegistered, ProbeDue, RequestRefused, SendHeartbeat, SendInstancePing)
-from core_sm.messages import ServerEpoch, ServerHealth, TimerFired
+from mpcache.core_sm.messages import ServerEpoch, ServerHealth, TimerFired
 
 
 def monitor(**kw: object) -> HealthMonitor:
@@ -66,7 +66,7 @@ def test_bad_config_is_refused() -> None:
 
 # ---------------------------------------------------------------------------- production's needs
 
-from core_sm.health import (  # noqa: E402
+from mpcache.core_sm.health import (  # noqa: E402
     FailPending,
     GiveUp,
     HeartbeatUnsent,

@@ -1,16 +1,16 @@
-"""The server's KV-event facts: ChunksStored / ChunksRemoved / AllChunksCleared (core_sm.holdings)."""
+"""The server's KV-event facts: ChunksStored / ChunksRemoved / AllChunksCleared (mpcache.core_sm.holdings)."""
 from __future__ import annotations
 
 from typing import Any
 
 import attrs
 
-from core_sm.chunks import chunk_hashes, identity_root
-from core_sm.effects import AllChunksCleared, ChunksRemoved, ChunksStored, Medium
-from core_sm.holdings import HeldChunks
-from core_sm.keys import KeyExtras
-from core_sm.messages import Clear, L2WriteFinished, Store
-from core_sm.server import ServerConfig
+from mpcache.core_sm.chunks import chunk_hashes, identity_root
+from mpcache.core_sm.effects import AllChunksCleared, ChunksRemoved, ChunksStored, Medium
+from mpcache.core_sm.holdings import HeldChunks
+from mpcache.core_sm.keys import KeyExtras
+from mpcache.core_sm.messages import Clear, L2WriteFinished, Store
+from mpcache.core_sm.server import ServerConfig
 
 from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
@@ -41,7 +41,7 @@ def test_a_store_reports_its_chunks_once_with_hashes_parents_and_tokens() -> Non
     store(h, toks, salt="tenant", extras=KeyExtras("lora=1:a"))
     (ev,) = reports(h)
     assert isinstance(ev, ChunksStored) and ev.medium is Medium.L1
-    from core_sm.keys import keyed_root
+    from mpcache.core_sm.keys import keyed_root
     hashes = chunk_hashes(toks, C, keyed_root(identity_root(MODEL, 1, "tenant"), "lora=1:a"))
     assert [c.chunk_hash for c in ev.chunks] == list(hashes)
     assert [c.parent_hash for c in ev.chunks] == [None, hashes[0], hashes[1]]
@@ -108,9 +108,9 @@ def test_off_by_default_and_bounded_l2_sets() -> None:
     store(h, tokens(2))
     assert reports(h) == [] and h.server.index.dropped is None
     held = HeldChunks(l2_reported_cap=2, l2_partial_cap=2)
-    from core_sm.chunks import ObjectKey
-    from core_sm.effects import StoredChunk
-    from core_sm.chunks import TokenIds
+    from mpcache.core_sm.chunks import ObjectKey
+    from mpcache.core_sm.effects import StoredChunk
+    from mpcache.core_sm.chunks import TokenIds
     out: list[Any] = []
     chunks = {bytes([i]): StoredChunk(bytes([i]), None, TokenIds(())) for i in range(5)}
     held.written_l2([ObjectKey(bytes([i]), 0) for i in range(5)], chunks, 1, out)

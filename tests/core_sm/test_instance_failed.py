@@ -2,9 +2,9 @@
 core_sm releases it as a reap does, counts it, and leaves every other instance alone."""
 from __future__ import annotations
 
-from core_sm.effects import InstanceReaped, StartTransfer
-from core_sm.errors import ErrorKind
-from core_sm.messages import (InstanceFailed, PrepareStore, Retrieve, RetrieveResult, Store, StoreResult,
+from mpcache.core_sm.effects import InstanceReaped, StartTransfer
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.messages import (InstanceFailed, PrepareStore, Retrieve, RetrieveResult, Store, StoreResult,
                               TransferPlan)
 from sm_helpers import ServerHarness, key, tokens
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from core_sm.chunks import chunk_hashes, identity_root
-from core_sm.errors import ErrorKind
-from core_sm.keys import (
+from mpcache.core_sm.chunks import chunk_hashes, identity_root
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.keys import (
     MAX_IDENTITY_LEN,
     NO_EXTRAS,
     KeyExtras,
@@ -16,7 +16,7 @@ from core_sm.keys import (
     request_identity,
     validate_extras,
 )
-from core_sm.messages import Lookup, QueryPrefetchStatus, Store
+from mpcache.core_sm.messages import Lookup, QueryPrefetchStatus, Store
 
 from sm_helpers import C, ServerHarness, key, tokens
 

@@ -5,8 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from core_sm.chunks import ObjectKey
-from core_sm.l1_index import OPERATIONS, TRANSITIONS, L1Index, ObjectState, ReleaseReason
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.l1_index import OPERATIONS, TRANSITIONS, L1Index, ObjectState, ReleaseReason
 
 K = ObjectKey(b"k", 0)
 OTHER = ObjectKey(b"o", 0)
@@ -469,7 +469,7 @@ TestL1Machine = L1Machine.TestCase
 def test_server_two_instances_one_floods_the_others_hits_survive() -> None:
     # LookupServer end to end: instance 2 stores a prompt; instance 1 then commits ten times L1
     # in stores; instance 2's prompt still hits in full, instance 1 keeps its share.
-    from core_sm.messages import Lookup, QueryPrefetchStatus, Store
+    from mpcache.core_sm.messages import Lookup, QueryPrefetchStatus, Store
     from sm_helpers import ServerHarness, key, tokens
 
     h = ServerHarness(num_slots=8)
@@ -488,7 +488,7 @@ def test_server_two_instances_one_floods_the_others_hits_survive() -> None:
     assert h.call(Lookup(key("probe", victim), 1)) is None
     assert h.call(QueryPrefetchStatus("probe")) == 3  # all 3 of its chunks hit
     # the victim unregisters: its objects are nobody's now (still hits), the flooder's share grows
-    from core_sm.messages import UnregisterInstance
+    from mpcache.core_sm.messages import UnregisterInstance
 
     assert h.call(UnregisterInstance(2)) is None
     assert idx.charged(2) == 0 and idx.charged(None) == 3 and idx.tenant_share == 8

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_sm.effects import Effect, SendRequest
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.lookup_client import (
+from mpcache.core_sm.effects import Effect, SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.lookup_client import (
     EVENTS,
     LOOKUP_TABLE,
     SERVER_VIEW_TABLE,
@@ -19,7 +19,7 @@ from core_sm.lookup_client import (
     PendingLookup,
     ServerLeg,
 )
-from core_sm.messages import (
+from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
     EndSession,

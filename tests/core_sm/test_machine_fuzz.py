@@ -10,10 +10,10 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_sm.effects import ErrorReply, Reply
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.lookup_client import LookupClient, LookupClientConfig
-from core_sm.messages import (
+from mpcache.core_sm.effects import ErrorReply, Reply
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+from mpcache.core_sm.messages import (
     Abort,
     CacheKey,
     Cleanup,
@@ -49,8 +49,8 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
-from core_sm.server import LookupServer, ServerConfig
-from core_sm.transfer_client import TransferClient, TransferClientConfig
+from mpcache.core_sm.server import LookupServer, ServerConfig
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 
 C = 4
 ints = st.one_of(st.integers(-3, 20), st.sampled_from([2**31, 2**40, -(2**40)]))

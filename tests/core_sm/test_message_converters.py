@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core_sm.messages import EngineFinished, L2ProbeFinished, L2ReadFinished
+from mpcache.core_sm.messages import EngineFinished, L2ProbeFinished, L2ReadFinished
 
 
 def test_iterables_become_tuples() -> None:
@@ -23,7 +23,7 @@ def test_a_lone_request_id_string_is_refused() -> None:
 def test_mypy_accepts_lists_and_rejects_wrong_items() -> None:
     api = pytest.importorskip("mypy.api")
     program = (
-        "from core_sm.messages import EngineFinished, L2ProbeFinished, L2ReadFinished\n"
+        "from mpcache.core_sm.messages import EngineFinished, L2ProbeFinished, L2ReadFinished\n"
         "EngineFinished(['a'])\n"
         "L2ReadFinished(1, [True])\n"
         "L2ProbeFinished(1, (b for b in [True]))\n"

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_sm.chunks import ObjectKey, TokenIds, as_token_ids, chunk_hashes, identity_root, pack_tokens
-from core_sm.errors import ErrorKind
-from core_sm.messages import CacheKey, EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, lookup_num_readers
-from core_sm.server import LookupServer, RequestKey, ServerConfig
+from mpcache.core_sm.chunks import ObjectKey, TokenIds, as_token_ids, chunk_hashes, identity_root, pack_tokens
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.messages import CacheKey, EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, lookup_num_readers
+from mpcache.core_sm.server import LookupServer, RequestKey, ServerConfig
 from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 # 8292 tokens spread over the whole uint32 range: 32 full chunks of 256 and a partial one.

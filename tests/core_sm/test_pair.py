@@ -6,8 +6,8 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_sm.lookup_client import LookupClient, PendingLookup, ServerLeg
-from core_sm.messages import (
+from mpcache.core_sm.lookup_client import LookupClient, PendingLookup, ServerLeg
+from mpcache.core_sm.messages import (
     Cleanup,
     Clear,
     EndRequest,
@@ -22,8 +22,8 @@ from core_sm.messages import (
     SubmitRetrieve,
     SubmitStore,
 )
-from core_sm.server import LookupServer
-from core_sm.transfer_client import TransferClient
+from mpcache.core_sm.server import LookupServer
+from mpcache.core_sm.transfer_client import TransferClient
 from sm_helpers import C, tokens
 from sm_pair import Msg, Pair
 

@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from core_sm.lookup_client import LookupState
-from core_sm.messages import (
+from mpcache.core_sm.lookup_client import LookupState
+from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
     EngineFinished,

@@ -1,4 +1,4 @@
-"""core_sm.planner.StepPlanner: the connector's scheduler side, with no runtime and no server.
+"""mpcache.core_sm.planner.StepPlanner: the connector's scheduler side, with no runtime and no server.
 
 A stub lookup client answers ``check`` with a fixed hit and records what the planner asks of it,
 so each test states vLLM's calls and the planner's decisions directly."""
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from core_sm.lookup_client import LookupClient, LookupClientConfig
-from core_sm.messages import (
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
     FreeUnusedLeases,
@@ -18,7 +18,7 @@ from core_sm.messages import (
     SubmitStore,
     TimerFired,
 )
-from core_sm.planner import (
+from mpcache.core_sm.planner import (
     TABLE,
     BlocksAllocated,
     LeaseRenewalDue,

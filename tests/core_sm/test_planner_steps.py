@@ -1,10 +1,10 @@
-"""core_sm.planner: the settings that cut the steps a hit waits -- the lookup wait
+"""mpcache.core_sm.planner: the settings that cut the steps a hit waits -- the lookup wait
 (``MatchAnswer.wait_until``) and synchronous loads (``load_async=False``, ``StepPlan.sync_loads``)."""
 from __future__ import annotations
 
 import pytest
 
-from core_sm.planner import BlocksAllocated, MatchAnswer, MatchRequest, PlannerConfig
+from mpcache.core_sm.planner import BlocksAllocated, MatchAnswer, MatchRequest, PlannerConfig
 
 from test_planner import BS, C, planner, step
 

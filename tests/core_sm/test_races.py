@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import attrs
 
-from core_sm.effects import ErrorReply
-from core_sm.errors import ErrorKind
-from core_sm.messages import (
+from mpcache.core_sm.effects import ErrorReply
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.messages import (
     Clear,
     CommitTransfer,
     EngineFinished,
@@ -30,7 +30,7 @@ from core_sm.messages import (
     TransferFinished,
     TransferPlan,
 )
-from core_sm.transfer_client import TransferClient, TransferClientConfig
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 from sm_helpers import C, ServerHarness, key, tokens
 from sm_pair import Pair
 
@@ -79,7 +79,7 @@ def test_store_answered_by_the_server_needs_no_fence() -> None:
                                             object_bytes=10, transfer_timeout=10.0))
     (sent,) = c.handle(SubmitStoreEvent(), 0.0)
     c.handle(EngineFinished(("r",)), 0.0)
-    from core_sm.messages import ReplyReceived
+    from mpcache.core_sm.messages import ReplyReceived
 
     c.handle(ReplyReceived(0, sent.correlation, StoreResult(False)), 1.0)
     assert c.finished() == (frozenset({"r"}), frozenset())
@@ -121,7 +121,7 @@ def test_pair_late_store_after_abandon_never_reads_reused_blocks() -> None:
 
 
 def SubmitStoreEvent() -> object:
-    from core_sm.messages import SubmitStore
+    from mpcache.core_sm.messages import SubmitStore
 
     return SubmitStore("r", TOKS, 0, 2 * C, BLOCKS)
 
@@ -263,7 +263,7 @@ def test_retrieve_given_up_reports_recving_and_errors_only_after_not_after() -> 
     """The same fence for RETRIEVE: a late copy would write blocks vLLM recomputes or reused."""
     c = TransferClient(TransferClientConfig(instance_id=1, model_name="m", chunk_size=C,
                                             object_bytes=10, op_timeout=4.0, copy_grace=0.5))
-    from core_sm.messages import SubmitRetrieve
+    from mpcache.core_sm.messages import SubmitRetrieve
 
     (sent,) = c.handle(SubmitRetrieve("r", TOKS, 0, 2 * C, BLOCKS), 1.0)
     assert isinstance(sent.request, Retrieve) and sent.request.not_after == 5.0

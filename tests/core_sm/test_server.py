@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import ErrorReply, Reply
-from core_sm.errors import ErrorKind
-from core_sm.l1_index import ReleaseReason
-from core_sm.messages import (
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import ErrorReply, Reply
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.l1_index import ReleaseReason
+from mpcache.core_sm.messages import (
     CacheKey,
     Clear,
     CommitTransfer,
@@ -33,8 +33,8 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
-from core_sm.server import JobState, LookupServer, ServerConfig, TransferState
-from core_sm.server_core import L2WriteOwner
+from mpcache.core_sm.server import JobState, LookupServer, ServerConfig, TransferState
+from mpcache.core_sm.server_core import L2WriteOwner
 from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 
@@ -539,7 +539,7 @@ def test_l2_read_and_write_never_answered_are_bounded() -> None:
 
 
 def test_l2_probe_reserves_nothing_on_a_miss_and_reads_only_the_present_prefix() -> None:
-    from core_sm.messages import L2ProbeFinished
+    from mpcache.core_sm.messages import L2ProbeFinished
 
     h = ServerHarness(num_slots=4, l2_enabled=True, l2_probe=True)
     h.register()
@@ -565,7 +565,7 @@ def test_l2_probe_reserves_nothing_on_a_miss_and_reads_only_the_present_prefix()
 
 
 def test_l2_probe_stale_and_expired() -> None:
-    from core_sm.messages import L2ProbeFinished
+    from mpcache.core_sm.messages import L2ProbeFinished
 
     h = ServerHarness(l2_enabled=True, l2_probe=True, lease_ttl=50.0, l2_read_timeout=100.0,
                       abandoned_job_ttl=100.0)
@@ -622,8 +622,8 @@ def test_l2_prefetch_reads_only_the_lookups_ranks() -> None:
 
 
 def test_a_silent_heartbeating_instance_is_reaped_and_its_plans_fail() -> None:
-    from core_sm.effects import InstanceReaped
-    from core_sm.server import InstanceState
+    from mpcache.core_sm.effects import InstanceReaped
+    from mpcache.core_sm.server import InstanceState
 
     h = ServerHarness(instance_ttl=60.0, lease_ttl=300.0, plan_ttl=300.0)
     h.register(engine_driven=True)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from core_sm.effects import StartTransfer
-from core_sm.errors import ErrorKind
-from core_sm.messages import (
+from mpcache.core_sm.effects import StartTransfer
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.messages import (
     CacheKey,
     Clear,
     CommitTransfer,
@@ -27,7 +27,7 @@ from core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
-from core_sm.server import JobState, RequestKey, ServerConfig, TransferState
+from mpcache.core_sm.server import JobState, RequestKey, ServerConfig, TransferState
 from sm_helpers import C, MODEL, ServerHarness, key, tokens
 
 A, B = "peer-a", "peer-b"

@@ -5,8 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from core_sm.effects import ErrorReply, Reply
-from core_sm.messages import (
+from mpcache.core_sm.effects import ErrorReply, Reply
+from mpcache.core_sm.messages import (
     Clear,
     CommitTransfer,
     EndSession,
@@ -24,7 +24,7 @@ from core_sm.messages import (
     TransferPlan,
     WaitPrefetchStatus,
 )
-from core_sm.server import JobState, ServerConfig
+from mpcache.core_sm.server import JobState, ServerConfig
 from sm_helpers import C, ServerHarness, key, tokens
 
 RIDS = ["a", "b", "c"]
@@ -140,8 +140,8 @@ class ServerMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "h") and bool(self.plans))
     @rule(data=st.data(), ok=st.booleans())
     def commit(self, data: st.DataObject, ok: bool) -> None:
-        from core_sm.errors import ErrorKind
-        from core_sm.server import TransferState
+        from mpcache.core_sm.errors import ErrorKind
+        from mpcache.core_sm.server import TransferState
 
         tid = data.draw(st.sampled_from(self.plans))
         self.plans.remove(tid)

@@ -1,6 +1,6 @@
 """hyper-h2 style: every job/transfer state x every input lands in a state the table allows,
 or is refused with a clean typed error and no state change. The tables are the ones ``handle``
-executes (core_sm.table): the walks record every row that ran, so a row that never runs, or a
+executes (mpcache.core_sm.table): the walks record every row that ran, so a row that never runs, or a
 transition no row lists, fails."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_sm.effects import ErrorReply, ReadL2, Reply, StartTransfer
-from core_sm.messages import (
+from mpcache.core_sm.effects import ErrorReply, ReadL2, Reply, StartTransfer
+from mpcache.core_sm.messages import (
     CacheKey,
     Clear,
     CommitTransfer,
@@ -32,10 +32,10 @@ from core_sm.messages import (
     TransferPlan,
     WaitPrefetchStatus,
 )
-from core_sm.server import SERVER_TABLE, TRANSFER_CREATORS, JobState, LookupServer, TransferState
-from core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, ForgetRequestId, ReapJob
-from core_sm.server_transfers import TRANSFER_TABLE, TRANSFER_TIMERS
-from core_sm.table import Dispatcher
+from mpcache.core_sm.server import SERVER_TABLE, TRANSFER_CREATORS, JobState, LookupServer, TransferState
+from mpcache.core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, ForgetRequestId, ReapJob
+from mpcache.core_sm.server_transfers import TRANSFER_TABLE, TRANSFER_TIMERS
+from mpcache.core_sm.table import Dispatcher
 from sm_helpers import C, MODEL, Pick, ServerHarness, every_choice, key, tokens
 
 RID = "r"
@@ -73,7 +73,7 @@ def record_jobs(server: LookupServer, seen: Seen) -> None:
 
 
 def test_every_server_event_is_routed_and_every_table_row_is_a_method() -> None:
-    from core_sm.messages import SERVER_REQUEST_TYPES, InstanceFailed, L2WriteFinished
+    from mpcache.core_sm.messages import SERVER_REQUEST_TYPES, InstanceFailed, L2WriteFinished
 
     routed = set(SERVER_TABLE.events())
     assert set(SERVER_REQUEST_TYPES) | {TransferFinished, InstanceFailed, L2ReadFinished, L2ProbeFinished,
@@ -371,8 +371,8 @@ def _recording(server: LookupServer, machine: Any, seen: Seen) -> None:
 
 
 def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
-    from core_sm.messages import Ping, RegisterInstance, UnregisterInstance
-    from core_sm.server_instances import INSTANCE_TABLE
+    from mpcache.core_sm.messages import Ping, RegisterInstance, UnregisterInstance
+    from mpcache.core_sm.server_instances import INSTANCE_TABLE
 
     seen: Seen = set()
     h = ServerHarness(instance_ttl=10.0)
@@ -388,7 +388,7 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
     h.advance(10.0)  # silent: reaped
     h.register(instance_id=2)
     h.call(UnregisterInstance(2))
-    from core_sm.messages import InstanceFailed
+    from mpcache.core_sm.messages import InstanceFailed
 
     h.register(instance_id=3)
     h.feed(InstanceFailed(3))  # REGISTERED -> ABSENT (the runtime failed it)
@@ -398,8 +398,8 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
 
 
 def test_every_l2_row_runs_and_only_listed_transitions_happen() -> None:
-    from core_sm.messages import L2WriteFinished
-    from core_sm.server_l2 import L2_TABLE
+    from mpcache.core_sm.messages import L2WriteFinished
+    from mpcache.core_sm.server_l2 import L2_TABLE
 
     seen: Seen = set()
     for probe in (False, True):

@@ -5,9 +5,11 @@ from typing import Any
 
 import pytest
 
-import core_sm.timers
-from core_sm.messages import EndSession, Lookup, TimerFired
-from core_sm.server import LookupServer, ServerConfig
+from mpcache import core_sm
+
+import mpcache.core_sm.timers
+from mpcache.core_sm.messages import EndSession, Lookup, TimerFired
+from mpcache.core_sm.server import LookupServer, ServerConfig
 from sm_helpers import C, key, tokens
 
 

@@ -1,4 +1,4 @@
-"""core_sm.table: the table is what handle runs -- rows dispatch, illegal pairs are typed
+"""mpcache.core_sm.table: the table is what handle runs -- rows dispatch, illegal pairs are typed
 errors (requests) or counted (internal events), next states are enforced, overrides win."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Hashable
 
 import attrs
 
-from core_sm.effects import Effect, ErrorReply, Reply
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.table import Table, run_due_timers
-from core_sm.timers import Timer, TimerHeap
+from mpcache.core_sm.effects import Effect, ErrorReply, Reply
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.table import Table, run_due_timers
+from mpcache.core_sm.timers import Timer, TimerHeap
 
 
 class DoorState(enum.Enum):

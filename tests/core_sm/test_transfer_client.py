@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_sm.effects import CopyBlocks, Effect, SendRequest
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.messages import (
+from mpcache.core_sm.effects import CopyBlocks, Effect, SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.messages import (
     Abort,
     CommitTransfer,
     CopyFinished,
@@ -32,7 +32,7 @@ from core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
-from core_sm.transfer_client import (
+from mpcache.core_sm.transfer_client import (
     EVENTS,
     TABLES,
     LinkState,

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 
-from runtime_zmq import vllm_stats  # noqa: E402
+from mpcache.runtime_zmq import vllm_stats  # noqa: E402
 
 
 class Op:

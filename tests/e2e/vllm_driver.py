@@ -110,7 +110,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
-        from runtime_zmq.client import MPCacheClient
+        from mpcache.runtime_zmq.client import MPCacheClient
 
         exe = Path(sys.executable).with_name("mpcache-server")
         log = open(self.log_path, "ab")
@@ -142,13 +142,13 @@ class ServerProcess:
         self.proc = None
 
     def stats(self) -> dict[str, Any]:
-        from runtime_zmq.client import MPCacheClient
+        from mpcache.runtime_zmq.client import MPCacheClient
 
         with MPCacheClient(self.url, request_timeout=5.0) as client:
             return dict(client.stats())
 
     def l1_info(self) -> dict[str, Any]:
-        from runtime_zmq.client import MPCacheClient
+        from mpcache.runtime_zmq.client import MPCacheClient
 
         with MPCacheClient(self.url, request_timeout=5.0) as client:
             return dict(client.l1_info())
@@ -169,7 +169,7 @@ def wait_idle(llm: Any, timeout: float = 60.0) -> list[Any]:
 def transfer_config(url: str) -> dict[str, Any]:
     return {
         "kv_connector": "MPCacheConnector",
-        "kv_connector_module_path": "runtime_zmq.vllm_connector",
+        "kv_connector_module_path": "mpcache.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         transfer = {
             "kv_connector": "MPCacheConnector",
-            "kv_connector_module_path": "runtime_zmq.vllm_connector",
+            "kv_connector_module_path": "mpcache.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"mpcache.server_urls": server.url, "mpcache.chunk_size": 256},

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.layouts import KVGeometry, PagedLayout
+from mpcache.kernels.layouts import KVGeometry, PagedLayout
 
 
 def small_geometry(layout: PagedLayout, itemsize: int = 2, head_size: int = 8, num_layers: int = 3) -> KVGeometry:

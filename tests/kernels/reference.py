@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.layouts import KVGeometry, PagedLayout
+from mpcache.kernels.layouts import KVGeometry, PagedLayout
 
 
 def canonical(g: KVGeometry, layer: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The compiled GPU enqueue (kernels.gpu._make_enqueue) against a fake driver: ctypes callbacks
+"""The compiled GPU enqueue (mpcache.kernels.gpu._make_enqueue) against a fake driver: ctypes callbacks
 in place of libcuda, so CI checks what a call hands the driver, in which order, without a GPU.
 On a GPU the same function is checked end to end by the kernel and server tests."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import kernels.gpu as kg
+import mpcache.kernels.gpu as kg
 
 U64, U32, INT = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
 PROTOS = {

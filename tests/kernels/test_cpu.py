@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.cpu import CpuKVTransfer, gather_cpu, scatter_cpu
-from kernels.layouts import KVGeometry, PagedLayout
+from mpcache.kernels.cpu import CpuKVTransfer, gather_cpu, scatter_cpu
+from mpcache.kernels.layouts import KVGeometry, PagedLayout
 from tests.kernels.conftest import random_block_table, random_layers, small_geometry
 from tests.kernels.reference import gather_ref, scatter_ref
 

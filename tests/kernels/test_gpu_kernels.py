@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kernels.gpu import CudaKVTransfer
-from kernels.layouts import KVGeometry, PagedLayout
+from mpcache.kernels.gpu import CudaKVTransfer
+from mpcache.kernels.layouts import KVGeometry, PagedLayout
 from tests.kernels.conftest import random_block_table, random_layers, small_geometry
 from tests.kernels.reference import gather_ref, scatter_ref
 
@@ -210,7 +210,7 @@ def test_unjoined_calls_overlap_through_the_staging_ring(mode: str, compiled: bo
 def test_dma_runs_merge_adjacent_slots_both_ways() -> None:
     """The staging DMA plan: one copy per run of adjacent pool slots, with the staging chunk of
     each request chunk; addresses are base + lanes * scale."""
-    from kernels.gpu import _dma_runs
+    from mpcache.kernels.gpu import _dma_runs
 
     out = np.zeros((3, 8), np.int64)
     pool = np.array([30, 40, 50, 10, 60, 70], np.int64)  # slots of 10 lanes: 30-40-50 and 60-70 adjacent

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
-from runtime_zmq import cli
-from runtime_zmq import config as cfg
-from runtime_zmq.metrics import METRICS
+from mpcache.runtime_zmq import cli
+from mpcache.runtime_zmq import config as cfg
+from mpcache.runtime_zmq.metrics import METRICS
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 DEPLOY = os.path.join(REPO, "deploy")
 K8S = os.path.join(DEPLOY, "kubernetes")
 

@@ -1,6 +1,6 @@
 """A miniature of vLLM's scheduler + workers that calls mpcache's adapters in vLLM's order.
 
-The scheduling is the simulator's model of vLLM (``sim.vllm_scheduler.SchedulerModel``: queue,
+The scheduling is the simulator's model of vLLM (``mpcache.sim.vllm_scheduler.SchedulerModel``: queue,
 block pool, prefix-cache hit, the connector calls in vLLM's order, synchronous and asynchronous
 loads, preemption, recompute, delayed frees), driving the real ``SchedulerAdapter``. No vLLM, no
 model: a "forward" writes, for every computed token, a KV vector that is a function
@@ -27,8 +27,8 @@ from typing import Any
 import attrs
 import torch
 
-from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
-from sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
+from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
+from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
 
 BLOCK = 16
 CHUNK = 64
@@ -50,7 +50,7 @@ def prefix_values(tokens: Sequence[int]) -> list[float]:
 
 @attrs.define
 class Req(QueuedRequest):
-    """A request of the model (``sim.vllm_scheduler.QueuedRequest``: status, blocks, computed,
+    """A request of the model (``mpcache.sim.vllm_scheduler.QueuedRequest``: status, blocks, computed,
     external, freed, ...) plus what this engine checks: what was loaded, the workers' reports,
     the decode."""
 
@@ -64,7 +64,7 @@ class Req(QueuedRequest):
 
 class Engine:
     """One scheduler and ``world_size`` worker ranks (a TP world). The scheduling is
-    ``sim.vllm_scheduler.SchedulerModel`` -- the simulator's model of vLLM -- over the real
+    ``mpcache.sim.vllm_scheduler.SchedulerModel`` -- the simulator's model of vLLM -- over the real
     ``SchedulerAdapter``; this class adds the workers' calls and a forward that writes KV."""
 
     def __init__(

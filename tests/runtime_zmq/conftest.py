@@ -1,4 +1,4 @@
-"""Fixtures: real mpcache-server processes (``python -m runtime_zmq.cli``) on a free TCP port or a
+"""Fixtures: real mpcache-server processes (``python -m mpcache.runtime_zmq.cli``) on a free TCP port or a
 temporary ipc path, and clients connected to them."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from runtime_zmq.client import MPCacheClient
-from tools.server_process import ServerProcess as ChildServer
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.tools.server_process import ServerProcess as ChildServer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 

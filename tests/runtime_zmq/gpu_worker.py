@@ -31,7 +31,7 @@ def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_b
     import msgpack
     import torch
 
-    from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
+    from mpcache.runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
 
     torch.cuda.init()
     shape = (2, geo["num_blocks"], geo["block_size"], geo["num_heads"], geo["head_size"])
@@ -74,8 +74,8 @@ def run_engine_client(conn: Any, url: str, geo: dict[str, int], chunk: int, src:
     import msgpack
     import torch
 
-    from runtime_zmq.client import MPCacheClient
-    from runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
+    from mpcache.runtime_zmq.client import MPCacheClient
+    from mpcache.runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
 
     torch.cuda.init()
     shape = (2, geo["num_blocks"], geo["block_size"], geo["num_heads"], geo["head_size"])

@@ -21,9 +21,9 @@ from typing import Any
 
 import zmq
 
-from core_sm.chunks import ChunkChain
-from core_sm.keys import KeyExtras, keyed_root, request_identity
-from runtime_zmq.client import MPCacheClient
+from mpcache.core_sm.chunks import ChunkChain
+from mpcache.core_sm.keys import KeyExtras, keyed_root, request_identity
+from mpcache.runtime_zmq.client import MPCacheClient
 from adapter_driver import CHUNK, Engine
 
 LORA = KeyExtras(request_identity(lora_name="tenant-lora", lora_path="/adapters/t"))

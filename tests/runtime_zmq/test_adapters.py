@@ -1,5 +1,5 @@
 """The vLLM adapters driven in vLLM's call order (tests/runtime_zmq/adapter_driver.py, scheduling
-with the simulator's model of vLLM, sim.vllm_scheduler) against
+with the simulator's model of vLLM, mpcache.sim.vllm_scheduler) against
 real ``mpcache-server`` processes: hit, miss, partial hit, prefix-cache overlap, aborts at every
 phase, preemption, server restart, two servers. No vLLM needed."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable
+from mpcache.runtime_zmq.client import MPCacheClient
 from adapter_driver import BLOCK, CHUNK, Engine
-from sim.vllm_scheduler import SchedulerModel
+from mpcache.sim.vllm_scheduler import SchedulerModel
 
 try:
     from redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
@@ -431,7 +431,8 @@ def test_connector_module_without_vllm_says_how_to_install() -> None:
     else:
         pytest.skip("vLLM is installed here")
     with pytest.raises(ImportError, match=r"mpcache\[vllm\]"):
-        import runtime_zmq.vllm_connector  # noqa: F401
+        from mpcache import runtime_zmq
+        import mpcache.runtime_zmq.vllm_connector  # noqa: F401
 
 
 # ------------------------------------------------------------------ helpers

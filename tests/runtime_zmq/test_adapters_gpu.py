@@ -21,7 +21,7 @@ pytestmark = [
 
 from adapter_driver import CHUNK, Engine  # noqa: E402
 
-from runtime_zmq.client import MPCacheClient  # noqa: E402
+from mpcache.runtime_zmq.client import MPCacheClient  # noqa: E402
 
 SERVER_FLAGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1", "--gpu", "on")
 

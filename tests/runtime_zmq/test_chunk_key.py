@@ -1,4 +1,4 @@
-"""The server's chunk keys are keyed (core_sm.chunks layout v3, docs/security.md "Chunk keys"):
+"""The server's chunk keys are keyed (mpcache.core_sm.chunks layout v3, docs/security.md "Chunk keys"):
 never the public test key, the same on every server sharing an L2 secret, a key file when given."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from core_sm.chunks import PUBLIC_CHAIN, ChunkChain
-from runtime_zmq.l2 import DiskTier
-from runtime_zmq.l2_seal import SecretFileError, Sealer
-from runtime_zmq.l2_worker import L2Options
-from runtime_zmq.server import Server, ServerConfig
+from mpcache.core_sm.chunks import PUBLIC_CHAIN, ChunkChain
+from mpcache.runtime_zmq.l2 import DiskTier
+from mpcache.runtime_zmq.l2_seal import SecretFileError, Sealer
+from mpcache.runtime_zmq.l2_worker import L2Options
+from mpcache.runtime_zmq.server import Server, ServerConfig
 
 
 @contextmanager
@@ -81,7 +81,7 @@ def test_a_trace_never_holds_the_chunk_key_and_a_token_trace_replays_only_with_i
     import random
 
     from adapter_driver import CHUNK, Engine
-    from sim.cli import main as sim_main
+    from mpcache.sim.cli import main as sim_main
 
     key_file = str(tmp_path / "chunk.key")
     key = bytes(range(100, 132))

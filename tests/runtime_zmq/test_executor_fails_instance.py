@@ -9,9 +9,9 @@ import threading
 import time
 from typing import Any
 
-from core_sm.effects import StartTransfer
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.server import Server, ServerConfig
+from mpcache.core_sm.effects import StartTransfer
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.server import Server, ServerConfig
 from test_server_ops import key, tokens
 
 LAYOUT = {"model_name": "m", "world_size": 1, "object_bytes": 4096, "engine_driven": False}

@@ -26,7 +26,7 @@ pytestmark = [
 
 GEO = {"num_layers": 4, "num_blocks": 128, "block_size": 16, "num_heads": 2, "head_size": 64}
 CHUNK = 64
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 @pytest.mark.timeout(300)
@@ -43,7 +43,7 @@ def test_cli_gpu_server_store_and_retrieve() -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
         t0 = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime_zmq.cli", "--gpu", "on", "--ipc", f"{d}/run/mpcache.sock",
+            [sys.executable, "-m", "mpcache.runtime_zmq.cli", "--gpu", "on", "--ipc", f"{d}/run/mpcache.sock",
              "--chunk-size", str(CHUNK), "--slot-mb", str(slot / (1 << 20)), "--l1-size-gb", str(64 * slot / (1 << 30)), "--no-metrics"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
         )

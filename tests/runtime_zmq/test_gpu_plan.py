@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core_sm.effects import StartTransfer
-from core_sm.messages import TransferKind
-from runtime_zmq.gpu_transfer import plan_rows
+from mpcache.core_sm.effects import StartTransfer
+from mpcache.core_sm.messages import TransferKind
+from mpcache.runtime_zmq.gpu_transfer import plan_rows
 
 C, BS, SLOT = 8, 2, 1000  # 4 blocks per chunk
 

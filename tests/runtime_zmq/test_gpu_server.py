@@ -27,8 +27,8 @@ CHUNK = 64
 def test_store_and_retrieve_through_the_server() -> None:
     import msgpack
 
-    from runtime_zmq.gpu_transfer import GpuTransferExecutor
-    from runtime_zmq.server import Server, ServerConfig
+    from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
+    from mpcache.runtime_zmq.server import Server, ServerConfig
     from tests.runtime_zmq.gpu_worker import run_engine_client
 
     bpc = CHUNK // GEO["block_size"]

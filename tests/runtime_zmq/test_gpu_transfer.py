@@ -30,7 +30,7 @@ BPC = CHUNK // GEO["block_size"]
 
 
 def _transfer(tid: int, kind: object, start_chunk: int, n_chunks: int, slots: list[int], blocks: list[int], skip: int = 0):  # type: ignore[no-untyped-def]
-    from core_sm.effects import StartTransfer
+    from mpcache.core_sm.effects import StartTransfer
 
     placements = tuple((start_chunk + i, s) for i, s in enumerate(slots))
     return StartTransfer(tid, kind, 1, f"req-{tid}", None, start_chunk * CHUNK, (start_chunk + n_chunks) * CHUNK,
@@ -42,9 +42,9 @@ def _transfer(tid: int, kind: object, start_chunk: int, n_chunks: int, slots: li
 def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
     import msgpack
 
-    from core_sm.messages import TransferKind
-    from runtime_zmq.gpu_transfer import GpuTransferExecutor
-    from runtime_zmq.l1_pool import SharedMemoryPool
+    from mpcache.core_sm.messages import TransferKind
+    from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
+    from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
     from tests.runtime_zmq.gpu_worker import FRESH, POISON, run_worker
 
     rng = np.random.default_rng(11)
@@ -105,7 +105,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
         t0 = time.perf_counter()
         # 1: store 3 chunks; must wait for the worker's long kernel and see FRESH data
         ex.start(_transfer(1, TransferKind.STORE, 2, 3, [7, 3, 11], src), event_handle, done)
-        from runtime_zmq import gpu_ipc
+        from mpcache.runtime_zmq import gpu_ipc
 
         pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
         assert pending == [600], f"the worker's event is not pending ({pending}): this test would prove nothing"
@@ -175,9 +175,9 @@ def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
     engine's transfers finish on time, and the neutralized stores leave their L1 slots alone."""
     import msgpack
 
-    from core_sm.messages import TransferKind
-    from runtime_zmq.gpu_transfer import GpuTransferExecutor
-    from runtime_zmq.l1_pool import SharedMemoryPool
+    from mpcache.core_sm.messages import TransferKind
+    from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
+    from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
     from tests.runtime_zmq.gpu_worker import run_worker
 
     rng = np.random.default_rng(12)
@@ -229,7 +229,7 @@ def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
         t0 = time.monotonic()
 
         def st(tid: int, iid: int, slots: list[int]):  # type: ignore[no-untyped-def]
-            from core_sm.effects import StartTransfer
+            from mpcache.core_sm.effects import StartTransfer
 
             placements = tuple((i, s) for i, s in enumerate(slots))
             return StartTransfer(tid, TransferKind.STORE, iid, f"r{tid}", None, 0, len(slots) * CHUNK, placements,
@@ -238,7 +238,7 @@ def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
         ex.start(st(1, 1, [1]), handles[0], done)  # A, first in line: waits on A's long kernel
         ex.start(st(2, 1, [2]), handles[0], done)  # A, behind it: neutralized
         ex.start(st(3, 1, [3, 4]), handles[0], done)  # A: neutralized
-        from runtime_zmq import gpu_ipc
+        from mpcache.runtime_zmq import gpu_ipc
 
         a_event_pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
         assert a_event_pending == [600], f"A's event is not pending ({a_event_pending}): the stall did not hold"

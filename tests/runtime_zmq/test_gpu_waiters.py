@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from core_sm.effects import StartTransfer
-from core_sm.messages import TransferKind
-from runtime_zmq import gpu_ipc
-from runtime_zmq.gpu_transfer import GpuTransferExecutor, check_layer_ranges
+from mpcache.core_sm.effects import StartTransfer
+from mpcache.core_sm.messages import TransferKind
+from mpcache.runtime_zmq import gpu_ipc
+from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor, check_layer_ranges
 
 SUCCESS, NOT_READY = 0, 600
 C, BS = 8, 4  # 2 blocks per chunk

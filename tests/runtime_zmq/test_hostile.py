@@ -22,8 +22,8 @@ import msgpack
 import pytest
 
 from conftest import REPO, RawDealer, ServerProcess, wait_for
-from runtime_zmq import auth
-from runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.runtime_zmq import auth
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import key, register, store_chunks, tokens
 
 P = msgpack.packb
@@ -171,7 +171,7 @@ def test_stores_for_an_unregistered_instance_retain_nothing(victim: Any) -> None
 
 
 def test_far_future_deadlines_are_clamped() -> None:
-    from runtime_zmq import wire
+    from mpcache.runtime_zmq import wire
 
     frames = [b"peer", P(1), P("prepare_store"), P(key(tokens(1), "r", worker_id=0)), P(1), P(1e15)]
     req = wire.decode_request(frames, wire.Limits())
@@ -243,7 +243,7 @@ def test_loop_block_time_under_the_bombs(victim: Any) -> None:
 
 def _start_fails(args: list[str]) -> str:
     env = dict(os.environ, PYTHONPATH=REPO)
-    p = subprocess.run([sys.executable, "-m", "runtime_zmq.cli", *args, "--l1-size-gb", "0.01", "--slot-mb", "1", "--no-metrics"],
+    p = subprocess.run([sys.executable, "-m", "mpcache.runtime_zmq.cli", *args, "--l1-size-gb", "0.01", "--slot-mb", "1", "--no-metrics"],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert p.returncode != 0, p.stdout + p.stderr
     return p.stdout + p.stderr
@@ -345,14 +345,14 @@ def test_curve_admits_only_authorized_keys(start_server: Callable[..., ServerPro
 def test_keygen_command_writes_private_keys(tmp_path: Any) -> None:
     d = tmp_path / "k"
     env = dict(os.environ, PYTHONPATH=REPO)
-    p = subprocess.run([sys.executable, "-m", "runtime_zmq.cli", "keygen", str(d)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "mpcache.runtime_zmq.cli", "keygen", str(d)], capture_output=True, text=True,
                        cwd=REPO, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     for name in ("server.key_secret", "client.key_secret"):
         assert stat.S_IMODE(os.stat(d / name).st_mode) == 0o600
     assert (d / "authorized" / "client.key").exists() and (d / "server.key").exists()
-    again = subprocess.run([sys.executable, "-m", "runtime_zmq.cli", "keygen", str(d)], capture_output=True,
+    again = subprocess.run([sys.executable, "-m", "mpcache.runtime_zmq.cli", "keygen", str(d)], capture_output=True,
                            text=True, cwd=REPO, env=env, timeout=60)
     assert again.returncode == 1 and "exists" in again.stdout
 
@@ -407,7 +407,7 @@ def test_a_killed_servers_segment_is_removed_by_the_next(start_server: Callable[
 
 
 def test_no_room_for_l1_is_a_clear_start_up_error(monkeypatch: Any, tmp_path: Any) -> None:
-    from runtime_zmq import l1_pool
+    from mpcache.runtime_zmq import l1_pool
 
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

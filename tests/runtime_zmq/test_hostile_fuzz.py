@@ -19,8 +19,8 @@ import msgpack
 import pytest
 
 from conftest import RawDealer, ServerProcess
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.l1_pool import MappedSegment
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.l1_pool import MappedSegment
 from test_server_ops import OBJ_BYTES, key, pattern, register, store_chunks, tokens
 
 P = msgpack.packb

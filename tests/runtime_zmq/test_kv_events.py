@@ -9,9 +9,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from core_sm.chunks import TokenIds
-from core_sm.effects import AllChunksCleared, ChunksRemoved, ChunksStored, Medium, StoredChunk
-from runtime_zmq.kv_events import to_vllm_events
+from mpcache.core_sm.chunks import TokenIds
+from mpcache.core_sm.effects import AllChunksCleared, ChunksRemoved, ChunksStored, Medium, StoredChunk
+from mpcache.runtime_zmq.kv_events import to_vllm_events
 from kv_events_scenario import CHUNK, free_port, replay, run_scenario
 
 

@@ -1,4 +1,4 @@
-"""L1 is shared by quota (core_sm.l1_index), live: two engines on one mpcache-server, one floods
+"""L1 is shared by quota (mpcache.core_sm.l1_index), live: two engines on one mpcache-server, one floods
 L1 with committed objects, the other's hits survive."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from adapter_driver import CHUNK, Engine
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.client import MPCacheClient
 
 SLOTS = 16  # of 1 MiB; a tiny-model object is 64 KiB: one object per slot
 

@@ -18,9 +18,9 @@ pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[r
 
 from conftest import ServerProcess, wait_for  # noqa: E402
 from redis_cluster import RedisClusterProcesses, redis_cluster  # noqa: E402,F401
-from runtime_zmq.client import MPCacheClient  # noqa: E402
-from runtime_zmq.l2 import L2Error, open_tier, split_l2_urls  # noqa: E402
-from runtime_zmq.l2_cluster import RedisClusterTier, parse_cluster_url  # noqa: E402
+from mpcache.runtime_zmq.client import MPCacheClient  # noqa: E402
+from mpcache.runtime_zmq.l2 import L2Error, open_tier, split_l2_urls  # noqa: E402
+from mpcache.runtime_zmq.l2_cluster import RedisClusterTier, parse_cluster_url  # noqa: E402
 from test_server_ops import key, register, store_chunks, tokens  # noqa: E402
 from test_tiers_shared import _retrieve_and_check, _written_behind  # noqa: E402
 

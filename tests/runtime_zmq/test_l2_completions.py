@@ -11,12 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from conftest import ServerProcess, wait_for
-from core_sm.chunks import ObjectKey
-from core_sm.effects import ProbeL2, ReadL2, WriteL2
-from core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.l1_pool import SharedMemoryPool
-from runtime_zmq.transfer import L2Worker
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import ProbeL2, ReadL2, WriteL2
+from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
+from mpcache.runtime_zmq.transfer import L2Worker
 from test_server_ops import key, tokens
 
 
@@ -90,7 +90,7 @@ def test_expired_l2_read_frees_its_slots_when_the_tier_answers(start_server: Cal
 
 
 def test_shutdown_hands_core_sm_the_completion_of_every_l2_effect() -> None:
-    from runtime_zmq.server import Server, ServerConfig
+    from mpcache.runtime_zmq.server import Server, ServerConfig
 
     tier = BlockingTier()
     d = tempfile.mkdtemp(prefix="mpcache-l2c-")

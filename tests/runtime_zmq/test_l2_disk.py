@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_zmq.l2 import DiskTier, L2Error, L2Tier, open_tier
+from mpcache.runtime_zmq.l2 import DiskTier, L2Error, L2Tier, open_tier
 
 
 def _tier(path: Path, query: str = "") -> DiskTier:

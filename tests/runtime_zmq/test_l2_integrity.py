@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from core_sm.chunks import ObjectKey
-from core_sm.effects import ReadL2, WriteL2
-from core_sm.messages import L2ReadFinished, L2WriteFinished
-from runtime_zmq.l1_pool import SharedMemoryPool
-from runtime_zmq.l2 import DiskTier, open_tier
-from runtime_zmq.l2_seal import HEADER_BYTES, MacAlgorithm, Rejection, Sealer, SecretFileError, load_or_create_secret
-from runtime_zmq.l2_worker import L2Options, L2Worker, default_secret_file, storage_key
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import ReadL2, WriteL2
+from mpcache.core_sm.messages import L2ReadFinished, L2WriteFinished
+from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
+from mpcache.runtime_zmq.l2 import DiskTier, open_tier
+from mpcache.runtime_zmq.l2_seal import HEADER_BYTES, MacAlgorithm, Rejection, Sealer, SecretFileError, load_or_create_secret
+from mpcache.runtime_zmq.l2_worker import L2Options, L2Worker, default_secret_file, storage_key
 
 SECRET = bytes(range(32))
 KEY = b"{00112233445566778899aabbccddeeff}-0"

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 
 from conftest import ServerProcess, wait_for
-from core_sm.chunks import ObjectKey
-from core_sm.effects import ProbeL2, ReadL2, WriteL2
-from core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.l1_pool import SharedMemoryPool
-from runtime_zmq.l2 import L2Unavailable, open_tier
-from runtime_zmq.l2_health import Breaker, BreakerState
-from runtime_zmq.l2_worker import L2Options, L2Worker
+from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.effects import ProbeL2, ReadL2, WriteL2
+from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
+from mpcache.runtime_zmq.l2 import L2Unavailable, open_tier
+from mpcache.runtime_zmq.l2_health import Breaker, BreakerState
+from mpcache.runtime_zmq.l2_worker import L2Options, L2Worker
 from test_server_ops import key, tokens
 
 redis_server_mod = pytest.importorskip("redis_server")
@@ -282,7 +282,7 @@ def test_disk_tier_has_a_default_cap(tmp_path: Any) -> None:
 
 
 def test_large_effects_move_in_bounded_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime_zmq.l2_worker as l2w
+    import mpcache.runtime_zmq.l2_worker as l2w
 
     monkeypatch.setattr(l2w, "BATCH_BYTES", 3 << 20)  # three 1 MiB objects per tier call
     tier = Recorder()

@@ -10,7 +10,7 @@ import pytest
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[redis]')")
 
-from runtime_zmq.l2 import L2Error, L2Tier, L2Unavailable, RedisTier, open_tier  # noqa: E402
+from mpcache.runtime_zmq.l2 import L2Error, L2Tier, L2Unavailable, RedisTier, open_tier  # noqa: E402
 
 try:
     from .redis_server import RedisServer, free_port, redis_server, redis_url  # noqa: F401

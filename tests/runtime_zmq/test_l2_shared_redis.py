@@ -15,9 +15,9 @@ import pytest
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[redis]')")
 
-from runtime_zmq.client import MPCacheClient  # noqa: E402
-from runtime_zmq.l1_pool import MappedSegment  # noqa: E402
-from runtime_zmq.l2_seal import HEADER_BYTES  # noqa: E402
+from mpcache.runtime_zmq.client import MPCacheClient  # noqa: E402
+from mpcache.runtime_zmq.l1_pool import MappedSegment  # noqa: E402
+from mpcache.runtime_zmq.l2_seal import HEADER_BYTES  # noqa: E402
 
 try:
     from .redis_server import redis_server, redis_url  # noqa: F401

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from conftest import HERE, REPO, ServerProcess
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.client import MPCacheClient
 from test_server_ops import register, store_chunks, tokens
 
 LMCACHE_PY = os.path.join(REPO, ".venv-lmcache", "bin", "python")

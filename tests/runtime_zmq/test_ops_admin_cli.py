@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from conftest import REPO, ServerProcess
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.client import MPCacheClient
 from test_server_ops import key, register, store_chunks, tokens
 
 
 def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-m", "runtime_zmq.admin_cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mpcache.runtime_zmq.admin_cli", *argv], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=timeout)
 
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import pytest
 
 from conftest import REPO, ServerProcess
-from runtime_zmq import cli
-from runtime_zmq import config as cfg
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq import cli
+from mpcache.runtime_zmq import config as cfg
+from mpcache.runtime_zmq.client import MPCacheClient
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> tuple[object, dict[str, str]]:
@@ -115,7 +115,7 @@ def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 30) 
     e = dict(os.environ)
     e["PYTHONPATH"] = REPO
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "runtime_zmq.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mpcache.runtime_zmq.cli", *argv], capture_output=True, text=True,
                           cwd=REPO, env=e, timeout=timeout)
 
 
@@ -141,11 +141,11 @@ def test_busy_metrics_port_is_one_line() -> None:
 
 def test_version_on_every_command() -> None:
     version = cfg.version()
-    for module in ("runtime_zmq.cli", "runtime_zmq.admin_cli", "sim.cli"):
+    for module in ("mpcache.runtime_zmq.cli", "mpcache.runtime_zmq.admin_cli", "mpcache.sim.cli"):
         out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 0, (module, out.stderr)
         assert version in out.stdout, (module, out.stdout)
-    from tools import bench_cli
+    from mpcache.tools import bench_cli
 
     assert bench_cli.main(["--version"]) == 0
 
@@ -164,7 +164,7 @@ def test_configuration_doc_is_generated_from_the_parsers() -> None:
     with open(os.path.join(REPO, "docs", "configuration.md")) as f:
         on_disk = f.read()
     assert on_disk == cfg.render_markdown(), (
-        "docs/configuration.md is out of date: run `python -m runtime_zmq.config > docs/configuration.md`"
+        "docs/configuration.md is out of date: run `python -m mpcache.runtime_zmq.config > docs/configuration.md`"
     )
     for flag in ("--chunk-size", "--metrics-host", "--config", "MPCACHE_PORT", "rediss://", "max_gb", "mpcache-cli bench"):
         assert flag in on_disk, flag

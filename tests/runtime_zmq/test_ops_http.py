@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 from conftest import ServerProcess
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.config import version
-from runtime_zmq.http import OpsHttpServer
-from runtime_zmq.server import Server, ServerConfig
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.config import version
+from mpcache.runtime_zmq.http import OpsHttpServer
+from mpcache.runtime_zmq.server import Server, ServerConfig
 
 
 def http_url(sp: ServerProcess) -> str:

@@ -15,9 +15,9 @@ import pytest
 import adapter_driver
 from adapter_driver import CHUNK, Engine
 from conftest import ServerProcess
-from runtime_zmq import adapters
-from runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq import adapters
+from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable
+from mpcache.runtime_zmq.client import MPCacheClient
 
 
 def free_port() -> int:

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 
 from conftest import ServerProcess, wait_for
-from runtime_zmq import logs
-from runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.runtime_zmq import logs
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import OBJ_BYTES, key, register, store_chunks, tokens
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import pytest
 
 from conftest import REPO, ServerProcess, wait_for
-from runtime_zmq import metrics
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq import metrics
+from mpcache.runtime_zmq.client import MPCacheClient
 from test_ops_http import get, http_url
 from test_server_ops import key, register, store_chunks, tokens
 
@@ -46,7 +46,7 @@ def families(body: str) -> set[str]:
 def test_metrics_doc_is_generated_from_the_list() -> None:
     with open(os.path.join(REPO, "docs", "metrics.md")) as f:
         assert f.read() == metrics.render_markdown(), (
-            "docs/metrics.md is out of date: run `python -m runtime_zmq.metrics > docs/metrics.md`")
+            "docs/metrics.md is out of date: run `python -m mpcache.runtime_zmq.metrics > docs/metrics.md`")
 
 
 def test_exposition_matches_the_list_and_passes_promtool(start_server: Callable[..., ServerProcess]) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from conftest import ServerProcess, wait_for
-from runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import key, register, store_chunks, tokens
 from test_tiers_shared import _retrieve_and_check
 
@@ -91,7 +91,7 @@ def test_the_adapters_load_and_store_through_a_reaped_instance(start_server: Cal
     stays healthy (its instance heartbeats lost); the next load and the next store each find it
     gone, register it again once and go through -- nothing hangs, no load error, no recompute."""
     from adapter_driver import CHUNK as A_CHUNK, Engine
-    from core_sm.health import SendInstancePing
+    from mpcache.core_sm.health import SendInstancePing
     from test_adapters import SERVER_FLAGS
     from test_adapters import tokens as a_tokens
 

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from tests.runtime_zmq.conftest import ServerProcess
-from tools import bench_rpc
+from mpcache.tools import bench_rpc
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="needs a C compiler")

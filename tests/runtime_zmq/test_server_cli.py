@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 
 from conftest import REPO, ServerProcess
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.client import MPCacheClient
 
 
 def test_help_lists_every_flag() -> None:
-    out = subprocess.run([sys.executable, "-m", "runtime_zmq.cli", "--help"], capture_output=True, text=True, cwd=REPO, timeout=30)
+    out = subprocess.run([sys.executable, "-m", "mpcache.runtime_zmq.cli", "--help"], capture_output=True, text=True, cwd=REPO, timeout=30)
     assert out.returncode == 0
     for flag in ("--host", "--port", "--ipc", "--chunk-size", "--l1-size-gb", "--l2", "--metrics-port", "--log-level", "MPCACHE_"):
         assert flag in out.stdout, flag

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from conftest import HERE, REPO, ServerProcess, wait_for
-from core_sm.effects import SendRequest
-from core_sm.errors import ErrorKind, ProtocolError
-from core_sm.lookup_client import LookupClient, LookupClientConfig
-from core_sm.messages import ReplyReceived, RequestFailed, ServerHealth, SubmitLookup, TimerFired
-from runtime_zmq.wire import request_to_wire, result_from_wire
-from runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.core_sm.effects import SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+from mpcache.core_sm.messages import ReplyReceived, RequestFailed, ServerHealth, SubmitLookup, TimerFired
+from mpcache.runtime_zmq.wire import request_to_wire, result_from_wire
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import CHUNK, key, register, store_chunks, tokens
 
 SLOW_L2 = "python:slow_tier:make?delay=60"
@@ -110,7 +110,7 @@ def test_killed_client_leases_freed_by_ttl(start_server: Callable[..., ServerPro
         assert store_chunks(c, tokens(4), "w")["ok"]
         script = (
             "import sys, time\n"
-            "from runtime_zmq.client import MPCacheClient\n"
+            "from mpcache.runtime_zmq.client import MPCacheClient\n"
             "from test_server_ops import key, tokens\n"
             f"c = MPCacheClient({sp.url!r})\n"
             "c.lookup(key(tokens(4), 'victim')).result(5)\n"

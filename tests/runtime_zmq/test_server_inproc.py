@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from core_sm.effects import StartTransfer
-from runtime_zmq.client import MPCacheClient, RemoteError
-from runtime_zmq.server import CompletionChannel, Server, ServerConfig
+from mpcache.core_sm.effects import StartTransfer
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.runtime_zmq.server import CompletionChannel, Server, ServerConfig
 from test_server_ops import key, tokens
 
 

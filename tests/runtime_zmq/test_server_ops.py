@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from runtime_zmq.client import MPCacheClient, RemoteError
-from runtime_zmq.l1_pool import MappedSegment
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.runtime_zmq.l1_pool import MappedSegment
 
 CHUNK = 256
 OBJ_BYTES = 4096

@@ -30,7 +30,7 @@ import msgpack
 import pytest
 import zmq
 
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.client import MPCacheClient
 
 # The default per-test timeout (300 s) is far below a million lookups on a shared 2-core box.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * 3600)]

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from adapter_driver import CHUNK, Engine
-from sim.cli import main as sim_main
-from sim.sweep import read_trace, recorded_hit_rate, sweep
+from mpcache.sim.cli import main as sim_main
+from mpcache.sim.sweep import read_trace, recorded_hit_rate, sweep
 
 SLOT_GB = 1 / 1024  # --slot-mb 1
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from core_sm.keys import KeyExtras, chunk_extra_digest, request_identity
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.vllm_keys import RequestKeyer, UnkeyableConfig, UnkeyableRequest
+from mpcache.core_sm.keys import KeyExtras, chunk_extra_digest, request_identity
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.vllm_keys import RequestKeyer, UnkeyableConfig, UnkeyableRequest
 from adapter_driver import CHUNK, Engine
 
 SERVER_FLAGS = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1")
@@ -156,9 +156,9 @@ def test_keyer_per_chunk_extras_from_the_engines_extra_keys() -> None:
 
 
 def test_wire_key_extras_round_trip_and_lmcache_keys_carry_none() -> None:
-    from core_sm.keys import NO_EXTRAS
-    from core_sm.messages import CacheKey
-    from runtime_zmq.wire import Limits, _Bad, decode_key, encode_key
+    from mpcache.core_sm.keys import NO_EXTRAS
+    from mpcache.core_sm.messages import CacheKey
+    from mpcache.runtime_zmq.wire import Limits, _Bad, decode_key, encode_key
 
     limits = Limits()
     plain = CacheKey("m", 1, None, list(range(8)), 0, 8, "r")

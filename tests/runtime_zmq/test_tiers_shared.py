@@ -7,8 +7,8 @@ import tempfile
 from collections.abc import Callable
 
 from conftest import ServerProcess, wait_for
-from runtime_zmq.client import MPCacheClient
-from runtime_zmq.l1_pool import MappedSegment
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.l1_pool import MappedSegment
 from test_server_ops import OBJ_BYTES, key, pattern, register, store_chunks, tokens
 
 try:

@@ -9,8 +9,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from runtime_zmq.client import MPCacheClient
-from sim.cli import main as sim_main
+from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.sim.cli import main as sim_main
 from adapter_driver import CHUNK, Engine
 from conftest import ADMIN_TOKEN
 
@@ -44,7 +44,7 @@ def test_a_live_trace_replays_without_divergence_and_holds_no_tokens(start_serve
     assert head["keep_tokens"] is False and head["part"] == 0
     assert '"PrepareStore"' in open(path).read() and '"ChunksStored"' in open(path).read()
     # no prompt text: the tokens are nowhere, not even packed
-    from core_sm.chunks import pack_tokens
+    from mpcache.core_sm.chunks import pack_tokens
     assert pack_tokens(prompt[:CHUNK]).hex() not in open(path).read()
     assert sim_main(["replay-trace", path]) == 0
     assert "no divergence" in capsys.readouterr().out

@@ -12,8 +12,8 @@ import attrs
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from core_sm import messages as m
-from runtime_zmq import wire
+from mpcache.core_sm import messages as m
+from mpcache.runtime_zmq import wire
 
 KEY = m.CacheKey("model", 2, 1, tuple(range(512)), 0, 512, "req-1", "salt")
 SCHED_KEY = m.CacheKey("model", 2, None, tuple(range(512)), 0, 512, "req-1")

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from conftest import RawDealer, ServerProcess
-from runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 
 P = msgpack.packb
 
@@ -116,7 +116,7 @@ def test_client_surfaces_typed_errors(client: MPCacheClient) -> None:
 
 
 def test_packed_token_ids_address_the_same_objects(raw: RawDealer, client: MPCacheClient) -> None:
-    from runtime_zmq.wire import pack_token_ids
+    from mpcache.runtime_zmq.wire import pack_token_ids
     from test_server_ops import register, store_chunks, tokens
 
     toks = tokens(3, seed=4)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import RawDealer, ServerProcess
-from runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.client import MPCacheClient
 from test_server_ops import register, store_chunks, tokens
 
 P = msgpack.packb

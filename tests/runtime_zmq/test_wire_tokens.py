@@ -6,11 +6,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from core_sm.chunks import TokenIds, pack_tokens
-from core_sm.errors import ErrorKind
-from core_sm.messages import Lookup
-from runtime_zmq.wire import to_event
-from runtime_zmq.wire import DecodeError, Limits, Request, decode_request, token_ids_for_wire
+from mpcache.core_sm.chunks import TokenIds, pack_tokens
+from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.messages import Lookup
+from mpcache.runtime_zmq.wire import to_event
+from mpcache.runtime_zmq.wire import DecodeError, Limits, Request, decode_request, token_ids_for_wire
 
 TOKENS = [(i * 7919) % 200_000 for i in range(1000)]
 
@@ -93,8 +93,8 @@ from array import array  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from runtime_zmq import tokens  # noqa: E402
-from runtime_zmq.tokens import decode_key_frame  # noqa: E402
+from mpcache.runtime_zmq import tokens  # noqa: E402
+from mpcache.runtime_zmq.tokens import decode_key_frame  # noqa: E402
 
 tokens.load()  # the server loads it in the background at start; here, before the tests
 

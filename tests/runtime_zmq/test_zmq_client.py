@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import ServerProcess, wait_for
-from runtime_zmq.client import ClientClosed, MPCacheClient, RemoteError
+from mpcache.runtime_zmq.client import ClientClosed, MPCacheClient, RemoteError
 from test_server_ops import key, tokens
 
 

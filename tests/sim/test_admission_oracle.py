@@ -6,10 +6,10 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from core_sm.admission import StoreAdmission
-from sim.runner import run_scenario
-from sim.scenario import draw_scenario
-from sim.world import SERVER
+from mpcache.core_sm.admission import StoreAdmission
+from mpcache.sim.runner import run_scenario
+from mpcache.sim.scenario import draw_scenario
+from mpcache.sim.world import SERVER
 
 SEEDS = range(12)
 

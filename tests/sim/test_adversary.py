@@ -2,10 +2,10 @@
 honest tenants; the trust-all profile (no ownership checks) is caught as F22."""
 from __future__ import annotations
 
-from sim.adversary import ADVERSARY, ATTACKS, TENANT_HARMED
-from sim.profiles import PROFILES
-from sim.runner import run_scenario, run_seed
-from sim.scenario import draw_scenario
+from mpcache.sim.adversary import ADVERSARY, ATTACKS, TENANT_HARMED
+from mpcache.sim.profiles import PROFILES
+from mpcache.sim.runner import run_scenario, run_seed
+from mpcache.sim.scenario import draw_scenario
 
 # Seeds whose world runs the adversary (drawn in ~40% of seeds).
 ADVERSARY_SEEDS = [s for s in range(120) if draw_scenario(s).config.adversary][:30]

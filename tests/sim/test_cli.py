@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
-from sim.profiles import PROFILES
+from mpcache.sim.cli import main
+from mpcache.sim.profiles import PROFILES
 
 
 def test_run_passes_and_prints_summary(capsys: pytest.CaptureFixture[str]) -> None:

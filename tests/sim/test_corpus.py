@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.corpus import entries, from_json
-from sim.runner import run_scenario
+from mpcache.sim.corpus import entries, from_json
+from mpcache.sim.runner import run_scenario
 
 CORPUS = entries()
 

@@ -1,7 +1,7 @@
 """Determinism self-check: same seed, same trace hash in a process with another PYTHONHASHSEED."""
 from __future__ import annotations
 
-from sim.determinism import check
+from mpcache.sim.determinism import check
 
 
 def test_twenty_seeds_identical_across_processes() -> None:

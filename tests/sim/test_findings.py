@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.corpus import from_json
-from sim.runner import run_scenario
+from mpcache.sim.corpus import from_json
+from mpcache.sim.runner import run_scenario
 
 FINDINGS = Path(__file__).parent / "findings"
 

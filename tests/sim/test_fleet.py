@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from sim.cli import main as sim_main
-from sim.fleet import ClusterTier, draw_fleet_scenario, run_fleet, run_fleet_seed
-from sim.runner import run_scenario
+from mpcache.sim.cli import main as sim_main
+from mpcache.sim.fleet import ClusterTier, draw_fleet_scenario, run_fleet, run_fleet_seed
+from mpcache.sim.runner import run_scenario
 
 SEEDS = range(8)
 

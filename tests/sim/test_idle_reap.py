@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import attrs
 
-from sim.profiles import PROFILES
-from sim.runner import run_scenario
-from sim.scenario import FaultSpec, draw_scenario, server_name, worker_name
+from mpcache.sim.profiles import PROFILES
+from mpcache.sim.runner import run_scenario
+from mpcache.sim.scenario import FaultSpec, draw_scenario, server_name, worker_name
 
 
 def _reaps(lines: tuple[str, ...]) -> list[str]:

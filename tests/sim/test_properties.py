@@ -10,13 +10,13 @@ import pytest
 import trio
 from hypothesis import HealthCheck, event, given, settings
 
-from runtime_trio import VirtualClock
-from sim.oracles import ViolationFound, is_known_race
-from sim.profiles import get_profile
-from sim.runner import seed_trio_scheduler
-from sim.scenario import Scenario
-from sim.strategies import scenarios
-from sim.world import World
+from mpcache.runtime_trio import VirtualClock
+from mpcache.sim.oracles import ViolationFound, is_known_race
+from mpcache.sim.profiles import get_profile
+from mpcache.sim.runner import seed_trio_scheduler
+from mpcache.sim.scenario import Scenario
+from mpcache.sim.strategies import scenarios
+from mpcache.sim.world import World
 
 # derandomize: CI draws the same examples every run, so a failure here is reproducible as is.
 SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True,
@@ -46,7 +46,7 @@ async def run_world(scenario: Scenario, profile: str, clock: VirtualClock) -> Wo
 
 async def run_checked(scenario: Scenario, clock: VirtualClock) -> World | None:
     """Run under the default profile; a violation fails the example, except the known core_sm
-    races (sim.oracles.KNOWN_CORE_SM_RACES), which are counted and return None."""
+    races (mpcache.sim.oracles.KNOWN_CORE_SM_RACES), which are counted and return None."""
     try:
         return await run_world(scenario, "default", clock)
     except BaseExceptionGroup as group:  # a violation ends the world from inside its nursery
@@ -87,7 +87,7 @@ async def test_fault_free_worlds_finish_every_request_cleanly(virtual_clock: Vir
 def test_hypothesis_shrinks_a_legacy_bug_to_a_tiny_world() -> None:
     from hypothesis import find
 
-    from sim.runner import run_scenario
+    from mpcache.sim.runner import run_scenario
 
     def fails(scenario: Scenario) -> bool:
         r, _ = run_scenario(scenario, "no-ack-wait")

@@ -7,7 +7,7 @@ import attrs
 import pytest
 import trio
 
-from runtime_trio import Address, DeadlockError, LocalTransport, Node, TaskExecutor, run_virtual
+from mpcache.runtime_trio import Address, DeadlockError, LocalTransport, Node, TaskExecutor, run_virtual
 
 
 @attrs.frozen
@@ -153,10 +153,10 @@ def test_core_sm_machines_on_the_real_clock() -> None:
     LookupServer and LookupClient, a lookup that resolves, a duplicate-free status exchange."""
     import attrs as _attrs
 
-    from core_sm.effects import ErrorReply, Reply, SendRequest
-    from core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
-    from core_sm.messages import ReplyReceived, RequestFailed, SubmitLookup, TimerFired
-    from core_sm.server import LookupServer, ServerConfig
+    from mpcache.core_sm.effects import ErrorReply, Reply, SendRequest
+    from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
+    from mpcache.core_sm.messages import ReplyReceived, RequestFailed, SubmitLookup, TimerFired
+    from mpcache.core_sm.server import LookupServer, ServerConfig
 
     net = LocalTransport()
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import typing
 
-import runtime_zmq.adapters as adapters
-from core_sm.planner import StepPlanner
-from core_sm.transfer_client import TransferClient
-from sim.engine import LOOKUP, tc_name
-from sim.runner import run_scenario
-from sim.scenario import draw_scenario
-from sim.vllm_scheduler import SchedulerModel
+import mpcache.runtime_zmq.adapters as adapters
+from mpcache.core_sm.planner import StepPlanner
+from mpcache.core_sm.transfer_client import TransferClient
+from mpcache.sim.engine import LOOKUP, tc_name
+from mpcache.sim.runner import run_scenario
+from mpcache.sim.scenario import draw_scenario
+from mpcache.sim.vllm_scheduler import SchedulerModel
 
 
 def test_the_simulator_drives_the_class_the_connector_drives() -> None:
@@ -32,8 +32,8 @@ def test_the_simulator_drives_the_class_the_connector_drives() -> None:
 
 
 def test_the_simulator_drives_the_health_monitor_the_zmq_client_drives() -> None:
-    from core_sm.health import HealthMonitor
-    from runtime_zmq.client import MPCacheClient
+    from mpcache.core_sm.health import HealthMonitor
+    from mpcache.runtime_zmq.client import MPCacheClient
 
     # what the production client builds (a socket needs no server to exist)
     client = MPCacheClient("tcp://127.0.0.1:1", wait_connected=False, connect_timeout=0.2)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from sim.oracles import FAILURES, is_known_race
-from sim.profiles import LEGACY, PROFILES
-from sim.runner import run_many, run_seed
-from sim.scenario import draw_scenario
+from mpcache.sim.oracles import FAILURES, is_known_race
+from mpcache.sim.profiles import LEGACY, PROFILES
+from mpcache.sim.runner import run_many, run_seed
+from mpcache.sim.scenario import draw_scenario
 
 CI_SEEDS = 300
 
@@ -62,7 +62,7 @@ def test_deadlock_inside_a_world_is_reported() -> None:
     """A node that waits on nothing with no deadline ends the run as DEADLOCK, not a hang."""
     import trio
 
-    from runtime_trio import DeadlockError, run_virtual
+    from mpcache.runtime_trio import DeadlockError, run_virtual
 
     async def stuck() -> None:
         await trio.Event().wait()

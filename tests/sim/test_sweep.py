@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main as sim_main
-from sim.png import BLACK, BLUE, MARGIN, WHITE, line_plot, points
-from sim.sweep import parse_sizes
+from mpcache.sim.cli import main as sim_main
+from mpcache.sim.png import BLACK, BLUE, MARGIN, WHITE, line_plot, points
+from mpcache.sim.sweep import parse_sizes
 
 
 def decode(png: bytes) -> tuple[int, int, list[bytes]]:

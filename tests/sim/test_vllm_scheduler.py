@@ -1,4 +1,4 @@
-"""sim.vllm_scheduler.SchedulerModel, the one model of vLLM's scheduler (the simulator's engine
+"""mpcache.sim.vllm_scheduler.SchedulerModel, the one model of vLLM's scheduler (the simulator's engine
 and the adapter tests' engine both schedule through it), against a connector that records
 vLLM's calls."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from core_sm.keys import NO_EXTRAS, KeyExtras
-from core_sm.planner import ScheduledRequest, StepPlan
-from sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel, Status
+from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.planner import ScheduledRequest, StepPlan
+from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel, Status
 
 BS = 4
 
