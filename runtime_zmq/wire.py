@@ -65,7 +65,9 @@ class Limits:
     max_frame_bytes: int = 16 * 1024 * 1024
     max_message_bytes: int = 32 * 1024 * 1024
     max_frames: int = 16
-    max_tokens: int = 1 << 20
+    # 512k: the most a lookup may cost the loop is bounded by its keyed chunk hashing (about
+    # 4.4 ms per million tokens, docs/security.md), and one message must stay under 10 ms
+    max_tokens: int = 1 << 19
     # token ids as a msgpack list that the compiled scanner (runtime_zmq.tokens) declines, or
     # before it has loaded, cost one Python int each (about 4 ms per 128k on a 2-core box): such a
     # list is refused past this length (the packed bin, mpcache's client's form, never is)
