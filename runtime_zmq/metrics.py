@@ -94,7 +94,7 @@ _STATE_GAUGES = frozenset({
     "jobs", "jobs_pending", "tombstones", "waiters", "transfers", "instances", "store_waits",
     "pinned_effects", "timers", "reap_queue", "objects", "bytes", "free_slots", "leases_held", "lease_owners",
     "writing", "quarantined_slots", "pinned_slots", "outstanding_requests", "l1_num_slots",
-    "l1_slot_bytes", "l1_segment_created", "l2_queued", "l2_tiers_open",
+    "l1_slot_bytes", "l1_segment_created", "l2_queued", "l2_tiers_open", "tenants",
 })
 
 

@@ -140,11 +140,12 @@ def test_real_prometheus_scrapes_the_hit_token_counter(start_server: Callable[..
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("stat", ["jobs", "leases_held", "tombstones", "l2_in_flight", "objects"])
+@pytest.mark.parametrize("stat", ["jobs", "leases_held", "tombstones", "l2_in_flight", "objects", "tenants", "reap_queue"])
 def test_live_sizes_are_gauges(stat: str) -> None:
     assert metrics._is_gauge(stat)
 
 
-@pytest.mark.parametrize("stat", ["lookups", "hit_chunks", "evictions", "reaped_jobs"])
+@pytest.mark.parametrize("stat", ["lookups", "hit_chunks", "evictions", "reaped_jobs", "evictions_for_others",
+                                  "instances_failed", "instances_reaped"])
 def test_monotonic_counts_are_counters(stat: str) -> None:
     assert not metrics._is_gauge(stat)
