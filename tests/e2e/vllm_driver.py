@@ -254,8 +254,14 @@ def run_connector(args: argparse.Namespace) -> dict[str, Any]:
         phases["down"] = {"p300": generate(llm, ps["p300"])}
         time.sleep(4.0)
         report["server_restart_s"] = round(server.start(), 3)
-        time.sleep(1.5)  # heartbeats notice the server is back
+        # The engine finds the new server on its own: ZMQ reconnects within reconnect_ivl_max
+        # (1 s) and each unhealthy client probes every heartbeat_backoff_max (1 s), so both of
+        # the engine's clients (scheduler, worker) see it within about 2 s of it listening.
+        # Nothing outside the engine can observe that (an idle engine registers again on its
+        # next call, not before), so the wait is twice that bound.
+        time.sleep(4.0)
         phases["restart_first"] = {"p300": generate(llm, ps["p300"])}
+        phases["restart_first_stats"] = server.stats()
         phases["restart_second"] = {"p300": generate(llm, ps["p300"])}
         phases["restart_stats"] = server.stats()
 
