@@ -80,6 +80,15 @@ def _strs(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted({str(v) for v in values}))
 
 
+SYNC_LOAD_ALL = 1 << 40  # more tokens than any prompt: every load is synchronous
+
+
+def default_sync_load_max_tokens(cpu_engine: bool) -> int:
+    """``PlannerConfig.sync_load_max_tokens`` when not set: every load on a CPU engine, none on
+    a GPU engine (see ``PlannerConfig``)."""
+    return SYNC_LOAD_ALL if cpu_engine else 0
+
+
 @attrs.frozen
 class PlannerConfig:
     """``chunk_size``: the servers' (a multiple of ``block_size``, the engine's). ``load`` /
@@ -96,7 +105,11 @@ class PlannerConfig:
       (``load_async=False``): vLLM schedules the request in the same step, and the workers finish
       the load before that step's forward (``StepPlan.sync_loads``); larger loads are
       asynchronous (the request waits in WAITING_FOR_REMOTE_KVS for a later step). 0: always
-      asynchronous."""
+      asynchronous. Default by ``cpu_engine`` (``default_sync_load_max_tokens``).
+    * ``cpu_engine``: the workers' KV caches are in host memory (vLLM's CPU platform). There
+      the worker copies on the step's thread whether the load is synchronous or not, so every
+      load is synchronous by default and saves the request a step; on a GPU the server's copy
+      overlaps the forward, so every load is asynchronous by default."""
 
     chunk_size: int
     block_size: int
@@ -104,7 +117,10 @@ class PlannerConfig:
     load: bool = True
     store: bool = True
     lookup_wait: float = 0.0
-    sync_load_max_tokens: int = 0
+    cpu_engine: bool = False
+    sync_load_max_tokens: int = attrs.field(
+        default=attrs.Factory(lambda self: default_sync_load_max_tokens(self.cpu_engine), takes_self=True)
+    )
     # The servers' read lease TTL (mpcache-server --lease-ttl); None: leases never expire.
     lease_ttl: float | None = 300.0
     max_lease_renewals: int = 16  # lookups again per request (the server allows 64 lookups per id)

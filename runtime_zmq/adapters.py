@@ -112,9 +112,9 @@ class ConnectorConfig:
       before answering "not yet" (which costs the request an engine step); an L1 answer takes
       well under 1 ms. 0: never wait.
     * ``sync_load_max_tokens``: loads of at most this many tokens finish within the step that
-      schedules the request (vLLM's synchronous load) instead of a later one. Default: every
-      load for CPU engines (the worker copies on the step's thread either way), none for GPU
-      engines (the server's copy overlaps compute). 0: always asynchronous.
+      schedules the request (vLLM's synchronous load) instead of a later one. 0: always
+      asynchronous. Not set: the planner's default for the engine's device
+      (``core_sm.planner.default_sync_load_max_tokens``: every load on CPU, none on GPU).
     * ``lease_ttl_s``: the servers' ``--lease-ttl`` (default 300, as theirs). A request that
       waits in vLLM's queue renews its hit's read leases every half of it and loads only while
       a quarter is left; set it no higher than the servers' (lower only renews more often).
@@ -140,12 +140,6 @@ class ConnectorConfig:
     def _sync(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
         if value is not None and value < 0:
             raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be >= 0, got {value}")
-
-    def sync_load_tokens(self, cpu_engine: bool) -> int:
-        """``sync_load_max_tokens``, its default resolved for the engine's device."""
-        if self.sync_load_max_tokens is not None:
-            return self.sync_load_max_tokens
-        return 1 << 40 if cpu_engine else 0
 
     @request_timeout_s.validator
     @connect_timeout_s.validator
@@ -408,13 +402,12 @@ class SchedulerAdapter(_MachineShell):
                     lookup_timeout=2 * config.request_timeout_s,
                 )
             )
-            planner = StepPlanner(
-                PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
-                              load=load, store=store, lookup_wait=config.lookup_wait_ms / 1000.0,
-                              sync_load_max_tokens=config.sync_load_tokens(cpu_engine),
-                              lease_ttl=config.lease_ttl_s),
-                lookups,
-            )
+            planner_config = PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
+                                           load=load, store=store, lookup_wait=config.lookup_wait_ms / 1000.0,
+                                           cpu_engine=cpu_engine, lease_ttl=config.lease_ttl_s)
+            if config.sync_load_max_tokens is not None:
+                planner_config = attrs.evolve(planner_config, sync_load_max_tokens=config.sync_load_max_tokens)
+            planner = StepPlanner(planner_config, lookups)
             return cls(links, planner)
         except BaseException:
             links.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpcache.core_sm.planner import BlocksAllocated, MatchAnswer, MatchRequest, PlannerConfig
+from mpcache.core_sm.planner import BlocksAllocated, MatchAnswer, MatchRequest, PlannerConfig, default_sync_load_max_tokens
 
 from test_planner import BS, C, planner, step
 
@@ -46,6 +46,20 @@ def test_a_load_over_the_limit_stays_asynchronous() -> None:
     p.handle(BlocksAllocated("r", tuple(range(4 * C // BS)), 4 * C), 0.0)
     plan = step(p)
     assert len(plan.retrieves) == 1 and plan.sync_loads == ()
+
+
+@pytest.mark.parametrize(("cpu_engine", "load_async"), [(True, False), (False, True)])
+def test_by_default_a_cpu_engine_loads_synchronously_and_a_gpu_engine_asynchronously(cpu_engine: bool, load_async: bool) -> None:
+    p, _ = planner(4 * C, cpu_engine=cpu_engine)
+    answer = _match(p, list(range(4 * C + 3)), 0.0)
+    assert (answer.tokens, answer.load_async) == (4 * C, load_async)
+
+
+@pytest.mark.parametrize("cpu_engine", [True, False])
+def test_a_set_sync_load_limit_overrides_the_device_default(cpu_engine: bool) -> None:
+    assert PlannerConfig(C, BS, cpu_engine=cpu_engine, sync_load_max_tokens=C).sync_load_max_tokens == C
+    assert PlannerConfig(C, BS, cpu_engine=cpu_engine, sync_load_max_tokens=0).sync_load_max_tokens == 0
+    assert default_sync_load_max_tokens(cpu_engine) == PlannerConfig(C, BS, cpu_engine=cpu_engine).sync_load_max_tokens
 
 
 def test_the_settings_are_bounded() -> None:

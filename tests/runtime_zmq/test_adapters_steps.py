@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapter_driver import CHUNK, Engine
+import pytest
+from adapter_driver import BLOCK, CHUNK, Engine
+
+from mpcache.core_sm.planner import SYNC_LOAD_ALL
+from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter
 from test_adapters import assert_clean, engine_factory, start, stats, tokens  # noqa: F401  (fixtures)
 
 # Generous: the box running the tests may be loaded; an L1 answer takes well under 1 ms.
@@ -89,3 +93,16 @@ def test_aborting_after_a_sync_load_leaves_nothing_behind(start: Any, engine_fac
     engine.run_all()
     assert req.checked
     assert_clean(engine, server.url)
+
+
+@pytest.mark.parametrize(("cpu_engine", "setting", "expected"),
+                         [(True, None, SYNC_LOAD_ALL), (False, None, 0), (True, 0, 0), (False, 4 * CHUNK, 4 * CHUNK)])
+def test_the_connector_passes_the_device_and_its_setting_to_the_planner(
+        start: Any, cpu_engine: bool, setting: int | None, expected: int) -> None:
+    server = start()
+    config = ConnectorConfig(server_urls=server.url, sync_load_max_tokens=setting)
+    adapter = SchedulerAdapter.connect(config, model_name="m", world_size=1, block_size=BLOCK, cpu_engine=cpu_engine)
+    try:
+        assert adapter.planner.config.sync_load_max_tokens == expected
+    finally:
+        adapter.close()
