@@ -7,64 +7,28 @@ and one with ``MPCacheConnector`` against a real ``mpcache-server`` process
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_run import HERE, free_port, have_vllm, run_driver
 
 # The first test also pays for the fixtures: two vLLM starts (~30 s each alone, minutes on a
 # busy 2-core box), hence a timeout above the project's default 300 s.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
-REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent  # the driver scripts beside this test
-
-
-def _have_vllm() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _run(args: list[str], log: Path, timeout: float) -> None:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
-    with open(log, "wb") as out:
-        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace").splitlines()[-40:]
-        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n" + "\n".join(tail))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not _have_vllm():
+    if not have_vllm():
         pytest.skip("vLLM is not installed here: run `make e2e` (it builds .venv-vllm)")
     return tmp_path_factory.mktemp("e2e")
 
 
 @pytest.fixture(scope="module")
-def model(workdir: Path) -> str:
-    out = workdir / "tiny_llama"
-    _run([str(HERE / "tiny_llama.py"), str(out)], workdir / "tiny_llama.log", 300)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def baseline(model: str, workdir: Path) -> dict[str, Any]:
     out = workdir / "baseline.json"
-    _run([str(HERE / "vllm_driver.py"), "baseline", "--model", model, "--out", str(out)], workdir / "baseline.log", 600)
+    run_driver([str(HERE / "vllm_driver.py"), "baseline", "--model", model, "--out", str(out)], workdir / "baseline.log", 600)
     report: dict[str, Any] = json.loads(out.read_text())
     return report
 
@@ -72,8 +36,8 @@ def baseline(model: str, workdir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def connector(model: str, workdir: Path, baseline: dict[str, Any]) -> dict[str, Any]:
     out = workdir / "connector.json"
-    args = [str(HERE / "vllm_driver.py"), "connector", "--model", model, "--out", str(out), "--port", str(_free_port())]
-    _run(args, workdir / "connector.log", 600)
+    args = [str(HERE / "vllm_driver.py"), "connector", "--model", model, "--out", str(out), "--port", str(free_port())]
+    run_driver(args, workdir / "connector.log", 600)
     report: dict[str, Any] = json.loads(out.read_text())
     timings = {
         "baseline init s": baseline["init_s"],

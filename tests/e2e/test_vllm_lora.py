@@ -6,18 +6,16 @@ import json
 from typing import Any
 
 import pytest
-from test_vllm_e2e import HERE, _free_port, _run  # one way to run a driver in the vLLM venv
+from vllm_run import HERE, free_port, run_driver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pytest.importorskip("vllm", reason="vLLM is not installed here: run `make e2e`")
+def report(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("lora")
-    _run([str(HERE / "tiny_llama.py"), str(work / "tiny")], work / "tiny.log", 300)
     out = work / "lora.json"
-    _run([str(HERE / "vllm_lora_driver.py"), "--model", str(work / "tiny"), "--out", str(out), "--port", str(_free_port())],
+    run_driver([str(HERE / "vllm_lora_driver.py"), "--model", model, "--out", str(out), "--port", str(free_port())],
          work / "lora.log", 900)
     result: dict[str, Any] = json.loads(out.read_text())
     print("e2e lora:", json.dumps({k: v for k, v in result.items() if k != "runs"}))

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from test_vllm_e2e import HERE, _free_port, _run  # one way to run a driver in the vLLM venv
+from vllm_run import HERE, free_port, run_driver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -36,16 +36,9 @@ def tp_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(tp_workdir: Path) -> str:
-    out = tp_workdir / "tiny_llama"
-    _run([str(HERE / "tiny_llama.py"), str(out)], tp_workdir / "tiny_llama.log", 300)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def tp_baseline(model: str, tp_workdir: Path) -> dict[str, Any]:
     out = tp_workdir / "baseline_tp.json"
-    _run([str(HERE / "vllm_driver.py"), "baseline", "--tp", str(TP), "--model", model, "--out", str(out)],
+    run_driver([str(HERE / "vllm_driver.py"), "baseline", "--tp", str(TP), "--model", model, "--out", str(out)],
          tp_workdir / "baseline_tp.log", 600)
     report: dict[str, Any] = json.loads(out.read_text())
     return report
@@ -54,8 +47,8 @@ def tp_baseline(model: str, tp_workdir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def tp_connector(model: str, tp_workdir: Path, tp_baseline: dict[str, Any]) -> dict[str, Any]:
     out = tp_workdir / "connector_tp.json"
-    _run([str(HERE / "vllm_driver.py"), "connector-tp", "--tp", str(TP), "--model", model, "--out", str(out),
-          "--port", str(_free_port())], tp_workdir / "connector_tp.log", 600)
+    run_driver([str(HERE / "vllm_driver.py"), "connector-tp", "--tp", str(TP), "--model", model, "--out", str(out),
+          "--port", str(free_port())], tp_workdir / "connector_tp.log", 600)
     report: dict[str, Any] = json.loads(out.read_text())
     print("e2e TP=2 timings:", json.dumps({
         "baseline init s": tp_baseline["init_s"], "connector init s": report["init_s"],
