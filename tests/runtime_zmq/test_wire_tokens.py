@@ -172,6 +172,24 @@ def test_scanner_signed_and_wide_forms_from_other_writers() -> None:
     assert decode_key_frame(b"\x81\xa9token_ids\x91\xd0\xff") is None
 
 
+def test_scanner_switches_between_its_fast_and_checked_loops_mid_array() -> None:
+    # the common forms are decoded by a branch-free loop while 5 bytes remain; another writer's
+    # form mid-array, or the last ids of the frame, go to the checked loop, which reads the
+    # rest: every id must come out in order whichever loop read it
+    common = [3, 200, 70000, 127, 65535, 2**32 - 1, 0, 128]
+    signed = b"\xd1\x01\x00"  # int16 256
+    body = msgpack.packb(common)[1:] + signed + msgpack.packb(common)[1:]
+    ids = [*common, 256, *common]
+    head = b"\xdc" + len(ids).to_bytes(2, "big")
+    for tail_field in (b"", b"\xa1x\x05"):
+        frame = bytes([0x81 + (1 if tail_field else 0)]) + b"\xa9token_ids" + head + body + tail_field
+        got = decode_key_frame(frame)
+        assert got is not None and got["token_ids"] == array("I", ids).tobytes()
+    for n in range(1, 7):  # arrays ending in each width, right at the end of the frame
+        tail = common[-n:] + [2**32 - 1, 70000][: n % 2 + 1]
+        assert _agrees(msgpack.packb(_key(tail)))
+
+
 def test_scanner_declines_duplicates_bins_and_non_maps() -> None:
     one = msgpack.packb([1, 2])
     assert decode_key_frame(b"\x82\xa9token_ids" + one + b"\xa9token_ids" + one) is None
