@@ -45,9 +45,14 @@ one global LRU, as before.
 Every mutating method takes ``now`` and first expires what is due, so an expired lease is never
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
 
-Batch forms for a request's whole prefix (``readable_prefix``, ``lease_reads``, ``release_reads``,
-``release_owner``) do the same per object as the single forms, with one expiry step and one
-expiry-heap entry per call; a lease is a ``(count, expiry)`` pair per owner, not an object.
+Batch forms for a request's whole prefix (``readable_prefix``, ``lease_prefix``, ``lease_reads``,
+``release_reads``, ``release_owner``) do the same per object as the single forms, with one expiry
+step and one expiry-heap entry per call; a lease is a ``(count, expiry)`` pair per owner, not an
+object. ``lease_prefix`` is a lookup's whole L1 part in one walk: the readable objects are
+found by chunk hash in one map per KV rank (no key object built per chunk), and a new owner's
+leases are one ``(count, expiry)`` tuple shared by the batch; the owner map (key -> object)
+and the expiry entry hold the index's own keys, so a lookup leaves no new object per chunk
+behind, and ``release_owner`` reaches the objects without a second index lookup.
 """
 from __future__ import annotations
 
@@ -116,7 +121,7 @@ _Expiry = tuple[float, int, tuple[ObjectKey, ...], "Owner | None"]
 _MIN_COMPACT = 1024  # the heap is rebuilt without stale entries when it doubles past this
 
 
-@attrs.define
+@attrs.define(eq=False)  # identity: the batch paths search lists of objects for None
 class _Object:
     key: ObjectKey
     slot: int
@@ -150,6 +155,9 @@ class L1Index:
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self._objects: dict[ObjectKey, _Object] = {}
+        # The READY / READ_LEASED objects (not WRITING) per KV rank, by chunk hash: a lookup
+        # finds its prefix with no key object built per chunk. A rank with none has no entry.
+        self._readable: dict[int, dict[bytes, _Object]] = {}
         self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
         # READY, unleased objects per tenant, least recently used first (``_Object.lru``)
         self._lru: dict[Tenant | None, OrderedDict[ObjectKey, None]] = {None: OrderedDict()}
@@ -157,7 +165,7 @@ class L1Index:
         self._use_seq = 0
         # Slots each tenant may hold while L1 is full (None: no quotas, one global LRU).
         self.tenant_share: int | None = None
-        self._by_owner: dict[Owner, dict[ObjectKey, None]] = {}
+        self._by_owner: dict[Owner, dict[ObjectKey, _Object]] = {}  # in lease order
         self._expiries: list[_Expiry] = []  # a heap; stale entries skipped, compacted
         self._compact_at = _MIN_COMPACT
         self._seq = 0
@@ -331,6 +339,10 @@ class L1Index:
         if obj is None or obj.writer is None or obj.writer != owner:
             return False
         obj.writer = None
+        readable = self._readable.get(key.kv_rank)
+        if readable is None:
+            readable = self._readable[key.kv_rank] = {}
+        readable[key.chunk_hash] = obj
         self._mark_evictable(obj)
         return True
 
@@ -362,12 +374,15 @@ class L1Index:
         self.expire(now)
         if count < 1:
             return 0
-        expiry = now + self.lease_ttl
+        return self._lease_keys(keys, owner, count, now + self.lease_ttl, top_up, refresh)
+
+    def _lease_keys(self, keys: Iterable[ObjectKey], owner: Owner, count: int, expiry: float,
+                    top_up: bool, refresh: bool) -> int:
         objects = self._objects
         leased: list[ObjectKey] = []
         held = 0
         added = 0
-        by_owner: dict[ObjectKey, None] | None = None
+        by_owner: dict[ObjectKey, _Object] | None = None
         for key in keys:
             obj = objects.get(key)
             if obj is None or obj.writer is not None:
@@ -378,7 +393,7 @@ class L1Index:
                 readers[owner] = (count, expiry)
                 if by_owner is None:
                     by_owner = self._by_owner.setdefault(owner, {})
-                by_owner[key] = None
+                by_owner[key] = obj
                 obj.lru.pop(key, None)
                 added += count
             else:
@@ -403,21 +418,65 @@ class L1Index:
     ) -> tuple[int, list[ObjectKey]]:
         """How many leading chunks have every rank in ``ranks`` readable, and the keys of those
         chunks (chunk by chunk, ranks in the order given)."""
-        objects = self._objects
-        keys: list[ObjectKey] = []
-        append = keys.append
-        chunks = 0
+        if not ranks:
+            return len(chunk_hashes), []
+        objs = self._prefix_objects(chunk_hashes, ranks)
+        return len(objs) // len(ranks), [obj.key for obj in objs]
+
+    def lease_prefix(
+        self, chunk_hashes: Sequence[bytes], ranks: Sequence[int], owner: Owner, count: int, now: float
+    ) -> int:
+        """A lookup's L1 part in one walk: ``readable_prefix`` (after the expiry step), then
+        ``owner`` holds at least ``count`` on every object of that prefix, with its expiry
+        renewed -- exactly ``lease_reads(keys, owner, count, now, top_up=True, refresh=True)``
+        on the prefix's keys. Returns the prefix length in chunks."""
+        self.expire(now)
+        if not ranks:
+            return len(chunk_hashes)
+        objs = self._prefix_objects(chunk_hashes, ranks)
+        chunks = len(objs) // len(ranks)
+        if count < 1 or not objs:
+            return chunks
+        expiry = now + self.lease_ttl
+        if owner in self._by_owner:  # a repeat lookup: top up and renew what it holds
+            self._lease_keys([obj.key for obj in objs], owner, count, expiry, top_up=True, refresh=True)
+            return chunks
+        # A new owner holds nothing: every object gets the same fresh lease and leaves its LRU
+        # set (a no-op for one another owner leases already).
+        lease = (count, expiry)
+        held: dict[ObjectKey, _Object] = {}
+        for obj in objs:
+            key = obj.key
+            obj.readers[owner] = lease
+            obj.lru.pop(key, None)
+            held[key] = obj
+        added = count * len(held)
+        self._by_owner[owner] = held
+        self._leases_taken += added
+        self._leases_held += added
+        self._push_expiry(expiry, tuple(held), owner)
+        return chunks
+
+    def _prefix_objects(self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]) -> list[_Object]:
+        """The readable objects of the leading chunks that have every rank of ``ranks``
+        readable, chunk by chunk, ranks in the order given (``ranks`` not empty)."""
+        readable = self._readable
+        if len(ranks) == 1:
+            by_hash = readable.get(ranks[0])
+            if by_hash is None:
+                return []
+            objs = list(map(by_hash.get, chunk_hashes))
+            if None in objs:
+                del objs[objs.index(None):]
+            return objs  # type: ignore[return-value]
+        per_rank = [readable.get(r, {}) for r in ranks]
+        out: list[_Object] = []
         for h in chunk_hashes:
-            mark = len(keys)
-            for r in ranks:
-                key = ObjectKey(h, r)
-                obj = objects.get(key)
-                if obj is None or obj.writer is not None:
-                    del keys[mark:]
-                    return chunks, keys
-                append(key)
-            chunks += 1
-        return chunks, keys
+            row = [by_hash.get(h) for by_hash in per_rank]
+            if None in row:
+                break
+            out.extend(row)  # type: ignore[arg-type]
+        return out
 
     def release_read(
         self, key: ObjectKey, owner: Owner, count: int | None, reason: ReleaseReason, now: float
@@ -440,17 +499,21 @@ class L1Index:
     def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
         """Release every count ``owner`` holds, on every object (in the order it leased them)."""
         self.expire(now)
-        keys = self._by_owner.pop(owner, None)
-        if not keys:
+        held = self._by_owner.pop(owner, None)
+        if not held:
             return 0
-        objects = self._objects
         released = 0
-        for key in keys:
-            obj = objects[key]
+        seq = self._use_seq
+        for key, obj in held.items():
             readers = obj.readers
             released += readers.pop(owner)[0]
-            if not readers and obj.writer is None:
-                self._mark_evictable(obj)  # released objects are the most recently used
+            if not readers:
+                # evictable again, the most recently used (a leased object is never WRITING
+                # and never in its LRU set: ``_mark_evictable`` inlined)
+                obj.lru[key] = None
+                seq += 1
+                obj.used = seq
+        self._use_seq = seq
         self._leases_held -= released
         self._leases_released[reason] += released
         return released
@@ -476,6 +539,8 @@ class L1Index:
                     self._write_expirations += 1
                     self._drop(obj)
                 continue
+            if owner not in self._by_owner:
+                continue  # released already: a stale entry
             for key in keys:
                 obj = self._objects.get(key)
                 lease = None if obj is None else obj.readers.get(owner)
@@ -530,6 +595,9 @@ class L1Index:
         assert not self._quarantined & set(self._free_slots), "a quarantined slot is free"
         assert self._quarantined <= set(self._pinned), "a quarantined slot with no pin"
         assert len(slots) + len(self._free_slots) + len(self._quarantined) == self.num_slots, "slots lost"
+        assert {ObjectKey(h, r): o for r, by_hash in self._readable.items() for h, o in by_hash.items()} == {
+            k: o for k, o in self._objects.items() if o.writer is None}, "readable map"
+        assert all(self._readable.values()), "an empty rank map"
         held = 0
         pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
         for obj in self._objects.values():
@@ -580,6 +648,8 @@ class L1Index:
         if owner is None:
             obj = objects.get(keys[0])
             return obj is not None and obj.writer is not None and obj.write_expiry == expiry
+        if owner not in self._by_owner:
+            return False  # the owner holds nothing any more
         for key in keys:
             obj = objects.get(key)
             lease = None if obj is None else obj.readers.get(owner)
@@ -613,7 +683,13 @@ class L1Index:
     def _drop(self, obj: _Object) -> None:
         for owner in tuple(obj.readers):
             self._release(obj.key, owner, None, ReleaseReason.CLEAR)
-        del self._objects[obj.key]
+        key = obj.key
+        del self._objects[key]
+        if obj.writer is None:
+            readable = self._readable[key.kv_rank]
+            del readable[key.chunk_hash]
+            if not readable:
+                del self._readable[key.kv_rank]
         if self.dropped is not None:
             self.dropped.append(obj.key)
         obj.lru.pop(obj.key, None)

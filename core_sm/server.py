@@ -261,19 +261,23 @@ class LookupServer:
         self.index.touch(key)
 
     def _lease_prefix_for_lookup(
-        self, owner: RequestKey, keys: Sequence[ObjectKey], num_readers: int, now: float
-    ) -> None:
-        """``_lease_for_lookup`` for every object of a lookup's L1 prefix, as one batch of the
-        index (a subclass overriding ``_lease_for_lookup`` has it called per object instead)."""
-        if type(self)._lease_for_lookup is not LookupServer._lease_for_lookup:
+        self, owner: RequestKey, hashes: Sequence[bytes], ranks: Sequence[int], num_readers: int, now: float
+    ) -> int:
+        """A lookup's L1 prefix: how many leading chunks of ``hashes`` are readable for every
+        rank of ``ranks``; ``owner`` takes ``_lease_for_lookup``'s leases on their objects, as
+        one walk of the index (a subclass overriding ``_lease_for_lookup`` has it called per
+        object instead)."""
+        if num_readers > 0 and type(self)._lease_for_lookup is LookupServer._lease_for_lookup:
+            # Top-up per object, as _lease_for_lookup (READY objects being leased leave the LRU
+            # set, so its touch has nothing to move). Every lookup of a request also renews the
+            # leases it already holds: a connector whose request waits in a deep queue looks it
+            # up again before they expire (bounded by max_lookups_per_request).
+            return self.index.lease_prefix(hashes, ranks, owner, num_readers, now)
+        prefix, keys = self.index.readable_prefix(hashes, ranks)
+        if num_readers > 0:
             for key in keys:
                 self._lease_for_lookup(owner, key, num_readers, now)
-            return
-        # Top-up per object, as _lease_for_lookup (READY objects being leased leave the LRU set,
-        # so its touch has nothing to move). Every lookup of a request also renews the leases it
-        # already holds: a connector whose request waits in a deep queue looks it up again
-        # before they expire (bounded by max_lookups_per_request).
-        self.index.lease_reads(keys, owner, num_readers, now, top_up=True, refresh=True)
+        return prefix
 
     def _release_for_free_lookup_locks(
         self, owner: RequestKey, keys: Sequence[ObjectKey], now: float

@@ -405,9 +405,7 @@ class JobMachine:
         ctx, ckey = self.ctx, ev.key
         key = RequestKey(ev.peer, ckey.request_id)
         ranks = range(ckey.world_size) if ev.ranks is None else ev.ranks
-        prefix, prefix_keys = ctx.index.readable_prefix(hashes, ranks)
-        if ev.num_readers > 0 and prefix_keys:
-            self.server._lease_prefix_for_lookup(key, prefix_keys, ev.num_readers, now)
+        prefix = self.server._lease_prefix_for_lookup(key, hashes, ranks, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
         job = PrefetchJob(ckey.request_id, ev.peer, work=JobWork(
             serial=ctx.new_id(), model_name=sys.intern(ckey.model_name), world_size=ckey.world_size,

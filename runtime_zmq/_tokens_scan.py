@@ -206,7 +206,7 @@ def _scan_key(buf: Any, name: Any) -> Any:  # pragma: no cover - compiled
             v = ((np.int64(buf[pos + 1]) << 24) | (np.int64(buf[pos + 2]) << 16)
                  | (np.int64(buf[pos + 3]) << 8) | np.int64(buf[pos + 4]))
             ids[i] = t if fix else v >> (24 - 8 * k - 8 * (k >> 1))
-            pos += 1 if fix else 2 + k + (k >> 1)
+            pos += int(1 if fix else 2 + k + (k >> 1))
             i += 1
         for i in range(i, count):
             if pos >= n:

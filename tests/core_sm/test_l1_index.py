@@ -417,6 +417,24 @@ class L1Machine(RuleBasedStateMachine):
                 self.model[(key, owner)] = (count + add, self.now + self.idx.lease_ttl)
                 self.taken += add
 
+    @rule(hashes=st.lists(st.sampled_from([bytes([i]) for i in range(5)]), max_size=5),
+          ranks=st.sampled_from([(0,), (1,), (0, 1), (1, 0)]), owner=st.sampled_from(OWNERS),
+          n=st.integers(0, 3))
+    def lease_prefix(self, hashes: list[bytes], ranks: tuple[int, ...], owner: object, n: int) -> None:
+        chunks = 0
+        for h in hashes:
+            if not all(self.idx.is_readable(ObjectKey(h, r)) for r in ranks):
+                break
+            chunks += 1
+        assert self.idx.lease_prefix(hashes, ranks, owner, n, self.now) == chunks
+        if n < 1:
+            return
+        for h in dict.fromkeys(hashes[:chunks]):
+            for r in ranks:
+                count, _exp = self.model.get((ObjectKey(h, r), owner), (0, 0.0))
+                self.model[(ObjectKey(h, r), owner)] = (max(count, n), self.now + self.idx.lease_ttl)
+                self.taken += max(0, n - count)
+
     @rule(key=st.sampled_from(KEYS), owner=st.sampled_from(OWNERS), n=st.one_of(st.none(), st.integers(1, 3)))
     def release(self, key: ObjectKey, owner: object, n: int | None) -> None:
         got = self.idx.release_read(key, owner, n, ReleaseReason.FREE, self.now)
@@ -455,8 +473,9 @@ class L1Machine(RuleBasedStateMachine):
         if not hasattr(self, "idx"):
             return
         self.idx.check_invariants()
-        for (key, owner), (count, _exp) in self.model.items():
+        for (key, owner), (count, exp) in self.model.items():
             assert self.idx.read_count(key, owner) == count
+            assert self.idx.lease_expiry(key, owner) == exp
         assert self.idx.stats()["leases_held"] == sum(c for c, _ in self.model.values())
         for k in KEYS:
             assert self.idx.total_read_count(k) >= 0
