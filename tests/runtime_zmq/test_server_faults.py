@@ -165,9 +165,13 @@ def test_sigterm_answers_waiters_and_removes_segment(start_server: Callable[...,
         assert os.path.exists(segment)
         c.lookup(key(tokens(2), "w")).result(5)
         waiter = c.wait_prefetch_status("w", 30.0)
-        time.sleep(0.2)
+        # The server must hold the waiter before the signal: a request it has not read when
+        # the shutdown starts is never read (and this client would time out, not see
+        # shutting_down). A fixed sleep was not enough on a loaded box. The scanner loading on
+        # its thread at start must be done too, or the shutdown waits for it.
+        assert wait_for(lambda: (s := c.stats())["waiters"] == 1 and s["token_scanner_ready"], timeout=30.0, interval=0.05)
         assert not waiter.done()
-        assert sp.terminate(timeout=10.0) == 0
+        assert sp.terminate(timeout=30.0) == 0
         with pytest.raises(RemoteError) as e:
             waiter.result(5)
         assert e.value.kind == "shutting_down"
