@@ -35,8 +35,6 @@ import stat
 from typing import Any, Final
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from mpcache.runtime_zmq.private_file import PrivateFileError, read_private_file
 
@@ -65,6 +63,8 @@ def keygen(directory: str, client: str = "client") -> dict[str, str]:
     os.makedirs(authorized, mode=0o700, exist_ok=True)
     server_public = os.path.join(directory, f"{SERVER_NAME}.key")
     server_secret = os.path.join(directory, f"{SERVER_NAME}.key_secret")
+    import zmq.auth  # CURVE only: a server without --curve-dir never imports it
+
     if not os.path.exists(server_secret):
         zmq.auth.create_certificates(directory, SERVER_NAME)
     _private(server_secret)
@@ -85,6 +85,8 @@ def _load_secret(path: str) -> tuple[bytes, bytes]:
         raise AuthError(f"cannot read {path}: {e.strerror}") from None
     if st.st_mode & 0o077:
         raise AuthError(f"{path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+    import zmq.auth
+
     public, secret = zmq.auth.load_certificate(path)
     if secret is None:
         raise AuthError(f"{path} holds no secret key")
@@ -100,6 +102,9 @@ class CurveServer:
         authorized = os.path.join(directory, AUTHORIZED)
         if not os.path.isdir(authorized) or not any(n.endswith(".key") for n in os.listdir(authorized)):
             raise AuthError(f"{authorized} has no client keys: run `mpcache-server keygen {directory}`")
+        # zmq.auth.thread imports asyncio (about 50 ms): only a CURVE server pays for it
+        from zmq.auth.thread import ThreadAuthenticator
+
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("mpcache.auth.zap"))
         self._auth.start()
         self._auth.configure_curve(domain="*", location=authorized)
@@ -117,6 +122,8 @@ class CurveServer:
 def client_curve(sock: zmq.Socket[Any], directory: str, client: str = "client") -> None:
     """Set a client socket's CURVE keys (before ``connect``): the server's public key from
     ``directory/server.key``, the client's pair from ``directory/<client>.key_secret``."""
+    import zmq.auth
+
     server_public, _ = zmq.auth.load_certificate(os.path.join(directory, f"{SERVER_NAME}.key"))
     public, secret = _load_secret(os.path.join(directory, f"{client}.key_secret"))
     sock.curve_serverkey = server_public

@@ -319,6 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.set_threshold(20_000, 20, 50)
     try:
         server.serve_forever(ready)
+    except Exception as e:
+        if e is not server.start_error:
+            raise
+        return 1  # logged as "cannot start: ..." (no room for L1, found after the socket was bound)
     finally:
         # Shut down: a late signal must not kill the exiting process (the interpreter restores
         # the default action of a signal with a Python handler when it finalizes, not of one

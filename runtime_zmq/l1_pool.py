@@ -7,7 +7,9 @@
   created (``posix_fallocate``; the server creates it at start-up), so a tmpfs without room fails
   that call with a clear error at start instead of a SIGBUS on the first write to a page the
   filesystem cannot back (tmpfs reports ENOSPC on a page fault as SIGBUS, in the server or in an
-  engine that maps the segment). The memory is committed then (about 0.1 s per 256 MiB).
+  engine that maps the segment). The memory is committed then (about 0.1 s per 256 MiB; the
+  kernel zero-fills it). The server does that on a thread (``reserve_in_background``) while its
+  loop already answers; a use of the segment meanwhile waits for the reservation to end.
   ``reserve=False`` (``--no-l1-reserve``): created sparse (``ftruncate``) on first use and
   committed page by page, a fast start for a huge L1 at the price of that SIGBUS risk if the
   filesystem fills up later.
@@ -35,6 +37,8 @@ import os
 import re
 import secrets
 import stat
+import threading
+from collections.abc import Callable
 from typing import Final
 
 log = logging.getLogger("mpcache.l1")
@@ -139,14 +143,32 @@ class SharedMemoryPool:
         self.path = os.path.join(directory, f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}")
         self._mm: mmap.mmap | None = None
         self._fd = -1
+        self._create_lock = threading.Lock()  # one creation, even with a reservation thread
 
-    # Created on first use: the server's start-up path never touches the segment.
+    # Created on first use (or by reserve_in_background): the start-up path never waits for it.
     def _open(self) -> mmap.mmap:
+        mm = self._mm
+        if mm is not None:
+            return mm
+        with self._create_lock:
+            return self._create()
+
+    def _new_file(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # "a server owns this": sweep_orphans keeps it
+            os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        return fd
+
+    def _create(self) -> mmap.mmap:
         if self._mm is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = self._fd if self._fd >= 0 else self._new_file()  # reserve_in_background made it
+            self._fd = -1
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # "a server owns this": sweep_orphans keeps it
-                os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
                 nbytes = max(self.size, mmap.PAGESIZE)
                 try:
                     if self.reserve:
@@ -174,6 +196,26 @@ class SharedMemoryPool:
         """Create the segment if needed; return its path (for clients that map it)."""
         self._open()
         return self.path
+
+    def reserve_in_background(self, on_error: Callable[[BaseException], None]) -> threading.Thread:
+        """Create (and reserve) the segment on a thread, returned started; the caller joins it
+        before ``close``. ``posix_fallocate`` releases the GIL, so the caller's loop runs
+        meanwhile; any use of the segment waits for the creation to end. A failure (e.g.
+        ``ReservationError``) is handed to ``on_error``, on that thread."""
+
+        with self._create_lock:
+            if self._mm is None and self._fd < 0:
+                self._fd = self._new_file()  # the file exists (and is owned) from now on
+
+        def reserve() -> None:
+            try:
+                self._open()
+            except BaseException as e:
+                on_error(e)
+
+        thread = threading.Thread(target=reserve, name="mpcache-l1-reserve", daemon=True)
+        thread.start()
+        return thread
 
     @property
     def created(self) -> bool:

@@ -303,11 +303,11 @@ class Server:
         # zmq's cap is per frame: a peer sending one frame over twice the codec's limit is
         # disconnected by zmq (nothing is buffered past it); below it the loop answers too_large.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_frame_bytes)
+        # serve_forever reserves the segment's pages (no room is a start-up error, not a SIGBUS
+        # in the middle of a copy; l1_pool) on a thread, while the loop already answers
+        self._reservation: threading.Thread | None = None
+        self.start_error: BaseException | None = None
         try:
-            if config.l1_reserve:
-                # Reserve the segment's pages now, off the loop: no room is a start-up error, not
-                # a SIGBUS in the middle of a copy (l1_pool).
-                self.pool.ensure()
             if config.curve_dir is not None:
                 if not config.url.startswith("tcp://"):
                     raise ValueError("CURVE (--curve-dir) is for TCP; an ipc socket is guarded by its directory")
@@ -373,6 +373,11 @@ class Server:
         self.channel.wake()
 
     def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
+        """Serve until ``stop()``. Raises what made the start fail after the socket was bound
+        (``l1_pool.ReservationError``: no room for L1), once the shutdown is done."""
+        if self.config.l1_reserve and not self.pool.created:
+            # the kernel zero-fills the pages (about 0.4 s per GiB): not before the first reply
+            self._reservation = self.pool.reserve_in_background(self._reservation_failed)
         # the list-form token scanner compiles or loads (numba) while the loop already answers
         self._token_scanner = tokens.load_in_background()
         if self.config.metrics_port:
@@ -384,6 +389,14 @@ class Server:
             self._loop()
         finally:
             self._shutdown()
+        if self.start_error is not None:
+            raise self.start_error
+
+    def _reservation_failed(self, error: BaseException) -> None:
+        # on the reservation thread: the loop stops as for SIGTERM (requests answered shutting_down)
+        log.error("cannot start: %s", error)
+        self.start_error = error
+        self.stop()
 
     # ------------------------------------------------------------------ loop
 
@@ -869,6 +882,8 @@ class Server:
         self._stop_frame_freer()
         if self.authenticator is not None:
             self.authenticator.stop()
+        if self._reservation is not None:
+            self._reservation.join()  # before the segment is closed under it
         self.pool.close()
         self.channel.close()
         self.ctx.term()

@@ -36,29 +36,37 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
-import numpy as np
-
-_TOKEN_IDS_KEY = np.frombuffer(b"token_ids", dtype=np.uint8)
 
 _OK = 0  # the scanner's status for "took the fast path" (runtime_zmq._tokens_scan)
 
 
-_scan_key_compiled: Callable[[Any, Any], Any] | None = None
+# frame -> (status, start, end, ids); None until load() has run
+_scan_frame: Callable[[bytes | memoryview], Any] | None = None
 _load_lock = threading.Lock()
 
 
 def load() -> None:
-    """Compile (or load from numba's cache) the scanner; blocks; thread-safe and idempotent."""
-    global _scan_key_compiled
+    """Compile (or load from numba's cache) the scanner; blocks; thread-safe and idempotent.
+    numpy is imported here too, not with this module: the server's start-up path (which imports
+    this module through the codec) never waits for it."""
+    global _scan_frame
     with _load_lock:
-        if _scan_key_compiled is None:
+        if _scan_frame is None:
+            import numpy as np
+
             from mpcache.runtime_zmq import _tokens_scan  # imports numba; compiles or loads the scanner
+
+            scan_key = _tokens_scan.scan_key
+            token_ids_key = np.frombuffer(b"token_ids", dtype=np.uint8)
+            frombuffer, uint8 = np.frombuffer, np.uint8
+
+            def scan_frame(frame: bytes | memoryview) -> Any:
+                return scan_key(frombuffer(frame, dtype=uint8), token_ids_key)
 
             # the first call costs ~8 ms more (numba's dispatch warming up): pay it here, on the
             # loading thread, not on the server loop's first list-form key
-            warm = np.frombuffer(msgpack.packb({"token_ids": [1, 2]}), dtype=np.uint8)
-            _tokens_scan.scan_key(warm, _TOKEN_IDS_KEY)
-            _scan_key_compiled = _tokens_scan.scan_key
+            scan_frame(msgpack.packb({"token_ids": [1, 2]}))
+            _scan_frame = scan_frame
 
 
 def load_in_background() -> threading.Thread:
@@ -70,7 +78,7 @@ def load_in_background() -> threading.Thread:
 
 def ready() -> bool:
     """Whether ``decode_key_frame`` takes the fast path."""
-    return _scan_key_compiled is not None
+    return _scan_frame is not None
 
 
 _NIL = b"\xc0"
@@ -83,10 +91,10 @@ def decode_key_frame(frame: bytes | memoryview, unpack: Callable[[bytes], Any] |
     frame the scanner declines; a frame whose other fields are not valid msgpack raises what
     ``msgpack.unpackb`` raises, as the ordinary path would. ``unpack`` decodes the rest of the
     map (default ``msgpack.unpackb``; the server passes one with its per-payload limits)."""
-    scan = _scan_key_compiled
+    scan = _scan_frame
     if scan is None:
         return None
-    status, start, end, ids = scan(np.frombuffer(frame, dtype=np.uint8), _TOKEN_IDS_KEY)
+    status, start, end, ids = scan(frame)
     if status != _OK:
         return None
     remainder = bytes(frame[:start]) + _NIL + bytes(frame[end:])

@@ -212,7 +212,7 @@ def test_list_form_limit_is_enforced_through_the_scanner() -> None:
 
 
 def test_before_the_scanner_is_loaded_every_frame_takes_the_ordinary_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokens, "_scan_key_compiled", None)
+    monkeypatch.setattr(tokens, "_scan_frame", None)
     assert not tokens.ready()
     assert decode_key_frame(msgpack.packb(_key(TOKENS))) is None
     assert _lookup(_key(TOKENS)).key.token_ids.tolist() == TOKENS
