@@ -350,10 +350,14 @@ class InstanceFailed:
     and dropped what it kept for it. The server releases the instance as for a reap: its
     registration goes, its uncommitted plans fail; its running copies still end by their
     ``TransferFinished``. Counted ``instances_failed``; an id not registered (any more) is a
-    stale event. ``reason`` is for the log."""
+    stale event. ``reason`` is for the log. ``failed_at``: when the runtime gave up (on the
+    clock it passes to ``handle``); a registration made at or after it is the engine's new
+    one (it registered again while this event was queued) and stays: the event is stale for
+    it. None: the event fails whichever registration holds the id."""
 
     instance_id: int
     reason: str = ""
+    failed_at: float | None = None
 
 
 def _bools(values: Iterable[bool]) -> tuple[bool, ...]:

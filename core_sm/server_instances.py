@@ -16,7 +16,10 @@ names no instance and is answered ``True``.
 ``InstanceFailed(instance_id)`` comes from the runtime when its GPU transfer engine gave up on the
 instance (a copy whose engine event never fired): the instance is released as a reap releases
 it, counted ``instances_failed``, with no ``InstanceReaped`` (the runtime dropped its mappings
-already). Its running copies still end by their ``TransferFinished``.
+already). Its running copies still end by their ``TransferFinished``. The event reaches core_sm
+through the runtime's queue, so the engine may have registered the id again meanwhile: a
+registration made at or after the event's ``failed_at`` is that new one, and stays (the event
+is counted stale).
 
 Ownership: an instance id belongs to the peer that registered it; a request from another peer
 naming it (register again, unregister, heartbeat, store, retrieve, prepare) is refused
@@ -61,7 +64,8 @@ class InstanceDeadline(Timer):
 class Instance:
     registration: RegisterInstance
     generation: int  # a registration's timers are not another's
-    last_seen: float
+    last_seen: float  # also when it was registered, until traffic moves it
+    registered_at: float
     watched: bool = False  # it has sent a heartbeat: reaped when silent for instance_ttl
     peer: Peer = None  # the connection that registered it
 
@@ -133,7 +137,7 @@ class InstanceMachine:
         old = self.instances.get(ev.instance_id)
         if self._foreign(old, ev.peer, ev.reply_to, out):
             return
-        inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now, peer=ev.peer)
+        inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now, now, peer=ev.peer)
         self.instances[ev.instance_id] = inst
         self._shares_changed()
         if old is not None and old.watched:  # registering again: still a heartbeating client
@@ -189,7 +193,11 @@ class InstanceMachine:
 
     def _on_failed(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
         """The runtime failed the instance (its GPU engine's event never fired): release it as a
-        reap does. No ``InstanceReaped``: the runtime already dropped what it kept for it."""
+        reap does. No ``InstanceReaped``: the runtime already dropped what it kept for it. A
+        registration made at or after ``failed_at`` came after the failure: it stays."""
+        if ev.failed_at is not None and self.instances[ev.instance_id].registered_at >= ev.failed_at:
+            self._on_failed_stale(ev, now, out)
+            return
         del self.instances[ev.instance_id]
         self.ctx.counters["instances_failed"] += 1
         self.transfers.instance_gone(ev.instance_id, now, out)
@@ -270,7 +278,7 @@ INSTANCE_TABLE: Table[InstanceState] = Table("LookupServer instances (one instan
     (I.ABSENT, Ping): (InstanceMachine._on_plain_ping, {I.ABSENT}),
     (I.REGISTERED, Ping): (InstanceMachine._on_heartbeat, {I.REGISTERED}),
     (I.REGISTERED, InstanceDeadline): (InstanceMachine._on_deadline, {I.REGISTERED, I.ABSENT}),
-    (I.REGISTERED, InstanceFailed): (InstanceMachine._on_failed, {I.ABSENT}),
+    (I.REGISTERED, InstanceFailed): (InstanceMachine._on_failed, {I.ABSENT, I.REGISTERED}),
     (I.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {I.ABSENT}),
 })
 INSTANCE_TIMERS = (InstanceDeadline,)

@@ -433,7 +433,8 @@ class Server:
                 self.metrics.tick(now)
 
     def _post_instance_failed(self, instance_id: int, reason: str) -> None:
-        self.channel.post(m.InstanceFailed(instance_id, reason))
+        # stamped now: a registration the loop makes before the event is handled is a new one
+        self.channel.post(m.InstanceFailed(instance_id, reason, failed_at=self.clock()))
 
     def _receive_batch(self, sock: zmq.Socket[Any], batch_cpu0: float) -> None:
         """Up to 256 waiting messages (bounded, so completions and timers are never starved by a

@@ -393,6 +393,8 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
     h.register(instance_id=3)
     h.feed(InstanceFailed(3))  # REGISTERED -> ABSENT (the runtime failed it)
     h.feed(InstanceFailed(3))  # ABSENT: stale
+    h.register(instance_id=3)
+    h.feed(InstanceFailed(3, failed_at=h.now - 1.0))  # REGISTERED, registered after the failure: stays
     listed = {(s, e, n) for (s, e), row in INSTANCE_TABLE.rows.items() for n in row.next_states}
     assert seen <= listed and listed - seen == set()
 
