@@ -172,6 +172,8 @@ def _loop_checks(server: Any) -> dict[str, str]:
     pool = server.pool
     if pool.num_slots <= 0:
         checks["l1"] = "L1 has no slot (--l1-size-gb / --slot-mb, or /dev/shm too small)"
+    elif getattr(server, "l1_reserving", False):
+        checks["l1"] = "starting: L1's pages are being reserved"  # a copy into L1 would wait for it
     elif pool.created:
         pool.read(0, 1)  # the mapping is there and readable
         checks["l1"] = "ok"

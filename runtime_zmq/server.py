@@ -392,6 +392,11 @@ class Server:
         if self.start_error is not None:
             raise self.start_error
 
+    @property
+    def l1_reserving(self) -> bool:
+        """L1's pages are still being reserved (start-up; /readyz answers 503 meanwhile)."""
+        return self._reservation is not None and self._reservation.is_alive()
+
     def _reservation_failed(self, error: BaseException) -> None:
         # on the reservation thread: the loop stops as for SIGTERM (requests answered shutting_down)
         log.error("cannot start: %s", error)

@@ -8,18 +8,31 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
 
+from conftest import wait_for
 from mpcache.runtime_zmq import l1_pool
 from mpcache.runtime_zmq.client import MPCacheClient
+from mpcache.runtime_zmq.http import OpsHttpServer
 from mpcache.runtime_zmq.server import Server, ServerConfig
+
+
+def _get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def _server(shm: str) -> Server:
@@ -46,12 +59,20 @@ def test_the_server_answers_while_l1_is_reserved_and_the_segment_waits_for_it(mo
         assert entered.wait(10)
         assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(server.pool.path)]  # owned from the start
         assert c.health()["status"] == "ok"  # answered while the reservation is still running
-        assert not server.pool.created
+        assert not server.pool.created and server.l1_reserving
+        http = OpsHttpServer(server, "127.0.0.1", 0)
+        try:  # not ready while reserving: a store would wait for the reservation
+            assert wait_for(lambda: server.metrics.serving, timeout=10.0)
+            status, body = _get(http.url + "/readyz")
+            assert status == 503 and "reserved" in body["checks"]["l1"], body
+        finally:
+            http.close()
         segment = c.submit("l1_info")  # needs the segment: waits for the reservation
         assert not segment.done()
         release.set()
         assert segment.result(10)["segment"] == server.pool.path
         assert os.stat(server.pool.path).st_blocks * 512 >= 8 << 20  # reserved, not sparse
+        assert wait_for(lambda: not server.l1_reserving, timeout=10.0)
     finally:
         release.set()
         c.close()
