@@ -726,18 +726,34 @@ class WorkerAdapter(_MachineShell):
 
         fd = os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size = stat.st_size
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        transfer = CpuKVTransfer(self._geometry, self._layers, np.frombuffer(mapping, dtype=np.uint8))
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        transfer = CpuKVTransfer(self._geometry, self._layers, view)
         old = self._segment
         self._segment, self._segment_path, self._slot_bytes, self._transfer = mapping, path, slot_bytes, transfer
+        if stat.st_blocks * 512 >= size:
+            # The server reserved the segment's memory: map its pages in now, off the request
+            # path, so the first copies do not pay a page fault per 4 KiB. (A sparse segment,
+            # --no-l1-reserve, is left alone: this would allocate all of it.)
+            threading.Thread(target=self._prefault, args=(mapping, view), name="mpcache-prefault", daemon=True).start()
         if old is not None:
             try:
                 old.close()
             except BufferError:  # a numpy view of it is still alive somewhere: leave it mapped
                 pass
+
+    def _prefault(self, mapping: mmap.mmap, view: Any) -> None:
+        from mpcache.kernels.cpu import prefault
+
+        t0 = time.monotonic()
+        # ``view`` keeps the mapping open until this returns; it stops once a new segment replaced it.
+        done = prefault(view, keep_going=lambda: self._segment is mapping)
+        log.debug("mpcache: L1 segment pages mapped in %.0f ms (%s)", (time.monotonic() - t0) * 1e3,
+                  "done" if done else "not supported by this kernel")
 
     # ------------------------------------------------------------------ per step
 
