@@ -15,6 +15,14 @@ pinned host pool. In one run:
 
 Every mpcache and torch result is checked bitwise (poisoned destination before the checked call).
 Prints a table and the targets; writes kernels.json and kernels_bw.png under --out.
+
+`--cpu` (no GPU needed): the CPU gather (store) and scatter (retrieve) of ``kernels/cpu.py`` that
+a CPU vLLM worker runs, against numpy memcpy of the same bytes timed in the same loop (so the
+ratio is from one load of the box): the ttft bench's vLLM CPU layout (16 chunks, 32 MiB,
+contiguous runs of one head, 256 B) and a Llama-3-8B NHD layout (1 chunk, 32 MiB, runs of a
+whole block); then a store into a freshly mapped shared-memory segment, first touch against
+pre-faulted (``kernels.cpu.prefault``, what the worker does when it maps the server's L1).
+Every copy is checked (gather, then scatter into other blocks: they must equal the sources).
 """
 from __future__ import annotations
 
@@ -37,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for kernels.json and kernels_bw.png")
     ap.add_argument("--threads", type=int, default=512)
     ap.add_argument("--ctas", type=int, default=16)
+    ap.add_argument("--cpu", action="store_true", help="the CPU gather/scatter against numpy memcpy instead (no GPU)")
     args = ap.parse_args(argv)
+    if args.cpu:
+        return cpu_main(args.quick)
 
     import torch
 
@@ -428,3 +439,103 @@ def _plot(rows: list[tuple[str, str, int, float, float, float, float, str]], swe
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def cpu_main(quick: bool = False) -> int:
+    """`mpcache-bench kernels --cpu`: prints the CPU copy table; returns 1 if a check failed."""
+    import mmap
+    import tempfile
+
+    from mpcache.kernels.cpu import CpuKVTransfer, prefault
+    from mpcache.kernels.layouts import KVGeometry, PagedLayout
+
+    reps = 5 if quick else 21
+    rng = np.random.default_rng(2026)
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {reps} rounds, each: memcpy, scatter, gather", flush=True)
+    cases = [
+        ("vLLM CPU fp32, 4 layers x 4 heads x 64, block 128", PagedLayout.CPU, 4, 128, 4, 64, 4, 16),
+        ("NHD bf16, 32 layers x 8 heads x 128, block 16", PagedLayout.NHD, 32, 16, 8, 128, 2, 1),
+    ]
+    print()
+    print("| layout | chunks | MiB | run bytes | copy | best ms | median ms | GB/s (median) | % of memcpy (median) | % of memcpy (best) | check |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    failed = False
+    first_touch: tuple[KVGeometry, list[np.ndarray], np.ndarray] | None = None
+    for label, layout, n_layers, bs, nh, hs, itemsize, n_chunks in cases:
+        bpc = 256 // bs
+        g = KVGeometry(layout, num_layers=n_layers, num_blocks=2 * n_chunks * bpc + 8, block_size=bs, num_heads=nh,
+                       head_size=hs, itemsize=itemsize, chunk_tokens=256)
+        src = [rng.integers(0, 256, size=g.layer_elements() * itemsize, dtype=np.uint8) for _ in range(n_layers)]
+        dst = [np.zeros_like(a) for a in src]
+        pool = np.zeros((2 * n_chunks) * g.slot_bytes, dtype=np.uint8)
+        perm = rng.permutation(g.num_blocks)
+        src_ids = perm[: n_chunks * bpc].reshape(n_chunks, bpc).astype(np.int64)
+        dst_ids = perm[n_chunks * bpc : 2 * n_chunks * bpc].reshape(n_chunks, bpc).astype(np.int64)
+        offs = rng.permutation(2 * n_chunks)[:n_chunks].astype(np.int64) * g.slot_bytes
+        store, load = CpuKVTransfer(g, src, pool), CpuKVTransfer(g, dst, pool)
+        n_bytes = n_chunks * g.slot_bytes
+        a, b = np.ones(n_bytes, dtype=np.uint8), np.zeros(n_bytes, dtype=np.uint8)
+        calls: dict[str, Callable[[], None]] = {"numpy memcpy": lambda: np.copyto(b, a),
+                                                "scatter (retrieve)": lambda: load.scatter(offs, dst_ids),
+                                                "gather (store)": lambda: store.gather(src_ids, offs)}
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for fn in calls.values():
+            fn()  # compiled, pages touched
+        for _ in range(reps):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        ok = _cpu_check(g, src, dst, src_ids, dst_ids)
+        failed |= not ok
+        run = hs * itemsize if layout is PagedLayout.CPU else bs * nh * hs * itemsize
+        mc_best, mc_med = min(times["numpy memcpy"]), statistics.median(times["numpy memcpy"])
+        for name, ts in times.items():
+            best, med = min(ts), statistics.median(ts)
+            print(f"| {label} | {n_chunks} | {n_bytes / 2**20:.0f} | {run} | {name} | {best * 1e3:.2f} | {med * 1e3:.2f} | "
+                  f"{n_bytes / med / 1e9:.1f} | {mc_med / med:.0%} | {mc_best / best:.0%} | "
+                  f"{'-' if name == 'numpy memcpy' else 'ok' if ok else 'FAIL'} |", flush=True)
+        if first_touch is None:
+            first_touch = (g, src, src_ids)
+    assert first_touch is not None
+    g, src, src_ids = first_touch
+    n_chunks = src_ids.shape[0]
+    print()
+    print(f"A store of {n_chunks} chunks ({n_chunks * g.slot_bytes / 2**20:.0f} MiB, the first layout) into a freshly mapped "
+          f"/dev/shm segment of {2 * n_chunks * g.slot_bytes / 2**20:.0f} MiB (fallocated, as the server reserves L1):")
+    print()
+    print("| mapping | prefault ms | gather ms (1st) | gather ms (2nd) |")
+    print("|---|---:|---:|---:|")
+    for pre in (False, True):
+        with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="mpcache-bench-") as f:
+            size = 2 * n_chunks * g.slot_bytes
+            os.posix_fallocate(f.fileno(), 0, size)
+            mapping = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            view = np.frombuffer(mapping, dtype=np.uint8)
+            t0 = time.perf_counter()
+            supported = prefault(view) if pre else True
+            t_pre = time.perf_counter() - t0
+            xfer = CpuKVTransfer(g, src, view)
+            offs = np.arange(n_chunks, dtype=np.int64) * g.slot_bytes
+            t1 = time.perf_counter()
+            xfer.gather(src_ids, offs)
+            t2 = time.perf_counter()
+            xfer.gather(src_ids, offs)
+            t3 = time.perf_counter()
+            name = ("prefaulted" if supported else "prefault not supported by this kernel") if pre else "first touch"
+            print(f"| {name} | {t_pre * 1e3:.1f} | {(t2 - t1) * 1e3:.2f} | {(t3 - t2) * 1e3:.2f} |", flush=True)
+            del xfer, view
+            mapping.close()
+    print()
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 1 if failed else 0
+
+
+def _cpu_check(g: Any, src: list[np.ndarray], dst: list[np.ndarray], src_ids: np.ndarray, dst_ids: np.ndarray) -> bool:
+    """After gather(src_ids) then scatter(dst_ids): every destination block equals its source."""
+    from mpcache.kernels.layouts import PagedLayout
+
+    axis = 1 if g.layout in (PagedLayout.NHD, PagedLayout.HND) else 0
+    shape = g.layer_shape()[:-1] + (g.layer_shape()[-1] * g.itemsize,)
+    return all(np.array_equal(np.take(d.reshape(shape), dst_ids.reshape(-1), axis=axis),
+                              np.take(s.reshape(shape), src_ids.reshape(-1), axis=axis)) for s, d in zip(src, dst))
