@@ -13,8 +13,11 @@ import ctypes
 import ctypes.util
 from collections.abc import Callable, Sequence
 
+import llvmlite.ir as ir
 import numba
 import numpy as np
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from mpcache.kernels.layouts import (
     P_BPC,
@@ -33,6 +36,60 @@ from mpcache.kernels.layouts import (
 )
 
 
+@intrinsic
+def _stream_copy(typingctx, dst, dst_byte, src, src_byte, n32):  # type: ignore[no-untyped-def]
+    """Copy ``n32`` x 32 bytes from ``src`` (byte offset ``src_byte``) to ``dst`` with
+    non-temporal stores: the destination's lines are written without being read first (a
+    plain store reads each line before writing it: a third of the memory traffic of a copy
+    larger than the cache, which is why libc's memcpy streams too). The destination address
+    must be 32-byte aligned (the caller checks); loads may be unaligned. Weakly ordered: the
+    caller ends the copy with ``_store_fence``."""
+    sig = types.void(dst, types.uint64, src, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        d, d_off, s, s_off, count = args
+        d_arr = context.make_array(signature.args[0])(context, builder, d)
+        s_arr = context.make_array(signature.args[2])(context, builder, s)
+        byte = ir.IntType(8).as_pointer()
+        vec = ir.VectorType(ir.IntType(64), 4).as_pointer()
+        d_ptr = builder.bitcast(builder.gep(builder.bitcast(d_arr.data, byte), [d_off]), vec)
+        s_ptr = builder.bitcast(builder.gep(builder.bitcast(s_arr.data, byte), [s_off]), vec)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range(builder, count) as loop:
+            value = builder.load(builder.gep(s_ptr, [loop.index]), align=1)
+            store = builder.store(value, builder.gep(d_ptr, [loop.index]), align=32)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):  # type: ignore[no-untyped-def]
+    """Order the streamed stores before anything after the copy (an mfence on x86)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_run(dst, d_off, src, s_off, span, lane):  # type: ignore[no-untyped-def]
+    """One run of ``span`` lanes: streamed when the destination is 32-byte aligned and the run
+    a multiple of 32 bytes (always so for vLLM's tensors and the L1 slots at head sizes of 64+
+    bf16/fp32), else lane by lane."""
+    nbytes = span * lane
+    at = d_off * lane
+    if (nbytes & np.uint64(31)) == 0 and ((np.uint64(dst.ctypes.data) + at) & np.uint64(31)) == 0:
+        _stream_copy(dst, at, src, s_off * lane, nbytes >> np.uint64(5))
+    else:
+        for e in range(span):
+            dst[d_off + e] = src[s_off + e]
+
+
 @numba.njit(cache=True, nogil=True)
 def _copy_lanes(layers, pool, params, block_ids, slot_base, skip, to_pool):  # type: ignore[no-untyped-def]
     """Every (block, layer, kv) of the request, one after another: ``to_pool`` gathers paged
@@ -43,8 +100,8 @@ def _copy_lanes(layers, pool, params, block_ids, slot_base, skip, to_pool):  # t
     Runs that are contiguous on both sides are copied as one run: a head's lanes always; all the
     heads of a token when the layout keeps them together (``s_head == hl``), a whole block's
     tokens when, in addition, ``s_tok == nh * hl`` (NHD, FLASHINFER, MLA). Offsets are unsigned,
-    so the compiler knows no index wraps around and the run loop becomes a vector copy (signed
-    indexes cost about 4x here: the negative-index check in every lane's load and store)."""
+    so the compiler knows no index wraps around (signed indexes cost about 4x here: the
+    negative-index check in every lane's load and store)."""
     n_layers = params[P_LAYERS]
     kv_size = params[P_KV]
     bpc = params[P_BPC]
@@ -64,6 +121,7 @@ def _copy_lanes(layers, pool, params, block_ids, slot_base, skip, to_pool):  # t
         if s_tok == d or bs == 1:
             n_tok, run = 1, bs * d
     span = np.uint64(run)
+    lane = np.uint64(pool.itemsize)
     for f in range(skip, block_ids.size):
         chunk = f // bpc
         j = f - chunk * bpc
@@ -78,11 +136,10 @@ def _copy_lanes(layers, pool, params, block_ids, slot_base, skip, to_pool):  # t
                         po = np.uint64(pb + t * s_tok + h * s_head)
                         so = np.uint64(sb + (t * nh + h) * hl)
                         if to_pool:
-                            for e in range(span):
-                                pool[so + e] = paged[po + e]
+                            _copy_run(pool, so, paged, po, span, lane)
                         else:
-                            for e in range(span):
-                                paged[po + e] = pool[so + e]
+                            _copy_run(paged, po, pool, so, span, lane)
+    _store_fence()
 
 
 class CpuKVTransfer:

@@ -446,6 +446,8 @@ def cpu_main(quick: bool = False) -> int:
     import mmap
     import tempfile
 
+    import torch
+
     from mpcache.kernels.cpu import CpuKVTransfer, prefault
     from mpcache.kernels.layouts import KVGeometry, PagedLayout
 
@@ -465,9 +467,10 @@ def cpu_main(quick: bool = False) -> int:
         bpc = 256 // bs
         g = KVGeometry(layout, num_layers=n_layers, num_blocks=2 * n_chunks * bpc + 8, block_size=bs, num_heads=nh,
                        head_size=hs, itemsize=itemsize, chunk_tokens=256)
-        src = [rng.integers(0, 256, size=g.layer_elements() * itemsize, dtype=np.uint8) for _ in range(n_layers)]
-        dst = [np.zeros_like(a) for a in src]
-        pool = np.zeros((2 * n_chunks) * g.slot_bytes, dtype=np.uint8)
+        # As vLLM and the server allocate them: torch tensors, a page-aligned mapping for the pool.
+        src = [torch.randint(0, 256, (g.layer_elements() * itemsize,), dtype=torch.uint8).numpy() for _ in range(n_layers)]
+        dst = [torch.zeros(g.layer_elements() * itemsize, dtype=torch.uint8).numpy() for _ in range(n_layers)]
+        pool = np.frombuffer(mmap.mmap(-1, (2 * n_chunks) * g.slot_bytes), dtype=np.uint8)
         perm = rng.permutation(g.num_blocks)
         src_ids = perm[: n_chunks * bpc].reshape(n_chunks, bpc).astype(np.int64)
         dst_ids = perm[n_chunks * bpc : 2 * n_chunks * bpc].reshape(n_chunks, bpc).astype(np.int64)

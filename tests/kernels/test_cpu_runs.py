@@ -75,15 +75,26 @@ def test_every_run_lands_where_the_layout_says(layout: PagedLayout, bs: int, nh:
         assert (cb[:, untouched] == POISON).all()  # skipped and unlisted blocks keep their bytes
 
 
-def test_vllm_cpu_geometry_with_a_skip_inside_the_first_chunk() -> None:
+def _placed(a: np.ndarray, misalign: int) -> np.ndarray:
+    """A copy of ``a`` at an address 64-byte aligned plus ``misalign`` bytes."""
+    raw = np.empty(a.nbytes + 128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64 + misalign
+    out = raw[start : start + a.nbytes].view(a.dtype)
+    out[...] = a.reshape(-1)
+    return out
+
+
+@pytest.mark.parametrize("misalign", [0, 8, 16])
+def test_vllm_cpu_geometry_with_a_skip_inside_the_first_chunk(misalign: int) -> None:
     """The vLLM CPU layout [NB, NH, BS, 2*HS] at a real head size (fp32, 256-byte runs, uint64
-    lanes): K and V of one token sit side by side, and must go to the two halves of the slot."""
+    lanes): K and V of one token sit side by side, and must go to the two halves of the slot.
+    Aligned buffers take the streamed (non-temporal) copy, misaligned ones the lane loop."""
     g = KVGeometry(PagedLayout.CPU, num_layers=2, num_blocks=40, block_size=16, num_heads=4, head_size=64, itemsize=4,
                    chunk_tokens=64)
     assert g.lane_bytes == 8
-    src = _tagged_layers(g)
+    src = [_placed(a, misalign) for a in _tagged_layers(g)]
     ids = np.array([[5, 17, 2, 33], [8, 0, 39, 21]], dtype=np.int64)
-    pool = np.full(3 * g.slot_bytes // 4, POISON, dtype=np.uint32)
+    pool = _placed(np.full(3 * g.slot_bytes // 4, POISON, dtype=np.uint32), misalign)
     CpuKVTransfer(g, src, pool).gather(ids, [2 * g.slot_bytes, 0])
     per_slot = pool.reshape(3, *g.slot_shape())
     np.testing.assert_array_equal(per_slot[2], _expected_chunk(g, src, ids[0]))
@@ -93,7 +104,7 @@ def test_vllm_cpu_geometry_with_a_skip_inside_the_first_chunk() -> None:
     assert per_slot[2][k, layer, t, h * 64 + e] == canonical(g, src[layer])[k, 17, 0, h, e]
     assert per_slot[2][1, layer, t, h * 64 + e] == src[layer].reshape(40, 4, 16, 128)[17, h, 0, 64 + e]  # V: second half
 
-    dst = [np.full_like(a, POISON) for a in src]
+    dst = [_placed(np.full_like(a, POISON), misalign) for a in src]
     CpuKVTransfer(g, dst, pool).scatter([2 * g.slot_bytes, 0], ids, skip_blocks=3)
     for a, b in zip(src, dst):
         written = ids.reshape(-1)[3:]
