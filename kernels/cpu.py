@@ -122,6 +122,10 @@ def _copy_lanes(layers, pool, params, block_ids, slot_base, skip, to_pool):  # t
             n_tok, run = 1, bs * d
     span = np.uint64(run)
     lane = np.uint64(pool.itemsize)
+    if to_pool:
+        n_a, n_b, n_c = n_tok, n_head, kv_size
+    else:
+        n_a, n_b, n_c = kv_size, n_tok, n_head
     for f in range(skip, block_ids.size):
         chunk = f // bpc
         j = f - chunk * bpc
@@ -130,22 +134,21 @@ def _copy_lanes(layers, pool, params, block_ids, slot_base, skip, to_pool):  # t
             paged = layers[layer]
             sb = slot_base[chunk] + (layer * c_tok + j * bs) * d  # kv 0's run of this block
             sb_kv = n_layers * c_tok * d  # kv 1's is this far on
-            if to_pool:
-                # Read the block in address order: in the CPU layout a token's K and V runs are
-                # neighbours, so kv is the inner loop (a quarter faster than kv outermost here).
-                for t in range(n_tok):
-                    for h in range(n_head):
-                        for kv in range(kv_size):
-                            po = np.uint64(kv * s_kv + blk + t * s_tok + h * s_head)
-                            so = np.uint64(sb + kv * sb_kv + (t * nh + h) * hl)
+            # Read the source in address order. A store's source is the block: in the CPU layout
+            # a token's K and V runs are neighbours, so kv is the inner loop (a quarter faster than
+            # kv outermost here). A load's source is the slot: each kv's runs are one stretch.
+            for a in range(n_a):
+                for b in range(n_b):
+                    for c in range(n_c):
+                        if to_pool:
+                            t, h, kv = a, b, c
+                        else:
+                            kv, t, h = a, b, c
+                        po = np.uint64(kv * s_kv + blk + t * s_tok + h * s_head)
+                        so = np.uint64(sb + kv * sb_kv + (t * nh + h) * hl)
+                        if to_pool:
                             _copy_run(pool, so, paged, po, span, lane)
-            else:
-                # Read the slot in address order (each kv's runs of the block are one stretch).
-                for kv in range(kv_size):
-                    for t in range(n_tok):
-                        for h in range(n_head):
-                            po = np.uint64(kv * s_kv + blk + t * s_tok + h * s_head)
-                            so = np.uint64(sb + kv * sb_kv + (t * nh + h) * hl)
+                        else:
                             _copy_run(paged, po, pool, so, span, lane)
     _store_fence()
 
