@@ -220,11 +220,18 @@ def _request_key(ev: Any) -> Hashable:
 
 class JobTable:
     """The live jobs: per peer, one dict of request id -> job (no key object per job), so a
-    peer's job count is the size of its dict."""
+    peer's job count is the size of its dict. Every job of a peer refers to one peer object
+    (``canonical``): a runtime decodes the peer of each message afresh (its connection identity,
+    a new ``bytes`` each time), and a job must not keep its own copy."""
 
     def __init__(self) -> None:
         self.by_peer: dict[Peer, dict[str, PrefetchJob]] = {}
+        self._peers: dict[Peer, Peer] = {}  # peer -> the object its jobs share (peers with jobs)
         self._count = 0
+
+    def canonical(self, peer: Peer) -> Peer:
+        """The peer object this peer's live jobs share (``peer`` itself when it has none)."""
+        return self._peers.get(peer, peer)
 
     def __len__(self) -> int:
         return self._count
@@ -250,6 +257,7 @@ class JobTable:
         jobs = self.by_peer.get(key[0])
         if jobs is None:
             jobs = self.by_peer[key[0]] = {}
+            self._peers[job.peer] = job.peer
         if key[1] not in jobs:
             self._count += 1
         jobs[key[1]] = job
@@ -262,6 +270,7 @@ class JobTable:
         self._count -= 1
         if not jobs:
             del self.by_peer[key[0]]
+            del self._peers[key[0]]
         return job
 
     def __delitem__(self, key: RequestKey) -> None:
@@ -407,7 +416,7 @@ class JobMachine:
         ranks = range(ckey.world_size) if ev.ranks is None else ev.ranks
         prefix = self.server._lease_prefix_for_lookup(key, hashes, ranks, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
-        job = PrefetchJob(ckey.request_id, ev.peer, work=JobWork(
+        job = PrefetchJob(ckey.request_id, self.jobs.canonical(ev.peer), work=JobWork(
             serial=ctx.new_id(), model_name=sys.intern(ckey.model_name), world_size=ckey.world_size,
             hashes=pack_hashes(hashes), num_readers=ev.num_readers, l1_prefix=prefix, ranks=ev.ranks,
         ))

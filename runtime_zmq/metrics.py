@@ -36,10 +36,13 @@ LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e
 LABEL_BUDGET = 32
 _LABEL_CHARS = 64
 _MAX_TRACKED_LOOKUPS = 1 << 16
+# lookups waiting for their hit count are kept in this many generations, each spanning a
+# quarter of the job TTL: a job is answered or reaped within its TTL, so its entry goes between
+# one and 1.25 TTLs after its lookup (no per-lookup record outlives its job by long)
+_LABEL_GENERATIONS = 4
 OTHER = ("other", "other")
 # Requests an idle engine keeps sending (heartbeats, polls): they do not make the server busy.
 _HEARTBEAT_OPS = frozenset({"ping", "noop", "health", "stats", "l1_info", "get_chunk_size"})
-OTHER_NONE = ("", "\0")  # a sentinel label: no lookup of this request is being counted
 
 # (name, type, labels, help): every family exposed; docs/metrics.md is generated from this list.
 METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
@@ -160,7 +163,11 @@ class ServerMetrics(Collector):
         self.copy_latency: dict[str, _Histogram] = {}
         self.transfers: dict[tuple[str, str], int] = {}
         self._lookups_pending: dict[Any, tuple[str, tuple[str, str], int]] = {}  # reply_to -> (rid, label, tokens)
-        self._label_of_request: dict[str, tuple[str, str]] = {}  # request_id -> label, until its hits count
+        # request_id -> its label's row of ``tokens``, until its hits count: newest generation last
+        self._label_of_request: list[dict[str, list[int]]] = [{}]
+        self._tracked_lookups = 0
+        self._generation_s = 15.0  # a quarter of the job TTL (attach)
+        self._generation_at = 0.0
         self._status_pending: dict[Any, str] = {}  # reply_to -> request_id
         self._started: dict[tuple[str, Any], tuple[float, str]] = {}  # (kind, id) -> (t0, label)
         self._server: Any = None
@@ -180,6 +187,8 @@ class ServerMetrics(Collector):
         """Give the hooks the server (for gauges, /status and the summary line)."""
         self._server = server
         self.chunk_size = server.config.chunk_size
+        job_ttl = getattr(server.config, "job_ttl", 60.0)
+        self._generation_s = max(0.1, float(job_ttl) / _LABEL_GENERATIONS)
         self.config = config
         self.repeats = repeats
         self.summary_interval = summary_interval
@@ -206,6 +215,37 @@ class ServerMetrics(Collector):
             return label
         return OTHER
 
+    def _track(self, rid: str, row: list[int]) -> None:
+        """Remember which row counts ``rid``'s hits (bounded; see ``_LABEL_GENERATIONS``)."""
+        generations = self._label_of_request
+        if self._tracked_lookups >= _MAX_TRACKED_LOOKUPS:
+            for oldest in generations:
+                if oldest:
+                    del oldest[next(iter(oldest))]
+                    self._tracked_lookups -= 1
+                    break
+        newest = generations[-1]
+        if rid not in newest:
+            self._tracked_lookups += 1
+        newest[rid] = row
+
+    def _untrack(self, rid: str) -> list[int] | None:
+        for generation in reversed(self._label_of_request):
+            row = generation.pop(rid, None)
+            if row is not None:
+                self._tracked_lookups -= 1
+                return row
+        return None
+
+    def _age_tracked(self, now: float) -> None:
+        if now - self._generation_at < self._generation_s:
+            return
+        self._generation_at = now
+        generations = self._label_of_request
+        generations.append({})
+        if len(generations) > _LABEL_GENERATIONS + 1:
+            self._tracked_lookups -= len(generations.pop(0))
+
     def on_request(self, req: Any, reply_to: Any) -> None:
         op = req.op
         if op == "lookup":
@@ -230,15 +270,13 @@ class ServerMetrics(Collector):
                     row = self.tokens[label] = [0, 0, 0]
                 row[0] += 1
                 row[1] += tokens
-                if len(self._label_of_request) >= _MAX_TRACKED_LOOKUPS:
-                    del self._label_of_request[next(iter(self._label_of_request))]
-                self._label_of_request[rid] = label
+                self._track(rid, row)
         elif op == "query_prefetch_status" or op == "wait_prefetch_status":
             status_of = self._status_pending.pop(rt, "")
             if status_of and type(result) is int:
-                hit_label = self._label_of_request.pop(status_of, OTHER_NONE)
-                if hit_label is not OTHER_NONE:
-                    self.tokens[hit_label][2] += result * self.chunk_size
+                hit_row = self._untrack(status_of)
+                if hit_row is not None:
+                    hit_row[2] += result * self.chunk_size
         elif op == "store" or op == "commit_store":
             self.stores["ok"] = self.stores.get("ok", 0) + 1
         elif op == "register_instance" or op == "unregister_instance":
@@ -318,6 +356,7 @@ class ServerMetrics(Collector):
     def tick(self, now: float) -> None:
         """Once a second on the loop: the summary line when due, folded log repeats."""
         self.serving = True
+        self._age_tracked(now)
         if self.repeats is not None:
             self.repeats.flush()
         if self.summary_interval > 0 and now - self._summary_at >= self.summary_interval:
