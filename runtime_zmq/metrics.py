@@ -36,10 +36,10 @@ LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e
 LABEL_BUDGET = 32
 _LABEL_CHARS = 64
 _MAX_TRACKED_LOOKUPS = 1 << 16
-# lookups waiting for their hit count are kept in this many generations, each spanning a
-# quarter of the job TTL: a job is answered or reaped within its TTL, so its entry goes between
-# one and 1.25 TTLs after its lookup (no per-lookup record outlives its job by long)
-_LABEL_GENERATIONS = 4
+# lookups waiting for their hit count are kept in this many generations, each spanning an
+# eighth of the job TTL: a job is answered or reaped within its TTL, so its entry goes between
+# one and 1.125 TTLs after its lookup (no per-lookup record outlives its job by long)
+_LABEL_GENERATIONS = 8
 OTHER = ("other", "other")
 # Requests an idle engine keeps sending (heartbeats, polls): they do not make the server busy.
 _HEARTBEAT_OPS = frozenset({"ping", "noop", "health", "stats", "l1_info", "get_chunk_size"})
@@ -166,7 +166,7 @@ class ServerMetrics(Collector):
         # request_id -> its label's row of ``tokens``, until its hits count: newest generation last
         self._label_of_request: list[dict[str, list[int]]] = [{}]
         self._tracked_lookups = 0
-        self._generation_s = 15.0  # a quarter of the job TTL (attach)
+        self._generation_s = 7.5  # an eighth of the job TTL (attach)
         self._generation_at = 0.0
         self._status_pending: dict[Any, str] = {}  # reply_to -> request_id
         self._started: dict[tuple[str, Any], tuple[float, str]] = {}  # (kind, id) -> (t0, label)

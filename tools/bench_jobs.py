@@ -5,14 +5,20 @@ the request was dropped): the server keeps its job until the job TTL, then reaps
 prompt length (`--lengths`, default 1,024 and 8,192 tokens):
 
 * **server process**: a real `mpcache-server` (L1 only, `--job-ttl`), warmed with a round of
-  lookups that are ended; then `--jobs` lookups (all misses, so no leases: the job alone) under
-  fresh request ids that are never ended. RSS (`/proc/PID/status` VmRSS) before, once every
-  lookup is acknowledged, and after the reaper ran (`stats` says no job is left);
+  lookups that are answered and ended; then `--jobs` lookups (all misses, so no leases: the job
+  alone) under fresh request ids that are never ended. RSS (`/proc/PID/status` VmRSS) before,
+  once every lookup is acknowledged, after the reaper ran (`stats` says no job is left), after
+  glibc's `malloc_trim(0)`, and with a second flood of abandoned lookups live (is the memory
+  reused?). At each point the server also reports its allocators' state after a full
+  collection (pymalloc arenas and free blocks, glibc's system and in-use bytes): "held per 10k"
+  is what the allocators hand out for the jobs, whatever free space the heap had before;
 * **core_sm alone**: the same lookups fed to `core_sm`'s `LookupServer` in this process,
-  measured with `tracemalloc` (bytes per job, exact), then reaped by advancing its clock.
+  measured with `tracemalloc` (bytes per job, exact), then reaped by advancing its clock;
+* `--breakdown`: one more server run per length under `tracemalloc`, and the source lines that
+  hold the bytes with the jobs live and after the reaper.
 
-Target: an abandoned job costs <= 200 B beyond its leases, and the memory comes back after the
-reaper.
+Targets: an abandoned job costs <= 200 B beyond its leases (core_sm), the server's RSS grows
+<= 2 MiB per 10k of them, and the memory comes back after the reaper.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ def _rss_bytes(pid: int) -> int:
 # ---------------------------------------------------------------- the server's allocators
 
 _SNAP_SIGNAL = signal.SIGUSR1
+_TRIM_SIGNAL = signal.SIGUSR2  # the same probe after glibc's malloc_trim(0)
 
 
 def _malloc_stats() -> str:
@@ -100,7 +107,8 @@ def parse_malloc_stats(text: str) -> dict[str, int]:
 def traced_server_main(argv: list[str] | None = None) -> int:
     """Run ``mpcache-server`` with a probe: ``SIGUSR1`` writes ``DIR/malloc-N.txt`` (the
     allocators' state after a full collection) and, with ``--tracemalloc``, ``DIR/snap-N``
-    (a ``tracemalloc`` snapshot), then ``DIR/done-N``. Arguments: ``DIR [--tracemalloc] --
+    (a ``tracemalloc`` snapshot), then ``DIR/done-N``; ``SIGUSR2`` does the same after glibc's
+    ``malloc_trim(0)`` (what glibc holds free goes back). Arguments: ``DIR [--tracemalloc] --
     SERVER-ARGS``."""
     args = list(sys.argv[1:] if argv is None else argv)
     outdir = args.pop(0)
@@ -112,8 +120,13 @@ def traced_server_main(argv: list[str] | None = None) -> int:
         args.pop(0)
     probes = [0]
 
-    def probe(_signum: int, _frame: Any) -> None:
+    def probe(signum: int, _frame: Any) -> None:
         gc.collect()
+        if signum == _TRIM_SIGNAL:
+            try:
+                ctypes.CDLL(None).malloc_trim(0)
+            except (OSError, AttributeError):
+                pass  # not glibc
         probes[0] += 1
         n = probes[0]
         if traced:
@@ -123,6 +136,7 @@ def traced_server_main(argv: list[str] | None = None) -> int:
         open(os.path.join(outdir, f"done-{n}"), "w").close()
 
     signal.signal(_SNAP_SIGNAL, probe)
+    signal.signal(_TRIM_SIGNAL, probe)
     from mpcache.runtime_zmq.cli import main as server_main
 
     return server_main(args)
@@ -134,9 +148,9 @@ class _Probe:
     def __init__(self, pid: int, outdir: str) -> None:
         self.pid, self.outdir, self.n = pid, outdir, 0
 
-    def take(self) -> tuple[dict[str, int], str | None]:
+    def take(self, trim: bool = False) -> tuple[dict[str, int], str | None]:
         self.n += 1
-        os.kill(self.pid, _SNAP_SIGNAL)
+        os.kill(self.pid, _TRIM_SIGNAL if trim else _SNAP_SIGNAL)
         done = os.path.join(self.outdir, f"done-{self.n}")
         deadline = time.monotonic() + 120.0
         while not os.path.exists(done):
@@ -154,23 +168,26 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _flood(sock: zmq.Socket[Any], n: int, num_tokens: int, tag: str, end: bool, window: int = 64) -> None:
-    """``n`` lookups of distinct prompts under fresh ids, ``window`` in flight; ended if ``end``."""
-    lookup_op, end_op, one = msgpack.packb("lookup"), msgpack.packb("end_session"), msgpack.packb(1)
+    """``n`` lookups of distinct prompts under fresh ids, ``window`` in flight; if ``end``, each
+    is answered (``query_prefetch_status``) and ended (``end_session``) as a client does."""
+    lookup_op, status_op = msgpack.packb("lookup"), msgpack.packb("query_prefetch_status")
+    end_op, one = msgpack.packb("end_session"), msgpack.packb(1)
     sent = done = ends = 0
     inflight = 0
-    while done < n or ends < (n if end else 0):
+    while done < n or ends < (2 * n if end else 0):
         while inflight < window and sent < n:
             rid = f"{tag}-{sent}"
             key = msgpack.packb(lookup_key(_tokens(num_tokens, sent), rid, packed=True), use_bin_type=True)
             sock.send_multipart([msgpack.packb(sent), lookup_op, key, one])
             if end:
+                sock.send_multipart([msgpack.packb(-1), status_op, msgpack.packb(rid)])
                 sock.send_multipart([msgpack.packb(-1), end_op, msgpack.packb(rid)])
             sent += 1
             inflight += 1
         if not sock.poll(10_000):
             raise BenchError("no reply within 10 s")
         reply = sock.recv_multipart()
-        if reply[1] == end_op:
+        if reply[1] == end_op or reply[1] == status_op:
             ends += 1
             continue
         if reply[1] != lookup_op:
@@ -190,8 +207,8 @@ class ServerRow:
         self.left = -1
         self.workdir = ""
 
-    def sample(self, pid: int, probe: _Probe) -> None:
-        stats, snap = probe.take()
+    def sample(self, pid: int, probe: _Probe, trim: bool = False) -> None:
+        stats, snap = probe.take(trim)
         self.rss.append(_rss_bytes(pid))  # after the probe's collection
         self.malloc.append(stats)
         self.snaps.append(snap)
@@ -238,8 +255,13 @@ def server_row(num_tokens: int, jobs: int, job_ttl: float, traced: bool = False)
             row.left = int(stats["jobs"])
             if row.left == 0:
                 break
-        time.sleep(1.0)
+        # the hit-token metric forgets a lookup within 1.125 job TTLs (runtime_zmq.metrics)
+        time.sleep(1.0 + 0.15 * job_ttl)
         _call(sock, 4, "noop")
+        row.sample(server.proc.pid, probe)
+        row.sample(server.proc.pid, probe, trim=True)
+        # a second flood after the reaper: the memory held free is reused, not added to
+        _flood(sock, jobs, num_tokens, "again", end=False)
         row.sample(server.proc.pid, probe)
         return row
     except BaseException:
@@ -250,19 +272,28 @@ def server_row(num_tokens: int, jobs: int, job_ttl: float, traced: bool = False)
         server.stop()
 
 
+def _in_use(st: dict[str, int]) -> int:
+    """Bytes the allocators hand out: pymalloc's allocated blocks and glibc's in-use bytes (the
+    jobs' own bytes, whatever free space the heap held before)."""
+    return st["allocated"] + st["glibc_in_use"]
+
+
+POINTS = ("before", "jobs live", "after reaper", "after malloc_trim", "2nd flood live")
+
+
 def breakdown(row: ServerRow, jobs: int, top: int = 14) -> list[str]:
     """Where the bytes of a traced run are: the allocators' state at each point, then the
     tracemalloc lines that grew from before the flood to with the jobs live, and to after the
     reaper (bytes per job)."""
     lines = ["| point | RSS MiB | pymalloc arenas (1 MiB) | in allocated blocks MiB | in free blocks MiB | "
              "unused pools MiB | glibc system MiB | glibc in use MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, rss, st in zip(("before", "jobs live", "after reaper"), row.rss, row.malloc):
+    for name, rss, st in zip(POINTS, row.rss, row.malloc):
         lines.append(f"| {name} | {rss / 2**20:.1f} | {st['arenas']} | {st['allocated'] / 2**20:.2f} | "
                      f"{st['available'] / 2**20:.2f} | {st['unused_pools'] / 2**20:.2f} | "
                      f"{st['glibc_system'] / 2**20:.1f} | {st['glibc_in_use'] / 2**20:.1f} |")
     if None in row.snaps:
         return lines
-    snaps = [tracemalloc.Snapshot.load(p) for p in row.snaps if p is not None]
+    snaps = [tracemalloc.Snapshot.load(p) for p in row.snaps[:3] if p is not None]
     ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
     snaps = [s.filter_traces(ignore) for s in snaps]
     repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
@@ -322,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# mpcache-bench jobs: {args.jobs} abandoned lookups (misses: no leases) per length; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("| tokens | core_sm B/job live | core_sm B/job after reap | server RSS before MiB | "
-          "with jobs MiB | growth per 10k MiB | B/job | after reaper MiB | back per 10k MiB | jobs left |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "with jobs MiB | growth per 10k MiB | B/job | held per 10k MiB (allocators) | after reaper MiB | "
+          "kept per 10k MiB | after malloc_trim MiB | 2nd flood live MiB | jobs left |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rc = 0
     rows: dict[int, ServerRow] = {}
     for n in lengths:
@@ -334,16 +366,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_server:
             row = rows[n] = server_row(n, args.jobs, args.job_ttl)
             shutil.rmtree(row.workdir, ignore_errors=True)
-            before, live, after = row.rss
+            before, live, after, trimmed, again = row.rss
             growth = live - before
             per10k = 10_000 / args.jobs / 2**20
+            held = _in_use(row.malloc[1]) - _in_use(row.malloc[0])
             cells += [f"{before / 2**20:.1f}", f"{live / 2**20:.1f}", f"{growth * per10k:.2f}",
-                      f"{growth / args.jobs:,.0f}", f"{after / 2**20:.1f}", f"{(after - before) * per10k:.2f}",
-                      str(row.left)]
+                      f"{growth / args.jobs:,.0f}", f"{held * per10k:.2f}", f"{after / 2**20:.1f}", f"{(after - before) * per10k:.2f}",
+                      f"{trimmed / 2**20:.1f}", f"{again / 2**20:.1f}", str(row.left)]
             if growth * per10k > TARGET_RSS_MIB_PER_10K:
                 rc = 1
         else:
-            cells += ["-"] * 7
+            cells += ["-"] * 10
         print("| " + " | ".join(cells) + " |", flush=True)
     print(f"target: <= {TARGET_BYTES_PER_JOB} B per abandoned job beyond its leases (core_sm column)"
           + ("" if args.no_server else f", server RSS <= {TARGET_RSS_MIB_PER_10K} MiB per 10k")
@@ -354,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
               "glibc system MiB | glibc in use MiB |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for n, row in rows.items():
-            for name, st in zip(("before", "jobs live", "after reaper"), row.malloc):
+            for name, st in zip(POINTS, row.malloc):
                 print(f"| {n:,} | {name} | {st['arenas']} | {st['allocated'] / 2**20:.2f} | {st['available'] / 2**20:.2f} | "
                       f"{st['unused_pools'] / 2**20:.2f} | {st['glibc_system'] / 2**20:.1f} | {st['glibc_in_use'] / 2**20:.1f} |")
     if args.breakdown:
