@@ -41,6 +41,7 @@ from mpcache.core_sm import effects as fx
 from mpcache.core_sm import messages as m
 from mpcache.core_sm.errors import ErrorKind
 from mpcache.runtime_zmq import auth, tokens, wire
+from mpcache.runtime_zmq.memory import TrimAfterReap
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
 from mpcache.runtime_zmq.config import version
 from mpcache.runtime_zmq.metrics import ServerMetrics
@@ -291,6 +292,7 @@ class Server:
         self._frame_freer = threading.Thread(target=self._free_frames, name="mpcache-frame-free", daemon=True)
         self._frame_freer.start()
         self._last_gauges = 0.0
+        self._trim = TrimAfterReap()  # memory back to the OS once the reaper dropped a burst of jobs
         self.ctx = zmq.Context()
         self.authenticator: auth.CurveServer | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -853,6 +855,7 @@ class Server:
         try:
             snapshot = self.stats()
             self._stats_snapshot = snapshot
+            self._trim.update(int(snapshot.get("jobs", 0)))
         except Exception:
             log.exception("metrics refresh failed")
 
