@@ -9,8 +9,10 @@ other load on a shared box changes the figures much less than it changes wall-cl
 Rows: `noop`, `query_prefetch_status` of a finished lookup, and a lookup cycle (`lookup` of an
 8,192-token prompt whose 32 chunks are in L1, its `query_prefetch_status`, its `end_session`)
 with the token ids as LMCache's client sends them (list) and as mpcache's client does (packed).
-Each row: median and best of `--rounds` rounds of `--calls` calls. `--profile` adds a cProfile
-breakdown of the list-form cycle (self time per function).
+Each row: median and best of `--rounds` rounds of `--calls` calls. Then the cycle's messages one by
+one: `--calls` lookups in a row (list, then packed ids), then their statuses, then their
+`end_session`s, each batch timed alone (the jobs of a batch are live together, as on a busy
+server). `--profile` adds a cProfile breakdown of the list-form cycle (self time per function).
 
 The implied ceiling: one core spends `1e6 / us` requests per second in the handler, before the
 transport (recv/send, the zmq I/O thread) and the loop's poll.
@@ -81,12 +83,21 @@ def main(argv: list[str] | None = None) -> int:
 
         uid = [10]
 
+        ops = [msgpack.packb(x) for x in ("lookup", "query_prefetch_status", "end_session")]
+        one = msgpack.packb(1)
+
+        def key_parts(packed: bool) -> tuple[bytes, bytes]:
+            """The key frame around its request id: ``head + packb(rid) + tail``."""
+            placeholder = msgpack.packb("#" * 16)
+            key_frame = msgpack.packb(lookup_key(toks, "#" * 16, packed=packed), use_bin_type=True)
+            at = key_frame.find(placeholder)
+            return key_frame[:at], key_frame[at + len(placeholder):]
+
+        list_parts, packed_parts = key_parts(False), key_parts(True)
+
         def cycle_fn(packed: bool) -> Callable[[], None]:
-            placeholder = "#" * 16
-            key_frame = msgpack.packb(lookup_key(toks, placeholder, packed=packed), use_bin_type=True)
-            at = key_frame.find(msgpack.packb(placeholder))
-            head, tail = key_frame[:at], key_frame[at + len(msgpack.packb(placeholder)):]
-            lookup_op, status_op, end_op, one = (msgpack.packb(x) for x in ("lookup", "query_prefetch_status", "end_session", 1))
+            head, tail = packed_parts if packed else list_parts
+            lookup_op, status_op, end_op = ops
 
             def cycle() -> None:
                 n = uid[0] = uid[0] + 1
@@ -128,6 +139,25 @@ def main(argv: list[str] | None = None) -> int:
                 per.append((time.thread_time() - t0) / args.calls * 1e6)
             med = statistics.median(per)
             print(f"| {name} | {med:.1f} | {min(per):.1f} | {1e6 / med:,.0f}/s |")
+        for form, (head, tail) in (("list", list_parts), ("packed", packed_parts)):
+            per_op: dict[str, list[float]] = {"lookup": [], "query_prefetch_status": [], "end_session": []}
+            for rnd in range(args.rounds + 1):  # the first round warms up
+                batch = []
+                for _ in range(args.calls):
+                    n = uid[0] = uid[0] + 1
+                    rid, u = msgpack.packb(f"r{n:015d}"), msgpack.packb(n)
+                    batch.append(([b"peer", u, ops[0], head + rid + tail, one], [b"peer", u, ops[1], rid],
+                                  [b"peer", u, ops[2], rid]))
+                for i, op in enumerate(per_op):
+                    t0 = time.thread_time()
+                    for msgs in batch:
+                        handle(msgs[i])
+                    if rnd:
+                        per_op[op].append((time.thread_time() - t0) / args.calls * 1e6)
+                _result(stub)
+            for op, per in per_op.items():
+                med = statistics.median(per)
+                print(f"| {op} alone, {form} ids | {med:.1f} | {min(per):.1f} | {1e6 / med:,.0f}/s |")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
