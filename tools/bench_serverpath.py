@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="cProfile the list-form lookup cycle")
+    parser.add_argument("--form", choices=("both", "list", "packed"), default="both",
+                        help="token-id forms of the lookup rows (one form: a py-spy profile of the run is of that form)")
     args = parser.parse_args(argv)
 
     from mpcache.runtime_zmq import tokens
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             ("lookup cycle, list ids (lookup+status+end)", list_cycle),
             ("lookup cycle, packed ids (lookup+status+end)", packed_cycle),
         ]
+        forms = [f for f in ("list", "packed") if args.form in ("both", f)]
+        rows = [(name, fn) for name, fn in rows if "ids" not in name or any(f"{f} ids" in name for f in forms)]
         print(f"# server handler CPU per call, {args.rounds} rounds x {args.calls} calls; "
               f"prompt {TOKENS} tokens = {TOKENS // CHUNK} chunks, all in L1")
         print("| request | median µs | best µs | handler ceiling, one core |")
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 per.append((time.thread_time() - t0) / args.calls * 1e6)
             med = statistics.median(per)
             print(f"| {name} | {med:.1f} | {min(per):.1f} | {1e6 / med:,.0f}/s |")
-        for form, (head, tail) in (("list", list_parts), ("packed", packed_parts)):
+        for form, (head, tail) in ((f, list_parts if f == "list" else packed_parts) for f in forms):
             per_op: dict[str, list[float]] = {"lookup": [], "query_prefetch_status": [], "end_session": []}
             for rnd in range(args.rounds + 1):  # the first round warms up
                 batch = []
