@@ -7,7 +7,7 @@ import pytest
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.errors import ErrorKind
 from mpcache.core_sm.l1_index import L1Index, ObjectState, ReleaseReason
-from mpcache.core_sm.messages import EndSession, Lookup, QueryPrefetchStatus, Store
+from mpcache.core_sm.messages import EndSession, Lookup, QueryPrefetchStatus
 from sm_helpers import ServerHarness, key, tokens
 
 HASHES = [bytes([i]) * 16 for i in range(6)]
@@ -157,11 +157,17 @@ def test_leases_expire_by_ttl_after_a_batch_and_stale_entries_are_skipped() -> N
 
 # -------------------------------------------------------------------------- through the server
 
-def test_a_lookup_at_the_per_request_cap_takes_no_lease() -> None:
-    h = ServerHarness(max_lookups_per_request=2)
+def _stored(**config: int) -> tuple[ServerHarness, tuple[int, ...]]:
+    """A server holding one stored 3-chunk prompt (instance 1), and the prompt."""
+    h = ServerHarness(**config)
     h.register(1)
     toks = tokens(3)
     h.store(toks)
+    return h, toks
+
+
+def test_a_lookup_at_the_per_request_cap_takes_no_lease() -> None:
+    h, toks = _stored(max_lookups_per_request=2)
     idx = h.server.index
     for _ in range(2):
         assert h.call(Lookup(key("r", toks), 2)) is None
@@ -177,15 +183,10 @@ def test_a_lookup_at_the_per_request_cap_takes_no_lease() -> None:
 
 def test_a_chunk_evicted_between_lookup_and_status() -> None:
     # without reader counts a lookup leases nothing, so its chunks may go before the status
-    h = ServerHarness(num_slots=3)
-    h.register(1)
-    toks = tokens(3)
-    h.store(toks)
+    h, toks = _stored(num_slots=3)
     assert h.call(Lookup(key("r", toks), 0)) is None
     for i in range(3):  # three other chunks push the prompt's out
-        rt = h.send(Store(key(f"f{i}", tokens(1, seed=50 + i), worker_id=0), 1))
-        h.finish_all_transfers()
-        h.result(rt)
+        h.store(tokens(1, seed=50 + i), rid=f"f{i}")
     assert h.call(QueryPrefetchStatus("r")) == 3  # the answer of the lookup itself
     assert h.call(Lookup(key("r2", toks), 1)) is None
     assert h.call(QueryPrefetchStatus("r2")) == 0  # gone now: a new lookup sees it
