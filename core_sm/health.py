@@ -16,6 +16,11 @@ what the answers mean for the node's protocol machines (``LookupClient``, ``Tran
 * while a server is unhealthy it is probed every ``probe_interval`` (default: ``interval``);
   once it has been silent for ``timeout`` the period doubles per probe up to ``backoff_max`` (a
   dead server is not hammered), and resets once it answers;
+* ``Connected(server)``: the transport's connection to ``server`` was (re)established (its
+  handshake completed). While unhealthy, the probe is sent now and the backoff resets to
+  ``probe_interval``: a restarted server is found as soon as the transport reached it, not a
+  backed-off period later. While healthy, one heartbeat goes now (the connection dropped and
+  came back, maybe to a restarted server: its epoch is learned at once); the schedule stays;
 * a reply (``HeartbeatReply(server, epoch)``) -> ``ServerHealth(server, True)`` if it was not
   healthy; its ``epoch`` (the server's start id) -> ``ServerEpoch(server, epoch)`` the first time
   and whenever it changes, *before* the health change: a restart between two heartbeats (F13),
@@ -94,6 +99,13 @@ class HeartbeatReply:
 @attrs.frozen
 class HeartbeatUnsent:
     """The transport could not send ``server``'s heartbeat: no connection to it."""
+
+    server: int
+
+
+@attrs.frozen
+class Connected:
+    """The transport's connection to ``server`` was (re)established: a probe is worth sending now."""
 
     server: int
 
@@ -194,8 +206,8 @@ class GiveUp:
     request: Hashable
 
 
-HealthEvent = Union[HeartbeatReply, HeartbeatUnsent, InstanceRegistered, InstanceUnregistered, RegistrationFailed,
-                    InstancePingRefused, RequestRefused, TimerFired]
+HealthEvent = Union[HeartbeatReply, HeartbeatUnsent, Connected, InstanceRegistered, InstanceUnregistered,
+                    RegistrationFailed, InstancePingRefused, RequestRefused, TimerFired]
 HealthEffect = Union[SendHeartbeat, SendInstancePing, ServerHealth, ServerEpoch, FailPending, Register, Resend,
                      GiveUp]
 
@@ -254,7 +266,7 @@ class HealthMonitor:
         period = config.interval if config.initially_healthy else self._probe
         self._servers = [_Server(config.initially_healthy, now, now, period) for _ in range(config.num_servers)]
         self._counters = {"internal_errors": 0, "heartbeats_sent": 0, "heartbeats_unsent": 0, "unhealthy": 0,
-                          "recovered": 0, "epoch_changes": 0, "stale_replies": 0, "instance_pings": 0,
+                          "recovered": 0, "connects": 0, "epoch_changes": 0, "stale_replies": 0, "instance_pings": 0,
                           "instances_lost": 0, "reregistrations": 0, "resends": 0, "give_ups": 0}
         self._table: Dispatcher[HealthState] = TABLE.bind(self, _server_of, self.state, self._counters,
                                                           self._refuse)
@@ -274,6 +286,11 @@ class HealthMonitor:
 
     def epoch(self, server: int) -> int | str | None:
         return self._servers[server].epoch
+
+    def period(self, server: int) -> float:
+        """``server``'s current ping period (``interval`` while healthy, the backed-off probe
+        period while not)."""
+        return self._servers[server].period
 
     def instances(self, server: int) -> tuple[int, ...]:
         """The instances whose heartbeats go to ``server``."""
@@ -358,6 +375,23 @@ class HealthMonitor:
     def _on_unsent(self, event: HeartbeatUnsent, now: float, out: list[Any]) -> None:
         self._counters["heartbeats_unsent"] += 1
 
+    def _on_connected_probing(self, event: Connected, now: float, out: list[Any]) -> None:
+        """The transport reached the unhealthy server again: probe it now, backoff reset (a
+        reply makes it healthy; silence backs off again from ``probe_interval``)."""
+        server = self._servers[event.server]
+        self._counters["connects"] += 1
+        self._counters["heartbeats_sent"] += 1
+        out.append(SendHeartbeat(event.server))
+        server.period = self._probe
+        server.next_ping = now + server.period
+
+    def _on_connected_healthy(self, event: Connected, now: float, out: list[Any]) -> None:
+        """A healthy server's connection came back (it dropped, maybe for a restart): one
+        heartbeat now learns a new epoch at once; the ping schedule and timeout stay."""
+        self._counters["connects"] += 1
+        self._counters["heartbeats_sent"] += 1
+        out.append(SendHeartbeat(event.server))
+
     def _on_reply(self, event: HeartbeatReply, now: float, out: list[Any]) -> None:
         server = self._servers[event.server]
         server.last_reply = max(server.last_reply, now)
@@ -436,7 +470,7 @@ def _server_of(event: Any) -> Hashable:
 _H, _M = HealthState, HealthMonitor
 _WATCHED = (_H.HEALTHY, _H.PROBING)
 # What the transport feeds (TimerFired is not addressed to a server: it runs the due timers).
-_INPUTS = (HeartbeatReply, HeartbeatUnsent, InstanceRegistered, InstanceUnregistered, RegistrationFailed,
+_INPUTS = (HeartbeatReply, HeartbeatUnsent, Connected, InstanceRegistered, InstanceUnregistered, RegistrationFailed,
            InstancePingRefused, RequestRefused)
 
 # One server's health: (its state, event) -> (handler, next states). handle runs it.
@@ -448,6 +482,8 @@ TABLE: Table[HealthState] = Table("HealthMonitor (one server's health, epoch and
     (_H.PROBING, ProbeDue): (_M._on_probe_due, (_H.PROBING,)),
     **{(s, HeartbeatReply): (_M._on_reply, (_H.HEALTHY,)) for s in _WATCHED},
     **{(s, HeartbeatUnsent): (_M._on_unsent, (s,)) for s in _WATCHED},
+    (_H.HEALTHY, Connected): (_M._on_connected_healthy, (_H.HEALTHY,)),
+    (_H.PROBING, Connected): (_M._on_connected_probing, (_H.PROBING,)),
     **{(s, InstanceRegistered): (_M._on_registered, (s,)) for s in _WATCHED},
     **{(s, InstanceUnregistered): (_M._on_unregistered, (s,)) for s in _WATCHED},
     **{(s, RegistrationFailed): (_M._on_registration_failed, (s,)) for s in _WATCHED},

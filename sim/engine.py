@@ -34,7 +34,7 @@ from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.chunks import ChunkChain, ObjectKey
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
-from mpcache.core_sm.health import HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
+from mpcache.core_sm.health import Connected, HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.lookup_client import LookupState
 from mpcache.core_sm.server_core import RequestKey
@@ -374,6 +374,12 @@ class SimEngine:
             if node is not None and node.alive:
                 for machine in hb.targets[effect.server]:
                     self.call(node, machine, effect)
+
+    def server_connected(self, server: int) -> None:
+        """``server`` listens again: every node's transport reconnects to it (``Connected``)."""
+        for hb in self.heartbeats:
+            if hb.running and not self.crashed:
+                self._apply_health(hb, hb.monitor.handle(Connected(server), self.world.now()))
 
     def stop_heartbeats(self) -> None:
         for hb in self.heartbeats:

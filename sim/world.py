@@ -236,6 +236,9 @@ class World:
         host.node = node
         host.up = True
         await self.start_node(node)
+        if host.incarnation > 1:  # a restart: each client's transport reconnects (Connected)
+            for engine in self.engines:
+                engine.server_connected(host.index)
 
     def _interpret_server(self, node: Node, machine: str, effect: Any) -> None:
         host = self.servers[int(node.name[len("server"):])]

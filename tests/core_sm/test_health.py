@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from mpcache.core_sm.health import (_INPUTS, NOT_REGISTERED, TABLE, HealthConfig, HealthMonitor, HealthState, HeartbeatDue,
+from mpcache.core_sm.health import (_INPUTS, NOT_REGISTERED, TABLE, Connected, HealthConfig, HealthMonitor, HealthState, HeartbeatDue,
                             HeartbeatReply, HeartbeatTimeout, HeartbeatUnsent, InstancePingRefused,
                             InstanceRegistered, ProbeDue, RequestRefused, SendHeartbeat, SendInstancePing)
 from mpcache.core_sm.messages import ServerEpoch, ServerHealth, TimerFired
@@ -183,8 +183,8 @@ TIMERS = (HeartbeatDue, HeartbeatTimeout, ProbeDue)
 def _event(event_type: type, server: int, now: float) -> Any:
     if event_type is HeartbeatReply:
         return HeartbeatReply(server, 2)
-    if event_type is HeartbeatUnsent:
-        return HeartbeatUnsent(server)
+    if event_type is HeartbeatUnsent or event_type is Connected:
+        return event_type(server)
     if event_type is InstancePingRefused:
         return InstancePingRefused(server, 7, NOT_REGISTERED)
     if event_type is RequestRefused:
@@ -269,3 +269,57 @@ def test_a_ping_due_with_the_timeout_is_a_probe() -> None:
     m.handle(TimerFired(), 1.0)
     assert m.handle(TimerFired(), 2.0) == [ServerHealth(0, False), SendHeartbeat(0)]
     assert m.next_deadline() == 4.0
+
+
+# ---------------------------------------------------------------------------------------------- Connected
+
+def _backed_off() -> tuple[HealthMonitor, float]:
+    """A one-server monitor whose server went silent and whose probes backed off to the cap."""
+    m = one(initially_healthy=True)
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    now = 0.0
+    while m.healthy(0) or m.period(0) < 1.0:
+        now = m.next_deadline()  # type: ignore[assignment]
+        m.handle(TimerFired(), now)
+    return m, now
+
+
+def test_a_connection_back_to_an_unhealthy_server_probes_it_now_and_resets_the_backoff() -> None:
+    m, now = _backed_off()
+    assert m.state(0) is HealthState.PROBING and m.period(0) == 1.0 and m.next_deadline() == now + 1.0
+    at = now + 0.3
+    assert m.handle(Connected(0), at) == [SendHeartbeat(0)]
+    assert m.period(0) == 0.1 and m.next_deadline() == at + 0.1
+    assert m.stats()["connects"] == 1
+    # the probe's reply is the verdict, as for any probe
+    assert m.handle(HeartbeatReply(0, 2), at + 0.01) == [ServerEpoch(0, 2), ServerHealth(0, True)]
+    assert m.period(0) == 1.0
+
+
+def test_a_connection_that_brings_no_reply_backs_off_again_from_the_probe_period() -> None:
+    m, now = _backed_off()
+    m.handle(Connected(0), now + 0.3)
+    pings, t = [], now + 0.3
+    while len(pings) < 5:
+        t = m.next_deadline()  # type: ignore[assignment]
+        if SendHeartbeat(0) in m.handle(TimerFired(), t):
+            pings.append(round(t - now - 0.3, 3))
+    assert pings == [0.1, 0.3, 0.7, 1.5, 2.5] and not m.healthy(0)
+
+
+def test_a_connection_to_a_healthy_server_sends_one_heartbeat_and_keeps_the_schedule() -> None:
+    m = one(initially_healthy=True)
+    m.handle(HeartbeatReply(0, 1), 0.0)
+    m.handle(InstanceRegistered(0, 7), 0.0)
+    m.handle(TimerFired(), 0.0)
+    before = m.next_deadline()
+    # no instance pings: this heartbeat only asks for the (maybe new) epoch
+    assert m.handle(Connected(0), 0.4) == [SendHeartbeat(0)]
+    assert m.next_deadline() == before and m.healthy(0) and m.period(0) == 1.0
+    assert m.handle(HeartbeatReply(0, 2), 0.41) == [ServerEpoch(0, 2)]
+
+
+def test_a_connection_to_an_unknown_server_is_counted_not_raised() -> None:
+    m = one()
+    assert m.handle(Connected(3), 0.0) == [] and m.stats()["stale_replies"] == 1
+    assert m.stats()["internal_errors"] == 0
