@@ -25,8 +25,12 @@ Contract
   ``heartbeat_backoff_max`` (default: the larger of ``heartbeat_interval`` and
   ``reconnect_ivl_max``). ``on_health(healthy)``
   callbacks run on the client thread; use them to feed core_sm's ``ServerHealth`` event. ZMQ
-  reconnects by itself (reconnect interval capped at 1 s, connect timeout 5 s), so a restarted
-  server is found within about a second.
+  reconnects by itself (reconnect interval capped at ``reconnect_ivl_max``, 1 s, connect timeout
+  5 s). A socket monitor read by the client thread tells the monitor the moment a connection's
+  handshake succeeds (``Connected``): an unhealthy server is probed at once, backoff reset, so a
+  restarted server is healthy again within about one reconnect interval of listening (not that
+  plus a backed-off probe period); a healthy one gets one heartbeat at once, which learns a new
+  epoch. A handshake the server refuses (CURVE key not authorized, say) is logged.
 * Restarts: the heartbeat is the ``health`` operation, whose reply carries the server's start id
   (``epoch``, random per server process). ``epoch`` is the last one seen; ``on_epoch(epoch)``
   callbacks run on the client thread when the first one arrives and whenever it changes (a server
@@ -60,8 +64,10 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from mpcache.core_sm.health import (
+    Connected,
     FailPending,
     GiveUp,
     HealthConfig,
@@ -206,6 +212,10 @@ class MPCacheClient:
             from mpcache.runtime_zmq.auth import client_curve
 
             client_curve(sock, curve_dir, curve_client or os.environ.get("MPCACHE_CURVE_CLIENT", "client"))
+        # Connection events, read (and closed) by the client thread only: set up before connect
+        # so the first handshake is seen too.
+        self._conn_events = sock.get_monitor_socket(_CONNECTION_EVENTS)
+        self._handshake_failed: int | None = None  # the last failed-handshake event, logged once
         sock.connect(url)
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)
@@ -260,6 +270,14 @@ class MPCacheClient:
     def epoch(self) -> int | str | None:
         """The server's start id from the last heartbeat reply (None before the first)."""
         return self._epoch
+
+    @property
+    def heartbeat_period(self) -> float:
+        """The current heartbeat period: ``heartbeat_interval`` while healthy; while not, the
+        probe period, backed off up to ``heartbeat_backoff_max`` (reset when a connection to the
+        server is made again)."""
+        with self._lock:
+            return self._monitor.period(SERVER)
 
     @property
     def heartbeat_at(self) -> float | None:
@@ -665,12 +683,37 @@ class MPCacheClient:
         if p is not None:
             done.append((p.future, False, p.error or RemoteError("not_registered", "instance not registered", str(p.op))))
 
+    def _read_connection_events(self, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        """Every socket-monitor event waiting (its FD is edge-triggered: read them all): a
+        handshake that succeeded is ``Connected`` for the monitor; a failed one is logged once
+        until a handshake succeeds. Client thread only, with ``self._lock`` held."""
+        mon = self._conn_events
+        while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                event = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            except (zmq.Again, ValueError):
+                return
+            kind = int(event["event"])
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._handshake_failed is not None:
+                    log.info("mpcache server %s: handshake succeeded again", self.url)
+                self._handshake_failed = None
+                self._feed(Connected(SERVER), done)
+            elif kind != self._handshake_failed:
+                self._handshake_failed = kind
+                log.warning("mpcache server %s refused the connection's handshake (%s, errno %s): check the "
+                            "CURVE keys (--curve-dir) and that both ends speak ZMTP 3", self.url,
+                            _HANDSHAKE_FAILURES.get(kind, kind), event["value"])
+
     def _run(self) -> None:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         wake_only = select.poll()
         wake_only.register(self._wake_r, select.POLLIN)
+        conn_fd = self._conn_events.getsockopt(zmq.FD)
+        poller.register(conn_fd, select.POLLIN)
+        wake_only.register(conn_fd, select.POLLIN)
         try:
             while True:
                 now = time.monotonic()
@@ -687,6 +730,7 @@ class MPCacheClient:
                         self._drain_locked(done)
                         self._recv_lock.release()
                     self._io_watching = receiving
+                    self._read_connection_events(done)
                     while self._deadlines and self._deadlines[0][0] <= now:
                         _, uid = heapq.heappop(self._deadlines)
                         p = self._pending.get(uid)
@@ -731,11 +775,22 @@ class MPCacheClient:
                 pending = list(self._pending.values())
                 self._pending.clear()
             self._finish([(p.future, False, ClientClosed("client closed")) for p in pending])
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._conn_events.close(0)
             self._sock.close(0)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
 
+# A connection's handshake succeeded (the socket has a completed connection: a request can go)
+# or failed (logged).
+_HANDSHAKE_FAILURES: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+                       zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
+                       zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed"}
+_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_HANDSHAKE_FAILURES)
 _HEALTH_FRAME = msgpack.packb("health")
 _PING_FRAME = msgpack.packb("ping")
 _REGISTER_FRAME = msgpack.packb("register_instance")
