@@ -2,11 +2,16 @@
 monitor's handshake event makes the HealthMonitor probe at once, whatever its backoff."""
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from mpcache.runtime_zmq import auth
 from mpcache.runtime_zmq.client import MPCacheClient
 from conftest import RawDealer, ServerProcess, wait_for
 
@@ -61,3 +66,26 @@ def test_close_closes_the_connection_monitor(start_server: Callable[..., ServerP
     mon = c._conn_events
     c.close()
     assert mon.closed and c._sock.closed
+
+
+def test_a_refused_handshake_is_logged_once_not_per_attempt(start_server: Callable[..., ServerProcess],
+                                                              tmp_path: Any, caplog: Any) -> None:
+    keys, other = str(tmp_path / "keys"), str(tmp_path / "other")
+    auth.keygen(keys, "engine")
+    auth.keygen(other, "intruder")
+    sp = start_server("--curve-dir", keys)
+    # the intruder's client trusts the right server key, but the server does not know its key
+    shutil.copy(os.path.join(keys, "server.key"), os.path.join(other, "server.key"))
+    caplog.set_level(logging.INFO, logger="mpcache.client")
+    c = MPCacheClient(sp.url, curve_dir=other, curve_client="intruder", reconnect_ivl_max=0.1,
+                      wait_connected=False)
+    try:
+        def refusals() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "refused the connection's handshake" in r.getMessage()]
+
+        assert wait_for(lambda: len(refusals()) >= 1, timeout=5.0)
+        time.sleep(0.5)  # several more attempts, each refused
+        assert len(refusals()) == 1 and "authentication failed" in refusals()[0]
+        assert not c.healthy
+    finally:
+        c.close()
