@@ -254,11 +254,11 @@ def run_connector(args: argparse.Namespace) -> dict[str, Any]:
         phases["down"] = {"p300": generate(llm, ps["p300"])}
         time.sleep(4.0)
         report["server_restart_s"] = round(server.start(), 3)
-        # The engine finds the new server on its own: ZMQ reconnects within reconnect_ivl_max
-        # (1 s) and each unhealthy client probes every heartbeat_backoff_max (1 s), so both of
-        # the engine's clients (scheduler, worker) see it within about 2 s of it listening.
+        # The engine finds the new server on its own: each client probes as soon as ZMQ has
+        # reconnected (reconnect_ivl_max, 1 s), so both of the engine's clients (scheduler,
+        # worker) see it within about 1 s of it listening (`mpcache-bench reconnect`).
         # Nothing outside the engine can observe that (an idle engine registers again on its
-        # next call, not before), so the wait is twice that bound.
+        # next call, not before), so the wait is a generous multiple of that bound.
         time.sleep(4.0)
         phases["restart_first"] = {"p300": generate(llm, ps["p300"])}
         phases["restart_first_stats"] = server.stats()

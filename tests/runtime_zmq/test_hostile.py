@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from conftest import REPO, RawDealer, ServerProcess, wait_for
+from live_server import REPO, RawDealer, ServerProcess, wait_for
 from mpcache.runtime_zmq import auth
 from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import key, register, store_chunks, tokens

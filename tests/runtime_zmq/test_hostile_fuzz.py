@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from conftest import RawDealer, ServerProcess
+from live_server import RawDealer, ServerProcess
 from mpcache.runtime_zmq.client import MPCacheClient
 from mpcache.runtime_zmq.l1_pool import MappedSegment
 from test_server_ops import OBJ_BYTES, key, pattern, register, store_chunks, tokens

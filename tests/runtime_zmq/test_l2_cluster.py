@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[redis]')")
 
-from conftest import ServerProcess, wait_for  # noqa: E402
+from live_server import ServerProcess, wait_for  # noqa: E402
 from redis_cluster import RedisClusterProcesses, redis_cluster  # noqa: E402,F401
 from mpcache.runtime_zmq.client import MPCacheClient  # noqa: E402
 from mpcache.runtime_zmq.l2 import L2Error, open_tier, split_l2_urls  # noqa: E402

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from conftest import ServerProcess, wait_for
+from live_server import ServerProcess, wait_for
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import ProbeL2, ReadL2, WriteL2
 from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ServerProcess, wait_for
+from live_server import ServerProcess, wait_for
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import ProbeL2, ReadL2, WriteL2
 from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished

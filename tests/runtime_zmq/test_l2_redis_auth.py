@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[redis]')")
 
-from conftest import ServerProcess, wait_for  # noqa: E402
+from live_server import ServerProcess, wait_for  # noqa: E402
 from mpcache.runtime_zmq.client import MPCacheClient  # noqa: E402
 from mpcache.runtime_zmq.l2 import L2Error, L2Unavailable, open_tier  # noqa: E402
 from test_server_ops import key, register, store_chunks, tokens  # noqa: E402

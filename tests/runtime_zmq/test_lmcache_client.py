@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import HERE, REPO, ServerProcess
+from live_server import HERE, REPO, ServerProcess
 from mpcache.runtime_zmq.client import MPCacheClient
 from test_server_ops import register, store_chunks, tokens
 

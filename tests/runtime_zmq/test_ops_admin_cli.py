@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from conftest import REPO, ServerProcess
+from live_server import REPO, ServerProcess
 from mpcache.runtime_zmq.client import MPCacheClient
 from test_server_ops import key, register, store_chunks, tokens
 

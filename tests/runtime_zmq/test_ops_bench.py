@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from conftest import REPO, ServerProcess
+from live_server import REPO, ServerProcess
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:

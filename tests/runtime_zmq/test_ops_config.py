@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import REPO, ServerProcess
+from live_server import REPO, ServerProcess
 from mpcache.runtime_zmq import cli
 from mpcache.runtime_zmq import config as cfg
 from mpcache.runtime_zmq.client import MPCacheClient

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from conftest import ServerProcess
+from live_server import ServerProcess
 from mpcache.runtime_zmq.client import MPCacheClient
 from mpcache.runtime_zmq.config import version
 from mpcache.runtime_zmq.http import OpsHttpServer

@@ -14,7 +14,7 @@ import pytest
 
 import adapter_driver
 from adapter_driver import CHUNK, Engine
-from conftest import ServerProcess
+from live_server import ServerProcess
 from mpcache.runtime_zmq import adapters
 from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, ServerUnreachable
 from mpcache.runtime_zmq.client import MPCacheClient

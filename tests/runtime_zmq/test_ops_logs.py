@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from conftest import ServerProcess, wait_for
+from live_server import ServerProcess, wait_for
 from mpcache.runtime_zmq import logs
 from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import OBJ_BYTES, key, register, store_chunks, tokens

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import REPO, ServerProcess, wait_for
+from live_server import REPO, ServerProcess, wait_for
 from mpcache.runtime_zmq import metrics
 from mpcache.runtime_zmq.client import MPCacheClient
 from test_ops_http import get, http_url

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import ServerProcess, wait_for
+from live_server import ServerProcess, wait_for
 from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 from test_server_ops import key, register, store_chunks, tokens
 from test_tiers_shared import _retrieve_and_check

@@ -13,7 +13,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from mpcache.runtime_zmq import auth
 from mpcache.runtime_zmq.client import MPCacheClient
-from conftest import RawDealer, ServerProcess, wait_for
+from live_server import RawDealer, ServerProcess, wait_for
 
 RECONNECT_IVL_MAX = 0.2
 BACKOFF_MAX = 1.6

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from tests.runtime_zmq.conftest import ServerProcess
+from live_server import ServerProcess
 from mpcache.tools import bench_rpc
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from conftest import REPO, ServerProcess
+from live_server import REPO, ServerProcess
 from mpcache.runtime_zmq.client import MPCacheClient
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import HERE, REPO, ServerProcess, wait_for
+from live_server import HERE, REPO, ServerProcess, wait_for
 from mpcache.core_sm.effects import SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import wait_for
+from live_server import wait_for
 from mpcache.runtime_zmq import l1_pool
 from mpcache.runtime_zmq.client import MPCacheClient
 from mpcache.runtime_zmq.http import OpsHttpServer

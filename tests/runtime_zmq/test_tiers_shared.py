@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 
-from conftest import ServerProcess, wait_for
+from live_server import ServerProcess, wait_for
 from mpcache.runtime_zmq.client import MPCacheClient
 from mpcache.runtime_zmq.l1_pool import MappedSegment
 from test_server_ops import OBJ_BYTES, key, pattern, register, store_chunks, tokens

@@ -12,7 +12,7 @@ from typing import Any
 from mpcache.runtime_zmq.client import MPCacheClient
 from mpcache.sim.cli import main as sim_main
 from adapter_driver import CHUNK, Engine
-from conftest import ADMIN_TOKEN
+from live_server import ADMIN_TOKEN
 
 
 def _traffic(start_server: Callable[..., Any], path: str, *flags: str) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from conftest import RawDealer, ServerProcess
+from live_server import RawDealer, ServerProcess
 from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
 
 P = msgpack.packb

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import RawDealer, ServerProcess
+from live_server import RawDealer, ServerProcess
 from mpcache.runtime_zmq.client import MPCacheClient
 from test_server_ops import register, store_chunks, tokens
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ServerProcess, wait_for
+from live_server import ServerProcess, wait_for
 from mpcache.runtime_zmq.client import ClientClosed, MPCacheClient, RemoteError
 from test_server_ops import key, tokens
 
