@@ -3,6 +3,7 @@
     mpcache-sim run --seeds N [--start S] [--profile P] [--jobs K]
     mpcache-sim replay SEED [--profile P] [--chart FILE.svg] [--quiet]
     mpcache-sim list-profiles
+    mpcache-sim profiles --seeds N [--jobs K] [--profile P ...]
     mpcache-sim check-determinism [--seeds N] [--profile P]
     mpcache-sim fleet --seeds N [--servers S] [--engines E] [--tier-nodes T]
     mpcache-sim sweep TRACE --l1-size-gb 1,2,4,8 [--png OUT.png]
@@ -114,6 +115,43 @@ def cmd_list(args: argparse.Namespace) -> int:
         failure = f"[{p.failure}] " if p.failure else ""
         print(f"{name:<{w}}  {failure}{p.description}")
     return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    """How strongly the seeds catch each legacy profile: per profile, the seeds whose violation
+    carries the profile's F-code, the first of them, and the seeds that failed with another code."""
+    from mpcache.sim.profiles import LEGACY
+
+    names = args.profile or LEGACY
+    for name in names:
+        get_profile(name)
+    seeds = list(range(args.start, args.start + args.seeds))
+    started = time.perf_counter()
+    rows = []
+    thin = []
+    for name in names:
+        expected = PROFILES[name].failure
+        t0 = time.perf_counter()
+        results = run_many(seeds, name, jobs=args.jobs)
+        caught = [r.seed for r in results if r.violation is not None and r.violation.code == expected]
+        other = Counter(r.violation.code for r in results
+                        if r.violation is not None and r.violation.code != expected)
+        share = len(caught) / max(len(seeds), 1)
+        first = str(caught[0]) if caught else "-"
+        if not caught or share < args.min_share:
+            thin.append(name)
+        rows.append((name, expected, f"{len(caught)}/{len(seeds)}", f"{100 * share:.1f}%", first,
+                     ", ".join(f"{k} {n}" for k, n in sorted(other.items())) or "-",
+                     f"{time.perf_counter() - t0:.1f}"))
+    head = ("profile", "code", "caught", "share", "first", "other violations", "wall s")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)).rstrip())
+    print(f"seeds {args.start}..{args.start + len(seeds) - 1}, {args.jobs} job(s), "
+          f"wall {time.perf_counter() - started:.1f} s")
+    if thin:
+        print(f"caught on fewer than {100 * args.min_share:g}% of seeds: {', '.join(thin)}")
+    return 1 if thin else 0
 
 
 def cmd_hashes(args: argparse.Namespace) -> int:
@@ -277,6 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("list-profiles", help="the default and the legacy-bug profiles")
     p.set_defaults(func=cmd_list)
+    p = sub.add_parser("profiles", help="catch table: per legacy profile, how many seeds catch it with its "
+                                        "F-code and the first that does; exit 1 if one is caught too rarely")
+    p.add_argument("--seeds", type=int, default=200)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--profile", action="append", help="only this legacy profile (repeatable)")
+    p.add_argument("--min-share", type=float, default=0.0,
+                   help="exit 1 if a profile is caught on fewer than this share of seeds (0..1; default: never caught)")
+    p.set_defaults(func=cmd_profiles)
     p = sub.add_parser("check-determinism", help="same trace hash under another PYTHONHASHSEED")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--start", type=int, default=0)

@@ -34,7 +34,19 @@ from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.chunks import ChunkChain, ObjectKey
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
-from mpcache.core_sm.health import Connected, HealthConfig, HealthMonitor, HeartbeatReply, SendHeartbeat
+from mpcache.core_sm.health import (
+    Connected,
+    GiveUp,
+    HealthConfig,
+    HeartbeatReply,
+    InstanceRegistered,
+    Register,
+    RegistrationFailed,
+    RequestRefused,
+    Resend,
+    SendHeartbeat,
+    SendInstancePing,
+)
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.lookup_client import LookupState
 from mpcache.core_sm.server_core import RequestKey
@@ -43,6 +55,11 @@ from mpcache.core_sm.messages import (
     CopyFinished,
     EngineFinished,
     Ping,
+    PrepareRetrieve,
+    PrepareStore,
+    RegisterInstance,
+    Retrieve,
+    Store,
     QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
@@ -73,6 +90,11 @@ SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished
 RUNNING = ("loading", "computing", "decoding")  # requests that count against max_running
 LOOKUP = "lookup"
 HB = "hb"
+REG = "reg"  # a worker transport's own registrations (sent again for a refused request)
+# The requests a not_registered refusal may be resent for (the server refuses them before any
+# work), as the ZMQ client's transport does (runtime_zmq/client.py).
+RESENDABLE = (Store, Retrieve, PrepareStore, PrepareRetrieve)
+TRANSPORT_TIMEOUT = 3.0  # a parked request fails after this, as the ZMQ client's request timeout
 
 
 def tc_name(server: int) -> str:
@@ -100,6 +122,7 @@ class SimRequest:
     q: QueuedRequest | None = None  # the request as the scheduler model tracks it
     compute_done_at: float = 0.0
     preempted: bool = False
+    abort_armed: bool = False  # the abort timed to an operation in flight is scheduled
     unresolved: bool = False  # the last check() answered None
     # the retrieve server's lease expiry for the hit when last seen held, with that server's
     # incarnation and the world's clear count then
@@ -139,10 +162,13 @@ class Heartbeat:
         self.instance_id = instance_id
         self.targets = targets  # server -> machines to tell
         cfg = engine.world.config
-        self.monitor = HealthMonitor(HealthConfig(cfg.num_servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
+        self.monitor = engine.world.profile.health_monitor_class(HealthConfig(cfg.num_servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
                                                   backoff_max=4 * cfg.heartbeat_interval, initially_healthy=True))
         self.seq = 0
         self.running = True
+        # the server incarnations this node started against, and the epochs its monitor reported
+        self.start_epochs = {s: engine.world.servers[s].incarnation for s in range(cfg.num_servers)}
+        self.epochs: dict[int, Any] = {}
 
 
 class SimWorker:
@@ -206,6 +232,15 @@ class SimEngine:
         self.reported: dict[tuple[int, int, str], set[str]] = {}
         self.lookup_results: dict[str, int] = {}
         self.f2_watch: set[str] = set()
+        # The workers' transport (what runtime_zmq's MPCacheClient does around the machines): the
+        # last registration each machine sent, the resendable requests in flight, and those
+        # refused not_registered and parked until core_sm's HealthMonitor decides (Resend/GiveUp).
+        self.registrations: dict[tuple[str, str], RegisterInstance] = {}
+        self.in_flight: dict[tuple[str, str, int], tuple[RequestMsg, float]] = {}
+        self.parked: dict[tuple[str, str, int], tuple[RequestMsg, Any, float]] = {}
+        self.resent: set[tuple[str, str, int]] = set()
+        self.reg_seq = 0
+        self.reg_sent: dict[int, tuple[str, int, int]] = {}  # correlation -> (node, server, instance)
         root_cache: dict[str, bytes] = {}
         chain = ChunkChain(cfg.chain_key)  # the world's servers hash with the same key
         for spec in world.scenario.requests:
@@ -268,8 +303,14 @@ class SimEngine:
             self.sent[(node.name, machine, effect.correlation)] = (rid, type(effect.request).__name__)
             if len(self.sent) > 4096:
                 self.sent.popitem(last=False)
-            self.world.send(Address(node.name, machine), Address(server_name(effect.server), "server"),
-                            RequestMsg(effect.server, effect.correlation, effect.request))
+            msg = RequestMsg(effect.server, effect.correlation, effect.request)
+            if machine != LOOKUP and self.world.profile.transport_resend:
+                rt = type(effect.request)
+                if rt is RegisterInstance:
+                    self.registrations[(node.name, machine)] = effect.request
+                elif rt in RESENDABLE:
+                    self.in_flight[(node.name, machine, effect.correlation)] = (msg, self.world.now())
+            self.world.send(Address(node.name, machine), Address(server_name(effect.server), "server"), msg)
         elif t is CopyBlocks:
             worker = self.workers[int(node.name.split(".")[1])]
             server = int(machine[2:])
@@ -298,7 +339,18 @@ class SimEngine:
         if machine == HB:
             self._pong(node.name, msg)
             return
-        info = self.sent.get((node.name, machine, msg.correlation))
+        if machine == REG:
+            self._transport_registered(node.name, msg)
+            return
+        key = (node.name, machine, msg.correlation)
+        info = self.sent.get(key)
+        if machine != LOOKUP and self.world.profile.transport_resend:
+            if info is not None and info[1] == "RegisterInstance":
+                self._registration_answered(node.name, machine, msg)
+            sent = self.in_flight.pop(key, None)
+            if sent is not None and msg.error is not None and msg.error.kind is ErrorKind.NOT_REGISTERED:
+                self._park(node.name, machine, sent[0], sent[1], msg.error)
+                return
         if msg.error is not None:
             node.post(machine, RequestFailed(msg.server, msg.correlation, msg.error))
             return
@@ -310,8 +362,8 @@ class SimEngine:
             if (rid is not None and isinstance(msg.result, int) and not isinstance(msg.result, bool)
                     and leg is not None and leg.chunks is None):
                 # The answer reached a lookup still waiting for this server: it must count.
-                key = (rid, msg.server)
-                self.delivered_hits[key] = max(self.delivered_hits.get(key, 0), msg.result)
+                hit_key = (rid, msg.server)
+                self.delivered_hits[hit_key] = max(self.delivered_hits.get(hit_key, 0), msg.result)
                 self.f2_watch.add(rid)
         node.post(machine, ReplyReceived(msg.server, msg.correlation, msg.result))
 
@@ -341,6 +393,91 @@ class SimEngine:
                 elif state is LookupState.ABSENT:
                     self.f2_watch.discard(rid)
 
+    # =========================================================================== worker transport
+    def _hb_of(self, node_name: str) -> Heartbeat:
+        return next(h for h in self.heartbeats if h.node_name == node_name)
+
+    def _worker_hb(self, node_name: str) -> tuple[Heartbeat, int]:
+        hb = self._hb_of(node_name)
+        assert hb.instance_id is not None, f"{node_name} is no worker"
+        return hb, hb.instance_id
+
+    def _registration_answered(self, node_name: str, machine: str, msg: Any) -> None:
+        """The machine's own registration was answered: the monitor learns it (a refused request
+        waiting on this instance is resent)."""
+        hb, iid = self._worker_hb(node_name)
+        event = (InstanceRegistered if msg.error is None else RegistrationFailed)(msg.server, iid)
+        self._apply_health(hb, hb.monitor.handle(event, self.world.now()))
+
+    def _park(self, node_name: str, machine: str, request: RequestMsg, sent_at: float, error: ProtocolError) -> None:
+        """A resendable request refused not_registered: held until the monitor decides, within
+        its own timeout (counted from its first send)."""
+        key = (node_name, machine, request.correlation)
+        self.world.stats["transport_refusals"] = self.world.stats.get("transport_refusals", 0) + 1
+        self.parked[key] = (request, error, sent_at)
+        self.world.timeline.at(max(sent_at + TRANSPORT_TIMEOUT, self.world.now()), self._expire_parked, key)
+        hb, iid = self._worker_hb(node_name)
+        self.world.trace.line(self.world.now(), node_name, f"transport: {type(request.request).__name__} "
+                              f"#{request.correlation} to server{request.server} refused not_registered: parked")
+        self._apply_health(hb, hb.monitor.handle(
+            RequestRefused(request.server, iid, key, error.kind.value, key in self.resent), self.world.now()))
+
+    def _unpark(self, key: tuple[str, str, int], failed: ProtocolError | None, why: str) -> None:
+        """Resend a parked request (``failed`` None), or fail it to its machine with a reason."""
+        request, error, sent_at = self.parked.pop(key)
+        node = self.world.nodes.get(key[0])
+        self.world.trace.line(self.world.now(), key[0], f"transport: #{key[2]} {why}")
+        if node is None or not node.alive:
+            return
+        if failed is None:
+            if key in self.resent:
+                self.world.violation("SAFETY", key[0], f"{type(request.request).__name__} #{key[2]} to "
+                                     f"server{request.server} resent a second time after not_registered")
+            self.resent.add(key)
+            self.world.stats["transport_resends"] = self.world.stats.get("transport_resends", 0) + 1
+            self.in_flight[key] = (request, sent_at)
+            self.world.send(Address(key[0], key[1]), Address(server_name(request.server), "server"), request)
+            return
+        if not failed.message:
+            self.world.violation("SAFETY", key[0], f"#{key[2]} failed with no reason: {failed!r}")
+        self.world.stats["transport_give_ups"] = self.world.stats.get("transport_give_ups", 0) + 1
+        node.post(key[1], RequestFailed(request.server, request.correlation, failed))
+
+    def _expire_parked(self, key: tuple[str, str, int]) -> None:
+        if key in self.parked:
+            self._unpark(key, ProtocolError(ErrorKind.TIMEOUT, "no registration within the request timeout "
+                                            "after not_registered"), "timed out parked")
+
+    def _transport_register(self, hb: Heartbeat, effect: Register) -> None:
+        """The monitor asks to register ``effect.instance_id`` again: the registration the machine
+        last sent to that server (none: the monitor hears it failed)."""
+        registration = self.registrations.get((hb.node_name, tc_name(effect.server)))
+        if registration is None:
+            self._apply_health(hb, hb.monitor.handle(RegistrationFailed(effect.server, effect.instance_id),
+                                                     self.world.now()))
+            return
+        self.reg_seq += 1
+        self.reg_sent[self.reg_seq] = (hb.node_name, effect.server, effect.instance_id)
+        self.world.trace.line(self.world.now(), hb.node_name, f"transport: register instance {effect.instance_id} "
+                              f"at server{effect.server} again")
+        self.world.send(Address(hb.node_name, REG), Address(server_name(effect.server), "server"),
+                        RequestMsg(effect.server, self.reg_seq, registration))
+
+    def _transport_registered(self, node_name: str, msg: Any) -> None:
+        sent = self.reg_sent.pop(msg.correlation, None)
+        if sent is None:
+            return
+        hb = self._hb_of(node_name)
+        event = (InstanceRegistered if msg.error is None else RegistrationFailed)(sent[1], sent[2])
+        self._apply_health(hb, hb.monitor.handle(event, self.world.now()))
+
+    def check_transport_drained(self) -> None:
+        """After quiescence: no refused request still waits on a registration (it was resent
+        once, or failed with a reason)."""
+        for key, (request, error, sent_at) in sorted(self.parked.items()):
+            self.world.violation("LIVENESS", key[0], f"{type(request.request).__name__} #{key[2]} sent at "
+                                 f"{sent_at:.3f} and refused not_registered still waits for a registration")
+
     # =========================================================================== heartbeats
     def _ping(self, hb: Heartbeat) -> None:
         if not hb.running or self.crashed:
@@ -351,7 +488,7 @@ class SimEngine:
             self.world.timeline.at(max(deadline, self.world.now()), self._ping, hb)
 
     def _pong(self, node_name: str, msg: Any) -> None:
-        hb = next(h for h in self.heartbeats if h.node_name == node_name)
+        hb = self._hb_of(node_name)
         reply = HeartbeatReply(msg.server, self.world.servers[msg.server].incarnation)
         self._apply_health(hb, hb.monitor.handle(reply, self.world.now()))
 
@@ -364,13 +501,30 @@ class SimEngine:
                 self.world.send(Address(hb.node_name, HB), Address(server_name(effect.server), "server"),
                                 RequestMsg(effect.server, -hb.seq, Ping(hb.instance_id)))
                 continue
+            if type(effect) is SendInstancePing:
+                continue  # this node's heartbeat ping already names its instance
+            if type(effect) is Register:
+                self._transport_register(hb, effect)
+                continue
+            if type(effect) is Resend or type(effect) is GiveUp:
+                key = effect.request
+                if key in self.parked:
+                    error = self.parked[key][1]
+                    if type(effect) is Resend:
+                        self._unpark(key, None, "resent after the registration")
+                    else:
+                        self._unpark(key, error, "given up")
+                continue
             if type(effect) is ServerHealth:
                 self.world.trace.line(now, hb.node_name, f"health server{effect.server} -> "
                                       f"{'up' if effect.healthy else 'DOWN'}")
                 self.touch_all_live()
             elif type(effect) is ServerEpoch:
                 self.world.trace.line(now, hb.node_name, f"epoch server{effect.server} -> {effect.epoch}")
-                self.touch_all_live()
+                first = effect.server not in hb.epochs
+                hb.epochs[effect.server] = effect.epoch
+                if not (first and effect.epoch == hb.start_epochs[effect.server]):
+                    self.touch_all_live()  # a restart (the first epoch of the server it started with is none)
             if node is not None and node.alive:
                 for machine in hb.targets[effect.server]:
                     self.call(node, machine, effect)
@@ -435,6 +589,7 @@ class SimEngine:
         if admitted is Admission.PENDING:
             req.polls += 1
             req.unresolved = True
+            self._arm_abort_in_flight(req, "lookup")
             return
         req.unresolved = False
         tracker = self.planner().tracker(req.rid)
@@ -456,8 +611,15 @@ class SimEngine:
             req.retrieve_server = self._retrieve_server(req)
             req.loads_pending = {w.rank for w in self.workers}
             req.state = "loading"
+            self._arm_abort_in_flight(req, "load")
         else:
             self._start_compute(req)
+
+    def _arm_abort_in_flight(self, req: SimRequest, what: str) -> None:
+        """The scenario's abort timed to an operation in flight (``RequestSpec.abort_on``)."""
+        if req.spec.abort_on == what and not req.abort_armed:
+            req.abort_armed = True
+            self.world.timeline.after(req.spec.abort_delay, self._abort, req)
 
     def _check_leases_accounted(self, req: SimRequest) -> None:
         """F8 at allocation: every token range of the hit is either read by the planned retrieve
@@ -722,6 +884,7 @@ class SimEngine:
         req.state = "done"
         req.done = True
         req.finished_at = self.world.now()
+        self.world.note_done(req.rid, sched_name(self.index))
         self.world.trace.line(req.finished_at, sched_name(self.index), f"request {req.rid} done ({req.outcome})")
 
     def _abort(self, req: SimRequest) -> None:

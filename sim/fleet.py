@@ -117,7 +117,7 @@ def draw_fleet_scenario(seed: int, servers: int = 3, engines: int = 4, tier_node
     base = draw_scenario(seed)
     rng = random.Random(f"fleet:{seed}:{servers}:{engines}:{tier_nodes}")
     config = attrs.evolve(base.config, num_servers=servers, num_engines=engines, tp=1, l2_enabled=True,
-                          tier_nodes=tier_nodes, l2_fail_p=0.0)
+                          tier_nodes=tier_nodes, l2_fail_p=0.0, max_running=None)
     requests = tuple(attrs.evolve(r, engine=rng.randrange(engines)) for r in base.requests)
     faults: list[FaultSpec] = []
     for f in base.faults:  # the base world's faults, re-aimed at the fleet's nodes

@@ -16,6 +16,7 @@ import attrs
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, Reply
 from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.health import HealthMonitor
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
 from mpcache.core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch
@@ -43,12 +44,16 @@ class Profile:
     lookup_client_class: type[LookupClient] = LookupClient
     transfer_client_class: type[TransferClient] = TransferClient
     planner_class: type[StepPlanner] = StepPlanner
+    health_monitor_class: type[HealthMonitor] = HealthMonitor
     lookup_timeout: float | None = None  # None: the world's knob
     # Simulated worlds last seconds, so the server reaps a silent instance after 4 s, not the
     # production 60: longer than the heartbeat timeout (2.5 s) and the longest scheduled partition
     # (3 s), so a live worker is reaped only after it has seen the server down (and registers
     # again on recovery), and every world has idle gaps longer than the TTL (after its traffic).
     instance_ttl: float = 4.0
+    # The workers' transport registers again and resends a request refused not_registered once
+    # (core_sm's HealthMonitor decides, as in runtime_zmq's client); a legacy client has none.
+    transport_resend: bool = True
 
     def server_config(self, cfg: WorldConfig) -> ServerConfig:
         return ServerConfig(
@@ -348,6 +353,7 @@ class MissedEpoch(Profile):
     failure = "F13"
     description = "worker: a server restart between two heartbeats is not noticed; never registers again"
     transfer_client_class = MissedEpochTransferClient
+    transport_resend = False
 
 
 # trust-all (F22): the server before ownership -- every request is trusted as if its own peer
@@ -389,6 +395,7 @@ class IdleReap(Profile):
     description = "server: only traffic keeps an instance alive (idle ones reaped); worker: never registers again"
     server_class = TrafficLivenessServer
     transfer_client_class = NeverReregisterTransferClient
+    transport_resend = False
 
 
 PROFILES: dict[str, Profile] = {

@@ -77,6 +77,10 @@ class RequestSpec:
     # vLLM kv_transfer_params max_load_tokens (None: no cap): at most this many tokens loaded
     # beyond the engine's own hit.
     max_load_tokens: int | None = None
+    # abort while a connector operation is in flight: "lookup" (the lookup sent, not answered
+    # yet) or "load" (the retrieve planned, not landed), ``abort_delay`` after it started
+    abort_on: str | None = None
+    abort_delay: float = 0.0
 
 
 @attrs.frozen
@@ -96,6 +100,9 @@ class Scenario:
     requests: tuple[RequestSpec, ...]
     faults: tuple[FaultSpec, ...]
     net_seed: int
+
+
+DEEP_QUEUE_SHARE = 0.5  # of the worlds without the adversary whose drawn lease TTL is not the short one
 
 
 def make_prompt(rng: random.Random, documents: list[tuple[int, ...]], chunk_size: int) -> tuple[int, ...]:
@@ -119,6 +126,15 @@ def sched_name(e: int) -> str:
 
 def worker_name(e: int, r: int) -> str:
     return f"worker{e}.{r}"
+
+
+def _abort_in_flight(rng: random.Random, net: NetConfig) -> dict[str, Any]:
+    """An abort timed to land while the request's lookup (or load) is in flight: after about a
+    one-way delay the server has leased the hit, and the answer is not back yet."""
+    if rng.random() >= 0.15:
+        return {}
+    on = rng.choice(("lookup", "lookup", "load"))
+    return {"abort_on": on, "abort_delay": round(net.min_delay + rng.uniform(0.5, 2.0) * net.mean_delay, 6)}
 
 
 def draw_scenario(seed: int) -> Scenario:
@@ -170,18 +186,28 @@ def draw_scenario(seed: int) -> Scenario:
     )
     queue = random.Random(f"{seed}:queue")  # deep queues: their own stream too
     max_running = queue.choice((None, 1, 2))
-    # Only in worlds whose drawn lease TTL is the short one, where a queue can outlast it; the
-    # others, and those with the adversary (its requests and the legacy over-release profiles race
-    # for the first violation, and each profile must show its own), keep their timing as drawn.
+    # Deep queues (F20), only without the adversary: its requests and the legacy over-release
+    # profiles race for the first violation, and each profile must show its own. Worlds whose
+    # drawn lease TTL is the short one queue as drawn; a share of the others gets a queue whose
+    # waits (a decode of 1 to 1.5 lease TTLs per running request) outlast the leases of a hit
+    # matched behind a full scheduler. The rest keep their timing as drawn.
     if max_running is not None and not config.adversary and config.lease_ttl <= 2.0:
         config = attrs.evolve(config, max_running=max_running, decode_time=queue.choice((0.5, 1.0)),
+                              lease_ttl=1.0)
+    elif not config.adversary and queue.random() < DEEP_QUEUE_SHARE:
+        config = attrs.evolve(config, max_running=queue.choice((1, 1, 2)), decode_time=queue.choice((1.0, 1.5)),
                               lease_ttl=1.0)
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]
+    if config.max_running is not None:
+        # A deep queue serves one shared document (a system prompt): what the first request
+        # stores, those queued behind it hit, and hold leases while they wait.
+        documents = documents[:1]
     requests = []
     # Drawn from their own stream, so that adding them left every other draw of a seed as it was.
     caps = random.Random(seed * 7919 + 17)
+    aborts = random.Random(f"{seed}:abort-in-flight")  # and these: aborts timed to an operation
     n_requests = rng.randint(4, 16)
     for i in range(n_requests):
         arrival = rng.uniform(0.0, config.safety_duration * 0.8)
@@ -190,18 +216,24 @@ def draw_scenario(seed: int) -> Scenario:
         if rng.random() < 0.2:
             apc = rng.randint(0, len(prompt) // block_size)
         abort_after = rng.choice((0.001, 0.003, 0.01, 0.05, 0.2)) if rng.random() < 0.25 else None
+        engine = rng.randrange(num_engines)  # the draws in their old order: engine, preempt, salt
+        preempt = rng.random() < 0.08
+        salt = "bad/salt" if rng.random() < 0.03 else rng.choice(("", "", "", "tenant-a"))
+        if config.max_running is not None and salt == "tenant-a":
+            salt = ""  # one tenant shares the queue's document
         requests.append(
             RequestSpec(
-                engine=rng.randrange(num_engines),
+                engine=engine,
                 request_id=f"r{i}",
                 arrival=round(arrival, 6),
                 prompt=prompt,
                 apc_blocks=apc,
                 abort_after=abort_after,
-                preempt=rng.random() < 0.08,
-                cache_salt="bad/salt" if rng.random() < 0.03 else rng.choice(("", "", "", "tenant-a")),
+                preempt=preempt,
+                cache_salt=salt,
                 max_load_tokens=caps.choice((0, chunk_size - 1, chunk_size, 2 * chunk_size + 3))
                 if caps.random() < 0.3 else None,
+                **_abort_in_flight(aborts, net),
             )
         )
     faults: list[FaultSpec] = []

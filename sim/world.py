@@ -124,6 +124,8 @@ class World:
         self.lookups_in_flight: dict[tuple[str, int], dict[int, float]] = {}
         # (request id, server) to which an END_SESSION or FREE_LOOKUP_LOCKS was ever sent
         self.released_sent: set[tuple[str | None, int]] = set()
+        # (request id, server) where the request held read leases once it had finished
+        self.held_after_done: set[tuple[str, int]] = set()
         self.stats: dict[str, int] = {"crashes": 0, "restarts": 0, "partitions": 0, "l2_fail": 0, "copy_fail": 0,
                                       "evict_after_prefetch": 0, "engine_crashes": 0, "clears": 0,
                                       "l2_probes": 0}
@@ -159,10 +161,14 @@ class World:
             # Phase 3: quiescence.
             await self.timeline.run(self.now() + 1.0)
             self._check_quiescent()
+            self._check_released()
             # A lost registration is retried after it timed out, with backoff: give it that long.
             tc = TransferClientConfig()
             await self.timeline.run(self.now() + tc.registration_timeout + tc.registration_retry_max + 1.0)
             self._check_registered()
+            for engine in self.engines:
+                if not engine.crashed:
+                    engine.check_transport_drained()
             horizon = max(cfg.lease_ttl, self.profile.server_config(cfg).abandoned_job_ttl) * 2 + 1.0
             for engine in self.engines:
                 engine.stop_heartbeats()
@@ -519,6 +525,9 @@ class World:
             rid = event.key.request_id
             host.lookups_handled.add(rid)
             host.last_session_event[rid] = ("lookup", now)
+            found = self.find_request(rid)
+            if found is not None and found[1].done and self._holds_leases(host, str(event.peer), rid):
+                self.held_after_done.add((rid, host.index))  # its LOOKUP landed after it finished
         elif type(event) is EndSession:
             host.last_session_event[event.request_id] = ("end", now)
         for effect in effects:
@@ -708,6 +717,35 @@ class World:
                     self.violation("F8", host.name, f"{owner} finished ({req.outcome}) without faults but still holds "
                                    f"{count} read lease(s) on {host.name}, {why}: "
                                    f"{' | '.join(list(self.recent.get(owner, []))[-3:])}")
+
+    def note_done(self, rid: str, node: str) -> None:
+        """``rid`` (of scheduler ``node``) finished: remember the servers where it still holds
+        read leases, which only a FREE/END_SESSION (or the TTL) gives back."""
+        for host in self.servers:
+            if host.up and host.node is not None and self._holds_leases(host, node, rid):
+                self.held_after_done.add((rid, host.index))
+
+    def _holds_leases(self, host: ServerHost, node: str, rid: str) -> bool:
+        assert host.node is not None
+        index = host.node.machines[SERVER].index
+        # a server that ignores peers (trust-all) files leases under no peer
+        return bool(index.holds(RequestKey(node, rid)) or index.holds(RequestKey(None, rid)))
+
+    def _check_released(self) -> None:
+        """F8, whatever the lease TTL: a request that finished cleanly while a server still
+        leased it objects sent that server a FREE or an END_SESSION -- leases that only the TTL
+        gave back leaked for a whole TTL (pinned objects, a full L1 under long TTLs)."""
+        for rid, server in sorted(self.held_after_done):
+            found = self.find_request(rid)
+            if found is None:
+                continue
+            engine, req = found
+            if not req.done or engine.crashed or rid in self.touched or (rid, server) in self.released_sent:
+                continue
+            self.violation("F8", server_name(server), f"{rid} finished ({req.outcome}) without faults while "
+                           f"{server_name(server)} leased it objects, and no FREE/END_SESSION was ever sent "
+                           f"there: its leases stay until the TTL ({self.config.lease_ttl:g}s): "
+                           f"{' | '.join(list(self.recent.get(rid, []))[-3:])}")
 
     def _check_registered(self) -> None:
         """F13: after heal and quiescence a live worker is registered with every server that is up

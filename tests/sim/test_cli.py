@@ -23,6 +23,17 @@ def test_run_fails_with_reason_and_replay_command(capsys: pytest.CaptureFixture[
     assert "replay: mpcache-sim replay 0 --profile no-ack-wait" in out
 
 
+def test_profiles_catch_table(capsys: pytest.CaptureFixture[str]) -> None:
+    # seeds 0..3 under no-ack-wait: F5 on most of them (a table row, the first seed 0)
+    assert main(["profiles", "--seeds", "4", "--profile", "no-ack-wait"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("no-ack-wait"))
+    assert row.split()[1:5:3] == ["F5", "0"] and "/4" in row
+    # a share no profile reaches fails the command, naming the profile
+    assert main(["profiles", "--seeds", "2", "--profile", "no-reaper", "--min-share", "1.01"]) == 1
+    assert "fewer than 101% of seeds: no-reaper" in capsys.readouterr().out
+
+
 def test_list_profiles(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list-profiles"]) == 0
     out = capsys.readouterr().out

@@ -82,5 +82,6 @@ def test_rare_paths_happen_across_seeds() -> None:
                 "leases_released_retrieve", "leases_released_free", "leases_released_end_session", "reaped_jobs",
                 "duplicate_lookups", "unknown_status", "transfers_failed", "crashes", "restarts", "engine_crashes",
                 "clears", "evict_after_prefetch", "l2_probes", "net_dropped", "net_duplicated", "net_blocked",
-                "requests_aborted", "requests_preempted", "requests_with_load_errors", "errors"):
+                "requests_aborted", "requests_preempted", "requests_with_load_errors", "errors",
+                "transport_refusals", "transport_resends"):
         assert total.get(key, 0) > 0, f"no seed exercised {key}: {total}"
