@@ -221,6 +221,15 @@ def draw_scenario(seed: int) -> Scenario:
         salt = "bad/salt" if rng.random() < 0.03 else rng.choice(("", "", "", "tenant-a"))
         if config.max_running is not None and salt == "tenant-a":
             salt = ""  # one tenant shares the queue's document
+        cap = caps.choice((0, chunk_size - 1, chunk_size, 2 * chunk_size + 3)) if caps.random() < 0.3 else None
+        if config.max_running is not None:
+            # Requests queued on one document overlap their leases: some hold part of it in the
+            # engine's own prefix cache, some cap their load, so the planner frees ranges of a hit
+            # other queued requests lease too (the queue's stream: other worlds draw as before).
+            if apc == 0 and queue.random() < 0.3:
+                apc = queue.randint(1, max(1, len(prompt) // block_size // 2))
+            if cap is None and queue.random() < 0.3:
+                cap = queue.choice((chunk_size - 1, chunk_size, 2 * chunk_size + 3))
         requests.append(
             RequestSpec(
                 engine=engine,
@@ -231,8 +240,7 @@ def draw_scenario(seed: int) -> Scenario:
                 abort_after=abort_after,
                 preempt=preempt,
                 cache_salt=salt,
-                max_load_tokens=caps.choice((0, chunk_size - 1, chunk_size, 2 * chunk_size + 3))
-                if caps.random() < 0.3 else None,
+                max_load_tokens=cap,
                 **_abort_in_flight(aborts, net),
             )
         )
