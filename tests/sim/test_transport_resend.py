@@ -21,7 +21,7 @@ def _restart_between_heartbeats(seed: int, at: float) -> Scenario:
 
 
 def test_a_refused_store_is_resent_once_after_the_registration_or_fails_with_a_reason() -> None:
-    result, world = run_scenario(_restart_between_heartbeats(1, 0.6), keep_lines=True)
+    result, world = run_scenario(_restart_between_heartbeats(9, 0.6), keep_lines=True)
     assert result.ok, result.violation
     assert world.stats.get("transport_refusals", 0) >= 1
     assert world.stats.get("transport_resends", 0) >= 1
@@ -45,7 +45,7 @@ class ResendForever(Profile):
 
 def test_a_request_resent_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(PROFILES, ResendForever.name, ResendForever())
-    result, _ = run_scenario(_restart_between_heartbeats(0, 1.0), ResendForever.name)
+    result, _ = run_scenario(_restart_between_heartbeats(9, 0.6), ResendForever.name)
     assert result.violation is not None and result.violation.code == "SAFETY", result.violation
     assert "resent a second time" in result.violation.message
 
@@ -55,7 +55,7 @@ def test_a_request_resent_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
                    "not_after and answers the identical resend with it, although the instance registered "
                    "again in between: the resend cannot succeed")
 def test_a_resend_after_the_registration_is_not_refused_again() -> None:
-    result, world = run_scenario(_restart_between_heartbeats(0, 1.0), keep_lines=True)
+    result, world = run_scenario(_restart_between_heartbeats(9, 0.6), keep_lines=True)
     assert result.ok, result.violation
     resent = {line.split("#")[1].split()[0] for line in result.lines if "resent after the registration" in line}
     assert resent
