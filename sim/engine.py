@@ -87,7 +87,8 @@ from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
 
 MODEL = "sim-model"
 SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished)
-RUNNING = ("loading", "computing", "decoding")  # requests that count against max_running
+RUNNING = ("loading", "computing", "decoding")
+SYNC = -1  # SimEngine.paused_at: the step's forward waits for its synchronous loads  # requests that count against max_running
 LOOKUP = "lookup"
 HB = "hb"
 REG = "reg"  # a worker transport's own registrations (sent again for a refused request)
@@ -122,6 +123,7 @@ class SimRequest:
     q: QueuedRequest | None = None  # the request as the scheduler model tracks it
     compute_done_at: float = 0.0
     preempted: bool = False
+    sync: bool = False  # a synchronous load (vLLM schedules it in the step; the forward waits for it)
     abort_armed: bool = False  # the abort timed to an operation in flight is scheduled
     unresolved: bool = False  # the last check() answered None
     # the retrieve server's lease expiry for the hit when last seen held, with that server's
@@ -225,6 +227,13 @@ class SimEngine:
         self.order: list[SimRequest] = []
         self.crashed = False
         self.step_scheduled = False
+        # vLLM's scheduler blocked inside a step: waiting for a lookup's answer (the planner's
+        # lookup_wait; the index of the request to ask again) or for its synchronous loads (SYNC)
+        self.paused_at: int | None = None
+        self.lookup_wait_until: float | None = None
+        self.pause_token = 0
+        self.step_wanted = False
+        self.sync_waiting: set[str] = set()
         self.heartbeats: list[Heartbeat] = []
         # (node, machine, correlation) -> (request id, request type), for reply fault tracking
         self.sent: OrderedDict[tuple[str, str, int], tuple[str | None, str]] = OrderedDict()
@@ -383,6 +392,9 @@ class SimEngine:
             # Something arrived that a step may act on; the scheduler's own calls are made by a
             # step, which acts on their answers itself.
             self._ensure_step()
+            if self.paused_at is not None and (machine == LOOKUP) == (self.paused_at != SYNC):
+                # the blocked scheduler wakes on it (a lookup reply; a worker's op moving)
+                self.world.timeline.after(0.0, self._resume, self.pause_token)
         if machine == LOOKUP and self.f2_watch:
             lookups = machine_obj.lookups
             for rid in sorted(self.f2_watch):
@@ -548,6 +560,9 @@ class SimEngine:
         self._ensure_step()
 
     def _ensure_step(self) -> None:
+        if self.paused_at is not None:
+            self.step_wanted = True  # the scheduler is blocked inside a step: the next one after it
+            return
         if not self.step_scheduled and not self.crashed:
             self.step_scheduled = True
             # Steps fall on the engine's step grid, as vLLM's scheduler loop does.
@@ -562,18 +577,76 @@ class SimEngine:
         self.step_scheduled = False
         if self.crashed:
             return
+        if self.paused_at is not None:
+            self.step_wanted = True
+            return
         self._collect_worker_reports()
+        self._pass(0)
+
+    def _pass(self, start: int) -> None:
+        """The scheduling pass of a step from the ``start``-th request on, then its plan."""
         now = self.world.now()
         running = self.model.running()
-        for req in self.order:
+        for i in range(start, len(self.order)):
+            req = self.order[i]
             st = req.state
             if st == "waiting":
                 self._note_leases(req)
                 self._schedule_waiting(req, running)
+                if self.lookup_wait_until is not None:
+                    # the connector waits for the lookup's answer, then vLLM asks it again
+                    self._pause(i, self.lookup_wait_until)
+                    return
                 running += req.state in RUNNING
             elif st == "computing" and now >= req.compute_done_at:
                 self._compute_and_store(req)
-        self._build_plan()
+        sync = self._build_plan()
+        if sync and self._sync_pending(sync):
+            self.sync_waiting = set(sync)
+            self._pause(SYNC, None)
+            return
+        self._end_pause()
+
+    def _pause(self, at: int, until: float | None) -> None:
+        what = "sync_load_waits" if at == SYNC else "lookup_waits"
+        self.world.stats[what] = self.world.stats.get(what, 0) + 1
+        self.paused_at = at
+        self.lookup_wait_until = None
+        self.pause_token += 1
+        if until is not None:
+            self.world.timeline.at(until, self._resume, self.pause_token)
+
+    def _end_pause(self) -> None:
+        self.paused_at = None
+        if self.step_wanted:
+            self.step_wanted = False
+            self._ensure_step()
+
+    def _resume(self, token: int) -> None:
+        """A reply reached the blocked scheduler, or its wait ran out: go on with the step."""
+        if token != self.pause_token or self.paused_at is None or self.crashed:
+            return
+        at = self.paused_at
+        if at == SYNC:
+            if self._sync_pending(self.sync_waiting):
+                return
+            self.sync_waiting = set()
+            self._collect_worker_reports()  # the synchronous loads landed (or failed into load errors)
+            self._end_pause()
+            return
+        self.paused_at = None
+        self._pass(at)
+
+    def _sync_pending(self, ids: Iterable[str]) -> bool:
+        """Whether a worker still has an op of a synchronous load (``SchedulerAdapter``'s wait)."""
+        for w in self.workers:
+            if w.node is None or not w.alive:
+                continue
+            for s in range(self.num_servers):
+                tc = w.node.machines[tc_name(s)]
+                if any(tc.ops_of(rid) for rid in ids):
+                    return True
+        return False
 
     def planner(self) -> StepPlanner:
         assert self.sched is not None
@@ -605,8 +678,10 @@ class SimEngine:
                 w.blocks[blocks[i]] = self.expected_block(req, w.rank, i)
         if not req.preempted:  # a resumed request's leases were accounted at its first allocation
             self._check_leases_accounted(req)
-        if admitted is Admission.LOADING:
-            # WAITING_FOR_REMOTE_KVS: runnable once every rank reported the load in recving
+        if admitted is Admission.LOADING or admitted is Admission.SYNC_LOAD:
+            # WAITING_FOR_REMOTE_KVS: runnable once every rank reported the load in recving; a
+            # synchronous one is scheduled in this step, whose forward waits for the load
+            req.sync = admitted is Admission.SYNC_LOAD
             req.retrieve = None
             req.retrieve_server = self._retrieve_server(req)
             req.loads_pending = {w.rank for w in self.workers}
@@ -708,10 +783,11 @@ class SimEngine:
                 f"{now - req.arrived_at:.3f} s in the queue, on read leases that expired at {expired_at:.3f} "
                 f"(lease TTL {self.cfg.lease_ttl}): the hit becomes a load error once the objects are evicted")
 
-    def _build_plan(self) -> None:
-        """vLLM's build_connector_meta at the end of the step; the workers run the plan."""
+    def _build_plan(self) -> tuple[str, ...]:
+        """vLLM's build_connector_meta at the end of the step; the workers run the plan. Returns
+        the plan's synchronous loads."""
         if self.sched is None or not self.sched.alive:
-            return
+            return ()
         plan = self.model.end_step()
         for op in plan.retrieves:
             req = self.requests.get(op.request_id)
@@ -736,6 +812,11 @@ class SimEngine:
                 assert w.node is not None
                 for s in range(self.num_servers):
                     self.call(w.node, tc_name(s), store)
+        for rid in plan.sync_loads:
+            req = self.requests.get(rid)
+            if req is None or not req.sync:
+                self.world.violation("SAFETY", self.sched.name, f"plan loads {rid} synchronously, answered async")
+        return plan.sync_loads
 
     def _check_resolution(self, rid: str, pending: Any) -> None:
         """F2: a hit the server answered, received while the client still waited for that server,
@@ -796,7 +877,7 @@ class SimEngine:
         for req in self.order:
             if req.state == "loading" and not req.loads_pending:
                 self._verify_load(req)
-                if self.sched is not None and req.blocks is not None:
+                if self.sched is not None and req.blocks is not None and not req.sync:
                     # vLLM calls update_state_after_alloc again when an async load lands.
                     self.model.load_landed(req.queued)
                 self._start_compute(req)
@@ -988,9 +1069,13 @@ class _PlannerCalls:
             self.engine.world.violation("SAFETY", node.name, f"MatchRequest({request_id}) answered {answers!r}")
         answer = answers[0]
         tokens = answer.tokens
-        # The simulated planner loads asynchronously (sync_load_max_tokens 0): a load is async.
+        sync_max = self.engine.cfg.sync_load_max_tokens
+        now = self.engine.world.now()
+        if tokens is None and answer.wait_until is not None and answer.wait_until > now:
+            self.engine.lookup_wait_until = answer.wait_until  # the step blocks (SchedulerAdapter's wait)
         if tokens is not None and (tokens < 0 or num_computed_tokens + tokens >= num_prompt_tokens
-                                   or (tokens > 0) != answer.load_async):
+                                   or (tokens == 0 and answer.load_async)
+                                   or (tokens > 0 and answer.load_async != (tokens > sync_max))):
             self.engine.world.violation("SAFETY", node.name, f"MatchRequest({request_id}) answered {answer!r} for "
                                         f"{num_prompt_tokens} tokens, {num_computed_tokens} held by the engine")
         return tokens, answer.load_async

@@ -95,7 +95,9 @@ class Profile:
     def make_planner(self, cfg: WorldConfig) -> StepPlanner:
         """The scheduler's machine: the planner MPCacheConnector runs, over this profile's
         lookup client."""
-        return self.planner_class(PlannerConfig(cfg.chunk_size, cfg.block_size, lease_ttl=cfg.lease_ttl),
+        return self.planner_class(PlannerConfig(cfg.chunk_size, cfg.block_size, lease_ttl=cfg.lease_ttl,
+                                                lookup_wait=cfg.lookup_wait,
+                                                sync_load_max_tokens=cfg.sync_load_max_tokens),
                                   self.make_lookup_client(cfg))
 
     def make_transfer_client(self, cfg: WorldConfig, rank: int, instance_id: int, server: int) -> TransferClient:

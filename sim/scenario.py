@@ -45,6 +45,11 @@ class WorldConfig:
     # queue, unmatched once the scheduler is full (None: no cap). A small cap and long decodes
     # make deep queues, where a matched request waits longer than its hit's read leases live.
     max_running: int | None = None
+    # The connector's planner as production runs it (PlannerConfig): the scheduler may wait up to
+    # ``lookup_wait`` s for a new request's lookup answer (production default 5 ms), and loads of
+    # at most ``sync_load_max_tokens`` tokens are synchronous (a CPU engine's default: all).
+    lookup_wait: float = 0.0
+    sync_load_max_tokens: int = 0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 2.5
     engine_driven: bool = False
@@ -102,6 +107,8 @@ class Scenario:
     net_seed: int
 
 
+# of the worlds whose planner waits for lookups and loads synchronously, as production does
+CONNECTOR_DEFAULTS_SHARE = 0.5
 DEEP_QUEUE_SHARE = 0.5  # of the worlds without the adversary whose drawn lease TTL is not the short one
 
 
@@ -197,6 +204,10 @@ def draw_scenario(seed: int) -> Scenario:
     elif not config.adversary and queue.random() < DEEP_QUEUE_SHARE:
         config = attrs.evolve(config, max_running=queue.choice((1, 1, 2)), decode_time=queue.choice((1.0, 1.5)),
                               lease_ttl=1.0)
+    connector = random.Random(f"{seed}:connector")  # its own stream: other draws stay as they were
+    if connector.random() < CONNECTOR_DEFAULTS_SHARE:
+        config = attrs.evolve(config, lookup_wait=connector.choice((0.005, 0.005, 0.02)),
+                              sync_load_max_tokens=connector.choice((0, 1 << 40, 2 * chunk_size)))
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]
