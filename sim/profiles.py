@@ -307,7 +307,9 @@ class PreemptReusePlanner(StepPlanner):
         tracker.engine_hit_tokens = event.num_computed_tokens
         loadable = self.loadable_tokens(tracker)
         if loadable > event.num_computed_tokens:
-            out.append(MatchAnswer(tracker.request_id, loadable - event.num_computed_tokens, True))
+            tokens = loadable - event.num_computed_tokens
+            tracker.sync_load = tokens <= self.config.sync_load_max_tokens
+            out.append(MatchAnswer(tracker.request_id, tokens, not tracker.sync_load))
         else:
             out.append(MatchAnswer(tracker.request_id, 0, False))
 
