@@ -59,7 +59,15 @@ import attrs
 
 from mpcache.core_sm.effects import Effect
 from mpcache.core_sm.errors import ProtocolError
-from mpcache.core_sm.messages import ServerEpoch, ServerHealth, TimerFired
+from mpcache.core_sm.messages import (
+    PrepareRetrieve,
+    PrepareStore,
+    Retrieve,
+    ServerEpoch,
+    ServerHealth,
+    Store,
+    TimerFired,
+)
 from mpcache.core_sm.table import Dispatcher, Table
 from mpcache.core_sm.timers import Timer
 
@@ -141,6 +149,12 @@ class InstancePingRefused:
     server: int
     instance_id: int
     kind: str
+
+
+# The requests a transport may hold and resend once after a ``not_registered`` refusal: the
+# server refuses them before any work, so resending the same request after the instance
+# registered again cannot copy twice. Only these are reported as ``RequestRefused``.
+RESENDABLE_AFTER_NOT_REGISTERED: tuple[type, ...] = (Store, Retrieve, PrepareStore, PrepareRetrieve)
 
 
 @attrs.frozen

@@ -80,12 +80,13 @@ from mpcache.core_sm.health import (
     Register,
     RegistrationFailed,
     RequestRefused,
+    RESENDABLE_AFTER_NOT_REGISTERED,
     Resend,
     SendHeartbeat,
     SendInstancePing,
 )
 from mpcache.core_sm.messages import CacheKey, ServerEpoch, ServerHealth, TimerFired
-from mpcache.runtime_zmq.wire import ERROR_OP_FRAME, encode_key, token_ids_for_wire
+from mpcache.runtime_zmq.wire import ERROR_OP_FRAME, OPS_BY_REQUEST_TYPE, encode_key, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
 
@@ -142,9 +143,9 @@ class ReplyFuture(Future[Any]):
 # instance heartbeat (``ping(instance_id)``) or a registration (the caller's or a re-registration).
 REQUEST, HEARTBEAT, INSTANCE_PING, REGISTRATION = "request", "heartbeat", "instance_ping", "registration"
 
-# The payload that names the engine instance, for the operations a ``not_registered`` refusal
-# may be retried for (the server refuses them before any work) -- wire codec knowledge.
-_INSTANCE_ARG = {"store": 1, "retrieve": 1, "prepare_store": 1, "prepare_retrieve": 1}
+# The payload that names the engine instance (wire codec knowledge: the second one for all of
+# them), for the operations core_sm's HealthMonitor allows resending after ``not_registered``.
+_INSTANCE_ARG = {OPS_BY_REQUEST_TYPE[t].name: 1 for t in RESENDABLE_AFTER_NOT_REGISTERED}
 _ROLE_BY_OP = {"register_instance": REGISTRATION}
 _MAX_REGISTRATIONS = 1024  # remembered registrations (an engine has a handful of instances)
 SERVER = 0  # this client's server, in its HealthMonitor

@@ -44,6 +44,7 @@ from mpcache.core_sm.health import (
     RegistrationFailed,
     RequestRefused,
     Resend,
+    RESENDABLE_AFTER_NOT_REGISTERED,
     SendHeartbeat,
     SendInstancePing,
 )
@@ -55,11 +56,7 @@ from mpcache.core_sm.messages import (
     CopyFinished,
     EngineFinished,
     Ping,
-    PrepareRetrieve,
-    PrepareStore,
     RegisterInstance,
-    Retrieve,
-    Store,
     QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
@@ -87,14 +84,11 @@ from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
 
 MODEL = "sim-model"
 SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished)
-RUNNING = ("loading", "computing", "decoding")
-SYNC = -1  # SimEngine.paused_at: the step's forward waits for its synchronous loads  # requests that count against max_running
+RUNNING = ("loading", "computing", "decoding")  # requests that count against max_running
+SYNC = -1  # SimEngine.paused_at: the step's forward waits for its synchronous loads
 LOOKUP = "lookup"
 HB = "hb"
 REG = "reg"  # a worker transport's own registrations (sent again for a refused request)
-# The requests a not_registered refusal may be resent for (the server refuses them before any
-# work), as the ZMQ client's transport does (runtime_zmq/client.py).
-RESENDABLE = (Store, Retrieve, PrepareStore, PrepareRetrieve)
 TRANSPORT_TIMEOUT = 3.0  # a parked request fails after this, as the ZMQ client's request timeout
 
 
@@ -317,7 +311,7 @@ class SimEngine:
                 rt = type(effect.request)
                 if rt is RegisterInstance:
                     self.registrations[(node.name, machine)] = effect.request
-                elif rt in RESENDABLE:
+                elif rt in RESENDABLE_AFTER_NOT_REGISTERED:
                     self.in_flight[(node.name, machine, effect.correlation)] = (msg, self.world.now())
             self.world.send(Address(node.name, machine), Address(server_name(effect.server), "server"), msg)
         elif t is CopyBlocks:
