@@ -12,6 +12,7 @@ contains the text. Frames are reduced to ``function (file:line)`` without the li
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import sys
 from collections import Counter, defaultdict
@@ -29,7 +30,7 @@ def _frame_name(frame: str) -> str:
     return frame
 
 
-def summarise(lines: list[str], match: str, top: int) -> str:
+def summarise(lines: list[str], match: str, top: int, exclude: tuple[str, ...] = ()) -> str:
     per_proc: dict[str, tuple[Counter[str], Counter[str], list[int]]] = defaultdict(
         lambda: (Counter(), Counter(), [0]))
     for line in lines:
@@ -49,6 +50,8 @@ def summarise(lines: list[str], match: str, top: int) -> str:
         if match and match not in proc:
             continue
         body = frames[cut + 1:]
+        if exclude and any(text in f for f in body for text in exclude):
+            continue
         selfc, incl, total = per_proc[proc]
         total[0] += count
         names = [_frame_name(f) for f in body]
@@ -73,10 +76,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("profile", help="py-spy --format raw output")
     ap.add_argument("--match", default="", help="keep only processes whose first frame contains this")
+    ap.add_argument("--exclude", action="append", default=[],
+                    help="drop samples with a frame containing this (e.g. warm_up: start-up compiles); repeatable")
     ap.add_argument("--top", type=int, default=25, help="rows by self and by inclusive samples (default 25)")
     args = ap.parse_args(argv)
-    with open(args.profile, encoding="utf-8", errors="replace") as f:
-        print(summarise(f.readlines(), args.match, args.top))
+    opener = gzip.open if args.profile.endswith(".gz") else open
+    with opener(args.profile, "rt", encoding="utf-8", errors="replace") as f:
+        print(summarise(f.readlines(), args.match, args.top, tuple(args.exclude)))
     return 0
 
 

@@ -27,18 +27,31 @@ for step in $STEPS; do
                 --shapes 1x8,32x1,16x8 --rounds 4 --out "$OUT" 2>&1 | tee "$OUT/bench_before.log" || rc=1
         fi ;;
     pyspy)
-        # Where the server's CPU goes per GPU request: the benchmark under py-spy (all processes,
-        # on-CPU samples only), then the server's functions by self and inclusive share.
-        if command -v py-spy >/dev/null || [ -x /tmp/mpcache-site/bin/py-spy ]; then
-            spy=$(command -v py-spy || echo /tmp/mpcache-site/bin/py-spy)
-            timeout 300 "$spy" record --subprocesses --threads --rate 500 --format raw -o "$OUT/gpu_server_profile.txt" -- \
-                python3 -m mpcache.tools.bench_cli gpu-server --label profiled --engines 1 --shapes "${PYSPY_SHAPES:-1x8,32x1}" \
-                --rounds 6 --out "$OUT" 2>&1 | tee "$OUT/bench_profiled.log" || rc=1
-            python3 -m mpcache.tools.folded_top "$OUT/gpu_server_profile.txt" --match runtime_zmq.cli --top 30 \
-                2>&1 | tee "$OUT/gpu_server_profile_top.log" || rc=1
-        else
-            echo "py-spy not found (put its wheel in WHEELS)"; rc=1
-        fi ;;
+        # Where the server's CPU goes per GPU request: py-spy attached (non-blocking, on-CPU
+        # samples only) to each server the benchmark starts; start-up compiles are left out of
+        # the summary (--exclude warm_up).
+        spy=$(command -v py-spy || echo /tmp/mpcache-site/bin/py-spy)
+        if [ ! -x "$spy" ]; then echo "py-spy not found (put its wheel in WHEELS)"; rc=1; continue; fi
+        python3 -m mpcache.tools.bench_cli gpu-server --label profiled --engines 1 --shapes "${PYSPY_SHAPES:-1x8,32x1}" \
+            --rounds "${PYSPY_ROUNDS:-12}" --out "$OUT" >"$OUT/bench_profiled.log" 2>&1 &
+        bench=$!
+        seen=" "
+        while kill -0 $bench 2>/dev/null; do
+            for pid in $(pgrep -f "mpcache.runtime_zmq.cli --gpu on" || true); do
+                case "$seen" in *" $pid "*) continue ;; esac
+                seen="$seen$pid "
+                "$spy" record --pid "$pid" --nonblocking --threads --rate "${PYSPY_RATE:-250}" --format raw \
+                    -o "$OUT/prof_$pid.txt" >/dev/null 2>&1 &
+            done
+            sleep 0.2
+        done
+        wait
+        tail -20 "$OUT/bench_profiled.log"
+        for f in "$OUT"/prof_*.txt; do
+            [ -f "$f" ] || continue
+            python3 -m mpcache.tools.folded_top "$f" --exclude warm_up --exclude _compile_for_args --top 40 | tee -a "$OUT/gpu_server_profile_top.log"
+            gzip -f "$f"
+        done ;;
     profile)
         timeout 150 python3 -m mpcache.tools.host_profile_kernels 2>&1 | tee "$OUT/host_profile.log" || rc=1 ;;
     kernels)
