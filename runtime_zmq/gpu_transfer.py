@@ -99,6 +99,7 @@ class _Pending:
     expected_done: float  # monotonic time the link model expects it done (when to poll)
     event: Any = None  # our completion event, recorded after its copies
     deadline: float = 0.0  # set when it becomes first in its instance's line
+    enqueued_ns: int = 0  # perf_counter_ns when start() returned: the flight time's start
 
 
 class _Opened:
@@ -196,7 +197,7 @@ class GpuTransferExecutor:
         self._ordinal = 0
         self.on_instance_failed: Callable[[int, str], None] | None = None  # set by the server
         self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0, "instances_failed": 0,
-                       "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0}
+                       "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0, "flight_ns": 0}
 
     def warm_up(self, pool: SharedMemoryPool | None = None, ordinal: int = 0) -> None:
         """Do at server start what would otherwise stall the first registration or the first
@@ -301,7 +302,8 @@ class GpuTransferExecutor:
         with self._lock:
             self._stats["started"] += 1
             self._stats["bytes"] += nbytes
-            self._stats["start_ns"] += time.perf_counter_ns() - t0
+            p.enqueued_ns = time.perf_counter_ns()
+            self._stats["start_ns"] += p.enqueued_ns - t0
             self._stats["plan_ns"] += t1 - t0
             self._stats["enqueue_ns"] += t2 - t1
             self._stats["wait_ns"] += t_wait - t1
@@ -503,8 +505,11 @@ class GpuTransferExecutor:
             return None
 
     def _report(self, inst: _Instance, finished: list[tuple[_Pending, bool]], now: float) -> None:
+        seen_ns = time.perf_counter_ns()
         with self._lock:
             for p, ok in finished:
+                # enqueued to seen done by this waiter: the copy plus the waiter's detection delay
+                self._stats["flight_ns"] += seen_ns - p.enqueued_ns
                 inst.pending.remove(p)
                 self._stats["finished" if ok else "failed"] += 1
                 self._free_events.append(p.event)

@@ -285,6 +285,15 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
     for part in ("plan", "enqueue", "wait"):
         part_ns = sum(r["s1"].get(f"gpu_{part}_ns", 0) - r["s0"].get(f"gpu_{part}_ns", 0) for r in steady)
         row[f"{part}_us_per_transfer"] = part_ns / started / 1e3 if started and part_ns else float("nan")
+    flight = sum(r["s1"].get("gpu_flight_ns", 0) - r["s0"].get("gpu_flight_ns", 0) for r in steady)
+    finished = sum(r["s1"].get("gpu_finished", 0) - r["s0"].get("gpu_finished", 0) for r in steady)
+    row["flight_ms_per_transfer"] = flight / finished / 1e6 if finished and flight else float("nan")
+    for kind in ("store", "retrieve"):
+        # the server's receipt (decoded) to its reply: the engine's latency minus this is the
+        # client, the socket and the engine's own wake-up
+        served = sum(r["s1"].get(f"served_ns_{kind}", 0) - r["s0"].get(f"served_ns_{kind}", 0) for r in steady)
+        count = sum(r["s1"].get(f"served_{kind}", 0) - r["s0"].get(f"served_{kind}", 0) for r in steady)
+        row[f"served_ms_{kind}"] = served / count / 1e6 if count and served else float("nan")
     row["memcpy_batch"] = rounds[-1]["s1"].get("gpu_memcpy_batch", -1)
     row["polls_per_transfer"] = (sum(r["s1"].get("gpu_polls", 0) - r["s0"].get("gpu_polls", 0) for r in steady) / started
                                  if started else float("nan"))
@@ -349,6 +358,10 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: host us/transfer plan {r.get('plan_us_per_transfer', float('nan')):.1f} "
                     f"enqueue {r.get('enqueue_us_per_transfer', float('nan')):.1f} (event wait {r.get('wait_us_per_transfer', float('nan')):.1f}), polls/transfer {r.get('polls_per_transfer', float('nan')):.1f}, "
                     f"batched DMAs {r.get('memcpy_batch')}, server exit {r.get('server_exit')} after {r.get('server_stop_s', float('nan')):.1f} s")
+        tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: mean ms, server receipt to reply store "
+                    f"{r.get('served_ms_store', float('nan')):.2f} retrieve {r.get('served_ms_retrieve', float('nan')):.2f}; "
+                    f"GPU enqueued to seen done {r.get('flight_ms_per_transfer', float('nan')):.2f}; "
+                    f"engine p50 store {r['store']['p50']:.2f} retrieve {r['retrieve']['p50']:.2f}")
     print("\n".join(tail))
 
 
