@@ -668,6 +668,12 @@ class WorkerAdapter(_MachineShell):
             chunk_tokens=self.chunk_size,
         )
         ordinal = first.device.index if first.device.index is not None else torch.cuda.current_device()
+        # One interprocess event, recorded on the engine's current stream before every store or
+        # retrieve request: the server's copy waits on it (a later record only waits longer). Its
+        # handle goes with the registration too, so the server opens it then, not on the first request.
+        event = torch.cuda.Event(interprocess=True)
+        event.record()
+        handle = export_event(event)
         gpu_fields = {
             "kv_layout": name,
             "num_blocks": num_blocks,
@@ -677,6 +683,7 @@ class WorkerAdapter(_MachineShell):
             "itemsize": int(first.element_size()),
             "device_uuid": device_uuid(ordinal),
             "tensors": export_kv_tensors(views),
+            "event_handles": [handle],
         }
         layout = {
             "model_name": self.model_name,
@@ -686,11 +693,6 @@ class WorkerAdapter(_MachineShell):
             **gpu_fields,
         }
         self._register_at_start(layout)
-        # One interprocess event, recorded on the engine's current stream before every store or
-        # retrieve request: the server's copy waits on it (a later record only waits longer).
-        event = torch.cuda.Event(interprocess=True)
-        event.record()
-        handle = export_event(event)
 
         def record() -> bytes:
             event.record()

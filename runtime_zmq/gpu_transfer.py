@@ -43,6 +43,28 @@ from mpcache.runtime_zmq.transfer import DoneFn
 log = logging.getLogger("mpcache.gpu")
 
 MAX_OPEN_WORKER_EVENTS = 256
+# An engine may name, in its registration layout (``event_handles``), the interprocess events it
+# will send with its requests: they are opened at registration (cuIpcOpenEventHandle costs about
+# a millisecond the first time), not on its first request's critical path.
+MAX_REGISTERED_EVENTS = 16
+IPC_EVENT_HANDLE_BYTES = 64  # sizeof(CUipcEventHandle)
+
+
+def registered_event_handles(layout: Mapping[str, Any]) -> list[bytes]:
+    """The layout's optional ``event_handles``: at most ``MAX_REGISTERED_EVENTS`` distinct
+    ``IPC_EVENT_HANDLE_BYTES``-byte handles. ``ValueError`` (the registration is refused) otherwise."""
+    handles = layout.get("event_handles", ())
+    if not isinstance(handles, (list, tuple)):
+        raise ValueError(f"event_handles must be a list of handles, not {type(handles).__name__}")
+    if len(handles) > MAX_REGISTERED_EVENTS:
+        raise ValueError(f"event_handles: {len(handles)} handles, at most {MAX_REGISTERED_EVENTS}")
+    out: list[bytes] = []
+    for i, h in enumerate(handles):
+        if type(h) is not bytes or len(h) != IPC_EVENT_HANDLE_BYTES:
+            raise ValueError(f"event_handles[{i}]: an interprocess event handle is {IPC_EVENT_HANDLE_BYTES} bytes")
+        if h not in out:
+            out.append(h)
+    return out
 
 
 @dataclass(frozen=True)
@@ -373,6 +395,7 @@ class GpuTransferExecutor:
         for i, t in enumerate(tensors):
             if list(t["shape"]) != want_shape or list(t["strides"]) != want_strides or int(t["itemsize"]) != geometry.itemsize:
                 raise ValueError(f"layer {i}: shape {t['shape']} strides {t['strides']} is not a contiguous {want_shape}")
+        event_handles = registered_event_handles(layout)
         self._ordinal = gpu_ipc.device_ordinal_for_uuid(bytes(layout["device_uuid"]))
         gpu_ipc.ensure_context(self._ordinal)
         if instance_id in self._instances:
@@ -404,7 +427,8 @@ class GpuTransferExecutor:
             for h in handles:
                 self._opened.close(h)
             raise
-        self._add_instance(instance_id, geometry, transfer, handles, raw_stream(stream), pool.slot_bytes)
+        inst = self._add_instance(instance_id, geometry, transfer, handles, raw_stream(stream), pool.slot_bytes)
+        self._open_registered_events(inst, event_handles)
         log.info("GPU instance %d: %d layers %s, %s mode, launch path %s, staging DMAs %s %s", instance_id,
                  geometry.num_layers, geometry.layout.value, self.mode, transfer.launch_path, transfer.memcpy_path,
                  transfer._memcpy.batch_error if self.mode != "zerocopy" else "")
@@ -420,6 +444,16 @@ class GpuTransferExecutor:
         if short > 0:
             self._add_events(short)  # the first requests must not pay for event creation
         return inst
+
+    def _open_registered_events(self, inst: _Instance, event_handles: list[bytes]) -> None:
+        """Open the engine's announced interprocess events now; one that cannot be opened
+        refuses the registration (the instance is removed again)."""
+        for i, h in enumerate(event_handles):
+            try:
+                inst.worker_event(h)
+            except Exception as e:
+                self.unregister_instance(inst.instance_id)
+                raise ValueError(f"event_handles[{i}] cannot be opened: {e}") from e
 
     def _add_events(self, n: int) -> None:
         events = [gpu_ipc.create_completion_event() for _ in range(n)]

@@ -43,7 +43,7 @@ SLOT = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2  
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
-def _engine(conn: Any, url: str, iid: int, num_blocks: int, seed: int) -> None:
+def _engine(conn: Any, url: str, iid: int, num_blocks: int, seed: int, announce_event: bool = True) -> None:
     """One engine process: owns its KV cache, registers it, runs the phases the parent asks for."""
     import numpy as np
     import torch
@@ -65,10 +65,12 @@ def _engine(conn: Any, url: str, iid: int, num_blocks: int, seed: int) -> None:
         "kv_layout": "nhd", "num_blocks": num_blocks, **{k: GEO[k] for k in ("block_size", "num_heads", "head_size")},
         "itemsize": 2, "device_uuid": device_uuid(torch.cuda.current_device()), "tensors": export_kv_tensors(layers),
     }
-    client = MPCacheClient(url, request_timeout=120.0)
     event = torch.cuda.Event(interprocess=True)
     event.record()
     handle = export_event(event)
+    if announce_event:  # opened by the server at registration, not on the first request
+        layout["event_handles"] = [handle]
+    client = MPCacheClient(url, request_timeout=120.0)
     rng = np.random.default_rng(seed)
     try:
         t0 = time.perf_counter()
@@ -112,6 +114,7 @@ def _phase(client: Any, iid: int, handle: bytes, event: Any, layers: list[Any], 
     for kind in ("store", "retrieve"):
         done_at = [0.0] * n_req
         sent_at = [0.0] * n_req
+        submitted = [0.0] * n_req
         futures = []
         start_wall = time.monotonic()
         for i in range(n_req):
@@ -121,6 +124,7 @@ def _phase(client: Any, iid: int, handle: bytes, event: Any, layers: list[Any], 
                 f = client.store(keys[i], iid, src[i], handle)
             else:
                 f = client.retrieve(keys[i], iid, dst[i], handle, 0)
+            submitted[i] = time.perf_counter()
 
             def stamp(_f: Any, i: int = i) -> None:
                 done_at[i] = time.perf_counter()
@@ -132,7 +136,8 @@ def _phase(client: Any, iid: int, handle: bytes, event: Any, layers: list[Any], 
             oks.append(bool(r[-1]) if isinstance(r, (list, tuple)) else bool(r))
         end_wall = time.monotonic()
         lat = [(d - s) * 1e3 for s, d in zip(sent_at, done_at)]
-        out[kind] = {"start": start_wall, "end": end_wall, "lat_ms": lat, "ok": all(oks), "oks": sum(oks)}
+        out[kind] = {"start": start_wall, "end": end_wall, "lat_ms": lat, "ok": all(oks), "oks": sum(oks),
+                     "submit_ms": [(b - a) * 1e3 for a, b in zip(sent_at, submitted)]}
     if before is not None:
         torch.cuda.synchronize()
         good = all(torch.equal(torch.stack([t.view(torch.int16)[:, d] for t in layers]), b) for d, b in zip(dst, before))
@@ -206,7 +211,8 @@ def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdi
     try:
         for e in range(n_engines):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_engine, args=(child, server.url, e + 1, num_blocks, 100 + e), daemon=True)
+            p = ctx.Process(target=_engine, args=(child, server.url, e + 1, num_blocks, 100 + e, not args.no_announce_event),
+                            daemon=True)
             p.start()
             pipes.append(parent)
             procs.append(p)
@@ -272,8 +278,10 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
                 for p in parts:
                     lat += p["lat_ms"]
                     ok &= p["ok"]
+            sub = [x for r in rs for part in r["res"] for x in part[kind].get("submit_ms", [])]
             return {"gbps": statistics.median(gbps), "pct": statistics.median(gbps) / ceiling[direction] * 100,
-                    "p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99), "ok": ok}
+                    "p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99), "ok": ok,
+                    "submit_p50": _pct(sub, 0.5) if sub else float("nan")}
         row[kind] = stats_of(rounds[1:] if len(rounds) > 1 else rounds)
         row[kind + "_first"] = stats_of(rounds[:1])
     steady = rounds[1:] if len(rounds) > 1 else rounds
@@ -311,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--multi-shapes", default="32x1,16x8", help="shapes for 2+ engines (requests split between them)")
     ap.add_argument("--l1-gb", type=float, default=10.0)
     ap.add_argument("--server-repo", default=REPO, help="checkout to run mpcache-server from (default: this one)")
+    ap.add_argument("--no-announce-event", action="store_true",
+                    help="engines do not name their interprocess event at registration (the server then opens it on "
+                         "the first request, as servers before event_handles did)")
     ap.add_argument("--label", default="", help="a name for this run in the table / json")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
@@ -361,7 +372,8 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: mean ms, server receipt to reply store "
                     f"{r.get('served_ms_store', float('nan')):.2f} retrieve {r.get('served_ms_retrieve', float('nan')):.2f}; "
                     f"GPU enqueued to seen done {r.get('flight_ms_per_transfer', float('nan')):.2f}; "
-                    f"engine p50 store {r['store']['p50']:.2f} retrieve {r['retrieve']['p50']:.2f}")
+                    f"engine p50 store {r['store']['p50']:.2f} retrieve {r['retrieve']['p50']:.2f} "
+                    f"(of which the client's submit call {r['store']['submit_p50']:.2f} / {r['retrieve']['submit_p50']:.2f})")
     print("\n".join(tail))
 
 

@@ -14,7 +14,12 @@ import pytest
 from mpcache.core_sm.effects import StartTransfer
 from mpcache.core_sm.messages import TransferKind
 from mpcache.runtime_zmq import gpu_ipc
-from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor, check_layer_ranges
+from mpcache.runtime_zmq.gpu_transfer import (
+    IPC_EVENT_HANDLE_BYTES,
+    GpuTransferExecutor,
+    check_layer_ranges,
+    registered_event_handles,
+)
 
 SUCCESS, NOT_READY = 0, 600
 C, BS = 8, 4  # 2 blocks per chunk
@@ -220,3 +225,43 @@ def test_layer_ranges() -> None:
         check_layer_ranges([(0, 1000, 0, 100), (0, 1000, 50, 100)], 100)
     with pytest.raises(ValueError, match="layers 0 and 2 overlap"):
         check_layer_ranges([(0, 1000, 200, 100), (0, 1000, 0, 100), (0, 1000, 200, 100)], 100)
+
+
+def test_announced_event_handles_are_checked() -> None:
+    ok = [bytes([i]) * IPC_EVENT_HANDLE_BYTES for i in range(3)]
+    assert registered_event_handles({}) == []
+    assert registered_event_handles({"event_handles": ok + [ok[0]]}) == ok  # repeats opened once
+    for bad in ("x" * 64, [b"x" * 63], [bytearray(64)], [ok[0]] * 0 + [None], ok * 6):
+        with pytest.raises(ValueError, match="event_handles"):
+            registered_event_handles({"event_handles": bad})
+
+
+def test_announced_events_are_opened_at_registration(fake_cuda: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[bytes] = []
+    monkeypatch.setattr(gpu_ipc, "open_event", lambda h: opened.append(h) or Event())
+    ex = GpuTransferExecutor(C, warm_events=2)
+    handle = b"e" * IPC_EVENT_HANDLE_BYTES
+    inst, _stream, _transfer = add(ex, 1, b"\x01h")
+    ex._open_registered_events(inst, [handle])
+    assert opened == [handle]
+    done = Done()
+    ex.start(st(1, 1, 1), handle, done)  # the request names the announced event: no second open
+    done.wait({1})
+    assert opened == [handle] and done.results[1][0]
+    ex.close()
+
+
+def test_an_announced_event_that_cannot_be_opened_refuses_the_registration(
+        fake_cuda: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(h: bytes) -> Any:
+        raise RuntimeError("cuIpcOpenEventHandle: invalid handle")
+    monkeypatch.setattr(gpu_ipc, "open_event", refuse)
+    ex = GpuTransferExecutor(C, warm_events=2)
+    inst, _stream, _transfer = add(ex, 1, b"\x01h")
+    with pytest.raises(ValueError, match=r"event_handles\[0\] cannot be opened"):
+        ex._open_registered_events(inst, [b"e" * IPC_EVENT_HANDLE_BYTES])
+    done = Done()
+    ex.start(st(1, 1, 1), b"", done)  # the instance is gone: its transfers fail at once
+    done.wait({1})
+    assert done.results[1][0] is False
+    ex.close()
