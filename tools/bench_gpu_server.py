@@ -302,6 +302,12 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
         served = sum(r["s1"].get(f"served_ns_{kind}", 0) - r["s0"].get(f"served_ns_{kind}", 0) for r in steady)
         count = sum(r["s1"].get(f"served_{kind}", 0) - r["s0"].get(f"served_{kind}", 0) for r in steady)
         row[f"served_ms_{kind}"] = served / count / 1e6 if count and served else float("nan")
+    first = rounds[0]
+    for part in ("start", "plan", "enqueue", "wait", "flight"):
+        # the first round after registration alone: where a new engine's first requests pay more
+        d = first["s1"].get(f"gpu_{part}_ns", 0) - first["s0"].get(f"gpu_{part}_ns", 0)
+        n = first["s1"].get("gpu_started", 0) - first["s0"].get("gpu_started", 0)
+        row[f"first_{part}_us"] = d / n / 1e3 if n else float("nan")
     row["memcpy_batch"] = rounds[-1]["s1"].get("gpu_memcpy_batch", -1)
     row["polls_per_transfer"] = (sum(r["s1"].get("gpu_polls", 0) - r["s0"].get("gpu_polls", 0) for r in steady) / started
                                  if started else float("nan"))
@@ -374,6 +380,9 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
                     f"GPU enqueued to seen done {r.get('flight_ms_per_transfer', float('nan')):.2f}; "
                     f"engine p50 store {r['store']['p50']:.2f} retrieve {r['retrieve']['p50']:.2f} "
                     f"(of which the client's submit call {r['store']['submit_p50']:.2f} / {r['retrieve']['submit_p50']:.2f})")
+        tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: first round, us per transfer: host "
+                    + ", ".join(f"{part} {r.get(f'first_{part}_us', float('nan')):.1f}"
+                                for part in ("start", "plan", "enqueue", "wait", "flight")))
     print("\n".join(tail))
 
 
