@@ -14,8 +14,11 @@ Per shape (requests in flight x chunks per request, split over the engines) it r
 * GB/s of the round (bytes / first send to last reply) against this run's pinned-memcpy ceiling
   in the same direction;
 * p50 / p99 request latency (send to reply, on the engine);
-* server CPU per request (all its threads, /proc schedstat) and the GPU engine's host time per
-  transfer (``gpu_start_ns`` / ``gpu_started`` from the server's stats);
+* server CPU per request (all its threads, /proc schedstat), less what the server spends idle
+  over the same wall time (measured for 0.5 s before the shapes: its threads' timed polls), and
+  the GPU engine's host time per transfer (``gpu_start_ns`` / ``gpu_started`` from the server's stats);
+* where a request's latency goes: the server's receipt-to-reply time, the GPU copy from enqueued to
+  seen done, the client's submit call; for the first round too;
 * the first round after the server started, separately (a fresh server per single-engine shape).
 
 ``--server-repo DIR`` runs the server from another checkout (e.g. an older commit) with this
@@ -223,23 +226,28 @@ def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdi
         if args.ceiling is None:
             pipes[0].send({"op": "ceiling"})
             args.ceiling = pipes[0].recv()
+        # the server's CPU while idle (its threads' timed polls), subtracted from each round's so
+        # that "cpu us/req" is what the requests cost, not the time the engines spent preparing
+        ca, ta = _server_cpu_ns(server.proc.pid), time.perf_counter()
+        time.sleep(0.5)
+        idle_ns_per_s = (_server_cpu_ns(server.proc.pid) - ca) / (time.perf_counter() - ta)
         for n_req, n_chunks in shapes:
             per = [n_req // n_engines + (1 if e < n_req % n_engines else 0) for e in range(n_engines)]
             rounds = []
             for rnd in range(args.rounds):
                 check = rnd in (0, args.rounds - 1)
                 s0 = server.stats()
-                c0 = _server_cpu_ns(server.proc.pid)
+                c0, w0 = _server_cpu_ns(server.proc.pid), time.perf_counter()
                 for e, conn in enumerate(pipes):
                     conn.send({"op": "phase", "requests": per[e], "chunks": n_chunks, "tag": f"{n_engines}-{n_req}x{n_chunks}-{rnd}-{time.monotonic_ns()}",
                             "check": check})
                 res = [conn.recv() for conn in pipes]
-                c1 = _server_cpu_ns(server.proc.pid)
+                c1, w1 = _server_cpu_ns(server.proc.pid), time.perf_counter()
                 s1 = server.stats()
                 for r in res:
                     if "error" in r:
                         raise RuntimeError(r["error"])
-                rounds.append({"res": res, "cpu_ns": c1 - c0, "s0": s0, "s1": s1})
+                rounds.append({"res": res, "cpu_ns": c1 - c0, "idle_ns": idle_ns_per_s * (w1 - w0), "s0": s0, "s1": s1})
             rows.append(_summarise(n_engines, n_req, n_chunks, rounds, args.ceiling))
     finally:
         for conn in pipes:
@@ -286,7 +294,8 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
         row[kind + "_first"] = stats_of(rounds[:1])
     steady = rounds[1:] if len(rounds) > 1 else rounds
     reqs = 2 * n_req * len(steady)
-    row["cpu_us_per_req"] = sum(r["cpu_ns"] for r in steady) / reqs / 1e3
+    row["cpu_us_per_req"] = max(0.0, sum(r["cpu_ns"] - r["idle_ns"] for r in steady)) / reqs / 1e3
+    row["cpu_us_per_req_gross"] = sum(r["cpu_ns"] for r in steady) / reqs / 1e3
     started = sum(r["s1"].get("gpu_started", 0) - r["s0"].get("gpu_started", 0) for r in steady)
     ns = sum(r["s1"].get("gpu_start_ns", 0) - r["s0"].get("gpu_start_ns", 0) for r in steady)
     row["host_us_per_transfer"] = ns / started / 1e3 if started and ns else float("nan")
