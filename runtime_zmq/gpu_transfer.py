@@ -7,9 +7,9 @@ handles (bytes plus shape / dtype / strides / device UUID — no pickle), a dedi
 
 A transfer is enqueued, never waited on, by ``start`` (the server's loop thread):
 ``cuStreamWaitEvent`` on the worker's interprocess event → gather / scatter → ``cuEventRecord`` of
-our completion event. One polling thread waits for the oldest completion event with
-``cuEventSynchronize`` (the driver call releases the GIL; the thread holds no lock meanwhile),
-then queries the others, and only then calls ``done(transfer_id, ok)``. No Python ever runs in a
+our completion event. One waiter thread per instance queries its completion events in stream
+order with ``cuEventQuery`` (never a blocking wait), sleeping until the link model expects the
+oldest to be done, and only then calls ``done(transfer_id, ok)``. No Python ever runs in a
 CUDA host callback, so the host-callback / GIL deadlock of LMCache PR #2733 cannot happen here.
 
 Registration layout (the worker's ``register_instance`` payload; ``export_kv_tensors`` in
@@ -19,7 +19,8 @@ Registration layout (the worker's ``register_instance`` payload; ``export_kv_ten
      "num_blocks": int, "block_size": int, "num_heads": int, "head_size": int, "itemsize": int,
      "device_uuid": bytes (16), "object_bytes": int,
      "tensors": [{"handle": bytes (64), "offset": int, "nbytes": int, "shape": [...],
-                  "strides": [...], "dtype": str, "itemsize": int}, ...]}   # one per layer
+                  "strides": [...], "dtype": str, "itemsize": int}, ...],  # one per layer
+     "event_handles": [bytes (64), ...]}  # optional: interprocess events opened at registration
 """
 from __future__ import annotations
 
