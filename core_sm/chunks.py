@@ -22,6 +22,11 @@
   digest bytes are kept. Why SHA-256 over keyed BLAKE3 / BLAKE2b: measured on the lookup path
   (``mpcache-bench hash``, docs/benchmarks.md "Keyed chunk chain"), every chunk is its own
   serial 1 KiB call, where SHA-NI's SHA-256 beats single-chunk BLAKE3 and BLAKE2b.
+* Implementation: this module hashes with ``hashlib`` (one copy, two updates and a digest per
+  chunk: about 1 us a chunk of Python and EVP overhead on top of SHA-256 itself). A runtime may
+  inject a *batch* function that computes the whole chain in one native call
+  (``ChunkChain(key, batch=factory)``, see ``ChainBatchFactory``); it must produce exactly these
+  digests, and ``hashlib`` stays the reference and the fallback (runtime_zmq.sha256_chain).
 * Servers that share an L2 tier must use the same chain key (runtime_zmq derives it from the L2
   sealing secret they already share), else each one's objects are the other's misses.
 * The layout version is in ``B_root`` and ``B_step``: changing the hash or the layout changes
@@ -44,7 +49,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, overload
 
 DEFAULT_CHUNK_SIZE = 256
@@ -56,8 +61,19 @@ CHAIN_KEY_BYTES = 32
 # miss, which is the safe failure. v1: blake2b-256; v2: XXH3-128; v3: keyed SHA-256 (AMAC).
 _HASH_LAYOUT_VERSION = b"mpcache-chunk-v3"
 _SHA256_BLOCK = 64
+_HASH_FORMAT = f"{CHUNK_HASH_SIZE}s"
 _BYTESWAP = sys.byteorder != "little"
 assert array("I").itemsize == 4, "uint32 packing needs a 4-byte array('I')"
+
+
+# ``batch(root, packed, chunk_bytes, n)``: the n chained digests ``h_1 .. h_n`` (16 bytes each,
+# concatenated) over the first ``n * chunk_bytes`` bytes of ``packed`` (``len(packed) >= n *
+# chunk_bytes``), starting from ``root`` (any length, often 16), exactly as ``ChunkChain.hashes``
+# computes them; or None to decline (e.g. not loaded yet), and ``hashes`` uses hashlib.
+ChainBatch = Callable[[bytes, bytes, int, int], "bytes | bytearray | memoryview | None"]
+# Called once per chain with ``B_step`` (the 64-byte block before every step's input: layout tag,
+# role and key; a secret), returns that chain's batch function.
+ChainBatchFactory = Callable[[bytes], ChainBatch]
 
 
 def validate_cache_salt(cache_salt: object) -> str | None:
@@ -80,20 +96,25 @@ class ChunkChain:
 
     Immutable; holds the SHA-256 states after the two key blocks (copied per call), never the
     key's bytes in a printable form. ``ValueError`` unless ``key`` is ``CHAIN_KEY_BYTES`` bytes.
+    ``batch``: a ``ChainBatchFactory`` that ``hashes`` uses for the chunk steps (one native call
+    per request instead of a hashlib call per chunk); ``root`` always uses hashlib.
     """
 
-    __slots__ = ("_root_base", "_step_base", "fingerprint")
+    __slots__ = ("_root_base", "_step_base", "_batch", "fingerprint")
 
     _root_base: "hashlib._Hash"
     _step_base: "hashlib._Hash"
+    _batch: ChainBatch | None
     fingerprint: str
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, batch: ChainBatchFactory | None = None) -> None:
         if type(key) is not bytes or len(key) != CHAIN_KEY_BYTES:
             raise ValueError(f"a chain key is {CHAIN_KEY_BYTES} bytes")
         for name, role in (("_root_base", b"root"), ("_step_base", b"step")):
             block = (_HASH_LAYOUT_VERSION + b"/" + role + b"/" + key).ljust(_SHA256_BLOCK, b"\0")
             object.__setattr__(self, name, hashlib.sha256(block))
+            if role == b"step":
+                object.__setattr__(self, "_batch", batch(block) if batch is not None else None)
         # Printable and safe to log (a one-way function of the key): tells apart servers that
         # run with different keys (each sees the other's L2 objects as misses).
         fp = hashlib.sha256(_HASH_LAYOUT_VERSION + b"/fingerprint/" + key).hexdigest()[:16]
@@ -145,9 +166,17 @@ class ChunkChain:
             return ()
         step = chunk_size * 4
         if isinstance(token_ids, TokenIds):
-            data = memoryview(token_ids.packed)
+            packed = token_ids.packed
         else:
-            data = memoryview(pack_tokens(token_ids[: n * chunk_size]))
+            packed = pack_tokens(token_ids[: n * chunk_size])
+        if self._batch is not None:
+            joined = self._batch(root, packed, step, n)
+            if joined is not None:
+                if len(joined) != n * CHUNK_HASH_SIZE:
+                    raise RuntimeError(f"chain batch returned {len(joined)} bytes for {n} chunks")
+                # one C call makes the n bytes objects (struct caches the format)
+                return struct.unpack(_HASH_FORMAT * n, joined)
+        data = memoryview(packed)
         out: list[bytes] = []
         append = out.append
         prev = root

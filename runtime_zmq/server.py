@@ -40,7 +40,7 @@ import zmq
 from mpcache.core_sm import effects as fx
 from mpcache.core_sm import messages as m
 from mpcache.core_sm.errors import ErrorKind
-from mpcache.runtime_zmq import auth, tokens, wire
+from mpcache.runtime_zmq import auth, sha256_chain, tokens, wire
 from mpcache.runtime_zmq.memory import TrimAfterReap
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
 from mpcache.runtime_zmq.config import version
@@ -267,6 +267,8 @@ class Server:
             self.pool.close()
             raise
         self.machine = make_machine(config, self.pool.num_slots, self.pool.slot_bytes, bool(tiers), chain_key)
+        # the same chain (same key, same digests), hashing natively once sha256_chain is loaded
+        self.machine.ctx.chain = sha256_chain.chunk_chain(chain_key)
         log.info("chunk keys are keyed by %s (fingerprint %s); servers sharing an L2 must share it",
                  chain_source, self.machine.ctx.chain.fingerprint)
         self._outstanding: dict[ReplyTo, None] = {}
@@ -383,6 +385,7 @@ class Server:
             self._reservation = self.pool.reserve_in_background(self._reservation_failed)
         # the list-form token scanner compiles or loads (numba) while the loop already answers
         self._token_scanner = tokens.load_in_background()
+        self._chain_loader = sha256_chain.load_in_background()  # so does the native chunk chain
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port)
         log.info("mpcache-server listening on %s (epoch %d)", self.bound_url, self.epoch)
@@ -852,6 +855,7 @@ class Server:
         out["l1_slot_bytes"] = self.pool.slot_bytes
         out["l1_segment_created"] = self.pool.created
         out["token_scanner_ready"] = tokens.ready()
+        out["native_chunk_hash_ready"] = sha256_chain.ready()
         out["loop_max_message_ms"] = self._max_message_s * 1000.0
         out["loop_max_message_cpu_ms"] = self._max_message_cpu_s * 1000.0
         return out
@@ -902,4 +906,5 @@ class Server:
         self.channel.close()
         self.ctx.term()
         self._token_scanner.join()
+        self._chain_loader.join()
         log.info("mpcache-server stopped")
