@@ -41,3 +41,15 @@ def test_placement_outside_the_range_is_refused(start: int, end: int, placements
 def test_chunk_not_a_whole_number_of_blocks_is_refused() -> None:
     with pytest.raises(ValueError):
         chunk_copies(TransferKind.STORE, 0, C, [(0, 0)], BLOCKS, 0, C, 3)
+
+
+def test_block_ids_of_any_sequence_come_out_as_plain_int_tuples() -> None:
+    class Int(int):
+        pass
+
+    as_list = [Int(100 + i) for i in range(2 * C // BS)]
+    for ids in (as_list, tuple(range(100, 100 + 2 * C // BS))):
+        copies = chunk_copies(TransferKind.STORE, 0, 2 * C, [(1, 7), (0, 3)], ids, 0, C, BS)
+        assert [c.block_ids for c in copies] == [tuple(range(100, 100 + C // BS)), tuple(range(100 + C // BS, 100 + 2 * C // BS))]
+        assert all(type(b) is int for c in copies for b in c.block_ids) or type(ids) is tuple
+        assert all(type(c.block_ids) is tuple for c in copies)
