@@ -23,7 +23,7 @@
   (``mpcache-bench hash``, docs/benchmarks.md "Keyed chunk chain"), every chunk is its own
   serial 1 KiB call, where SHA-NI's SHA-256 beats single-chunk BLAKE3 and BLAKE2b.
 * Implementation: this module hashes with ``hashlib`` (one copy, two updates and a digest per
-  chunk: about 1 us a chunk of Python and EVP overhead on top of SHA-256 itself). A runtime may
+  chunk: about 1 us a chunk, half of it Python and EVP overhead around SHA-256). A runtime may
   inject a *batch* function that computes the whole chain in one native call
   (``ChunkChain(key, batch=factory)``, see ``ChainBatchFactory``); it must produce exactly these
   digests, and ``hashlib`` stays the reference and the fallback (runtime_zmq.sha256_chain).

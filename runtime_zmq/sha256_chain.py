@@ -166,12 +166,13 @@ def status() -> str:
 
 class _Batch:
     """One chain's native batch (``core_sm.chunks.ChainBatch``): the keyed SHA256_CTX, made on
-    first use, and the loop. Declines (None) while the native chain is not ready."""
+    first use (then the key block is dropped), and the loop. Declines (None) while the native
+    chain is not ready."""
 
     __slots__ = ("_block", "_base", "_fixed")
 
     def __init__(self, block: bytes, native: _Native | None = None) -> None:
-        self._block = block
+        self._block: bytes | None = block
         self._base: Any = None
         self._fixed = native  # the self-test's own; else the module's once loaded
 
@@ -181,11 +182,15 @@ class _Batch:
             return None
         base = self._base
         if base is None:
-            base = native.base_state(native.frombuffer(self._block, native.uint8))
+            block = self._block
+            if block is None:  # pragma: no cover - another thread just made it
+                return None
+            base = native.base_state(native.frombuffer(block, native.uint8))
             if base.shape[0] == 0:
                 return None
             base.setflags(write=False)
             self._base = base
+            self._block = None
         if n < 0 or step < 1 or len(packed) < n * step:
             raise ValueError(f"{len(packed)} bytes hold no {n} chunks of {step} bytes")
         u8 = native.uint8

@@ -63,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="token-id forms of the lookup rows (one form: a py-spy profile of the run is of that form)")
     args = parser.parse_args(argv)
 
-    from mpcache.runtime_zmq import tokens
+    from mpcache.runtime_zmq import sha256_chain, tokens
     from mpcache.runtime_zmq.server import Server, ServerConfig
 
     tokens.load()  # the server loads it in the background at start; here, before timing
+    sha256_chain.load()  # the same for the native chunk chain
     d = tempfile.mkdtemp(prefix="mpcache-serverpath-")
     server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=64 << 20, slot_bytes=1 << 20))
     real_sock = server.sock
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [(name, fn) for name, fn in rows if "ids" not in name or any(f"{f} ids" in name for f in forms)]
         print(f"# server handler CPU per call, {args.rounds} rounds x {args.calls} calls; "
               f"prompt {TOKENS} tokens = {TOKENS // CHUNK} chunks, all in L1")
+        print(f"# chunk hashing: {sha256_chain.status()}")
         print("| request | median µs | best µs | handler ceiling, one core |")
         print("|---|---:|---:|---:|")
         for name, fn in rows:
@@ -177,5 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.sock = real_sock
         server._token_scanner = tokens.load_in_background()
+        server._chain_loader = sha256_chain.load_in_background()
         server._shutdown()
     return 0
