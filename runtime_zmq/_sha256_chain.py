@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import llvmlite.binding as llvm  # type: ignore[import-untyped]
 import numba
 import numpy as np
 
@@ -28,6 +29,11 @@ _CTX_ROOM = 256
 # The names sha256_chain.register() gave libcrypto's functions in LLVM's symbol table; it runs
 # before this module is imported (the functions below compile, or load, at import).
 _PREFIX = "mpcache_sha256chain_"
+
+# Without them LLVM would abort the whole process at the first compile or cache load below
+# ("Symbol not found"): refuse the import instead.
+if llvm.address_of_symbol(_PREFIX + "SHA256_Init") is None:
+    raise ImportError("mpcache.runtime_zmq._sha256_chain is loaded by sha256_chain.load(), which registers libcrypto first")
 
 
 _PTR = numba.types.uintp

@@ -133,6 +133,18 @@ def test_self_test_mismatch_keeps_hashlib(native: None, monkeypatch: pytest.Monk
     assert sha256_chain.chunk_chain(key).hashes(tokens) == ChunkChain(key).hashes(tokens)
 
 
+def test_the_compiled_module_refuses_an_import_before_libcrypto_is_registered() -> None:
+    """Imported directly in a fresh process (no sha256_chain.load()), it raises ImportError
+    instead of LLVM aborting the process on an unresolved symbol."""
+    import subprocess
+    import sys
+
+    code = ("try:\n import mpcache.runtime_zmq._sha256_chain\nexcept ImportError as e:\n print('refused', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    assert done.returncode == 0 and done.stdout.startswith("refused"), (done.stdout, done.stderr[-2000:])
+
+
 def test_hashing_releases_the_gil(native: None) -> None:
     """While one thread hashes a long input natively, another runs Python code."""
     fast = sha256_chain.chunk_chain(bytes(32))
