@@ -101,6 +101,11 @@ class PlannerConfig:
       answering "not yet" and costing the request a step; 0: never wait. It is also the budget
       of one scheduling pass (the matches between two ``StepScheduled``): however many new
       requests a pass sees, it waits at most this long in all.
+    * ``lookup_wait_idle``: the same budget, used instead when it is larger and the engine is
+      idle: its last step scheduled nothing and no request the planner tracks has blocks
+      (running, loading or preempted). Blocking a scheduler that has nothing to run delays no
+      one, while answering "not yet" makes vLLM spin empty steps that take the CPU the
+      server's L2 read needs (a lookup that reads L2 takes tens of ms). 0: as ``lookup_wait``.
     * ``sync_load_max_tokens``: a load of at most this many tokens is synchronous
       (``load_async=False``): vLLM schedules the request in the same step, and the workers finish
       the load before that step's forward (``StepPlan.sync_loads``); larger loads are
@@ -117,6 +122,7 @@ class PlannerConfig:
     load: bool = True
     store: bool = True
     lookup_wait: float = 0.0
+    lookup_wait_idle: float = 0.0
     cpu_engine: bool = False
     sync_load_max_tokens: int = attrs.field(
         default=attrs.Factory(lambda self: default_sync_load_max_tokens(self.cpu_engine), takes_self=True)
@@ -135,8 +141,9 @@ class PlannerConfig:
                 f"mpcache chunk size {self.chunk_size} is not a multiple of the engine block size {self.block_size}; "
                 f"start the server with --chunk-size a multiple of {self.block_size}"
             )
-        if not 0 <= self.lookup_wait <= 1.0:
-            raise ValueError(f"lookup wait must be between 0 and 1 s (it blocks the scheduler), got {self.lookup_wait}")
+        for name, wait in (("lookup wait", self.lookup_wait), ("idle lookup wait", self.lookup_wait_idle)):
+            if not 0 <= wait <= 1.0:
+                raise ValueError(f"{name} must be between 0 and 1 s (it blocks the scheduler), got {wait}")
         if self.sync_load_max_tokens < 0:
             raise ValueError(f"sync_load_max_tokens must be >= 0, got {self.sync_load_max_tokens}")
 
@@ -330,6 +337,7 @@ class StepPlanner:
         self._renewals: list[tuple[float, int, str, float]] = []
         self._renewal_seq = 0
         self._pass_started_at: float | None = None  # the first MatchRequest since the last step
+        self._last_step_ran = False  # the last StepScheduled scheduled a request (or preempted one)
         self._counters: dict[str, int] = {"internal_errors": 0, "lookups_submitted": 0, "loads_planned": 0,
                                           "stores_planned": 0, "recomputed_after_preemption": 0,
                                           "lease_renewals": 0, "hits_given_up": 0}
@@ -471,6 +479,8 @@ class StepPlanner:
             hit = self.lookups.check(event.request_id)
             if hit is None:
                 wait = self.config.lookup_wait
+                if self.config.lookup_wait_idle > wait and self.engine_idle():
+                    wait = self.config.lookup_wait_idle
                 until = None
                 if wait > 0:
                     started = self._pass_started_at if self._pass_started_at is not None else now
@@ -604,8 +614,17 @@ class StepPlanner:
 
     # ------------------------------------------------------------------ the step
 
+    def engine_idle(self) -> bool:
+        """Whether the engine has nothing to run (``PlannerConfig.lookup_wait_idle``): its last
+        step scheduled no request and no tracked request holds blocks."""
+        if self._last_step_ran:
+            return False
+        busy = (_R.RUNNING, _R.PREEMPTED)
+        return not any(t.state in busy for t in self._trackers.values())
+
     def _on_step(self, event: StepScheduled, now: float, out: Out) -> None:
         self._pass_started_at = None
+        self._last_step_ran = bool(event.scheduled or event.preempted)
         retrieves: list[SubmitRetrieve] = []
         sync_loads: list[str] = []
         for tracker in self._trackers.values():

@@ -111,6 +111,13 @@ class ConnectorConfig:
     * ``lookup_wait_ms``: how long vLLM's scheduler may wait for a new request's lookup answer
       before answering "not yet" (which costs the request an engine step); an L1 answer takes
       well under 1 ms. 0: never wait.
+    * ``lookup_wait_idle_ms``: the same wait while the engine is idle (nothing ran in its last
+      step and no request holds blocks): blocking then delays no one, and a lookup that reads
+      L2 takes tens of ms, which vLLM would otherwise spin empty steps through
+      (``core_sm.planner.PlannerConfig.lookup_wait_idle``). 0: as ``lookup_wait_ms``.
+    * ``lookup_status_wait``: ask for a lookup's result with WAIT_PREFETCH_STATUS, which the
+      server answers the moment the lookup (an L2 read included) is done, instead of polling
+      QUERY_PREFETCH_STATUS every 5 ms.
     * ``sync_load_max_tokens``: loads of at most this many tokens finish within the step that
       schedules the request (vLLM's synchronous load) instead of a later one. 0: always
       asynchronous. Not set: the planner's default for the engine's device
@@ -128,10 +135,13 @@ class ConnectorConfig:
     connect_strict: bool = attrs.field(default=False)
     model_identity: str = attrs.field(default="", converter=str)
     lookup_wait_ms: float = attrs.field(default=5.0, converter=float)
+    lookup_wait_idle_ms: float = attrs.field(default=50.0, converter=float)
+    lookup_status_wait: bool = attrs.field(default=True)
     sync_load_max_tokens: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
     lease_ttl_s: float = attrs.field(default=300.0, converter=float)
 
     @lookup_wait_ms.validator
+    @lookup_wait_idle_ms.validator
     def _wait(self, attribute: attrs.Attribute[float], value: float) -> None:
         if not 0 <= value <= 1000:
             raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be between 0 and 1000, got {value}")
@@ -150,6 +160,7 @@ class ConnectorConfig:
 
     @store_decode_tokens.validator
     @connect_strict.validator
+    @lookup_status_wait.validator
     def _boolean(self, attribute: attrs.Attribute[bool], value: object) -> None:
         if not isinstance(value, bool):
             raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be true or false, got {value!r}")
@@ -400,10 +411,14 @@ class SchedulerAdapter(_MachineShell):
                     chunk_size=chunk_size,
                     # Every request has its own timeout; this bounds the whole lookup too.
                     lookup_timeout=2 * config.request_timeout_s,
+                    # a waiting status query is answered within its wait, well inside the request timeout
+                    use_wait=config.lookup_status_wait,
+                    wait_timeout=min(1.0, config.request_timeout_s / 2),
                 )
             )
             planner_config = PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
                                            load=load, store=store, lookup_wait=config.lookup_wait_ms / 1000.0,
+                                           lookup_wait_idle=config.lookup_wait_idle_ms / 1000.0,
                                            cpu_engine=cpu_engine, lease_ttl=config.lease_ttl_s)
             if config.sync_load_max_tokens is not None:
                 planner_config = attrs.evolve(planner_config, sync_load_max_tokens=config.sync_load_max_tokens)

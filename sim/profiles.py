@@ -96,7 +96,7 @@ class Profile:
         """The scheduler's machine: the planner MPCacheConnector runs, over this profile's
         lookup client."""
         return self.planner_class(PlannerConfig(cfg.chunk_size, cfg.block_size, lease_ttl=cfg.lease_ttl,
-                                                lookup_wait=cfg.lookup_wait,
+                                                lookup_wait=cfg.lookup_wait, lookup_wait_idle=cfg.lookup_wait_idle,
                                                 sync_load_max_tokens=cfg.sync_load_max_tokens),
                                   self.make_lookup_client(cfg))
 

@@ -47,8 +47,10 @@ class WorldConfig:
     max_running: int | None = None
     # The connector's planner as production runs it (PlannerConfig): the scheduler may wait up to
     # ``lookup_wait`` s for a new request's lookup answer (production default 5 ms), and loads of
-    # at most ``sync_load_max_tokens`` tokens are synchronous (a CPU engine's default: all).
+    # at most ``sync_load_max_tokens`` tokens are synchronous (a CPU engine's default: all);
+    # ``lookup_wait_idle`` s while the engine is idle (production default 50 ms).
     lookup_wait: float = 0.0
+    lookup_wait_idle: float = 0.0
     sync_load_max_tokens: int = 0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 2.5
@@ -208,6 +210,7 @@ def draw_scenario(seed: int) -> Scenario:
     if connector.random() < CONNECTOR_DEFAULTS_SHARE:
         config = attrs.evolve(config, lookup_wait=connector.choice((0.005, 0.005, 0.02)),
                               sync_load_max_tokens=connector.choice((0, 1 << 40, 2 * chunk_size)))
+        config = attrs.evolve(config, lookup_wait_idle=connector.choice((0.0, 0.05)))  # drawn last: the rest stay
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]

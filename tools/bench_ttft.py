@@ -40,7 +40,35 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 256
 TARGETS = {"l1_speedup": 150.0, "disk_speedup": 30.0, "first_pass_cost": 0.02}
-MODEL_DIMS = {"hidden": 768, "layers": 4, "heads": 12, "kv_heads": 4, "intermediate": 2048, "max_len": 8192}
+# The random Llamas (``--model``). The ratio recompute / hit grows with the prefill FLOP a model
+# spends per byte of KV it produces (``prefill_flop_per_token`` / ``kv_bytes_per_token``, matmuls
+# only): ``tiny`` spends 6.1k, Llama-3-8B 106.5k (14 GFLOP in its layers' matmuls, 128 KiB of
+# bf16 KV per token; ~122k counting all 8 B weights). ``gqa`` is one KV head of 32 under a wide
+# MLP, 115k, so its ratio says what a real GQA model's would, with a prefill that still takes
+# seconds here. Each model's ratios are against its own recompute, never the other's.
+MODELS = {
+    "tiny": {"hidden": 768, "layers": 4, "heads": 12, "kv_heads": 4, "intermediate": 2048, "max_len": 8192},
+    "gqa": {"hidden": 1024, "layers": 4, "heads": 32, "kv_heads": 1, "intermediate": 4096, "max_len": 8192},
+}
+KV_DTYPE_BYTES = 4  # float32 on vLLM's CPU backend
+# Llama-3-8B by the same count, for the header's comparison (bf16 KV)
+LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "intermediate": 14336, "max_len": 8192}
+
+
+def kv_bytes_per_token(dims: dict[str, int], dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+    """Bytes of K and V one token leaves in the KV cache (all layers)."""
+    return 2 * dims["layers"] * dims["kv_heads"] * (dims["hidden"] // dims["heads"]) * dtype_bytes
+
+
+def prefill_flop_per_token(dims: dict[str, int], tokens: int = 0) -> float:
+    """Prefill FLOP per prompt token: 2 per weight of the layers' matmuls (q, k, v, o, the gated
+    MLP; the embedding is a lookup and the logits are computed for the last token only), plus,
+    with ``tokens``, causal attention's QK and AV over a ``tokens``-long prompt (on average
+    ``tokens / 2`` keys per query)."""
+    hidden, head = dims["hidden"], dims["hidden"] // dims["heads"]
+    weights = 2 * hidden * hidden + 2 * hidden * dims["kv_heads"] * head + 3 * hidden * dims["intermediate"]
+    attention = 4 * hidden * (tokens + 1) / 2 if tokens else 0.0
+    return float(dims["layers"] * (2 * weights + attention))
 
 
 # ------------------------------------------------------------------ child (inside the vLLM venv)
@@ -148,7 +176,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     warm = _prompt(CHUNK, 99)
     out: dict[str, Any] = {}
     if args.child == "nocache":
-        llm = _make_llm(args.model, args.max_len, None, prefix_cache=True)
+        llm = _make_llm(args.model_path, args.max_len, None, prefix_cache=True)
         _first_token(llm, "warm", warm)
         out["recompute"] = [_first_token(llm, f"recompute-{i}", p) for i, p in enumerate(prompts)]
         out["recompute_disk_prompt"] = [_first_token(llm, "recompute-d", disk_prompt)]
@@ -164,7 +192,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "kv_connector_extra_config": {"mpcache.server_urls": args.server, "mpcache.request_timeout_s": 30.0,
                                       "mpcache.chunk_size": CHUNK, **json.loads(args.connector_config)},
     }
-    llm = _make_llm(args.model, args.max_len, transfer, prefix_cache=False)
+    llm = _make_llm(args.model_path, args.max_len, transfer, prefix_cache=False)
     global _TIMES
     _TIMES = _ConnectorTimes(llm)
     client = MPCacheClient(args.server, request_timeout=30.0)
@@ -237,7 +265,7 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
     # the engine core in this process, so each LLMEngine.step() is one scheduler step (counted)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=str(REPO),
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    argv = [vpy, "-m", "mpcache.tools.bench_ttft", "--child", mode, "--model", model, "--tokens", str(args.tokens),
+    argv = [vpy, "-m", "mpcache.tools.bench_ttft", "--child", mode, "--model-path", model, "--tokens", str(args.tokens),
             "--max-len", str(args.tokens + 512), "--server", server, "--redis-port", str(redis_port),
             "--child-out", str(out), "--admin-token-file", str(log.parent / "admin-token"), "--samples", str(args.samples), "--connector-config", args.connector_config]
     with open(log, "wb") as f:
@@ -249,19 +277,24 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
     return result
 
 
-def parent(args: argparse.Namespace) -> int:
+def _run_model(args: argparse.Namespace, name: str, vpy: str) -> dict[str, Any]:
+    """One model's whole run and table; returns its target rows for the summary."""
     from mpcache.tools.bench_rpc import _free_port
 
-    vpy = str(Path(args.vllm_venv) / "bin" / "python")
-    if not os.path.exists(vpy):
-        print(f"mpcache-bench ttft: no vLLM venv at {args.vllm_venv} (make e2e builds .venv-vllm)", file=sys.stderr)
-        return 2
     work = Path(tempfile.mkdtemp(prefix="mpcache-bench-ttft-"))
     load = os.getloadavg()
-    print(f"# mpcache-bench ttft: {args.tokens}-token prompts, random Llama {MODEL_DIMS}, float32; "
+    spec = MODELS[name]
+    kv_bytes = kv_bytes_per_token(spec)
+    print(f"# mpcache-bench ttft: {args.tokens}-token prompts, random Llama '{name}' {spec}, float32; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    model = str(Path(args.model_dir) if args.model_dir else work / "model")
-    dims = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL_DIMS.items()]
+    print(f"# model '{name}': {kv_bytes:,} B of KV per token; prefill "
+          f"{prefill_flop_per_token(spec) / 1e6:.1f} MFLOP per token in matmuls = "
+          f"{prefill_flop_per_token(spec) / kv_bytes / 1e3:.1f}k FLOP per KV byte "
+          f"({prefill_flop_per_token(spec, args.tokens) / kv_bytes / 1e3:.1f}k with attention over "
+          f"{args.tokens} tokens); Llama-3-8B by the same count: "
+          f"{prefill_flop_per_token(LLAMA3_8B) / kv_bytes_per_token(LLAMA3_8B, 2) / 1e3:.1f}k (bf16 KV)", flush=True)
+    model = str(Path(args.model_dir) / name if args.model_dir else work / "model")
+    dims = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items()]
     subprocess.run([vpy, str(REPO / "tests" / "e2e" / "tiny_llama.py"), model, *dims], check=True,
                    env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
     redis_port = _free_port()
@@ -269,7 +302,6 @@ def parent(args: argparse.Namespace) -> int:
                               "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     port = _free_port()
     url = f"tcp://127.0.0.1:{port}"
-    kv_bytes = 2 * MODEL_DIMS["layers"] * MODEL_DIMS["kv_heads"] * (MODEL_DIMS["hidden"] // MODEL_DIMS["heads"]) * 4
     slot_mb = kv_bytes * CHUNK / 2**20
     token_file = work / "admin-token"
     token_file.write_text(secrets.token_hex(16))
@@ -368,21 +400,58 @@ def parent(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"# logs in {work}")
+    return {"model": name, "flop_per_kv_byte": prefill_flop_per_token(spec) / kv_bytes, "recompute_s": rec,
+            "l1_hit_s": _median(results["l1_hit"]), "l1x": l1x, "disk_hit_s": results["disk_hit"][0]["ttft_s"],
+            "diskx": diskx, "first_pass_cost": cost, "load": load}
+
+
+def parent(args: argparse.Namespace) -> int:
+    vpy = str(Path(args.vllm_venv) / "bin" / "python")
+    if not os.path.exists(vpy):
+        print(f"mpcache-bench ttft: no vLLM venv at {args.vllm_venv} (make e2e builds .venv-vllm)", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.model.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        print(f"mpcache-bench ttft: unknown model {', '.join(unknown) or '(none)'}; choose from {', '.join(MODELS)}",
+              file=sys.stderr)
+        return 2
+    summaries = []
+    for n, name in enumerate(names):
+        if n:
+            print()
+        summaries.append(_run_model(args, name, vpy))
+    if len(summaries) > 1:
+        # each model's ratios against its own recompute, never mixed
+        print()
+        print("| model | prefill FLOP per KV byte | load average at start | recompute s | L1 hit s | L1 hit vs recompute "
+              "| disk L2 hit s | disk L2 hit vs recompute | first-pass cost |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+        for m in summaries:
+            print(f"| {m['model']} | {m['flop_per_kv_byte'] / 1e3:.1f}k | {m['load'][0]:.2f} | {m['recompute_s']:.3f} | "
+                  f"{m['l1_hit_s']:.3f} | {m['l1x']:.1f}x | {m['disk_hit_s']:.3f} | {m['diskx']:.1f}x | "
+                  f"{m['first_pass_cost']:+.1%} |")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpcache-bench ttft", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", str(REPO / ".venv-vllm")))
-    parser.add_argument("--model-dir", help="build (or reuse) the random model here")
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", str(REPO / ".venv-vllm")),
+                        help="the venv with vLLM (default: $VLLM_VENV, else .venv-vllm in the repository)")
+    parser.add_argument("--model", default="tiny",
+                        help="which random Llama, or several comma-separated (e.g. tiny,gqa: one table each, "
+                             "then a summary): tiny (4 layers, hidden 768, 4 KV heads of 64: ~6k prefill "
+                             "FLOP per KV byte) or gqa (4 layers, hidden 1024, MLP 4096, 1 KV head of 32: ~115k, "
+                             "near Llama-3-8B's ~122k); the header prints its ratio (default: tiny)")
+    parser.add_argument("--model-dir", help="build (or reuse) the random models here, one subfolder per model (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the logs")
     parser.add_argument("--samples", type=int, default=3, help="prompts per recompute / first-pass / L1-hit row")
     parser.add_argument("--connector-config", default="{}",
                         help="extra mpcache.* connector settings as JSON, e.g. "
                              "'{\"mpcache.lookup_wait_ms\": 0, \"mpcache.sync_load_max_tokens\": 0}' (the old step behaviour)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--max-len", type=int, default=4608, help=argparse.SUPPRESS)
     parser.add_argument("--server", help=argparse.SUPPRESS)
     parser.add_argument("--redis-port", type=int, help=argparse.SUPPRESS)

@@ -79,3 +79,51 @@ def test_one_scheduling_pass_waits_at_most_the_lookup_wait_in_all() -> None:
     step(p)  # the next pass has a budget of its own; b's own wait is over by then
     (again,) = [e for e in p.handle(MatchRequest("b", b, len(b), 0), 20.0) if isinstance(e, MatchAnswer)]
     assert again.wait_until is not None and again.wait_until < 20.0
+
+
+# ---------------------------------------------------------------- the idle engine's longer wait
+
+
+def test_an_idle_engine_waits_the_idle_budget_for_a_pending_lookup() -> None:
+    p, _ = planner(None, lookup_wait=0.005, lookup_wait_idle=0.05)
+    assert p.engine_idle()
+    assert _match(p, list(range(4 * C)), 10.0).wait_until == pytest.approx(10.05)
+
+
+def test_a_busy_engine_keeps_the_short_wait() -> None:
+    from mpcache.core_sm.planner import ScheduledRequest
+
+    p, lookups = planner(4 * C, lookup_wait=0.005, lookup_wait_idle=0.05)
+    running = list(range(4 * C + 3))
+    p.handle(MatchRequest("run", running, len(running), 0), 0.0)
+    p.handle(BlocksAllocated("run", tuple(range(len(running) // BS + 1)), 4 * C), 0.0)
+    assert not p.engine_idle()  # a request holds blocks
+    step(p, ScheduledRequest("run", 0, len(running), tuple(range(len(running) // BS + 1)), True))
+    lookups.hit = None
+    tokens = list(range(1, 4 * C + 1))
+    (answer,) = [e for e in p.handle(MatchRequest("new", tokens, len(tokens), 0), 10.0) if isinstance(e, MatchAnswer)]
+    assert answer.wait_until == pytest.approx(10.005)
+    # the running request finishes, but the last step still ran it: busy until a step runs nothing
+    step(p, ScheduledRequest("run", 4 * C, 3, None, False))
+    from mpcache.core_sm.planner import RequestFinished
+
+    p.handle(RequestFinished("run"), 11.0)
+    assert not p.engine_idle()
+    step(p)
+    assert p.engine_idle()
+
+
+def test_an_untracked_request_in_the_last_step_makes_the_engine_busy() -> None:
+    from mpcache.core_sm.planner import ScheduledRequest
+
+    p, _ = planner(None, lookup_wait=0.005, lookup_wait_idle=0.05)
+    step(p, ScheduledRequest("unkeyed", 0, 16, (0,), True))  # vLLM ran a request mpcache skipped
+    assert not p.engine_idle()
+    assert _match(p, list(range(4 * C)), 10.0).wait_until == pytest.approx(10.005)
+
+
+def test_the_idle_budget_never_shortens_the_wait_and_is_bounded() -> None:
+    p, _ = planner(None, lookup_wait=0.005, lookup_wait_idle=0.001)
+    assert _match(p, list(range(4 * C)), 10.0).wait_until == pytest.approx(10.005)
+    with pytest.raises(ValueError):
+        PlannerConfig(C, BS, lookup_wait_idle=1.5)

@@ -106,3 +106,45 @@ def test_the_connector_passes_the_device_and_its_setting_to_the_planner(
         assert adapter.planner.config.sync_load_max_tokens == expected
     finally:
         adapter.close()
+
+
+def test_an_idle_engine_waits_for_the_lookup_without_the_short_wait(start: Any, engine_factory: Any) -> None:
+    # lookup_wait_ms 0: only the idle engine's budget lets the first step see the hit
+    server = start()
+    engine = engine_factory(server.url, lookup_wait_idle_ms=WAIT_MS, sync_load_max_tokens=1 << 30)
+    prompt = tokens(4 * CHUNK + 10, 37)
+    engine.add("a", prompt)
+    engine.run_all()
+    assert _steps_to_prefill(engine, "b", prompt) == 1
+    engine.run_all()
+    assert engine.requests["b"].external == 4 * CHUNK and engine.requests["b"].checked
+    assert_clean(engine, server.url)
+
+
+def test_a_busy_engine_does_not_take_the_idle_wait(start: Any, engine_factory: Any) -> None:
+    server = start()
+    engine = engine_factory(server.url, lookup_wait_idle_ms=WAIT_MS, sync_load_max_tokens=1 << 30)
+    prompt = tokens(4 * CHUNK + 10, 38)
+    engine.add("a", prompt)
+    engine.run_all()
+    busy = engine.add("busy", tokens(CHUNK + 1, 39), max_decode=50)
+    engine.run_until(lambda: busy.computed >= busy.num_prompt)
+    assert not engine.planner.planner.engine_idle()
+    assert _steps_to_prefill(engine, "b", prompt) >= 2  # "not yet" at once: the decoding request runs on
+    engine.run_all()
+    assert engine.requests["b"].checked
+    assert_clean(engine, server.url)
+
+
+@pytest.mark.parametrize("status_wait", [True, False])
+def test_the_lookup_status_is_waited_for_or_polled_as_configured(start: Any, status_wait: bool) -> None:
+    server = start()
+    config = ConnectorConfig(server_urls=server.url, lookup_status_wait=status_wait)
+    adapter = SchedulerAdapter.connect(config, model_name="m", world_size=1, block_size=BLOCK)
+    try:
+        assert adapter.planner.lookups.config.use_wait is status_wait
+        assert adapter.planner.lookups.config.wait_timeout < config.request_timeout_s
+    finally:
+        adapter.close()
+    with pytest.raises(ValueError):
+        ConnectorConfig(server_urls=server.url, lookup_status_wait="yes")
