@@ -101,11 +101,13 @@ class PlannerConfig:
       answering "not yet" and costing the request a step; 0: never wait. It is also the budget
       of one scheduling pass (the matches between two ``StepScheduled``): however many new
       requests a pass sees, it waits at most this long in all.
-    * ``lookup_wait_idle``: the same budget, used instead when it is larger and the engine is
-      idle: its last step scheduled nothing and no request the planner tracks has blocks
-      (running, loading or preempted). Blocking a scheduler that has nothing to run delays no
-      one, while answering "not yet" makes vLLM spin empty steps that take the CPU the
-      server's L2 read needs (a lookup that reads L2 takes tens of ms). 0: as ``lookup_wait``.
+    * ``lookup_wait_idle``: used instead when it is larger and the engine is idle (its last
+      step scheduled nothing and no request the planner tracks has blocks: running, loading or
+      preempted): every scheduling pass of an idle engine may wait this long, counted from the
+      pass's start, for pending lookups. Blocking a scheduler that has nothing to run delays no
+      one, while answering "not yet" at once makes vLLM spin empty steps that take the CPU the
+      server's L2 read needs (a lookup that reads L2 takes tens of ms, more on a loaded host).
+      0: as ``lookup_wait``.
     * ``sync_load_max_tokens``: a load of at most this many tokens is synchronous
       (``load_async=False``): vLLM schedules the request in the same step, and the workers finish
       the load before that step's forward (``StepPlan.sync_loads``); larger loads are
@@ -479,11 +481,13 @@ class StepPlanner:
             hit = self.lookups.check(event.request_id)
             if hit is None:
                 wait = self.config.lookup_wait
-                if self.config.lookup_wait_idle > wait and self.engine_idle():
-                    wait = self.config.lookup_wait_idle
+                started = self._pass_started_at if self._pass_started_at is not None else now
                 until = None
-                if wait > 0:
-                    started = self._pass_started_at if self._pass_started_at is not None else now
+                if self.config.lookup_wait_idle > wait and self.engine_idle():
+                    # every pass of an idle engine may wait: a slow lookup (L2) costs a step per
+                    # lookup_wait_idle instead of an empty step per few hundred microseconds
+                    until = started + self.config.lookup_wait_idle
+                elif wait > 0:
                     until = min(tracker.first_match_at, started) + wait
                 out.append(MatchAnswer(event.request_id, None, True, until))
                 return

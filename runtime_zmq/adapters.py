@@ -111,9 +111,10 @@ class ConnectorConfig:
     * ``lookup_wait_ms``: how long vLLM's scheduler may wait for a new request's lookup answer
       before answering "not yet" (which costs the request an engine step); an L1 answer takes
       well under 1 ms. 0: never wait.
-    * ``lookup_wait_idle_ms``: the same wait while the engine is idle (nothing ran in its last
-      step and no request holds blocks): blocking then delays no one, and a lookup that reads
-      L2 takes tens of ms, which vLLM would otherwise spin empty steps through
+    * ``lookup_wait_idle_ms``: while the engine is idle (nothing ran in its last step and no
+      request holds blocks), each scheduling step may wait this long for pending lookups:
+      blocking then delays no one, and a lookup that reads L2 takes tens of ms, which vLLM
+      would otherwise spin empty steps through
       (``core_sm.planner.PlannerConfig.lookup_wait_idle``). 0: as ``lookup_wait_ms``.
     * ``lookup_status_wait``: ask for a lookup's result with WAIT_PREFETCH_STATUS, which the
       server answers the moment the lookup (an L2 read included) is done, instead of polling

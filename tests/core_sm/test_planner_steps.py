@@ -87,7 +87,11 @@ def test_one_scheduling_pass_waits_at_most_the_lookup_wait_in_all() -> None:
 def test_an_idle_engine_waits_the_idle_budget_for_a_pending_lookup() -> None:
     p, _ = planner(None, lookup_wait=0.005, lookup_wait_idle=0.05)
     assert p.engine_idle()
-    assert _match(p, list(range(4 * C)), 10.0).wait_until == pytest.approx(10.05)
+    tokens = list(range(4 * C))
+    assert _match(p, tokens, 10.0).wait_until == pytest.approx(10.05)
+    assert _match(p, tokens, 10.04).wait_until == pytest.approx(10.05)  # one budget per pass
+    step(p)  # nothing ran: still idle, and the next pass may wait again (no empty-step spin)
+    assert _match(p, tokens, 10.06).wait_until == pytest.approx(10.11)
 
 
 def test_a_busy_engine_keeps_the_short_wait() -> None:
