@@ -1,0 +1,158 @@
+"""L1's tenant quota and eviction: whose charge each object is, and which object an eviction drops.
+
+A base of ``L1Index`` (``mpcache.core_sm.l1_index``): the index keeps the objects, slots and
+leases; this module decides, for a reservation that needs room or a used-slot count over the
+high watermark, which READY unleased object goes, and keeps the charges that decision reads.
+
+**L1 is shared by quota.** Every object is charged to one *tenant* (the instance that stored it;
+``None``: no tenant, e.g. loaded from L2 for a lookup, or its instance is gone). With
+``tenant_share`` set (the server sets it to each instance's fair share of the slots), the
+victim of an eviction a reservation needs is chosen by who asked:
+
+* a tenant at or over its share evicts its **own** least recently used object first;
+* otherwise (or when it has none evictable) the least recently used object among those of no
+  tenant and of tenants **over** their share;
+* a tenant within its share evicts its own objects only when nothing else may go;
+* an object of a tenant within its share (charged objects <= share) is never evicted for
+  another tenant, so a tenant that floods L1 with committed objects pushes out its own;
+* a reservation of no tenant (an L2 read for a lookup: the scheduler asking is no registered
+  instance, so the server cannot tell whose it is) may also evict from tenants exactly at their
+  share -- else one engine that fills L1 would never get an L2 hit loaded -- never from a
+  tenant below its share.
+
+Free slots are used by anyone (a tenant may hold more than its share while L1 has room).
+An object read by several tenants stays charged to the one that stored it (one charge per
+object, never double-counted; readers pay nothing): a tenant cannot move its objects onto
+another's quota by reading them, and the object's eviction follows its storer's share.
+``forget_tenant`` re-charges a gone instance's objects to no tenant. ``tenant_share`` None:
+one global LRU, as before.
+
+Invariants it keeps (``L1Index.check_invariants`` asserts them):
+
+* every object is charged to exactly one tenant; ``charged(t)`` is the number of objects (any
+  state) whose tenant is ``t``, and a tenant with none has no entry;
+* a READY unleased object is in its own tenant's LRU set and in no other; WRITING and leased
+  objects are in none; each set is in recency order (``_Object.used`` ascending);
+* only a READY unleased object is ever evicted, so a lease or an in-flight write is never lost
+  to an eviction.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
+
+from mpcache.core_sm.chunks import ObjectKey
+
+if TYPE_CHECKING:
+    from mpcache.core_sm.l1_index import _Object
+
+Tenant = Hashable  # an instance id; None: no tenant
+
+
+class TenantQuota:
+    """The quota part of ``L1Index``: charges per tenant, the victim rules, the evictions."""
+
+    # the index's state these methods read and change (``L1Index.__init__`` sets it)
+    num_slots: int
+    high_watermark: float
+    low_watermark: float
+    tenant_share: int | None
+    _objects: dict[ObjectKey, _Object]
+    _lru: dict[Tenant | None, OrderedDict[ObjectKey, None]]
+    _charged: dict[Tenant | None, int]
+    _evictions: int
+    _evictions_for_others: int
+
+    if TYPE_CHECKING:
+        @property
+        def used_slots(self) -> int: ...
+
+        def _drop(self, obj: _Object) -> None: ...
+
+    def tenant_of(self, key: ObjectKey) -> Tenant | None:
+        obj = self._objects.get(key)
+        return None if obj is None else obj.tenant
+
+    def charged(self, tenant: Tenant | None) -> int:
+        """Objects (any state) charged to ``tenant``."""
+        return self._charged.get(tenant, 0)
+
+    def forget_tenant(self, tenant: Tenant) -> int:
+        """``tenant`` is gone (its instance unregistered or reaped): its objects are charged to no
+        tenant from now on (still readable, the first to go when room is needed). Returns how
+        many. Their recency is kept."""
+        if tenant is None or tenant not in self._charged:
+            return 0
+        common = self._lru[None]
+        moved = [o for o in self._objects.values() if o.tenant == tenant]
+        for obj in moved:
+            obj.tenant = None
+            obj.lru = common
+        old = self._lru.pop(tenant, OrderedDict())
+        # merge its evictable objects into the common LRU, keeping one recency order
+        merged = sorted([*(self._objects[k] for k in common), *(self._objects[k] for k in old)],
+                        key=lambda o: o.used)
+        common.clear()
+        for obj in merged:
+            common[obj.key] = None
+        self._charged[None] = self._charged.get(None, 0) + self._charged.pop(tenant)
+        return len(moved)
+
+    def evict_to_watermark(self) -> int:
+        return self._evict_to_watermark()
+
+    def _uncharge(self, tenant: Tenant | None) -> None:
+        n = self._charged[tenant] - 1
+        if n:
+            self._charged[tenant] = n
+        else:
+            del self._charged[tenant]
+            if tenant is not None:
+                self._lru.pop(tenant, None)  # empty: its objects are gone
+
+    def _oldest(self, lrus: Iterable[OrderedDict[ObjectKey, None]]) -> _Object | None:
+        best: _Object | None = None
+        for lru in lrus:
+            if lru:
+                obj = self._objects[next(iter(lru))]
+                if best is None or obj.used < best.used:
+                    best = obj
+        return best
+
+    def _victim(self, requester: Tenant | None) -> _Object | None:
+        """The object an eviction for ``requester`` drops (the module doc's quota rules)."""
+        share = self.tenant_share
+        if share is None:
+            return self._oldest(self._lru.values())
+        charged = self._charged
+        own = self._lru.get(requester) if requester is not None else None
+        if own and charged.get(requester, 0) >= share:
+            return self._objects[next(iter(own))]
+        # Nobody's reservation (an L2 read for a lookup: the server cannot tell which instance
+        # the scheduler asking serves) may also take from tenants exactly at their share, so a
+        # single engine that fills L1 still gets its L2 hits loaded; never from one below it.
+        limit = share - 1 if requester is None else share
+        victim = self._oldest(lru for tenant, lru in self._lru.items() if tenant != requester
+                              and (tenant is None or charged.get(tenant, 0) > limit))
+        if victim is None and own:
+            victim = self._objects[next(iter(own))]
+        return victim
+
+    def _evict_one(self, requester: Tenant | None = None) -> bool:
+        victim = self._victim(requester)
+        if victim is None:
+            return False
+        self._drop(victim)
+        self._evictions += 1
+        if victim.tenant != requester:
+            self._evictions_for_others += 1
+        return True
+
+    def _evict_to_watermark(self, requester: Tenant | None = None) -> int:
+        if self.num_slots == 0 or self.used_slots <= self.high_watermark * self.num_slots:
+            return 0
+        evicted = 0
+        while self.used_slots > self.low_watermark * self.num_slots and self._evict_one(requester):
+            evicted += 1
+        return evicted
