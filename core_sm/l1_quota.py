@@ -99,9 +99,6 @@ class TenantQuota:
         self._charged[None] = self._charged.get(None, 0) + self._charged.pop(tenant)
         return len(moved)
 
-    def evict_to_watermark(self) -> int:
-        return self._evict_to_watermark()
-
     def _uncharge(self, tenant: Tenant | None) -> None:
         n = self._charged[tenant] - 1
         if n:
