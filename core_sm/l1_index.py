@@ -139,12 +139,8 @@ class L1Index(TenantQuota):
         # finds its prefix with no key object built per chunk. A rank with none has no entry.
         self._readable: dict[int, dict[bytes, _Object]] = {}
         self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
-        # READY, unleased objects per tenant, least recently used first (``_Object.lru``)
-        self._lru: dict[Tenant | None, OrderedDict[ObjectKey, None]] = {None: OrderedDict()}
-        self._charged: dict[Tenant | None, int] = {}  # objects (any state) charged per tenant
+        self._init_quota()
         self._use_seq = 0
-        # Slots each tenant may hold while L1 is full (None: no quotas, one global LRU).
-        self.tenant_share: int | None = None
         self._by_owner: dict[Owner, dict[ObjectKey, _Object]] = {}  # in lease order
         self._expiries: list[_Expiry] = []  # a heap; stale entries skipped, compacted
         self._compact_at = _MIN_COMPACT
@@ -153,8 +149,6 @@ class L1Index(TenantQuota):
         self._leases_taken = 0
         self._leases_released: dict[ReleaseReason, int] = {r: 0 for r in ReleaseReason}
         self._leases_held = 0
-        self._evictions = 0
-        self._evictions_for_others = 0  # the victim was charged to another tenant (or to none)
         self._write_expirations = 0
         # Slots an in-flight effect (L2 read/write, copy, plan) still uses: never handed out
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
@@ -273,11 +267,7 @@ class L1Index(TenantQuota):
                 return None
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
-        lru = self._lru.get(tenant)
-        if lru is None:
-            lru = self._lru[tenant] = OrderedDict()
-        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, tenant, lru)
-        self._charged[tenant] = self._charged.get(tenant, 0) + 1
+        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, tenant, self._charge(tenant))
         self._bytes += nbytes
         self._push_expiry(expiry, (key,), None)
         self._evict_to_watermark(tenant)

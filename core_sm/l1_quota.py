@@ -53,22 +53,26 @@ Tenant = Hashable  # an instance id; None: no tenant
 class TenantQuota:
     """The quota part of ``L1Index``: charges per tenant, the victim rules, the evictions."""
 
-    # the index's state these methods read and change (``L1Index.__init__`` sets it)
+    # the index's state these methods read (``L1Index.__init__`` sets it)
     num_slots: int
     high_watermark: float
     low_watermark: float
-    tenant_share: int | None
     _objects: dict[ObjectKey, _Object]
-    _lru: dict[Tenant | None, OrderedDict[ObjectKey, None]]
-    _charged: dict[Tenant | None, int]
-    _evictions: int
-    _evictions_for_others: int
 
     if TYPE_CHECKING:
         @property
         def used_slots(self) -> int: ...
 
         def _drop(self, obj: _Object) -> None: ...
+
+    def _init_quota(self) -> None:
+        # READY, unleased objects per tenant, least recently used first (``_Object.lru``)
+        self._lru: dict[Tenant | None, OrderedDict[ObjectKey, None]] = {None: OrderedDict()}
+        self._charged: dict[Tenant | None, int] = {}  # objects (any state) charged per tenant
+        # Slots each tenant may hold while L1 is full (None: no quotas, one global LRU).
+        self.tenant_share: int | None = None
+        self._evictions = 0
+        self._evictions_for_others = 0  # the victim was charged to another tenant (or to none)
 
     def tenant_of(self, key: ObjectKey) -> Tenant | None:
         obj = self._objects.get(key)
@@ -98,6 +102,15 @@ class TenantQuota:
             common[obj.key] = None
         self._charged[None] = self._charged.get(None, 0) + self._charged.pop(tenant)
         return len(moved)
+
+    def _charge(self, tenant: Tenant | None) -> OrderedDict[ObjectKey, None]:
+        """One more object is charged to ``tenant``; returns the tenant's LRU set (the object's
+        ``lru``), made if this is its first."""
+        lru = self._lru.get(tenant)
+        if lru is None:
+            lru = self._lru[tenant] = OrderedDict()
+        self._charged[tenant] = self._charged.get(tenant, 0) + 1
+        return lru
 
     def _uncharge(self, tenant: Tenant | None) -> None:
         n = self._charged[tenant] - 1
