@@ -555,15 +555,7 @@ class L1Index(TenantQuota):
             for k in keys:
                 assert owner in self._objects[k].readers, "owner map has a stale lease"
         assert held == self._leases_held, "held lease counter"
-        charged: dict[Tenant | None, int] = {}
-        for obj in self._objects.values():
-            charged[obj.tenant] = charged.get(obj.tenant, 0) + 1
-        assert charged == self._charged, "tenant charges"
-        assert sum(len(lru) for lru in self._lru.values()) == sum(
-            1 for o in self._objects.values() if o.writer is None and not o.readers), "LRU sizes"
-        for tenant, lru in self._lru.items():
-            uses = [self._objects[k].used for k in lru]
-            assert uses == sorted(uses), f"tenant {tenant!r}'s LRU out of recency order"
+        self._check_quota()
         released = sum(self._leases_released.values())
         assert self._leases_taken == held + released, "a lease was neither held nor released once"
 

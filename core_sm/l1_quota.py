@@ -27,12 +27,14 @@ another's quota by reading them, and the object's eviction follows its storer's 
 ``forget_tenant`` re-charges a gone instance's objects to no tenant. ``tenant_share`` None:
 one global LRU, as before.
 
-Invariants it keeps (``L1Index.check_invariants`` asserts them):
+Invariants it keeps (``L1Index.check_invariants`` asserts them, through ``_check_quota``):
 
 * every object is charged to exactly one tenant; ``charged(t)`` is the number of objects (any
   state) whose tenant is ``t``, and a tenant with none has no entry;
 * a READY unleased object is in its own tenant's LRU set and in no other; WRITING and leased
   objects are in none; each set is in recency order (``_Object.used`` ascending);
+* a tenant's LRU set exists while the tenant has objects and goes with its last one (the set
+  of no tenant, ``None``, always exists), so a gone instance leaves nothing behind;
 * only a READY unleased object is ever evicted, so a lease or an in-flight write is never lost
   to an eviction.
 """
@@ -102,6 +104,20 @@ class TenantQuota:
             common[obj.key] = None
         self._charged[None] = self._charged.get(None, 0) + self._charged.pop(tenant)
         return len(moved)
+
+    def _check_quota(self) -> None:
+        """The module doc's invariants on charges and LRU sets (``L1Index.check_invariants``
+        checks each object's own LRU membership)."""
+        charged: dict[Tenant | None, int] = {}
+        for obj in self._objects.values():
+            charged[obj.tenant] = charged.get(obj.tenant, 0) + 1
+        assert charged == self._charged, "tenant charges"
+        assert self._lru.keys() == self._charged.keys() | {None}, "LRU sets are not the charged tenants'"
+        assert sum(len(lru) for lru in self._lru.values()) == sum(
+            1 for o in self._objects.values() if o.writer is None and not o.readers), "LRU sizes"
+        for tenant, lru in self._lru.items():
+            uses = [self._objects[k].used for k in lru]
+            assert uses == sorted(uses), f"tenant {tenant!r}'s LRU out of recency order"
 
     def _charge(self, tenant: Tenant | None) -> OrderedDict[ObjectKey, None]:
         """One more object is charged to ``tenant``; returns the tenant's LRU set (the object's
