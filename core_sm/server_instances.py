@@ -209,7 +209,7 @@ class InstanceMachine:
     # ============================================================================= L1 quota
 
     def _shares_changed(self) -> None:
-        """L1 is shared by quota (mpcache.core_sm.l1_index): each instance's share is ``slot_quota()``."""
+        """L1 is shared by quota (mpcache.core_sm.l1_quota): each instance's share is ``slot_quota()``."""
         self.ctx.index.tenant_share = self.slot_quota()
 
     def _tenant_gone(self, instance_id: int) -> None:

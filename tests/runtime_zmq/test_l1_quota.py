@@ -1,4 +1,4 @@
-"""L1 is shared by quota (mpcache.core_sm.l1_index), live: two engines on one mpcache-server, one floods
+"""L1 is shared by quota (mpcache.core_sm.l1_quota), live: two engines on one mpcache-server, one floods
 L1 with committed objects, the other's hits survive."""
 from __future__ import annotations
 
