@@ -61,7 +61,7 @@ class TenantQuota:
     low_watermark: float
     _objects: dict[ObjectKey, _Object]
 
-    if TYPE_CHECKING:
+    if TYPE_CHECKING:  # and the index's members they call: L1Index defines them
         @property
         def used_slots(self) -> int: ...
 
