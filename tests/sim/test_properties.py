@@ -93,7 +93,8 @@ def test_hypothesis_shrinks_a_legacy_bug_to_a_tiny_world() -> None:
         r, _ = run_scenario(scenario, "no-ack-wait")
         return r.violation is not None and r.violation.code == "F5"
 
-    small = find(scenarios(), fails, settings=settings(max_examples=300, deadline=None, database=None))
+    # derandomized: a fixed search, so the test cannot fail by the luck of the draw
+    small = find(scenarios(), fails, settings=settings(max_examples=300, deadline=None, database=None, derandomize=True))
     assert len(small.requests) == 1 and not small.faults
     # one request on one server; a second (idle) engine may stay: it only shifts the network's timing
     assert small.config.num_servers == 1 and small.config.num_engines <= 2
