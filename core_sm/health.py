@@ -29,7 +29,8 @@ what the answers mean for the node's protocol machines (``LookupClient``, ``Tran
 Instances (F13/F19, LMCache #4715: a server reaps an instance that stops heartbeating, so the
 heartbeat must name it, whatever its traffic). The transport tells the monitor what it saw:
 
-* ``InstanceRegistered(server, iid)`` (a registration of ``iid`` was acknowledged) /
+* ``InstanceRegistered(server, iid, registration)`` (a registration of ``iid`` was acknowledged;
+  ``registration``: the id its reply gave, None from a server that gives none) /
   ``InstanceUnregistered``: from then on every heartbeat of a healthy server also asks for
   ``SendInstancePing(server, iid)`` -- an idle live instance is never reaped. A new epoch (the
   server restarted and knows none) stops them until the next acknowledged registration.
@@ -39,7 +40,10 @@ heartbeat must name it, whatever its traffic). The transport tells the monitor w
 * ``RequestRefused(server, iid, request, kind, retried)``: a request naming ``iid`` (a store, a
   retrieve, a prepare) got an error. ``not_registered`` on a first attempt: the request waits,
   ``Register(server, iid)`` goes out (once for all that wait), and on ``InstanceRegistered`` each
-  gets ``Resend(server, request)``; a registration that fails (``RegistrationFailed``) or a
+  gets ``Resend(server, request, registration)``, naming the registration just acknowledged:
+  the transport sends ``resend_of(request, registration)``, which a server-driven STORE/RETRIEVE
+  carries as ``registration`` -- the server tells that resend apart from a network duplicate of
+  the request it repeats (``mpcache.core_sm.server_transfers``); a registration that fails (``RegistrationFailed``) or a
   server that goes unhealthy gives each ``GiveUp(server, request)``. Any other error, or a
   second ``not_registered`` after the resend: ``GiveUp`` at once -- a request is resent at most
   once and never waits for more than one registration (its own timeout still runs in the
@@ -120,10 +124,12 @@ class Connected:
 
 @attrs.frozen
 class InstanceRegistered:
-    """A registration of ``instance_id`` at ``server`` was acknowledged."""
+    """A registration of ``instance_id`` at ``server`` was acknowledged; ``registration`` is the
+    id its reply gave (None: the server gave none)."""
 
     server: int
     instance_id: int
+    registration: int | None = None
 
 
 @attrs.frozen
@@ -155,6 +161,24 @@ class InstancePingRefused:
 # server refuses them before any work, so resending the same request after the instance
 # registered again cannot copy twice. Only these are reported as ``RequestRefused``.
 RESENDABLE_AFTER_NOT_REGISTERED: tuple[type, ...] = (Store, Retrieve, PrepareStore, PrepareRetrieve)
+
+
+# The resends that name the registration they follow (``registration``): the requests the server
+# answers at most once per op (``server_transfers``), whose original's answer a resend must not get.
+RESENDS_NAMING_REGISTRATION: tuple[type, ...] = (Store, Retrieve)
+
+
+def resend_of(request: object, registration: int | None) -> object:
+    """What a transport sends for ``Resend(server, request, registration)``: a server-driven
+    ``Store`` / ``Retrieve`` names the registration it follows, so the server runs it as a new op
+    (only under that registration) while a late network duplicate of the original still gets the
+    original's remembered refusal and never copies; a prepare (which the server does not
+    deduplicate) goes again unchanged, and so does everything when ``registration`` is None (a
+    server that names none: it also keeps no per-op record a resend would hit)."""
+    if registration is not None and isinstance(request, RESENDS_NAMING_REGISTRATION):
+        named: Any = request
+        return attrs.evolve(named, registration=registration)
+    return request
 
 
 @attrs.frozen
@@ -206,10 +230,12 @@ class Register:
 
 @attrs.frozen
 class Resend:
-    """Effect: send ``request`` again (the instance it names is registered again)."""
+    """Effect: send ``request`` again (the instance it names is registered again), as
+    ``resend_of(request, registration)``: ``registration`` is the id of that registration."""
 
     server: int
     request: Hashable
+    registration: int | None = None
 
 
 @attrs.frozen
@@ -427,25 +453,30 @@ class HealthMonitor:
     # ------------------------------------------------------------------------------ instances
 
     def _on_registered(self, event: InstanceRegistered, now: float, out: list[Any]) -> None:
-        server = self._release(event.server, event.instance_id, Resend, "resends", out)
+        """Each request that waited on ``iid``'s registration is resent, naming it."""
+        server, requests = self._release(event.server, event.instance_id)
+        out.extend(Resend(event.server, r, event.registration) for r in requests)
+        self._counters["resends"] += len(requests)
         server.instances[event.instance_id] = None
 
     def _on_unregistered(self, event: InstanceUnregistered, now: float, out: list[Any]) -> None:
-        server = self._release(event.server, event.instance_id, GiveUp, "give_ups", out)
+        server = self._give_up_waiting(event.server, event.instance_id, out)
         server.instances.pop(event.instance_id, None)
 
     def _on_registration_failed(self, event: RegistrationFailed, now: float, out: list[Any]) -> None:
-        self._release(event.server, event.instance_id, GiveUp, "give_ups", out)
+        self._give_up_waiting(event.server, event.instance_id, out)
 
-    def _release(self, index: int, iid: int, verdict: type[Resend] | type[GiveUp], counter: str,
-                 out: list[Any]) -> _Server:
-        """``iid``'s re-registration is over: every request that waited on it gets ``verdict``."""
+    def _give_up_waiting(self, index: int, iid: int, out: list[Any]) -> _Server:
+        server, requests = self._release(index, iid)
+        out.extend(GiveUp(index, r) for r in requests)
+        self._counters["give_ups"] += len(requests)
+        return server
+
+    def _release(self, index: int, iid: int) -> tuple[_Server, list[Hashable]]:
+        """``iid``'s re-registration is over: the requests that waited on it, for their verdict."""
         server = self._servers[index]
         server.registering.discard(iid)
-        requests = server.waiting.pop(iid, [])
-        out.extend(verdict(index, r) for r in requests)
-        self._counters[counter] += len(requests)
-        return server
+        return server, server.waiting.pop(iid, [])
 
     def _register(self, index: int, server: _Server, iid: int, out: list[Any]) -> None:
         if iid not in server.registering:

@@ -215,7 +215,9 @@ class RegisterInstance:
     """A worker (one KV rank of one engine) announces itself. ``object_bytes``: bytes of one
     chunk of one rank (must fit an L1 slot, else TOO_LARGE). ``engine_driven``: the engine copies
     (Prepare*/CommitTransfer) instead of the server (Store/Retrieve). Re-registering the same id
-    replaces the entry. Reply: ``None``."""
+    replaces the entry. Reply: the registration's id (``int``): new when the instance was not
+    registered or registers different fields, kept when it registers the same fields again (an
+    idempotent re-registration); a resend after ``NOT_REGISTERED`` names it (``Store.registration``)."""
 
     instance_id: int
     model_name: str
@@ -248,7 +250,13 @@ class Store:
     absolute time on the clock the server's ``now`` comes from (one host's monotonic clock in
     production, virtual time in the simulator); a STORE handled after it is refused with a
     ``TIMEOUT`` error, before any slot is reserved or copy started. The worker sets it so that
-    once it has passed (plus a copy grace) a STORE it gave up on can no longer read its blocks."""
+    once it has passed (plus a copy grace) a STORE it gave up on can no longer read its blocks.
+
+    ``registration`` (keyword-only, default None): set only on a resend after ``NOT_REGISTERED``
+    -- the id of the registration the resend follows (``RegisterInstance``'s reply). The server
+    runs it only while that registration is the instance's current one (else ``NOT_REGISTERED``),
+    and tells it apart from the original it repeats: a network duplicate of the original still
+    gets the original's remembered refusal, the resend is a new op (``server_transfers``)."""
 
     key: CacheKey
     instance_id: int
@@ -256,6 +264,7 @@ class Store:
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
     peer: Peer = attrs.field(default=None, kw_only=True)
     not_after: float | None = attrs.field(default=None, kw_only=True)
+    registration: int | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
@@ -265,7 +274,9 @@ class Retrieve:
     copied. Otherwise ``StartTransfer``; after ``TransferFinished`` the request's read lease (one
     count per object) is released and ``RetrieveResult`` is sent. The first
     ``skip_first_n_tokens`` tokens of the range must not be written to the engine.
-    ``not_after``: as for ``Store`` (handled after it: ``TIMEOUT`` error, no copy, no lease)."""
+    ``not_after``: as for ``Store`` (handled after it: ``TIMEOUT`` error, no copy, no lease).
+    ``registration``: as for ``Store`` (a resend after ``NOT_REGISTERED`` names the registration
+    it follows)."""
 
     key: CacheKey
     instance_id: int
@@ -274,6 +285,7 @@ class Retrieve:
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
     peer: Peer = attrs.field(default=None, kw_only=True)
     not_after: float | None = attrs.field(default=None, kw_only=True)
+    registration: int | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen

@@ -104,7 +104,7 @@ _COUNTERS = (
     "tombstones_dropped", "late_transfers_refused", "stores_awaiting_writers",
     "plan_quarantines_ended", "duplicate_transfers", "table_violations",
     "heartbeats", "instances_reaped", "instances_failed", "plans_of_reaped_instances", "quota_skips", "clears_refused",
-    "stores_not_admitted",
+    "stores_not_admitted", "resends_run", "resends_refused",
 )
 
 

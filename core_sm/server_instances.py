@@ -10,7 +10,8 @@ one built before heartbeats -- is never reaped, as before); one that then stays 
 fail (their slots stay quarantined one more lease TTL, as for any expired plan), it is counted
 (``instances_reaped``) and the runtime gets ``InstanceReaped(instance_id)`` to release the GPU
 mappings and staging memory it keeps for it. A request naming it afterwards gets
-``NOT_REGISTERED`` (the client registers again once and retries). A plain ``Ping()`` (LMCache's)
+``NOT_REGISTERED`` (the client registers again once and resends, naming the new registration's
+id, which the registration's reply gives: ``mpcache.core_sm.server_transfers``). A plain ``Ping()`` (LMCache's)
 names no instance and is answered ``True``.
 
 ``InstanceFailed(instance_id)`` comes from the runtime when its GPU transfer engine gave up on the
@@ -68,6 +69,9 @@ class Instance:
     registered_at: float
     watched: bool = False  # it has sent a heartbeat: reaped when silent for instance_ttl
     peer: Peer = None  # the connection that registered it
+    # The id its registration's reply gave (what a resend after NOT_REGISTERED names): kept by a
+    # re-registration of the same fields, new after a reap, an unregister or different fields.
+    registration_id: int = 0
 
 
 def _instance_id(ev: Any) -> Hashable:
@@ -95,6 +99,11 @@ class InstanceMachine:
     def registration(self, instance_id: int) -> RegisterInstance | None:
         inst = self.instances.get(instance_id)
         return None if inst is None else inst.registration
+
+    def registration_id(self, instance_id: int) -> int | None:
+        """The id of ``instance_id``'s current registration (None: not registered)."""
+        inst = self.instances.get(instance_id)
+        return None if inst is None else inst.registration_id
 
     def seen(self, instance_id: int, now: float) -> None:
         """Traffic from ``instance_id`` proves it alive, like a heartbeat."""
@@ -137,13 +146,18 @@ class InstanceMachine:
         old = self.instances.get(ev.instance_id)
         if self._foreign(old, ev.peer, ev.reply_to, out):
             return
-        inst = Instance(attrs.evolve(ev, reply_to=None), ctx.new_id(), now, now, peer=ev.peer)
+        registration = attrs.evolve(ev, reply_to=None)
+        # The same fields again (the transport's and the machine's re-registrations may cross, a
+        # duplicate may arrive): the same registration, so a resend naming it still runs.
+        same = old is not None and old.registration == registration
+        inst = Instance(registration, ctx.new_id(), now, now, peer=ev.peer,
+                        registration_id=old.registration_id if same and old is not None else ctx.new_transfer_id())
         self.instances[ev.instance_id] = inst
         self._shares_changed()
         if old is not None and old.watched:  # registering again: still a heartbeating client
             inst.watched = True
             self._arm(inst, ev.instance_id, now)
-        out.append(Reply(ev.reply_to, None))
+        out.append(Reply(ev.reply_to, inst.registration_id))
 
     def _on_unregister(self, ev: UnregisterInstance, now: float, out: list[Effect]) -> None:
         if self._foreign(self.instances.get(ev.instance_id), ev.peer, ev.reply_to, out):

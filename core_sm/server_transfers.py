@@ -59,8 +59,9 @@ if TYPE_CHECKING:
 
 TransferRequest = Store | PrepareStore | Retrieve | PrepareRetrieve
 # What identifies one server-driven op with a not_after (a network duplicate has the same):
-# (instance, request, rank, start, end, blocks, skip (-1: a store), not_after).
-OpIdent = tuple[int, str, int | None, int, int, tuple[int, ...], int, float]
+# (instance, request, rank, start, end, blocks, skip (-1: a store), not_after, registration
+# (None: not a resend; else the registration the resend follows, so a resend is not its original)).
+OpIdent = tuple[int, str, int | None, int, int, tuple[int, ...], int, float, int | None]
 
 
 class TransferState(enum.Enum):
@@ -337,10 +338,18 @@ class TransferMachine:
                        run: Callable[[Any, float, list[Effect]], None]) -> None:
         """Run a STORE/RETRIEVE handler at most once per op. A request handled after its
         ``not_after`` is refused. A server-driven one with a ``not_after`` that the network
-        delivered twice (same instance, request, range, blocks, skip and ``not_after``: the same
-        op) never starts a second copy -- it could read or write blocks the worker got back
-        after the first answer: it is answered like the first copy, when that one is (its
-        answer is kept until the ``not_after``; later, the refusal covers it)."""
+        delivered twice (same instance, request, range, blocks, skip, ``not_after`` and
+        ``registration``: the same op) never starts a second copy -- it could read or write
+        blocks the worker got back after the first answer: it is answered like the first copy,
+        when that one is (its answer is kept until the ``not_after``; later, the refusal covers
+        it).
+
+        A resend after ``NOT_REGISTERED`` repeats its original but names the registration it
+        follows (``registration``), so it is another op: the original's remembered refusal does
+        not answer it, while a late duplicate of the original still gets that refusal and never
+        copies. A resend runs only while the registration it names is the instance's current
+        one; else it is refused ``NOT_REGISTERED`` before any work (and that answer is kept
+        for its duplicates like any other)."""
         if not isinstance(ev, PrepareRetrieve) and self._refuse_late(ev, now, out):
             return
         ident: OpIdent | None = None
@@ -349,7 +358,7 @@ class TransferMachine:
             until = min(ev.not_after, now + self.ctx.config.max_not_after_ahead)
             skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
             ident = (ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
-                     ev.block_ids, skip, ev.not_after)
+                     ev.block_ids, skip, ev.not_after, self._resend_of(ev))
             while self.ops_done:  # answers whose not_after passed (or over the cap) go
                 oldest, (_ok, _result, until) = next(iter(self.ops_done.items()))
                 if until >= now and len(self.ops_done) <= self.ctx.config.tombstone_cap:
@@ -371,7 +380,14 @@ class TransferMachine:
                     self.server._reply_error(out, ev.reply_to, answer)
                 return
         mark = len(out)
-        run(ev, now, out)
+        stale = self._stale_registration(ev)
+        if stale is not None:
+            self.ctx.counters["resends_refused"] += 1
+            self.server._reply_error(out, ev.reply_to, stale)
+        else:
+            if isinstance(ev, (Store, Retrieve)) and ev.registration is not None:
+                self.ctx.counters["resends_run"] += 1
+            run(ev, now, out)
         if ident is None:
             return
         for e in out[mark:]:
@@ -380,6 +396,30 @@ class TransferMachine:
                 return
         self.ops_running[ident] = (ev.reply_to, [], until)
         self.op_of_reply[ev.reply_to] = ident
+
+    @staticmethod
+    def _resend_of(ev: Store | Retrieve) -> int | None:
+        """The registration a resend names (None: not a resend); what is not an int names none
+        that exists, and is refused as such."""
+        reg = ev.registration
+        if reg is None or (isinstance(reg, int) and not isinstance(reg, bool)):
+            return reg
+        return -1
+
+    def _stale_registration(self, ev: TransferRequest) -> ProtocolError | None:
+        """Why a resend may not run: the registration it names is not the instance's current one
+        (the instance was reaped, unregistered or registered anew since, or the server
+        restarted). None for a resend that may run, and for every request that is no resend."""
+        if not isinstance(ev, (Store, Retrieve)) or ev.registration is None:
+            return None
+        named = self._resend_of(ev)
+        current = self.instances.registration_id(ev.instance_id) if isinstance(ev.instance_id, int) else None
+        if current is not None and current == named:
+            return None
+        now_is = "not registered" if current is None else "registered anew since"
+        return ProtocolError(ErrorKind.NOT_REGISTERED,
+                             f"resend for instance {ev.instance_id!r} names registration {ev.registration!r}: "
+                             f"the instance is {now_is}")
 
     def _remember_answer(self, ident: OpIdent, answer: Reply | ErrorReply, until: float) -> None:
         ok = isinstance(answer, Reply)

@@ -42,7 +42,9 @@ Contract
   is never reaped by the server's ``--instance-ttl``; ``unregister_instance`` stops that. A
   ``store``/``retrieve``/``prepare_store``/``prepare_retrieve`` refused ``not_registered`` (the
   server reaped or forgot the instance) is not failed at once: the registration is sent again
-  (once for all the requests it refuses) and the request is resent once; a failed registration,
+  (once for all the requests it refuses) and the request is resent once -- a store or retrieve
+  naming the registration it follows (the id that registration's reply gave), so the server runs
+  it although it remembers the original's refusal; a failed registration,
   a second refusal, or the request's own timeout fails it -- it never hangs. A heartbeat
   ``ping(instance_id)`` refused ``not_registered`` registers again at once.
 * ``call(...)`` is ``submit(...).result()``. Typed helpers name the operations.
@@ -86,7 +88,7 @@ from mpcache.core_sm.health import (
     SendInstancePing,
 )
 from mpcache.core_sm.messages import CacheKey, ServerEpoch, ServerHealth, TimerFired
-from mpcache.runtime_zmq.wire import ERROR_OP_FRAME, OPS_BY_REQUEST_TYPE, encode_key, token_ids_for_wire
+from mpcache.runtime_zmq.wire import ERROR_OP_FRAME, OPS_BY_REQUEST_TYPE, encode_key, resend_payloads, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
 
@@ -582,7 +584,10 @@ class MPCacheClient:
                             done: list[tuple[Future[Any], bool, Any]]) -> None:
         done.append((p.future, ok, value))
         if p.instance is not None:
-            self._feed(InstanceRegistered(SERVER, p.instance) if ok else RegistrationFailed(SERVER, p.instance), done)
+            # the reply is the registration's id, which a resend names (None: an older server's nil)
+            registration = value if type(value) is int else None
+            self._feed(InstanceRegistered(SERVER, p.instance, registration) if ok
+                       else RegistrationFailed(SERVER, p.instance), done)
 
     _on_reply = {REQUEST: _reply_request, HEARTBEAT: _reply_heartbeat, INSTANCE_PING: _reply_instance_ping,
                  REGISTRATION: _reply_registration}
@@ -674,9 +679,12 @@ class MPCacheClient:
         if p is None or p.payload is None:
             return  # timed out or failed meanwhile
         p.retried, p.error = True, None
-        if not self._send_locked(p, p.payload, done):
+        # a store/retrieve names the registration it follows: the server tells it apart from a
+        # network duplicate of the refused original (core_sm.health.resend_of)
+        if not self._send_locked(p, resend_payloads(p.op, p.payload, effect.registration), done):
             return  # failed unhealthy on the spot
-        log.info("mpcache: %s for instance %s sent again after its registration", p.op, p.instance)
+        log.info("mpcache: %s for instance %s sent again after its registration %s", p.op, p.instance,
+                 effect.registration)
 
     def _do_give_up(self, effect: GiveUp, done: list[tuple[Future[Any], bool, Any]]) -> None:
         uid = effect.request

@@ -44,6 +44,7 @@ import msgpack  # type: ignore[import-untyped]
 from mpcache.core_sm import messages as m
 from mpcache.core_sm.chunks import TokenIds, pack_tokens
 from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.health import RESENDS_NAMING_REGISTRATION
 from mpcache.core_sm.keys import MAX_CHUNK_EXTRA_LEN, MAX_IDENTITY_LEN, NO_EXTRAS, KeyExtras
 from mpcache.core_sm.messages import CacheKey, TransferKind, TransferPlan
 from mpcache.runtime_zmq.tokens import decode_key_frame
@@ -478,13 +479,19 @@ def _lookup(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: L
 def _store(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: Limits) -> m.Store:
     key = a[0].key
     return m.Store(key, a[1], block_ids=_check_blocks(key, a[2]), reply_to=rt, peer=peer,
-                   not_after=_clamp(_opt(a, 4), now, limits))
+                   not_after=_clamp(_opt(a, 4), now, limits), registration=_opt(a, 5))
 
 
 def _retrieve(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: Limits) -> m.Retrieve:
     key = a[0].key
     return m.Retrieve(key, a[1], block_ids=_check_blocks(key, a[2]), skip_first_n_tokens=_opt(a, 4, 0), reply_to=rt,
-                      peer=peer, not_after=_clamp(_opt(a, 5), now, limits))
+                      peer=peer, not_after=_clamp(_opt(a, 5), now, limits), registration=_opt(a, 6))
+
+
+def _named_registration(req: m.Store | m.Retrieve) -> tuple[int, ...]:
+    """The trailing ``registration`` payload: only a resend names one, so an original request's
+    payloads stay what a server without the field accepts."""
+    return () if req.registration is None else (req.registration,)
 
 
 def _clear(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: Limits) -> m.Clear:
@@ -561,13 +568,17 @@ OPS: Final[tuple[OpSpec, ...]] = (
     # LMCache 0.5.6: (instance_id, model_name, records); April 2026: (records,)
     _spec("report_block_allocation", 23, P.ANY, P.ANY, P.ANY, optional_tail=2),
     # GPU, server-driven: key, instance_id, block_ids, event_ipc_handle[, skip_first_n_tokens]
-    # [, not_after] (mpcache's deadline; LMCache's clients leave it out)
-    _spec("store", 6, P.KEY, P.INT, P.INT_LIST, P.BYTES, P.OPT_FLOAT, optional_tail=1, request_type=m.Store,
-          build=_store, encode=lambda r, h, x: (encode_key(r.key), r.instance_id, list(r.block_ids), _needs_handle(r, h), r.not_after)),
-    _spec("retrieve", 7, P.KEY, P.INT, P.INT_LIST, P.BYTES, P.INT, P.OPT_FLOAT, optional_tail=2, request_type=m.Retrieve,
-          build=_retrieve,
+    # [, not_after][, registration] (mpcache's deadline, and the registration a resend after
+    # not_registered follows -- always the last payload, sent only by a resend; LMCache's
+    # clients leave both out)
+    _spec("store", 6, P.KEY, P.INT, P.INT_LIST, P.BYTES, P.OPT_FLOAT, P.OPT_INT, optional_tail=2,
+          request_type=m.Store, build=_store,
+          encode=lambda r, h, x: (encode_key(r.key), r.instance_id, list(r.block_ids), _needs_handle(r, h), r.not_after,
+                                  *_named_registration(r))),
+    _spec("retrieve", 7, P.KEY, P.INT, P.INT_LIST, P.BYTES, P.INT, P.OPT_FLOAT, P.OPT_INT, optional_tail=3,
+          request_type=m.Retrieve, build=_retrieve,
           encode=lambda r, h, x: (encode_key(r.key), r.instance_id, list(r.block_ids), _needs_handle(r, h),
-                                  r.skip_first_n_tokens, r.not_after)),
+                                  r.skip_first_n_tokens, r.not_after, *_named_registration(r))),
     # mpcache's own
     _spec("health", None),
     _spec("stats", None),
@@ -638,6 +649,24 @@ def request_to_wire(
     if spec is None or spec.encode is None:
         raise TypeError(f"{type(req).__name__} has no wire form on this path")
     return spec.name, spec.encode(req, event_handle, layout_extra)
+
+
+def resend_payloads(op: str | int, payloads: Sequence[bytes], registration: int | None) -> list[bytes]:
+    """The payload frames of a resend after ``not_registered`` (``core_sm.health.resend_of`` for a
+    transport that keeps the frames it sent): a ``store`` / ``retrieve`` names ``registration``
+    -- the registration it follows -- as its last payload (any optional payload before it left out
+    is sent as nil); any other op, or ``registration`` None, goes unchanged."""
+    spec = OPS_BY_NAME.get(op) if isinstance(op, str) else OPS_BY_LEGACY_ID.get(op)
+    if registration is None or spec is None or spec.request_type not in RESENDS_NAMING_REGISTRATION:
+        return list(payloads)
+    last = len(spec.params) - 1  # where the registration goes (the codec rows above)
+    frames = list(payloads[:last])
+    frames += [_NIL_FRAME] * (last - len(frames))
+    frames.append(msgpack.packb(registration))
+    return frames
+
+
+_NIL_FRAME: Final = msgpack.packb(None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from mpcache.core_sm.health import (
     RESENDABLE_AFTER_NOT_REGISTERED,
     SendHeartbeat,
     SendInstancePing,
+    resend_of,
 )
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.lookup_client import LookupState
@@ -242,6 +243,8 @@ class SimEngine:
         self.in_flight: dict[tuple[str, str, int], tuple[RequestMsg, float]] = {}
         self.parked: dict[tuple[str, str, int], tuple[RequestMsg, Any, float]] = {}
         self.resent: set[tuple[str, str, int]] = set()
+        # resent request -> (the registration it names, the server incarnation it was resent to)
+        self.resent_naming: dict[tuple[str, str, int], tuple[int, int]] = {}
         self.reg_seq = 0
         self.reg_sent: dict[int, tuple[str, int, int]] = {}  # correlation -> (node, server, instance)
         root_cache: dict[str, bytes] = {}
@@ -352,6 +355,7 @@ class SimEngine:
                 self._registration_answered(node.name, machine, msg)
             sent = self.in_flight.pop(key, None)
             if sent is not None and msg.error is not None and msg.error.kind is ErrorKind.NOT_REGISTERED:
+                self._check_resend_refusal(node.name, key, sent[0])
                 self._park(node.name, machine, sent[0], sent[1], msg.error)
                 return
         if msg.error is not None:
@@ -412,8 +416,25 @@ class SimEngine:
         """The machine's own registration was answered: the monitor learns it (a refused request
         waiting on this instance is resent)."""
         hb, iid = self._worker_hb(node_name)
-        event = (InstanceRegistered if msg.error is None else RegistrationFailed)(msg.server, iid)
+        event = (InstanceRegistered(msg.server, iid, _registration_id(msg.result)) if msg.error is None
+                 else RegistrationFailed(msg.server, iid))
         self._apply_health(hb, hb.monitor.handle(event, self.world.now()))
+
+    def _check_resend_refusal(self, node_name: str, key: tuple[str, str, int], request: RequestMsg) -> None:
+        """Oracle: a resend refused not_registered although the registration it names is still the
+        instance's registration at that server incarnation (registration ids are never reused
+        within one) was refused by a record of its original, not for a lost registration."""
+        named = self.resent_naming.get(key)
+        if named is None:
+            return
+        host = self.world.servers[request.server]
+        server = host.node.machines["server"] if host.node is not None and host.up else None
+        iid = getattr(request.request, "instance_id", None)
+        if (server is not None and host.incarnation == named[1] and isinstance(iid, int)
+                and server.instances.registration_id(iid) == named[0]):
+            self.world.violation("LIVENESS", node_name, f"{type(request.request).__name__} #{key[2]} resent to "
+                                 f"server{request.server} naming registration {named[0]}, still the instance's, was "
+                                 f"refused not_registered again")
 
     def _park(self, node_name: str, machine: str, request: RequestMsg, sent_at: float, error: ProtocolError) -> None:
         """A resendable request refused not_registered: held until the monitor decides, within
@@ -428,8 +449,10 @@ class SimEngine:
         self._apply_health(hb, hb.monitor.handle(
             RequestRefused(request.server, iid, key, error.kind.value, key in self.resent), self.world.now()))
 
-    def _unpark(self, key: tuple[str, str, int], failed: ProtocolError | None, why: str) -> None:
-        """Resend a parked request (``failed`` None), or fail it to its machine with a reason."""
+    def _unpark(self, key: tuple[str, str, int], failed: ProtocolError | None, why: str,
+                registration: int | None = None) -> None:
+        """Resend a parked request (``failed`` None) as core_sm's ``resend_of`` makes it (naming
+        ``registration``, the one it follows), or fail it to its machine with a reason."""
         request, error, sent_at = self.parked.pop(key)
         node = self.world.nodes.get(key[0])
         self.world.trace.line(self.world.now(), key[0], f"transport: #{key[2]} {why}")
@@ -441,6 +464,9 @@ class SimEngine:
                                      f"server{request.server} resent a second time after not_registered")
             self.resent.add(key)
             self.world.stats["transport_resends"] = self.world.stats.get("transport_resends", 0) + 1
+            request = attrs.evolve(request, request=resend_of(request.request, registration))
+            if registration is not None and getattr(request.request, "registration", None) is not None:
+                self.resent_naming[key] = (registration, self.world.servers[request.server].incarnation)
             self.in_flight[key] = (request, sent_at)
             self.world.send(Address(key[0], key[1]), Address(server_name(request.server), "server"), request)
             return
@@ -474,7 +500,8 @@ class SimEngine:
         if sent is None:
             return
         hb = self._hb_of(node_name)
-        event = (InstanceRegistered if msg.error is None else RegistrationFailed)(sent[1], sent[2])
+        event = (InstanceRegistered(sent[1], sent[2], _registration_id(msg.result)) if msg.error is None
+                 else RegistrationFailed(sent[1], sent[2]))
         self._apply_health(hb, hb.monitor.handle(event, self.world.now()))
 
     def check_transport_drained(self) -> None:
@@ -517,7 +544,8 @@ class SimEngine:
                 if key in self.parked:
                     error = self.parked[key][1]
                     if type(effect) is Resend:
-                        self._unpark(key, None, "resent after the registration")
+                        self._unpark(key, None, f"resent after the registration {effect.registration}",
+                                     effect.registration)
                     else:
                         self._unpark(key, error, "given up")
                 continue
@@ -1029,6 +1057,11 @@ class SimEngine:
             last = " | ".join(list(self.world.recent.get(req.rid, []))[-3:])
             lines.append(f"{req.rid}@{sched_name(self.index)}: {what}; last events: {last}")
         return lines
+
+
+def _registration_id(result: Any) -> int | None:
+    """The id a registration's reply gives (what a resend names)."""
+    return result if isinstance(result, int) and not isinstance(result, bool) else None
 
 
 def _rid(request: Any) -> str | None:

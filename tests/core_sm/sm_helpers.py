@@ -106,7 +106,8 @@ class ServerHarness:
 
     def register(self, instance_id: int = 1, world_size: int = 1, object_bytes: int = 10,
                  engine_driven: bool = False) -> None:
-        assert self.call(RegisterInstance(instance_id, MODEL, world_size, object_bytes, engine_driven)) is None
+        registration = self.call(RegisterInstance(instance_id, MODEL, world_size, object_bytes, engine_driven))
+        assert isinstance(registration, int)  # the registration's id (what a resend names)
 
     def finish_all_transfers(self, ok: bool = True) -> None:
         from mpcache.core_sm.messages import TransferFinished

@@ -41,7 +41,7 @@ def _call(h: ServerHarness, request: Any, peer: Any) -> Any:
 
 
 def _register(h: ServerHarness, iid: int, peer: Any, engine_driven: bool = False) -> None:
-    assert h.result(_call(h, RegisterInstance(iid, MODEL, 1, 10, engine_driven), peer)) is None
+    assert isinstance(h.result(_call(h, RegisterInstance(iid, MODEL, 1, 10, engine_driven), peer)), int)
 
 
 def _stored(h: ServerHarness, toks: tuple[int, ...], iid: int, peer: Any, rid: str = "w") -> Any:

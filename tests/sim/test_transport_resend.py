@@ -50,11 +50,11 @@ def test_a_request_resent_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
     assert "resent a second time" in result.violation.message
 
 
-@pytest.mark.xfail(strict=True, reason="finding: the server's duplicate-op cache (core_sm/server_transfers.py "
-                   "_transfer_once) remembers the not_registered refusal of a server-driven STORE with a "
-                   "not_after and answers the identical resend with it, although the instance registered "
-                   "again in between: the resend cannot succeed")
 def test_a_resend_after_the_registration_is_not_refused_again() -> None:
+    """Was a finding: the server's once-per-op record (core_sm/server_transfers.py
+    ``_transfer_once``) kept the original STORE's not_registered refusal and answered the
+    byte-identical resend with it. The resend now names the registration it follows, so it is
+    another op to that record, and goes through."""
     result, world = run_scenario(_restart_between_heartbeats(9, 0.6), keep_lines=True)
     assert result.ok, result.violation
     resent = {line.split("#")[1].split()[0] for line in result.lines if "resent after the registration" in line}
