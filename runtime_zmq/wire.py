@@ -654,19 +654,21 @@ def request_to_wire(
 def resend_payloads(op: str | int, payloads: Sequence[bytes], registration: int | None) -> list[bytes]:
     """The payload frames of a resend after ``not_registered`` (``core_sm.health.resend_of`` for a
     transport that keeps the frames it sent): a ``store`` / ``retrieve`` names ``registration``
-    -- the registration it follows -- as its last payload (any optional payload before it left out
-    is sent as nil); any other op, or ``registration`` None, goes unchanged."""
+    -- the registration it follows -- as its last payload (an optional payload before it that was
+    left out is sent as what leaving it out means: nil, or a retrieve's skip of 0); any other op,
+    or ``registration`` None, goes unchanged."""
     spec = OPS_BY_NAME.get(op) if isinstance(op, str) else OPS_BY_LEGACY_ID.get(op)
     if registration is None or spec is None or spec.request_type not in RESENDS_NAMING_REGISTRATION:
         return list(payloads)
     last = len(spec.params) - 1  # where the registration goes (the codec rows above)
     frames = list(payloads[:last])
-    frames += [_NIL_FRAME] * (last - len(frames))
+    frames += [_LEFT_OUT[p] for p in spec.params[len(frames):last]]
     frames.append(msgpack.packb(registration))
     return frames
 
 
-_NIL_FRAME: Final = msgpack.packb(None)
+# An optional store / retrieve payload left out, sent explicitly: skip_first_n_tokens 0, no deadline.
+_LEFT_OUT: Final = {P.INT: msgpack.packb(0), P.OPT_FLOAT: msgpack.packb(None)}
 
 
 # ---------------------------------------------------------------------------------------------

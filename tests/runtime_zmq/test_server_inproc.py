@@ -109,7 +109,7 @@ def test_server_driven_store_and_retrieve_through_an_executor(threaded: tuple[Se
     server, c = threaded
     executor = server.executor
     assert isinstance(executor, ThreadedExecutor)
-    assert c.register_instance(4, LAYOUT).result(5) is None
+    assert isinstance(c.register_instance(4, LAYOUT).result(5), int)
     toks = tokens(2)
     # LMCache's reply shape: (event_handle, ok), after the executor reported completion
     handle, ok = c.store(key(toks, "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
@@ -148,7 +148,7 @@ def test_store_after_its_not_after_is_refused_and_stores_nothing(threaded: tuple
     server, c = threaded
     executor = server.executor
     assert isinstance(executor, ThreadedExecutor)
-    assert c.register_instance(4, LAYOUT).result(5) is None
+    assert isinstance(c.register_instance(4, LAYOUT).result(5), int)
     toks = tokens(2)
     # the server's clock is this host's monotonic clock: a deadline one second ago has passed
     late = time.monotonic() - 1.0
@@ -184,7 +184,7 @@ class MisreportingExecutor(ThreadedExecutor):
 def test_each_transfer_is_reported_to_core_sm_exactly_once() -> None:
     for served in _serve(MisreportingExecutor()):
         server, c = served
-        assert c.register_instance(4, LAYOUT).result(5) is None
+        assert isinstance(c.register_instance(4, LAYOUT).result(5), int)
         _handle, ok = c.store(key(tokens(2), "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
         assert ok is True  # the first report counts
         time.sleep(0.2)
@@ -195,7 +195,7 @@ def test_each_transfer_is_reported_to_core_sm_exactly_once() -> None:
 def test_raising_executor_start_still_finishes_the_transfer(raising: tuple[Server, MPCacheClient], monkeypatch: pytest.MonkeyPatch) -> None:
     server, c = raising
     monkeypatch.setattr(server.executor, "register_instance", lambda *a: None)
-    assert c.register_instance(4, LAYOUT).result(5) is None
+    assert isinstance(c.register_instance(4, LAYOUT).result(5), int)
     _handle, ok = c.store(key(tokens(2), "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
     assert ok is False
     s = c.stats()

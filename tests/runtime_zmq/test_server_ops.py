@@ -34,7 +34,7 @@ def pattern(chunk: int, seed: int = 0) -> bytes:
 
 
 def register(c: MPCacheClient, iid: int = 1) -> None:
-    assert c.register_instance(iid, {"model_name": "m", "world_size": 1, "object_bytes": OBJ_BYTES, "engine_driven": True}).result(5) is None
+    assert isinstance(c.register_instance(iid, {"model_name": "m", "world_size": 1, "object_bytes": OBJ_BYTES, "engine_driven": True}).result(5), int)
 
 
 def store_chunks(c: MPCacheClient, toks: list[int], rid: str, iid: int = 1, seed: int = 0) -> dict[str, Any]:

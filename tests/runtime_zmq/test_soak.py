@@ -83,7 +83,7 @@ def test_soak_lookups_rss_flat(start_server: Callable[..., Any]) -> None:
     misses = [_prompt(10_000 + s) for s in range(MISS_PROMPTS)]
     with MPCacheClient(sp.url, request_timeout=10.0) as c:
         layout = {"model_name": "soak", "world_size": 1, "object_bytes": OBJ_BYTES, "engine_driven": True}
-        assert c.register_instance(1, layout).result(5) is None
+        assert isinstance(c.register_instance(1, layout).result(5), int)
         for i, toks in enumerate(stored):
             plan = c.prepare_store(_key(toks, f"store-{i}", worker_id=0), 1).result(5)
             assert plan["ok"]

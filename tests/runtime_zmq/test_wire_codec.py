@@ -40,6 +40,9 @@ REQUESTS: list[tuple[Any, dict[str, Any]]] = [
     (m.PrepareStore(KEY, 7, not_after=1234.5), {}),
     (m.Store(KEY, 7, block_ids=(1, 2), not_after=99.25), {"event_handle": HANDLE}),
     (m.Retrieve(KEY, 7, block_ids=(1, 2), skip_first_n_tokens=16, not_after=7.0), {"event_handle": HANDLE}),
+    # a resend after not_registered names the registration it follows
+    (m.Store(KEY, 7, block_ids=(1, 2), not_after=99.25, registration=2**62 + 5), {"event_handle": HANDLE}),
+    (m.Retrieve(KEY, 7, block_ids=(1, 2), not_after=7.0, registration=3), {"event_handle": HANDLE}),
 ]
 
 
@@ -121,6 +124,34 @@ def test_not_after_is_optional_on_the_wire() -> None:
     frames = [b"peer", msgpack.packb(1), msgpack.packb("prepare_store"), msgpack.packb(wkey, use_bin_type=True),
               msgpack.packb(7), msgpack.packb("soon")]
     bad = wire.decode_request(frames, wire.Limits())
+    assert isinstance(bad, wire.DecodeError) and bad.kind.value == "undecodable"
+
+
+def test_only_a_resend_carries_a_registration_and_the_client_adds_it_to_the_frames_it_sent() -> None:
+    original = m.Store(KEY, 7, block_ids=(1, 2), not_after=5.0)
+    op, args = wire.request_to_wire(original, event_handle=HANDLE)
+    assert len(args) == 5  # what a server without the field accepts
+    frames = [msgpack.packb(a, use_bin_type=True) for a in args]
+    resent = wire.resend_payloads(op, frames, 41)
+    event = wire.to_event(_through_the_codec(op, tuple(msgpack.unpackb(f) for f in resent)), reply_to="rt")
+    assert event == attrs.evolve(original, registration=41, reply_to="rt")
+    # the same as encoding the resend itself; a retrieve sent without its optional payloads gets
+    # them as nil before the registration
+    assert resent == [msgpack.packb(a, use_bin_type=True)
+                      for a in wire.request_to_wire(attrs.evolve(original, registration=41), event_handle=HANDLE)[1]]
+    wkey = wire.encode_key(KEY)
+    short = [msgpack.packb(a, use_bin_type=True) for a in (wkey, 7, [1, 2], HANDLE)]
+    for name in ("retrieve", 7):
+        padded = wire.resend_payloads(name, short, 9)
+        assert [msgpack.unpackb(f) for f in padded[4:]] == [0, None, 9]
+        event = wire.to_event(_through_the_codec("retrieve", tuple(msgpack.unpackb(f) for f in padded)), reply_to="rt")
+        assert event == m.Retrieve(KEY, 7, block_ids=(1, 2), registration=9, reply_to="rt")
+    # prepares, other ops, or no registration known: unchanged
+    assert wire.resend_payloads("prepare_store", short[:2], 9) == short[:2]
+    assert wire.resend_payloads("store", frames, None) == frames
+    # a registration that is not an int is refused by the codec
+    bad = wire.decode_request([b"peer", msgpack.packb(1), msgpack.packb("store"), *frames, msgpack.packb("x")],
+                              wire.Limits())
     assert isinstance(bad, wire.DecodeError) and bad.kind.value == "undecodable"
 
 
