@@ -358,7 +358,7 @@ class TransferMachine:
             until = min(ev.not_after, now + self.ctx.config.max_not_after_ahead)
             skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
             ident = (ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
-                     ev.block_ids, skip, ev.not_after, self._resend_of(ev))
+                     ev.block_ids, skip, ev.not_after, self._named_registration(ev))
             while self.ops_done:  # answers whose not_after passed (or over the cap) go
                 oldest, (_ok, _result, until) = next(iter(self.ops_done.items()))
                 if until >= now and len(self.ops_done) <= self.ctx.config.tombstone_cap:
@@ -398,7 +398,7 @@ class TransferMachine:
         self.op_of_reply[ev.reply_to] = ident
 
     @staticmethod
-    def _resend_of(ev: Store | Retrieve) -> int | None:
+    def _named_registration(ev: Store | Retrieve) -> int | None:
         """The registration a resend names (None: not a resend); what is not an int names none
         that exists, and is refused as such."""
         reg = ev.registration
@@ -412,7 +412,7 @@ class TransferMachine:
         restarted). None for a resend that may run, and for every request that is no resend."""
         if not isinstance(ev, (Store, Retrieve)) or ev.registration is None:
             return None
-        named = self._resend_of(ev)
+        named = self._named_registration(ev)
         current = self.instances.registration_id(ev.instance_id) if isinstance(ev.instance_id, int) else None
         if current is not None and current == named:
             return None

@@ -90,6 +90,8 @@ SYNC = -1  # SimEngine.paused_at: the step's forward waits for its synchronous l
 LOOKUP = "lookup"
 HB = "hb"
 REG = "reg"  # a worker transport's own registrations (sent again for a refused request)
+RESEND = "resend"  # a worker transport's resends: their own correlations, as the ZMQ client's new uid
+RESEND_CORRELATIONS = 1 << 40  # above any machine's correlation (the lost-packet tracking reads both)
 TRANSPORT_TIMEOUT = 3.0  # a parked request fails after this, as the ZMQ client's request timeout
 
 
@@ -245,6 +247,8 @@ class SimEngine:
         self.resent: set[tuple[str, str, int]] = set()
         # resent request -> (the registration it names, the server incarnation it was resent to)
         self.resent_naming: dict[tuple[str, str, int], tuple[int, int]] = {}
+        self.resends: dict[int, tuple[str, str, int]] = {}  # resend correlation -> the request resent
+        self.resend_seq = RESEND_CORRELATIONS
         self.reg_seq = 0
         self.reg_sent: dict[int, tuple[str, int, int]] = {}  # correlation -> (node, server, instance)
         root_cache: dict[str, bytes] = {}
@@ -348,14 +352,22 @@ class SimEngine:
         if machine == REG:
             self._transport_registered(node.name, msg)
             return
+        if machine == RESEND:
+            self._resend_answered(node, msg)
+            return
         key = (node.name, machine, msg.correlation)
         info = self.sent.get(key)
         if machine != LOOKUP and self.world.profile.transport_resend:
             if info is not None and info[1] == "RegisterInstance":
                 self._registration_answered(node.name, machine, msg)
+            if key in self.parked or key in self.resent:
+                # another reply to the refused send (a network duplicate of it): the request's
+                # answer is the resend's, or the monitor's verdict (the ZMQ client drops it too)
+                self.world.trace.line(self.world.now(), node.name, f"transport: #{msg.correlation} reply "
+                                      f"after its refusal dropped")
+                return
             sent = self.in_flight.pop(key, None)
             if sent is not None and msg.error is not None and msg.error.kind is ErrorKind.NOT_REGISTERED:
-                self._check_resend_refusal(node.name, key, sent[0])
                 self._park(node.name, machine, sent[0], sent[1], msg.error)
                 return
         if msg.error is not None:
@@ -375,8 +387,10 @@ class SimEngine:
         node.post(machine, ReplyReceived(msg.server, msg.correlation, msg.result))
 
     def touch_reply(self, node_name: str, msg: Any) -> None:
+        resent = self.resends.get(msg.correlation)
+        correlation = msg.correlation if resent is None else resent[2]
         for machine in [LOOKUP] + [tc_name(s) for s in range(self.num_servers)]:
-            info = self.sent.get((node_name, machine, msg.correlation))
+            info = self.sent.get((node_name, machine, correlation))
             if info is not None and info[0] is not None:
                 self.world.touched.add(info[0])
 
@@ -419,6 +433,23 @@ class SimEngine:
         event = (InstanceRegistered(msg.server, iid, _registration_id(msg.result)) if msg.error is None
                  else RegistrationFailed(msg.server, iid))
         self._apply_health(hb, hb.monitor.handle(event, self.world.now()))
+
+    def _resend_answered(self, node: Node, msg: Any) -> None:
+        """The answer to a resend: the request's answer for its machine (under the machine's
+        correlation); refused not_registered again, the monitor gives it up. A second answer (a
+        network duplicate) is dropped."""
+        key = self.resends.pop(msg.correlation, None)
+        if key is None:
+            return
+        request, sent_at = self.in_flight.pop(key)
+        if msg.error is not None and msg.error.kind is ErrorKind.NOT_REGISTERED:
+            self._check_resend_refusal(node.name, key, request)
+            self._park(node.name, key[1], request, sent_at, msg.error)
+            return
+        if msg.error is not None:
+            node.post(key[1], RequestFailed(msg.server, key[2], msg.error))
+        else:
+            node.post(key[1], ReplyReceived(msg.server, key[2], msg.result))
 
     def _check_resend_refusal(self, node_name: str, key: tuple[str, str, int], request: RequestMsg) -> None:
         """Oracle: a resend refused not_registered although the registration it names is still the
@@ -468,7 +499,10 @@ class SimEngine:
             if registration is not None and getattr(request.request, "registration", None) is not None:
                 self.resent_naming[key] = (registration, self.world.servers[request.server].incarnation)
             self.in_flight[key] = (request, sent_at)
-            self.world.send(Address(key[0], key[1]), Address(server_name(request.server), "server"), request)
+            self.resend_seq += 1
+            self.resends[self.resend_seq] = key
+            self.world.send(Address(key[0], RESEND), Address(server_name(request.server), "server"),
+                            attrs.evolve(request, correlation=self.resend_seq))
             return
         if not failed.message:
             self.world.violation("SAFETY", key[0], f"#{key[2]} failed with no reason: {failed!r}")
