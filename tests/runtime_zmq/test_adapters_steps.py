@@ -24,9 +24,11 @@ def _steps_to_prefill(engine: Engine, request_id: str, prompt: list[int]) -> int
     return engine.steps - before
 
 
-def test_a_hit_is_served_in_the_step_that_first_sees_it(start: Any, engine_factory: Any) -> None:
+# The short wait, or only the idle engine's (lookup_wait_ms 0): either lets the first step see the hit.
+@pytest.mark.parametrize("wait", ["lookup_wait_ms", "lookup_wait_idle_ms"])
+def test_a_hit_is_served_in_the_step_that_first_sees_it(start: Any, engine_factory: Any, wait: str) -> None:
     server = start()
-    engine = engine_factory(server.url, lookup_wait_ms=WAIT_MS, sync_load_max_tokens=1 << 30)
+    engine = engine_factory(server.url, sync_load_max_tokens=1 << 30, **{wait: WAIT_MS})
     prompt = tokens(4 * CHUNK + 10, 31)
     first = engine.add("a", prompt)
     engine.run_all()
@@ -106,19 +108,6 @@ def test_the_connector_passes_the_device_and_its_setting_to_the_planner(
         assert adapter.planner.config.sync_load_max_tokens == expected
     finally:
         adapter.close()
-
-
-def test_an_idle_engine_waits_for_the_lookup_without_the_short_wait(start: Any, engine_factory: Any) -> None:
-    # lookup_wait_ms 0: only the idle engine's budget lets the first step see the hit
-    server = start()
-    engine = engine_factory(server.url, lookup_wait_idle_ms=WAIT_MS, sync_load_max_tokens=1 << 30)
-    prompt = tokens(4 * CHUNK + 10, 37)
-    engine.add("a", prompt)
-    engine.run_all()
-    assert _steps_to_prefill(engine, "b", prompt) == 1
-    engine.run_all()
-    assert engine.requests["b"].external == 4 * CHUNK and engine.requests["b"].checked
-    assert_clean(engine, server.url)
 
 
 def test_a_busy_engine_does_not_take_the_idle_wait(start: Any, engine_factory: Any) -> None:
