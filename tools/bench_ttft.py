@@ -1,8 +1,10 @@
 """`mpcache-bench ttft`: time to first token in real vLLM (CPU) with and without mpcache.
 
-A random Llama is built locally (no hub; `tests/e2e/tiny_llama.py` with larger dimensions,
-default 4 layers, hidden 768, 12 heads, 4 KV heads: a 4,096-token prefill takes seconds on a
-2-core box). Each prompt is `--tokens` long (default 4,096), greedy, one output token; every
+A random Llama is built locally (no hub; `tests/e2e/tiny_llama.py` with larger dimensions;
+``--model``, see ``MODELS``: ``tiny``, the default, 4 layers, hidden 768, 4 KV heads of 64, or
+``gqa``, whose prefill FLOP per KV byte is close to Llama-3-8B's; a 4,096-token prefill takes
+seconds on a 2-core box). ``--model tiny,gqa`` runs both, one table each, then a summary; each
+model's ratios are against its own recompute. Each prompt is `--tokens` long (default 4,096), greedy, one output token; every
 request is driven step by step (`LLMEngine.step`) so the engine steps until its first token are
 counted. Three vLLM processes run in the vLLM venv (`--vllm-venv`, default `.venv-vllm`):
 
