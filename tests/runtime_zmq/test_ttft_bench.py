@@ -63,3 +63,25 @@ def test_unknown_model_is_refused_with_the_choices(tmp_path: object, capsys: pyt
     assert bench_ttft.main(["--vllm-venv", str(venv), "--model", "tiny,llama70b"]) == 2
     err = capsys.readouterr().err
     assert "llama70b" in err and "tiny" in err and "gqa" in err
+
+
+def test_two_models_print_one_summary_row_each_against_their_own_recompute(
+        tmp_path: object, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    venv = __import__("pathlib").Path(str(tmp_path))
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python").write_text("")
+    ran: list[str] = []
+
+    def fake_run(args: argparse.Namespace, name: str, vpy: str) -> dict[str, object]:
+        ran.append(name)
+        rec, hit = (2.0, 0.04) if name == "tiny" else (8.0, 0.04)
+        return {"model": name, "flop_per_kv_byte": 6144.75 if name == "tiny" else 115208.0, "recompute_s": rec,
+                "l1_hit_s": hit, "l1x": rec / hit, "disk_hit_s": 0.08, "diskx": rec / 0.08, "first_pass_cost": 0.01,
+                "load": (1.0, 1.0, 1.0)}
+
+    monkeypatch.setattr(bench_ttft, "_run_model", fake_run)
+    assert bench_ttft.main(["--vllm-venv", str(venv), "--model", "tiny,gqa"]) == 0
+    assert ran == ["tiny", "gqa"]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| tiny", "| gqa"))]
+    assert rows == ["| tiny | 6.1k | 1.00 | 2.000 | 0.040 | 50.0x | 0.080 | 25.0x | +1.0% |",
+                    "| gqa | 115.2k | 1.00 | 8.000 | 0.040 | 200.0x | 0.080 | 100.0x | +1.0% |"]
