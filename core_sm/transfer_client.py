@@ -37,7 +37,8 @@ Late-copy fence: a server-driven STORE or RETRIEVE carries ``not_after = now + w
 monotonic clock in production (server and workers share the host), virtual time in the
 simulator. A DMA cannot be cancelled and the worker cannot know whether an op it gave up on
 (server unhealthy, new epoch, ``op_timeout``, a request the transport lost: ``UNHEALTHY``) is
-still in flight, so the request's blocks stay fenced until ``not_after + copy_grace`` (a copy
+still in flight -- nor tell the transport's own request timeout from the server's refusal of a
+late request (both ``TIMEOUT``) -- so the request's blocks stay fenced until ``not_after + copy_grace`` (a copy
 the server began by ``not_after`` has ended by then): it is reported in ``sending`` (vLLM frees
 the blocks) or in ``recving`` with its load errors (vLLM recomputes into them) only then, never
 earlier; ``next_deadline()`` covers it. An op the server answered (result or error) needs no
@@ -409,8 +410,12 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         if error is not None:
             if getattr(error, "kind", None) is ErrorKind.NOT_REGISTERED:
                 self._link.run(NotRegistered(op), now, out)
-            elif getattr(error, "kind", None) is ErrorKind.UNHEALTHY:
-                self._fence_abandoned(record, op)  # the transport lost it: it may still arrive
+            elif getattr(error, "kind", None) in (ErrorKind.UNHEALTHY, ErrorKind.TIMEOUT):
+                # UNHEALTHY: the transport lost it, it may still arrive. TIMEOUT: the transport's
+                # own request timeout (it may still be copying, a resend too) looks like the
+                # server's refusal of a late request (no copy, and its not_after has passed):
+                # fenced alike, which costs that refusal at most copy_grace
+                self._fence_abandoned(record, op)
             self._complete(record, op, False, now)
         elif op.state is OpState.SENT and self.config.engine_driven:
             if not isinstance(result, TransferPlan) or not result.ok:

@@ -85,6 +85,24 @@ def test_store_answered_by_the_server_needs_no_fence() -> None:
     assert c.finished() == (frozenset({"r"}), frozenset())
 
 
+def test_store_failed_timeout_stays_fenced_until_not_after() -> None:
+    """A TIMEOUT error is the transport's own request timeout (the STORE, or its resend after
+    not_registered, may still be copying) or the server's refusal of a late STORE: they look
+    alike, so the blocks stay the request's until not_after + copy_grace either way."""
+    from mpcache.core_sm.errors import ProtocolError
+    from mpcache.core_sm.messages import RequestFailed
+
+    c = TransferClient(TransferClientConfig(instance_id=1, model_name="m", chunk_size=C,
+                                            object_bytes=10, transfer_timeout=10.0, copy_grace=0.5))
+    (sent,) = c.handle(SubmitStoreEvent(), 2.0)
+    c.handle(EngineFinished(("r",)), 2.0)
+    c.handle(RequestFailed(0, sent.correlation, ProtocolError(ErrorKind.TIMEOUT, "no reply")), 11.0)
+    assert c.finished() == (frozenset(), frozenset()) and c.next_deadline() == 12.5
+    c.handle(ServerHealth(0, True), 12.5)
+    assert c.finished() == (frozenset({"r"}), frozenset())
+    assert c.stats()["stores_failed"] == 1 and c.stats()["store_fences"] == 1
+
+
 def test_pair_late_store_after_abandon_never_reads_reused_blocks() -> None:
     """The finding's sequence: STORE held in the network, the worker's server turns unhealthy,
     the STORE arrives later. Either the blocks are still the request's (before the fence), or
