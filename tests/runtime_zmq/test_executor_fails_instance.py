@@ -52,13 +52,19 @@ class StuckExecutor:
         pass
 
 
-def test_an_instance_the_executor_fails_is_released_in_core_sm_and_others_go_on() -> None:
-    executor = StuckExecutor()
+def serve_in_thread(executor: StuckExecutor) -> tuple[Server, threading.Thread]:
+    """An in-process server with ``executor`` as its transfer engine, its loop on a thread."""
     d = tempfile.mkdtemp(prefix="mpcache-ifail-")
     server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=16 << 20, slot_bytes=1 << 20,
                                  l1_reserve=False), transfer_executor=executor)
     loop = threading.Thread(target=server.serve_forever, name="server-loop")
     loop.start()
+    return server, loop
+
+
+def test_an_instance_the_executor_fails_is_released_in_core_sm_and_others_go_on() -> None:
+    executor = StuckExecutor()
+    server, loop = serve_in_thread(executor)
     c = MPCacheClient(server.bound_url, request_timeout=5.0)
     try:
         assert isinstance(c.register_instance(7, LAYOUT).result(5), int)

@@ -4,24 +4,17 @@ and goes through, although the server remembers the original's refusal; the orig
 again (as a network duplicate would be) still copies nothing."""
 from __future__ import annotations
 
-import tempfile
-import threading
 import time
 
 from mpcache.runtime_zmq.client import MPCacheClient
-from mpcache.runtime_zmq.server import Server, ServerConfig
-from test_executor_fails_instance import LAYOUT, StuckExecutor
+from test_executor_fails_instance import LAYOUT, StuckExecutor, serve_in_thread
 from test_server_ops import key, tokens
 
 
 def test_a_store_refused_not_registered_is_resent_naming_the_new_registration_and_lands() -> None:
     executor = StuckExecutor()
     executor.stuck = False  # every copy finishes
-    d = tempfile.mkdtemp(prefix="mpcache-resend-")
-    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=16 << 20, slot_bytes=1 << 20,
-                                 l1_reserve=False), transfer_executor=executor)
-    loop = threading.Thread(target=server.serve_forever, name="server-loop")
-    loop.start()
+    server, loop = serve_in_thread(executor)
     c = MPCacheClient(server.bound_url, request_timeout=5.0)
     try:
         first = c.register_instance(7, LAYOUT).result(5)
