@@ -279,23 +279,23 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
     return result
 
 
-def _run_model(args: argparse.Namespace, name: str, vpy: str) -> dict[str, Any]:
+def _run_model(args: argparse.Namespace, model_name: str, vpy: str) -> dict[str, Any]:
     """One model's whole run and table; returns its target rows for the summary."""
     from mpcache.tools.bench_rpc import _free_port
 
     work = Path(tempfile.mkdtemp(prefix="mpcache-bench-ttft-"))
     load = os.getloadavg()
-    spec = MODELS[name]
+    spec = MODELS[model_name]
     kv_bytes = kv_bytes_per_token(spec)
-    print(f"# mpcache-bench ttft: {args.tokens}-token prompts, random Llama '{name}' {spec}, float32; "
+    print(f"# mpcache-bench ttft: {args.tokens}-token prompts, random Llama '{model_name}' {spec}, float32; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    print(f"# model '{name}': {kv_bytes:,} B of KV per token; prefill "
+    print(f"# model '{model_name}': {kv_bytes:,} B of KV per token; prefill "
           f"{prefill_flop_per_token(spec) / 1e6:.1f} MFLOP per token in matmuls = "
           f"{prefill_flop_per_token(spec) / kv_bytes / 1e3:.1f}k FLOP per KV byte "
           f"({prefill_flop_per_token(spec, args.tokens) / kv_bytes / 1e3:.1f}k with attention over "
           f"{args.tokens} tokens); Llama-3-8B by the same count: "
           f"{prefill_flop_per_token(LLAMA3_8B) / kv_bytes_per_token(LLAMA3_8B, 2) / 1e3:.1f}k (bf16 KV)", flush=True)
-    model = str(Path(args.model_dir) / name if args.model_dir else work / "model")
+    model = str(Path(args.model_dir) / model_name if args.model_dir else work / "model")
     dims = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items()]
     subprocess.run([vpy, str(REPO / "tests" / "e2e" / "tiny_llama.py"), model, *dims], check=True,
                    env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
@@ -402,7 +402,7 @@ def _run_model(args: argparse.Namespace, name: str, vpy: str) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"# logs in {work}")
-    return {"model": name, "flop_per_kv_byte": prefill_flop_per_token(spec) / kv_bytes, "recompute_s": rec,
+    return {"model": model_name, "flop_per_kv_byte": prefill_flop_per_token(spec) / kv_bytes, "recompute_s": rec,
             "l1_hit_s": _median(results["l1_hit"]), "l1x": l1x, "disk_hit_s": results["disk_hit"][0]["ttft_s"],
             "diskx": diskx, "first_pass_cost": cost, "load": load}
 
