@@ -1,7 +1,7 @@
 """Effects: what a machine asks its runtime to do. A machine never performs one itself.
 
 Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ProbeL2``, ``ReadL2``, ``WriteL2``,
-``InstanceReaped``; with ``ServerConfig.kv_events``, also the facts a router needs: ``ChunksStored``,
+``InstanceReaped``, ``LookupWorkFailed``; with ``ServerConfig.kv_events``, also the facts a router needs: ``ChunksStored``,
 ``ChunksRemoved``, ``AllChunksCleared``.
 Client effects: ``SendRequest``, ``CopyBlocks``.
 Every effect is an ``attrs`` frozen class; a runtime dispatches on its type.
@@ -102,6 +102,17 @@ class WriteL2:
 
 
 @attrs.frozen
+class LookupWorkFailed:
+    """A lookup already acknowledged (``ServerConfig.ack_first``) could not do its work (hash,
+    leases, L2 start): the job resolves as 0 hits and holds no leases of that lookup. Nothing a
+    client sends can cause it -- every check that can fail runs before the ack -- so the runtime
+    logs it as a server fault. ``reason`` names the exception."""
+
+    request_id: str
+    reason: str
+
+
+@attrs.frozen
 class InstanceReaped:
     """Engine instance ``instance_id`` sent no heartbeat for ``instance_ttl`` and was reaped:
     release what the runtime keeps for it (GPU IPC mappings, staging memory). Its in-flight
@@ -183,6 +194,6 @@ class CopyBlocks:
 
 
 Effect = Union[
-    Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, ChunksStored, ChunksRemoved,
+    Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, LookupWorkFailed, ChunksStored, ChunksRemoved,
     AllChunksCleared, SendRequest, CopyBlocks,
 ]

@@ -72,6 +72,11 @@ class ServerConfig:
     # every server sharing an L2 tier. The default is public (tests, the simulator's fixed
     # worlds); runtime_zmq always passes its own.
     chain_key: bytes = attrs.field(default=PUBLIC_CHAIN_KEY, repr=False)
+    # Acknowledge a lookup before its work: ``handle(Lookup)`` makes every check that can fail,
+    # registers the job and returns the ack; the hashing, L1 leases and L2 start wait for
+    # ``LookupServer.run_deferred()`` (a runtime calls it once the ack is sent) or, at the
+    # latest, run first thing in the next ``handle``. Off: ``handle`` does it all at once.
+    ack_first: bool = False
 
     @chain_key.validator
     def _check_chain_key(self, attribute: object, value: bytes) -> None:
@@ -218,6 +223,18 @@ class ServerContext:
         if objects > self.config.max_objects_per_request:
             return f"{objects} objects (chunks x ranks) in one request > {self.config.max_objects_per_request}"
         return None
+
+    def token_error(self, key: CacheKey, num_chunks: int) -> str | None:
+        """The reason ``hashes(key, num_chunks)`` would refuse the key's token ids, else None
+        (no per-token work: ``TokenIds`` knows whether it packed)."""
+        tokens = key.token_ids
+        if num_chunks <= 0 or type(tokens) is not TokenIds or tokens.valid:
+            return None
+        try:
+            tokens.packed
+        except (ValueError, TypeError, OverflowError) as exc:
+            return f"token ids must be uint32: {exc}"
+        return None  # pragma: no cover  (an invalid TokenIds raises)
 
     def hashes(self, key: CacheKey, num_chunks: int) -> tuple[tuple[bytes, ...], str | None]:
         """The first ``num_chunks`` chunk hashes of ``key``, or the reason they cannot be made."""

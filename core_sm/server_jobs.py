@@ -23,6 +23,19 @@ uses is simply a lookup of the sender's own). Bounds: ``max_jobs`` live jobs in 
 server holds anything of it (each refreshes its leases); over them a lookup is refused
 ``TOO_LARGE``.
 
+Acknowledge first (``ServerConfig.ack_first``): a lookup's reply carries nothing, so
+``_on_lookup`` makes every check that can fail (key shape and bounds, salt, ranks, token ids,
+the repeat cap, the job caps, a duplicate of a live job), registers the job -- *accepted*: PENDING
+with no work yet, nothing leased -- and emits the ack; the rest (hashes, admission count, L1
+prefix leases, L2 probe or read, or the hit count) is held in ``accepted`` and done by
+``run_accepted``: ``LookupServer.run_deferred`` (the runtime, once the ack is sent) or the start
+of the next ``handle``, whichever comes first. No event ever reaches an accepted job, so every
+later message sees what it would have seen had the work run with the ack, and the work runs at
+the lookup's own ``now``. What can still fail after the ack is a fault of the server itself (an
+exception in hashing or leasing, e.g. ``MemoryError``): the job then resolves as 0 hits, the
+lookup's leases go, ``stats()["lookup_work_failures"]`` counts it and a ``LookupWorkFailed``
+effect tells the runtime to log it -- never a hang or a status left unanswered.
+
 Memory: a job whose hit count is known keeps no hashes (``PrefetchJob.work`` is dropped), and
 its reap deadline is an entry of one ``ReapQueue`` (all jobs share ``abandoned_job_ttl``, so
 they come due in the order they started) rather than a timer on the heap.
@@ -39,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey, pack_hashes
-from mpcache.core_sm.effects import Effect, Reply
+from mpcache.core_sm.effects import Effect, LookupWorkFailed, Reply
 from mpcache.core_sm.errors import ErrorKind
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.messages import (
@@ -139,6 +152,11 @@ class PrefetchJob:
     @property
     def state(self) -> JobState:
         return JobState.PENDING if self.hits is None else JobState.DONE
+
+    @property
+    def accepted(self) -> bool:
+        """Acknowledged, its work not yet run (``ServerConfig.ack_first``): PENDING, no leases."""
+        return self.hits is None and self.work is None
 
     def pending(self) -> JobWork:
         """The pending work (the job must be PENDING)."""
@@ -307,6 +325,9 @@ class JobMachine:
         self.tombstones: OrderedDict[RequestKey, tuple[int, float]] = OrderedDict()
         self.waiters: dict[RequestKey, dict[int, Waiter]] = {}
         self.waiter_by_id: dict[int, Waiter] = {}
+        # ack_first: the acknowledged lookup whose work has not run (job, event, its now). At
+        # most one: every handle runs it before anything else.
+        self.accepted: tuple[PrefetchJob, Lookup, float] | None = None
         self.dispatch = JOB_TABLE.bind(self, _request_key, self.state, ctx.counters, ctx.reply_error)
 
     # ============================================================================= queries
@@ -377,9 +398,9 @@ class JobMachine:
             if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < ws
                                     for r in ranks) or len(set(ranks)) != len(ranks):
                 err = f"ranks must be distinct ints in [0, {ws}), not {ranks!r}"
-        hashes: tuple[bytes, ...] = ()
+        num_chunks = ev.key.end // ctx.config.chunk_size if err is None else 0
         if err is None:
-            hashes, err = ctx.hashes(ev.key, ev.key.end // ctx.config.chunk_size)
+            err = ctx.token_error(ev.key, num_chunks)
         if err is not None:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
@@ -406,23 +427,75 @@ class JobMachine:
             self.server._on_duplicate_lookup(job, ev, now, out)
             return
         self.tombstones.pop(key, None)
+        if ctx.config.ack_first:
+            job = self._register(ev, now, out)
+            self.accepted = (job, ev, now)
+            return
+        hashes, err = ctx.hashes(ev.key, num_chunks)
+        if err is not None:  # token_error checked it already: kept as a guard
+            ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
+            return
         if ctx.admission is not None:
             ctx.admission.record(hashes)
         self.start_job(ev, hashes, now, out)
 
+    def _register(self, ev: Lookup, now: float, out: list[Effect]) -> PrefetchJob:
+        """Make the request's job (no work yet), queue its reap and acknowledge the lookup."""
+        key = RequestKey(ev.peer, ev.key.request_id)
+        job = PrefetchJob(key.request_id, self.jobs.canonical(ev.peer))
+        self.jobs[key] = job
+        self.reap_queue.push(now + self.ctx.config.abandoned_job_ttl, job)
+        out.append(Reply(ev.reply_to, None))
+        return job
+
     def start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
+        """Register the job, acknowledge the lookup and do its work (the whole lookup at once)."""
+        self._work(self._register(ev, now, out), ev, hashes, now, out)
+
+    def run_accepted(self, out: list[Effect]) -> None:
+        """Do the work of the acknowledged lookup, if one waits (module docstring)."""
+        accepted = self.accepted
+        if accepted is None:
+            return
+        self.accepted = None
+        job, ev, now = accepted
+        ctx = self.ctx
+        try:
+            hashes, err = ctx.hashes(ev.key, ev.key.end // ctx.config.chunk_size)
+            if err is not None:
+                raise ValueError(err)
+            if ctx.admission is not None:
+                ctx.admission.record(hashes)
+            self._work(job, ev, hashes, now, out)
+        except Exception as exc:  # a fault of the server: the job must still resolve
+            self._work_failed(job, f"{type(exc).__name__}: {exc}", now, out)
+
+    def _work_failed(self, job: PrefetchJob, reason: str, now: float, out: list[Effect]) -> None:
+        """The accepted job's work raised: resolve it as 0 hits, with none of its leases."""
+        ctx = self.ctx
+        ctx.counters["lookup_work_failures"] += 1
+        out.append(LookupWorkFailed(job.request_id, reason[:500]))
+        if not self.jobs.holds(job) or job.hits is not None:
+            return
+        if job.work is not None and job.read_id is not None:
+            self.l2.detach_read(job.read_id)
+        job.work = None
+        ctx.index.release_owner(job.key, ReleaseReason.FREE, now)
+        self.complete(job, 0, now, out)
+
+    def _work(self, job: PrefetchJob, ev: Lookup, hashes: tuple[bytes, ...], now: float,
+              out: list[Effect]) -> None:
+        """A registered job's lookup work: lease its L1 prefix, then start its L2 step or know
+        its hit count."""
         ctx, ckey = self.ctx, ev.key
-        key = RequestKey(ev.peer, ckey.request_id)
+        key = job.key
         ranks = range(ckey.world_size) if ev.ranks is None else ev.ranks
         prefix = self.server._lease_prefix_for_lookup(key, hashes, ranks, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
-        job = PrefetchJob(ckey.request_id, self.jobs.canonical(ev.peer), work=JobWork(
+        job.work = JobWork(
             serial=ctx.new_id(), model_name=sys.intern(ckey.model_name), world_size=ckey.world_size,
             hashes=pack_hashes(hashes), num_readers=ev.num_readers, l1_prefix=prefix, ranks=ev.ranks,
-        ))
-        self.jobs[key] = job
-        self.reap_queue.push(now + ctx.config.abandoned_job_ttl, job)
-        out.append(Reply(ev.reply_to, None))
+        )
         if ctx.config.l2_enabled and prefix < len(hashes):
             started = (self.l2.start_probe(job, now, out) if ctx.config.l2_probe
                        else self.l2.start_read(job, len(hashes), now, out))
@@ -651,8 +724,9 @@ class JobMachine:
             count += 1
             assert job.key == key
             assert key not in self.tombstones, "a live job and a tombstone for one request"
-            if job.hits is None:
-                assert job.work is not None, "a pending job without its work"
+            if job.accepted:
+                assert self.accepted is not None and self.accepted[0] is job, "an accepted job not waiting to run"
+            elif job.hits is None:
                 assert self.l2.is_reading(job.read_id) != self.l2.is_probing(job.probe_id), \
                     "pending job: one L2 step"
             else:

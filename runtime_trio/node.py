@@ -5,6 +5,9 @@ The node knows nothing about the protocol. Its loop is the whole runtime:
     event = await mailbox.receive()
     effects = machine.handle(event, now)
     for effect in effects: interpret(node, machine_name, effect)
+    if machine.deferred_work:          # a machine that acknowledged before working
+        interpret the effects so far    # (the ack leaves first), then
+        effects += machine.run_deferred()  # its work, before the next event
     re-arm the timer at min(machine.next_deadline() for machine in machines)
 
 When the timer expires the node hands `timer_event()` (core_sm's `TimerFired()`) to every
@@ -121,9 +124,17 @@ class Node:
         now = self._clock()
         effects: list[Any] = machine.handle(event, now)
         self.handled += 1
+        later = effects
+        if getattr(machine, "deferred_work", False):
+            # The machine acknowledged first (core_sm ServerConfig.ack_first): its replies go
+            # out, then it does the work it left, before the node takes the next event.
+            for effect in effects:
+                self._interpret(self, machine_name, effect)
+            later = machine.run_deferred()
+            effects = effects + later
         if self._observer is not None:
             self._observer(self, machine_name, event, effects, now)
-        for effect in effects:
+        for effect in later:
             self._interpret(self, machine_name, effect)
         return effects
 

@@ -150,6 +150,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             id_seed=secrets.randbits(128),  # transfer ids nobody can predict
             store_threshold=config.store_threshold,
             chain_key=chain_key if chain_key is not None else secrets.token_bytes(32),
+            ack_first=True,  # _handle sends a lookup's ack, then runs its work
         )
     )
 
@@ -290,6 +291,7 @@ class Server:
         self._max_message_s = 0.0
         self._max_message_cpu_s = 0.0
         self._last_oversized_log = -1e9
+        self._last_work_failure_log = -1e9
         self._curve_user: str | None = None  # the User-Id of the message being served (CURVE)
         self._frames_to_free: queue.SimpleQueue[zmq.Frame | None] = queue.SimpleQueue()
         self._frame_freer = threading.Thread(target=self._free_frames, name="mpcache-frame-free", daemon=True)
@@ -642,9 +644,11 @@ class Server:
     def _handle(self, event: object, now: float, reply_to: ReplyTo | None) -> None:
         if reply_to is not None:
             self._outstanding[reply_to] = None
+        machine = self.machine
         try:
-            effects = self.machine.handle(event, now)
-            if self.trace is not None:
+            effects = machine.handle(event, now)
+            deferred = machine.deferred_work
+            if self.trace is not None and not deferred:
                 self.trace.record(now, event, effects)
         except Exception as e:  # a core_sm bug: answer, log, keep serving
             log.exception("core_sm raised on %s", type(event).__name__)
@@ -652,6 +656,28 @@ class Server:
                 self._send_error(reply_to, ErrorKind.INTERNAL.value, f"{type(e).__name__}: {e}"[:500])
             return
         for eff in effects:
+            try:
+                self._interpret(eff)
+            except Exception:
+                log.exception("carrying out %s failed", type(eff).__name__)
+        if deferred:
+            self._run_deferred(now, event, effects)
+
+    def _run_deferred(self, now: float, event: object, effects: list[Any]) -> None:
+        """core_sm acknowledged a lookup before its work (``ack_first``): send the ack, then do
+        the work (hashes, leases, L2 start) while the client's next request is on its way.
+        Under a throughput load -- another message already waiting -- the held replies stay
+        batched: the ack then leaves with the next message's reply (at most _REPLY_HOLD_S
+        later), as every reply of a batch does."""
+        if self._reply_batch:
+            sock = self.sock
+            waiting = isinstance(sock, zmq.Socket) and bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
+            if not waiting:
+                self._flush_replies()
+        later = self.machine.run_deferred()  # never raises
+        if self.trace is not None:
+            self.trace.record(now, event, effects + later)  # one record per event, as replay runs it
+        for eff in later:
             try:
                 self._interpret(eff)
             except Exception:
@@ -681,6 +707,12 @@ class Server:
                         eff.instance_id, self.config.instance_ttl)  # type: ignore[attr-defined]
             self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
             self._instance_bytes.pop(eff.instance_id, None)  # type: ignore[attr-defined]
+        elif t is fx.LookupWorkFailed:  # a server fault after the ack: the job answers 0 hits
+            now = self.clock()  # counted by core_sm (stats()["lookup_work_failures"])
+            if now - self._last_work_failure_log >= 1.0:  # a fault on every lookup: a line a second
+                self._last_work_failure_log = now
+                log.error("the work of acknowledged lookup %r failed (%s): it answers 0 hits",
+                          eff.request_id, eff.reason)  # type: ignore[attr-defined]
         elif t is fx.ChunksStored or t is fx.ChunksRemoved or t is fx.AllChunksCleared:
             if self.kv_events is not None:
                 self.kv_events.publish((eff,))

@@ -265,6 +265,8 @@ class Adversary:
         claimed = self.claimed.setdefault((host.name, host.incarnation), set())
         before = honest_state(server, claimed)
         effects += server.handle(event, now)
+        if server.deferred_work:  # an acknowledged lookup's work belongs inside the window too
+            effects += server.run_deferred()
         after = honest_state(server, claimed)
         # The adversary's requests are keyed by its own peer, so nothing it creates is a
         # tenant's. Only a server that ignores peers (trust-all) files them under a tenant's key:

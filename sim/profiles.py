@@ -75,6 +75,7 @@ class Profile:
             store_threshold=cfg.store_threshold,
             instance_ttl=self.instance_ttl,
             chain_key=cfg.chain_key,
+            ack_first=True,  # as runtime_zmq: the node runs a lookup's work after its ack
         )
 
     def make_server(self, cfg: WorldConfig) -> LookupServer:

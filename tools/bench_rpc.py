@@ -839,6 +839,11 @@ def _fmt_row(r: Row, raw: Row | None) -> str:
 def run(args: argparse.Namespace) -> int:
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     only = [w.strip() for w in (args.only or "noop,status,lookup,lookup_packed").split(",") if w.strip()]
+    latency_ops = [w.strip() for w in args.latency_ops.split(",") if w.strip()]
+    unknown = set(latency_ops) - {"noop", "pair", "pair_packed", "status"}
+    if unknown:
+        print(f"mpcache-bench rpc: unknown latency rows {sorted(unknown)}", file=sys.stderr)
+        return 2
     load = os.getloadavg()
     print(f"# mpcache-bench rpc  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  "
           f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
@@ -881,7 +886,7 @@ def run(args: argparse.Namespace) -> int:
                     starts.append((kind, transport, server.start_s))
                     expect = {"raw": None, "mpcache": TOKENS // CHUNK, "lmcache": 0}[kind]
                     probes.append(LatencyProbe(server.url, f"{kind}-{transport}", expect))
-                for what in () if args.no_latency else ("noop", "pair", "pair_packed", "status"):
+                for what in () if args.no_latency else latency_ops:
                     # the echo server's answer to a status frame is the noop row, in effect;
                     # LMCache's keys carry token ids as a list only
                     sel = [i for i, k in enumerate(kinds)
@@ -1044,6 +1049,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="DIR", help="py-spy the mpcache server during the throughput rows")
     parser.add_argument("--only", metavar="OPS", help="throughput rows to run (comma-separated: noop,status,lookup,lookup_packed)")
     parser.add_argument("--no-latency", action="store_true", help="throughput rows only")
+    parser.add_argument("--latency-ops", metavar="OPS", default="noop,pair,pair_packed,status",
+                        help="latency rows to run (comma-separated: noop,pair,pair_packed,status); "
+                             "'--latency-ops pair,pair_packed --no-throughput' is the pair-latency-only run")
     parser.add_argument("--no-mpcache", action="store_true", help="skip mpcache (baselines only)")
     parser.add_argument("--l1-size-gb", type=float, default=1.0)
     parser.add_argument("--lmcache-venv", metavar="PATH",

@@ -12,7 +12,9 @@ with the token ids as LMCache's client sends them (list) and as mpcache's client
 Each row: median and best of `--rounds` rounds of `--calls` calls. Then the cycle's messages one by
 one: `--calls` lookups in a row (list, then packed ids), then their statuses, then their
 `end_session`s, each batch timed alone (the jobs of a batch are live together, as on a busy
-server). `--profile` adds a cProfile breakdown of the list-form cycle (self time per function).
+server); then `lookup to its ack`: the CPU from a lookup's arrival to its reply's send (the
+server acknowledges before the lookup's hashing and leases, which then run before the next
+message: what one request in flight waits for). `--profile` adds a cProfile breakdown of the list-form cycle (self time per function).
 
 The implied ceiling: one core spends `1e6 / us` requests per second in the handler, before the
 transport (recv/send, the zmq I/O thread) and the loop's poll.
@@ -35,13 +37,19 @@ from mpcache.tools.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOK
 
 
 class _StubSocket:
-    """Stands in for the ROUTER socket: keeps the last reply sent."""
+    """Stands in for the ROUTER socket: keeps the last reply sent (and, when ``stamp`` is set,
+    the loop thread's CPU clock at its first send: ``sent_at``)."""
 
     def __init__(self) -> None:
         self.last: list[bytes] = []
+        self.stamp = False
+        self.sent_at = 0.0
 
     def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
         self.last = frames
+        if self.stamp:
+            self.stamp = False
+            self.sent_at = time.thread_time()
 
 
 def _frames(uid: int, op: str, *args: Any) -> list[bytes]:
@@ -164,6 +172,24 @@ def main(argv: list[str] | None = None) -> int:
             for op, per in per_op.items():
                 med = statistics.median(per)
                 print(f"| {op} alone, {form} ids | {med:.1f} | {min(per):.1f} | {1e6 / med:,.0f}/s |")
+            to_ack: list[float] = []
+            for _rnd in range(args.rounds):
+                total = 0.0
+                rids = []
+                for _ in range(args.calls):
+                    n = uid[0] = uid[0] + 1
+                    rid = msgpack.packb(f"r{n:015d}")
+                    rids.append(rid)
+                    msg = [b"peer", msgpack.packb(n), ops[0], head + rid + tail, one]
+                    stub.stamp = True
+                    t0 = time.thread_time()
+                    handle(msg)
+                    total += stub.sent_at - t0
+                to_ack.append(total / args.calls * 1e6)
+                for rid in rids:
+                    handle([b"peer", one, ops[2], rid])
+            med = statistics.median(to_ack)
+            print(f"| lookup to its ack, {form} ids | {med:.1f} | {min(to_ack):.1f} | - |")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()

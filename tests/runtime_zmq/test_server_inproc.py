@@ -232,3 +232,32 @@ def test_replies_held_in_a_receive_batch_all_go_out_in_order(threaded: tuple[Ser
         assert time.monotonic() - t0 < 1.0
     finally:
         sock.close()
+
+
+def test_lookup_ack_leaves_before_its_work(threaded: tuple[Server, MPCacheClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    """core_sm acknowledges a lookup before its work (ack_first); the loop sends the ack first,
+    then runs the work: a slow lease walk injected here does not delay the ack."""
+    server, c = threaded
+    assert c.register_instance(4, LAYOUT).result(5) is None
+    toks = tokens(2)
+    _handle, ok = c.store(key(toks, "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
+    assert ok is True
+    machine = server.machine
+    real = machine._lease_prefix_for_lookup
+    work_done = threading.Event()
+
+    def slow_leases(*args: Any) -> int:
+        time.sleep(0.5)
+        try:
+            return real(*args)  # type: ignore[no-any-return]
+        finally:
+            work_done.set()
+
+    monkeypatch.setattr(machine, "_lease_prefix_for_lookup", slow_leases)
+    lookup = c.lookup(key(toks, "r"))
+    assert lookup.result(5) is None
+    assert not work_done.is_set(), "the ack waited for the lookup's work"
+    # the status the client sends after the ack sees the work's result
+    assert c.query_prefetch_status("r").result(5) == 2
+    assert work_done.is_set()
+    assert c.stats()["leases_held"] == 2
