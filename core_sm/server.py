@@ -71,7 +71,8 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.server_core import EFFECT_OWNERS, RequestKey, ServerConfig, ServerContext
 from mpcache.core_sm.server_instances import INSTANCE_TABLE, INSTANCE_TIMERS, InstanceMachine, InstanceState
-from mpcache.core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobMachine, JobState, JobTable, PrefetchJob, ReapJob
+from mpcache.core_sm.job_table import JobState, JobTable, PrefetchJob
+from mpcache.core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobMachine, ReapJob
 from mpcache.core_sm.server_l2 import L2_TABLE, L2_TIMERS, L2State, L2Work
 from mpcache.core_sm.server_transfers import (
     TRANSFER_CREATORS,

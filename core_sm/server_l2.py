@@ -25,7 +25,8 @@ from mpcache.core_sm.timers import Timer
 
 if TYPE_CHECKING:
     from mpcache.core_sm.server_instances import InstanceMachine
-    from mpcache.core_sm.server_jobs import JobMachine, PrefetchJob
+    from mpcache.core_sm.job_table import PrefetchJob
+    from mpcache.core_sm.server_jobs import JobMachine
 
 
 class L2State(enum.Enum):
