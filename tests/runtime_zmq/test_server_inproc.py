@@ -238,7 +238,7 @@ def test_lookup_ack_leaves_before_its_work(threaded: tuple[Server, MPCacheClient
     """core_sm acknowledges a lookup before its work (ack_first); the loop sends the ack first,
     then runs the work: a slow lease walk injected here does not delay the ack."""
     server, c = threaded
-    assert c.register_instance(4, LAYOUT).result(5) is None
+    assert isinstance(c.register_instance(4, LAYOUT).result(5), int)
     toks = tokens(2)
     _handle, ok = c.store(key(toks, "s", worker_id=0), 4, list(range(32)), b"E" * 64).result(5)
     assert ok is True
