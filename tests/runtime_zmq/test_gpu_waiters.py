@@ -28,6 +28,7 @@ C, BS = 8, 4  # 2 blocks per chunk
 class Stream:
     def __init__(self) -> None:
         self.stuck = False
+        self.busy_until = 0.0  # monotonic time its copies end (the query decides, not a timer thread)
 
 
 class Event:
@@ -42,7 +43,8 @@ class Driver:
 
     def cuEventQuery(self, ev: Event) -> tuple[int]:
         self.queries += 1
-        return (NOT_READY if ev.stream is not None and ev.stream.stuck else SUCCESS,)
+        s = ev.stream
+        return (NOT_READY if s is not None and (s.stuck or time.monotonic() < s.busy_until) else SUCCESS,)
 
     def cuEventRecord(self, ev: Event, stream: Stream) -> tuple[int]:
         ev.stream = stream
@@ -204,10 +206,11 @@ def test_waiter_sleeps_until_the_copy_should_be_done(fake_cuda: dict[str, Any]) 
     ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, link_gbps=0.5)  # 1 MiB chunk: 2 ms
     done = Done()
     inst, stream, _ = add(ex, 1, b"\x04" * 64)
-    stream.stuck = True
+    # the copy ends at 30 ms, decided by the fake driver's clock: a timer thread started late on
+    # a loaded box would leave it "running" past the expected 32 ms, into the 50 us polls
+    stream.busy_until = time.monotonic() + 0.03
     before = fake_cuda["driver"].queries
     ex.start(st(1, 1, 16), b"", done)  # 32 ms expected
-    threading.Timer(0.03, lambda: setattr(stream, "stuck", False)).start()
     done.wait({1})
     assert fake_cuda["driver"].queries - before < 40
     ex.close()
