@@ -14,7 +14,7 @@ refused ``FORBIDDEN``. One instance holds at most ``max_transfers_per_instance``
 chunks are skipped: no other tenant's ready object is evicted for them). Its committed objects
 are charged to it in the L1 index, which shares L1 by the same quota: an instance at or over
 its share that needs a slot evicts its own least recently used objects first, and never an
-object of an instance within its share (mpcache.core_sm.l1_index). An uncommitted plan
+object of an instance within its share (mpcache.core_sm.l1_quota). An uncommitted plan
 lives ``min(plan_ttl, lease_ttl)``; a ``not_after`` is held to at most ``now +
 max_not_after_ahead`` (the copy's deadline and how long its answer is kept for duplicates).
 """
