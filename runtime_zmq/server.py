@@ -666,10 +666,12 @@ class Server:
     def _run_deferred(self, now: float, event: object, effects: list[Any]) -> None:
         """core_sm acknowledged a lookup before its work (``ack_first``): send the ack, then do
         the work (hashes, leases, L2 start) while the client's next request is on its way.
-        Under a throughput load -- another message already waiting -- the held replies stay
-        batched: the ack then leaves with the next message's reply (at most _REPLY_HOLD_S
-        later), as every reply of a batch does."""
-        if self._reply_batch:
+        Under a throughput load -- other replies already held, or another message waiting --
+        the held replies stay batched: the ack then leaves with the batch (at most
+        _REPLY_HOLD_S later), as every reply of a batch does (a flush per lookup there wakes
+        zmq's I/O thread per reply: measured, list-form lookups/s fell by a sixth)."""
+        batch = self._reply_batch
+        if batch is not None and len(batch) == 1:  # the ack alone: not in the middle of a busy batch
             sock = self.sock
             waiting = isinstance(sock, zmq.Socket) and bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
             if not waiting:
