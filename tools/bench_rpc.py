@@ -318,6 +318,16 @@ def _prestore_mpcache(url: str) -> None:
     ctx = zmq.Context.instance()
     sock = _dealer(ctx, url)
     try:
+        # time the compiled paths, not the first second on their Python fallbacks: the token
+        # scanner and the native chunk chain load on threads after the server answers
+        end = time.monotonic() + 60.0
+        uid = 100
+        while time.monotonic() < end:
+            uid += 1
+            st = _call(sock, uid, "stats")
+            if st.get("token_scanner_ready", True) and st.get("native_chunk_hash_ready", True):
+                break
+            time.sleep(0.05)
         toks = _tokens()
         _call(sock, 1, "register_instance", INSTANCE_ID, {
             "model_name": MODEL, "world_size": 1, "object_bytes": OBJECT_BYTES,
