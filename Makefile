@@ -32,7 +32,7 @@ run: venv
 	$(VENV)/bin/mpcache-server
 
 test: venv
-	PYTHONPATH=. $(VPY) -m mypy --strict -p mpcache.core_sm -p mpcache.runtime_trio -p mpcache.sim -p mpcache.runtime_zmq -m mpcache.vllm
+	$(VPY) -m mypy --strict -p mpcache.core_sm -p mpcache.runtime_trio -p mpcache.sim -p mpcache.runtime_zmq -m mpcache.vllm
 	MPCACHE_CUDASIM=1 $(VPY) -m pytest -q
 
 # On a GPU host, with a python that has torch (CUDA), numba-cuda, cuda-bindings, pyzmq, msgpack.

@@ -2,8 +2,8 @@
 the most samples by self time and by inclusive time, so a profile taken on a remote machine can
 be read as a table without a flame-graph viewer.
 
-    py-spy record --subprocesses --format raw -o prof.txt -- python -m mpcache.tools.bench_cli gpu-server ...
-    python -m mpcache.tools.folded_top prof.txt --match runtime_zmq.cli --top 30
+    py-spy record --subprocesses --format raw -o prof.txt -- python -m mpcache.bench.bench_cli gpu-server ...
+    python3 tools/folded_top.py prof.txt --match runtime_zmq.cli --top 30
 
 A folded line is ``frame;frame;...;leaf COUNT``; with ``--subprocesses`` the first frame names
 the process (``process PID:"cmdline"``; a child's stack sits under its parents'). ``--match`` keeps the processes whose first frame

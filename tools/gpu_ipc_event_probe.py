@@ -1,5 +1,5 @@
 """Which CUDA interprocess-event records does another process see? (GPU host:
-``python -m mpcache.tools.gpu_ipc_event_probe``.)
+``python3 tools/gpu_ipc_event_probe.py``.)
 
 The server orders its copies after an engine's work with ``cuStreamWaitEvent`` on the engine's
 interprocess event, opened from its 64-byte handle. This probe runs an exporter process (torch,
@@ -19,10 +19,22 @@ import time
 from typing import Any
 
 
+def stall(torch: Any, seconds: float) -> None:
+    """Keep the current stream busy for about ``seconds`` (returns at once): the GPU spins for
+    a cycle count calibrated from a short timed spin."""
+    import time as _time
+
+    torch.cuda.synchronize()
+    t0 = _time.perf_counter()
+    torch.cuda._sleep(10_000_000)
+    torch.cuda.synchronize()
+    per_cycle = (_time.perf_counter() - t0) / 10_000_000
+    torch.cuda._sleep(int(seconds / per_cycle))
+
+
 def _exporter(conn: Any) -> None:
     import torch
 
-    from tests.runtime_zmq.gpu_worker import stall
     from mpcache.runtime_zmq.gpu_ipc import export_event
 
     torch.cuda.init()
@@ -87,7 +99,6 @@ def main() -> None:
 def _short_exporter(conn: Any) -> None:
     import torch
 
-    from tests.runtime_zmq.gpu_worker import stall
     from mpcache.runtime_zmq.gpu_ipc import export_event
 
     torch.cuda.init()

@@ -20,10 +20,10 @@ rc=0
 for step in $STEPS; do
     case $step in
     bench)
-        timeout 240 python3 -m mpcache.tools.bench_cli gpu-server --label after --out "$OUT" 2>&1 | tee "$OUT/bench_after.log" || rc=1 ;;
+        timeout 240 python3 -m mpcache.bench.bench_cli gpu-server --label after --out "$OUT" 2>&1 | tee "$OUT/bench_after.log" || rc=1 ;;
     before)
         if [ -n "${BEFORE_REPO:-}" ]; then
-            timeout 150 python3 -m mpcache.tools.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \
+            timeout 150 python3 -m mpcache.bench.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \
                 --shapes 1x8,32x1,16x8 --rounds 4 --out "$OUT" 2>&1 | tee "$OUT/bench_before.log" || rc=1
         fi ;;
     pyspy)
@@ -32,7 +32,7 @@ for step in $STEPS; do
         # the summary (--exclude warm_up).
         spy=$(command -v py-spy || echo /tmp/mpcache-site/bin/py-spy)
         if [ ! -x "$spy" ]; then echo "py-spy not found (put its wheel in WHEELS)"; rc=1; continue; fi
-        python3 -m mpcache.tools.bench_cli gpu-server --label profiled --engines 1 --shapes "${PYSPY_SHAPES:-1x8,32x1}" \
+        python3 -m mpcache.bench.bench_cli gpu-server --label profiled --engines 1 --shapes "${PYSPY_SHAPES:-1x8,32x1}" \
             --rounds "${PYSPY_ROUNDS:-12}" --out "$OUT" >"$OUT/bench_profiled.log" 2>&1 &
         bench=$!
         seen=" "
@@ -49,13 +49,13 @@ for step in $STEPS; do
         tail -20 "$OUT/bench_profiled.log"
         for f in "$OUT"/prof_*.txt; do
             [ -f "$f" ] || continue
-            python3 -m mpcache.tools.folded_top "$f" --exclude warm_up --exclude _compile_for_args --top 40 | tee -a "$OUT/gpu_server_profile_top.log"
+            python3 tools/folded_top.py "$f" --exclude warm_up --exclude _compile_for_args --top 40 | tee -a "$OUT/gpu_server_profile_top.log"
             gzip -f "$f"
         done ;;
     profile)
-        timeout 150 python3 -m mpcache.tools.host_profile_kernels 2>&1 | tee "$OUT/host_profile.log" || rc=1 ;;
+        timeout 150 python3 tools/host_profile_kernels.py 2>&1 | tee "$OUT/host_profile.log" || rc=1 ;;
     kernels)
-        timeout 200 python3 -m mpcache.tools.bench_cli kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
+        timeout 200 python3 -m mpcache.bench.bench_cli kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
     test)
         if command -v make >/dev/null; then cmd=(make test-gpu PY=python3); else cmd=(env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -m "gpu or cuda" tests/kernels tests/runtime_zmq); fi
         timeout 300 "${cmd[@]}" 2>&1 | tee "$OUT/test_gpu.log" | tail -40 || rc=1 ;;

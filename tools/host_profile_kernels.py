@@ -1,4 +1,4 @@
-"""Where the host time of a CudaKVTransfer call goes (GPU host): `python -m mpcache.tools.host_profile_kernels`.
+"""Where the host time of a CudaKVTransfer call goes (GPU host): `python3 tools/host_profile_kernels.py`.
 
 Llama-3-8B KV geometry (32 layers, 8 KV heads, head 128, bf16, block 16, chunk 256 = 32 MiB).
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-CORE_SM = pathlib.Path(__file__).resolve().parents[2] / "core_sm"
+CORE_SM = pathlib.Path(__file__).resolve().parents[2] / "mpcache" / "core_sm"
 FORBIDDEN = {"time", "random", "uuid", "os", "threading", "socket", "asyncio", "secrets",
              "subprocess", "multiprocessing", "datetime", "concurrent", "signal", "select",
              "_thread", "selectors"}

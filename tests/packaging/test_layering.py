@@ -11,14 +11,14 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-FOLDERS = ("core_sm", "runtime_trio", "sim", "runtime_zmq", "kernels", "tools")
+FOLDERS = ("core_sm", "runtime_trio", "sim", "runtime_zmq", "kernels", "bench")
 MAY_IMPORT = {
     "core_sm": {"core_sm"},
     "runtime_trio": {"core_sm", "runtime_trio"},
     "sim": {"core_sm", "runtime_trio", "sim"},
     "runtime_zmq": {"core_sm", "runtime_zmq", "kernels"},
     "kernels": {"kernels"},
-    "tools": set(FOLDERS),
+    "bench": set(FOLDERS),
 }
 
 
@@ -35,7 +35,7 @@ def _own_imports(path: pathlib.Path) -> list[tuple[int, str]]:
 
 def check_folder(folder: str) -> list[str]:
     problems = []
-    for path in sorted((REPO / folder).rglob("*.py")):
+    for path in sorted((REPO / "mpcache" / folder).rglob("*.py")):
         for line, module in _own_imports(path):
             parts = module.split(".")
             where = f"{path.relative_to(REPO)}:{line}"
@@ -58,7 +58,19 @@ def test_tests_import_through_the_namespace() -> None:
     assert bad == []
 
 
-def test_namespace_links_reach_the_folders() -> None:
+def test_the_parts_are_real_folders_with_one_name() -> None:
+    """No links anywhere in the package: a linked folder makes each module importable under two
+    names (mypy sees both, ``a.X is mpcache.a.X`` is False) and hides the imports from tools."""
+    package = REPO / "mpcache"
+    links = [str(p.relative_to(REPO)) for p in package.rglob("*") if p.is_symlink()]
+    assert links == []
     for folder in FOLDERS:
-        link = REPO / "mpcache" / folder
-        assert link.is_symlink() and link.resolve() == (REPO / folder).resolve(), folder
+        assert (package / folder).is_dir() and (package / folder / "__init__.py").is_file(), folder
+        assert not (REPO / folder).exists(), f"{folder}/ at the top would shadow mpcache.{folder}"
+
+
+def test_checkout_tools_do_not_import_tests() -> None:
+    """tools/ holds checkout-only scripts; they use the package, never the test suite."""
+    bad = [f"{p.relative_to(REPO)}:{line}: {m}" for p in sorted((REPO / "tools").rglob("*.py"))
+           for line, m in _own_imports(p) if m.split(".")[0] == "tests"]
+    assert bad == []

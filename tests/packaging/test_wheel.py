@@ -26,10 +26,6 @@ def _copy_tree(dst: str) -> None:
             continue
         src = os.path.join(REPO, name.decode())
         target = os.path.join(dst, name.decode())
-        if os.path.islink(src):  # mpcache/<folder> -> ../<folder>: the namespace's links, kept as links
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.symlink(os.readlink(src), target)
-            continue
         if not os.path.isfile(src):
             continue
         os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -12,7 +12,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from mpcache.tools.server_process import ServerProcess as ChildServer
+from mpcache.bench.server_process import ServerProcess as ChildServer
 
 HERE = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

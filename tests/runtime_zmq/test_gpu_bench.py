@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpcache.tools.bench_gpu_server import SLOT, _summarise
-from mpcache.tools.server_process import ServerProcess
+from mpcache.bench.bench_gpu_server import SLOT, _summarise
+from mpcache.bench.server_process import ServerProcess
 
 
 def test_server_process_starts_and_stops_cleanly() -> None:

@@ -11,7 +11,7 @@ from live_server import REPO, ServerProcess
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpcache.tools.bench_cli", "server", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mpcache.bench.bench_cli", "server", *argv], capture_output=True, text=True,
                           cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
 
 

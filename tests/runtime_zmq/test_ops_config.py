@@ -145,7 +145,7 @@ def test_version_on_every_command() -> None:
         out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 0, (module, out.stderr)
         assert version in out.stdout, (module, out.stdout)
-    from mpcache.tools import bench_cli
+    from mpcache.bench import bench_cli
 
     assert bench_cli.main(["--version"]) == 0
 

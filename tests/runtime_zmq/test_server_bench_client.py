@@ -1,4 +1,4 @@
-"""The C throughput client of ``mpcache-bench rpc`` (tools/rpc_client.c) against a real server:
+"""The C throughput client of ``mpcache-bench rpc`` (mpcache/bench/rpc_client.c) against a real server:
 it counts only replies that are what was asked (op frame and, for status, the hit count), ends
 every lookup it sent, and reports an error reply as an error, never as throughput."""
 
@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from live_server import ServerProcess
-from mpcache.tools import bench_rpc
+from mpcache.bench import bench_rpc
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="needs a C compiler")

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from mpcache.tools import bench_ttft
+from mpcache.bench import bench_ttft
 
 
 def test_kv_bytes_and_flop_per_token_by_hand() -> None:

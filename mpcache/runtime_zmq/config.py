@@ -43,7 +43,7 @@ def version() -> str:
             pass
     except ImportError:  # pragma: no cover
         pass
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "pyproject.toml")
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "pyproject.toml")
     try:
         with open(here, "rb") as f:
             return str(tomllib.load(f)["project"]["version"])

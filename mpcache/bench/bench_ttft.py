@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHUNK = 256
 TARGETS = {"l1_speedup": 150.0, "disk_speedup": 30.0, "first_pass_cost": 0.02}
 # The random Llamas (``--model``). The ratio recompute / hit grows with the prefill FLOP a model
@@ -267,7 +267,7 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
     # the engine core in this process, so each LLMEngine.step() is one scheduler step (counted)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=str(REPO),
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    argv = [vpy, "-m", "mpcache.tools.bench_ttft", "--child", mode, "--model-path", model, "--tokens", str(args.tokens),
+    argv = [vpy, "-m", "mpcache.bench.bench_ttft", "--child", mode, "--model-path", model, "--tokens", str(args.tokens),
             "--max-len", str(args.tokens + 512), "--server", server, "--redis-port", str(redis_port),
             "--child-out", str(out), "--admin-token-file", str(log.parent / "admin-token"), "--samples", str(args.samples), "--connector-config", args.connector_config]
     with open(log, "wb") as f:
@@ -281,7 +281,7 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
 
 def _run_model(args: argparse.Namespace, model_name: str, vpy: str) -> dict[str, Any]:
     """One model's whole run and table; returns its target rows for the summary."""
-    from mpcache.tools.bench_rpc import _free_port
+    from mpcache.bench.bench_rpc import _free_port
 
     work = Path(tempfile.mkdtemp(prefix="mpcache-bench-ttft-"))
     load = os.getloadavg()

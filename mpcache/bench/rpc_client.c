@@ -1,6 +1,6 @@
 /* mpcache-bench rpc's throughput client: one DEALER, `window` requests in flight, a C loop.
 
-   Built by tools/bench_rpc.py (cc, linked against the libzmq that pyzmq ships), so the client
+   Built by mpcache/bench/bench_rpc.py (cc, linked against the libzmq that pyzmq ships), so the client
    processes cost little CPU next to the server they measure: the rate a row prints is the
    server's, not the clients' (the Python clients took most of a 2-core box).
 

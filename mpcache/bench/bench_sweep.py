@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from mpcache.runtime_zmq.client import MPCacheClient
-from mpcache.tools.server_process import ServerProcess
+from mpcache.bench.server_process import ServerProcess
 
 CHUNK = 64
 SLOT_GB = 1 / 1024

@@ -1,4 +1,4 @@
-"""`mpcache-bench NAME [args]`: runs the benchmark module `tools/bench_NAME.py` (its `main(argv)`).
+"""`mpcache-bench NAME [args]`: runs the benchmark module `mpcache/bench/bench_NAME.py` (its `main(argv)`).
 
 Each benchmark prints a table; results worth keeping go in docs/benchmarks.md.
 """
@@ -8,11 +8,13 @@ import importlib
 import pkgutil
 import sys
 
-import mpcache.tools as tools
+import mpcache.bench as bench
+
+
 def available() -> list[str]:
     return sorted(
         m.name[len("bench_"):]
-        for m in pkgutil.iter_modules(tools.__path__)
+        for m in pkgutil.iter_modules(bench.__path__)
         if m.name.startswith("bench_") and m.name != "bench_cli"
     )
 
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: mpcache-bench {all|" + "|".join(names) + "} [args...]")
         print("each benchmark prints a results table; see docs/benchmarks.md")
         return 0 if args else 2
-    name, rest = args[0].replace("-", "_"), args[1:]  # `mpcache-bench gpu-server` runs tools/bench_gpu_server.py
+    name, rest = args[0].replace("-", "_"), args[1:]  # `mpcache-bench gpu-server` runs mpcache/bench/bench_gpu_server.py
     if name == "all":
         rc = 0
         for n in names:
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(name: str, argv: list[str]) -> int:
-    module = importlib.import_module(f"mpcache.tools.bench_{name}")
+    module = importlib.import_module(f"mpcache.bench.bench_{name}")
     return int(module.main(argv) or 0)
 
 

@@ -36,14 +36,14 @@ import tempfile
 import time
 from typing import Any
 
-from mpcache.tools.server_process import ServerProcess
+from mpcache.bench.server_process import ServerProcess
 
 MiB = 1 << 20
 GEO = {"num_layers": 32, "block_size": 16, "num_heads": 8, "head_size": 128}
 CHUNK = 256
 BPC = CHUNK // GEO["block_size"]
 SLOT = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2  # 32 MiB
-REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _engine(conn: Any, url: str, iid: int, num_blocks: int, seed: int, announce_event: bool = True) -> None:

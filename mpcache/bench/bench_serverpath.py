@@ -33,7 +33,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from mpcache.tools.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOKENS, _tokens, lookup_key
+from mpcache.bench.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOKENS, _tokens, lookup_key
 
 
 class _StubSocket:

@@ -17,7 +17,7 @@ import attrs
 from mpcache.sim.net import NetConfig
 from mpcache.sim.scenario import FaultSpec, RequestSpec, Scenario, WorldConfig
 
-CORPUS_DIR = Path(__file__).resolve().parent.parent / "tests" / "sim" / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parents[2] / "tests" / "sim" / "corpus"
 
 
 def to_json(scenario: Scenario, profile: str, code: str, note: str = "") -> str:

@@ -16,7 +16,7 @@ What it measures, on tcp loopback and on ipc:
   up in the server;
 * throughput: `--clients` client processes, each with `--window` requests in flight, for
   `--duration` seconds: `noop`/echo, `status`, `lookup` (list) and `lookup_packed`. The clients
-  are C (`tools/rpc_client.c`, compiled with `cc` against the libzmq pyzmq ships; `--client
+  are C (`mpcache/bench/rpc_client.c`, compiled with `cc` against the libzmq pyzmq ships; `--client
   python` or no compiler: the Python clients), so they cost the box a fraction of what the
   server does and the row measures the server: each request is a real round trip with pre-encoded
   frames, a fresh uid and, for lookups, a fresh request id ended by an `end_session`; a reply
@@ -257,7 +257,7 @@ def _url(transport: str, workdir: str, name: str) -> str:
 
 def start_raw(transport: str, workdir: str) -> Server:
     url = _url(transport, workdir, "raw")
-    argv = [sys.executable, "-m", "mpcache.tools.bench_rpc", "--echo-server", url]
+    argv = [sys.executable, "-m", "mpcache.bench.bench_rpc", "--echo-server", url]
     return _start("raw", transport, argv, url, workdir, env=_env_with_repo())
 
 
@@ -295,7 +295,7 @@ def start_lmcache(transport: str, workdir: str, venv: str) -> Server:
 
 def _env_with_repo() -> dict[str, str]:
     env = dict(os.environ)
-    repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -587,7 +587,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# The C throughput client (tools/rpc_client.c)
+# The C throughput client (mpcache/bench/rpc_client.c)
 
 _C_CLIENT_SRC = os.path.join(os.path.dirname(os.path.realpath(__file__)), "rpc_client.c")
 
@@ -607,7 +607,7 @@ def _libzmq() -> str | None:
 
 
 def build_c_client(workdir: str) -> tuple[str | None, str]:
-    """Compiles tools/rpc_client.c into ``workdir``; returns (path, "") or (None, why not)."""
+    """Compiles mpcache/bench/rpc_client.c into ``workdir``; returns (path, "") or (None, why not)."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc)"
@@ -627,7 +627,7 @@ def build_c_client(workdir: str) -> tuple[str | None, str]:
 
 
 def _c_spec(what: str, tag: str, expect_status: int | None) -> bytes:
-    """The spec file of one C client (the layout is in tools/rpc_client.c)."""
+    """The spec file of one C client (the layout is in mpcache/bench/rpc_client.c)."""
     frames = Frames.build(tag)
     lookup = what in ("lookup", "lookup_packed")
     prefix = f"{tag}-"
@@ -872,7 +872,7 @@ def run(args: argparse.Namespace) -> int:
         c_client, why = build_c_client(workdir)
         if c_client is None:
             print(f"# the C throughput client could not be built ({why}): Python clients instead")
-    print(f"# throughput clients: {'C (tools/rpc_client.c)' if c_client else 'Python'}")
+    print(f"# throughput clients: {'C (mpcache/bench/rpc_client.c)' if c_client else 'Python'}")
     starts: list[tuple[str, str, float]] = []
     rc = 0
     try:
@@ -1054,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per throughput row")
     parser.add_argument("--no-throughput", action="store_true", help="latency rows only")
     parser.add_argument("--client", choices=("c", "python"), default="c",
-                        help="throughput client processes: c (tools/rpc_client.c, built with cc; "
+                        help="throughput client processes: c (mpcache/bench/rpc_client.c, built with cc; "
                              "Python if it cannot be built) or python")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the mpcache server during the throughput rows")
     parser.add_argument("--only", metavar="OPS", help="throughput rows to run (comma-separated: noop,status,lookup,lookup_packed)")

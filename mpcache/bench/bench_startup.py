@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 
 def _checkout(repo: str | None) -> str:
-    return os.path.realpath(repo) if repo else os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return os.path.realpath(repo) if repo else os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _env(repo: str) -> dict[str, str]:

@@ -782,7 +782,7 @@ class Server:
                 for i in range(last):
                     _backend_send(sock, frames[i], _SEND_MORE)
                 _backend_send(sock, frames[last], zmq.NOBLOCK)
-            else:  # a stand-in socket (tools/bench_serverpath.py)
+            else:  # a stand-in socket (mpcache/bench/bench_serverpath.py)
                 sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.

@@ -20,7 +20,7 @@ import zmq
 
 from mpcache.runtime_zmq.client import MPCacheClient
 from mpcache.runtime_zmq.l1_pool import MappedSegment
-from mpcache.tools.server_process import ServerProcess
+from mpcache.bench.server_process import ServerProcess
 
 P = msgpack.packb
 MiB = 1 << 20

@@ -39,7 +39,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from mpcache.tools.bench_rpc import BenchError, _call, _dealer, _start, _env_with_repo, _url, lookup_key
+from mpcache.bench.bench_rpc import BenchError, _call, _dealer, _start, _env_with_repo, _url, lookup_key
 
 TARGET_BYTES_PER_JOB = 200
 TARGET_RSS_MIB_PER_10K = 2.0
@@ -221,7 +221,7 @@ def server_row(num_tokens: int, jobs: int, job_ttl: float, traced: bool = False)
     workdir = row.workdir = tempfile.mkdtemp(prefix="mpcache-bench-jobs-")
     url = _url("tcp", workdir, "jobs")
     port = url.rsplit(":", 1)[1]
-    argv = [sys.executable, "-c", "import sys; from mpcache.tools.bench_jobs import traced_server_main; "
+    argv = [sys.executable, "-c", "import sys; from mpcache.bench.bench_jobs import traced_server_main; "
             "sys.exit(traced_server_main())", workdir] + (["--tracemalloc"] if traced else []) + [
             "--", "--l1-size-gb", "0.25", "--slot-mb", "1",
             "--log-level", "WARNING", "--no-metrics", "--host", "127.0.0.1", "--port", port,
@@ -295,7 +295,7 @@ def breakdown(row: ServerRow, jobs: int, top: int = 14) -> list[str]:
     snaps = [tracemalloc.Snapshot.load(p) for p in row.snaps[:3] if p is not None]
     ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
     snaps = [s.filter_traces(ignore) for s in snaps]
-    repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
     for title, later in (("jobs live - before", snaps[1]), ("after reaper - before", snaps[2])):
         diff = later.compare_to(snaps[0], "lineno")
         total = sum(d.size_diff for d in diff)

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class ServerProcess:

@@ -17,7 +17,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.realpath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "runtime_zmq"))  # the cluster fixture
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "runtime_zmq"))  # the cluster fixture
 
 
 def _round(node_timeout_ms: int, n_keys: int) -> tuple[float, int, float, float]:

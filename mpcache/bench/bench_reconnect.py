@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-HERE_REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+HERE_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port() -> int:
@@ -71,7 +71,7 @@ def _backoff_ramp(interval: float, timeout: float, backoff_max: float) -> float:
 def measure(args: argparse.Namespace, repo: str) -> list[float]:
     """Recovery times (s), one per restart, of the client importable here."""
     from mpcache.runtime_zmq.client import MPCacheClient
-    from mpcache.tools.server_process import ServerProcess
+    from mpcache.bench.server_process import ServerProcess
 
     logging.getLogger("mpcache.client").setLevel(logging.ERROR)  # its restart warnings are expected here
 
