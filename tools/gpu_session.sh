@@ -2,7 +2,9 @@
 # One GPU session on a CUDA host: versions, the mpcache-server GPU benchmark (this checkout, and
 # optionally an older server checkout for before/after), then `make test-gpu`. Logs and JSON go
 # to $OUT (default ./out). Usage, from the repo root:
-#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="pyspy profile kernels bench before test"] bash tools/gpu_session.sh
+#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="pyspy profile kernels bench lone before test repeat"] bash tools/gpu_session.sh
+# lone: only the lone-transfer table of the gpu-server benchmark (LONE_STARTS fresh servers, default 5).
+# repeat: the GIL/CUDA-pressure test file REPEAT times in a row (default 10): it must never flake.
 # WHEELS: a folder of wheels to install first (e.g. pyzmq where the host python lacks it).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -21,6 +23,16 @@ for step in $STEPS; do
     case $step in
     bench)
         timeout 240 python3 -m mpcache.bench.bench_cli gpu-server --label after --out "$OUT" 2>&1 | tee "$OUT/bench_after.log" || rc=1 ;;
+    lone)
+        timeout 300 python3 -m mpcache.bench.bench_cli gpu-server --engines "" --lone-starts "${LONE_STARTS:-5}" --label lone \
+            --out "$OUT" 2>&1 | tee "$OUT/bench_lone.log" || rc=1 ;;
+    repeat)
+        for i in $(seq 1 "${REPEAT:-10}"); do
+            if timeout 200 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/runtime_zmq/test_gpu_transfer.py \
+                >"$OUT/repeat_$i.log" 2>&1; then echo "repeat $i: $(tail -1 "$OUT/repeat_$i.log")"
+            else echo "repeat $i FAILED: $(tail -1 "$OUT/repeat_$i.log")"; cat "$OUT/repeat_$i.log" >>"$OUT/repeat_failures.log"; rc=1; fi
+            rm -f "$OUT/repeat_$i.log"
+        done ;;
     before)
         if [ -n "${BEFORE_REPO:-}" ]; then
             timeout 150 python3 -m mpcache.bench.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \

@@ -19,7 +19,11 @@ Per shape (requests in flight x chunks per request, split over the engines) it r
   the GPU engine's host time per transfer (``gpu_start_ns`` / ``gpu_started`` from the server's stats);
 * where a request's latency goes: the server's receipt-to-reply time, the GPU copy from enqueued to
   seen done, the client's submit call; for the first round too;
-* the first round after the server started, separately (a fresh server per single-engine shape).
+* the first round after the server started, separately (a fresh server per single-engine shape);
+* lone transfers (``--lone-starts``): per fresh server, one loaded round of 16 x 8, then 40 single
+  8-chunk requests one at a time (a store, then its retrieve), p50 / p90 / p99 per start, and for
+  the slow ones (over 1.5 x that start's p50) where the time went: the server's receipt to reply,
+  the GPU copy from enqueued to seen done, and the rest (client, socket, engine wake-up).
 
 ``--server-repo DIR`` runs the server from another checkout (e.g. an older commit) with this
 checkout's engines, for before/after tables. Prints a table; writes gpu_server.json under --out.
@@ -268,6 +272,77 @@ def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdi
     return rows
 
 
+def _run_lone(args: Any, workdir: str, start: int) -> dict[str, Any]:
+    """One fresh server and engine: a loaded round of 16 x 8, then ``args.lone_count`` lone
+    1 x 8 requests (store then retrieve), the server's counters read between them."""
+    server = Server(args.server_repo, args.l1_gb, workdir)
+    ctx = mp.get_context("spawn")
+    num_blocks = 2 * 16 * 8 * BPC + 64
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_engine, args=(child, server.url, 1, num_blocks, 300 + start, not args.no_announce_event),
+                       daemon=True)
+    proc.start()
+    out: dict[str, Any] = {"start": start, "store": [], "retrieve": [], "checked": True}
+    try:
+        reg = parent.recv()
+        if "error" in reg:
+            raise RuntimeError(reg["error"])
+        parent.send({"op": "phase", "requests": 16, "chunks": 8, "tag": f"lone-load-{start}-{time.monotonic_ns()}", "check": True})
+        loaded = parent.recv()
+        if "error" in loaded:
+            raise RuntimeError(loaded["error"])
+        out["checked"] &= bool(loaded.get("check", True))
+        for k in range(args.lone_count):
+            s0 = server.stats()
+            parent.send({"op": "phase", "requests": 1, "chunks": 8, "tag": f"lone-{start}-{k}-{time.monotonic_ns()}",
+                         "check": k in (0, args.lone_count - 1)})
+            r = parent.recv()
+            s1 = server.stats()
+            if "error" in r:
+                raise RuntimeError(r["error"])
+            out["checked"] &= bool(r.get("check", True)) and r["store"]["ok"] and r["retrieve"]["ok"]
+            flight = (s1.get("gpu_flight_ns", 0) - s0.get("gpu_flight_ns", 0)) / 2e6  # two transfers: mean ms
+            for kind in ("store", "retrieve"):
+                served = (s1.get(f"served_ns_{kind}", 0) - s0.get(f"served_ns_{kind}", 0)) / 1e6
+                out[kind].append({"ms": r[kind]["lat_ms"][0], "served_ms": served, "flight_ms": flight})
+    finally:
+        try:
+            parent.send({"op": "bye"})
+        except OSError:
+            pass
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        server.stop()
+    return out
+
+
+def _print_lone(lone: list[dict[str, Any]]) -> None:
+    print(f"lone 1 x 8 transfers, one at a time after a loaded 16 x 8 round; slow = over 1.5 x the start's p50, "
+          f"split into server receipt-to-reply / GPU enqueued-to-done (mean of the pair) / the rest")
+    print(f"{'start':>5} {'dir':>8} {'n':>3} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'p99/p50':>7} {'slow':>4} | "
+          f"{'slow: served':>12} {'gpu':>6} {'rest':>6} | {'fast: served':>12} {'gpu':>6} {'rest':>6} {'check':>5}")
+    for run in lone:
+        for kind in ("store", "retrieve"):
+            xs = run[kind]
+            if not xs:
+                continue
+            lat = [x["ms"] for x in xs]
+            p50 = _pct(lat, 0.5)
+            slow = [x for x in xs if x["ms"] > 1.5 * p50]
+            fast = [x for x in xs if x["ms"] <= 1.5 * p50]
+
+            def split(group: list[dict[str, Any]]) -> str:
+                if not group:
+                    return f"{'-':>12} {'-':>6} {'-':>6}"
+                served = statistics.mean(x["served_ms"] for x in group)
+                gpu = statistics.mean(x["flight_ms"] for x in group)
+                rest = statistics.mean(x["ms"] - x["served_ms"] for x in group)
+                return f"{served:>12.2f} {gpu:>6.2f} {rest:>6.2f}"
+            print(f"{run['start']:>5} {kind:>8} {len(xs):>3} {p50:>7.2f} {_pct(lat, 0.9):>7.2f} {_pct(lat, 0.99):>7.2f} "
+                  f"{_pct(lat, 0.99) / p50:>7.2f} {len(slow):>4} | {split(slow)} | {split(fast)} {'ok' if run['checked'] else 'FAIL':>5}")
+
+
 def _pct(values: list[float], q: float) -> float:
     v = sorted(values)
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
@@ -337,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-announce-event", action="store_true",
                     help="engines do not name their interprocess event at registration (the server then opens it on "
                          "the first request, as servers before event_handles did)")
+    ap.add_argument("--lone-starts", type=int, default=3,
+                    help="fresh servers for the lone-transfer table (0: leave it out; default 3)")
+    ap.add_argument("--lone-count", type=int, default=40, help="lone 1 x 8 requests per start (default 40)")
     ap.add_argument("--label", default="", help="a name for this run in the table / json")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
@@ -353,17 +431,21 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mpcache-bench-") as workdir:
-        for n in [int(x) for x in args.engines.split(",")]:
+        for n in [int(x) for x in args.engines.split(",") if x]:
             if n == 1:
                 for shape in parse(args.shapes):  # a fresh server each: the first round is the first after start
                     rows += _run_config(args, 1, [shape], workdir)
             else:
                 rows += _run_config(args, n, parse(args.multi_shapes), workdir)
+        lone = [_run_lone(args, workdir, k) for k in range(args.lone_starts)]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"gpu_server{('_' + args.label) if args.label else ''}.json"), "w") as f:
-        json.dump({"ceiling": args.ceiling, "rows": rows, "label": args.label}, f, indent=1)
-    _print(args, rows)
-    ok = all(r["store"]["ok"] and r["retrieve"]["ok"] and r["checked"] for r in rows)
+        json.dump({"ceiling": args.ceiling, "rows": rows, "lone": lone, "label": args.label}, f, indent=1)
+    if rows:
+        _print(args, rows)
+    if lone:
+        _print_lone(lone)
+    ok = all(r["store"]["ok"] and r["retrieve"]["ok"] and r["checked"] for r in rows) and all(x["checked"] for x in lone)
     return 0 if ok else 1
 
 

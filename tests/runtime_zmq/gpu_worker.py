@@ -7,27 +7,30 @@ from typing import Any
 STALE, FRESH, POISON = 0x1111, 0x2222, -23131  # int16 patterns
 
 
-def stall(torch: Any, seconds: float) -> None:
-    """Keep this process's current stream busy for about ``seconds`` (GPU work only; returns
-    at once): a chain of large bf16 matrix products, sized by timing a few first."""
-    if seconds <= 0:
-        return
-    import time
+class Gate:
+    """GPU work enqueued after ``Gate(torch)`` on the current stream waits until ``open()``: the
+    stream waits (``cuStreamWaitValue32``) on a pinned host word that ``open()`` sets. A test that
+    holds an engine's event pending by a gate knows it is pending, where a long kernel is only
+    likely to be (its length is a guess about the GPU's clocks)."""
 
-    a = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    torch.matmul(a, a, out=c)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        torch.matmul(a, a, out=c)
-    torch.cuda.synchronize()
-    per = (time.perf_counter() - t0) / 3
-    for _ in range(int(seconds / per) + 1):
-        torch.matmul(a, a, out=c)
+    def __init__(self, torch: Any) -> None:
+        from mpcache.runtime_zmq.gpu_ipc import _driver, check
+
+        drv = _driver()
+        self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        addr = check(drv.cuMemHostGetDevicePointer(self._word.data_ptr(), 0), "cuMemHostGetDevicePointer")
+        stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
+        check(drv.cuStreamWaitValue32(stream, addr, 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+              "cuStreamWaitValue32")
+
+    def open(self) -> None:
+        self._word[0] = 1
 
 
-def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_blocks: list[int], stall_s: float) -> None:
+def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_blocks: list[int], gated: bool) -> None:
+    """Exports its KV tensors, then (after b"registered") an interprocess event recorded after the
+    blocks to store got their final contents. ``gated``: that work waits on a Gate, so the event
+    stays pending until the parent sends b"release" (or b"bye"); else it is recorded at once."""
     import msgpack
     import torch
 
@@ -53,19 +56,22 @@ def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_b
     fresh = torch.tensor(fresh_blocks, device="cuda")  # on the device now: no host sync below
     torch.cuda.synchronize()
     conn.recv_bytes()  # registered
-    # The "forward pass": long GPU work, then the blocks to store get their final contents,
-    # then the event, all enqueued without waiting (a pageable copy here would block the host
-    # until the GPU work is done, and the event would be complete by the time it is sent).
-    # A server that did not wait on the event would copy STALE.
+    # The "forward pass": (held by the gate, if any), then the blocks to store get their final
+    # contents, then the event, all enqueued without waiting. A server that did not wait on the
+    # event would copy STALE.
     event = torch.cuda.Event(interprocess=True)
-    stall(torch, stall_s)
+    gate = Gate(torch) if gated else None
     for t in layers:
         t.view(torch.int16).index_fill_(1, fresh, FRESH)
     event.record()
-    assert stall_s <= 0 or not event.query(), "the event completed before it was sent"
+    assert gate is None or not event.query(), "the gated event completed before the gate opened"
     conn.send_bytes(export_event(event))
-    conn.recv_bytes()  # the server side is done with our memory
-    torch.cuda.synchronize()
+    message = conn.recv_bytes()
+    if gate is not None:
+        gate.open()
+        if message == b"release":
+            message = conn.recv_bytes()
+    torch.cuda.synchronize()  # the server side is done with our memory once b"bye" came
 
 
 def run_engine_client(conn: Any, url: str, geo: dict[str, int], chunk: int, src: list[int], dst: list[int], skip_tokens: int) -> None:

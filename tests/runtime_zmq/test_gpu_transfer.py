@@ -6,7 +6,7 @@ them and runs STORE / RETRIEVE transfers while other Python threads hammer the G
 through torch (launches, syncs, event creation and destruction: the calls that deadlocked with a
 Python host callback in LMCache #2733) and read telemetry. Every transfer must report exactly
 once, in time (a timeout is a failure), and move the right bytes — including the data the worker
-wrote after a long kernel, which the server only sees if its stream waited on the worker's event.
+wrote behind a gate the test opens, which the server only sees if its stream waited on the worker's event.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
     dst = perm[3 * BPC : 6 * BPC]  # and retrieved into here
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_worker, args=(child, GEO, src, dst, 3.0))
+    proc = ctx.Process(target=run_worker, args=(child, GEO, src, dst, True))
     proc.start()
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -102,8 +102,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
         def done(tid: int, ok: bool) -> None:
             finished.put((tid, ok))
 
-        t0 = time.perf_counter()
-        # 1: store 3 chunks; must wait for the worker's long kernel and see FRESH data
+        # 1: store 3 chunks; must wait for the worker's gated event and see FRESH data
         ex.start(_transfer(1, TransferKind.STORE, 2, 3, [7, 3, 11], src), event_handle, done)
         from mpcache.runtime_zmq import gpu_ipc
 
@@ -117,6 +116,14 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
             kind = TransferKind.STORE if k % 2 == 0 else TransferKind.RETRIEVE
             blocks = src if kind is TransferKind.STORE else dst
             ex.start(_transfer(3 + k, kind, 2, 3, [7, 3, 11], blocks, skip=GEO["block_size"] + 3), event_handle, done)
+        # The worker's event is held by its gate: nothing may finish before it opens, however
+        # long we look (a server that did not wait on the event would report at once).
+        time.sleep(0.5)
+        assert finished.empty(), "a transfer finished while the worker's event was pending"
+        pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
+        assert pending == [600], f"the gate did not hold the worker's event ({pending})"
+        released = time.perf_counter()
+        parent.send_bytes(b"release")
         results: dict[int, bool] = {}
         deadline = time.monotonic() + 60
         while len(results) < 2 + n_more:
@@ -126,9 +133,9 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
                 pytest.fail(f"transfers did not finish in time: {sorted(results)} of {2 + n_more}")
             assert tid not in results, f"transfer {tid} reported twice"
             results[tid] = ok
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - released
         assert all(results.values()), results
-        assert elapsed > 2.0  # the first store waited for the worker's ~3 s of GPU work
+        assert elapsed < 60
         time.sleep(0.05)
         assert finished.empty()
         assert stats_seen and ex.stats()["finished"] == 2 + n_more and ex.stats()["in_flight"] == 0
@@ -184,10 +191,10 @@ def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
     perm = [int(b) for b in rng.permutation(GEO["num_blocks"])]
     src, dst = perm[: 3 * BPC], perm[3 * BPC : 6 * BPC]
     ctx = mp.get_context("spawn")
-    # A: its event is recorded after ~6 s of GPU work; B: at once
+    # A: its event is held by a gate until the test releases it; B: recorded at once
     pipes = [ctx.Pipe() for _ in range(2)]
-    procs = [ctx.Process(target=run_worker, args=(child, GEO, src, dst, cycles))
-             for (_, child), cycles in zip(pipes, (6.0, 0.0))]
+    procs = [ctx.Process(target=run_worker, args=(child, GEO, src, dst, gated))
+             for (_, child), gated in zip(pipes, (True, False))]
     for p in procs:
         p.start()
     ex = None
@@ -235,13 +242,13 @@ def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
             return StartTransfer(tid, TransferKind.STORE, iid, f"r{tid}", None, 0, len(slots) * CHUNK, placements,
                                  tuple(src[: len(slots) * BPC]), 0)
 
-        ex.start(st(1, 1, [1]), handles[0], done)  # A, first in line: waits on A's long kernel
+        ex.start(st(1, 1, [1]), handles[0], done)  # A, first in line: waits on A's gated event
         ex.start(st(2, 1, [2]), handles[0], done)  # A, behind it: neutralized
         ex.start(st(3, 1, [3, 4]), handles[0], done)  # A: neutralized
         from mpcache.runtime_zmq import gpu_ipc
 
         a_event_pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
-        assert a_event_pending == [600], f"A's event is not pending ({a_event_pending}): the stall did not hold"
+        assert a_event_pending == [600], f"A's event is not pending ({a_event_pending}): the gate did not hold"
         for k in range(10):
             ex.start(st(10 + k, 2, [8 + k % 4]), handles[1], done)  # B: runs while A hangs
         results: dict[int, tuple[bool, float]] = {}
@@ -257,8 +264,11 @@ def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
         assert 1.0 <= results[2][1] < 3.0, results_note
         s = ex.stats()
         assert s["instances_failed"] == 1 and s["instances"] == 1
-        tid, ok, at = finished.get(timeout=60)  # A's kernel ends after ~6 s
-        assert tid == 1 and ok is False and at - t0 > 2.0
+        assert finished.empty(), "A's first transfer reported while its copy could still be running"
+        released = time.monotonic()
+        pipes[0][0].send_bytes(b"release")
+        tid, ok, at = finished.get(timeout=60)  # A's copy ends once its gate opens
+        assert tid == 1 and ok is False and at >= released
         for slot in (2, 3, 4):  # the neutralized stores never wrote their slots
             assert pool.read(slot, slot_bytes) == bytes([0x5C]) * slot_bytes
         assert ex.stats()["in_flight"] == 0
