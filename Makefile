@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test test-gpu sim bench e2e soak docs venv clean help
+.PHONY: run test test-gpu sim bench e2e soak docs dist venv clean help
 
 help:
 	@echo "make run    start mpcache-server on its embedded defaults (L1 only, tcp://127.0.0.1:5555)"
@@ -15,7 +15,8 @@ help:
 	@echo "make bench  run the benchmarks (hashing, simulator, rpc)"
 	@echo "make e2e    real-vLLM end-to-end test in its own venv (.venv-vllm)"
 	@echo "make soak   long soak test (1M lookups)"
-	@echo "make docs   regenerate docs/configuration.md and docs/metrics.md from the code"
+	@echo "make docs   regenerate docs/configuration.md, docs/protocol.md's tables and docs/metrics.md from the code"
+	@echo "make dist   build the sdist and the wheel into dist/ (the wheel from the sdist) and check both (twine, check-wheel-contents)"
 
 # The tests need torch: the `vllm` extra says only torch>=2.4 (so as not to move vLLM's own
 # pin), so the venv takes the CPU build vLLM uses first, or pip would pick the newest CUDA build.
@@ -33,7 +34,7 @@ run: venv
 
 test: venv
 	$(VPY) -m mypy --strict -p mpcache.core_sm -p mpcache.runtime_trio -p mpcache.sim -p mpcache.runtime_zmq -m mpcache.vllm
-	MPCACHE_CUDASIM=1 $(VPY) -m pytest -q
+	MPCACHE_CUDASIM=1 $(VPY) -m pytest -q --durations=15
 
 # On a GPU host, with a python that has torch (CUDA), numba-cuda, cuda-bindings, pyzmq, msgpack.
 test-gpu:
@@ -52,8 +53,20 @@ docs: venv
 	$(VPY) -m mpcache.runtime_zmq.config > docs/configuration.md
 	$(VPY) -m mpcache.runtime_zmq.metrics > docs/metrics.md
 
+# A release's artifacts: build isolates itself from the venv (the wheel is built from the sdist, so
+# a file the sdist forgot fails here); twine checks the metadata PyPI would render,
+# check-wheel-contents the wheel's layout. DIST_PY / BUILD_FLAGS: tests/packaging runs this same
+# target with its own python and --no-isolation (no index round trip for setuptools).
+DIST_PY ?= $(VPY)
+BUILD_FLAGS ?=
+dist: $(if $(filter $(VPY),$(DIST_PY)),venv)
+	rm -rf dist
+	$(DIST_PY) -m build $(BUILD_FLAGS) --outdir dist .
+	$(DIST_PY) -m twine check --strict dist/*
+	$(DIST_PY) -m check_wheel_contents dist/*.whl
+
 e2e:
 	bash .ci/e2e
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -123,6 +123,12 @@ class ChunkChain:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ChunkChain is immutable")
 
+    def __copy__(self) -> ChunkChain:
+        return self  # immutable: a copied machine (the explorer's states) shares its chain
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ChunkChain:
+        return self
+
     def __repr__(self) -> str:
         return f"ChunkChain(fingerprint={self.fingerprint})"
 

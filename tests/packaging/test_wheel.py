@@ -1,6 +1,9 @@
-"""The built wheel, installed into a fresh venv the way a user installs it, runs: mpcache-server
-starts, mpcache-cli gets lookups answered, and the base dependencies pulled in do not include
-torch (or the simulator's trio / hypothesis). The venv has no access to the source tree."""
+"""The release artifacts, built by `make dist` (sdist, the wheel built from it, both checked by
+twine and check-wheel-contents), installed into a fresh venv the way a user installs them: the
+quick start's steps run against the installed wheel (mpcache-server starts, an engine registers,
+its stored prompt is a hit in /metrics), mpcache-cli gets lookups answered, the base dependencies
+pulled in do not include torch (or the simulator's trio / hypothesis), and the entry points of the
+extras not installed name their extra in one line. The venv has no access to the source tree."""
 
 from __future__ import annotations
 
@@ -33,21 +36,49 @@ def _copy_tree(dst: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def installed() -> Iterator[str]:
-    """The bin/ directory of a fresh venv with the wheel installed (dependencies from the index)."""
+def dist() -> Iterator[str]:
+    """dist/ of a clean copy of the tree after `make dist` (with this python, no build isolation)."""
+    tmp = tempfile.mkdtemp(prefix="mpcache-dist-")
+    try:
+        src = os.path.join(tmp, "src")
+        _copy_tree(src)
+        out = subprocess.run(["make", "-s", "dist", f"DIST_PY={sys.executable}", "BUILD_FLAGS=--no-isolation"], cwd=src,
+                             capture_output=True, text=True, timeout=300, env=_env())
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert "PASSED" in out.stdout and ": OK" in out.stdout, out.stdout  # twine, check-wheel-contents
+        yield os.path.join(src, "dist")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_make_dist_builds_an_sdist_and_a_wheel(dist: str) -> None:
+    names = sorted(os.listdir(dist))
+    assert len(names) == 2 and names[0].startswith("mpcache-") and names[0].endswith("-py3-none-any.whl"), names
+    assert names[1].startswith("mpcache-") and names[1].endswith(".tar.gz"), names
+    import tarfile
+    import zipfile
+
+    with zipfile.ZipFile(os.path.join(dist, names[0])) as whl:
+        inside = whl.namelist()
+    assert "mpcache/bench/rpc_client.c" in inside and "mpcache/runtime_zmq/server.py" in inside
+    assert not [n for n in inside if n.startswith(("tests/", "tools/"))]
+    with tarfile.open(os.path.join(dist, names[1])) as sdist:
+        members = sdist.getnames()
+    assert any(m.endswith("/LICENSE") for m in members) and any(m.endswith("/pyproject.toml") for m in members)
+
+
+@pytest.fixture(scope="module")
+def installed(dist: str) -> Iterator[str]:
+    """The bin/ directory of a fresh venv with the wheel installed, server only (no extras;
+    dependencies from the index)."""
     tmp = tempfile.mkdtemp(prefix="mpcache-wheel-")
     try:
-        src, dist, venv = (os.path.join(tmp, d) for d in ("src", "dist", "venv"))
-        _copy_tree(src)
-        pip = [sys.executable, "-m", "pip"]
-        subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dist, "."], cwd=src,
-                       check=True, capture_output=True, timeout=120)
-        wheels = os.listdir(dist)
-        assert len(wheels) == 1 and wheels[0].startswith("mpcache-") and wheels[0].endswith("-py3-none-any.whl")
+        venv = os.path.join(tmp, "venv")
+        (wheel,) = [n for n in os.listdir(dist) if n.endswith(".whl")]
         base = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([base, "-m", "venv", "--without-pip", venv], check=True, timeout=60)
-        out = subprocess.run([*pip, "--python", os.path.join(venv, "bin", "python"), "install", "-q",
-                              os.path.join(dist, wheels[0])], capture_output=True, text=True, timeout=300,
+        out = subprocess.run([sys.executable, "-m", "pip", "--python", os.path.join(venv, "bin", "python"), "install", "-q",
+                              os.path.join(dist, wheel)], capture_output=True, text=True, timeout=300,
                              env=_env())  # a PYTHONPATH onto a checkout (with its egg-info) reads as "installed"
         assert out.returncode == 0, "pip install of the wheel failed (is the package index reachable?):\n" + out.stderr[-3000:]
         yield os.path.join(venv, "bin")
@@ -82,7 +113,10 @@ def test_wheel_installs_only_the_server_dependencies(installed: str) -> None:
         assert os.access(os.path.join(installed, command), os.X_OK), command
 
 
-def test_installed_server_answers_lookups(installed: str) -> None:
+def test_quick_start_against_the_installed_wheel(installed: str) -> None:
+    """The README's quick start, server side, as a server-only install runs it: the server starts,
+    an engine registers (one `registration accepted` line), and its stored prompt looked up again
+    is a hit in /metrics."""
     server = subprocess.Popen(
         [os.path.join(installed, "mpcache-server"), "--port", "0", "--metrics-port", "0", "--l1-size-gb", "0.06", "--slot-mb", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/", env=_env(),
@@ -102,6 +136,12 @@ def test_installed_server_answers_lookups(installed: str) -> None:
     try:
         assert ready.wait(60) and any(x.startswith("mpcache-server ready ") for x in lines), "\n".join(lines)
         url = next(x.split()[-1] for x in lines if x.startswith("mpcache-server ready "))
+        http_url = next(x.split()[-1] for x in lines if x.startswith("mpcache-server http "))
+        client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quickstart_client.py")
+        out = subprocess.run([os.path.join(installed, "python"), client, url, http_url], capture_output=True, text=True,
+                             cwd="/", env=_env(), timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert sum("registration accepted" in x for x in lines) == 1, "\n".join(lines)
         assert any("mpcache.cli: mpcache-server " in x and "(python" in x for x in lines), "\n".join(lines)
         cli = os.path.join(installed, "mpcache-cli")
         out = subprocess.run([cli, "--url", url, "bench", "--lookups", "20", "--in-flight", "4"], capture_output=True,
@@ -109,7 +149,7 @@ def test_installed_server_answers_lookups(installed: str) -> None:
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[1].split()[0] == "20"
         out = subprocess.run([cli, "--url", url, "stats", "--json"], capture_output=True, text=True, cwd="/", env=_env(), timeout=60)
-        assert out.returncode == 0 and '"lookups": 20' in out.stdout, out.stdout + out.stderr
+        assert out.returncode == 0 and '"lookups": 21' in out.stdout, out.stdout + out.stderr
         version = subprocess.run([cli, "--version"], capture_output=True, text=True, env=_env(), timeout=60).stdout
         assert version.startswith("mpcache-cli ") and "unknown" not in version
     finally:

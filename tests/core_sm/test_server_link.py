@@ -1,0 +1,154 @@
+"""ServerLink, the one machine per client-server connection: correlation, deadlines, heartbeats,
+registration memory, parking after not_registered, one resend naming the registration, give-up."""
+from __future__ import annotations
+
+from typing import Any
+
+from mpcache.core_sm.health import Connected, HealthConfig
+from mpcache.core_sm.messages import ServerEpoch, ServerHealth, TimerFired
+from mpcache.core_sm.server_link import (
+    Close,
+    Completed,
+    Failed,
+    Heartbeat,
+    InstancePing,
+    Reply,
+    Role,
+    SendFailed,
+    ServerLink,
+    ServerLinkConfig,
+    Submit,
+    Transmit,
+)
+
+
+def link(now: float = 0.0) -> ServerLink:
+    return ServerLink(ServerLinkConfig(HealthConfig(1, 1.0, 3.0, probe_interval=0.1, fail_pending=True),
+                                       request_timeout=5.0), now)
+
+
+def transmits(effects: list[Any]) -> list[Transmit]:
+    return [e for e in effects if type(e) is Transmit]
+
+
+def healthy(sl: ServerLink, now: float = 0.0) -> None:
+    """Probe, answer it with epoch 7: the link is healthy."""
+    [hb] = transmits(sl.handle(TimerFired(), now))
+    assert hb.request == Heartbeat()
+    out = sl.handle(Reply(hb.uid, True, {"epoch": 7}), now)
+    assert out == [ServerEpoch(0, 7), ServerHealth(0, True)]
+
+
+def test_reply_is_correlated_by_uid_and_late_ones_are_counted() -> None:
+    sl = link()
+    healthy(sl)
+    [a] = transmits(sl.handle(Submit("A", "req-a"), 0.1))
+    [b] = transmits(sl.handle(Submit("B", "req-b"), 0.1))
+    assert a.uid != b.uid and sl.request_of(a.uid) == "req-a"
+    assert sl.handle(Reply(b.uid, True, 2), 0.2) == [Completed("B", 2)]
+    assert sl.handle(Reply(a.uid, False, "boom", "internal"), 0.2) == [Failed("A", "internal", "", "boom", "req-a")]
+    assert sl.handle(Reply(a.uid, True, 1), 0.3) == []
+    assert sl.stats()["late_replies"] == 1
+
+
+def test_a_request_past_its_deadline_fails_timeout_once() -> None:
+    sl = link()
+    healthy(sl)
+    [t] = transmits(sl.handle(Submit("A", "r", timeout=0.5), 0.0))
+    assert (sl.next_deadline() or 1.0) <= 0.5
+    out = sl.handle(TimerFired(), 0.5)
+    assert [e for e in out if type(e) is Failed] == [Failed("A", "timeout", "no reply within the request timeout",
+                                                             None, "r")]
+    assert sl.handle(Reply(t.uid, True, 1), 0.6) == []
+
+
+def test_send_failure_fails_the_request_and_a_heartbeat_unsent_decides_nothing() -> None:
+    sl = link()
+    [t] = transmits(sl.handle(Submit("A", "r"), 0.0))
+    assert [type(e) for e in sl.handle(SendFailed(t.uid), 0.0)] == [Failed]
+    [hb] = transmits(sl.handle(TimerFired(), 0.0))
+    assert sl.handle(SendFailed(hb.uid), 0.0) == []
+    assert sl.monitor.stats()["heartbeats_unsent"] == 1
+
+
+def test_unhealthy_fails_everything_pending() -> None:
+    sl = link()
+    healthy(sl)
+    sl.handle(Submit("A", "r", timeout=100.0), 0.1)
+    sl.handle(Submit("B", "s", timeout=100.0), 0.1)
+    out: list[Any] = []
+    now = 0.0
+    while not any(type(e) is ServerHealth for e in out):
+        now = sl.next_deadline() or now + 1
+        out = sl.handle(TimerFired(), now)
+    assert ServerHealth(0, False) in out
+    assert sorted(e.token for e in out if type(e) is Failed and e.kind == "unhealthy") == ["A", "B"]
+    assert sl.pending_count() <= 1  # the probe
+
+
+def test_not_registered_parks_registers_the_remembered_request_and_resends_naming_it() -> None:
+    sl = link()
+    healthy(sl)
+    [reg] = transmits(sl.handle(Submit("R", "register-1", role=Role.REGISTRATION, instance=1), 0.1))
+    assert sl.handle(Reply(reg.uid, True, 41), 0.1) == [Completed("R", 41)]
+    [st] = transmits(sl.handle(Submit("S", "store", instance=1), 0.2))
+    out = sl.handle(Reply(st.uid, False, "refused", "not_registered"), 0.2)
+    [again] = transmits(out)
+    assert again.request == "register-1" and not any(type(e) in (Failed, Completed) for e in out)
+    # a second parked request does not register twice
+    [st2] = transmits(sl.handle(Submit("T", "store2", instance=1), 0.2))
+    assert transmits(sl.handle(Reply(st2.uid, False, "refused", "not_registered"), 0.2)) == []
+    out = sl.handle(Reply(again.uid, True, 42), 0.3)
+    resent = transmits(out)
+    assert [(t.request, t.registration, t.resend) for t in resent] == [("store", 42, True), ("store2", 42, True)]
+    assert sl.handle(Reply(resent[0].uid, True, "ok"), 0.4) == [Completed("S", "ok")]
+    # a second refusal after the resend gives up with the server's error
+    assert sl.handle(Reply(resent[1].uid, False, "again", "not_registered"), 0.4) == [
+        Failed("T", "not_registered", "", "again", "store2")]
+
+
+def test_a_failed_re_registration_gives_every_parked_request_up() -> None:
+    sl = link()
+    healthy(sl)
+    [reg] = transmits(sl.handle(Submit("R", "register-1", role=Role.REGISTRATION, instance=1), 0.1))
+    sl.handle(Reply(reg.uid, True, 41), 0.1)
+    [st] = transmits(sl.handle(Submit("S", "store", instance=1), 0.2))
+    [again] = transmits(sl.handle(Reply(st.uid, False, "refused", "not_registered"), 0.2))
+    assert sl.handle(SendFailed(again.uid), 0.2) == [Failed("S", "not_registered", "", "refused", "store")]
+
+
+def test_a_parked_request_still_times_out_with_its_refusal() -> None:
+    sl = link()
+    healthy(sl)
+    [reg] = transmits(sl.handle(Submit("R", "register-1", role=Role.REGISTRATION, instance=1), 0.1))
+    sl.handle(Reply(reg.uid, True, 41), 0.1)
+    [st] = transmits(sl.handle(Submit("S", "store", timeout=0.5, instance=1), 0.2))
+    sl.handle(Reply(st.uid, False, "refused", "not_registered"), 0.3)
+    out = sl.handle(TimerFired(), 0.7)
+    assert Failed("S", "not_registered", "", "refused", "store") in out
+
+
+def test_registered_instances_are_pinged_and_a_refused_ping_registers_again() -> None:
+    sl = link()
+    healthy(sl)
+    [reg] = transmits(sl.handle(Submit("R", "register-1", role=Role.REGISTRATION, instance=1), 0.1))
+    sl.handle(Reply(reg.uid, True, 41), 0.1)
+    sent = transmits(sl.handle(TimerFired(), 1.0))
+    assert [t.request for t in sent] == [Heartbeat(), InstancePing(1)]
+    ping = sent[1]
+    [again] = transmits(sl.handle(Reply(ping.uid, False, "gone", "not_registered"), 1.0))
+    assert again.request == "register-1"
+    # unregistering forgets the registration and stops the pings
+    sl.handle(Reply(again.uid, True, 43), 1.1)
+    sl.handle(Submit("U", "unregister-1", role=Role.UNREGISTRATION, instance=1), 1.2)
+    assert sl.registration(1) is None
+    assert [t.request for t in transmits(sl.handle(TimerFired(), 2.0))] == [Heartbeat()]
+
+
+def test_connected_probes_at_once_and_close_fails_what_is_pending() -> None:
+    sl = link()
+    assert [t.request for t in transmits(sl.handle(Connected(0), 0.0))] == [Heartbeat()]
+    sl.handle(Submit("A", "r"), 0.0)
+    assert [e for e in sl.handle(Close(), 0.0) if type(e) is Failed] == [Failed("A", "closed", "client closed",
+                                                                                None, "r")]
+    assert sl.stats()["internal_errors"] == 0
