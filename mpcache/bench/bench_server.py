@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         url = ""
         for line in server.stdout:
             if line.startswith("mpcache-server ready "):
-                url = line.split()[-1]
+                url = line.split()[2]
                 break
         if not url:
             print("mpcache-bench server: the server did not start", file=sys.stderr)

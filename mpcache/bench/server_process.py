@@ -34,7 +34,7 @@ class ServerProcess:
             for line in self.proc.stdout:
                 self.log.append(line.rstrip())
                 if line.startswith("mpcache-server ready "):
-                    self.url = line.split()[-1]
+                    self.url = line.split()[2]  # a log record may follow on the same line
                     ready.set()
             ready.set()
 

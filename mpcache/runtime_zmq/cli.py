@@ -221,6 +221,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def _say(line: str) -> None:
+    """A machine-readable line on stdout in one write: ``print`` writes the text and its newline
+    separately, and a log record from another thread (stderr, often the same pipe) between the
+    two would end the line with the record's words."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _nvidia_device_present() -> bool:
     # a file check, so CPU hosts never import numba/CUDA (start-up stays well under a second)
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
@@ -279,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             http_server = OpsHttpServer(server, args.metrics_host, args.metrics_port)
             log.info("metrics and probes on %s (/metrics /healthz /readyz /status)", http_server.url)
-            print(f"mpcache-server http {http_server.url}", flush=True)
+            _say(f"mpcache-server http {http_server.url}")
     except Exception as e:
         log.error("cannot start: %s", e)
         if http_server is not None:
@@ -308,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def ready(url: str) -> None:
         # one machine-readable line for supervisors and tests
-        print(f"mpcache-server ready {url}", flush=True)
+        _say(f"mpcache-server ready {url}")
 
     # Start-up objects (modules, config) never become garbage: move them out of the collector's
     # sight, and collect the young generation less often, so the loop's p99 does not carry full

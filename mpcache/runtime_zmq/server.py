@@ -64,6 +64,11 @@ _SEND_MORE = zmq.NOBLOCK | zmq.SNDMORE
 # replies held during one receive batch: at most this many, for at most this long
 _REPLY_BATCH = 16
 _REPLY_HOLD_S = 0.0005
+# How long the socket stays open after the shutdown's last replies. A client socket with
+# ZMQ_IMMEDIATE discards the replies it has not read yet when the connection drops (libzmq
+# terminates the pipe on reconnect), so a close right after the replies can lose them: the client
+# would then see the server as unhealthy seconds later instead of reading ``shutting_down``.
+_FAREWELL_S = 0.5
 # results sent as they are (no result_to_wire conversion)
 _PLAIN_RESULTS = frozenset({bool, int, str})
 # frames at least this big are released by the frame-freeing thread, not the loop
@@ -913,6 +918,7 @@ class Server:
         while (self._transfers_in_flight > 0 or self.l2.in_flight > 0) and self.clock() < end:
             if poller.poll(50):
                 self._drain_completions()
+        farewell = self.clock() + _FAREWELL_S if self._outstanding else None
         for rt in list(self._outstanding):
             self._send_error(rt, ErrorKind.SHUTTING_DOWN.value, "the server is shutting down")
         # Every request has had its one reply. Closing the executor and the tiers ends the work
@@ -930,6 +936,8 @@ class Server:
             self.kv_events.close()
         if self.trace is not None:
             self.trace.close()
+        if farewell is not None and (left := farewell - self.clock()) > 0:
+            time.sleep(left)  # the clients read those replies before their connection drops
         self.sock.close(linger=1000)
         self._stop_frame_freer()
         if self.authenticator is not None:

@@ -135,8 +135,8 @@ def test_quick_start_against_the_installed_wheel(installed: str) -> None:
     threading.Thread(target=pump, daemon=True).start()
     try:
         assert ready.wait(60) and any(x.startswith("mpcache-server ready ") for x in lines), "\n".join(lines)
-        url = next(x.split()[-1] for x in lines if x.startswith("mpcache-server ready "))
-        http_url = next(x.split()[-1] for x in lines if x.startswith("mpcache-server http "))
+        url = next(x.split()[2] for x in lines if x.startswith("mpcache-server ready "))
+        http_url = next(x.split()[2] for x in lines if x.startswith("mpcache-server http "))
         client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quickstart_client.py")
         out = subprocess.run([os.path.join(installed, "python"), client, url, http_url], capture_output=True, text=True,
                              cwd="/", env=_env(), timeout=60)

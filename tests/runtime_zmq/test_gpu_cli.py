@@ -54,7 +54,7 @@ def test_cli_gpu_server_store_and_retrieve() -> None:
             for line in proc.stdout:
                 lines.append(line.rstrip())
                 if line.startswith("mpcache-server ready "):
-                    url = line.split()[-1]
+                    url = line.split()[2]
                     break
             assert url, "server did not start:\n" + "\n".join(lines)
             # keep reading its output: a full pipe would stall the server's logging

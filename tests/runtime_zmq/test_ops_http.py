@@ -20,7 +20,7 @@ from mpcache.runtime_zmq.server import Server, ServerConfig
 
 
 def http_url(sp: ServerProcess) -> str:
-    return next(line.split()[-1] for line in sp.log if line.startswith("mpcache-server http "))
+    return next(line.split()[2] for line in sp.log if line.startswith("mpcache-server http "))
 
 
 def get(url: str) -> tuple[int, str]:
