@@ -122,6 +122,28 @@ class InstanceReaped:
     instance_id: int
 
 
+@attrs.frozen
+class AttachInstance:
+    """core_sm accepted the server-driven registration ``registration_id`` of ``instance_id``
+    (its owner, its fields): now, and only now, the runtime opens the instance's KV memory (CUDA
+    IPC handles) and answers ``InstanceAttached``; core_sm replies to the registration then.
+    Decide, then act: a registration core_sm refuses (another peer's instance, a bad field) never
+    reaches the transfer engine. The runtime answers before it handles another event."""
+
+    instance_id: int
+    registration_id: int
+    reply_to: ReplyTo
+
+
+@attrs.frozen
+class DetachInstance:
+    """The owner unregistered ``instance_id``, registered it engine-driven instead, or its
+    attachment failed: the runtime releases the KV memory it opened for it (what is queued still
+    lands and is reported)."""
+
+    instance_id: int
+
+
 class Medium(enum.Enum):
     """Where a chunk is held: L1 (this server's shared memory) or L2 (its tier)."""
 
@@ -194,6 +216,6 @@ class CopyBlocks:
 
 
 Effect = Union[
-    Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, LookupWorkFailed, ChunksStored, ChunksRemoved,
-    AllChunksCleared, SendRequest, CopyBlocks,
+    Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, AttachInstance, DetachInstance,
+    LookupWorkFailed, ChunksStored, ChunksRemoved, AllChunksCleared, SendRequest, CopyBlocks,
 ]

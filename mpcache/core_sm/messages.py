@@ -372,6 +372,19 @@ class InstanceFailed:
     failed_at: float | None = None
 
 
+@attrs.frozen
+class InstanceAttached:
+    """The runtime's answer to ``AttachInstance``: ``error`` None when the instance's KV memory
+    is open (core_sm replies the registration's id), else why it could not be -- VALIDATION when
+    the transfer engine refused the layout, INTERNAL when it crashed (core_sm drops the
+    registration, asks ``DetachInstance`` and answers that error)."""
+
+    instance_id: int
+    registration_id: int
+    error: ProtocolError | None = None
+    reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
+
+
 def _bools(values: Iterable[bool]) -> tuple[bool, ...]:
     """Converter: any iterable of flags, kept as a tuple (typed, so callers may pass a list)."""
     return tuple(values)
@@ -416,8 +429,8 @@ class TimerFired:
 
 
 ServerEvent = Union[
-    ServerRequest, TransferFinished, InstanceFailed, L2ReadFinished, L2ProbeFinished, L2WriteFinished,
-    TimerFired,
+    ServerRequest, TransferFinished, InstanceFailed, InstanceAttached, L2ReadFinished, L2ProbeFinished,
+    L2WriteFinished, TimerFired,
 ]
 
 # ---------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from mpcache.core_sm.messages import (
     EndSession,
     FreeLookupLocks,
     GetChunkSize,
+    InstanceAttached,
     InstanceFailed,
     L2ProbeFinished,
     L2ReadFinished,
@@ -427,7 +428,8 @@ _ROUTES: dict[type, Any] = {
     **{t: LookupServer._to_transfers for t in (Store, Retrieve, PrepareStore, PrepareRetrieve,
                                                CommitTransfer, TransferFinished)},
     **{t: LookupServer._to_l2 for t in (L2ReadFinished, L2ProbeFinished, L2WriteFinished)},
-    **{t: LookupServer._to_instances for t in (RegisterInstance, UnregisterInstance, InstanceFailed)},
+    **{t: LookupServer._to_instances for t in (RegisterInstance, UnregisterInstance, InstanceFailed,
+                                               InstanceAttached)},
 }
 # The server's own table: which machine each event goes to (the entity tables decide what it
 # does there), and the rows of what addresses the server itself.

@@ -25,6 +25,15 @@ is counted stale).
 Ownership: an instance id belongs to the peer that registered it; a request from another peer
 naming it (register again, unregister, heartbeat, store, retrieve, prepare) is refused
 ``FORBIDDEN`` and changes nothing.
+
+Decide, then act: the runtime touches its transfer engine only on core_sm's word. A server-driven
+registration that passes every check is held (its instance is registered, its reply waits) and
+``AttachInstance`` asks the runtime to open the instance's KV memory; ``InstanceAttached`` answers,
+and only then does the registration get its reply -- or, when the memory could not be opened, the
+registration is dropped, ``DetachInstance`` asked and the runtime's error answered. An unregister
+by the owner (or a server-driven registration replaced by an engine-driven one) asks
+``DetachInstance``; a reap says ``InstanceReaped``. A foreign or invalid registration or
+unregister never reaches the transfer engine.
 """
 from __future__ import annotations
 
@@ -35,9 +44,18 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.effects import Effect, InstanceReaped, Reply
+from mpcache.core_sm.effects import AttachInstance, DetachInstance, Effect, InstanceReaped, Reply
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
-from mpcache.core_sm.messages import CacheKey, InstanceFailed, Peer, Ping, RegisterInstance, ReplyTo, UnregisterInstance
+from mpcache.core_sm.messages import (
+    CacheKey,
+    InstanceAttached,
+    InstanceFailed,
+    Peer,
+    Ping,
+    RegisterInstance,
+    ReplyTo,
+    UnregisterInstance,
+)
 from mpcache.core_sm.server_core import ServerContext
 from mpcache.core_sm.table import Table
 from mpcache.core_sm.timers import Timer
@@ -105,6 +123,10 @@ class InstanceMachine:
         inst = self.instances.get(instance_id)
         return None if inst is None else inst.registration_id
 
+    def object_bytes_by_instance(self) -> dict[int, int]:
+        """Each registered instance's object size (for status pages and metrics)."""
+        return {iid: inst.registration.object_bytes for iid, inst in sorted(self.instances.items())}
+
     def seen(self, instance_id: int, now: float) -> None:
         """Traffic from ``instance_id`` proves it alive, like a heartbeat."""
         inst = self.instances.get(instance_id)
@@ -157,13 +179,45 @@ class InstanceMachine:
         if old is not None and old.watched:  # registering again: still a heartbeating client
             inst.watched = True
             self._arm(inst, ev.instance_id, now)
+        if not ev.engine_driven:  # the server copies: its transfer engine opens the KV memory first
+            out.append(AttachInstance(ev.instance_id, inst.registration_id, ev.reply_to))
+            return
+        if old is not None and not old.registration.engine_driven:
+            out.append(DetachInstance(ev.instance_id))
         out.append(Reply(ev.reply_to, inst.registration_id))
+
+    def _on_attached(self, ev: InstanceAttached, now: float, out: list[Effect]) -> None:
+        inst = self.instances[ev.instance_id]
+        if inst.registration_id != ev.registration_id:  # another registration holds the id now
+            self._on_attached_stale(ev, now, out)
+            return
+        if ev.error is None:
+            out.append(Reply(ev.reply_to, ev.registration_id))
+            return
+        del self.instances[ev.instance_id]
+        self.transfers.instance_gone(ev.instance_id, now, out)
+        self._tenant_gone(ev.instance_id)
+        out.append(DetachInstance(ev.instance_id))
+        self.ctx.error(out, ev.reply_to, ev.error.kind, ev.error.message)
+
+    def _on_attached_stale(self, ev: InstanceAttached, now: float, out: list[Effect]) -> None:
+        """The registration it answers is gone (unregistered or replaced meanwhile): counted; its
+        request still gets its one reply."""
+        self.ctx.counters["stale_events"] += 1
+        if ev.error is None:
+            self.ctx.error(out, ev.reply_to, ErrorKind.NOT_REGISTERED,
+                           f"registration {ev.registration_id} of instance {ev.instance_id} was replaced")
+        else:
+            self.ctx.error(out, ev.reply_to, ev.error.kind, ev.error.message)
 
     def _on_unregister(self, ev: UnregisterInstance, now: float, out: list[Effect]) -> None:
         if self._foreign(self.instances.get(ev.instance_id), ev.peer, ev.reply_to, out):
             return
-        if self.instances.pop(ev.instance_id, None) is not None:
+        inst = self.instances.pop(ev.instance_id, None)
+        if inst is not None:
             self._tenant_gone(ev.instance_id)
+            if not inst.registration.engine_driven:
+                out.append(DetachInstance(ev.instance_id))
         out.append(Reply(ev.reply_to, None))
 
     def _on_plain_ping(self, ev: Ping, now: float, out: list[Effect]) -> None:
@@ -294,5 +348,7 @@ INSTANCE_TABLE: Table[InstanceState] = Table("LookupServer instances (one instan
     (I.REGISTERED, InstanceDeadline): (InstanceMachine._on_deadline, {I.REGISTERED, I.ABSENT}),
     (I.REGISTERED, InstanceFailed): (InstanceMachine._on_failed, {I.ABSENT, I.REGISTERED}),
     (I.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {I.ABSENT}),
+    (I.REGISTERED, InstanceAttached): (InstanceMachine._on_attached, {I.REGISTERED, I.ABSENT}),
+    (I.ABSENT, InstanceAttached): (InstanceMachine._on_attached_stale, {I.ABSENT}),
 })
 INSTANCE_TIMERS = (InstanceDeadline,)

@@ -39,7 +39,7 @@ import zmq
 
 from mpcache.core_sm import effects as fx
 from mpcache.core_sm import messages as m
-from mpcache.core_sm.errors import ErrorKind
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.runtime_zmq import auth, sha256_chain, tokens, wire
 from mpcache.runtime_zmq.memory import TrimAfterReap
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
@@ -283,7 +283,7 @@ class Server:
         self._reply_batch_since = 0.0
         self._event_handles: dict[ReplyTo, bytes] = {}
         # object sizes, so a write-behind copies only the bytes an object fills in its slot
-        self._instance_bytes: dict[int, int] = {}
+        self._registering_layout: Any = None  # the registration core_sm is handling (AttachInstance)
         self._transfers_in_flight = 0
         self._stopping = False
         self._last_answered: Any = None  # the last request answered (to never answer twice)
@@ -450,6 +450,29 @@ class Server:
                 self._refresh_gauges()
                 self.metrics.tick(now)
 
+    def _attach(self, eff: fx.AttachInstance) -> None:
+        """core_sm accepted a server-driven registration: open its KV memory now and hand core_sm
+        the outcome at once (it answers the registration)."""
+        layout = self._registering_layout
+        error: ProtocolError | None = None
+        try:
+            if layout is None:  # only a registration being handled asks it
+                raise RuntimeError("AttachInstance outside a registration")
+            reason = self.executor.register_instance(eff.instance_id, layout, self.pool)
+            if reason is not None:
+                error = ProtocolError(ErrorKind.VALIDATION, reason)
+        except Exception as e:  # the transfer engine's bug: the registration is answered internal
+            log.exception("attaching instance %s failed", eff.instance_id)
+            error = ProtocolError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"[:500])
+        self._handle(m.InstanceAttached(eff.instance_id, eff.registration_id, error, reply_to=eff.reply_to),
+                     self.clock(), None)
+
+    @property
+    def _instance_bytes(self) -> dict[int, int]:
+        """Each registered instance's object size, as core_sm holds them."""
+        sizes: dict[int, int] = self.machine.instances.object_bytes_by_instance()
+        return sizes
+
     def _post_instance_failed(self, instance_id: int, reason: str) -> None:
         # stamped now: a registration the loop makes before the event is handled is a new one
         self.channel.post(m.InstanceFailed(instance_id, reason, failed_at=self.clock()))
@@ -492,7 +515,6 @@ class Server:
                 log.error("instance %s failed by the transfer engine (%s): its registration and plans are released "
                           "(it must register again); its copies are reported failed as they end",
                           ev.instance_id, ev.reason)
-                self._instance_bytes.pop(ev.instance_id, None)
             elif isinstance(ev, m.L2ReadFinished):
                 self.metrics.count("l2_hits", sum(ev.loaded))
                 self.metrics.count("l2_objects_read", len(ev.loaded))
@@ -623,28 +645,28 @@ class Server:
                 log.warning("clear without the admin token (%s): refused",
                             "none is configured: --admin-token-file" if self.admin_token is None else "wrong or missing")
             event = attrs.evolve(event, admin=admin)
-        if req.op == "register_instance" and not req.args[1].get("engine_driven", False):
-            reason = self.executor.register_instance(req.args[0], req.args[1], self.pool)
-            if reason is not None:
-                self._send_error(reply_to, ErrorKind.VALIDATION.value, reason)
-                return
-        elif req.op == "unregister_instance":
-            self.executor.unregister_instance(req.args[0])
-            self._instance_bytes.pop(req.args[0], None)
-        elif req.op in ("store", "retrieve"):
+        if req.op in ("store", "retrieve"):
             self._event_handles[reply_to] = req.args[3]
-        if req.op == "register_instance":
-            nbytes = req.args[1].get("object_bytes", 0)
-            self._instance_bytes[req.args[0]] = nbytes
-            if isinstance(nbytes, int) and 0 < nbytes * 4 <= self.pool.slot_bytes:
-                # fixed-size slots: small objects in large slots cap L1 at num_slots objects
-                log.warning(
-                    "instance %s stores %d-byte objects in %d-byte slots: L1 holds at most %d of "
-                    "them; --slot-mb %.3f would hold %d",
-                    req.args[0], nbytes, self.pool.slot_bytes, self.pool.num_slots,
-                    nbytes / (1 << 20), self.pool.size // max(nbytes, 1),
-                )
-        self._handle(event, now, reply_to)
+        if type(event) is not m.RegisterInstance:
+            self._handle(event, now, reply_to)
+            return
+        # core_sm decides; only a registration it accepts reaches the transfer engine
+        # (AttachInstance, carried out with this layout while the event is handled)
+        self._registering_layout = req.args[1]
+        try:
+            self._handle(event, now, reply_to)
+        finally:
+            self._registering_layout = None
+        nbytes = event.object_bytes
+        registered = self.machine.instances.registration(event.instance_id)
+        if registered is not None and registered.object_bytes == nbytes and 0 < nbytes * 4 <= self.pool.slot_bytes:
+            # fixed-size slots: small objects in large slots cap L1 at num_slots objects
+            log.warning(
+                "instance %s stores %d-byte objects in %d-byte slots: L1 holds at most %d of "
+                "them; --slot-mb %.3f would hold %d",
+                event.instance_id, nbytes, self.pool.slot_bytes, self.pool.num_slots,
+                nbytes / (1 << 20), self.pool.size // max(nbytes, 1),
+            )
 
     def _handle(self, event: object, now: float, reply_to: ReplyTo | None) -> None:
         if reply_to is not None:
@@ -713,7 +735,10 @@ class Server:
                         "GPU mappings are released; it must register again)",
                         eff.instance_id, self.config.instance_ttl)  # type: ignore[attr-defined]
             self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
-            self._instance_bytes.pop(eff.instance_id, None)  # type: ignore[attr-defined]
+        elif t is fx.AttachInstance:
+            self._attach(eff)  # type: ignore[arg-type]
+        elif t is fx.DetachInstance:
+            self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
         elif t is fx.LookupWorkFailed:  # a server fault after the ack: the job answers 0 hits
             now = self.clock()  # counted by core_sm (stats()["lookup_work_failures"])
             if now - self._last_work_failure_log >= 1.0:  # a fault on every lookup: a line a second

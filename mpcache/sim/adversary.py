@@ -37,6 +37,7 @@ import attrs
 
 from mpcache.core_sm.effects import Reply
 from mpcache.core_sm.messages import (
+    SERVER_REQUEST_TYPES,
     CacheKey,
     Clear,
     CommitTransfer,
@@ -238,7 +239,7 @@ class Adversary:
             self.transfers.append((server, event.transfer_id))
         elif t is RegisterInstance:
             self.instances.append((server, event.instance_id))
-        if t is Clear or t is TimerFired or getattr(event, "reply_to", None) is None:
+        if t is Clear or t not in SERVER_REQUEST_TYPES or getattr(event, "reply_to", None) is None:
             return  # operator clears carry the credential; internal events are no requests
         self.observed.append((server, attrs.evolve(event, reply_to=None)))
         for effect in effects:

@@ -56,6 +56,9 @@ class Profile:
     # The workers' transport registers again and resends a request refused not_registered once
     # (core_sm's HealthMonitor decides, as in runtime_zmq's client); a legacy client has none.
     transport_resend: bool = True
+    # The server's runtime registers with its transfer engine only on core_sm's AttachInstance; a
+    # legacy runtime does it on receipt, for any peer (act-first).
+    act_before_decide: bool = False
 
     def server_config(self, cfg: WorldConfig) -> ServerConfig:
         return ServerConfig(
@@ -413,11 +416,23 @@ class IdleReap(Profile):
     transport_resend = False
 
 
+# act-first (F23): the runtime before "decide, then act" -- it registered (and unregistered) an
+# instance with its GPU transfer engine on receipt, then asked core_sm, which refused a foreign
+# peer FORBIDDEN; the engine's "re-registering replaces" had already put the other peer's
+# mapping under the owner's instance, so the owner's next copy ran through it.
+class ActFirst(Profile):
+    name = "act-first"
+    failure = "F23"
+    also = ("F22",)
+    description = "server runtime: registers with its transfer engine before core_sm's ownership check"
+    act_before_decide = True
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
-              TrustAll(), IdleReap(), LeaseExpiryUnderQueue())
+              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 

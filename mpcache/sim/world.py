@@ -30,17 +30,30 @@ import trio
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.server_core import RequestKey
 from mpcache.core_sm.transfer_client import TransferClientConfig
-from mpcache.core_sm.effects import ErrorReply, InstanceReaped, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
+from mpcache.core_sm.effects import (
+    AttachInstance,
+    DetachInstance,
+    ErrorReply,
+    InstanceReaped,
+    ProbeL2,
+    ReadL2,
+    Reply,
+    StartTransfer,
+    WriteL2,
+)
 from mpcache.core_sm.messages import (
     EndSession,
     FreeLookupLocks,
+    InstanceAttached,
     L2ReadFinished,
     L2WriteFinished,
     Lookup,
     Ping,
     QueryPrefetchStatus,
     TimerFired,
+    RegisterInstance,
     TransferFinished,
+    UnregisterInstance,
     WaitPrefetchStatus,
 )
 from mpcache.runtime_trio import Address, Node
@@ -56,7 +69,7 @@ from mpcache.sim.trace import MessageRecord, Trace, short
 SERVER = "server"
 HEARTBEAT = "hb"
 # Replies to requests whose answer may legitimately come later than the handling event.
-DEFERRED_REPLIES = ("Store", "Retrieve", "WaitPrefetchStatus", "CommitTransfer")
+DEFERRED_REPLIES = ("Store", "Retrieve", "WaitPrefetchStatus", "CommitTransfer", "RegisterInstance")
 
 
 class ServerHost:
@@ -84,6 +97,9 @@ class ServerHost:
         # handled while it was registered; the instances this incarnation reaped
         self.heartbeat_seen: dict[int, float] = {}
         self.reaped: set[int] = set()
+        # the transfer engine's open registrations, this incarnation: instance id -> the node whose
+        # registration it attached (a GPU executor's IPC mappings; F23)
+        self.mappings: dict[int, str] = {}
 
 
 class World:
@@ -235,6 +251,7 @@ class World:
         host.last_session_event = {}
         host.lookups_handled = set()
         host.heartbeat_seen, host.reaped = {}, set()
+        host.mappings = {}
         host.chunk_lookups = {}
         host.objects_held = frozenset()
         machine = ProbedServer(self.profile.make_server(self.config), self, host)
@@ -259,6 +276,7 @@ class World:
                 msg = ReplyMsg(via.server, via.correlation, None, effect.error, via.request_id)
             self.send(Address(node.name, SERVER), Address(via.node, via.machine), msg)
         elif t is StartTransfer:
+            self._check_mapping(host, effect)
             delay = self.latency(self.config.copy_latency_mean)
             self.timeline.after(delay, self._finish_transfer, host, host.incarnation, effect)
         elif t is ReadL2:
@@ -271,9 +289,34 @@ class World:
             delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean / 4)
             self.timeline.after(delay, self._finish_l2_probe, host, host.incarnation, effect)
         elif t is InstanceReaped:
+            host.mappings.pop(effect.instance_id, None)
             self._on_instance_reaped(host, effect)
+        elif t is AttachInstance:  # the transfer engine opens the registration core_sm accepted
+            if isinstance(effect.reply_to, Via):
+                host.mappings[effect.instance_id] = effect.reply_to.node
+            assert host.node is not None
+            host.node.post(SERVER, InstanceAttached(effect.instance_id, effect.registration_id, None,
+                                                    reply_to=effect.reply_to))
+        elif t is DetachInstance:
+            host.mappings.pop(effect.instance_id, None)
         else:
             self.violation("SAFETY", node.name, f"server emitted an unknown effect {short(effect)}")
+
+    def _check_mapping(self, host: ServerHost, effect: StartTransfer) -> None:
+        """F23: a server-driven copy runs through the registration its instance's owner made --
+        the transfer engine attached it for the peer core_sm says owns the instance. A runtime
+        that registers with its engine before core_sm decides lets another peer's register
+        replace the mapping (the owner's KV copied to or from the other's memory) or its
+        unregister drop it."""
+        owner = self.worker_by_instance(effect.instance_id)  # the honest worker whose instance it is
+        if owner is None:
+            return
+        attached = host.mappings.get(effect.instance_id)
+        if attached != owner.name:
+            how = "no registration open" if attached is None else f"the registration {attached} made"
+            self.violation("F23", host.name, f"{effect.kind.value} copy {effect.transfer_id} of instance "
+                           f"{effect.instance_id} (owned by {owner.name}) runs through {how}: the transfer "
+                           f"engine acted before core_sm decided")
 
     def _on_instance_reaped(self, host: ServerHost, effect: InstanceReaped) -> None:
         """F19 (LMCache #4715): the server may reap an instance only after ``instance_ttl`` without
@@ -841,6 +884,8 @@ class ProbedServer:
         return self.inner.next_deadline()  # type: ignore[no-any-return]
 
     def handle(self, event: Any, now: float) -> list[Any]:
+        if self.world.profile.act_before_decide:
+            self._act_first(event)
         adversary = self.world.adversary
         if adversary is None:
             return self._handle(event, now)
@@ -849,6 +894,15 @@ class ProbedServer:
         effects = self._handle(event, now)
         adversary.observe(self.host.index, event, effects)
         return effects
+
+    def _act_first(self, event: Any) -> None:
+        """The legacy runtime (profile ``act-first``): it registers with its transfer engine (and
+        unregisters) on receipt, for whichever peer asked, before core_sm decides."""
+        t = type(event)
+        if t is RegisterInstance and not event.engine_driven and event.peer is not None:
+            self.host.mappings[event.instance_id] = event.peer
+        elif t is UnregisterInstance:
+            self.host.mappings.pop(event.instance_id, None)
 
     def _handle(self, event: Any, now: float) -> list[Any]:
         if type(event) is not FreeLookupLocks:

@@ -8,8 +8,20 @@ from typing import Any, TypeVar
 
 import attrs
 
-from mpcache.core_sm.effects import Effect, ErrorReply, ProbeL2, ReadL2, Reply, StartTransfer, WriteL2
-from mpcache.core_sm.messages import CacheKey, RegisterInstance
+from mpcache.core_sm.effects import (
+    AttachInstance,
+    DetachInstance,
+    Effect,
+    ErrorReply,
+    InstanceReaped,
+    ProbeL2,
+    ReadL2,
+    Reply,
+    StartTransfer,
+    WriteL2,
+)
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.messages import CacheKey, InstanceAttached, RegisterInstance
 from mpcache.core_sm.server import LookupServer, ServerConfig
 
 C = 4  # a tiny chunk size keeps token lists short
@@ -31,7 +43,9 @@ def key(rid: str, toks: tuple[int, ...], start: int = 0, end: int | None = None,
 
 
 class ServerHarness:
-    """Drives a LookupServer; numbers each request's reply_to and records its replies."""
+    """Drives a LookupServer; numbers each request's reply_to and records its replies. As a
+    runtime does, it answers ``AttachInstance`` at once (``attach_error``: the transfer engine's
+    refusal, None to accept) and keeps ``attached``: the instances whose KV memory it holds open."""
 
     def __init__(self, config: ServerConfig | None = None, server: LookupServer | None = None,
                  **kw: Any) -> None:
@@ -47,6 +61,8 @@ class ServerHarness:
         self.probes: dict[int, ProbeL2] = {}
         self.writes: dict[int, WriteL2] = {}
         self.log: list[Effect] = []
+        self.attach_error: str | None = None
+        self.attached: set[int] = set()
 
     def send(self, request: Any) -> Hashable:
         """Feed a request; returns its reply_to."""
@@ -79,6 +95,13 @@ class ServerHarness:
                 self.probes[e.probe_id] = e
             elif isinstance(e, WriteL2):
                 self.writes[e.write_id] = e
+            elif isinstance(e, AttachInstance):
+                if self.attach_error is None:
+                    self.attached.add(e.instance_id)
+                refused = None if self.attach_error is None else ProtocolError(ErrorKind.VALIDATION, self.attach_error)
+                self.feed(InstanceAttached(e.instance_id, e.registration_id, refused, reply_to=e.reply_to))
+            elif isinstance(e, (DetachInstance, InstanceReaped)):
+                self.attached.discard(e.instance_id)
 
     def advance(self, dt: float) -> list[Effect]:
         self.now += dt

@@ -9,7 +9,17 @@ from typing import Any
 
 import attrs
 
-from mpcache.core_sm.effects import CopyBlocks, ErrorReply, ProbeL2, ReadL2, Reply, SendRequest, StartTransfer, WriteL2
+from mpcache.core_sm.effects import (
+    AttachInstance,
+    CopyBlocks,
+    ErrorReply,
+    ProbeL2,
+    ReadL2,
+    Reply,
+    SendRequest,
+    StartTransfer,
+    WriteL2,
+)
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
 from mpcache.core_sm.messages import (
     CopyFinished,
@@ -87,6 +97,11 @@ class Pair:
             if isinstance(e, (Reply, ErrorReply)):
                 client, server, corr = e.reply_to
                 self.down.append(Msg(client, server, corr, reply=e))
+            elif isinstance(e, AttachInstance):  # as a runtime: attached before any other event
+                from mpcache.core_sm.messages import InstanceAttached
+
+                self._server_effects(s, self.servers[s].handle(
+                    InstanceAttached(e.instance_id, e.registration_id, None, reply_to=e.reply_to), self.now))
             elif isinstance(e, StartTransfer):
                 self.internal.append((s, TransferFinished(e.transfer_id, True)))
             elif isinstance(e, ProbeL2):

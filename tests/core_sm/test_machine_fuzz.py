@@ -10,10 +10,11 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpcache.core_sm.effects import ErrorReply, Reply
+from mpcache.core_sm.effects import AttachInstance, ErrorReply, Reply
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
 from mpcache.core_sm.messages import (
+    InstanceAttached,
     Abort,
     CacheKey,
     Cleanup,
@@ -86,6 +87,9 @@ server_internal = st.one_of(
     st.builds(L2ReadFinished, ints, st.lists(st.booleans(), max_size=5).map(tuple)),
     st.builds(L2ProbeFinished, ints, st.lists(st.booleans(), max_size=5).map(tuple)),
     st.builds(L2WriteFinished, ints, st.booleans()),
+    # a wild (stale or forged) attach answer: counted stale, or answers a registration it names
+    st.builds(InstanceAttached, ints, ints,
+              st.one_of(st.none(), st.builds(ProtocolError, st.sampled_from(ErrorKind), st.text(max_size=5)))),
     st.builds(TimerFired),
 )
 
@@ -97,19 +101,29 @@ server_internal = st.one_of(
 def test_server_survives_wild_input(events: list[tuple[Any, float]], l2: bool, probe: bool) -> None:
     s = LookupServer(ServerConfig(chunk_size=C, num_slots=8, slot_bytes=64, l2_enabled=l2,
                                   write_behind=l2, l2_probe=probe))
-    s.handle(RegisterInstance(1, "m", 1, 10, reply_to=("setup",)), 0.0)
+    def handle(ev: Any, now: float) -> list[Any]:
+        """As a runtime: an AttachInstance is answered (here: accepted) before the next event."""
+        out = s.handle(ev, now)
+        for e in list(out):
+            if isinstance(e, AttachInstance):
+                out += handle(InstanceAttached(e.instance_id, e.registration_id, None, reply_to=e.reply_to), now)
+        return out
+
+    handle(RegisterInstance(1, "m", 1, 10, reply_to=("setup",)), 0.0)
     now = 0.0
     replies: dict[Any, int] = {}
     sent = []
     for i, (ev, dt) in enumerate(events):
         now += dt
-        if hasattr(ev, "reply_to"):
+        if type(ev) is InstanceAttached:
+            ev = attrs.evolve(ev, reply_to=("wild", i))  # the registration it would answer
+        elif hasattr(ev, "reply_to"):
             ev = attrs.evolve(ev, reply_to=i)
             sent.append(i)
-        for e in s.handle(ev, now):
+        for e in handle(ev, now):
             if isinstance(e, (Reply, ErrorReply)):
                 replies[e.reply_to] = replies.get(e.reply_to, 0) + 1
-                if isinstance(e, ErrorReply):
+                if isinstance(e, ErrorReply) and type(ev) is not InstanceAttached:  # a runtime's error is its own
                     assert e.error.kind is not ErrorKind.INTERNAL, e
         s.check_invariants()
     assert s.stats()["internal_errors"] == 0

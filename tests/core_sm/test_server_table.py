@@ -73,11 +73,11 @@ def record_jobs(server: LookupServer, seen: Seen) -> None:
 
 
 def test_every_server_event_is_routed_and_every_table_row_is_a_method() -> None:
-    from mpcache.core_sm.messages import SERVER_REQUEST_TYPES, InstanceFailed, L2WriteFinished
+    from mpcache.core_sm.messages import SERVER_REQUEST_TYPES, InstanceAttached, InstanceFailed, L2WriteFinished
 
     routed = set(SERVER_TABLE.events())
-    assert set(SERVER_REQUEST_TYPES) | {TransferFinished, InstanceFailed, L2ReadFinished, L2ProbeFinished,
-                                        L2WriteFinished, TimerFired} == routed
+    assert set(SERVER_REQUEST_TYPES) | {TransferFinished, InstanceFailed, InstanceAttached, L2ReadFinished,
+                                        L2ProbeFinished, L2WriteFinished, TimerFired} == routed
     s = LookupServer()
     for table, machine in ((JOB_TABLE, s.jobs), (TRANSFER_TABLE, s.transfers)):
         for row in table.rows.values():
@@ -395,6 +395,16 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
     h.feed(InstanceFailed(3))  # ABSENT: stale
     h.register(instance_id=3)
     h.feed(InstanceFailed(3, failed_at=h.now - 1.0))  # REGISTERED, registered after the failure: stays
+    from mpcache.core_sm.errors import ErrorKind
+    from mpcache.core_sm.messages import InstanceAttached
+
+    h.attach_error = "cannot open the IPC handles"
+    rt = h.send(RegisterInstance(4, "m", 1, 10))  # the transfer engine refuses: REGISTERED -> ABSENT
+    assert h.error_kind(rt) is ErrorKind.VALIDATION and h.server.instances.registration(4) is None
+    h.attach_error = None
+    h.outstanding.add(("late", 1))
+    h.feed(InstanceAttached(4, 12345, None, reply_to=("late", 1)))  # ABSENT: stale, still answered
+    assert h.error_kind(("late", 1)) is ErrorKind.NOT_REGISTERED
     listed = {(s, e, n) for (s, e), row in INSTANCE_TABLE.rows.items() for n in row.next_states}
     assert seen <= listed and listed - seen == set()
 

@@ -11,7 +11,7 @@ import pytest
 
 from mpcache.core_sm.effects import Effect, Reply
 from mpcache.core_sm.health import HealthMonitor, RequestRefused
-from mpcache.core_sm.messages import RegisterInstance
+from mpcache.core_sm.messages import InstanceAttached, RegisterInstance
 from mpcache.core_sm.server import LookupServer
 from mpcache.core_sm.server_transfers import TransferMachine
 from mpcache.sim.net import NetConfig
@@ -51,7 +51,7 @@ class NoRegistrationIdServer(LookupServer):
 
     def handle(self, event: Any, now: float) -> list[Effect]:
         effects = super().handle(event, now)
-        if type(event) is RegisterInstance:
+        if type(event) in (RegisterInstance, InstanceAttached):  # a server-driven one is answered on attach
             return [attrs.evolve(e, result=None) if type(e) is Reply else e for e in effects]
         return effects
 
