@@ -28,7 +28,7 @@ for step in $STEPS; do
             --out "$OUT" 2>&1 | tee "$OUT/bench_lone.log" || rc=1 ;;
     repeat)
         for i in $(seq 1 "${REPEAT:-10}"); do
-            if timeout 200 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/runtime_zmq/test_gpu_transfer.py \
+            if timeout 200 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "gpu or cuda" tests/runtime_zmq/test_gpu_transfer.py \
                 >"$OUT/repeat_$i.log" 2>&1; then echo "repeat $i: $(tail -1 "$OUT/repeat_$i.log")"
             else echo "repeat $i FAILED: $(tail -1 "$OUT/repeat_$i.log")"; cat "$OUT/repeat_$i.log" >>"$OUT/repeat_failures.log"; rc=1; fi
             rm -f "$OUT/repeat_$i.log"

@@ -74,9 +74,13 @@ def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_b
     torch.cuda.synchronize()  # the server side is done with our memory once b"bye" came
 
 
-def run_engine_client(conn: Any, url: str, geo: dict[str, int], chunk: int, src: list[int], dst: list[int], skip_tokens: int) -> None:
+def run_engine_client(conn: Any, url: str, geo: dict[str, int], chunk: int, src: list[int], dst: list[int], skip_tokens: int,
+                      attacker: bool = False) -> None:
     """A GPU engine worker talking to a real mpcache-server over ZMQ: register by IPC handles,
-    STORE from ``src`` blocks, RETRIEVE into ``dst`` blocks, then check its own cache."""
+    STORE from ``src`` blocks, RETRIEVE into ``dst`` blocks, then check its own cache.
+    ``attacker``: after the registration, another connection (another peer) registers the same
+    instance id with KV memory of its own, then unregisters it; both must be refused, and the
+    worker's copies must still go through its own memory (the other's left untouched)."""
     import msgpack
     import torch
 
@@ -93,16 +97,36 @@ def run_engine_client(conn: Any, url: str, geo: dict[str, int], chunk: int, src:
         layers.append(t)
     before = [t.clone() for t in layers]
     object_bytes = 2 * geo["num_layers"] * chunk * geo["num_heads"] * geo["head_size"] * 2
-    layout = {
-        "model_name": "gpu/test", "world_size": 1, "object_bytes": object_bytes, "engine_driven": False,
-        "kv_layout": "nhd", "num_blocks": geo["num_blocks"], "block_size": geo["block_size"],
-        "num_heads": geo["num_heads"], "head_size": geo["head_size"], "itemsize": 2,
-        "device_uuid": device_uuid(torch.cuda.current_device()), "tensors": export_kv_tensors(layers),
-    }
+
+    def layout_of(kv: list[Any]) -> dict[str, Any]:
+        return {
+            "model_name": "gpu/test", "world_size": 1, "object_bytes": object_bytes, "engine_driven": False,
+            "kv_layout": "nhd", "num_blocks": geo["num_blocks"], "block_size": geo["block_size"],
+            "num_heads": geo["num_heads"], "head_size": geo["head_size"], "itemsize": 2,
+            "device_uuid": device_uuid(torch.cuda.current_device()), "tensors": export_kv_tensors(kv),
+        }
+
     out: dict[str, Any] = {}
     client = MPCacheClient(url)
+    other: list[Any] = []
     try:
-        client.register_instance(1, layout).result(120)
+        client.register_instance(1, layout_of(layers)).result(120)
+        if attacker:
+            from mpcache.runtime_zmq.client import RemoteError
+
+            other = [torch.full(shape, 7, dtype=torch.bfloat16, device="cuda") for _ in range(geo["num_layers"])]
+            foreign = MPCacheClient(url)
+            refused = []
+            try:
+                for call in (lambda: foreign.register_instance(1, layout_of(other)), lambda: foreign.unregister_instance(1)):
+                    try:
+                        call().result(60)
+                        refused.append("accepted")
+                    except RemoteError as e:
+                        refused.append(e.kind)
+            finally:
+                foreign.close()
+            out["foreign"] = refused
         event = torch.cuda.Event(interprocess=True)
         event.record()
         handle = export_event(event)
@@ -121,6 +145,9 @@ def run_engine_client(conn: Any, url: str, geo: dict[str, int], chunk: int, src:
             ok &= bool(torch.equal(t.view(torch.int16)[:, dst[:skip_blocks]], b.view(torch.int16)[:, dst[:skip_blocks]]))
             ok &= bool(torch.equal(t.view(torch.int16)[:, src], b.view(torch.int16)[:, src]))
         out["data_ok"] = ok
+        if attacker:
+            torch.cuda.synchronize()
+            out["other_untouched"] = all(bool((t == 7).all()) for t in other)
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:

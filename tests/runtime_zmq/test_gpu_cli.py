@@ -30,7 +30,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__
 
 
 @pytest.mark.timeout(300)
-def test_cli_gpu_server_store_and_retrieve() -> None:
+@pytest.mark.parametrize("attacker", [False, True], ids=["alone", "foreign-register"])
+def test_cli_gpu_server_store_and_retrieve(attacker: bool) -> None:
+    """With ``foreign-register``, another peer registers (and unregisters) the worker's instance id
+    with KV memory of its own between the worker's registration and its copies: refused, and the
+    real GPU engine still copies through the owner's memory only (decide, then act)."""
     import msgpack
 
     from tests.runtime_zmq.gpu_worker import run_engine_client
@@ -63,7 +67,8 @@ def test_cli_gpu_server_store_and_retrieve() -> None:
             ready_s = time.monotonic() - t0
             ctx = mp.get_context("spawn")
             parent, child = ctx.Pipe()
-            worker = ctx.Process(target=run_engine_client, args=(child, url, GEO, CHUNK, src, dst, GEO["block_size"] + 3))
+            worker = ctx.Process(target=run_engine_client, args=(child, url, GEO, CHUNK, src, dst, GEO["block_size"] + 3,
+                                                                  attacker))
             worker.start()
             try:
                 assert parent.poll(200), "worker did not finish"
@@ -85,3 +90,5 @@ def test_cli_gpu_server_store_and_retrieve() -> None:
     assert "error" not in out, out
     assert out["store"][-1] is True and out["retrieve"][-1] is True, out
     assert out["data_ok"], out
+    if attacker:
+        assert out["foreign"] == ["forbidden", "forbidden"] and out["other_untouched"], out
