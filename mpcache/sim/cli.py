@@ -6,7 +6,7 @@
     mpcache-sim profiles --seeds N [--jobs K] [--profile P ...]
     mpcache-sim check-determinism [--seeds N] [--profile P]
     mpcache-sim fleet --seeds N [--servers S] [--engines E] [--tier-nodes T]
-    mpcache-sim sweep TRACE --l1-size-gb 1,2,4,8 [--png OUT.png]
+    mpcache-sim sweep TRACE --l1-size-gb 1,2,4,8 [--plot OUT.png]
 
 `run` exits 1 if any seed found a violation and prints, per failing seed, its reason and the
 one command that replays it.
@@ -24,6 +24,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from mpcache.sim.oracles import FAILURES, is_known_race
+from mpcache.sim.plot import output_path
 from mpcache.sim.profiles import PROFILES, get_profile
 from mpcache.sim.runner import SeedResult, run_many, run_scenario
 from mpcache.sim.scenario import draw_scenario
@@ -192,6 +193,14 @@ def mentions(request_id: str) -> re.Pattern[str]:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     get_profile(args.profile)
+    if args.chart:
+        from mpcache.sim.plot import MatplotlibMissing, require
+
+        try:
+            require(args.chart)
+        except MatplotlibMissing as exc:
+            print(f"mpcache-sim replay: {exc}", file=sys.stderr)
+            return 2
     result, world = run_scenario(draw_scenario(args.seed), args.profile, keep_lines=True, chart=bool(args.chart))
     violation = result.violation
     if not args.quiet:
@@ -214,13 +223,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"# {shown} of {len(result.lines)} trace lines mention {args.request}")
     print(f"# events {result.events}  virtual time {result.virtual_time:.6f} s  trace hash {result.trace_hash}")
     if args.chart:
-        from mpcache.sim.chart import render, requests_in
+        from mpcache.sim.chart import figure, requests_in
+        from mpcache.sim.plot import save
 
         rids = requests_in(violation.message) if violation is not None else set()
         if args.request:
             rids = {args.request}
-        with open(args.chart, "w") as f:
-            f.write(render(world, rids or None))
+        save(figure(world, rids or None), args.chart)
         print(f"# chart written to {args.chart}" + (f" (requests {', '.join(sorted(rids))})" if rids else ""))
     if violation is not None:
         print(f"VIOLATION {violation.reason()}  (at {violation.t:.6f} s on {violation.node})")
@@ -451,7 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=non_negative_int, default=None, metavar="COLUMNS",
                    help="cut trace lines at this many columns, one effect per line; 0: whole lines "
                         "(default: the terminal's width, or 160 when not a terminal)")
-    p.add_argument("--chart", metavar="FILE", help="draw the message-sequence chart (.svg)")
+    p.add_argument("--chart", metavar="FILE", type=output_path,
+                   help="draw the message-sequence chart of the violation's requests (or --request's) into "
+                        "FILE.png, .svg or .pdf (needs matplotlib: pip install 'mpcache[plot]')")
     p.add_argument("--quiet", action="store_true", help="no trace lines, only the outcome")
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("list-profiles", help="the default and the legacy-bug profiles")
@@ -498,7 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="re-run a server trace at each L1 size: hit rate and evictions per size")
     p.add_argument("file", help="the trace file mpcache-server --trace wrote")
     p.add_argument("--l1-size-gb", required=True, help="comma-separated sizes, e.g. 1,2,4,8")
-    p.add_argument("--png", metavar="OUT.png", help="plot of hit rate vs size")
+    p.add_argument("--plot", "--png", dest="plot", metavar="FILE", type=output_path,
+                   help="plot hit rate vs L1 size into FILE.png, .svg or .pdf "
+                        "(needs matplotlib: pip install 'mpcache[plot]')")
     p.set_defaults(func=cmd_sweep)
     return parser
 
