@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     name, rest = args[0].replace("-", "_"), args[1:]  # `mpcache-bench gpu-server` runs mpcache/bench/bench_gpu_server.py
     if name == "all":
+        if {"-h", "--help"} & set(rest):
+            print("usage: mpcache-bench all [args...]")
+            print(f"runs every benchmark in turn ({', '.join(names)}), passing each the same args;")
+            print("exit status: nonzero if any benchmark failed. Help for one: mpcache-bench NAME --help")
+            return 0
         rc = 0
         for n in names:
             print(f"== mpcache-bench {n}", flush=True)

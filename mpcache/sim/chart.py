@@ -1,98 +1,131 @@
-"""SVG message-sequence chart of a replayed world.
+"""Message-sequence chart of a replayed world (drawn with matplotlib, `sim/plot.py`).
 
 One vertical lane per node, virtual time flowing down. Every message that concerns the chosen
 requests is an arrow from its sender's lane at send time to its receiver's lane at arrival time;
-a lost message ends in a red cross (drop, partition, overflow, dead receiver). Crashes, restarts,
-faults and the violation are marked across the lanes. Time is compressed: only instants where
-something is drawn get vertical space, so a 30 s run with a 2 ms race stays readable.
+a lost message ends in a red cross with its fate (drop, partition, overflow, dead receiver).
+Crashes, restarts, faults and the violation are marked on their node's lane, or across the lanes.
+
+Time is compressed to one row per thing drawn (a send, an arrival, a mark), in time order, each
+row as tall as its wrapped text: a 30 s run with a 2 ms race stays readable, and no two labels
+share a row, so none overlap. The y axis names each row's virtual time.
 """
 from __future__ import annotations
 
 import re
-from html import escape
 from typing import Any
 
+from mpcache.sim.plot import pyplot, wrap
 from mpcache.sim.trace import Mark, MessageRecord
 
-LANE_W = 130
-ROW_H = 16
-TOP = 60
-LEFT = 90
+LANE_IN = 1.9  # inches between lanes
+ROW_IN = 0.17  # inches per text line
+LABEL_CHARS = 30  # a message label wraps at this many characters (fits between two lanes)
+MARK_CHARS = 70
+COLORS = {"crash": "#c00", "restart": "#090", "VIOLATION": "#c0c", "fault": "#e80", "heal": "#090"}
 
 
 def requests_in(text: str) -> set[str]:
     return set(re.findall(r"\br\d+\b", text))
 
 
-def render(world: Any, request_ids: set[str] | None = None, max_messages: int = 400) -> str:
+def _lane_order(name: str) -> tuple[int, str]:
+    return (0 if name.startswith("sched") else 1 if name.startswith("worker") else 2, name)
+
+
+def figure(world: Any, request_ids: set[str] | None = None, max_messages: int = 400) -> Any:
+    """The chart of `world`'s recorded messages (those of `request_ids` when given) as a
+    matplotlib Figure; `plot.save` writes it."""
+    plt = pyplot()
     trace = world.trace
     msgs: list[MessageRecord] = sorted(trace.messages.values(), key=lambda m: (m.sent, m.pid))
     if request_ids:
         msgs = [m for m in msgs if m.request_id in request_ids]
-    msgs = [m for m in msgs if m.label != "Ping" and not (m.label == "reply:True")]
-    msgs = msgs[-max_messages:]
-    marks: list[Mark] = [mk for mk in trace.marks if mk.kind in ("crash", "restart", "VIOLATION", "fault", "heal")]
-    nodes: list[str] = []
+    msgs = [m for m in msgs if m.label != "Ping" and m.label != "reply:True"][-max_messages:]
+    marks: list[Mark] = [mk for mk in trace.marks if mk.kind in COLORS]
+    nodes = sorted({n for m in msgs for n in (m.src, m.dst)} | {mk.node for mk in marks}, key=_lane_order)
+    nodes = [n for n in nodes if n != "-"] or ["-"]
+    lane = {n: i for i, n in enumerate(nodes)}
 
-    def lane(name: str) -> None:
-        if name not in nodes and name != "-":
-            nodes.append(name)
+    def lost(m: MessageRecord) -> bool:
+        return m.fate not in ("delivered", "in-flight")
+
+    def label(m: MessageRecord) -> str:
+        fate = f" ({m.fate})" if lost(m) else " (in flight)" if m.arrived is None else ""
+        text = f"{m.label} {m.request_id or ''}".strip() + fate
+        return wrap(text, LABEL_CHARS)
+
+    def mark_text(mk: Mark) -> str:
+        return wrap(f"{mk.kind} {mk.text}", MARK_CHARS)
+
+    # rows: (time, order, kind, item); a send before an arrival at the same instant
+    rows: list[tuple[float, int, str, Any]] = []
+    for m in msgs:
+        rows.append((m.sent, 0, "send", m))
+        if m.arrived is not None and not lost(m):
+            rows.append((m.arrived, 1, "arrive", m))
+    rows += [(mk.t, 2, "mark", i) for i, mk in enumerate(marks)]
+    rows.sort(key=lambda r: (r[0], r[1], r[3] if r[2] == "mark" else r[3].pid))
+    y_send: dict[int, float] = {}
+    y_arrive: dict[int, float] = {}
+    y_mark: dict[int, float] = {}
+    ticks: list[tuple[float, float]] = []
+    y = 0.0
+    for t, _, kind, item in rows:
+        text = label(item) if kind == "send" else mark_text(marks[item]) if kind == "mark" else ""
+        y += text.count("\n") + 1
+        if kind == "send":
+            y_send[item.pid] = y
+        elif kind == "arrive":
+            y_arrive[item.pid] = y
+        else:
+            y_mark[item] = y
+        ticks.append((y, t))
+    height = y + 1
+
+    fig_w = 1.5 + LANE_IN * max(len(nodes), 2)
+    fig, ax = plt.subplots(figsize=(fig_w, 1.6 + ROW_IN * height))
+    ax.set_xlim(-0.5, len(nodes) - 0.5)
+    ax.set_ylim(height, 0)
+    for i in range(len(nodes)):
+        ax.axvline(i, color="#bbb", lw=0.8, zorder=0)
+    ax.set_xticks(range(len(nodes)), [wrap(n, 14) for n in nodes], fontweight="bold", fontsize=8)
+    ax.xaxis.tick_top()
+    ax.xaxis.set_label_position("top")
+    ax.set_xlabel("node")
+    ax.set_yticks([yy for yy, _ in ticks], [f"{t:.6f}" for _, t in ticks], fontsize=6, fontfamily="monospace")
+    ax.set_ylabel("virtual time (s)\none row per send, arrival or mark")
+    for side in ("right", "bottom"):
+        ax.spines[side].set_visible(False)
 
     for m in msgs:
-        lane(m.src)
-        lane(m.dst)
-    for mk in marks:
-        lane(mk.node)
-    nodes.sort(key=lambda n: (0 if n.startswith("sched") else 1 if n.startswith("worker") else 2, n))
-    if not nodes:
-        nodes = ["-"]
-    times = sorted({round(t, 9) for m in msgs for t in (m.sent, m.arrived if m.arrived is not None else m.sent)}
-                   | {round(mk.t, 9) for mk in marks})
-    row = {t: i for i, t in enumerate(times)}
-
-    def y(t: float) -> float:
-        return TOP + row[round(t, 9)] * ROW_H + ROW_H
-
-    def x(node: str) -> float:
-        return LEFT + (nodes.index(node) if node in nodes else 0) * LANE_W + LANE_W / 2
-
-    height = TOP + (len(times) + 2) * ROW_H
-    width = LEFT + len(nodes) * LANE_W + 20
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="monospace" font-size="10">',
-           '<defs><marker id="a" markerWidth="8" markerHeight="8" refX="8" refY="4" orient="auto">'
-           '<path d="M0,0 L8,4 L0,8 z" fill="#333"/></marker></defs>',
-           f'<text x="8" y="16" font-size="12">mpcache-sim seed {world.scenario.seed} profile {world.profile.name}'
-           f'{" requests " + ",".join(sorted(request_ids)) if request_ids else ""}</text>']
-    for n in nodes:
-        out.append(f'<text x="{x(n)}" y="{TOP - 12}" text-anchor="middle" font-weight="bold">{escape(n)}</text>')
-        out.append(f'<line x1="{x(n)}" y1="{TOP}" x2="{x(n)}" y2="{height - ROW_H}" stroke="#bbb"/>')
-    for t in times:
-        out.append(f'<text x="4" y="{y(t) + 3}" fill="#888">{t:.6f}</text>')
-    for m in msgs:
-        x1, y1 = x(m.src), y(m.sent)
-        lost = m.fate not in ("delivered", "in-flight")
-        if m.arrived is not None and not lost:
-            x2, y2 = x(m.dst), y(m.arrived)
+        x1, y1 = lane[m.src], y_send[m.pid]
+        color = "#c00" if lost(m) else ("#06c" if m.src.startswith(("sched", "worker")) else "#090")
+        x2 = lane[m.dst]
+        if lost(m) or m.pid not in y_arrive:
+            xe, ye = (x1 + x2) / 2, y1 + 0.5
+            ax.plot([x1, xe], [y1, ye], color=color, lw=0.8, ls="-" if lost(m) else ":")
+            if lost(m):
+                ax.plot([xe], [ye], marker="x", color=color, ms=6)
         else:
-            x2, y2 = (x(m.src) + x(m.dst)) / 2, y1 + ROW_H / 2
-        color = "#c00" if lost else ("#06c" if m.src.startswith(("sched", "worker")) else "#090")
-        arrow = "" if lost else ' marker-end="url(#a)"'
-        out.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{color}"{arrow}/>')
-        label = escape(f"{m.label} {m.request_id or ''}".strip())
-        out.append(f'<text x="{(x1 + x2) / 2 + 3}" y="{(y1 + y2) / 2 - 2}" fill="{color}">{label}</text>')
-        if lost:
-            out.append(f'<text x="{x2 - 4}" y="{y2 + 4}" fill="#c00" font-size="14">x</text>'
-                       f'<text x="{x2 + 8}" y="{y2 + 4}" fill="#c00">{escape(m.fate)}</text>')
-    for mk in marks:
-        color = {"crash": "#c00", "restart": "#090", "VIOLATION": "#c0c", "fault": "#e80", "heal": "#090"}[mk.kind]
-        yy = y(mk.t)
-        if mk.node in nodes:
-            out.append(f'<rect x="{x(mk.node) - 50}" y="{yy - 9}" width="100" height="12" fill="{color}" '
-                       f'fill-opacity="0.2" stroke="{color}"/>')
+            ax.annotate("", xy=(x2, y_arrive[m.pid]), xytext=(x1, y1),
+                        arrowprops={"arrowstyle": "->", "color": color, "lw": 0.8, "shrinkA": 0, "shrinkB": 0})
+        right = x2 >= x1
+        ax.text(x1 + (0.04 if right else -0.04), y1 - 0.1, label(m), color=color, fontsize=7,
+                fontfamily="monospace", ha="left" if right else "right", va="bottom", linespacing=1.0)
+    for i, mk in enumerate(marks):
+        color, yv = COLORS[mk.kind], y_mark[i]
+        if mk.node in lane:
+            x = lane[mk.node]
+            ax.plot([x], [yv], marker="s", color=color, ms=7, alpha=0.6)
+            ax.text(x + 0.06, yv - 0.1, mark_text(mk), color=color, fontsize=7, ha="left", va="bottom",
+                    linespacing=1.0, bbox={"facecolor": "white", "edgecolor": color, "alpha": 0.85, "pad": 1})
         else:
-            out.append(f'<line x1="{LEFT}" y1="{yy}" x2="{width - 20}" y2="{yy}" stroke="{color}" '
-                       f'stroke-dasharray="4,3"/>')
-        out.append(f'<text x="{LEFT + 4}" y="{yy - 2}" fill="{color}">{escape(mk.kind + " " + mk.text[:160])}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+            ax.axhline(yv, color=color, ls="--", lw=0.8)
+            ax.text(-0.45, yv - 0.1, mark_text(mk), color=color, fontsize=7, ha="left", va="bottom",
+                    linespacing=1.0, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
+    title = f"mpcache-sim replay {world.scenario.seed} --profile {world.profile.name}"
+    if request_ids:
+        title += f": requests {', '.join(sorted(request_ids))}"
+    chars = int(fig_w * 72 / 6)  # about 6 points per character at 10 pt
+    ax.set_title(wrap(title, chars), loc="left", fontsize=10, pad=30)  # above the lane names
+    return fig

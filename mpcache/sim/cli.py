@@ -1,12 +1,12 @@
 """`mpcache-sim`: run seeds, replay one, list profiles, check determinism.
 
     mpcache-sim run --seeds N [--start S] [--profile P] [--jobs K]
-    mpcache-sim replay SEED [--profile P] [--chart FILE.svg] [--quiet]
+    mpcache-sim replay SEED [--profile P] [--request ID] [--width N] [--chart FILE.svg] [--quiet]
     mpcache-sim list-profiles
     mpcache-sim profiles --seeds N [--jobs K] [--profile P ...]
     mpcache-sim check-determinism [--seeds N] [--profile P]
     mpcache-sim fleet --seeds N [--servers S] [--engines E] [--tier-nodes T]
-    mpcache-sim sweep TRACE --l1-size-gb 1,2,4,8 [--png OUT.png]
+    mpcache-sim sweep TRACE --l1-size-gb 1,2,4,8 [--plot OUT.png]
 
 `run` exits 1 if any seed found a violation and prints, per failing seed, its reason and the
 one command that replays it.
@@ -15,21 +15,72 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import sys
+import textwrap
 import time
 from collections import Counter
+from typing import Any, TextIO
 
 from mpcache.sim.oracles import FAILURES, is_known_race
+from mpcache.sim.plot import output_path
 from mpcache.sim.profiles import PROFILES, get_profile
 from mpcache.sim.runner import SeedResult, run_many, run_scenario
 from mpcache.sim.scenario import draw_scenario
 
 
-def _bar(done: int, total: int, failing: int, started: float) -> str:
-    width = 30
-    filled = int(width * done / max(total, 1))
-    rate = done / max(time.perf_counter() - started, 1e-9)
-    return f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} seeds  {failing} failing  {rate:.1f} seeds/s"
+def _clock(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+class Progress:
+    """Seeds done out of `total` on stderr, with the failing count, the rate and the time left.
+
+    tqdm draws it when it is importable; a server-only install has no tqdm, and then one line is
+    redrawn in place (at most every 0.2 s, and at the end)."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.stream = total, stream
+        self.done = self.failing = 0
+        self.started = self.drawn = time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar: Any = None
+        else:
+            self.bar = tqdm(total=total, unit="seed", file=stream, dynamic_ncols=True)
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.failing += not ok
+        if self.bar is not None:
+            self.bar.set_postfix(failing=self.failing, refresh=False)
+            self.bar.update(1)
+            return
+        now = time.perf_counter()
+        if self.done == 1 or self.done == self.total or now - self.drawn >= 0.2:
+            self.drawn = now
+            self.stream.write("\r" + self.line(now))
+            self.stream.flush()
+
+    def line(self, now: float) -> str:
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        elapsed = max(now - self.started, 1e-9)
+        rate = self.done / elapsed
+        left = (self.total - self.done) / rate if self.done else 0.0
+        return (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} seeds  {self.failing} failing  "
+                f"{rate:.1f} seeds/s  elapsed {_clock(elapsed)}  ETA {_clock(left)}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def table(rows: list[tuple[str, str]]) -> str:
@@ -42,21 +93,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     seeds = list(range(args.start, args.start + args.seeds))
     started = time.perf_counter()
     failing: list[SeedResult] = []
-    done = 0
-    show = sys.stderr.isatty() or args.progress
+    progress = Progress(len(seeds), sys.stderr) if sys.stderr.isatty() or args.progress else None
 
     def on_result(r: SeedResult) -> None:
-        nonlocal done
-        done += 1
         if not r.ok:
             failing.append(r)
-        if show and (done % 5 == 0 or done == len(seeds)):
-            sys.stderr.write(_bar(done, len(seeds), len(failing), started))
-            sys.stderr.flush()
+        if progress is not None:
+            progress.update(r.ok)
 
     results = run_many(seeds, args.profile, jobs=args.jobs, on_result=on_result)
-    if show:
-        sys.stderr.write("\n")
+    if progress is not None:
+        progress.close()
     wall = time.perf_counter() - started
     events = sum(r.events for r in results)
     virtual = sum(r.virtual_time for r in results)
@@ -86,24 +133,106 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 1 if failing else 0
 
 
+_CUT_ITEM = re.compile(r"\.\.\., (?=[A-Z]\w*\()")  # trace.short cut an item here, brackets left open
+
+
+def _split_effects(text: str) -> list[str]:
+    """`[A(x, y), B()]` -> `["A(x, y)", "B()"]`: the top-level items of one effect list. An item
+    the trace shortened ends in `...` with its brackets open; the next item starts after it."""
+    inner = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    items, depth, quote, start, i = [], 0, "", 0, 0
+    while i < len(inner):
+        c = inner[i]
+        cut = _CUT_ITEM.match(inner, i)
+        if cut:
+            items.append(inner[start:i + 3].strip())
+            start = i = cut.end()
+            depth, quote = 0, ""
+            continue
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            items.append(inner[start:i].strip())
+            start = i + 1
+        i += 1
+    if inner[start:].strip():
+        items.append(inner[start:].strip())
+    return items
+
+
+def _cut(text: str, width: int) -> str:
+    if width <= 0 or len(text) <= width:
+        return text
+    kept = max(width - 12, 20)  # room for " ...(+NNNNN)"
+    return f"{text[:kept]} ...(+{len(text) - kept})"
+
+
+def display_lines(line: str, width: int) -> list[str]:
+    """One trace line as the terminal shows it: whole when it fits `width` (or width is 0); else
+    the event on the first line and one effect per line below it, each cut to `width` with the
+    count of characters left out. The trace itself (and its hash) is not changed."""
+    if width <= 0 or len(line) <= width:
+        return [line]
+    head, arrow, effects = line.partition(" -> [")
+    if not arrow:
+        return [_cut(line, width)]
+    indent = " " * 25  # under the event: 12 columns of time, node in 11, a space after each
+    return [_cut(head, width)] + [_cut(f"{indent}-> {e}", width) for e in _split_effects("[" + effects)]
+
+
+def mentions(request_id: str) -> re.Pattern[str]:
+    """Matches a line that names `request_id` as a whole id (r7, not r70 or adv-r7)."""
+    return re.compile(rf"(?<![\w-]){re.escape(request_id)}(?![\w-])")
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     get_profile(args.profile)
+    if args.chart:
+        from mpcache.sim.plot import MatplotlibMissing, require
+
+        try:
+            require(args.chart)
+        except MatplotlibMissing as exc:
+            print(f"mpcache-sim replay: {exc}", file=sys.stderr)
+            return 2
     result, world = run_scenario(draw_scenario(args.seed), args.profile, keep_lines=True, chart=bool(args.chart))
+    violation = result.violation
     if not args.quiet:
-        print(f"# mpcache-sim replay {args.seed} --profile {args.profile}")
-        print(f"# scenario: {world.scenario.config}")
+        width = args.width if args.width is not None else shutil.get_terminal_size((160, 24)).columns
+        print(f"# mpcache-sim replay {args.seed} --profile {args.profile}"
+              + (f" --request {args.request}" if args.request else ""))
+        print("\n".join(textwrap.wrap(f"# scenario: {world.scenario.config}", width or 10**9,
+                                       subsequent_indent="#   ", break_on_hyphens=False)))
+        # the violation's own trace line is the outcome printed below: say it once
+        skip = f"{violation.t:12.6f} {violation.node:<11} VIOLATION {violation.reason()}" if violation else None
+        wanted = mentions(args.request) if args.request else None
+        shown = 0
         for line in result.lines:
-            print(line)
+            if line == skip or (wanted is not None and not wanted.search(line)):
+                continue
+            shown += 1
+            for part in display_lines(line, width):
+                print(part)
+        if wanted is not None:
+            print(f"# {shown} of {len(result.lines)} trace lines mention {args.request}")
     print(f"# events {result.events}  virtual time {result.virtual_time:.6f} s  trace hash {result.trace_hash}")
     if args.chart:
-        from mpcache.sim.chart import render, requests_in
+        from mpcache.sim.chart import figure, requests_in
+        from mpcache.sim.plot import save
 
-        rids = requests_in(result.violation.message) if result.violation is not None else set()
-        with open(args.chart, "w") as f:
-            f.write(render(world, rids or None))
+        rids = requests_in(violation.message) if violation is not None else set()
+        if args.request:
+            rids = {args.request}
+        save(figure(world, rids or None), args.chart)
         print(f"# chart written to {args.chart}" + (f" (requests {', '.join(sorted(rids))})" if rids else ""))
-    if result.violation is not None:
-        print(f"VIOLATION {result.violation.reason()}")
+    if violation is not None:
+        print(f"VIOLATION {violation.reason()}  (at {violation.t:.6f} s on {violation.node})")
         return 1
     print("no violation")
     return 0
@@ -152,18 +281,6 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     if thin:
         print(f"caught on fewer than {100 * args.min_share:g}% of seeds: {', '.join(thin)}")
     return 1 if thin else 0
-
-
-def cmd_hashes(args: argparse.Namespace) -> int:
-    """Internal (determinism check): print {seed: trace hash} or {seed: [lines]} as JSON."""
-    from mpcache.sim.runner import run_seed
-
-    out: dict[str, object] = {}
-    for s in args.seed_list:
-        r = run_seed(s, args.profile, keep_lines=args.lines)
-        out[str(s)] = list(r.lines) if args.lines else r.trace_hash
-    json.dump(out, sys.stdout)
-    return 0
 
 
 def cmd_check_determinism(args: argparse.Namespace) -> int:
@@ -295,72 +412,112 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return main_sweep(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (a count of seeds, jobs, servers)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number of at least 0 (how many lines to print)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpcache-sim", description="mpcache deterministic simulator")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run many seeds; exit 1 on any violation")
-    p.add_argument("--seeds", type=int, default=100)
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--profile", default="default")
-    p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--show", type=int, default=10, help="failing seeds to print")
-    p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a tty")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("run", help="run many seeds; exit 1 on any violation",
+                       description="Run many seeds; exit 1 on any violation, printing per failing seed its "
+                                   "reason and the command that replays it.")
+    p.add_argument("--seeds", type=positive_int, default=100, help="how many seeds to run (default: %(default)s)")
+    p.add_argument("--start", type=int, default=0, help="first seed (default: %(default)s)")
+    p.add_argument("--profile", default="default",
+                   help="the honest world or a legacy-bug profile, see list-profiles (default: %(default)s)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default: %(default)s)")
+    p.add_argument("--show", type=non_negative_int, default=10, help="failing seeds to print (default: %(default)s)")
+    p.add_argument("--progress", action="store_true",
+                   help="progress bar even when stderr is not a terminal (default: only on a terminal)")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("replay", help="replay one seed with its full trace")
-    p.add_argument("seed", type=int)
-    p.add_argument("--profile", default="default")
-    p.add_argument("--chart", metavar="FILE.svg")
+    p = sub.add_parser("replay", help="replay one seed with its full trace",
+                       description="Replay one seed: one line per event (virtual time, node, event -> effects), "
+                                   "then the outcome; exit 1 on a violation.")
+    p.add_argument("seed", type=int, help="the seed to replay")
+    p.add_argument("--profile", default="default", help="profile the seed ran under (default: %(default)s)")
+    p.add_argument("--request", metavar="ID", help="only the events that mention this request id, e.g. r7 "
+                                                  "(default: every event)")
+    p.add_argument("--width", type=non_negative_int, default=None, metavar="COLUMNS",
+                   help="cut trace lines at this many columns, one effect per line; 0: whole lines "
+                        "(default: the terminal's width, or 160 when not a terminal)")
+    p.add_argument("--chart", metavar="FILE", type=output_path,
+                   help="draw the message-sequence chart of the violation's requests (or --request's) into "
+                        "FILE.png, .svg or .pdf (needs matplotlib: pip install 'mpcache[plot]')")
     p.add_argument("--quiet", action="store_true", help="no trace lines, only the outcome")
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("list-profiles", help="the default and the legacy-bug profiles")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("profiles", help="catch table: per legacy profile, how many seeds catch it with its "
                                         "F-code and the first that does; exit 1 if one is caught too rarely")
-    p.add_argument("--seeds", type=int, default=200)
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--profile", action="append", help="only this legacy profile (repeatable)")
+    p.add_argument("--seeds", type=positive_int, default=200, help="seeds per profile (default: %(default)s)")
+    p.add_argument("--start", type=int, default=0, help="first seed (default: %(default)s)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default: %(default)s)")
+    p.add_argument("--profile", action="append", help="only this legacy profile (repeatable; default: all of them)")
     p.add_argument("--min-share", type=float, default=0.0,
                    help="exit 1 if a profile is caught on fewer than this share of seeds (0..1; default: never caught)")
     p.set_defaults(func=cmd_profiles)
     p = sub.add_parser("check-determinism", help="same trace hash under another PYTHONHASHSEED")
-    p.add_argument("--seeds", type=int, default=20)
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--profile", default="default")
+    p.add_argument("--seeds", type=positive_int, default=20, help="how many seeds (default: %(default)s)")
+    p.add_argument("--start", type=int, default=0, help="first seed (default: %(default)s)")
+    p.add_argument("--profile", default="default", help="profile to run them under (default: %(default)s)")
     p.set_defaults(func=cmd_check_determinism)
     p = sub.add_parser("shrink", help="find + shrink a failing world for a legacy profile (Hypothesis)")
-    p.add_argument("--profile", required=True)
+    p.add_argument("--profile", required=True, help="the legacy profile whose failure to find")
     p.add_argument("--code", help="violation code to look for (default: the profile's failure)")
-    p.add_argument("--max-examples", type=int, default=2000)
-    p.add_argument("--seeds", type=int, default=200, help="seeds to try when Hypothesis finds nothing")
+    p.add_argument("--max-examples", type=positive_int, default=2000,
+                   help="worlds Hypothesis may try (default: %(default)s)")
+    p.add_argument("--seeds", type=positive_int, default=200,
+                   help="seeds to try when Hypothesis finds nothing (default: %(default)s)")
     p.add_argument("--from-seeds", action="store_true", help="skip Hypothesis: reduce the first failing seed")
     p.add_argument("--save", action="store_true", help="write it to tests/sim/corpus/PROFILE.json")
     p.set_defaults(func=cmd_shrink)
     p = sub.add_parser("replay-trace", help="re-run the server machine on a trace from mpcache-server --trace; exit 1 on a divergence")
-    p.add_argument("file")
+    p.add_argument("file", help="the trace file mpcache-server --trace wrote")
     p.add_argument("--chunk-key-file", default=None, metavar="PATH",
                    help="the traced server's chunk key (needed for a --trace-tokens trace, which is hashed again)")
     p.set_defaults(func=cmd_replay_trace)
     p = sub.add_parser("fleet", help="seeds of a fleet: servers x engines over a cluster L2 tier with node "
                                      "crashes and partitions; exit 1 on any violation")
-    p.add_argument("--seeds", type=int, default=100)
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--servers", type=int, default=3)
-    p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--tier-nodes", type=int, default=3)
-    p.add_argument("--show", type=int, default=10, help="failing seeds to print")
+    p.add_argument("--seeds", type=positive_int, default=100, help="how many seeds to run (default: %(default)s)")
+    p.add_argument("--start", type=int, default=0, help="first seed (default: %(default)s)")
+    p.add_argument("--servers", type=positive_int, default=3, help="mpcache servers (default: %(default)s)")
+    p.add_argument("--engines", type=positive_int, default=4, help="vLLM engines (default: %(default)s)")
+    p.add_argument("--tier-nodes", type=positive_int, default=3,
+                   help="nodes of the cluster L2 tier (default: %(default)s)")
+    p.add_argument("--show", type=non_negative_int, default=10, help="failing seeds to print (default: %(default)s)")
     p.set_defaults(func=cmd_fleet)
     p = sub.add_parser("sweep", help="re-run a server trace at each L1 size: hit rate and evictions per size")
-    p.add_argument("file")
+    p.add_argument("file", help="the trace file mpcache-server --trace wrote")
     p.add_argument("--l1-size-gb", required=True, help="comma-separated sizes, e.g. 1,2,4,8")
-    p.add_argument("--png", metavar="OUT.png", help="plot of hit rate vs size")
+    p.add_argument("--plot", "--png", dest="plot", metavar="FILE", type=output_path,
+                   help="plot hit rate vs L1 size into FILE.png, .svg or .pdf "
+                        "(needs matplotlib: pip install 'mpcache[plot]')")
     p.set_defaults(func=cmd_sweep)
-    p = sub.add_parser("hashes", help=argparse.SUPPRESS)
-    p.add_argument("seed_list", type=int, nargs="+")
-    p.add_argument("--profile", default="default")
-    p.add_argument("--lines", action="store_true")
-    p.set_defaults(func=cmd_hashes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

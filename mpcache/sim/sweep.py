@@ -26,6 +26,7 @@ the ``Lookup`` (in chunks), over the chunks it asked for; tokens: hit chunks x c
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -250,6 +251,40 @@ def table(rows: Sequence[SweepRow], recorded: SweepRow | None = None) -> str:
     return "\n".join(lines)
 
 
+def figure(rows: Sequence[SweepRow], recorded: SweepRow | None = None, source: str = "") -> Any:
+    """Token and chunk hit rate vs L1 size as a matplotlib Figure (`plot.save` writes it); the
+    recorded run is a star at its own size. Sizes usually double, so x is logarithmic (base 2)
+    when they span 4x or more, with a tick at every size swept."""
+    from mpcache.sim.plot import pyplot, wrap
+
+    if not rows:
+        raise ValueError("nothing to plot")
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sizes = [r.size_gb for r in rows]
+    ax.plot(sizes, [100 * r.token_hit_rate for r in rows], "o-", label="token hit rate")
+    ax.plot(sizes, [100 * r.chunk_hit_rate for r in rows], "s--", label="chunk hit rate", alpha=0.7)
+    if recorded is not None:
+        ax.plot([recorded.size_gb], [100 * recorded.token_hit_rate], "*", ms=14, color="#c00",
+                label=f"recorded: the live server at {recorded.size_gb:g} GB")
+    for r in rows:
+        if r.violations:
+            ax.annotate(f"{len(r.violations)} violation(s)", (r.size_gb, 100 * r.token_hit_rate),
+                        textcoords="offset points", xytext=(0, 8), ha="center", color="#c00", fontsize=8)
+    if max(sizes) >= 4 * min(sizes):
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{s:g}" for s in sizes], rotation=30 if len(sizes) > 6 else 0)
+    ax.minorticks_off()
+    ax.set_ylim(0, 100)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("L1 size (GB)")
+    ax.set_ylabel("hit rate (%) of the lookups in the trace")
+    title = "mpcache-sim sweep: hit rate vs L1 size" + (f" ({source})" if source else "")
+    ax.set_title(wrap(title, 70), fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
 def parse_sizes(text: str) -> list[float]:
     try:
         sizes = [float(s) for s in text.split(",") if s.strip()]
@@ -262,6 +297,14 @@ def parse_sizes(text: str) -> list[float]:
 
 def main_sweep(args: Any) -> int:
     """``mpcache-sim sweep``: exit 1 if a size broke an oracle, 2 on a bad argument or file."""
+    if args.plot:
+        from mpcache.sim.plot import MatplotlibMissing, require
+
+        try:
+            require(args.plot)
+        except MatplotlibMissing as exc:
+            print(f"mpcache-sim sweep: {exc}")
+            return 2
     try:
         sizes = parse_sizes(args.l1_size_gb)
         head, records = read_trace(args.file)
@@ -271,14 +314,14 @@ def main_sweep(args: Any) -> int:
     except (OSError, ValueError) as exc:
         print(f"mpcache-sim sweep: {exc}")
         return 2
-    print(table(rows, recorded_hit_rate(head, records)))
+    recorded = recorded_hit_rate(head, records)
+    print(table(rows, recorded))
     for r in rows:
         for v in r.violations[:5]:
             print(f"  {r.size_gb:g}GB: {v}")
-    if args.png:
-        from mpcache.sim.png import line_plot
+    if args.plot:
+        from mpcache.sim.plot import save
 
-        with open(args.png, "wb") as f:
-            f.write(line_plot([r.token_hit_rate for r in rows]))
-        print(f"plot of token hit rate vs L1 size ({', '.join(f'{r.size_gb:g}' for r in rows)} GB) written to {args.png}")
+        save(figure(rows, recorded, os.path.basename(args.file)), args.plot)
+        print(f"plot of hit rate vs L1 size ({', '.join(f'{r.size_gb:g}' for r in rows)} GB) written to {args.plot}")
     return 1 if any(r.violations for r in rows) else 0

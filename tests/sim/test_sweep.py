@@ -1,57 +1,54 @@
-"""The sweep's PNG (decoded back here: header, size, pixels that must be drawn) and its argument
-errors. The sweep of a live server's trace is tests/runtime_zmq/test_sweep_live.py."""
+"""The sweep's plot (matplotlib; the format is the file's suffix) and its argument errors. The
+sweep of a live server's trace is tests/runtime_zmq/test_sweep_live.py."""
 from __future__ import annotations
 
-import struct
-import zlib
+import sys
 from pathlib import Path
 
 import pytest
 
 from mpcache.sim.cli import main as sim_main
-from mpcache.sim.png import BLACK, BLUE, MARGIN, WHITE, line_plot, points
-from mpcache.sim.sweep import parse_sizes
+from mpcache.sim.plot import save
+from mpcache.sim.sweep import SweepRow, figure, parse_sizes
 
 
-def decode(png: bytes) -> tuple[int, int, list[bytes]]:
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, size = 8, b"", (0, 0)
-    while pos < len(png):
-        (length,) = struct.unpack(">I", png[pos:pos + 4])
-        kind, data = png[pos + 4:pos + 8], png[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", png[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + data)
-        if kind == b"IHDR":
-            w, h, depth, color = struct.unpack(">IIBB", data[:10])
-            assert (depth, color) == (8, 2)
-            size = (w, h)
-        elif kind == b"IDAT":
-            idat += data
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    w, h = size
-    rows = [raw[y * (3 * w + 1):(y + 1) * (3 * w + 1)] for y in range(h)]
-    assert all(r[0] == 0 for r in rows)  # filter 0: rows are the pixels as drawn
-    return w, h, [r[1:] for r in rows]
+def rows() -> tuple[list[SweepRow], SweepRow]:
+    sweep = [SweepRow(gb, int(gb * 1024), lookups=10, chunks_asked=100, chunks_hit=hit, tokens_asked=800,
+                      tokens_hit=7 * hit) for gb, hit in ((0.5, 10), (1, 30), (2, 50), (4, 70), (8, 80))]
+    return sweep, SweepRow(2, 2048, lookups=10, chunks_asked=100, chunks_hit=48, tokens_asked=800, tokens_hit=336)
 
 
-def pixel(rows: list[bytes], x: int, y: int) -> tuple[int, ...]:
-    return tuple(rows[y][3 * x:3 * x + 3])
+def test_plot_is_written_in_the_suffix_format_with_axes_and_title(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    sweep, recorded = rows()
+    png, svg = tmp_path / "sweep.png", tmp_path / "sweep.svg"
+    save(figure(sweep, recorded, "live.trace"), str(png))
+    save(figure(sweep, recorded, "live.trace"), str(svg))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+    for label in ("L1 size (GB)", "hit rate (%)", "mpcache-sim sweep: hit rate vs L1 size", "live.trace",
+                  "token hit rate", "recorded: the live server at 2 GB"):
+        assert label in text, label
+    with pytest.raises(ValueError, match="not .gif"):
+        save(figure(sweep, recorded), str(tmp_path / "sweep.gif"))
+    assert not (tmp_path / "sweep.gif").exists()
 
 
-def test_plot_draws_axes_ticks_and_every_point() -> None:
-    ys = [0.1, 0.4, 0.4, 0.9]
-    w, h, rows = decode(line_plot(ys, 400, 300))
-    assert (w, h) == (400, 300)
-    assert pixel(rows, MARGIN, MARGIN + 10) == BLACK  # y axis
-    assert pixel(rows, w // 2, h - MARGIN) == BLACK  # x axis
-    assert pixel(rows, MARGIN - 4, h - MARGIN - (h - 2 * MARGIN) // 2) == BLACK  # the 50 % tick
-    for px, py in points(len(ys), ys, w, h):
-        assert pixel(rows, px, py) == BLUE
-        assert pixel(rows, px, h - MARGIN + 4) == BLACK  # its x tick
-    (x0, y0), (x1, y1) = points(len(ys), ys, w, h)[:2]
-    assert pixel(rows, (x0 + x1) // 2, (y0 + y1) // 2) == BLUE  # the line between them
-    assert pixel(rows, w - 5, 5) == WHITE
+def test_plot_refuses_a_suffix_before_reading_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        sim_main(["sweep", str(tmp_path / "none.trace"), "--l1-size-gb", "1", "--plot", str(tmp_path / "x.gif")])
+    assert exit_.value.code == 2
+    assert "one of .png, .svg, .pdf, not .gif" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert sim_main(["sweep", str(tmp_path / "none.trace"), "--l1-size-gb", "1", "--png", str(tmp_path / "x.png")]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out == f"mpcache-sim sweep: drawing {tmp_path / 'x.png'} needs matplotlib, which is not installed: " \
+                  "pip install 'mpcache[plot]'"
 
 
 def test_bad_sizes_and_files_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
