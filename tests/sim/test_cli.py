@@ -1,9 +1,8 @@
 """mpcache-sim: exit codes, summary table, replay commands, charts."""
 from __future__ import annotations
 
-import re
-
 import argparse
+import re
 import sys
 from pathlib import Path
 
