@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--ipc", default=None, metavar="PATH", help="listen on a unix socket at PATH instead of TCP (its directory is created 0700)")
     cache = cfg.group(p, CACHE)
     cache.add_argument("--chunk-size", type=cfg.chunk_size, default=256, help="tokens per chunk; a multiple of vLLM's block size")
-    cache.add_argument("--l1-size-gb", type=cfg.positive_float, default=4.0, help="L1 shared-memory size in GiB (reserved at start unless --no-l1-reserve; clamped to the free space of /dev/shm)")
+    cache.add_argument("--l1-size-gb", type=cfg.positive_float, default=4.0, help="L1 shared-memory size in GiB (reserved at start unless --no-l1-reserve); more than /dev/shm's free space, the host's MemAvailable or the memory cgroup's limit (less a margin) refuses to start")
+    cache.add_argument("--l1-clamp", action=argparse.BooleanOptionalAction, default=False,
+                       help="an --l1-size-gb larger than the host can give is clamped to what it can, with a warning, instead of refused")
     cache.add_argument(
         "--l1-reserve", action=argparse.BooleanOptionalAction, default=True,
         help="reserve L1's memory at start: a clear error if /dev/shm has no room, never a later SIGBUS; "
@@ -218,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         admin_token_file=args.admin_token_file,
         chunk_key_file=args.chunk_key_file,
         l1_reserve=args.l1_reserve,
+        l1_clamp=args.l1_clamp,
     )
 
 

@@ -21,8 +21,10 @@
   lifetime come from core_sm; this module only turns an id into memory.
 * Engine-driven clients (CPU engines) map the same file by path (``map_segment``) and copy into /
   out of the slots a ``TransferPlan`` names.
-* tmpfs reports ENOSPC as SIGBUS on first touch, so the pool never promises more than the
-  filesystem has free at creation (the slot count is clamped, with a warning).
+* tmpfs reports ENOSPC as SIGBUS on first touch, and its pages are RAM (charged to the memory
+  cgroup that touches them), so a pool larger than the filesystem's free space, the host's
+  ``MemAvailable`` or the cgroup's ``memory.max`` (each but the first less a margin) is refused
+  before anything is reserved (``L1TooLarge``), or clamped to it when asked (``clamp``).
 * On a GPU host the kernels' transfer engine registers ``address``/``size`` with CUDA.
 """
 
@@ -49,6 +51,106 @@ _SEGMENT_NAME: Final = re.compile(r"^(?P<prefix>[A-Za-z0-9_.]+)-(?P<pid>[0-9]+)-
 
 class ReservationError(OSError):
     """The L1 segment's memory could not be reserved (the filesystem has no room for it)."""
+
+
+class L1TooLarge(ValueError):
+    """The L1 asked for is more than the host (or the pod's cgroup) can give: refused before
+    anything is reserved, unless the clamp was asked for (``--l1-clamp``)."""
+
+
+# Memory L1 must leave to everything else (the server's own heap, the engine beside it): the larger
+# of this and 5% of what the limit counts.
+L1_MARGIN_BYTES: Final = 512 << 20
+GiB_F: Final = float(1 << 30)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except (OSError, ValueError):
+        return None
+
+
+def _meminfo(text: str | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[name] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    return out
+
+
+def _cgroup_room(root: str, self_cgroup: str | None) -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup (v2 ``memory.max``/``memory.current``, or v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None when it sets no limit. Shared
+    memory (tmpfs pages) is charged to the cgroup that touches it: L1 counts against the pod."""
+    for line in (self_cgroup or "").splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":  # v2: memory.max on the path and its ancestors
+            here = path.strip().strip("/")
+            parts = here.split("/") if here else []
+            best: tuple[int, int] | None = None
+            for i in range(len(parts), -1, -1):
+                d = os.path.join(root, *parts[:i])
+                limit, usage = _read(os.path.join(d, "memory.max")), _read(os.path.join(d, "memory.current"))
+                if limit is None or usage is None or limit.strip() == "max":
+                    continue
+                room = (int(limit), int(usage))
+                if best is None or room[0] - room[1] < best[0] - best[1]:
+                    best = room
+            return best
+        if "memory" in controllers.split(","):  # v1
+            for d in (os.path.join(root, "memory", path.strip().strip("/")), os.path.join(root, "memory")):
+                limit, usage = _read(os.path.join(d, "memory.limit_in_bytes")), _read(os.path.join(d, "memory.usage_in_bytes"))
+                if limit is not None and usage is not None and int(limit) < 1 << 60:
+                    return int(limit), int(usage)
+    return None
+
+
+def memory_room(directory: str, *, meminfo: str | None = None, cgroup_root: str = "/sys/fs/cgroup",
+                self_cgroup: str | None = None) -> list[tuple[str, int]]:
+    """What each limit leaves for L1, in bytes: the free space of ``directory`` (tmpfs pages are
+    RAM), the host's ``MemAvailable`` and the memory cgroup's ``memory.max`` less its usage, each
+    of the last two less a margin. The arguments other than ``directory`` are for tests."""
+    room: list[tuple[str, int]] = []
+    try:
+        st = os.statvfs(directory)
+        room.append((f"{directory} has {st.f_bavail * st.f_frsize / GiB_F:.1f} GiB free", st.f_bavail * st.f_frsize))
+    except OSError:
+        pass
+    info = _meminfo(_read("/proc/meminfo") if meminfo is None else meminfo)
+    if "MemAvailable" in info:
+        avail = info["MemAvailable"]
+        margin = max(L1_MARGIN_BYTES, info.get("MemTotal", avail) // 20)
+        room.append((f"the host has {avail / GiB_F:.1f} GiB available (MemAvailable) and keeps "
+                     f"{margin / GiB_F:.1f} GiB for the rest", avail - margin))
+    cg = _cgroup_room(cgroup_root, _read("/proc/self/cgroup") if self_cgroup is None else self_cgroup)
+    if cg is not None:
+        limit, usage = cg
+        margin = max(L1_MARGIN_BYTES, limit // 20)
+        room.append((f"the memory cgroup allows {limit / GiB_F:.1f} GiB (uses {usage / GiB_F:.1f}) and keeps "
+                     f"{margin / GiB_F:.1f} GiB for the rest", limit - usage - margin))
+    return room
+
+
+
+def fit_l1(size_bytes: int, directory: str, *, clamp: bool, room: list[tuple[str, int]] | None = None) -> int:
+    """The L1 size to use: ``size_bytes`` when every limit of ``memory_room`` leaves room for it;
+    else ``L1TooLarge`` naming the tightest one, or, with ``clamp``, that limit's room (logged)."""
+    limits = memory_room(directory) if room is None else room
+    if not limits:
+        return size_bytes
+    why, fits = min(limits, key=lambda r: r[1])
+    if size_bytes <= fits:
+        return size_bytes
+    if not clamp:
+        raise L1TooLarge(f"L1 of {size_bytes / GiB_F:.1f} GiB does not fit: {why}, so at most "
+                         f"{max(0, fits) / GiB_F:.1f} GiB; lower --l1-size-gb, or --l1-clamp to use what there is")
+    log.warning("L1: %.1f GiB asked, %s: using %.1f GiB (--l1-clamp)", size_bytes / GiB_F, why, max(0, fits) / GiB_F)
+    return max(0, fits)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -117,25 +219,14 @@ class SharedMemoryPool:
     concurrent writes to the same slot (core_sm's leases guarantee there are none)."""
 
     def __init__(self, size_bytes: int, slot_bytes: int, *, directory: str = SHM_DIR, prefix: str = "mpcache",
-                 reserve: bool = True) -> None:
+                 reserve: bool = True, clamp: bool = False) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot_bytes must be > 0")
         # Keep slots page-aligned so a slot never shares a page with its neighbour.
         page = mmap.PAGESIZE
         self.slot_bytes = (slot_bytes + page - 1) // page * page
-        wanted = max(0, size_bytes // self.slot_bytes)
-        try:
-            st = os.statvfs(directory)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = wanted * self.slot_bytes
-        if wanted * self.slot_bytes > free:
-            clamped = free // self.slot_bytes
-            log.warning(
-                "L1: %d slots of %d bytes requested but %s has %d bytes free; using %d slots",
-                wanted, self.slot_bytes, directory, free, clamped,
-            )
-            wanted = clamped
+        # never more than the host, the cgroup and the filesystem can give (L1TooLarge, else clamped)
+        wanted = max(0, fit_l1(size_bytes, directory, clamp=clamp) // self.slot_bytes)
         self.reserve = reserve
         self.num_slots = int(wanted)
         self.size = self.num_slots * self.slot_bytes

@@ -101,6 +101,8 @@ class ServerConfig:
     admin_token_file: str | None = None
     # reserve L1's pages at start (posix_fallocate) instead of committing them on first touch
     l1_reserve: bool = True
+    # an L1 larger than the host / cgroup / filesystem can give: False refuses to start, True clamps
+    l1_clamp: bool = False
     # This server's start id, answered by ``health``: clients that see it change know the server
     # restarted (and forgot every job, lease and registration). None: a random one.
     epoch: int | None = None
@@ -250,7 +252,8 @@ class Server:
         self._stats_snapshot: dict[str, Any] = {}
         self.metrics = ServerMetrics(lambda: self._stats_snapshot)
         self.metrics.attach(self, {})
-        self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir, reserve=config.l1_reserve)
+        self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir,
+                                     reserve=config.l1_reserve, clamp=config.l1_clamp)
         if tiers is None:
             tiers = [open_l2(u) for u in config.l2_urls]
         self.channel = CompletionChannel()

@@ -93,6 +93,33 @@ def test_configmap_is_accepted_by_the_server_and_matches_the_probes() -> None:
         assert shm_shared, deployment["metadata"]["name"]
 
 
+def _gib(quantity: str) -> float:
+    units = {"Ki": 2**-20, "Mi": 2**-10, "Gi": 1.0, "Ti": 2**10}
+    m = re.fullmatch(r"([0-9.]+)(Ki|Mi|Gi|Ti)", quantity)
+    assert m is not None, quantity
+    return float(m.group(1)) * units[m.group(2)]
+
+
+def test_every_mpcache_container_has_memory_for_its_l1() -> None:
+    # tmpfs pages are charged to the memory cgroup that reserves them: a limit below L1 is an OOM
+    # kill at start (the server refuses to start instead, but the example must work as shipped)
+    toml = yaml.safe_load(open(os.path.join(K8S, "mpcache-config.yaml")))["data"]["mpcache.toml"]
+    config_l1 = float(re.search(r"^\s*l1-size-gb\s*=\s*([0-9.]+)", toml, re.M).group(1))  # type: ignore[union-attr]
+    checked = 0
+    for _name, doc in manifests():
+        spec = doc.get("spec", {})
+        pod = spec.get("template", {}).get("spec", spec)
+        for c in pod.get("containers", []) if isinstance(pod, dict) else []:
+            if not str(c.get("image", "")).startswith("mpcache"):
+                continue
+            args = c.get("args", [])
+            l1 = float(args[args.index("--l1-size-gb") + 1]) if "--l1-size-gb" in args else config_l1
+            limit = c.get("resources", {}).get("limits", {}).get("memory")
+            assert limit is not None and _gib(limit) >= l1 + 1, (c["name"], limit, l1)
+            checked += 1
+    assert checked >= 2
+
+
 def test_dashboard_queries_only_exposed_metrics() -> None:
     with open(os.path.join(DEPLOY, "grafana", "mpcache.json")) as f:
         dashboard = json.load(f)

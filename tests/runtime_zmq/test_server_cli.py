@@ -44,7 +44,7 @@ def test_ipc_socket_is_private_and_default_is_loopback(start_server: Callable[..
 
 def test_start_to_first_reply_is_fast_with_a_large_l1(start_server: Callable[..., ServerProcess]) -> None:
     t0 = time.monotonic()
-    sp = start_server("--l1-size-gb", "64", "--slot-mb", "32", "--no-l1-reserve")  # clamped to /dev/shm; never touched
+    sp = start_server("--l1-size-gb", "64", "--slot-mb", "32", "--no-l1-reserve", "--l1-clamp")  # clamped; never touched
     with MPCacheClient(sp.url) as c:
         assert c.noop() == "OK"
         elapsed = time.monotonic() - t0
