@@ -61,7 +61,9 @@ TransferRequest = Store | PrepareStore | Retrieve | PrepareRetrieve
 # What identifies one server-driven op with a not_after (a network duplicate has the same):
 # (instance, request, rank, start, end, blocks, skip (-1: a store), not_after, registration
 # (None: not a resend; else the registration the resend follows, so a resend is not its original)).
-OpIdent = tuple[int, str, int | None, int, int, tuple[int, ...], int, float, int | None]
+# (peer, instance, request id, rank, start, end, blocks, skip, not_after, registration): an op is
+# its sender's -- another peer repeating it byte for byte neither reads its answer nor plants one
+OpIdent = tuple[Any, int, str, int | None, int, int, tuple[int, ...], int, float, int | None]
 
 
 class TransferState(enum.Enum):
@@ -357,7 +359,7 @@ class TransferMachine:
         if isinstance(ev, (Store, Retrieve)) and ev.not_after is not None:
             until = min(ev.not_after, now + self.ctx.config.max_not_after_ahead)
             skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
-            ident = (ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
+            ident = (ev.peer, ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
                      ev.block_ids, skip, ev.not_after, self._named_registration(ev))
             while self.ops_done:  # answers whose not_after passed (or over the cap) go
                 oldest, (_ok, _result, until) = next(iter(self.ops_done.items()))

@@ -255,3 +255,18 @@ def test_world_size_and_objects_per_request_are_bounded(world_size: int, end_chu
     assert h.error_kind(h.send(RegisterInstance(5, MODEL, 4097, 10))) is ErrorKind.VALIDATION
     assert h.server.stats()["jobs"] == 0 and h.server.stats()["instances"] == 0
 
+
+
+def test_an_op_is_its_senders_another_peer_repeating_it_neither_plants_nor_reads_an_answer() -> None:
+    h = ServerHarness()
+    _register(h, 1, A)
+    store = Store(key("w", TOKS, worker_id=0), 1, not_after=h.now + 30.0)
+    # B sends A's exact op first: refused (not its instance); the refusal is B's alone
+    assert h.error_kind(_call(h, store, B)) is ErrorKind.FORBIDDEN
+    rt = _call(h, store, A)  # A's own op runs: a copy starts
+    assert [e for e in h.log if isinstance(e, StartTransfer)]
+    h.finish_all_transfers()
+    assert h.result(rt) == StoreResult(True, 3, 0)
+    # B repeating it again gets its own refusal, not A's kept answer
+    assert h.error_kind(_call(h, store, B)) is ErrorKind.FORBIDDEN
+    assert h.server.stats()["duplicate_transfers"] == 1  # B's repeat of its own op
