@@ -457,6 +457,10 @@ class L2Worker:
         self._count("l2_rejected")
         self._count(f"l2_rejected_{reason}")
         self._note_rejection(tier, key, reason)
+        if not isinstance(payload, Rejection):
+            # sealed with the secret, only not the size this reader expects (another registration
+            # of the model, or a forged size): a miss for this read, kept for its own readers
+            return None
         delete = getattr(tier.tier, "delete", None)
         if delete is not None:
             try:
@@ -474,8 +478,8 @@ class L2Worker:
             self._rejects_logged_at = now
             summary = ", ".join(f"{n} {r}" for r, n in sorted(self._rejects_pending.items()))
             self._rejects_pending.clear()
-        log.warning("L2: rejected damaged or forged objects (served as misses, deleted where the tier "
-                    "allows): %s; latest %s on %r (next report in %.0f s at most)",
+        log.warning("L2: rejected objects (served as misses; damaged or forged ones deleted where the tier "
+                    "allows, those of another size kept): %s; latest %s on %r (next report in %.0f s at most)",
                     summary, key.decode("ascii", "replace"), tier, self.options.reject_log_interval_s)
 
     def _do_write(self, job: _Effect) -> object:

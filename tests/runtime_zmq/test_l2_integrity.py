@@ -214,7 +214,11 @@ def test_a_valid_object_of_the_wrong_size_is_a_miss(disk: tuple[Harness, DiskTie
     n = len(h.posted)
     h.worker.read(ReadL2(77, ((k, 1),), object_bytes=4096))  # the reader expects 4096-byte objects
     assert h.wait(n + 1)[-1] == L2ReadFinished(77, (False,))
-    assert h.worker.stats()["l2_rejected_wrong_size"] == 1 and tier.objects == 0
+    # a miss, never a deletion: a registration declaring another size cannot destroy the tier
+    assert h.worker.stats()["l2_rejected_wrong_size"] == 1 and tier.objects == 1
+    n = len(h.posted)
+    h.worker.read(ReadL2(76, ((k, 1),), object_bytes=2048))  # its own readers still hit
+    assert h.wait(n + 1)[-1] == L2ReadFinished(76, (True,))
     h.store(k, 0, b"t" * 4096)
     n = len(h.posted)
     h.worker.read(ReadL2(78, ((k, 1),), object_bytes=4096))
