@@ -171,7 +171,7 @@ def test_planted_short_and_long_values_are_misses_logged_once(disk: tuple[Harnes
         assert [h.load(k, 1) for k in keys[1:]] == [False, False, False]
     s = h.worker.stats()
     assert s["l2_rejected"] == 3 and s["l2_rejected_short"] == 2 and s["l2_rejected_long"] == 1
-    assert caplog.text.count("rejected damaged or forged") == 1  # once per interval, not per object
+    assert caplog.text.count("L2: rejected objects") == 1  # once per interval, not per object
     assert tier.objects == 1
 
 
