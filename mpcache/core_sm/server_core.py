@@ -63,6 +63,9 @@ class ServerConfig:
     # by the instances registered): over it, a store skips chunks instead of evicting other
     # tenants' ready objects for them.
     max_slots_per_instance: int | None = None
+    # Instances one peer (connection or CURVE key) may hold registered: L1's quota is per peer, and
+    # a peer's in-flight share is split among its instances, so more would only cost the table.
+    max_instances_per_peer: int = 64
     plan_ttl: float = 30.0  # an uncommitted engine-driven plan expires after min(this, lease_ttl)
     max_lookups_per_request: int = 64  # lookups of one request id (each refreshes its leases)
     max_not_after_ahead: float = 60.0  # a not_after is held to at most now + this

@@ -168,6 +168,10 @@ class InstanceMachine:
         old = self.instances.get(ev.instance_id)
         if self._foreign(old, ev.peer, ev.reply_to, out):
             return
+        cap = ctx.config.max_instances_per_peer
+        if old is None and ev.peer is not None and sum(1 for i in self.instances.values() if i.peer == ev.peer) >= cap:
+            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"this connection has {cap} instances registered already")
+            return
         registration = attrs.evolve(ev, reply_to=None)
         # The same fields again (the transport's and the machine's re-registrations may cross, a
         # duplicate may arrive): the same registration, so a resend naming it still runs.
@@ -194,9 +198,9 @@ class InstanceMachine:
         if ev.error is None:
             out.append(Reply(ev.reply_to, ev.registration_id))
             return
-        del self.instances[ev.instance_id]
+        gone = self.instances.pop(ev.instance_id)
         self.transfers.instance_gone(ev.instance_id, now, out)
-        self._tenant_gone(ev.instance_id)
+        self._tenant_gone(ev.instance_id, gone)
         out.append(DetachInstance(ev.instance_id))
         self.ctx.error(out, ev.reply_to, ev.error.kind, ev.error.message)
 
@@ -215,7 +219,7 @@ class InstanceMachine:
             return
         inst = self.instances.pop(ev.instance_id, None)
         if inst is not None:
-            self._tenant_gone(ev.instance_id)
+            self._tenant_gone(ev.instance_id, inst)
             if not inst.registration.engine_driven:
                 out.append(DetachInstance(ev.instance_id))
         out.append(Reply(ev.reply_to, None))
@@ -254,7 +258,7 @@ class InstanceMachine:
         del self.instances[iid]
         self.ctx.counters["instances_reaped"] += 1
         self.transfers.instance_gone(iid, now, out)
-        self._tenant_gone(iid)
+        self._tenant_gone(iid, inst)
         out.append(InstanceReaped(iid))
 
     # ============================================================================= runtime
@@ -266,10 +270,10 @@ class InstanceMachine:
         if ev.failed_at is not None and self.instances[ev.instance_id].registered_at >= ev.failed_at:
             self._on_failed_stale(ev, now, out)
             return
-        del self.instances[ev.instance_id]
+        gone = self.instances.pop(ev.instance_id)
         self.ctx.counters["instances_failed"] += 1
         self.transfers.instance_gone(ev.instance_id, now, out)
-        self._tenant_gone(ev.instance_id)
+        self._tenant_gone(ev.instance_id, gone)
 
     def _on_failed_stale(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
         self.ctx.counters["stale_events"] += 1
@@ -277,22 +281,44 @@ class InstanceMachine:
     # ============================================================================= L1 quota
 
     def _shares_changed(self) -> None:
-        """L1 is shared by quota (mpcache.core_sm.l1_quota): each instance's share is ``slot_quota()``."""
-        self.ctx.index.tenant_share = self.slot_quota()
+        """L1 is shared by quota (mpcache.core_sm.l1_quota) among tenants: a tenant is a peer (its
+        connection or CURVE key), not an instance it registered, so registering many instances
+        takes no more of L1. Each tenant's share is ``num_slots`` over the tenants."""
+        tenants = {self._tenant(inst, iid) for iid, inst in self.instances.items()}
+        self.ctx.index.tenant_share = max(1, self.ctx.config.num_slots // max(1, len(tenants)))
 
-    def _tenant_gone(self, instance_id: int) -> None:
-        """A gone instance's objects stay readable, charged to no tenant (the first to go)."""
-        self.ctx.index.forget_tenant(instance_id)
+    @staticmethod
+    def _tenant(inst: Instance, instance_id: int) -> Hashable:
+        # a registration without a peer (a harness, an in-process caller) is a tenant of its own
+        return instance_id if inst.peer is None else ("peer", inst.peer)
+
+    def tenant_of(self, instance_id: int) -> Hashable:
+        """Whose L1 charge the objects ``instance_id`` stores are."""
+        return self._tenant(self.instances[instance_id], instance_id)
+
+    def _tenant_gone(self, instance_id: int, gone: Instance) -> None:
+        """A gone tenant's objects stay readable, charged to no tenant (the first to go): when the
+        peer's last instance goes (its other instances keep them charged to it)."""
+        tenant = self._tenant(gone, instance_id)
+        if not any(self._tenant(inst, iid) == tenant for iid, inst in self.instances.items()):
+            self.ctx.index.forget_tenant(tenant)
         self._shares_changed()
 
     # ============================================================================= for transfers
 
-    def slot_quota(self) -> int:
-        """L1 slots one instance's in-flight stores may hold reserved."""
+    def slot_quota(self, instance_id: int | None = None) -> int:
+        """L1 slots one instance's in-flight stores may hold reserved: its tenant's share split
+        among the tenant's instances (``max_slots_per_instance`` when set)."""
         c = self.ctx.config
         if c.max_slots_per_instance is not None:
             return c.max_slots_per_instance
-        return max(1, c.num_slots // max(1, len(self.instances)))
+        share = self.ctx.index.tenant_share or c.num_slots
+        inst = self.instances.get(instance_id) if instance_id is not None else None
+        if inst is None:
+            return max(1, share)
+        tenant = self._tenant(inst, instance_id)  # type: ignore[arg-type]
+        siblings = sum(1 for iid, i in self.instances.items() if self._tenant(i, iid) == tenant)
+        return max(1, share // max(1, siblings))
 
     def object_bytes_for(self, model_name: str, world_size: int) -> int:
         """The object size of a registered instance of that model, else a whole slot (what a

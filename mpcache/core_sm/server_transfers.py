@@ -182,7 +182,7 @@ class TransferMachine:
         if self._over_transfer_cap(ev, out):
             return
         tid = self._new_transfer_id()
-        room = self.instances.slot_quota() - self.reserved_of.get(ev.instance_id, 0)
+        room = self.instances.slot_quota(ev.instance_id) - self.reserved_of.get(ev.instance_id, 0)
         owner = TransferOwner(tid)
         first = ev.key.start // ctx.config.chunk_size
         placements: list[Placement] = []
@@ -206,7 +206,7 @@ class TransferMachine:
                     skipped += 1
                     continue
             else:
-                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now, ev.instance_id)
+                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now, self.instances.tenant_of(ev.instance_id))
             if slot is None:
                 skipped += 1
                 writer = ctx.index.writer_of(k)

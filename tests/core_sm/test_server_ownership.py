@@ -270,3 +270,26 @@ def test_an_op_is_its_senders_another_peer_repeating_it_neither_plants_nor_reads
     # B repeating it again gets its own refusal, not A's kept answer
     assert h.error_kind(_call(h, store, B)) is ErrorKind.FORBIDDEN
     assert h.server.stats()["duplicate_transfers"] == 1  # B's repeat of its own op
+
+
+def test_l1_is_shared_by_peers_not_by_the_instances_one_peer_registers() -> None:
+    h = ServerHarness(num_slots=8, max_instances_per_peer=16)
+    _register(h, 1, A)
+    victim = tokens(3, seed=99)
+    assert _stored(h, victim, 1, A, rid="v").stored == 3
+    for iid in range(100, 116):  # one connection, sixteen instances
+        _register(h, iid, B)
+    assert h.server.index.tenant_share == 4  # two tenants: the instances of B count once
+    for i in range(40):  # B floods L1 with committed stores from every instance
+        _stored(h, tokens(2, seed=i), 100 + i % 16, B, rid=f"f{i}")
+    assert h.result(_call(h, Lookup(key("probe", victim), 1), A)) is None
+    assert h.result(_call(h, QueryPrefetchStatus("probe"), A)) == 3  # the victim's prompt hits in full
+    # a seventeenth instance from that connection is refused, and changes nothing
+    assert h.error_kind(_call(h, RegisterInstance(116, MODEL, 1, 10), B)) is ErrorKind.TOO_LARGE
+    assert h.server.instances.registration(116) is None
+    # when B's last instance goes, its objects are nobody's; not before
+    for iid in range(100, 115):
+        h.result(_call(h, UnregisterInstance(iid), B))
+    assert h.server.index.charged(("peer", B)) > 0
+    h.result(_call(h, UnregisterInstance(115), B))
+    assert h.server.index.charged(("peer", B)) == 0
