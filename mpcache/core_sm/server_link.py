@@ -89,6 +89,22 @@ class ServerLinkConfig:
             raise ValueError(f"bad server link config {self!r}: one server, request_timeout > 0")
 
 
+def client_link_config(*, request_timeout: float = 30.0, heartbeat_interval: float = 1.0,
+                       heartbeat_timeout: float = 3.0, heartbeat_backoff_max: float | None = None,
+                       reconnect_ivl_max: float = 1.0) -> ServerLinkConfig:
+    """The link of a client that runs requests of its own (the connector's, ``mpcache-cli``'s),
+    from its settings: heartbeats every ``heartbeat_interval``, the server unhealthy after
+    ``heartbeat_timeout`` without a reply (every pending request then fails: nothing waits on a
+    dead server), probes every 0.1 s while unhealthy, backed off up to ``heartbeat_backoff_max``
+    (default: the larger of the interval and the transport's reconnect interval, so a probe never
+    waits much longer than a reconnect). The simulator builds its links here too."""
+    backoff_max = max(heartbeat_interval, reconnect_ivl_max) if heartbeat_backoff_max is None else heartbeat_backoff_max
+    return ServerLinkConfig(
+        HealthConfig(1, heartbeat_interval, heartbeat_timeout, backoff_max=backoff_max,
+                     probe_interval=min(0.1, heartbeat_interval), fail_pending=True),
+        request_timeout=request_timeout)
+
+
 class Role(enum.Enum):
     """What a pending frame is to the link."""
 

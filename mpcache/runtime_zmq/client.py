@@ -52,8 +52,6 @@ Contract
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
 import secrets
@@ -62,32 +60,30 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import msgpack  # type: ignore[import-untyped]
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from mpcache.core_sm.health import (
-    Connected,
-    FailPending,
-    GiveUp,
-    HealthConfig,
-    HealthMonitor,
-    HeartbeatReply,
-    HeartbeatUnsent,
-    InstancePingRefused,
-    InstanceRegistered,
-    InstanceUnregistered,
-    Register,
-    RegistrationFailed,
-    RequestRefused,
-    RESENDABLE_AFTER_NOT_REGISTERED,
-    Resend,
-    SendHeartbeat,
-    SendInstancePing,
-)
+from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, Connected
 from mpcache.core_sm.messages import CacheKey, ServerEpoch, ServerHealth, TimerFired
+from mpcache.core_sm.server_link import (
+    CLOSED,
+    SERVER,
+    TIMEOUT,
+    Close,
+    Completed,
+    Failed,
+    Heartbeat,
+    Role,
+    SendFailed,
+    ServerLink,
+    Submit,
+    Transmit,
+    client_link_config,
+)
+from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.runtime_zmq.wire import ERROR_OP_FRAME, OPS_BY_REQUEST_TYPE, encode_key, resend_payloads, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
@@ -141,32 +137,20 @@ class ReplyFuture(Future[Any]):
         return super().exception(timeout=None if timeout is None else 0)
 
 
-# What a pending request is to the client: a caller's request, a heartbeat (``health``), an
-# instance heartbeat (``ping(instance_id)``) or a registration (the caller's or a re-registration).
-REQUEST, HEARTBEAT, INSTANCE_PING, REGISTRATION = "request", "heartbeat", "instance_ping", "registration"
-
 # The payload that names the engine instance (wire codec knowledge: the second one for all of
 # them), for the operations core_sm's HealthMonitor allows resending after ``not_registered``.
 _INSTANCE_ARG = {OPS_BY_REQUEST_TYPE[t].name: 1 for t in RESENDABLE_AFTER_NOT_REGISTERED}
-_ROLE_BY_OP = {"register_instance": REGISTRATION}
-_MAX_REGISTRATIONS = 1024  # remembered registrations (an engine has a handful of instances)
-SERVER = 0  # this client's server, in its HealthMonitor
 
 
-class _Pending:
-    __slots__ = ("future", "op_frame", "op", "deadline", "role", "instance", "payload", "retried", "error")
+class _Frames:
+    """A caller's request as the link carries it: what the transport sends (again) for it."""
 
-    def __init__(self, future: Future[Any], op_frame: bytes, op: str | int, deadline: float, role: str,
-                 instance: int | None = None, payload: list[bytes] | None = None) -> None:
-        self.future = future
-        self.op_frame = op_frame
+    __slots__ = ("op", "op_frame", "payload")
+
+    def __init__(self, op: str | int, op_frame: bytes, payload: list[bytes]) -> None:
         self.op = op
-        self.deadline = deadline
-        self.role = role
-        self.instance = instance  # the engine instance it names, if any
-        self.payload = payload  # kept only for a request that may be resent
-        self.retried = False
-        self.error: RemoteError | None = None  # a refusal waiting on the monitor's verdict
+        self.op_frame = op_frame
+        self.payload = payload
 
 
 class MPCacheClient:
@@ -227,22 +211,13 @@ class MPCacheClient:
         # client thread)
         self._recv_lock = threading.Lock()
         self._io_watching = False  # the client thread's poll includes the socket
-        self._pending: dict[int, _Pending] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._uids = itertools.count(1)
         self._closed = False
-        self._monitor = HealthMonitor(HealthConfig(
-            1, heartbeat_interval, heartbeat_timeout,
-            backoff_max=max(heartbeat_interval, reconnect_ivl_max) if heartbeat_backoff_max is None
-            else heartbeat_backoff_max,
-            probe_interval=min(0.1, heartbeat_interval), fail_pending=True), time.monotonic())
-        self._effects: dict[type, Callable[[Any, list[tuple[Future[Any], bool, Any]]], None]] = {
-            SendHeartbeat: self._do_heartbeat, SendInstancePing: self._do_instance_ping,
-            ServerHealth: self._do_health, ServerEpoch: self._do_epoch, FailPending: self._do_fail_pending,
-            Register: self._do_register, Resend: self._do_resend, GiveUp: self._do_give_up,
-        }
-        # instance id -> payload frames of the last register_instance sent for it
-        self._registrations: dict[int, list[bytes]] = {}
+        # Requests, deadlines, heartbeats, registration memory, parking, resend and give-up: the
+        # core_sm machine the simulator drives. This client moves its frames and resolves futures.
+        self.link = ServerLink(client_link_config(
+            request_timeout=request_timeout, heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout, heartbeat_backoff_max=heartbeat_backoff_max,
+            reconnect_ivl_max=reconnect_ivl_max), time.monotonic())
         self._healthy = False
         self._health_cbs: list[Callable[[bool], None]] = []
         self._health_changed = threading.Condition()
@@ -250,7 +225,6 @@ class MPCacheClient:
         self._epoch_cbs: list[Callable[[int | str], None]] = []
         # (callbacks, value) in the order the monitor decided; run on the client thread
         self._notices: list[tuple[list[Any], Any]] = []
-        self._heartbeat_at: float | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -280,12 +254,12 @@ class MPCacheClient:
         probe period, backed off up to ``heartbeat_backoff_max`` (reset when a connection to the
         server is made again)."""
         with self._lock:
-            return self._monitor.period(SERVER)
+            return self.link.period()
 
     @property
     def heartbeat_at(self) -> float | None:
         """``time.monotonic()`` of the last heartbeat reply (None before the first)."""
-        return self._heartbeat_at
+        return self.link.heartbeat_at
 
     def on_epoch(self, callback: Callable[[int | str], None]) -> None:
         """Register ``callback(epoch)``; it runs on the client thread when the server's start id
@@ -408,22 +382,13 @@ class MPCacheClient:
         except Exception as e:
             fut.set_exception(RemoteError("undecodable", f"cannot encode request: {e}", str(op)))
             return fut
-        role = _ROLE_BY_OP.get(op, REQUEST) if isinstance(op, str) else REQUEST
-        index = _INSTANCE_ARG.get(op, 0 if role is REGISTRATION else -1) if isinstance(op, str) else -1
-        instance = args[index] if 0 <= index < len(args) and type(args[index]) is int else None
+        submit = Submit(fut, _Frames(op, op_frame, payload), timeout, *_role_of(op, args))
         done: list[tuple[Future[Any], bool, Any]] = []
         with self._lock:
             if self._closed:
                 fut.set_exception(ClientClosed("client closed"))
                 return fut
-            if instance is not None and role is REGISTRATION:
-                self._remember_registration(instance, payload)
-            elif op == "unregister_instance" and args and type(args[0]) is int:
-                self._registrations.pop(args[0], None)
-                self._feed(InstanceUnregistered(SERVER, args[0]), done)
-            keep = payload if role is REQUEST and instance is not None else None
-            self._send_locked(_Pending(fut, op_frame, op, time.monotonic() + timeout, role, instance, keep), payload,
-                              done)
+            self._handle(submit, done)
             # A send may consume the socket's read notification: drain here so no reply waits
             # for the next timeout of the client thread.
             if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -435,37 +400,56 @@ class MPCacheClient:
         self._finish(done)
         return fut
 
-    def _send_locked(self, p: _Pending, payload: Sequence[bytes], done: list[tuple[Future[Any], bool, Any]]) -> bool:
-        """Send ``p`` under a new uid and track it; False (``p`` failed ``unhealthy``) when the
-        socket would not take it. Called with ``self._lock`` held."""
-        uid = next(self._uids)
+    # the link: its events in, its effects performed (called with self._lock held) ----------
+
+    def _handle(self, event: Any, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        for effect in self.link.handle(event, time.monotonic()):
+            if isinstance(effect, Transmit):
+                self._transmit(effect, event, done)
+            elif isinstance(effect, Completed):
+                done.append((cast("Future[Any]", effect.token), True, effect.value))
+            elif isinstance(effect, Failed):
+                done.append((cast("Future[Any]", effect.token), False, _error_of(effect)))
+            elif isinstance(effect, ServerHealth):
+                self._healthy = effect.healthy
+                log.log(logging.INFO if effect.healthy else logging.WARNING, "mpcache server %s is %s", self.url,
+                        "answering" if effect.healthy else "not answering")
+                self._notice(self._health_cbs, effect.healthy)
+            else:  # ServerEpoch
+                log.info("mpcache server %s: start id (epoch) %s, was %s", self.url, effect.epoch, self._epoch)
+                self._epoch = effect.epoch
+                self._notice(self._epoch_cbs, effect.epoch)
+
+    def _transmit(self, t: Transmit, cause: Any, done: list[tuple[Future[Any], bool, Any]]) -> None:
+        """Send what the link says under its uid; a frame the socket will not take is the link's
+        ``SendFailed`` (no completed connection: IMMEDIATE, or the queue is full)."""
+        request = t.request
+        if type(request) is _Frames:
+            op_frame = request.op_frame
+            frames = request.payload if t.registration is None else resend_payloads(request.op, request.payload,
+                                                                                     t.registration)
+        elif type(request) is Heartbeat:
+            # ``health`` rather than LMCache's ``ping``: its reply carries the server's epoch.
+            # Replies that arrived meanwhile are read before a send can find the connection gone
+            # (a server's last answers come just before it closes).
+            op_frame, frames = _HEALTH_FRAME, []
+            self._drain_locked(done)
+        else:  # InstancePing
+            op_frame, frames = _PING_FRAME, [msgpack.packb(request.instance_id)]
         try:
-            self._sock.send_multipart([msgpack.packb(uid), p.op_frame, *payload], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self._unsent(p, RemoteError("unhealthy", "server not connected (or its queue is full)", str(p.op)), done)
-            return False
+            self._sock.send_multipart([msgpack.packb(t.uid), op_frame, *frames], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            self._unsent(p, RemoteError("unhealthy", f"send failed: {e}", str(p.op)), done)
-            return False
-        self._pending[uid] = p
-        heapq.heappush(self._deadlines, (p.deadline, uid))
-        if len(self._deadlines) > 2 * len(self._pending) + 1024:
-            # entries of answered requests linger until their deadline: at 10k calls/s with
-            # a 300 s timeout that would be millions; rebuild from what is still pending
-            self._deadlines = [(q.deadline, u) for u, q in self._pending.items()]
-            heapq.heapify(self._deadlines)
-        return True
-
-    def _unsent(self, p: _Pending, error: RemoteError, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        done.append((p.future, False, error))
-        if p.role is REGISTRATION and p.instance is not None:
-            self._feed(RegistrationFailed(SERVER, p.instance), done)
-
-    def _remember_registration(self, instance: int, payload: list[bytes]) -> None:
-        self._registrations.pop(instance, None)
-        self._registrations[instance] = payload
-        while len(self._registrations) > _MAX_REGISTRATIONS:
-            self._registrations.pop(next(iter(self._registrations)))
+            if type(request) is Heartbeat:
+                self._drain_locked(done)  # what the server sent before it went is delivered first
+            why = "server not connected (or its queue is full)" if isinstance(e, zmq.Again) else f"send failed: {e}"
+            self._handle(SendFailed(t.uid, why), done)
+            return
+        if t.resend:
+            log.info("mpcache: %s for instance %s sent again after its registration %s", request.op,
+                     _instance_of(request), t.registration)
+        elif op_frame == _REGISTER_FRAME and type(cause) is not Submit:
+            log.warning("mpcache server %s does not know instance %s (reaped or restarted): registering it again",
+                        self.url, _instance_of(request))
 
     def _wake(self) -> None:
         try:
@@ -506,7 +490,7 @@ class MPCacheClient:
                 self._finish(done)
                 if fut.done():
                     with self._lock:
-                        others = bool(self._pending)
+                        others = self.link.pending_count() > 0
                     if others:
                         self._wake()  # replies for other requests: the client thread reads them
                     return
@@ -533,72 +517,14 @@ class MPCacheClient:
                 uid = msgpack.unpackb(frames[0])
             except Exception:
                 continue
-            p = self._pending.pop(uid, None) if type(uid) is int else None
-            if p is None:
-                continue  # late reply to a request that timed out or failed
-            ok, value = self._decode(p, frames)
-            self._on_reply[p.role](self, uid, p, ok, value, done)
-
-    @staticmethod
-    def _decode(p: _Pending, frames: list[bytes]) -> tuple[bool, Any]:
-        """(True, result) or (False, RemoteError) for one reply."""
-        op_frame = frames[1]
-        try:
-            if op_frame == ERROR_OP_FRAME:
-                body = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else {}
-                if not isinstance(body, dict):
-                    body = {"kind": "internal", "message": repr(body)}
-                return False, RemoteError(str(body.get("kind")), str(body.get("message")), body.get("op"))
-            if op_frame != p.op_frame:
-                return False, RemoteError("internal", f"reply op {op_frame!r} does not match {p.op_frame!r}")
-            if len(frames) > 2:
-                return True, msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
-            return True, None
-        except Exception as e:
-            return False, RemoteError("undecodable", f"reply did not decode: {e}")
-
-    # one reply, by what the request was to the client -------------------------------------
-
-    def _reply_request(self, uid: int, p: _Pending, ok: bool, value: Any,
-                       done: list[tuple[Future[Any], bool, Any]]) -> None:
-        if ok or p.instance is None:
-            done.append((p.future, ok, value))
-            return
-        # a refusal of a request naming an instance: the monitor decides (resend or give up)
-        p.error = value
-        self._pending[uid] = p  # parked under its uid; its deadline still runs
-        self._feed(RequestRefused(SERVER, p.instance, uid, value.kind, p.retried), done)
-
-    def _reply_heartbeat(self, uid: int, p: _Pending, ok: bool, value: Any,
-                         done: list[tuple[Future[Any], bool, Any]]) -> None:
-        self._heartbeat_at = time.monotonic()
-        epoch = value.get("epoch") if ok and isinstance(value, dict) else None
-        self._feed(HeartbeatReply(SERVER, epoch if type(epoch) in (int, str) else None), done)
-
-    def _reply_instance_ping(self, uid: int, p: _Pending, ok: bool, value: Any,
-                             done: list[tuple[Future[Any], bool, Any]]) -> None:
-        if not ok and p.instance is not None:
-            self._feed(InstancePingRefused(SERVER, p.instance, value.kind), done)
-
-    def _reply_registration(self, uid: int, p: _Pending, ok: bool, value: Any,
-                            done: list[tuple[Future[Any], bool, Any]]) -> None:
-        done.append((p.future, ok, value))
-        if p.instance is not None:
-            # the reply is the registration's id, which a resend names (None: an older server's nil)
-            registration = value if type(value) is int else None
-            self._feed(InstanceRegistered(SERVER, p.instance, registration) if ok
-                       else RegistrationFailed(SERVER, p.instance), done)
-
-    _on_reply = {REQUEST: _reply_request, HEARTBEAT: _reply_heartbeat, INSTANCE_PING: _reply_instance_ping,
-                 REGISTRATION: _reply_registration}
-
-    def _expire(self, p: _Pending, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        """``p``'s deadline passed without a reply (heartbeats: the monitor's timeout covers them)."""
-        if p.role is REQUEST or p.role is REGISTRATION:
-            error = p.error or RemoteError("timeout", "no reply within the request timeout", str(p.op))
-            done.append((p.future, False, error))
-        if p.role is REGISTRATION and p.instance is not None:
-            self._feed(RegistrationFailed(SERVER, p.instance), done)
+            if type(uid) is not int:
+                continue
+            request = self.link.request_of(uid)
+            if request is None:
+                self._handle(LinkReply(uid, False), done)  # a late reply (counted by the link)
+                continue
+            ok, value = _decode(_op_frame_of(request), frames)
+            self._handle(LinkReply(uid, ok, value, None if ok else value.kind), done)
 
     @staticmethod
     def _finish(done: list[tuple[Future[Any], bool, Any]]) -> None:
@@ -613,88 +539,14 @@ class MPCacheClient:
             except Exception:  # cancelled by its owner meanwhile
                 pass
 
-    # the monitor: its events in, its effects performed (called with self._lock held) -------
-
-    def _feed(self, event: Any, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        work = self._monitor.handle(event, time.monotonic())
-        while work:
-            effect = work.pop(0)
-            self._effects[type(effect)](effect, done)
-
-    def _do_heartbeat(self, effect: SendHeartbeat, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        # ``health`` rather than LMCache's ``ping``: its reply carries the server's epoch
-        p = _Pending(Future(), _HEALTH_FRAME, "health", time.monotonic() + self.heartbeat_timeout, HEARTBEAT)
-        # replies that arrived meanwhile are read before a send can find the connection gone (a
-        # server's last answers come just before it closes)
-        self._drain_locked(done)
-        if not self._send_locked(p, (), done):
-            # no completed connection (IMMEDIATE): the server is gone or not up yet. Replies it
-            # sent before it went (a shutting_down answer, say) are delivered first.
-            self._drain_locked(done)
-            self._feed(HeartbeatUnsent(SERVER), done)
-
-    def _do_instance_ping(self, effect: SendInstancePing, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        p = _Pending(Future(), _PING_FRAME, "ping", time.monotonic() + self.heartbeat_timeout, INSTANCE_PING,
-                     effect.instance_id)
-        self._send_locked(p, (msgpack.packb(effect.instance_id),), done)
-
-    def _do_health(self, effect: ServerHealth, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        self._healthy = effect.healthy
-        log.log(logging.INFO if effect.healthy else logging.WARNING, "mpcache server %s is %s", self.url,
-                "answering" if effect.healthy else "not answering")
-        self._notice(self._health_cbs, effect.healthy)
-
-    def _do_epoch(self, effect: ServerEpoch, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        log.info("mpcache server %s: start id (epoch) %s, was %s", self.url, effect.epoch, self._epoch)
-        self._epoch = effect.epoch
-        self._notice(self._epoch_cbs, effect.epoch)
-
     def _notice(self, callbacks: list[Any], value: Any) -> None:
         self._notices.append((callbacks, value))
         if threading.current_thread() is not self._thread:
             self._wake()
 
-    def _do_fail_pending(self, effect: FailPending, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        log.warning("mpcache server %s stopped answering (%s); failing %d pending request(s)", self.url,
-                    effect.reason, sum(1 for p in self._pending.values() if p.role is REQUEST or p.role is REGISTRATION))
-        for p in self._pending.values():
-            done.append((p.future, False, RemoteError("unhealthy", "server stopped answering", str(p.op))))
-        self._pending.clear()
-        self._deadlines.clear()
-
-    def _do_register(self, effect: Register, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        payload = self._registrations.get(effect.instance_id)
-        if payload is None:  # never registered through this client: nothing to send again
-            self._feed(RegistrationFailed(SERVER, effect.instance_id), done)
-            return
-        log.warning("mpcache server %s does not know instance %d (reaped or restarted): registering it again",
-                    self.url, effect.instance_id)
-        p = _Pending(Future(), _REGISTER_FRAME, "register_instance", time.monotonic() + self.request_timeout,
-                     REGISTRATION, effect.instance_id)
-        self._send_locked(p, payload, done)
-
-    def _do_resend(self, effect: Resend, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        uid = effect.request
-        p = self._pending.pop(uid, None) if type(uid) is int else None
-        if p is None or p.payload is None:
-            return  # timed out or failed meanwhile
-        p.retried, p.error = True, None
-        # a store/retrieve names the registration it follows: the server tells it apart from a
-        # network duplicate of the refused original (core_sm.health.resend_of)
-        if not self._send_locked(p, resend_payloads(p.op, p.payload, effect.registration), done):
-            return  # failed unhealthy on the spot
-        log.info("mpcache: %s for instance %s sent again after its registration %s", p.op, p.instance,
-                 effect.registration)
-
-    def _do_give_up(self, effect: GiveUp, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        uid = effect.request
-        p = self._pending.pop(uid, None) if type(uid) is int else None
-        if p is not None:
-            done.append((p.future, False, p.error or RemoteError("not_registered", "instance not registered", str(p.op))))
-
     def _read_connection_events(self, done: list[tuple[Future[Any], bool, Any]]) -> None:
         """Every socket-monitor event waiting (its FD is edge-triggered: read them all): a
-        handshake that succeeded is ``Connected`` for the monitor; a failed one is logged once
+        handshake that succeeded is ``Connected`` for the link; a failed one is logged once
         until a handshake succeeds. Client thread only, with ``self._lock`` held."""
         mon = self._conn_events
         while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -707,7 +559,7 @@ class MPCacheClient:
                 if self._handshake_failed is not None:
                     log.info("mpcache server %s: handshake succeeded again", self.url)
                 self._handshake_failed = None
-                self._feed(Connected(SERVER), done)
+                self._handle(Connected(SERVER), done)
             elif kind != self._handshake_failed:
                 self._handshake_failed = kind
                 log.warning("mpcache server %s refused the connection's handshake (%s, errno %s): check the "
@@ -740,19 +592,11 @@ class MPCacheClient:
                         self._recv_lock.release()
                     self._io_watching = receiving
                     self._read_connection_events(done)
-                    while self._deadlines and self._deadlines[0][0] <= now:
-                        _, uid = heapq.heappop(self._deadlines)
-                        p = self._pending.get(uid)
-                        if p is not None and p.deadline <= now:
-                            del self._pending[uid]
-                            self._expire(p, done)
-                    deadline = self._monitor.next_deadline()
+                    deadline = self.link.next_deadline()
                     if deadline is not None and deadline <= now:
-                        self._feed(TimerFired(), done)
-                        deadline = self._monitor.next_deadline()
+                        self._handle(TimerFired(), done)
+                        deadline = self.link.next_deadline()
                     wait_until = now + 1.0 if deadline is None else deadline
-                    if self._deadlines:
-                        wait_until = min(wait_until, self._deadlines[0][0])
                     notices, self._notices = self._notices, []
                 self._finish(done)
                 for callbacks, value in notices:
@@ -779,11 +623,11 @@ class MPCacheClient:
         except Exception:
             log.exception("mpcache client thread failed")
         finally:
+            closing: list[tuple[Future[Any], bool, Any]] = []
             with self._lock:
                 self._closed = True
-                pending = list(self._pending.values())
-                self._pending.clear()
-            self._finish([(p.future, False, ClientClosed("client closed")) for p in pending])
+                self._handle(Close(), closing)
+            self._finish(closing)
             try:
                 self._sock.disable_monitor()
             except zmq.ZMQError:
@@ -794,12 +638,68 @@ class MPCacheClient:
             os.close(self._wake_w)
 
 
+def _role_of(op: str | int, args: Sequence[Any]) -> tuple[Role, int | None]:
+    """What a caller's request is to the link, and the engine instance it names (wire codec
+    knowledge: where each op carries the instance id)."""
+    if op == "register_instance" or op == "unregister_instance":
+        instance = args[0] if args and type(args[0]) is int else None
+        return (Role.REGISTRATION if op == "register_instance" else Role.UNREGISTRATION), instance
+    index = _INSTANCE_ARG.get(op, -1) if isinstance(op, str) else -1
+    return Role.REQUEST, (args[index] if 0 <= index < len(args) and type(args[index]) is int else None)
+
+
+def _instance_of(request: _Frames) -> Any:
+    try:
+        return msgpack.unpackb(request.payload[_INSTANCE_ARG.get(request.op, 0) if isinstance(request.op, str) else 0])
+    except Exception:
+        return None
+
+
+def _op_frame_of(request: Any) -> bytes:
+    if isinstance(request, _Frames):
+        return request.op_frame
+    return _HEALTH_FRAME if type(request) is Heartbeat else _PING_FRAME
+
+
+def _op_name(request: Any) -> str | None:
+    return str(request.op) if type(request) is _Frames else None
+
+
+def _error_of(failed: Failed) -> BaseException:
+    """The exception a caller's future fails with: the server's refusal as received, else the
+    link's own verdict (``timeout``, ``unhealthy``, ``not_registered``; ``closed`` is
+    ``ClientClosed``)."""
+    if isinstance(failed.error, BaseException):
+        return failed.error
+    if failed.kind == CLOSED:
+        return ClientClosed("client closed")
+    message = {TIMEOUT: "no reply within the request timeout"}.get(failed.kind, failed.message)
+    return RemoteError(failed.kind, message, _op_name(failed.request))
+
+
+def _decode(op_frame: bytes, frames: list[bytes]) -> tuple[bool, Any]:
+    """(True, result) or (False, RemoteError) for one reply to a request sent as ``op_frame``."""
+    try:
+        if frames[1] == ERROR_OP_FRAME:
+            body = msgpack.unpackb(frames[2], raw=False) if len(frames) > 2 else {}
+            if not isinstance(body, dict):
+                body = {"kind": "internal", "message": repr(body)}
+            return False, RemoteError(str(body.get("kind")), str(body.get("message")), body.get("op"))
+        if frames[1] != op_frame:
+            return False, RemoteError("internal", f"reply op {frames[1]!r} does not match {op_frame!r}")
+        if len(frames) > 2:
+            return True, msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+        return True, None
+    except Exception as e:
+        return False, RemoteError("undecodable", f"reply did not decode: {e}")
+
+
 # A connection's handshake succeeded (the socket has a completed connection: a request can go)
 # or failed (logged).
 _HANDSHAKE_FAILURES: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
                        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
                        zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed"}
 _CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_HANDSHAKE_FAILURES)
-_HEALTH_FRAME = msgpack.packb("health")
-_PING_FRAME = msgpack.packb("ping")
-_REGISTER_FRAME = msgpack.packb("register_instance")
+_HEALTH_FRAME: bytes = msgpack.packb("health")
+_PING_FRAME: bytes = msgpack.packb("ping")
+_REGISTER_FRAME: bytes = msgpack.packb("register_instance")

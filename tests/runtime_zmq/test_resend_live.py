@@ -27,7 +27,7 @@ def test_a_store_refused_not_registered_is_resent_naming_the_new_registration_an
         assert ok is True
         stats = c.stats()
         assert stats["instances"] == 1 and stats["resends_run"] == 1 and stats["transfers_started"] == 1
-        monitor = c._monitor.stats()
+        monitor = c.link.monitor.stats()
         assert monitor["reregistrations"] == 1 and monitor["resends"] == 1 and monitor["give_ups"] == 0
         # the original's bytes again: its remembered refusal, so the client resends it once more
         # (naming the same registration: the resend's remembered answer) -- no second copy

@@ -125,8 +125,8 @@ def test_bookkeeping_stays_bounded(client: MPCacheClient) -> None:
     # long timeouts: answered requests must not pile up in the client's timeout heap
     for _ in range(3000):
         client.call("noop", timeout=300.0)
-    assert len(client._pending) <= 1  # at most an in-flight heartbeat
-    assert len(client._deadlines) <= 2 * 1 + 1024 + 1
+    assert client.link.pending_count() <= 1  # at most an in-flight heartbeat
+    assert client.link.deadline_entries() <= 2 * 1 + 1024 + 1
 
 
 def test_a_callback_may_block_on_another_request(client: MPCacheClient) -> None:

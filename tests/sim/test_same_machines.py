@@ -33,12 +33,13 @@ def test_the_simulator_drives_the_class_the_connector_drives() -> None:
 
 def test_the_simulator_drives_the_health_monitor_the_zmq_client_drives() -> None:
     from mpcache.core_sm.health import HealthMonitor
+    from mpcache.core_sm.server_link import ServerLink
     from mpcache.runtime_zmq.client import MPCacheClient
 
     # what the production client builds (a socket needs no server to exist)
     client = MPCacheClient("tcp://127.0.0.1:1", wait_connected=False, connect_timeout=0.2)
     try:
-        assert type(client._monitor) is HealthMonitor
+        assert type(client.link) is ServerLink and type(client.link.monitor) is HealthMonitor
     finally:
         client.close()
     result, world = run_scenario(draw_scenario(3))
