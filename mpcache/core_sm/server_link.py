@@ -204,9 +204,11 @@ class _Pending:
 
 
 class ServerLink:
-    def __init__(self, config: ServerLinkConfig, now: float = 0.0) -> None:
+    def __init__(self, config: ServerLinkConfig, now: float = 0.0, monitor: HealthMonitor | None = None) -> None:
+        """``monitor``: the health monitor to own (a simulator profile's subclass, say); by
+        default one built from ``config.health``."""
         self.config = config
-        self.monitor = HealthMonitor(config.health, now)
+        self.monitor = HealthMonitor(config.health, now) if monitor is None else monitor
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._next_uid = 1
@@ -246,6 +248,14 @@ class ServerLink:
 
     def pending_count(self) -> int:
         return len(self._pending)
+
+    def parked(self, uid: int) -> bool:
+        """Whether ``uid`` was refused and waits on the monitor's verdict (resend or give-up)."""
+        p = self._pending.get(uid)
+        return p is not None and p.refusal is not None
+
+    def parked_uids(self) -> list[int]:
+        return sorted(u for u, p in self._pending.items() if p.refusal is not None)
 
     def deadline_entries(self) -> int:
         """Entries in the deadline heap (answered ones linger until due or a rebuild)."""
@@ -330,6 +340,12 @@ class ServerLink:
     def _on_reply(self, ev: Reply, now: float, out: list[Any]) -> None:
         p = self._pending.pop(ev.uid, None)
         if p is None:
+            self._counters["late_replies"] += 1
+            return
+        if p.refusal is not None:
+            # another reply to a request already refused and parked (a network duplicate of the
+            # refusal): its answer is its resend's, or the monitor's verdict -- never this one
+            self._pending[ev.uid] = p
             self._counters["late_replies"] += 1
             return
         if p.role is Role.REQUEST:

@@ -152,3 +152,20 @@ def test_connected_probes_at_once_and_close_fails_what_is_pending() -> None:
     assert [e for e in sl.handle(Close(), 0.0) if type(e) is Failed] == [Failed("A", "closed", "client closed",
                                                                                 None, "r")]
     assert sl.stats()["internal_errors"] == 0
+
+
+def test_a_duplicate_of_a_refusal_is_dropped_while_the_request_is_parked() -> None:
+    """A network that duplicates frames delivers the refusal twice: the second must neither
+    reach the caller (the request waits for its resend) nor ask the monitor again."""
+    sl = link()
+    healthy(sl)
+    [reg] = transmits(sl.handle(Submit("R", "register-1", role=Role.REGISTRATION, instance=1), 0.1))
+    sl.handle(Reply(reg.uid, True, 41), 0.1)
+    [st] = transmits(sl.handle(Submit("S", "store", instance=1), 0.2))
+    [again] = transmits(sl.handle(Reply(st.uid, False, "refused", "not_registered"), 0.2))
+    assert sl.parked(st.uid) and sl.parked_uids() == [st.uid]
+    assert sl.handle(Reply(st.uid, False, "refused", "not_registered"), 0.25) == []
+    assert sl.stats()["late_replies"] == 1 and sl.monitor.stats()["reregistrations"] == 1
+    [resent] = transmits(sl.handle(Reply(again.uid, True, 42), 0.3))
+    assert not sl.parked(st.uid) and resent.request == "store"
+    assert sl.handle(Reply(resent.uid, True, "ok"), 0.4) == [Completed("S", "ok")]
