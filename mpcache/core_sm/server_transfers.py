@@ -362,8 +362,8 @@ class TransferMachine:
             ident = (ev.peer, ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
                      ev.block_ids, skip, ev.not_after, self._named_registration(ev))
             while self.ops_done:  # answers whose not_after passed (or over the cap) go
-                oldest, (_ok, _result, until) = next(iter(self.ops_done.items()))
-                if until >= now and len(self.ops_done) <= self.ctx.config.tombstone_cap:
+                oldest, (_ok, _result, kept_until) = next(iter(self.ops_done.items()))
+                if kept_until >= now and len(self.ops_done) <= self.ctx.config.tombstone_cap:
                     break
                 del self.ops_done[oldest]
             running = self.ops_running.get(ident)

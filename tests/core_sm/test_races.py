@@ -333,3 +333,22 @@ def test_duplicate_store_after_an_answer_gets_that_answer_and_no_copy() -> None:
     assert h.result(dup) == StoreResult(True, 2, 0) and not h.transfers
     h.now = 10.5  # after not_after: refused
     assert h.error_kind(h.send(other)) is ErrorKind.TIMEOUT and not h.transfers
+
+
+def test_a_duplicate_is_answered_until_its_own_not_after_not_an_older_ops() -> None:
+    """Found by the simulator (default profile, seed 177, once its transport was core_sm's
+    ServerLink): pruning the kept answers rebound the new op's keep-until to the oldest kept
+    answer's, so a STORE answered at 1.18 with not_after 4.18 was kept only until 1.19; the
+    network's duplicate at 1.20 started a second copy of blocks vLLM had freed (F10)."""
+    h = ServerHarness()
+    h.register()
+    h.store(TOKS, rid="w")
+    early = Retrieve(key("early", TOKS, worker_id=0), 1, BLOCKS, not_after=2.0)
+    h.send(early)
+    h.finish_all_transfers()
+    h.now = 1.0
+    late = Retrieve(key("late", TOKS, worker_id=0), 1, BLOCKS, not_after=10.0)
+    h.send(late)  # kept answers are pruned here, the early one (until 2.0) first in line
+    h.finish_all_transfers()
+    h.now = 3.0  # past the early op's not_after, long before the late one's
+    assert h.result(h.send(late)) == RetrieveResult(True, 2) and not h.transfers
