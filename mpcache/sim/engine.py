@@ -34,24 +34,24 @@ from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.chunks import ChunkChain, ObjectKey
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
-from mpcache.core_sm.health import (
-    Connected,
-    GiveUp,
-    HealthConfig,
-    HeartbeatReply,
-    InstanceRegistered,
-    Register,
-    RegistrationFailed,
-    RequestRefused,
-    Resend,
-    RESENDABLE_AFTER_NOT_REGISTERED,
-    SendHeartbeat,
-    SendInstancePing,
-    resend_of,
-)
+from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, Connected, HealthMonitor, resend_of
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.lookup_client import LookupState
 from mpcache.core_sm.server_core import RequestKey
+from mpcache.core_sm.server_link import (
+    SERVER,
+    Completed,
+    Failed,
+    Heartbeat,
+    InstancePing,
+    Role,
+    ServerLink,
+    ServerLinkConfig,
+    Submit,
+    Transmit,
+    client_link_config,
+)
+from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.core_sm.messages import (
     Abort,
     CopyFinished,
@@ -66,6 +66,7 @@ from mpcache.core_sm.messages import (
     SubmitRetrieve,
     TimerFired,
     TransferKind,
+    UnregisterInstance,
     WaitPrefetchStatus,
 )
 from mpcache.core_sm.planner import (
@@ -88,11 +89,6 @@ SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished
 RUNNING = ("loading", "computing", "decoding")  # requests that count against max_running
 SYNC = -1  # SimEngine.paused_at: the step's forward waits for its synchronous loads
 LOOKUP = "lookup"
-HB = "hb"
-REG = "reg"  # a worker transport's own registrations (sent again for a refused request)
-RESEND = "resend"  # a worker transport's resends: their own correlations, as the ZMQ client's new uid
-RESEND_CORRELATIONS = 1 << 40  # above any machine's correlation (the lost-packet tracking reads both)
-TRANSPORT_TIMEOUT = 3.0  # a parked request fails after this, as the ZMQ client's request timeout
 
 
 def tc_name(server: int) -> str:
@@ -145,29 +141,78 @@ class SimRequest:
         return self.queued.unsent
 
 
-class Heartbeat:
-    """One client node's heartbeats: core_sm's ``HealthMonitor`` decides when to ping and what a
-    reply or a silence means (health, and the server's epoch: a restart between two heartbeats
-    reaches the machines as ``ServerEpoch``); this only carries its pings and their replies (the
-    reply names the server incarnation that answered, as the ZMQ runtime's reply carries the
-    server's epoch)."""
+class ClientLinks:
+    """One client node's transport: a core_sm ``ServerLink`` per server -- request uids and
+    deadlines, heartbeats and epoch, instance pings, registration memory, parking after
+    ``not_registered``, one resend naming the registration, give-up -- the machine
+    ``runtime_zmq.client.MPCacheClient`` runs. The simulator moves its frames through the
+    simulated network and feeds it the replies (a heartbeat's reply names the server incarnation
+    that answered, the epoch the production ``health`` reply carries); it decides nothing."""
 
-    def __init__(self, engine: SimEngine, node_name: str, targets: dict[int, list[str]],
-                 instance_id: int | None = None) -> None:
+    def __init__(self, engine: SimEngine, node_name: str, targets: dict[int, list[str]]) -> None:
         self.engine = engine
         self.node_name = node_name
-        # A worker's heartbeat names its instance (Ping(instance_id)): its liveness at the server,
-        # independent of its traffic, so an idle live instance is never reaped (F19).
-        self.instance_id = instance_id
-        self.targets = targets  # server -> machines to tell
-        cfg = engine.world.config
-        self.monitor = engine.world.profile.health_monitor_class(HealthConfig(cfg.num_servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
-                                                  backoff_max=4 * cfg.heartbeat_interval, initially_healthy=True))
-        self.seq = 0
+        self.targets = targets  # server -> machines told of its health and epoch
+        world = engine.world
+        cfg = world.config
+        profile = world.profile
+        self.links: list[ServerLink] = []
+        for _ in range(cfg.num_servers):
+            # heartbeats out of phase across nodes, as independent processes are
+            start = world.now() + world.exec_rng.uniform(0, cfg.heartbeat_interval)
+            config = sim_link_config(cfg)
+            self.links.append(profile.link_class(config, start, profile.health_monitor_class(config.health, start)))
+        self.armed: dict[int, float] = {}
         self.running = True
-        # the server incarnations this node started against, and the epochs its monitor reported
-        self.start_epochs = {s: engine.world.servers[s].incarnation for s in range(cfg.num_servers)}
+        # (server, uid) -> the machine request a frame carried (None: the link's own), for the
+        # fault tracking of a reply lost or duplicated after its request was answered
+        self.frames: OrderedDict[tuple[int, int], Outbound | None] = OrderedDict()
+        self.resent: set[tuple[str, int]] = set()  # (machine, correlation) resent after not_registered
+        # (server, uid) of a resend -> (the registration it names, the server incarnation it went to)
+        self.resent_naming: dict[tuple[int, int], tuple[int, int]] = {}
+        # the server incarnations this node started against, and the epochs its links reported
+        self.start_epochs = {s: world.servers[s].incarnation for s in range(cfg.num_servers)}
         self.epochs: dict[int, Any] = {}
+
+    @property
+    def monitors(self) -> list[HealthMonitor]:
+        return [link.monitor for link in self.links]
+
+
+@attrs.frozen
+class Outbound:
+    """A machine's request as its node's link carries it (the token its answer goes back by)."""
+
+    machine: str
+    correlation: int
+    request: Any
+
+
+def sim_link_config(cfg: Any) -> ServerLinkConfig:
+    """The simulated world's links: production's (``client_link_config``) with the world's
+    heartbeat settings; the engine starts healthy, as the connector waits for its servers before
+    it serves (``wait_connected``)."""
+    config = client_link_config(request_timeout=cfg.request_timeout, heartbeat_interval=cfg.heartbeat_interval,
+                                heartbeat_timeout=cfg.heartbeat_timeout,
+                                heartbeat_backoff_max=4 * cfg.heartbeat_interval)
+    return attrs.evolve(config, health=attrs.evolve(config.health, initially_healthy=True))
+
+
+def _link_role(request: Any) -> tuple[Role, int | None]:
+    """What a machine's request is to its link, and the engine instance it names."""
+    t = type(request)
+    if t is RegisterInstance:
+        return Role.REGISTRATION, request.instance_id
+    if t is UnregisterInstance:
+        return Role.UNREGISTRATION, request.instance_id
+    if t in RESENDABLE_AFTER_NOT_REGISTERED:
+        return Role.REQUEST, request.instance_id
+    return Role.REQUEST, None
+
+
+def link_machine(server: int) -> str:
+    """The address a node's link to ``server`` sends from (replies come back to it)."""
+    return f"link{server}"
 
 
 class SimWorker:
@@ -231,26 +276,14 @@ class SimEngine:
         self.pause_token = 0
         self.step_wanted = False
         self.sync_waiting: set[str] = set()
-        self.heartbeats: list[Heartbeat] = []
+        self.links: list[ClientLinks] = []  # one per node: the transport (core_sm's ServerLink per server)
+        self._links_of: dict[str, ClientLinks] = {}
         # (node, machine, correlation) -> (request id, request type), for reply fault tracking
         self.sent: OrderedDict[tuple[str, str, int], tuple[str | None, str]] = OrderedDict()
         self.delivered_hits: dict[tuple[str, int], int] = {}
         self.reported: dict[tuple[int, int, str], set[str]] = {}
         self.lookup_results: dict[str, int] = {}
         self.f2_watch: set[str] = set()
-        # The workers' transport (what runtime_zmq's MPCacheClient does around the machines): the
-        # last registration each machine sent, the resendable requests in flight, and those
-        # refused not_registered and parked until core_sm's HealthMonitor decides (Resend/GiveUp).
-        self.registrations: dict[tuple[str, str], RegisterInstance] = {}
-        self.in_flight: dict[tuple[str, str, int], tuple[RequestMsg, float]] = {}
-        self.parked: dict[tuple[str, str, int], tuple[RequestMsg, Any, float]] = {}
-        self.resent: set[tuple[str, str, int]] = set()
-        # resent request -> (the registration it names, the server incarnation it was resent to)
-        self.resent_naming: dict[tuple[str, str, int], tuple[int, int]] = {}
-        self.resends: dict[int, tuple[str, str, int]] = {}  # resend correlation -> the request resent
-        self.resend_seq = RESEND_CORRELATIONS
-        self.reg_seq = 0
-        self.reg_sent: dict[int, tuple[str, int, int]] = {}  # correlation -> (node, server, instance)
         root_cache: dict[str, bytes] = {}
         chain = ChunkChain(cfg.chain_key)  # the world's servers hash with the same key
         for spec in world.scenario.requests:
@@ -276,19 +309,23 @@ class SimEngine:
                             self._interpret)
         self.sched = sched
         await w.start_node(sched)
-        self.heartbeats.append(Heartbeat(self, sched.name, {s: [LOOKUP] for s in range(self.num_servers)}))
+        self._add_links(sched.name, {s: [LOOKUP] for s in range(self.num_servers)})
         for worker in self.workers:
             machines = {tc_name(s): profile.make_transfer_client(self.cfg, worker.rank, worker.instance_id, s)
                         for s in range(self.num_servers)}
             node = w.make_node(worker.name, machines, self._interpret)
             worker.node = node
             await w.start_node(node)
-            self.heartbeats.append(Heartbeat(self, node.name, {s: [tc_name(s)] for s in range(self.num_servers)},
-                                             worker.instance_id))
+            self._add_links(node.name, {s: [tc_name(s)] for s in range(self.num_servers)})
             for s in range(self.num_servers):
                 self.call(node, tc_name(s), ServerHealth(s, True))
-        for hb in self.heartbeats:
-            w.timeline.after(w.exec_rng.uniform(0, self.cfg.heartbeat_interval), self._ping, hb)
+
+    def _add_links(self, node_name: str, targets: dict[int, list[str]]) -> None:
+        links = ClientLinks(self, node_name, targets)
+        self.links.append(links)
+        self._links_of[node_name] = links
+        for s in range(self.num_servers):
+            self._arm(links, s)
 
     def schedule_workload(self) -> None:
         for req in self.order:
@@ -313,14 +350,10 @@ class SimEngine:
             self.sent[(node.name, machine, effect.correlation)] = (rid, type(effect.request).__name__)
             if len(self.sent) > 4096:
                 self.sent.popitem(last=False)
-            msg = RequestMsg(effect.server, effect.correlation, effect.request)
-            if machine != LOOKUP and self.world.profile.transport_resend:
-                rt = type(effect.request)
-                if rt is RegisterInstance:
-                    self.registrations[(node.name, machine)] = effect.request
-                elif rt in RESENDABLE_AFTER_NOT_REGISTERED:
-                    self.in_flight[(node.name, machine, effect.correlation)] = (msg, self.world.now())
-            self.world.send(Address(node.name, machine), Address(server_name(effect.server), "server"), msg)
+            role, instance = _link_role(effect.request)
+            self._link_event(self._links_of[node.name], effect.server,
+                             Submit((machine, effect.correlation), Outbound(machine, effect.correlation, effect.request),
+                                    None, role, instance))
         elif t is CopyBlocks:
             worker = self.workers[int(node.name.split(".")[1])]
             server = int(machine[2:])
@@ -346,51 +379,56 @@ class SimEngine:
         worker.node.post(machine, CopyFinished(effect.op, ok))
 
     def deliver_reply(self, node: Node, machine: str, msg: Any) -> None:
-        if machine == HB:
-            self._pong(node.name, msg)
+        """A reply frame reached ``node``'s link to ``msg.server``: the link correlates it."""
+        links = self._links_of.get(node.name)
+        if links is None or machine != link_machine(msg.server):
+            self.world.violation("SAFETY", node.name, f"a reply reached {machine}, no link: {msg!r}")
             return
-        if machine == REG:
-            self._transport_registered(node.name, msg)
-            return
-        if machine == RESEND:
-            self._resend_answered(node, msg)
-            return
-        key = (node.name, machine, msg.correlation)
-        info = self.sent.get(key)
-        if machine != LOOKUP and self.world.profile.transport_resend:
-            if info is not None and info[1] == "RegisterInstance":
-                self._registration_answered(node.name, machine, msg)
-            if key in self.parked or key in self.resent:
-                # another reply to the refused send (a network duplicate of it): the request's
-                # answer is the resend's, or the monitor's verdict (the ZMQ client drops it too)
-                self.world.trace.line(self.world.now(), node.name, f"transport: #{msg.correlation} reply "
-                                      f"after its refusal dropped")
-                return
-            sent = self.in_flight.pop(key, None)
-            if sent is not None and msg.error is not None and msg.error.kind is ErrorKind.NOT_REGISTERED:
-                self._park(node.name, machine, sent[0], sent[1], msg.error)
-                return
-        if msg.error is not None:
-            node.post(machine, RequestFailed(msg.server, msg.correlation, msg.error))
-            return
+        s, uid = msg.server, msg.correlation
+        link = links.links[s]
+        request = link.request_of(uid)
+        if link.parked(uid):
+            # another reply to the refused send (a network duplicate of it): the request's answer
+            # is its resend's, or the link's verdict
+            assert isinstance(request, Outbound)
+            self.world.trace.line(self.world.now(), node.name, f"transport: #{request.correlation} reply "
+                                  f"after its refusal dropped")
+        if msg.error is None:
+            # a heartbeat's reply carries the answering server's start id (its incarnation here)
+            value = {"epoch": self.world.servers[s].incarnation} if type(request) is Heartbeat else msg.result
+            event = LinkReply(uid, True, value)
+        else:
+            if msg.error.kind is ErrorKind.NOT_REGISTERED and isinstance(request, Outbound):
+                self._check_resend_refusal(links, s, uid, request)
+            event = LinkReply(uid, False, msg.error, msg.error.kind.value)
+        parked = link.parked(uid)
+        self._link_event(links, s, event)
+        if not parked and link.parked(uid):
+            assert isinstance(request, Outbound)
+            self.world.stats["transport_refusals"] = self.world.stats.get("transport_refusals", 0) + 1
+            self.world.trace.line(self.world.now(), node.name, f"transport: {type(request.request).__name__} "
+                                  f"#{request.correlation} to server{s} refused not_registered: parked")
+
+    def _answer(self, node: Node, machine: str, server: int, correlation: int, result: Any) -> None:
+        info = self.sent.get((node.name, machine, correlation))
         if info is not None and machine == LOOKUP and info[1] in ("QueryPrefetchStatus", "WaitPrefetchStatus"):
             rid = info[0]
             client = node.machines[LOOKUP].lookups
             pending = client.pending(rid) if rid is not None and client.state(rid) is not LookupState.DONE else None
-            leg = pending.legs.get(msg.server) if pending is not None else None
-            if (rid is not None and isinstance(msg.result, int) and not isinstance(msg.result, bool)
+            leg = pending.legs.get(server) if pending is not None else None
+            if (rid is not None and isinstance(result, int) and not isinstance(result, bool)
                     and leg is not None and leg.chunks is None):
                 # The answer reached a lookup still waiting for this server: it must count.
-                hit_key = (rid, msg.server)
-                self.delivered_hits[hit_key] = max(self.delivered_hits.get(hit_key, 0), msg.result)
+                hit_key = (rid, server)
+                self.delivered_hits[hit_key] = max(self.delivered_hits.get(hit_key, 0), result)
                 self.f2_watch.add(rid)
-        node.post(machine, ReplyReceived(msg.server, msg.correlation, msg.result))
+        node.post(machine, ReplyReceived(server, correlation, result))
 
     def touch_reply(self, node_name: str, msg: Any) -> None:
-        resent = self.resends.get(msg.correlation)
-        correlation = msg.correlation if resent is None else resent[2]
-        for machine in [LOOKUP] + [tc_name(s) for s in range(self.num_servers)]:
-            info = self.sent.get((node_name, machine, correlation))
+        links = self._links_of.get(node_name)
+        request = links.frames.get((msg.server, msg.correlation)) if links is not None else None
+        if request is not None:
+            info = self.sent.get((node_name, request.machine, request.correlation))
             if info is not None and info[0] is not None:
                 self.world.touched.add(info[0])
 
@@ -417,195 +455,151 @@ class SimEngine:
                 elif state is LookupState.ABSENT:
                     self.f2_watch.discard(rid)
 
-    # =========================================================================== worker transport
-    def _hb_of(self, node_name: str) -> Heartbeat:
-        return next(h for h in self.heartbeats if h.node_name == node_name)
+    # =========================================================================== transport
+    def _link_event(self, links: ClientLinks, server: int, event: Any) -> None:
+        """One event into ``links``' link to ``server``; its effects performed in its order."""
+        link = links.links[server]
+        node = self.world.nodes.get(links.node_name)
+        for effect in link.handle(event, self.world.now()):
+            if isinstance(effect, Transmit):
+                self._transmit(links, server, effect, event)
+            elif isinstance(effect, Completed):
+                machine, correlation = _token(effect.token)
+                if node is not None and node.alive:
+                    self._answer(node, machine, server, correlation, effect.value)
+            elif isinstance(effect, Failed):
+                self._failed(links, node, server, effect)
+            else:
+                self._health(links, node, attrs.evolve(effect, server=server))
+        self._arm(links, server)
 
-    def _worker_hb(self, node_name: str) -> tuple[Heartbeat, int]:
-        hb = self._hb_of(node_name)
-        assert hb.instance_id is not None, f"{node_name} is no worker"
-        return hb, hb.instance_id
-
-    def _registration_answered(self, node_name: str, machine: str, msg: Any) -> None:
-        """The machine's own registration was answered: the monitor learns it (a refused request
-        waiting on this instance is resent)."""
-        hb, iid = self._worker_hb(node_name)
-        event = (InstanceRegistered(msg.server, iid, _registration_id(msg.result)) if msg.error is None
-                 else RegistrationFailed(msg.server, iid))
-        self._apply_health(hb, hb.monitor.handle(event, self.world.now()))
-
-    def _resend_answered(self, node: Node, msg: Any) -> None:
-        """The answer to a resend: the request's answer for its machine (under the machine's
-        correlation); refused not_registered again, the monitor gives it up. A second answer (a
-        network duplicate) is dropped."""
-        key = self.resends.pop(msg.correlation, None)
-        if key is None:
-            return
-        request, sent_at = self.in_flight.pop(key)
-        if msg.error is not None and msg.error.kind is ErrorKind.NOT_REGISTERED:
-            self._check_resend_refusal(node.name, key, request)
-            self._park(node.name, key[1], request, sent_at, msg.error)
-            return
-        if msg.error is not None:
-            node.post(key[1], RequestFailed(msg.server, key[2], msg.error))
+    def _transmit(self, links: ClientLinks, server: int, t: Transmit, cause: Any) -> None:
+        request = t.request
+        body: Any
+        if isinstance(request, Outbound):
+            body = request.request
+            if t.resend:
+                body = resend_of(body, t.registration)
+                self._note_resend(links, server, t, request, body)
+            elif type(body) is RegisterInstance and type(cause) is not Submit:
+                self.world.trace.line(self.world.now(), links.node_name, f"transport: register instance "
+                                      f"{body.instance_id} at server{server} again")
         else:
-            node.post(key[1], ReplyReceived(msg.server, key[2], msg.result))
+            body = Ping(request.instance_id) if isinstance(request, InstancePing) else Ping()
+        links.frames[(server, t.uid)] = request if isinstance(request, Outbound) else None
+        if len(links.frames) > 4096:
+            links.frames.popitem(last=False)
+        self.world.send(Address(links.node_name, link_machine(server)), Address(server_name(server), "server"),
+                        RequestMsg(server, t.uid, body))
 
-    def _check_resend_refusal(self, node_name: str, key: tuple[str, str, int], request: RequestMsg) -> None:
+    def _note_resend(self, links: ClientLinks, server: int, t: Transmit, request: Outbound, body: Any) -> None:
+        key = (request.machine, request.correlation)
+        if key in links.resent:
+            self.world.violation("SAFETY", links.node_name, f"{type(request.request).__name__} #{request.correlation} "
+                                 f"to server{server} resent a second time after not_registered")
+        links.resent.add(key)
+        self.world.stats["transport_resends"] = self.world.stats.get("transport_resends", 0) + 1
+        self.world.trace.line(self.world.now(), links.node_name, f"transport: #{request.correlation} resent after "
+                              f"the registration {t.registration}")
+        if t.registration is not None and getattr(body, "registration", None) is not None:
+            links.resent_naming[(server, t.uid)] = (t.registration, self.world.servers[server].incarnation)
+
+    def _failed(self, links: ClientLinks, node: Node | None, server: int, f: Failed) -> None:
+        if f.token is None:
+            return
+        machine, correlation = _token(f.token)
+        if isinstance(f.error, ProtocolError):
+            error = f.error
+        else:
+            if not f.message:
+                self.world.violation("SAFETY", links.node_name, f"#{correlation} failed with no reason: {f!r}")
+            try:
+                kind = ErrorKind(f.kind)
+            except ValueError:
+                kind = ErrorKind.INTERNAL
+            error = ProtocolError(kind, f.message)
+        if error.kind is ErrorKind.NOT_REGISTERED and type(f.request.request) in RESENDABLE_AFTER_NOT_REGISTERED:
+            # a parked request answered with its refusal: given up, or timed out waiting
+            self.world.stats["transport_give_ups"] = self.world.stats.get("transport_give_ups", 0) + 1
+            self.world.trace.line(self.world.now(), links.node_name, f"transport: #{correlation} given up")
+        if node is not None and node.alive:
+            node.post(machine, RequestFailed(server, correlation, error))
+
+    def _check_resend_refusal(self, links: ClientLinks, server: int, uid: int, request: Outbound) -> None:
         """Oracle: a resend refused not_registered although the registration it names is still the
         instance's registration at that server incarnation (registration ids are never reused
         within one) was refused by a record of its original, not for a lost registration."""
-        named = self.resent_naming.get(key)
+        named = links.resent_naming.get((server, uid))
         if named is None:
             return
-        host = self.world.servers[request.server]
-        server = host.node.machines["server"] if host.node is not None and host.up else None
+        host = self.world.servers[server]
+        machine = host.node.machines["server"] if host.node is not None and host.up else None
         iid = getattr(request.request, "instance_id", None)
-        if (server is not None and host.incarnation == named[1] and isinstance(iid, int)
-                and server.instances.registration_id(iid) == named[0]):
-            self.world.violation("LIVENESS", node_name, f"{type(request.request).__name__} #{key[2]} resent to "
-                                 f"server{request.server} naming registration {named[0]}, still the instance's, was "
-                                 f"refused not_registered again")
-
-    def _park(self, node_name: str, machine: str, request: RequestMsg, sent_at: float, error: ProtocolError) -> None:
-        """A resendable request refused not_registered: held until the monitor decides, within
-        its own timeout (counted from its first send)."""
-        key = (node_name, machine, request.correlation)
-        self.world.stats["transport_refusals"] = self.world.stats.get("transport_refusals", 0) + 1
-        self.parked[key] = (request, error, sent_at)
-        self.world.timeline.at(max(sent_at + TRANSPORT_TIMEOUT, self.world.now()), self._expire_parked, key)
-        hb, iid = self._worker_hb(node_name)
-        self.world.trace.line(self.world.now(), node_name, f"transport: {type(request.request).__name__} "
-                              f"#{request.correlation} to server{request.server} refused not_registered: parked")
-        self._apply_health(hb, hb.monitor.handle(
-            RequestRefused(request.server, iid, key, error.kind.value, key in self.resent), self.world.now()))
-
-    def _unpark(self, key: tuple[str, str, int], failed: ProtocolError | None, why: str,
-                registration: int | None = None) -> None:
-        """Resend a parked request (``failed`` None) as core_sm's ``resend_of`` makes it (naming
-        ``registration``, the one it follows), or fail it to its machine with a reason."""
-        request, error, sent_at = self.parked.pop(key)
-        node = self.world.nodes.get(key[0])
-        self.world.trace.line(self.world.now(), key[0], f"transport: #{key[2]} {why}")
-        if node is None or not node.alive:
-            return
-        if failed is None:
-            if key in self.resent:
-                self.world.violation("SAFETY", key[0], f"{type(request.request).__name__} #{key[2]} to "
-                                     f"server{request.server} resent a second time after not_registered")
-            self.resent.add(key)
-            self.world.stats["transport_resends"] = self.world.stats.get("transport_resends", 0) + 1
-            request = attrs.evolve(request, request=resend_of(request.request, registration))
-            if registration is not None and getattr(request.request, "registration", None) is not None:
-                self.resent_naming[key] = (registration, self.world.servers[request.server].incarnation)
-            self.in_flight[key] = (request, sent_at)
-            self.resend_seq += 1
-            self.resends[self.resend_seq] = key
-            self.world.send(Address(key[0], RESEND), Address(server_name(request.server), "server"),
-                            attrs.evolve(request, correlation=self.resend_seq))
-            return
-        if not failed.message:
-            self.world.violation("SAFETY", key[0], f"#{key[2]} failed with no reason: {failed!r}")
-        self.world.stats["transport_give_ups"] = self.world.stats.get("transport_give_ups", 0) + 1
-        node.post(key[1], RequestFailed(request.server, request.correlation, failed))
-
-    def _expire_parked(self, key: tuple[str, str, int]) -> None:
-        if key in self.parked:
-            self._unpark(key, ProtocolError(ErrorKind.TIMEOUT, "no registration within the request timeout "
-                                            "after not_registered"), "timed out parked")
-
-    def _transport_register(self, hb: Heartbeat, effect: Register) -> None:
-        """The monitor asks to register ``effect.instance_id`` again: the registration the machine
-        last sent to that server (none: the monitor hears it failed)."""
-        registration = self.registrations.get((hb.node_name, tc_name(effect.server)))
-        if registration is None:
-            self._apply_health(hb, hb.monitor.handle(RegistrationFailed(effect.server, effect.instance_id),
-                                                     self.world.now()))
-            return
-        self.reg_seq += 1
-        self.reg_sent[self.reg_seq] = (hb.node_name, effect.server, effect.instance_id)
-        self.world.trace.line(self.world.now(), hb.node_name, f"transport: register instance {effect.instance_id} "
-                              f"at server{effect.server} again")
-        self.world.send(Address(hb.node_name, REG), Address(server_name(effect.server), "server"),
-                        RequestMsg(effect.server, self.reg_seq, registration))
-
-    def _transport_registered(self, node_name: str, msg: Any) -> None:
-        sent = self.reg_sent.pop(msg.correlation, None)
-        if sent is None:
-            return
-        hb = self._hb_of(node_name)
-        event = (InstanceRegistered(sent[1], sent[2], _registration_id(msg.result)) if msg.error is None
-                 else RegistrationFailed(sent[1], sent[2]))
-        self._apply_health(hb, hb.monitor.handle(event, self.world.now()))
+        if (machine is not None and host.incarnation == named[1] and isinstance(iid, int)
+                and machine.instances.registration_id(iid) == named[0]):
+            self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
+                                 f"#{request.correlation} resent to server{server} naming registration {named[0]}, "
+                                 f"still the instance's, was refused not_registered again")
 
     def check_transport_drained(self) -> None:
         """After quiescence: no refused request still waits on a registration (it was resent
         once, or failed with a reason)."""
-        for key, (request, error, sent_at) in sorted(self.parked.items()):
-            self.world.violation("LIVENESS", key[0], f"{type(request.request).__name__} #{key[2]} sent at "
-                                 f"{sent_at:.3f} and refused not_registered still waits for a registration")
+        for links in self.links:
+            for s, link in enumerate(links.links):
+                for uid in link.parked_uids():
+                    request = link.request_of(uid)
+                    self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
+                                         f"#{request.correlation} to server{s}, refused not_registered, still waits "
+                                         f"for a registration")
 
-    # =========================================================================== heartbeats
-    def _ping(self, hb: Heartbeat) -> None:
-        if not hb.running or self.crashed:
+    def _arm(self, links: ClientLinks, server: int) -> None:
+        """One timeline entry for the link's next deadline (an earlier one replaces it)."""
+        deadline = links.links[server].next_deadline()
+        if deadline is None or not links.running:
             return
-        self._apply_health(hb, hb.monitor.handle(TimerFired(), self.world.now()))
-        deadline = hb.monitor.next_deadline()
-        if deadline is not None:
-            self.world.timeline.at(max(deadline, self.world.now()), self._ping, hb)
+        armed = links.armed.get(server)
+        if armed is not None and armed <= deadline:
+            return
+        links.armed[server] = deadline
+        self.world.timeline.at(max(deadline, self.world.now()), self._tick, links, server, deadline)
 
-    def _pong(self, node_name: str, msg: Any) -> None:
-        hb = self._hb_of(node_name)
-        reply = HeartbeatReply(msg.server, self.world.servers[msg.server].incarnation)
-        self._apply_health(hb, hb.monitor.handle(reply, self.world.now()))
+    def _tick(self, links: ClientLinks, server: int, deadline: float) -> None:
+        if links.armed.get(server) != deadline:
+            return  # replaced by an earlier one
+        del links.armed[server]
+        if not links.running or self.crashed:
+            return
+        due = links.links[server].next_deadline()
+        if due is not None and due <= self.world.now():
+            self._link_event(links, server, TimerFired())
+        else:
+            self._arm(links, server)
 
-    def _apply_health(self, hb: Heartbeat, effects: list[Any]) -> None:
+    def _health(self, links: ClientLinks, node: Node | None, effect: Any) -> None:
         now = self.world.now()
-        node = self.world.nodes.get(hb.node_name)
-        for effect in effects:
-            if type(effect) is SendHeartbeat:
-                hb.seq += 1
-                self.world.send(Address(hb.node_name, HB), Address(server_name(effect.server), "server"),
-                                RequestMsg(effect.server, -hb.seq, Ping(hb.instance_id)))
-                continue
-            if type(effect) is SendInstancePing:
-                continue  # this node's heartbeat ping already names its instance
-            if type(effect) is Register:
-                self._transport_register(hb, effect)
-                continue
-            if type(effect) is Resend or type(effect) is GiveUp:
-                key = effect.request
-                if key in self.parked:
-                    error = self.parked[key][1]
-                    if type(effect) is Resend:
-                        self._unpark(key, None, f"resent after the registration {effect.registration}",
-                                     effect.registration)
-                    else:
-                        self._unpark(key, error, "given up")
-                continue
-            if type(effect) is ServerHealth:
-                self.world.trace.line(now, hb.node_name, f"health server{effect.server} -> "
-                                      f"{'up' if effect.healthy else 'DOWN'}")
-                self.touch_all_live()
-            elif type(effect) is ServerEpoch:
-                self.world.trace.line(now, hb.node_name, f"epoch server{effect.server} -> {effect.epoch}")
-                first = effect.server not in hb.epochs
-                hb.epochs[effect.server] = effect.epoch
-                if not (first and effect.epoch == hb.start_epochs[effect.server]):
-                    self.touch_all_live()  # a restart (the first epoch of the server it started with is none)
-            if node is not None and node.alive:
-                for machine in hb.targets[effect.server]:
-                    self.call(node, machine, effect)
+        if type(effect) is ServerHealth:
+            self.world.trace.line(now, links.node_name, f"health server{effect.server} -> "
+                                  f"{'up' if effect.healthy else 'DOWN'}")
+            self.touch_all_live()
+        else:  # ServerEpoch
+            self.world.trace.line(now, links.node_name, f"epoch server{effect.server} -> {effect.epoch}")
+            first = effect.server not in links.epochs
+            links.epochs[effect.server] = effect.epoch
+            if not (first and effect.epoch == links.start_epochs[effect.server]):
+                self.touch_all_live()  # a restart (the first epoch of the server it started with is none)
+        if node is not None and node.alive:
+            for machine in links.targets[effect.server]:
+                self.call(node, machine, effect)
 
     def server_connected(self, server: int) -> None:
         """``server`` listens again: every node's transport reconnects to it (``Connected``)."""
-        for hb in self.heartbeats:
-            if hb.running and not self.crashed:
-                self._apply_health(hb, hb.monitor.handle(Connected(server), self.world.now()))
+        for links in self.links:
+            if links.running and not self.crashed:
+                self._link_event(links, server, Connected(SERVER))
 
     def stop_heartbeats(self) -> None:
-        for hb in self.heartbeats:
-            hb.running = False
+        for links in self.links:
+            links.running = False
 
     # =========================================================================== workload
     def _arrive(self, req: SimRequest) -> None:
@@ -1048,8 +1042,8 @@ class SimEngine:
             return
         self.crashed = True
         self.world.trace.mark(self.world.now(), sched_name(self.index), "crash", "engine (scheduler + workers)")
-        for hb in self.heartbeats:
-            hb.running = False
+        for links in self.links:
+            links.running = False
         if self.sched is not None:
             self.sched.crash()
         for w in self.workers:
@@ -1093,9 +1087,10 @@ class SimEngine:
         return lines
 
 
-def _registration_id(result: Any) -> int | None:
-    """The id a registration's reply gives (what a resend names)."""
-    return result if isinstance(result, int) and not isinstance(result, bool) else None
+def _token(token: Any) -> tuple[str, int]:
+    """The (machine, correlation) a link's answer goes back to."""
+    machine, correlation = token
+    return str(machine), int(correlation)
 
 
 def _rid(request: Any) -> str | None:

@@ -16,7 +16,7 @@ import attrs
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, Reply
 from mpcache.core_sm.errors import ProtocolError
-from mpcache.core_sm.health import HealthMonitor
+from mpcache.core_sm.health import HealthMonitor, Register, RegistrationFailed
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
 from mpcache.core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch
@@ -30,6 +30,7 @@ from mpcache.core_sm.planner import (
     StepPlanner,
 )
 from mpcache.core_sm.server import LookupServer, PrefetchJob, RequestKey, ServerConfig
+from mpcache.core_sm.server_link import SERVER, Role, ServerLink, Submit
 from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
 from mpcache.sim.scenario import WorldConfig
 
@@ -53,9 +54,10 @@ class Profile:
     # (3 s), so a live worker is reaped only after it has seen the server down (and registers
     # again on recovery), and every world has idle gaps longer than the TTL (after its traffic).
     instance_ttl: float = 4.0
-    # The workers' transport registers again and resends a request refused not_registered once
-    # (core_sm's HealthMonitor decides, as in runtime_zmq's client); a legacy client has none.
-    transport_resend: bool = True
+    # Every client node's transport: core_sm's ServerLink, the machine runtime_zmq's client runs
+    # (it registers again and resends a request refused not_registered once); a legacy client's
+    # is a subclass.
+    link_class: type[ServerLink] = ServerLink
     # The server's runtime registers with its transfer engine only on core_sm's AttachInstance; a
     # legacy runtime does it on receipt, for any peer (act-first).
     act_before_decide: bool = False
@@ -366,12 +368,25 @@ class MissedEpochTransferClient(NeverReregisterTransferClient):
             self._epoch = ev.epoch
 
 
+class NoReregisterLink(ServerLink):
+    """A legacy transport: it never registers again (only the machine might), so a refusal goes
+    straight to its caller and a refused instance ping changes nothing."""
+
+    def _on_submit(self, ev: Submit, now: float, out: list[Any]) -> None:
+        if ev.role is Role.REQUEST and ev.instance is not None:
+            ev = attrs.evolve(ev, instance=None)  # nothing to wait for: never parked
+        super()._on_submit(ev, now, out)
+
+    def _do_register(self, effect: Register, now: float, out: list[Any]) -> None:
+        self._feed(RegistrationFailed(SERVER, effect.instance_id), now, out)
+
+
 class MissedEpoch(Profile):
     name = "missed-epoch"
     failure = "F13"
     description = "worker: a server restart between two heartbeats is not noticed; never registers again"
     transfer_client_class = MissedEpochTransferClient
-    transport_resend = False
+    link_class = NoReregisterLink
 
 
 # trust-all (F22): the server before ownership -- every request is trusted as if its own peer
@@ -413,7 +428,7 @@ class IdleReap(Profile):
     description = "server: only traffic keeps an instance alive (idle ones reaped); worker: never registers again"
     server_class = TrafficLivenessServer
     transfer_client_class = NeverReregisterTransferClient
-    transport_resend = False
+    link_class = NoReregisterLink
 
 
 # act-first (F23): the runtime before "decide, then act" -- it registered (and unregistered) an

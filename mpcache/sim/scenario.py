@@ -59,6 +59,8 @@ class WorldConfig:
     store_threshold: int = 0  # core_sm.admission (not drawn: set by the tests that want it)
     abandoned_job_ttl: float = 10.0
     lookup_timeout: float = 5.0
+    # a request's deadline at its node's link: the connector's request_timeout_s default
+    request_timeout: float = 5.0
     net: NetConfig = attrs.field(factory=NetConfig)
     safety_duration: float = 4.0
     liveness_bound: float = 30.0

@@ -44,6 +44,6 @@ def test_the_simulator_drives_the_health_monitor_the_zmq_client_drives() -> None
         client.close()
     result, world = run_scenario(draw_scenario(3))
     assert result.ok, result.violation
-    beats = [hb for engine in world.engines for hb in engine.heartbeats]
-    assert beats and {type(hb.monitor) for hb in beats} == {HealthMonitor}
-    assert sum(hb.monitor.stats()["heartbeats_sent"] for hb in beats) > 0
+    beats = [links for engine in world.engines for links in engine.links]
+    assert beats and {type(m) for links in beats for m in links.monitors} == {HealthMonitor}
+    assert sum(m.stats()["heartbeats_sent"] for links in beats for m in links.monitors) > 0

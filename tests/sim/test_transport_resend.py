@@ -1,7 +1,8 @@
-"""The workers' transport in simulation: a store or retrieve refused ``not_registered`` (a
-server that restarted between two heartbeats, or reaped the instance) waits for one
-re-registration that core_sm's ``HealthMonitor`` asks for, and is resent once or fails with a
-reason -- never hangs (the oracle: no request still parked after quiescence, none resent twice)."""
+"""The workers' transport in simulation -- core_sm's ServerLink, the machine the production
+client runs: a store or retrieve refused ``not_registered`` (a server that restarted between two
+heartbeats, or reaped the instance) waits for one re-registration that its ``HealthMonitor`` asks
+for, and is resent once or fails with a reason -- never hangs (the oracle: no request still
+parked after quiescence, none resent twice)."""
 from __future__ import annotations
 
 from typing import Any
@@ -28,13 +29,13 @@ def _restart_between_heartbeats(seed: int, at: float) -> Scenario:
 
 
 def test_a_refused_store_is_resent_once_after_the_registration_or_fails_with_a_reason() -> None:
-    result, world = run_scenario(_restart_between_heartbeats(9, 0.6), keep_lines=True)
+    result, world = run_scenario(_restart_between_heartbeats(19, 0.6), keep_lines=True)
     assert result.ok, result.violation
     assert world.stats.get("transport_refusals", 0) >= 1
     assert world.stats.get("transport_resends", 0) >= 1
     assert any("register instance" in line and "again" in line for line in result.lines)
-    beats = [hb for engine in world.engines for hb in engine.heartbeats]
-    assert sum(hb.monitor.stats()["resends"] for hb in beats) == world.stats["transport_resends"]
+    beats = [links for engine in world.engines for links in engine.links]
+    assert sum(m.stats()["resends"] for links in beats for m in links.monitors) == world.stats["transport_resends"]
 
 
 class ResendForeverMonitor(HealthMonitor):
@@ -64,7 +65,7 @@ class ResendForever(Profile):
 
 def test_a_request_resent_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(PROFILES, ResendForever.name, ResendForever())
-    result, _ = run_scenario(_restart_between_heartbeats(9, 0.6), ResendForever.name)
+    result, _ = run_scenario(_restart_between_heartbeats(19, 0.6), ResendForever.name)
     assert result.violation is not None and result.violation.code == "SAFETY", result.violation
     assert "resent a second time" in result.violation.message
 
@@ -74,7 +75,7 @@ def test_a_resend_after_the_registration_is_not_refused_again() -> None:
     ``_transfer_once``) kept the original STORE's not_registered refusal and answered the
     byte-identical resend with it. The resend now names the registration it follows, so it is
     another op to that record, and goes through."""
-    result, world = run_scenario(_restart_between_heartbeats(9, 0.6), keep_lines=True)
+    result, world = run_scenario(_restart_between_heartbeats(19, 0.6), keep_lines=True)
     assert result.ok, result.violation
     resent = {line.split("#")[1].split()[0] for line in result.lines if "resent after the registration" in line}
     assert resent
@@ -100,7 +101,7 @@ class ResendAsOriginal(Profile):
 def test_a_resend_refused_by_its_originals_record_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hasattr(TransferMachine, "_named_registration")
     monkeypatch.setitem(PROFILES, ResendAsOriginal.name, ResendAsOriginal())
-    result, _ = run_scenario(_restart_between_heartbeats(9, 0.6), ResendAsOriginal.name)
+    result, _ = run_scenario(_restart_between_heartbeats(19, 0.6), ResendAsOriginal.name)
     assert result.violation is not None and result.violation.code == "LIVENESS", result.violation
     assert "still the instance's, was refused not_registered again" in result.violation.message
 
@@ -109,9 +110,9 @@ def test_a_duplicated_refusal_of_a_parked_store_never_reaches_its_machine() -> N
     """Found by tests/sim/test_properties.py once resends went through: the network duplicated a
     STORE refused not_registered, and the second refusal reached the worker's machine while the
     transport still held the store for its resend -- the machine took the refusal as the answer,
-    vLLM freed the blocks, and the resend then copied them (F10). The transport now drops
-    another reply to a parked or resent request, as the ZMQ client does (its resend has a new
-    uid)."""
+    vLLM freed the blocks, and the resend then copied them (F10). core_sm's ServerLink, every
+    node's transport in both runtimes, drops another reply to a parked request (and its resend
+    has a new uid)."""
     cfg = WorldConfig(num_servers=1, num_engines=2, tp=1, chunk_size=8, block_size=4, blocks_per_worker=96,
                       l1_slots=64, lease_ttl=10.0, l2_enabled=False, copy_fail_p=0.0, server_workers=1,
                       lookup_wait=0.0, sync_load_max_tokens=0, engine_driven=False, adversary=False,
