@@ -180,6 +180,12 @@ def check(args: argparse.Namespace) -> str | None:
     for url in args.l2 or ():
         if not url.strip():
             return "--l2 needs a URL (disk:PATH or redis://HOST:PORT)"
+        path, query, rest = url.strip()[len("disk:"):].partition("?") if url.strip().startswith("disk:") else ("/", "", "")
+        if path and not os.path.isabs(path):
+            # the tier would land wherever the server happens to start (a unit's / or a pod's
+            # workdir): say which directory was meant instead of guessing
+            return (f"--l2 {url}: a relative disk path depends on the directory the server starts in; "
+                    f"give an absolute one, e.g. disk:{os.path.abspath(os.path.expanduser(path))}{query}{rest}")
     return None
 
 
