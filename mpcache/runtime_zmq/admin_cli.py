@@ -42,6 +42,10 @@ class _CliParser(cfg.OptionParser):
     failure = "error"
 
 
+class _SubcommandParser(_CliParser):
+    from_environment = False  # a subcommand's options are flags only
+
+
 def zmq_address(text: str) -> str:
     """``--url``: the server's ZMQ address, normalized as the connector normalizes its
     ``mpcache.server_urls`` (``client.server_url``: ``HOST:PORT`` gets ``tcp://``)."""
@@ -69,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the server's ZMQ address (tcp://HOST:PORT, HOST:PORT or ipc://PATH), not its HTTP port")
     conn.add_argument("--timeout", type=cfg.positive_float, default=5.0,
                       help="seconds to wait for the server to answer at all, then for each answer")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CliParser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_SubcommandParser)
     sub.required = True
     sub.add_parser("ping", help="round trip of a ping", description="Send ping and noop; print the round-trip times.")
     health = sub.add_parser("health", help="the server's health answer", description="Print the health answer (status, epoch, version, uptime, L2 tiers); exit 1 unless status is ok.")
