@@ -257,8 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, _sources = cfg.parse(build_parser(), argv)
     from mpcache.runtime_zmq.client import ClientClosed, RemoteError
 
+    import zmq
+
     try:
         c = _client(args)
+    except zmq.ZMQError as e:  # zmq refused the address itself (tcp://HOST without a port, ...)
+        print(f"mpcache-cli: error: --url {args.url}: not an address zmq can connect to ({zmq.strerror(e.errno or 0) if e.errno else e}); "
+              "use tcp://HOST:PORT or ipc://PATH", file=sys.stderr)
+        return 2
     except Exception as e:
         print(f"mpcache-cli: cannot connect to {args.url}: {e}", file=sys.stderr)
         return UNREACHABLE

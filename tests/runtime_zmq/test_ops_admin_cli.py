@@ -92,6 +92,8 @@ def test_url_forms() -> None:
         assert "this is the ZMQ address" in out.stderr and "not the HTTP port" in out.stderr
     out = cli("--url", "a:1,b:2", "ping")
     assert out.returncode == 2 and "one address" in out.stderr
+    out = cli("--url", "tcp://127.0.0.1", "ping")  # no port: zmq's "Invalid argument", now a usage error
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "use tcp://HOST:PORT" in out.stderr, out.stderr
 
 
 def test_values_are_printed_for_people() -> None:
