@@ -51,6 +51,7 @@ soak: venv
 
 docs: venv
 	$(VPY) -m mpcache.runtime_zmq.config > docs/configuration.md
+	$(VPY) -m mpcache.runtime_zmq.protocol_doc docs/protocol.md
 	$(VPY) -m mpcache.runtime_zmq.metrics > docs/metrics.md
 
 # A release's artifacts: build isolates itself from the venv (the wheel is built from the sdist, so

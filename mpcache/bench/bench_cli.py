@@ -10,6 +10,11 @@ import sys
 
 import mpcache.bench as bench
 
+# A third-party module a benchmark may need -> the extra of pyproject.toml that installs it (a
+# server-only install has none of them; tests/packaging/test_extras.py checks the names).
+EXTRA_OF = {"trio": "sim", "hypothesis": "sim", "matplotlib": "plot", "torch": "vllm", "redis": "redis",
+            "numba_cuda": "cuda"}
+
 
 def available() -> list[str]:
     return sorted(
@@ -50,8 +55,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(name: str, argv: list[str]) -> int:
-    module = importlib.import_module(f"mpcache.bench.bench_{name}")
-    return int(module.main(argv) or 0)
+    try:
+        module = importlib.import_module(f"mpcache.bench.bench_{name}")
+        return int(module.main(argv) or 0)
+    except ModuleNotFoundError as e:
+        extra = EXTRA_OF.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"mpcache-bench {name}: needs the `{extra}` extra (no module {e.name!r}): pip install 'mpcache[{extra}]'",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from mpcache.core_sm.planner import (
 )
 from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 from mpcache.runtime_zmq.wire import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
-from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError, server_url
 
 log = logging.getLogger("mpcache.worker")
 
@@ -81,7 +81,7 @@ def _parse_urls(value: object) -> tuple[str, ...]:
         parts = [str(part).strip() for part in value]
     else:
         raise ValueError(f"{CONFIG_PREFIX}server_urls: expected a list or a comma-separated string, got {value!r}")
-    urls = tuple(part if "://" in part else f"tcp://{part}" for part in parts if part)
+    urls = tuple(server_url(part) for part in parts if part)
     if not urls:
         raise ValueError(f"{CONFIG_PREFIX}server_urls: no server given")
     return urls

@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="mpcache KV-cache offload server (LMCache MP-protocol compatible control plane).",
         epilog="Each flag can also be set by the environment variable MPCACHE_<FLAG> "
         "(upper case, dashes as underscores, e.g. MPCACHE_PORT=5556) or as a key of the TOML file "
-        "given by --config; flag > environment > file. Reference: docs/configuration.md.",
+        "given by --config; flag > environment > file. Reference: docs/configuration.md.\n\n"
+        "L2 URLs (--l2, repeatable; tiers are searched in the order given):\n\n"
+        + "\n".join(line.replace("`", "") for line in cfg.l2_grammar()),
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {cfg.version()}")
     p.add_argument("--config", metavar="FILE", default=None, help="TOML file with option values (keys named like the flags); env MPCACHE_CONFIG")
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers = cfg.group(p, L2)
     l2_urls = tiers.add_argument(
         "--l2", action="append", default=None, metavar="URL",
-        help="L2 tier, repeatable: disk:PATH, redis://HOST:PORT or redis+cluster://H:P,H:P "
+        help="L2 tier, repeatable: disk:/ABSOLUTE/PATH, redis://HOST:PORT or redis+cluster://H:P,H:P "
         "(grammar below; env MPCACHE_L2 comma- or space-separated; put a Redis password in ?password_file=, never on the command line)",
     )
     setattr(l2_urls, "env_split", _split_l2_urls)  # a cluster URL has commas
@@ -180,6 +182,12 @@ def check(args: argparse.Namespace) -> str | None:
     for url in args.l2 or ():
         if not url.strip():
             return "--l2 needs a URL (disk:PATH or redis://HOST:PORT)"
+        path, query, rest = url.strip()[len("disk:"):].partition("?") if url.strip().startswith("disk:") else ("/", "", "")
+        if path and not os.path.isabs(path):
+            # the tier would land wherever the server happens to start (a unit's / or a pod's
+            # workdir): say which directory was meant instead of guessing
+            return (f"--l2 {url}: a relative disk path depends on the directory the server starts in; "
+                    f"give an absolute one, e.g. disk:{os.path.abspath(os.path.expanduser(path))}{query}{rest}")
     return None
 
 

@@ -91,6 +91,13 @@ log = logging.getLogger("mpcache.client")
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 
 
+def server_url(text: str) -> str:
+    """A server address as given by a person (the connector's ``mpcache.server_urls``,
+    ``mpcache-cli --url``): ``HOST:PORT`` gets ``tcp://``; a URL is kept as it is."""
+    text = text.strip()
+    return text if "://" in text else f"tcp://{text}"
+
+
 class RemoteError(Exception):
     """A request that failed: ``kind`` is the wire error kind (or ``timeout``/``unhealthy``)."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -171,12 +172,59 @@ class CannotStart(Exception):
 
 
 class OptionParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: ``prog: cannot start: ...`` (exit 2)."""
+    """An ArgumentParser whose errors are one line: ``prog: cannot start: ...`` (exit 2), and
+    whose ``--help`` gives each option's default, environment variable and file key from the
+    table docs/configuration.md is generated from (``option_table``).
+
+    ``from_environment``: whether ``parse`` reads this parser's options from the environment
+    (and a file); False for a subcommand's parser, whose options are flags only."""
 
     failure = "cannot start"
+    from_environment = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", TableHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {self.failure}: {message} (see {self.prog} --help)\n")
+
+    def _get_formatter(self) -> argparse.HelpFormatter:  # argparse has no public hook for this
+        formatter = super()._get_formatter()
+        if isinstance(formatter, TableHelpFormatter):
+            formatter.rows = {id(row.action): row for _, rows in option_table(self) for row in rows}
+        return formatter
+
+
+class TableHelpFormatter(argparse.HelpFormatter):
+    """Each option's help line ends ``[default X; env MPCACHE_X; file key x]`` (its row of
+    ``option_table``); a paragraph of a description or epilog that is a list (lines starting
+    with ``*`` or indented: the L2 URL grammar) is printed as written, the others are filled;
+    flags are never broken at their dashes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows: dict[int, OptionRow] = {}
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        row = self.rows.get(id(action))
+        text = action.help
+        if row is None or text is None or text is argparse.SUPPRESS or not row.help_suffix():
+            return text
+        return f"{text} [{row.help_suffix().replace('%', '%%')}]"
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in text.split("\n\n"):
+            if any(line.startswith(("*", " ")) for line in para.splitlines()):
+                out.append("\n".join(indent + line for line in para.splitlines()))
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent, subsequent_indent=indent,
+                                         break_on_hyphens=False, break_long_words=False))
+        return "\n\n".join(out)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
 
 def group(parser: argparse.ArgumentParser, title: str, description: str | None = None) -> Any:
@@ -288,6 +336,9 @@ def _parse(
         if name in environ:
             overrides[action.dest] = _convert(action, environ[name], name)
             sources[action.dest] = "env"
+    for action in actions:  # what --help shows: defaults change below, and --help exits in the first parse
+        if not hasattr(action, "builtin_default"):
+            setattr(action, "builtin_default", action.default)
     for dest, value in overrides.items():
         by_dest[dest].default = value  # not set_defaults: it would survive the suppressed parse
     # which options the command line itself set: parse once more with every default suppressed
@@ -380,34 +431,83 @@ def _type_text(action: argparse.Action) -> str:
     return kind + (" (repeatable)" if _is_list(action) else "")
 
 
+def builtin_default(action: argparse.Action) -> Any:
+    """The default written in the option's definition (``parse`` replaces ``action.default`` by
+    a value from the environment or the file before argparse reads the command line)."""
+    return getattr(action, "builtin_default", action.default)
+
+
 def _default_text(action: argparse.Action, defaults: Mapping[str, Any]) -> str:
     value = defaults.get(action.dest)
-    if value is None or value == [] or value == ():
+    if value is None or value == [] or value == () or value is argparse.SUPPRESS:
         return "—"
     return f"`{value}`"
+
+
+def file_key(action: argparse.Action) -> str:
+    """The option's key in a ``--config`` file (``parse`` also takes it with underscores)."""
+    return action.dest.replace("_", "-")
+
+
+def _reads_file(parser: argparse.ArgumentParser) -> bool:
+    return any(a.dest == "config" and a.option_strings for a in parser._actions)
+
+
+class OptionRow:
+    """One option's row of the reference: what docs/configuration.md prints and ``--help`` adds
+    to the option's line. ``env`` / ``key``: None when the option is a flag only."""
+
+    def __init__(self, action: argparse.Action, default: str, env: str | None, key: str | None) -> None:
+        self.action, self.default, self.env, self.key = action, default, env, key
+        self.flag, self.type = _flag_text(action), _type_text(action)
+
+    def meaning(self) -> str:
+        text = (self.action.help or "").replace("\n", " ")
+        return text.replace("%(default)s", self.default.strip("`"))
+
+    def help_suffix(self) -> str:
+        default = self.default.strip("`")
+        parts = [] if builtin_default(self.action) is argparse.SUPPRESS else [f"default {'none' if default == '—' else default}"]
+        if self.env is not None:
+            parts.append(f"env {self.env}")
+        if self.key is not None:
+            parts.append(f"file key {self.key}")
+        return "; ".join(parts)
+
+
+def option_table(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None,
+                 env: bool | None = None) -> list[tuple[argparse._ArgumentGroup, list[OptionRow]]]:
+    """Every documented option of ``parser`` by argument group: the one table behind
+    docs/configuration.md and ``--help``. ``env``: whether the options are read from the
+    environment (default: the parser's ``from_environment``); file keys exist where the parser
+    has ``--config``."""
+    if env is None:
+        env = getattr(parser, "from_environment", True)
+    defaults = dict(defaults) if defaults is not None else {a.dest: builtin_default(a) for a in parser._actions}
+    options = _options(parser)
+    key = env and _reads_file(parser)
+    table = []
+    for g in parser._action_groups:
+        rows = [OptionRow(a, _default_text(a, defaults), env_name(a) if env else None, file_key(a) if key else None)
+                for a in g._group_actions if a in options and a.help is not argparse.SUPPRESS]
+        if rows:
+            table.append((g, rows))
+    return table
 
 
 def render_options(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None, env: bool = True) -> str:
     """The options of ``parser`` as markdown tables, one per argument group (``env``: with the
     environment variable column; subcommands' options have none)."""
-    defaults = dict(defaults) if defaults is not None else {a.dest: a.default for a in parser._actions}
     out: list[str] = []
-    for g in parser._action_groups:
-        rows = [a for a in g._group_actions if a in _options(parser) and a.help is not argparse.SUPPRESS]
-        if not rows:
-            continue
+    for g, rows in option_table(parser, defaults, env):
         out.append(f"### {g.title}\n")
         if g.description:
             out.append(g.description + "\n")
         out.append("| flag | environment | type | default | meaning |" if env else "| flag | type | default | meaning |")
         out.append("|---|---|---|---|---|" if env else "|---|---|---|---|")
-        for a in rows:
-            help_text = (a.help or "").replace("|", "\\|").replace("\n", " ")
-            if "%(default)" in help_text:
-                help_text = help_text.replace("%(default)s", str(defaults.get(a.dest)))
-            out.append(
-                f"| {_flag_text(a)} |" + (f" `{env_name(a)}` |" if env else "") + f" {_type_text(a)} | {_default_text(a, defaults)} | {help_text} |"
-            )
+        for r in rows:
+            help_text = r.meaning().replace("|", "\\|")
+            out.append(f"| {r.flag} |" + (f" `{r.env}` |" if env else "") + f" {r.type} | {r.default} | {help_text} |")
         out.append("")
     return "\n".join(out)
 
@@ -417,9 +517,23 @@ def _iter_lines(text: str | None) -> Iterable[str]:
         yield line[4:] if line.startswith("    ") else line
 
 
+def l2_grammar() -> list[str]:
+    """The L2 URL forms, from runtime_zmq/l2.py's docstring (markdown): docs/configuration.md
+    and the epilog of ``mpcache-server --help`` print them."""
+    from mpcache.runtime_zmq import l2
+
+    doc = l2.__doc__ or ""
+    start = doc.find("Tiers are opened from a URL")
+    return list(_iter_lines(doc[start:] if start >= 0 else doc)) + [
+        "",
+        "`python:MODULE:FACTORY[?ARG]` loads a tier of your own: `FACTORY(ARG)` returns an object",
+        "with the L2 tier methods (`read`, `write`, `contains`, `read_many`, `write_many`, `close`, `name`).",
+    ]
+
+
 def render_markdown() -> str:
     """docs/configuration.md: every command's options, the L2 URL grammar, file and env rules."""
-    from mpcache.runtime_zmq import admin_cli, cli, l2
+    from mpcache.runtime_zmq import admin_cli, cli
 
     server = cli.build_parser()
     lines = [
@@ -450,13 +564,8 @@ def render_markdown() -> str:
         "`--l2 URL` (repeatable; tiers are searched in the order given). From `runtime_zmq/l2.py`:",
         "",
     ]
-    doc = l2.__doc__ or ""
-    start = doc.find("Tiers are opened from a URL")
-    lines.extend(_iter_lines(doc[start:] if start >= 0 else doc))
+    lines.extend(l2_grammar())
     lines += [
-        "",
-        "`python:MODULE:FACTORY[?ARG]` loads a tier of your own: `FACTORY(ARG)` returns an object",
-        "with the L2 tier methods (`read`, `write`, `contains`, `read_many`, `write_many`, `close`, `name`).",
         "",
         "## mpcache-cli",
         "",

@@ -23,6 +23,12 @@ import time
 from collections import Counter
 from typing import Any, TextIO
 
+try:  # the `sim` extra: without it (a server-only install) one line, not trio's traceback
+    import trio  # noqa: F401
+except ModuleNotFoundError as _missing:
+    sys.stderr.write(f"mpcache-sim: needs the `sim` extra (no module {_missing.name!r}): pip install 'mpcache[sim]'\n")
+    raise SystemExit(2) from None
+
 from mpcache.sim.oracles import FAILURES, is_known_race
 from mpcache.sim.plot import output_path
 from mpcache.sim.profiles import PROFILES, get_profile

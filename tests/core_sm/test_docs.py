@@ -109,3 +109,17 @@ def test_every_executing_table_is_in_the_doc() -> None:
         assert isinstance(table, core_sm.table.Table)
         (title,) = [title for title, t in describe.TABLES.items() if t is table]
         assert f"### {title}\n\n| state | input | handler | next states |" in DOC, title
+
+
+def test_readme_layout_row_names_every_machine() -> None:
+    """README's core_sm row names each machine with a transition table (the docs' tables), the
+    connection machine and the block arithmetic: it once stopped at the lookup and transfer
+    clients, with no planner, health monitor or blocks."""
+    from mpcache.core_sm import describe
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `mpcache/core_sm/` |"))
+    machines = {title.split()[0] for title in describe.TABLES}
+    assert {"StepPlanner", "HealthMonitor", "LookupServer"} <= machines
+    for name in sorted(machines | {"ServerLink", "blocks"}):
+        assert f"`{name}`" in row, f"README's core_sm row does not name {name}"

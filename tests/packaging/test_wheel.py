@@ -111,6 +111,12 @@ def test_wheel_installs_only_the_server_dependencies(installed: str) -> None:
                      "kernels": False, "tools": False}, found
     for command in ("mpcache-server", "mpcache-cli", "mpcache-sim", "mpcache-bench"):
         assert os.access(os.path.join(installed, command), os.X_OK), command
+    # the simulator's entry points, without the `sim` extra: one line naming it, exit 2
+    for argv in (["mpcache-sim", "--help"], ["mpcache-bench", "sim"]):
+        out = subprocess.run([os.path.join(installed, argv[0]), *argv[1:]], capture_output=True, text=True, cwd="/",
+                             env=_env(), timeout=60)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+        assert "pip install 'mpcache[sim]'" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_quick_start_against_the_installed_wheel(installed: str) -> None:

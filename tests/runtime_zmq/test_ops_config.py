@@ -50,6 +50,8 @@ def refused(argv: list[str], env: dict[str, str] | None, capsys: pytest.CaptureF
         (["--log-level", "loud"], None, "not a log level"),
         (["--max-tokens", "0"], None, "must be > 0"),
         (["--slot-mb", "2048", "--l1-size-gb", "1"], None, "larger than --l1-size-gb"),
+        (["--l2", "disk:cache?max_gb=1"], None, f"a relative disk path depends on the directory the server starts in; give an absolute one, e.g. disk:{os.getcwd()}/cache?max_gb=1"),
+        ([], {"MPCACHE_L2": "disk:/ok,disk:~/c"}, f"--l2 disk:~/c: a relative disk path depends on the directory the server starts in; give an absolute one, e.g. disk:{os.path.expanduser('~')}/c"),
         ([], {"MPCACHE_PORT": "abc"}, "MPCACHE_PORT=abc: not an integer"),
         ([], {"MPCACHE_CHUNK_SIZE": "-16"}, "MPCACHE_CHUNK_SIZE=-16: must be a positive multiple of 16"),
         ([], {"MPCACHE_L2_PROBE": "maybe"}, "MPCACHE_L2_PROBE=maybe: not a boolean"),
