@@ -13,8 +13,11 @@ of probes costs the loop at most one call at a time (concurrent probes share the
   stopping), core_sm answers its stats, L1 is usable (the mapped segment reads; before it exists,
   its directory has room for one slot), and with ``--l2-require`` every L2 tier answers a
   ``contains`` within ``PROBE_TIMEOUT``. 503 otherwise, with the failed checks in the body.
-* ``/status`` — JSON: version, epoch, url, effective config (no passwords), registrations, L1 and
-  L2 use, lookup totals.
+* ``/status`` — JSON: version, epoch, url, effective config (no passwords), how many instances
+  are registered, L1 and L2 use, lookup totals (by model and ``cache_salt_hash``, never a salt).
+  The registered instance ids are listed only for a request that carries the admin token
+  (``Authorization: Bearer <token of --admin-token-file>``, compared in constant time): an id is
+  what a client presents as its own, so the page nobody authenticates must not hand them out.
 * ``/metrics`` — the Prometheus exposition (OpenMetrics when the scraper asks for it).
 """
 
@@ -150,8 +153,16 @@ class OpsHttpServer:
         except FutureTimeout:
             return {"l2": f"no answer from L2 within {PROBE_TIMEOUT:g} s"}
 
-    def status(self) -> tuple[int, dict[str, Any]]:
-        ok, answer = self.on_loop(_status)
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization: Bearer <token>`` header carries the server's admin token."""
+        from mpcache.runtime_zmq.auth import admin_ok
+
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        return admin_ok(getattr(self.server, "admin_token", None), authorization[len("Bearer "):].strip())
+
+    def status(self, admin: bool = False) -> tuple[int, dict[str, Any]]:
+        ok, answer = self.on_loop(lambda server: _status(server, admin))
         if not ok:
             return 503, {"error": str(answer), "version": version()}
         answer["config"] = self.metrics.config
@@ -185,29 +196,31 @@ def _loop_checks(server: Any) -> dict[str, str]:
     return checks
 
 
-def _status(server: Any) -> dict[str, Any]:
-    """On the loop thread: a JSON-able snapshot."""
+def _status(server: Any, admin: bool = False) -> dict[str, Any]:
+    """On the loop thread: a JSON-able snapshot (instance ids only for ``admin``)."""
     stats = server.stats()
     metrics = server.metrics
     tokens = [
-        {"model": model, "cache_salt": salt, "lookups": row[0], "requested_tokens": row[1], "hit_tokens": row[2]}
+        {"model": model, "cache_salt_hash": salt, "lookups": row[0], "requested_tokens": row[1], "hit_tokens": row[2]}
         for (model, salt), row in metrics.tokens.items()
     ]
-    return {
+    instances: dict[int, int] = dict(server._instance_bytes)
+    answer: dict[str, Any] = {
         "version": version(),
         "epoch": server.epoch,
         "pid": os.getpid(),
         "uptime_s": round(time.time() - server._started, 3),
         "url": server.bound_url,
-        "registrations": [
-            {"instance_id": iid, "object_bytes": nbytes} for iid, nbytes in sorted(server._instance_bytes.items())
-        ],
+        "registered_instances": len(instances),
         "l1": metrics.l1_usage(stats),
         "lookups": tokens,
         "requests": sum(metrics.requests.values()),
         "errors": dict(metrics.errors),
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))},
     }
+    if admin:
+        answer["registrations"] = [{"instance_id": iid, "object_bytes": nbytes} for iid, nbytes in sorted(instances.items())]
+    return answer
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -228,7 +241,11 @@ class _Handler(BaseHTTPRequestHandler):
                 body, ctype = self.ops.metrics_body(self.headers.get("Accept", ""))
                 self._send(200, body, ctype, send_body)
                 return
-            handler = {"/healthz": self.ops.healthz, "/readyz": self.ops.readyz, "/status": self.ops.status}.get(path)
+            if path == "/status":
+                code, obj = self.ops.status(self.ops.is_admin(self.headers.get("Authorization")))
+                self._send(code, (json.dumps(obj, default=str, indent=1) + "\n").encode(), "application/json", send_body)
+                return
+            handler = {"/healthz": self.ops.healthz, "/readyz": self.ops.readyz}.get(path)
             if handler is None:
                 self._send(404, b"not found: use /metrics, /healthz, /readyz or /status\n", "text/plain; charset=utf-8", send_body)
                 return

@@ -60,9 +60,9 @@ def test_exposition_matches_the_list_and_passes_promtool(start_server: Callable[
     body = scrape(sp)
     declared = {name.removesuffix("_total") for name, *_ in metrics.METRICS}
     assert families(body) == declared
-    assert 'mpcache_lookup_hit_tokens_total{cache_salt="",model="m"} 512.0' in body
-    assert 'mpcache_lookup_requested_tokens_total{cache_salt="",model="m"} 768.0' in body
-    assert 'mpcache_lookups_total{cache_salt="",model="m"} 2.0' in body
+    assert 'mpcache_lookup_hit_tokens_total{cache_salt_hash="",model="m"} 512.0' in body
+    assert 'mpcache_lookup_requested_tokens_total{cache_salt_hash="",model="m"} 768.0' in body
+    assert 'mpcache_lookups_total{cache_salt_hash="",model="m"} 2.0' in body
     assert 'mpcache_l1_objects 2.0' in body and "mpcache_l1_capacity_bytes 2.68435456e+08" in body
     assert 'mpcache_stores_total{outcome="ok"} 1.0' in body
     assert 'mpcache_registered_instances 1.0' in body
@@ -82,7 +82,7 @@ def test_label_cardinality_is_bounded(start_server: Callable[..., ServerProcess]
     body = scrape(sp)
     series = [line for line in body.splitlines() if line.startswith("mpcache_lookups_total{")]
     assert len(series) == metrics.LABEL_BUDGET + 1
-    assert 'mpcache_lookups_total{cache_salt="other",model="other"} 20.0' in body
+    assert 'mpcache_lookups_total{cache_salt_hash="other",model="other"} 20.0' in body
 
 
 def free_port() -> int:
