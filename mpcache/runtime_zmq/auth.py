@@ -98,6 +98,7 @@ class CurveServer:
     client keys. ``stop()`` joins the thread."""
 
     def __init__(self, ctx: zmq.Context[Any], directory: str) -> None:
+        self.ctx = ctx  # other sockets the server serves with these keys (KV events) live here too
         self.public, self.secret = _load_secret(os.path.join(directory, f"{SERVER_NAME}.key_secret"))
         authorized = os.path.join(directory, AUTHORIZED)
         if not os.path.isdir(authorized) or not any(n.endswith(".key") for n in os.listdir(authorized)):
