@@ -1,7 +1,8 @@
 """The server's HTTP side: ``/metrics``, ``/healthz``, ``/readyz``, ``/status``; 404 elsewhere.
 
 Stdlib ``ThreadingHTTPServer`` (no HTTP parsing of our own) on ``--metrics-host:--metrics-port``,
-served from one thread that ``close()`` joins. Nothing here touches the loop's state directly:
+served from one thread that ``close()`` joins, with one thread per connection up to
+``MAX_CONNECTIONS`` (a connection beyond it is answered 503 and closed, costing no thread). Nothing here touches the loop's state directly:
 checks that need it are posted to the loop as a ``LoopCall`` through the completion channel and
 waited for with a bound, so a wedged loop answers 503 instead of hanging the probe, and a flood
 of probes costs the loop at most one call at a time (concurrent probes share the lock and wait).
@@ -43,13 +44,54 @@ log = logging.getLogger("mpcache.http")
 
 PROBE_TIMEOUT = 2.0
 _READYZ_KEY = b"mpcache:readyz-probe"
+# Connections served at once (one thread each). Beyond it a connection gets a bare 503 and is
+# closed at once, so a client opening connections without end costs no thread and no memory.
+# Prometheus and the kubelet's probes need a handful; an idle connection holds its slot for at
+# most ``_Handler.timeout`` per read.
+MAX_CONNECTIONS = 32
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with at most ``max_connections`` connection threads."""
+
+    daemon_threads = True
+    request_queue_size = 128  # listen backlog: a burst past the cap is answered, not left in SYN retries
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused_connections = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused_connections += 1
+            try:
+                request.settimeout(0.2)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class OpsHttpServer:
     """Binds at construction (a busy port raises ``RuntimeError`` with the reason), serves from a
     daemon thread, ``close()`` stops and joins it."""
 
-    def __init__(self, server: Any, host: str, port: int, *, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, server: Any, host: str, port: int, *, metrics: ServerMetrics | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.server = server
         self.metrics = metrics if metrics is not None else server.metrics
         self._probe_lock = threading.Lock()
@@ -57,12 +99,11 @@ class OpsHttpServer:
         self._l2_pending: Any = None
         handler = type("Handler", (_Handler,), {"ops": self})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = _BoundedHTTPServer((host, port), handler, max_connections)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise RuntimeError(f"HTTP port {host}:{port} is in use (--metrics-port; 0 picks a free one, --no-metrics turns it off)") from None
             raise RuntimeError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
-        self.httpd.daemon_threads = True
         bound_host, bound_port = self.httpd.server_address[:2]
         self.url = f"http://{bound_host!s}:{bound_port}"
         self.port = int(bound_port)
