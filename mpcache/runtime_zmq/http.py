@@ -1,4 +1,4 @@
-"""The server's HTTP side: ``/metrics``, ``/healthz``, ``/readyz``, ``/status``; 404 elsewhere.
+"""The server's HTTP side: ``/metrics``, ``/healthz`` (alias ``/healthcheck``), ``/readyz``, ``/status``; 404 elsewhere.
 
 Stdlib ``ThreadingHTTPServer`` (no HTTP parsing of our own) on ``--metrics-host:--metrics-port``,
 served from one thread that ``close()`` joins, with one thread per connection up to
@@ -10,12 +10,14 @@ of probes costs the loop at most one call at a time (concurrent probes share the
 * ``/healthz`` — 200 when the process is alive and the loop ran a posted call within
   ``PROBE_TIMEOUT`` (also while stopping: a liveness probe must not kill a draining server);
   503 otherwise. Body: JSON with ``status``, ``version``, ``epoch``, ``uptime_s``.
+* ``/healthcheck`` — the same as ``/healthz``, under the path LMCache's tools probe.
 * ``/readyz`` — 200 when the server takes traffic: the loop is serving (not starting, not
   stopping), core_sm answers its stats, L1 is usable (the mapped segment reads; before it exists,
   its directory has room for one slot), and with ``--l2-require`` every L2 tier answers a
   ``contains`` within ``PROBE_TIMEOUT``. 503 otherwise, with the failed checks in the body.
 * ``/status`` — JSON: version, epoch, url, effective config (no passwords), how many instances
-  are registered, L1 and L2 use, lookup totals (by model and ``cache_salt_hash``, never a salt).
+  are registered, L1 and L2 use, lookup totals (by model and ``cache_salt_hash``, never a salt),
+  ``requests_answered`` (every request answered, any op).
   The registered instance ids are listed only for a request that carries the admin token
   (``Authorization: Bearer <token of --admin-token-file>``, compared in constant time): an id is
   what a client presents as its own, so the page nobody authenticates must not hand them out.
@@ -242,7 +244,7 @@ def _status(server: Any, admin: bool = False) -> dict[str, Any]:
     stats = server.stats()
     metrics = server.metrics
     tokens = [
-        {"model": model, "cache_salt_hash": salt, "lookups": row[0], "requested_tokens": row[1], "hit_tokens": row[2]}
+        {"model_name": model, "cache_salt_hash": salt, "lookups": row[0], "requested_tokens": row[1], "hit_tokens": row[2]}
         for (model, salt), row in metrics.tokens.items()
     ]
     instances: dict[int, int] = dict(server._instance_bytes)
@@ -255,9 +257,11 @@ def _status(server: Any, admin: bool = False) -> dict[str, Any]:
         "registered_instances": len(instances),
         "l1": metrics.l1_usage(stats),
         "lookups": tokens,
-        "requests": sum(metrics.requests.values()),
+        # one count of requests: every request the server answered (any op, ok or error), as
+        # mpcache_requests_total sums; core_sm's own "requests" (the ops it handled) is left out
+        "requests_answered": sum(metrics.requests.values()),
         "errors": dict(metrics.errors),
-        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))},
+        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, bool)) and k != "requests"},
     }
     if admin:
         answer["registrations"] = [{"instance_id": iid, "object_bytes": nbytes} for iid, nbytes in sorted(instances.items())]
@@ -286,9 +290,10 @@ class _Handler(BaseHTTPRequestHandler):
                 code, obj = self.ops.status(self.ops.is_admin(self.headers.get("Authorization")))
                 self._send(code, (json.dumps(obj, default=str, indent=1) + "\n").encode(), "application/json", send_body)
                 return
-            handler = {"/healthz": self.ops.healthz, "/readyz": self.ops.readyz}.get(path)
+            # /healthcheck: the path LMCache's tools probe, the same answer as /healthz
+            handler = {"/healthz": self.ops.healthz, "/healthcheck": self.ops.healthz, "/readyz": self.ops.readyz}.get(path)
             if handler is None:
-                self._send(404, b"not found: use /metrics, /healthz, /readyz or /status\n", "text/plain; charset=utf-8", send_body)
+                self._send(404, b"not found: use /metrics, /healthz (or /healthcheck), /readyz or /status\n", "text/plain; charset=utf-8", send_body)
                 return
             code, obj = handler()
             self._send(code, (json.dumps(obj, default=str, indent=1) + "\n").encode(), "application/json", send_body)
