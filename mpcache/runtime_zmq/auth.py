@@ -8,6 +8,11 @@
       DIR/authorized/NAME.key   public keys of the clients the server accepts
       DIR/NAME.key_secret       client NAME's key pair (give it to that client, mode 0600)
 
+  The server refuses to start (``cannot start:``) on a secret file that is a symlink, not its
+  uid's or open to group/others, on ``DIR`` or ``DIR/authorized`` not a real directory of its
+  uid, ``DIR`` writable by group/others or ``authorized`` open to them at all (0700), and on an
+  authorized key that is a symlink, another uid's or writable by group/others: each would let
+  another local user choose the keys the server trusts.
   A server started with ``--curve-dir DIR`` runs a ZAP authenticator (pyzmq's
   ``ThreadAuthenticator``, owned and joined by the server) that accepts only the public keys in
   ``DIR/authorized``; any other peer fails the handshake and the server never sees a frame from
@@ -73,24 +78,78 @@ def keygen(directory: str, client: str = "client") -> dict[str, str]:
         raise AuthError(f"{client_secret} exists: pick another client name")
     public, secret = zmq.auth.create_certificates(directory, client)
     _private(secret)
+    os.chmod(public, 0o644)  # a public key: readable, writable by this uid alone (whatever the umask)
+    if os.path.exists(server_public):
+        os.chmod(server_public, 0o644)
+    os.chmod(authorized, 0o700)
     os.replace(public, os.path.join(authorized, f"{client}.key"))
     return {"server_public": server_public, "server_secret": server_secret,
             "client_secret": client_secret, "authorized": authorized}
 
 
-def _load_secret(path: str) -> tuple[bytes, bytes]:
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise AuthError(f"cannot read {path}: {e.strerror}") from None
-    if st.st_mode & 0o077:
-        raise AuthError(f"{path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
-    import zmq.auth
+def _check_owned(path: str, st: os.stat_result, what: str) -> None:
+    if st.st_uid != os.geteuid():
+        raise AuthError(f"{what} {path} belongs to uid {st.st_uid}, not this process's {os.geteuid()}")
 
-    public, secret = zmq.auth.load_certificate(path)
+
+def _load_secret(path: str) -> tuple[bytes, bytes]:
+    """A CURVE key pair from a secret file: a regular file (a symlink is refused, never followed),
+    owned by this uid, with no group or other access."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise AuthError(f"CURVE secret {path} is a symlink: give the file itself") from None
+        raise AuthError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthError(f"CURVE secret {path} is not a regular file")
+        _check_owned(path, st, "CURVE secret")
+        if st.st_mode & 0o077:
+            raise AuthError(f"CURVE secret {path} is accessible to group or others (mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+        import zmq.auth
+
+        public, secret = zmq.auth.load_certificate(path)
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise AuthError(f"CURVE secret {path} was replaced while it was read")
+    finally:
+        os.close(fd)
     if secret is None:
         raise AuthError(f"{path} holds no secret key")
     return public, secret
+
+
+def check_authorized(directory: str) -> str:
+    """``directory/authorized`` as the server may trust it: the key directory and ``authorized``
+    are real directories of this uid that no group or other user can write (``authorized``: no
+    group/other access at all, 0700), and every ``*.key`` in it is a regular file of this uid that
+    only it can write. Anything else would let another user add a client key. Returns its path."""
+    for d, private in ((directory, False), (os.path.join(directory, AUTHORIZED), True)):
+        try:
+            st = os.lstat(d)
+        except OSError as e:
+            raise AuthError(f"cannot use {d}: {e.strerror}") from None
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise AuthError(f"{d} is not a directory (a symlink or a file): give the directory itself")
+        _check_owned(d, st, "CURVE key directory")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & (0o077 if private else 0o022):
+            raise AuthError(f"{d} is {'accessible' if private else 'writable'} by group or others (mode {mode:04o}); "
+                            f"chmod {'700' if private else 'go-w'} it")
+    authorized = os.path.join(directory, AUTHORIZED)
+    for name in sorted(os.listdir(authorized)):
+        if not name.endswith(".key"):
+            continue
+        path = os.path.join(authorized, name)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthError(f"authorized key {path} is not a regular file (a symlink?): copy the key itself")
+        _check_owned(path, st, "authorized key")
+        if st.st_mode & 0o022:
+            raise AuthError(f"authorized key {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); chmod 644 it")
+    return authorized
 
 
 class CurveServer:
@@ -98,9 +157,10 @@ class CurveServer:
     client keys. ``stop()`` joins the thread."""
 
     def __init__(self, ctx: zmq.Context[Any], directory: str) -> None:
+        self.ctx = ctx  # other sockets the server serves with these keys (KV events) live here too
+        authorized = check_authorized(directory)
         self.public, self.secret = _load_secret(os.path.join(directory, f"{SERVER_NAME}.key_secret"))
-        authorized = os.path.join(directory, AUTHORIZED)
-        if not os.path.isdir(authorized) or not any(n.endswith(".key") for n in os.listdir(authorized)):
+        if not any(n.endswith(".key") for n in os.listdir(authorized)):
             raise AuthError(f"{authorized} has no client keys: run `mpcache-server keygen {directory}`")
         # zmq.auth.thread imports asyncio (about 50 ms): only a CURVE server pays for it
         from zmq.auth.thread import ThreadAuthenticator

@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-tokens", type=cfg.positive_int, default=1 << 19,
                      help="most tokens in one key (each million costs the loop about 9 ms per lookup)")
     events = cfg.group(p, KV_EVENTS)
-    events.add_argument("--kv-events", default=None, metavar="URL", help="publish what this server holds as vLLM KV events on a ZMQ PUB socket: a wildcard URL (tcp://*:5557) is bound, another (tcp://indexer:5557) connected to; default off (docs/fleet.md)")
+    events.add_argument("--kv-events", default=None, metavar="URL", help="publish what this server holds as vLLM KV events on a ZMQ PUB socket: a wildcard URL (tcp://*:5557) or bind:URL (bind:tcp://127.0.0.1:5557: loopback only) is bound, another (tcp://indexer:5557) connected to; default off (docs/fleet.md)")
     events.add_argument("--kv-events-replay", default=None, metavar="URL", help="serve replays of the last 10,000 KV-event batches on a ZMQ ROUTER bound at URL; default off")
+    events.add_argument("--kv-events-tokens", action=argparse.BooleanOptionalAction, default=False, help="put token ids, the LoRA name and cache salts (tenant secrets) in BlockStored, as llm-d's indexer needs; default: chunk hashes only")
     events.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="topic frame of every KV-event message, e.g. kv@POD_IP@MODEL for llm-d's indexer")
     trace = cfg.group(p, TRACE)
     trace.add_argument("--trace", default=None, metavar="FILE", help="record the core_sm event stream to FILE (JSON lines; replay it with mpcache-sim replay-trace FILE); default off")
@@ -223,6 +224,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,
+        kv_events_tokens=args.kv_events_tokens,
         curve_dir=args.curve_dir,
         ipc_group=args.ipc_group,
         admin_token_file=args.admin_token_file,

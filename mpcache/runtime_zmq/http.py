@@ -1,7 +1,8 @@
-"""The server's HTTP side: ``/metrics``, ``/healthz``, ``/readyz``, ``/status``; 404 elsewhere.
+"""The server's HTTP side: ``/metrics``, ``/healthz`` (alias ``/healthcheck``), ``/readyz``, ``/status``; 404 elsewhere.
 
 Stdlib ``ThreadingHTTPServer`` (no HTTP parsing of our own) on ``--metrics-host:--metrics-port``,
-served from one thread that ``close()`` joins. Nothing here touches the loop's state directly:
+served from one thread that ``close()`` joins, with one thread per connection up to
+``MAX_CONNECTIONS`` (a connection beyond it is answered 503 and closed, costing no thread). Nothing here touches the loop's state directly:
 checks that need it are posted to the loop as a ``LoopCall`` through the completion channel and
 waited for with a bound, so a wedged loop answers 503 instead of hanging the probe, and a flood
 of probes costs the loop at most one call at a time (concurrent probes share the lock and wait).
@@ -9,12 +10,17 @@ of probes costs the loop at most one call at a time (concurrent probes share the
 * ``/healthz`` — 200 when the process is alive and the loop ran a posted call within
   ``PROBE_TIMEOUT`` (also while stopping: a liveness probe must not kill a draining server);
   503 otherwise. Body: JSON with ``status``, ``version``, ``epoch``, ``uptime_s``.
+* ``/healthcheck`` — the same as ``/healthz``, under the path LMCache's tools probe.
 * ``/readyz`` — 200 when the server takes traffic: the loop is serving (not starting, not
   stopping), core_sm answers its stats, L1 is usable (the mapped segment reads; before it exists,
   its directory has room for one slot), and with ``--l2-require`` every L2 tier answers a
   ``contains`` within ``PROBE_TIMEOUT``. 503 otherwise, with the failed checks in the body.
-* ``/status`` — JSON: version, epoch, url, effective config (no passwords), registrations, L1 and
-  L2 use, lookup totals.
+* ``/status`` — JSON: version, epoch, url, effective config (no passwords), how many instances
+  are registered, L1 and L2 use, lookup totals (by model and ``cache_salt_hash``, never a salt),
+  ``requests_answered`` (every request answered, any op).
+  The registered instance ids are listed only for a request that carries the admin token
+  (``Authorization: Bearer <token of --admin-token-file>``, compared in constant time): an id is
+  what a client presents as its own, so the page nobody authenticates must not hand them out.
 * ``/metrics`` — the Prometheus exposition (OpenMetrics when the scraper asks for it).
 """
 
@@ -40,13 +46,54 @@ log = logging.getLogger("mpcache.http")
 
 PROBE_TIMEOUT = 2.0
 _READYZ_KEY = b"mpcache:readyz-probe"
+# Connections served at once (one thread each). Beyond it a connection gets a bare 503 and is
+# closed at once, so a client opening connections without end costs no thread and no memory.
+# Prometheus and the kubelet's probes need a handful; an idle connection holds its slot for at
+# most ``_Handler.timeout`` per read.
+MAX_CONNECTIONS = 32
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with at most ``max_connections`` connection threads."""
+
+    daemon_threads = True
+    request_queue_size = 128  # listen backlog: a burst past the cap is answered, not left in SYN retries
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused_connections = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused_connections += 1
+            try:
+                request.settimeout(0.2)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class OpsHttpServer:
     """Binds at construction (a busy port raises ``RuntimeError`` with the reason), serves from a
     daemon thread, ``close()`` stops and joins it."""
 
-    def __init__(self, server: Any, host: str, port: int, *, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, server: Any, host: str, port: int, *, metrics: ServerMetrics | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.server = server
         self.metrics = metrics if metrics is not None else server.metrics
         self._probe_lock = threading.Lock()
@@ -54,12 +101,11 @@ class OpsHttpServer:
         self._l2_pending: Any = None
         handler = type("Handler", (_Handler,), {"ops": self})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = _BoundedHTTPServer((host, port), handler, max_connections)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise RuntimeError(f"HTTP port {host}:{port} is in use (--metrics-port; 0 picks a free one, --no-metrics turns it off)") from None
             raise RuntimeError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
-        self.httpd.daemon_threads = True
         bound_host, bound_port = self.httpd.server_address[:2]
         self.url = f"http://{bound_host!s}:{bound_port}"
         self.port = int(bound_port)
@@ -150,8 +196,16 @@ class OpsHttpServer:
         except FutureTimeout:
             return {"l2": f"no answer from L2 within {PROBE_TIMEOUT:g} s"}
 
-    def status(self) -> tuple[int, dict[str, Any]]:
-        ok, answer = self.on_loop(_status)
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization: Bearer <token>`` header carries the server's admin token."""
+        from mpcache.runtime_zmq.auth import admin_ok
+
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        return admin_ok(getattr(self.server, "admin_token", None), authorization[len("Bearer "):].strip())
+
+    def status(self, admin: bool = False) -> tuple[int, dict[str, Any]]:
+        ok, answer = self.on_loop(lambda server: _status(server, admin))
         if not ok:
             return 503, {"error": str(answer), "version": version()}
         answer["config"] = self.metrics.config
@@ -185,29 +239,33 @@ def _loop_checks(server: Any) -> dict[str, str]:
     return checks
 
 
-def _status(server: Any) -> dict[str, Any]:
-    """On the loop thread: a JSON-able snapshot."""
+def _status(server: Any, admin: bool = False) -> dict[str, Any]:
+    """On the loop thread: a JSON-able snapshot (instance ids only for ``admin``)."""
     stats = server.stats()
     metrics = server.metrics
     tokens = [
-        {"model": model, "cache_salt": salt, "lookups": row[0], "requested_tokens": row[1], "hit_tokens": row[2]}
+        {"model_name": model, "cache_salt_hash": salt, "lookups": row[0], "requested_tokens": row[1], "hit_tokens": row[2]}
         for (model, salt), row in metrics.tokens.items()
     ]
-    return {
+    instances: dict[int, int] = dict(server._instance_bytes)
+    answer: dict[str, Any] = {
         "version": version(),
         "epoch": server.epoch,
         "pid": os.getpid(),
         "uptime_s": round(time.time() - server._started, 3),
         "url": server.bound_url,
-        "registrations": [
-            {"instance_id": iid, "object_bytes": nbytes} for iid, nbytes in sorted(server._instance_bytes.items())
-        ],
+        "registered_instances": len(instances),
         "l1": metrics.l1_usage(stats),
         "lookups": tokens,
-        "requests": sum(metrics.requests.values()),
+        # one count of requests: every request the server answered (any op, ok or error), as
+        # mpcache_requests_total sums; core_sm's own "requests" (the ops it handled) is left out
+        "requests_answered": sum(metrics.requests.values()),
         "errors": dict(metrics.errors),
-        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, bool))},
+        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, bool)) and k != "requests"},
     }
+    if admin:
+        answer["registrations"] = [{"instance_id": iid, "object_bytes": nbytes} for iid, nbytes in sorted(instances.items())]
+    return answer
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -228,9 +286,14 @@ class _Handler(BaseHTTPRequestHandler):
                 body, ctype = self.ops.metrics_body(self.headers.get("Accept", ""))
                 self._send(200, body, ctype, send_body)
                 return
-            handler = {"/healthz": self.ops.healthz, "/readyz": self.ops.readyz, "/status": self.ops.status}.get(path)
+            if path == "/status":
+                code, obj = self.ops.status(self.ops.is_admin(self.headers.get("Authorization")))
+                self._send(code, (json.dumps(obj, default=str, indent=1) + "\n").encode(), "application/json", send_body)
+                return
+            # /healthcheck: the path LMCache's tools probe, the same answer as /healthz
+            handler = {"/healthz": self.ops.healthz, "/healthcheck": self.ops.healthz, "/readyz": self.ops.readyz}.get(path)
             if handler is None:
-                self._send(404, b"not found: use /metrics, /healthz, /readyz or /status\n", "text/plain; charset=utf-8", send_body)
+                self._send(404, b"not found: use /metrics, /healthz (or /healthcheck), /readyz or /status\n", "text/plain; charset=utf-8", send_body)
                 return
             code, obj = handler()
             self._send(code, (json.dumps(obj, default=str, indent=1) + "\n").encode(), "application/json", send_body)

@@ -5,14 +5,23 @@ The facts come from core_sm (``ChunksStored`` / ``ChunksRemoved`` / ``AllChunksC
 ``ZmqEventPublisher`` does:
 
 * **PUB** on ``endpoint`` (bound when it is a wildcard such as ``tcp://*:5557``, ipc or
-  inproc; connected otherwise, to a subscriber that bound it -- vLLM's rule): multipart ``[topic, seq (8 bytes big-endian), payload]``, payload =
+  inproc, or when written ``bind:URL`` -- ``bind:tcp://127.0.0.1:5557`` listens on loopback only;
+  connected otherwise, to a subscriber that bound it -- vLLM's rule): multipart ``[topic, seq (8 bytes big-endian), payload]``, payload =
   msgpack of ``KVEventBatch`` (``[ts, [event, ...], nil]``; each event a map tagged
   ``"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"``, fields as vLLM's
   ``vllm.distributed.kv_events`` classes, defaults omitted). ``BlockStored``: a contiguous run of
-  chunk hashes (32-byte bin), the parent hash, the run's token ids, ``block_size`` = the chunk
-  size, ``medium`` ``CPU`` (L1) or ``STORAGE`` (L2), ``lora_name`` and per-block ``extra_keys``
-  (LoRA name, the cache salt on a request's first chunk, the hex digest of a chunk's multimodal
-  / prompt-embedding keys) where present.
+  chunk hashes (32-byte bin), the parent hash, ``block_size`` = the chunk size, ``medium``
+  ``CPU`` (L1) or ``STORAGE`` (L2), and an empty ``token_ids``.
+* **Tenant data only when asked** (``private=True``, ``--kv-events-tokens``): the run's token ids
+  (a prompt), ``lora_name`` and per-block ``extra_keys`` (LoRA name, the cache salt -- a tenant's
+  isolation secret in vLLM -- on a request's first chunk, the hex digest of a chunk's multimodal
+  / prompt-embedding keys). By default none of them leaves the process: the chunk hashes already
+  differ per salt, adapter and image (they are keyed by all of them), so a consumer that tracks
+  hashes (what a pod holds, per medium, and what it dropped) loses nothing; one that re-hashes
+  token ids (llm-d's indexer) needs the option.
+* **CURVE**: given the server's ``CurveServer``, both sockets are CURVE servers on its context,
+  so its ZAP handler admits only the authorized client keys (a subscriber and a replay client
+  present one, as an engine does); a peer without one gets nothing.
 * **Replay** on ``replay_endpoint`` (ROUTER): a DEALER sends ``[b"", start_seq (8 bytes)]`` and
   gets every buffered batch with ``seq >= start_seq`` as ``[b"", topic, seq, payload]``, then
   ``[b"", b"", -1 (8 bytes, signed), b""]``. The buffer keeps the last ``buffer_batches``.
@@ -50,10 +59,15 @@ MEDIUM = {fx.Medium.L1: "CPU", fx.Medium.L2: "STORAGE"}
 _CLEARED: dict[str, Any] = {"type": "AllBlocksCleared"}
 
 
+BIND_PREFIX = "bind:"
+
+
 def is_bind_endpoint(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard (``tcp://*:5557``), IPv6-any, ipc or inproc endpoint;
-    connect to any other (a subscriber that bound it)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    connect to any other (a subscriber that bound it). ``bind:URL`` always binds URL (an
+    interface of the operator's choice, e.g. ``bind:tcp://127.0.0.1:5557``)."""
+    return (endpoint.startswith(BIND_PREFIX) or "*" in endpoint or "::" in endpoint
+            or endpoint.startswith(("ipc://", "inproc://")))
 
 
 def _runs(chunks: Iterable[fx.StoredChunk]) -> list[list[fx.StoredChunk]]:
@@ -69,8 +83,9 @@ def _runs(chunks: Iterable[fx.StoredChunk]) -> list[list[fx.StoredChunk]]:
     return runs
 
 
-def to_vllm_events(effect: object, chunk_size: int) -> list[dict[str, Any]]:
-    """vLLM KV events (as msgpack-ready maps) for one core_sm effect (``[]`` for others)."""
+def to_vllm_events(effect: object, chunk_size: int, private: bool = False) -> list[dict[str, Any]]:
+    """vLLM KV events (as msgpack-ready maps) for one core_sm effect (``[]`` for others).
+    ``private``: keep token ids, LoRA name and ``extra_keys`` (salt) in ``BlockStored``."""
     if isinstance(effect, fx.AllChunksCleared):
         return [dict(_CLEARED)]
     if isinstance(effect, fx.ChunksRemoved):
@@ -80,6 +95,17 @@ def to_vllm_events(effect: object, chunk_size: int) -> list[dict[str, Any]]:
     out = []
     for run in _runs(effect.chunks):
         first = run[0]
+        if not private:
+            out.append({
+                "type": "BlockStored",
+                "block_hashes": [chunk.chunk_hash for chunk in run],
+                "parent_block_hash": first.parent_hash,
+                "token_ids": [],
+                "block_size": chunk_size,
+                "lora_id": None,
+                "medium": MEDIUM[effect.medium],
+            })
+            continue
         lora = identity_fields(first.identity).get("lora") or None
         tokens: list[int] = []
         extra_keys: list[tuple[Any, ...] | None] = []
@@ -123,22 +149,29 @@ class KvEventPublisher:
         chunk_size: int,
         replay_endpoint: str | None = None,
         topic: str = "",
+        private: bool = False,
+        curve: Any = None,
         buffer_batches: int = 10_000,
         max_queue: int = 10_000,
         hwm: int = 100_000,
         clock: Any = time.time,
     ) -> None:
         self.chunk_size = chunk_size
+        self.private = private
         self._topic = topic.encode("utf-8")
         self._clock = clock
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        # with CURVE, the server's context: its ZAP handler is the one that checks client keys
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = curve.ctx if curve is not None else zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket[bytes] | None = None
+        if curve is not None:
+            curve.apply(self._pub)
+        self.curve = curve is not None
         try:
             if is_bind_endpoint(endpoint):
-                self._pub.bind(endpoint)
+                self._pub.bind(endpoint.removeprefix(BIND_PREFIX))
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:  # a central subscriber (llm-d's indexer) bound it: connect, as vLLM does
                 self._pub.connect(endpoint)
@@ -147,7 +180,9 @@ class KvEventPublisher:
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(replay_endpoint)
+                if curve is not None:
+                    curve.apply(self._replay)
+                self._replay.bind(replay_endpoint.removeprefix(BIND_PREFIX))
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
             self._pub.close(0)
@@ -169,7 +204,7 @@ class KvEventPublisher:
     def publish(self, effects: Iterable[object]) -> None:
         events: list[dict[str, Any]] = []
         for effect in effects:
-            events.extend(to_vllm_events(effect, self.chunk_size))
+            events.extend(to_vllm_events(effect, self.chunk_size, self.private))
         if not events:
             return
         try:

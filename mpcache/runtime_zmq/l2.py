@@ -51,15 +51,19 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import logging
 import os
 import re
 import stat
 import struct
 import threading
+import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger("mpcache.l2")
 
 __all__ = [
     "L2Error",
@@ -249,6 +253,12 @@ class DiskTier:
         self._bytes = 0
         self._tmp_seq = itertools.count()
         self._closed = False
+        # files whose header or stored key is not what a read expects (damaged, foreign, or
+        # planted under a computed name): counted by reason, logged at most once per interval
+        self.rejected: dict[str, int] = {"header": 0, "key": 0}
+        self._rejects_pending: dict[str, int] = {}
+        self._rejects_logged_at = -1e18
+        self.reject_log_interval_s = 30.0
         self._prepare_root()
         self._tmp_dir = os.path.join(self._root, ".tmp")
         self._lock_fd = self._take_ownership()
@@ -292,7 +302,8 @@ class DiskTier:
         """``bytes`` and ``objects`` held (from the index: no I/O), for metrics."""
         with self._lock:
             return {"bytes": self._bytes, "objects": len(self._index),
-                    "max_bytes": self._max_bytes if self._max_bytes is not None else -1}
+                    "max_bytes": self._max_bytes if self._max_bytes is not None else -1,
+                    "rejected_header": self.rejected["header"], "rejected_key": self.rejected["key"]}
 
     def read(self, key: bytes) -> bytes | None:
         self._check_open()
@@ -312,8 +323,9 @@ class DiskTier:
         except OSError as e:
             raise L2Error(f"{self.name}: reading {path}: {e}") from e
         value = self._decode(key, blob)
-        if value is None:
+        if isinstance(value, str):
             # A damaged or foreign file: drop it so the slot is reusable and the next read is quick.
+            self._note_rejection(value, path)
             self._remove_damaged(name, path, inode)
             return None
         with self._lock:
@@ -507,15 +519,31 @@ class DiskTier:
         sub = hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
         return os.path.join(self._root, sub, name)
 
+    def _note_rejection(self, reason: str, path: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.rejected[reason] += 1
+            self._rejects_pending[reason] = self._rejects_pending.get(reason, 0) + 1
+            if now - self._rejects_logged_at < self.reject_log_interval_s:
+                return
+            self._rejects_logged_at = now
+            summary = ", ".join(f"{n} {r}" for r, n in sorted(self._rejects_pending.items()))
+            self._rejects_pending.clear()
+        log.warning("L2 %s: rejected files (bad header or another key; served as misses and deleted): %s; "
+                    "latest %s (next report in %.0f s at most)", self.name, summary, path, self.reject_log_interval_s)
+
     @staticmethod
-    def _decode(key: bytes, blob: bytes) -> bytes | None:
+    def _decode(key: bytes, blob: bytes) -> bytes | str:
+        """The value in ``blob``, or why it is refused: ``"header"`` (no magic, or lengths that
+        disagree with the file's size: cut short, appended to, foreign), ``"key"`` (another key's
+        object: a name collision, or a file planted under the name)."""
         if len(blob) < _HEADER.size:
-            return None
+            return "header"
         magic, key_len, data_len = _HEADER.unpack_from(blob)
         if magic != _MAGIC or len(blob) != _HEADER.size + key_len + data_len:
-            return None
+            return "header"
         if blob[_HEADER.size:_HEADER.size + key_len] != key:
-            return None
+            return "key"
         return blob[_HEADER.size + key_len:]
 
 

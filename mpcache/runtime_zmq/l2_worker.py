@@ -495,16 +495,23 @@ class L2Worker:
                     (k, slot), n = effect.items[i], sizes[i]
                     key = storage_key(k)
                     sealed.append((key, self._sealer.seal(key, self.pool.view(slot, n))))
+            batch_ok = True
             for tier in self._tiers:
                 if job.done:
                     return job.failed
                 if not self._allowed(tier):
                     self._count("l2_writes_skipped")
-                    ok = False
+                    batch_ok = False
                     continue
                 done, _ = self._call(job, tier, lambda: _write_many(tier.tier, sealed), "write")
-                ok = ok and done
-            self.writes += len(sealed)
+                batch_ok = batch_ok and done
+            ok = ok and batch_ok
+            # l2_writes: objects every tier took; the others are l2_writes_failed
+            if batch_ok:
+                self.writes += len(sealed)
+            else:
+                with self._lock:
+                    self.counts["l2_writes_failed"] += len(sealed)
         return L2WriteFinished(effect.write_id, ok)
 
     # -- observability and shutdown ----------------------------------------------------------
@@ -519,12 +526,22 @@ class L2Worker:
             "l2_errors": self.errors,
             "l2_tiers_open": sum(t.breaker.state is not BreakerState.CLOSED for t in self._tiers),
         }
-        for name in ("l2_writes_dropped", "l2_reads_refused", "l2_probes_refused", "l2_deadline_expired",
+        for name in ("l2_writes_failed", "l2_writes_dropped", "l2_reads_refused", "l2_probes_refused", "l2_deadline_expired",
                      "l2_breaker_opened", "l2_tier_skipped", "l2_writes_skipped", "l2_rejected"):
             out[name] = self.counts.get(name, 0)
         for name, n in self.counts.items():
             if name.startswith("l2_rejected_"):
                 out[name] = n
+        # files a tier refused before the seal is checked (the disk tier's header and key checks)
+        for reason in ("header", "key"):
+            out[f"l2_tier_rejected_{reason}"] = 0
+        for t in self._tiers:
+            rejected = getattr(t.tier, "rejected", None)  # a plain dict: no lock, no I/O on the loop
+            if isinstance(rejected, dict):
+                for reason in ("header", "key"):
+                    count = rejected.get(reason)
+                    if isinstance(count, int):
+                        out[f"l2_tier_rejected_{reason}"] += count
         return out
 
     def tier_states(self) -> list[dict[str, Any]]:

@@ -9,8 +9,14 @@ are read without a lock, a scrape may be one request stale).
 Names follow Prometheus conventions: counters end in ``_total``, sizes in ``_bytes``, latencies
 are ``_seconds`` histograms. ``METRICS`` below is the list of every family this module exposes;
 docs/metrics.md is generated from it (``python -m mpcache.runtime_zmq.metrics``) and a test checks that
-a live exposition contains exactly these names. Labels are bounded: ``model`` / ``cache_salt``
+a live exposition contains exactly these names (plus prometheus-client's standard ``process_*`` and
+``python_*`` collectors). Labels are bounded: ``model_name`` / ``cache_salt_hash``
 take their first ``LABEL_BUDGET`` distinct pairs, later ones are counted under ``other``.
+
+**No tenant secret in a label.** vLLM's ``cache_salt`` is a tenant's isolation secret, and
+``/metrics`` is unauthenticated: a salt is shown as ``cache_salt_hash``, a keyed BLAKE2b of it
+(16 hex digits; the key is derived from the server's chunk-chain key, so servers sharing one label
+a tenant alike and nobody without the key can test a guessed salt against a label). No salt: ``""``.
 
 Hooks the server loop calls (all on the loop thread, each a few dict operations):
 ``on_request`` / ``on_reply`` / ``on_error`` per request, ``started`` per L2 or transfer effect,
@@ -21,7 +27,9 @@ Hooks the server loop calls (all on the loop thread, each a few dict operations)
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,9 +59,9 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("mpcache_requests_total", "counter", ("op", "outcome"), "Requests answered, by wire op and outcome (ok, error)"),
     ("mpcache_errors_total", "counter", ("kind",), "Error replies, by error kind (validation, not_registered, internal, ...)"),
     ("mpcache_request_latency_seconds", "histogram", ("op",), "Receive-to-reply time of a request, by op"),
-    ("mpcache_lookups_total", "counter", ("model", "cache_salt"), "Lookups acknowledged"),
-    ("mpcache_lookup_requested_tokens_total", "counter", ("model", "cache_salt"), "Tokens asked for by lookups (chunk-aligned prefix)"),
-    ("mpcache_lookup_hit_tokens_total", "counter", ("model", "cache_salt"), "Tokens found by lookups (L1 or L2), counted once per lookup when its status is first delivered"),
+    ("mpcache_lookups_total", "counter", ("model_name", "cache_salt_hash"), "Lookups acknowledged"),
+    ("mpcache_lookup_requested_tokens_total", "counter", ("model_name", "cache_salt_hash"), "Tokens asked for by lookups (chunk-aligned prefix)"),
+    ("mpcache_lookup_hit_tokens_total", "counter", ("model_name", "cache_salt_hash"), "Tokens found by lookups (L1 or L2), counted once per lookup when its status is first delivered"),
     ("mpcache_stores_total", "counter", ("outcome",), "STORE / COMMIT_STORE requests answered, by outcome"),
     ("mpcache_l1_capacity_bytes", "gauge", (), "L1 size: slots times slot size"),
     ("mpcache_l1_used_bytes", "gauge", (), "L1 bytes in slots that hold an object or are being written"),
@@ -73,9 +81,17 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("mpcache_malformed_messages_total", "counter", (), "Messages that could not be attributed to a request (not answered)"),
     ("mpcache_dropped_replies_total", "counter", (), "Replies the peer was gone for, or not reading"),
     ("mpcache_block_allocation_reports_total", "counter", (), "Block allocation records reported by engines"),
-    ("mpcache_sm", "counter", ("counter",), "Every other core_sm counter, by name (mpcache_sm_total{counter=...})"),
-    ("mpcache_state", "gauge", ("name",), "Live sizes of core_sm and runtime tables (jobs, tombstones, leases, in-flight work)"),
+    ("mpcache_sm", "counter", ("counter",), "Every other core_sm and runtime counter, by name (mpcache_sm_total{counter=...}); none that a family above already shows"),
+    ("mpcache_state", "gauge", ("name",), "Live sizes of core_sm and runtime tables (jobs, tombstones, in-flight work); none that a family above already shows"),
 )
+# prometheus-client's standard collectors, registered beside ours (docs/metrics.md lists them)
+STANDARD_FAMILIES = ("process_", "python_")
+
+# stats that a first-class family above already exposes: left out of mpcache_sm / mpcache_state
+_FIRST_CLASS_STATS = frozenset({
+    "objects", "evictions", "leases_held", "instances", "l1_num_slots", "l1_slot_bytes", "free_slots",
+    "malformed", "dropped_replies", "block_allocation_records", "l2_reads", "l2_read_hits",
+})
 _NAMES = {name for name, *_ in METRICS}
 
 # What MPCacheConnector adds to vLLM's own /metrics (runtime_zmq/vllm_stats.py builds them; kept
@@ -155,7 +171,9 @@ class ServerMetrics(Collector):
             "l2_hits": 0,
         }
         self._stats = stats
-        # per (model, cache_salt): [lookups, requested tokens, hit tokens]
+        # keys the salt labels: random until attach() derives it from the server's chunk key
+        self._salt_key = os.urandom(32)
+        # per (model, cache_salt_hash): [lookups, requested tokens, hit tokens]
         self.tokens: dict[tuple[str, str], list[int]] = {}
         self.stores: dict[str, int] = {}
         self.l2_ops: dict[tuple[str, str], int] = {}
@@ -181,12 +199,21 @@ class ServerMetrics(Collector):
         self._summary_base: dict[str, int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        # what every Prometheus exporter has (process_resident_memory_bytes, python_gc_*, ...), so
+        # dashboards built for other exporters join on them
+        from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(standard)
 
     def attach(self, server: Any, config: dict[str, Any], repeats: Any = None,
                summary_interval: float = 30.0, require_l2: bool = False) -> None:
         """Give the hooks the server (for gauges, /status and the summary line)."""
         self._server = server
         self.chunk_size = server.config.chunk_size
+        chain_key = getattr(getattr(getattr(server, "machine", None), "config", None), "chain_key", None)
+        if isinstance(chain_key, bytes) and chain_key and not self.tokens:
+            self._salt_key = hashlib.blake2b(b"mpcache-metrics-cache-salt-label", key=chain_key[:64]).digest()
         job_ttl = getattr(server.config, "job_ttl", 60.0)
         self._generation_s = max(0.1, float(job_ttl) / _LABEL_GENERATIONS)
         self.config = config
@@ -209,8 +236,14 @@ class ServerMetrics(Collector):
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
+    def salt_label(self, salt: Any) -> str:
+        """What stands for ``salt`` in labels and ``/status``: ``""`` for none, else its keyed hash."""
+        if not salt:
+            return ""
+        return hashlib.blake2b(str(salt).encode("utf-8", "surrogatepass"), key=self._salt_key, digest_size=8).hexdigest()
+
     def _label(self, model: Any, salt: Any) -> tuple[str, str]:
-        label = (str(model)[:_LABEL_CHARS], str(salt)[:_LABEL_CHARS])
+        label = (str(model)[:_LABEL_CHARS], self.salt_label(salt))
         if label in self.tokens or len(self.tokens) < LABEL_BUDGET:
             return label
         return OTHER
@@ -454,9 +487,9 @@ class ServerMetrics(Collector):
             err.add_metric([kind], n)
         yield err
         yield _histogram("mpcache_request_latency_seconds", "op", self.latency)
-        lookups = CounterMetricFamily("mpcache_lookups", _help("mpcache_lookups_total"), labels=["model", "cache_salt"])
-        requested = CounterMetricFamily("mpcache_lookup_requested_tokens", _help("mpcache_lookup_requested_tokens_total"), labels=["model", "cache_salt"])
-        hit = CounterMetricFamily("mpcache_lookup_hit_tokens", _help("mpcache_lookup_hit_tokens_total"), labels=["model", "cache_salt"])
+        lookups = CounterMetricFamily("mpcache_lookups", _help("mpcache_lookups_total"), labels=["model_name", "cache_salt_hash"])
+        requested = CounterMetricFamily("mpcache_lookup_requested_tokens", _help("mpcache_lookup_requested_tokens_total"), labels=["model_name", "cache_salt_hash"])
+        hit = CounterMetricFamily("mpcache_lookup_hit_tokens", _help("mpcache_lookup_hit_tokens_total"), labels=["model_name", "cache_salt_hash"])
         for label, row in list(self.tokens.items()):
             lookups.add_metric(list(label), row[0])
             requested.add_metric(list(label), row[1])
@@ -511,7 +544,7 @@ class ServerMetrics(Collector):
         for name, value in sorted(stats.items()):
             if isinstance(value, bool):
                 value = int(value)
-            if not isinstance(value, (int, float)):
+            if not isinstance(value, (int, float)) or name in _FIRST_CLASS_STATS:
                 continue
             (state if _is_gauge(name) else sm).add_metric([name], value)
         yield sm
@@ -546,10 +579,16 @@ def render_markdown() -> str:
         "",
         "`mpcache-server` serves these on `http://<--metrics-host>:<--metrics-port>/metrics` (default",
         "`127.0.0.1:9555`; `--metrics-host 0.0.0.0` for a pod Prometheus scrapes). Counters end in",
-        "`_total`, sizes are `_bytes`, latencies `_seconds` histograms. `model` / `cache_salt`",
-        f"labels take the first {LABEL_BUDGET} distinct pairs (64 characters each); later pairs are",
-        "counted under `model=\"other\", cache_salt=\"other\"`, so a client cannot grow the series",
-        "without bound. Labelled series appear after their first event.",
+        "`_total`, sizes are `_bytes`, latencies `_seconds` histograms. `model_name` (vLLM's and",
+        f"LMCache's name for it) / `cache_salt_hash` labels take the first {LABEL_BUDGET} distinct pairs (64",
+        "characters each); later pairs are counted under `model_name=\"other\", cache_salt_hash=\"other\"`,",
+        "so a client cannot grow the series without bound. Labelled series appear after their first",
+        "event.",
+        "",
+        "A request's `cache_salt` is its tenant's isolation secret in vLLM, and `/metrics` needs no",
+        "credentials: it never appears. `cache_salt_hash` is a keyed hash of it (16 hex digits, `\"\"` for",
+        "no salt), keyed from the server's chunk key: servers that share a chunk key (`--chunk-key-file`,",
+        "or one L2 secret) label a tenant alike, and a label does not let anyone test a guessed salt.",
         "",
         "Hit rate: `rate(mpcache_lookup_hit_tokens_total[5m]) / rate(mpcache_lookup_requested_tokens_total[5m])`.",
         "",
@@ -559,6 +598,12 @@ def render_markdown() -> str:
     for name, typ, labels, text in METRICS:
         shown = name + ("_total" if typ == "counter" and not name.endswith("_total") else "")
         lines.append(f"| `{shown}` | {typ} | {', '.join(f'`{x}`' for x in labels) or '—'} | {text} |")
+    lines += [
+        "",
+        "Beside these, prometheus-client's standard collectors: `process_*` (CPU seconds, resident and",
+        "virtual memory, open file descriptors, start time) and `python_*` (`python_info`, garbage",
+        "collector counts), as every Python exporter serves them.",
+    ]
     lines += [
         "",
         "## In vLLM's /metrics",

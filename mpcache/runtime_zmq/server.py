@@ -110,6 +110,7 @@ class ServerConfig:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = ""
+    kv_events_tokens: bool = False  # token ids, LoRA name and salts in BlockStored (kv_events.py)
     # store a chunk only once lookups asked for it this many times (core_sm.admission; 0: all)
     store_threshold: int = 0
     # record the core_sm event stream (runtime_zmq.trace_writer): file, keep token ids, size cap
@@ -346,7 +347,7 @@ class Server:
 
             self.kv_events = KvEventPublisher(
                 config.kv_events, chunk_size=config.chunk_size, replay_endpoint=config.kv_events_replay,
-                topic=config.kv_events_topic,
+                topic=config.kv_events_topic, private=config.kv_events_tokens, curve=self.authenticator,
             )
             log.info("KV events on %s (replay %s, first seq %d)", self.kv_events.endpoint,
                      self.kv_events.replay_endpoint, self.kv_events.first_seq)

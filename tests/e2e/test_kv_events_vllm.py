@@ -50,3 +50,14 @@ def test_vllm_decodes_stored_removed_cleared(start_server: Callable[..., Any]) -
     assert all(e.medium == kv_events.MEDIUM_CPU for e in removed)
     assert isinstance(events[-1], kv_events.AllBlocksCleared)
     assert events.index(removed[0]) < len(events) - 1
+
+
+def test_vllm_decodes_the_default_hashes_only_stream(start_server: Callable[..., Any]) -> None:
+    # without --kv-events-tokens: no token ids, LoRA name or salt, and still vLLM's KVEventBatch
+    s = run_scenario(start_server, tokens=False)
+    decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+    events = [e for _topic, _seq, payload in s["replay"] for e in decoder.decode(payload).events]
+    stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
+    assert stored[0].block_hashes == list(s["a"]) and stored[1].block_hashes == list(s["b"])
+    assert all(e.token_ids == [] and e.lora_name is None and e.extra_keys is None for e in stored)
+    assert isinstance(events[0], kv_events.AllBlocksCleared) and isinstance(events[-1], kv_events.AllBlocksCleared)

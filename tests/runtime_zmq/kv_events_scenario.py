@@ -106,7 +106,8 @@ def replay(url: str, start_seq: int, timeout: float = 10.0) -> list[list[bytes]]
         dealer.close(0)
 
 
-def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny") -> dict[str, Any]:
+def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny", tokens: bool = True) -> dict[str, Any]:
+    """``tokens``: run the server with ``--kv-events-tokens`` (token ids, LoRA and salt in events)."""
     # As llm-d's central indexer: the subscriber binds, the server's PUB connects to it.
     sub = Subscriber()
     pub = sub.endpoint
@@ -123,7 +124,8 @@ def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny
         f.write(chain_key.hex())
     server = start_server("--chunk-size", str(CHUNK), "--l1-size-gb", str(4 / 1024), "--slot-mb", "1",
                           "--kv-events", pub, "--kv-events-replay", rep, "--kv-events-topic", topic,
-                          "--admin-token-file", token_file, "--chunk-key-file", key_file)
+                          "--admin-token-file", token_file, "--chunk-key-file", key_file,
+                          *(["--kv-events-tokens"] if tokens else []))
     time.sleep(0.3)  # PUB/SUB joining: what was sent before is fetched by replay below
     engine = Engine([server.url])
     try:

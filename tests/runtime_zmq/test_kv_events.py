@@ -67,10 +67,124 @@ def test_translation_splits_runs_and_maps_media() -> None:
     c0 = StoredChunk(b"h0", None, TokenIds([1, 2]))
     c1 = StoredChunk(b"h1", b"h0", TokenIds([3, 4]))
     c3 = StoredChunk(b"h3", b"h2", TokenIds([7, 8]), chunk_extra=b"\x01")
-    (run1, run2) = to_vllm_events(ChunksStored(Medium.L2, (c0, c1, c3)), 2)
+    (run1, run2) = to_vllm_events(ChunksStored(Medium.L2, (c0, c1, c3)), 2, private=True)
     assert run1["block_hashes"] == [b"h0", b"h1"] and run1["token_ids"] == [1, 2, 3, 4] and run1["medium"] == "STORAGE"
     assert run2["parent_block_hash"] == b"h2" and run2["extra_keys"] == [("01",)]
+    (bare1, bare2) = to_vllm_events(ChunksStored(Medium.L2, (c0, c1, c3)), 2)  # the default
+    assert bare1["block_hashes"] == [b"h0", b"h1"] and bare1["token_ids"] == [] and bare1["medium"] == "STORAGE"
+    assert bare2["parent_block_hash"] == b"h2" and "extra_keys" not in bare2
     assert to_vllm_events(ChunksRemoved(Medium.L1, (b"h0",)), 2) == [
         {"type": "BlockRemoved", "block_hashes": [b"h0"], "medium": "CPU"}]
     assert to_vllm_events(AllChunksCleared(), 2) == [{"type": "AllBlocksCleared"}]
     assert to_vllm_events(object(), 2) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile finding 5: the events hand no prompt, salt or LoRA name to a subscriber by default, can
+# listen on loopback alone, and run under the server's CURVE keys.
+
+
+def test_default_events_carry_hashes_but_no_tokens_salt_or_lora(start_server: Callable[..., Any]) -> None:
+    s = run_scenario(start_server, tokens=False)
+    replayed = events(s["replay"])
+    stored = [e for e in replayed if e["type"] == "BlockStored"]
+    assert stored[0]["block_hashes"] == list(s["a"]) and stored[1]["block_hashes"] == list(s["b"])
+    assert stored[0]["parent_block_hash"] is None and stored[0]["block_size"] == CHUNK
+    for e in stored:
+        assert e["token_ids"] == [] and "extra_keys" not in e and "lora_name" not in e
+    raw = b"".join(f[2] for f in s["replay"] + s["live"])
+    assert b"tenant-1" not in raw and b"tenant-lora" not in raw
+    # no run of the prompt's token ids either, in any width msgpack packs them
+    assert msgpack.packb(s["a_tokens"][:8]) not in raw
+    removed = [h for e in replayed if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+    assert removed and set(removed) <= set(s["a"])  # hashes still say what left
+
+
+def listening(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:
+                found.add(addr)
+    return found
+
+
+def test_bind_form_listens_on_loopback_only(start_server: Callable[..., Any]) -> None:
+    port, rep = free_port(), free_port()
+    start_server("--kv-events", f"bind:tcp://127.0.0.1:{port}", "--kv-events-replay", f"tcp://127.0.0.1:{rep}")
+    assert listening(port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0
+    assert listening(rep) == {"0100007F"}
+    assert events(replay(f"tcp://127.0.0.1:{rep}", 0)) == [{"type": "AllBlocksCleared"}]
+
+
+def test_events_and_replay_need_an_authorized_curve_key(start_server: Callable[..., Any], tmp_path: Any) -> None:
+    import threading
+    import time
+
+    import zmq
+
+    from mpcache.runtime_zmq import auth
+    from mpcache.runtime_zmq.client import MPCacheClient
+    from test_server_ops import register, store_chunks, tokens
+
+    keys = str(tmp_path / "keys")
+    auth.keygen(keys, "router")
+    port, rep = free_port(), free_port()
+    sp = start_server("--curve-dir", keys, "--kv-events", f"bind:tcp://127.0.0.1:{port}",
+                      "--kv-events-replay", f"tcp://127.0.0.1:{rep}")
+    ctx = zmq.Context()
+    got: dict[str, list[list[bytes]]] = {"plain": [], "curve": []}
+    stop = threading.Event()
+
+    def subscribe(name: str, curve: bool) -> None:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if curve:
+            auth.client_curve(sub, keys, "router")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        while not stop.is_set():
+            if sub.poll(50):
+                got[name].append(sub.recv_multipart())
+        sub.close(0)
+
+    subs = [threading.Thread(target=subscribe, args=(n, n == "curve"), daemon=True) for n in got]
+    for t in subs:
+        t.start()
+    try:
+        time.sleep(0.5)  # the subscriptions reach the publisher
+        with MPCacheClient(sp.url, curve_dir=keys, curve_client="router") as c:
+            register(c, 1)
+            store_chunks(c, tokens(2, seed=5), "kv-curve")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(b"BlockStored" in f[2] for f in got["curve"]):
+            time.sleep(0.05)
+        assert any(b"BlockStored" in f[2] for f in got["curve"])
+        assert got["plain"] == []  # no handshake, no events
+
+        def ask(curve: bool) -> list[bytes] | None:
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            if curve:
+                auth.client_curve(d, keys, "router")
+            d.connect(f"tcp://127.0.0.1:{rep}")
+            d.send_multipart((b"", (0).to_bytes(8, "big")))
+            answer = d.recv_multipart() if d.poll(1500) else None
+            d.close(0)
+            return answer
+
+        assert ask(curve=False) is None  # the history is not for anyone who connects
+        first = ask(curve=True)
+        assert first is not None and b"AllBlocksCleared" in first[3]
+    finally:
+        stop.set()
+        for t in subs:
+            t.join(5)
+        ctx.term()

@@ -82,7 +82,11 @@ def test_endpoints_of_a_running_server(start_server: Callable[..., ServerProcess
     status = json.loads(body)
     assert code == 200 and status["version"] == version() and status["url"] == sp.url
     assert status["config"]["chunk_size"] == 256 and status["l1"]["capacity_bytes"] > 0
-    assert status["registrations"] == [] and status["ready"] is True
+    assert status["registered_instances"] == 0 and "registrations" not in status and status["ready"] is True
+    assert "requests" not in status and "requests" not in status["stats"]  # one count of requests:
+    assert status["requests_answered"] >= 1  # every request answered (the noop above)
+    code, body = get(base + "/healthcheck")  # LMCache's tools probe this path
+    assert code == 200 and json.loads(body)["status"] == "ok" and json.loads(body)["version"] == version()
     code, body = get(base + "/metrics")
     assert code == 200 and "mpcache_build_info{" in body
     for path in ("/", "/metrics/x", "/health", "/favicon.ico"):

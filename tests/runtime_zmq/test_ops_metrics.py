@@ -59,10 +59,10 @@ def test_exposition_matches_the_list_and_passes_promtool(start_server: Callable[
     time.sleep(1.2)  # gauges refresh once a second
     body = scrape(sp)
     declared = {name.removesuffix("_total") for name, *_ in metrics.METRICS}
-    assert families(body) == declared
-    assert 'mpcache_lookup_hit_tokens_total{cache_salt="",model="m"} 512.0' in body
-    assert 'mpcache_lookup_requested_tokens_total{cache_salt="",model="m"} 768.0' in body
-    assert 'mpcache_lookups_total{cache_salt="",model="m"} 2.0' in body
+    assert {f for f in families(body) if not f.startswith(metrics.STANDARD_FAMILIES)} == declared
+    assert 'mpcache_lookup_hit_tokens_total{cache_salt_hash="",model_name="m"} 512.0' in body
+    assert 'mpcache_lookup_requested_tokens_total{cache_salt_hash="",model_name="m"} 768.0' in body
+    assert 'mpcache_lookups_total{cache_salt_hash="",model_name="m"} 2.0' in body
     assert 'mpcache_l1_objects 2.0' in body and "mpcache_l1_capacity_bytes 2.68435456e+08" in body
     assert 'mpcache_stores_total{outcome="ok"} 1.0' in body
     assert 'mpcache_registered_instances 1.0' in body
@@ -82,7 +82,7 @@ def test_label_cardinality_is_bounded(start_server: Callable[..., ServerProcess]
     body = scrape(sp)
     series = [line for line in body.splitlines() if line.startswith("mpcache_lookups_total{")]
     assert len(series) == metrics.LABEL_BUDGET + 1
-    assert 'mpcache_lookups_total{cache_salt="other",model="other"} 20.0' in body
+    assert 'mpcache_lookups_total{cache_salt_hash="other",model_name="other"} 20.0' in body
 
 
 def free_port() -> int:
@@ -122,7 +122,7 @@ def test_real_prometheus_scrapes_the_hit_token_counter(start_server: Callable[..
             return list(answer["data"]["result"]) if answer.get("status") == "success" else []
 
         def hit_tokens() -> float | None:
-            rows = query('mpcache_lookup_hit_tokens_total{model="m"}')
+            rows = query('mpcache_lookup_hit_tokens_total{model_name="m"}')
             return float(rows[0]["value"][1]) if rows else None  # type: ignore[index]
 
         assert wait_for(lambda: hit_tokens() == 512.0, timeout=30.0), query("up")
@@ -149,3 +149,21 @@ def test_live_sizes_are_gauges(stat: str) -> None:
                                   "instances_failed", "instances_reaped"])
 def test_monotonic_counts_are_counters(stat: str) -> None:
     assert not metrics._is_gauge(stat)
+
+
+def test_dashboard_names_standard_collectors_and_no_duplicate_series(start_server: Callable[..., ServerProcess]) -> None:
+    # "Operable" item 4: vLLM's and LMCache's label name, the process_/python_ collectors every
+    # exporter has, and the catch-all families holding only what no first-class family shows
+    sp = start_server()
+    with MPCacheClient(sp.url) as c:
+        hit_once(c)
+    time.sleep(1.2)
+    body = scrape(sp)
+    assert 'mpcache_lookups_total{cache_salt_hash="",model_name="m"} 1.0' in body
+    assert "model=" not in body.replace("model_name=", "")
+    for standard in ("process_resident_memory_bytes", "process_open_fds", "python_info", "python_gc_objects_collected_total"):
+        assert f"\n{standard}" in body, standard
+    for duplicate in ("objects", "evictions", "leases_held", "instances", "l1_num_slots", "free_slots", "malformed",
+                      "dropped_replies", "l2_reads", "l2_read_hits", "block_allocation_records"):
+        assert f'{{name="{duplicate}"}}' not in body and f'{{counter="{duplicate}"}}' not in body, duplicate
+    assert 'mpcache_state{name="jobs"}' in body and 'mpcache_sm_total{counter="lookups"}' in body  # only there
