@@ -115,7 +115,7 @@ def test_metrics_endpoint(start_server: Callable[..., ServerProcess]) -> None:
         assert 'mpcache_requests_total{op="noop",outcome="ok"}' in body
         assert 'mpcache_errors_total{kind="unknown_op"} 1.0' in body
         assert 'mpcache_request_latency_seconds_bucket{le="+Inf",op="lookup"} 1.0' in body
-        assert 'mpcache_state{name="leases_held"} 0.0' in body
+        assert 'mpcache_l1_leases_held 0.0' in body and 'mpcache_state{name="leases_held"}' not in body
         assert 'mpcache_state{name="jobs"}' in body
     finally:
         c.close()
