@@ -44,7 +44,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.l1_quota import Tenant, TenantQuota
+from mpcache.core_sm.l1_quota import Account, Tenant, TenantQuota
 
 Owner = Hashable
 
@@ -108,10 +108,16 @@ class _Object:
     nbytes: int
     writer: Owner | None  # not None while WRITING
     write_expiry: float
-    tenant: Tenant | None
-    lru: OrderedDict[ObjectKey, None]  # its tenant's READY-unleased objects (it is in it when so)
+    account: Account  # whose charge it is (shared by the tenant's objects: l1_quota)
+    # the LRU set it last entered (it is in it while READY and unleased): its account's, or an
+    # orphan run of a forgotten tenant it was in when forgotten
+    lru: OrderedDict[ObjectKey, None]
     used: int = 0  # recency: the index's use sequence when it last became or was made MRU
     readers: dict[Owner, _Lease] = attrs.Factory(dict)
+
+    @property
+    def tenant(self) -> Tenant | None:
+        return self.account.tenant
 
 
 class L1Index(TenantQuota):
@@ -267,7 +273,8 @@ class L1Index(TenantQuota):
                 return None
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
-        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, tenant, self._charge(tenant))
+        account = self._charge(tenant)
+        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru)
         self._bytes += nbytes
         self._push_expiry(expiry, (key,), None)
         self._evict_to_watermark(tenant)
@@ -451,7 +458,8 @@ class L1Index(TenantQuota):
             if not readers:
                 # evictable again, the most recently used (a leased object is never WRITING
                 # and never in its LRU set: ``_mark_evictable`` inlined)
-                obj.lru[key] = None
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
                 seq += 1
                 obj.used = seq
         self._use_seq = seq
@@ -463,7 +471,13 @@ class L1Index(TenantQuota):
         """Mark a READY object most recently used."""
         obj = self._objects.get(key)
         if obj is not None and key in obj.lru:
-            obj.lru.move_to_end(key)
+            lru = obj.account.lru
+            if obj.lru is lru:
+                lru.move_to_end(key)
+            else:  # in a forgotten tenant's orphan run: into the common set, the most recent
+                del obj.lru[key]
+                lru[key] = None
+                obj.lru = lru
             self._use_seq += 1
             obj.used = self._use_seq
 
@@ -538,6 +552,7 @@ class L1Index(TenantQuota):
         assert all(self._readable.values()), "an empty rank map"
         held = 0
         pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
+        orphan_runs = {id(run) for _u, _s, run in self._orphans}
         for obj in self._objects.values():
             if obj.writer is not None:
                 assert (obj.key, None, obj.write_expiry) in pending, "a write that would never expire"
@@ -548,7 +563,11 @@ class L1Index(TenantQuota):
                 held += count
             ready_unleased = obj.writer is None and not obj.readers
             assert ready_unleased == (obj.key in obj.lru), "LRU set out of sync"
-            assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
+            if obj.tenant is not None:
+                assert obj.account is self._accounts[obj.tenant], "an object of a stale account"
+                assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
+            elif ready_unleased and obj.lru is not self._lru[None]:
+                assert id(obj.lru) in orphan_runs, "an object in no LRU set"
             assert not (obj.writer is not None and obj.readers), "read lease on a writing object"
         for owner, keys in self._by_owner.items():
             assert keys, "empty owner entry"
@@ -631,8 +650,9 @@ class L1Index(TenantQuota):
             heapq.heappush(self._free_slots, obj.slot)
 
     def _mark_evictable(self, obj: _Object) -> None:
-        obj.lru[obj.key] = None
-        obj.lru.move_to_end(obj.key)
+        lru = obj.lru = obj.account.lru
+        lru[obj.key] = None
+        lru.move_to_end(obj.key)
         self._use_seq += 1
         obj.used = self._use_seq
 
