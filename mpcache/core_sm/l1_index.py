@@ -444,6 +444,35 @@ class L1Index(TenantQuota):
             released += self._release(key, owner, count, reason)
         return released
 
+    def release_chunks(self, owner: Owner, chunk_hashes: Sequence[bytes], ranks: int,
+                       reason: ReleaseReason, now: float) -> int:
+        """Every count ``owner`` holds on the objects of ``chunk_hashes`` x ranks ``[0, ranks)``:
+        ``release_reads`` of those keys, walking only what ``owner`` holds (no key built per
+        object it does not hold; what it holds, in the order it leased them). Returns the
+        counts released."""
+        self.expire(now)
+        held = self._by_owner.get(owner)
+        if not held:
+            return 0
+        wanted = set(chunk_hashes)
+        released = 0
+        seq = self._use_seq
+        for key in [k for k in held if k.chunk_hash in wanted and k.kv_rank < ranks]:
+            obj = held.pop(key)
+            readers = obj.readers
+            released += readers.pop(owner)[0]
+            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
+                seq += 1
+                obj.used = seq
+        self._use_seq = seq
+        if not held:
+            del self._by_owner[owner]
+        self._leases_held -= released
+        self._leases_released[reason] += released
+        return released
+
     def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
         """Release every count ``owner`` holds, on every object (in the order it leased them)."""
         self.expire(now)
@@ -494,13 +523,38 @@ class L1Index(TenantQuota):
                     self._write_expirations += 1
                     self._drop(obj)
                 continue
-            if owner not in self._by_owner:
+            held = self._by_owner.get(owner)
+            if held is None:
                 continue  # released already: a stale entry
-            for key in keys:
-                obj = self._objects.get(key)
-                lease = None if obj is None else obj.readers.get(owner)
-                if lease is not None and lease[1] == expiry:
-                    self._release(key, owner, None, ReleaseReason.TTL)
+            self._expire_leases(held, keys, owner, expiry)
+
+    def _expire_leases(self, held: dict[ObjectKey, _Object], keys: tuple[ObjectKey, ...], owner: Owner,
+                       expiry: float) -> None:
+        """``owner``'s leases on ``keys`` (its held map ``held``) that still end at ``expiry``
+        are released (TTL): ``_release`` per key, inlined over the batch."""
+        released = 0
+        seq = self._use_seq
+        for key in keys:
+            obj = held.get(key)
+            if obj is None:
+                continue
+            readers = obj.readers
+            lease = readers[owner]
+            if lease[1] != expiry:
+                continue  # refreshed since: a later entry covers it
+            del readers[owner]
+            del held[key]
+            released += lease[0]
+            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
+                seq += 1
+                obj.used = seq
+        self._use_seq = seq
+        if not held:
+            del self._by_owner[owner]
+        self._leases_held -= released
+        self._leases_released[ReleaseReason.TTL] += released
 
     def clear(self, force: bool, protected: Callable[[Owner], bool] | None = None) -> int:
         """Drop READY unleased objects; with ``force`` also leased ones (their leases released as

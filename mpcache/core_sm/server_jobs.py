@@ -375,8 +375,14 @@ class JobMachine:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
         key = RequestKey(ev.peer, ckey.request_id)
-        keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
-        self.server._release_for_free_lookup_locks(key, keys, now)
+        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
+
+        if type(self.server)._release_for_free_lookup_locks is LookupServer._release_for_free_lookup_locks:
+            # the fixed hook, in one walk of what the request holds (no key per object named)
+            ctx.index.release_chunks(key, hashes[first:last], ckey.world_size, ReleaseReason.FREE, now)
+        else:
+            keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
+            self.server._release_for_free_lookup_locks(key, keys, now)
         job = self.jobs.get(key)
         if job is not None and job.work is not None:
             work = job.work
