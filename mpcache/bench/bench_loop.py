@@ -12,7 +12,9 @@ and are timed the same way.
 
 Prints one row per bound: the message, its size, and ``loop_max_message_ms`` -- the best (and
 worst) of ``--repeat`` fresh runs, so a run slowed by the box's other load does not hide what the
-code costs. Target: <= 10 ms each.
+code costs -- beside the loop thread's CPU time for it (the server's ``loop_max_message_cpu_ms``).
+Target: <= 10 ms each; judged on the CPU column, which a shared box's other load inflates less
+than the wall clock (the exit status is 1 when a bound misses it).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class Driver:
         self.probes: list[ProbeL2] = []
         self.reads: list[ReadL2] = []
         self.writes: list[WriteL2] = []
+        self.tokens = b""
         self.max_ms = 0.0
         self.max_cpu_ms = 0.0
         self.timed: list[tuple[str, float]] = []
@@ -144,61 +147,69 @@ def scenario(bound: str, size: str) -> Callable[[Scenario], Scenario]:
     return add
 
 
-_HIT = f"{MAX_TOKENS:,} tokens x {RANKS} ranks = {CHUNKS * RANKS:,} objects"
+def _objects(ranks: int) -> str:
+    return f"{MAX_TOKENS:,} tokens x {ranks} rank{'s' if ranks > 1 else ''} = {CHUNKS * ranks:,} objects"
 
 
-@scenario("lookup, all in L1 (leases every object)", _HIT)
-def _lookup_hit() -> Driver:
+def _store_ranks(d: Driver, toks: bytes, ranks: int) -> None:
+    if ranks == RANKS:
+        d.store_all_ranks("engine", toks)
+    else:
+        d.register(100, "engine")
+        d.prepare_store(100, "engine", toks)
+
+
+def _looked_up(ranks: int) -> Driver:
     d = Driver()
     toks = _tokens(1)
-    d.store_all_ranks("engine", toks)
-    d.send(m.Lookup(d.key(toks, "r1", world_size=RANKS), peer="sched"), timed="lookup")
+    _store_ranks(d, toks, ranks)
+    d.send(m.Lookup(d.key(toks, "r1", world_size=ranks), peer="sched"))
+    d.tokens = toks
     return d
+
+
+for _ranks in (1, RANKS):
+    def _lookup_hit(ranks: int = _ranks) -> Driver:
+        d = Driver()
+        toks = _tokens(1)
+        _store_ranks(d, toks, ranks)
+        d.send(m.Lookup(d.key(toks, "r1", world_size=ranks), peer="sched"), timed="lookup")
+        return d
+
+    def _free(ranks: int = _ranks) -> Driver:
+        d = _looked_up(ranks)
+        d.send(m.FreeLookupLocks(d.key(d.tokens, "r1", world_size=ranks), peer="sched"), timed="free_lookup_locks")
+        return d
+
+    def _end(ranks: int = _ranks) -> Driver:
+        d = _looked_up(ranks)
+        d.send(m.EndSession("r1", peer="sched"), timed="end_session")
+        return d
+
+    def _reap_job(ranks: int = _ranks) -> Driver:
+        d = _looked_up(ranks)
+        d.now += d.server.config.abandoned_job_ttl + 1
+        d.send(m.TimerFired(), timed="reap job")
+        return d
+
+    def _lease_ttl(ranks: int = _ranks) -> Driver:
+        d = _looked_up(ranks)
+        assert d.send(m.QueryPrefetchStatus("r1", peer="sched")) == CHUNKS  # answered, never freed
+        d.now += d.server.config.lease_ttl + 1
+        d.send(m.TimerFired(), timed="lease expiry")
+        return d
+
+    scenario("lookup, all in L1 (leases every object)", _objects(_ranks))(_lookup_hit)
+    scenario("free_lookup_locks", _objects(_ranks))(_free)
+    scenario("end_session", _objects(_ranks))(_end)
+    scenario("abandoned job reaped (timer)", _objects(_ranks))(_reap_job)
+    scenario("lease TTL expiry (timer)", _objects(_ranks))(_lease_ttl)
 
 
 @scenario("lookup, L1 miss (keyed hashing only)", f"{MAX_TOKENS:,} tokens x {RANKS} ranks")
 def _lookup_miss() -> Driver:
     d = Driver()
     d.send(m.Lookup(d.key(_tokens(2), "r1", world_size=RANKS), peer="sched"), timed="lookup")
-    return d
-
-
-def _looked_up() -> tuple[Driver, bytes]:
-    d = Driver()
-    toks = _tokens(1)
-    d.store_all_ranks("engine", toks)
-    d.send(m.Lookup(d.key(toks, "r1", world_size=RANKS), peer="sched"))
-    return d, toks
-
-
-@scenario("free_lookup_locks", f"{CHUNKS * RANKS:,} leases")
-def _free() -> Driver:
-    d, toks = _looked_up()
-    d.send(m.FreeLookupLocks(d.key(toks, "r1", world_size=RANKS), peer="sched"), timed="free_lookup_locks")
-    return d
-
-
-@scenario("end_session", f"{CHUNKS * RANKS:,} leases")
-def _end() -> Driver:
-    d, _toks = _looked_up()
-    d.send(m.EndSession("r1", peer="sched"), timed="end_session")
-    return d
-
-
-@scenario("abandoned job reaped (timer)", f"{CHUNKS * RANKS:,} leases")
-def _reap_job() -> Driver:
-    d, _toks = _looked_up()
-    d.now += d.server.config.abandoned_job_ttl + 1
-    d.send(m.TimerFired(), timed="reap job")
-    return d
-
-
-@scenario("lease TTL expiry (timer)", f"{CHUNKS * RANKS:,} leases")
-def _lease_ttl() -> Driver:
-    d, _toks = _looked_up()
-    assert d.send(m.QueryPrefetchStatus("r1", peer="sched")) == CHUNKS  # answered, never freed
-    d.now += d.server.config.lease_ttl + 1
-    d.send(m.TimerFired(), timed="lease expiry")
     return d
 
 
@@ -349,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     for bound, size, labels, runs, cpu in run(args.only, args.repeat):
         best = min(runs)
-        ok = best <= TARGET_MS
+        ok = min(cpu) <= TARGET_MS
         rc |= 0 if ok else 1
         print(f"| {bound} | {size} | {', '.join(labels)} | {best:.1f} | {min(cpu):.1f} | {max(runs):.1f} | "
               f"{'yes' if ok else 'NO'} |", flush=True)
