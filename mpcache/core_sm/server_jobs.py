@@ -450,9 +450,10 @@ class JobMachine:
         index = self.ctx.index
         work = job.pending()
         upto = work.l1_prefix
-        for i in range(work.l1_prefix, len(work.hashes)):
-            if not all(index.is_readable(k) or k in present
-                       for k in (ObjectKey(work.hashes[i], r) for r in job.rank_range())):
+        hashes, ranks = job.hashes, job.rank_range()
+        for i in range(work.l1_prefix, len(hashes)):
+            h = hashes[i]
+            if not all(k in present or index.is_readable(k) for k in [ObjectKey(h, r) for r in ranks]):
                 break
             upto = i + 1
         if upto > work.l1_prefix and self.l2.start_read(job, upto, now, out):
@@ -471,14 +472,25 @@ class JobMachine:
         work = job.pending()
         key = job.key
         hits = work.l1_prefix
-        for i in range(work.l1_prefix, len(work.hashes)):
-            keys = [ObjectKey(work.hashes[i], r) for r in job.rank_range()]
-            if not all(index.is_readable(k) for k in keys):
+        hashes, ranks, freed = job.hashes, job.rank_range(), work.freed_chunks
+        to_lease: list[ObjectKey] = []
+        for i in range(work.l1_prefix, len(hashes)):
+            h = hashes[i]
+            keys = [ObjectKey(h, r) for r in ranks]
+            if not all(map(index.is_readable, keys)):
                 break
-            if work.num_readers > 0 and (work.freed_chunks is None or i not in work.freed_chunks):
-                for k in keys:
-                    self.server._lease_for_lookup(key, k, work.num_readers, now)
+            if work.num_readers > 0 and (freed is None or i not in freed):
+                to_lease += keys
             hits += 1
+        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
+
+        if type(self.server)._lease_for_lookup is LookupServer._lease_for_lookup:
+            # the fixed hook over the whole extension at once: one expiry entry, not one per object
+            # (a leased object leaves its LRU set, so the hook's touch has nothing to move)
+            index.lease_reads(to_lease, key, work.num_readers, now, top_up=True, refresh=True)
+        else:
+            for k in to_lease:
+                self.server._lease_for_lookup(key, k, work.num_readers, now)
         self.complete(job, hits, now, out)
 
     # ============================================================================= helpers
