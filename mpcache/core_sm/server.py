@@ -153,6 +153,8 @@ class LookupServer:
         try:
             if self.jobs.accepted is not None:  # an acknowledged lookup's work runs first
                 self._run_accepted(out)
+            elif self.jobs.continuing:  # else one slice of a big lookup's leasing (server_jobs)
+                self._run_accepted(out)
             self._advance(now, out)
             row = self._rows.get(type(event))
             if row is None:
@@ -179,8 +181,9 @@ class LookupServer:
 
     @property
     def deferred_work(self) -> bool:
-        """Whether an acknowledged lookup's work waits for ``run_deferred`` (``ack_first``)."""
-        return self.jobs.accepted is not None
+        """Whether an acknowledged lookup's work waits for ``run_deferred`` (``ack_first``), or a
+        big lookup's leasing has slices left (server_jobs)."""
+        return self.jobs.accepted is not None or bool(self.jobs.continuing)
 
     def run_deferred(self) -> list[Effect]:
         """Do the work an acknowledged lookup left (``ServerConfig.ack_first``) and return its
@@ -188,7 +191,7 @@ class LookupServer:
         next ``handle`` runs it first, so no later event sees a difference. The work runs at
         the lookup's own ``now``. Never raises."""
         out: list[Effect] = []
-        if self.jobs.accepted is not None:
+        if self.jobs.accepted is not None or self.jobs.continuing:
             try:
                 self._run_accepted(out)
             except Exception:  # a bug past run_accepted's own guard: counted, nothing waits on it
@@ -196,14 +199,19 @@ class LookupServer:
         return out
 
     def _run_accepted(self, out: list[Effect]) -> None:
-        self.jobs.run_accepted(out)
+        """The acknowledged lookup's work if one waits, else one slice of a sliced lookup's."""
+        if self.jobs.accepted is not None:
+            self.jobs.run_accepted(out)
+        else:
+            self.jobs.run_continuing(out)
         if self.ctx.held is not None:  # an L2 read's reservations may have evicted
             self.ctx.report_drops(out)
 
     def next_deadline(self) -> float | None:
         """The earliest time at which ``handle(TimerFired(), t)`` has work to do (may be early)."""
         candidates = [t for t in (self.ctx.timers.next_deadline(), self.jobs.next_tombstone_expiry(),
-                                  self.jobs.reap_queue.next_deadline(), self.index.next_expiry())
+                                  self.jobs.reap_queue.next_deadline(), self.index.next_expiry(),
+                                  self.jobs.next_continuation())
                       if t is not None]
         return min(candidates) if candidates else None
 
