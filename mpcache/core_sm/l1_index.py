@@ -33,10 +33,18 @@ found by chunk hash in one map per KV rank (no key object built per chunk), and 
 leases are one ``(count, expiry)`` tuple shared by the batch; the owner map (key -> object)
 and the expiry entry hold the index's own keys, so a lookup leaves no new object per chunk
 behind, and ``release_owner`` reaches the objects without a second index lookup.
+
+``release_owner_in_slices`` is ``release_owner`` for a loop that must not stop long: an owner
+holding more than ``RELEASE_SLICE`` objects keeps them held (counted, unevictable) until
+``release_slice`` calls release them, at most ``RELEASE_SLICE`` a call, oldest owner first
+(``releasing`` says whether any is left). Anything that names such an owner again -- a lease, a
+release -- first finishes its release at once, so a request id used again after its end never
+has its new leases released by the old end.
 """
 from __future__ import annotations
 
 import enum
+import itertools
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -99,6 +107,7 @@ _Lease = tuple[int, float]
 # since been released or refreshed, and skipped then.
 _Expiry = tuple[float, int, tuple[ObjectKey, ...], "Owner | None"]
 _MIN_COMPACT = 1024  # the heap is rebuilt without stale entries when it doubles past this
+RELEASE_SLICE = 2048  # objects ``release_slice`` releases at most per call
 
 
 @attrs.define(eq=False)  # identity: the batch paths search lists of objects for None
@@ -160,6 +169,8 @@ class L1Index(TenantQuota):
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
         self._pinned: dict[int, int] = {}
         self._quarantined: set[int] = set()
+        # owners whose release_owner_in_slices is not done: owner -> (reason, when asked)
+        self._releasing: dict[Owner, tuple[ReleaseReason, float]] = {}
         # When a list, every dropped object's key is appended (the server drains it into its
         # KV-event reports after each event); None: not tracked.
         self.dropped: list[ObjectKey] | None = None
@@ -326,6 +337,8 @@ class L1Index(TenantQuota):
 
     def _lease_keys(self, keys: Iterable[ObjectKey], owner: Owner, count: int, expiry: float,
                     top_up: bool, refresh: bool) -> int:
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
         objects = self._objects
         leased: list[ObjectKey] = []
         held = 0
@@ -386,6 +399,8 @@ class L1Index(TenantQuota):
         if count < 1 or not objs:
             return chunks
         expiry = now + self.lease_ttl
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
         if owner in self._by_owner:  # a repeat lookup: top up and renew what it holds
             self._lease_keys([obj.key for obj in objs], owner, count, expiry, top_up=True, refresh=True)
             return chunks
@@ -451,6 +466,8 @@ class L1Index(TenantQuota):
         object it does not hold; what it holds, in the order it leased them). Returns the
         counts released."""
         self.expire(now)
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
         held = self._by_owner.get(owner)
         if not held:
             return 0
@@ -473,12 +490,66 @@ class L1Index(TenantQuota):
         self._leases_released[reason] += released
         return released
 
+    def release_owner_in_slices(self, owner: Owner, reason: ReleaseReason, now: float) -> None:
+        """``release_owner``, at most ``RELEASE_SLICE`` objects now and the rest by later
+        ``release_slice`` calls (module doc)."""
+        self.expire(now)
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
+        held = self._by_owner.get(owner)
+        if not held:
+            return
+        if len(held) <= RELEASE_SLICE:
+            self.release_owner(owner, reason, now)
+            return
+        self._releasing[owner] = (reason, now)
+        self.release_slice()
+
+    @property
+    def releasing(self) -> bool:
+        """Whether a release in slices has objects left (``release_slice``)."""
+        return bool(self._releasing)
+
+    def next_release(self) -> float | None:
+        """When the oldest release in slices was asked (its slices are due since), or None."""
+        return next(iter(self._releasing.values()))[1] if self._releasing else None
+
+    def release_slice(self) -> int:
+        """Release up to ``RELEASE_SLICE`` objects of the oldest release in slices; returns the
+        counts released."""
+        if not self._releasing:
+            return 0
+        owner, (reason, _asked) = next(iter(self._releasing.items()))
+        held = self._by_owner.get(owner)
+        if not held:  # expired meanwhile
+            del self._releasing[owner]
+            return 0
+        batch = dict(itertools.islice(held.items(), RELEASE_SLICE))
+        for key in batch:
+            del held[key]
+        if not held:
+            del self._by_owner[owner]
+            del self._releasing[owner]
+        return self._release_held(owner, batch, reason)
+
+    def _finish_release(self, owner: Owner) -> None:
+        reason, _asked = self._releasing.pop(owner)
+        held = self._by_owner.pop(owner, None)
+        if held:
+            self._release_held(owner, held, reason)
+
     def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
         """Release every count ``owner`` holds, on every object (in the order it leased them)."""
         self.expire(now)
+        if self._releasing:
+            self._releasing.pop(owner, None)
         held = self._by_owner.pop(owner, None)
         if not held:
             return 0
+        return self._release_held(owner, held, reason)
+
+    def _release_held(self, owner: Owner, held: dict[ObjectKey, _Object], reason: ReleaseReason) -> int:
+        """Release ``owner``'s counts on ``held`` (taken out of its held map already)."""
         released = 0
         seq = self._use_seq
         for key, obj in held.items():

@@ -155,6 +155,8 @@ class LookupServer:
                 self._run_accepted(out)
             elif self.jobs.continuing:  # else one slice of a big lookup's leasing (server_jobs)
                 self._run_accepted(out)
+            if self.index.releasing:  # and one slice of a big request's release (l1_index)
+                self.index.release_slice()
             self._advance(now, out)
             row = self._rows.get(type(event))
             if row is None:
@@ -182,8 +184,8 @@ class LookupServer:
     @property
     def deferred_work(self) -> bool:
         """Whether an acknowledged lookup's work waits for ``run_deferred`` (``ack_first``), or a
-        big lookup's leasing has slices left (server_jobs)."""
-        return self.jobs.accepted is not None or bool(self.jobs.continuing)
+        big lookup's leasing (server_jobs) or a big request's release (l1_index) has slices left."""
+        return self.jobs.accepted is not None or bool(self.jobs.continuing) or self.index.releasing
 
     def run_deferred(self) -> list[Effect]:
         """Do the work an acknowledged lookup left (``ServerConfig.ack_first``) and return its
@@ -195,6 +197,11 @@ class LookupServer:
             try:
                 self._run_accepted(out)
             except Exception:  # a bug past run_accepted's own guard: counted, nothing waits on it
+                self._counters["internal_errors"] += 1
+        if self.index.releasing:
+            try:
+                self.index.release_slice()
+            except Exception:  # a bug: counted; the next turn's slice tries again
                 self._counters["internal_errors"] += 1
         return out
 
@@ -211,7 +218,7 @@ class LookupServer:
         """The earliest time at which ``handle(TimerFired(), t)`` has work to do (may be early)."""
         candidates = [t for t in (self.ctx.timers.next_deadline(), self.jobs.next_tombstone_expiry(),
                                   self.jobs.reap_queue.next_deadline(), self.index.next_expiry(),
-                                  self.jobs.next_continuation())
+                                  self.jobs.next_continuation(), self.index.next_release())
                       if t is not None]
         return min(candidates) if candidates else None
 

@@ -630,7 +630,8 @@ class JobMachine:
         self._drop(key)
         self.tombstones.pop(key, None)
         self.answer_waiters(key, 0, out)
-        self.ctx.index.release_owner(key, ReleaseReason.END_SESSION, now)
+        # a big request's leases go a slice per loop turn (l1_index): the reply does not wait
+        self.ctx.index.release_owner_in_slices(key, ReleaseReason.END_SESSION, now)
         self.repeats.pop(key, None)
 
     def reap(self, keys: Sequence[RequestKey], now: float, out: list[Effect]) -> None:
@@ -640,7 +641,7 @@ class JobMachine:
                 continue
             self.ctx.counters["reaped_jobs"] += 1
             self.answer_waiters(key, 0, out)
-            self.ctx.index.release_owner(key, ReleaseReason.REAP, now)
+            self.ctx.index.release_owner_in_slices(key, ReleaseReason.REAP, now)
             self.repeats.pop(key, None)
 
     def check_invariants(self) -> None:
