@@ -109,7 +109,8 @@ class Driver:
             while self.server.deferred_work:
                 turns += 1
                 self.send(m.TimerFired(), timed=None if timed is None else f"{timed}: slice")
-            self.turns = max(self.turns, turns)
+            if timed is not None:
+                self.turns = max(self.turns, turns)
         return result
 
     # ---------------------------------------------------------------- protocol steps
