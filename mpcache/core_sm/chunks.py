@@ -409,7 +409,9 @@ class PackedHashes(Sequence[bytes]):
 
     def __getitem__(self, index: int | slice) -> bytes | tuple[bytes, ...]:
         if isinstance(index, slice):
-            return tuple(self[i] for i in range(*index.indices(len(self))))
+            start, stop, step = index.indices(len(self))
+            w, buf = self._width, self._buf
+            return tuple(buf[i * w : i * w + w] for i in range(start, stop, step))
         n = len(self)
         if index < 0:
             index += n
@@ -417,6 +419,10 @@ class PackedHashes(Sequence[bytes]):
             raise IndexError("chunk index out of range")
         w = self._width
         return self._buf[index * w : index * w + w]
+
+    def __iter__(self) -> Iterator[bytes]:
+        w, buf = self._width, self._buf
+        return (buf[i : i + w] for i in range(0, len(buf), w))
 
 
 def pack_hashes(hashes: Sequence[bytes]) -> Sequence[bytes]:

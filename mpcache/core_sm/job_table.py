@@ -44,6 +44,10 @@ class JobWork:
     probe_id: int | None = None
     l2_deadline: float | None = None
     freed_chunks: set[int] | None = None  # chunks FreeLookupLocks released (made on first use)
+    # ``hashes`` as a tuple while L2 work walks them (made at the first ``PrefetchJob.hashes``,
+    # dropped with the work): the L2 steps index them per chunk x rank, and a packed buffer's
+    # Python-level indexing cost a loop of 65,536 objects tens of milliseconds.
+    unpacked: tuple[bytes, ...] | None = None
 
 
 @attrs.define(slots=True, weakref_slot=False, eq=False)
@@ -84,7 +88,12 @@ class PrefetchJob:
 
     @property
     def hashes(self) -> Sequence[bytes]:
-        return self.pending().hashes
+        work = self.pending()
+        unpacked = work.unpacked
+        if unpacked is None:
+            hashes = work.hashes
+            unpacked = work.unpacked = hashes if isinstance(hashes, tuple) else tuple(hashes)
+        return unpacked
 
     @property
     def model_name(self) -> str:

@@ -33,10 +33,18 @@ found by chunk hash in one map per KV rank (no key object built per chunk), and 
 leases are one ``(count, expiry)`` tuple shared by the batch; the owner map (key -> object)
 and the expiry entry hold the index's own keys, so a lookup leaves no new object per chunk
 behind, and ``release_owner`` reaches the objects without a second index lookup.
+
+``release_owner_in_slices`` is ``release_owner`` for a loop that must not stop long: an owner
+holding more than ``RELEASE_SLICE`` objects keeps them held (counted, unevictable) until
+``release_slice`` calls release them, at most ``RELEASE_SLICE`` a call, oldest owner first
+(``releasing`` says whether any is left). Anything that names such an owner again -- a lease, a
+release -- first finishes its release at once, so a request id used again after its end never
+has its new leases released by the old end.
 """
 from __future__ import annotations
 
 import enum
+import itertools
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -44,7 +52,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.l1_quota import Tenant, TenantQuota
+from mpcache.core_sm.l1_quota import Account, Tenant, TenantQuota
 
 Owner = Hashable
 
@@ -99,6 +107,7 @@ _Lease = tuple[int, float]
 # since been released or refreshed, and skipped then.
 _Expiry = tuple[float, int, tuple[ObjectKey, ...], "Owner | None"]
 _MIN_COMPACT = 1024  # the heap is rebuilt without stale entries when it doubles past this
+RELEASE_SLICE = 2048  # objects ``release_slice`` releases at most per call
 
 
 @attrs.define(eq=False)  # identity: the batch paths search lists of objects for None
@@ -108,10 +117,16 @@ class _Object:
     nbytes: int
     writer: Owner | None  # not None while WRITING
     write_expiry: float
-    tenant: Tenant | None
-    lru: OrderedDict[ObjectKey, None]  # its tenant's READY-unleased objects (it is in it when so)
+    account: Account  # whose charge it is (shared by the tenant's objects: l1_quota)
+    # the LRU set it last entered (it is in it while READY and unleased): its account's, or an
+    # orphan run of a forgotten tenant it was in when forgotten
+    lru: OrderedDict[ObjectKey, None]
     used: int = 0  # recency: the index's use sequence when it last became or was made MRU
     readers: dict[Owner, _Lease] = attrs.Factory(dict)
+
+    @property
+    def tenant(self) -> Tenant | None:
+        return self.account.tenant
 
 
 class L1Index(TenantQuota):
@@ -154,6 +169,8 @@ class L1Index(TenantQuota):
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
         self._pinned: dict[int, int] = {}
         self._quarantined: set[int] = set()
+        # owners whose release_owner_in_slices is not done: owner -> (reason, when asked)
+        self._releasing: dict[Owner, tuple[ReleaseReason, float]] = {}
         # When a list, every dropped object's key is appended (the server drains it into its
         # KV-event reports after each event); None: not tracked.
         self.dropped: list[ObjectKey] | None = None
@@ -267,7 +284,8 @@ class L1Index(TenantQuota):
                 return None
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
-        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, tenant, self._charge(tenant))
+        account = self._charge(tenant)
+        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru)
         self._bytes += nbytes
         self._push_expiry(expiry, (key,), None)
         self._evict_to_watermark(tenant)
@@ -319,6 +337,8 @@ class L1Index(TenantQuota):
 
     def _lease_keys(self, keys: Iterable[ObjectKey], owner: Owner, count: int, expiry: float,
                     top_up: bool, refresh: bool) -> int:
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
         objects = self._objects
         leased: list[ObjectKey] = []
         held = 0
@@ -379,6 +399,8 @@ class L1Index(TenantQuota):
         if count < 1 or not objs:
             return chunks
         expiry = now + self.lease_ttl
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
         if owner in self._by_owner:  # a repeat lookup: top up and renew what it holds
             self._lease_keys([obj.key for obj in objs], owner, count, expiry, top_up=True, refresh=True)
             return chunks
@@ -437,12 +459,97 @@ class L1Index(TenantQuota):
             released += self._release(key, owner, count, reason)
         return released
 
+    def release_chunks(self, owner: Owner, chunk_hashes: Sequence[bytes], ranks: int,
+                       reason: ReleaseReason, now: float) -> int:
+        """Every count ``owner`` holds on the objects of ``chunk_hashes`` x ranks ``[0, ranks)``:
+        ``release_reads`` of those keys, walking only what ``owner`` holds (no key built per
+        object it does not hold; what it holds, in the order it leased them). Returns the
+        counts released."""
+        self.expire(now)
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
+        held = self._by_owner.get(owner)
+        if not held:
+            return 0
+        wanted = set(chunk_hashes)
+        released = 0
+        seq = self._use_seq
+        for key in [k for k in held if k.chunk_hash in wanted and k.kv_rank < ranks]:
+            obj = held.pop(key)
+            readers = obj.readers
+            released += readers.pop(owner)[0]
+            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
+                seq += 1
+                obj.used = seq
+        self._use_seq = seq
+        if not held:
+            del self._by_owner[owner]
+        self._leases_held -= released
+        self._leases_released[reason] += released
+        return released
+
+    def release_owner_in_slices(self, owner: Owner, reason: ReleaseReason, now: float) -> None:
+        """``release_owner``, at most ``RELEASE_SLICE`` objects now and the rest by later
+        ``release_slice`` calls (module doc)."""
+        self.expire(now)
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
+        held = self._by_owner.get(owner)
+        if not held:
+            return
+        if len(held) <= RELEASE_SLICE:
+            self.release_owner(owner, reason, now)
+            return
+        self._releasing[owner] = (reason, now)
+        self.release_slice()
+
+    @property
+    def releasing(self) -> bool:
+        """Whether a release in slices has objects left (``release_slice``)."""
+        return bool(self._releasing)
+
+    def next_release(self) -> float | None:
+        """When the oldest release in slices was asked (its slices are due since), or None."""
+        return next(iter(self._releasing.values()))[1] if self._releasing else None
+
+    def release_slice(self) -> int:
+        """Release up to ``RELEASE_SLICE`` objects of the oldest release in slices; returns the
+        counts released."""
+        if not self._releasing:
+            return 0
+        owner, (reason, _asked) = next(iter(self._releasing.items()))
+        held = self._by_owner.get(owner)
+        if not held:  # expired meanwhile
+            del self._releasing[owner]
+            return 0
+        batch = dict(itertools.islice(held.items(), RELEASE_SLICE))
+        for key in batch:
+            del held[key]
+        if not held:
+            del self._by_owner[owner]
+            del self._releasing[owner]
+        return self._release_held(owner, batch, reason)
+
+    def _finish_release(self, owner: Owner) -> None:
+        reason, _asked = self._releasing.pop(owner)
+        held = self._by_owner.pop(owner, None)
+        if held:
+            self._release_held(owner, held, reason)
+
     def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
         """Release every count ``owner`` holds, on every object (in the order it leased them)."""
         self.expire(now)
+        if self._releasing:
+            self._releasing.pop(owner, None)
         held = self._by_owner.pop(owner, None)
         if not held:
             return 0
+        return self._release_held(owner, held, reason)
+
+    def _release_held(self, owner: Owner, held: dict[ObjectKey, _Object], reason: ReleaseReason) -> int:
+        """Release ``owner``'s counts on ``held`` (taken out of its held map already)."""
         released = 0
         seq = self._use_seq
         for key, obj in held.items():
@@ -451,7 +558,8 @@ class L1Index(TenantQuota):
             if not readers:
                 # evictable again, the most recently used (a leased object is never WRITING
                 # and never in its LRU set: ``_mark_evictable`` inlined)
-                obj.lru[key] = None
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
                 seq += 1
                 obj.used = seq
         self._use_seq = seq
@@ -463,7 +571,13 @@ class L1Index(TenantQuota):
         """Mark a READY object most recently used."""
         obj = self._objects.get(key)
         if obj is not None and key in obj.lru:
-            obj.lru.move_to_end(key)
+            lru = obj.account.lru
+            if obj.lru is lru:
+                lru.move_to_end(key)
+            else:  # in a forgotten tenant's orphan run: into the common set, the most recent
+                del obj.lru[key]
+                lru[key] = None
+                obj.lru = lru
             self._use_seq += 1
             obj.used = self._use_seq
 
@@ -480,13 +594,38 @@ class L1Index(TenantQuota):
                     self._write_expirations += 1
                     self._drop(obj)
                 continue
-            if owner not in self._by_owner:
+            held = self._by_owner.get(owner)
+            if held is None:
                 continue  # released already: a stale entry
-            for key in keys:
-                obj = self._objects.get(key)
-                lease = None if obj is None else obj.readers.get(owner)
-                if lease is not None and lease[1] == expiry:
-                    self._release(key, owner, None, ReleaseReason.TTL)
+            self._expire_leases(held, keys, owner, expiry)
+
+    def _expire_leases(self, held: dict[ObjectKey, _Object], keys: tuple[ObjectKey, ...], owner: Owner,
+                       expiry: float) -> None:
+        """``owner``'s leases on ``keys`` (its held map ``held``) that still end at ``expiry``
+        are released (TTL): ``_release`` per key, inlined over the batch."""
+        released = 0
+        seq = self._use_seq
+        for key in keys:
+            obj = held.get(key)
+            if obj is None:
+                continue
+            readers = obj.readers
+            lease = readers[owner]
+            if lease[1] != expiry:
+                continue  # refreshed since: a later entry covers it
+            del readers[owner]
+            del held[key]
+            released += lease[0]
+            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
+                seq += 1
+                obj.used = seq
+        self._use_seq = seq
+        if not held:
+            del self._by_owner[owner]
+        self._leases_held -= released
+        self._leases_released[ReleaseReason.TTL] += released
 
     def clear(self, force: bool, protected: Callable[[Owner], bool] | None = None) -> int:
         """Drop READY unleased objects; with ``force`` also leased ones (their leases released as
@@ -538,6 +677,7 @@ class L1Index(TenantQuota):
         assert all(self._readable.values()), "an empty rank map"
         held = 0
         pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
+        orphan_runs = {id(run) for _u, _s, run in self._orphans}
         for obj in self._objects.values():
             if obj.writer is not None:
                 assert (obj.key, None, obj.write_expiry) in pending, "a write that would never expire"
@@ -548,7 +688,11 @@ class L1Index(TenantQuota):
                 held += count
             ready_unleased = obj.writer is None and not obj.readers
             assert ready_unleased == (obj.key in obj.lru), "LRU set out of sync"
-            assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
+            if obj.tenant is not None:
+                assert obj.account is self._accounts[obj.tenant], "an object of a stale account"
+                assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
+            elif ready_unleased and obj.lru is not self._lru[None]:
+                assert id(obj.lru) in orphan_runs, "an object in no LRU set"
             assert not (obj.writer is not None and obj.readers), "read lease on a writing object"
         for owner, keys in self._by_owner.items():
             assert keys, "empty owner entry"
@@ -631,8 +775,9 @@ class L1Index(TenantQuota):
             heapq.heappush(self._free_slots, obj.slot)
 
     def _mark_evictable(self, obj: _Object) -> None:
-        obj.lru[obj.key] = None
-        obj.lru.move_to_end(obj.key)
+        lru = obj.lru = obj.account.lru
+        lru[obj.key] = None
+        lru.move_to_end(obj.key)
         self._use_seq += 1
         obj.used = self._use_seq
 

@@ -24,8 +24,19 @@ Free slots are used by anyone (a tenant may hold more than its share while L1 ha
 An object read by several tenants stays charged to the one that stored it (one charge per
 object, never double-counted; readers pay nothing): a tenant cannot move its objects onto
 another's quota by reading them, and the object's eviction follows its storer's share.
-``forget_tenant`` re-charges a gone instance's objects to no tenant. ``tenant_share`` None:
+``forget_tenant`` re-charges a gone tenant's objects to no tenant. ``tenant_share`` None:
 one global LRU, as before.
+
+**Forgetting a tenant costs O(log tenants forgotten), not O(objects)** (a client may repeat
+register, store, unregister). Objects do not name their tenant: they share one ``Account`` per
+tenant (the tenant and the LRU set its objects enter when they become evictable), so forgetting
+sets the account's tenant to None and points it at the common LRU set of no tenant, touching no
+object. The tenant's LRU set at that moment, already in recency order, becomes an *orphan run*:
+objects of no tenant that entered no common set; it only shrinks (a released, touched or
+finished object enters the common set, as the most recently used), and the oldest object of no
+tenant is the older of the common set's head and the heads of the orphan runs, which a heap keyed
+by each run's head recency yields (a run's key is a lower bound of its head's recency, put right
+when it reaches the top; empty runs leave the heap there).
 
 Invariants it keeps (``L1Index.check_invariants`` asserts them, through ``_check_quota``):
 
@@ -34,15 +45,20 @@ Invariants it keeps (``L1Index.check_invariants`` asserts them, through ``_check
 * a READY unleased object is in its own tenant's LRU set and in no other; WRITING and leased
   objects are in none; each set is in recency order (``_Object.used`` ascending);
 * a tenant's LRU set exists while the tenant has objects and goes with its last one (the set
-  of no tenant, ``None``, always exists), so a gone instance leaves nothing behind;
+  of no tenant, ``None``, always exists), so a gone instance leaves nothing behind; a READY
+  unleased object of no tenant is in the common set or in one orphan run, each run in recency
+  order and on the orphan heap under a key no later than its head's recency;
 * only a READY unleased object is ever evicted, so a lease or an in-flight write is never lost
   to an eviction.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
+
+import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
 
@@ -50,6 +66,18 @@ if TYPE_CHECKING:
     from mpcache.core_sm.l1_index import _Object
 
 Tenant = Hashable  # an instance id; None: no tenant
+_Run = OrderedDict[ObjectKey, None]  # an LRU set: READY unleased objects, least recently used first
+_MIN_COMPACT = 1024  # the orphan heap drops its empty runs when it doubles past this
+
+
+@attrs.define(eq=False)
+class Account:
+    """What the objects charged to one tenant share (identity: one per tenant while it lasts).
+    ``tenant``: whose charge they are (None once forgotten); ``lru``: the LRU set an object of
+    theirs enters when it becomes evictable (the common set of no tenant once forgotten)."""
+
+    tenant: Tenant | None
+    lru: _Run
 
 
 class TenantQuota:
@@ -69,8 +97,15 @@ class TenantQuota:
 
     def _init_quota(self) -> None:
         # READY, unleased objects per tenant, least recently used first (``_Object.lru``)
-        self._lru: dict[Tenant | None, OrderedDict[ObjectKey, None]] = {None: OrderedDict()}
+        common: _Run = OrderedDict()
+        self._lru: dict[Tenant | None, _Run] = {None: common}
+        self._accounts: dict[Tenant | None, Account] = {None: Account(None, common)}
         self._charged: dict[Tenant | None, int] = {}  # objects (any state) charged per tenant
+        # Forgotten tenants' LRU sets (module doc): a heap of (key, seq, run), the key a lower
+        # bound of the run's head's ``used``.
+        self._orphans: list[tuple[int, int, _Run]] = []
+        self._orphan_seq = 0
+        self._orphans_compact_at = _MIN_COMPACT
         # Slots each tenant may hold while L1 is full (None: no quotas, one global LRU).
         self.tenant_share: int | None = None
         self._evictions = 0
@@ -87,23 +122,40 @@ class TenantQuota:
     def forget_tenant(self, tenant: Tenant) -> int:
         """``tenant`` is gone (its instance unregistered or reaped): its objects are charged to no
         tenant from now on (still readable, the first to go when room is needed). Returns how
-        many. Their recency is kept."""
+        many. Their recency is kept. Touches none of them (module doc): O(log orphan runs)."""
         if tenant is None or tenant not in self._charged:
             return 0
-        common = self._lru[None]
-        moved = [o for o in self._objects.values() if o.tenant == tenant]
-        for obj in moved:
-            obj.tenant = None
-            obj.lru = common
-        old = self._lru.pop(tenant, OrderedDict())
-        # merge its evictable objects into the common LRU, keeping one recency order
-        merged = sorted([*(self._objects[k] for k in common), *(self._objects[k] for k in old)],
-                        key=lambda o: o.used)
-        common.clear()
-        for obj in merged:
-            common[obj.key] = None
-        self._charged[None] = self._charged.get(None, 0) + self._charged.pop(tenant)
-        return len(moved)
+        account = self._accounts.pop(tenant)
+        run = self._lru.pop(tenant)
+        moved = self._charged.pop(tenant)
+        account.tenant = None
+        account.lru = self._lru[None]
+        self._charged[None] = self._charged.get(None, 0) + moved
+        if run:
+            self._orphan_seq += 1
+            heapq.heappush(self._orphans, (self._objects[next(iter(run))].used, self._orphan_seq, run))
+            if len(self._orphans) > self._orphans_compact_at:
+                live = [entry for entry in self._orphans if entry[2]]
+                heapq.heapify(live)
+                self._orphans = live
+                self._orphans_compact_at = max(_MIN_COMPACT, 2 * len(live))
+        return moved
+
+    def _oldest_orphan(self) -> _Object | None:
+        """The least recently used object of the orphan runs (the heap's top, put right)."""
+        heap = self._orphans
+        objects = self._objects
+        while heap:
+            used, seq, run = heap[0]
+            if not run:
+                heapq.heappop(heap)
+                continue
+            head = objects[next(iter(run))]
+            if head.used != used:  # its head left or was touched since: a later one now
+                heapq.heapreplace(heap, (head.used, seq, run))
+                continue
+            return head
+        return None
 
     def _check_quota(self) -> None:
         """The module doc's invariants on charges and LRU sets (``L1Index.check_invariants``
@@ -113,20 +165,33 @@ class TenantQuota:
             charged[obj.tenant] = charged.get(obj.tenant, 0) + 1
         assert charged == self._charged, "tenant charges"
         assert self._lru.keys() == self._charged.keys() | {None}, "LRU sets are not the charged tenants'"
-        assert sum(len(lru) for lru in self._lru.values()) == sum(
+        assert self._accounts.keys() == self._lru.keys(), "accounts are not the charged tenants'"
+        for tenant, account in self._accounts.items():
+            assert account.tenant == tenant and account.lru is self._lru[tenant], f"tenant {tenant!r}'s account"
+        runs = [run for _used, _seq, run in self._orphans if run]
+        assert len({id(run) for run in runs}) == len(runs), "an orphan run twice on the heap"
+        for used, _seq, run in self._orphans:
+            if run:
+                assert used <= self._objects[next(iter(run))].used, "an orphan run's key after its head"
+                uses = [self._objects[k].used for k in run]
+                assert uses == sorted(uses), "an orphan run out of recency order"
+                assert all(self._objects[k].tenant is None for k in run), "a charged object in an orphan run"
+        assert sum(len(lru) for lru in self._lru.values()) + sum(len(run) for run in runs) == sum(
             1 for o in self._objects.values() if o.writer is None and not o.readers), "LRU sizes"
         for tenant, lru in self._lru.items():
             uses = [self._objects[k].used for k in lru]
             assert uses == sorted(uses), f"tenant {tenant!r}'s LRU out of recency order"
 
-    def _charge(self, tenant: Tenant | None) -> OrderedDict[ObjectKey, None]:
-        """One more object is charged to ``tenant``; returns the tenant's LRU set (the object's
-        ``lru``), made if this is its first."""
-        lru = self._lru.get(tenant)
-        if lru is None:
-            lru = self._lru[tenant] = OrderedDict()
+    def _charge(self, tenant: Tenant | None) -> Account:
+        """One more object is charged to ``tenant``; returns the tenant's account (made, with
+        its LRU set, if this is its first)."""
+        account = self._accounts.get(tenant)
+        if account is None:
+            lru: _Run = OrderedDict()
+            self._lru[tenant] = lru
+            account = self._accounts[tenant] = Account(tenant, lru)
         self._charged[tenant] = self._charged.get(tenant, 0) + 1
-        return lru
+        return account
 
     def _uncharge(self, tenant: Tenant | None) -> None:
         n = self._charged[tenant] - 1
@@ -136,21 +201,28 @@ class TenantQuota:
             del self._charged[tenant]
             if tenant is not None:
                 self._lru.pop(tenant, None)  # empty: its objects are gone
+                self._accounts.pop(tenant, None)
 
-    def _oldest(self, lrus: Iterable[OrderedDict[ObjectKey, None]]) -> _Object | None:
+    def _oldest(self, lrus: Iterable[tuple[Tenant | None, _Run]]) -> _Object | None:
+        """The least recently used head of the ``(tenant, LRU set)`` pairs; the pair of no
+        tenant also stands for the orphan runs."""
         best: _Object | None = None
-        for lru in lrus:
+        for tenant, lru in lrus:
             if lru:
                 obj = self._objects[next(iter(lru))]
                 if best is None or obj.used < best.used:
                     best = obj
+            if tenant is None and self._orphans:
+                obj_ = self._oldest_orphan()
+                if obj_ is not None and (best is None or obj_.used < best.used):
+                    best = obj_
         return best
 
     def _victim(self, requester: Tenant | None) -> _Object | None:
         """The object an eviction for ``requester`` drops (the module doc's quota rules)."""
         share = self.tenant_share
         if share is None:
-            return self._oldest(self._lru.values())
+            return self._oldest(self._lru.items())
         charged = self._charged
         own = self._lru.get(requester) if requester is not None else None
         if own and charged.get(requester, 0) >= share:
@@ -159,7 +231,7 @@ class TenantQuota:
         # the scheduler asking serves) may also take from tenants exactly at their share, so a
         # single engine that fills L1 still gets its L2 hits loaded; never from one below it.
         limit = share - 1 if requester is None else share
-        victim = self._oldest(lru for tenant, lru in self._lru.items() if tenant != requester
+        victim = self._oldest((tenant, lru) for tenant, lru in self._lru.items() if tenant != requester
                               and (tenant is None or charged.get(tenant, 0) > limit))
         if victim is None and own:
             victim = self._objects[next(iter(own))]

@@ -153,6 +153,10 @@ class LookupServer:
         try:
             if self.jobs.accepted is not None:  # an acknowledged lookup's work runs first
                 self._run_accepted(out)
+            elif self.jobs.continuing:  # else one slice of a big lookup's leasing (server_jobs)
+                self._run_accepted(out)
+            if self.index.releasing:  # and one slice of a big request's release (l1_index)
+                self.index.release_slice()
             self._advance(now, out)
             row = self._rows.get(type(event))
             if row is None:
@@ -179,8 +183,9 @@ class LookupServer:
 
     @property
     def deferred_work(self) -> bool:
-        """Whether an acknowledged lookup's work waits for ``run_deferred`` (``ack_first``)."""
-        return self.jobs.accepted is not None
+        """Whether an acknowledged lookup's work waits for ``run_deferred`` (``ack_first``), or a
+        big lookup's leasing (server_jobs) or a big request's release (l1_index) has slices left."""
+        return self.jobs.accepted is not None or bool(self.jobs.continuing) or self.index.releasing
 
     def run_deferred(self) -> list[Effect]:
         """Do the work an acknowledged lookup left (``ServerConfig.ack_first``) and return its
@@ -188,22 +193,32 @@ class LookupServer:
         next ``handle`` runs it first, so no later event sees a difference. The work runs at
         the lookup's own ``now``. Never raises."""
         out: list[Effect] = []
-        if self.jobs.accepted is not None:
+        if self.jobs.accepted is not None or self.jobs.continuing:
             try:
                 self._run_accepted(out)
             except Exception:  # a bug past run_accepted's own guard: counted, nothing waits on it
                 self._counters["internal_errors"] += 1
+        if self.index.releasing:
+            try:
+                self.index.release_slice()
+            except Exception:  # a bug: counted; the next turn's slice tries again
+                self._counters["internal_errors"] += 1
         return out
 
     def _run_accepted(self, out: list[Effect]) -> None:
-        self.jobs.run_accepted(out)
+        """The acknowledged lookup's work if one waits, else one slice of a sliced lookup's."""
+        if self.jobs.accepted is not None:
+            self.jobs.run_accepted(out)
+        else:
+            self.jobs.run_continuing(out)
         if self.ctx.held is not None:  # an L2 read's reservations may have evicted
             self.ctx.report_drops(out)
 
     def next_deadline(self) -> float | None:
         """The earliest time at which ``handle(TimerFired(), t)`` has work to do (may be early)."""
         candidates = [t for t in (self.ctx.timers.next_deadline(), self.jobs.next_tombstone_expiry(),
-                                  self.jobs.reap_queue.next_deadline(), self.index.next_expiry())
+                                  self.jobs.reap_queue.next_deadline(), self.index.next_expiry(),
+                                  self.jobs.next_continuation(), self.index.next_release())
                       if t is not None]
         return min(candidates) if candidates else None
 

@@ -36,6 +36,17 @@ exception in hashing or leasing, e.g. ``MemoryError``): the job then resolves as
 lookup's leases go, ``stats()["lookup_work_failures"]`` counts it and a ``LookupWorkFailed``
 effect tells the runtime to log it -- never a hang or a status left unanswered.
 
+**A big prefix is leased in slices.** Leasing costs the loop about a microsecond per object, and
+a lookup may name 65,536 (2,048 chunks x 32 ranks): a lookup whose chunks x ranks exceed
+``LEASE_SLICE_OBJECTS`` leases at most that many objects per loop turn. Its job stays PENDING
+(status ``None``) with its leasing cursor in ``continuing``; each ``handle`` first runs one slice
+of the oldest (``run_continuing``), ``LookupServer.run_deferred`` one more, and
+``next_deadline`` is due while any is left, so a quiet server finishes it on timer turns. Events
+meanwhile see the job as they see one waiting on L2: a free of its range skips those chunks
+(they still count as hits, as after an L2 read), an end session or reap drops it (its leases so
+far go with it, the rest is never taken), the prefix ends where an object went meanwhile. Once
+the prefix is leased the job goes on as any (L2 step, or its hit count).
+
 The job records (``JobState``, ``PrefetchJob``, ``JobWork``) and the table of live jobs
 (``JobTable``) are in core_sm/job_table.py.
 
@@ -47,7 +58,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +85,21 @@ from mpcache.core_sm.timers import ReapQueue, Timer
 if TYPE_CHECKING:
     from mpcache.core_sm.server import LookupServer
     from mpcache.core_sm.server_l2 import L2Probe, L2Read, L2Work
+
+
+# Objects one loop turn leases for a lookup (module doc); a lookup of at most this many is leased
+# whole, as before.
+LEASE_SLICE_OBJECTS = 2048
+
+
+@attrs.define
+class LeaseSlices:
+    """A lookup whose prefix is being leased a slice per loop turn: the next chunk to lease."""
+
+    job: PrefetchJob
+    serial: int
+    next_chunk: int
+    now: float  # the lookup's: its leases expire as if taken with it
 
 
 @attrs.frozen
@@ -148,6 +174,8 @@ class JobMachine:
         # ack_first: the acknowledged lookup whose work has not run (job, event, its now). At
         # most one: every handle runs it before anything else.
         self.accepted: tuple[PrefetchJob, Lookup, float] | None = None
+        # lookups whose prefix is leased in slices (module doc), oldest first
+        self.continuing: deque[LeaseSlices] = deque()
         self.dispatch = JOB_TABLE.bind(self, _request_key, self.state, ctx.counters, ctx.reply_error)
 
     # ============================================================================= queries
@@ -310,12 +338,72 @@ class JobMachine:
         ctx, ckey = self.ctx, ev.key
         key = job.key
         ranks = range(ckey.world_size) if ev.ranks is None else ev.ranks
-        prefix = self.server._lease_prefix_for_lookup(key, hashes, ranks, ev.num_readers, now)
+        per_turn = max(1, LEASE_SLICE_OBJECTS // max(1, len(ranks)))
+        sliced = (len(hashes) * len(ranks) > LEASE_SLICE_OBJECTS and ev.num_readers > 0
+                  and self._fixed_lease_hook())
+        first = hashes[:per_turn] if sliced else hashes
+        prefix = self.server._lease_prefix_for_lookup(key, first, ranks, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
         job.work = JobWork(
             serial=ctx.new_id(), model_name=sys.intern(ckey.model_name), world_size=ckey.world_size,
             hashes=pack_hashes(hashes), num_readers=ev.num_readers, l1_prefix=prefix, ranks=ev.ranks,
         )
+        if sliced and prefix == len(first) < len(hashes):
+            self.continuing.append(LeaseSlices(job, job.work.serial, prefix, now))
+            return
+        self._after_l1(job, now, out)
+
+    def _fixed_lease_hook(self) -> bool:
+        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
+
+        return type(self.server)._lease_for_lookup is LookupServer._lease_for_lookup
+
+    def run_continuing(self, out: list[Effect]) -> None:
+        """Lease one slice of the oldest lookup leasing in slices (module doc)."""
+        if not self.continuing:
+            return
+        cont = self.continuing.popleft()
+        job = cont.job
+        if self.jobs.get(job.key) is not job or job.serial != cont.serial:
+            return  # ended or reaped meanwhile: what it leased went with it
+        try:
+            self._lease_slice(cont, out)
+        except Exception as exc:  # a fault of the server: the job must still resolve
+            self._work_failed(job, f"{type(exc).__name__}: {exc}", cont.now, out)
+
+    def _lease_slice(self, cont: LeaseSlices, out: list[Effect]) -> None:
+        job = cont.job
+        work = job.pending()
+        hashes, ranks = job.hashes, job.rank_range()
+        per_turn = max(1, LEASE_SLICE_OBJECTS // max(1, len(ranks)))
+        start = cont.next_chunk
+        chunk_hashes = hashes[start:start + per_turn]
+        index = self.ctx.index
+        freed = work.freed_chunks
+        if freed is None or not any(start + i in freed for i in range(len(chunk_hashes))):
+            prefix = index.lease_prefix(chunk_hashes, ranks, job.key, work.num_readers, cont.now)
+        else:  # a free of this range came meanwhile: those chunks count, unleased
+            prefix, keys = index.readable_prefix(chunk_hashes, ranks)
+            n = len(ranks)
+            index.lease_reads([k for j, k in enumerate(keys) if start + j // n not in freed], job.key,
+                              work.num_readers, cont.now, top_up=True, refresh=True)
+        work.l1_prefix = start + prefix
+        if prefix == len(chunk_hashes) and work.l1_prefix < len(hashes):
+            cont.next_chunk = work.l1_prefix
+            self.continuing.append(cont)
+            return
+        self._after_l1(job, cont.now, out)
+
+    def next_continuation(self) -> float | None:
+        """When the oldest sliced lookup's next slice is due (its lookup's time), or None."""
+        return self.continuing[0].now if self.continuing else None
+
+    def _after_l1(self, job: PrefetchJob, now: float, out: list[Effect]) -> None:
+        """The job's L1 prefix is leased: start its L2 step or know its hit count."""
+        ctx = self.ctx
+        key = job.key
+        prefix = job.l1_prefix
+        hashes = job.pending().hashes
         if ctx.config.l2_enabled and prefix < len(hashes):
             started = (self.l2.start_probe(job, now, out) if ctx.config.l2_probe
                        else self.l2.start_read(job, len(hashes), now, out))
@@ -375,8 +463,14 @@ class JobMachine:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
         key = RequestKey(ev.peer, ckey.request_id)
-        keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
-        self.server._release_for_free_lookup_locks(key, keys, now)
+        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
+
+        if type(self.server)._release_for_free_lookup_locks is LookupServer._release_for_free_lookup_locks:
+            # the fixed hook, in one walk of what the request holds (no key per object named)
+            ctx.index.release_chunks(key, hashes[first:last], ckey.world_size, ReleaseReason.FREE, now)
+        else:
+            keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
+            self.server._release_for_free_lookup_locks(key, keys, now)
         job = self.jobs.get(key)
         if job is not None and job.work is not None:
             work = job.work
@@ -444,9 +538,10 @@ class JobMachine:
         index = self.ctx.index
         work = job.pending()
         upto = work.l1_prefix
-        for i in range(work.l1_prefix, len(work.hashes)):
-            if not all(index.is_readable(k) or k in present
-                       for k in (ObjectKey(work.hashes[i], r) for r in job.rank_range())):
+        hashes, ranks = job.hashes, job.rank_range()
+        for i in range(work.l1_prefix, len(hashes)):
+            h = hashes[i]
+            if not all(k in present or index.is_readable(k) for k in [ObjectKey(h, r) for r in ranks]):
                 break
             upto = i + 1
         if upto > work.l1_prefix and self.l2.start_read(job, upto, now, out):
@@ -465,14 +560,25 @@ class JobMachine:
         work = job.pending()
         key = job.key
         hits = work.l1_prefix
-        for i in range(work.l1_prefix, len(work.hashes)):
-            keys = [ObjectKey(work.hashes[i], r) for r in job.rank_range()]
-            if not all(index.is_readable(k) for k in keys):
+        hashes, ranks, freed = job.hashes, job.rank_range(), work.freed_chunks
+        to_lease: list[ObjectKey] = []
+        for i in range(work.l1_prefix, len(hashes)):
+            h = hashes[i]
+            keys = [ObjectKey(h, r) for r in ranks]
+            if not all(map(index.is_readable, keys)):
                 break
-            if work.num_readers > 0 and (work.freed_chunks is None or i not in work.freed_chunks):
-                for k in keys:
-                    self.server._lease_for_lookup(key, k, work.num_readers, now)
+            if work.num_readers > 0 and (freed is None or i not in freed):
+                to_lease += keys
             hits += 1
+        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
+
+        if type(self.server)._lease_for_lookup is LookupServer._lease_for_lookup:
+            # the fixed hook over the whole extension at once: one expiry entry, not one per object
+            # (a leased object leaves its LRU set, so the hook's touch has nothing to move)
+            index.lease_reads(to_lease, key, work.num_readers, now, top_up=True, refresh=True)
+        else:
+            for k in to_lease:
+                self.server._lease_for_lookup(key, k, work.num_readers, now)
         self.complete(job, hits, now, out)
 
     # ============================================================================= helpers
@@ -524,7 +630,8 @@ class JobMachine:
         self._drop(key)
         self.tombstones.pop(key, None)
         self.answer_waiters(key, 0, out)
-        self.ctx.index.release_owner(key, ReleaseReason.END_SESSION, now)
+        # a big request's leases go a slice per loop turn (l1_index): the reply does not wait
+        self.ctx.index.release_owner_in_slices(key, ReleaseReason.END_SESSION, now)
         self.repeats.pop(key, None)
 
     def reap(self, keys: Sequence[RequestKey], now: float, out: list[Effect]) -> None:
@@ -534,7 +641,7 @@ class JobMachine:
                 continue
             self.ctx.counters["reaped_jobs"] += 1
             self.answer_waiters(key, 0, out)
-            self.ctx.index.release_owner(key, ReleaseReason.REAP, now)
+            self.ctx.index.release_owner_in_slices(key, ReleaseReason.REAP, now)
             self.repeats.pop(key, None)
 
     def check_invariants(self) -> None:
@@ -546,6 +653,9 @@ class JobMachine:
             assert key not in self.tombstones, "a live job and a tombstone for one request"
             if job.accepted:
                 assert self.accepted is not None and self.accepted[0] is job, "an accepted job not waiting to run"
+            elif job.hits is None and any(c.job is job and c.serial == job.serial for c in self.continuing):
+                assert not self.l2.is_reading(job.read_id) and not self.l2.is_probing(job.probe_id), \
+                    "a job leasing its prefix in slices has no L2 step yet"
             elif job.hits is None:
                 assert self.l2.is_reading(job.read_id) != self.l2.is_probing(job.probe_id), \
                     "pending job: one L2 step"

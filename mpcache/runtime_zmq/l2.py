@@ -11,7 +11,8 @@ Contract of every tier (`L2Tier`):
 * `write(key, data) -> None`: stores `data` under `key`, replacing any previous value. Readers
   never see a partial value.
 * `contains(key) -> bool`: whether a `read` now would most likely return a value.
-* `read_many(keys)` / `write_many(items)`: the same, batched (one round trip on Redis).
+* `read_many(keys)` / `write_many(items)`: the same, batched (on Redis: pipelined, spread over a few
+  pooled connections; `read_many` may return `bytearray` values).
 * `close()`: releases files, locks and connections; idempotent. Calls after `close` raise
   `L2Error`.
 * `name`: a printable description for logs and metrics, with no password in it.
@@ -93,7 +94,7 @@ class L2Tier(Protocol):
 
     def contains(self, key: bytes) -> bool: ...
 
-    def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+    def read_many(self, keys: Sequence[bytes]) -> Sequence[bytes | bytearray | None]: ...
 
     def write_many(self, items: Sequence[tuple[bytes, bytes]]) -> None: ...
 
@@ -562,6 +563,63 @@ def _unlink_quietly(path: str) -> None:
 DEFAULT_REDIS_PREFIX = b"mpcache:"
 DEFAULT_REDIS_TIMEOUT_S = 2.0
 DEFAULT_REDIS_POOL = 16
+# Connections one batch is spread over (each carries a pipelined share): one connection moves a
+# 32 MiB value at what one core can copy, and the L2 worker's threads share the pool, so a batch
+# takes at most this many of its connections.
+REDIS_SPREAD = 4
+
+
+class _ReplyReader:
+    """Reads RESP replies off a redis-py connection's socket: a bulk string lands in one buffer
+    by ``recv_into`` (redis-py's own parser copies a large value through several Python buffers:
+    it read 32 MiB values at a third of the socket's speed). Accepts RESP2 and RESP3 nulls."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(b"\r\n")
+            if end >= 0:
+                line = bytes(self._buf[:end])
+                del self._buf[: end + 2]
+                return line
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("connection closed by the server")
+            self._buf += chunk
+
+    def bulk(self) -> bytearray | None:
+        """The next reply as a value (None: a null), or a ``ValueError`` naming an error reply."""
+        line = self._line()
+        kind = line[:1]
+        if kind == b"_" or line == b"$-1":
+            return None
+        if kind == b"-":
+            raise ValueError(line[1:].decode("utf-8", "replace"))
+        if kind != b"$":
+            raise ValueError(f"unexpected reply {line[:32]!r}")
+        n = int(line[1:])
+        out = bytearray(n + 2)  # the value and its CRLF
+        have = min(len(self._buf), n + 2)
+        out[:have] = self._buf[:have]
+        del self._buf[:have]
+        view = memoryview(out)
+        try:
+            while have < n + 2:
+                got = self._sock.recv_into(view[have:])
+                if not got:
+                    raise ConnectionError("connection closed by the server")
+                have += got
+        finally:
+            view.release()
+        del out[n:]
+        return out
+
+
+def _pack_command(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 _REDIS_PARAMS = {"ttl", "timeout", "pool", "prefix", "password_file", "ca", "cert", "key"}
 
 
@@ -670,6 +728,9 @@ class RedisTier:
         except ValueError as e:
             raise L2Error(f"redis tier {self.name}: bad URL: {e}") from e
         self._client = redis.Redis(connection_pool=self._pool)
+        self._spread = max(1, min(REDIS_SPREAD, pool_size))
+        self._executor: Any = None  # a ThreadPoolExecutor, made at the first spread batch
+        self._executor_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str) -> RedisTier:
@@ -715,28 +776,113 @@ class RedisTier:
     def delete(self, key: bytes) -> None:
         self._call("DEL", lambda c: c.delete(self._prefix + key))
 
-    def read_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def read_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:
+        """The values of ``keys`` (bytearrays; None: absent): pipelined GETs spread over up to
+        ``REDIS_SPREAD`` pooled connections at once, each value read off its socket into one
+        buffer (``_ReplyReader``)."""
         if not keys:
             return []
-        values = self._call("MGET", lambda c: c.mget([self._prefix + k for k in keys]))
-        return [None if v is None else bytes(v) for v in values]
+        out: list[bytes | bytearray | None] = [None] * len(keys)
+
+        def share(indexes: Sequence[int]) -> None:
+            values = self._get_on_one_connection([keys[i] for i in indexes])
+            for i, value in zip(indexes, values):
+                out[i] = value
+
+        self._spread_over_connections("GET (pipelined)", len(keys), share)
+        return out
 
     def write_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """SET each item: pipelined, spread over up to ``REDIS_SPREAD`` pooled connections at once
+        (redis-py sends a large value as its own buffer, uncopied)."""
         if not items:
             return
 
-        def run(c: Any) -> Any:
-            pipe = c.pipeline(transaction=False)
-            for key, data in items:
+        def share(indexes: Sequence[int]) -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for i in indexes:
+                key, data = items[i]
                 pipe.set(self._prefix + key, data, ex=self._ttl_s)
-            return pipe.execute()
+            pipe.execute()
 
-        self._call("SET (pipelined)", run)
+        self._spread_over_connections("SET (pipelined)", len(items), share)
+
+    def _spread_over_connections(self, what: str, n: int, share: Any) -> None:
+        """Run ``share(indexes)`` for ``n`` items dealt round-robin into at most ``_spread``
+        shares, each on its own thread and connection (one share: on this thread); the first
+        failure is raised as an ``L2Error``."""
+        if self._closed:
+            raise L2Error(f"redis tier {self.name}: tier is closed")
+        k = min(n, self._spread)
+        shares = [range(j, n, k) for j in range(k)]
+        errors: list[BaseException | None]
+        try:
+            if k == 1:
+                share(shares[0])
+                return
+            futures = [self._pool_executor().submit(share, s) for s in shares]
+            errors = [f.exception() for f in futures]
+        except Exception as exc:
+            errors = [exc]
+        for e in errors:
+            if e is None:
+                continue
+            if isinstance(e, L2Error):
+                raise e
+            if isinstance(e, self._redis.exceptions.RedisError):
+                raise translate_redis_error(self._redis, self.name, e, what) from e
+            if isinstance(e, (OSError, ConnectionError)):
+                raise L2Unavailable(f"redis tier {self.name}: unreachable ({what}): {e}") from e
+            raise L2Error(f"redis tier {self.name}: {what} failed: {e}") from e
+
+    def _pool_executor(self) -> Any:
+        with self._executor_lock:
+            if self._closed:
+                raise L2Error(f"redis tier {self.name}: tier is closed")
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                # shared by the L2 worker's threads: room for each of them to spread at once
+                self._executor = ThreadPoolExecutor(max_workers=4 * self._spread,
+                                                    thread_name_prefix="mpcache-l2-redis")
+            return self._executor
+
+    def _get_on_one_connection(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """Pipelined GETs of ``keys`` on one pooled connection, replies read by ``_ReplyReader``.
+        A connection that failed mid-reply is dropped, never reused."""
+        conn = self._pool.get_connection()
+        clean = False
+        try:
+            conn.send_packed_command([b"".join(_pack_command(b"GET", self._prefix + k) for k in keys)])
+            reader = _ReplyReader(conn._sock)
+            values: list[bytearray | None] = []
+            error: str | None = None
+            for _ in keys:
+                try:
+                    values.append(reader.bulk())
+                except ValueError as e:  # an error reply: the others still follow on the socket
+                    values.append(None)
+                    # a key holding another type is a miss, as MGET answered it; any other
+                    # error (no permission, ...) fails the batch
+                    if not str(e).startswith("WRONGTYPE") and error is None:
+                        error = str(e)
+            clean = True
+            if error is not None:
+                raise self._redis.exceptions.ResponseError(error)
+            return values
+        finally:
+            if not clean:
+                conn.disconnect()
+            self._pool.release(conn)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
         self._pool.disconnect()
 
     def __repr__(self) -> str:

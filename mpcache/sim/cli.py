@@ -519,7 +519,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plot hit rate vs L1 size into FILE.png, .svg or .pdf "
                         "(needs matplotlib: pip install 'mpcache[plot]')")
     p.set_defaults(func=cmd_sweep)
+    p = sub.add_parser("trace-hits", help="hit rate of L1's eviction vs Belady and an infinite cache on "
+                                          "synthetic Mooncake- and Bailian-shaped traces (mpcache.sim.trace_hits)")
+    p.add_argument("--traces", default="mooncake,bailian", help="comma-separated (default: %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=1500, help="requests per trace (default: %(default)s)")
+    p.add_argument("--capacities", default="0.02,0.05,0.2",
+                   help="L1 sizes as fractions of a trace's distinct blocks (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.set_defaults(func=_cmd_trace_hits)
     return parser
+
+
+def _cmd_trace_hits(args: argparse.Namespace) -> int:
+    from mpcache.sim.trace_hits import table
+
+    print("\n".join(table(args.traces.split(","), args.requests,
+                           [float(f) for f in args.capacities.split(",")], args.seed)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
