@@ -32,7 +32,8 @@ from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
-from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, transfer_op_timeout
+from mpcache.core_sm.lookup_client import LookupClient
 from mpcache.core_sm.messages import (
     CopyFinished,
     EngineFinished,
@@ -183,6 +184,10 @@ class ConnectorConfig:
                 )
             kwargs[name] = value
         return cls(**kwargs)
+
+    def settings(self) -> ConnectorSettings:
+        """What these settings say to the client machines (core_sm's configuration builder)."""
+        return ConnectorSettings(request_timeout=self.request_timeout_s, lookup_status_wait=self.lookup_status_wait)
 
     def server_for_rank(self, rank: int, world_size: int) -> str:
         """The server a worker rank stores to and loads from."""
@@ -404,19 +409,9 @@ class SchedulerAdapter(_MachineShell):
             chunk_size = _agreed_chunk_size(links, config.chunk_size)
             if config.chunk_size is not None and config.chunk_size != chunk_size:
                 raise ValueError(f"mpcache.chunk_size is {config.chunk_size} but the server uses {chunk_size}")
-            lookups = LookupClient(
-                LookupClientConfig(
-                    num_servers=len(links.urls),
-                    model_name=model_name,
-                    world_size=world_size,
-                    chunk_size=chunk_size,
-                    # Every request has its own timeout; this bounds the whole lookup too.
-                    lookup_timeout=2 * config.request_timeout_s,
-                    # a waiting status query is answered within its wait, well inside the request timeout
-                    use_wait=config.lookup_status_wait,
-                    wait_timeout=min(1.0, config.request_timeout_s / 2),
-                )
-            )
+            lookups = LookupClient(lookup_client_config(config.settings(), num_servers=len(links.urls),
+                                                        model_name=model_name, world_size=world_size,
+                                                        chunk_size=chunk_size))
             planner_config = PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
                                            load=load, store=store, lookup_wait=config.lookup_wait_ms / 1000.0,
                                            lookup_wait_idle=config.lookup_wait_idle_ms / 1000.0,
@@ -654,7 +649,7 @@ class WorkerAdapter(_MachineShell):
                     object_bytes=object_bytes,
                     engine_driven=engine_driven,
                     server=0,
-                    op_timeout=self.request_timeout_s,
+                    op_timeout=transfer_op_timeout(ConnectorSettings(self.request_timeout_s)),
                 )
             )
         self._handle(ServerHealth(0, self._links.healthy(0)))

@@ -16,6 +16,7 @@ import attrs
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, Reply
 from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
 from mpcache.core_sm.health import HealthMonitor, Register, RegistrationFailed
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
@@ -48,7 +49,8 @@ class Profile:
     transfer_client_class: type[TransferClient] = TransferClient
     planner_class: type[StepPlanner] = StepPlanner
     health_monitor_class: type[HealthMonitor] = HealthMonitor
-    lookup_timeout: float | None = None  # None: the world's knob
+    lookup_timeout: float | None = None  # None: the connector's (two request timeouts)
+    lookup_status_wait: bool = True  # the connector's default: status by WAIT_PREFETCH_STATUS
     # Simulated worlds last seconds, so the server reaps a silent instance after 4 s, not the
     # production 60: longer than the heartbeat timeout (2.5 s) and the longest scheduled partition
     # (3 s), so a live worker is reaped only after it has seen the server down (and registers
@@ -87,16 +89,16 @@ class Profile:
         return self.server_class(self.server_config(cfg))
 
     def make_lookup_client(self, cfg: WorldConfig) -> LookupClient:
-        return self.lookup_client_class(LookupClientConfig(
-            num_servers=cfg.num_servers,
-            model_name=MODEL,
-            world_size=cfg.tp,
-            chunk_size=cfg.chunk_size,
-            num_readers=1,
-            poll_interval=0.005,
-            lookup_timeout=cfg.lookup_timeout if self.lookup_timeout is None else self.lookup_timeout,
-            result_ttl=60.0,
-        ))
+        """The connector's lookup client as core_sm's builder makes it from the world's settings
+        (status by WAIT_PREFETCH_STATUS, the lookup bounded by two request timeouts); a profile
+        varies it by name (``lookup_timeout``, ``lookup_status_wait``)."""
+        config = lookup_client_config(settings_of(cfg, self), num_servers=cfg.num_servers, model_name=MODEL,
+                                      world_size=cfg.tp, chunk_size=cfg.chunk_size)
+        # results kept a minute: a simulated world lasts about that long
+        config = attrs.evolve(config, result_ttl=60.0)
+        if self.lookup_timeout is not None:
+            config = attrs.evolve(config, lookup_timeout=self.lookup_timeout)
+        return self.lookup_client_class(config)
 
     def make_planner(self, cfg: WorldConfig) -> StepPlanner:
         """The scheduler's machine: the planner MPCacheConnector runs, over this profile's
@@ -465,6 +467,12 @@ class ActFirst(Profile):
     also = ("F22",)
     description = "server runtime: registers with its transfer engine before core_sm's ownership check"
     act_before_decide = True
+
+
+def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
+    """The connector settings of the simulated world (its heartbeat knobs, production's others)."""
+    return ConnectorSettings(request_timeout=cfg.request_timeout, lookup_status_wait=profile.lookup_status_wait,
+                             heartbeat_interval=cfg.heartbeat_interval, heartbeat_timeout=cfg.heartbeat_timeout)
 
 
 PROFILES: dict[str, Profile] = {

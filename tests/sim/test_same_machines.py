@@ -47,3 +47,36 @@ def test_the_simulator_drives_the_health_monitor_the_zmq_client_drives() -> None
     beats = [links for engine in world.engines for links in engine.links]
     assert beats and {type(m) for links in beats for m in links.monitors} == {HealthMonitor}
     assert sum(m.stats()["heartbeats_sent"] for links in beats for m in links.monitors) > 0
+
+
+def test_the_simulator_builds_its_configs_as_the_connector_does() -> None:
+    """Equal classes are not enough: the configs too. The connector and the simulator build the
+    lookup client's config and every link's with core_sm's builders; the simulated world differs
+    only where it names a variation."""
+    import attrs
+
+    from mpcache.core_sm.client_config import lookup_client_config
+    from mpcache.runtime_zmq.adapters import ConnectorConfig
+    from mpcache.runtime_zmq.client import MPCacheClient
+    from mpcache.sim.engine import MODEL, sim_link_config
+    from mpcache.sim.profiles import PROFILES
+
+    world = draw_scenario(3).config
+    connector = ConnectorConfig()
+    production = lookup_client_config(connector.settings(), num_servers=world.num_servers, model_name=MODEL,
+                                      world_size=world.tp, chunk_size=world.chunk_size)
+    simulated = PROFILES["default"].make_lookup_client(world).config
+    assert simulated.use_wait and production.use_wait  # honest clients wait, as production's do
+    assert attrs.evolve(simulated, result_ttl=production.result_ttl) == production  # named: a minute's results
+    client = MPCacheClient("tcp://127.0.0.1:1", request_timeout=connector.request_timeout_s, wait_connected=False,
+                           connect_timeout=0.2)
+    try:
+        production_link = client.link.config
+    finally:
+        client.close()
+    simulated_link = sim_link_config(world)
+    # named: the world's heartbeat timeout and backoff, and an engine that starts with its
+    # servers up (the connector waits for them before it serves)
+    named = attrs.evolve(simulated_link.health, timeout=production_link.health.timeout,
+                         backoff_max=production_link.health.backoff_max, initially_healthy=False)
+    assert attrs.evolve(simulated_link, health=named) == production_link

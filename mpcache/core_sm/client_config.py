@@ -1,0 +1,59 @@
+"""The one configuration builder: a connector's settings -> the configs of its client machines.
+
+The vLLM adapters (``mpcache.runtime_zmq.adapters``) and the simulator (``mpcache.sim.profiles``)
+both build their machines' configs here, so the simulated world runs production's defaults; a
+simulator profile varies from them by name. Inputs are the connector's settings in core_sm's units
+(seconds); outputs are the machines' own frozen configs.
+
+* ``ConnectorSettings``: the settings that decide a machine's behaviour (not where it connects).
+* ``lookup_client_config``: the scheduler's ``LookupClient`` -- its whole lookup bounded by two
+  request timeouts, status by ``WAIT_PREFETCH_STATUS`` (answered within half a request timeout,
+  at most 1 s) unless ``lookup_status_wait`` is off.
+* ``transfer_op_timeout``: a worker op's own timeout (the request timeout).
+* ``link_config``: every connection's ``ServerLink`` (``server_link.client_link_config``).
+"""
+from __future__ import annotations
+
+import attrs
+
+from mpcache.core_sm.lookup_ops import LookupClientConfig
+from mpcache.core_sm.server_link import ServerLinkConfig, client_link_config
+
+
+@attrs.frozen
+class ConnectorSettings:
+    request_timeout: float = 5.0  # a request with no reply after this long fails
+    lookup_status_wait: bool = True  # WAIT_PREFETCH_STATUS instead of polling
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 3.0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, not {self.request_timeout!r}")
+
+
+def lookup_client_config(settings: ConnectorSettings, *, num_servers: int, model_name: str, world_size: int,
+                         chunk_size: int) -> LookupClientConfig:
+    return LookupClientConfig(
+        num_servers=num_servers,
+        model_name=model_name,
+        world_size=world_size,
+        chunk_size=chunk_size,
+        # every request has its own timeout; this bounds the whole lookup too
+        lookup_timeout=2 * settings.request_timeout,
+        use_wait=settings.lookup_status_wait,
+        # a waiting status query is answered within its wait, well inside the request timeout
+        wait_timeout=min(1.0, settings.request_timeout / 2),
+    )
+
+
+def transfer_op_timeout(settings: ConnectorSettings) -> float:
+    return settings.request_timeout
+
+
+def link_config(settings: ConnectorSettings, *, heartbeat_backoff_max: float | None = None,
+                reconnect_ivl_max: float = 1.0) -> ServerLinkConfig:
+    return client_link_config(request_timeout=settings.request_timeout,
+                              heartbeat_interval=settings.heartbeat_interval,
+                              heartbeat_timeout=settings.heartbeat_timeout,
+                              heartbeat_backoff_max=heartbeat_backoff_max, reconnect_ivl_max=reconnect_ivl_max)
