@@ -433,30 +433,6 @@ class IdleReap(Profile):
     link_class = NoReregisterLink
 
 
-# no-reregister: a transport that parks a request refused not_registered and never registers
-# the instance again, nor gives the request up: it waits on a registration that never comes (no
-# deadline runs while it is parked). Caught by the transport oracle (nothing parked after
-# quiescence); the instance may also show as never registered again (F19/F13) first.
-class ParkForeverLink(ServerLink):
-    def _do_register(self, effect: Register, now: float, out: list[Any]) -> None:
-        return None
-
-    def _on_timer(self, ev: Any, now: float, out: list[Any]) -> None:
-        parked = {uid: p for uid, p in self._pending.items() if p.refusal is not None}
-        for uid in parked:
-            del self._pending[uid]
-        super()._on_timer(ev, now, out)
-        self._pending.update(parked)
-
-
-class NoReregister(Profile):
-    name = "no-reregister"
-    failure = "LIVENESS"
-    also = ("F19", "F13")
-    description = "client link: after not_registered it parks the request forever and never registers again"
-    link_class = ParkForeverLink
-
-
 # act-first (F23): the runtime before "decide, then act" -- it registered (and unregistered) an
 # instance with its GPU transfer engine on receipt, then asked core_sm, which refused a foreign
 # peer FORBIDDEN; the engine's "re-registering replaces" had already put the other peer's
@@ -479,7 +455,7 @@ PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
-              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst(), NoReregister())
+              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 
