@@ -13,6 +13,7 @@ from mpcache.core_sm.messages import (
     CacheKey,
     Clear,
     CommitTransfer,
+    InstanceFailed,
     EndSession,
     FreeLookupLocks,
     Lookup,
@@ -293,3 +294,50 @@ def test_l1_is_shared_by_peers_not_by_the_instances_one_peer_registers() -> None
     assert h.server.index.charged(("peer", B)) > 0
     h.result(_call(h, UnregisterInstance(115), B))
     assert h.server.index.charged(("peer", B)) == 0
+
+
+@pytest.mark.parametrize("gone", ["reaped", "failed"])
+def test_a_reaped_or_failed_id_stays_its_owners_for_a_while(gone: str) -> None:
+    """Hostile finding 4: after a reap, another peer registered the victim's id and locked the
+    victim out. The id now stays the old owner's for reserved_id_ttl."""
+    h = ServerHarness(instance_ttl=10.0, reserved_id_ttl=100.0)
+    _register(h, 1, A)
+    _register(h, 2, B)
+    assert h.result(_call(h, Ping(1), A)) is True  # a heartbeating instance
+    assert h.server.index.tenant_share == 32  # two tenants
+    if gone == "reaped":
+        h.advance(11.0)
+        assert h.server.stats()["instances_reaped"] == 1
+    else:
+        h.now += 11.0
+        h.feed(InstanceFailed(1, "event never fired"))
+    assert h.server.instances.registration(1) is None
+    # the silent instance no longer counts: B is L1's only tenant
+    assert h.server.index.tenant_share == 64
+    # another peer cannot take the id while it is kept; nothing changes
+    assert h.error_kind(_call(h, RegisterInstance(1, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN
+    assert h.server.instances.registration(1) is None and h.server.index.tenant_share == 64
+    # the owner can (its client registers again on NOT_REGISTERED)
+    assert h.error_kind(_call(h, Store(key("w", TOKS, worker_id=0), 1), A)) is ErrorKind.NOT_REGISTERED
+    _register(h, 1, A)
+    assert _stored(h, TOKS, 1, A) == StoreResult(True, 3, 0)
+    # an unregister frees the id at once, and a kept id is free after reserved_id_ttl
+    assert h.result(_call(h, UnregisterInstance(1), A)) is None
+    _register(h, 1, B)
+    assert h.result(_call(h, Ping(1), B)) is True
+    h.advance(11.0)
+    assert h.error_kind(_call(h, RegisterInstance(1, MODEL, 1, 10), A)) is ErrorKind.FORBIDDEN
+    h.now += 100.0
+    _register(h, 1, A)
+
+
+def test_reserved_ids_are_bounded() -> None:
+    h = ServerHarness(instance_ttl=10.0, max_reserved_ids=3, max_instances_per_peer=8)
+    for iid in range(1, 6):
+        _register(h, iid, A)
+        h.result(_call(h, Ping(iid), A))
+    h.advance(11.0)
+    assert h.server.stats()["instances_reaped"] == 5
+    assert list(h.server.instances.reserved) == [3, 4, 5]  # the oldest went first
+    _register(h, 1, B)
+    assert h.error_kind(_call(h, RegisterInstance(5, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN

@@ -1,0 +1,48 @@
+"""Hostile clients, second round, against a real server process: a reaped id stays its owner's,
+an engine-driven store is written before it is served, a message that never ends is bounded, a
+routing id is no bearer secret, and the IPC socket and logs stay tidy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+
+from live_server import RawDealer, ServerProcess, wait_for
+from mpcache.runtime_zmq.client import MPCacheClient, RemoteError
+from test_server_ops import OBJ_BYTES, key, register, store_chunks, tokens
+
+P = msgpack.packb
+
+
+def _error_kind(reply: list[bytes]) -> str:
+    assert reply[1] == P("error"), reply[:3]
+    return str(msgpack.unpackb(reply[2], raw=False)["kind"])
+
+
+def _layout() -> dict[str, Any]:
+    return {"model_name": "m", "world_size": 1, "object_bytes": OBJ_BYTES, "engine_driven": True}
+
+
+def test_a_reaped_instance_id_is_not_anyones(start_server: Callable[..., ServerProcess]) -> None:
+    # Finding 4: once the victim's instance was reaped, an attacker registered the victim's id
+    # and the victim was locked out (forbidden) for good. The id now stays the victim's.
+    ttl = 1.0
+    sp = start_server("--instance-ttl", str(ttl))
+    victim = MPCacheClient(sp.url, request_timeout=5.0, heartbeat_interval=30.0, heartbeat_timeout=60.0)
+    attacker = RawDealer(sp.url)
+    try:
+        register(victim, 5)
+        assert victim.ping(5) is True  # watched from its first heartbeat on, then silent
+        assert wait_for(lambda: victim.stats()["instances_reaped"] == 1, timeout=5 * ttl)
+        reply = attacker.request([P(1), P("register_instance"), P(5), P(_layout())])
+        assert _error_kind(reply) == "forbidden"
+        # the victim's next store finds its instance reaped, registers it again and completes
+        assert store_chunks(victim, tokens(2, seed=3), "w", iid=5, seed=3)["ok"]
+        assert victim._monitor.stats()["reregistrations"] == 1
+    finally:
+        attacker.close()
+        victim.close()
