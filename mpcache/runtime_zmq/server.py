@@ -742,6 +742,8 @@ class Server:
             self._attach(eff)  # type: ignore[arg-type]
         elif t is fx.DetachInstance:
             self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
+        elif t is fx.ScrubSlots:  # before the plan's reply: a commit never serves a slot's old bytes
+            self.pool.zero(eff.slots, eff.nbytes)  # type: ignore[attr-defined]
         elif t is fx.LookupWorkFailed:  # a server fault after the ack: the job answers 0 hits
             now = self.clock()  # counted by core_sm (stats()["lookup_work_failures"])
             if now - self._last_work_failure_log >= 1.0:  # a fault on every lookup: a line a second

@@ -18,6 +18,7 @@ from mpcache.core_sm.messages import (
     FreeLookupLocks,
     Lookup,
     Ping,
+    PrepareRetrieve,
     PrepareStore,
     QueryPrefetchStatus,
     RegisterInstance,
@@ -341,3 +342,21 @@ def test_reserved_ids_are_bounded() -> None:
     assert list(h.server.instances.reserved) == [3, 4, 5]  # the oldest went first
     _register(h, 1, B)
     assert h.error_kind(_call(h, RegisterInstance(5, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN
+
+
+def test_an_engine_driven_store_plan_zeroes_its_slots_before_its_reply() -> None:
+    """Hostile finding 8: a commit without writing served the slot's previous bytes. The plan's
+    slots are scrubbed (ScrubSlots, the object's bytes) before the reply that hands them out."""
+    from mpcache.core_sm.effects import Reply, ScrubSlots
+
+    h = ServerHarness()
+    _register(h, 1, A, engine_driven=True)
+    effects = h.server.handle(PrepareStore(key("w", TOKS, worker_id=0), 1, peer=A, reply_to="p"), h.now)
+    assert [type(e) for e in effects] == [ScrubSlots, Reply], effects
+    plan = effects[1].result
+    assert isinstance(plan, TransferPlan) and plan.ok and len(plan.placements) == 3
+    assert effects[0] == ScrubSlots([slot for _c, slot in plan.placements], 10)
+    h.server.handle(CommitTransfer(plan.transfer_id, True, peer=A, reply_to="c"), h.now)
+    # a retrieve plan writes nothing into L1: nothing to scrub
+    retrieve = h.server.handle(PrepareRetrieve(key("w", TOKS, worker_id=0), 1, peer=A, reply_to="r"), h.now)
+    assert retrieve and not any(isinstance(e, ScrubSlots) for e in retrieve)

@@ -46,3 +46,40 @@ def test_a_reaped_instance_id_is_not_anyones(start_server: Callable[..., ServerP
     finally:
         attacker.close()
         victim.close()
+
+
+def test_an_engine_driven_commit_without_writing_serves_zeros_never_old_bytes(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # Finding 8: commit_store(ok=True) without writing made whatever the slots held READY, and
+    # freed slots are reused lowest-first: a tenant read another tenant's evicted KV. The plan's
+    # slots are now zeroed before the plan is answered.
+    from live_server import ADMIN_TOKEN
+    from mpcache.runtime_zmq.l1_pool import MappedSegment
+
+    sp = start_server()
+    victim = MPCacheClient(sp.url, request_timeout=5.0)
+    attacker = MPCacheClient(sp.url, request_timeout=5.0)
+    try:
+        register(victim, 1)
+        register(attacker, 2)
+        assert store_chunks(victim, tokens(3, seed=5), "v", iid=1, seed=5)["ok"]
+        victim.clear(True, ADMIN_TOKEN).result(5)  # the slots are free again, their bytes kept
+        toks = tokens(3, seed=8)
+        plan = attacker.prepare_store(key(toks, "a", worker_id=0), 2).result(5)
+        assert plan["ok"] and len(plan["placements"]) == 3
+        assert attacker.commit_store(plan["transfer_id"], True).result(5)["ok"]  # nothing written
+        attacker.lookup(key(toks, "r")).result(5)
+        assert attacker.wait_prefetch_status("r", 10.0).result(15) == 3
+        got = attacker.prepare_retrieve(key(toks, "r", worker_id=0), 2).result(5)
+        assert got["ok"] and sorted(s for _c, s, _o in got["placements"]) == sorted(s for _c, s, _o in plan["placements"])
+        seg = MappedSegment(got["segment"], got["slot_bytes"], 1 << 30)
+        try:
+            for _chunk, slot, _off in got["placements"]:
+                assert bytes(seg.view(slot, OBJ_BYTES)) == bytes(OBJ_BYTES)  # zeros, not the victim's
+        finally:
+            seg.close()
+        attacker.commit_retrieve(got["transfer_id"], True).result(5)
+    finally:
+        attacker.close()
+        victim.close()
