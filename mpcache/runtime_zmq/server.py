@@ -29,6 +29,7 @@ import math
 import os
 import queue
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -235,6 +236,23 @@ class CompletionChannel:
             os.close(self._w)
 
 
+class _RepeatsAtDebug(logging.Filter):
+    """While ``quiet``, this logger's INFO lines are DEBUG: a registration repeated with the same
+    fields (the client's transport and machine both register again after a reconnect or restart;
+    it keeps its registration id) is not a new instance, so one line per registration stays at
+    INFO (operators read them) and the repeats go to DEBUG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.quiet or record.levelno != logging.INFO:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return log.isEnabledFor(logging.DEBUG)
+
+
 class Server:
     def __init__(
         self,
@@ -287,6 +305,10 @@ class Server:
         self._event_handles: dict[ReplyTo, bytes] = {}
         # object sizes, so a write-behind copies only the bytes an object fills in its slot
         self._registering_layout: Any = None  # the registration core_sm is handling (AttachInstance)
+        # the registration being handled and the id its instance had before (a repeat keeps it)
+        self._prior_registration: tuple[ReplyTo, int | None] | None = None
+        self._repeats_at_debug = _RepeatsAtDebug()
+        log.addFilter(self._repeats_at_debug)
         self._transfers_in_flight = 0
         self._stopping = False
         self._last_answered: Any = None  # the last request answered (to never answer twice)
@@ -308,6 +330,7 @@ class Server:
         self._trim = TrimAfterReap()  # memory back to the OS once the reaper dropped a burst of jobs
         self.ctx = zmq.Context()
         self.authenticator: auth.CurveServer | None = None
+        self._ipc_socket: tuple[str, int, int] | None = None  # path, device, inode: removed at stop
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # a client that reconnects under its identity gets it back (its requests stay its own)
@@ -359,7 +382,23 @@ class Server:
         group = auth.prepare_ipc_path(path, self.config.ipc_group)
         self.sock.bind("ipc://" + path)
         auth.restrict_ipc_socket(path, group)
+        st = os.lstat(path)
+        self._ipc_socket = (path, st.st_dev, st.st_ino)
         return str(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def _remove_ipc_socket(self) -> None:
+        """A clean stop leaves no socket file behind -- but only this server's: a server that took
+        the path over (a supervisor's replacement) keeps its own socket there."""
+        if self._ipc_socket is None:
+            return
+        path, dev, ino = self._ipc_socket
+        self._ipc_socket = None
+        try:
+            st = os.lstat(path)
+            if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino):
+                os.unlink(path)
+        except OSError:
+            pass  # gone already, or not ours to remove
 
     def _stop_frame_freer(self) -> None:
         self._frames_to_free.put(None)
@@ -368,6 +407,8 @@ class Server:
     def _close_socket(self) -> None:
         # start-up failed after the worker threads started: stop them, leave nothing behind
         self.sock.close(linger=0)
+        self._remove_ipc_socket()
+        log.removeFilter(self._repeats_at_debug)
         self._stop_frame_freer()
         self.l2.close()
         self.executor.close()
@@ -656,10 +697,12 @@ class Server:
         # core_sm decides; only a registration it accepts reaches the transfer engine
         # (AttachInstance, carried out with this layout while the event is handled)
         self._registering_layout = req.args[1]
+        self._prior_registration = (reply_to, self.machine.instances.registration_id(event.instance_id))
         try:
             self._handle(event, now, reply_to)
         finally:
             self._registering_layout = None
+            self._prior_registration = None
         nbytes = event.object_bytes
         registered = self.machine.instances.registration(event.instance_id)
         if registered is not None and registered.object_bytes == nbytes and 0 < nbytes * 4 <= self.pool.slot_bytes:
@@ -853,7 +896,13 @@ class Server:
             self._counts[f"served_ns_{op}"] += int(served * 1e9)
             self._counts[f"served_{op}"] += 1
         self.metrics.request(op, "ok", served)
-        self.metrics.on_reply(rt, op, result)
+        prior = self._prior_registration
+        repeat = prior is not None and prior[0] is rt and prior[1] is not None and result == prior[1]
+        self._repeats_at_debug.quiet = repeat
+        try:
+            self.metrics.on_reply(rt, op, result)
+        finally:
+            self._repeats_at_debug.quiet = False
 
     def _send_error(self, rt: Any, kind: str, message: str) -> None:
         identity, uid_frame, _op_frame, op, t0 = rt
@@ -969,6 +1018,8 @@ class Server:
         if farewell is not None and (left := farewell - self.clock()) > 0:
             time.sleep(left)  # the clients read those replies before their connection drops
         self.sock.close(linger=1000)
+        self._remove_ipc_socket()
+        log.removeFilter(self._repeats_at_debug)
         self._stop_frame_freer()
         if self.authenticator is not None:
             self.authenticator.stop()

@@ -4,6 +4,7 @@ routing id is no bearer secret, and the IPC socket and logs stay tidy."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,3 +84,36 @@ def test_an_engine_driven_commit_without_writing_serves_zeros_never_old_bytes(
     finally:
         attacker.close()
         victim.close()
+
+
+def test_a_clean_stop_removes_the_ipc_socket(start_server: Callable[..., ServerProcess]) -> None:
+    sp = start_server(transport="ipc")
+    path = sp.url[len("ipc://"):]
+    assert os.path.exists(path)
+    with MPCacheClient(sp.url, request_timeout=5.0) as c:
+        assert c.healthy
+    assert sp.terminate() == 0
+    assert not os.path.exists(path)
+    # a supervisor's replacement took the path over: the old server's stop leaves the new socket
+    old = start_server("--ipc", path)
+    new = start_server("--ipc", path)
+    assert old.terminate() == 0
+    with MPCacheClient(new.url, request_timeout=5.0) as c:
+        assert c.health()["pid"] == new.proc.pid
+    assert new.terminate() == 0
+    assert not os.path.exists(path)
+
+
+def test_a_repeated_registration_logs_at_debug(start_server: Callable[..., ServerProcess]) -> None:
+    # The vLLM connector's worker showed three `registration accepted` lines at INFO: its own and
+    # the repeats of its transport and machine (same fields, same registration id).
+    sp = start_server()
+    with MPCacheClient(sp.url, request_timeout=5.0) as c:
+        for _ in range(3):
+            register(c, 3)
+        other = dict(_layout(), object_bytes=OBJ_BYTES // 2)  # other fields: a new registration
+        assert isinstance(c.register_instance(3, other).result(5), int)
+        c.unregister_instance(3).result(5)
+    assert wait_for(lambda: any("instance 3 unregistration accepted" in x for x in sp.log))
+    accepted = [x for x in sp.log if "instance 3 registration accepted" in x]
+    assert len(accepted) == 2, accepted
