@@ -57,6 +57,7 @@ from mpcache.core_sm.messages import (
     InstanceAttached,
     InstanceFailed,
     Peer,
+    PeerGone,
     Ping,
     RegisterInstance,
     ReplyTo,
@@ -83,6 +84,14 @@ class InstanceDeadline(Timer):
 
     instance_id: int
     generation: int
+
+
+@attrs.frozen
+class ReleaseOfGonePeer(Timer):
+    """``PeerGone`` names a peer; the server releases each instance it holds by this event (made
+    there, never sent by a runtime), through this table."""
+
+    instance_id: int
 
 
 @attrs.define
@@ -294,6 +303,21 @@ class InstanceMachine:
     def _on_failed_stale(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
         self.ctx.counters["stale_events"] += 1
 
+    def peer_gone(self, ev: PeerGone, now: float, out: list[Effect]) -> None:
+        """``ev.peer`` can never come back: release its instances, forget the ids kept for it."""
+        for iid in sorted(iid for iid, inst in self.instances.items() if inst.peer == ev.peer):
+            self.dispatch.run(ReleaseOfGonePeer(iid), now, out)
+        for iid in [iid for iid, (peer, _until) in self.reserved.items() if peer == ev.peer]:
+            del self.reserved[iid]
+
+    def _on_release_of_gone_peer(self, ev: ReleaseOfGonePeer, now: float, out: list[Effect]) -> None:
+        gone = self.instances.pop(ev.instance_id)
+        self.ctx.counters["instances_of_gone_peers"] += 1
+        self.transfers.instance_gone(ev.instance_id, now, out)
+        self._tenant_gone(ev.instance_id, gone)
+        if not gone.registration.engine_driven:
+            out.append(DetachInstance(ev.instance_id))
+
     # ============================================================================= reserved ids
 
     def _reserve(self, instance_id: int, peer: Peer, now: float) -> None:
@@ -414,5 +438,6 @@ INSTANCE_TABLE: Table[InstanceState] = Table("LookupServer instances (one instan
     (I.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {I.ABSENT}),
     (I.REGISTERED, InstanceAttached): (InstanceMachine._on_attached, {I.REGISTERED, I.ABSENT}),
     (I.ABSENT, InstanceAttached): (InstanceMachine._on_attached_stale, {I.ABSENT}),
+    (I.REGISTERED, ReleaseOfGonePeer): (InstanceMachine._on_release_of_gone_peer, {I.ABSENT}),
 })
 INSTANCE_TIMERS = (InstanceDeadline,)

@@ -360,3 +360,35 @@ def test_an_engine_driven_store_plan_zeroes_its_slots_before_its_reply() -> None
     # a retrieve plan writes nothing into L1: nothing to scrub
     retrieve = h.server.handle(PrepareRetrieve(key("w", TOKS, worker_id=0), 1, peer=A, reply_to="r"), h.now)
     assert retrieve and not any(isinstance(e, ScrubSlots) for e in retrieve)
+
+
+def test_a_gone_peers_instances_are_released_and_no_id_is_kept_for_it() -> None:
+    """Hostile finding 13: a client without an explicit identity gets a new routing id when it
+    reconnects, so it is a new peer: its old instance was forbidden to it until a reap (and a
+    reaped id is now kept for the old peer). The runtime says PeerGone when such a connection
+    closes: its instances go, and the client registers again by the NOT_REGISTERED path."""
+    from mpcache.core_sm.effects import DetachInstance
+    from mpcache.core_sm.messages import PeerGone
+
+    h = ServerHarness(instance_ttl=10.0)
+    _register(h, 1, A)
+    _register(h, 2, A, engine_driven=True)
+    _register(h, 3, A)
+    _register(h, 7, B)
+    assert h.result(_call(h, Ping(3), A)) is True
+    h.advance(11.0)  # 3 is reaped: kept for A
+    assert h.error_kind(_call(h, RegisterInstance(3, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN
+    plan = h.result(_call(h, PrepareStore(key("w", TOKS, worker_id=0), 2), A))
+    assert isinstance(plan, TransferPlan) and plan.ok
+    effects = h.feed(PeerGone(A))
+    assert [e for e in effects if isinstance(e, DetachInstance)] == [DetachInstance(1)]  # server-driven only
+    assert h.server.instances.registration(1) is None and h.server.instances.registration(2) is None
+    assert h.server.stats()["instances_of_gone_peers"] == 2
+    assert h.error_kind(_call(h, CommitTransfer(plan.transfer_id, True), A)) is not None  # its plan went too
+    assert h.server.index.tenant_share == 64  # B alone
+    # the client reconnected as C: it registers its ids (3 was kept for A, who can never come back)
+    for iid in (1, 2, 3):
+        _register(h, iid, "peer-c")
+    assert h.server.instances.registration(7) is not None  # another peer's instance stays
+    h.feed(PeerGone("peer-nobody"))  # a peer with nothing: nothing changes
+    assert h.server.stats()["instances"] == 4
