@@ -117,3 +117,142 @@ def test_a_repeated_registration_logs_at_debug(start_server: Callable[..., Serve
     assert wait_for(lambda: any("instance 3 unregistration accepted" in x for x in sp.log))
     accepted = [x for x in sp.log if "instance 3 registration accepted" in x]
     assert len(accepted) == 2, accepted
+
+
+def test_a_client_without_identity_registers_again_after_it_reconnects(start_server: Callable[..., ServerProcess]) -> None:
+    # Finding 13: a client without an explicit identity (LMCache's) gets a new routing id when it
+    # reconnects: a new peer, refused (forbidden) its own instance id until a reap. Its old
+    # connection's close now releases its instances, so it registers again.
+    sp = start_server()
+    first = RawDealer(sp.url)
+    assert isinstance(msgpack.unpackb(first.request([P(1), P("register_instance"), P(9), P(_layout())])[2]), int)
+    first.close()
+    second = RawDealer(sp.url)  # the same client, reconnected: zmq gave it another routing id
+    try:
+        def registered() -> bool:
+            reply = second.request([P(2), P("register_instance"), P(9), P(_layout())])
+            return reply[1] != P("error")
+
+        assert wait_for(registered, timeout=5.0, interval=0.1)
+        with MPCacheClient(sp.url, request_timeout=5.0) as c:
+            stats = c.stats()
+        assert stats["instances_of_gone_peers"] == 1 and stats["instances"] == 1
+    finally:
+        second.close()
+
+
+def _dealer(url: str, identity: bytes) -> Any:
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(url)
+    return sock
+
+
+def _ask(sock: Any, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
+    sock.send_multipart(frames)
+    return list(sock.recv_multipart()) if sock.poll(timeout_ms) else None
+
+
+@pytest.mark.parametrize("host, handover", [("127.0.0.1", True), ("0.0.0.0", False)])
+def test_a_routing_id_seen_on_the_network_takes_over_nothing(
+    start_server: Callable[..., ServerProcess], host: str, handover: bool,
+) -> None:
+    # Finding 13: with ROUTER_HANDOVER the routing id is a bearer secret sent in the clear; a
+    # server on a network without CURVE no longer hands a live connection's identity over.
+    sp = start_server("--host", host)
+    url = sp.url.replace("0.0.0.0", "127.0.0.1")
+    identity = b"victim-identity-0123"
+    victim = _dealer(url, identity)
+    try:
+        assert _ask(victim, [P(1), P("register_instance"), P(4), P(_layout())]) is not None
+        attacker = _dealer(url, identity)  # the identity, as read off the wire
+        try:
+            reply = _ask(attacker, [P(2), P("unregister_instance"), P(4)])
+            if handover:  # loopback: only root reads the wire; a reconnecting client gets its own back
+                assert reply == [P(2), P("unregister_instance")]
+            else:
+                assert reply is None  # zmq refused the second connection under that identity
+                assert _ask(victim, [P(3), P("ping"), P(4)]) == [P(3), P("ping"), P(True)]
+        finally:
+            attacker.close(0)
+    finally:
+        victim.close(0)
+
+
+def test_routing_id_handover_only_where_the_id_is_no_secret() -> None:
+    from mpcache.runtime_zmq.server import routing_id_handover
+
+    assert routing_id_handover("ipc:///run/mpcache/s.sock", curve=False)
+    assert routing_id_handover("tcp://127.0.0.1:5555", curve=False)
+    assert routing_id_handover("tcp://[::1]:5555", curve=False)
+    assert routing_id_handover("tcp://localhost:5555", curve=False)
+    assert not routing_id_handover("tcp://0.0.0.0:5555", curve=False)
+    assert not routing_id_handover("tcp://10.1.2.3:5555", curve=False)
+    assert routing_id_handover("tcp://10.1.2.3:5555", curve=True)
+
+
+def _zmtp_dealer(url: str) -> Any:
+    """A raw TCP connection speaking ZMTP 3.0 (NULL): libzmq's own sender holds a multipart message
+    until its last frame, a hostile one sends the frames as it makes them."""
+    import socket
+    import struct
+
+    host, _, port = url[len("tcp://"):].rpartition(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    s.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    return s
+
+
+@pytest.mark.parametrize("frames", ["1 MiB frames", "empty frames"])
+def test_a_message_that_never_ends_is_cut_and_the_server_stays_small(
+    start_server: Callable[..., ServerProcess], frames: str,
+) -> None:
+    # Finding 6: MAXMSGSIZE bounds a frame and zmq buffers a multipart message whole: one message
+    # that never ended took the server to 1.87 GB in 5 s from one TCP connection. The server now
+    # cuts a connection for which zmq holds more than 4 x --max-message-mb (empty frames cost zmq
+    # 64 bytes each for 2 on the wire: its anonymous memory is watched too).
+    import struct
+
+    from test_hostile import proc_mib
+
+    sp = start_server()
+    assert sp.proc is not None
+    honest = MPCacheClient(sp.url, request_timeout=10.0)
+    attacker = _zmtp_dealer(sp.url)
+    try:
+        register(honest, 1)
+        assert wait_for(lambda: honest.stats()["token_scanner_ready"], timeout=60)  # numba's import is RSS too
+        before = proc_mib(sp.proc.pid, "RssAnon")
+        # at most 1 GiB of 1 MiB frames, or 16 MiB of empty ones (8 Mi frames: 512 MiB in zmq
+        # without the cut), so a server without it fails the test without taking the host down
+        if frames == "1 MiB frames":
+            chunk, cap = b"\x03" + struct.pack(">Q", 1 << 20) + bytes(1 << 20), 1 << 30
+        else:
+            chunk, cap = b"\x01\x00" * (1 << 19), 16 << 20  # 512 Ki empty frames, more to come
+        peak, sent, t0 = before, 0, time.monotonic()
+        attacker.settimeout(0.5)
+        while time.monotonic() - t0 < 8.0 and sent < cap:
+            try:
+                attacker.sendall(chunk)
+                sent += len(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # cut
+            except OSError:
+                pass  # the server's buffers are full: it stopped reading us
+            peak = max(peak, proc_mib(sp.proc.pid, "RssAnon"))
+            if int(sent / len(chunk)) % 64 == 0:
+                assert honest.ping() is True  # an honest client is answered all along
+        print(f"{frames}: sent {sent >> 20} MiB, server RssAnon {before:.0f} -> peak {peak:.0f} MiB")
+        assert peak - before < 4 * 32 + 160, (before, peak, sent >> 20)  # the cut's bound and a margin
+        assert wait_for(lambda: honest.stats()["connections_cut"] >= 1, timeout=5.0), sent >> 20
+        assert store_chunks(honest, tokens(2, seed=4), "after", iid=1, seed=4)["ok"]
+        assert wait_for(lambda: proc_mib(sp.proc.pid, "RssAnon") - before < 64, timeout=5.0)  # handed back
+    finally:
+        attacker.close()
+        honest.close()
