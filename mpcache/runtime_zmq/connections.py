@@ -35,7 +35,6 @@ from typing import Any
 
 import attrs
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("mpcache.server")
 
@@ -125,15 +124,17 @@ class ConnectionWatch:
         """Read the monitor's events; the anonymous identities whose connection closed since."""
         while True:
             try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            fd = event.get("value")
-            if not isinstance(fd, int):
+            if len(frames) < 1 or len(frames[0]) != 6:
                 continue
-            if event.get("event") == zmq.EVENT_ACCEPTED:
+            # zmq's monitor event: u16 event, u32 value (the descriptor), then the endpoint
+            # (parsed here: zmq.utils.monitor imports asyncio, which the start-up path avoids)
+            kind, fd = struct.unpack("=HI", frames[0])
+            if kind == zmq.EVENT_ACCEPTED:
                 self._accepted(fd)
-            elif event.get("event") == zmq.EVENT_DISCONNECTED:
+            elif kind == zmq.EVENT_DISCONNECTED:
                 self._disconnected(fd)
         gone, self._gone = self._gone, []
         return gone

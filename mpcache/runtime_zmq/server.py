@@ -349,6 +349,7 @@ class Server:
         self.ctx = zmq.Context()
         self.authenticator: auth.CurveServer | None = None
         self._ipc_socket: tuple[str, int, int] | None = None  # path, device, inode: removed at stop
+        self._connections: ConnectionWatch | None = None  # the loop's (runtime_zmq.connections)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -379,13 +380,6 @@ class Server:
                 log.warning("listening on %s without CURVE: a client's identity is sent in the clear, so a "
                             "connection is not handed over to another under the same identity; use --curve-dir "
                             "beyond one host (docs/security.md)", self.bound_url)
-            # Below zmq (runtime_zmq.connections): without CURVE a connection whose routing id zmq
-            # made (no explicit identity: LMCache's client) is a peer that cannot come back: when it
-            # closes, its instances are released (PeerGone), so the client, reconnected as a new
-            # peer, registers them again. And a connection for which zmq holds more than four
-            # messages' worth of frames (a message that never ends) is cut.
-            self._connections = ConnectionWatch(self.sock, limit_bytes=4 * self.limits.max_message_bytes,
-                                                anonymous_peers=self.authenticator is None)
         except BaseException:
             self._close_socket()
             raise
@@ -440,9 +434,6 @@ class Server:
 
     def _close_socket(self) -> None:
         # start-up failed after the worker threads started: stop them, leave nothing behind
-        connections: ConnectionWatch | None = getattr(self, "_connections", None)
-        if connections is not None:
-            connections.close()
         self.sock.close(linger=0)
         self._remove_ipc_socket()
         log.removeFilter(self._repeats_at_debug)
@@ -500,13 +491,20 @@ class Server:
     # ------------------------------------------------------------------ loop
 
     def _loop(self) -> None:
+        sock = self.sock
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.channel.fd, zmq.POLLIN)
-        connections = self._connections
+        # Below zmq (runtime_zmq.connections): without CURVE a connection whose routing id zmq
+        # made (no explicit identity: LMCache's client) is a peer that cannot come back: when it
+        # closes, its instances are released (PeerGone), so the client, reconnected as a new peer,
+        # registers them again. And a connection for which zmq holds more than four messages'
+        # worth of frames (a message that never ends) is cut. Made by the loop (its monitor socket
+        # is the loop's; a Server never served has none to close).
+        connections = self._connections = ConnectionWatch(
+            sock, limit_bytes=4 * self.limits.max_message_bytes, anonymous_peers=self.authenticator is None)
         poller.register(connections.monitor, zmq.POLLIN)
         last_check = 0.0
-        sock = self.sock
         while not self._stopping:
             now = self.clock()
             deadline = self.machine.next_deadline()
@@ -670,7 +668,8 @@ class Server:
             del frame
             if not more:
                 break
-        self._connections.message(fd, bytes(head[0]), wire_bytes + FRAME_OVERHEAD * (count - 1))
+        if self._connections is not None:
+            self._connections.message(fd, bytes(head[0]), wire_bytes + FRAME_OVERHEAD * (count - 1))
         if over is None:
             # payloads are decoded straight from zmq's buffers: no copy before msgpack's own
             return head + [f.buffer for f in kept]
@@ -1082,7 +1081,8 @@ class Server:
             self.trace.close()
         if farewell is not None and (left := farewell - self.clock()) > 0:
             time.sleep(left)  # the clients read those replies before their connection drops
-        self._connections.close()
+        if self._connections is not None:
+            self._connections.close()
         self.sock.close(linger=1000)
         self._remove_ipc_socket()
         log.removeFilter(self._repeats_at_debug)
