@@ -77,10 +77,6 @@ def _malloc_trim() -> None:
         pass
 
 
-def _is_anonymous(identity: bytes) -> bool:
-    return len(identity) == 5 and identity[:1] == b"\x00"
-
-
 class ConnectionWatch:
     """One ROUTER socket's connections (module doc). Loop thread only."""
 
@@ -108,8 +104,8 @@ class ConnectionWatch:
         conn = self._connections.get(fd)
         if conn is not None:
             conn.delivered += wire_bytes
-        if not (self.anonymous_peers and _is_anonymous(identity)):
-            return
+        if identity[:1] != b"\x00" or len(identity) != 5 or not self.anonymous_peers:
+            return  # an explicit identity (the common case: one compare)
         known = self._identity.get(fd)
         if known == identity:
             return

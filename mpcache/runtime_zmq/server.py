@@ -669,7 +669,7 @@ class Server:
             if not more:
                 break
         if self._connections is not None:
-            self._connections.message(fd, bytes(head[0]), wire_bytes + FRAME_OVERHEAD * (count - 1))
+            self._connections.message(fd, head[0], wire_bytes + FRAME_OVERHEAD * (count - 1))  # type: ignore[arg-type]
         if over is None:
             # payloads are decoded straight from zmq's buffers: no copy before msgpack's own
             return head + [f.buffer for f in kept]
