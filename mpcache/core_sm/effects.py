@@ -144,6 +144,18 @@ class DetachInstance:
     instance_id: int
 
 
+@attrs.frozen
+class ScrubSlots:
+    """Written before served: an engine-driven STORE plan hands ``slots`` to the engine, and a
+    commit with ``ok`` makes them READY whatever the engine wrote -- so the runtime zeroes their
+    first ``nbytes`` bytes (the object size) now, before the plan's reply, which follows this
+    effect. A slot's previous object (another tenant's, maybe) is never what a commit exposes;
+    what the engine did not write reads as zeros."""
+
+    slots: tuple[int, ...] = attrs.field(converter=_tuple)
+    nbytes: int
+
+
 class Medium(enum.Enum):
     """Where a chunk is held: L1 (this server's shared memory) or L2 (its tier)."""
 
@@ -217,5 +229,5 @@ class CopyBlocks:
 
 Effect = Union[
     Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, AttachInstance, DetachInstance,
-    LookupWorkFailed, ChunksStored, ChunksRemoved, AllChunksCleared, SendRequest, CopyBlocks,
+    ScrubSlots, LookupWorkFailed, ChunksStored, ChunksRemoved, AllChunksCleared, SendRequest, CopyBlocks,
 ]

@@ -373,6 +373,18 @@ class InstanceFailed:
 
 
 @attrs.frozen
+class PeerGone:
+    """The runtime saw the connection of ``peer`` close, and that peer cannot come back: its
+    routing id was made by zmq for that connection (a client without an explicit identity, e.g.
+    LMCache's, gets a new one when it reconnects). Its instances are released as for a reap
+    (registration, plans; ``DetachInstance`` for a server-driven one) and no id is kept for it,
+    so the client, now another peer, registers them again by the ``NOT_REGISTERED`` path instead
+    of being refused ``FORBIDDEN`` until a reap. Counted ``instances_of_gone_peers``."""
+
+    peer: Peer
+
+
+@attrs.frozen
 class InstanceAttached:
     """The runtime's answer to ``AttachInstance``: ``error`` None when the instance's KV memory
     is open (core_sm replies the registration's id), else why it could not be -- VALIDATION when
@@ -429,8 +441,8 @@ class TimerFired:
 
 
 ServerEvent = Union[
-    ServerRequest, TransferFinished, InstanceFailed, InstanceAttached, L2ReadFinished, L2ProbeFinished,
-    L2WriteFinished, TimerFired,
+    ServerRequest, TransferFinished, InstanceFailed, InstanceAttached, PeerGone, L2ReadFinished,
+    L2ProbeFinished, L2WriteFinished, TimerFired,
 ]
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from mpcache.core_sm.messages import (
     L2ReadFinished,
     L2WriteFinished,
     Lookup,
+    PeerGone,
     Ping,
     PrepareRetrieve,
     PrepareStore,
@@ -106,6 +107,7 @@ _COUNTERS = (
     "tombstones_dropped", "late_transfers_refused", "stores_awaiting_writers",
     "plan_quarantines_ended", "duplicate_transfers", "table_violations",
     "heartbeats", "instances_reaped", "instances_failed", "plans_of_reaped_instances", "quota_skips", "clears_refused",
+    "instances_of_gone_peers",
     "stores_not_admitted", "resends_run", "resends_refused", "lookup_work_failures",
 )
 
@@ -393,6 +395,9 @@ class LookupServer:
             self.ctx.held.cleared(out)
         out.append(Reply(ev.reply_to, None))
 
+    def _on_peer_gone(self, ev: PeerGone, now: float, out: list[Effect]) -> None:
+        self.instances.peer_gone(ev, now, out)
+
     def _on_timer(self, ev: TimerFired, now: float, out: list[Effect]) -> None:
         pass  # _advance already did the work
 
@@ -454,6 +459,7 @@ SERVER_TABLE: Table[ServerState] = Table("LookupServer (routing: which machine a
     (S, GetChunkSize): (LookupServer._on_get_chunk_size, {S}),
     (S, Clear): (LookupServer._on_clear, {S}),
     (S, TimerFired): (LookupServer._on_timer, {S}),
+    (S, PeerGone): (LookupServer._on_peer_gone, {S}),
     **{(S, t): (route, {S}) for t, route in _ROUTES.items()},
 })
 # Every executing table of the server, in the order docs/core_sm.md shows them.

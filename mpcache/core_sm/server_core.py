@@ -66,6 +66,10 @@ class ServerConfig:
     # Instances one peer (connection or CURVE key) may hold registered: L1's quota is per peer, and
     # a peer's in-flight share is split among its instances, so more would only cost the table.
     max_instances_per_peer: int = 64
+    # A reaped or failed instance id stays its peer's this long: another peer's registration of it
+    # is refused (it would lock the owner out); at most this many ids are kept (oldest go first).
+    reserved_id_ttl: float = 300.0
+    max_reserved_ids: int = 65_536
     plan_ttl: float = 30.0  # an uncommitted engine-driven plan expires after min(this, lease_ttl)
     max_lookups_per_request: int = 64  # lookups of one request id (each refreshes its leases)
     max_not_after_ahead: float = 60.0  # a not_after is held to at most now + this

@@ -24,7 +24,12 @@ is counted stale).
 
 Ownership: an instance id belongs to the peer that registered it; a request from another peer
 naming it (register again, unregister, heartbeat, store, retrieve, prepare) is refused
-``FORBIDDEN`` and changes nothing.
+``FORBIDDEN`` and changes nothing. A reaped or failed instance's id stays its peer's for
+``ServerConfig.reserved_id_ttl`` seconds: the owner registers it again (its client does so on
+``NOT_REGISTERED``), another peer registering it meanwhile is refused ``FORBIDDEN`` -- else an
+attacker that saw the owner fall silent takes its id and locks it out. An unregister frees the id
+at once (its owner gave it up). Reservations are bounded (``max_reserved_ids``, oldest first out)
+and take no share of L1: only registered instances make a tenant.
 
 Decide, then act: the runtime touches its transfer engine only on core_sm's word. A server-driven
 registration that passes every check is held (its instance is registered, its reply waits) and
@@ -38,6 +43,7 @@ unregister never reaches the transfer engine.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +57,7 @@ from mpcache.core_sm.messages import (
     InstanceAttached,
     InstanceFailed,
     Peer,
+    PeerGone,
     Ping,
     RegisterInstance,
     ReplyTo,
@@ -79,6 +86,14 @@ class InstanceDeadline(Timer):
     generation: int
 
 
+@attrs.frozen
+class ReleaseOfGonePeer(Timer):
+    """``PeerGone`` names a peer; the server releases each instance it holds by this event (made
+    there, never sent by a runtime), through this table."""
+
+    instance_id: int
+
+
 @attrs.define
 class Instance:
     registration: RegisterInstance
@@ -104,6 +119,9 @@ class InstanceMachine:
         self.ctx = ctx
         self.transfers: TransferMachine  # set by LookupServer once both exist
         self.instances: dict[int, Instance] = {}
+        # reaped / failed ids: instance id -> (its peer, until when no other peer may register it);
+        # insertion order is expiry order (one TTL, a clock that never goes back)
+        self.reserved: OrderedDict[int, tuple[Peer, float]] = OrderedDict()
         self.dispatch = INSTANCE_TABLE.bind(self, _instance_id, self.state, ctx.counters, ctx.reply_error)
 
     def state(self, instance_id: Hashable) -> InstanceState:
@@ -168,10 +186,15 @@ class InstanceMachine:
         old = self.instances.get(ev.instance_id)
         if self._foreign(old, ev.peer, ev.reply_to, out):
             return
+        if old is None and self._reserved_for_another(ev.instance_id, ev.peer, now):
+            ctx.error(out, ev.reply_to, ErrorKind.FORBIDDEN,
+                      "the instance id was reaped recently and is kept for the peer that held it")
+            return
         cap = ctx.config.max_instances_per_peer
         if old is None and ev.peer is not None and sum(1 for i in self.instances.values() if i.peer == ev.peer) >= cap:
             ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"this connection has {cap} instances registered already")
             return
+        self.reserved.pop(ev.instance_id, None)
         registration = attrs.evolve(ev, reply_to=None)
         # The same fields again (the transport's and the machine's re-registrations may cross, a
         # duplicate may arrive): the same registration, so a resend naming it still runs.
@@ -259,6 +282,7 @@ class InstanceMachine:
         self.ctx.counters["instances_reaped"] += 1
         self.transfers.instance_gone(iid, now, out)
         self._tenant_gone(iid, inst)
+        self._reserve(iid, inst.peer, now)
         out.append(InstanceReaped(iid))
 
     # ============================================================================= runtime
@@ -274,9 +298,47 @@ class InstanceMachine:
         self.ctx.counters["instances_failed"] += 1
         self.transfers.instance_gone(ev.instance_id, now, out)
         self._tenant_gone(ev.instance_id, gone)
+        self._reserve(ev.instance_id, gone.peer, now)
 
     def _on_failed_stale(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
         self.ctx.counters["stale_events"] += 1
+
+    def peer_gone(self, ev: PeerGone, now: float, out: list[Effect]) -> None:
+        """``ev.peer`` can never come back: release its instances, forget the ids kept for it."""
+        for iid in sorted(iid for iid, inst in self.instances.items() if inst.peer == ev.peer):
+            self.dispatch.run(ReleaseOfGonePeer(iid), now, out)
+        for iid in [iid for iid, (peer, _until) in self.reserved.items() if peer == ev.peer]:
+            del self.reserved[iid]
+
+    def _on_release_of_gone_peer(self, ev: ReleaseOfGonePeer, now: float, out: list[Effect]) -> None:
+        gone = self.instances.pop(ev.instance_id)
+        self.ctx.counters["instances_of_gone_peers"] += 1
+        self.transfers.instance_gone(ev.instance_id, now, out)
+        self._tenant_gone(ev.instance_id, gone)
+        if not gone.registration.engine_driven:
+            out.append(DetachInstance(ev.instance_id))
+
+    # ============================================================================= reserved ids
+
+    def _reserve(self, instance_id: int, peer: Peer, now: float) -> None:
+        """``instance_id`` went without its owner's word (reaped, failed): keep it for ``peer``."""
+        self._expire_reserved(now)
+        self.reserved.pop(instance_id, None)
+        self.reserved[instance_id] = (peer, now + self.ctx.config.reserved_id_ttl)
+        while len(self.reserved) > self.ctx.config.max_reserved_ids:
+            self.reserved.popitem(last=False)
+
+    def _expire_reserved(self, now: float) -> None:
+        while self.reserved:
+            _peer, until = next(iter(self.reserved.values()))
+            if until > now:
+                return
+            self.reserved.popitem(last=False)
+
+    def _reserved_for_another(self, instance_id: int, peer: Peer, now: float) -> bool:
+        self._expire_reserved(now)
+        kept = self.reserved.get(instance_id)
+        return kept is not None and kept[0] != peer
 
     # ============================================================================= L1 quota
 
@@ -376,5 +438,6 @@ INSTANCE_TABLE: Table[InstanceState] = Table("LookupServer instances (one instan
     (I.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {I.ABSENT}),
     (I.REGISTERED, InstanceAttached): (InstanceMachine._on_attached, {I.REGISTERED, I.ABSENT}),
     (I.ABSENT, InstanceAttached): (InstanceMachine._on_attached_stale, {I.ABSENT}),
+    (I.REGISTERED, ReleaseOfGonePeer): (InstanceMachine._on_release_of_gone_peer, {I.ABSENT}),
 })
 INSTANCE_TIMERS = (InstanceDeadline,)

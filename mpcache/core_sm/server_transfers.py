@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.effects import Effect, ErrorReply, Reply, StartTransfer, StoredChunk
+from mpcache.core_sm.effects import Effect, ErrorReply, Reply, ScrubSlots, StartTransfer, StoredChunk
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.l1_index import ObjectState, ReleaseReason
 from mpcache.core_sm.messages import (
@@ -454,6 +454,8 @@ class TransferMachine:
         ctx.timers.push(t.deadline, TransferDeadline(t.transfer_id))
         ctx.pin(TransferOwner(t.transfer_id), [slot for _c, slot in t.placements])
         if t.engine_driven:
+            if t.kind is TransferKind.STORE and t.placements:  # written before served: no old bytes
+                out.append(ScrubSlots([slot for _c, slot in t.placements], t.object_bytes or ctx.config.slot_bytes))
             out.append(Reply(ev.reply_to, TransferPlan(t.transfer_id, t.placements, True, t.kind, skip,
                                                        t.object_bytes)))
         else:

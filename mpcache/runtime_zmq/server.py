@@ -24,11 +24,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
 import queue
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +46,7 @@ from mpcache.runtime_zmq import auth, sha256_chain, tokens, wire
 from mpcache.runtime_zmq.memory import TrimAfterReap
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
 from mpcache.runtime_zmq.config import version
+from mpcache.runtime_zmq.connections import FRAME_OVERHEAD, ConnectionWatch
 from mpcache.runtime_zmq.metrics import ServerMetrics
 from mpcache.runtime_zmq.l2_worker import L2Options, L2Worker
 from mpcache.runtime_zmq.transfer import NoDeviceExecutor, TransferExecutor
@@ -73,6 +76,8 @@ _FAREWELL_S = 0.5
 _PLAIN_RESULTS = frozenset({bool, int, str})
 # frames at least this big are released by the frame-freeing thread, not the loop
 _BIG_FRAME = 1 << 20
+# how often the loop looks at what zmq holds per connection (runtime_zmq.connections)
+_CHECK_MS = 100
 
 
 @attrs.frozen
@@ -236,6 +241,37 @@ class CompletionChannel:
             os.close(self._w)
 
 
+class _RepeatsAtDebug(logging.Filter):
+    """While ``quiet``, this logger's INFO lines are DEBUG: a registration repeated with the same
+    fields (the client's transport and machine both register again after a reconnect or restart;
+    it keeps its registration id) is not a new instance, so one line per registration stays at
+    INFO (operators read them) and the repeats go to DEBUG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.quiet or record.levelno != logging.INFO:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return log.isEnabledFor(logging.DEBUG)
+
+
+def routing_id_handover(bound_url: str, *, curve: bool) -> bool:
+    """Whether a routing id may move to a new connection (``ROUTER_HANDOVER``): only where it is
+    no bearer secret -- CURVE (the peer is its key), ipc, or TCP bound to a loopback address."""
+    if curve or bound_url.startswith("ipc://"):
+        return True
+    host = bound_url.partition("://")[2].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Server:
     def __init__(
         self,
@@ -288,6 +324,10 @@ class Server:
         self._event_handles: dict[ReplyTo, bytes] = {}
         # object sizes, so a write-behind copies only the bytes an object fills in its slot
         self._registering_layout: Any = None  # the registration core_sm is handling (AttachInstance)
+        # the registration being handled and the id its instance had before (a repeat keeps it)
+        self._prior_registration: tuple[ReplyTo, int | None] | None = None
+        self._repeats_at_debug = _RepeatsAtDebug()
+        log.addFilter(self._repeats_at_debug)
         self._transfers_in_flight = 0
         self._stopping = False
         self._last_answered: Any = None  # the last request answered (to never answer twice)
@@ -295,7 +335,7 @@ class Server:
         self._started = time.time()
         self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
         self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0,
-                        "block_allocation_records": 0, "oversized_messages": 0, "served_ns_store": 0, "served_store": 0, "served_ns_retrieve": 0, "served_retrieve": 0}
+                        "block_allocation_records": 0, "oversized_messages": 0, "connections_cut": 0, "served_ns_store": 0, "served_store": 0, "served_ns_retrieve": 0, "served_retrieve": 0}
         # the longest one message kept the loop (wall and the loop thread's CPU), since start
         self._max_message_s = 0.0
         self._max_message_cpu_s = 0.0
@@ -309,10 +349,10 @@ class Server:
         self._trim = TrimAfterReap()  # memory back to the OS once the reaper dropped a burst of jobs
         self.ctx = zmq.Context()
         self.authenticator: auth.CurveServer | None = None
+        self._ipc_socket: tuple[str, int, int] | None = None  # path, device, inode: removed at stop
+        self._connections: ConnectionWatch | None = None  # the loop's (runtime_zmq.connections)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # a client that reconnects under its identity gets it back (its requests stay its own)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -330,6 +370,17 @@ class Server:
                 self.authenticator = auth.CurveServer(self.ctx, config.curve_dir)
                 self.authenticator.apply(self.sock)
             self.bound_url = self._bind(config.url)
+            # A client that reconnects under its identity gets it back (its requests stay its own)
+            # where the identity is no bearer secret: with CURVE (the peer is the key), on ipc (only
+            # this uid can connect) and on loopback TCP (only root sees the bytes). On a network
+            # without CURVE the routing id travels in the clear: nobody takes over a live
+            # connection by it (zmq refuses a second connection under a connected identity).
+            self.routing_id_handover = routing_id_handover(self.bound_url, curve=self.authenticator is not None)
+            self.sock.setsockopt(zmq.ROUTER_HANDOVER, int(self.routing_id_handover))
+            if not self.routing_id_handover:
+                log.warning("listening on %s without CURVE: a client's identity is sent in the clear, so a "
+                            "connection is not handed over to another under the same identity; use --curve-dir "
+                            "beyond one host (docs/security.md)", self.bound_url)
         except BaseException:
             self._close_socket()
             raise
@@ -360,7 +411,23 @@ class Server:
         group = auth.prepare_ipc_path(path, self.config.ipc_group)
         self.sock.bind("ipc://" + path)
         auth.restrict_ipc_socket(path, group)
+        st = os.lstat(path)
+        self._ipc_socket = (path, st.st_dev, st.st_ino)
         return str(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def _remove_ipc_socket(self) -> None:
+        """A clean stop leaves no socket file behind -- but only this server's: a server that took
+        the path over (a supervisor's replacement) keeps its own socket there."""
+        if self._ipc_socket is None:
+            return
+        path, dev, ino = self._ipc_socket
+        self._ipc_socket = None
+        try:
+            st = os.lstat(path)
+            if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino):
+                os.unlink(path)
+        except OSError:
+            pass  # gone already, or not ours to remove
 
     def _stop_frame_freer(self) -> None:
         self._frames_to_free.put(None)
@@ -369,6 +436,8 @@ class Server:
     def _close_socket(self) -> None:
         # start-up failed after the worker threads started: stop them, leave nothing behind
         self.sock.close(linger=0)
+        self._remove_ipc_socket()
+        log.removeFilter(self._repeats_at_debug)
         self._stop_frame_freer()
         self.l2.close()
         self.executor.close()
@@ -423,10 +492,20 @@ class Server:
     # ------------------------------------------------------------------ loop
 
     def _loop(self) -> None:
+        sock = self.sock
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.channel.fd, zmq.POLLIN)
-        sock = self.sock
+        # Below zmq (runtime_zmq.connections): without CURVE a connection whose routing id zmq
+        # made (no explicit identity: LMCache's client) is a peer that cannot come back: when it
+        # closes, its instances are released (PeerGone), so the client, reconnected as a new peer,
+        # registers them again. And a connection for which zmq holds more than four messages'
+        # worth of frames (a message that never ends) is cut. Made by the loop (its monitor socket
+        # is the loop's; a Server never served has none to close).
+        connections = self._connections = ConnectionWatch(
+            sock, limit_bytes=4 * self.limits.max_message_bytes, anonymous_peers=self.authenticator is None)
+        poller.register(connections.monitor, zmq.POLLIN)
+        last_check = 0.0
         while not self._stopping:
             now = self.clock()
             deadline = self.machine.next_deadline()
@@ -436,10 +515,17 @@ class Server:
                 if deadline is not None and deadline <= now:
                     # a deadline that handling did not move: never spin on it, keep serving
                     deadline = now + 0.001
+            # the connections are checked every _CHECK_MS (zmq may be filling with a message the
+            # loop will never see)
             timeout_ms = 1000 if deadline is None else min(1000, max(0, math.ceil((deadline - now) * 1000.0)))
-            events = dict(poller.poll(timeout_ms))
+            events = dict(poller.poll(min(timeout_ms, _CHECK_MS)))
             if self.channel.fd in events:
                 self._drain_completions()
+            if connections.monitor in events:
+                self._peers_gone(connections)
+            if now - last_check >= _CHECK_MS / 1000.0:
+                last_check = now
+                self._check_connections(connections)
             if sock in events:
                 batch_cpu0 = time.thread_time()
                 self._reply_batch = []  # replies wait for the batch's end (_send)
@@ -509,6 +595,17 @@ class Server:
                 if cpu > self._max_message_cpu_s:
                     self._max_message_cpu_s = cpu
 
+    def _check_connections(self, connections: ConnectionWatch) -> None:
+        for what in connections.check():
+            self._counts["connections_cut"] += 1
+            log.warning("cut %s: a message that does not end, or more than %d MiB of them (4 x --max-message-mb)",
+                        what, connections.limit_bytes >> 20)
+
+    def _peers_gone(self, connections: ConnectionWatch) -> None:
+        for identity in connections.events():
+            log.debug("the connection of anonymous peer %s closed: its instances are released", identity.hex())
+            self._handle(m.PeerGone(identity), self.clock(), None)
+
     def _drain_completions(self) -> None:
         for ev in self.channel.drain():
             if self.metrics.on_completion(ev, self.clock()):
@@ -535,18 +632,24 @@ class Server:
         total = 0  # bytes of the op and payload frames
         over: str | None = None
         count = 0
+        wire_bytes = 0  # what the message took on the wire (frames after the routing id)
+        fd = -1
         flags: int = zmq.NOBLOCK
         while True:
             frame = _backend_recv(sock, flags, copy=False)
             flags = 0  # the rest of a message is already here: zmq delivers a message whole
             count += 1
             n = len(frame)
+            wire_bytes += n
             if count <= 2:
                 head.append(frame.bytes if n <= 256 else b"")
-                if count == 1 and self.authenticator is not None:
-                    # the CURVE key the authenticator admitted: the peer, stable across reconnects
-                    user = frame.get("User-Id")
-                    self._curve_user = user if isinstance(user, str) else None
+                if count == 1:
+                    fd = frame.get(zmq.SRCFD)  # the connection's descriptor (connections.py)
+                    wire_bytes = 0  # the routing id is the ROUTER's, not on the wire
+                    if self.authenticator is not None:
+                        # the CURVE key the authenticator admitted: the peer, stable across reconnects
+                        user = frame.get("User-Id")
+                        self._curve_user = user if isinstance(user, str) else None
             elif over is None:
                 total += n
                 if count > lim.max_frames + 3:
@@ -566,6 +669,8 @@ class Server:
             del frame
             if not more:
                 break
+        if self._connections is not None:
+            self._connections.message(fd, head[0], wire_bytes + FRAME_OVERHEAD * (count - 1))  # type: ignore[arg-type]
         if over is None:
             # payloads are decoded straight from zmq's buffers: no copy before msgpack's own
             return head + [f.buffer for f in kept]
@@ -657,10 +762,12 @@ class Server:
         # core_sm decides; only a registration it accepts reaches the transfer engine
         # (AttachInstance, carried out with this layout while the event is handled)
         self._registering_layout = req.args[1]
+        self._prior_registration = (reply_to, self.machine.instances.registration_id(event.instance_id))
         try:
             self._handle(event, now, reply_to)
         finally:
             self._registering_layout = None
+            self._prior_registration = None
         nbytes = event.object_bytes
         registered = self.machine.instances.registration(event.instance_id)
         if registered is not None and registered.object_bytes == nbytes and 0 < nbytes * 4 <= self.pool.slot_bytes:
@@ -743,6 +850,8 @@ class Server:
             self._attach(eff)  # type: ignore[arg-type]
         elif t is fx.DetachInstance:
             self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
+        elif t is fx.ScrubSlots:  # before the plan's reply: a commit never serves a slot's old bytes
+            self.pool.zero(eff.slots, eff.nbytes)  # type: ignore[attr-defined]
         elif t is fx.LookupWorkFailed:  # a server fault after the ack: the job answers 0 hits
             now = self.clock()  # counted by core_sm (stats()["lookup_work_failures"])
             if now - self._last_work_failure_log >= 1.0:  # a fault on every lookup: a line a second
@@ -852,7 +961,13 @@ class Server:
             self._counts[f"served_ns_{op}"] += int(served * 1e9)
             self._counts[f"served_{op}"] += 1
         self.metrics.request(op, "ok", served)
-        self.metrics.on_reply(rt, op, result)
+        prior = self._prior_registration
+        repeat = prior is not None and prior[0] is rt and prior[1] is not None and result == prior[1]
+        self._repeats_at_debug.quiet = repeat
+        try:
+            self.metrics.on_reply(rt, op, result)
+        finally:
+            self._repeats_at_debug.quiet = False
 
     def _send_error(self, rt: Any, kind: str, message: str) -> None:
         identity, uid_frame, _op_frame, op, t0 = rt
@@ -967,7 +1082,11 @@ class Server:
             self.trace.close()
         if farewell is not None and (left := farewell - self.clock()) > 0:
             time.sleep(left)  # the clients read those replies before their connection drops
+        if self._connections is not None:
+            self._connections.close()
         self.sock.close(linger=1000)
+        self._remove_ipc_socket()
+        log.removeFilter(self._repeats_at_debug)
         self._stop_frame_freer()
         if self.authenticator is not None:
             self.authenticator.stop()

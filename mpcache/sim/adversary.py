@@ -11,7 +11,8 @@ SimNet like any client:
 * commits of transfer ids it saw in other tenants' plans (before or after their own commit),
   replayed, or guessed (63-bit random);
 * STORE / RETRIEVE / PREPARE_* / REGISTER / UNREGISTER / heartbeats naming other tenants'
-  instances, and worker requests for an instance nobody registered;
+  instances, and worker requests for an instance nobody registered; a REGISTER of an instance
+  the server reaped, racing its owner's registering again;
 * ``clear`` without the admin credential;
 * oversized and malformed requests: ``world_size`` 2**40, too many chunks, bad ranks, a
   ``not_after`` in the past or far in the future, a negative timeout;
@@ -26,6 +27,9 @@ state is snapshotted -- request-id owners, jobs, tombstones, read leases per own
 plans, registered instances, readable objects -- the event is handled, and the snapshot must be
 unchanged (an adversary LOOKUP may evict, as any tenant's may: only there may a readable object
 go). No object may become readable by an adversary event: it has nothing of its own to store.
+An instance id nobody holds may go to the adversary (it raced the owner's first registration),
+except one reaped from its honest owner in this incarnation and not given up since: taking that
+locks the owner out (hostile finding 4).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mpcache.core_sm.effects import Reply
+from mpcache.core_sm.effects import InstanceReaped, Reply
 from mpcache.core_sm.messages import (
     SERVER_REQUEST_TYPES,
     CacheKey,
@@ -89,6 +93,10 @@ class Adversary:
         self.transfers: deque[tuple[int, int]] = deque(maxlen=32)
         self.observed: deque[tuple[int, Any]] = deque(maxlen=64)
         self.own_ids: deque[str] = deque(maxlen=16)
+        self.reaped: deque[tuple[int, int]] = deque(maxlen=32)  # instances it saw reaped
+        # the oracle's: (server name, incarnation, instance id) reaped from an honest owner, until
+        # that owner unregisters it
+        self.kept: set[tuple[str, int, int]] = set()
         self.correlation = 0
         # request ids the adversary's own LOOKUPs created, per server incarnation
         self.claimed: dict[tuple[str, int], set[RequestKey]] = {}
@@ -182,7 +190,10 @@ class Adversary:
                 return None
             return PrepareStore(wkey, iid) if rng.random() < 0.5 else PrepareRetrieve(wkey, iid)
         if kind == "register_foreign":
-            if iid is None or not self._registered(server, iid):
+            reaped = self._seen(self.reaped, server)
+            if reaped is not None and not self._registered(server, reaped) and rng.random() < 0.5:
+                iid = reaped  # race the owner's registering again after its reap
+            elif iid is None or not self._registered(server, iid):
                 return None
             return RegisterInstance(iid, wkey.model_name if wkey else "x", self.world.config.tp, 64)
         if kind == "unregister_foreign":
@@ -228,7 +239,11 @@ class Adversary:
     # =========================================================================== observing
     def observe(self, server: int, event: Any, effects: list[Any]) -> None:
         """An honest event ``server`` handled (and its effects): learn ids, keys, plans."""
+        self._note_reaps(server, effects)
         t = type(event)
+        if t is UnregisterInstance and any(type(e) is Reply and e.reply_to == event.reply_to for e in effects):
+            host = self.world.servers[server]
+            self.kept.discard((host.name, host.incarnation, event.instance_id))  # its owner gave it up
         if t is Lookup:
             self.lookup_keys.append((server, event.key))
             self.request_ids.append((server, event.key.request_id))
@@ -245,6 +260,13 @@ class Adversary:
         for effect in effects:
             if type(effect) is Reply and type(effect.result) is TransferPlan:
                 self.transfers.append((server, effect.result.transfer_id))
+
+    def _note_reaps(self, server: int, effects: list[Any]) -> None:
+        host = self.world.servers[server]
+        for effect in effects:
+            if type(effect) is InstanceReaped:
+                self.reaped.append((server, effect.instance_id))
+                self.kept.add((host.name, host.incarnation, effect.instance_id))
 
     def on_reply(self, msg: ReplyMsg) -> None:
         if msg.error is None:
@@ -263,6 +285,7 @@ class Adversary:
     def judge(self, server: Any, host: ServerHost, event: Any, now: float) -> list[Any]:
         """Handle an adversary event on ``server`` and check that no honest tenant's state moved."""
         effects: list[Any] = server.handle(TimerFired(), now)
+        self._note_reaps(host.index, effects)
         claimed = self.claimed.setdefault((host.name, host.incarnation), set())
         before = honest_state(server, claimed)
         effects += server.handle(event, now)
@@ -277,9 +300,14 @@ class Adversary:
             claimed.add(key)
             self.world.touched.add(key.request_id)
         for iid in after["instances"].keys() - before["instances"].keys():
-            if after["instances"][iid][0] == ADVERSARY:  # claimed the same way (a race with its owner)
-                before["instances"][iid] = after["instances"][iid]
-                self.world._touch_all_live()
+            if after["instances"][iid][0] != ADVERSARY:
+                continue
+            if (host.name, host.incarnation, iid) in self.kept:  # its owner is locked out
+                self._harm(host, event, "instances", f"instance {iid} reaped from its owner",
+                           f"instance {iid} registered by {ADVERSARY}")
+                continue
+            before["instances"][iid] = after["instances"][iid]  # claimed the same way (a race with its owner)
+            self.world._touch_all_live()
         after = honest_state(server, claimed)
         for iid in after["instances"].keys() - before["instances"].keys():
             if after["instances"][iid][0] == ADVERSARY:

@@ -13,10 +13,12 @@ from mpcache.core_sm.messages import (
     CacheKey,
     Clear,
     CommitTransfer,
+    InstanceFailed,
     EndSession,
     FreeLookupLocks,
     Lookup,
     Ping,
+    PrepareRetrieve,
     PrepareStore,
     QueryPrefetchStatus,
     RegisterInstance,
@@ -293,3 +295,100 @@ def test_l1_is_shared_by_peers_not_by_the_instances_one_peer_registers() -> None
     assert h.server.index.charged(("peer", B)) > 0
     h.result(_call(h, UnregisterInstance(115), B))
     assert h.server.index.charged(("peer", B)) == 0
+
+
+@pytest.mark.parametrize("gone", ["reaped", "failed"])
+def test_a_reaped_or_failed_id_stays_its_owners_for_a_while(gone: str) -> None:
+    """Hostile finding 4: after a reap, another peer registered the victim's id and locked the
+    victim out. The id now stays the old owner's for reserved_id_ttl."""
+    h = ServerHarness(instance_ttl=10.0, reserved_id_ttl=100.0)
+    _register(h, 1, A)
+    _register(h, 2, B)
+    assert h.result(_call(h, Ping(1), A)) is True  # a heartbeating instance
+    assert h.server.index.tenant_share == 32  # two tenants
+    if gone == "reaped":
+        h.advance(11.0)
+        assert h.server.stats()["instances_reaped"] == 1
+    else:
+        h.now += 11.0
+        h.feed(InstanceFailed(1, "event never fired"))
+    assert h.server.instances.registration(1) is None
+    # the silent instance no longer counts: B is L1's only tenant
+    assert h.server.index.tenant_share == 64
+    # another peer cannot take the id while it is kept; nothing changes
+    assert h.error_kind(_call(h, RegisterInstance(1, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN
+    assert h.server.instances.registration(1) is None and h.server.index.tenant_share == 64
+    # the owner can (its client registers again on NOT_REGISTERED)
+    assert h.error_kind(_call(h, Store(key("w", TOKS, worker_id=0), 1), A)) is ErrorKind.NOT_REGISTERED
+    _register(h, 1, A)
+    assert _stored(h, TOKS, 1, A) == StoreResult(True, 3, 0)
+    # an unregister frees the id at once, and a kept id is free after reserved_id_ttl
+    assert h.result(_call(h, UnregisterInstance(1), A)) is None
+    _register(h, 1, B)
+    assert h.result(_call(h, Ping(1), B)) is True
+    h.advance(11.0)
+    assert h.error_kind(_call(h, RegisterInstance(1, MODEL, 1, 10), A)) is ErrorKind.FORBIDDEN
+    h.now += 100.0
+    _register(h, 1, A)
+
+
+def test_reserved_ids_are_bounded() -> None:
+    h = ServerHarness(instance_ttl=10.0, max_reserved_ids=3, max_instances_per_peer=8)
+    for iid in range(1, 6):
+        _register(h, iid, A)
+        h.result(_call(h, Ping(iid), A))
+    h.advance(11.0)
+    assert h.server.stats()["instances_reaped"] == 5
+    assert list(h.server.instances.reserved) == [3, 4, 5]  # the oldest went first
+    _register(h, 1, B)
+    assert h.error_kind(_call(h, RegisterInstance(5, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN
+
+
+def test_an_engine_driven_store_plan_zeroes_its_slots_before_its_reply() -> None:
+    """Hostile finding 8: a commit without writing served the slot's previous bytes. The plan's
+    slots are scrubbed (ScrubSlots, the object's bytes) before the reply that hands them out."""
+    from mpcache.core_sm.effects import Reply, ScrubSlots
+
+    h = ServerHarness()
+    _register(h, 1, A, engine_driven=True)
+    effects = h.server.handle(PrepareStore(key("w", TOKS, worker_id=0), 1, peer=A, reply_to="p"), h.now)
+    assert [type(e) for e in effects] == [ScrubSlots, Reply], effects
+    plan = effects[1].result
+    assert isinstance(plan, TransferPlan) and plan.ok and len(plan.placements) == 3
+    assert effects[0] == ScrubSlots([slot for _c, slot in plan.placements], 10)
+    h.server.handle(CommitTransfer(plan.transfer_id, True, peer=A, reply_to="c"), h.now)
+    # a retrieve plan writes nothing into L1: nothing to scrub
+    retrieve = h.server.handle(PrepareRetrieve(key("w", TOKS, worker_id=0), 1, peer=A, reply_to="r"), h.now)
+    assert retrieve and not any(isinstance(e, ScrubSlots) for e in retrieve)
+
+
+def test_a_gone_peers_instances_are_released_and_no_id_is_kept_for_it() -> None:
+    """Hostile finding 13: a client without an explicit identity gets a new routing id when it
+    reconnects, so it is a new peer: its old instance was forbidden to it until a reap (and a
+    reaped id is now kept for the old peer). The runtime says PeerGone when such a connection
+    closes: its instances go, and the client registers again by the NOT_REGISTERED path."""
+    from mpcache.core_sm.effects import DetachInstance
+    from mpcache.core_sm.messages import PeerGone
+
+    h = ServerHarness(instance_ttl=10.0)
+    _register(h, 1, A)
+    _register(h, 2, A, engine_driven=True)
+    _register(h, 3, A)
+    _register(h, 7, B)
+    assert h.result(_call(h, Ping(3), A)) is True
+    h.advance(11.0)  # 3 is reaped: kept for A
+    assert h.error_kind(_call(h, RegisterInstance(3, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN
+    plan = h.result(_call(h, PrepareStore(key("w", TOKS, worker_id=0), 2), A))
+    assert isinstance(plan, TransferPlan) and plan.ok
+    effects = h.feed(PeerGone(A))
+    assert [e for e in effects if isinstance(e, DetachInstance)] == [DetachInstance(1)]  # server-driven only
+    assert h.server.instances.registration(1) is None and h.server.instances.registration(2) is None
+    assert h.server.stats()["instances_of_gone_peers"] == 2
+    assert h.error_kind(_call(h, CommitTransfer(plan.transfer_id, True), A)) is not None  # its plan went too
+    assert h.server.index.tenant_share == 64  # B alone
+    # the client reconnected as C: it registers its ids (3 was kept for A, who can never come back)
+    for iid in (1, 2, 3):
+        _register(h, iid, "peer-c")
+    assert h.server.instances.registration(7) is not None  # another peer's instance stays
+    h.feed(PeerGone("peer-nobody"))  # a peer with nothing: nothing changes
+    assert h.server.stats()["instances"] == 4

@@ -73,10 +73,16 @@ def record_jobs(server: LookupServer, seen: Seen) -> None:
 
 
 def test_every_server_event_is_routed_and_every_table_row_is_a_method() -> None:
-    from mpcache.core_sm.messages import SERVER_REQUEST_TYPES, InstanceAttached, InstanceFailed, L2WriteFinished
+    from mpcache.core_sm.messages import (
+        SERVER_REQUEST_TYPES,
+        InstanceAttached,
+        InstanceFailed,
+        L2WriteFinished,
+        PeerGone,
+    )
 
     routed = set(SERVER_TABLE.events())
-    assert set(SERVER_REQUEST_TYPES) | {TransferFinished, InstanceFailed, InstanceAttached, L2ReadFinished,
+    assert set(SERVER_REQUEST_TYPES) | {TransferFinished, InstanceFailed, InstanceAttached, PeerGone, L2ReadFinished,
                                         L2ProbeFinished, L2WriteFinished, TimerFired} == routed
     s = LookupServer()
     for table, machine in ((JOB_TABLE, s.jobs), (TRANSFER_TABLE, s.transfers)):
@@ -405,6 +411,10 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
     h.outstanding.add(("late", 1))
     h.feed(InstanceAttached(4, 12345, None, reply_to=("late", 1)))  # ABSENT: stale, still answered
     assert h.error_kind(("late", 1)) is ErrorKind.NOT_REGISTERED
+    from mpcache.core_sm.messages import PeerGone
+
+    h.register(instance_id=5)
+    h.feed(PeerGone(None))  # REGISTERED -> ABSENT: its peer's connection is gone for good
     listed = {(s, e, n) for (s, e), row in INSTANCE_TABLE.rows.items() for n in row.next_states}
     assert seen <= listed and listed - seen == set()
 

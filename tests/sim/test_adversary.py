@@ -2,6 +2,8 @@
 honest tenants; the trust-all profile (no ownership checks) is caught as F22."""
 from __future__ import annotations
 
+from typing import Any
+
 from mpcache.sim.adversary import ADVERSARY, ATTACKS, TENANT_HARMED
 from mpcache.sim.profiles import PROFILES
 from mpcache.sim.runner import run_scenario, run_seed
@@ -54,3 +56,30 @@ def test_adversary_replays_and_is_traced() -> None:
     kinds = {line.split("adversary ", 1)[1] for line in result.lines if f" {ADVERSARY} " in line and "adversary " in line}
     assert kinds <= set(ATTACKS) and len(kinds) >= 5, kinds
     assert run_seed(seed).trace_hash == result.trace_hash
+
+
+def test_an_instance_reaped_from_its_owner_is_not_the_adversarys(monkeypatch: Any) -> None:
+    """Hostile finding 4: after a reap, another peer registered the victim's id and locked the
+    victim out. The adversary races the owner's registering again; taking the id is F22."""
+    import attrs
+
+    from mpcache.core_sm.server_instances import InstanceMachine
+    from mpcache.sim.profiles import PROFILES
+    from mpcache.sim.scenario import FaultSpec, server_name, worker_name
+
+    ttl = PROFILES["default"].instance_ttl
+    assert ttl is not None
+    base = draw_scenario(3)
+    # the worker is cut off after its first heartbeat, for 2 TTLs: reaped while the adversary runs
+    cut = FaultSpec(1.5, "partition", (worker_name(0, 0), server_name(0), False, 2 * ttl))
+    heal = 2 * ttl + 3.0
+    scenario = attrs.evolve(base, config=attrs.evolve(base.config, safety_duration=heal, adversary=True), faults=(cut,))
+    result, world = run_scenario(scenario, "default")
+    assert result.ok, result.violation.reason()[:400] if result.violation else ""
+    assert world.adversary is not None and world.adversary.reaped  # it saw the reap and raced
+    assert world.stats["instances_reaped"] >= 1
+    # a server that frees a reaped id for anyone: the adversary takes it
+    monkeypatch.setattr(InstanceMachine, "_reserved_for_another", lambda self, iid, peer, now: False)
+    bad, _ = run_scenario(scenario, "default")
+    assert bad.violation is not None and bad.violation.code == TENANT_HARMED, bad.violation
+    assert "reaped from its owner" in bad.violation.reason()
