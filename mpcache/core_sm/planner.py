@@ -40,6 +40,11 @@ request recomputes). So a load never relies on leases that may have expired.
 the lookup client. Effects: the lookup client's ``SendRequest``s, ``MatchAnswer``, ``StepPlan``.
 ``handle`` never raises (a bug is counted in ``stats()["internal_errors"]``).
 
+KV-cache groups (``PlannerConfig.kv_groups``, vLLM's hybrid KV-cache manager): a hit is a hit only
+when every group the request needs is restorable (``core_sm.kv_groups``); groups this version
+cannot restore (``kv_groups.unrestorable``: recurrent state, several groups) make every request
+a miss -- no lookup, no lease, no store -- never a partial restore.
+
 Tensor parallelism: one planner serves every rank; the plan is the same for all of them, and
 each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``).
 """
@@ -49,6 +54,7 @@ import heapq
 
 from mpcache.core_sm.effects import Effect
 from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.kv_groups import unrestorable
 from mpcache.core_sm.lookup_client import LookupClient
 from mpcache.core_sm.messages import (
     Cleanup,
@@ -103,6 +109,8 @@ class StepPlanner:
             raise ValueError(f"lookup chunk size {lookups.config.chunk_size} != planner's {config.chunk_size}")
         self.config = config
         self.lookups = lookups
+        # why this engine's KV-cache groups cannot be restored (None: they can)
+        self.unrestorable = unrestorable(config.kv_groups)
         self._trackers: dict[str, RequestTracker] = {}
         self._step_stores: list[SubmitStore] = []  # the stores of the step being planned
         # (due, seq, request id, leased_at): lease renewals, a heap; an entry whose request moved
@@ -235,7 +243,8 @@ class StepPlanner:
             tracker.store_limit = event.max_offload_tokens // chunk * chunk
         tracker.first_match_at = now
         self._trackers[event.request_id] = tracker
-        if self.config.load and (tracker.load_limit is None or tracker.load_limit > event.num_computed_tokens):
+        if self.config.load and self.unrestorable is None and (
+                tracker.load_limit is None or tracker.load_limit > event.num_computed_tokens):
             self._counters["lookups_submitted"] += 1
             tracker.leased_at = now
             self._lookup(SubmitLookup(event.request_id, tracker.prompt(), tracker.cache_salt, tracker.extras),
@@ -418,7 +427,7 @@ class StepPlanner:
 
     def _plan_store(self, tracker: RequestTracker, computed_tokens: int) -> SubmitStore | None:
         c = self.config
-        if not c.store:
+        if not c.store or self.unrestorable is not None:  # what cannot be restored is not stored
             return None
         limit = min(computed_tokens, len(tracker.token_ids))
         if not c.store_decode_tokens:

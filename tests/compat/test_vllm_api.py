@@ -190,3 +190,72 @@ def test_scheduler_side_with_this_versions_objects(cls: type, vllm_config: Any) 
         connector.build_connector_meta(_step(finished={request.request_id}))
     finally:
         connector.shutdown()
+
+
+def _kv_cache_config(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.attn"], spec) for i, spec in enumerate(specs)])
+
+
+def _full() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+
+def _sliding() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=512)
+
+
+def _mamba() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
+
+
+def test_kv_groups_are_read_from_this_versions_specs() -> None:
+    from mpcache.core_sm.kv_groups import GroupKind
+    from mpcache.runtime_zmq.vllm_connector import kv_groups_of
+
+    groups = kv_groups_of(_kv_cache_config(_full(), _sliding(), _mamba()))
+    assert [(g.kind, g.block_size, g.window) for g in groups] == [
+        (GroupKind.FULL, BLOCK, 0), (GroupKind.SLIDING_WINDOW, BLOCK, 512), (GroupKind.RECURRENT, BLOCK, 0)]
+
+
+@pytest.mark.parametrize("specs", [("full", "mamba"), ("full", "sliding")])
+def test_hma_groups_it_cannot_restore_are_a_miss_said_once(specs: tuple[str, ...], vllm_config: Any,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A hybrid model's groups (here a Mamba hybrid's, and full + sliding window): 0 external
+    tokens, no store, no delayed free, and one log line naming why; never a partial restore."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    if MPCacheHMAConnector is None:
+        pytest.skip("no SupportsHMA in this vLLM")
+    make = {"full": _full, "sliding": _sliding, "mamba": _mamba}
+    with caplog.at_level(logging.WARNING, logger="mpcache.vllm"):
+        connector = MPCacheHMAConnector(vllm_config, KVConnectorRole.SCHEDULER, _kv_cache_config(*(make[s]() for s in specs)))
+    try:
+        why = [r.getMessage() for r in caplog.records if "0 external tokens" in r.getMessage()]
+        assert len(why) == 1 and ("recurrent" in why[0] if "mamba" in specs else "several" in why[0]), why
+        prompt = [(i * 11 + 5) % 500 for i in range(600)]
+        request = _request(f"h-{'-'.join(specs)}", prompt)
+        assert _match(connector, request) == (0, False)
+        groups = [list(range(1, 40)), list(range(100, 139))]
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        connector.update_state_after_alloc(request, KVCacheBlocks(tuple(tuple(KVCacheBlock(b) for b in g) for g in groups)), 0)
+        meta = connector.build_connector_meta(_step([(request, groups[0], 600)]))
+        assert not meta.plan.stores and not meta.plan.retrieves
+        assert connector.request_finished_all_groups(request, tuple(groups)) == (False, None)
+    finally:
+        connector.shutdown()
