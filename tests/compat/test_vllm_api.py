@@ -229,7 +229,7 @@ def test_kv_groups_are_read_from_this_versions_specs() -> None:
         (GroupKind.FULL, BLOCK, 0), (GroupKind.SLIDING_WINDOW, BLOCK, 512), (GroupKind.RECURRENT, BLOCK, 0)]
 
 
-@pytest.mark.parametrize("specs", [("full", "mamba"), ("full", "sliding")])
+@pytest.mark.parametrize("specs", [("full", "mamba"), ("full", "sliding")], ids=["mamba-hybrid", "full-and-sliding-window"])
 def test_hma_groups_it_cannot_restore_are_a_miss_said_once(specs: tuple[str, ...], vllm_config: Any,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     """A hybrid model's groups (here a Mamba hybrid's, and full + sliding window): 0 external
