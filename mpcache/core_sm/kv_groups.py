@@ -17,8 +17,12 @@ window) and letting vLLM skip the prefix for every layer gives wrong output (LMC
 about 40% garbled answers on a Mamba hybrid).
 
 ``unrestorable`` says what this version's workers cannot store or load at all (``None``: all
-fine). They copy one block table of one KV layout: one full-attention group. For any other
-set of groups every request is a miss, said once at start with the reason.
+fine). They copy one block table of one KV layout: one full-attention or one sliding-window
+group. For any other set of groups every request is a miss, said once at start with the reason.
+
+A sliding-window group's blocks are freed by vLLM once they fall out of the window of the
+tokens computed (``first_live_token``): a store may read only blocks still live when its step
+starts, or it would store another request's KV.
 """
 from __future__ import annotations
 
@@ -83,10 +87,19 @@ def resume_point(groups: Sequence[KVGroup], present: Sequence[frozenset[int] | r
     return 0
 
 
+def first_live_token(group: KVGroup, computed: int) -> int:
+    """The first token whose block is still allocated once ``computed`` tokens are computed
+    (vLLM frees a sliding window's blocks that hold only tokens before
+    ``computed - window + 1``); 0 for the other kinds."""
+    if group.kind is not GroupKind.SLIDING_WINDOW:
+        return 0
+    return max(0, computed - group.window + 1) // group.block_size * group.block_size
+
+
 def unrestorable(groups: Sequence[KVGroup]) -> str | None:
     """Why this version cannot restore (or store) requests of an engine with these groups, or
-    None when it can: exactly one full-attention group (or none given)."""
-    if not groups or (len(groups) == 1 and groups[0].kind is GroupKind.FULL):
+    None when it can: exactly one full-attention or sliding-window group (or none given)."""
+    if not groups or (len(groups) == 1 and groups[0].kind in (GroupKind.FULL, GroupKind.SLIDING_WINDOW)):
         return None
     kinds = ", ".join(_describe(g) for g in groups)
     if any(g.kind is GroupKind.RECURRENT for g in groups):
@@ -94,7 +107,7 @@ def unrestorable(groups: Sequence[KVGroup]) -> str | None:
     elif len(groups) > 1:
         why = "the workers copy one KV-cache group's blocks, not several"
     else:
-        why = "only full-attention groups are restored"
+        why = "only full-attention and sliding-window groups are restored"
     return f"KV-cache groups [{kinds}]: {why}"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from mpcache.core_sm.kv_groups import GroupKind, KVGroup, needed_chunks, resume_point, unrestorable
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup, first_live_token, needed_chunks, resume_point, unrestorable
 
 C = 256
 FULL = KVGroup(GroupKind.FULL, 16)
@@ -56,6 +56,13 @@ def test_what_this_version_restores() -> None:
     assert unrestorable(()) is None and unrestorable([FULL]) is None
     assert "recurrent" in (unrestorable([FULL, MAMBA]) or "")
     assert "several" in (unrestorable([FULL, SWA]) or "")
-    assert unrestorable([SWA]) is not None
+    assert unrestorable([SWA]) is None  # one sliding-window group: restored
+    assert unrestorable([MAMBA]) is not None
     with pytest.raises(ValueError):
         KVGroup(GroupKind.SLIDING_WINDOW, 16)
+
+
+def test_first_live_token_of_a_window() -> None:
+    assert first_live_token(SWA, 0) == 0 and first_live_token(SWA, 512) == 0
+    assert first_live_token(SWA, 513) == 0 and first_live_token(SWA, 528) == 16  # 528 - 512 + 1 = 17 -> block 16
+    assert first_live_token(FULL, 10_000) == 0
