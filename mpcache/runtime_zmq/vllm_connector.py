@@ -347,8 +347,8 @@ if SupportsHMA is not None:
         """``MPCacheConnector`` for vLLM's hybrid KV-cache manager (``kv_connector:
         "MPCacheHMAConnector"``): vLLM keeps a hybrid model's KV-cache groups apart only for a
         ``SupportsHMA`` connector, and runs some models (Mamba hybrids) only with one. What each
-        group needs to resume a prefix is core_sm's (``core_sm.kv_groups``): one full-attention
-        group is loaded and stored as by ``MPCacheConnector``; groups this version cannot
+        group needs to resume a prefix is core_sm's (``core_sm.kv_groups``): one full-attention or
+        sliding-window group is loaded and stored as by ``MPCacheConnector``; groups this version cannot
         restore make every request a miss, logged once at start with the reason. The plain
         class stays without ``SupportsHMA``: vLLM then runs a sliding-window model as one
         group, which mpcache restores."""
