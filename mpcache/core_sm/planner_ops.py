@@ -15,6 +15,7 @@ import attrs
 
 from mpcache.core_sm.effects import Effect
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.kv_groups import KVGroup
 from mpcache.core_sm.messages import (
     ReplyReceived,
     RequestFailed,
@@ -86,6 +87,9 @@ class PlannerConfig:
     # The servers' read lease TTL (mpcache-server --lease-ttl); None: leases never expire.
     lease_ttl: float | None = 300.0
     max_lease_renewals: int = 16  # lookups again per request (the server allows 64 lookups per id)
+    # The engine's KV-cache groups (vLLM's hybrid KV-cache manager; core_sm.kv_groups); empty:
+    # one full-attention group. Groups this version cannot restore make every request a miss.
+    kv_groups: tuple[KVGroup, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if self.lease_ttl is not None and not self.lease_ttl > 0:

@@ -84,6 +84,10 @@ class ServerConfig:
     # ``LookupServer.run_deferred()`` (a runtime calls it once the ack is sent) or, at the
     # latest, run first thing in the next ``handle``. Off: ``handle`` does it all at once.
     ack_first: bool = False
+    # L1's bytes when its slots follow the objects registered (core_sm.l1_slots): the first
+    # registration cuts L1 into slots of its object size; 0: ``num_slots`` x ``slot_bytes`` fixed.
+    l1_bytes: int = 0
+    slot_align: int = 4096  # a carved slot is a multiple of this (the runtime's page size)
 
     @chain_key.validator
     def _check_chain_key(self, attribute: object, value: bytes) -> None:

@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.effects import AttachInstance, DetachInstance, Effect, InstanceReaped, Reply
+from mpcache.core_sm.effects import AttachInstance, CarveL1, DetachInstance, Effect, InstanceReaped, Reply
+from mpcache.core_sm.l1_slots import slot_plan
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.messages import (
     CacheKey,
@@ -63,7 +64,7 @@ from mpcache.core_sm.messages import (
     ReplyTo,
     UnregisterInstance,
 )
-from mpcache.core_sm.server_core import ServerContext
+from mpcache.core_sm.server_core import EFFECT_OWNERS, ServerContext
 from mpcache.core_sm.table import Table
 from mpcache.core_sm.timers import Timer
 
@@ -178,11 +179,6 @@ class InstanceMachine:
         if err is not None:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
-        if ev.object_bytes > ctx.config.slot_bytes:
-            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
-                      f"object of {ev.object_bytes} B > slot of {ctx.config.slot_bytes} B: start the server "
-                      f"with --slot-mb {-(-ev.object_bytes // (1 << 20))} or more (docs/troubleshooting.md)")
-            return
         old = self.instances.get(ev.instance_id)
         if self._foreign(old, ev.peer, ev.reply_to, out):
             return
@@ -193,6 +189,12 @@ class InstanceMachine:
         cap = ctx.config.max_instances_per_peer
         if old is None and ev.peer is not None and sum(1 for i in self.instances.values() if i.peer == ev.peer) >= cap:
             ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"this connection has {cap} instances registered already")
+            return
+        self._fit_slots(ev, out)
+        if ev.object_bytes > ctx.index.slot_bytes:
+            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
+                      f"object of {ev.object_bytes} B > slot of {ctx.index.slot_bytes} B: start the server "
+                      f"with --slot-mb {-(-ev.object_bytes // (1 << 20))} or more (docs/troubleshooting.md)")
             return
         self.reserved.pop(ev.instance_id, None)
         registration = attrs.evolve(ev, reply_to=None)
@@ -212,6 +214,22 @@ class InstanceMachine:
         if old is not None and not old.registration.engine_driven:
             out.append(DetachInstance(ev.instance_id))
         out.append(Reply(ev.reply_to, inst.registration_id))
+
+    def _fit_slots(self, ev: RegisterInstance, out: list[Effect]) -> None:
+        """L1's slots follow the objects registered (``mpcache.core_sm.l1_slots``): cut L1 again
+        for this registration when the rule says so and L1 can be emptied."""
+        ctx = self.ctx
+        index = ctx.index
+        plan = slot_plan(ev.object_bytes, l1_bytes=ctx.config.l1_bytes, align=ctx.config.slot_align,
+                         slot_bytes=index.slot_bytes,
+                         others_registered=any(iid != ev.instance_id for iid in self.instances))
+        if plan is None:
+            return
+        if plan.drop_ready:  # what an in-flight copy reads stays (and L1 then stays as it is)
+            index.clear(False, protected=lambda owner: isinstance(owner, EFFECT_OWNERS))
+        if index.recarve(plan.num_slots, plan.slot_bytes):
+            out.append(CarveL1(plan.slot_bytes, plan.num_slots))
+            self._shares_changed()
 
     def _on_attached(self, ev: InstanceAttached, now: float, out: list[Effect]) -> None:
         inst = self.instances[ev.instance_id]
@@ -347,7 +365,7 @@ class InstanceMachine:
         connection or CURVE key), not an instance it registered, so registering many instances
         takes no more of L1. Each tenant's share is ``num_slots`` over the tenants."""
         tenants = {self._tenant(inst, iid) for iid, inst in self.instances.items()}
-        self.ctx.index.tenant_share = max(1, self.ctx.config.num_slots // max(1, len(tenants)))
+        self.ctx.index.tenant_share = max(1, self.ctx.index.num_slots // max(1, len(tenants)))
 
     @staticmethod
     def _tenant(inst: Instance, instance_id: int) -> Hashable:
@@ -374,7 +392,7 @@ class InstanceMachine:
         c = self.ctx.config
         if c.max_slots_per_instance is not None:
             return c.max_slots_per_instance
-        share = self.ctx.index.tenant_share or c.num_slots
+        share = self.ctx.index.tenant_share or self.ctx.index.num_slots
         inst = self.instances.get(instance_id) if instance_id is not None else None
         if inst is None:
             return max(1, share)
@@ -385,7 +403,7 @@ class InstanceMachine:
     def object_bytes_for(self, model_name: str, world_size: int) -> int:
         """The object size of a registered instance of that model, else a whole slot (what a
         reservation must be able to hold)."""
-        return self.registered_object_bytes(model_name, world_size) or self.ctx.config.slot_bytes
+        return self.registered_object_bytes(model_name, world_size) or self.ctx.index.slot_bytes
 
     def registered_object_bytes(self, model_name: str, world_size: int) -> int:
         """The object size an instance of that model registered, or 0 when none is registered

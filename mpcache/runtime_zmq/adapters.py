@@ -34,6 +34,7 @@ from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, transfer_op_timeout
 from mpcache.core_sm.lookup_client import LookupClient
+from mpcache.core_sm.kv_groups import KVGroup
 from mpcache.core_sm.messages import (
     CopyFinished,
     EngineFinished,
@@ -398,7 +399,8 @@ class SchedulerAdapter(_MachineShell):
 
     @classmethod
     def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int, block_size: int,
-                load: bool = True, store: bool = True, cpu_engine: bool = False) -> SchedulerAdapter:
+                load: bool = True, store: bool = True, cpu_engine: bool = False,
+                kv_groups: tuple[KVGroup, ...] = ()) -> SchedulerAdapter:
         """Connect to every server and agree on the chunk size; raises ``ServerUnreachable`` (a
         ``ConnectionError``) naming the server that did not answer, ``ValueError`` if the servers
         disagree on the chunk size or it is not a multiple of ``block_size``. ``load`` /
@@ -415,7 +417,7 @@ class SchedulerAdapter(_MachineShell):
             planner_config = PlannerConfig(chunk_size, block_size, store_decode_tokens=config.store_decode_tokens,
                                            load=load, store=store, lookup_wait=config.lookup_wait_ms / 1000.0,
                                            lookup_wait_idle=config.lookup_wait_idle_ms / 1000.0,
-                                           cpu_engine=cpu_engine, lease_ttl=config.lease_ttl_s)
+                                           cpu_engine=cpu_engine, lease_ttl=config.lease_ttl_s, kv_groups=kv_groups)
             if config.sync_load_max_tokens is not None:
                 planner_config = attrs.evolve(planner_config, sync_load_max_tokens=config.sync_load_max_tokens)
             planner = StepPlanner(planner_config, lookups)

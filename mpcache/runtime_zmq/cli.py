@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="reserve L1's memory at start: a clear error if /dev/shm has no room, never a later SIGBUS; "
         "--no-l1-reserve commits it page by page on first use (a fast start for a huge L1)",
     )
-    cache.add_argument("--slot-mb", type=cfg.positive_float, default=32.0, help="L1 slot size in MiB: the largest object (one chunk of one KV rank; see docs/troubleshooting.md for the formula)")
+    cache.add_argument("--slot-mb", type=cfg.positive_float, default=None, help="L1 slot size in MiB, fixed: the largest object (one chunk of one KV rank; see docs/troubleshooting.md for the formula). Unset: the slots follow the objects registered (the first registration sets their size)")
     cache.add_argument("--lease-ttl", type=cfg.positive_float, default=300.0, help="seconds a read/write lease lives without use")
     cache.add_argument("--job-ttl", type=cfg.positive_float, default=60.0, help="seconds a lookup nobody queries lives before its leases are reaped")
     cache.add_argument("--instance-ttl", type=cfg.non_negative_float, default=60.0, help="seconds a registered engine instance may go without a heartbeat before it is reaped (registration, plans, leases, GPU mappings released; 0: never). Reaping starts at an instance's first heartbeat")
@@ -172,7 +172,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, d
 
 def check(args: argparse.Namespace) -> str | None:
     """Constraints between options (each option alone was checked by its type)."""
-    slot = int(args.slot_mb * MiB)
+    slot = int(args.slot_mb * MiB) if args.slot_mb is not None else 0
     l1 = int(args.l1_size_gb * GiB)
     if slot > l1:
         return f"--slot-mb {args.slot_mb:g} is larger than --l1-size-gb {args.l1_size_gb:g}: L1 would hold no object"
@@ -203,7 +203,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         url=url,
         chunk_size=args.chunk_size,
         l1_size_bytes=int(args.l1_size_gb * GiB),
-        slot_bytes=int(args.slot_mb * MiB),
+        # unset: 32 MiB slots (at most L1) until the first registration cuts them to its objects
+        slot_bytes=int(args.slot_mb * MiB) if args.slot_mb is not None else min(32 * MiB, max(1, int(args.l1_size_gb * GiB))),
+        slots_follow_objects=args.slot_mb is None,
         l2_urls=tuple(args.l2 or ()),
         lease_ttl=args.lease_ttl,
         job_ttl=args.job_ttl,

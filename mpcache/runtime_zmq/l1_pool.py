@@ -219,17 +219,20 @@ class SharedMemoryPool:
     concurrent writes to the same slot (core_sm's leases guarantee there are none)."""
 
     def __init__(self, size_bytes: int, slot_bytes: int, *, directory: str = SHM_DIR, prefix: str = "mpcache",
-                 reserve: bool = True, clamp: bool = False) -> None:
+                 reserve: bool = True, clamp: bool = False, slots_follow_objects: bool = False) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot_bytes must be > 0")
         # Keep slots page-aligned so a slot never shares a page with its neighbour.
         page = mmap.PAGESIZE
         self.slot_bytes = (slot_bytes + page - 1) // page * page
         # never more than the host, the cgroup and the filesystem can give (L1TooLarge, else clamped)
-        wanted = max(0, fit_l1(size_bytes, directory, clamp=clamp) // self.slot_bytes)
+        fitted = fit_l1(size_bytes, directory, clamp=clamp)
+        wanted = max(0, fitted // self.slot_bytes)
         self.reserve = reserve
         self.num_slots = int(wanted)
-        self.size = self.num_slots * self.slot_bytes
+        # slots that follow the objects (core_sm.l1_slots): the segment is all of L1's bytes (whole
+        # pages), cut again by ``recarve``; fixed slots: exactly num_slots of them
+        self.size = max(0, fitted) // page * page if slots_follow_objects else self.num_slots * self.slot_bytes
         sweep_orphans(directory, prefix)
         self.path = os.path.join(directory, f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}")
         self._mm: mmap.mmap | None = None
@@ -307,6 +310,15 @@ class SharedMemoryPool:
         thread = threading.Thread(target=reserve, name="mpcache-l1-reserve", daemon=True)
         thread.start()
         return thread
+
+    def recarve(self, slot_bytes: int, num_slots: int) -> None:
+        """core_sm cut L1 into ``num_slots`` slots of ``slot_bytes`` (``CarveL1``; it holds
+        nothing then): slot ``s`` is at ``s * slot_bytes`` from now on. The segment stays."""
+        if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE or num_slots < 0 or num_slots * slot_bytes > self.size:
+            raise ValueError(f"{num_slots} slots of {slot_bytes} B do not cut a {self.size}-byte L1")
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        log.info("L1: %d slots x %d bytes (the objects registered)", num_slots, slot_bytes)
 
     @property
     def created(self) -> bool:

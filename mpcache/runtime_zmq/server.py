@@ -27,6 +27,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
+import mmap
 import os
 import queue
 import secrets
@@ -86,6 +87,9 @@ class ServerConfig:
     chunk_size: int = 256
     l1_size_bytes: int = 4 * GiB
     slot_bytes: int = 32 * MiB
+    # L1's slots follow the objects registered (core_sm.l1_slots); ``slot_bytes`` is then only
+    # their size until the first registration. False: ``slot_bytes`` fixed (``--slot-mb``).
+    slots_follow_objects: bool = False
     l2_urls: tuple[str, ...] = ()
     lease_ttl: float = 300.0
     job_ttl: float = 60.0
@@ -142,7 +146,7 @@ def chunk_chain_key(config: ServerConfig, l2: L2Worker) -> tuple[bytes, str]:
 
 
 def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabled: bool,
-                 chain_key: bytes | None = None) -> Any:
+                 chain_key: bytes | None = None, l1_bytes: int = 0) -> Any:
     """Build core_sm's LookupServer for this configuration (``chain_key`` None: a random one)."""
     from mpcache.core_sm.server import LookupServer, ServerConfig as SmConfig
 
@@ -164,6 +168,8 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             store_threshold=config.store_threshold,
             chain_key=chain_key if chain_key is not None else secrets.token_bytes(32),
             ack_first=True,  # _handle sends a lookup's ack, then runs its work
+            l1_bytes=l1_bytes,  # > 0: L1's slots follow the objects registered (CarveL1)
+            slot_align=mmap.PAGESIZE,
         )
     )
 
@@ -290,7 +296,8 @@ class Server:
         self.metrics = ServerMetrics(lambda: self._stats_snapshot)
         self.metrics.attach(self, {})
         self.pool = SharedMemoryPool(config.l1_size_bytes, config.slot_bytes, directory=config.shm_dir,
-                                     reserve=config.l1_reserve, clamp=config.l1_clamp)
+                                     reserve=config.l1_reserve, clamp=config.l1_clamp,
+                                     slots_follow_objects=config.slots_follow_objects)
         if tiers is None:
             tiers = [open_l2(u) for u in config.l2_urls]
         self.channel = CompletionChannel()
@@ -312,7 +319,8 @@ class Server:
             self.channel.close()
             self.pool.close()
             raise
-        self.machine = make_machine(config, self.pool.num_slots, self.pool.slot_bytes, bool(tiers), chain_key)
+        self.machine = make_machine(config, self.pool.num_slots, self.pool.slot_bytes, bool(tiers), chain_key,
+                                    l1_bytes=self.pool.size if config.slots_follow_objects else 0)
         # the same chain (same key, same digests), hashing natively once sha256_chain is loaded
         self.machine.ctx.chain = sha256_chain.chunk_chain(chain_key)
         log.info("chunk keys are keyed by %s (fingerprint %s); servers sharing an L2 must share it",
@@ -852,6 +860,8 @@ class Server:
             self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
         elif t is fx.ScrubSlots:  # before the plan's reply: a commit never serves a slot's old bytes
             self.pool.zero(eff.slots, eff.nbytes)  # type: ignore[attr-defined]
+        elif t is fx.CarveL1:  # L1 holds nothing: its slots now fit the objects registered
+            self.pool.recarve(eff.slot_bytes, eff.num_slots)  # type: ignore[attr-defined]
         elif t is fx.LookupWorkFailed:  # a server fault after the ack: the job answers 0 hits
             now = self.clock()  # counted by core_sm (stats()["lookup_work_failures"])
             if now - self._last_work_failure_log >= 1.0:  # a fault on every lookup: a line a second

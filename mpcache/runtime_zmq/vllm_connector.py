@@ -28,12 +28,17 @@ try:
         KVConnectorRole,
         KVConnectorTransferResults,
     )
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    except ImportError:  # pragma: no cover - a vLLM before the hybrid KV-cache manager
+        SupportsHMA = None
 except ImportError as exc:  # pragma: no cover - exercised by a test without vLLM
     raise ImportError(
         "mpcache.runtime_zmq.vllm_connector needs vLLM; install it with: pip install 'mpcache[vllm]' "
         f"(import failed: {exc})"
     ) from exc
 
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup, unrestorable
 from mpcache.core_sm.planner import ScheduledRequest, StepPlan
 from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
 from mpcache.runtime_zmq import vllm_stats
@@ -50,7 +55,38 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("mpcache.vllm")
 
-__all__ = ["MPCacheConnector", "MPCacheConnectorMetadata"]
+__all__ = ["MPCacheConnector", "MPCacheConnectorMetadata"] + (["MPCacheHMAConnector"] if SupportsHMA is not None else [])
+
+# vLLM's KV-cache spec classes by name (the most specific first; a subclass matches its base's
+# entry unless listed before it): what core_sm.kv_groups calls each group.
+_SPEC_KINDS = (
+    ("SlidingWindowSpec", GroupKind.SLIDING_WINDOW),
+    ("ChunkedLocalAttentionSpec", GroupKind.OTHER),
+    ("CrossAttentionSpec", GroupKind.OTHER),
+    ("MambaSpec", GroupKind.RECURRENT),
+    ("FullAttentionSpec", GroupKind.FULL),  # MLA's spec is one
+)
+
+
+def kv_groups_of(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+    """vLLM's KV-cache groups as core_sm's ``KVGroup``s (read by attribute: no vLLM import)."""
+    out = []
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        spec = group.kv_cache_spec
+        names = {klass.__name__ for klass in type(spec).__mro__}
+        kind = next((k for name, k in _SPEC_KINDS if name in names), GroupKind.OTHER)
+        window = int(getattr(spec, "sliding_window", 0) or 0) if kind is GroupKind.SLIDING_WINDOW else 0
+        if kind is GroupKind.SLIDING_WINDOW and window < 1:
+            kind = GroupKind.OTHER
+        out.append(KVGroup(kind, max(1, int(getattr(spec, "block_size", 1) or 1)), window, name=f"group {index}"))
+    return tuple(out)
+
+
+def _first_group(block_ids: Any) -> tuple[int, ...]:
+    """The block ids of a request's only KV-cache group (vLLM passes one list per group). With
+    several groups the planner plans no copy (core_sm.kv_groups), so none are needed."""
+    groups = tuple(block_ids)
+    return tuple(groups[0]) if len(groups) == 1 else ()
 
 
 class MPCacheConnectorMetadata(KVConnectorMetadata):
@@ -110,6 +146,9 @@ class MPCacheConnector(KVConnectorBase_V1):
         self._is_consumer = bool(transfer_config.is_kv_consumer)
         model_name, world_size, rank, block_size = _model_identity(vllm_config)
         self._block_size = block_size
+        self._kv_groups = kv_groups_of(kv_cache_config)
+        # why these KV-cache groups cannot be restored (None: they can): every request a miss
+        self._unrestorable = unrestorable(self._kv_groups)
         self._planner: SchedulerAdapter | None = None
         self._keyer: RequestKeyer | None = None
         self._worker: WorkerAdapter | None = None
@@ -117,7 +156,11 @@ class MPCacheConnector(KVConnectorBase_V1):
             self._planner = SchedulerAdapter.connect(
                 self._config, model_name=model_name, world_size=world_size, block_size=block_size,
                 load=self._is_consumer, store=self._is_producer, cpu_engine=_cpu_engine(vllm_config),
+                kv_groups=self._kv_groups,
             )
+            if self._unrestorable is not None:
+                logger.warning("mpcache: %s; every request of this engine reports 0 external tokens and "
+                               "nothing is stored", self._unrestorable)
             # Refuses (at start) an engine configuration whose KV mpcache cannot key.
             self._keyer = RequestKeyer.from_vllm_config(vllm_config, self._planner.chunk_size, self._config.model_identity)
         else:
@@ -166,17 +209,17 @@ class MPCacheConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._planner is not None
-        (block_ids,) = blocks.get_block_ids()
-        self._planner.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
+        self._planner.update_state_after_alloc(request.request_id, _first_group(blocks.get_block_ids()),
+                                               num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._planner is not None
         scheduled: list[ScheduledRequest] = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            (block_ids,) = new.block_ids
             scheduled.append(
-                ScheduledRequest(new.req_id, new.num_computed_tokens, num_scheduled.get(new.req_id, 0), tuple(block_ids), True)
+                ScheduledRequest(new.req_id, new.num_computed_tokens, num_scheduled.get(new.req_id, 0),
+                                 _first_group(new.block_ids), True)
             )
         cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
@@ -186,7 +229,7 @@ class MPCacheConnector(KVConnectorBase_V1):
                     request_id,
                     cached.num_computed_tokens[index],
                     num_scheduled.get(request_id, 0),
-                    None if new_blocks is None else tuple(new_blocks[0]),
+                    None if new_blocks is None else _first_group(new_blocks),
                     request_id in cached.resumed_req_ids,
                 )
             )
@@ -195,7 +238,10 @@ class MPCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
-        return self._planner.request_finished(request.request_id), None
+        delay = self._planner.request_finished(request.request_id)
+        # groups it cannot restore: the workers registered nothing and report no request, so
+        # vLLM must not wait for them to free the blocks
+        return delay and self._unrestorable is None, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         # Completions reach vLLM's scheduler directly; the planner needs none of them.
@@ -205,6 +251,9 @@ class MPCacheConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
+        if self._unrestorable is not None:  # nothing is stored or loaded (the scheduler says why)
+            logger.info("mpcache worker registers no KV cache: %s", self._unrestorable)
+            return
         self._worker.register_kv_caches(kv_caches)
         num_blocks = getattr(self._kv_cache_config, "num_blocks", 0) or 0
         self._stats.bytes_per_token = vllm_stats.bytes_per_token(kv_caches, num_blocks, self._block_size)
@@ -290,3 +339,20 @@ class MPCacheConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._planner is not None:
             self._planner.close()
+
+
+if SupportsHMA is not None:
+
+    class MPCacheHMAConnector(MPCacheConnector, SupportsHMA):
+        """``MPCacheConnector`` for vLLM's hybrid KV-cache manager (``kv_connector:
+        "MPCacheHMAConnector"``): vLLM keeps a hybrid model's KV-cache groups apart only for a
+        ``SupportsHMA`` connector, and runs some models (Mamba hybrids) only with one. What each
+        group needs to resume a prefix is core_sm's (``core_sm.kv_groups``): one full-attention or
+        sliding-window group is loaded and stored as by ``MPCacheConnector``; groups this version cannot
+        restore make every request a miss, logged once at start with the reason. The plain
+        class stays without ``SupportsHMA``: vLLM then runs a sliding-window model as one
+        group, which mpcache restores."""
+
+        def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                        ) -> tuple[bool, dict[str, Any] | None]:
+            return self.request_finished(request, list(_first_group(block_ids)))

@@ -98,6 +98,9 @@ def run_size(head: dict[str, Any], records: Sequence[Any], size_gb: float, check
         raise ValueError(f"{size_gb:g} GB holds no slot of {recorded_config.slot_bytes} bytes")
     config = attrs.evolve(recorded_config, num_slots=num_slots, l2_enabled=False, l2_probe=False,
                           write_behind=False)
+    if recorded_config.l1_bytes:  # slots that follow the objects registered: cut this size's L1
+        align = recorded_config.slot_align
+        config = attrs.evolve(config, l1_bytes=int(size_gb * GiB) // align * align)
     server = LookupServer(config)
     row = SweepRow(size_gb, num_slots)
     counter = _HitCounter(row, config.chunk_size)
@@ -164,6 +167,7 @@ def run_size(head: dict[str, Any], records: Sequence[Any], size_gb: float, check
     if missing and not row.violations:
         row.violations.append(f"F11 {len(missing)} request(s) answered in the recording, never in the replay")
     row.evictions = int(server.stats().get("evictions", 0))
+    row.num_slots = server.index.num_slots  # as the registrations cut it
     return row
 
 

@@ -1,0 +1,68 @@
+"""core_sm.kv_groups: what each KV-cache group needs to resume a prefix; a hit only when every
+group has it (never a partial restore)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup, first_live_token, needed_chunks, resume_point, unrestorable
+
+C = 256
+FULL = KVGroup(GroupKind.FULL, 16)
+SWA = KVGroup(GroupKind.SLIDING_WINDOW, 16, window=512)
+MAMBA = KVGroup(GroupKind.RECURRENT, 16)
+
+
+def test_needed_chunks_per_kind() -> None:
+    assert needed_chunks(FULL, 4 * C, C) == range(0, 4)
+    assert needed_chunks(SWA, 4 * C, C) == range(2, 4)  # only the 512-token window before t
+    assert needed_chunks(KVGroup(GroupKind.SLIDING_WINDOW, 16, window=300), 4 * C, C) == range(2, 4)
+    assert needed_chunks(SWA, 1 * C, C) == range(0, 1)
+    assert needed_chunks(MAMBA, 4 * C, C) == range(3, 4)  # the state at t alone
+
+
+def test_a_hit_needs_every_group() -> None:
+    everything = frozenset(range(8))
+    assert resume_point([FULL, SWA], [everything, frozenset({2, 3})], 4 * C, C) == 4 * C
+    # the window's group lacks chunk 2: resuming at 4 chunks is impossible; at 3 it needs {1, 2}
+    assert resume_point([FULL, SWA], [everything, frozenset({3})], 4 * C, C) == 0
+    assert resume_point([FULL, SWA], [everything, frozenset({0, 1, 3})], 4 * C, C) == 2 * C
+    # a full group short of its first chunk: no prefix at all, whatever the others hold
+    assert resume_point([FULL, MAMBA], [frozenset({1, 2, 3}), everything], 4 * C, C) == 0
+    assert resume_point([FULL, MAMBA], [everything, frozenset()], 4 * C, C) == 0  # no state: a miss
+    with pytest.raises(ValueError):
+        resume_point([FULL, SWA], [everything], 4 * C, C)
+
+
+@given(st.lists(st.sampled_from([FULL, SWA, MAMBA]), min_size=1, max_size=3).flatmap(
+    lambda groups: st.tuples(st.just(groups), st.lists(st.frozensets(st.integers(0, 7)), min_size=len(groups),
+                                                       max_size=len(groups)), st.integers(0, 8 * C))))
+def test_resume_point_is_the_longest_fully_restorable_prefix(case: tuple[list[KVGroup], list[frozenset[int]], int]) -> None:
+    groups, present, limit = case
+    t = resume_point(groups, present, limit, C)
+    assert t % C == 0 and 0 <= t <= limit
+    if t:  # every group holds what it needs there
+        assert all(set(needed_chunks(g, t, C)) <= have for g, have in zip(groups, present))
+    for longer in range(t + C, limit // C * C + 1, C):  # and no longer prefix would do
+        assert not all(set(needed_chunks(g, longer, C)) <= have for g, have in zip(groups, present))
+
+
+def test_full_attention_only_is_the_plain_prefix() -> None:
+    assert resume_point([FULL], [frozenset(range(5))], 8 * C, C) == 5 * C
+
+
+def test_what_this_version_restores() -> None:
+    assert unrestorable(()) is None and unrestorable([FULL]) is None
+    assert "recurrent" in (unrestorable([FULL, MAMBA]) or "")
+    assert "several" in (unrestorable([FULL, SWA]) or "")
+    assert unrestorable([SWA]) is None  # one sliding-window group: restored
+    assert unrestorable([MAMBA]) is not None
+    with pytest.raises(ValueError):
+        KVGroup(GroupKind.SLIDING_WINDOW, 16)
+
+
+def test_first_live_token_of_a_window() -> None:
+    assert first_live_token(SWA, 0) == 0 and first_live_token(SWA, 512) == 0
+    assert first_live_token(SWA, 513) == 0 and first_live_token(SWA, 528) == 16  # 528 - 512 + 1 = 17 -> block 16
+    assert first_live_token(FULL, 10_000) == 0

@@ -1,0 +1,80 @@
+"""The planner and vLLM's KV-cache groups (core_sm.kv_groups): one full-attention group is the
+plain path; groups this version cannot restore make every request a miss that is neither looked
+up (no lease) nor stored: never a partial restore."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup
+from mpcache.core_sm.messages import SubmitLookup, SubmitStore
+from mpcache.core_sm.planner import BlocksAllocated, MatchAnswer, ScheduledRequest
+from test_planner import BS, C, frees, match, planner, step
+
+FULL = KVGroup(GroupKind.FULL, BS)
+SWA = KVGroup(GroupKind.SLIDING_WINDOW, BS, window=2 * C)
+MAMBA = KVGroup(GroupKind.RECURRENT, BS)
+
+
+def test_one_full_attention_group_is_the_plain_path() -> None:
+    p, lookups = planner(2 * C, kv_groups=(FULL,))
+    tokens = list(range(3 * C))
+    assert match(p, tokens) == MatchAnswer("r", 2 * C, True)
+    p.handle(BlocksAllocated("r", range(12), 2 * C), 0.0)
+    assert len(step(p).retrieves) == 1
+    assert step(p, ScheduledRequest("r", 2 * C, C, tuple(range(12)), True)).stores == (
+        SubmitStore("r", tokens, 2 * C, 3 * C, range(8, 12)),)
+
+
+@pytest.mark.parametrize("groups", [(FULL, MAMBA), (FULL, SWA), (MAMBA,)], ids=["mamba-hybrid", "full-and-window", "mamba"])
+def test_groups_it_cannot_restore_are_a_miss_with_no_lease_and_no_store(groups: tuple[KVGroup, ...]) -> None:
+    p, lookups = planner(2 * C, kv_groups=groups)  # the server would answer a hit
+    assert p.unrestorable is not None
+    tokens = list(range(3 * C))
+    assert match(p, tokens) == MatchAnswer("r", 0, False)
+    assert not [e for e in lookups.calls if isinstance(e, SubmitLookup)]  # no lookup: no lease to leak
+    p.handle(BlocksAllocated("r", range(12), 0), 0.0)
+    plan = step(p, ScheduledRequest("r", 0, 3 * C, tuple(range(12)), True))
+    assert plan.retrieves == () and plan.stores == ()
+
+
+def test_one_sliding_window_group_loads_only_the_window_before_the_resume_point() -> None:
+    p, lookups = planner(3 * C, kv_groups=(SWA,))  # window: 2 chunks
+    tokens = list(range(4 * C))
+    assert match(p, tokens) == MatchAnswer("r", 3 * C, True)
+    p.handle(BlocksAllocated("r", range(16), 3 * C), 0.0)
+    (retrieve,) = step(p).retrieves
+    assert (retrieve.start, retrieve.end, tuple(retrieve.block_ids)) == (C, 3 * C, tuple(range(4, 12)))
+    assert frees(lookups) == [(0, C)]  # the chunk before the window is not read: its lease goes
+
+
+def test_a_window_store_never_reads_blocks_that_left_the_window() -> None:
+    """Chunked prefill of 1 chunk + 1 block per step with a window of 2 chunks: a chunk is stored
+    only while its first block is still allocated when the step starts."""
+    p, _ = planner(0, kv_groups=(KVGroup(GroupKind.SLIDING_WINDOW, BS, window=C),))
+    tokens = list(range(4 * C))
+    match(p, tokens)
+    blocks = tuple(range(16))
+    p.handle(BlocksAllocated("r", blocks, 0), 0.0)
+    step(p)
+    stored = step(p, ScheduledRequest("r", 0, C - BS, blocks, True)).stores
+    assert stored == ()  # no chunk complete yet
+    # step 2 computes [C - BS, 2C + BS): chunk 0 starts at 0, still live (C - BS - C + 1 < 0)
+    (first,) = step(p, ScheduledRequest("r", C - BS, C + 2 * BS, None)).stores
+    assert (first.start, first.end) == (0, 2 * C)
+    # step 3 starts at 2C + BS: chunk 2 is live (first live token C + BS... < 2C): stored
+    (second,) = step(p, ScheduledRequest("r", 2 * C + BS, C, None)).stores
+    assert (second.start, second.end) == (2 * C, 3 * C)
+
+
+def test_a_window_store_stops_once_a_chunk_left_the_window_unstored() -> None:
+    p, _ = planner(0, kv_groups=(KVGroup(GroupKind.SLIDING_WINDOW, BS, window=BS),))  # a window of one block
+    tokens = list(range(3 * C))
+    match(p, tokens)
+    blocks = tuple(range(12))
+    p.handle(BlocksAllocated("r", blocks, 0), 0.0)
+    step(p)
+    assert step(p, ScheduledRequest("r", 0, C - BS, blocks, True)).stores == ()
+    # this step starts at C - BS: chunk 0's first blocks were freed already
+    assert step(p, ScheduledRequest("r", C - BS, 2 * C, None)).stores == ()
+    assert step(p, ScheduledRequest("r", 3 * C - BS, BS, None)).stores == ()  # nor any later one
