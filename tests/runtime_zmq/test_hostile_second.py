@@ -43,7 +43,7 @@ def test_a_reaped_instance_id_is_not_anyones(start_server: Callable[..., ServerP
         assert _error_kind(reply) == "forbidden"
         # the victim's next store finds its instance reaped, registers it again and completes
         assert store_chunks(victim, tokens(2, seed=3), "w", iid=5, seed=3)["ok"]
-        assert victim._monitor.stats()["reregistrations"] == 1
+        assert victim.link.monitor.stats()["reregistrations"] == 1
     finally:
         attacker.close()
         victim.close()
