@@ -272,7 +272,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
     from mpcache.sim.explore import PROFILE_WORLDS, WORLDS, Explorer, XWorld, report, report_coverage, save_tape
 
     profile = get_profile(args.profile)
-    custom = {k: getattr(args, k) for k in ("engines", "servers", "requests", "faults", "restarts", "aborts")
+    custom = {k: getattr(args, k) for k in ("engines", "servers", "requests", "faults", "restarts", "aborts", "crashes")
               if getattr(args, k) is not None}
     if args.world is not None:
         if args.world not in WORLDS:
@@ -554,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("engines", "engines"), ("servers", "servers"), ("requests", "requests per engine"),
                        ("faults", "drops + duplicates + slow frames in total"),
                        ("restarts", "server crash + restarts in total"),
-                       ("aborts", "requests aborted while their lookup is pending")):
+                       ("aborts", "requests aborted while their lookup is pending"),
+                       ("crashes", "engine crashes in total")):
         p.add_argument(f"--{name}", type=non_negative_int, default=None, help=f"{what} (default: the world's)")
     p.add_argument("--profile", default="default", help="the honest machines or a legacy-bug profile "
                                                       "(default: %(default)s)")

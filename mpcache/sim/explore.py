@@ -16,7 +16,9 @@ Contract:
   a fault); the next step of each request's script (``submit``, ``check`` once the client
   answers, ``cleanup``, ``end``); abort (``EndRequest``) or cancel (``Cleanup``) a request
   whose lookup is pending (while ``aborts`` lasts); crash + restart a server (while ``restarts`` lasts: a fresh machine, frames to the old
-  incarnation are lost, each client is fed ``ServerEpoch``).
+  incarnation are lost, each client is fed ``ServerEpoch``); crash an engine (while ``crashes``
+  lasts: its requests end unanswered, its frames are lost, the servers keep what it held until
+  their TTLs reap it).
 * **World state**: the machines are shared between a state and its successors and copied only
   when an action touches them (copy on write); ``Explorer.fingerprint`` hashes a canonical
   snapshot of each machine (cached per machine object) plus the frame bag and the oracles' own
@@ -96,6 +98,7 @@ class XWorld:
     faults: int = 0  # drops + duplicates + slow frames, in total
     restarts: int = 0  # server crash + restart, in total
     aborts: int = 0  # requests aborted while their lookup is pending, in total
+    crashes: int = 0  # engine crashes, in total (its requests end unanswered, its frames are lost)
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
@@ -109,10 +112,10 @@ class XWorld:
 
 
 WORLDS: dict[str, list[XWorld]] = {
-    # what `make test` explores completely (tests/sim/test_explore.py): ~3,600 states
+    # what `make test` explores completely (tests/sim/test_explore.py)
     "ci": [XWorld("ci-2e1s", engines=2, servers=1, requests=1),
            XWorld("ci-1e1s-faults", engines=1, servers=1, requests=1, faults=1, restarts=1),
-           XWorld("ci-1e1s-abort", engines=1, servers=1, requests=1, aborts=1),
+           XWorld("ci-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1),
            XWorld("ci-1e2s", engines=1, servers=2, requests=1)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, faults=2, restarts=1, aborts=1)],
@@ -172,6 +175,7 @@ class XState:
     faults: int
     restarts: int
     aborts: int
+    crashes: int = 0
     clean: bool = True  # no drop, duplicate or restart on the path so far
     timely: bool = True  # no slow frame on the path so far
     last_fault: float = 0.0
@@ -181,7 +185,8 @@ class XState:
     def child(self) -> XState:
         return XState(self.now, list(self.servers), list(self.clients), list(self.books), list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
-                      self.restarts, self.aborts, self.clean, self.timely, self.last_fault, self.submitted)
+                      self.restarts, self.aborts, self.crashes, self.clean, self.timely, self.last_fault,
+                      self.submitted)
 
 
 @attrs.define
@@ -237,6 +242,7 @@ class Explorer:
         self._seed_keys = self._prompt_keys()
         # A restarted server is a copy of this fresh one: its rows share the same frozen parts.
         self._fresh_server = self.new_server()
+        self._fresh_client = self.new_client()  # a crashed engine's client (never touched again)
 
     # ------------------------------------------------------------------ machines
     def _prompt_keys(self) -> list[Any]:
@@ -282,7 +288,7 @@ class Explorer:
         w = self.world
         return XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
                       [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
-                      [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts)
+                      [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes)
 
     def _own_server(self, st: XState, s: int) -> LookupServer:
         if ("s", s) not in st.owned:
@@ -329,6 +335,10 @@ class Explorer:
         if st.restarts > 0:
             for s in range(len(st.servers)):
                 yield ("restart", s)
+        if st.crashes > 0:
+            for e, script in enumerate(st.scripts):
+                if any(step < len(self.script) for step in script):
+                    yield ("crash", e)
 
     def describe(self, st: XState, action: tuple[str, Any]) -> str:
         kind, arg = action
@@ -345,6 +355,8 @@ class Explorer:
             e, r = arg
             call = "request_finished" if kind == "abort" else "cleanup_lookup_result"
             return f"sched{e} {kind} {rid(e, r)} ({call} while its lookup is pending)"
+        if kind == "crash":
+            return f"crash sched{arg} (its requests end unanswered, its frames are lost)"
         return f"restart server{arg}"
 
     def _fault(self, st: XState, slow: bool = False) -> None:
@@ -416,6 +428,14 @@ class Explorer:
                     self.lines.append(f"{st.now:12.6f} {'sched' + str(e):<11} check({rid(e, r)}) -> {result}")
                 return self._client_event(st, e, TimerFired())  # sends what check() queued
             return self._client_event(st, e, Cleanup(rid(e, r)) if step == "cleanup" else EndRequest(rid(e, r)))
+        if kind == "crash":  # the engine process dies: the servers keep its jobs and leases (TTLs reap them)
+            e = arg
+            st.crashes -= 1
+            self._fault(st)
+            st.scripts[e] = (len(self.script),) * len(st.scripts[e])
+            st.frames = [f for f in st.frames if f.engine != e]
+            st.clients[e] = self._fresh_client
+            return None
         # restart
         s = arg
         st.servers[s] = copy.deepcopy(self._fresh_server, dict(self._static))
@@ -654,6 +674,7 @@ class Explorer:
                                for b in st.books], ren))
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
+                 st.crashes,
                  st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted))
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):
@@ -902,7 +923,7 @@ def report(ex: Explorer, out: Any = None) -> None:
     w = ex.world
     rate = ex.states / ex.seconds if ex.seconds else 0.0
     print(f"world {w.name}: {w.engines} engine(s) x {w.servers} server(s) x {w.requests} request(s), "
-          f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, profile {ex.profile_name}, "
+          f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, profile {ex.profile_name}, "
           f"symmetry {'on' if w.symmetry else 'off'}", file=out)
     print(f"  {'complete' if ex.complete else 'NOT complete'}: {ex.states} states, {ex.transitions} transitions, "
           f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s, {ex.bytes_per_state:.0f} B/state", file=out)

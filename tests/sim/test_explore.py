@@ -78,3 +78,14 @@ def test_cli_explore_and_replay_tape(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["replay", "--tape", str(tape)]) == 1
     out = capsys.readouterr().out
     assert "VIOLATION F4" in out and "the recorded one" in out
+
+
+def test_engine_crash_leaves_work_the_reaper_must_take() -> None:
+    """A crashed engine's job and leases stay on the server; the production reaper takes them
+    (complete, clean), the no-reaper profile is caught F12 after the crash."""
+    w = XWorld("crash", crashes=1)
+    ex = Explorer(w).run()
+    assert ex.complete and ex.violation is None
+    bad = Explorer(w, PROFILES["no-reaper"]).run()
+    assert bad.violation is not None and bad.violation[0].code == "F12"
+    assert ("crash", 0) in bad.violation[1]
