@@ -118,7 +118,7 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1),
            XWorld("ci-1e2s", engines=1, servers=2, requests=1)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
-    "medium": [XWorld("medium", engines=2, servers=1, requests=1, faults=2, restarts=1, aborts=1)],
+    "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
     "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
 }
 
@@ -649,15 +649,19 @@ class Explorer:
     def fingerprint(self, st: XState) -> bytes:
         n = len(st.clients)
         order = list(range(n))
+        # Each client's snapshot names only its own requests, as R<r>: label-free, computed once
+        # per client object; its place in the sorted order is its label.
+        sigs = [self._snap(st.clients[e], {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+                for e in order]
         if self.world.symmetry and n > 1:
             # Sort-based canonical form: each engine's signature names only itself as "E".
-            sigs = []
+            keys = []
             for e in order:
                 ren = {f"sched{e}": "E", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
                 frames = sorted(repr(snapshot((f.kind, f.server, f.corr, f.incarnation, f.body), ren))
                                 for f in st.frames if f.engine == e)
-                sigs.append((self._snap(st.clients[e], ren, "E"), st.scripts[e], tuple(frames)))
-            order.sort(key=lambda e: sigs[e])
+                keys.append((sigs[e], st.scripts[e], tuple(frames)))
+            order.sort(key=lambda e: keys[e])
         perm = {old: new for new, old in enumerate(order)}
         ren = {}
         for old, new in perm.items():
@@ -665,7 +669,7 @@ class Explorer:
             for r in range(self.world.requests):
                 ren[rid(old, r)] = rid(new, r)
         pkey = tuple(order)
-        clients = tuple((self._snap(st.clients[old], ren, pkey), st.scripts[old]) for old in order)
+        clients = tuple((sigs[old], st.scripts[old]) for old in order)
         bag = tuple(sorted(repr(snapshot((f.kind, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
                               for f in st.frames))
         servers = tuple(self._snap(s, ren, pkey) for s in st.servers)
@@ -744,7 +748,7 @@ class Explorer:
         return per_fp + (self._sample_nodes(frontier) if frontier else self._node_bytes)
 
     def _sample_nodes(self, frontier: deque[Node]) -> float:
-        sample = [frontier[i] for i in range(0, len(frontier), max(1, len(frontier) // 50))]
+        sample = [frontier[i] for i in range(0, len(frontier), max(1, len(frontier) // 20))]
         total = 0
         for node in sample:
             parent = node.parent.state if node.parent is not None else None
@@ -874,7 +878,14 @@ def deep_size(obj: Any) -> int:
     return total
 
 
-_SKIP = frozenset({"_counters", "counters", "trace", "config", "ctx_config", "dispatch", "_rows", "_routes",
+def _by_time(entry: tuple[float, int, Any]) -> tuple[float, int]:
+    return entry[0], entry[1]
+
+
+# Left out of snapshots: counters and configuration (they decide nothing), dispatchers, and the
+# tie-break sequence numbers and compaction marks of lazily deleting heaps (their live entries,
+# in firing order, are kept instead).
+_SKIP = frozenset({"_seq", "_compact_at", "compactions", "_counters", "counters", "trace", "config", "ctx_config", "dispatch", "_rows", "_routes",
                    "_timer_machine", "_lookups", "_servers"})
 _ATOMS = (int, float, bool, type(None), bytes)
 
@@ -902,6 +913,18 @@ def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None)
     if key in memo:
         return ("@", memo[key])
     memo[key] = len(memo)
+    live = getattr(obj, "_live", None)
+    if live is not None and callable(live):
+        # A timer heap or reap queue deletes lazily (next_deadline() drops dead entries even
+        # from a stored state): only its live entries, in firing order, are its state.
+        if isinstance(getattr(obj, "_heap", None), list):
+            return ("timers", tuple((d, snapshot(t, ren, memo)) for d, _seq, t in sorted(obj._heap, key=_by_time)
+                                    if live(t)))
+        items = getattr(obj, "_items", None)
+        if isinstance(items, list):
+            head = obj._head
+            return ("queue", tuple((t, snapshot(i, ren, memo)) for t, i in zip(obj._times[head:], items[head:])
+                                   if i is not None and live(i)))
     if isinstance(obj, dict):
         return ("d", tuple((snapshot(k, ren, memo), snapshot(v, ren, memo)) for k, v in obj.items()))
     if isinstance(obj, (set, frozenset)):
@@ -915,6 +938,11 @@ def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None)
     if fields is None:
         names = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]
         fields = {n: getattr(obj, n) for n in names if hasattr(obj, n)}
+    expiry_live = getattr(obj, "_expiry_live", None)
+    if expiry_live is not None and "_expiries" in fields:
+        # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
+        fields = dict(fields)
+        fields["_expiries"] = [(e[0], *e[2:]) for e in sorted(fields["_expiries"], key=_by_time) if expiry_live(e)]
     return (t.__name__, tuple((k, snapshot(v, ren, memo)) for k, v in fields.items() if k not in _SKIP))
 
 
