@@ -2,6 +2,8 @@
 
     mpcache-sim run --seeds N [--start S] [--profile P] [--jobs K]
     mpcache-sim replay SEED [--profile P] [--request ID] [--width N] [--chart FILE.svg] [--quiet]
+    mpcache-sim replay --tape FILE
+    mpcache-sim explore [--world ci] [--engines E --servers S --faults F ...] [--profile P] [--tape FILE]
     mpcache-sim list-profiles
     mpcache-sim profiles --seeds N [--jobs K] [--profile P ...]
     mpcache-sim check-determinism [--seeds N] [--profile P]
@@ -198,6 +200,11 @@ def mentions(request_id: str) -> re.Pattern[str]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.tape:
+        return replay_tape_file(args.tape, args.quiet)
+    if args.seed is None:
+        print("mpcache-sim replay: give a SEED or --tape FILE", file=sys.stderr)
+        return 2
     get_profile(args.profile)
     if args.chart:
         from mpcache.sim.plot import MatplotlibMissing, require
@@ -242,6 +249,74 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 1
     print("no violation")
     return 0
+
+
+def replay_tape_file(path: str, quiet: bool) -> int:
+    """Run an explore tape again on fresh machines; exit 1 when it shows its violation."""
+    from mpcache.sim.explore import load_tape, replay_tape
+
+    tape = load_tape(path)
+    violation, lines = replay_tape(tape, get_profile(tape["profile"]))
+    recorded = tape["violation"]["code"]
+    if not quiet:
+        print(f"# mpcache-sim replay --tape {path}  (profile {tape['profile']}, world {tape['world']['name']}, "
+              f"{len(tape['actions'])} actions)")
+        for line in lines:
+            print(line)
+    if violation is None:
+        print(f"no violation (the tape recorded {recorded})")
+        return 0
+    same = "the recorded one" if violation.code == recorded else f"NOT the recorded {recorded}"
+    print(f"VIOLATION {violation.reason()}  (at {violation.t:.6f} s on {violation.node}; {same})")
+    return 1
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    """Explore every interleaving of small worlds; exit 1 on a violation or an incomplete search."""
+    import attrs
+
+    from mpcache.sim.explore import PROFILE_WORLDS, WORLDS, Explorer, XWorld, report, report_coverage, save_tape
+
+    profile = get_profile(args.profile)
+    custom = {k: getattr(args, k) for k in ("engines", "servers", "requests", "faults", "restarts", "aborts", "crashes")
+              if getattr(args, k) is not None}
+    if args.world is not None:
+        if args.world not in WORLDS:
+            print(f"mpcache-sim explore: unknown world {args.world!r}; choose from: {', '.join(WORLDS)}",
+                  file=sys.stderr)
+            return 2
+        worlds = [attrs.evolve(w, **custom) for w in WORLDS[args.world]]
+    elif args.profile in PROFILE_WORLDS and not custom:
+        worlds = [PROFILE_WORLDS[args.profile]]
+    elif custom:
+        worlds = [XWorld("custom", **custom)]
+    else:
+        worlds = WORLDS["ci"]
+    status = 0
+    for world in worlds:
+        world = attrs.evolve(world, symmetry=not args.no_symmetry, **(
+            {"max_states": args.max_states} if args.max_states else {}))
+        progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
+        ex = Explorer(world, profile).run(dfs=args.dfs, progress=progress)
+        report(ex)
+        if ex.violation is not None:
+            status = 1
+            tape = args.tape or f"explore-{profile.name}-{world.name}.tape.json"
+            save_tape(ex, tape)
+            _v, lines = _replayed(ex, profile)
+            for line in lines:
+                print(f"    {line}")
+            print(f"  tape saved: {tape}  (mpcache-sim replay --tape {tape})")
+        elif not ex.complete:
+            status = 1
+        report_coverage(ex)
+    return status
+
+
+def _replayed(ex: Any, profile: Any) -> tuple[Any, list[str]]:
+    from mpcache.sim.explore import replay_tape
+
+    return replay_tape(ex.tape(), profile)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -459,7 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay one seed with its full trace",
                        description="Replay one seed: one line per event (virtual time, node, event -> effects), "
                                    "then the outcome; exit 1 on a violation.")
-    p.add_argument("seed", type=int, help="the seed to replay")
+    p.add_argument("seed", type=int, nargs="?", help="the seed to replay")
+    p.add_argument("--tape", metavar="FILE", help="replay a counterexample tape `mpcache-sim explore` saved "
+                                                   "instead of a seed")
     p.add_argument("--profile", default="default", help="profile the seed ran under (default: %(default)s)")
     p.add_argument("--request", metavar="ID", help="only the events that mention this request id, e.g. r7 "
                                                   "(default: every event)")
@@ -471,6 +548,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "FILE.png, .svg or .pdf (needs matplotlib: pip install 'mpcache[plot]')")
     p.add_argument("--quiet", action="store_true", help="no trace lines, only the outcome")
     p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("explore", help="every interleaving of small worlds (bounded model checking); exit 1 "
+                                       "on a violation or an incomplete search",
+                       description="Explore every interleaving of small worlds over the production core_sm "
+                                   "machines: deliver, drop, duplicate any frame in flight, fire timers, run each "
+                                   "request's script, restart servers. Prints states, transitions, states/s, "
+                                   "memory per state and the table rows never reached; a violation is printed "
+                                   "as a timeline and saved as a tape for `replay --tape`.")
+    p.add_argument("--world", default=None, help="a named set of worlds: ci, tiny, medium, large (default: ci, or "
+                                                 "the profile's own world with --profile)")
+    for name, what in (("engines", "engines"), ("servers", "servers"), ("requests", "requests per engine"),
+                       ("faults", "drops + duplicates + slow frames in total"),
+                       ("restarts", "server crash + restarts in total"),
+                       ("aborts", "requests aborted while their lookup is pending"),
+                       ("crashes", "engine crashes in total")):
+        p.add_argument(f"--{name}", type=non_negative_int, default=None, help=f"{what} (default: the world's)")
+    p.add_argument("--profile", default="default", help="the honest machines or a legacy-bug profile "
+                                                      "(default: %(default)s)")
+    p.add_argument("--dfs", action="store_true", help="depth first (default: breadth first, shortest traces)")
+    p.add_argument("--max-states", type=positive_int, default=None, help="stop after this many distinct states")
+    p.add_argument("--no-symmetry", action="store_true", help="no symmetry reduction over engines")
+    p.add_argument("--tape", metavar="FILE", help="where to save a counterexample "
+                                                  "(default: explore-PROFILE-WORLD.tape.json)")
+    p.add_argument("--progress", action="store_true", help="a progress line every 10,000 states on stderr")
+    p.set_defaults(func=cmd_explore)
     p = sub.add_parser("list-profiles", help="the default and the legacy-bug profiles")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("profiles", help="catch table: per legacy profile, how many seeds catch it with its "

@@ -80,6 +80,7 @@ from mpcache.core_sm.planner import (
     StepScheduled,
 )
 from mpcache.runtime_trio import Address, Node
+from mpcache.sim import checks
 from mpcache.sim.ports import RequestMsg, WorldPort
 from mpcache.sim.scenario import RequestSpec, sched_name, server_name, worker_name
 from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
@@ -873,15 +874,9 @@ class SimEngine:
         must not turn into less."""
         if rid in self.world.touched:
             return
-        for s, leg in pending.legs.items():
-            got = self.delivered_hits.get((rid, s), 0)
-            # A leg cut short (None) by another server's 0 is the min rule, not a lost answer.
-            if got > 0 and leg.chunks is not None and leg.chunks < got:
-                self.world.violation(
-                    "F2", sched_name(self.index),
-                    f"{rid}: server{s} answered {got} hit chunks and the answer reached the client while it "
-                    f"waited for that server, but the lookup resolved that server's leg to {leg.chunks} "
-                    f"(result {pending.result_tokens} tokens)")
+        message = checks.lost_hit(rid, pending.legs, self.delivered_hits, pending.result_tokens)
+        if message is not None:
+            self.world.violation("F2", sched_name(self.index), message)
 
     def _start_compute(self, req: SimRequest) -> None:
         req.state = "computing"

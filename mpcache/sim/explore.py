@@ -3,41 +3,52 @@
 Contract:
 
 * **Actors** are the production machines (or a legacy profile's subclasses of them): one
-  ``LookupServer`` per server, one ``LookupClient`` per engine. A new actor (the client transport
-  machine, a planner) is one more entry of ``XState.actors``-style lists plus its ``_deliver``
-  branch; the search, fingerprints and coverage do not change.
-* **Network**: a bag (multiset) of frames in flight, ``Frame(kind, engine, server, corr, body)``.
-  A request frame delivered to server s becomes the request with ``reply_to=(engine, corr,
-  incarnation)`` and ``peer=f"sched{engine}"``; the server's ``Reply`` / ``ErrorReply`` become
-  reply frames, delivered to the engine's client as ``ReplyReceived`` / ``RequestFailed``.
-* **Actions** of a state, in a fixed order (so the search is deterministic): deliver any frame;
+  ``LookupServer`` per server, one ``LookupClient`` per engine (the scheduler side of the
+  connector). The transfer client, planner and ``ServerLink`` are not actors yet.
+* **Network**: a bag (multiset) of frames in flight, ``Frame(kind, engine, server, corr,
+  incarnation, body)``. A request frame delivered to server s becomes the request with
+  ``reply_to=("sched<e>", corr, incarnation)`` and ``peer="sched<e>"``; the server's ``Reply`` /
+  ``ErrorReply`` become reply frames, delivered to the engine's client as ``ReplyReceived`` /
+  ``RequestFailed``.
+* **Actions** of a state, in a fixed order (the search is deterministic): deliver any frame;
   drop or duplicate one (while ``faults`` lasts); advance the clock to the earliest deadline of
-  any machine and fire what is due; the next step of each request's script (submit, wait until
-  ``check`` answers, cleanup, end); crash + restart a server (while ``restarts`` lasts: a fresh
-  machine, frames to the old incarnation are lost, each client is fed ``ServerEpoch``).
-* **Fingerprints**: ``canonical(state)`` walks the machines' own attributes (counters, traces,
-  dispatchers and configuration left out: they never decide a transition) into nested tuples;
-  time is kept absolute, which is sound (no two different states merge) and finite here because
-  the clock only moves to deadlines. **Symmetry**: engines whose requests are interchangeable are
-  relabelled in the sorted order of their label-free signature before the fingerprint is taken.
-* **Oracles** (checked on every transition): core_sm's own ``check_invariants`` and
-  ``table_violations`` / ``internal_errors`` counters of every machine; F11 (a request answered
-  twice, or a non-deferred request left unanswered by its handler) with the same
-  ``DEFERRED_REPLIES`` the simulated world uses; **deadlock** (no enabled action while a request
-  script is unfinished); **bounded liveness** (a lookup resolved by the client's timeout on a
-  path with no fault and no restart: nothing answered it in time).
+  any machine and fire what is due (while frames are in flight this is a slow network and costs
+  a fault); the next step of each request's script (``submit``, ``check`` once the client
+  answers, ``cleanup``, ``end``); abort (``EndRequest``) or cancel (``Cleanup``) a request
+  whose lookup is pending (while ``aborts`` lasts); crash + restart a server (while ``restarts`` lasts: a fresh machine, frames to the old
+  incarnation are lost, each client is fed ``ServerEpoch``); crash an engine (while ``crashes``
+  lasts: its requests end unanswered, its frames are lost, the servers keep what it held until
+  their TTLs reap it).
+* **World state**: the machines are shared between a state and its successors and copied only
+  when an action touches them (copy on write); ``Explorer.fingerprint`` hashes a canonical
+  snapshot of each machine (cached per machine object) plus the frame bag and the oracles' own
+  bookkeeping. Time is kept absolute (sound: two different states never merge; finite here because
+  the clock only moves to deadlines). **Symmetry**: engines are relabelled in the sorted order of
+  their label-free signature (their client, script and frames) before the fingerprint is taken.
+* **Oracles**: the simulator's own judgements, imported from ``sim/checks.py`` (F11 reply
+  accounting, core_sm invariants, bytes accounting, F4 duplicate leases, F9 over-release, F5 status
+  before lookup, F2 lost hit, F8 leases after a clean end, F12/F8 drained after every TTL), plus the
+  table-violation and internal-error counters of every machine, **deadlock** (no enabled action
+  while a script is unfinished) and **bounded liveness**: a lookup still unresolved
+  ``liveness_bound`` virtual seconds after the last fault is F1; one resolved by the client's
+  timeout on a path with no fault is ``LIVENESS``.
 * **Coverage**: every row of every table of the explored machines, reached or not.
+* **Tapes**: a counterexample is saved as JSON (world, profile, actions);
+  ``replay_tape`` runs it again on fresh machines, printing one line per handled event in the
+  simulator's timeline format, and reports the violation it reproduces.
 
-BFS gives shortest counterexamples; ``--dfs`` explores depth first. The search is deterministic.
+BFS gives shortest counterexamples; ``dfs=True`` explores depth first.
 """
 from __future__ import annotations
 
 import copy
 import enum
+import gc
 import hashlib
+import json
 import sys
 import time
-import tracemalloc
+import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,25 +58,33 @@ import attrs
 from mpcache.core_sm.chunks import ChunkChain
 from mpcache.core_sm.effects import ErrorReply, Reply, SendRequest
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
-from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
 from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
+    EndSession,
+    FreeLookupLocks,
+    Lookup,
+    QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
     ServerEpoch,
     SubmitLookup,
     TimerFired,
+    WaitPrefetchStatus,
 )
 from mpcache.core_sm.server import TABLES as SERVER_TABLES
-from mpcache.core_sm.server import LookupServer, ServerConfig, ServerState
-from mpcache.core_sm.table import Dispatcher
+from mpcache.core_sm.server import LookupServer, ServerConfig
+from mpcache.core_sm.server_core import RequestKey
+from mpcache.core_sm.table import Dispatcher, Table
+from mpcache.sim import checks
 from mpcache.sim.oracles import Violation
+from mpcache.sim.trace import short
 
 CHUNK = 16
-# The world's DEFERRED_REPLIES: the same list, not a copy (the import is local to keep the
-# explorer from loading the trio world unless it is asked to).
+PROMPT = tuple(range(2 * CHUNK))  # every request asks for the same two chunks (shared objects)
 SCRIPT = ("submit", "check", "cleanup", "end")
+ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
 
 
 @attrs.frozen
@@ -76,94 +95,219 @@ class XWorld:
     engines: int = 1
     servers: int = 1
     requests: int = 1  # per engine
-    faults: int = 0  # drops + duplicates in total
+    faults: int = 0  # drops + duplicates + slow frames, in total
     restarts: int = 0  # server crash + restart, in total
-    max_depth: int = 60
-    max_states: int = 200_000
+    aborts: int = 0  # requests aborted while their lookup is pending, in total
+    crashes: int = 0  # engine crashes, in total (its requests end unanswered, its frames are lost)
+    stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
+    checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
+    max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
+    liveness_bound: float = 0.5  # virtual seconds after the last fault a lookup may stay unresolved
+    max_depth: int = 80
+    max_states: int = 500_000
     symmetry: bool = True
+
+    def script(self) -> tuple[str, ...]:
+        return ("submit",) + ("check",) * self.checks + ("cleanup", "end")
 
 
 WORLDS: dict[str, list[XWorld]] = {
-    "ci": [XWorld("ci-2e1s", engines=2, servers=1, requests=1, faults=1, restarts=1),
-           XWorld("ci-1e2s", engines=1, servers=2, requests=1, faults=1, restarts=0)],
+    # what `make test` explores completely (tests/sim/test_explore.py)
+    "ci": [XWorld("ci-2e1s", engines=2, servers=1, requests=1),
+           XWorld("ci-1e1s-faults", engines=1, servers=1, requests=1, faults=1, restarts=1),
+           XWorld("ci-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1),
+           XWorld("ci-1e2s", engines=1, servers=2, requests=1)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
-    "medium": [XWorld("medium", engines=2, servers=1, requests=2, faults=1, restarts=1)],
+    "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
+    "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
+}
+
+# The world a legacy profile is explored in: the smallest that shows its bug.
+PROFILE_WORLDS: dict[str, XWorld] = {
+    # vLLM asks check() again on a reschedule: the third ask polls the popped job forever
+    "unknown-none": XWorld("unknown-none", checks=3, liveness_bound=0.1, max_depth=200),
+    "resend-status": XWorld("resend-status", faults=1),
+    "overwrite-dup": XWorld("overwrite-dup", faults=1),
+    "no-ack-wait": XWorld("no-ack-wait", faults=1),
+    "leak-on-abort": XWorld("leak-on-abort", aborts=1),
+    "release-all": XWorld("release-all", engines=2, aborts=1),
+    # a full job table refuses the second engine's LOOKUP: the refusal must reach it
+    "silent-errors": XWorld("silent-errors", engines=2, max_jobs=1),
+    "no-reaper": XWorld("no-reaper", aborts=1),
 }
 
 
-@attrs.frozen(order=True)
+@attrs.frozen
 class Frame:
     kind: str  # "req" | "rep"
     engine: int
     server: int
     corr: int
     incarnation: int
-    body: Any = attrs.field(order=False, eq=False)
-    key: tuple[Any, ...] = attrs.field(order=False, eq=True)  # canonical body, for the bag
+    body: Any
+    about: tuple[str, str | None] = ("", None)  # a reply: its request's type and request id
+
+
+@attrs.define
+class ServerBook:
+    """What the oracles remember about one server incarnation (copied with the server)."""
+
+    # reply_to -> (request type, request id) of each request handled and not yet answered
+    awaiting: dict[Any, tuple[str, str | None]] = attrs.Factory(dict)
+    lookups: frozenset[str] = frozenset()  # request ids whose LOOKUP it handled (F5)
+    last_session: dict[str, str] = attrs.Factory(dict)  # request id -> "lookup" / "end"
+
+    def copy(self) -> ServerBook:
+        return ServerBook(dict(self.awaiting), self.lookups, dict(self.last_session))
 
 
 @attrs.define
 class XState:
     now: float
-    servers: list[LookupServer]
-    clients: list[LookupClient]
+    servers: list[Any]
+    clients: list[Any]
+    books: list[ServerBook]
     frames: list[Frame]
-    scripts: list[list[int]]  # [engine][request] -> index into SCRIPT (len: done)
+    scripts: list[tuple[int, ...]]  # [engine] -> per request, index into the script (len: done)
     incarnation: list[int]
-    awaiting: list[set[Any]]  # per server: reply_tos handled, not yet answered (deferred)
+    released: frozenset[tuple[str, int]]  # (request id, server) a FREE / END_SESSION was sent to
+    hits: tuple[tuple[tuple[str, int], int], ...]  # (request id, server) -> hit chunks delivered (F2)
     faults: int
     restarts: int
-    clean: bool = True  # no fault and no restart on the path so far
+    aborts: int
+    crashes: int = 0
+    clean: bool = True  # no drop, duplicate or restart on the path so far
+    timely: bool = True  # no slow frame on the path so far
+    last_fault: float = 0.0
+    submitted: tuple[tuple[str, float], ...] = ()  # request id -> when its lookup was submitted
+    owned: set[tuple[str, int]] = attrs.Factory(set)  # machines copied in this transition
+
+    def child(self) -> XState:
+        return XState(self.now, list(self.servers), list(self.clients), list(self.books), list(self.frames),
+                      list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
+                      self.restarts, self.aborts, self.crashes, self.clean, self.timely, self.last_fault,
+                      self.submitted)
+
+
+@attrs.define
+class Node:
+    """One explored state in the search: its parent and the action that led here (the path)."""
+
+    state: XState
+    depth: int
+    parent: Node | None
+    action: tuple[str, Any] | None
+
+    def path(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        node: Node | None = self
+        while node is not None and node.action is not None:
+            out.append(node.action)
+            node = node.parent
+        return out[::-1]
 
 
 class Explorer:
     def __init__(self, world: XWorld, profile: Any = None) -> None:
         self.world = world
+        self.profile_name: str = getattr(profile, "name", "default")
         self.server_class: type[LookupServer] = getattr(profile, "server_class", LookupServer)
         self.client_class: type[LookupClient] = getattr(profile, "lookup_client_class", LookupClient)
-        from mpcache.sim.world import DEFERRED_REPLIES
-        self.deferred = frozenset(DEFERRED_REPLIES)
+        timeout = getattr(profile, "lookup_timeout", None)
+        self.script = world.script()
+        # The production machines must never count a table violation or an internal error; a
+        # legacy profile changes transitions on purpose and is judged by the oracles alone, as in
+        # the simulator (core_sm/table.py).
+        self.strict = self.profile_name == "default"
         self.reached: set[tuple[str, str, str]] = set()
         self.states = 0
         self.transitions = 0
         self.depth = 0
         self.complete = False
-        self.violation: tuple[Violation, list[str]] | None = None
+        self.violation: tuple[Violation, list[tuple[str, Any]]] | None = None
         self.seconds = 0.0
         self.bytes_per_state = 0.0
-        self._shared_memo: dict[int, Any] | None = None
+        self.lines: list[str] | None = None  # timeline lines, kept only when replaying
+        self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
+        self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
+        self._snaps: dict[tuple[int, Any], tuple[Any, bytes]] = {}
+        self._node_bytes = 0.0
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
                                           tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=None,
-                                          ack_first=True)
+                                          ack_first=True, max_jobs=world.max_jobs)
         self.client_config = LookupClientConfig(num_servers=world.servers, model_name="x", chunk_size=CHUNK,
-                                                poll_interval=0.01, lookup_timeout=0.1, result_ttl=1.0)
+                                                poll_interval=0.01,
+                                                lookup_timeout=0.1 if timeout is None else timeout,
+                                                result_ttl=1.0)
+        self._seed_keys = self._prompt_keys()
+        # A restarted server is a copy of this fresh one: its rows share the same frozen parts.
+        self._fresh_server = self.new_server()
+        self._fresh_client = self.new_client()  # a crashed engine's client (never touched again)
 
     # ------------------------------------------------------------------ machines
+    def _prompt_keys(self) -> list[Any]:
+        """The L1 objects of the prompt's first ``stored`` chunks, as a server names them."""
+        client = LookupClient(self.client_config)
+        sends = [e for e in client.handle(SubmitLookup("seed", PROMPT), 0.0) if isinstance(e, SendRequest)]
+        lookup = sends[0].request
+        assert isinstance(lookup, Lookup)
+        server = LookupServer(self.server_config)
+        hashes, err = server.ctx.hashes(lookup.key, self.world.stored)
+        assert err is None
+        from mpcache.core_sm.chunks import ObjectKey
+        return [ObjectKey(h, rank) for h in hashes for rank in range(self.client_config.world_size)]
+
     def new_server(self) -> LookupServer:
         server = self.server_class(self.server_config)
-        for d in (server.jobs.dispatch, server.transfers.dispatch, server.l2.dispatch, server.instances.dispatch):
-            d.trace = []
+        for key in self._seed_keys:  # a warm L1: what earlier traffic stored
+            server.index.reserve_write(key, "seed", 1024, 0.0)
+            server.index.finish_write(key, "seed", 0.0)
+        self._share(server)
         return server
 
     def new_client(self) -> LookupClient:
         client = self.client_class(self.client_config)
-        for d in self._client_dispatchers(client):
-            d.trace = []
+        self._share(client)
         return client
 
-    @staticmethod
-    def _client_dispatchers(client: LookupClient) -> list[Dispatcher[Any]]:
-        return [d for d in vars(client).values() if isinstance(d, Dispatcher)]
+    def _share(self, machine: Any) -> None:
+        """Register what a copy of ``machine`` may share with it: its dispatchers' tables and
+        frozen rows, its configuration; and give every dispatcher a trace (coverage)."""
+        for d in dispatchers(machine):
+            d.trace = []
+            for obj in (d.table, *d._fast.keys(), *(n for _h, n in d._fast.values()), *d._bound.keys(),
+                        *(n for _h, n in d._bound.values())):
+                self._static[id(obj)] = obj
+                self._pinned.append(obj)
+        for cfg in (self.server_config, self.client_config, getattr(machine, "config", None)):
+            if cfg is not None:
+                self._static[id(cfg)] = cfg
+                self._pinned.append(cfg)
 
     def initial(self) -> XState:
         w = self.world
         return XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
-                      [], [[0] * w.requests for _ in range(w.engines)], [0] * w.servers,
-                      [set() for _ in range(w.servers)], w.faults, w.restarts)
+                      [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
+                      [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes)
+
+    def _own_server(self, st: XState, s: int) -> LookupServer:
+        if ("s", s) not in st.owned:
+            st.owned.add(("s", s))
+            st.servers[s] = copy.deepcopy(st.servers[s], dict(self._static))
+            st.books[s] = st.books[s].copy()
+        server: LookupServer = st.servers[s]
+        return server
+
+    def _own_client(self, st: XState, e: int) -> LookupClient:
+        if ("c", e) not in st.owned:
+            st.owned.add(("c", e))
+            st.clients[e] = copy.deepcopy(st.clients[e], dict(self._static))
+        client: LookupClient = st.clients[e]
+        return client
 
     # ------------------------------------------------------------------ actions
     def actions(self, st: XState) -> Iterator[tuple[str, Any]]:
-        seen: set[Any] = set()
+        seen: set[Frame] = set()
         for i, f in enumerate(st.frames):
             if f in seen:
                 continue  # identical frames of the bag: one action
@@ -172,56 +316,80 @@ class Explorer:
             if st.faults > 0:
                 yield ("drop", i)
                 yield ("dup", i)
-        machines: list[Any] = [*st.servers, *st.clients]
-        deadlines = [d for m in machines if (d := m.next_deadline()) is not None]
+        deadlines = [d for m in (*st.servers, *st.clients) if (d := m.next_deadline()) is not None]
         # The network is fast beside every timeout: the clock moves only once nothing is in
         # flight, unless the fault budget pays for a slow frame (a deadline passing under it).
         if deadlines and (not st.frames or st.faults > 0):
             yield ("tick", min(deadlines))
         for e, script in enumerate(st.scripts):
             for r, step in enumerate(script):
-                if step >= len(SCRIPT):
+                if step >= len(self.script):
                     continue
-                if SCRIPT[step] == "check" and st.clients[e].check(rid(e, r)) is None:
+                if self.script[step] == "check" and st.clients[e].state(rid(e, r)) not in (
+                        LookupState.DONE, LookupState.ABSENT):
+                    if st.aborts > 0:
+                        yield ("abort", (e, r))
+                        yield ("cancel", (e, r))
                     continue
                 yield ("step", (e, r))
         if st.restarts > 0:
             for s in range(len(st.servers)):
                 yield ("restart", s)
+        if st.crashes > 0:
+            for e, script in enumerate(st.scripts):
+                if any(step < len(self.script) for step in script):
+                    yield ("crash", e)
 
     def describe(self, st: XState, action: tuple[str, Any]) -> str:
         kind, arg = action
         if kind in ("deliver", "drop", "dup"):
             f = st.frames[arg]
             who = f"sched{f.engine} -> server{f.server}" if f.kind == "req" else f"server{f.server} -> sched{f.engine}"
-            return f"{kind} {who} #{f.corr} {short(f.body)}"
+            return f"{kind} {who} #{f.corr} {short(f.body, 90)}"
         if kind == "tick":
             return f"clock -> {arg:.3f}" + (f" ({len(st.frames)} frame(s) still in flight: slow)" if st.frames else "")
         if kind == "step":
             e, r = arg
-            return f"sched{e} {SCRIPT[st.scripts[e][r]]} {rid(e, r)}"
+            return f"sched{e} {self.script[st.scripts[e][r]]} {rid(e, r)}"
+        if kind in ("abort", "cancel"):
+            e, r = arg
+            call = "request_finished" if kind == "abort" else "cleanup_lookup_result"
+            return f"sched{e} {kind} {rid(e, r)} ({call} while its lookup is pending)"
+        if kind == "crash":
+            return f"crash sched{arg} (its requests end unanswered, its frames are lost)"
         return f"restart server{arg}"
 
+    def _fault(self, st: XState, slow: bool = False) -> None:
+        """A fault on the path: a lost, duplicated or restarted message (``clean`` off: the
+        simulator's "touched"), or a slow frame (``timely`` off: a deadline passed under it)."""
+        if slow:
+            st.timely = False
+        else:
+            st.clean = False
+        st.last_fault = st.now
+
     def apply(self, st: XState, action: tuple[str, Any]) -> Violation | None:
-        """Run ``action`` on ``st`` in place; the first oracle violation it causes, or None."""
+        """Run ``action`` on ``st`` (a child: machines copied as touched); the first oracle
+        violation it causes, or None."""
         kind, arg = action
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {'-':<11} {self.describe(st, action)}")
         if kind == "drop":
             st.frames.pop(arg)
             st.faults -= 1
-            st.clean = False
+            self._fault(st)
             return None
         if kind == "dup":
             st.frames.append(st.frames[arg])
             st.faults -= 1
-            st.clean = False
+            self._fault(st)
             return None
         if kind == "deliver":
-            f = st.frames.pop(arg)
-            return self._deliver(st, f)
+            return self._deliver(st, st.frames.pop(arg))
         if kind == "tick":
             if st.frames:
                 st.faults -= 1
-                st.clean = False
+                self._fault(st, slow=True)
             st.now = max(st.now, arg)
             for s in range(len(st.servers)):
                 d = st.servers[s].next_deadline()
@@ -229,30 +397,54 @@ class Explorer:
                     v = self._server_event(st, s, TimerFired(), None)
                     if v:
                         return v
-            for e, client in enumerate(st.clients):
-                d = client.next_deadline()
+            for e in range(len(st.clients)):
+                d = st.clients[e].next_deadline()
                 if d is not None and d <= st.now:
                     v = self._client_event(st, e, TimerFired())
                     if v:
                         return v
             return None
-        if kind == "step":
+        if kind in ("step", "abort", "cancel"):
             e, r = arg
-            step = SCRIPT[st.scripts[e][r]]
-            st.scripts[e][r] += 1
+            scripts = list(st.scripts[e])
+            step = self.script[scripts[r]]
+            if kind == "abort":  # vLLM's request_finished while the lookup is pending; not a fault
+                st.aborts -= 1
+                step = "end"
+                scripts[r] = len(self.script) - 1
+            elif kind == "cancel":  # vLLM's cleanup_lookup_result while it is pending
+                st.aborts -= 1
+                step = "cleanup"
+                scripts[r] = self.script.index("cleanup")
+            scripts[r] += 1
+            st.scripts[e] = tuple(scripts)
             if step == "submit":
-                return self._client_event(st, e, SubmitLookup(rid(e, r), tuple(range(2 * CHUNK))))
+                st.submitted = (*st.submitted, (rid(e, r), st.now))
+                return self._client_event(st, e, SubmitLookup(rid(e, r), PROMPT))
             if step == "check":
-                return None  # check() answered (actions() only offers it then)
+                client = self._own_client(st, e)
+                result = client.check(rid(e, r))  # a legacy client may send again here
+                if self.lines is not None:
+                    self.lines.append(f"{st.now:12.6f} {'sched' + str(e):<11} check({rid(e, r)}) -> {result}")
+                return self._client_event(st, e, TimerFired())  # sends what check() queued
             return self._client_event(st, e, Cleanup(rid(e, r)) if step == "cleanup" else EndRequest(rid(e, r)))
+        if kind == "crash":  # the engine process dies: the servers keep its jobs and leases (TTLs reap them)
+            e = arg
+            st.crashes -= 1
+            self._fault(st)
+            st.scripts[e] = (len(self.script),) * len(st.scripts[e])
+            st.frames = [f for f in st.frames if f.engine != e]
+            st.clients[e] = self._fresh_client
+            return None
         # restart
         s = arg
-        st.servers[s] = self.new_server()
+        st.servers[s] = copy.deepcopy(self._fresh_server, dict(self._static))
+        st.owned.add(("s", s))
+        st.books[s] = ServerBook()
         st.incarnation[s] += 1
-        st.awaiting[s] = set()
         st.frames = [f for f in st.frames if not (f.server == s and f.incarnation != st.incarnation[s])]
         st.restarts -= 1
-        st.clean = False
+        self._fault(st)
         for e in range(len(st.clients)):
             v = self._client_event(st, e, ServerEpoch(s, st.incarnation[s]))
             if v:
@@ -263,155 +455,266 @@ class Explorer:
         if f.kind == "req":
             if f.incarnation != st.incarnation[f.server]:
                 return None  # the connection to that incarnation is gone
-            event = attrs.evolve(f.body, reply_to=(f.engine, f.corr, f.incarnation), peer=f"sched{f.engine}")
+            peer = f"sched{f.engine}"
+            event = attrs.evolve(f.body, reply_to=(peer, f.corr, f.incarnation), peer=peer)
             return self._server_event(st, f.server, event, event.reply_to)
         body = f.body
         if isinstance(body, ErrorReply):
             return self._client_event(st, f.engine, RequestFailed(f.server, f.corr, body.error))
+        name, request_id = f.about
+        if name in ("QueryPrefetchStatus", "WaitPrefetchStatus") and request_id is not None \
+                and isinstance(body.result, int) and not isinstance(body.result, bool):
+            # The answer reached a lookup still waiting for this server: it must count (F2).
+            pending = st.clients[f.engine].pending(request_id)
+            leg = pending.legs.get(f.server) if pending is not None and st.clients[f.engine].state(
+                request_id) is not LookupState.DONE else None
+            if leg is not None and leg.chunks is None:
+                hits = dict(st.hits)
+                key = (request_id, f.server)
+                hits[key] = max(hits.get(key, 0), body.result)
+                st.hits = tuple(sorted(hits.items()))
         return self._client_event(st, f.engine, ReplyReceived(f.server, f.corr, body.result))
 
+    def _violation(self, st: XState, node: str, finding: checks.Finding | None) -> Violation | None:
+        return None if finding is None else Violation(finding[0], st.now, node, finding[1])
+
     def _server_event(self, st: XState, s: int, event: Any, via: Any) -> Violation | None:
-        server = st.servers[s]
-        before = (server._counters["table_violations"], server._counters["internal_errors"])
+        server = self._own_server(st, s)
+        book = st.books[s]
+        node = f"server{s}"
+        counters = server._counters
+        before = (counters["table_violations"], counters["internal_errors"])
+        name = type(event).__name__
+        if via is not None:
+            book.awaiting[via] = (name, request_id_of(event))
+            if type(event) in (QueryPrefetchStatus, WaitPrefetchStatus):
+                in_flight = any(f.kind == "req" and f.server == s and f.incarnation == st.incarnation[s]
+                                and type(f.body) is Lookup and f.body.key.request_id == event.request_id
+                                for f in st.frames)
+                v = self._violation(st, node, checks.status_before_lookup(event.request_id, book.lookups,
+                                                                          in_flight, node))
+                if v:
+                    return v
+        leases_before = server.leases_by_owner() if type(event) is FreeLookupLocks else None
+        if leases_before is not None:  # time-driven expiries first, as the simulator's probe does
+            early = server.handle(TimerFired(), st.now)
+            self._emit(st, s, early, {e.reply_to: book.awaiting.pop(e.reply_to) for e in early
+                                      if (type(e) is Reply or type(e) is ErrorReply) and e.reply_to in book.awaiting})
+            leases_before = server.leases_by_owner()
+        if type(event) is Lookup:
+            book.lookups = book.lookups | {event.key.request_id}
+            book.last_session[event.key.request_id] = "lookup"
+        elif type(event) is EndSession:
+            book.last_session[event.request_id] = "end"
         effects = server.handle(event, st.now)
         effects += server.run_deferred()
-        self.reached.add((SERVER_TABLES_NAME, ServerState.SERVING.name, type(event).__name__))
-        awaiting = st.awaiting[s]
-        if via is not None:
-            awaiting.add(via)
-        for eff in effects:
-            if type(eff) is Reply or type(eff) is ErrorReply:
-                if eff.reply_to not in awaiting:
-                    return Violation("F11", st.now, f"server{s}", f"second reply to one request: {short(eff)}")
-                awaiting.discard(eff.reply_to)
-                reply_to: tuple[int, int, int] = eff.reply_to  # type: ignore[assignment]
-                engine, corr, inc = reply_to
-                st.frames.append(frame("rep", engine, s, corr, inc, eff))
-        if via is not None and via in awaiting and type(event).__name__ not in self.deferred:
-            return Violation("F11", st.now, f"server{s}", f"{short(event)} handled without a reply")
-        try:
-            server.check_invariants()
-        except AssertionError as exc:
-            return Violation("SAFETY", st.now, f"server{s}", f"core_sm invariant: {exc}")
-        after = (server._counters["table_violations"], server._counters["internal_errors"])
-        if after != before:
-            return Violation("SAFETY", st.now, f"server{s}", f"table violation or internal error on {short(event)}")
+        self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
+                              f"[{', '.join(short(e) for e in effects)}]")
+        about = {eff.reply_to: book.awaiting[eff.reply_to] for eff in effects
+                 if (type(eff) is Reply or type(eff) is ErrorReply) and eff.reply_to in book.awaiting}
+        v = self._violation(st, node, checks.reply_accounting(book.awaiting, event, via, effects))
+        if v:
+            return v
+        self._emit(st, s, effects, about)
+        v = self._violation(st, node, checks.core_invariants(server))
+        if v:
+            return v
+        if type(event) is Lookup:
+            v = self._violation(st, node, checks.duplicate_lookup_leases(
+                server, RequestKey(event.peer, event.key.request_id), event.num_readers))
+            if v:
+                return v
+        v = self._violation(st, node, checks.bytes_accounting(server))
+        if v:
+            return v
+        if leases_before is not None:
+            assert isinstance(event, FreeLookupLocks)
+            v = self._violation(st, node, checks.free_released_others(
+                leases_before, server.leases_by_owner(), event.key.request_id))
+            if v:
+                return v
+        self._drain(server)
+        if self.strict and (counters["table_violations"], counters["internal_errors"]) != before:
+            return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
         return None
 
+    def _emit(self, st: XState, s: int, effects: list[Any], about: dict[Any, tuple[str, str | None]]) -> None:
+        for eff in effects:
+            if type(eff) is Reply or type(eff) is ErrorReply:
+                reply_to: tuple[str, int, int] = eff.reply_to  # type: ignore[assignment]
+                peer, corr, inc = reply_to
+                st.frames.append(Frame("rep", int(peer[len("sched"):]), s, corr, inc, eff,
+                                       about.get(eff.reply_to, ("", None))))
+
     def _client_event(self, st: XState, e: int, event: Any) -> Violation | None:
-        client = st.clients[e]
+        client = self._own_client(st, e)
+        node = f"sched{e}"
         counters = client._counters
         before = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"])
+        watched = [r for r in sorted({k[0] for k, _n in st.hits}) if client.state(r) is not LookupState.DONE]
         effects = client.handle(event, st.now)
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {node:<11} lookup: {short(event)} -> "
+                              f"[{', '.join(short(x) for x in effects)}]")
         for eff in effects:
             if isinstance(eff, SendRequest):
                 s = eff.server
-                st.frames.append(frame("req", e, s, eff.correlation, st.incarnation[s], eff.request))
-        try:
-            client.check_invariants()
-        except AssertionError as exc:
-            return Violation("SAFETY", st.now, f"sched{e}", f"core_sm invariant: {exc}")
+                request = eff.request
+                if type(request) is FreeLookupLocks or type(request) is EndSession:
+                    r = request_id_of(request)
+                    st.released = st.released | {(str(r), s)}
+                st.frames.append(Frame("req", e, s, eff.correlation, st.incarnation[s], request))
+        v = self._violation(st, node, checks.core_invariants(client))
+        if v:
+            return v
+        hits = dict(st.hits)
+        for r in watched:
+            if client.state(r) is LookupState.DONE and st.clean:
+                pending = client.pending(r)
+                assert pending is not None
+                message = checks.lost_hit(r, pending.legs, hits, pending.result_tokens)
+                if message is not None:
+                    return Violation("F2", st.now, node, message)
+        self._drain(client)
         after = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"])
-        if after[:2] != before[:2]:
-            return Violation("SAFETY", st.now, f"sched{e}", f"table violation or internal error on {short(event)}")
-        if after[2] != before[2] and st.clean:
-            return Violation("LIVENESS", st.now, f"sched{e}", "a lookup resolved by the client's timeout with no "
+        if self.strict and after[:2] != before[:2]:
+            return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
+        if after[2] != before[2] and st.clean and st.timely:
+            return Violation("LIVENESS", st.now, node, "a lookup resolved by the client's timeout with no "
                              "fault or restart on the path: no server answer reached it in time")
         return None
 
-    def _drain_traces(self, st: XState) -> None:
-        for server in st.servers:
-            for d in (server.jobs.dispatch, server.transfers.dispatch, server.l2.dispatch, server.instances.dispatch):
-                self._drain(d)
-        for client in st.clients:
-            for d in self._client_dispatchers(client):
-                self._drain(d)
+    def _drain(self, machine: Any) -> None:
+        for d in dispatchers(machine):
+            if d.trace:
+                name = d.table.name
+                for state, ev, _after in d.trace:
+                    self.reached.add((name, state.name, ev.__name__))
+                d.trace.clear()
 
-    def _drain(self, d: Dispatcher[Any]) -> None:
-        if d.trace:
-            name = d.table.name
-            for state, ev, _after in d.trace:
-                self.reached.add((name, state.name, ev.__name__))
-            d.trace.clear()
+    # ------------------------------------------------------------------ state oracles
+    def unfinished(self, st: XState) -> list[str]:
+        return [rid(e, r) for e, s in enumerate(st.scripts) for r, k in enumerate(s) if k < len(self.script)]
 
-    def _shared(self, st: XState) -> dict[int, Any]:
-        """What every copy of a state shares instead of copying: the tables (module constants),
-        the machines' configurations (frozen) and the config-free parts a state never changes."""
-        if self._shared_memo is None:
-            memo: dict[int, Any] = {}
-            for table in (*SERVER_TABLES.values(), *CLIENT_TABLES.values()):
-                memo[id(table)] = table
-            for m in machines_of(st):
-                config: Any = m.config
-                memo[id(config)] = config
-            memo[id(self.server_config)] = self.server_config
-            self._shared_memo = memo
-        return self._shared_memo
+    def state_violation(self, st: XState, acts: list[tuple[str, Any]]) -> Violation | None:
+        """Oracles on a state as a whole: deadlock, bounded liveness, and at quiescence (every
+        script done, nothing in flight) the lease and job accounting after every TTL."""
+        pending = self.unfinished(st)
+        if not acts and pending:
+            return Violation("DEADLOCK", st.now, "world", f"no action enabled; unfinished: {pending}")
+        submitted = dict(st.submitted)
+        for e, script in enumerate(st.scripts):
+            for r, step in enumerate(script):
+                since = max(st.last_fault, submitted.get(rid(e, r), 0.0))
+                if step < len(self.script) and self.script[step] == "check" and st.now - since > \
+                        self.world.liveness_bound and st.clients[e].state(rid(e, r)) not in (
+                        LookupState.DONE, LookupState.ABSENT):
+                    return Violation("F1", st.now, f"sched{e}", f"lookup unresolved: {rid(e, r)} still pending "
+                                     f"{st.now - since:.3f} s after its submit or the last fault "
+                                     f"(bound {self.world.liveness_bound:g} s)")
+        if pending or st.frames:
+            return None
+        for s, server in enumerate(st.servers):
+            node = f"server{s}"
+            if st.clean:
+                for owner, count in sorted(server.leases_by_owner().items(), key=lambda kv: repr(kv[0])):
+                    if not isinstance(owner, RequestKey) or count <= 0:
+                        continue
+                    finding = checks.leases_after_end(
+                        owner.request_id, count, (owner.request_id, s) not in st.released,
+                        st.books[s].last_session.get(owner.request_id) == "end", "done", node, "")
+                    if finding is not None:
+                        return Violation(finding[0], st.now, node, finding[1])
+            later = copy.deepcopy(server, dict(self._static))
+            horizon = st.now + 4 * max(self.server_config.lease_ttl, self.server_config.abandoned_job_ttl) + 1.0
+            later.handle(TimerFired(), horizon)
+            finding = checks.drained(later.stats())
+            if finding is not None:
+                return Violation(finding[0], horizon, node, finding[1])
+        return None
 
     # ------------------------------------------------------------------ fingerprints
+    def _snap(self, machine: Any, ren: dict[str, str], key: Any) -> bytes:
+        """The machine's snapshot under a relabelling, cached per machine object (a machine in a
+        stored state never changes: it is copied before it is touched). The cache holds the
+        machine itself, so its id is never reused for another."""
+        k = (id(machine), key)
+        cached = self._snaps.get(k)
+        if cached is None:
+            cached = self._snaps[k] = (machine, repr(snapshot(machine, ren)).encode())
+        return cached[1]
+
     def fingerprint(self, st: XState) -> bytes:
-        order = list(range(len(st.clients)))
-        if self.world.symmetry and len(order) > 1:
+        n = len(st.clients)
+        order = list(range(n))
+        # Each client's snapshot names only its own requests, as R<r>: label-free, computed once
+        # per client object; its place in the sorted order is its label.
+        sigs = [self._snap(st.clients[e], {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+                for e in order]
+        if self.world.symmetry and n > 1:
             # Sort-based canonical form: each engine's signature names only itself as "E".
-            sigs = [repr(self._canon(st, {f"sched{e}": "E", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}},
-                                     only=e)) for e in order]
-            order.sort(key=lambda e: sigs[e])
-        ren: dict[Any, Any] = {}
-        for new, old in enumerate(order):
+            keys = []
+            for e in order:
+                ren = {f"sched{e}": "E", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
+                frames = sorted(repr(snapshot((f.kind, f.server, f.corr, f.incarnation, f.body), ren))
+                                for f in st.frames if f.engine == e)
+                keys.append((sigs[e], st.scripts[e], tuple(frames)))
+            order.sort(key=lambda e: keys[e])
+        perm = {old: new for new, old in enumerate(order)}
+        ren = {}
+        for old, new in perm.items():
             ren[f"sched{old}"] = f"sched{new}"
             for r in range(self.world.requests):
                 ren[rid(old, r)] = rid(new, r)
-        canon = self._canon(st, ren, perm={old: new for new, old in enumerate(order)})
-        return hashlib.blake2b(repr(canon).encode(), digest_size=16).digest()
-
-    def _canon(self, st: XState, ren: dict[Any, Any], only: int | None = None,
-               perm: dict[int, int] | None = None) -> Any:
-        p = perm or {}
-        if only is not None:
-            frames = sorted(repr(snapshot((f.kind, f.server, f.corr, f.incarnation, f.key), ren))
-                            for f in st.frames if f.engine == only)
-            return (snapshot(st.clients[only], ren), tuple(st.scripts[only]), tuple(frames),
-                    tuple(snapshot(s.jobs, ren) for s in st.servers))
-        clients: list[Any] = [None] * len(st.clients)
-        for e, c in enumerate(st.clients):
-            clients[p.get(e, e)] = (snapshot(c, ren), tuple(st.scripts[e]))
-        frames = sorted(repr(snapshot((f.kind, p.get(f.engine, f.engine), f.server, f.corr, f.incarnation, f.key), ren))
-                        for f in st.frames)
-        return (st.now, tuple(clients), tuple(snapshot(s, ren) for s in st.servers), tuple(frames),
-                tuple(st.incarnation), tuple(sorted(repr(snapshot(a, ren)) for a in st.awaiting)), st.faults,
-                st.restarts, st.clean)
+        pkey = tuple(order)
+        clients = tuple((sigs[old], st.scripts[old]) for old in order)
+        bag = tuple(sorted(repr(snapshot((f.kind, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
+                              for f in st.frames))
+        servers = tuple(self._snap(s, ren, pkey) for s in st.servers)
+        books = repr(snapshot([(sorted(repr(snapshot(k, ren)) for k in b.awaiting), sorted(ren.get(x, x) for x in
+                                b.lookups), sorted((ren.get(k, k), v) for k, v in b.last_session.items()))
+                               for b in st.books], ren))
+        extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
+                 sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
+                 st.crashes,
+                 st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted))
+        h = hashlib.blake2b(digest_size=16)
+        for part in (*clients, *servers, bag, books, extra):
+            h.update(repr(part).encode())
+        return h.digest()
 
     # ------------------------------------------------------------------ search
     def run(self, dfs: bool = False, progress: Callable[[str], None] | None = None) -> Explorer:
         t0 = time.perf_counter()
-        tracemalloc.start()
-        mem0 = tracemalloc.get_traced_memory()[0]
-        root = self.initial()
-        seen: set[bytes] = {self.fingerprint(root)}
-        # each entry: (state, depth, path of action descriptions)
-        frontier: deque[tuple[XState, int, tuple[str, ...]]] = deque([(root, 0, ())])
+        root = Node(self.initial(), 0, None, None)
+        seen: set[bytes] = {self.fingerprint(root.state)}
+        frontier: deque[Node] = deque([root])
         pop = frontier.pop if dfs else frontier.popleft
         truncated = False
+        next_report = 10_000
+        next_sample = 64
+        self._node_bytes = 0.0
         while frontier:
-            st, depth, path = pop()
-            self.depth = max(self.depth, depth)
+            node = pop()
+            st = node.state
+            self.depth = max(self.depth, node.depth)
             acts = list(self.actions(st))
-            if not acts and any(step < len(SCRIPT) for script in st.scripts for step in script):
-                pending = [rid(e, r) for e, s in enumerate(st.scripts) for r, k in enumerate(s) if k < len(SCRIPT)]
-                self.violation = (Violation("DEADLOCK", st.now, "world", f"no action enabled; unfinished: {pending}"),
-                                  list(path))
+            v = self.state_violation(st, acts)
+            if v is not None:
+                self.violation = (v, node.path())
                 break
-            if depth >= self.world.max_depth:
+            if node.depth >= self.world.max_depth:
                 truncated = truncated or bool(acts)
                 continue
             for act in acts:
-                nxt = copy.deepcopy(st, dict(self._shared(st)))
-                text = self.describe(nxt, act)
+                nxt = st.child()
                 v = self.apply(nxt, act)
-                self._drain_traces(nxt)
+                nxt.owned = set()
                 self.transitions += 1
                 if v is not None:
-                    self.violation = (v, [*path, text])
+                    self.violation = (v, [*node.path(), act])
                     break
                 fp = self.fingerprint(nxt)
                 if fp in seen:
@@ -421,18 +724,39 @@ class Explorer:
                     truncated = True
                     frontier.clear()
                     break
-                frontier.append((nxt, depth + 1, (*path, text)))
+                frontier.append(Node(nxt, node.depth + 1, node, act))
             if self.violation is not None:
                 break
-            if progress is not None and len(seen) % 5000 < len(acts):
-                progress(f"  {len(seen)} states, frontier {len(frontier)}, depth {depth}")
+            if len(seen) >= next_sample and frontier:
+                next_sample *= 2
+                self._node_bytes = self._sample_nodes(frontier)
+            if progress is not None and len(seen) >= next_report:
+                next_report += 10_000
+                rate = len(seen) / (time.perf_counter() - t0)
+                progress(f"  {len(seen)} states, frontier {len(frontier)}, depth {node.depth}, {rate:.0f} states/s")
         self.states = len(seen)
-        mem = tracemalloc.get_traced_memory()[0] - mem0
-        tracemalloc.stop()
-        self.bytes_per_state = mem / max(1, self.states + len(frontier))
-        self.complete = self.violation is None and not truncated
         self.seconds = time.perf_counter() - t0
+        self.bytes_per_state = self._memory(frontier, seen)
+        self.complete = self.violation is None and not truncated
         return self
+
+    def _memory(self, frontier: deque[Node], seen: set[bytes]) -> float:
+        """Bytes per distinct state: its fingerprint in the seen set, plus what a queued state
+        holds that its parent does not (machines are shared until touched), sampled on the
+        frontier as the search grows."""
+        per_fp = sys.getsizeof(next(iter(seen))) + 32 if seen else 0
+        return per_fp + (self._sample_nodes(frontier) if frontier else self._node_bytes)
+
+    def _sample_nodes(self, frontier: deque[Node]) -> float:
+        sample = [frontier[i] for i in range(0, len(frontier), max(1, len(frontier) // 20))]
+        total = 0
+        for node in sample:
+            parent = node.parent.state if node.parent is not None else None
+            st = node.state
+            own = [m for i, m in enumerate(st.servers) if parent is None or parent.servers[i] is not m]
+            own += [m for i, m in enumerate(st.clients) if parent is None or parent.clients[i] is not m]
+            total += deep_size([own, st.frames, st.books, st.scripts]) + sys.getsizeof(node)
+        return total / len(sample)
 
     # ------------------------------------------------------------------ coverage
     def all_rows(self) -> list[tuple[str, str, str]]:
@@ -446,33 +770,127 @@ class Explorer:
     def unreached(self) -> list[tuple[str, str, str]]:
         return [r for r in self.all_rows() if r not in self.reached]
 
+    # ------------------------------------------------------------------ tapes
+    def tape(self) -> dict[str, Any]:
+        assert self.violation is not None
+        v, path = self.violation
+        return {"format": "mpcache-explore-tape/1", "profile": self.profile_name, "world": attrs.asdict(self.world),
+                "actions": [list(a) for a in path], "violation": {"code": v.code, "message": v.message}}
 
-SERVER_TABLES_NAME = next(iter(SERVER_TABLES))  # the routing table's name
+
+def replay_tape(tape: dict[str, Any], profile: Any) -> tuple[Violation | None, list[str]]:
+    """Run a tape's actions on fresh machines: the violation they cause (or None) and the
+    timeline, one line per action and per handled event."""
+    world = XWorld(**tape["world"])
+    ex = Explorer(world, profile)
+    ex.lines = []
+    st = ex.initial()
+    for kind, arg in tape["actions"]:
+        action = (kind, tuple(arg) if isinstance(arg, list) else arg)
+        enabled = list(ex.actions(st))
+        if action not in enabled:
+            ex.lines.append(f"{st.now:12.6f} {'-':<11} tape action {action} is not enabled here")
+            return None, ex.lines
+        st = st.child()
+        v = ex.apply(st, action)
+        st.owned = set()
+        if v is not None:
+            ex.lines.append(f"{v.t:12.6f} {v.node:<11} VIOLATION {v.reason()}")
+            return v, ex.lines
+    v = ex.state_violation(st, list(ex.actions(st)))
+    if v is not None:
+        ex.lines.append(f"{v.t:12.6f} {v.node:<11} VIOLATION {v.reason()}")
+    return v, ex.lines
 
 
-def machines_of(st: XState) -> list[Any]:
-    return [*st.servers, *st.clients]
+def load_tape(path: str) -> dict[str, Any]:
+    with open(path) as fh:
+        tape: dict[str, Any] = json.load(fh)
+    if tape.get("format") != "mpcache-explore-tape/1":
+        raise ValueError(f"{path}: not an explore tape")
+    return tape
+
+
+def save_tape(ex: Explorer, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(ex.tape(), fh, indent=1)
+        fh.write("\n")
+
+
+def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any]:
+    """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
+    bound again to the copied machine. Three times cheaper than copy's generic path, which
+    rebuilds every row tuple and bound method through __reduce_ex__."""
+    new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
+    memo[id(d)] = new
+    dc = copy.deepcopy
+
+    def rebind(h: Any) -> Any:
+        return types.MethodType(h.__func__, dc(h.__self__, memo))
+
+    ns = dict(vars(d))
+    ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
+    ns["_fast"] = {k: (rebind(h), n) for k, (h, n) in d._fast.items()}
+    for name in ("_address", "_state_of", "_refuse", "_counters", "trace"):
+        ns[name] = dc(ns[name], memo)
+    vars(new).update(ns)
+    return new
+
+
+copy._deepcopy_dispatch[Dispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
+
+
+def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
+    """Every dispatcher of a machine and of the sub-machines it holds (one level of attributes)."""
+    out: list[Dispatcher[Any]] = []
+    for value in vars(machine).values():
+        if isinstance(value, Dispatcher):
+            out.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, (type, enum.Enum)) and type(value).__module__.startswith(
+                "mpcache.core_sm"):
+            out.extend(v for v in vars(value).values() if isinstance(v, Dispatcher))
+    return out
+
+
+def request_id_of(event: Any) -> str | None:
+    if type(event) is Lookup or type(event) is FreeLookupLocks:
+        return event.key.request_id
+    value = getattr(event, "request_id", None)
+    return value if isinstance(value, str) else None
 
 
 def rid(engine: int, request: int) -> str:
     return f"req{engine}.{request}"
 
 
-def frame(kind: str, engine: int, server: int, corr: int, inc: int, body: Any) -> Frame:
-    return Frame(kind, engine, server, corr, inc, body, (repr(snapshot(body, {})),))
+def deep_size(obj: Any) -> int:
+    """Bytes of ``obj`` and everything it refers to, tables and types excepted."""
+    seen: set[int] = set()
+    todo = [obj]
+    total = 0
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (type, Table, enum.Enum, types.ModuleType)) or callable(o):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        todo.extend(gc.get_referents(o))
+    return total
 
 
-def short(obj: Any, limit: int = 90) -> str:
-    text = repr(obj)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _by_time(entry: tuple[float, int, Any]) -> tuple[float, int]:
+    return entry[0], entry[1]
 
 
-_SKIP = frozenset({"_counters", "counters", "trace", "config", "ctx_config", "dispatch", "_rows", "_routes",
+# Left out of snapshots: counters and configuration (they decide nothing), dispatchers, and the
+# tie-break sequence numbers and compaction marks of lazily deleting heaps (their live entries,
+# in firing order, are kept instead).
+_SKIP = frozenset({"_seq", "_compact_at", "compactions", "_counters", "counters", "trace", "config", "ctx_config", "dispatch", "_rows", "_routes",
                    "_timer_machine", "_lookups", "_servers"})
 _ATOMS = (int, float, bool, type(None), bytes)
 
 
-def snapshot(obj: Any, ren: dict[Any, Any], _memo: dict[int, int] | None = None) -> Any:
+def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None) -> Any:
     """A canonical nested-tuple picture of ``obj``'s state: strings renamed by ``ren`` (symmetry),
     enums by value, callables, counters and configuration left out; a shared object is written
     once and referred to by its order of appearance after that (the machines share some)."""
@@ -495,6 +913,18 @@ def snapshot(obj: Any, ren: dict[Any, Any], _memo: dict[int, int] | None = None)
     if key in memo:
         return ("@", memo[key])
     memo[key] = len(memo)
+    live = getattr(obj, "_live", None)
+    if live is not None and callable(live):
+        # A timer heap or reap queue deletes lazily (next_deadline() drops dead entries even
+        # from a stored state): only its live entries, in firing order, are its state.
+        if isinstance(getattr(obj, "_heap", None), list):
+            return ("timers", tuple((d, snapshot(t, ren, memo)) for d, _seq, t in sorted(obj._heap, key=_by_time)
+                                    if live(t)))
+        items = getattr(obj, "_items", None)
+        if isinstance(items, list):
+            head = obj._head
+            return ("queue", tuple((t, snapshot(i, ren, memo)) for t, i in zip(obj._times[head:], items[head:])
+                                   if i is not None and live(i)))
     if isinstance(obj, dict):
         return ("d", tuple((snapshot(k, ren, memo), snapshot(v, ren, memo)) for k, v in obj.items()))
     if isinstance(obj, (set, frozenset)):
@@ -508,24 +938,30 @@ def snapshot(obj: Any, ren: dict[Any, Any], _memo: dict[int, int] | None = None)
     if fields is None:
         names = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]
         fields = {n: getattr(obj, n) for n in names if hasattr(obj, n)}
+    expiry_live = getattr(obj, "_expiry_live", None)
+    if expiry_live is not None and "_expiries" in fields:
+        # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
+        fields = dict(fields)
+        fields["_expiries"] = [(e[0], *e[2:]) for e in sorted(fields["_expiries"], key=_by_time) if expiry_live(e)]
     return (t.__name__, tuple((k, snapshot(v, ren, memo)) for k, v in fields.items() if k not in _SKIP))
 
 
-def report(ex: Explorer, out: Any = sys.stdout) -> None:
+def report(ex: Explorer, out: Any = None) -> None:
+    out = out or sys.stdout
     w = ex.world
     rate = ex.states / ex.seconds if ex.seconds else 0.0
     print(f"world {w.name}: {w.engines} engine(s) x {w.servers} server(s) x {w.requests} request(s), "
-          f"faults {w.faults}, restarts {w.restarts}, symmetry {'on' if w.symmetry else 'off'}", file=out)
+          f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, profile {ex.profile_name}, "
+          f"symmetry {'on' if w.symmetry else 'off'}", file=out)
     print(f"  {'complete' if ex.complete else 'NOT complete'}: {ex.states} states, {ex.transitions} transitions, "
           f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s, {ex.bytes_per_state:.0f} B/state", file=out)
     if ex.violation is not None:
         v, path = ex.violation
         print(f"  VIOLATION {v.reason()} (counterexample: {len(path)} actions)", file=out)
-        for i, text in enumerate(path):
-            print(f"    {i + 1:3d}  {text}", file=out)
 
 
-def report_coverage(ex: Explorer, out: Any = sys.stdout) -> None:
+def report_coverage(ex: Explorer, out: Any = None) -> None:
+    out = out or sys.stdout
     rows = ex.all_rows()
     missing = ex.unreached()
     print(f"  coverage: {len(rows) - len(missing)} of {len(rows)} table rows reached; never reached:", file=out)

@@ -58,6 +58,7 @@ from mpcache.core_sm.messages import (
     WaitPrefetchStatus,
 )
 from mpcache.runtime_trio import Address, Node
+from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
 from mpcache.sim.engine import SimEngine
 from mpcache.sim.net import Packet, SimNet
@@ -69,8 +70,6 @@ from mpcache.sim.trace import MessageRecord, Trace, short
 
 SERVER = "server"
 HEARTBEAT = "hb"
-# Replies to requests whose answer may legitimately come later than the handling event.
-DEFERRED_REPLIES = ("Store", "Retrieve", "WaitPrefetchStatus", "CommitTransfer", "RegisterInstance")
 
 
 class ServerHost:
@@ -546,6 +545,11 @@ class World:
         self.trace.mark(self.now(), node, "VIOLATION", v.reason())
         raise ViolationFound(v)
 
+    def _judge(self, node: str, finding: checks.Finding | None) -> None:
+        """Raise the violation a shared check (``sim/checks.py``) found, if any."""
+        if finding is not None:
+            self.violation(finding[0], node, finding[1])
+
     def _check_server_event(self, node: Node, event: Any, effects: list[Any], now: float) -> None:
         host = self.servers[int(node.name[len("server"):])]
         server = node.machines[SERVER]
@@ -562,9 +566,8 @@ class World:
             if honest and (name == "QueryPrefetchStatus" or name == "WaitPrefetchStatus"):
                 rid = event.request_id
                 in_flight = self.lookups_in_flight.get((rid, host.index), {})
-                if rid not in host.lookups_handled and any(t >= host.started_at for t in in_flight.values()):
-                    self.violation("F5", node.name, f"status query for {rid} handled before its LOOKUP, which "
-                                   f"was still on its way to {host.name}; the answer cannot be the lookup's")
+                self._judge(node.name, checks.status_before_lookup(
+                    rid, host.lookups_handled, any(t >= host.started_at for t in in_flight.values()), host.name))
         if not honest:
             pass  # its ids are not the honest requests' sessions
         elif type(event) is Lookup:
@@ -576,26 +579,14 @@ class World:
                 self.held_after_done.add((rid, host.index))  # its LOOKUP landed after it finished
         elif type(event) is EndSession:
             host.last_session_event[event.request_id] = ("end", now)
-        for effect in effects:
-            t = type(effect)
-            if t is Reply or t is ErrorReply:
-                if effect.reply_to not in host.awaiting_reply:
-                    self.violation("F11", node.name, f"second reply to one request: {short(effect)}")
-                del host.awaiting_reply[effect.reply_to]
-        if isinstance(via, Via) and via in host.awaiting_reply and name not in DEFERRED_REPLIES:
-            self.violation("F11", node.name, f"{short(event, 120)} handled without a reply")
+        self._judge(node.name, checks.reply_accounting(host.awaiting_reply, event,
+                                                      via if isinstance(via, Via) else None, effects))
         # Per-event safety: core_sm's own invariants, plus exact per-owner lease accounting.
-        try:
-            server.check_invariants()
-        except AssertionError as exc:
-            self.violation("SAFETY", node.name, f"core_sm invariant: {exc}")
+        self._judge(node.name, checks.core_invariants(server))
         if type(event) is Lookup and honest:
-            self._check_leases_for(host, server, RequestKey(event.peer, event.key.request_id), event.num_readers)
-        index = server.index
-        used = index.bytes_used
-        if used > index.num_slots * index.slot_bytes or index.used_slots > index.num_slots:
-            self.violation("SAFETY", node.name, f"bytes accounting: {used} B in {index.used_slots} of "
-                           f"{index.num_slots} slots of {index.slot_bytes} B")
+            self._judge(host.name, checks.duplicate_lookup_leases(
+                server, RequestKey(event.peer, event.key.request_id), event.num_readers))
+        self._judge(node.name, checks.bytes_accounting(server))
         if honest and (type(event) is QueryPrefetchStatus or type(event) is WaitPrefetchStatus):
             for effect in effects:
                 if type(effect) is Reply and isinstance(effect.result, int) and effect.result > 0:
@@ -619,14 +610,6 @@ class World:
                     self.violation("ADMISSION", host.name, f"{key.wire_name()[:12]} stored after {seen} "
                                    f"lookups (store_threshold {self.config.store_threshold})")
         host.objects_held = held
-
-    def _check_leases_for(self, host: ServerHost, server: Any, rid: RequestKey, num_readers: int) -> None:
-        index = server.index
-        for key in index.keys_leased_by(rid):
-            n = index.read_count(key, rid)
-            if n > max(num_readers, 1):
-                self.violation("F4", host.name, f"{rid} holds {n} read counts on {key.wire_name()[:12]} after a "
-                               f"duplicate LOOKUP (num_readers={num_readers}): the first set leaked")
 
     def _check_hit_history(self, node: str, rid: str, chunks: int, via: Any) -> None:
         engine = self.engine_of_node(via.node) if isinstance(via, Via) else None
@@ -757,12 +740,10 @@ class World:
                 # Leases of a request that ended cleanly may outlive it only when its LOOKUP landed
                 # after its END_SESSION (a reordering the reaper covers), never when nothing was
                 # ever sent to release them, nor when END_SESSION was the last word.
-                never_released = (owner, host.index) not in self.released_sent
-                if never_released or (last is not None and last[0] == "end"):
-                    why = "no FREE/END_SESSION was ever sent for it" if never_released else "after its END_SESSION"
-                    self.violation("F8", host.name, f"{owner} finished ({req.outcome}) without faults but still holds "
-                                   f"{count} read lease(s) on {host.name}, {why}: "
-                                   f"{' | '.join(list(self.recent.get(owner, []))[-3:])}")
+                self._judge(host.name, checks.leases_after_end(
+                    owner, count, (owner, host.index) not in self.released_sent,
+                    last is not None and last[0] == "end", req.outcome, host.name,
+                    ' | '.join(list(self.recent.get(owner, []))[-3:])))
 
     def note_done(self, rid: str, node: str) -> None:
         """``rid`` (of scheduler ``node``) finished: remember the servers where it still holds
@@ -822,12 +803,7 @@ class World:
                 continue
             server = host.node.machines[SERVER]
             server.handle(TimerFired(), self.now())
-            stats = server.stats()
-            if stats["jobs"]:
-                self.violation("F12", host.name, f"{stats['jobs']} prefetch job(s) still held long after every "
-                               f"request ended (abandoned jobs never reaped)")
-            if stats["leases_held"]:
-                self.violation("F8", host.name, f"{stats['leases_held']} read lease(s) still held after every TTL")
+            self._judge(host.name, checks.drained(server.stats()))
 
     def operator_via(self, host: ServerHost) -> Via:
         """reply_to for requests the simulator itself sends (an operator's CLEAR)."""
@@ -913,13 +889,8 @@ class ProbedServer:
         effects: list[Any] = self.inner.handle(TimerFired(), now)
         before = dict(self.inner.leases_by_owner())
         effects += self.inner.handle(event, now)
-        after = self.inner.leases_by_owner()
-        rid = event.key.request_id
-        for owner, count in before.items():
-            if isinstance(owner, RequestKey) and owner.request_id != rid and after.get(owner, 0) < count:
-                self.world.violation("F9", self.host.name, f"FREE_LOOKUP_LOCKS from {rid} released {owner}'s read "
-                                     f"lease(s) ({count} -> {after.get(owner, 0)}): {owner}'s objects may now be "
-                                     f"evicted before its RETRIEVE")
+        self.world._judge(self.host.name, checks.free_released_others(
+            before, self.inner.leases_by_owner(), event.key.request_id))
         return effects
 
 

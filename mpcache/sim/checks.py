@@ -1,0 +1,126 @@
+"""The oracles' judgements, shared by the random simulator (``sim/world.py``, ``sim/engine.py``)
+and the exhaustive explorer (``sim/explore.py``).
+
+Each check is a pure function of what the shell observed: it returns ``(code, message)`` for a
+violation (the code a failure of ``reference/lmcache_mp.md`` §F, see ``sim/oracles.py``) or
+None. The shells keep their own bookkeeping (what was sent, handled, delivered) and raise the
+violation their own way; the judgement -- what counts as the failure, and its words -- is here
+once, so a counterexample the explorer finds is the violation the simulator reports.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
+
+from mpcache.core_sm.effects import ErrorReply, Reply
+from mpcache.core_sm.server_core import RequestKey
+from mpcache.sim.trace import short
+
+Finding = tuple[str, str]  # (violation code, message)
+
+# Replies to requests whose answer may legitimately come later than the handling event.
+DEFERRED_REPLIES = ("Store", "Retrieve", "WaitPrefetchStatus", "CommitTransfer", "RegisterInstance")
+
+
+def reply_accounting(awaiting: MutableMapping[Any, Any], event: Any, via: Any, effects: Iterable[Any],
+                     deferred: Iterable[str] = DEFERRED_REPLIES) -> Finding | None:
+    """F11: every request handled gets exactly one reply. ``awaiting`` maps the reply_to of each
+    request handled and not yet answered (this incarnation) to anything; ``via`` is the event's
+    reply_to when it is a request the oracle counts (already entered in ``awaiting``), else None.
+    Entries answered are removed."""
+    for effect in effects:
+        t = type(effect)
+        if t is Reply or t is ErrorReply:
+            if effect.reply_to not in awaiting:
+                return "F11", f"second reply to one request: {short(effect)}"
+            del awaiting[effect.reply_to]
+    if via is not None and via in awaiting and type(event).__name__ not in deferred:
+        return "F11", f"{short(event, 120)} handled without a reply"
+    return None
+
+
+def core_invariants(server: Any, what: str = "") -> Finding | None:
+    """SAFETY: core_sm's own ``check_invariants``."""
+    try:
+        server.check_invariants()
+    except AssertionError as exc:
+        return "SAFETY", f"core_sm {what + ' ' if what else ''}invariant: {exc}"
+    return None
+
+
+def bytes_accounting(server: Any) -> Finding | None:
+    """SAFETY: L1 never holds more bytes or slots than it has."""
+    index = server.index
+    used = index.bytes_used
+    if used > index.num_slots * index.slot_bytes or index.used_slots > index.num_slots:
+        return "SAFETY", (f"bytes accounting: {used} B in {index.used_slots} of "
+                          f"{index.num_slots} slots of {index.slot_bytes} B")
+    return None
+
+
+def duplicate_lookup_leases(server: Any, rid: RequestKey, num_readers: int) -> Finding | None:
+    """F4: after a LOOKUP, its request holds at most ``num_readers`` counts on each object."""
+    index = server.index
+    for key in index.keys_leased_by(rid):
+        n = index.read_count(key, rid)
+        if n > max(num_readers, 1):
+            return "F4", (f"{rid} holds {n} read counts on {key.wire_name()[:12]} after a "
+                          f"duplicate LOOKUP (num_readers={num_readers}): the first set leaked")
+    return None
+
+
+def free_released_others(before: Mapping[Any, int], after: Mapping[Any, int], rid: str) -> Finding | None:
+    """F9: a FREE_LOOKUP_LOCKS from ``rid`` released only ``rid``'s own leases (``before`` /
+    ``after``: the server's leases by owner around it, time-driven expiries run first)."""
+    for owner, count in before.items():
+        if isinstance(owner, RequestKey) and owner.request_id != rid and after.get(owner, 0) < count:
+            return "F9", (f"FREE_LOOKUP_LOCKS from {rid} released {owner}'s read "
+                          f"lease(s) ({count} -> {after.get(owner, 0)}): {owner}'s objects may now be "
+                          f"evicted before its RETRIEVE")
+    return None
+
+
+def status_before_lookup(rid: str, lookups_handled: Iterable[str], lookup_in_flight: bool,
+                         server: str) -> Finding | None:
+    """F5: a status query is handled before its request's LOOKUP, which was still on its way."""
+    if rid not in lookups_handled and lookup_in_flight:
+        return "F5", (f"status query for {rid} handled before its LOOKUP, which "
+                      f"was still on its way to {server}; the answer cannot be the lookup's")
+    return None
+
+
+def lost_hit(rid: str, legs: Mapping[int, Any], delivered_hits: Mapping[tuple[str, int], int],
+             result_tokens: Any) -> str | None:
+    """F2 (its message; the node is the shell's): a hit a server answered, received while the
+    client still waited for that server, must not turn into less when the lookup resolves."""
+    for s, leg in legs.items():
+        got = delivered_hits.get((rid, s), 0)
+        # A leg cut short (None) by another server's 0 is the min rule, not a lost answer.
+        if got > 0 and leg.chunks is not None and leg.chunks < got:
+            return (f"{rid}: server{s} answered {got} hit chunks and the answer reached the client while it "
+                    f"waited for that server, but the lookup resolved that server's leg to {leg.chunks} "
+                    f"(result {result_tokens} tokens)")
+    return None
+
+
+def leases_after_end(owner: str, count: int, never_released: bool, last_was_end: bool, outcome: Any,
+                     server: str, recent: str) -> Finding | None:
+    """F8: a request that ended cleanly holds no lease where nothing was ever sent to release it,
+    nor where END_SESSION was its last word (a LOOKUP landing after it is the reaper's)."""
+    if never_released or last_was_end:
+        why = "no FREE/END_SESSION was ever sent for it" if never_released else "after its END_SESSION"
+        return "F8", (f"{owner} finished ({outcome}) without faults but still holds "
+                      f"{count} read lease(s) on {server}, {why}: {recent}")
+    return None
+
+
+def drained(stats: Mapping[str, int]) -> Finding | None:
+    """F12 / F8: long after every request ended and every TTL passed, a server holds no job and
+    no lease."""
+    if stats["jobs"]:
+        return "F12", (f"{stats['jobs']} prefetch job(s) still held long after every "
+                       f"request ended (abandoned jobs never reaped)")
+    if stats["leases_held"]:
+        return "F8", f"{stats['leases_held']} read lease(s) still held after every TTL"
+    return None
+
