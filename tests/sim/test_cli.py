@@ -61,7 +61,7 @@ def test_replay_prints_trace_and_draws_chart(tmp_path: Path, capsys: pytest.Capt
     sched = next(line.split()[1] for line in lines if f"request_id='{rid}'" in line and line.split()[1].startswith("sched"))
     svg = chart.read_text()
     assert svg.lstrip().startswith("<?xml") and svg.rstrip().endswith("</svg>")
-    for text in (f">{sched}<", f">{server}<", ">node<", ">virtual time (s)<", f"QueryPrefetchStatus {rid}",
+    for text in (f">{sched}<", f">{server}<", ">node<", ">virtual time (s)<", f"PrefetchStatus {rid}",  # Query- or WaitPrefetchStatus
                  "VIOLATION F5", f"mpcache-sim replay 0 --profile no-ack-wait: requests {rid}<"):
         assert text in svg, text
 
