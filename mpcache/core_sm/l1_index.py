@@ -483,11 +483,7 @@ class L1Index(TenantQuota):
                 lru[key] = None
                 seq += 1
                 obj.used = seq
-        self._use_seq = seq
-        if not held:
-            del self._by_owner[owner]
-        self._leases_held -= released
-        self._leases_released[reason] += released
+        self._end_release(owner, held, released, reason, seq)
         return released
 
     def release_owner_in_slices(self, owner: Owner, reason: ReleaseReason, now: float) -> None:
@@ -621,11 +617,17 @@ class L1Index(TenantQuota):
                 lru[key] = None
                 seq += 1
                 obj.used = seq
+        self._end_release(owner, held, released, ReleaseReason.TTL, seq)
+
+    def _end_release(self, owner: Owner, held: dict[ObjectKey, _Object], released: int, reason: ReleaseReason,
+                     seq: int) -> None:
+        """The bookkeeping after a batch of ``owner``'s leases went (``held``: what it still holds;
+        ``seq``: the use sequence the batch advanced to)."""
         self._use_seq = seq
         if not held:
             del self._by_owner[owner]
         self._leases_held -= released
-        self._leases_released[ReleaseReason.TTL] += released
+        self._leases_released[reason] += released
 
     def clear(self, force: bool, protected: Callable[[Owner], bool] | None = None) -> int:
         """Drop READY unleased objects; with ``force`` also leased ones (their leases released as
