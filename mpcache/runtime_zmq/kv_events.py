@@ -104,6 +104,7 @@ def to_vllm_events(effect: object, chunk_size: int, private: bool = False) -> li
                 "block_size": chunk_size,
                 "lora_id": None,
                 "medium": MEDIUM[effect.medium],
+                "lora_name": None,  # a field vLLM's decoder requires (0.32: no default), left empty
             })
             continue
         lora = identity_fields(first.identity).get("lora") or None

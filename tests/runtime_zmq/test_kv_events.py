@@ -91,7 +91,7 @@ def test_default_events_carry_hashes_but_no_tokens_salt_or_lora(start_server: Ca
     assert stored[0]["block_hashes"] == list(s["a"]) and stored[1]["block_hashes"] == list(s["b"])
     assert stored[0]["parent_block_hash"] is None and stored[0]["block_size"] == CHUNK
     for e in stored:
-        assert e["token_ids"] == [] and "extra_keys" not in e and "lora_name" not in e
+        assert e["token_ids"] == [] and "extra_keys" not in e and e["lora_name"] is None
     raw = b"".join(f[2] for f in s["replay"] + s["live"])
     assert b"tenant-1" not in raw and b"tenant-lora" not in raw
     # no run of the prompt's token ids either, in any width msgpack packs them
