@@ -197,7 +197,7 @@ def cmd_stats(c: Any, args: argparse.Namespace) -> int:
         ("status queries", s.get("status_queries", 0)),
         ("transfers started", s.get("transfers_started", 0)),
         ("L1 objects", s.get("objects", 0)),
-        ("L1 used", f"{(slots - free) * slot / (1 << 30):.3f} of {slots * slot / (1 << 30):.3f} GiB ({slots - free}/{slots} slots of {slot >> 20} MiB)"),
+        ("L1 used", f"{(slots - free) * slot / (1 << 30):.3f} of {slots * slot / (1 << 30):.3f} GiB ({slots - free}/{slots} slots of {_size(slot)})"),
         ("L1 evictions", s.get("evictions", 0)),
         ("leases held", s.get("leases_held", 0)),
         ("L2 reads / hits / writes / errors", f"{s.get('l2_reads', 0)} / {s.get('l2_read_hits', 0)} / {s.get('l2_writes', 0)} / {s.get('l2_errors', 0)}"),
@@ -285,3 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _size(nbytes: int) -> str:
+    """A slot's size for people: MiB from 1 MiB up, else KiB (slots follow the objects registered,
+    which may be a few KiB)."""
+    return f"{nbytes / (1 << 20):g} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:g} KiB"

@@ -109,3 +109,10 @@ def test_usage_errors_are_one_line() -> None:
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("mpcache-cli: error:")
     out = cli("bench", "--lookups", "0")
     assert out.returncode == 2 and "must be > 0" in out.stderr
+
+
+def test_slot_sizes_are_printed_in_the_unit_that_shows_them() -> None:
+    # slots follow the objects registered: a 4 KiB slot printed as "0 MiB" said nothing
+    from mpcache.runtime_zmq.admin_cli import _size
+
+    assert _size(4096) == "4 KiB" and _size(3 << 20) == "3 MiB" and _size(33554432) == "32 MiB"
