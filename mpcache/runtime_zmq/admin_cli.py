@@ -283,11 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         c.close()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _size(nbytes: int) -> str:
     """A slot's size for people: MiB from 1 MiB up, else KiB (slots follow the objects registered,
     which may be a few KiB)."""
     return f"{nbytes / (1 << 20):g} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:g} KiB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
