@@ -4,7 +4,8 @@
 # to $OUT (default ./out). Usage, from the repo root:
 #   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="pyspy profile kernels bench lone before test repeat"] bash tools/gpu_session.sh
 # lone: only the lone-transfer table of the gpu-server benchmark (LONE_STARTS fresh servers, default 5).
-# repeat: the GIL/CUDA-pressure test file REPEAT times in a row (default 10): it must never flake.
+# repeat: the GIL/CUDA-pressure test file REPEAT times in a row (default 10): it must never flake
+#   (REPEAT_K: a pytest -k filter; REPEAT_SECONDS: start no run after that many seconds).
 # WHEELS: a folder of wheels to install first (e.g. pyzmq where the host python lacks it).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -27,8 +28,10 @@ for step in $STEPS; do
         timeout 300 python3 -m mpcache.bench.bench_cli gpu-server --engines "" --lone-starts "${LONE_STARTS:-5}" --label lone \
             --out "$OUT" 2>&1 | tee "$OUT/bench_lone.log" || rc=1 ;;
     repeat)
+        t_repeat=$(date +%s)
         for i in $(seq 1 "${REPEAT:-10}"); do
-            if timeout 200 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "gpu or cuda" tests/runtime_zmq/test_gpu_transfer.py \
+            if [ $(( $(date +%s) - t_repeat )) -gt "${REPEAT_SECONDS:-100000}" ]; then echo "repeat: time is up after $((i - 1)) runs"; break; fi
+            if timeout 260 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "gpu or cuda" ${REPEAT_K:+-k "$REPEAT_K"} tests/runtime_zmq/test_gpu_transfer.py \
                 >"$OUT/repeat_$i.log" 2>&1; then echo "repeat $i: $(tail -1 "$OUT/repeat_$i.log")"
             else echo "repeat $i FAILED: $(tail -1 "$OUT/repeat_$i.log")"; cat "$OUT/repeat_$i.log" >>"$OUT/repeat_failures.log"; rc=1; fi
             rm -f "$OUT/repeat_$i.log"

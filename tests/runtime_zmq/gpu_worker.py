@@ -31,11 +31,15 @@ def run_worker(conn: Any, geo: dict[str, int], fresh_blocks: list[int], poison_b
     """Exports its KV tensors, then (after b"registered") an interprocess event recorded after the
     blocks to store got their final contents. ``gated``: that work waits on a Gate, so the event
     stays pending until the parent sends b"release" (or b"bye"); else it is recorded at once."""
+    import faulthandler
+
     import msgpack
     import torch
 
     from mpcache.runtime_zmq.gpu_ipc import device_uuid, export_event, export_kv_tensors
 
+    # a worker still alive after the test's own limit prints where it is, then ends
+    faulthandler.dump_traceback_later(200, exit=True)
     torch.cuda.init()
     shape = (2, geo["num_blocks"], geo["block_size"], geo["num_heads"], geo["head_size"])
     gen = torch.Generator(device="cuda").manual_seed(5)

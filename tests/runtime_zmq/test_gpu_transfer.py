@@ -37,7 +37,9 @@ def _transfer(tid: int, kind: object, start_chunk: int, n_chunks: int, slots: li
                          placements, tuple(blocks), skip)
 
 
-@pytest.mark.timeout(180)
+# method="thread": a hang inside a CUDA call cannot be interrupted by a signal; the thread method
+# prints every thread's stack before it ends the run, so a hang says where it is.
+@pytest.mark.timeout(180, method="thread")
 @pytest.mark.parametrize("mode", ["zerocopy", "staging"])
 def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
     import msgpack
@@ -175,7 +177,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
     assert not any(th.is_alive() for th in threads)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, method="thread")
 def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
     """Registration checks each tensor against its real allocation; an engine whose event never
     fires (its GPU work outlives the transfer timeout) is failed and unregistered while another
