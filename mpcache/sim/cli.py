@@ -621,8 +621,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs matplotlib: pip install 'mpcache[plot]')")
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("trace-hits", help="hit rate of L1's eviction vs Belady and an infinite cache on "
-                                          "synthetic Mooncake- and Bailian-shaped traces (mpcache.sim.trace_hits)")
-    p.add_argument("--traces", default="mooncake,bailian", help="comma-separated (default: %(default)s)")
+                                          "Mooncake's published traces and synthetic Mooncake- and Bailian-shaped "
+                                          "ones (mpcache.sim.trace_hits)")
+    p.add_argument("--traces", default="mooncake,bailian",
+                   help="synthetic shapes, comma-separated, or '' for none (default: %(default)s)")
+    p.add_argument("--file", action="append", default=[], metavar="PATH",
+                   help="a Mooncake-format trace (JSONL with hash_ids, .gz allowed), e.g. "
+                        "data/traces/mooncake_conversation.jsonl.gz in the checkout; repeatable")
     p.add_argument("--requests", type=positive_int, default=1500, help="requests per trace (default: %(default)s)")
     p.add_argument("--capacities", default="0.02,0.05,0.2",
                    help="L1 sizes as fractions of a trace's distinct blocks (default: %(default)s)")
@@ -632,10 +637,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_trace_hits(args: argparse.Namespace) -> int:
-    from mpcache.sim.trace_hits import table
+    from mpcache.sim.trace_hits import TRACES, table
 
-    print("\n".join(table(args.traces.split(","), args.requests,
-                           [float(f) for f in args.capacities.split(",")], args.seed)))
+    names = [n for n in args.traces.split(",") if n]
+    unknown = [n for n in names if n not in TRACES]
+    if unknown:
+        print(f"mpcache-sim trace-hits: unknown trace shape(s) {unknown}; known: {sorted(TRACES)}", file=sys.stderr)
+        return 2
+    try:
+        rows = table(names, args.requests, [float(f) for f in args.capacities.split(",")], args.seed, args.file)
+    except (OSError, ValueError) as e:
+        print(f"mpcache-sim trace-hits: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(rows))
     return 0
 
 

@@ -1,13 +1,15 @@
 """Hit rate on hashed-block traces: L1's eviction against Belady's bound and an infinite cache.
 
-The public traces that report prefix reuse in hashed blocks -- Mooncake's (FAST'25: 512-token
-``hash_ids``) and Qwen-Bailian's ("KVCache Cache in the Wild": 16-token block ids, sessions of
-turns) -- cannot be fetched where this runs. ``synthesize`` makes traces with their published
-shape instead (seeded, so a table is reproducible): sessions of turns whose prompt is the
+Two public traces report prefix reuse in hashed blocks: Mooncake's (FAST'25: 512-token
+``hash_ids`` per request, JSONL) and Qwen-Bailian's ("KVCache Cache in the Wild": 16-token block
+ids, sessions of turns). Mooncake's conversation and synthetic traces are in the checkout
+(``data/traces/``, see its README; ``load_trace`` reads them, gzipped or not). The Bailian files
+are not obtainable here (large-file storage), so ``synthesize`` makes traces with their
+published shape (seeded, so a table is reproducible): sessions of turns whose prompt is the
 previous turn's prompt and answer plus a new input, over a system prompt drawn from a small pool
 with Zipf popularity. ``TRACES`` holds the two shapes; ``reuse_concentration`` measures the
 statistic the Bailian paper gives (10% of blocks take 77% of reuses) on what was made, so a table
-says how close the synthetic trace came. These are **synthetic** traces, not the real ones.
+says how close the synthetic trace came.
 
 ``replay`` runs a trace through ``core_sm``'s ``L1Index`` at one capacity (in blocks), as the
 server does: a request's hit is its longest prefix of readable blocks (a chunk's KV depends on
@@ -24,17 +26,25 @@ policies of the same LRU index:
   (``--store-threshold 2``): a block is stored only once lookups asked for it twice, so
   one-off inputs do not evict what is reused.
 
+* ``slru-tail`` -- a frequency-aware candidate (segmented LRU, a model here, not the server's
+  index): a block read again moves to a protected segment (80% of the room) that one-off
+  blocks cannot flush; blocks are made recent tail first, as ``lru-tail``.
+
 ``belady`` is the offline bound (evict the block used again farthest in the future, or do not
 store a block used again later than every cached one), and ``infinite`` the hit rate with no
 eviction at all. ``table`` prints hit rates per trace, capacity and policy.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import heapq
+import json
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -108,6 +118,27 @@ def synthesize(shape: TraceShape, requests: int, seed: int = 0) -> Trace:
     return out
 
 
+def load_trace(path: str | Path, requests: int | None = None) -> Trace:
+    """A Mooncake-format trace (JSONL, one request per line with its ``hash_ids``; ``.gz``
+    read as gzip), in file order (the arrival order), at most ``requests`` of them."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    out: Trace = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if requests is not None and len(out) >= requests:
+                break
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["hash_ids"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a request with hash_ids ({e})") from None
+            if not isinstance(ids, list) or not all(type(b) is int for b in ids):
+                raise ValueError(f"{path}:{n}: hash_ids must be a list of ints")
+            out.append(tuple(ids))
+    return out
+
+
 def reuse_concentration(trace: Trace, top: float = 0.10) -> float:
     """The share of all reuses (accesses after a block's first) taken by the ``top`` fraction of
     blocks most reused."""
@@ -134,6 +165,8 @@ def replay(trace: Trace, capacity: int, policy: str) -> float:
         return _infinite(trace)
     if policy == "belady":
         return _belady(trace, capacity)
+    if policy == "slru-tail":
+        return _slru(trace, capacity)
     if policy not in ("lru", "lru-tail", "lru+admit2"):
         raise ValueError(f"unknown policy {policy!r}")
     idx = L1Index(num_slots=capacity, slot_bytes=1, lease_ttl=1e18)
@@ -164,6 +197,44 @@ def replay(trace: Trace, capacity: int, policy: str) -> float:
         for i in order:
             if idx.reserve_write(keys[i], "store", 1, 0.0) is not None:
                 idx.finish_write(keys[i], "store", 0.0)
+    return hits / total if total else 0.0
+
+
+def _slru(trace: Trace, capacity: int, protected_share: float = 0.8) -> float:
+    """Segmented LRU over blocks: new blocks enter probation; a block hit again moves to the
+    protected segment (``protected_share`` of the room), whose overflow goes back to probation;
+    eviction takes probation's least recent. A request touches its blocks last first."""
+    probation: OrderedDict[int, None] = OrderedDict()  # least recent first
+    protected: OrderedDict[int, None] = OrderedDict()
+    room = max(0, int(capacity * protected_share))
+    hits = total = 0
+    for prompt in trace:
+        prefix = 0
+        while prefix < len(prompt) and (prompt[prefix] in protected or prompt[prefix] in probation):
+            prefix += 1
+        hits += prefix
+        total += len(prompt)
+        if capacity <= 0:
+            continue
+        for i in range(len(prompt) - 1, -1, -1):
+            b = prompt[i]
+            if b in protected:
+                protected.move_to_end(b)
+                continue
+            if b in probation and i < prefix:  # read again: protect it
+                del probation[b]
+                protected[b] = None
+                while len(protected) > room:
+                    demoted, _ = protected.popitem(last=False)
+                    probation[demoted] = None
+                continue
+            if b in probation:
+                probation.move_to_end(b)
+                continue
+            while probation and len(probation) + len(protected) >= capacity:
+                probation.popitem(last=False)
+            if len(probation) + len(protected) < capacity:
+                probation[b] = None
     return hits / total if total else 0.0
 
 
@@ -220,20 +291,28 @@ def _belady(trace: Trace, capacity: int) -> float:
     return hits / total if total else 0.0
 
 
-POLICIES = ("lru", "lru-tail", "lru+admit2", "belady", "infinite")
+POLICIES = ("lru", "lru-tail", "lru+admit2", "slru-tail", "belady", "infinite")
 
 
-def table(names: Sequence[str], requests: int, fractions: Sequence[float], seed: int = 0) -> list[str]:
+def table(names: Sequence[str], requests: int, fractions: Sequence[float], seed: int = 0,
+          files: Sequence[str | Path] = ()) -> list[str]:
     """Markdown rows: per trace and capacity (a fraction of the trace's distinct blocks), the hit
-    rate of each policy."""
-    lines = [f"| trace (synthetic, {requests:,} requests, seed {seed}) | capacity blocks | of distinct | "
+    rate of each policy. ``names``: synthetic shapes (``requests`` each, ``seed``); ``files``:
+    Mooncake-format trace files (their first ``requests``)."""
+    lines = [f"| trace ({requests:,} requests; synthetic: seed {seed}) | capacity blocks | of distinct | "
              + " | ".join(POLICIES) + " |", "|---|---:|---:|" + "---:|" * len(POLICIES)]
+    traces: list[tuple[str, Trace]] = []
     for name in names:
         shape = TRACES[name]
         trace = synthesize(shape, requests, seed)
+        traces.append((f"{name}, synthetic ({shape.block_tokens}-token blocks; top 10% of blocks take "
+                       f"{reuse_concentration(trace):.0%} of reuses)", trace))
+    for path in files:
+        trace = load_trace(path, requests)
+        stem = Path(path).name.split(".")[0]
+        traces.append((f"{stem}, real (top 10% of blocks take {reuse_concentration(trace):.0%} of reuses)", trace))
+    for label, trace in traces:
         distinct = len({b for p in trace for b in p})
-        label = (f"{name} ({shape.block_tokens}-token blocks; top 10% of blocks take "
-                 f"{reuse_concentration(trace):.0%} of reuses)")
         for f in fractions:
             cap = max(1, int(distinct * f))
             rates = [replay(trace, cap, p) for p in POLICIES]
