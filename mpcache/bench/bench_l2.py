@@ -8,11 +8,13 @@ checking is a MAC over the payload, no copy.
 **Tiers**: GB/s per tier and operation for K objects of N MiB (default 16 x 32 MiB), best of R:
 
 * `redis` (a local `redis-server` started on a free loopback port with no persistence, or
-  `--redis URL`): `write_many` / `read_many` of the tier as the L2 worker calls them (batches of
-  at most 64 MiB, from 4 threads), and -- the way the tier did it before, for comparison -- one
-  MGET / one SET pipeline on one connection through redis-py, per batch;
+  `--redis URL`): `write_many` / `read_many` / `read_each` of the tier (batches of at most 64
+  MiB, from 4 threads; the L2 worker reads with `read_each`, each value handed over in a reused
+  receive buffer), and -- the way the tier did it before, for comparison -- one MGET / one SET
+  pipeline on one connection through redis-py, per batch;
 * `redis -> L1 slot`: the whole read path a lookup waits for: the L2 worker's ``ReadL2`` of the K
-  objects (tier read, MAC check, copy into the L1 slots of a shared-memory pool).
+  objects (tier read, MAC check and copy into the L1 slot of each value as it arrives, on the
+  thread that read it).
 """
 from __future__ import annotations
 
@@ -134,10 +136,16 @@ def tier_rows(url: str, objects: int, size: int, repeat: int) -> list[tuple[str,
             values = tier.read_many(batch)
             assert all(v is not None and len(v) == size for v in values)
 
+        def each_read(batch: list[bytes]) -> None:
+            sizes: list[int] = []
+            tier.read_each(batch, lambda i, v: sizes.append(-1 if v is None else len(v)))
+            assert sizes == [size] * len(batch)
+
         for name, call in (("write: SET pipeline, one connection (before)", old_write),
                            ("write: write_many (spread)", new_write),
                            ("read: MGET via redis-py (before)", old_read),
-                           ("read: read_many (spread, recv_into)", new_read)):
+                           ("read: read_many (spread, recv_into)", new_read),
+                           ("read: read_each (spread, reused buffers)", each_read)):
             seconds = _best(lambda: _in_threads(batches, call), repeat)
             rows.append(("redis", name, total / seconds / 1e9))
     finally:

@@ -410,6 +410,8 @@ class L2Worker:
         effect: ReadL2 = job.effect
         keys = [storage_key(k) for k, _ in effect.items]
         loaded = [False] * len(keys)
+        if all(getattr(t.tier, "read_each", None) is not None for t in self._tiers):
+            return self._read_each(job, effect, keys, loaded)
         # In batches of bounded bytes: a read of many large objects never holds them all at once.
         for batch in _batches(len(keys), effect.object_bytes or self.pool.slot_bytes):
             payloads: dict[int, memoryview] = {}
@@ -439,7 +441,44 @@ class L2Worker:
         self.read_hits += sum(loaded)
         return L2ReadFinished(effect.read_id, tuple(loaded))
 
-    def _open(self, tier: _Tier, key: bytes, blob: bytes, object_bytes: int) -> memoryview | None:
+    def _read_each(self, job: _Effect, effect: ReadL2, keys: list[bytes], loaded: list[bool]) -> object:
+        """``_do_read`` for tiers that hand each value over as it arrives (``read_each``): each is
+        checked and copied into its slot on the thread that read it, while the other connections
+        keep reading; only receive buffers are held, never the whole read."""
+        for tier in self._tiers:
+            todo = [i for i, done in enumerate(loaded) if not done]
+            if not todo or job.done:
+                break
+            if not self._allowed(tier):
+                continue
+
+            def on_value(j: int, blob: memoryview | None, tier: _Tier = tier, todo: list[int] = todo) -> None:
+                if blob is None:
+                    return
+                i = todo[j]
+                payload = self._open(tier, keys[i], blob, effect.object_bytes)
+                if payload is None:
+                    return
+                try:
+                    with job.lock:
+                        if job.done:  # past its deadline: the slot may belong to another object
+                            return
+                        slot = effect.items[i][1]
+                        self.pool.copy_in(slot, payload)
+                        self._slot_nbytes[slot] = len(payload)
+                        loaded[i] = True
+                finally:
+                    payload.release()
+
+            self._call(job, tier, lambda: tier.tier.read_each([keys[i] for i in todo], on_value), "read")
+        with job.lock:
+            if job.done:
+                return job.failed
+        self.reads += len(keys)
+        self.read_hits += sum(loaded)
+        return L2ReadFinished(effect.read_id, tuple(loaded))
+
+    def _open(self, tier: _Tier, key: bytes, blob: bytes | memoryview, object_bytes: int) -> memoryview | None:
         """The payload of a tier's value, or None (a counted rejection). ``object_bytes``: the
         size core_sm expects, exact when it is below the slot size (core_sm answers the slot size
         when no registered instance tells it the model's object size)."""

@@ -297,3 +297,59 @@ def test_large_effects_move_in_bounded_batches(monkeypatch: pytest.MonkeyPatch) 
                               "read_many:3", "read_many:3", "read_many:2"]
     finally:
         h.close()
+
+
+class StreamingRecorder(Recorder):
+    """A Recorder that hands values over one by one (``read_each``), as the Redis tier does;
+    ``between`` is waited for before each value after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.between = threading.Event()
+        self.between.set()
+
+    def read_each(self, keys: Sequence[bytes], on_value: Callable[[int, memoryview | None], None]) -> None:
+        self.calls.append(f"read_each:{len(keys)}")
+        for i, k in enumerate(keys):
+            if i:
+                self.between.wait(30)
+            v = self.data.get(k)
+            on_value(i, None if v is None else memoryview(bytearray(v)))
+
+
+def test_a_streaming_tier_loads_each_value_into_its_slot() -> None:
+    tier = StreamingRecorder()
+    h = Harness([tier])
+    try:
+        ks = _keys(3)
+        for i in range(3):
+            h.pool.write(i, bytes([i + 1]) * 5000)
+            h.worker.note_slot_size(i, 5000)
+        h.worker.write(WriteL2(1, tuple((k, i) for i, k in enumerate(ks))))
+        h.wait_for(lambda p: L2WriteFinished(1, True) in p)
+        h.worker.read(ReadL2(2, ((ks[0], 8), (ObjectKey(b"\x09" * 16, 0), 9), (ks[2], 10))))
+        h.wait_for(lambda p: L2ReadFinished(2, (True, False, True)) in p)
+        assert bytes(h.pool.view(8, 5000)) == b"\x01" * 5000 and bytes(h.pool.view(10, 5000)) == b"\x03" * 5000
+        assert tier.calls == ["write_many:3", "read_each:3"]
+    finally:
+        h.close()
+
+
+def test_a_streaming_read_past_its_deadline_writes_no_slot_after_it() -> None:
+    tier = StreamingRecorder()
+    ks = _keys(2)
+    h = Harness([tier], deadline_s=0.3, min_bytes_per_s=1e12)
+    try:
+        h.worker.write(WriteL2(1, ((ks[0], 0), (ks[1], 1))))
+        h.wait_for(lambda p: L2WriteFinished(1, True) in p)
+        h.pool.write(3, b"\x5a" * 4096)
+        h.pool.write(4, b"\x5a" * 4096)
+        tier.between.clear()  # the first value lands, the second only after the deadline
+        h.worker.read(ReadL2(2, ((ks[0], 3), (ks[1], 4))))
+        h.wait_for(lambda p: L2ReadFinished(2, (False, False)) in p)
+        tier.between.set()
+        assert wait_for(lambda: h.worker.in_flight == 0, timeout=5.0)
+        assert bytes(h.pool.view(4, 4096)) == b"\x5a" * 4096  # the late value never reached its slot
+        assert h.worker.stats()["l2_deadline_expired"] == 1
+    finally:
+        h.close()

@@ -5,6 +5,7 @@ keys are None, an error reply fails the batch and leaves no connection out of st
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -92,3 +93,50 @@ def test_a_closed_tier_refuses_batches(redis_url: str) -> None:
         tier.read_many([b"a", b"b"])
     with pytest.raises(L2Error, match="closed"):
         tier.write_many([(b"a", b"1"), (b"b", b"2")])
+
+
+def test_read_each_hands_every_value_over_in_a_reused_buffer(redis_url: str) -> None:
+    tier = open_tier(redis_url)
+    assert isinstance(tier, RedisTier)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        values = [os.urandom((3 << 20) + i) for i in range(2 * REDIS_SPREAD)]
+        tier.write_many([(b"v%d" % i, v) for i, v in enumerate(values)])
+        admin.lpush(b"mpcache:list", b"x")
+        keys = [b"v%d" % i for i in range(len(values))] + [b"absent", b"list"]
+        for _ in range(2):
+            seen: dict[int, bytes | None] = {}
+            buffers: set[int] = set()
+            lock = threading.Lock()
+
+            def on_value(i: int, view: memoryview | None) -> None:
+                with lock:
+                    assert i not in seen
+                    seen[i] = None if view is None else bytes(view)
+                    if view is not None:
+                        buffers.add(id(view.obj))
+
+            tier.read_each(keys, on_value)
+            assert seen == {**{i: v for i, v in enumerate(values)}, len(values): None, len(values) + 1: None}
+            assert len(buffers) <= REDIS_SPREAD  # one buffer per connection, not one per value
+        assert len(tier._buffers._free) <= REDIS_SPREAD  # kept for the next read, bounded
+    finally:
+        admin.close()
+        tier.close()
+
+
+def test_read_each_a_failing_consumer_fails_the_read_and_drops_the_connection(redis_url: str) -> None:
+    tier = open_tier(redis_url)
+    assert isinstance(tier, RedisTier)
+    try:
+        tier.write_many([(b"a", b"1" * 200_000), (b"b", b"2" * 200_000)])
+
+        def boom(i: int, view: memoryview | None) -> None:
+            raise RuntimeError("consumer failed")
+
+        with pytest.raises(L2Error, match="consumer failed"):
+            tier.read_each([b"a", b"b", b"a", b"b"], boom)
+        for _ in range(2 * REDIS_SPREAD):  # no pooled connection is left out of step
+            assert tier.read_many([b"b", b"a"]) == [b"2" * 200_000, b"1" * 200_000]
+    finally:
+        tier.close()
