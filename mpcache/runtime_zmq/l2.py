@@ -62,7 +62,7 @@ import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger("mpcache.l2")
 
@@ -74,6 +74,9 @@ __all__ = [
     "RedisTier",
     "open_tier",
 ]
+
+
+_Blob = TypeVar("_Blob", bytes, memoryview)  # a disk object read whole, or into a reused buffer
 
 
 class L2Error(Exception):
@@ -260,6 +263,7 @@ class DiskTier:
         self._rejects_pending: dict[str, int] = {}
         self._rejects_logged_at = -1e18
         self.reject_log_interval_s = 30.0
+        self._buffers = _Buffers(keep=2)
         self._prepare_root()
         self._tmp_dir = os.path.join(self._root, ".tmp")
         self._lock_fd = self._take_ownership()
@@ -329,6 +333,65 @@ class DiskTier:
             self._note_rejection(value, path)
             self._remove_damaged(name, path, inode)
             return None
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+        return value
+
+    def read_each(self, keys: Sequence[bytes], on_value: Callable[[int, memoryview | None], None],
+                  limit: int | None = None) -> None:
+        """Read each of ``keys`` into a receive buffer this thread reuses (``readinto``: no fresh
+        allocation, no copy of the value out of the file's bytes) and hand it to
+        ``on_value(index, view)`` (None: absent or refused); the view is valid only during the
+        call. A file larger than ``limit`` bytes is a miss, left in place and never read."""
+        self._check_open()
+        try:
+            for i, key in enumerate(keys):
+                value = self._read_into(key, limit)
+                try:
+                    on_value(i, value)
+                finally:
+                    if value is not None:
+                        value.release()
+        finally:
+            self._buffers.give()
+
+    def _read_into(self, key: bytes, limit: int | None) -> memoryview | None:
+        name = self._file_name(key)
+        path = self._object_path(name)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                size = st.st_size
+                if limit is not None and size > _HEADER.size + len(key) + limit:
+                    return None
+                buf = self._buffers.take(size)
+                view = memoryview(buf)[:size]
+                have = 0
+                try:
+                    while have < size:
+                        got = f.readinto(view[have:])
+                        if not got:
+                            break  # cut short while we read: the header check refuses it
+                        have += got
+                    blob = view[:have]
+                finally:
+                    view.release()
+        except FileNotFoundError:
+            with self._lock:
+                gone = self._index.pop(name, None)
+                if gone is not None:
+                    self._bytes -= gone
+            return None
+        except OSError as e:
+            raise L2Error(f"{self.name}: reading {path}: {e}") from e
+        value = self._decode(key, blob)
+        if isinstance(value, str):
+            blob.release()
+            self._note_rejection(value, path)
+            self._remove_damaged(name, path, st.st_ino)
+            return None
+        blob.release()
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
@@ -534,7 +597,7 @@ class DiskTier:
                     "latest %s (next report in %.0f s at most)", self.name, summary, path, self.reject_log_interval_s)
 
     @staticmethod
-    def _decode(key: bytes, blob: bytes) -> bytes | str:
+    def _decode(key: bytes, blob: _Blob) -> _Blob | str:
         """The value in ``blob``, or why it is refused: ``"header"`` (no magic, or lengths that
         disagree with the file's size: cut short, appended to, foreign), ``"key"`` (another key's
         object: a name collision, or a file planted under the name)."""
@@ -851,12 +914,14 @@ class RedisTier:
         self._spread_over_connections("GET (pipelined)", len(keys), share)
         return out
 
-    def read_each(self, keys: Sequence[bytes], on_value: Callable[[int, memoryview | None], None]) -> None:
+    def read_each(self, keys: Sequence[bytes], on_value: Callable[[int, memoryview | None], None],
+                  limit: int | None = None) -> None:
         """GET ``keys`` as ``read_many`` does (pipelined, spread over connections), but hand each
         value to ``on_value(index, view)`` on its connection's thread as soon as it is read (None:
         absent). The view is into a receive buffer reused for the next value: valid only during
         the call. Checking and copying one value overlaps reading the others, and no value is
-        allocated afresh."""
+        allocated afresh. ``limit`` is not applied: Redis bounds a value itself
+        (``proto-max-bulk-len``, 512 MB by default)."""
         if not keys:
             return
 

@@ -43,6 +43,7 @@ from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFin
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
 from mpcache.runtime_zmq.l2 import L2Unavailable, _redact
 from mpcache.runtime_zmq.l2_health import Breaker, BreakerState
+from mpcache.runtime_zmq.l2_seal import HEADER_BYTES as SEAL_HEADER_BYTES
 from mpcache.runtime_zmq.l2_seal import Rejection, Sealer, load_or_create_secret
 
 log = logging.getLogger("mpcache.l2")
@@ -470,7 +471,8 @@ class L2Worker:
                 finally:
                     payload.release()
 
-            self._call(job, tier, lambda: tier.tier.read_each([keys[i] for i in todo], on_value), "read")
+            limit = self.pool.slot_bytes + SEAL_HEADER_BYTES  # a larger value is never read whole
+            self._call(job, tier, lambda: tier.tier.read_each([keys[i] for i in todo], on_value, limit), "read")
         with job.lock:
             if job.done:
                 return job.failed

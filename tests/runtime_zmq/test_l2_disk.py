@@ -257,3 +257,32 @@ def test_stats_for_metrics(tmp_path: Path) -> None:
         assert st["objects"] == 1 and st["bytes"] == tier.bytes_stored > 1000 and st["max_bytes"] == 100000
     finally:
         tier.close()
+
+
+def _each(tier: DiskTier, keys: list[bytes], limit: int | None = None) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    tier.read_each(keys, lambda i, v: out.append(None if v is None else bytes(v)), limit)
+    return out
+
+
+def test_read_each_reads_into_a_reused_buffer_and_refuses_as_read_does(tmp_path: Path) -> None:
+    root = tmp_path / "l2"
+    tier = _tier(root)
+    try:
+        big, small = os.urandom(3 << 20), b"small"
+        tier.write(b"big", big)
+        tier.write(b"small", small)
+        seen: list[int] = []
+        tier.read_each([b"big", b"absent", b"small", b"big"], lambda i, v: seen.append(-1 if v is None else id(v.obj)))
+        assert seen[1] == -1 and seen[0] == seen[2] == seen[3]  # one buffer for every value
+        assert _each(tier, [b"big", b"absent", b"small"]) == [big, None, small]
+        # larger than the reader's limit: a miss, the file kept and not read
+        assert _each(tier, [b"big", b"small"], limit=1 << 20) == [None, small]
+        assert tier.contains(b"big") and tier.read(b"big") == big
+        # damaged: a miss, dropped (as read does)
+        (path,) = [p for p in _object_files(root) if p.stat().st_size < 1000]
+        path.write_bytes(path.read_bytes()[:-2])
+        assert _each(tier, [b"small", b"big"]) == [None, big]
+        assert not tier.contains(b"small") and not path.exists()
+    finally:
+        tier.close()

@@ -308,7 +308,8 @@ class StreamingRecorder(Recorder):
         self.between = threading.Event()
         self.between.set()
 
-    def read_each(self, keys: Sequence[bytes], on_value: Callable[[int, memoryview | None], None]) -> None:
+    def read_each(self, keys: Sequence[bytes], on_value: Callable[[int, memoryview | None], None],
+                  limit: int | None = None) -> None:
         self.calls.append(f"read_each:{len(keys)}")
         for i, k in enumerate(keys):
             if i:
