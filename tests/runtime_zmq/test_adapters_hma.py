@@ -40,7 +40,7 @@ class HybridEngine:
 
     def __init__(self, url: str, window: int) -> None:
         self.groups, self.names = group_setup(window)
-        config = ConnectorConfig(server_urls=url, chunk_size=CHUNK)
+        config = ConnectorConfig(server_urls=url, chunk_size=CHUNK, request_timeout_s=1.0)
         self.scheduler = SchedulerAdapter.connect(config, model_name="tiny-hybrid", world_size=1, block_size=BLOCK,
                                                   cpu_engine=True, kv_groups=self.groups)
         self.worker = WorkerAdapter.connect(config, model_name="tiny-hybrid", world_size=1, rank=0, block_size=BLOCK)
@@ -114,14 +114,14 @@ def objects(url: str) -> int:
 
 
 @pytest.fixture
-def make_engine(start_server: Callable[..., Any]) -> Iterator[Callable[[int], tuple[HybridEngine, str]]]:
+def make_engine(start_server: Callable[..., Any]) -> Iterator[Callable[[int], tuple[HybridEngine, Any]]]:
     engines: list[HybridEngine] = []
 
-    def make(window: int) -> tuple[HybridEngine, str]:
+    def make(window: int) -> tuple[HybridEngine, Any]:
         server = start_server("--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1")
         engine = HybridEngine(server.url, window)
         engines.append(engine)
-        return engine, server.url
+        return engine, server
 
     yield make
     for engine in engines:
@@ -130,7 +130,8 @@ def make_engine(start_server: Callable[..., Any]) -> Iterator[Callable[[int], tu
 
 @pytest.mark.parametrize("window", [BLOCK * 2, CHUNK + BLOCK], ids=["window-within-a-chunk", "window-over-chunks"])
 def test_two_groups_store_together_and_load_every_group(make_engine: Any, window: int) -> None:
-    engine, url = make_engine(window)
+    engine, server = make_engine(window)
+    url = server.url
     prompt = [random.Random(1).randrange(50_000) for _ in range(3 * CHUNK + 5)]
     n_blocks = -(-len(prompt) // BLOCK)
     # run 1: a miss; one step computes the prompt and stores its 3 chunks, both groups' blocks
@@ -168,7 +169,8 @@ def test_a_store_stops_at_a_freed_window_block_and_the_chunk_is_a_miss(make_engi
     """Chunked prefill with a window of one block: when the step that completes chunk 0 starts,
     vLLM already freed the window's first blocks (another request may hold them), so chunk 0 is
     not stored for any group -- nor any later chunk -- and the next request misses."""
-    engine, url = make_engine(BLOCK)
+    engine, server = make_engine(BLOCK)
+    url = server.url
     prompt = [random.Random(2).randrange(50_000) for _ in range(3 * CHUNK)]
     assert engine.match("a", prompt) == (0, False)
     blocks = [engine.blocks(12), engine.blocks(12)]
@@ -182,6 +184,27 @@ def test_a_store_stops_at_a_freed_window_block_and_the_chunk_is_a_miss(make_engi
     assert objects(url) == 0
     assert engine.match("b", prompt) == (0, False)  # no chunk of it: a miss, never a partial restore
     engine.finish("b")
+
+
+def test_a_failed_load_of_two_groups_is_reported_by_request_id(make_engine: Any) -> None:
+    """vLLM cannot map block ids back to a request when there are several groups: the worker
+    reports the request whose load failed (the connector passes it on as failed_recving)."""
+    engine, server = make_engine(CHUNK)
+    prompt = [random.Random(3).randrange(50_000) for _ in range(2 * CHUNK + 1)]
+    engine.match("a", prompt)
+    source = [engine.blocks(2 * CHUNK // BLOCK + 1), engine.blocks(2 * CHUNK // BLOCK + 1)]
+    engine.scheduler.update_state_after_alloc("a", source[0], 0, [source[1]])
+    engine.forward(source, 0, len(prompt), seed=3)
+    engine.run_step([ScheduledRequest("a", 0, len(prompt), source[0], True, (source[1],))])
+    engine.finish("a")
+    assert engine.match("b", prompt) == (2 * CHUNK, True)
+    blocks = [engine.blocks(2 * CHUNK // BLOCK + 1), engine.blocks(2 * CHUNK // BLOCK + 1)]
+    engine.scheduler.update_state_after_alloc("b", blocks[0], 2 * CHUNK, [blocks[1]])
+    server.kill()  # the load cannot be served
+    engine.run_step([])
+    engine.wait_loaded("b")  # reported done (failed), so vLLM stops waiting for it
+    assert engine.worker.failed_loads() == {"b"}
+    assert engine.worker.failed_loads() == set()  # said once
 
 
 def test_an_engine_with_several_groups_keys_apart() -> None:
