@@ -163,9 +163,12 @@ def request_identity(
     model_dtype: str = "",
     quantization: str = "",
     model_identity: str = "",
+    kv_layout: str = "",
 ) -> str:
     """The canonical ``KeyExtras.identity`` (``""`` when every field is empty, so a plain
-    request keys as LMCache's client does). Fields are length-prefixed in a fixed order."""
+    request keys as LMCache's client does). Fields are length-prefixed in a fixed order.
+    ``kv_layout``: the engine's KV-cache groups when it has several
+    (``core_sm.kv_groups.layout_identity``: their objects are laid out group after group)."""
     fields = (
         ("lora", lora_name or ""),
         ("lora_path", lora_path or ""),
@@ -174,6 +177,7 @@ def request_identity(
         ("model_dtype", model_dtype),
         ("quant", quantization),
         ("model_id", model_identity),
+        ("kv_layout", kv_layout),
     )
     present = [(name, value) for name, value in fields if value]
     if not present:

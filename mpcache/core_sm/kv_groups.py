@@ -17,8 +17,20 @@ window) and letting vLLM skip the prefix for every layer gives wrong output (LMC
 about 40% garbled answers on a Mamba hybrid).
 
 ``unrestorable`` says what this version's workers cannot store or load at all (``None``: all
-fine). They copy one block table of one KV layout: one full-attention or one sliding-window
-group. For any other set of groups every request is a miss, said once at start with the reason.
+fine): recurrent state and other kinds, groups of different block sizes, and several groups on a
+GPU engine (the server's copy reads one block table). For those every request is a miss, said
+once at start with the reason.
+
+Several groups (full attention and sliding windows mixed, CPU engines): one object per chunk
+still holds every layer of the model, group after group (``object_layout``), so a chunk is
+present for every group or for none -- a partial restore cannot happen -- and the lookup, the
+leases and the server are those of one group. The keys of such an engine differ from a
+one-group engine's (``layout_identity``: the object layout differs). A store or retrieve op
+carries every group's blocks for its range, group after group (``join_group_blocks`` /
+``split_group_blocks``); a retrieve writes a window group's blocks only from
+``group_retrieve_skip`` on (vLLM hands null blocks for the tokens before the window). A load of
+several groups is asynchronous (``sync_load_allowed``): vLLM can map a failed load back to its
+request only by request id then, not by block id.
 
 A sliding-window group's blocks are freed by vLLM once they fall out of the window of the
 tokens computed (``first_live_token``): a store may read only blocks still live when its step
@@ -96,19 +108,82 @@ def first_live_token(group: KVGroup, computed: int) -> int:
     return max(0, computed - group.window + 1) // group.block_size * group.block_size
 
 
-def unrestorable(groups: Sequence[KVGroup]) -> str | None:
+def unrestorable(groups: Sequence[KVGroup], cpu_engine: bool = True) -> str | None:
     """Why this version cannot restore (or store) requests of an engine with these groups, or
-    None when it can: exactly one full-attention or sliding-window group (or none given)."""
-    if not groups or (len(groups) == 1 and groups[0].kind in (GroupKind.FULL, GroupKind.SLIDING_WINDOW)):
+    None when it can: full-attention and sliding-window groups of one block size (or none given);
+    several of them only on a CPU engine (``cpu_engine``: the workers copy the blocks)."""
+    restorable = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
+    if not groups or (len(groups) == 1 and groups[0].kind in restorable):
         return None
     kinds = ", ".join(_describe(g) for g in groups)
     if any(g.kind is GroupKind.RECURRENT for g in groups):
         why = "recurrent state (Mamba / linear attention) is not stored"
-    elif len(groups) > 1:
-        why = "the workers copy one KV-cache group's blocks, not several"
-    else:
+    elif any(g.kind not in restorable for g in groups):
         why = "only full-attention and sliding-window groups are restored"
+    elif len({g.block_size for g in groups}) > 1:
+        why = "the groups' block sizes differ"
+    elif not cpu_engine:
+        why = "several groups are restored only on CPU engines (the server's GPU copy reads one block table)"
+    else:
+        return None
     return f"KV-cache groups [{kinds}]: {why}"
+
+
+def several(groups: Sequence[KVGroup]) -> bool:
+    """Whether the engine keeps its KV in more than one group (the group-after-group layout)."""
+    return len(groups) > 1
+
+
+def layout_identity(groups: Sequence[KVGroup]) -> str:
+    """What the chunk keys of an engine with these groups add to the request identity: ``""``
+    for one group (the object layout of every plain engine), else the groups in order, so a
+    one-group engine of the same model (vLLM's hybrid manager off) never reads these objects,
+    whose layers are laid out group after group."""
+    if not several(groups):
+        return ""
+    return ",".join(g.kind.value + (f" {g.window}" if g.kind is GroupKind.SLIDING_WINDOW else "") for g in groups)
+
+
+def join_group_blocks(group_blocks: Sequence[Sequence[int]], start_block: int, end_block: int) -> tuple[int, ...]:
+    """The blocks ``[start_block, end_block)`` of every group, group after group: an op's
+    ``block_ids`` with several groups."""
+    out: list[int] = []
+    for blocks in group_blocks:
+        part = blocks[start_block:end_block]
+        if len(part) != end_block - start_block:
+            raise ValueError(f"a group holds {len(blocks)} blocks, fewer than {end_block}")
+        out.extend(int(b) for b in part)
+    return tuple(out)
+
+
+def split_group_blocks(block_ids: Sequence[int], num_groups: int) -> tuple[tuple[int, ...], ...]:
+    """``join_group_blocks``'s inverse: one tuple per group. Raises ``ValueError`` when the ids
+    do not split evenly (an op of another layout)."""
+    if num_groups < 1 or len(block_ids) % num_groups:
+        raise ValueError(f"{len(block_ids)} block ids do not split into {num_groups} groups")
+    per = len(block_ids) // num_groups
+    return tuple(tuple(block_ids[g * per:(g + 1) * per]) for g in range(num_groups))
+
+
+def group_retrieve_skip(group: KVGroup, start: int, end: int, skip_first_n_tokens: int) -> int:
+    """Tokens of a retrieve ``[start, end)`` not written into ``group``'s blocks: the engine's
+    own (``skip_first_n_tokens``) and, for a sliding window, those before its first block vLLM
+    keeps once ``end`` tokens are computed (it hands null blocks for them)."""
+    skip = max(skip_first_n_tokens, first_live_token(group, end) - start)
+    return min(max(skip, 0), end - start)
+
+
+def store_floor(groups: Sequence[KVGroup], computed: int) -> int:
+    """The first token every group still holds once ``computed`` tokens are computed: a store
+    may start no earlier (``first_live_token`` of the narrowest window)."""
+    return max((first_live_token(g, computed) for g in groups), default=0)
+
+
+def sync_load_allowed(groups: Sequence[KVGroup]) -> bool:
+    """Whether a load may finish within the step (vLLM's synchronous load): not with several
+    groups, where vLLM cannot map a failed load's block ids back to a request (it then stops
+    the engine) and takes the failure by request id, from an asynchronous load only."""
+    return not several(groups)
 
 
 def _describe(group: KVGroup) -> str:

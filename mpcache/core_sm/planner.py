@@ -42,10 +42,13 @@ the lookup client. Effects: the lookup client's ``SendRequest``s, ``MatchAnswer`
 
 KV-cache groups (``PlannerConfig.kv_groups``, vLLM's hybrid KV-cache manager): a hit is a hit only
 when every group the request needs is restorable (``core_sm.kv_groups``); groups this version
-cannot restore (``kv_groups.unrestorable``: recurrent state, several groups) make every request
-a miss -- no lookup, no lease, no store -- never a partial restore. One sliding-window group:
-a load writes only the chunks of the window before the resume point, and a store never reads
-a block that left the window before its step (vLLM may have reused it).
+cannot restore (``kv_groups.unrestorable``: recurrent state, several groups on a GPU engine)
+make every request a miss -- no lookup, no lease, no store -- never a partial restore. One
+sliding-window group: a load writes only the chunks of the window before the resume point.
+Several groups (full attention and windows mixed): one object per chunk holds them all, so the
+hit is one lookup's; each op carries every group's blocks (``kv_groups.join_group_blocks``) and
+loads are asynchronous (``kv_groups.sync_load_allowed``). A store never reads a block that left
+a window before its step (vLLM may have reused it): ``kv_groups.store_floor``.
 
 Tensor parallelism: one planner serves every rank; the plan is the same for all of them, and
 each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``).
@@ -56,7 +59,7 @@ import heapq
 
 from mpcache.core_sm.effects import Effect
 from mpcache.core_sm.errors import ProtocolError
-from mpcache.core_sm.kv_groups import first_live_token, needed_chunks, unrestorable
+from mpcache.core_sm.kv_groups import join_group_blocks, needed_chunks, store_floor, sync_load_allowed, unrestorable
 from mpcache.core_sm.lookup_client import LookupClient
 from mpcache.core_sm.messages import (
     Cleanup,
@@ -112,9 +115,10 @@ class StepPlanner:
         self.config = config
         self.lookups = lookups
         # why this engine's KV-cache groups cannot be restored (None: they can)
-        self.unrestorable = unrestorable(config.kv_groups)
-        # the one group restored (None: a plain full-attention engine)
-        self.kv_group = config.kv_groups[0] if self.unrestorable is None and config.kv_groups else None
+        self.unrestorable = unrestorable(config.kv_groups, config.cpu_engine)
+        # the one group restored (None: a plain full-attention engine, or several groups)
+        self.kv_group = config.kv_groups[0] if self.unrestorable is None and len(config.kv_groups) == 1 else None
+        self._sync_loads_allowed = sync_load_allowed(config.kv_groups)
         self._trackers: dict[str, RequestTracker] = {}
         self._step_stores: list[SubmitStore] = []  # the stores of the step being planned
         # (due, seq, request id, leased_at): lease renewals, a heap; an entry whose request moved
@@ -290,7 +294,7 @@ class StepPlanner:
             out.append(MatchAnswer(event.request_id, 0, False))
         else:
             tokens = loadable - event.num_computed_tokens
-            tracker.sync_load = tokens <= self.config.sync_load_max_tokens
+            tracker.sync_load = tokens <= self.config.sync_load_max_tokens and self._sync_loads_allowed
             out.append(MatchAnswer(event.request_id, tokens, not tracker.sync_load))
 
     def _on_renewal_due(self, event: LeaseRenewalDue, now: float, out: Out) -> None:
@@ -346,13 +350,14 @@ class StepPlanner:
     def _on_allocated(self, event: BlocksAllocated, now: float, out: Out) -> None:
         tracker = self._trackers[event.request_id]
         tracker.block_ids = list(event.block_ids)
+        tracker.other_group_block_ids = [list(g) for g in event.other_group_block_ids]
         tracker.state = _R.RUNNING
         hit = tracker.hit_tokens or 0
         chunk, block = self.config.chunk_size, self.config.block_size
         start = end = 0
         if event.num_external_tokens > 0 and hit > 0:
             start = tracker.engine_hit_tokens // chunk * chunk
-            covered = len(tracker.block_ids) * block
+            covered = tracker.num_blocks() * block
             end = min(hit if tracker.load_limit is None else min(hit, tracker.load_limit), covered // chunk * chunk)
             if self.kv_group is not None and end > start:  # a window needs only its chunks before end
                 start = max(start, needed_chunks(self.kv_group, end, chunk).start * chunk)
@@ -360,7 +365,7 @@ class StepPlanner:
                 self._counters["loads_planned"] += 1
                 tracker.pending_retrieve = SubmitRetrieve(
                     tracker.request_id, tracker.token_ids[:end], start, end,
-                    tracker.block_ids[start // block : end // block], max(0, tracker.engine_hit_tokens - start),
+                    self._op_blocks(tracker, start // block, end // block), max(0, tracker.engine_hit_tokens - start),
                     tracker.cache_salt, tracker.extras)
         prompt = tracker.prompt()
         tracker.leases_freed = tuple(self.unused_lease_ranges(hit, start, end))
@@ -374,12 +379,14 @@ class StepPlanner:
     def _on_blocks(self, event: BlocksAllocated, now: float, out: Out) -> None:
         tracker = self._trackers[event.request_id]
         tracker.block_ids = list(event.block_ids)
+        tracker.other_group_block_ids = [list(g) for g in event.other_group_block_ids]
         tracker.state = _R.RUNNING
 
     def _on_preempted(self, event: RequestPreempted, now: float, out: Out) -> None:
         tracker = self._trackers[event.request_id]
         tracker.state = _R.PREEMPTED
         tracker.block_ids = []
+        tracker.other_group_block_ids = []
         tracker.pending_retrieve = None
 
     def _on_scheduled(self, event: RequestScheduled, now: float, out: Out) -> None:
@@ -388,8 +395,11 @@ class StepPlanner:
         if request.block_ids is not None:
             if request.replaces_blocks or tracker.state is _R.PREEMPTED:
                 tracker.block_ids = list(request.block_ids)
+                tracker.other_group_block_ids = [list(g) for g in request.other_group_block_ids]
             else:
                 tracker.block_ids.extend(request.block_ids)
+                for blocks, new in zip(tracker.other_group_block_ids, request.other_group_block_ids):
+                    blocks.extend(new)
             tracker.state = _R.RUNNING
         store = self._plan_store(tracker, request.num_computed_tokens + request.num_scheduled_tokens,
                                  request.num_computed_tokens)
@@ -432,12 +442,20 @@ class StepPlanner:
         out.append(StepPlan(tuple(retrieves), tuple(self._step_stores), event.preempted, tuple(sync_loads)))
         self._step_stores = []
 
+    @staticmethod
+    def _op_blocks(tracker: RequestTracker, start_block: int, end_block: int) -> tuple[int, ...] | list[int]:
+        """An op's block ids: the range's blocks, of every group (group after group) when the
+        engine has several."""
+        if not tracker.other_group_block_ids:
+            return tracker.block_ids[start_block:end_block]
+        return join_group_blocks([tracker.block_ids, *tracker.other_group_block_ids], start_block, end_block)
+
     def _plan_store(self, tracker: RequestTracker, computed_tokens: int, computed_before: int = 0) -> SubmitStore | None:
         c = self.config
         if not c.store or self.unrestorable is not None:  # what cannot be restored is not stored
             return None
-        if self.kv_group is not None and tracker.stored_until < first_live_token(self.kv_group, computed_before):
-            # the next chunk's first blocks left the window before this step: vLLM may have
+        if tracker.stored_until < store_floor(c.kv_groups, computed_before):
+            # the next chunk's first blocks left a window before this step: vLLM may have
             # given them to another request, so neither it nor (a prefix chain) any later one
             # is stored
             tracker.store_limit = tracker.stored_until
@@ -445,7 +463,7 @@ class StepPlanner:
         limit = min(computed_tokens, len(tracker.token_ids))
         if not c.store_decode_tokens:
             limit = min(limit, tracker.num_prompt_tokens)
-        limit = min(limit, len(tracker.block_ids) * c.block_size)
+        limit = min(limit, tracker.num_blocks() * c.block_size)
         if tracker.store_limit is not None:
             limit = min(limit, tracker.store_limit)
         end = limit // c.chunk_size * c.chunk_size
@@ -455,7 +473,7 @@ class StepPlanner:
         tracker.stored_until = end
         self._counters["stores_planned"] += 1
         return SubmitStore(tracker.request_id, tracker.token_ids[:end], start, end,
-                           tracker.block_ids[start // c.block_size : end // c.block_size], tracker.cache_salt,
+                           self._op_blocks(tracker, start // c.block_size, end // c.block_size), tracker.cache_salt,
                            tracker.extras)
 
 

@@ -31,6 +31,10 @@ def _ids(values: Iterable[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def _group_ids(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(_ids(g) for g in groups)
+
+
 def _strs(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted({str(v) for v in values}))
 
@@ -133,24 +137,30 @@ class MatchRequest:
 
 @attrs.frozen
 class BlocksAllocated:
-    """vLLM ``update_state_after_alloc``: the request's blocks (its whole list, in order)."""
+    """vLLM ``update_state_after_alloc``: the request's blocks (its whole list, in order);
+    ``other_group_block_ids``: with several KV-cache groups, those of the groups after the
+    first (``block_ids``), one tuple per group."""
 
     request_id: str
     block_ids: tuple[int, ...] = attrs.field(converter=_ids)
     num_external_tokens: int
+    other_group_block_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_group_ids)
 
 
 @attrs.frozen
 class ScheduledRequest:
     """One request scheduled this step. ``block_ids``: its new blocks (None: none);
     ``replaces_blocks``: they are its whole list (a new or resumed request), not an append.
-    ``num_computed_tokens``: computed before this step; ``num_scheduled_tokens``: by this step."""
+    ``num_computed_tokens``: computed before this step; ``num_scheduled_tokens``: by this step.
+    ``other_group_block_ids``: with several KV-cache groups, the new blocks of the groups after
+    the first, one tuple per group."""
 
     request_id: str
     num_computed_tokens: int
     num_scheduled_tokens: int
     block_ids: tuple[int, ...] | None = attrs.field(converter=attrs.converters.optional(_ids))
     replaces_blocks: bool = False
+    other_group_block_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_group_ids)
 
 
 def _scheduled(values: Iterable[ScheduledRequest]) -> tuple[ScheduledRequest, ...]:
@@ -269,10 +279,16 @@ class RequestTracker:
     first_match_at: float = 0.0  # when vLLM first asked (the lookup wait runs from here)
     sync_load: bool = False  # the load was answered synchronous (load_async=False)
     block_ids: list[int] = attrs.Factory(list)
+    # with several KV-cache groups: the blocks of the groups after the first, one list per group
+    other_group_block_ids: list[list[int]] = attrs.Factory(list)
     stored_until: int = 0  # tokens [0, stored_until) are stored or their store is planned
     leases_freed: tuple[tuple[int, int], ...] = ()  # the token ranges freed at allocation
     leased_at: float | None = None  # when the lookup whose leases back the hit was sent
     lease_renewals: int = 0  # lookups again to renew them
+
+    def num_blocks(self) -> int:
+        """Blocks every group holds (vLLM keeps one entry per block in each group's list)."""
+        return min([len(self.block_ids), *(len(g) for g in self.other_group_block_ids)])
 
     def prompt(self) -> tuple[int, ...]:
         return tuple(self.token_ids[: self.num_prompt_tokens])

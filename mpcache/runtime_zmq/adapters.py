@@ -34,7 +34,7 @@ from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, transfer_op_timeout
 from mpcache.core_sm.lookup_client import LookupClient
-from mpcache.core_sm.kv_groups import KVGroup
+from mpcache.core_sm.kv_groups import KVGroup, group_retrieve_skip, several, split_group_blocks
 from mpcache.core_sm.messages import (
     CopyFinished,
     EngineFinished,
@@ -456,8 +456,12 @@ class SchedulerAdapter(_MachineShell):
                 left = min(left, max(deadline - self._clock(), 0.0))
             self._pump(wait=max(left, 1e-4))
 
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        self._handle(BlocksAllocated(request_id, tuple(block_ids), num_external_tokens))
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                                 other_group_block_ids: Sequence[Sequence[int]] = ()) -> None:
+        """``block_ids``: the request's blocks (of the first KV-cache group);
+        ``other_group_block_ids``: with several groups, those of the others, one list per group."""
+        self._handle(BlocksAllocated(request_id, tuple(block_ids), num_external_tokens,
+                                     tuple(tuple(g) for g in other_group_block_ids)))
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         # Every step, even one that matches no request (a full scheduler): the planner's timer
@@ -531,9 +535,12 @@ class WorkerAdapter(_MachineShell):
         # Random, not derived from the pid: engines in different containers sharing one server
         # can have the same pid, and a registration replaces the one with the same id (F13).
         self.instance_id = secrets.randbits(63)
-        self._transfer: Any = None
+        self._transfers: list[Any] = []  # engine-driven: one CpuKVTransfer per part, over the L1 segment
         self._geometry: Any = None
         self._layers: list[Any] = []
+        # engine-driven: (KV-cache group or None for the only one, its geometry, its layers, its
+        # byte offset in an object): an object holds the groups' layers group after group
+        self._parts: list[tuple[KVGroup | None, Any, list[Any], int]] = []
         self._segment: Any = None
         self._segment_path = ""
         self._slot_bytes = 0
@@ -571,8 +578,14 @@ class WorkerAdapter(_MachineShell):
 
     # ------------------------------------------------------------------ registration
 
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], kv_groups: Sequence[KVGroup] = (),
+                           group_layer_names: Sequence[Sequence[str]] = ()) -> None:
         """Register the engine's per-layer KV tensors (in layer order).
+
+        Several KV-cache groups (``kv_groups``, CPU engines only; ``group_layer_names``: the
+        layers of each): an object holds every group's layers, group after group, and each
+        group's are copied with that group's blocks (an op carries them group after group,
+        ``core_sm.kv_groups.join_group_blocks``).
 
         CPU tensors (vLLM's CPU layout): engine-driven, the worker copies. CUDA tensors (vLLM's
         ``[2, NB, BS, NH, HS]`` layout, or FlashInfer's ``[NB, 2, BS, NH, HS]``; an HND stride
@@ -601,29 +614,43 @@ class WorkerAdapter(_MachineShell):
                 f"expected vLLM's CPU layout [num_blocks, num_heads, block_size={self.block_size}, 2*head_size], got {shape}"
             )
         num_blocks, num_heads, block_size, two_head = shape
-        geometry = KVGeometry(
-            PagedLayout.CPU,
-            num_layers=len(layers),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_heads=num_heads,
-            head_size=two_head // 2,
-            itemsize=int(first.element_size()),
-            chunk_tokens=self.chunk_size,
-        )
+
+        def geometry_of(num_layers: int) -> KVGeometry:
+            return KVGeometry(PagedLayout.CPU, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                              num_heads=num_heads, head_size=two_head // 2, itemsize=int(first.element_size()),
+                              chunk_tokens=self.chunk_size)
+
+        parts: list[tuple[KVGroup | None, Any, list[Any], int]] = []
+        if several(kv_groups):
+            if len(group_layer_names) != len(kv_groups):
+                raise ValueError(f"{len(group_layer_names)} lists of layer names for {len(kv_groups)} KV-cache groups")
+            named = [name for names in group_layer_names for name in names]
+            if sorted(named) != sorted(kv_caches):
+                raise ValueError("the KV-cache groups' layers are not the KV caches registered")
+            offset = 0
+            for group, names in zip(kv_groups, group_layer_names):
+                group_layers = [kv_caches[name] for name in names]
+                part_geometry = geometry_of(len(group_layers))
+                parts.append((group, part_geometry, group_layers, offset))
+                offset += part_geometry.slot_bytes
+            object_bytes = offset
+        else:
+            parts.append((None, geometry_of(len(layers)), layers, 0))
+            object_bytes = parts[0][1].slot_bytes
         layout = {
             "model_name": self.model_name,
             "world_size": self.world_size,
-            "object_bytes": geometry.slot_bytes,
+            "object_bytes": object_bytes,
             "engine_driven": True,
         }
         # Registered once here so a refusal is an error at start, not silent misses later; the
         # machine registers again (idempotent) whenever the server comes back.
         self._register_at_start(layout)
         self._layers = layers
-        self._geometry = geometry
+        self._geometry = parts[0][1]
+        self._parts = parts
         self._warm_up_kernels()
-        self._start_transfer_client(geometry.slot_bytes, engine_driven=True)
+        self._start_transfer_client(object_bytes, engine_driven=True)
 
     def _register_at_start(self, layout: dict[str, Any]) -> None:
         """Register now, so a refusal stops the engine at start with the server's reason; a server
@@ -729,9 +756,10 @@ class WorkerAdapter(_MachineShell):
         from mpcache.kernels.cpu import CpuKVTransfer
 
         bpc = self.chunk_size // self.block_size
-        scratch = CpuKVTransfer(self._geometry, self._layers, np.zeros(self._geometry.slot_bytes, dtype=np.uint8))
-        scratch.gather(np.zeros((0, bpc), dtype=np.int64), np.zeros(0, dtype=np.int64))
-        scratch.scatter(np.zeros(0, dtype=np.int64), np.zeros((0, bpc), dtype=np.int64))
+        for _group, geometry, layers, _offset in self._parts:
+            scratch = CpuKVTransfer(geometry, layers, np.zeros(geometry.slot_bytes, dtype=np.uint8))
+            scratch.gather(np.zeros((0, bpc), dtype=np.int64), np.zeros(0, dtype=np.int64))
+            scratch.scatter(np.zeros(0, dtype=np.int64), np.zeros((0, bpc), dtype=np.int64))
 
     def _map_segment(self, path: str, slot_bytes: int) -> None:
         """Map the server's L1 segment (again after a server restart: a new segment)."""
@@ -747,9 +775,9 @@ class WorkerAdapter(_MachineShell):
         finally:
             os.close(fd)
         view = np.frombuffer(mapping, dtype=np.uint8)
-        transfer = CpuKVTransfer(self._geometry, self._layers, view)
+        transfers = [CpuKVTransfer(geometry, layers, view) for _group, geometry, layers, _offset in self._parts]
         old = self._segment
-        self._segment, self._segment_path, self._slot_bytes, self._transfer = mapping, path, slot_bytes, transfer
+        self._segment, self._segment_path, self._slot_bytes, self._transfers = mapping, path, slot_bytes, transfers
         if stat.st_blocks * 512 >= size:
             # The server reserved the segment's memory: map its pages in now, off the request
             # path, so the first copies do not pay a page fault per 4 KiB. (A sparse segment,
@@ -847,6 +875,15 @@ class WorkerAdapter(_MachineShell):
         with self._lock:
             return set(self._machine.load_errors())
 
+    def failed_loads(self) -> set[str]:
+        """Requests a retrieve of which failed since the last call (their blocks are in
+        ``load_errors()``); clears. With several KV-cache groups vLLM takes a failure this way:
+        block ids are per group and cannot name a request."""
+        if self._machine is None:
+            return set()
+        with self._lock:
+            return set(self._machine.failed_retrieves())
+
     def _require_registered(self) -> None:
         if self._machine is None:
             raise RuntimeError("register_kv_caches() must come before stores and retrieves")
@@ -854,9 +891,6 @@ class WorkerAdapter(_MachineShell):
     # ------------------------------------------------------------------ copies
 
     def _copy(self, effect: Any) -> None:
-        import numpy as np
-
-
         ok = True
         try:
             memory = self._links.plan_segment(effect.transfer_id)
@@ -865,25 +899,41 @@ class WorkerAdapter(_MachineShell):
             path, slot_bytes = memory.segment, memory.slot_bytes
             if self._segment is None or self._segment_path != path or self._slot_bytes != slot_bytes:
                 self._map_segment(path, slot_bytes)
-            copies = chunk_copies(effect.direction, effect.start, effect.end, effect.placements, effect.block_ids,
-                                  effect.skip_first_n_tokens, self.chunk_size, self.block_size)
-            if copies and effect.direction is TransferKind.STORE:
-                self._transfer.gather(np.asarray([c.block_ids for c in copies], dtype=np.int64),
-                                      [c.slot * slot_bytes for c in copies])
-            elif copies and not any(c.skip_blocks for c in copies[1:]):
-                # One kernel call for the whole retrieve (the skip is a prefix: only the first
-                # chunk can keep leading blocks unwritten); a launch per chunk costs more than
-                # the copy on a busy host.
-                self._transfer.scatter([c.slot * slot_bytes for c in copies],
-                                       np.asarray([c.block_ids for c in copies], dtype=np.int64), copies[0].skip_blocks)
-            else:
-                for copy in copies:
-                    self._transfer.scatter([copy.slot * slot_bytes], np.asarray([copy.block_ids], dtype=np.int64),
-                                           copy.skip_blocks)
+            groups = [group for group, _g, _l, _o in self._parts]
+            block_ids = (split_group_blocks(effect.block_ids, len(groups)) if len(groups) > 1
+                         else (effect.block_ids,))
+            for (group, _geometry, _layers, offset), transfer, blocks in zip(self._parts, self._transfers, block_ids):
+                skip = effect.skip_first_n_tokens
+                if group is not None and effect.direction is TransferKind.RETRIEVE:
+                    # a window's blocks before its first live one are vLLM's null block: not written
+                    skip = group_retrieve_skip(group, effect.start, effect.end, skip)
+                copies = chunk_copies(effect.direction, effect.start, effect.end, effect.placements, blocks,
+                                      skip, self.chunk_size, self.block_size)
+                self._copy_part(transfer, effect.direction, copies, slot_bytes, offset)
         except Exception:
             log.exception("mpcache: copy for transfer %s failed", effect.transfer_id)
             ok = False
         self._apply(self._machine.handle(CopyFinished(effect.op, ok), self._clock()))
+
+    @staticmethod
+    def _copy_part(transfer: Any, direction: TransferKind, copies: Sequence[Any], slot_bytes: int, offset: int) -> None:
+        """One part's (all layers, or one KV-cache group's) copies; ``offset``: where the part
+        starts in an object."""
+        import numpy as np
+
+        if copies and direction is TransferKind.STORE:
+            transfer.gather(np.asarray([c.block_ids for c in copies], dtype=np.int64),
+                            [c.slot * slot_bytes + offset for c in copies])
+        elif copies and not any(c.skip_blocks for c in copies[1:]):
+            # One kernel call for the whole retrieve (the skip is a prefix: only the first
+            # chunk can keep leading blocks unwritten); a launch per chunk costs more than
+            # the copy on a busy host.
+            transfer.scatter([c.slot * slot_bytes + offset for c in copies],
+                             np.asarray([c.block_ids for c in copies], dtype=np.int64), copies[0].skip_blocks)
+        else:
+            for copy in copies:
+                transfer.scatter([copy.slot * slot_bytes + offset], np.asarray([copy.block_ids], dtype=np.int64),
+                                 copy.skip_blocks)
 
     def close(self) -> None:
         try:
@@ -891,7 +941,7 @@ class WorkerAdapter(_MachineShell):
                 self._links.clients[0].submit("unregister_instance", self.instance_id)
         finally:
             self._links.close()
-            self._transfer = None
+            self._transfers = []
             if self._segment is not None:
                 try:
                     self._segment.close()

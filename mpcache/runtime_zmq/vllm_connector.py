@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test without vLL
         f"(import failed: {exc})"
     ) from exc
 
-from mpcache.core_sm.kv_groups import GroupKind, KVGroup, unrestorable
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup, layout_identity, several, unrestorable
 from mpcache.core_sm.planner import ScheduledRequest, StepPlan
 from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
 from mpcache.runtime_zmq import vllm_stats
@@ -82,11 +82,18 @@ def kv_groups_of(kv_cache_config: Any) -> tuple[KVGroup, ...]:
     return tuple(out)
 
 
-def _first_group(block_ids: Any) -> tuple[int, ...]:
-    """The block ids of a request's only KV-cache group (vLLM passes one list per group). With
-    several groups the planner plans no copy (core_sm.kv_groups), so none are needed."""
-    groups = tuple(block_ids)
-    return tuple(groups[0]) if len(groups) == 1 else ()
+def _split_groups(block_ids: Any) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """A request's block ids as vLLM passes them, one list per KV-cache group: the first
+    group's, and the others' (empty with one group)."""
+    groups = tuple(tuple(g) for g in block_ids)
+    if not groups:
+        return (), ()
+    return groups[0], groups[1:]
+
+
+def group_layer_names(kv_cache_config: Any) -> tuple[tuple[str, ...], ...]:
+    """The layer names of each KV-cache group, in vLLM's order (read by attribute)."""
+    return tuple(tuple(group.layer_names) for group in getattr(kv_cache_config, "kv_cache_groups", None) or ())
 
 
 class MPCacheConnectorMetadata(KVConnectorMetadata):
@@ -148,7 +155,9 @@ class MPCacheConnector(KVConnectorBase_V1):
         self._block_size = block_size
         self._kv_groups = kv_groups_of(kv_cache_config)
         # why these KV-cache groups cannot be restored (None: they can): every request a miss
-        self._unrestorable = unrestorable(self._kv_groups)
+        self._unrestorable = unrestorable(self._kv_groups, _cpu_engine(vllm_config))
+        # several groups restored: failed loads are reported by request id, never by block id
+        self._several_groups = self._unrestorable is None and several(self._kv_groups)
         self._planner: SchedulerAdapter | None = None
         self._keyer: RequestKeyer | None = None
         self._worker: WorkerAdapter | None = None
@@ -162,7 +171,11 @@ class MPCacheConnector(KVConnectorBase_V1):
                 logger.warning("mpcache: %s; every request of this engine reports 0 external tokens and "
                                "nothing is stored", self._unrestorable)
             # Refuses (at start) an engine configuration whose KV mpcache cannot key.
-            self._keyer = RequestKeyer.from_vllm_config(vllm_config, self._planner.chunk_size, self._config.model_identity)
+            self._keyer = RequestKeyer.from_vllm_config(vllm_config, self._planner.chunk_size, self._config.model_identity,
+                                                        kv_layout=layout_identity(self._kv_groups))
+            if self._several_groups:
+                logger.info("mpcache restores %d KV-cache groups (%s), each chunk's object holding all of them",
+                            len(self._kv_groups), layout_identity(self._kv_groups))
         else:
             self._worker = WorkerAdapter.connect(
                 self._config, model_name=model_name, world_size=world_size, rank=rank, block_size=block_size
@@ -209,28 +222,31 @@ class MPCacheConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._planner is not None
-        self._planner.update_state_after_alloc(request.request_id, _first_group(blocks.get_block_ids()),
-                                               num_external_tokens)
+        first, others = _split_groups(blocks.get_block_ids())
+        self._planner.update_state_after_alloc(request.request_id, first, num_external_tokens, others)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._planner is not None
         scheduled: list[ScheduledRequest] = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            first, others = _split_groups(new.block_ids)
             scheduled.append(
-                ScheduledRequest(new.req_id, new.num_computed_tokens, num_scheduled.get(new.req_id, 0),
-                                 _first_group(new.block_ids), True)
+                ScheduledRequest(new.req_id, new.num_computed_tokens, num_scheduled.get(new.req_id, 0), first, True,
+                                 others)
             )
         cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[index]
+            first, others = ((), ()) if new_blocks is None else _split_groups(new_blocks)
             scheduled.append(
                 ScheduledRequest(
                     request_id,
                     cached.num_computed_tokens[index],
                     num_scheduled.get(request_id, 0),
-                    None if new_blocks is None else _first_group(new_blocks),
+                    None if new_blocks is None else first,
                     request_id in cached.resumed_req_ids,
+                    others,
                 )
             )
         plan = self._planner.build_plan(scheduled, scheduler_output.preempted_req_ids or ())
@@ -254,7 +270,10 @@ class MPCacheConnector(KVConnectorBase_V1):
         if self._unrestorable is not None:  # nothing is stored or loaded (the scheduler says why)
             logger.info("mpcache worker registers no KV cache: %s", self._unrestorable)
             return
-        self._worker.register_kv_caches(kv_caches)
+        if self._several_groups:
+            self._worker.register_kv_caches(kv_caches, self._kv_groups, group_layer_names(self._kv_cache_config))
+        else:
+            self._worker.register_kv_caches(kv_caches)
         num_blocks = getattr(self._kv_cache_config, "num_blocks", 0) or 0
         self._stats.bytes_per_token = vllm_stats.bytes_per_token(kv_caches, num_blocks, self._block_size)
 
@@ -308,6 +327,11 @@ class MPCacheConnector(KVConnectorBase_V1):
         assert self._worker is not None
         sending, recving = self._worker.finished(finished_req_ids)
         self._stats.finished(sending, recving)
+        if self._several_groups:
+            # Block ids are per group: vLLM takes a failed (asynchronous) load by request id.
+            failed = self._worker.failed_loads()
+            return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving | failed,
+                                              failed_recving=failed)
         # A failed load is reported through get_block_ids_with_load_errors (single KV group).
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
@@ -315,7 +339,9 @@ class MPCacheConnector(KVConnectorBase_V1):
         assert self._worker is not None
         errors = set(self._worker.load_errors())
         self._stats.finished((), (), load_failed_blocks=len(errors))
-        return errors
+        # several groups: vLLM stops on block-level errors (their ids name no request); the
+        # failed requests went out in get_transfer_results' failed_recving
+        return set() if self._several_groups else errors
 
     # ------------------------------------------------------------------ stats (vLLM's /metrics)
 
@@ -348,11 +374,13 @@ if SupportsHMA is not None:
         "MPCacheHMAConnector"``): vLLM keeps a hybrid model's KV-cache groups apart only for a
         ``SupportsHMA`` connector, and runs some models (Mamba hybrids) only with one. What each
         group needs to resume a prefix is core_sm's (``core_sm.kv_groups``): one full-attention or
-        sliding-window group is loaded and stored as by ``MPCacheConnector``; groups this version cannot
-        restore make every request a miss, logged once at start with the reason. The plain
-        class stays without ``SupportsHMA``: vLLM then runs a sliding-window model as one
-        group, which mpcache restores."""
+        sliding-window group is loaded and stored as by ``MPCacheConnector``; full-attention and
+        sliding-window groups mixed (CPU engines) are stored together, one object per chunk
+        holding every group's layers, and loaded together (asynchronously: a failure goes back
+        by request id); groups this version cannot restore make every request a miss, logged
+        once at start with the reason. The plain class stays without ``SupportsHMA``: vLLM then
+        runs a sliding-window model as one group, which mpcache restores."""
 
         def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                         ) -> tuple[bool, dict[str, Any] | None]:
-            return self.request_finished(request, list(_first_group(block_ids)))
+            return self.request_finished(request, list(_split_groups(block_ids)[0]))

@@ -7,8 +7,9 @@ cross-tenant leak, so a start-time error is the only safe outcome. ``keyer.extra
 then gives each request's ``mpcache.core_sm.keys.KeyExtras``:
 
 * ``identity`` (every chunk): the KV cache dtype (``auto`` resolved to the model dtype), the
-  model revision, dtype and quantization, ``mpcache.model_identity``, and the request's LoRA
-  adapter (name and path, as vLLM's own prefix cache keys it);
+  model revision, dtype and quantization, ``mpcache.model_identity``, the engine's KV-cache
+  groups when it has several (their objects are laid out group after group), and the request's
+  LoRA adapter (name and path, as vLLM's own prefix cache keys it);
 * ``chunk_extras`` (per prompt chunk): vLLM's own block extra keys for the chunk's token range
   (multimodal input hashes with their offsets, prompt-embedding hashes), computed by vLLM's
   ``generate_block_hash_extra_keys`` so mpcache keys exactly what vLLM's prefix cache keys.
@@ -67,9 +68,11 @@ class RequestKeyer:
         chunk_size: int,
         model_identity: str = "",
         extra_keys_fn: ExtraKeysFn | None | bool = True,
+        kv_layout: str = "",
     ) -> RequestKeyer:
         """The keyer for ``vllm_config``; raises ``UnkeyableConfig`` (see the module doc).
-        ``extra_keys_fn``: True = vLLM's own function (None when this vLLM has none)."""
+        ``extra_keys_fn``: True = vLLM's own function (None when this vLLM has none).
+        ``kv_layout``: ``core_sm.kv_groups.layout_identity`` of the engine's KV-cache groups."""
         model = vllm_config.model_config
         cache = vllm_config.cache_config
         fn = _vllm_extra_keys_fn() if extra_keys_fn is True else (extra_keys_fn or None)
@@ -97,6 +100,7 @@ class RequestKeyer:
             "model_dtype": model_dtype,
             "quantization": _text(getattr(model, "quantization", None)),
             "model_identity": model_identity,
+            "kv_layout": kv_layout,
         }
         return cls(base, chunk_size, fn if (multimodal or prompt_embeds) else None)
 

@@ -6,7 +6,20 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from mpcache.core_sm.kv_groups import GroupKind, KVGroup, first_live_token, needed_chunks, resume_point, unrestorable
+from mpcache.core_sm.kv_groups import (
+    GroupKind,
+    KVGroup,
+    first_live_token,
+    group_retrieve_skip,
+    join_group_blocks,
+    layout_identity,
+    needed_chunks,
+    resume_point,
+    split_group_blocks,
+    store_floor,
+    sync_load_allowed,
+    unrestorable,
+)
 
 C = 256
 FULL = KVGroup(GroupKind.FULL, 16)
@@ -55,7 +68,10 @@ def test_full_attention_only_is_the_plain_prefix() -> None:
 def test_what_this_version_restores() -> None:
     assert unrestorable(()) is None and unrestorable([FULL]) is None
     assert "recurrent" in (unrestorable([FULL, MAMBA]) or "")
-    assert "several" in (unrestorable([FULL, SWA]) or "")
+    assert unrestorable([FULL, SWA]) is None  # mixed full attention and a window: restored on CPU
+    assert "GPU" in (unrestorable([FULL, SWA], cpu_engine=False) or "")  # the server's copy: one block table
+    assert unrestorable([FULL], cpu_engine=False) is None and unrestorable([SWA], cpu_engine=False) is None
+    assert "block sizes" in (unrestorable([FULL, KVGroup(GroupKind.SLIDING_WINDOW, 32, window=512)]) or "")
     assert unrestorable([SWA]) is None  # one sliding-window group: restored
     assert unrestorable([MAMBA]) is not None
     with pytest.raises(ValueError):
@@ -66,3 +82,39 @@ def test_first_live_token_of_a_window() -> None:
     assert first_live_token(SWA, 0) == 0 and first_live_token(SWA, 512) == 0
     assert first_live_token(SWA, 513) == 0 and first_live_token(SWA, 528) == 16  # 528 - 512 + 1 = 17 -> block 16
     assert first_live_token(FULL, 10_000) == 0
+
+
+def test_several_groups_key_apart_from_one_group() -> None:
+    assert layout_identity([FULL]) == "" and layout_identity([SWA]) == "" and layout_identity(()) == ""
+    assert layout_identity([FULL, SWA]) == "full_attention,sliding_window 512"
+    assert layout_identity([SWA, FULL]) != layout_identity([FULL, SWA])
+
+
+def test_group_blocks_join_and_split() -> None:
+    joined = join_group_blocks([[1, 2, 3, 4], [9, 8, 7, 6]], 1, 3)
+    assert joined == (2, 3, 8, 7)
+    assert split_group_blocks(joined, 2) == ((2, 3), (8, 7))
+    with pytest.raises(ValueError):
+        split_group_blocks((1, 2, 3), 2)
+    with pytest.raises(ValueError):
+        join_group_blocks([[1, 2, 3, 4], [9]], 0, 2)  # a group shorter than the range
+
+
+def test_a_retrieve_writes_a_window_only_from_its_first_live_block() -> None:
+    window = KVGroup(GroupKind.SLIDING_WINDOW, 16, window=128)
+    # resume at 512: vLLM keeps the window's blocks from token (512 - 128 + 1) // 16 * 16 = 384
+    assert group_retrieve_skip(window, 0, 512, 0) == 384
+    assert group_retrieve_skip(window, 256, 512, 0) == 128
+    assert group_retrieve_skip(window, 256, 512, 200) == 200  # the engine's own blocks stay
+    assert group_retrieve_skip(FULL, 0, 512, 32) == 32
+    assert group_retrieve_skip(KVGroup(GroupKind.SLIDING_WINDOW, 16, window=16), 0, 32, 0) == 16
+
+
+def test_a_store_starts_no_earlier_than_the_narrowest_window_keeps() -> None:
+    narrow = KVGroup(GroupKind.SLIDING_WINDOW, 16, window=64)
+    assert store_floor([FULL, SWA, narrow], 1000) == first_live_token(narrow, 1000) == 928
+    assert store_floor([FULL], 1000) == 0 and store_floor((), 1000) == 0
+
+
+def test_several_groups_load_asynchronously() -> None:
+    assert sync_load_allowed(()) and sync_load_allowed([SWA]) and not sync_load_allowed([FULL, SWA])

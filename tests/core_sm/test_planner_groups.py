@@ -26,9 +26,9 @@ def test_one_full_attention_group_is_the_plain_path() -> None:
         SubmitStore("r", tokens, 2 * C, 3 * C, range(8, 12)),)
 
 
-@pytest.mark.parametrize("groups", [(FULL, MAMBA), (FULL, SWA), (MAMBA,)], ids=["mamba-hybrid", "full-and-window", "mamba"])
+@pytest.mark.parametrize("groups", [(FULL, MAMBA), (FULL, SWA), (MAMBA,)], ids=["mamba-hybrid", "full-and-window-on-gpu", "mamba"])
 def test_groups_it_cannot_restore_are_a_miss_with_no_lease_and_no_store(groups: tuple[KVGroup, ...]) -> None:
-    p, lookups = planner(2 * C, kv_groups=groups)  # the server would answer a hit
+    p, lookups = planner(2 * C, kv_groups=groups)  # a GPU engine; the server would answer a hit
     assert p.unrestorable is not None
     tokens = list(range(3 * C))
     assert match(p, tokens) == MatchAnswer("r", 0, False)
@@ -78,3 +78,48 @@ def test_a_window_store_stops_once_a_chunk_left_the_window_unstored() -> None:
     # this step starts at C - BS: chunk 0's first blocks were freed already
     assert step(p, ScheduledRequest("r", C - BS, 2 * C, None)).stores == ()
     assert step(p, ScheduledRequest("r", 3 * C - BS, BS, None)).stores == ()  # nor any later one
+
+
+# Full attention and a window of one chunk, on a CPU engine (where several groups are restored).
+MIXED = (FULL, KVGroup(GroupKind.SLIDING_WINDOW, BS, window=C))
+
+
+def test_full_and_window_load_every_group_asynchronously() -> None:
+    p, lookups = planner(2 * C, kv_groups=MIXED, cpu_engine=True)
+    tokens = list(range(3 * C))
+    # a CPU engine loads synchronously, but not several groups: vLLM takes their failure by request id
+    assert match(p, tokens) == MatchAnswer("r", 2 * C, True)
+    full, window = tuple(range(12)), tuple(range(100, 112))
+    p.handle(BlocksAllocated("r", full, 2 * C, (window,)), 0.0)
+    plan = step(p)
+    (retrieve,) = plan.retrieves
+    assert plan.sync_loads == ()
+    # the whole hit (the full group needs every chunk), each group's blocks, group after group
+    assert (retrieve.start, retrieve.end) == (0, 2 * C)
+    assert tuple(retrieve.block_ids) == full[:8] + window[:8]
+    assert frees(lookups) == []
+
+
+def test_full_and_window_store_every_group_and_extend_each_group() -> None:
+    p, _ = planner(0, kv_groups=MIXED, cpu_engine=True)
+    tokens = list(range(3 * C))
+    match(p, tokens)
+    p.handle(BlocksAllocated("r", range(4), 0, (range(100, 104),)), 0.0)
+    step(p)
+    (first,) = step(p, ScheduledRequest("r", 0, C, range(4), True, (range(100, 104),))).stores
+    assert tuple(first.block_ids) == (0, 1, 2, 3, 100, 101, 102, 103)
+    (second,) = step(p, ScheduledRequest("r", C, C, range(4, 8), False, (range(104, 108),))).stores
+    assert (second.start, second.end, tuple(second.block_ids)) == (C, 2 * C, (4, 5, 6, 7, 104, 105, 106, 107))
+
+
+def test_full_and_window_store_stops_at_a_block_the_window_freed() -> None:
+    """A step that starts past the window of a chunk not stored yet: the window group's block
+    may be another request's now, so nothing of that chunk (or after) is stored, for any group."""
+    p, _ = planner(0, kv_groups=(FULL, KVGroup(GroupKind.SLIDING_WINDOW, BS, window=BS)), cpu_engine=True)
+    tokens = list(range(3 * C))
+    match(p, tokens)
+    p.handle(BlocksAllocated("r", range(12), 0, (range(100, 112),)), 0.0)
+    step(p)
+    assert step(p, ScheduledRequest("r", 0, C - BS, range(12), True, (range(100, 112),))).stores == ()
+    assert step(p, ScheduledRequest("r", C - BS, 2 * C, None)).stores == ()
+    assert step(p, ScheduledRequest("r", 3 * C - BS, BS, None)).stores == ()
