@@ -51,7 +51,7 @@ soak: venv
 	$(VPY) -m pytest -q -m slow
 
 docs: venv
-	$(VPY) -m mpcache.runtime_zmq.config > docs/configuration.md
+	$(VPY) -m mpcache.runtime_zmq.config_doc > docs/configuration.md
 	$(VPY) -m mpcache.runtime_zmq.protocol_doc docs/protocol.md
 	$(VPY) -m mpcache.runtime_zmq.metrics > docs/metrics.md
 

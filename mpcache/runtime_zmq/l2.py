@@ -64,6 +64,23 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from mpcache.runtime_zmq.l2_common import (
+    DEFAULT_REDIS_POOL,
+    DEFAULT_REDIS_PREFIX,
+    DEFAULT_REDIS_TIMEOUT_S,
+    L2Error,
+    L2Unavailable,
+    import_redis,
+    param_bool,
+    param_float,
+    param_int,
+    redact,
+    redis_options,
+    reject_unknown,
+    split_params,
+    translate_redis_error,
+)
+
 log = logging.getLogger("mpcache.l2")
 
 __all__ = [
@@ -77,14 +94,6 @@ __all__ = [
 
 
 _Blob = TypeVar("_Blob", bytes, memoryview)  # a disk object read whole, or into a reused buffer
-
-
-class L2Error(Exception):
-    """An L2 tier could not do what was asked (I/O error, bad URL, tier closed, ...)."""
-
-
-class L2Unavailable(L2Error):
-    """The service behind an L2 tier cannot be reached (connection refused, timeout)."""
 
 
 @runtime_checkable
@@ -111,18 +120,18 @@ def open_tier(url: str) -> L2Tier:
     Redis server does not answer a PING within the connect timeout.
     """
     if url.startswith("disk:"):
-        path, params = _split_params(url[len("disk:"):])
+        path, params = split_params(url[len("disk:"):])
         if not path:
             raise L2Error(f"L2 URL {url!r}: disk tier needs a path (disk:/some/dir)")
         max_bytes: int | None = None
         if "max_bytes" in params and "max_gb" in params:
             raise L2Error(f"L2 URL {url!r}: give max_bytes or max_gb, not both")
         if "max_bytes" in params:
-            max_bytes = _param_int(url, params, "max_bytes")
+            max_bytes = param_int(url, params, "max_bytes")
         elif "max_gb" in params:
-            max_bytes = int(_param_float(url, params, "max_gb") * (1 << 30))
-        fsync = _param_bool(url, params, "fsync", False)
-        _reject_unknown(url, params, {"max_bytes", "max_gb", "fsync"})
+            max_bytes = int(param_float(url, params, "max_gb") * (1 << 30))
+        fsync = param_bool(url, params, "fsync", False)
+        reject_unknown(url, params, {"max_bytes", "max_gb", "fsync"})
         return DiskTier(path, max_bytes=max_bytes, fsync=fsync)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme in ("redis", "rediss", "valkey", "valkeys"):
@@ -132,7 +141,7 @@ def open_tier(url: str) -> L2Tier:
 
         return RedisClusterTier.from_url(url)
     raise L2Error(
-        f"L2 URL {_redact(url)!r}: unknown tier; use disk:PATH, redis://HOST:PORT[/DB] or "
+        f"L2 URL {redact(url)!r}: unknown tier; use disk:PATH, redis://HOST:PORT[/DB] or "
         f"redis+cluster://HOST:PORT,HOST:PORT"
     )
 
@@ -161,69 +170,6 @@ def split_l2_urls(text: str) -> list[str]:
 
 # --------------------------------------------------------------------------------------------
 # URL helpers
-
-
-def _split_params(rest: str) -> tuple[str, dict[str, str]]:
-    base, _, query = rest.partition("?")
-    params: dict[str, str] = {}
-    for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
-        params[name] = value
-    return base, params
-
-
-def _reject_unknown(url: str, params: dict[str, str], known: set[str]) -> None:
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise L2Error(
-            f"L2 URL {_redact(url)!r}: unknown parameter(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-
-
-def _param_int(url: str, params: dict[str, str], name: str) -> int:
-    try:
-        value = int(params[name])
-    except ValueError:
-        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be an integer") from None
-    if value <= 0:
-        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be positive")
-    return value
-
-
-def _param_float(url: str, params: dict[str, str], name: str) -> float:
-    try:
-        value = float(params[name])
-    except ValueError:
-        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be a number") from None
-    if not value > 0:
-        raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be positive")
-    return value
-
-
-def _param_bool(url: str, params: dict[str, str], name: str, default: bool) -> bool:
-    if name not in params:
-        return default
-    value = params[name].lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise L2Error(f"L2 URL {_redact(url)!r}: {name} must be 0 or 1")
-
-
-def _redact(url: str) -> str:
-    """The URL without its password (``user:***@``), for messages and `name`. Works on any URL
-    shape, including cluster URLs with several hosts that urllib cannot parse."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, tail = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
-    if not at:
-        return url
-    user, colon, _password = userinfo.partition(":")
-    redacted = f"{user}:***@" if colon else f"{user}@"
-    return f"{scheme}://{redacted}{hosts}{slash}{tail}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -623,9 +569,6 @@ def _unlink_quietly(path: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Redis tier
 
-DEFAULT_REDIS_PREFIX = b"mpcache:"
-DEFAULT_REDIS_TIMEOUT_S = 2.0
-DEFAULT_REDIS_POOL = 16
 # Connections one batch is spread over (each carries a pipelined share): one connection moves a
 # 32 MiB value at what one core can copy, and the L2 worker's threads share the pool, so a batch
 # takes at most this many of its connections.
@@ -741,73 +684,6 @@ class _Buffers:
 
 def _pack_command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-_REDIS_PARAMS = {"ttl", "timeout", "pool", "prefix", "password_file", "ca", "cert", "key"}
-
-
-def _redis_options(url: str, params: dict[str, str]) -> dict[str, Any]:
-    """The tier options and redis-py connection keywords a Redis URL's parameters name."""
-    _reject_unknown(url, params, _REDIS_PARAMS)
-    out: dict[str, Any] = {
-        "ttl_s": _param_int(url, params, "ttl") if "ttl" in params else None,
-        "timeout_s": _param_float(url, params, "timeout") if "timeout" in params else DEFAULT_REDIS_TIMEOUT_S,
-        "pool_size": _param_int(url, params, "pool") if "pool" in params else DEFAULT_REDIS_POOL,
-        "prefix": params["prefix"].encode() if "prefix" in params else DEFAULT_REDIS_PREFIX,
-    }
-    conn: dict[str, Any] = {}
-    if "password_file" in params:
-        conn["password"] = _read_password_file(url, params["password_file"])
-    tls = {"ca": "ssl_ca_certs", "cert": "ssl_certfile", "key": "ssl_keyfile"}
-    for name, kw in tls.items():
-        if name in params:
-            if not url.split("://", 1)[0].lower().startswith(("rediss", "valkeys")):
-                raise L2Error(f"L2 URL {_redact(url)!r}: {name}= needs a TLS scheme (rediss://)")
-            conn[kw] = params[name]
-    out["connection_kwargs"] = conn
-    return out
-
-
-def _read_password_file(url: str, path: str) -> str:
-    try:
-        st = os.stat(path)
-        with open(path, encoding="utf-8") as f:
-            password = f.read().strip("\r\n")
-    except OSError as e:
-        raise L2Error(f"L2 URL {_redact(url)!r}: password_file: {e}") from None
-    if st.st_mode & 0o077:
-        raise L2Error(
-            f"L2 URL {_redact(url)!r}: password_file {path} has mode {stat.S_IMODE(st.st_mode):04o}; "
-            f"it must not be accessible to group or others (chmod 600 it)"
-        )
-    if not password:
-        raise L2Error(f"L2 URL {_redact(url)!r}: password_file {path} is empty")
-    return password
-
-
-def translate_redis_error(redis: Any, name: str, e: Exception, what: str) -> L2Error:
-    """A redis-py exception as an `L2Error` (`L2Unavailable` when the service cannot be reached
-    or refuses our credentials), with a message that names the tier and holds no password."""
-    exc = redis.exceptions
-    # AuthenticationError is a ConnectionError in redis-py: test it first.
-    if isinstance(e, (exc.AuthenticationError, exc.NoPermissionError)):
-        return L2Unavailable(f"redis tier {name}: authentication failed: {e}")
-    if isinstance(e, exc.ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-        return L2Unavailable(f"redis tier {name}: not authorized: {e}")
-    if isinstance(e, (exc.ConnectionError, exc.TimeoutError)) or type(e).__name__ in (
-            "ClusterDownError", "MasterDownError", "SlotNotCoveredError", "TryAgainError"):
-        return L2Unavailable(f"redis tier {name}: unreachable ({what}): {e}")
-    return L2Error(f"redis tier {name}: {what} failed: {e}")
-
-
-def import_redis() -> Any:
-    try:
-        import redis
-    except ImportError:
-        raise L2Error(
-            "redis tier: the redis package is not installed (pip install 'mpcache[redis]')"
-        ) from None
-    return redis
-
-
 class RedisTier:
     """Objects in a Redis (or Valkey) database, shared by every server that points at it.
 
@@ -835,7 +711,7 @@ class RedisTier:
         if scheme.startswith("valkey"):
             redis_url = "redis" + url[len("valkey"):]
         ttl = f", ttl {ttl_s} s" if ttl_s is not None else ""
-        self.name = f"{_redact(url)}{ttl}"
+        self.name = f"{redact(url)}{ttl}"
         try:
             self._pool = redis.BlockingConnectionPool.from_url(
                 redis_url,
@@ -858,15 +734,15 @@ class RedisTier:
     def from_url(cls, url: str) -> RedisTier:
         parts = urllib.parse.urlsplit(url)
         params = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-        options = _redis_options(url, params)
+        options = redis_options(url, params)
         if not parts.hostname:
-            raise L2Error(f"L2 URL {_redact(url)!r}: redis tier needs a host (redis://HOST:PORT)")
+            raise L2Error(f"L2 URL {redact(url)!r}: redis tier needs a host (redis://HOST:PORT)")
         try:
             parts.port  # noqa: B018 - validates the port
         except ValueError as e:
-            raise L2Error(f"L2 URL {_redact(url)!r}: {e}") from None
+            raise L2Error(f"L2 URL {redact(url)!r}: {e}") from None
         if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
-            raise L2Error(f"L2 URL {_redact(url)!r}: the database must be a number (/0, /1, ...)")
+            raise L2Error(f"L2 URL {redact(url)!r}: the database must be a number (/0, /1, ...)")
         bare = urllib.parse.urlunsplit(parts._replace(query=""))
         return cls(bare, **options)
 

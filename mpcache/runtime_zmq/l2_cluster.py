@@ -30,13 +30,13 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpcache.runtime_zmq.l2 import (
+from mpcache.runtime_zmq.l2_common import (
     L2Error,
     L2Unavailable,
-    _redact,
-    _redis_options,
-    _split_params,
     import_redis,
+    redact,
+    redis_options,
+    split_params,
     translate_redis_error,
 )
 from mpcache.runtime_zmq.l2_health import Breaker
@@ -48,11 +48,11 @@ def parse_cluster_url(url: str) -> tuple[str, list[tuple[str, int]], str | None,
     """(scheme, startup nodes, username, password, params) of a cluster URL; `L2Error` if bad."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise L2Error(f"L2 URL {_redact(url)!r}: not a cluster URL")
-    rest, params = _split_params(rest)
+        raise L2Error(f"L2 URL {redact(url)!r}: not a cluster URL")
+    rest, params = split_params(rest)
     netloc, _, path = rest.partition("/")
     if path not in ("", "0"):
-        raise L2Error(f"L2 URL {_redact(url)!r}: a Redis Cluster has database 0 only")
+        raise L2Error(f"L2 URL {redact(url)!r}: a Redis Cluster has database 0 only")
     userinfo, at, hosts = netloc.rpartition("@")
     username = password = None
     if at:
@@ -69,10 +69,10 @@ def parse_cluster_url(url: str) -> tuple[str, list[tuple[str, int]], str | None,
         else:
             host, _, port_s = hp.rpartition(":")
         if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
-            raise L2Error(f"L2 URL {_redact(url)!r}: {hp!r} is not HOST:PORT")
+            raise L2Error(f"L2 URL {redact(url)!r}: {hp!r} is not HOST:PORT")
         nodes.append((host, int(port_s)))
     if not nodes:
-        raise L2Error(f"L2 URL {_redact(url)!r}: a cluster tier needs at least one HOST:PORT")
+        raise L2Error(f"L2 URL {redact(url)!r}: a cluster tier needs at least one HOST:PORT")
     return scheme.lower(), nodes, username, password, params
 
 
@@ -115,12 +115,12 @@ class RedisClusterTier:
         self._breakers: dict[str, Breaker] = {}
         self.node_failures: collections.Counter[str] = collections.Counter()
         ttl = f", ttl {ttl_s} s" if ttl_s is not None else ""
-        self.name = f"{_redact(url)}{ttl}"
+        self.name = f"{redact(url)}{ttl}"
 
     @classmethod
     def from_url(cls, url: str) -> RedisClusterTier:
         scheme, nodes, username, password, params = parse_cluster_url(url)
-        options = _redis_options(url, params)
+        options = redis_options(url, params)
         bare = url.partition("?")[0]
         return cls(bare, nodes, username=username, password=password,
                    tls=scheme.split("+")[0] in ("rediss", "valkeys"), **options)

@@ -41,7 +41,7 @@ from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import ProbeL2, ReadL2, WriteL2
 from mpcache.core_sm.messages import L2ProbeFinished, L2ReadFinished, L2WriteFinished
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
-from mpcache.runtime_zmq.l2 import L2Unavailable, _redact
+from mpcache.runtime_zmq.l2_common import L2Unavailable, redact
 from mpcache.runtime_zmq.l2_health import Breaker, BreakerState
 from mpcache.runtime_zmq.l2_seal import HEADER_BYTES as SEAL_HEADER_BYTES
 from mpcache.runtime_zmq.l2_seal import Rejection, Sealer, load_or_create_secret
@@ -590,7 +590,7 @@ class L2Worker:
         ``health``)."""
         out: list[dict[str, Any]] = []
         for t in self._tiers:
-            state: dict[str, Any] = {"tier": _redact(repr(t)), "state": t.breaker.state.value}
+            state: dict[str, Any] = {"tier": redact(repr(t)), "state": t.breaker.state.value}
             nodes = getattr(t.tier, "node_states", None)
             if callable(nodes):  # a cluster tier: each node's breaker too
                 state["nodes"] = nodes()

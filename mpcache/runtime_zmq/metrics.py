@@ -461,13 +461,6 @@ class ServerMetrics(Collector):
             out.append(row)
         return out
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Serve /metrics and the probes on addr:port from a daemon thread (``ServerConfig.metrics_port``
-        of an embedded server; the CLI builds its ``mpcache.runtime_zmq.http.OpsHttpServer`` itself)."""
-        from mpcache.runtime_zmq.http import OpsHttpServer
-
-        self._http = OpsHttpServer(self._server, addr, port, metrics=self)
-
     # scrape -------------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
         from mpcache.runtime_zmq.config import version

@@ -370,6 +370,7 @@ class Server:
         # serve_forever reserves the segment's pages (no room is a start-up error, not a SIGBUS
         # in the middle of a copy; l1_pool) on a thread, while the loop already answers
         self._reservation: threading.Thread | None = None
+        self._ops_http: Any = None  # an embedded server's OpsHttpServer (ServerConfig.metrics_port)
         self.start_error: BaseException | None = None
         try:
             if config.curve_dir is not None:
@@ -475,7 +476,11 @@ class Server:
         self._token_scanner = tokens.load_in_background()
         self._chain_loader = sha256_chain.load_in_background()  # so does the native chunk chain
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port)
+            # /metrics and the probes of an embedded server, from a daemon thread (the CLI builds
+            # its own OpsHttpServer, with its --metrics-host)
+            from mpcache.runtime_zmq.http import OpsHttpServer
+
+            self._ops_http = OpsHttpServer(self, "127.0.0.1", self.config.metrics_port, metrics=self.metrics)
         log.info("mpcache-server listening on %s (epoch %d)", self.bound_url, self.epoch)
         if ready is not None:
             ready(self.bound_url)
@@ -1090,6 +1095,8 @@ class Server:
             self.kv_events.close()
         if self.trace is not None:
             self.trace.close()
+        if self._ops_http is not None:
+            self._ops_http.close()
         if farewell is not None and (left := farewell - self.clock()) > 0:
             time.sleep(left)  # the clients read those replies before their connection drops
         if self._connections is not None:

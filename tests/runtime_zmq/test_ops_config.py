@@ -165,8 +165,10 @@ def test_start_log_has_version_and_effective_config(start_server: Callable[..., 
 def test_configuration_doc_is_generated_from_the_parsers() -> None:
     with open(os.path.join(REPO, "docs", "configuration.md")) as f:
         on_disk = f.read()
-    assert on_disk == cfg.render_markdown(), (
-        "docs/configuration.md is out of date: run `python -m mpcache.runtime_zmq.config > docs/configuration.md`"
+    from mpcache.runtime_zmq import config_doc
+
+    assert on_disk == config_doc.render_markdown(), (
+        "docs/configuration.md is out of date: run `python -m mpcache.runtime_zmq.config_doc > docs/configuration.md`"
     )
     for flag in ("--chunk-size", "--metrics-host", "--config", "MPCACHE_PORT", "rediss://", "max_gb", "mpcache-cli bench"):
         assert flag in on_disk, flag

@@ -130,7 +130,10 @@ def test_an_embedded_server_serves_the_probes_on_its_metrics_port() -> None:
     finally:
         server.stop()
         loop.join(30)
-        server.metrics._http.close()
+    with socket.socket() as s:  # the server closed its own HTTP port when it stopped (no listener)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its closed connections may wait
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 def wait_ready(base: str, timeout: float = 10.0) -> bool:
