@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -166,12 +166,16 @@ def header(config: Any, keep_tokens: bool, part: int = 0) -> dict[str, Any]:
 
 
 def replay(head: dict[str, Any], records: Iterable[Sequence[Any]], max_divergences: int = 20,
-           chain_key: bytes | None = None) -> tuple[int, list[Divergence]]:
+           chain_key: bytes | None = None, make_server: Callable[[Any], Any] | None = None,
+           judge: Callable[[Any], str | None] | None = None) -> tuple[int, list[Divergence]]:
     """Re-run the server machine on a trace; returns (records replayed, divergences).
 
     A trace without token ids (the default) replays as is: its keys carry the hashes the server
     computed. A ``keep_tokens`` trace is hashed again, so it needs the server's ``chain_key``
-    (``ValueError`` without it, or with a key whose fingerprint is not the trace's)."""
+    (``ValueError`` without it, or with a key whose fingerprint is not the trace's).
+    ``make_server`` builds the machine from the trace's ``ServerConfig`` (default
+    ``LookupServer``; the simulator passes its own); ``judge(server)`` runs after every event and
+    a message it returns is a divergence too (``recorded`` None, ``replayed`` the message)."""
     from mpcache.core_sm.chunks import ChunkChain
     from mpcache.core_sm.server import LookupServer, ServerConfig
 
@@ -188,7 +192,7 @@ def replay(head: dict[str, Any], records: Iterable[Sequence[Any]], max_divergenc
     elif codec.keep_tokens and head.get("chain_fingerprint") != ChunkChain(config.chain_key).fingerprint:
         raise ValueError("this trace keeps token ids, so replaying it hashes them again: give the traced "
                          "server's chunk key (its --chunk-key-file)")
-    server = LookupServer(config)
+    server = LookupServer(config) if make_server is None else make_server(config)
     # Replayed effects are encoded as recorded: keys by their hashes, so both sides compare alike.
     out_codec = TraceCodec(keep_tokens=codec.keep_tokens, hashes_of=_hashes_of(server))
     divergences: list[Divergence] = []
@@ -201,6 +205,9 @@ def replay(head: dict[str, Any], records: Iterable[Sequence[Any]], max_divergenc
         got = out_codec.encode(effects_now)
         if got != effects and len(divergences) < max_divergences:
             divergences.append(Divergence(n - 1, type(ev).__name__, effects, got))
+        finding = judge(server) if judge is not None else None
+        if finding is not None and len(divergences) < max_divergences:
+            divergences.append(Divergence(n - 1, type(ev).__name__, None, finding))
     return n, divergences
 
 

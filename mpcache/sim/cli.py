@@ -431,9 +431,19 @@ def _version() -> str:
 
 
 def cmd_replay_trace(args: argparse.Namespace) -> int:
-    """Feed a fresh core_sm LookupServer the recorded events at their times; any record whose
-    effects differ from the recorded ones is a divergence."""
+    """Feed the simulator's own server machine (the default profile's, built from the trace's
+    ServerConfig) the recorded events at their times; any record whose effects differ from the
+    recorded ones is a divergence, and so is an event after which one of the simulator's server
+    oracles (core_sm's invariants, L1 bytes accounting) finds a fault."""
     from mpcache.core_sm.trace import replay
+    from mpcache.sim import checks
+    from mpcache.sim.profiles import PROFILES
+
+    server_class = PROFILES["default"].server_class
+
+    def judge(server: Any) -> str | None:
+        finding = checks.core_invariants(server, "replayed") or checks.bytes_accounting(server)
+        return None if finding is None else f"{finding[0]}: {finding[1]}"
 
     with open(args.file, encoding="utf-8") as f:
         head = json.loads(f.readline())
@@ -446,7 +456,7 @@ def cmd_replay_trace(args: argparse.Namespace) -> int:
                 chain_key = bytes.fromhex(kf.read().strip())
         try:
             count, divergences = replay(head, (json.loads(line) for line in f if line.strip()),
-                                        chain_key=chain_key)
+                                        chain_key=chain_key, make_server=server_class, judge=judge)
         except ValueError as e:
             print(f"cannot replay {args.file}: {e}")
             return 2
@@ -598,7 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-seeds", action="store_true", help="skip Hypothesis: reduce the first failing seed")
     p.add_argument("--save", action="store_true", help="write it to tests/sim/corpus/PROFILE.json")
     p.set_defaults(func=cmd_shrink)
-    p = sub.add_parser("replay-trace", help="re-run the server machine on a trace from mpcache-server --trace; exit 1 on a divergence")
+    p = sub.add_parser("replay-trace", help="re-run the simulator's server machine on a trace from mpcache-server "
+                                            "--trace, its oracles judging every event; exit 1 on a divergence")
     p.add_argument("file", help="the trace file mpcache-server --trace wrote")
     p.add_argument("--chunk-key-file", default=None, metavar="PATH",
                    help="the traced server's chunk key (needed for a --trace-tokens trace, which is hashed again)")
