@@ -139,7 +139,7 @@ def draw_groups(seed: int, chunk_size: int, block_size: int) -> dict[str, Any]:
                               name="window"))
     if len(groups) == 1 or rng.random() < 0.4:
         groups.append(KVGroup(GroupKind.RECURRENT, block_size, name="recurrent"))
-    return {"kv_groups": tuple(groups), "group_fault_p": rng.choice((0.0, 0.1, 0.3))}
+    return {"kv_groups": tuple(groups), "group_fault_p": rng.choice((0.0, 0.2, 0.5))}
 
 
 def make_prompt(rng: random.Random, documents: list[tuple[int, ...]], chunk_size: int) -> tuple[int, ...]:
