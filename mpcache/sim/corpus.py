@@ -7,6 +7,7 @@ core_sm is immune to it).
 """
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup
 from mpcache.sim.net import NetConfig
 from mpcache.sim.scenario import FaultSpec, RequestSpec, Scenario, WorldConfig
 
@@ -21,7 +23,7 @@ CORPUS_DIR = Path(__file__).resolve().parents[2] / "tests" / "sim" / "corpus"
 
 
 def to_json(scenario: Scenario, profile: str, code: str, note: str = "") -> str:
-    data = {"profile": profile, "code": code, "note": note, "scenario": attrs.asdict(scenario)}
+    data = {"profile": profile, "code": code, "note": note, "scenario": attrs.asdict(scenario, value_serializer=_plain)}
     return json.dumps(data, indent=1, sort_keys=True)
 
 
@@ -30,6 +32,7 @@ def from_json(text: str) -> tuple[Scenario, str, str]:
     sc: dict[str, Any] = data["scenario"]
     cfg = dict(sc["config"])
     cfg["net"] = NetConfig(**cfg["net"])
+    cfg["kv_groups"] = tuple(KVGroup(**{**g, "kind": GroupKind(g["kind"])}) for g in cfg.get("kv_groups", ()))
     scenario = Scenario(
         seed=sc["seed"],
         config=WorldConfig(**cfg),
@@ -38,6 +41,10 @@ def from_json(text: str) -> tuple[Scenario, str, str]:
         net_seed=sc["net_seed"],
     )
     return scenario, data["profile"], data["code"]
+
+
+def _plain(instance: Any, field: Any, value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value  # a KV-cache group's kind
 
 
 def entries(directory: Path = CORPUS_DIR) -> list[Path]:

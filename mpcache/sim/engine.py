@@ -81,6 +81,7 @@ from mpcache.core_sm.planner import (
 )
 from mpcache.runtime_trio import Address, Node
 from mpcache.sim import checks
+from mpcache.sim.groups import group_resume_point, partial_restore
 from mpcache.sim.ports import RequestMsg, WorldPort
 from mpcache.sim.scenario import RequestSpec, sched_name, server_name, worker_name
 from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
@@ -250,6 +251,10 @@ class SimWorker:
                 data = host.slots.get(copy.slot)
                 for j in range(copy.skip_blocks, len(copy.block_ids)):
                     self.blocks[copy.block_ids[j]] = data[j] if data is not None else -3
+        groups = engine.world.groups
+        if groups is not None and kind is TransferKind.STORE and self.rank == 0 and req is not None and copies:
+            # the other KV-cache groups' copies of the same chunks (sim/groups.py)
+            groups.stored(host, req.hashes, sorted({copy.chunk for copy in copies}), req.vllm_hit + req.external)
         return True
 
 
@@ -1111,10 +1116,46 @@ class _PlannerCalls:
         cache_salt: str = "", extras: KeyExtras = NO_EXTRAS, *, max_load_tokens: int | None = None,
         max_offload_tokens: int | None = None,
     ) -> tuple[int | None, bool]:
+        event = MatchRequest(request_id, token_ids, num_prompt_tokens, num_computed_tokens, cache_salt, extras,
+                             max_load_tokens=max_load_tokens, max_offload_tokens=max_offload_tokens)
+        tokens, load_async = self._match(event)
+        if tokens and self.engine.world.groups is not None:
+            tokens, load_async = self._group_hit(event, tokens, load_async)
+        return tokens, load_async
+
+    def _group_hit(self, event: MatchRequest, tokens: int, load_async: bool) -> tuple[int | None, bool]:
+        """Several KV-cache groups: the planner's hit is the first (full-attention) group's; the
+        connector's group layer reads every other group's presence at the retrieve server and
+        loads only up to ``kv_groups.resume_point`` over all of them (a legacy profile reports
+        the first group's hit alone). F24 judges what vLLM is told against that presence."""
+        engine = self.engine
+        groups, cfg = engine.world.groups, engine.cfg
+        req = engine.requests[event.request_id]
+        tracker = engine.planner().tracker(event.request_id)
+        assert tracker is not None and groups is not None
+        others = groups.present(engine.world.servers[engine._retrieve_server(req)], req.hashes)
+        computed = event.num_computed_tokens
+        resume = computed + tokens
+        if not engine.world.profile.group_hit_from_first:
+            limit = group_resume_point(cfg.kv_groups, tracker.hit_tokens or 0, others, resume, engine.C)
+            if limit < resume:
+                engine.world.stats["group_capped_hits"] = engine.world.stats.get("group_capped_hits", 0) + 1
+                tracker.load_limit = limit  # the request's load cap, as kv_transfer_params set it
+                again, load_async = self._match(event)
+                tokens = again or 0
+                resume = computed + tokens
+        finding = partial_restore(event.request_id, cfg.kv_groups, others, computed, resume if tokens else computed,
+                                  engine.C)
+        if finding is not None:
+            engine.world.violation(finding[0], self._node().name, finding[1])
+        return tokens, load_async
+
+    def _match(self, event: MatchRequest) -> tuple[int | None, bool]:
+        """One MatchRequest to the planner, its answer checked."""
         node = self._node()
-        effects = self.engine.call(node, LOOKUP, MatchRequest(
-            request_id, token_ids, num_prompt_tokens, num_computed_tokens, cache_salt, extras,
-            max_load_tokens=max_load_tokens, max_offload_tokens=max_offload_tokens))
+        request_id, num_prompt_tokens = event.request_id, event.num_prompt_tokens
+        num_computed_tokens = event.num_computed_tokens
+        effects = self.engine.call(node, LOOKUP, event)
         answers = [e for e in effects if type(e) is MatchAnswer]
         if len(answers) != 1:
             self.engine.world.violation("SAFETY", node.name, f"MatchRequest({request_id}) answered {answers!r}")

@@ -27,6 +27,7 @@ FAILURES: dict[str, str] = {
     "F21": "load on spent leases (a request's one lookup planned for a second load)",
     "F22": "tenant harmed (another peer's request changed an honest tenant's state)",
     "F23": "copy through another peer's registration (the transfer engine acted before core_sm decided)",
+    "F24": "partial restore (a hit reported while a KV-cache group lacks a chunk it needs)",
     "HIT": "hit reported for data never stored",
     "LIVENESS": "request did not finish after heal",
     "DEADLOCK": "world idle with no deadline",

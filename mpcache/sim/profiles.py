@@ -63,6 +63,9 @@ class Profile:
     # The server's runtime registers with its transfer engine only on core_sm's AttachInstance; a
     # legacy runtime does it on receipt, for any peer (act-first).
     act_before_decide: bool = False
+    # Several KV-cache groups (sim/groups.py): the connector reports the hit of the first
+    # (full-attention) group alone, whatever the other groups hold (a legacy connector).
+    group_hit_from_first: bool = False
 
     def server_config(self, cfg: WorldConfig) -> ServerConfig:
         return ServerConfig(
@@ -445,6 +448,16 @@ class ActFirst(Profile):
     act_before_decide = True
 
 
+# hma-partial-group (F24, LMCache #2863): the connector reports the first (full-attention)
+# group's hit to vLLM while another KV-cache group (a sliding window, a recurrent state) lacks a
+# chunk that resume point needs: vLLM skips the prefix for that group's layers too.
+class HmaPartialGroup(Profile):
+    name = "hma-partial-group"
+    failure = "F24"
+    description = "connector: the hit is the first KV-cache group's, even while another group lacks a chunk"
+    group_hit_from_first = True
+
+
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
     """The connector settings of the simulated world (its heartbeat knobs, production's others)."""
     return ConnectorSettings(request_timeout=cfg.request_timeout, lookup_status_wait=profile.lookup_status_wait,
@@ -457,6 +470,7 @@ PROFILES: dict[str, Profile] = {
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
               TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst())
 }
+PROFILES[HmaPartialGroup.name] = HmaPartialGroup()
 LEGACY = [name for name in PROFILES if name != "default"]
 
 

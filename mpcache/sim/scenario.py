@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup
 from mpcache.sim.net import NetConfig
 
 
@@ -65,6 +66,12 @@ class WorldConfig:
     safety_duration: float = 4.0
     liveness_bound: float = 30.0
     chain_seed: int = 0  # seeds the world's chunk-chain key (chain_key); draw_scenario: the seed
+    # The engine's KV-cache groups (vLLM's hybrid KV-cache manager; sim/groups.py): () is one
+    # full-attention group (the plain path); else group 0 is full attention and the others (a
+    # sliding window, a recurrent state) are stored and looked up per group. ``group_fault_p``:
+    # the chance a group's store of a range is partial (and half of it: a group object evicted).
+    kv_groups: tuple[KVGroup, ...] = ()
+    group_fault_p: float = 0.0
 
     @property
     def chain_key(self) -> bytes:
@@ -114,6 +121,25 @@ class Scenario:
 # of the worlds whose planner waits for lookups and loads synchronously, as production does
 CONNECTOR_DEFAULTS_SHARE = 0.5
 DEEP_QUEUE_SHARE = 0.5  # of the worlds without the adversary whose drawn lease TTL is not the short one
+
+
+GROUPED_SHARE = 0.5  # of the worlds whose engine has several KV-cache groups
+
+
+def draw_groups(seed: int, chunk_size: int, block_size: int) -> dict[str, Any]:
+    """The engine's KV-cache groups, from a stream of their own (the other draws of a seed stay
+    as they were): half of the worlds keep one full-attention group; the others add a sliding
+    window (its window in tokens drawn) and sometimes a recurrent state."""
+    rng = random.Random(f"{seed}:groups")
+    if rng.random() >= GROUPED_SHARE:
+        return {}
+    groups = [KVGroup(GroupKind.FULL, block_size, name="full")]
+    if rng.random() < 0.8:
+        groups.append(KVGroup(GroupKind.SLIDING_WINDOW, block_size, window=rng.randint(1, 3 * chunk_size),
+                              name="window"))
+    if len(groups) == 1 or rng.random() < 0.4:
+        groups.append(KVGroup(GroupKind.RECURRENT, block_size, name="recurrent"))
+    return {"kv_groups": tuple(groups), "group_fault_p": rng.choice((0.0, 0.2, 0.5))}
 
 
 def make_prompt(rng: random.Random, documents: list[tuple[int, ...]], chunk_size: int) -> tuple[int, ...]:
@@ -213,6 +239,7 @@ def draw_scenario(seed: int) -> Scenario:
         config = attrs.evolve(config, lookup_wait=connector.choice((0.005, 0.005, 0.02)),
                               sync_load_max_tokens=connector.choice((0, 1 << 40, 2 * chunk_size)))
         config = attrs.evolve(config, lookup_wait_idle=connector.choice((0.0, 0.05)))  # drawn last: the rest stay
+    config = attrs.evolve(config, **draw_groups(seed, chunk_size, block_size))
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]

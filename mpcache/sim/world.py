@@ -61,6 +61,7 @@ from mpcache.runtime_trio import Address, Node
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
 from mpcache.sim.engine import SimEngine
+from mpcache.sim.groups import GroupStore
 from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
 from mpcache.sim.ports import ReplyMsg, RequestMsg, Via, request_id_of
@@ -133,6 +134,8 @@ class World:
         self._ticks_at_now: tuple[float, int] = (-1.0, 0)
         self._nursery: trio.Nursery | None = None
         self._deliveries = 0
+        # the KV-cache groups after the first, per server (sim/groups.py); None: one group
+        self.groups = GroupStore(self) if self.config.kv_groups else None
         self.engines = [SimEngine(self, e) for e in range(self.config.num_engines)]
         self.adversary = Adversary(self) if self.config.adversary else None  # sim/adversary.py
         self.touched: set[str] = set()  # request ids some fault may have hit
@@ -660,6 +663,8 @@ class World:
 
                 self._touch_all_live()
                 self.stats["clears"] += 1
+                if self.groups is not None:
+                    self.groups.cleared(host)
                 via = self.operator_via(host)
                 host.node.post(SERVER, Clear(True, reply_to=via, admin=True))
         elif kind.startswith("tier_") and self.tier is not None:
@@ -814,6 +819,8 @@ class World:
         """'Sometimes' counters: which rare paths this world went through (tests assert that
         across seeds every one of them happens, so the oracles are not passing vacuously)."""
         out: dict[str, int] = dict(self.stats)
+        if self.groups is not None:
+            out.update(self.groups.stats)
         for k, v in self.net.counts.items():
             out[f"net_{k}"] = v
         for host in self.servers:
