@@ -114,3 +114,17 @@ def test_corrupted_l1_changes_the_output(connector: dict[str, Any], baseline: di
     corrupt = connector["phases"]["corrupt"]["p300"]
     assert corrupt["num_cached_tokens"] == 256
     assert corrupt["output_ids"] != _expected(baseline, "p300")
+
+
+def test_the_servers_trace_replays_through_the_simulators_machines(connector: dict[str, Any]) -> None:
+    """The restarted server's trace (a hit, a miss and the corrupted-L1 request of real vLLM)
+    replays through the simulator's server machine with the simulator's oracles: same effects for
+    every event, no oracle finding (issue "One seam": a recorded production run, replayed)."""
+    from mpcache.sim.cli import main as sim_main
+
+    (path,) = connector["traces"]["stopped"]
+    with open(path, encoding="utf-8") as f:
+        kinds = {json.loads(line)[1]["$"] for line in list(f)[1:]}
+    # a registration, lookups, a store and retrieves of a real run
+    assert {"RegisterInstance", "Lookup", "PrepareStore", "PrepareRetrieve", "CommitTransfer"} <= kinds, kinds
+    assert sim_main(["replay-trace", path]) == 0

@@ -103,20 +103,29 @@ def omp_bind_per_rank(tp: int) -> str | None:
 class ServerProcess:
     """An ``mpcache-server`` child process on a fixed loopback port."""
 
-    def __init__(self, port: int, log_path: Path) -> None:
+    def __init__(self, port: int, log_path: Path, trace: bool = False) -> None:
         self.port = port
         self.url = f"tcp://127.0.0.1:{port}"
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        # trace: each start records its core_sm event stream (--trace) to <log>.trace<N>.jsonl
+        self.trace = trace
+        self.traces: list[str] = []
 
     def start(self) -> float:
         from mpcache.runtime_zmq.client import MPCacheClient
 
         exe = Path(sys.executable).with_name("mpcache-server")
         log = open(self.log_path, "ab")
+        extra: list[str] = []
+        if self.trace:
+            path = str(self.log_path.with_suffix(f".trace{len(self.traces)}.jsonl"))
+            self.traces.append(path)
+            extra = ["--trace", path]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [str(exe), "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", "256", "--l1-size-gb", "0.0625", "--slot-mb", "1"],
+            [str(exe), "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", "256", "--l1-size-gb", "0.0625",
+             "--slot-mb", "1", *extra],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -216,7 +225,7 @@ def run_connector_tp(args: argparse.Namespace) -> dict[str, Any]:
 def run_connector(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    server = ServerProcess(args.port, Path(args.out).with_suffix(".server.log"))
+    server = ServerProcess(args.port, Path(args.out).with_suffix(".server.log"), trace=True)
     report: dict[str, Any] = {"mode": "connector", "phases": {}}
     report["server_start_s"] = round(server.start(), 3)
     phases = report["phases"]
@@ -277,6 +286,9 @@ def run_connector(args: argparse.Namespace) -> dict[str, Any]:
         del llm
     finally:
         server.stop()
+    # the first server was killed (its trace may end mid-record, without its id seed); the
+    # restarted one stopped cleanly: its trace is the recorded production run the simulator replays
+    report["traces"] = {"killed": server.traces[:1], "stopped": server.traces[1:]}
     return report
 
 
