@@ -15,7 +15,6 @@ KNOWN_CIRCLES = {
     frozenset({"mpcache.core_sm.job_table", "mpcache.core_sm.server", "mpcache.core_sm.server_core",
                "mpcache.core_sm.server_instances", "mpcache.core_sm.server_jobs", "mpcache.core_sm.server_l2",
                "mpcache.core_sm.server_transfers", "mpcache.core_sm.trace"}),
-    frozenset({"mpcache.sim.adversary", "mpcache.sim.fleet", "mpcache.sim.runner", "mpcache.sim.world"}),
 }
 
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -62,11 +63,40 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.server_core import RequestKey
 from mpcache.runtime_trio import Address
-from mpcache.sim.ports import ReplyMsg, RequestMsg
+from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg
 from mpcache.sim.scenario import server_name
 
-if TYPE_CHECKING:
-    from mpcache.sim.world import ServerHost, World
+
+class ServerView(Protocol):
+    """What the adversary reads of a simulated server (``mpcache.sim.world.ServerHost``)."""
+
+    index: int
+    name: str
+    incarnation: int
+    node: Any
+    up: bool
+
+
+class AdversaryWorld(Protocol):
+    """What the adversary needs of the world it attacks (``mpcache.sim.world.World`` is one):
+    written against this, the adversary imports no world (the world makes the adversary)."""
+
+    config: Any
+    scenario: Any
+    net: Any
+    phase: str
+    timeline: Any
+    trace: Any
+    touched: set[str]
+
+    @property
+    def servers(self) -> Sequence[ServerView]: ...
+
+    def now(self) -> float: ...
+
+    def violation(self, code: str, node: str, message: str) -> None: ...
+
+    def touch_all_live(self) -> None: ...
 
 ADVERSARY = "adv0"
 MACHINE = "adv"
@@ -82,7 +112,7 @@ ATTACKS = (
 
 
 class Adversary:
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: AdversaryWorld) -> None:
         self.world = world
         self.rng = random.Random(f"{world.scenario.net_seed}:adversary")
         # what it saw, as (server index, value)
@@ -115,7 +145,6 @@ class Adversary:
         request = self._build(kind, server)
         if request is not None:
             self.correlation += 1
-            from mpcache.sim.world import SERVER  # late: world imports this module
             world.trace.line(world.now(), ADVERSARY, f"adversary {kind}")
             # Straight onto the network: the world's per-request bookkeeping (lookups in flight,
             # releases sent) is about the honest clients.
@@ -282,7 +311,7 @@ class Adversary:
         via = getattr(event, "reply_to", None)
         return getattr(via, "node", None) == ADVERSARY
 
-    def judge(self, server: Any, host: ServerHost, event: Any, now: float) -> list[Any]:
+    def judge(self, server: Any, host: ServerView, event: Any, now: float) -> list[Any]:
         """Handle an adversary event on ``server`` and check that no honest tenant's state moved."""
         effects: list[Any] = server.handle(TimerFired(), now)
         self._note_reaps(host.index, effects)
@@ -307,7 +336,7 @@ class Adversary:
                            f"instance {iid} registered by {ADVERSARY}")
                 continue
             before["instances"][iid] = after["instances"][iid]  # claimed the same way (a race with its owner)
-            self.world._touch_all_live()
+            self.world.touch_all_live()
         after = honest_state(server, claimed)
         for iid in after["instances"].keys() - before["instances"].keys():
             if after["instances"][iid][0] == ADVERSARY:
@@ -321,7 +350,7 @@ class Adversary:
                 self._harm(host, event, part, old, new)
         return effects
 
-    def _harm(self, host: ServerHost, event: Any, part: str, old: Any, new: Any) -> None:
+    def _harm(self, host: ServerView, event: Any, part: str, old: Any, new: Any) -> None:
         from mpcache.sim.trace import short
         if isinstance(old, dict) and isinstance(new, dict):
             changed = sorted((k for k in old.keys() | new.keys() if old.get(k) != new.get(k)), key=repr)[:3]

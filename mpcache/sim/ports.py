@@ -20,7 +20,9 @@ from mpcache.runtime_trio import Address, Node
 from mpcache.sim.timeline import Timeline
 from mpcache.sim.trace import Trace
 
-__all__ = ["ReplyMsg", "RequestMsg", "Via", "WorldPort", "request_id_of"]
+__all__ = ["SERVER", "ReplyMsg", "RequestMsg", "Via", "WorldPort", "request_id_of"]
+
+SERVER = "server"  # the machine name of a server node's core_sm server (its address's port)
 
 
 @attrs.frozen

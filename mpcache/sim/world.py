@@ -60,16 +60,16 @@ from mpcache.core_sm.messages import (
 from mpcache.runtime_trio import Address, Node
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
+from mpcache.sim.cluster_tier import make_tier
 from mpcache.sim.engine import SimEngine
 from mpcache.sim.groups import GroupStore
 from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
-from mpcache.sim.ports import ReplyMsg, RequestMsg, Via, request_id_of
+from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg, Via, request_id_of
 from mpcache.sim.scenario import FaultSpec, Scenario, server_name
 from mpcache.sim.timeline import Timeline
 from mpcache.sim.trace import MessageRecord, Trace, short
 
-SERVER = "server"
 HEARTBEAT = "hb"
 
 
@@ -120,9 +120,7 @@ class World:
         self.nodes: dict[str, Node] = {}
         self.servers = [ServerHost(i) for i in range(self.config.num_servers)]
         self.l2: dict[ObjectKey, tuple[int, ...]] = {}
-        from mpcache.sim.fleet import make_tier  # a fleet's cluster tier replaces self.l2 (sim/fleet.py)
-
-        self.tier = make_tier(self.config)
+        self.tier = make_tier(self.config)  # a fleet's cluster tier replaces self.l2 (sim/fleet.py)
         self.written: set[ObjectKey] = set()  # every object ever written into L1 or L2 (history)
         self.violations: list[Violation] = []
         self.phase = "safety"
@@ -645,7 +643,7 @@ class World:
         elif kind in ("partition", "clog"):
             a, b, one_way, dur = args
             self.stats["partitions"] += 1
-            self._touch_all_live()
+            self.touch_all_live()
             if kind == "partition":
                 self.net.partition(str(a), str(b), bool(one_way))
             else:
@@ -661,17 +659,17 @@ class World:
             if host.up and host.node is not None:
                 from mpcache.core_sm.messages import Clear
 
-                self._touch_all_live()
+                self.touch_all_live()
                 self.stats["clears"] += 1
                 if self.groups is not None:
                     self.groups.cleared(host)
                 via = self.operator_via(host)
                 host.node.post(SERVER, Clear(True, reply_to=via, admin=True))
         elif kind.startswith("tier_") and self.tier is not None:
-            self._touch_all_live()
+            self.touch_all_live()
             self.tier.inject(self, fault)
 
-    def _touch_all_live(self) -> None:
+    def touch_all_live(self) -> None:
         for engine in self.engines:
             engine.touch_all_live()
 
@@ -686,7 +684,7 @@ class World:
         self.trace.mark(self.now(), host.name, "crash", f"incarnation {host.incarnation}")
         host.up = False
         host.node.crash()
-        self._touch_all_live()
+        self.touch_all_live()
 
     def _restart_server(self, host: ServerHost) -> None:
         if host.up:
