@@ -37,9 +37,14 @@ behind, and ``release_owner`` reaches the objects without a second index lookup.
 ``release_owner_in_slices`` is ``release_owner`` for a loop that must not stop long: an owner
 holding more than ``RELEASE_SLICE`` objects keeps them held (counted, unevictable) until
 ``release_slice`` calls release them, at most ``RELEASE_SLICE`` a call, oldest owner first
-(``releasing`` says whether any is left). Anything that names such an owner again -- a lease, a
-release -- first finishes its release at once, so a request id used again after its end never
-has its new leases released by the old end.
+(``releasing`` says whether any is left). The same slices carry ``release_chunks_in_slices``
+(a free of a chunk range: each call walks at most ``RELEASE_SLICE`` of the objects the owner
+held when it asked) and TTL expiry: one ``expire`` releases at most ``RELEASE_SLICE`` leases
+at once, and queues the batches past that (each slice walks that many of a batch's keys,
+releasing those still ending at that expiry, so a lease refreshed meanwhile stays); an owner's
+parts run in the order asked. Anything that leases for such an owner again, or releases it at
+once, first finishes its pending parts, so a request id used again after its end never has its
+new leases released by the old end, and every count is released once, under its own reason.
 """
 from __future__ import annotations
 
@@ -110,6 +115,22 @@ _MIN_COMPACT = 1024  # the heap is rebuilt without stale entries when it doubles
 RELEASE_SLICE = 2048  # objects ``release_slice`` releases at most per call
 
 
+@attrs.define
+class _Release:
+    """One part of an owner's release in slices: everything the owner holds (``keys`` None), or
+    its leases on ``keys`` -- only those of ``chunks`` x ranks ``[0, ranks)`` when ``chunks`` is
+    set (a free), only those still ending at ``expiry`` when it is set (a TTL expiry).
+    ``pos``: how far the slices have walked ``keys``."""
+
+    reason: ReleaseReason
+    keys: tuple[ObjectKey, ...] | None = None
+    chunks: frozenset[bytes] | None = None
+    ranks: int = 0
+    expiry: float | None = None
+    pos: int = 0
+    done: bool = False
+
+
 @attrs.define(eq=False)  # identity: the batch paths search lists of objects for None
 class _Object:
     key: ObjectKey
@@ -169,8 +190,8 @@ class L1Index(TenantQuota):
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
         self._pinned: dict[int, int] = {}
         self._quarantined: set[int] = set()
-        # owners whose release_owner_in_slices is not done: owner -> (reason, when asked)
-        self._releasing: dict[Owner, tuple[ReleaseReason, float]] = {}
+        # owners with a release in slices not done: owner -> (its parts, in order; when asked)
+        self._releasing: dict[Owner, tuple[list[_Release], float]] = {}
         # When a list, every dropped object's key is appended (the server drains it into its
         # KV-event reports after each event); None: not tracked.
         self.dropped: list[ObjectKey] | None = None
@@ -471,35 +492,41 @@ class L1Index(TenantQuota):
         held = self._by_owner.get(owner)
         if not held:
             return 0
-        wanted = set(chunk_hashes)
-        released = 0
-        seq = self._use_seq
-        for key in [k for k in held if k.chunk_hash in wanted and k.kv_rank < ranks]:
-            obj = held.pop(key)
-            readers = obj.readers
-            released += readers.pop(owner)[0]
-            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
-                lru = obj.lru = obj.account.lru
-                lru[key] = None
-                seq += 1
-                obj.used = seq
-        self._end_release(owner, held, released, reason, seq)
-        return released
+        keys = tuple(held)
+        return self._release_part(owner, held, _Release(reason, keys, frozenset(chunk_hashes), ranks), len(keys))
+
+    def release_chunks_in_slices(self, owner: Owner, chunk_hashes: Sequence[bytes], ranks: int,
+                                 reason: ReleaseReason, now: float) -> None:
+        """``release_chunks``, walking at most ``RELEASE_SLICE`` of the objects ``owner`` holds
+        now and the rest by later ``release_slice`` calls (module doc)."""
+        self.expire(now)
+        held = self._by_owner.get(owner)
+        if not held:
+            return
+        self._queue(owner, _Release(reason, tuple(held), frozenset(chunk_hashes), ranks), now)
 
     def release_owner_in_slices(self, owner: Owner, reason: ReleaseReason, now: float) -> None:
         """``release_owner``, at most ``RELEASE_SLICE`` objects now and the rest by later
         ``release_slice`` calls (module doc)."""
         self.expire(now)
-        if self._releasing and owner in self._releasing:
-            self._finish_release(owner)
         held = self._by_owner.get(owner)
         if not held:
             return
-        if len(held) <= RELEASE_SLICE:
+        if len(held) <= RELEASE_SLICE and owner not in self._releasing:
             self.release_owner(owner, reason, now)
             return
-        self._releasing[owner] = (reason, now)
-        self.release_slice()
+        self._queue(owner, _Release(reason), now)
+
+    def _queue(self, owner: Owner, part: _Release, now: float, run: bool = True) -> None:
+        """Queue ``part`` behind ``owner``'s pending releases (the owner joins the queue of
+        owners, with ``now`` as when it asked, if it has none); ``run``: and run one slice."""
+        pending = self._releasing.get(owner)
+        if pending is None:
+            self._releasing[owner] = ([part], now)
+        else:
+            pending[0].append(part)
+        if run:
+            self.release_slice()
 
     @property
     def releasing(self) -> bool:
@@ -511,34 +538,77 @@ class L1Index(TenantQuota):
         return next(iter(self._releasing.values()))[1] if self._releasing else None
 
     def release_slice(self) -> int:
-        """Release up to ``RELEASE_SLICE`` objects of the oldest release in slices; returns the
-        counts released."""
+        """Walk up to ``RELEASE_SLICE`` objects of the oldest release in slices, releasing what
+        it releases; returns the counts released."""
         if not self._releasing:
             return 0
-        owner, (reason, _asked) = next(iter(self._releasing.items()))
+        owner, (parts, _asked) = next(iter(self._releasing.items()))
         held = self._by_owner.get(owner)
-        if not held:  # expired meanwhile
+        if not held:  # expired or released meanwhile
             del self._releasing[owner]
             return 0
-        batch = dict(itertools.islice(held.items(), RELEASE_SLICE))
-        for key in batch:
-            del held[key]
-        if not held:
-            del self._by_owner[owner]
+        part = parts[0]
+        released = self._release_part(owner, held, part, RELEASE_SLICE)
+        if part.done:
+            parts.pop(0)
+        if not parts or owner not in self._by_owner:
             del self._releasing[owner]
-        return self._release_held(owner, batch, reason)
+        return released
 
     def _finish_release(self, owner: Owner) -> None:
-        reason, _asked = self._releasing.pop(owner)
-        held = self._by_owner.pop(owner, None)
-        if held:
-            self._release_held(owner, held, reason)
+        """Run every pending part of ``owner``'s release in slices now, in order."""
+        parts, _asked = self._releasing.pop(owner)
+        for part in parts:
+            held = self._by_owner.get(owner)
+            if not held:
+                return
+            self._release_part(owner, held, part, len(held) if part.keys is None else len(part.keys))
+
+    def _release_part(self, owner: Owner, held: dict[ObjectKey, _Object], part: _Release, budget: int) -> int:
+        """Walk up to ``budget`` objects of ``part`` (``held``: ``owner``'s held map), releasing
+        ``owner``'s counts on those the part selects; ``part.done`` says whether it is over."""
+        if part.keys is None:  # everything the owner holds
+            if len(held) <= budget:
+                del self._by_owner[owner]
+                part.done = True
+                return self._release_held(owner, held, part.reason)
+            batch = dict(itertools.islice(held.items(), budget))
+            for key in batch:
+                del held[key]
+            return self._release_held(owner, batch, part.reason)
+        keys, start = part.keys, part.pos
+        stop = min(len(keys), start + budget)
+        part.pos = stop
+        part.done = stop == len(keys)
+        wanted, ranks, expiry = part.chunks, part.ranks, part.expiry
+        released = 0
+        seq = self._use_seq
+        for i in range(start, stop):
+            key = keys[i]
+            obj = held.get(key)
+            if obj is None:  # released meanwhile
+                continue
+            if wanted is not None and (key.chunk_hash not in wanted or key.kv_rank >= ranks):
+                continue
+            readers = obj.readers
+            if expiry is not None and readers[owner][1] != expiry:
+                continue  # refreshed since: a later expiry entry covers it
+            del held[key]
+            released += readers.pop(owner)[0]
+            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
+                seq += 1
+                obj.used = seq
+        self._end_release(owner, held, released, part.reason, seq)
+        return released
 
     def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
-        """Release every count ``owner`` holds, on every object (in the order it leased them)."""
+        """Release every count ``owner`` holds, on every object (in the order it leased them);
+        a release in slices of it pending finishes first, with its own reason."""
         self.expire(now)
-        if self._releasing:
-            self._releasing.pop(owner, None)
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
         held = self._by_owner.pop(owner, None)
         if not held:
             return 0
@@ -582,6 +652,7 @@ class L1Index(TenantQuota):
     def expire(self, now: float) -> None:
         """Release every lease and drop every write reservation whose expiry is ``<= now``."""
         heap = self._expiries
+        budget = RELEASE_SLICE  # leases released at once; the batches past it go in slices
         while heap and heap[0][0] <= now:
             expiry, _seq, keys, owner = heapq.heappop(heap)
             if owner is None:
@@ -593,6 +664,11 @@ class L1Index(TenantQuota):
             held = self._by_owner.get(owner)
             if held is None:
                 continue  # released already: a stale entry
+            if len(keys) > budget:  # a big lookup's leases expire a slice per loop turn
+                self._queue(owner, _Release(ReleaseReason.TTL, keys, expiry=expiry), now, run=False)
+                budget = 0
+                continue
+            budget -= len(keys)
             self._expire_leases(held, keys, owner, expiry)
 
     def _expire_leases(self, held: dict[ObjectKey, _Object], keys: tuple[ObjectKey, ...], owner: Owner,
@@ -692,6 +768,11 @@ class L1Index(TenantQuota):
         assert all(self._readable.values()), "an empty rank map"
         held = 0
         pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
+        for o, (parts, _asked) in self._releasing.items():
+            assert parts and all(not p.done for p in parts), "a finished release part left queued"
+            for p in parts:
+                if p.expiry is not None and p.keys is not None:
+                    pending.update((k, o, p.expiry) for k in p.keys[p.pos:])
         orphan_runs = {id(run) for _u, _s, run in self._orphans}
         for obj in self._objects.values():
             if obj.writer is not None:

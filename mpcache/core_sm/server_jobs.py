@@ -466,8 +466,9 @@ class JobMachine:
         from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
 
         if type(self.server)._release_for_free_lookup_locks is LookupServer._release_for_free_lookup_locks:
-            # the fixed hook, in one walk of what the request holds (no key per object named)
-            ctx.index.release_chunks(key, hashes[first:last], ckey.world_size, ReleaseReason.FREE, now)
+            # the fixed hook, in walks of what the request holds (no key per object named): a
+            # slice now, the rest a slice per loop turn (l1_index), so the reply does not wait
+            ctx.index.release_chunks_in_slices(key, hashes[first:last], ckey.world_size, ReleaseReason.FREE, now)
         else:
             keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
             self.server._release_for_free_lookup_locks(key, keys, now)
