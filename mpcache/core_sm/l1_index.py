@@ -26,9 +26,10 @@ Every mutating method takes ``now`` and first expires what is due, so an expired
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
 
 Batch forms for a request's whole prefix (``readable_prefix``, ``lease_prefix``, ``lease_reads``,
-``release_reads``, ``release_owner``) do the same per object as the single forms, with one expiry
-step and one expiry-heap entry per call; a lease is a ``(count, expiry)`` pair per owner, not an
-object. ``lease_prefix`` is a lookup's whole L1 part in one walk: the readable objects are
+``release_reads``, ``release_owner``) and a transfer's chunks (``reserve_writes``,
+``finish_writes``, ``abort_writes``, ``lease_slots``) do the same per object as the single forms,
+with one expiry step and one expiry-heap entry per call; a lease is a ``(count, expiry)`` pair
+per owner, not an object. ``lease_prefix`` is a lookup's whole L1 part in one walk: the readable objects are
 found by chunk hash in one map per KV rank (no key object built per chunk), and a new owner's
 leases are one ``(count, expiry)`` tuple shared by the batch; the owner map (key -> object)
 and the expiry entry hold the index's own keys, so a lookup leaves no new object per chunk
@@ -107,7 +108,7 @@ OPERATIONS = ("reserve_write", "finish_write", "abort_write", "lease_read", "rel
 
 # A read lease: (count, expiry). A tuple, replaced on change: the lookup path takes one per object.
 _Lease = tuple[int, float]
-# An expiry-heap entry: (expiry, seq, keys, owner); owner None: the write reservation of keys[0].
+# An expiry-heap entry: (expiry, seq, keys, owner); owner None: the write reservations of keys.
 # One entry covers every key a batch leased at that expiry; it is stale for a key whose lease has
 # since been released or refreshed, and skipped then.
 _Expiry = tuple[float, int, tuple[ObjectKey, ...], "Owner | None"]
@@ -312,6 +313,93 @@ class L1Index(TenantQuota):
         self._evict_to_watermark(tenant)
         return slot
 
+    def reserve_writes(self, keys: Sequence[ObjectKey], owner: Owner, nbytes: int, now: float,
+                       tenant: Tenant | None = None, limit: int | None = None) -> list[int | None]:
+        """``reserve_write`` for each of ``keys``, in order, with one expiry step and one expiry
+        entry for them all; stops once ``limit`` keys are reserved. Returns one entry per key
+        tried (its slot, or None): shorter than ``keys`` when the limit stopped it."""
+        self.expire(now)
+        if limit is None:
+            limit = len(keys)
+        if limit <= 0:
+            return []
+        if nbytes > self.slot_bytes or nbytes < 0:
+            return [None] * len(keys)
+        objects = self._objects
+        free = self._free_slots
+        accounts = self._accounts
+        charged = self._charged
+        heappop = heapq.heappop
+        expiry = now + self.lease_ttl
+        over = self.high_watermark * self.num_slots if self.num_slots else None
+        slots: list[int | None] = []
+        reserved: list[ObjectKey] = []
+        for key in keys:
+            if key in objects:
+                slots.append(None)
+                continue
+            if not free:
+                while not free and self._evict_one(tenant):
+                    pass
+                if not free:
+                    slots.append(None)
+                    continue
+            slot = heappop(free)
+            account = accounts.get(tenant)
+            if account is None:
+                account = self._charge(tenant)
+            else:  # ``_charge`` inlined
+                charged[tenant] = charged.get(tenant, 0) + 1
+            objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru)
+            slots.append(slot)
+            reserved.append(key)
+            if over is not None and len(objects) > over:
+                self._evict_to_watermark(tenant)
+            if len(reserved) >= limit:
+                break
+        self._bytes += nbytes * len(reserved)
+        if reserved:
+            self._push_expiry(expiry, tuple(reserved), None)
+        return slots
+
+    def finish_writes(self, keys: Iterable[ObjectKey], owner: Owner, now: float) -> list[ObjectKey]:
+        """``finish_write`` for each of ``keys``, in order, with one expiry step; returns the
+        keys it finished (those ``owner`` was writing)."""
+        self.expire(now)
+        objects = self._objects
+        by_rank = self._readable
+        seq = self._use_seq
+        done: list[ObjectKey] = []
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.writer is None or obj.writer != owner:
+                continue
+            obj.writer = None
+            readable = by_rank.get(key.kv_rank)
+            if readable is None:
+                readable = by_rank[key.kv_rank] = {}
+            readable[key.chunk_hash] = obj
+            # ``_mark_evictable`` inlined (a WRITING object is in no LRU set: it enters last)
+            lru = obj.lru = obj.account.lru
+            lru[key] = None
+            seq += 1
+            obj.used = seq
+            done.append(key)
+        self._use_seq = seq
+        return done
+
+    def abort_writes(self, keys: Iterable[ObjectKey], owner: Owner, now: float) -> int:
+        """``abort_write`` for each of ``keys``, with one expiry step; returns how many it dropped."""
+        self.expire(now)
+        objects = self._objects
+        dropped = 0
+        for key in keys:
+            obj = objects.get(key)
+            if obj is not None and obj.writer is not None and obj.writer == owner:
+                self._drop(obj)
+                dropped += 1
+        return dropped
+
     def finish_write(self, key: ObjectKey, owner: Owner, now: float) -> bool:
         """WRITING (by ``owner``) → READY (most recently used). False if not ``owner``'s write."""
         self.expire(now)
@@ -394,6 +482,15 @@ class L1Index(TenantQuota):
         if leased:
             self._push_expiry(expiry, tuple(leased), owner)
         return held + len(leased)
+
+    def lease_slots(self, keys: Sequence[ObjectKey], owner: Owner, now: float) -> list[tuple[ObjectKey, int]]:
+        """A copy's holder (``owner``, holding nothing yet) takes one read count on each readable
+        key of ``keys``: ``lease_reads(keys, owner, 1, now)``; returns ``(key, slot)`` of those
+        it leased, in order."""
+        if not self.lease_reads(keys, owner, 1, now):
+            return []
+        held = self._by_owner[owner]
+        return [(k, held[k].slot) for k in keys if k in held]
 
     def readable_prefix(
         self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]
@@ -656,10 +753,11 @@ class L1Index(TenantQuota):
         while heap and heap[0][0] <= now:
             expiry, _seq, keys, owner = heapq.heappop(heap)
             if owner is None:
-                obj = self._objects.get(keys[0])
-                if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
-                    self._write_expirations += 1
-                    self._drop(obj)
+                for key in keys:
+                    obj = self._objects.get(key)
+                    if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
+                        self._write_expirations += 1
+                        self._drop(obj)
                 continue
             held = self._by_owner.get(owner)
             if held is None:
@@ -740,6 +838,25 @@ class L1Index(TenantQuota):
         meanwhile, the slot is quarantined, not freed, until every pin is removed."""
         self._pinned[slot] = self._pinned.get(slot, 0) + 1
 
+    def pin_slots(self, slots: Iterable[int]) -> None:
+        """``pin_slot`` for each of ``slots``."""
+        pinned = self._pinned
+        for slot in slots:
+            pinned[slot] = pinned.get(slot, 0) + 1
+
+    def unpin_slots(self, slots: Iterable[int]) -> None:
+        """``unpin_slot`` for each of ``slots``."""
+        pinned, quarantined = self._pinned, self._quarantined
+        for slot in slots:
+            n = pinned.get(slot, 0) - 1
+            if n > 0:
+                pinned[slot] = n
+                continue
+            pinned.pop(slot, None)
+            if quarantined and slot in quarantined:
+                quarantined.discard(slot)
+                heapq.heappush(self._free_slots, slot)
+
     def unpin_slot(self, slot: int) -> None:
         """One in-flight effect on ``slot`` ended; a quarantined slot with no pin left is free."""
         n = self._pinned.get(slot, 0) - 1
@@ -816,8 +933,11 @@ class L1Index(TenantQuota):
         expiry, _seq, keys, owner = entry
         objects = self._objects
         if owner is None:
-            obj = objects.get(keys[0])
-            return obj is not None and obj.writer is not None and obj.write_expiry == expiry
+            for key in keys:
+                obj = objects.get(key)
+                if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
+                    return True
+            return False
         if owner not in self._by_owner:
             return False  # the owner holds nothing any more
         for key in keys:

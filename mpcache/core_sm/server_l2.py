@@ -187,12 +187,7 @@ class L2Work:
         ctx = self.ctx
         wid = ctx.new_id()
         owner = L2WriteOwner(wid)
-        items = []
-        for k in keys:
-            if ctx.index.lease_read(k, owner, 1, now):
-                slot = ctx.index.slot_of(k)
-                assert slot is not None
-                items.append((k, slot))
+        items = ctx.index.lease_slots(keys, owner, now)
         if not items:
             return
         self.writes[wid] = tuple(k for k, _ in items)
@@ -209,11 +204,10 @@ class L2Work:
         ctx = self.ctx
         read = self.reads.pop(ev.read_id)
         owner = L2ReadOwner(read.read_id)
-        for i, k in enumerate(read.keys):
-            if i < len(ev.loaded) and ev.loaded[i]:
-                ctx.index.finish_write(k, owner, now)
-            else:
-                ctx.index.abort_write(k, owner, now)
+        loaded = ev.loaded
+        ctx.index.finish_writes([k for i, k in enumerate(read.keys) if i < len(loaded) and loaded[i]], owner, now)
+        ctx.index.abort_writes([k for i, k in enumerate(read.keys) if not (i < len(loaded) and loaded[i])],
+                               owner, now)
         ctx.unpin(owner)
         self.jobs.read_finished(read, now, out)
 
@@ -232,8 +226,7 @@ class L2Work:
     def _on_write_finished(self, ev: L2WriteFinished, now: float, out: list[Effect]) -> None:
         keys = self.writes.pop(ev.write_id)
         owner = L2WriteOwner(ev.write_id)
-        for k in keys:
-            self.ctx.index.release_read(k, owner, None, ReleaseReason.L2_WRITE, now)
+        self.ctx.index.release_owner(owner, ReleaseReason.L2_WRITE, now)  # it leased exactly its keys
         self.ctx.unpin(owner)
         reported = self.write_chunks.pop(ev.write_id, None)
         if self.ctx.held is not None and reported is not None and ev.ok:
@@ -250,8 +243,7 @@ class L2Work:
         them already) and a job still waiting on it resolves with its L1 prefix."""
         read = self.reads.pop(timer.read_id)
         self.ctx.counters["l2_reads_expired"] += 1
-        for k in read.keys:
-            self.ctx.index.abort_write(k, L2ReadOwner(read.read_id), now)
+        self.ctx.index.abort_writes(read.keys, L2ReadOwner(read.read_id), now)
         self.jobs.read_expired(read, now, out)
 
     def _on_probe_deadline(self, timer: L2ProbeDeadline, now: float, out: list[Effect]) -> None:
@@ -263,8 +255,8 @@ class L2Work:
         self.ctx.counters["l2_writes_expired"] += 1
         owner = L2WriteOwner(timer.write_id)
         self.write_chunks.pop(timer.write_id, None)
-        for k in self.writes.pop(timer.write_id):
-            self.ctx.index.release_read(k, owner, None, ReleaseReason.L2_WRITE, now)
+        del self.writes[timer.write_id]
+        self.ctx.index.release_owner(owner, ReleaseReason.L2_WRITE, now)  # it leased exactly its keys
 
     def check_invariants(self) -> None:
         for owner in self.ctx.index.leases_by_owner():

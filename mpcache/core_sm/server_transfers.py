@@ -190,15 +190,22 @@ class TransferMachine:
         skipped = 0
         awaited: dict[int, None] = {}  # running server-driven stores writing chunks of this one
         refusing = False  # admission refused a chunk: the ones after it are no prefix's hit either
+        tenant = self.instances.tenant_of(ev.instance_id)
+        # Without admission, the chunks are reserved in one batch up to the room left (one expiry
+        # step and entry); the ones past it are looked at one by one below.
+        tried: list[int | None] = [] if ctx.admission is not None else ctx.index.reserve_writes(
+            keys_or_err, owner, inst.object_bytes, now, tenant, max(0, room))
         for offset, k in enumerate(keys_or_err):
-            if ctx.admission is not None and ctx.index.state(k) is ObjectState.ABSENT and (
+            if offset < len(tried):
+                slot = tried[offset]
+            elif ctx.admission is not None and ctx.index.state(k) is ObjectState.ABSENT and (
                     refusing or not ctx.admission.admits(k.chunk_hash)):
                 # Not looked up often enough yet: its slot stays with what is reused.
                 refusing = True
                 skipped += 1
                 ctx.counters["stores_not_admitted"] += 1
                 continue
-            if len(reserved) >= room:
+            elif len(reserved) >= room:
                 if ctx.index.is_readable(k) or ctx.index.writer_of(k) is not None:
                     slot = None  # present or being written: skipped as always
                 else:
@@ -206,7 +213,7 @@ class TransferMachine:
                     skipped += 1
                     continue
             else:
-                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now, self.instances.tenant_of(ev.instance_id))
+                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now, tenant)
             if slot is None:
                 skipped += 1
                 writer = ctx.index.writer_of(k)
@@ -272,13 +279,10 @@ class TransferMachine:
         tid = self._new_transfer_id()
         owner = TransferOwner(tid)
         first = ev.key.start // ctx.config.chunk_size
-        placements: list[Placement] = []
-        for offset, k in enumerate(keys):
-            ctx.index.lease_read(k, owner, 1, now)
-            ctx.index.touch(k)
-            slot = ctx.index.slot_of(k)
-            assert slot is not None
-            placements.append((first + offset, slot))
+        # one read count each, in one batch (a leased object is in no LRU set: nothing to touch)
+        leased = ctx.index.lease_slots(keys, owner, now)
+        assert len(leased) == len(keys)
+        placements: list[Placement] = [(first + offset, slot) for offset, (_k, slot) in enumerate(leased)]
         t = Transfer(
             tid, TransferKind.RETRIEVE, engine_driven, ev.key.request_id, ev.reply_to,
             tuple(keys), tuple(placements), 0, self._deadline(engine_driven, now), inst.object_bytes,
@@ -534,12 +538,10 @@ class TransferMachine:
             ctx.counters["transfers_failed"] += 1
         if t.kind is TransferKind.STORE:
             stored: list[ObjectKey] = []
-            for k in t.keys:
-                if ok:
-                    if ctx.index.finish_write(k, owner, now):
-                        stored.append(k)
-                else:
-                    ctx.index.abort_write(k, owner, now)
+            if ok:
+                stored = ctx.index.finish_writes(t.keys, owner, now)
+            else:
+                ctx.index.abort_writes(t.keys, owner, now)
             result: object = StoreResult(ok and len(stored) == len(t.keys), len(stored),
                                          t.skipped + len(t.keys) - len(stored))
             if ctx.held is not None and stored:
@@ -556,8 +558,8 @@ class TransferMachine:
                 self._end_awaited(t.wait_id, t.transfer_id, result.ok, result, out)
                 return
         else:
-            for k in t.keys:
-                ctx.index.release_read(k, owner, None, ReleaseReason.TRANSFER, now)
+            # the copy's holder leased exactly its keys: releasing the holder releases them
+            ctx.index.release_owner(owner, ReleaseReason.TRANSFER, now)
             if ok:
                 self.server._release_after_retrieve(RequestKey(t.peer, t.request_id), t.keys, now)
             result = RetrieveResult(ok, len(t.keys))
