@@ -327,36 +327,47 @@ class L1Index(TenantQuota):
             return [None] * len(keys)
         objects = self._objects
         free = self._free_slots
-        accounts = self._accounts
         charged = self._charged
         heappop = heapq.heappop
         expiry = now + self.lease_ttl
-        over = self.high_watermark * self.num_slots if self.num_slots else None
+        # the watermark can only be passed below a full L1
+        over = self.high_watermark * self.num_slots if self.num_slots and self.high_watermark < 1.0 else None
         slots: list[int | None] = []
+        add_slot = slots.append
         reserved: list[ObjectKey] = []
+        add_key = reserved.append
+        account: Account | None = None  # the tenant's, once charged here (it lasts while charged)
+        uncounted = 0  # reservations not yet added to ``charged`` (it is exact whenever read)
         for key in keys:
             if key in objects:
-                slots.append(None)
+                add_slot(None)
                 continue
             if not free:
+                if uncounted:
+                    charged[tenant] += uncounted
+                    uncounted = 0
                 while not free and self._evict_one(tenant):
                     pass
                 if not free:
-                    slots.append(None)
+                    add_slot(None)
                     continue
             slot = heappop(free)
-            account = accounts.get(tenant)
             if account is None:
                 account = self._charge(tenant)
-            else:  # ``_charge`` inlined
-                charged[tenant] = charged.get(tenant, 0) + 1
+            else:
+                uncounted += 1
             objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru)
-            slots.append(slot)
-            reserved.append(key)
+            add_slot(slot)
+            add_key(key)
             if over is not None and len(objects) > over:
+                if uncounted:
+                    charged[tenant] += uncounted
+                    uncounted = 0
                 self._evict_to_watermark(tenant)
             if len(reserved) >= limit:
                 break
+        if uncounted:
+            charged[tenant] += uncounted
         self._bytes += nbytes * len(reserved)
         if reserved:
             self._push_expiry(expiry, tuple(reserved), None)
@@ -491,6 +502,12 @@ class L1Index(TenantQuota):
             return []
         held = self._by_owner[owner]
         return [(k, held[k].slot) for k in keys if k in held]
+
+    def unreadable(self, chunk_hashes: Iterable[bytes], ranks: Sequence[int]) -> list[ObjectKey]:
+        """The keys of ``chunk_hashes`` x ``ranks`` that are not readable, chunk by chunk, ranks
+        in the order given (found in the per-rank maps: no key built for a readable one)."""
+        per_rank = [(r, self._readable.get(r, {})) for r in ranks]
+        return [ObjectKey(h, r) for h in chunk_hashes for r, by_hash in per_rank if h not in by_hash]
 
     def readable_prefix(
         self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]
@@ -838,9 +855,13 @@ class L1Index(TenantQuota):
         meanwhile, the slot is quarantined, not freed, until every pin is removed."""
         self._pinned[slot] = self._pinned.get(slot, 0) + 1
 
-    def pin_slots(self, slots: Iterable[int]) -> None:
+    def pin_slots(self, slots: Sequence[int]) -> None:
         """``pin_slot`` for each of ``slots``."""
         pinned = self._pinned
+        fresh = dict.fromkeys(slots, 1)
+        if len(fresh) == len(slots) and pinned.keys().isdisjoint(fresh):
+            pinned.update(fresh)  # none pinned yet, each once (a batch just reserved): in C
+            return
         for slot in slots:
             pinned[slot] = pinned.get(slot, 0) + 1
 
