@@ -145,6 +145,7 @@ class _Object:
     lru: OrderedDict[ObjectKey, None]
     used: int = 0  # recency: the index's use sequence when it last became or was made MRU
     readers: dict[Owner, _Lease] = attrs.Factory(dict)
+    batch: int = 0  # while WRITING: the seq of the expiry entry of its reservation
 
     @property
     def tenant(self) -> Tenant | None:
@@ -190,6 +191,9 @@ class L1Index(TenantQuota):
         # Slots an in-flight effect (L2 read/write, copy, plan) still uses: never handed out
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
         self._pinned: dict[int, int] = {}
+        # WRITING objects per reservation batch (the seq of its expiry entry): a batch's entry is
+        # stale, and skipped at once, when it has none
+        self._writing: dict[int, int] = {}
         self._quarantined: set[int] = set()
         # owners with a release in slices not done: owner -> (its parts, in order; when asked)
         self._releasing: dict[Owner, tuple[list[_Release], float]] = {}
@@ -307,7 +311,9 @@ class L1Index(TenantQuota):
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
         account = self._charge(tenant)
-        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru)
+        batch = self._seq + 1  # the seq its expiry entry gets
+        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
+        self._writing[batch] = 1
         self._bytes += nbytes
         self._push_expiry(expiry, (key,), None)
         self._evict_to_watermark(tenant)
@@ -336,6 +342,7 @@ class L1Index(TenantQuota):
         add_slot = slots.append
         reserved: list[ObjectKey] = []
         add_key = reserved.append
+        batch = self._seq + 1  # the seq their expiry entry gets (evictions push no entry)
         account: Account | None = None  # the tenant's, once charged here (it lasts while charged)
         uncounted = 0  # reservations not yet added to ``charged`` (it is exact whenever read)
         for key in keys:
@@ -356,7 +363,7 @@ class L1Index(TenantQuota):
                 account = self._charge(tenant)
             else:
                 uncounted += 1
-            objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru)
+            objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
             add_slot(slot)
             add_key(key)
             if over is not None and len(objects) > over:
@@ -370,7 +377,9 @@ class L1Index(TenantQuota):
             charged[tenant] += uncounted
         self._bytes += nbytes * len(reserved)
         if reserved:
+            self._writing[batch] = len(reserved)
             self._push_expiry(expiry, tuple(reserved), None)
+            assert self._seq == batch
         return slots
 
     def finish_writes(self, keys: Iterable[ObjectKey], owner: Owner, now: float) -> list[ObjectKey]:
@@ -386,6 +395,7 @@ class L1Index(TenantQuota):
             if obj is None or obj.writer is None or obj.writer != owner:
                 continue
             obj.writer = None
+            self._written(obj.batch)
             readable = by_rank.get(key.kv_rank)
             if readable is None:
                 readable = by_rank[key.kv_rank] = {}
@@ -418,6 +428,7 @@ class L1Index(TenantQuota):
         if obj is None or obj.writer is None or obj.writer != owner:
             return False
         obj.writer = None
+        self._written(obj.batch)
         readable = self._readable.get(key.kv_rank)
         if readable is None:
             readable = self._readable[key.kv_rank] = {}
@@ -770,6 +781,8 @@ class L1Index(TenantQuota):
         while heap and heap[0][0] <= now:
             expiry, _seq, keys, owner = heapq.heappop(heap)
             if owner is None:
+                if _seq not in self._writing:
+                    continue  # every write of the batch finished or went: a stale entry
                 for key in keys:
                     obj = self._objects.get(key)
                     if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
@@ -912,6 +925,11 @@ class L1Index(TenantQuota):
                 if p.expiry is not None and p.keys is not None:
                     pending.update((k, o, p.expiry) for k in p.keys[p.pos:])
         orphan_runs = {id(run) for _u, _s, run in self._orphans}
+        batches: dict[int, int] = {}
+        for obj in self._objects.values():
+            if obj.writer is not None:
+                batches[obj.batch] = batches.get(obj.batch, 0) + 1
+        assert batches == self._writing, "writes per reservation batch"
         for obj in self._objects.values():
             if obj.writer is not None:
                 assert (obj.key, None, obj.write_expiry) in pending, "a write that would never expire"
@@ -951,14 +969,10 @@ class L1Index(TenantQuota):
             self._compact_at = max(_MIN_COMPACT, 2 * len(live))
 
     def _expiry_live(self, entry: _Expiry) -> bool:
-        expiry, _seq, keys, owner = entry
+        expiry, _seq, keys, owner = entry  # a write batch is live while one of its writes is
         objects = self._objects
         if owner is None:
-            for key in keys:
-                obj = objects.get(key)
-                if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
-                    return True
-            return False
+            return _seq in self._writing
         if owner not in self._by_owner:
             return False  # the owner holds nothing any more
         for key in keys:
@@ -1001,6 +1015,8 @@ class L1Index(TenantQuota):
             del readable[key.chunk_hash]
             if not readable:
                 del self._readable[key.kv_rank]
+        else:
+            self._written(obj.batch)
         if self.dropped is not None:
             self.dropped.append(obj.key)
         obj.lru.pop(obj.key, None)
@@ -1010,6 +1026,14 @@ class L1Index(TenantQuota):
             self._quarantined.add(obj.slot)
         else:
             heapq.heappush(self._free_slots, obj.slot)
+
+    def _written(self, batch: int) -> None:
+        """One write of reservation batch ``batch`` finished or went."""
+        n = self._writing[batch] - 1
+        if n:
+            self._writing[batch] = n
+        else:
+            del self._writing[batch]
 
     def _mark_evictable(self, obj: _Object) -> None:
         lru = obj.lru = obj.account.lru

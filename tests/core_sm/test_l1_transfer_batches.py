@@ -115,3 +115,35 @@ def test_the_batch_forms_are_the_per_key_forms(ops: list[tuple[str, list[int], s
         assert batch.stats() == single.stats()
         assert {k: batch.slot_of(k) for k in batch.objects()} == {k: single.slot_of(k) for k in single.objects()}
         assert [batch.state(k) for k in batch.objects()] == [single.state(k) for k in batch.objects()]
+
+
+class _CountingGets(dict):  # type: ignore[type-arg]
+    gets = 0
+
+    def get(self, k, default=None):  # type: ignore[no-untyped-def, override]
+        _CountingGets.gets += 1
+        return super().get(k, default)
+
+
+def test_a_finished_batch_s_expiry_entry_is_dropped_without_walking_its_keys() -> None:
+    idx = L1Index(256, 4, lease_ttl=10.0)
+    keys = [ObjectKey(i.to_bytes(4, "little"), 0) for i in range(200)]
+    assert None not in idx.reserve_writes(keys, "w", 4, 0.0)
+    assert len(idx.finish_writes(keys, "w", 1.0)) == 200
+    idx._objects = _CountingGets(idx._objects)
+    _CountingGets.gets = 0
+    assert idx.next_expiry() is None  # the stale entry goes, its 200 keys unread
+    idx.expire(10.0)
+    assert _CountingGets.gets == 0
+    idx.check_invariants()
+
+
+def test_a_batch_s_unfinished_writes_still_expire() -> None:
+    idx = L1Index(256, 4, lease_ttl=10.0)
+    keys = [ObjectKey(i.to_bytes(4, "little"), 0) for i in range(20)]
+    idx.reserve_writes(keys, "w", 4, 0.0)
+    idx.finish_writes(keys[:15], "w", 1.0)
+    idx.abort_writes(keys[15:17], "w", 1.0)
+    idx.expire(10.0)
+    assert idx.stats()["write_expirations"] == 3 and idx.stats()["objects"] == 15
+    idx.check_invariants()
