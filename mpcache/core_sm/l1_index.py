@@ -320,10 +320,12 @@ class L1Index(TenantQuota):
         return slot
 
     def reserve_writes(self, keys: Sequence[ObjectKey], owner: Owner, nbytes: int, now: float,
-                       tenant: Tenant | None = None, limit: int | None = None) -> list[int | None]:
+                       tenant: Tenant | None = None, limit: int | None = None,
+                       max_evictions: int | None = None) -> list[int | None]:
         """``reserve_write`` for each of ``keys``, in order, with one expiry step and one expiry
-        entry for them all; stops once ``limit`` keys are reserved. Returns one entry per key
-        tried (its slot, or None): shorter than ``keys`` when the limit stopped it."""
+        entry for them all; stops once ``limit`` keys are reserved, or before a key that needs
+        an eviction past ``max_evictions``. Returns one entry per key tried (its slot, or
+        None): shorter than ``keys`` when it stopped."""
         self.expire(now)
         if limit is None:
             limit = len(keys)
@@ -345,6 +347,7 @@ class L1Index(TenantQuota):
         batch = self._seq + 1  # the seq their expiry entry gets (evictions push no entry)
         account: Account | None = None  # the tenant's, once charged here (it lasts while charged)
         uncounted = 0  # reservations not yet added to ``charged`` (it is exact whenever read)
+        evictions = 0
         for key in keys:
             if key in objects:
                 add_slot(None)
@@ -353,8 +356,10 @@ class L1Index(TenantQuota):
                 if uncounted:
                     charged[tenant] += uncounted
                     uncounted = 0
+                if max_evictions is not None and evictions >= max_evictions:
+                    break
                 while not free and self._evict_one(tenant):
-                    pass
+                    evictions += 1
                 if not free:
                     add_slot(None)
                     continue
