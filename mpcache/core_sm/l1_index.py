@@ -627,13 +627,19 @@ class L1Index(TenantQuota):
 
     def release_chunks_in_slices(self, owner: Owner, chunk_hashes: Sequence[bytes], ranks: int,
                                  reason: ReleaseReason, now: float) -> None:
-        """``release_chunks``, walking at most ``RELEASE_SLICE`` of the objects ``owner`` holds
-        now and the rest by later ``release_slice`` calls (module doc)."""
+        """``release_chunks`` at once when ``owner`` holds at most ``RELEASE_SLICE`` objects;
+        else by later ``release_slice`` calls, each walking at most ``RELEASE_SLICE`` of the
+        objects it holds now (module doc): the free's own turn has its hashing to do."""
         self.expire(now)
         held = self._by_owner.get(owner)
         if not held:
             return
-        self._queue(owner, _Release(reason, tuple(held), frozenset(chunk_hashes), ranks), now)
+        keys = tuple(held)
+        part = _Release(reason, keys, frozenset(chunk_hashes), ranks)
+        if len(keys) <= RELEASE_SLICE and owner not in self._releasing:
+            self._release_part(owner, held, part, len(keys))
+            return
+        self._queue(owner, part, now, run=False)
 
     def release_owner_in_slices(self, owner: Owner, reason: ReleaseReason, now: float) -> None:
         """``release_owner``, at most ``RELEASE_SLICE`` objects now and the rest by later
