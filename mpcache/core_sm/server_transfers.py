@@ -251,10 +251,15 @@ class TransferMachine:
             evicted = len(tried) < len(rest) and len(tried) - tried.count(None) < limit
         n_reserved = len(reserved)
         stop = start + len(tried) if evicted else len(keys)
+        if tried and None not in tried:  # every chunk tried got a slot: no per-chunk branch
+            end = start + len(tried)
+            placements += zip(range(first + start, first + end), tried)  # type: ignore[arg-type]
+            reserved += keys[start:end]
+            start = end
         for offset in range(start, stop):
             k = keys[offset]
-            if offset - start < len(tried):
-                slot = tried[offset - start]
+            if offset - store.offset < len(tried):
+                slot = tried[offset - store.offset]
             elif ctx.admission is not None and ctx.index.state(k) is ObjectState.ABSENT and (
                     refusing or not ctx.admission.admits(k.chunk_hash)):
                 # Not looked up often enough yet: its slot stays with what is reused.
