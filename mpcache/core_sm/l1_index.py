@@ -26,9 +26,10 @@ Every mutating method takes ``now`` and first expires what is due, so an expired
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
 
 Batch forms for a request's whole prefix (``readable_prefix``, ``lease_prefix``, ``lease_reads``,
-``release_reads``, ``release_owner``) do the same per object as the single forms, with one expiry
-step and one expiry-heap entry per call; a lease is a ``(count, expiry)`` pair per owner, not an
-object. ``lease_prefix`` is a lookup's whole L1 part in one walk: the readable objects are
+``release_reads``, ``release_owner``) and a transfer's chunks (``reserve_writes``,
+``finish_writes``, ``abort_writes``, ``lease_slots``) do the same per object as the single forms,
+with one expiry step and one expiry-heap entry per call; a lease is a ``(count, expiry)`` pair
+per owner, not an object. ``lease_prefix`` is a lookup's whole L1 part in one walk: the readable objects are
 found by chunk hash in one map per KV rank (no key object built per chunk), and a new owner's
 leases are one ``(count, expiry)`` tuple shared by the batch; the owner map (key -> object)
 and the expiry entry hold the index's own keys, so a lookup leaves no new object per chunk
@@ -37,9 +38,14 @@ behind, and ``release_owner`` reaches the objects without a second index lookup.
 ``release_owner_in_slices`` is ``release_owner`` for a loop that must not stop long: an owner
 holding more than ``RELEASE_SLICE`` objects keeps them held (counted, unevictable) until
 ``release_slice`` calls release them, at most ``RELEASE_SLICE`` a call, oldest owner first
-(``releasing`` says whether any is left). Anything that names such an owner again -- a lease, a
-release -- first finishes its release at once, so a request id used again after its end never
-has its new leases released by the old end.
+(``releasing`` says whether any is left). The same slices carry ``release_chunks_in_slices``
+(a free of a chunk range: each call walks at most ``RELEASE_SLICE`` of the objects the owner
+held when it asked) and TTL expiry: one ``expire`` releases at most ``RELEASE_SLICE`` leases
+at once, and queues the batches past that (each slice walks that many of a batch's keys,
+releasing those still ending at that expiry, so a lease refreshed meanwhile stays); an owner's
+parts run in the order asked. Anything that leases for such an owner again, or releases it at
+once, first finishes its pending parts, so a request id used again after its end never has its
+new leases released by the old end, and every count is released once, under its own reason.
 """
 from __future__ import annotations
 
@@ -102,12 +108,28 @@ OPERATIONS = ("reserve_write", "finish_write", "abort_write", "lease_read", "rel
 
 # A read lease: (count, expiry). A tuple, replaced on change: the lookup path takes one per object.
 _Lease = tuple[int, float]
-# An expiry-heap entry: (expiry, seq, keys, owner); owner None: the write reservation of keys[0].
+# An expiry-heap entry: (expiry, seq, keys, owner); owner None: the write reservations of keys.
 # One entry covers every key a batch leased at that expiry; it is stale for a key whose lease has
 # since been released or refreshed, and skipped then.
 _Expiry = tuple[float, int, tuple[ObjectKey, ...], "Owner | None"]
 _MIN_COMPACT = 1024  # the heap is rebuilt without stale entries when it doubles past this
 RELEASE_SLICE = 2048  # objects ``release_slice`` releases at most per call
+
+
+@attrs.define
+class _Release:
+    """One part of an owner's release in slices: everything the owner holds (``keys`` None), or
+    its leases on ``keys`` -- only those of ``chunks`` x ranks ``[0, ranks)`` when ``chunks`` is
+    set (a free), only those still ending at ``expiry`` when it is set (a TTL expiry).
+    ``pos``: how far the slices have walked ``keys``."""
+
+    reason: ReleaseReason
+    keys: tuple[ObjectKey, ...] | None = None
+    chunks: frozenset[bytes] | None = None
+    ranks: int = 0
+    expiry: float | None = None
+    pos: int = 0
+    done: bool = False
 
 
 @attrs.define(eq=False)  # identity: the batch paths search lists of objects for None
@@ -123,6 +145,7 @@ class _Object:
     lru: OrderedDict[ObjectKey, None]
     used: int = 0  # recency: the index's use sequence when it last became or was made MRU
     readers: dict[Owner, _Lease] = attrs.Factory(dict)
+    batch: int = 0  # while WRITING: the seq of the expiry entry of its reservation
 
     @property
     def tenant(self) -> Tenant | None:
@@ -168,9 +191,12 @@ class L1Index(TenantQuota):
         # Slots an in-flight effect (L2 read/write, copy, plan) still uses: never handed out
         # until it ends. A pinned slot whose object is dropped waits in _quarantined.
         self._pinned: dict[int, int] = {}
+        # WRITING objects per reservation batch (the seq of its expiry entry): a batch's entry is
+        # stale, and skipped at once, when it has none
+        self._writing: dict[int, int] = {}
         self._quarantined: set[int] = set()
-        # owners whose release_owner_in_slices is not done: owner -> (reason, when asked)
-        self._releasing: dict[Owner, tuple[ReleaseReason, float]] = {}
+        # owners with a release in slices not done: owner -> (its parts, in order; when asked)
+        self._releasing: dict[Owner, tuple[list[_Release], float]] = {}
         # When a list, every dropped object's key is appended (the server drains it into its
         # KV-event reports after each event); None: not tracked.
         self.dropped: list[ObjectKey] | None = None
@@ -285,11 +311,120 @@ class L1Index(TenantQuota):
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
         account = self._charge(tenant)
-        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru)
+        batch = self._seq + 1  # the seq its expiry entry gets
+        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
+        self._writing[batch] = 1
         self._bytes += nbytes
         self._push_expiry(expiry, (key,), None)
         self._evict_to_watermark(tenant)
         return slot
+
+    def reserve_writes(self, keys: Sequence[ObjectKey], owner: Owner, nbytes: int, now: float,
+                       tenant: Tenant | None = None, limit: int | None = None,
+                       max_evictions: int | None = None) -> list[int | None]:
+        """``reserve_write`` for each of ``keys``, in order, with one expiry step and one expiry
+        entry for them all; stops once ``limit`` keys are reserved, or before a key that needs
+        an eviction past ``max_evictions``. Returns one entry per key tried (its slot, or
+        None): shorter than ``keys`` when it stopped."""
+        self.expire(now)
+        if limit is None:
+            limit = len(keys)
+        if limit <= 0:
+            return []
+        if nbytes > self.slot_bytes or nbytes < 0:
+            return [None] * len(keys)
+        objects = self._objects
+        free = self._free_slots
+        charged = self._charged
+        heappop = heapq.heappop
+        expiry = now + self.lease_ttl
+        # the watermark can only be passed below a full L1
+        over = self.high_watermark * self.num_slots if self.num_slots and self.high_watermark < 1.0 else None
+        slots: list[int | None] = []
+        add_slot = slots.append
+        reserved: list[ObjectKey] = []
+        add_key = reserved.append
+        batch = self._seq + 1  # the seq their expiry entry gets (evictions push no entry)
+        account: Account | None = None  # the tenant's, once charged here (it lasts while charged)
+        uncounted = 0  # reservations not yet added to ``charged`` (it is exact whenever read)
+        evictions = 0
+        for key in keys:
+            if key in objects:
+                add_slot(None)
+                continue
+            if not free:
+                if uncounted:
+                    charged[tenant] += uncounted
+                    uncounted = 0
+                if max_evictions is not None and evictions >= max_evictions:
+                    break
+                while not free and self._evict_one(tenant):
+                    evictions += 1
+                if not free:
+                    add_slot(None)
+                    continue
+            slot = heappop(free)
+            if account is None:
+                account = self._charge(tenant)
+            else:
+                uncounted += 1
+            objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
+            add_slot(slot)
+            add_key(key)
+            if over is not None and len(objects) > over:
+                if uncounted:
+                    charged[tenant] += uncounted
+                    uncounted = 0
+                self._evict_to_watermark(tenant)
+            if len(reserved) >= limit:
+                break
+        if uncounted:
+            charged[tenant] += uncounted
+        self._bytes += nbytes * len(reserved)
+        if reserved:
+            self._writing[batch] = len(reserved)
+            self._push_expiry(expiry, tuple(reserved), None)
+            assert self._seq == batch
+        return slots
+
+    def finish_writes(self, keys: Iterable[ObjectKey], owner: Owner, now: float) -> list[ObjectKey]:
+        """``finish_write`` for each of ``keys``, in order, with one expiry step; returns the
+        keys it finished (those ``owner`` was writing)."""
+        self.expire(now)
+        objects = self._objects
+        by_rank = self._readable
+        seq = self._use_seq
+        done: list[ObjectKey] = []
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.writer is None or obj.writer != owner:
+                continue
+            obj.writer = None
+            self._written(obj.batch)
+            readable = by_rank.get(key.kv_rank)
+            if readable is None:
+                readable = by_rank[key.kv_rank] = {}
+            readable[key.chunk_hash] = obj
+            # ``_mark_evictable`` inlined (a WRITING object is in no LRU set: it enters last)
+            lru = obj.lru = obj.account.lru
+            lru[key] = None
+            seq += 1
+            obj.used = seq
+            done.append(key)
+        self._use_seq = seq
+        return done
+
+    def abort_writes(self, keys: Iterable[ObjectKey], owner: Owner, now: float) -> int:
+        """``abort_write`` for each of ``keys``, with one expiry step; returns how many it dropped."""
+        self.expire(now)
+        objects = self._objects
+        dropped = 0
+        for key in keys:
+            obj = objects.get(key)
+            if obj is not None and obj.writer is not None and obj.writer == owner:
+                self._drop(obj)
+                dropped += 1
+        return dropped
 
     def finish_write(self, key: ObjectKey, owner: Owner, now: float) -> bool:
         """WRITING (by ``owner``) → READY (most recently used). False if not ``owner``'s write."""
@@ -298,6 +433,7 @@ class L1Index(TenantQuota):
         if obj is None or obj.writer is None or obj.writer != owner:
             return False
         obj.writer = None
+        self._written(obj.batch)
         readable = self._readable.get(key.kv_rank)
         if readable is None:
             readable = self._readable[key.kv_rank] = {}
@@ -373,6 +509,21 @@ class L1Index(TenantQuota):
         if leased:
             self._push_expiry(expiry, tuple(leased), owner)
         return held + len(leased)
+
+    def lease_slots(self, keys: Sequence[ObjectKey], owner: Owner, now: float) -> list[tuple[ObjectKey, int]]:
+        """A copy's holder (``owner``, holding nothing yet) takes one read count on each readable
+        key of ``keys``: ``lease_reads(keys, owner, 1, now)``; returns ``(key, slot)`` of those
+        it leased, in order."""
+        if not self.lease_reads(keys, owner, 1, now):
+            return []
+        held = self._by_owner[owner]
+        return [(k, held[k].slot) for k in keys if k in held]
+
+    def unreadable(self, chunk_hashes: Iterable[bytes], ranks: Sequence[int]) -> list[ObjectKey]:
+        """The keys of ``chunk_hashes`` x ``ranks`` that are not readable, chunk by chunk, ranks
+        in the order given (found in the per-rank maps: no key built for a readable one)."""
+        per_rank = [(r, self._readable.get(r, {})) for r in ranks]
+        return [ObjectKey(h, r) for h in chunk_hashes for r, by_hash in per_rank if h not in by_hash]
 
     def readable_prefix(
         self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]
@@ -471,35 +622,47 @@ class L1Index(TenantQuota):
         held = self._by_owner.get(owner)
         if not held:
             return 0
-        wanted = set(chunk_hashes)
-        released = 0
-        seq = self._use_seq
-        for key in [k for k in held if k.chunk_hash in wanted and k.kv_rank < ranks]:
-            obj = held.pop(key)
-            readers = obj.readers
-            released += readers.pop(owner)[0]
-            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
-                lru = obj.lru = obj.account.lru
-                lru[key] = None
-                seq += 1
-                obj.used = seq
-        self._end_release(owner, held, released, reason, seq)
-        return released
+        keys = tuple(held)
+        return self._release_part(owner, held, _Release(reason, keys, frozenset(chunk_hashes), ranks), len(keys))
+
+    def release_chunks_in_slices(self, owner: Owner, chunk_hashes: Sequence[bytes], ranks: int,
+                                 reason: ReleaseReason, now: float) -> None:
+        """``release_chunks`` at once when ``owner`` holds at most ``RELEASE_SLICE`` objects;
+        else by later ``release_slice`` calls, each walking at most ``RELEASE_SLICE`` of the
+        objects it holds now (module doc): the free's own turn has its hashing to do."""
+        self.expire(now)
+        held = self._by_owner.get(owner)
+        if not held:
+            return
+        keys = tuple(held)
+        part = _Release(reason, keys, frozenset(chunk_hashes), ranks)
+        if len(keys) <= RELEASE_SLICE and owner not in self._releasing:
+            self._release_part(owner, held, part, len(keys))
+            return
+        self._queue(owner, part, now, run=False)
 
     def release_owner_in_slices(self, owner: Owner, reason: ReleaseReason, now: float) -> None:
         """``release_owner``, at most ``RELEASE_SLICE`` objects now and the rest by later
         ``release_slice`` calls (module doc)."""
         self.expire(now)
-        if self._releasing and owner in self._releasing:
-            self._finish_release(owner)
         held = self._by_owner.get(owner)
         if not held:
             return
-        if len(held) <= RELEASE_SLICE:
+        if len(held) <= RELEASE_SLICE and owner not in self._releasing:
             self.release_owner(owner, reason, now)
             return
-        self._releasing[owner] = (reason, now)
-        self.release_slice()
+        self._queue(owner, _Release(reason), now)
+
+    def _queue(self, owner: Owner, part: _Release, now: float, run: bool = True) -> None:
+        """Queue ``part`` behind ``owner``'s pending releases (the owner joins the queue of
+        owners, with ``now`` as when it asked, if it has none); ``run``: and run one slice."""
+        pending = self._releasing.get(owner)
+        if pending is None:
+            self._releasing[owner] = ([part], now)
+        else:
+            pending[0].append(part)
+        if run:
+            self.release_slice()
 
     @property
     def releasing(self) -> bool:
@@ -511,34 +674,77 @@ class L1Index(TenantQuota):
         return next(iter(self._releasing.values()))[1] if self._releasing else None
 
     def release_slice(self) -> int:
-        """Release up to ``RELEASE_SLICE`` objects of the oldest release in slices; returns the
-        counts released."""
+        """Walk up to ``RELEASE_SLICE`` objects of the oldest release in slices, releasing what
+        it releases; returns the counts released."""
         if not self._releasing:
             return 0
-        owner, (reason, _asked) = next(iter(self._releasing.items()))
+        owner, (parts, _asked) = next(iter(self._releasing.items()))
         held = self._by_owner.get(owner)
-        if not held:  # expired meanwhile
+        if not held:  # expired or released meanwhile
             del self._releasing[owner]
             return 0
-        batch = dict(itertools.islice(held.items(), RELEASE_SLICE))
-        for key in batch:
-            del held[key]
-        if not held:
-            del self._by_owner[owner]
+        part = parts[0]
+        released = self._release_part(owner, held, part, RELEASE_SLICE)
+        if part.done:
+            parts.pop(0)
+        if not parts or owner not in self._by_owner:
             del self._releasing[owner]
-        return self._release_held(owner, batch, reason)
+        return released
 
     def _finish_release(self, owner: Owner) -> None:
-        reason, _asked = self._releasing.pop(owner)
-        held = self._by_owner.pop(owner, None)
-        if held:
-            self._release_held(owner, held, reason)
+        """Run every pending part of ``owner``'s release in slices now, in order."""
+        parts, _asked = self._releasing.pop(owner)
+        for part in parts:
+            held = self._by_owner.get(owner)
+            if not held:
+                return
+            self._release_part(owner, held, part, len(held) if part.keys is None else len(part.keys))
+
+    def _release_part(self, owner: Owner, held: dict[ObjectKey, _Object], part: _Release, budget: int) -> int:
+        """Walk up to ``budget`` objects of ``part`` (``held``: ``owner``'s held map), releasing
+        ``owner``'s counts on those the part selects; ``part.done`` says whether it is over."""
+        if part.keys is None:  # everything the owner holds
+            if len(held) <= budget:
+                del self._by_owner[owner]
+                part.done = True
+                return self._release_held(owner, held, part.reason)
+            batch = dict(itertools.islice(held.items(), budget))
+            for key in batch:
+                del held[key]
+            return self._release_held(owner, batch, part.reason)
+        keys, start = part.keys, part.pos
+        stop = min(len(keys), start + budget)
+        part.pos = stop
+        part.done = stop == len(keys)
+        wanted, ranks, expiry = part.chunks, part.ranks, part.expiry
+        released = 0
+        seq = self._use_seq
+        for i in range(start, stop):
+            key = keys[i]
+            obj = held.get(key)
+            if obj is None:  # released meanwhile
+                continue
+            if wanted is not None and (key.chunk_hash not in wanted or key.kv_rank >= ranks):
+                continue
+            readers = obj.readers
+            if expiry is not None and readers[owner][1] != expiry:
+                continue  # refreshed since: a later expiry entry covers it
+            del held[key]
+            released += readers.pop(owner)[0]
+            if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
+                lru = obj.lru = obj.account.lru
+                lru[key] = None
+                seq += 1
+                obj.used = seq
+        self._end_release(owner, held, released, part.reason, seq)
+        return released
 
     def release_owner(self, owner: Owner, reason: ReleaseReason, now: float) -> int:
-        """Release every count ``owner`` holds, on every object (in the order it leased them)."""
+        """Release every count ``owner`` holds, on every object (in the order it leased them);
+        a release in slices of it pending finishes first, with its own reason."""
         self.expire(now)
-        if self._releasing:
-            self._releasing.pop(owner, None)
+        if self._releasing and owner in self._releasing:
+            self._finish_release(owner)
         held = self._by_owner.pop(owner, None)
         if not held:
             return 0
@@ -582,17 +788,26 @@ class L1Index(TenantQuota):
     def expire(self, now: float) -> None:
         """Release every lease and drop every write reservation whose expiry is ``<= now``."""
         heap = self._expiries
+        budget = RELEASE_SLICE  # leases released at once; the batches past it go in slices
         while heap and heap[0][0] <= now:
             expiry, _seq, keys, owner = heapq.heappop(heap)
             if owner is None:
-                obj = self._objects.get(keys[0])
-                if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
-                    self._write_expirations += 1
-                    self._drop(obj)
+                if _seq not in self._writing:
+                    continue  # every write of the batch finished or went: a stale entry
+                for key in keys:
+                    obj = self._objects.get(key)
+                    if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
+                        self._write_expirations += 1
+                        self._drop(obj)
                 continue
             held = self._by_owner.get(owner)
             if held is None:
                 continue  # released already: a stale entry
+            if len(keys) > budget:  # a big lookup's leases expire a slice per loop turn
+                self._queue(owner, _Release(ReleaseReason.TTL, keys, expiry=expiry), now, run=False)
+                budget = 0
+                continue
+            budget -= len(keys)
             self._expire_leases(held, keys, owner, expiry)
 
     def _expire_leases(self, held: dict[ObjectKey, _Object], keys: tuple[ObjectKey, ...], owner: Owner,
@@ -664,6 +879,29 @@ class L1Index(TenantQuota):
         meanwhile, the slot is quarantined, not freed, until every pin is removed."""
         self._pinned[slot] = self._pinned.get(slot, 0) + 1
 
+    def pin_slots(self, slots: Sequence[int]) -> None:
+        """``pin_slot`` for each of ``slots``."""
+        pinned = self._pinned
+        fresh = dict.fromkeys(slots, 1)
+        if len(fresh) == len(slots) and pinned.keys().isdisjoint(fresh):
+            pinned.update(fresh)  # none pinned yet, each once (a batch just reserved): in C
+            return
+        for slot in slots:
+            pinned[slot] = pinned.get(slot, 0) + 1
+
+    def unpin_slots(self, slots: Iterable[int]) -> None:
+        """``unpin_slot`` for each of ``slots``."""
+        pinned, quarantined = self._pinned, self._quarantined
+        for slot in slots:
+            n = pinned.get(slot, 0) - 1
+            if n > 0:
+                pinned[slot] = n
+                continue
+            pinned.pop(slot, None)
+            if quarantined and slot in quarantined:
+                quarantined.discard(slot)
+                heapq.heappush(self._free_slots, slot)
+
     def unpin_slot(self, slot: int) -> None:
         """One in-flight effect on ``slot`` ended; a quarantined slot with no pin left is free."""
         n = self._pinned.get(slot, 0) - 1
@@ -692,7 +930,17 @@ class L1Index(TenantQuota):
         assert all(self._readable.values()), "an empty rank map"
         held = 0
         pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
+        for o, (parts, _asked) in self._releasing.items():
+            assert parts and all(not p.done for p in parts), "a finished release part left queued"
+            for p in parts:
+                if p.expiry is not None and p.keys is not None:
+                    pending.update((k, o, p.expiry) for k in p.keys[p.pos:])
         orphan_runs = {id(run) for _u, _s, run in self._orphans}
+        batches: dict[int, int] = {}
+        for obj in self._objects.values():
+            if obj.writer is not None:
+                batches[obj.batch] = batches.get(obj.batch, 0) + 1
+        assert batches == self._writing, "writes per reservation batch"
         for obj in self._objects.values():
             if obj.writer is not None:
                 assert (obj.key, None, obj.write_expiry) in pending, "a write that would never expire"
@@ -732,11 +980,10 @@ class L1Index(TenantQuota):
             self._compact_at = max(_MIN_COMPACT, 2 * len(live))
 
     def _expiry_live(self, entry: _Expiry) -> bool:
-        expiry, _seq, keys, owner = entry
+        expiry, _seq, keys, owner = entry  # a write batch is live while one of its writes is
         objects = self._objects
         if owner is None:
-            obj = objects.get(keys[0])
-            return obj is not None and obj.writer is not None and obj.write_expiry == expiry
+            return _seq in self._writing
         if owner not in self._by_owner:
             return False  # the owner holds nothing any more
         for key in keys:
@@ -779,6 +1026,8 @@ class L1Index(TenantQuota):
             del readable[key.chunk_hash]
             if not readable:
                 del self._readable[key.kv_rank]
+        else:
+            self._written(obj.batch)
         if self.dropped is not None:
             self.dropped.append(obj.key)
         obj.lru.pop(obj.key, None)
@@ -788,6 +1037,14 @@ class L1Index(TenantQuota):
             self._quarantined.add(obj.slot)
         else:
             heapq.heappush(self._free_slots, obj.slot)
+
+    def _written(self, batch: int) -> None:
+        """One write of reservation batch ``batch`` finished or went."""
+        n = self._writing[batch] - 1
+        if n:
+            self._writing[batch] = n
+        else:
+            del self._writing[batch]
 
     def _mark_evictable(self, obj: _Object) -> None:
         lru = obj.lru = obj.account.lru

@@ -159,6 +159,8 @@ class LookupServer:
                 self._run_accepted(out)
             if self.index.releasing:  # and one slice of a big request's release (l1_index)
                 self.index.release_slice()
+            if self.transfers.reserving:  # and one slice of a store's reservations (server_transfers)
+                self.transfers.run_reserving(out)
             self._advance(now, out)
             row = self._rows.get(type(event))
             if row is None:
@@ -186,8 +188,10 @@ class LookupServer:
     @property
     def deferred_work(self) -> bool:
         """Whether an acknowledged lookup's work waits for ``run_deferred`` (``ack_first``), or a
-        big lookup's leasing (server_jobs) or a big request's release (l1_index) has slices left."""
-        return self.jobs.accepted is not None or bool(self.jobs.continuing) or self.index.releasing
+        big lookup's leasing or L2 step (server_jobs), a big request's release (l1_index) or a
+        store's reservations (server_transfers) have slices left."""
+        return (self.jobs.accepted is not None or bool(self.jobs.continuing) or self.index.releasing
+                or bool(self.transfers.reserving))
 
     def run_deferred(self) -> list[Effect]:
         """Do the work an acknowledged lookup left (``ServerConfig.ack_first``) and return its
@@ -205,6 +209,13 @@ class LookupServer:
                 self.index.release_slice()
             except Exception:  # a bug: counted; the next turn's slice tries again
                 self._counters["internal_errors"] += 1
+        if self.transfers.reserving:
+            try:
+                self.transfers.run_reserving(out)
+                if self.transfers.op_of_reply:  # a deferred STORE answered: its duplicates too
+                    self.transfers.answer_duplicates(out)
+            except Exception:  # a bug: counted
+                self._counters["internal_errors"] += 1
         return out
 
     def _run_accepted(self, out: list[Effect]) -> None:
@@ -220,7 +231,8 @@ class LookupServer:
         """The earliest time at which ``handle(TimerFired(), t)`` has work to do (may be early)."""
         candidates = [t for t in (self.ctx.timers.next_deadline(), self.jobs.next_tombstone_expiry(),
                                   self.jobs.reap_queue.next_deadline(), self.index.next_expiry(),
-                                  self.jobs.next_continuation(), self.index.next_release())
+                                  self.jobs.next_continuation(), self.index.next_release(),
+                                  self.transfers.next_reserving())
                       if t is not None]
         return min(candidates) if candidates else None
 

@@ -190,12 +190,12 @@ class ServerContext:
         if not slots:
             return
         self.pins[owner] = tuple(slots)
-        for slot in slots:
-            self.index.pin_slot(slot)
+        self.index.pin_slots(slots)
 
     def unpin(self, owner: EffectOwner) -> None:
-        for slot in self.pins.pop(owner, ()):
-            self.index.unpin_slot(slot)
+        slots = self.pins.pop(owner, None)
+        if slots:
+            self.index.unpin_slots(slots)
 
     def validate_key(self, key: CacheKey, *, scheduler: bool, aligned: bool = True) -> str | None:
         """None if ``key`` is well formed for a scheduler (``worker_id`` None) or worker request,

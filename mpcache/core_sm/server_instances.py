@@ -45,6 +45,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Hashable
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -438,7 +439,8 @@ class InstanceMachine:
             return None, ProtocolError(ErrorKind.VALIDATION, err)
         assert key.worker_id is not None
         first = key.start // ctx.config.chunk_size
-        return reg, tuple(ObjectKey(h, key.worker_id) for h in hashes[first:])
+        # tuple.__new__ makes each ObjectKey in C (a NamedTuple's own __new__ is a Python call)
+        return reg, tuple(map(tuple.__new__, repeat(ObjectKey), zip(hashes[first:], repeat(key.worker_id))))
 
 
 I = InstanceState

@@ -47,6 +47,15 @@ meanwhile see the job as they see one waiting on L2: a free of its range skips t
 far go with it, the rest is never taken), the prefix ends where an object went meanwhile. Once
 the prefix is leased the job goes on as any (L2 step, or its hit count).
 
+**Its L2 step is walked in slices too** (``L2Walk``, core_sm/server_l2.py), in the same
+``continuing`` queue: gathering the keys to probe, reserving the slots to read into (after the
+probe answered: up to the first chunk it did not find whole), and landing a finished read while
+the job's extension -- the chunks from its L1 prefix on readable on every rank -- is leased, at
+most ``L2_SLICE_OBJECTS`` objects a slice. The first slice runs with the message, so a small
+step is done at once. Between slices the job is PENDING as while L2 works; a job ended, reaped
+or timed out meanwhile stops its walk: a probe is not sent, a read is sent for what was
+reserved and lands for no one, a landing read finishes landing and leases nothing more.
+
 The job records (``JobState``, ``PrefetchJob``, ``JobWork``) and the table of live jobs
 (``JobTable``) are in core_sm/job_table.py.
 
@@ -81,6 +90,8 @@ from mpcache.core_sm.job_table import JobState, JobTable, JobWork, PrefetchJob
 from mpcache.core_sm.server_core import RequestKey, ServerContext
 from mpcache.core_sm.table import Table
 from mpcache.core_sm.timers import ReapQueue, Timer
+
+from mpcache.core_sm.server_l2 import L2Walk, WalkKind
 
 if TYPE_CHECKING:
     from mpcache.core_sm.server import LookupServer
@@ -174,8 +185,8 @@ class JobMachine:
         # ack_first: the acknowledged lookup whose work has not run (job, event, its now). At
         # most one: every handle runs it before anything else.
         self.accepted: tuple[PrefetchJob, Lookup, float] | None = None
-        # lookups whose prefix is leased in slices (module doc), oldest first
-        self.continuing: deque[LeaseSlices] = deque()
+        # lookups whose prefix is leased, and L2 steps walked, in slices (module doc), oldest first
+        self.continuing: deque[LeaseSlices | L2Walk] = deque()
         self.dispatch = JOB_TABLE.bind(self, _request_key, self.state, ctx.counters, ctx.reply_error)
 
     # ============================================================================= queries
@@ -359,10 +370,19 @@ class JobMachine:
         return type(self.server)._lease_for_lookup is LookupServer._lease_for_lookup
 
     def run_continuing(self, out: list[Effect]) -> None:
-        """Lease one slice of the oldest lookup leasing in slices (module doc)."""
+        """One slice of the oldest lookup leasing in slices, or of the oldest L2 walk (module
+        doc)."""
         if not self.continuing:
             return
         cont = self.continuing.popleft()
+        if isinstance(cont, L2Walk):
+            try:
+                if not self._walk_slice(cont, out):
+                    self.continuing.append(cont)
+            except Exception as exc:  # a fault of the server: the job must still resolve
+                if cont.job is not None and self._live(cont.job, cont.serial):
+                    self._work_failed(cont.job, f"{type(exc).__name__}: {exc}", cont.now, out)
+            return
         job = cont.job
         if self.jobs.get(job.key) is not job or job.serial != cont.serial:
             return  # ended or reaped meanwhile: what it leased went with it
@@ -370,6 +390,80 @@ class JobMachine:
             self._lease_slice(cont, out)
         except Exception as exc:  # a fault of the server: the job must still resolve
             self._work_failed(job, f"{type(exc).__name__}: {exc}", cont.now, out)
+
+    def _live(self, job: PrefetchJob, serial: int | None) -> bool:
+        """Whether ``job`` is still the pending job of its request, with that work."""
+        return job.hits is None and job.serial == serial and self.jobs.get(job.key) is job
+
+    def _walk_slice(self, walk: L2Walk, out: list[Effect]) -> bool:
+        """Run one slice of ``walk`` (core_sm/server_l2.py), and what follows when it is over;
+        returns whether it is over."""
+        job, l2 = walk.job, self.l2
+        live = job is not None and self._live(job, walk.serial)
+        if walk.kind is WalkKind.PROBE:
+            if not live:
+                return True  # ended, reaped or timed out meanwhile: nothing was taken
+            assert job is not None
+            started = l2.walk_probe(walk, out)
+            if started is None:
+                return False
+            if not started:
+                self.complete(job, job.l1_prefix, walk.now, out)
+            return True
+        if walk.kind is WalkKind.READ:
+            if live and not l2.walk_read(walk):
+                return False
+            if l2.emit_read(walk, live, out) or not live:
+                return True
+            assert job is not None
+            if not walk.probe_keys:
+                self.complete(job, job.l1_prefix, walk.now, out)
+                return True
+            # after a probe, nothing to read: the hits are what is readable now, leased
+            walk.kind, walk.hits, walk.chunk = WalkKind.LANDED, job.l1_prefix, job.l1_prefix
+        return self._land_slice(walk, live and walk.leasing, out)
+
+    def _land_slice(self, walk: L2Walk, leasing: bool, out: list[Effect]) -> bool:
+        """One slice of a LANDED walk: the read's next objects land, then (``leasing``: its job
+        is live) the job's extension -- the chunks from its L1 prefix on readable on every rank,
+        contiguously -- is leased over the chunks landed so far (except chunks freed)."""
+        job = walk.job
+        upto = self.l2.land(walk) if walk.read is not None else 1 << 62
+        if leasing:
+            assert job is not None
+            work = job.pending()
+            hashes, ranks = job.hashes, job.rank_range()
+            start = walk.chunk
+            end = min(upto, len(hashes), start + self.l2.per_turn(job))
+            if end > start:
+                index = self.ctx.index
+                chunks, keys = index.readable_prefix(hashes[start:end], ranks)
+                freed = work.freed_chunks
+                if freed and keys:
+                    n = max(1, len(ranks))
+                    keys = [k for j, k in enumerate(keys) if start + j // n not in freed]
+                if work.num_readers > 0 and keys:
+                    if self._fixed_lease_hook():
+                        # one batch a slice: one expiry entry, not one per object (a leased object
+                        # leaves its LRU set, so the hook's touch has nothing to move)
+                        index.lease_reads(keys, job.key, work.num_readers, walk.now, top_up=True, refresh=True)
+                    else:
+                        for k in keys:
+                            self.server._lease_for_lookup(job.key, k, work.num_readers, walk.now)
+                walk.chunk = start + chunks
+                walk.hits += chunks
+                if chunks < end - start:
+                    walk.leasing = leasing = False
+        read = walk.read
+        if read is not None and walk.cursor < len(read.keys):
+            return False
+        if leasing:
+            assert job is not None
+            if walk.chunk < len(job.hashes):
+                return False
+        if job is not None and self._live(job, walk.serial) and (read is None or job.read_id == read.read_id):
+            self.complete(job, walk.hits, walk.now, out)
+        return True
 
     def _lease_slice(self, cont: LeaseSlices, out: list[Effect]) -> None:
         job = cont.job
@@ -405,13 +499,17 @@ class JobMachine:
         prefix = job.l1_prefix
         hashes = job.pending().hashes
         if ctx.config.l2_enabled and prefix < len(hashes):
-            started = (self.l2.start_probe(job, now, out) if ctx.config.l2_probe
-                       else self.l2.start_read(job, len(hashes), now, out))
-            if started:
-                work = job.pending()
-                work.l2_deadline = now + ctx.config.l2_read_timeout
-                ctx.timers.push(work.l2_deadline, L2Timeout(key, work.serial))
-                return
+            # what to probe or read is walked a slice per loop turn (server_l2): the first now
+            work = job.pending()
+            walk = self.l2.begin(WalkKind.PROBE if ctx.config.l2_probe else WalkKind.READ, job, now)
+            over = self._walk_slice(walk, out)
+            if over and job.hits is not None:
+                return  # nothing to probe or read: complete already
+            work.l2_deadline = now + ctx.config.l2_read_timeout
+            ctx.timers.push(work.l2_deadline, L2Timeout(key, work.serial))
+            if not over:
+                self.continuing.append(walk)
+            return
         self.complete(job, prefix, now, out)
 
     def _on_query(self, ev: QueryPrefetchStatus, now: float, out: list[Effect]) -> None:
@@ -466,8 +564,9 @@ class JobMachine:
         from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
 
         if type(self.server)._release_for_free_lookup_locks is LookupServer._release_for_free_lookup_locks:
-            # the fixed hook, in one walk of what the request holds (no key per object named)
-            ctx.index.release_chunks(key, hashes[first:last], ckey.world_size, ReleaseReason.FREE, now)
+            # the fixed hook, in walks of what the request holds (no key per object named): a
+            # slice now, the rest a slice per loop turn (l1_index), so the reply does not wait
+            ctx.index.release_chunks_in_slices(key, hashes[first:last], ckey.world_size, ReleaseReason.FREE, now)
         else:
             keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
             self.server._release_for_free_lookup_locks(key, keys, now)
@@ -517,69 +616,40 @@ class JobMachine:
         job = self.jobs.get(key) if key is not None else None
         return job if job is not None and job.serial == serial else None
 
-    def read_finished(self, read: L2Read, now: float, out: list[Effect]) -> None:
-        """The L2 read ``read`` landed (its objects are written or aborted)."""
+    def read_finished(self, read: L2Read, loaded: tuple[bool, ...], now: float, out: list[Effect]) -> None:
+        """The L2 read ``read`` finished (``loaded``: per item): its objects land and its job's
+        extension is leased, a slice per loop turn (``_land_slice``); a read whose job went lands
+        for no one."""
         job = self._job_of(read.request, read.job_serial)
-        if job is None or job.read_id != read.read_id:
-            return
-        self._extend_and_complete(job, now, out)
+        if job is not None and job.read_id != read.read_id:
+            job = None
+        walk = L2Walk(WalkKind.LANDED, job, read.job_serial, now, job.l1_prefix if job is not None else 0,
+                      read=read, present=loaded, hits=job.l1_prefix if job is not None else 0,
+                      leasing=job is not None)
+        if not self._walk_slice(walk, out):
+            self.continuing.append(walk)
 
     def read_expired(self, read: L2Read, now: float, out: list[Effect]) -> None:
         job = self._job_of(read.request, read.job_serial)
         if job is not None and job.read_id == read.read_id:
             self.complete(job, job.l1_prefix, now, out)
 
-    def probe_finished(self, probe: L2Probe, present: set[ObjectKey], now: float,
+    def probe_finished(self, probe: L2Probe, present: tuple[bool, ...], now: float,
                        out: list[Effect]) -> None:
+        """The probe answered (``present``: per probed key): its job's read is walked from its L1
+        prefix over the chunks found whole, a slice per loop turn."""
         job = self._job_of(probe.request, probe.job_serial)
         if job is None or job.probe_id != probe.probe_id:
             return
         job.probe_id = None
-        index = self.ctx.index
-        work = job.pending()
-        upto = work.l1_prefix
-        hashes, ranks = job.hashes, job.rank_range()
-        for i in range(work.l1_prefix, len(hashes)):
-            h = hashes[i]
-            if not all(k in present or index.is_readable(k) for k in [ObjectKey(h, r) for r in ranks]):
-                break
-            upto = i + 1
-        if upto > work.l1_prefix and self.l2.start_read(job, upto, now, out):
-            return
-        self._extend_and_complete(job, now, out)
+        walk = self.l2.begin(WalkKind.READ, job, now, probe, present)
+        if not self._walk_slice(walk, out):
+            self.continuing.append(walk)
 
     def probe_expired(self, probe: L2Probe, now: float, out: list[Effect]) -> None:
         job = self._job_of(probe.request, probe.job_serial)
         if job is not None and job.probe_id == probe.probe_id:
             self.complete(job, job.l1_prefix, now, out)
-
-    def _extend_and_complete(self, job: PrefetchJob, now: float, out: list[Effect]) -> None:
-        """The job's hits: its L1 prefix, extended over the chunks now readable on every rank
-        (contiguously), which it leases (except chunks already freed)."""
-        index = self.ctx.index
-        work = job.pending()
-        key = job.key
-        hits = work.l1_prefix
-        hashes, ranks, freed = job.hashes, job.rank_range(), work.freed_chunks
-        to_lease: list[ObjectKey] = []
-        for i in range(work.l1_prefix, len(hashes)):
-            h = hashes[i]
-            keys = [ObjectKey(h, r) for r in ranks]
-            if not all(map(index.is_readable, keys)):
-                break
-            if work.num_readers > 0 and (freed is None or i not in freed):
-                to_lease += keys
-            hits += 1
-        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
-
-        if type(self.server)._lease_for_lookup is LookupServer._lease_for_lookup:
-            # the fixed hook over the whole extension at once: one expiry entry, not one per object
-            # (a leased object leaves its LRU set, so the hook's touch has nothing to move)
-            index.lease_reads(to_lease, key, work.num_readers, now, top_up=True, refresh=True)
-        else:
-            for k in to_lease:
-                self.server._lease_for_lookup(key, k, work.num_readers, now)
-        self.complete(job, hits, now, out)
 
     # ============================================================================= helpers
 

@@ -5,11 +5,18 @@ An event addresses one piece of L2 work by its id (``read_id``/``probe_id``/``wr
 from one counter so they never collide); its state is ``L2State`` (ABSENT once it completed or
 expired). ``L2_TABLE`` is what ``handle`` runs. A read's or probe's completion hands its job
 the result (core_sm/server_jobs.py). Every effect's slots stay pinned until its completion
-event, even after the server gave up on it at its lease TTL (the runtime may still be copying).
+event, even after the server gave up on it at its lease TTL (the runtime may still be copying);
+a read's slots are pinned as its walk reserves them and unpinned as they land.
+
+A job's L2 step is an ``L2Walk`` over its chunks, ``L2_SLICE_OBJECTS`` objects a loop turn
+(server_jobs runs the slices): what to probe (``walk_probe``), what to read (``walk_read``, then
+``emit_read``), a finished read landing (``land``).
 """
 from __future__ import annotations
 
 import enum
+import itertools
+import operator
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +77,42 @@ class L2Probe:
     keys: tuple[ObjectKey, ...]
 
 
+# Objects one loop turn walks for a job's L2 step (probe, read, landing).
+L2_SLICE_OBJECTS = 1024
+
+
+class WalkKind(enum.Enum):
+    PROBE = "probe"  # gathering the keys to probe
+    READ = "read"  # reserving the slots to read into
+    LANDED = "landed"  # a finished read's objects landing, its job's extension being leased
+
+
+@attrs.define(eq=False)
+class L2Walk:
+    """A job's L2 step walked a slice per loop turn (``JobMachine.continuing``): its chunks
+    from ``chunk`` on, what it gathered (``keys``, ``chunks``), a READ's id and probe answer
+    (``probe_keys``, ``present``, ``cursor`` into them), a LANDED walk's read (``present``: its
+    loaded flags, ``cursor``: the items landed) and hits so far."""
+
+    kind: WalkKind
+    job: PrefetchJob | None  # None: a LANDED read whose job is gone
+    serial: int
+    now: float
+    chunk: int
+    model_name: str = ""
+    world_size: int = 0
+    keys: list[ObjectKey] = attrs.Factory(list)
+    chunks: list[int] = attrs.Factory(list)
+    items: list[tuple[ObjectKey, int]] = attrs.Factory(list)  # READ: (key, slot) reserved
+    read_id: int = 0
+    probe_keys: tuple[ObjectKey, ...] = ()
+    present: Sequence[bool] = ()
+    cursor: int = 0
+    read: L2Read | None = None
+    hits: int = 0
+    leasing: bool = True  # LANDED: the job still takes the extension's leases
+
+
 def _work_id(ev: Any) -> Hashable:
     if isinstance(ev, (L2ReadFinished, L2ReadDeadline)):
         return ev.read_id
@@ -119,66 +162,140 @@ class L2Work:
 
     # ============================================================================= starting work
 
-    def _missing_keys(self, job: PrefetchJob, upto: int) -> list[tuple[int, ObjectKey]]:
-        """(chunk, key) of the objects not readable in chunks [l1_prefix, upto), prefix order."""
-        index, ranks = self.ctx.index, job.rank_range()
-        return [(i, ObjectKey(job.hashes[i], r)) for i in range(job.l1_prefix, upto) for r in ranks
-                if not index.is_readable(ObjectKey(job.hashes[i], r))]
+    def per_turn(self, job: PrefetchJob) -> int:
+        """Chunks one slice of ``job``'s L2 walk covers: ``L2_SLICE_OBJECTS`` objects."""
+        return max(1, L2_SLICE_OBJECTS // max(1, len(job.rank_range())))
 
-    def start_probe(self, job: PrefetchJob, now: float, out: list[Effect]) -> bool:
-        ctx = self.ctx
-        keys = tuple(k for _i, k in self._missing_keys(job, len(job.hashes)))
-        if not keys:
+    def begin(self, kind: WalkKind, job: PrefetchJob, now: float, probe: L2Probe | None = None,
+              present: Sequence[bool] = ()) -> L2Walk:
+        """A walk of ``job``'s chunks after its L1 prefix: what to probe (PROBE), what to read
+        (READ; after a probe, ``probe`` and its answer ``present``)."""
+        work = job.pending()
+        walk = L2Walk(kind, job, work.serial, now, work.l1_prefix, work.model_name, work.world_size)
+        if kind is WalkKind.READ:
+            walk.read_id = self.ctx.new_id()
+            if probe is not None:
+                walk.probe_keys, walk.present = probe.keys, present
+        return walk
+
+    def walk_probe(self, walk: L2Walk, out: list[Effect]) -> bool | None:
+        """One slice of a PROBE walk: gather the keys not readable. At its end, emit the probe:
+        returns whether it started one (None: the walk goes on)."""
+        job = walk.job
+        assert job is not None
+        hashes = job.hashes
+        stop = min(len(hashes), walk.chunk + self.per_turn(job))
+        walk.keys += self.ctx.index.unreadable(hashes[walk.chunk:stop], job.rank_range())
+        walk.chunk = stop
+        if stop < len(hashes):
+            return None
+        if not walk.keys:
             return False
-        probe = L2Probe(ctx.new_id(), job.key, job.pending().serial, keys)
+        ctx = self.ctx
+        keys = tuple(walk.keys)
+        probe = L2Probe(ctx.new_id(), job.key, walk.serial, keys)
         self.probes[probe.probe_id] = probe
         job.probe_id = probe.probe_id
-        ctx.timers.push(now + ctx.config.lease_ttl, L2ProbeDeadline(probe.probe_id))
+        ctx.timers.push(walk.now + ctx.config.lease_ttl, L2ProbeDeadline(probe.probe_id))
         ctx.counters["l2_probes"] += 1
         out.append(ProbeL2(probe.probe_id, keys))
         return True
 
-    def start_read(self, job: PrefetchJob, upto: int, now: float, out: list[Effect]) -> bool:
+    def walk_read(self, walk: L2Walk) -> bool:
+        """One slice of a READ walk: reserve slots for the objects missing after the L1 prefix,
+        prefix order, stopping at a chunk the probe did not find whole (after a probe), at an
+        object another writer holds, or when no slot is left. Returns whether the walk is over
+        (then ``emit_read``). Its slots are pinned as they are reserved."""
         ctx = self.ctx
-        read = self._plan_read(job, upto, now)
-        if read is None:
+        job = walk.job
+        assert job is not None
+        hashes, ranks = job.hashes, job.rank_range()
+        index = ctx.index
+        start = walk.chunk
+        stop = min(len(hashes), start + self.per_turn(job))
+        probed = walk.probe_keys
+        present: set[ObjectKey] | None = None
+        if probed:  # the probe's keys of this slice's chunks: the next ones, in the same order
+            wanted = set(hashes[walk.chunk:stop])
+            first = end = walk.cursor
+            while end < len(probed) and probed[end].chunk_hash in wanted:
+                end += 1
+            walk.cursor = end
+            present = set(itertools.compress(probed[first:end], walk.present[first:end]))
+        over = stop >= len(hashes)
+        keys = index.unreadable(hashes[start:stop], ranks)
+        if present is not None and keys:
+            found = list(map(present.__contains__, keys))
+            if False in found:  # the read ends before the first chunk the probe did not find whole
+                cut = found.index(False)
+                h = keys[cut].chunk_hash
+                while cut > 0 and keys[cut - 1].chunk_hash == h:
+                    cut -= 1
+                del keys[cut:]
+                over = True
+        walk.chunk = stop
+        if not keys:
+            return over
+        owner = L2ReadOwner(walk.read_id)
+        nbytes = self.instances.object_bytes_for(job.model_name, job.world_size)
+        slots = index.reserve_writes(keys, owner, nbytes, walk.now)
+        if None in slots:  # stop at the first refused: what was reserved past it goes again
+            cut = slots.index(None)
+            index.abort_writes(keys[cut + 1:], owner, walk.now)
+            del keys[cut:], slots[cut:]
+            over = True
+        reserved: list[int] = slots  # type: ignore[assignment]  # no None left
+        index.pin_slots(reserved)
+        ctx.pins[owner] = ctx.pins.get(owner, ()) + tuple(reserved)
+        chunk_of = {h: i for i, h in enumerate(hashes[start:stop], start)}
+        walk.chunks += map(chunk_of.__getitem__, map(operator.itemgetter(0), keys))
+        walk.keys += keys
+        walk.items += zip(keys, reserved)  # the effect's items, made a slice at a time
+        return over
+
+    def emit_read(self, walk: L2Walk, live: bool, out: list[Effect]) -> bool:
+        """The READ walk is over (or its job went, ``live`` False: its loads land for no one):
+        start the read of what it reserved. Returns whether there was anything to read."""
+        if not walk.keys:
             return False
-        job.read_id = read.read_id
+        ctx = self.ctx
+        job = walk.job
+        assert job is not None
+        read = L2Read(walk.read_id, job.key if live else None, walk.serial, tuple(walk.chunks), tuple(walk.keys))
+        if live:
+            job.read_id = read.read_id
         self.reads[read.read_id] = read
-        ctx.timers.push(now + ctx.config.lease_ttl, L2ReadDeadline(read.read_id))
+        ctx.timers.push(walk.now + ctx.config.lease_ttl, L2ReadDeadline(read.read_id))
         ctx.counters["l2_reads"] += 1
-        slots = tuple(ctx.index.slot_of(k) for k in read.keys)
-        assert all(slot is not None for slot in slots)
-        ctx.pin(L2ReadOwner(read.read_id), [slot for slot in slots if slot is not None])
-        object_bytes = self.instances.registered_object_bytes(job.model_name, job.world_size)
-        out.append(ReadL2(read.read_id, tuple(zip(read.keys, slots)), object_bytes))
+        object_bytes = self.instances.registered_object_bytes(walk.model_name, walk.world_size)
+        out.append(ReadL2(read.read_id, tuple(walk.items), object_bytes))
+        walk.keys, walk.chunks, walk.items = [], [], []
         return True
 
-    def _plan_read(self, job: PrefetchJob, upto: int, now: float) -> L2Read | None:
-        """Reserve slots for the objects missing after the L1 prefix, prefix order, stopping at
-        an object another writer holds or when no slot is left."""
+    def land(self, walk: L2Walk) -> int:
+        """One slice of a LANDED walk: finish the loaded objects of the next ``L2_SLICE_OBJECTS``
+        items of the read (abort the others) and unpin their slots. Returns the first chunk not
+        landed yet (past the last chunk once every item landed)."""
+        read = walk.read
+        assert read is not None
         ctx = self.ctx
-        read_id = ctx.new_id()
-        owner = L2ReadOwner(read_id)
-        nbytes = self.instances.object_bytes_for(job.model_name, job.world_size)
-        keys: list[ObjectKey] = []
-        chunks: list[int] = []
-        stop = False
-        for i in range(job.l1_prefix, upto):
-            for r in job.rank_range():
-                k = ObjectKey(job.hashes[i], r)
-                if ctx.index.is_readable(k):
-                    continue
-                if ctx.index.reserve_write(k, owner, nbytes, now) is None:
-                    stop = True
-                    break
-                keys.append(k)
-                chunks.append(i)
-            if stop:
-                break
-        if not keys:
-            return None
-        return L2Read(read_id, job.key, job.pending().serial, tuple(chunks), tuple(keys))
+        owner = L2ReadOwner(read.read_id)
+        first, n = walk.cursor, len(read.keys)
+        end = min(n, first + L2_SLICE_OBJECTS)
+        if end > first:
+            keys, loaded = read.keys[first:end], walk.present[first:end]
+            ctx.index.finish_writes(itertools.compress(keys, loaded), owner, walk.now)
+            if not all(loaded):
+                ctx.index.abort_writes([k for k, ok in zip(keys, loaded) if not ok], owner, walk.now)
+            pinned = ctx.pins.get(owner)
+            if pinned is not None:  # a late duplicate of the completion may have unpinned them
+                ctx.index.unpin_slots(pinned[:end - first])
+                if len(pinned) > end - first:
+                    ctx.pins[owner] = pinned[end - first:]
+                else:
+                    del ctx.pins[owner]
+            walk.cursor = end
+        return read.chunk_of_item[end] if end < n else 1 << 62
 
     def write_behind(self, keys: Sequence[ObjectKey], object_bytes: int, now: float,
                      out: list[Effect], chunks: tuple[int, Sequence[StoredChunk]] | None = None) -> None:
@@ -187,12 +304,7 @@ class L2Work:
         ctx = self.ctx
         wid = ctx.new_id()
         owner = L2WriteOwner(wid)
-        items = []
-        for k in keys:
-            if ctx.index.lease_read(k, owner, 1, now):
-                slot = ctx.index.slot_of(k)
-                assert slot is not None
-                items.append((k, slot))
+        items = ctx.index.lease_slots(keys, owner, now)
         if not items:
             return
         self.writes[wid] = tuple(k for k, _ in items)
@@ -206,16 +318,11 @@ class L2Work:
     # ============================================================================= completions
 
     def _on_read_finished(self, ev: L2ReadFinished, now: float, out: list[Effect]) -> None:
-        ctx = self.ctx
+        # its objects land (and its job's leases are taken) a slice per loop turn (server_jobs)
         read = self.reads.pop(ev.read_id)
-        owner = L2ReadOwner(read.read_id)
-        for i, k in enumerate(read.keys):
-            if i < len(ev.loaded) and ev.loaded[i]:
-                ctx.index.finish_write(k, owner, now)
-            else:
-                ctx.index.abort_write(k, owner, now)
-        ctx.unpin(owner)
-        self.jobs.read_finished(read, now, out)
+        n = len(read.keys)
+        loaded = tuple(map(bool, itertools.islice(ev.loaded, n)))  # what the answer leaves out: not loaded
+        self.jobs.read_finished(read, loaded + (False,) * (n - len(loaded)), now, out)
 
     def _on_stale_read(self, ev: L2ReadFinished, now: float, out: list[Effect]) -> None:
         self.ctx.counters["stale_events"] += 1
@@ -223,8 +330,9 @@ class L2Work:
 
     def _on_probe_finished(self, ev: L2ProbeFinished, now: float, out: list[Effect]) -> None:
         probe = self.probes.pop(ev.probe_id)
-        present = {k for i, k in enumerate(probe.keys) if i < len(ev.present) and ev.present[i]}
-        self.jobs.probe_finished(probe, present, now, out)
+        n = len(probe.keys)
+        present = tuple(map(bool, itertools.islice(ev.present, n)))
+        self.jobs.probe_finished(probe, present + (False,) * (n - len(present)), now, out)
 
     def _on_stale(self, ev: L2ProbeFinished, now: float, out: list[Effect]) -> None:
         self.ctx.counters["stale_events"] += 1
@@ -232,8 +340,7 @@ class L2Work:
     def _on_write_finished(self, ev: L2WriteFinished, now: float, out: list[Effect]) -> None:
         keys = self.writes.pop(ev.write_id)
         owner = L2WriteOwner(ev.write_id)
-        for k in keys:
-            self.ctx.index.release_read(k, owner, None, ReleaseReason.L2_WRITE, now)
+        self.ctx.index.release_owner(owner, ReleaseReason.L2_WRITE, now)  # it leased exactly its keys
         self.ctx.unpin(owner)
         reported = self.write_chunks.pop(ev.write_id, None)
         if self.ctx.held is not None and reported is not None and ev.ok:
@@ -250,8 +357,7 @@ class L2Work:
         them already) and a job still waiting on it resolves with its L1 prefix."""
         read = self.reads.pop(timer.read_id)
         self.ctx.counters["l2_reads_expired"] += 1
-        for k in read.keys:
-            self.ctx.index.abort_write(k, L2ReadOwner(read.read_id), now)
+        self.ctx.index.abort_writes(read.keys, L2ReadOwner(read.read_id), now)
         self.jobs.read_expired(read, now, out)
 
     def _on_probe_deadline(self, timer: L2ProbeDeadline, now: float, out: list[Effect]) -> None:
@@ -263,8 +369,8 @@ class L2Work:
         self.ctx.counters["l2_writes_expired"] += 1
         owner = L2WriteOwner(timer.write_id)
         self.write_chunks.pop(timer.write_id, None)
-        for k in self.writes.pop(timer.write_id):
-            self.ctx.index.release_read(k, owner, None, ReleaseReason.L2_WRITE, now)
+        del self.writes[timer.write_id]
+        self.ctx.index.release_owner(owner, ReleaseReason.L2_WRITE, now)  # it leased exactly its keys
 
     def check_invariants(self) -> None:
         for owner in self.ctx.index.leases_by_owner():

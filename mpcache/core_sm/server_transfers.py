@@ -17,12 +17,21 @@ its share that needs a slot evicts its own least recently used objects first, an
 object of an instance within its share (mpcache.core_sm.l1_quota). An uncommitted plan
 lives ``min(plan_ttl, lease_ttl)``; a ``not_after`` is held to at most ``now +
 max_not_after_ahead`` (the copy's deadline and how long its answer is kept for duplicates).
+
+A store's chunks are reserved as one batch of the L1 index. A store into a full L1 evicts an
+object per chunk, ~5 us each: it makes at most ``STORE_EVICTION_SLICE`` evictions per loop turn
+and reserves the rest on the turns after (``reserving``; ``LookupServer.handle`` and
+``run_deferred`` run a slice each, ``next_deadline`` is due while one is left), then answers or
+starts its copy. Meanwhile it counts as its instance's transfer, with its reservations; its
+objects are WRITING (another store of them skips them, a lookup stops before them); if its
+instance goes (or registers anew) between turns, what it reserved goes and it is refused
+``NOT_REGISTERED``.
 """
 from __future__ import annotations
 
 import enum
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +47,7 @@ from mpcache.core_sm.messages import (
     Placement,
     PrepareRetrieve,
     PrepareStore,
+    RegisterInstance,
     ReplyTo,
     Retrieve,
     RetrieveResult,
@@ -108,6 +118,30 @@ class Transfer:
     world_size: int = 1
 
 
+# Evictions one loop turn of a store makes (module doc): past them its chunks wait for the next turn.
+STORE_EVICTION_SLICE = 256
+
+
+@attrs.define(eq=False)
+class StoreSlices:
+    """A store whose chunks are being reserved, a slice per loop turn: the request, its
+    instance's registration then, its keys and how far it got (``offset``), what it reserved."""
+
+    ev: Store | PrepareStore
+    now: float
+    inst: RegisterInstance
+    registration: int | None
+    keys: tuple[ObjectKey, ...]
+    transfer_id: int
+    room: int
+    tenant: Hashable
+    offset: int = 0
+    placements: list[Placement] = attrs.Factory(list)
+    reserved: list[ObjectKey] = attrs.Factory(list)
+    skipped: int = 0
+    awaited: dict[int, None] = attrs.Factory(dict)  # running server-driven stores writing its chunks
+
+
 @attrs.define
 class StoreWait:
     """The reply of a STORE some of whose chunks other in-flight server-driven stores are
@@ -148,6 +182,8 @@ class TransferMachine:
         self.ops_done: OrderedDict[OpIdent, tuple[bool, object, float]] = OrderedDict()
         self.ops_running: dict[OpIdent, tuple[ReplyTo, list[ReplyTo], float]] = {}
         self.op_of_reply: dict[ReplyTo, OpIdent] = {}
+        # stores whose chunks are reserved a slice per loop turn (module doc), oldest first
+        self.reserving: deque[StoreSlices] = deque()
         self.dispatch = TRANSFER_TABLE.bind(self, _transfer_id, self.state, ctx.counters, ctx.reply_error)
 
     def state(self, transfer_id: Hashable) -> TransferState:
@@ -173,7 +209,6 @@ class TransferMachine:
     def _store(self, ev: Any, now: float, out: list[Effect]) -> None:
         assert isinstance(ev, (Store, PrepareStore))
         ctx = self.ctx
-        engine_driven = isinstance(ev, PrepareStore)
         inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, 0, now, ev.peer)
         if inst is None or isinstance(keys_or_err, ProtocolError):
             assert isinstance(keys_or_err, ProtocolError)
@@ -183,32 +218,66 @@ class TransferMachine:
             return
         tid = self._new_transfer_id()
         room = self.instances.slot_quota(ev.instance_id) - self.reserved_of.get(ev.instance_id, 0)
-        owner = TransferOwner(tid)
+        store = StoreSlices(ev, now, inst, self.instances.registration_id(ev.instance_id), keys_or_err, tid,
+                            room, self.instances.tenant_of(ev.instance_id))
+        # counted as the instance's transfer, and its reservations as its own, from now on
+        self.per_instance[ev.instance_id] = self.per_instance.get(ev.instance_id, 0) + 1
+        if self._reserve_slice(store):
+            self._store_reserved(store, out)
+        else:
+            self.reserving.append(store)
+
+    def _reserve_slice(self, store: StoreSlices) -> bool:
+        """Reserve the store's chunks from where it stopped, making at most
+        ``STORE_EVICTION_SLICE`` evictions; returns whether every chunk has been looked at."""
+        ctx, ev = self.ctx, store.ev
+        engine_driven = isinstance(ev, PrepareStore)
+        owner = TransferOwner(store.transfer_id)
+        keys, start = store.keys, store.offset
         first = ev.key.start // ctx.config.chunk_size
-        placements: list[Placement] = []
-        reserved: list[ObjectKey] = []
-        skipped = 0
-        awaited: dict[int, None] = {}  # running server-driven stores writing chunks of this one
+        placements, reserved, awaited, room = store.placements, store.reserved, store.awaited, store.room
         refusing = False  # admission refused a chunk: the ones after it are no prefix's hit either
-        for offset, k in enumerate(keys_or_err):
-            if ctx.admission is not None and ctx.index.state(k) is ObjectState.ABSENT and (
+        nbytes = store.inst.object_bytes
+        # Without admission, the chunks are reserved in one batch up to the room left (one expiry
+        # step and entry), stopping before an eviction past the slice's; the chunks past the
+        # room are looked at one by one below.
+        tried: list[int | None] = []
+        evicted = False  # the slice stopped before an eviction past its own
+        if ctx.admission is None:
+            rest = keys[start:] if start else keys
+            limit = max(0, room - len(reserved))
+            tried = ctx.index.reserve_writes(rest, owner, nbytes, store.now, store.tenant, limit,
+                                             STORE_EVICTION_SLICE)
+            evicted = len(tried) < len(rest) and len(tried) - tried.count(None) < limit
+        n_reserved = len(reserved)
+        stop = start + len(tried) if evicted else len(keys)
+        if tried and None not in tried:  # every chunk tried got a slot: no per-chunk branch
+            end = start + len(tried)
+            placements += zip(range(first + start, first + end), tried)  # type: ignore[arg-type]
+            reserved += keys[start:end]
+            start = end
+        for offset in range(start, stop):
+            k = keys[offset]
+            if offset - store.offset < len(tried):
+                slot = tried[offset - store.offset]
+            elif ctx.admission is not None and ctx.index.state(k) is ObjectState.ABSENT and (
                     refusing or not ctx.admission.admits(k.chunk_hash)):
                 # Not looked up often enough yet: its slot stays with what is reused.
                 refusing = True
-                skipped += 1
+                store.skipped += 1
                 ctx.counters["stores_not_admitted"] += 1
                 continue
-            if len(reserved) >= room:
+            elif len(reserved) >= room:
                 if ctx.index.is_readable(k) or ctx.index.writer_of(k) is not None:
                     slot = None  # present or being written: skipped as always
                 else:
                     ctx.counters["quota_skips"] += 1
-                    skipped += 1
+                    store.skipped += 1
                     continue
             else:
-                slot = ctx.index.reserve_write(k, owner, inst.object_bytes, now, self.instances.tenant_of(ev.instance_id))
+                slot = ctx.index.reserve_write(k, owner, nbytes, store.now, store.tenant)
             if slot is None:
-                skipped += 1
+                store.skipped += 1
                 writer = ctx.index.writer_of(k)
                 if not engine_driven and isinstance(writer, TransferOwner):
                     other = self.transfers.get(writer.transfer_id)
@@ -217,33 +286,90 @@ class TransferMachine:
             else:
                 placements.append((first + offset, slot))
                 reserved.append(k)
+        store.offset = stop
+        if len(reserved) > n_reserved:
+            iid = ev.instance_id
+            self.reserved_of[iid] = self.reserved_of.get(iid, 0) + len(reserved) - n_reserved
+        return stop == len(keys)
+
+    def run_reserving(self, out: list[Effect]) -> None:
+        """One slice of the oldest store reserving in slices (module doc)."""
+        if not self.reserving:
+            return
+        store = self.reserving.popleft()
+        ev = store.ev
+        if self.instances.registration_id(ev.instance_id) != store.registration:
+            # its instance went (or registered anew) meanwhile: nothing is copied
+            self.ctx.index.abort_writes(store.reserved, TransferOwner(store.transfer_id), store.now)
+            self._uncount(store)
+            self.ctx.error(out, ev.reply_to, ErrorKind.NOT_REGISTERED,
+                           f"instance {ev.instance_id!r} went while its store was being reserved")
+            return
+        try:
+            done = self._reserve_slice(store)
+        except Exception as exc:  # a fault of the server: the store must still be answered
+            self.ctx.index.abort_writes(store.reserved, TransferOwner(store.transfer_id), store.now)
+            self._uncount(store)
+            self.ctx.counters["internal_errors"] += 1
+            self.ctx.error(out, ev.reply_to, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
+        if done:
+            self._store_reserved(store, out)
+        else:
+            self.reserving.append(store)
+
+    def next_reserving(self) -> float | None:
+        """When the oldest store reserving in slices has its next slice due (its own time)."""
+        return self.reserving[0].now if self.reserving else None
+
+    def _uncount(self, store: StoreSlices) -> None:
+        iid = store.ev.instance_id
+        n = self.per_instance[iid] - 1
+        if n:
+            self.per_instance[iid] = n
+        else:
+            del self.per_instance[iid]
+        if store.reserved:
+            r = self.reserved_of[iid] - len(store.reserved)
+            if r:
+                self.reserved_of[iid] = r
+            else:
+                del self.reserved_of[iid]
+
+    def _store_reserved(self, store: StoreSlices, out: list[Effect]) -> None:
+        """Every chunk of the store was looked at: answer it, or begin its copy or plan."""
+        ctx, ev, now = self.ctx, store.ev, store.now
+        engine_driven = isinstance(ev, PrepareStore)
+        tid, placements, reserved, skipped = store.transfer_id, store.placements, store.reserved, store.skipped
         wait: StoreWait | None = None
-        if awaited:
+        if store.awaited:
             # A duplicate (or a concurrent store of the same chunks): answering before those
             # writes end would let the worker free blocks an in-flight copy may still read.
             ctx.counters["stores_awaiting_writers"] += 1
-            wait = StoreWait(ctx.new_id(), ev.reply_to, set(awaited), skipped=skipped)
+            wait = StoreWait(ctx.new_id(), ev.reply_to, set(store.awaited), skipped=skipped)
             self.store_waits[wait.wait_id] = wait
-            for other_tid in awaited:
+            for other_tid in store.awaited:
                 self.waits_on.setdefault(other_tid, []).append(wait.wait_id)
         if not engine_driven and not placements:
+            self._uncount(store)
             if wait is None:
                 out.append(Reply(ev.reply_to, StoreResult(True, 0, skipped)))
             return
+        first = ev.key.start // ctx.config.chunk_size
         t = Transfer(
             tid, TransferKind.STORE, engine_driven, ev.key.request_id, ev.reply_to,
             tuple(reserved), tuple(placements), skipped, self._deadline(engine_driven, now),
-            inst.object_bytes, ev.instance_id, ev.peer,
+            store.inst.object_bytes, ev.instance_id, ev.peer,
         )
         if ctx.held is not None and reserved:
             C = ctx.config.chunk_size
             hashes, _err = ctx.hashes(ev.key, ev.key.end // C)
-            t.chunks = HeldChunks.describe(ev.key, hashes, C, first, len(keys_or_err))
+            t.chunks = HeldChunks.describe(ev.key, hashes, C, first, len(store.keys))
             t.world_size = ev.key.world_size
         if wait is not None:
             t.wait_id = wait.wait_id
             wait.awaiting.add(tid)
-        self._begin(t, ev, now, out)
+        self._begin(t, ev, now, out, counted=True)
 
     def _retrieve(self, ev: Any, now: float, out: list[Effect]) -> None:
         assert isinstance(ev, (Retrieve, PrepareRetrieve))
@@ -272,13 +398,10 @@ class TransferMachine:
         tid = self._new_transfer_id()
         owner = TransferOwner(tid)
         first = ev.key.start // ctx.config.chunk_size
-        placements: list[Placement] = []
-        for offset, k in enumerate(keys):
-            ctx.index.lease_read(k, owner, 1, now)
-            ctx.index.touch(k)
-            slot = ctx.index.slot_of(k)
-            assert slot is not None
-            placements.append((first + offset, slot))
+        # one read count each, in one batch (a leased object is in no LRU set: nothing to touch)
+        leased = ctx.index.lease_slots(keys, owner, now)
+        assert len(leased) == len(keys)
+        placements: list[Placement] = [(first + offset, slot) for offset, (_k, slot) in enumerate(leased)]
         t = Transfer(
             tid, TransferKind.RETRIEVE, engine_driven, ev.key.request_id, ev.reply_to,
             tuple(keys), tuple(placements), 0, self._deadline(engine_driven, now), inst.object_bytes,
@@ -442,12 +565,15 @@ class TransferMachine:
                     extra.append(attrs.evolve(e, reply_to=reply_to))
         out.extend(extra)
 
-    def _begin(self, t: Transfer, ev: TransferRequest, now: float, out: list[Effect]) -> None:
+    def _begin(self, t: Transfer, ev: TransferRequest, now: float, out: list[Effect], counted: bool = False) -> None:
+        """Start the transfer (``counted``: a store, counted in ``per_instance`` and
+        ``reserved_of`` while it reserved)."""
         ctx = self.ctx
         self.transfers[t.transfer_id] = t
-        self.per_instance[t.instance_id] = self.per_instance.get(t.instance_id, 0) + 1
-        if t.kind is TransferKind.STORE and t.keys:
-            self.reserved_of[t.instance_id] = self.reserved_of.get(t.instance_id, 0) + len(t.keys)
+        if not counted:
+            self.per_instance[t.instance_id] = self.per_instance.get(t.instance_id, 0) + 1
+            if t.kind is TransferKind.STORE and t.keys:
+                self.reserved_of[t.instance_id] = self.reserved_of.get(t.instance_id, 0) + len(t.keys)
         ctx.counters["transfers_started"] += 1
         skip = getattr(ev, "skip_first_n_tokens", 0)
         assert t.deadline is not None
@@ -534,12 +660,10 @@ class TransferMachine:
             ctx.counters["transfers_failed"] += 1
         if t.kind is TransferKind.STORE:
             stored: list[ObjectKey] = []
-            for k in t.keys:
-                if ok:
-                    if ctx.index.finish_write(k, owner, now):
-                        stored.append(k)
-                else:
-                    ctx.index.abort_write(k, owner, now)
+            if ok:
+                stored = ctx.index.finish_writes(t.keys, owner, now)
+            else:
+                ctx.index.abort_writes(t.keys, owner, now)
             result: object = StoreResult(ok and len(stored) == len(t.keys), len(stored),
                                          t.skipped + len(t.keys) - len(stored))
             if ctx.held is not None and stored:
@@ -556,8 +680,8 @@ class TransferMachine:
                 self._end_awaited(t.wait_id, t.transfer_id, result.ok, result, out)
                 return
         else:
-            for k in t.keys:
-                ctx.index.release_read(k, owner, None, ReleaseReason.TRANSFER, now)
+            # the copy's holder leased exactly its keys: releasing the holder releases them
+            ctx.index.release_owner(owner, ReleaseReason.TRANSFER, now)
             if ok:
                 self.server._release_after_retrieve(RequestKey(t.peer, t.request_id), t.keys, now)
             result = RetrieveResult(ok, len(t.keys))
@@ -595,6 +719,11 @@ class TransferMachine:
             assert TransferOwner(tid) in self.ctx.pins and tid not in self.transfers
         live: dict[int, int] = {}
         reserved: dict[int, int] = {}
+        for store in self.reserving:  # stores reserving in slices count as their instance's
+            iid = store.ev.instance_id
+            live[iid] = live.get(iid, 0) + 1
+            if store.reserved:
+                reserved[iid] = reserved.get(iid, 0) + len(store.reserved)
         for t in self.transfers.values():
             live[t.instance_id] = live.get(t.instance_id, 0) + 1
             if t.kind is TransferKind.STORE and t.keys:
