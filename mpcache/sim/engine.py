@@ -19,7 +19,15 @@ Per request, in vLLM's call order (reference/vllm_connector.md)::
 
 Aborts (before allocation, while loading, while computing) and preemption (blocks freed,
 recompute from scratch) follow the same calls vLLM makes. Worker memory is a dict of block id ->
-value, so every copy is checked end to end: a value is a function of (chunk hash, rank, block).
+value, so every copy is checked end to end: a value is a function of (chunk hash, rank, block,
+KV-cache group).
+
+Several KV-cache groups (``WorldConfig.kv_groups``, ``sim/groups.py``): the planner runs with
+them (and ``cpu_engine``), each group has its own block table in the scheduler model, and a
+worker copies each group's blocks of an op (``kv_groups.split_group_blocks``) into or out of
+its part of the chunk's object, a retrieve skipping a window's blocks before
+``kv_groups.group_retrieve_skip`` as production's worker does. A load failed by request id
+(``failed_retrieves``: vLLM cannot map block ids of several groups) recomputes the request.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, Connected, HealthMonitor, resend_of
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.kv_groups import group_retrieve_skip, several, split_group_blocks
 from mpcache.core_sm.lookup_client import LookupState
 from mpcache.core_sm.server_core import RequestKey
 from mpcache.core_sm.server_link import (
@@ -81,16 +90,17 @@ from mpcache.core_sm.planner import (
 )
 from mpcache.runtime_trio import Address, Node
 from mpcache.sim import checks
-from mpcache.sim.groups import group_resume_point, partial_restore
+from mpcache.sim.groups import partial_restore, unrestorable_hit
 from mpcache.sim.ports import RequestMsg, WorldPort
 from mpcache.sim.scenario import RequestSpec, sched_name, server_name, worker_name
-from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
+from mpcache.sim.vllm_scheduler import NULL_BLOCK, Admission, QueuedRequest, SchedulerModel
 
 MODEL = "sim-model"
 SCHEDULER_CALLS = (MatchRequest, BlocksAllocated, StepScheduled, RequestFinished)
 RUNNING = ("loading", "computing", "decoding")  # requests that count against max_running
 SYNC = -1  # SimEngine.paused_at: the step's forward waits for its synchronous loads
 LOOKUP = "lookup"
+GROUP_SHIFT = 62  # a block value's KV-cache group: value + (group << GROUP_SHIFT)
 
 
 def tc_name(server: int) -> str:
@@ -234,27 +244,45 @@ class SimWorker:
         blocks with core_sm's ``chunk_copies`` (as the production copiers do). False: the plan
         does not match its blocks (production logs it and reports the copy failed)."""
         engine = self.engine
+        groups = engine.groups
         try:
-            copies = chunk_copies(kind, start, end, placements, block_ids, skip, engine.C, engine.bs)
+            # one part per KV-cache group, group after group in the op and in the object
+            parts = split_group_blocks(block_ids, len(groups)) if several(groups) else (block_ids,)
+            part_copies = []
+            for g, blocks in enumerate(parts):
+                part_skip = skip
+                if several(groups) and kind is TransferKind.RETRIEVE:
+                    # a window's blocks before its first live one are vLLM's null block
+                    part_skip = group_retrieve_skip(groups[g], start, end, skip)
+                part_copies.append(chunk_copies(kind, start, end, placements, blocks, part_skip, engine.C, engine.bs))
         except ValueError:
             return False
+        if kind is TransferKind.RETRIEVE and engine.world.profile.retrieve_first_group_only:
+            part_copies = part_copies[:1]
+        if several(groups):  # the blocks copied: a window's null blocks are not the request's
+            block_ids = tuple(b for copies in part_copies for copy in copies
+                              for b in copy.block_ids[copy.skip_blocks if kind is TransferKind.RETRIEVE else 0:])
         engine.check_blocks(self, rid, block_ids, kind is TransferKind.RETRIEVE, what)
         req = engine.requests.get(rid)
         for chunk, slot in placements:
             if req is not None and chunk < len(req.hashes):
                 engine.world.check_slot_target(host, slot, ObjectKey(req.hashes[chunk], self.rank), what)
-        for copy in copies:
-            if kind is TransferKind.STORE:
-                host.slots[copy.slot] = tuple(self.blocks.get(b, -1) for b in copy.block_ids)
-                engine.world.note_written(rid, copy.chunk, self.rank)
-            else:
-                data = host.slots.get(copy.slot)
-                for j in range(copy.skip_blocks, len(copy.block_ids)):
-                    self.blocks[copy.block_ids[j]] = data[j] if data is not None else -3
-        groups = engine.world.groups
-        if groups is not None and kind is TransferKind.STORE and self.rank == 0 and req is not None and copies:
-            # the other KV-cache groups' copies of the same chunks (sim/groups.py)
-            groups.stored(host, req.hashes, sorted({copy.chunk for copy in copies}), req.vllm_hit + req.external)
+        per_part = engine.C // engine.bs
+        if kind is TransferKind.STORE:
+            stored: dict[int, list[int]] = {}
+            for copies in part_copies:
+                for copy in copies:
+                    stored.setdefault(copy.slot, []).extend(self.blocks.get(b, -1) for b in copy.block_ids)
+            for copies in part_copies[:1]:
+                for copy in copies:
+                    host.slots[copy.slot] = tuple(stored[copy.slot])
+                    engine.world.note_written(rid, copy.chunk, self.rank)
+        else:
+            for g, copies in enumerate(part_copies):
+                for copy in copies:
+                    data = host.slots.get(copy.slot)
+                    for j in range(copy.skip_blocks, len(copy.block_ids)):
+                        self.blocks[copy.block_ids[j]] = data[g * per_part + j] if data is not None else -3
         return True
 
 
@@ -270,7 +298,11 @@ class SimEngine:
         self.num_servers = cfg.num_servers
         self.sched: Node | None = None
         self.workers = [SimWorker(self, r) for r in range(cfg.tp)]
-        self.model = SchedulerModel(_PlannerCalls(self), cfg.block_size, cfg.blocks_per_worker, cfg.max_running)
+        self.groups = cfg.kv_groups
+        # vLLM sizes its pool by the memory every group's layers take: a block per group
+        self.model = SchedulerModel(_PlannerCalls(self), cfg.block_size,
+                                    cfg.blocks_per_worker * max(1, len(self.groups)) + several(self.groups),
+                                    cfg.max_running, self.groups)
         self.requests: dict[str, SimRequest] = {}
         self.order: list[SimRequest] = []
         self.crashed = False
@@ -727,11 +759,8 @@ class SimEngine:
             req.lm_hit = tracker.hit_tokens
         if admitted is Admission.NO_BLOCKS:
             return  # vLLM keeps the request waiting and asks again next step
-        blocks = req.queued.blocks
         req.vllm_hit, req.external = req.queued.engine_hit, req.queued.external
-        for w in self.workers:
-            for i in range(req.vllm_hit // self.bs):
-                w.blocks[blocks[i]] = self.expected_block(req, w.rank, i)
+        self._compute_blocks(req, 0, req.vllm_hit // self.bs)
         if not req.preempted:  # a resumed request's leases were accounted at its first allocation
             self._check_leases_accounted(req)
         if admitted is Admission.LOADING or admitted is Admission.SYNC_LOAD:
@@ -893,11 +922,15 @@ class SimEngine:
             if w.node is None or not w.alive:
                 continue
             errors_all: set[int] = set()
+            failed: set[str] = set()
             for s in range(self.num_servers):
                 tc = w.node.machines[tc_name(s)]
                 sending, recving = tc.finished()
                 errors = tc.load_errors()
-                errors_all |= errors
+                if several(self.groups):
+                    failed |= tc.failed_retrieves()  # vLLM takes them by request id (block ids are per group)
+                else:
+                    errors_all |= errors
                 for rid in sorted(recving):
                     seen = self.reported.setdefault((w.rank, s, "recving"), set())
                     req = self.requests.get(rid)
@@ -924,6 +957,8 @@ class SimEngine:
                         self._ensure_step()  # waiting requests may fit now
             if errors_all:
                 self._recompute_errors(w, errors_all)
+            for rid in sorted(failed):
+                self._recompute_failed(rid)
         for req in self.order:
             if req.state == "loading" and not req.loads_pending:
                 self._verify_load(req)
@@ -943,8 +978,33 @@ class SimEngine:
                     req.load_errors.add((worker.rank, req.blocks[i]))
                     worker.blocks[req.blocks[i]] = self.expected_block(req, worker.rank, i)
 
+    def _recompute_failed(self, rid: str) -> None:
+        """A load failed by request id (several KV-cache groups): vLLM recomputes the request
+        past its prefix-cache hit, in every group."""
+        req = self.requests.get(rid)
+        if req is None or req.blocks is None or req.state != "loading":
+            return
+        kept = self.model.recompute_failed_load(req.queued)
+        for table in self.model.tables(req.queued):
+            for i in range(kept // self.bs, len(table)):
+                for worker in self.workers:
+                    req.load_errors.add((worker.rank, table[i]))
+        self._compute_blocks(req, kept // self.bs, len(req.blocks))
+
+    def _compute_blocks(self, req: SimRequest, first: int, last: int) -> None:
+        """The engine computes blocks ``[first, last)`` of ``req`` (its prefix cache, a forward,
+        a recompute): every group's block there holds that group's right value."""
+        for g, table in enumerate(self.model.tables(req.queued)):
+            for i in range(first, min(last, len(table))):
+                if g and table[i] == NULL_BLOCK:
+                    continue
+                for w in self.workers:
+                    w.blocks[table[i]] = self.expected_block(req, w.rank, i, g)
+
     def _verify_load(self, req: SimRequest) -> None:
-        """F10: every block the load claimed to write holds exactly what was stored for it."""
+        """F10: every block the load claimed to write holds exactly what was stored for it;
+        F24 (several KV-cache groups): every block vLLM reads for the resumed prefix in the other
+        groups holds that group's data."""
         op = req.retrieve
         assert req.blocks is not None and op is not None
         first = (op.start + op.skip_first_n_tokens) // self.bs
@@ -960,6 +1020,22 @@ class SimEngine:
                     self.world.violation(
                         "F10", w.name, f"{req.rid}: block {i} (id {b}) after a load reported good holds "
                         f"{got} instead of {want}: vLLM would decode over wrong KV")
+        if not several(self.groups):
+            return
+        tables = self.model.tables(req.queued)
+        for w in self.workers:
+
+            def wrong(g: int, i: int, w: SimWorker = w) -> str | None:
+                b = tables[g][i]
+                if (w.rank, b) in req.load_errors:
+                    return None
+                want, got = self.expected_block(req, w.rank, i, g), w.blocks.get(b)
+                return None if got == want else f"{got} instead of {want} (rank {w.rank})"
+
+            finding = partial_restore(req.rid, self.groups, tables, req.queued.computed, self.C, self.bs, NULL_BLOCK,
+                                      wrong)
+            if finding is not None:
+                self.world.violation(finding[0], w.name, finding[1])
 
     def _compute_and_store(self, req: SimRequest) -> None:
         assert req.blocks is not None
@@ -970,9 +1046,7 @@ class SimEngine:
             req.state = "waiting"
             self._ensure_step()
             return
-        for w in self.workers:
-            for i in range(len(req.blocks)):
-                w.blocks[req.blocks[i]] = self.expected_block(req, w.rank, i)
+        self._compute_blocks(req, 0, len(req.blocks))
         # The whole prefill is one scheduled step (the engine's prefix cache and the load gave
         # the rest); the plan's stores leave for the workers at the end of the step.
         self.model.schedule_prefill(req.queued)
@@ -1028,13 +1102,13 @@ class SimEngine:
             self._finish(req, "aborted")
 
     # =========================================================================== data
-    def expected_block(self, req: SimRequest, rank: int, block_index: int) -> int:
+    def expected_block(self, req: SimRequest, rank: int, block_index: int, group: int = 0) -> int:
         token = block_index * self.bs
         chunk = token // self.C
         if chunk >= len(req.hashes):
-            return -2  # the partial tail chunk: never stored or loaded
+            return -2 - group  # the partial tail chunk: never stored or loaded
         base = int.from_bytes(req.hashes[chunk][:6], "little") * 8 + rank
-        return int(base * 64 + (token - chunk * self.C) // self.bs)
+        return int(base * 64 + (token - chunk * self.C) // self.bs + (group << GROUP_SHIFT))
 
     # =========================================================================== faults & phases
     def crash(self) -> None:
@@ -1119,35 +1193,9 @@ class _PlannerCalls:
         event = MatchRequest(request_id, token_ids, num_prompt_tokens, num_computed_tokens, cache_salt, extras,
                              max_load_tokens=max_load_tokens, max_offload_tokens=max_offload_tokens)
         tokens, load_async = self._match(event)
-        if tokens and self.engine.world.groups is not None:
-            tokens, load_async = self._group_hit(event, tokens, load_async)
-        return tokens, load_async
-
-    def _group_hit(self, event: MatchRequest, tokens: int, load_async: bool) -> tuple[int | None, bool]:
-        """Several KV-cache groups: the planner's hit is the first (full-attention) group's; the
-        connector's group layer reads every other group's presence at the retrieve server and
-        loads only up to ``kv_groups.resume_point`` over all of them (a legacy profile reports
-        the first group's hit alone). F24 judges what vLLM is told against that presence."""
-        engine = self.engine
-        groups, cfg = engine.world.groups, engine.cfg
-        req = engine.requests[event.request_id]
-        tracker = engine.planner().tracker(event.request_id)
-        assert tracker is not None and groups is not None
-        others = groups.present(engine.world.servers[engine._retrieve_server(req)], req.hashes)
-        computed = event.num_computed_tokens
-        resume = computed + tokens
-        if not engine.world.profile.group_hit_from_first:
-            limit = group_resume_point(cfg.kv_groups, tracker.hit_tokens or 0, others, resume, engine.C)
-            if limit < resume:
-                engine.world.stats["group_capped_hits"] = engine.world.stats.get("group_capped_hits", 0) + 1
-                tracker.load_limit = limit  # the request's load cap, as kv_transfer_params set it
-                again, load_async = self._match(event)
-                tokens = again or 0
-                resume = computed + tokens
-        finding = partial_restore(event.request_id, cfg.kv_groups, others, computed, resume if tokens else computed,
-                                  engine.C)
+        finding = unrestorable_hit(request_id, self.engine.groups, self.engine.cfg.cpu_engine, tokens)
         if finding is not None:
-            engine.world.violation(finding[0], self._node().name, finding[1])
+            self.engine.world.violation(finding[0], self._node().name, finding[1])
         return tokens, load_async
 
     def _match(self, event: MatchRequest) -> tuple[int | None, bool]:
@@ -1161,7 +1209,8 @@ class _PlannerCalls:
             self.engine.world.violation("SAFETY", node.name, f"MatchRequest({request_id}) answered {answers!r}")
         answer = answers[0]
         tokens = answer.tokens
-        sync_max = self.engine.cfg.sync_load_max_tokens
+        # several KV-cache groups load asynchronously (kv_groups.sync_load_allowed)
+        sync_max = -1 if several(self.engine.groups) else self.engine.cfg.sync_load_max_tokens
         now = self.engine.world.now()
         if tokens is None and answer.wait_until is not None and answer.wait_until > now:
             self.engine.lookup_wait_until = answer.wait_until  # the step blocks (SchedulerAdapter's wait)
@@ -1172,8 +1221,10 @@ class _PlannerCalls:
                                         f"{num_prompt_tokens} tokens, {num_computed_tokens} held by the engine")
         return tokens, answer.load_async
 
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        self.engine.call(self._node(), LOOKUP, BlocksAllocated(request_id, tuple(block_ids), num_external_tokens))
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                                 other_group_block_ids: Sequence[Sequence[int]] = ()) -> None:
+        self.engine.call(self._node(), LOOKUP, BlocksAllocated(request_id, tuple(block_ids), num_external_tokens,
+                                                               tuple(tuple(g) for g in other_group_block_ids)))
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         node = self._node()

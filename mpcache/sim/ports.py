@@ -80,7 +80,6 @@ class WorldPort(Protocol):
     recent: dict[str, deque[str]]
     touched: set[str]
     stats: dict[str, int]
-    groups: Any  # sim.groups.GroupStore: the KV-cache groups after the first (None: one group)
 
     def now(self) -> float: ...
 

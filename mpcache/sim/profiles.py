@@ -63,9 +63,9 @@ class Profile:
     # The server's runtime registers with its transfer engine only on core_sm's AttachInstance; a
     # legacy runtime does it on receipt, for any peer (act-first).
     act_before_decide: bool = False
-    # Several KV-cache groups (sim/groups.py): the connector reports the hit of the first
-    # (full-attention) group alone, whatever the other groups hold (a legacy connector).
-    group_hit_from_first: bool = False
+    # Several KV-cache groups (sim/groups.py): the worker's retrieve writes the first group's
+    # blocks alone, the object's other groups' parts left unread (the hit still reported).
+    retrieve_first_group_only: bool = False
 
     def server_config(self, cfg: WorldConfig) -> ServerConfig:
         return ServerConfig(
@@ -108,7 +108,8 @@ class Profile:
         lookup client."""
         return self.planner_class(PlannerConfig(cfg.chunk_size, cfg.block_size, lease_ttl=cfg.lease_ttl,
                                                 lookup_wait=cfg.lookup_wait, lookup_wait_idle=cfg.lookup_wait_idle,
-                                                sync_load_max_tokens=cfg.sync_load_max_tokens),
+                                                sync_load_max_tokens=cfg.sync_load_max_tokens,
+                                                cpu_engine=cfg.cpu_engine, kv_groups=cfg.kv_groups),
                                   self.make_lookup_client(cfg))
 
     def make_transfer_client(self, cfg: WorldConfig, rank: int, instance_id: int, server: int) -> TransferClient:
@@ -319,7 +320,7 @@ class PreemptReusePlanner(StepPlanner):
         loadable = self.loadable_tokens(tracker)
         if loadable > event.num_computed_tokens:
             tokens = loadable - event.num_computed_tokens
-            tracker.sync_load = tokens <= self.config.sync_load_max_tokens
+            tracker.sync_load = tokens <= self.config.sync_load_max_tokens and self._sync_loads_allowed
             out.append(MatchAnswer(tracker.request_id, tokens, not tracker.sync_load))
         else:
             out.append(MatchAnswer(tracker.request_id, 0, False))
@@ -448,14 +449,14 @@ class ActFirst(Profile):
     act_before_decide = True
 
 
-# hma-partial-group (F24, LMCache #2863): the connector reports the first (full-attention)
-# group's hit to vLLM while another KV-cache group (a sliding window, a recurrent state) lacks a
-# chunk that resume point needs: vLLM skips the prefix for that group's layers too.
+# hma-partial-group (F24, LMCache #2863): with several KV-cache groups the worker's retrieve
+# copies only the first (full-attention) group's blocks out of each object, while the hit is
+# reported for every layer: vLLM goes on over stale KV in the window groups' layers.
 class HmaPartialGroup(Profile):
     name = "hma-partial-group"
     failure = "F24"
-    description = "connector: the hit is the first KV-cache group's, even while another group lacks a chunk"
-    group_hit_from_first = True
+    description = "worker: a retrieve writes the first KV-cache group's blocks only, the hit reported for all"
+    retrieve_first_group_only = True
 
 
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:

@@ -67,11 +67,12 @@ class WorldConfig:
     liveness_bound: float = 30.0
     chain_seed: int = 0  # seeds the world's chunk-chain key (chain_key); draw_scenario: the seed
     # The engine's KV-cache groups (vLLM's hybrid KV-cache manager; sim/groups.py): () is one
-    # full-attention group (the plain path); else group 0 is full attention and the others (a
-    # sliding window, a recurrent state) are stored and looked up per group. ``group_fault_p``:
-    # the chance a group's store of a range is partial (and half of it: a group object evicted).
+    # full-attention group (the plain path); else group 0 is full attention and the others
+    # sliding windows (maybe a recurrent state), every chunk's object holding them all; the
+    # planner runs with them (PlannerConfig.kv_groups). ``cpu_engine``: the workers' KV is in host
+    # memory (PlannerConfig.cpu_engine: several groups are restored only there).
     kv_groups: tuple[KVGroup, ...] = ()
-    group_fault_p: float = 0.0
+    cpu_engine: bool = False
 
     @property
     def chain_key(self) -> bytes:
@@ -128,18 +129,21 @@ GROUPED_SHARE = 0.5  # of the worlds whose engine has several KV-cache groups
 
 def draw_groups(seed: int, chunk_size: int, block_size: int) -> dict[str, Any]:
     """The engine's KV-cache groups, from a stream of their own (the other draws of a seed stay
-    as they were): half of the worlds keep one full-attention group; the others add a sliding
-    window (its window in tokens drawn) and sometimes a recurrent state."""
+    as they were): half of the worlds keep one full-attention group; the others add one or two
+    sliding windows (each window in tokens drawn), on a CPU engine mostly (restored); a fifth of
+    them a recurrent state too, and the GPU engines, cannot be restored (every request a miss)."""
     rng = random.Random(f"{seed}:groups")
     if rng.random() >= GROUPED_SHARE:
         return {}
     groups = [KVGroup(GroupKind.FULL, block_size, name="full")]
-    if rng.random() < 0.8:
-        groups.append(KVGroup(GroupKind.SLIDING_WINDOW, block_size, window=rng.randint(1, 3 * chunk_size),
-                              name="window"))
-    if len(groups) == 1 or rng.random() < 0.4:
+    window = rng.randint(1, 3 * chunk_size)
+    groups.append(KVGroup(GroupKind.SLIDING_WINDOW, block_size, window=window, name="window0"))
+    if rng.random() < 0.2:  # a second window size (vLLM keeps one group per window size)
+        groups.append(KVGroup(GroupKind.SLIDING_WINDOW, block_size, window=window + rng.randint(1, chunk_size),
+                              name="window1"))
+    if rng.random() < 0.2:
         groups.append(KVGroup(GroupKind.RECURRENT, block_size, name="recurrent"))
-    return {"kv_groups": tuple(groups), "group_fault_p": rng.choice((0.0, 0.2, 0.5))}
+    return {"kv_groups": tuple(groups), "cpu_engine": rng.random() < 0.85}
 
 
 def make_prompt(rng: random.Random, documents: list[tuple[int, ...]], chunk_size: int) -> tuple[int, ...]:

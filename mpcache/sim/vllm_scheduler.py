@@ -18,7 +18,13 @@ real servers) both schedule through ``SchedulerModel``. It decides only what vLL
 * the step's ``ScheduledRequest``s and preempted ids, handed to ``build_connector_meta``;
 * preemption (blocks back at once, recompute from scratch), load errors (recompute from the
   first bad block), finish (``request_finished``; blocks freed only once every worker reported
-  the request in ``sending``).
+  the request in ``sending``);
+* KV-cache groups (``kv_groups``, vLLM's hybrid KV-cache manager): each group its own block
+  table, allocated from the one pool; a sliding-window group's blocks that hold only tokens
+  before the window of the computed tokens are vLLM's null block (``NULL_BLOCK``, never
+  allocated): a new request's prefix (prefix-cache hit and external tokens) gets it for them,
+  as ``SlidingWindowManager`` does; the groups after the first go to the connector as
+  ``other_group_block_ids``.
 
 Protocol decisions (loadable tokens, leases, what to store) are the connector's; data, time and
 workers are the caller's.
@@ -32,7 +38,10 @@ from typing import Protocol
 import attrs
 
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup
 from mpcache.core_sm.planner import ScheduledRequest, StepPlan
+
+NULL_BLOCK = 0  # vLLM's null block: what a window group's table holds for blocks it dropped
 
 
 class Connector(Protocol):
@@ -44,7 +53,8 @@ class Connector(Protocol):
         max_offload_tokens: int | None = None,
     ) -> tuple[int | None, bool]: ...
 
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None: ...
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                                 other_group_block_ids: Sequence[Sequence[int]] = ()) -> None: ...
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan: ...
 
@@ -81,7 +91,9 @@ class QueuedRequest:
     max_load_tokens: int | None = None
     max_offload_tokens: int | None = None
     status: Status = Status.WAITING
-    blocks: list[int] = attrs.Factory(list)
+    blocks: list[int] = attrs.Factory(list)  # the first KV-cache group's block table
+    # with several KV-cache groups: the tables of the groups after the first (NULL_BLOCK: dropped)
+    group_blocks: list[list[int]] = attrs.Factory(list)
     engine_hit: int = 0  # tokens the prefix cache gave at the last admission
     external: int = 0  # tokens the connector loads (the last admission)
     computed: int = 0  # tokens whose KV the engine holds (prefix cache, load, forward)
@@ -100,12 +112,15 @@ class SchedulerModel:
     scheduler's moves; the caller decides when each happens (steps, time, workers)."""
 
     def __init__(self, connector: Connector, block_size: int, num_blocks: int,
-                 max_running: int | None = None) -> None:
+                 max_running: int | None = None, kv_groups: Sequence[KVGroup] = ()) -> None:
         self.connector = connector
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_running = max_running
-        self.free_blocks = list(range(num_blocks))
+        # several groups: the tables of the groups after the first are the model's too
+        self.groups: tuple[KVGroup, ...] = tuple(kv_groups) if len(kv_groups) > 1 else ()
+        # with several groups block 0 is the null block, never handed out
+        self.free_blocks = list(range(1 if self.groups else 0, num_blocks))
         self.block_owner: dict[int, str] = {}
         self.requests: dict[str, QueuedRequest] = {}
         self._scheduled: list[ScheduledRequest] = []
@@ -122,7 +137,20 @@ class SchedulerModel:
         return sum(1 for r in self.requests.values() if r.status in (Status.LOADING, Status.RUNNING))
 
     def blocks_in_use(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - (1 if self.groups else 0) - len(self.free_blocks)
+
+    def dropped_blocks(self, group: KVGroup, computed: int) -> int:
+        """How many leading blocks of ``group``'s table are the null block once ``computed``
+        tokens are computed: a sliding window's blocks holding only tokens before
+        ``computed - window + 1`` (vLLM ``SlidingWindowManager.get_num_skipped_tokens``); none
+        for the other kinds."""
+        if group.kind is not GroupKind.SLIDING_WINDOW:
+            return 0
+        return max(0, computed - group.window + 1) // self.block_size
+
+    def tables(self, req: QueuedRequest) -> list[list[int]]:
+        """Every group's block table, the first group's first."""
+        return [req.blocks, *req.group_blocks]
 
     def waiting(self) -> list[QueuedRequest]:
         return [r for r in self.requests.values() if r.status is Status.WAITING]
@@ -149,16 +177,16 @@ class SchedulerModel:
             raise AssertionError(f"{req.request_id}: the connector answered ({external}, {load_async}) for "
                                  f"{req.num_prompt} prompt tokens, {apc} held by the engine")
         need = -(-len(req.tokens) // self.block_size)
-        if len(self.free_blocks) < need:
+        dropped = [self.dropped_blocks(g, apc + external) for g in self.groups[1:]]
+        if len(self.free_blocks) < need + sum(need - d for d in dropped):
             return Admission.NO_BLOCKS  # vLLM keeps it waiting and asks again next step
-        req.blocks = [self.free_blocks.pop() for _ in range(need)]
-        for b in req.blocks:
-            self.block_owner[b] = req.request_id
+        req.blocks = self._take(req, need)
+        req.group_blocks = [[NULL_BLOCK] * d + self._take(req, need - d) for d in dropped]
         req.engine_hit, req.external, req.computed = apc, external, apc + external
         # An async load's blocks are those of the tokens it will hold once loaded; the rest are
         # the model's reservation, named when the load lands.
         held = -(-(apc + external) // self.block_size) if load_async else need
-        self.connector.update_state_after_alloc(req.request_id, req.blocks[:held], external)
+        self._allocated(req, held, external)
         if load_async:
             req.status = Status.LOADING
             return Admission.LOADING
@@ -169,25 +197,39 @@ class SchedulerModel:
         """Every worker reported the load in ``recving``: vLLM calls update_state_after_alloc
         again and the request runs."""
         assert req.status is Status.LOADING
-        self.connector.update_state_after_alloc(req.request_id, req.blocks, 0)
+        self._allocated(req, len(req.blocks), 0)
         req.status = Status.RUNNING
 
     def recompute_from(self, req: QueuedRequest, bad_blocks: Iterable[int]) -> int:
         """vLLM's recompute policy for load errors: the request computes again from its first
         bad block. Returns the tokens it still holds."""
-        bad = set(bad_blocks)
-        for index, block in enumerate(req.blocks):
-            if block in bad:
-                req.computed = min(req.computed, index * self.block_size)
-                break
+        bad = set(bad_blocks) - {NULL_BLOCK} if self.groups else set(bad_blocks)
+        for table in self.tables(req):
+            for index, block in enumerate(table):
+                if block in bad:
+                    req.computed = min(req.computed, index * self.block_size)
+                    break
+        return req.computed
+
+    def recompute_failed_load(self, req: QueuedRequest) -> int:
+        """vLLM's answer to a load failed by request id (several KV-cache groups: block ids
+        cannot name a request): the request computes every token past its prefix-cache hit.
+        Returns the tokens it still holds."""
+        req.computed = min(req.computed, req.engine_hit)
         return req.computed
 
     def schedule(self, req: QueuedRequest, num_tokens: int, new_blocks: Sequence[int] | None = None,
                  replaces: bool = False) -> None:
         """This step computes ``num_tokens`` more of ``req`` (from ``req.computed``);
         ``new_blocks``: blocks it got this step (``replaces``: its whole list)."""
+        others: tuple[tuple[int, ...], ...] = ()
+        if self.groups and new_blocks is not None:
+            # the other groups' blocks of the same positions in their tables
+            first = len(req.blocks) - len(new_blocks)
+            others = tuple(tuple(table[first:]) for table in req.group_blocks)
         self._scheduled.append(ScheduledRequest(req.request_id, req.computed, num_tokens,
-                                                None if new_blocks is None else tuple(new_blocks), replaces))
+                                                None if new_blocks is None else tuple(new_blocks), replaces,
+                                                others))
 
     def schedule_prefill(self, req: QueuedRequest) -> int:
         """The request's first scheduled step (new, or resumed after preemption or a load):
@@ -200,10 +242,10 @@ class SchedulerModel:
         """Blocks for ``num_tokens`` tokens (a decode step); returns the new ones."""
         new: list[int] = []
         while len(req.blocks) * self.block_size < num_tokens:
-            block = self.free_blocks.pop()
-            self.block_owner[block] = req.request_id
-            req.blocks.append(block)
-            new.append(block)
+            new.extend(self._take(req, 1))
+            req.blocks.append(new[-1])
+            for table in req.group_blocks:
+                table.extend(self._take(req, 1))
         return new
 
     def preempt(self, req: QueuedRequest) -> None:
@@ -241,8 +283,25 @@ class SchedulerModel:
         self._scheduled, self._preempted = [], []
         return self.connector.build_plan(scheduled, preempted)
 
+    def _take(self, req: QueuedRequest, n: int) -> list[int]:
+        taken = [self.free_blocks.pop() for _ in range(n)]
+        for b in taken:
+            self.block_owner[b] = req.request_id
+        return taken
+
+    def _allocated(self, req: QueuedRequest, held: int, external: int) -> None:
+        """``update_state_after_alloc`` with the first ``held`` blocks of every group."""
+        if not self.groups:
+            self.connector.update_state_after_alloc(req.request_id, req.blocks[:held], external)
+            return
+        self.connector.update_state_after_alloc(req.request_id, req.blocks[:held], external,
+                                                [table[:held] for table in req.group_blocks])
+
     def _free(self, req: QueuedRequest) -> None:
-        for b in req.blocks:
-            self.block_owner.pop(b, None)
-        self.free_blocks.extend(reversed(req.blocks))
+        for table in reversed(self.tables(req)):
+            live = [b for b in table if not (self.groups and b == NULL_BLOCK)]
+            for b in live:
+                self.block_owner.pop(b, None)
+            self.free_blocks.extend(reversed(live))
         req.blocks = []
+        req.group_blocks = []

@@ -61,8 +61,7 @@ from mpcache.runtime_trio import Address, Node
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
 from mpcache.sim.cluster_tier import make_tier
-from mpcache.sim.engine import SimEngine
-from mpcache.sim.groups import GroupStore
+from mpcache.sim.engine import GROUP_SHIFT, SimEngine
 from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
 from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg, Via, request_id_of
@@ -132,8 +131,6 @@ class World:
         self._ticks_at_now: tuple[float, int] = (-1.0, 0)
         self._nursery: trio.Nursery | None = None
         self._deliveries = 0
-        # the KV-cache groups after the first, per server (sim/groups.py); None: one group
-        self.groups = GroupStore(self) if self.config.kv_groups else None
         self.engines = [SimEngine(self, e) for e in range(self.config.num_engines)]
         self.adversary = Adversary(self) if self.config.adversary else None  # sim/adversary.py
         self.touched: set[str] = set()  # request ids some fault may have hit
@@ -432,7 +429,10 @@ class World:
     def expected_chunk(self, key: ObjectKey) -> tuple[int, ...]:
         """The one correct content of an object (what any correct store writes)."""
         base = int.from_bytes(key.chunk_hash[:6], "little") * 8 + key.kv_rank
-        return tuple(base * 64 + j for j in range(self.config.chunk_size // self.config.block_size))
+        per_group = range(self.config.chunk_size // self.config.block_size)
+        # several KV-cache groups: one object holds every group's blocks, group after group
+        return tuple(base * 64 + j + (g << GROUP_SHIFT) for g in range(max(1, len(self.config.kv_groups)))
+                     for j in per_group)
 
     def note_written(self, rid: str, chunk: int, rank: int) -> None:
         """History: the object for chunk `chunk` of `rid`'s prompt, rank `rank`, now exists."""
@@ -661,8 +661,6 @@ class World:
 
                 self.touch_all_live()
                 self.stats["clears"] += 1
-                if self.groups is not None:
-                    self.groups.cleared(host)
                 via = self.operator_via(host)
                 host.node.post(SERVER, Clear(True, reply_to=via, admin=True))
         elif kind.startswith("tier_") and self.tier is not None:
@@ -817,8 +815,6 @@ class World:
         """'Sometimes' counters: which rare paths this world went through (tests assert that
         across seeds every one of them happens, so the oracles are not passing vacuously)."""
         out: dict[str, int] = dict(self.stats)
-        if self.groups is not None:
-            out.update(self.groups.stats)
         for k, v in self.net.counts.items():
             out[f"net_{k}"] = v
         for host in self.servers:

@@ -17,10 +17,15 @@ def test_the_simulator_drives_the_class_the_connector_drives() -> None:
     # what the connector's scheduler shell holds, and what its worker shell builds
     assert typing.get_type_hints(adapters.SchedulerAdapter.__init__)["machine"] is StepPlanner
     assert adapters.StepPlanner is StepPlanner and adapters.TransferClient is TransferClient
-    result, world = run_scenario(draw_scenario(3))
+    scenario = draw_scenario(3)
+    assert len(scenario.config.kv_groups) > 1  # a hybrid model's engine: production's groups path
+    result, world = run_scenario(scenario)
     assert result.ok, result.violation
     for engine in world.engines:
         assert engine.sched is not None and type(engine.sched.machines[LOOKUP]) is StepPlanner
+        # the planner plans the groups' joined ops itself, as it does in the connector
+        config = engine.planner().config
+        assert config.kv_groups == scenario.config.kv_groups and config.cpu_engine == scenario.config.cpu_engine
         # vLLM's scheduler is the one model the adapter tests drive the production adapter with
         # (tests/runtime_zmq/adapter_driver.py; test_adapters.py checks that side).
         assert type(engine.model) is SchedulerModel
