@@ -265,17 +265,25 @@ class DiskTier:
                 inode = os.fstat(f.fileno()).st_ino
                 blob = f.read()
         except FileNotFoundError:
-            # Removed behind the index's back (a rare write/damage race): forget it.
-            with self._lock:
-                size = self._index.pop(name, None)
-                if size is not None:
-                    self._bytes -= size
+            self._forget(name)
             return None
         except OSError as e:
             raise L2Error(f"{self.name}: reading {path}: {e}") from e
+        return self._accept(key, name, path, inode, blob)
+
+    def _forget(self, name: str) -> None:
+        """Removed behind the index's back (a rare write/damage race): forget it."""
+        with self._lock:
+            size = self._index.pop(name, None)
+            if size is not None:
+                self._bytes -= size
+
+    def _accept(self, key: bytes, name: str, path: str, inode: int, blob: _Blob) -> _Blob | None:
+        """The value in a file read whole (``blob``), or None: a damaged or foreign file is
+        dropped, so the slot is reusable and the next read is quick. A value read is made the
+        most recently used."""
         value = self._decode(key, blob)
         if isinstance(value, str):
-            # A damaged or foreign file: drop it so the slot is reusable and the next read is quick.
             self._note_rejection(value, path)
             self._remove_damaged(name, path, inode)
             return None
@@ -324,24 +332,14 @@ class DiskTier:
                 finally:
                     view.release()
         except FileNotFoundError:
-            with self._lock:
-                gone = self._index.pop(name, None)
-                if gone is not None:
-                    self._bytes -= gone
+            self._forget(name)
             return None
         except OSError as e:
             raise L2Error(f"{self.name}: reading {path}: {e}") from e
-        value = self._decode(key, blob)
-        if isinstance(value, str):
-            blob.release()
-            self._note_rejection(value, path)
-            self._remove_damaged(name, path, st.st_ino)
-            return None
-        blob.release()
-        with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
-        return value
+        try:
+            return self._accept(key, name, path, st.st_ino, blob)
+        finally:
+            blob.release()  # the value, if any, is a view of its own
 
     def contains(self, key: bytes) -> bool:
         self._check_open()
