@@ -44,7 +44,9 @@ from mpcache.core_sm.server_link import (
     Failed,
     Heartbeat,
     InstancePing,
+    Close,
     Role,
+    SendFailed,
     ServerLink,
     ServerLinkConfig,
     Submit,
@@ -80,7 +82,7 @@ from mpcache.core_sm.planner import (
     StepScheduled,
 )
 from mpcache.runtime_trio import Address, Node
-from mpcache.sim import checks
+from mpcache.sim import checks, link_coverage
 from mpcache.sim.ports import RequestMsg, WorldPort
 from mpcache.sim.scenario import RequestSpec, sched_name, server_name, worker_name
 from mpcache.sim.vllm_scheduler import Admission, QueuedRequest, SchedulerModel
@@ -162,9 +164,12 @@ class ClientLinks:
             # heartbeats out of phase across nodes, as independent processes are
             start = world.now() + world.exec_rng.uniform(0, cfg.heartbeat_interval)
             config = sim_link_config(cfg)
-            self.links.append(profile.link_class(config, start, profile.health_monitor_class(config.health, start)))
+            link = profile.link_class(config, start, profile.health_monitor_class(config.health, start))
+            link.monitor.dispatch.trace = []  # drained into the coverage counters (sim/link_coverage.py)
+            self.links.append(link)
         self.armed: dict[int, float] = {}
         self.running = True
+        self.closed = False  # the node shut down (its links closed): its machines send nothing more
         # (server, uid) -> the machine request a frame carried (None: the link's own), for the
         # fault tracking of a reply lost or duplicated after its request was answered
         self.frames: OrderedDict[tuple[int, int], Outbound | None] = OrderedDict()
@@ -351,8 +356,11 @@ class SimEngine:
             self.sent[(node.name, machine, effect.correlation)] = (rid, type(effect.request).__name__)
             if len(self.sent) > 4096:
                 self.sent.popitem(last=False)
+            links = self._links_of[node.name]
+            if links.closed:
+                return  # the node shut down: nothing leaves it any more
             role, instance = _link_role(effect.request)
-            self._link_event(self._links_of[node.name], effect.server,
+            self._link_event(links, effect.server,
                              Submit((machine, effect.correlation), Outbound(machine, effect.correlation, effect.request),
                                     None, role, instance))
         elif t is CopyBlocks:
@@ -461,10 +469,16 @@ class SimEngine:
         """One event into ``links``' link to ``server``; its effects performed in its order."""
         link = links.links[server]
         node = self.world.nodes.get(links.node_name)
-        for effect in link.handle(event, self.world.now()):
+        stats = self.world.stats
+        link_coverage.count_link_input(stats, event)
+        effects = link.handle(event, self.world.now())
+        link_coverage.drain_health(stats, link.monitor.dispatch.trace)
+        for effect in effects:
             if isinstance(effect, Transmit):
                 self._transmit(links, server, effect, event)
             elif isinstance(effect, Completed):
+                if effect.token is None:
+                    continue  # the shell's own request (an unregistration at shutdown)
                 machine, correlation = _token(effect.token)
                 if node is not None and node.alive:
                     self._answer(node, machine, server, correlation, effect.value)
@@ -487,6 +501,11 @@ class SimEngine:
                                       f"{body.instance_id} at server{server} again")
         else:
             body = Ping(request.instance_id) if isinstance(request, InstancePing) else Ping()
+        if not self.world.servers[server].up:
+            # production's socket queues a frame only on a completed connection (ZMQ IMMEDIATE): a
+            # crashed server's process closed it, so the send fails at once (the link's SendFailed)
+            self._link_event(links, server, SendFailed(t.uid, "server not connected"))
+            return
         links.frames[(server, t.uid)] = request if isinstance(request, Outbound) else None
         if len(links.frames) > 4096:
             links.frames.popitem(last=False)
@@ -599,8 +618,24 @@ class SimEngine:
                 self._link_event(links, server, Connected(SERVER))
 
     def stop_heartbeats(self) -> None:
+        """The engine shuts down, as the connector's ``close`` does: each worker unregisters its
+        instance at its servers (the request goes; its answer is nobody's), then every link closes
+        (``Close``: what is pending fails ``closed``) and its node sends nothing more."""
+        if not self.crashed:
+            for worker in self.workers:
+                links = self._links_of.get(worker.name)
+                if links is None or not worker.alive:
+                    continue
+                for s in range(self.num_servers):
+                    request = UnregisterInstance(worker.instance_id)
+                    self._link_event(links, s, Submit(None, Outbound("-", 0, request), None, Role.UNREGISTRATION,
+                                                      worker.instance_id))
+            for links in self.links:
+                for s in range(self.num_servers):
+                    self._link_event(links, s, Close())
         for links in self.links:
             links.running = False
+            links.closed = True
 
     # =========================================================================== workload
     def _arrive(self, req: SimRequest) -> None:
