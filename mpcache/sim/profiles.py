@@ -8,6 +8,7 @@ within 200 seeds.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,10 +18,10 @@ from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, Reply
 from mpcache.core_sm.errors import ProtocolError
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
-from mpcache.core_sm.health import HealthMonitor, Register, RegistrationFailed
+from mpcache.core_sm.health import GiveUp, HealthMonitor, Register, RegistrationFailed, Resend
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from mpcache.core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch
+from mpcache.core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch, WaitPrefetchStatus
 from mpcache.core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
@@ -445,6 +446,54 @@ class ActFirst(Profile):
     act_before_decide = True
 
 
+# wait-lost (F1): the client trusted the server's WAIT_PREFETCH_STATUS to answer within its wait,
+# so the transport set no deadline of its own on it and the lookup had no bound: a wait or its
+# reply lost in the network (a drop, a short partition) is never retried and the lookup hangs.
+class WaitTrustingLink(ServerLink):
+    def _on_submit(self, ev: Submit, now: float, out: list[Any]) -> None:
+        if type(getattr(ev.request, "request", None)) is WaitPrefetchStatus:
+            ev = attrs.evolve(ev, timeout=math.inf)  # the sim's frame: Outbound(machine, correlation, request)
+        super()._on_submit(ev, now, out)
+
+
+class WaitLost(Profile):
+    name = "wait-lost"
+    failure = "F1"
+    description = "client: a WAIT_PREFETCH_STATUS has no deadline and the lookup no bound; a lost reply hangs it"
+    link_class = WaitTrustingLink
+    lookup_timeout = math.inf
+
+
+# no-reregister: a transport that parks a request refused not_registered on a registration of its
+# own that it never sends; only that registration would release it (not the worker's own, not its
+# deadline), so it waits forever. Caught by the transport oracle (nothing parked after
+# quiescence); the instance may also show as never registered again (F19/F13) first.
+class ParkForeverLink(ServerLink):
+    def _do_register(self, effect: Register, now: float, out: list[Any]) -> None:
+        return None
+
+    def _do_resend(self, effect: Resend, now: float, out: list[Any]) -> None:
+        return None
+
+    def _do_give_up(self, effect: GiveUp, now: float, out: list[Any]) -> None:
+        if type(effect.request) is int and self.parked(effect.request):
+            return None
+        super()._do_give_up(effect, now, out)
+
+    def _on_timer(self, ev: Any, now: float, out: list[Any]) -> None:
+        parked = {uid: self._pending.pop(uid) for uid in self.parked_uids()}
+        super()._on_timer(ev, now, out)
+        self._pending.update(parked)
+
+
+class NoReregister(Profile):
+    name = "no-reregister"
+    failure = "LIVENESS"
+    also = ("F19", "F13")
+    description = "client link: after not_registered it parks the request forever and never registers again"
+    link_class = ParkForeverLink
+
+
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
     """The connector settings of the simulated world (its heartbeat knobs, production's others)."""
     return ConnectorSettings(request_timeout=cfg.request_timeout, lookup_status_wait=profile.lookup_status_wait,
@@ -455,7 +504,7 @@ PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
-              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst())
+              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst(), WaitLost(), NoReregister())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 
