@@ -17,7 +17,7 @@ import attrs
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, Reply
 from mpcache.core_sm.errors import ProtocolError
-from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
+from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, server_for_rank
 from mpcache.core_sm.health import GiveUp, HealthMonitor, Register, RegistrationFailed, Resend
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
@@ -85,6 +85,11 @@ class Profile:
             chain_key=cfg.chain_key,
             ack_first=True,  # as runtime_zmq: the node runs a lookup's work after its ack
         )
+
+    def load_server(self, rank: int, world_size: int, num_servers: int, request_id: str) -> int:
+        """The server worker ``rank`` loads a request from: where it stores, by production's
+        placement (``core_sm.client_config.server_for_rank``, which the lookups follow too)."""
+        return server_for_rank(rank, world_size, num_servers)
 
     def make_server(self, cfg: WorldConfig) -> LookupServer:
         return self.server_class(self.server_config(cfg))
@@ -494,6 +499,18 @@ class NoReregister(Profile):
     link_class = ParkForeverLink
 
 
+# placement-mismatch (F2): a worker stores to its rank's server but loads from the server the
+# request id picks (spreading loads over servers): a rank whose hit another server answered and
+# leased loads it from one that holds none of it.
+class PlacementMismatch(Profile):
+    name = "placement-mismatch"
+    failure = "F2"
+    description = "worker: loads from the server the request id picks, not the one its rank stores to"
+
+    def load_server(self, rank: int, world_size: int, num_servers: int, request_id: str) -> int:
+        return int(request_id[1:] or 0) % num_servers if request_id[1:].isdigit() else 0
+
+
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
     """The connector settings of the simulated world (its heartbeat knobs, production's others)."""
     return ConnectorSettings(request_timeout=cfg.request_timeout, lookup_status_wait=profile.lookup_status_wait,
@@ -504,7 +521,8 @@ PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
-              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst(), WaitLost(), NoReregister())
+              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst(), WaitLost(), NoReregister(),
+              PlacementMismatch())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 
