@@ -561,11 +561,21 @@ class SimEngine:
         host = self.world.servers[server]
         machine = host.node.machines["server"] if host.node is not None and host.up else None
         iid = getattr(request.request, "instance_id", None)
-        if (machine is not None and host.incarnation == named[1] and isinstance(iid, int)
-                and machine.instances.registration_id(iid) == named[0]):
+        if machine is None or host.incarnation != named[1] or not isinstance(iid, int):
+            return
+        current = machine.instances.registration_id(iid)
+        if current == named[0]:
             self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
                                  f"#{request.correlation} resent to server{server} naming registration {named[0]}, "
                                  f"still the instance's, was refused not_registered again")
+        elif current is not None and iid not in host.reaped:
+            # the instance is registered, but under another id: a second registration of the
+            # same fields (the worker's and the link's crossing) replaced the one the resend
+            # follows, and orphaned it -- nothing dropped the instance in between
+            self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
+                                 f"#{request.correlation} resent to server{server} naming registration {named[0]} "
+                                 f"was refused not_registered: registration {current} of the same instance "
+                                 f"replaced it meanwhile, orphaning the resend")
 
     def check_transport_drained(self) -> None:
         """After quiescence: no refused request still waits on a registration (it was resent

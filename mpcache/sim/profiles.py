@@ -15,13 +15,23 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.effects import Effect, Reply
+from mpcache.core_sm.effects import Effect, ErrorReply, Reply
 from mpcache.core_sm.errors import ProtocolError
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, server_for_rank
 from mpcache.core_sm.health import GiveUp, HealthMonitor, Register, RegistrationFailed, Resend
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from mpcache.core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch, WaitPrefetchStatus
+from mpcache.core_sm.messages import (
+    Clear,
+    Lookup,
+    Ping,
+    RegisterInstance,
+    ReplyTo,
+    ServerEpoch,
+    UnregisterInstance,
+    WaitPrefetchStatus,
+)
+from mpcache.core_sm.server_instances import InstanceState
 from mpcache.core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
@@ -511,6 +521,27 @@ class PlacementMismatch(Profile):
         return int(request_id[1:] or 0) % num_servers if request_id[1:].isdigit() else 0
 
 
+# double-register: the server before re-registrations were made idempotent -- each registration
+# replaces the last (the old one dropped, its transfers with it; a new id). The worker's machine and
+# its link both register again after not_registered, so the second registration orphans what the
+# first released: the resends naming it are refused not_registered and given up.
+class ReplacingRegistrationServer(LookupServer):
+    def handle(self, event: Any, now: float) -> list[Effect]:
+        if type(event) is RegisterInstance and self.instance_state(event.instance_id) is InstanceState.REGISTERED:
+            dropped = super().handle(UnregisterInstance(event.instance_id, peer=event.peer), now)
+            # the server's own unregister answers nobody
+            effects = [e for e in dropped if not (isinstance(e, (Reply, ErrorReply)) and e.reply_to is None)]
+            return effects + super().handle(event, now)
+        return super().handle(event, now)
+
+
+class DoubleRegister(Profile):
+    name = "double-register"
+    failure = "LIVENESS"
+    description = "server: a registration replaces the last (new id); the worker and its link both register again"
+    server_class = ReplacingRegistrationServer
+
+
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
     """The connector settings of the simulated world (its heartbeat knobs, production's others)."""
     return ConnectorSettings(request_timeout=cfg.request_timeout, lookup_status_wait=profile.lookup_status_wait,
@@ -522,7 +553,7 @@ PROFILES: dict[str, Profile] = {
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
               TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst(), WaitLost(), NoReregister(),
-              PlacementMismatch())
+              PlacementMismatch(), DoubleRegister())
 }
 LEGACY = [name for name in PROFILES if name != "default"]
 
