@@ -11,6 +11,8 @@ simulator profile varies from them by name. Inputs are the connector's settings 
   at most 1 s) unless ``lookup_status_wait`` is off.
 * ``transfer_op_timeout``: a worker op's own timeout (the request timeout).
 * ``link_config``: every connection's ``ServerLink`` (``server_link.client_link_config``).
+* ``server_for_rank`` / ``ranks_per_server``: where a worker rank's KV lives -- the one server
+  it stores to and loads from, and so the ranks each server is asked about in a lookup.
 """
 from __future__ import annotations
 
@@ -32,8 +34,28 @@ class ConnectorSettings:
             raise ValueError(f"request_timeout must be > 0, not {self.request_timeout!r}")
 
 
+def server_for_rank(rank: int, world_size: int, num_servers: int) -> int:
+    """The server worker ``rank`` of ``world_size`` stores to and loads from: the ranks spread in
+    order over the servers, ``rank * num_servers // world_size`` (with more servers than ranks,
+    some hold none). ``ValueError`` on a rank outside the world or no server."""
+    if not 0 <= rank < world_size or num_servers < 1:
+        raise ValueError(f"rank {rank} outside world size {world_size}, or {num_servers} servers")
+    return rank * num_servers // world_size
+
+
+def ranks_per_server(world_size: int, num_servers: int) -> tuple[tuple[int, ...], ...]:
+    """Entry s: the ranks whose KV server s holds (``server_for_rank``), what a lookup asks it
+    about; an empty entry is a server no rank uses."""
+    held: list[list[int]] = [[] for _ in range(num_servers)]
+    for rank in range(world_size):
+        held[server_for_rank(rank, world_size, num_servers)].append(rank)
+    return tuple(tuple(ranks) for ranks in held)
+
+
 def lookup_client_config(settings: ConnectorSettings, *, num_servers: int, model_name: str, world_size: int,
                          chunk_size: int) -> LookupClientConfig:
+    """Each server is asked about the ranks it holds (``ranks_per_server``): a server holds only
+    its ranks' KV, so asking it for every rank would miss every lookup."""
     return LookupClientConfig(
         num_servers=num_servers,
         model_name=model_name,
@@ -44,6 +66,7 @@ def lookup_client_config(settings: ConnectorSettings, *, num_servers: int, model
         use_wait=settings.lookup_status_wait,
         # a waiting status query is answered within its wait, well inside the request timeout
         wait_timeout=min(1.0, settings.request_timeout / 2),
+        ranks_per_server=ranks_per_server(world_size, num_servers) if num_servers > 1 else None,
     )
 
 

@@ -312,6 +312,12 @@ class HealthMonitor:
                                                           self._refuse)
 
     @property
+    def dispatch(self) -> Dispatcher[HealthState]:
+        """The monitor's bound table: a simulator sets ``dispatch.trace`` to a list to see every
+        row it runs (its coverage counters); nothing else reads it."""
+        return self._table
+
+    @property
     def _probe(self) -> float:
         c = self.config
         return c.interval if c.probe_interval is None else c.probe_interval

@@ -259,11 +259,12 @@ class LookupClient(GuardedMachine[ClientEvent]):
             self._counters["invalid_submits"] += 1
             self._resolve(pending, 0, now, out)
             return
-        if end == 0 or not all(self._healthy):
+        asked = self._servers_holding_ranks()
+        if end == 0 or not all(self._healthy[s] for s in asked):
             self._resolve(pending, 0, now, out)
             return
         self._activate(pending)
-        for s in range(self.config.num_servers):
+        for s in asked:
             leg = ServerLeg(s)
             pending.legs[s] = leg
             self._counters["lookups_sent"] += 1
@@ -493,6 +494,11 @@ class LookupClient(GuardedMachine[ClientEvent]):
     def _ranks_of(self, server: int) -> tuple[int, ...] | None:
         rps = self.config.ranks_per_server
         return None if rps is None else rps[server]
+
+    def _servers_holding_ranks(self) -> list[int]:
+        """The servers a lookup asks: those holding some rank (a server no rank uses holds nothing)."""
+        rps = self.config.ranks_per_server
+        return [s for s in range(self.config.num_servers) if rps is None or rps[s]]
 
     def _healthy_servers(self) -> list[int]:
         return [s for s, ok in enumerate(self._healthy) if ok]

@@ -49,7 +49,8 @@ class LookupClientConfig:
     wait_timeout: float = 1.0
     fire_and_forget_cap: int = 10_000  # replies to FREE/END we still recognise
     # The KV ranks each server holds (tensor-parallel ranks spread over servers): entry s goes to
-    # server s as ``Lookup.ranks``. None: every server holds every rank of world_size.
+    # server s as ``Lookup.ranks``; a server with no entry holds no rank and is not asked (more
+    # servers than ranks). None: every server holds every rank of world_size.
     ranks_per_server: tuple[tuple[int, ...], ...] | None = attrs.field(
         default=None, converter=_ranks_per_server)
 
@@ -59,8 +60,10 @@ class LookupClientConfig:
             return
         if len(rps) != self.num_servers:
             raise ValueError(f"ranks_per_server names {len(rps)} servers, not num_servers={self.num_servers}")
+        if not any(rps):
+            raise ValueError("ranks_per_server names no rank at all")
         for ranks in rps:
-            if not ranks or len(set(ranks)) != len(ranks) or not all(
+            if len(set(ranks)) != len(ranks) or not all(
                     isinstance(r, int) and 0 <= r < self.world_size for r in ranks):
                 raise ValueError(f"ranks_per_server entry {ranks!r}: distinct ranks in [0, {self.world_size}) needed")
 

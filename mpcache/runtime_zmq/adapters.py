@@ -32,7 +32,12 @@ from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
-from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, transfer_op_timeout
+from mpcache.core_sm.client_config import (
+    ConnectorSettings,
+    lookup_client_config,
+    server_for_rank,
+    transfer_op_timeout,
+)
 from mpcache.core_sm.lookup_client import LookupClient
 from mpcache.core_sm.kv_groups import KVGroup, group_retrieve_skip, several, split_group_blocks
 from mpcache.core_sm.messages import (
@@ -191,10 +196,9 @@ class ConnectorConfig:
         return ConnectorSettings(request_timeout=self.request_timeout_s, lookup_status_wait=self.lookup_status_wait)
 
     def server_for_rank(self, rank: int, world_size: int) -> str:
-        """The server a worker rank stores to and loads from."""
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world size {world_size}")
-        return self.server_urls[rank * len(self.server_urls) // world_size]
+        """The server a worker rank stores to and loads from (core_sm's placement, which the
+        scheduler's lookups follow too)."""
+        return self.server_urls[server_for_rank(rank, world_size, len(self.server_urls))]
 
 
 # --------------------------------------------------------------------------------------------

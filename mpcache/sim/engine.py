@@ -10,10 +10,11 @@ Per request, in vLLM's call order (reference/vllm_connector.md)::
 
     arrive -> waiting; each scheduler step: MatchRequest -> None (ask again next step) | tokens
     allocate blocks (wait while the pool is short; vLLM asks again meanwhile) -> BlocksAllocated
-    end of step: StepScheduled -> StepPlan: its retrieves go to the workers (one server each)
+    end of step: StepScheduled -> StepPlan: its retrieves go to the workers, each to its rank's
+    server (core_sm's placement, ``client_config.server_for_rank``, as the connector's workers)
     load reported in recving -> verify every loaded block's checksum; load errors are recomputed;
     BlocksAllocated again (vLLM's second update_state_after_alloc) -> compute
-    computed: StepScheduled with the request -> its stores go to every server -> decode
+    computed: StepScheduled with the request -> its stores go to each rank's server -> decode
     finish: RequestFinished + EngineFinished (or Abort) -> every worker reports it in sending
     -> blocks freed -> done
 
@@ -40,6 +41,7 @@ import trio
 
 from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.chunks import ChunkChain, ObjectKey
+from mpcache.core_sm.client_config import server_for_rank
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, Connected, HealthMonitor, resend_of
@@ -53,7 +55,9 @@ from mpcache.core_sm.server_link import (
     Failed,
     Heartbeat,
     InstancePing,
+    Close,
     Role,
+    SendFailed,
     ServerLink,
     ServerLinkConfig,
     Submit,
@@ -65,6 +69,7 @@ from mpcache.core_sm.messages import (
     Abort,
     CopyFinished,
     EngineFinished,
+    Lookup,
     Ping,
     RegisterInstance,
     QueryPrefetchStatus,
@@ -89,7 +94,7 @@ from mpcache.core_sm.planner import (
     StepScheduled,
 )
 from mpcache.runtime_trio import Address, Node
-from mpcache.sim import checks
+from mpcache.sim import checks, link_coverage
 from mpcache.sim.groups import partial_restore, unrestorable_hit
 from mpcache.sim.ports import RequestMsg, WorldPort
 from mpcache.sim.scenario import RequestSpec, sched_name, server_name, worker_name
@@ -122,7 +127,6 @@ class SimRequest:
     external: int = 0  # the tokens the planner said would be loaded
     retrieve: SubmitRetrieve | None = None  # the plan's retrieve, checked when it lands
     retrieves_planned: int = 0
-    retrieve_server: int = 0
     loads_pending: set[int] = attrs.Factory(set)
     load_errors: set[tuple[int, int]] = attrs.Factory(set)  # (rank, block id)
     q: QueuedRequest | None = None  # the request as the scheduler model tracks it
@@ -131,8 +135,8 @@ class SimRequest:
     sync: bool = False  # a synchronous load (vLLM schedules it in the step; the forward waits for it)
     abort_armed: bool = False  # the abort timed to an operation in flight is scheduled
     unresolved: bool = False  # the last check() answered None
-    # the retrieve server's lease expiry for the hit when last seen held, with that server's
-    # incarnation and the world's clear count then
+    # the earliest lease expiry of the hit at its load servers when last seen held, with the
+    # servers' incarnations (SimEngine._incarnations) and the world's clear count then
     lease_seen: tuple[float, int, int] | None = None
     arrived_at: float = 0.0
     finished_at: float = 0.0
@@ -173,9 +177,12 @@ class ClientLinks:
             # heartbeats out of phase across nodes, as independent processes are
             start = world.now() + world.exec_rng.uniform(0, cfg.heartbeat_interval)
             config = sim_link_config(cfg)
-            self.links.append(profile.link_class(config, start, profile.health_monitor_class(config.health, start)))
+            link = profile.link_class(config, start, profile.health_monitor_class(config.health, start))
+            link.monitor.dispatch.trace = []  # drained into the coverage counters (sim/link_coverage.py)
+            self.links.append(link)
         self.armed: dict[int, float] = {}
         self.running = True
+        self.closed = False  # the node shut down (its links closed): its machines send nothing more
         # (server, uid) -> the machine request a frame carried (None: the link's own), for the
         # fault tracking of a reply lost or duplicated after its request was answered
         self.frames: OrderedDict[tuple[int, int], Outbound | None] = OrderedDict()
@@ -388,8 +395,11 @@ class SimEngine:
             self.sent[(node.name, machine, effect.correlation)] = (rid, type(effect.request).__name__)
             if len(self.sent) > 4096:
                 self.sent.popitem(last=False)
+            links = self._links_of[node.name]
+            if links.closed:
+                return  # the node shut down: nothing leaves it any more
             role, instance = _link_role(effect.request)
-            self._link_event(self._links_of[node.name], effect.server,
+            self._link_event(links, effect.server,
                              Submit((machine, effect.correlation), Outbound(machine, effect.correlation, effect.request),
                                     None, role, instance))
         elif t is CopyBlocks:
@@ -498,10 +508,16 @@ class SimEngine:
         """One event into ``links``' link to ``server``; its effects performed in its order."""
         link = links.links[server]
         node = self.world.nodes.get(links.node_name)
-        for effect in link.handle(event, self.world.now()):
+        stats = self.world.stats
+        link_coverage.count_link_input(stats, event)
+        effects = link.handle(event, self.world.now())
+        link_coverage.drain_health(stats, link.monitor.dispatch.trace)
+        for effect in effects:
             if isinstance(effect, Transmit):
                 self._transmit(links, server, effect, event)
             elif isinstance(effect, Completed):
+                if effect.token is None:
+                    continue  # the shell's own request (an unregistration at shutdown)
                 machine, correlation = _token(effect.token)
                 if node is not None and node.alive:
                     self._answer(node, machine, server, correlation, effect.value)
@@ -516,6 +532,10 @@ class SimEngine:
         body: Any
         if isinstance(request, Outbound):
             body = request.request
+            if type(body) is Lookup and body.ranks is not None:
+                # production's wire form of a lookup carries no ranks (runtime_zmq/wire.py): the
+                # server looks up every rank of the key's world size, as it does here
+                body = attrs.evolve(body, ranks=None)
             if t.resend:
                 body = resend_of(body, t.registration)
                 self._note_resend(links, server, t, request, body)
@@ -524,6 +544,11 @@ class SimEngine:
                                       f"{body.instance_id} at server{server} again")
         else:
             body = Ping(request.instance_id) if isinstance(request, InstancePing) else Ping()
+        if not self.world.servers[server].up:
+            # production's socket queues a frame only on a completed connection (ZMQ IMMEDIATE): a
+            # crashed server's process closed it, so the send fails at once (the link's SendFailed)
+            self._link_event(links, server, SendFailed(t.uid, "server not connected"))
+            return
         links.frames[(server, t.uid)] = request if isinstance(request, Outbound) else None
         if len(links.frames) > 4096:
             links.frames.popitem(last=False)
@@ -573,11 +598,21 @@ class SimEngine:
         host = self.world.servers[server]
         machine = host.node.machines["server"] if host.node is not None and host.up else None
         iid = getattr(request.request, "instance_id", None)
-        if (machine is not None and host.incarnation == named[1] and isinstance(iid, int)
-                and machine.instances.registration_id(iid) == named[0]):
+        if machine is None or host.incarnation != named[1] or not isinstance(iid, int):
+            return
+        current = machine.instances.registration_id(iid)
+        if current == named[0]:
             self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
                                  f"#{request.correlation} resent to server{server} naming registration {named[0]}, "
                                  f"still the instance's, was refused not_registered again")
+        elif current is not None and iid not in host.reaped:
+            # the instance is registered, but under another id: a second registration of the
+            # same fields (the worker's and the link's crossing) replaced the one the resend
+            # follows, and orphaned it -- nothing dropped the instance in between
+            self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
+                                 f"#{request.correlation} resent to server{server} naming registration {named[0]} "
+                                 f"was refused not_registered: registration {current} of the same instance "
+                                 f"replaced it meanwhile, orphaning the resend")
 
     def check_transport_drained(self) -> None:
         """After quiescence: no refused request still waits on a registration (it was resent
@@ -636,8 +671,24 @@ class SimEngine:
                 self._link_event(links, server, Connected(SERVER))
 
     def stop_heartbeats(self) -> None:
+        """The engine shuts down, as the connector's ``close`` does: each worker unregisters its
+        instance at its servers (the request goes; its answer is nobody's), then every link closes
+        (``Close``: what is pending fails ``closed``) and its node sends nothing more."""
+        if not self.crashed:
+            for worker in self.workers:
+                links = self._links_of.get(worker.name)
+                if links is None or not worker.alive:
+                    continue
+                for s in range(self.num_servers):
+                    request = UnregisterInstance(worker.instance_id)
+                    self._link_event(links, s, Submit(None, Outbound("-", 0, request), None, Role.UNREGISTRATION,
+                                                      worker.instance_id))
+            for links in self.links:
+                for s in range(self.num_servers):
+                    self._link_event(links, s, Close())
         for links in self.links:
             links.running = False
+            links.closed = True
 
     # =========================================================================== workload
     def _arrive(self, req: SimRequest) -> None:
@@ -768,7 +819,6 @@ class SimEngine:
             # synchronous one is scheduled in this step, whose forward waits for the load
             req.sync = admitted is Admission.SYNC_LOAD
             req.retrieve = None
-            req.retrieve_server = self._retrieve_server(req)
             req.loads_pending = {w.rank for w in self.workers}
             req.state = "loading"
             self._arm_abort_in_flight(req, "load")
@@ -803,18 +853,31 @@ class SimEngine:
                 f"{None if tracker.pending_retrieve is None else (tracker.pending_retrieve.start, tracker.pending_retrieve.end)}): "
                 f"the rest stays leased until the request ends")
 
-    def _retrieve_server(self, req: SimRequest) -> int:
-        server: int = int(req.rid[1:] or 0) % self.num_servers
+    def store_server(self, rank: int) -> int:
+        """The server ``rank`` stores to: production's placement (core_sm.client_config)."""
+        return server_for_rank(rank, self.tp, self.num_servers)
+
+    def load_server(self, rank: int, req: SimRequest) -> int:
+        """The server ``rank`` loads ``req`` from: production's placement, unless a legacy
+        profile's rule says otherwise."""
+        server: int = self.world.profile.load_server(rank, self.tp, self.num_servers, req.rid)
         return server
+
+    def _incarnations(self) -> int:
+        """A number that changes whenever one of the engine's servers restarts (each one's
+        incarnation only grows)."""
+        return sum(host.incarnation for host in self.world.servers)
 
     def _leases(self, req: SimRequest, start: int, end: int) -> tuple[float | None, bool] | None:
         """The earliest expiry of ``req``'s read leases on chunks ``[start, end)`` (tokens) of
-        every rank at its retrieve server, and whether it holds all of them (None: the server
-        is down)."""
-        host = self.world.servers[self._retrieve_server(req)]
-        if not host.up or host.node is None:
-            return None
-        index = host.node.machines["server"].index
+        every rank at the server it loads that rank from, and whether it holds all of them
+        (None: one of those servers is down)."""
+        indexes = []
+        for rank in range(self.tp):
+            host = self.world.servers[self.load_server(rank, req)]
+            if not host.up or host.node is None:
+                return None
+            indexes.append(host.node.machines["server"].index)
         # the lookup's leases are its scheduler's request (peer, id); a server that ignores
         # peers (trust-all) files them under no peer
         owners = (RequestKey(sched_name(self.index), req.rid), RequestKey(None, req.rid))
@@ -823,6 +886,7 @@ class SimEngine:
         for chunk in range(start // self.C, min(end // self.C, len(req.hashes))):
             for rank in range(self.tp):
                 okey = ObjectKey(req.hashes[chunk], rank)
+                index = indexes[rank]
                 expiry = index.lease_expiry(okey, owners[0])
                 if expiry is None:
                     expiry = index.lease_expiry(okey, owners[1])
@@ -842,8 +906,7 @@ class SimEngine:
         hit = 0 if pending is None else pending.result_tokens or 0
         seen = self._leases(req, 0, hit) if hit else None
         if seen is not None and seen[1] and seen[0] is not None:
-            host = self.world.servers[self._retrieve_server(req)]
-            req.lease_seen = (seen[0], host.incarnation, self.world.stats["clears"])
+            req.lease_seen = (seen[0], self._incarnations(), self.world.stats["clears"])
 
     def _check_retrieve_leases(self, req: SimRequest, op: SubmitRetrieve) -> None:
         """F20: a planned load reads through read leases its request still holds at the server.
@@ -858,8 +921,7 @@ class SimEngine:
         last = req.lease_seen
         if expired_at is None and not held and last is not None and last[0] <= now:
             # Gone, and due to expire by now anyway: expired, unless a restart or a clear took it.
-            if (last[1], last[2]) == (self.world.servers[self._retrieve_server(req)].incarnation,
-                                      self.world.stats["clears"]):
+            if (last[1], last[2]) == (self._incarnations(), self.world.stats["clears"]):
                 expired_at = last[0]
         if expired_at is not None:
             assert self.sched is not None
@@ -889,19 +951,33 @@ class SimEngine:
                 self.world.violation("F21", self.sched.name, f"{op.request_id}: load [{op.start}, {op.end}) planned "
                                      f"again{' after preemption' if req.preempted else ''}, on the leases of a "
                                      f"lookup its first allocation already spent")
+            self._check_placement(req)
             for w in self.workers:
                 assert w.node is not None
-                self.call(w.node, tc_name(req.retrieve_server), op)
+                self.call(w.node, tc_name(self.load_server(w.rank, req)), op)
         for store in plan.stores:
             for w in self.workers:
                 assert w.node is not None
-                for s in range(self.num_servers):
-                    self.call(w.node, tc_name(s), store)
+                self.call(w.node, tc_name(self.store_server(w.rank)), store)
         for rid in plan.sync_loads:
             req = self.requests.get(rid)
             if req is None or not req.sync:
                 self.world.violation("SAFETY", self.sched.name, f"plan loads {rid} synchronously, answered async")
         return plan.sync_loads
+
+    def _check_placement(self, req: SimRequest) -> None:
+        """F2: each rank loads its hit from the server that answered it for that rank (the
+        lookup's ranks per server, where the hit is leased); loaded from another server, the
+        hit is lost (a load error at best, the leases at the right server left to the TTL)."""
+        rps = self.planner().lookups.config.ranks_per_server
+        for rank in range(self.tp):
+            server = self.load_server(rank, req)
+            if rps is not None and rank not in rps[server]:
+                held = [s for s, ranks in enumerate(rps) if rank in ranks]
+                assert self.sched is not None
+                self.world.violation("F2", self.sched.name, f"{req.rid}: rank {rank} loads its hit from "
+                                     f"server{server}, but server{held[0] if held else '?'} answered (and leased) "
+                                     f"that rank's part of it: the hit is lost")
 
     def _check_resolution(self, rid: str, pending: Any) -> None:
         """F2: a hit the server answered, received while the client still waited for that server,

@@ -8,19 +8,30 @@ within 200 seeds.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.effects import Effect, Reply
+from mpcache.core_sm.effects import Effect, ErrorReply, Reply
 from mpcache.core_sm.errors import ProtocolError
-from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
-from mpcache.core_sm.health import HealthMonitor, Register, RegistrationFailed
+from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, server_for_rank
+from mpcache.core_sm.health import GiveUp, HealthMonitor, Register, RegistrationFailed, Resend
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
-from mpcache.core_sm.messages import Clear, Lookup, Ping, ReplyTo, ServerEpoch
+from mpcache.core_sm.messages import (
+    Clear,
+    Lookup,
+    Ping,
+    RegisterInstance,
+    ReplyTo,
+    ServerEpoch,
+    UnregisterInstance,
+    WaitPrefetchStatus,
+)
+from mpcache.core_sm.server_instances import InstanceState
 from mpcache.core_sm.planner import (
     BlocksAllocated,
     MatchAnswer,
@@ -87,6 +98,11 @@ class Profile:
             chain_key=cfg.chain_key,
             ack_first=True,  # as runtime_zmq: the node runs a lookup's work after its ack
         )
+
+    def load_server(self, rank: int, world_size: int, num_servers: int, request_id: str) -> int:
+        """The server worker ``rank`` loads a request from: where it stores, by production's
+        placement (``core_sm.client_config.server_for_rank``, which the lookups follow too)."""
+        return server_for_rank(rank, world_size, num_servers)
 
     def make_server(self, cfg: WorldConfig) -> LookupServer:
         return self.server_class(self.server_config(cfg))
@@ -459,6 +475,87 @@ class HmaPartialGroup(Profile):
     retrieve_first_group_only = True
 
 
+# wait-lost (F1): the client trusted the server's WAIT_PREFETCH_STATUS to answer within its wait,
+# so the transport set no deadline of its own on it and the lookup had no bound: a wait or its
+# reply lost in the network (a drop, a short partition) is never retried and the lookup hangs.
+class WaitTrustingLink(ServerLink):
+    def _on_submit(self, ev: Submit, now: float, out: list[Any]) -> None:
+        if type(getattr(ev.request, "request", None)) is WaitPrefetchStatus:
+            ev = attrs.evolve(ev, timeout=math.inf)  # the sim's frame: Outbound(machine, correlation, request)
+        super()._on_submit(ev, now, out)
+
+
+class WaitLost(Profile):
+    name = "wait-lost"
+    failure = "F1"
+    description = "client: a WAIT_PREFETCH_STATUS has no deadline and the lookup no bound; a lost reply hangs it"
+    link_class = WaitTrustingLink
+    lookup_timeout = math.inf
+
+
+# no-reregister: a transport that parks a request refused not_registered on a registration of its
+# own that it never sends; only that registration would release it (not the worker's own, not its
+# deadline), so it waits forever. Caught by the transport oracle (nothing parked after
+# quiescence); the instance may also show as never registered again (F19/F13) first.
+class ParkForeverLink(ServerLink):
+    def _do_register(self, effect: Register, now: float, out: list[Any]) -> None:
+        return None
+
+    def _do_resend(self, effect: Resend, now: float, out: list[Any]) -> None:
+        return None
+
+    def _do_give_up(self, effect: GiveUp, now: float, out: list[Any]) -> None:
+        if type(effect.request) is int and self.parked(effect.request):
+            return None
+        super()._do_give_up(effect, now, out)
+
+    def _on_timer(self, ev: Any, now: float, out: list[Any]) -> None:
+        parked = {uid: self._pending.pop(uid) for uid in self.parked_uids()}
+        super()._on_timer(ev, now, out)
+        self._pending.update(parked)
+
+
+class NoReregister(Profile):
+    name = "no-reregister"
+    failure = "LIVENESS"
+    also = ("F19", "F13")
+    description = "client link: after not_registered it parks the request forever and never registers again"
+    link_class = ParkForeverLink
+
+
+# placement-mismatch (F2): a worker stores to its rank's server but loads from the server the
+# request id picks (spreading loads over servers): a rank whose hit another server answered and
+# leased loads it from one that holds none of it.
+class PlacementMismatch(Profile):
+    name = "placement-mismatch"
+    failure = "F2"
+    description = "worker: loads from the server the request id picks, not the one its rank stores to"
+
+    def load_server(self, rank: int, world_size: int, num_servers: int, request_id: str) -> int:
+        return int(request_id[1:] or 0) % num_servers if request_id[1:].isdigit() else 0
+
+
+# double-register: the server before re-registrations were made idempotent -- each registration
+# replaces the last (the old one dropped, its transfers with it; a new id). The worker's machine and
+# its link both register again after not_registered, so the second registration orphans what the
+# first released: the resends naming it are refused not_registered and given up.
+class ReplacingRegistrationServer(LookupServer):
+    def handle(self, event: Any, now: float) -> list[Effect]:
+        if type(event) is RegisterInstance and self.instance_state(event.instance_id) is InstanceState.REGISTERED:
+            dropped = super().handle(UnregisterInstance(event.instance_id, peer=event.peer), now)
+            # the server's own unregister answers nobody
+            effects = [e for e in dropped if not (isinstance(e, (Reply, ErrorReply)) and e.reply_to is None)]
+            return effects + super().handle(event, now)
+        return super().handle(event, now)
+
+
+class DoubleRegister(Profile):
+    name = "double-register"
+    failure = "LIVENESS"
+    description = "server: a registration replaces the last (new id); the worker and its link both register again"
+    server_class = ReplacingRegistrationServer
+
+
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
     """The connector settings of the simulated world (its heartbeat knobs, production's others)."""
     return ConnectorSettings(request_timeout=cfg.request_timeout, lookup_status_wait=profile.lookup_status_wait,
@@ -469,9 +566,10 @@ PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (Profile(), UnknownNone(), ResendStatus(), OverwriteDup(), NoAckWait(), LeakOnAbort(),
               ReleaseAll(), SilentErrors(), NoReaper(), PlannerTailLeak(), PreemptReuse(), MissedEpoch(),
-              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst())
+              TrustAll(), IdleReap(), LeaseExpiryUnderQueue(), ActFirst(), WaitLost(), NoReregister(),
+              PlacementMismatch(), DoubleRegister(), HmaPartialGroup())
 }
-PROFILES[HmaPartialGroup.name] = HmaPartialGroup()
+
 LEGACY = [name for name in PROFILES if name != "default"]
 
 

@@ -33,6 +33,9 @@ class WorldConfig:
     l2_latency_min: float = 0.001
     l2_latency_mean: float = 0.005
     l2_fail_p: float = 0.0
+    # a share of L2 reads stalls for L2_STALL s (a Redis hiccup): longer than a status wait, so
+    # a waiter's own deadline answers it (drawn from its own stream)
+    l2_stall_p: float = 0.0
     tier_nodes: int = 0  # >0: L2 is a cluster tier of this many nodes (sim.fleet; not drawn)
     copy_latency_mean: float = 0.002
     copy_fail_p: float = 0.0
@@ -244,6 +247,9 @@ def draw_scenario(seed: int) -> Scenario:
                               sync_load_max_tokens=connector.choice((0, 1 << 40, 2 * chunk_size)))
         config = attrs.evolve(config, lookup_wait_idle=connector.choice((0.0, 0.05)))  # drawn last: the rest stay
     config = attrs.evolve(config, **draw_groups(seed, chunk_size, block_size))
+    stall = random.Random(f"{seed}:l2-stall")  # its own stream: other draws stay as they were
+    if config.l2_enabled and stall.random() < 0.3:
+        config = attrs.evolve(config, l2_stall_p=stall.choice((0.05, 0.2)))
     documents = [
         tuple(rng.randrange(1, 50000) for _ in range(chunk_size * rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
     ]

@@ -62,6 +62,7 @@ from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
 from mpcache.sim.cluster_tier import make_tier
 from mpcache.sim.engine import GROUP_SHIFT, SimEngine
+from mpcache.sim.link_coverage import drain_waiters
 from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
 from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg, Via, request_id_of
@@ -70,6 +71,9 @@ from mpcache.sim.timeline import Timeline
 from mpcache.sim.trace import MessageRecord, Trace, short
 
 HEARTBEAT = "hb"
+# An L2 read's stall (WorldConfig.l2_stall_p): past a status wait (at most 1 s), within the
+# server's l2_read_timeout (2 s), so the waiter's deadline answers None and the read still lands.
+L2_STALL = 1.5
 
 
 class ServerHost:
@@ -114,6 +118,7 @@ class World:
         self.net_rng = random.Random(f"{base}:net")
         self.exec_rng = random.Random(f"{base}:exec")
         self.fault_rng = random.Random(f"{base}:fault")
+        self.stall_rng = random.Random(f"{base}:l2-stall")  # its own stream: the others stay as they were
         self.net = SimNet(self.timeline, self.net_rng, self.config.net, self._deliver_packet, self._net_fate)
         self.net.now = trio.current_time
         self.nodes: dict[str, Node] = {}
@@ -253,6 +258,7 @@ class World:
         host.chunk_lookups = {}
         host.objects_held = frozenset()
         machine = ProbedServer(self.profile.make_server(self.config), self, host)
+        machine.inner.jobs.dispatch.trace = []  # its waiter rows, for the coverage counters
         node = self.make_node(host.name, {SERVER: machine}, self._interpret_server)
         host.node = node
         host.up = True
@@ -279,6 +285,8 @@ class World:
             self.timeline.after(delay, self._finish_transfer, host, host.incarnation, effect)
         elif t is ReadL2:
             delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean)
+            if self.config.l2_stall_p and self.stall_rng.random() < self.config.l2_stall_p:
+                delay += L2_STALL
             self.timeline.after(delay, self._finish_l2_read, host, host.incarnation, effect)
         elif t is WriteL2:
             delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean)
@@ -868,11 +876,15 @@ class ProbedServer:
             self._act_first(event)
         adversary = self.world.adversary
         if adversary is None:
-            return self._handle(event, now)
-        if adversary.sent(event):  # judged by its own oracle (F22)
-            return adversary.judge(self.inner, self.host, event, now)
-        effects = self._handle(event, now)
-        adversary.observe(self.host.index, event, effects)
+            effects: list[Any] = self._handle(event, now)
+        elif adversary.sent(event):  # judged by its own oracle (F22)
+            effects = adversary.judge(self.inner, self.host, event, now)
+            drain_waiters(self.world.stats, self.inner.jobs.dispatch.trace, honest=False)
+            return effects
+        else:
+            effects = self._handle(event, now)
+            adversary.observe(self.host.index, event, effects)
+        drain_waiters(self.world.stats, self.inner.jobs.dispatch.trace, honest=True)
         return effects
 
     def _act_first(self, event: Any) -> None:

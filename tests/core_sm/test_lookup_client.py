@@ -376,6 +376,19 @@ def test_first_or_same_epoch_changes_nothing() -> None:
     assert c.handle(ServerEpoch(5, "y"), 0.2) == [] and c.stats()["bad_replies"] == 1
 
 
+def test_a_server_holding_no_rank_is_not_asked() -> None:
+    """More servers than ranks (core_sm.client_config.ranks_per_server): the lookup asks only the
+    servers holding a rank, and resolves on their answers alone."""
+    c = client(3, world_size=2, ranks_per_server=((0,), (1,), ()))
+    fx = c.handle(SubmitLookup("r", tokens(2)), 0.0)
+    assert sorted(e.server for e in sends(fx, Lookup)) == [0, 1]
+    for q in sends(ack_all(c, fx), QueryPrefetchStatus):
+        c.handle(ReplyReceived(q.server, q.correlation, 2), 0.0)
+    assert c.check("r") == 2 * C  # both holding servers answered: resolved
+    c.handle(ServerHealth(2, False), 0.0)  # the idle server's health does not decide the lookup
+    assert sends(c.handle(SubmitLookup("r2", tokens(2)), 0.0), Lookup)
+
+
 def test_lookups_name_each_servers_ranks() -> None:
     c = client(2, world_size=4, ranks_per_server=((0, 1), (2, 3)))
     fx = sends(c.handle(SubmitLookup("r", tokens(1)), 0.0), Lookup)
@@ -384,7 +397,7 @@ def test_lookups_name_each_servers_ranks() -> None:
     assert all(isinstance(e.request, Lookup) and e.request.ranks is None for e in plain)
 
 
-@pytest.mark.parametrize("rps", [((0,),), ((0,), (5,)), ((0,), ()), ((0, 0), (1,))])
+@pytest.mark.parametrize("rps", [((0,),), ((0,), (5,)), ((), ()), ((0, 0), (1,))])
 def test_bad_ranks_per_server_is_refused_at_construction(rps: tuple[tuple[int, ...], ...]) -> None:
     with pytest.raises(ValueError):
         LookupClientConfig(num_servers=2, world_size=2, ranks_per_server=rps)

@@ -306,9 +306,10 @@ def test_server_dies_with_a_load_in_flight(start_server: Callable[..., Any], eng
     assert engine.blocks_in_use() == 0
 
 
-def test_two_servers_the_hit_is_the_minimum(start: Any, engine_factory: Any) -> None:
-    """Lookups go to every server; the worker (rank 0 of 1) stores to the first. The second
-    server has nothing, so nothing may be promised, and the first server's leases are freed."""
+def test_two_servers_one_rank_hits_where_it_stored(start: Any, engine_factory: Any) -> None:
+    """The worker (rank 0 of 1) stores to and loads from the first server (core_sm's placement,
+    client_config.server_for_rank); the second holds no rank, so the lookup does not ask it (it
+    asked every server for every rank, and b's miss made every hit a miss)."""
     a, b = start(), start()
     engine = engine_factory(a.url, b.url)
     prompt = tokens(3 * CHUNK, 13)
@@ -317,28 +318,50 @@ def test_two_servers_the_hit_is_the_minimum(start: Any, engine_factory: Any) -> 
     assert stats(a.url)["objects"] == 3 and stats(b.url)["objects"] == 0
     again = engine.add("b", prompt)
     engine.run_all()
-    assert again.external == 0
-    assert stats(a.url)["hit_chunks"] == 3  # server a did hit; the minimum is b's 0
+    assert again.external == 3 * CHUNK - 1 and again.checked
+    assert stats(b.url)["lookups"] == 0
     _wait_leases_released(a.url)
     assert_clean(engine, a.url, b.url)
 
 
-def test_two_servers_sharing_redis_both_hit(start: Any, engine_factory: Any, redis_url: str) -> None:
-    """Two nodes on one Redis L2: what the worker stored through server a reaches server b by
-    write-behind; b's lookup prefetches it, so the minimum is the full hit and the load (from a)
-    is exact. b's prefetch leases are released by the end of the request."""
-    a, b = start("--l2", redis_url), start("--l2", redis_url)
-    engine = engine_factory(a.url, b.url)
-    prompt = tokens(3 * CHUNK, 14)
+@pytest.mark.xfail(strict=True, reason="the wire's lookup carries no ranks (Lookup.ranks): each server is asked "
+                                       "for both ranks, holds one, and misses")
+def test_two_servers_two_ranks_each_server_holds_and_answers_its_rank(start: Any, engine_factory: Any) -> None:
+    """Rank r of 2 stores to server r; each server's lookup should name only its rank, so the hit
+    is every rank's."""
+    a, b = start(), start()
+    engine = engine_factory(a.url, b.url, world_size=2)
+    prompt = tokens(3 * CHUNK, 16)
     engine.add("a", prompt)
     engine.run_all()
-    _wait(lambda: stats(a.url)["l2_writes_in_flight"] == 0 and stats(a.url)["l2_writes"] >= 3, 10)
+    assert stats(a.url)["objects"] == 3 and stats(b.url)["objects"] == 3
     again = engine.add("b", prompt)
     engine.run_all()
     assert again.external == 3 * CHUNK - 1 and again.checked
-    assert stats(b.url)["l2_reads"] >= 1
+    assert stats(a.url)["hit_chunks"] == 3 and stats(b.url)["hit_chunks"] == 3
+    _wait_leases_released(a.url)
     _wait_leases_released(b.url)
     assert_clean(engine, a.url, b.url)
+
+
+def test_two_servers_sharing_redis_both_hit(start: Any, engine_factory: Any, redis_url: str) -> None:
+    """Two nodes on one Redis L2: what an engine stored through server a reaches server b by
+    write-behind; an engine on b looks it up, b prefetches it, and the load is exact. b's
+    prefetch leases are released by the end of the request."""
+    a, b = start("--l2", redis_url), start("--l2", redis_url)
+    writer = engine_factory(a.url)
+    prompt = tokens(3 * CHUNK, 14)
+    writer.add("a", prompt)
+    writer.run_all()
+    _wait(lambda: stats(a.url)["l2_writes_in_flight"] == 0 and stats(a.url)["l2_writes"] >= 3, 10)
+    reader = engine_factory(b.url)
+    again = reader.add("b", prompt)
+    reader.run_all()
+    assert again.external == 3 * CHUNK - 1 and again.checked
+    assert stats(b.url)["l2_reads"] >= 1
+    _wait_leases_released(b.url)
+    assert_clean(writer, a.url)
+    assert_clean(reader, b.url)
 
 
 def test_two_engines_of_one_process_share_a_server(start: Any, engine_factory: Any) -> None:

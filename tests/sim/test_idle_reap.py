@@ -16,12 +16,18 @@ def _reaps(lines: tuple[str, ...]) -> list[str]:
 
 def test_idle_live_instances_stay_registered_and_silent_ones_are_reaped() -> None:
     ttl = PROFILES["default"].instance_ttl
-    scenario = draw_scenario(0)
+    base = draw_scenario(0)
+    # Engine 0 crashes as the safety phase ends: its instances fall silent and are reaped. The
+    # others idle, live, for longer than the TTL (until the world shuts down and they unregister,
+    # as the connector's close does): idleness alone never reaped one.
+    crash = FaultSpec(base.config.safety_duration - 0.1, "crash_engine", (0,))
+    scenario = attrs.evolve(base, faults=(*base.faults, crash))
+    assert base.config.num_engines >= 2
     result, world = run_scenario(scenario, "default", keep_lines=True)
     assert result.ok, result.violation
-    # The world idles for longer than the TTL while its workers are up (then their heartbeats
-    # stop and every instance is reaped): idleness alone never reaped one.
     assert world.stats["instances_reaped"] >= 1
+    assert world.stats["instances_reaped"] == len(_reaps(result.lines))
+    assert all(" instance 1 reaped" in line for line in _reaps(result.lines)), _reaps(result.lines)
     assert ttl is not None and ttl < 10.0
     bad, _ = run_scenario(scenario, "idle-reap")
     assert bad.violation is not None and bad.violation.code == "F19", bad.violation

@@ -85,3 +85,31 @@ def test_the_simulator_builds_its_configs_as_the_connector_does() -> None:
     named = attrs.evolve(simulated_link.health, timeout=production_link.health.timeout,
                          backoff_max=production_link.health.backoff_max, initially_healthy=False)
     assert attrs.evolve(simulated_link, health=named) == production_link
+
+
+def test_the_simulator_places_ranks_as_the_connector_does() -> None:
+    """A worker rank stores to and loads from the server production's placement names
+    (core_sm.client_config.server_for_rank, which ConnectorConfig.server_for_rank uses too);
+    its links to the other servers carry no store or retrieve."""
+    from mpcache.core_sm.client_config import server_for_rank
+    from mpcache.runtime_zmq.adapters import ConnectorConfig
+
+    urls = ("tcp://a:1", "tcp://b:1", "tcp://c:1")
+    connector = ConnectorConfig(server_urls=urls)
+    assert [connector.server_for_rank(r, 4) for r in range(4)] == [urls[server_for_rank(r, 4, 3)] for r in range(4)]
+    scenario = draw_scenario(5)  # two servers, two ranks
+    assert scenario.config.num_servers == 2 and scenario.config.tp == 2
+    result, world = run_scenario(scenario)
+    assert result.ok, result.violation
+    moved = 0
+    for engine in world.engines:
+        for worker in engine.workers:
+            assert worker.node is not None
+            home = server_for_rank(worker.rank, engine.tp, engine.num_servers)
+            for s in range(engine.num_servers):
+                stats = worker.node.machines[tc_name(s)].stats()
+                if s != home:
+                    assert stats["stores"] == stats["retrieves"] == 0, (worker.name, s, stats)
+                else:
+                    moved += stats["stores"]
+    assert moved > 0, "no worker stored anything"
