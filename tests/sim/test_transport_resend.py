@@ -21,6 +21,13 @@ from mpcache.sim.runner import run_scenario
 from mpcache.sim.scenario import FaultSpec, RequestSpec, Scenario, WorldConfig, draw_scenario
 
 
+# A drawn world where a store is sent while the server is down, refused not_registered, and resent
+# after the registration (seeds 10, 26, 29, 42, 48 of 0-60 refuse one; 29 is the first whose
+# resend a server without registration ids refuses again). The draw moved when the worlds gained
+# KV-cache groups and L2 stalls.
+SEED = 29
+
+
 def _restart_between_heartbeats(seed: int, at: float) -> Scenario:
     """A server that is down for 20 ms: no heartbeat misses it, the stores sent meanwhile (and
     before the next heartbeat shows the new epoch) are refused not_registered."""
@@ -29,7 +36,7 @@ def _restart_between_heartbeats(seed: int, at: float) -> Scenario:
 
 
 def test_a_refused_store_is_resent_once_after_the_registration_or_fails_with_a_reason() -> None:
-    result, world = run_scenario(_restart_between_heartbeats(13, 0.9), keep_lines=True)
+    result, world = run_scenario(_restart_between_heartbeats(SEED, 0.9), keep_lines=True)
     assert result.ok, result.violation
     assert world.stats.get("transport_refusals", 0) >= 1
     assert world.stats.get("transport_resends", 0) >= 1
@@ -65,7 +72,7 @@ class ResendForever(Profile):
 
 def test_a_request_resent_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(PROFILES, ResendForever.name, ResendForever())
-    result, _ = run_scenario(_restart_between_heartbeats(13, 0.9), ResendForever.name)
+    result, _ = run_scenario(_restart_between_heartbeats(SEED, 0.9), ResendForever.name)
     assert result.violation is not None and result.violation.code == "SAFETY", result.violation
     assert "resent a second time" in result.violation.message
 
@@ -75,7 +82,7 @@ def test_a_resend_after_the_registration_is_not_refused_again() -> None:
     ``_transfer_once``) kept the original STORE's not_registered refusal and answered the
     byte-identical resend with it. The resend now names the registration it follows, so it is
     another op to that record, and goes through."""
-    result, world = run_scenario(_restart_between_heartbeats(13, 0.9), keep_lines=True)
+    result, world = run_scenario(_restart_between_heartbeats(SEED, 0.9), keep_lines=True)
     assert result.ok, result.violation
     resent = {line.split("#")[1].split()[0] for line in result.lines if "resent after the registration" in line}
     assert resent
@@ -101,7 +108,7 @@ class ResendAsOriginal(Profile):
 def test_a_resend_refused_by_its_originals_record_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hasattr(TransferMachine, "_named_registration")
     monkeypatch.setitem(PROFILES, ResendAsOriginal.name, ResendAsOriginal())
-    result, _ = run_scenario(_restart_between_heartbeats(13, 0.9), ResendAsOriginal.name)
+    result, _ = run_scenario(_restart_between_heartbeats(SEED, 0.9), ResendAsOriginal.name)
     assert result.violation is not None and result.violation.code == "LIVENESS", result.violation
     assert "still the instance's, was refused not_registered again" in result.violation.message
 
