@@ -473,7 +473,10 @@ def _lookup(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: L
     if tp_size is not None and not 0 <= tp_size <= limits.max_world_size:
         raise BadRequest(f"lookup tp_size must be in [0, {limits.max_world_size}], not {tp_size}")
     readers = m.lookup_num_readers(k.num_kv_readers, tp_size, k.key.world_size)
-    return m.Lookup(k.key, num_readers=readers, reply_to=rt, peer=peer)
+    # mpcache's trailing ``ranks``: the KV ranks this server holds for the request (tensor-parallel
+    # ranks spread over servers); LMCache's clients leave it out (every rank). core_sm refuses
+    # empty, repeated or out-of-range ranks.
+    return m.Lookup(k.key, num_readers=readers, ranks=_opt(a, 2), reply_to=rt, peer=peer)
 
 
 def _store(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: Limits) -> m.Store:
@@ -551,8 +554,10 @@ OPS: Final[tuple[OpSpec, ...]] = (
           encode=lambda r, h, x: () if r.instance_id is None else (r.instance_id,)),
     _spec("get_chunk_size", 21, request_type=m.GetChunkSize,
           build=lambda a, rt, pr, now, lim: m.GetChunkSize(reply_to=rt, peer=pr), encode=lambda r, h, x: ()),
-    _spec("lookup", 8, P.KEY, P.INT, optional_tail=1, request_type=m.Lookup, build=_lookup,
-          encode=lambda r, h, x: (encode_key(r.key, r.num_readers), 1)),
+    # lookup(key[, tp_size][, ranks]): ranks is mpcache's, sent only when the engine's ranks are
+    # spread over several servers
+    _spec("lookup", 8, P.KEY, P.INT, P.INT_LIST, optional_tail=2, request_type=m.Lookup, build=_lookup,
+          encode=lambda r, h, x: (encode_key(r.key, r.num_readers), 1, *(() if r.ranks is None else (list(r.ranks),)))),
     _spec("query_prefetch_status", 9, P.ID, request_type=m.QueryPrefetchStatus,
           build=lambda a, rt, pr, now, lim: m.QueryPrefetchStatus(a[0], reply_to=rt, peer=pr), encode=lambda r, h, x: (r.request_id,)),
     _spec("wait_prefetch_status", 10, P.ID, P.FLOAT, request_type=m.WaitPrefetchStatus,

@@ -69,7 +69,6 @@ from mpcache.core_sm.messages import (
     Abort,
     CopyFinished,
     EngineFinished,
-    Lookup,
     Ping,
     RegisterInstance,
     QueryPrefetchStatus,
@@ -532,10 +531,6 @@ class SimEngine:
         body: Any
         if isinstance(request, Outbound):
             body = request.request
-            if type(body) is Lookup and body.ranks is not None:
-                # production's wire form of a lookup carries no ranks (runtime_zmq/wire.py): the
-                # server looks up every rank of the key's world size, as it does here
-                body = attrs.evolve(body, ranks=None)
             if t.resend:
                 body = resend_of(body, t.registration)
                 self._note_resend(links, server, t, request, body)

@@ -627,8 +627,11 @@ class World:
         req = engine.requests.get(rid)
         if req is None:
             return
+        # the ranks this server was asked about (core_sm's placement: a lookup names its server's)
+        rps = engine.planner().lookups.config.ranks_per_server
+        ranks = range(engine.tp) if rps is None else rps[via.server]
         for c in range(min(chunks, len(req.hashes))):
-            for r in range(engine.tp):
+            for r in ranks:
                 if ObjectKey(req.hashes[c], r) not in self.written:
                     self.violation("HIT", node, f"{rid}: status answered {chunks} chunks but chunk {c} rank {r} "
                                    f"was never stored anywhere")

@@ -324,8 +324,6 @@ def test_two_servers_one_rank_hits_where_it_stored(start: Any, engine_factory: A
     assert_clean(engine, a.url, b.url)
 
 
-@pytest.mark.xfail(strict=True, reason="the wire's lookup carries no ranks (Lookup.ranks): each server is asked "
-                                       "for both ranks, holds one, and misses")
 def test_two_servers_two_ranks_each_server_holds_and_answers_its_rank(start: Any, engine_factory: Any) -> None:
     """Rank r of 2 stores to server r; each server's lookup should name only its rank, so the hit
     is every rank's."""

@@ -250,3 +250,24 @@ print("decoded", len(r.args[0].key.token_ids))
     assert out.stdout.strip() == "decoded 300", out.stdout
     assert "Traceback" not in out.stderr, out.stderr
     assert out.stderr.count("WARNING mpcache.tokens: list-form token ids are decoded by msgpack") == 1, out.stderr
+
+
+# --- a lookup's ranks (tensor-parallel ranks spread over several servers) --------------------------
+
+def test_a_lookups_ranks_travel_and_bad_ones_are_refused() -> None:
+    """Before the trailing ``ranks`` payload, a server holding rank 1 of 2 was asked for both
+    ranks and missed every lookup (tests/runtime_zmq/test_adapters.py, two servers two ranks)."""
+    from mpcache.core_sm.messages import CacheKey
+    from mpcache.runtime_zmq.wire import request_to_wire
+
+    key = CacheKey(model_name="m", world_size=2, worker_id=None, token_ids=tuple(TOKENS[:512]), start=0,
+                   end=512, request_id="r")
+    for ranks in ((1,), (0, 1), None):
+        op, payloads = request_to_wire(Lookup(key, ranks=ranks))
+        assert op == "lookup" and len(payloads) == (2 if ranks is None else 3)
+        encoded = dict(payloads[0])
+        encoded["token_ids"] = list(key.token_ids)
+        assert _lookup(encoded, *payloads[1:]).ranks == ranks
+    assert _lookup(_key(TOKENS, world_size=2), 1).ranks is None  # LMCache's client: every rank
+    bad = _decode(_key(TOKENS, world_size=2), 1, "one")
+    assert isinstance(bad, DecodeError) and bad.kind == ErrorKind.UNDECODABLE
