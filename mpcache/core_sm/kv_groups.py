@@ -28,7 +28,9 @@ leases and the server are those of one group. The keys of such an engine differ 
 one-group engine's (``layout_identity``: the object layout differs). A store or retrieve op
 carries every group's blocks for its range, group after group (``join_group_blocks`` /
 ``split_group_blocks``); a retrieve writes a window group's blocks only from
-``group_retrieve_skip`` on (vLLM hands null blocks for the tokens before the window). A load of
+``group_retrieve_skip`` on (vLLM hands null blocks for the tokens before the window), taken at
+the retrieve's end; ``load_end`` ends a load where vLLM's resume point gives the same first
+block (a whole-prompt hit resumes one token short of the end). A load of
 several groups is asynchronous (``sync_load_allowed``): vLLM can map a failed load back to its
 request only by request id then, not by block id.
 
@@ -168,9 +170,29 @@ def split_group_blocks(block_ids: Sequence[int], num_groups: int) -> tuple[tuple
 def group_retrieve_skip(group: KVGroup, start: int, end: int, skip_first_n_tokens: int) -> int:
     """Tokens of a retrieve ``[start, end)`` not written into ``group``'s blocks: the engine's
     own (``skip_first_n_tokens``) and, for a sliding window, those before its first block vLLM
-    keeps once ``end`` tokens are computed (it hands null blocks for them)."""
+    keeps once ``end`` tokens are computed (it hands null blocks for them). vLLM may resume
+    short of ``end`` (a whole-prompt hit: it computes the last prompt token); ``load_end`` keeps
+    such a load where that first block is the same."""
     skip = max(skip_first_n_tokens, first_live_token(group, end) - start)
     return min(max(skip, 0), end - start)
+
+
+def load_end(groups: Sequence[KVGroup], end: int, num_prompt_tokens: int, chunk: int) -> int:
+    """Where a load of several groups reaching at most ``end`` (a multiple of ``chunk``) ends.
+
+    vLLM resumes at ``min(end, num_prompt_tokens - 1)`` (a hit of the whole prompt leaves its
+    last token to compute) and keeps a window's blocks from ``first_live_token`` of that point,
+    while the worker, which sees only the retrieve, writes them from ``group_retrieve_skip``'s,
+    taken at ``end``. One token short of ``end``, a window keeps one block more when
+    ``end - window + 1`` is a multiple of the block size: that block would stay unwritten and
+    be read. There the load ends a chunk earlier (vLLM resumes at that chunk's end, where both
+    agree); elsewhere at ``end``."""
+    while end > 0:
+        resume = min(end, num_prompt_tokens - 1)
+        if all(first_live_token(g, resume) == first_live_token(g, end) for g in groups):
+            return end
+        end -= chunk
+    return 0
 
 
 def store_floor(groups: Sequence[KVGroup], computed: int) -> int:

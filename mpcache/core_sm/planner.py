@@ -47,8 +47,11 @@ make every request a miss -- no lookup, no lease, no store -- never a partial re
 sliding-window group: a load writes only the chunks of the window before the resume point.
 Several groups (full attention and windows mixed): one object per chunk holds them all, so the
 hit is one lookup's; each op carries every group's blocks (``kv_groups.join_group_blocks``) and
-loads are asynchronous (``kv_groups.sync_load_allowed``). A store never reads a block that left
-a window before its step (vLLM may have reused it): ``kv_groups.store_floor``.
+loads are asynchronous (``kv_groups.sync_load_allowed``). The workers write a window's blocks
+from its first live one at the retrieve's end; a whole-prompt hit, which vLLM resumes one token
+short of it, ends a chunk earlier where a window would keep one block more there
+(``kv_groups.load_end``). A store never reads a block that left a window before its step (vLLM
+may have reused it): ``kv_groups.store_floor``.
 
 Tensor parallelism: one planner serves every rank; the plan is the same for all of them, and
 each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``).
@@ -59,7 +62,15 @@ import heapq
 
 from mpcache.core_sm.effects import Effect
 from mpcache.core_sm.errors import ProtocolError
-from mpcache.core_sm.kv_groups import join_group_blocks, needed_chunks, store_floor, sync_load_allowed, unrestorable
+from mpcache.core_sm.kv_groups import (
+    join_group_blocks,
+    load_end,
+    needed_chunks,
+    several,
+    store_floor,
+    sync_load_allowed,
+    unrestorable,
+)
 from mpcache.core_sm.lookup_client import LookupClient
 from mpcache.core_sm.messages import (
     Cleanup,
@@ -118,6 +129,8 @@ class StepPlanner:
         self.unrestorable = unrestorable(config.kv_groups, config.cpu_engine)
         # the one group restored (None: a plain full-attention engine, or several groups)
         self.kv_group = config.kv_groups[0] if self.unrestorable is None and len(config.kv_groups) == 1 else None
+        # several groups restored: the workers write a window's blocks from its first live one
+        self._several_groups = self.unrestorable is None and several(config.kv_groups)
         self._sync_loads_allowed = sync_load_allowed(config.kv_groups)
         self._trackers: dict[str, RequestTracker] = {}
         self._step_stores: list[SubmitStore] = []  # the stores of the step being planned
@@ -204,8 +217,18 @@ class StepPlanner:
     def loadable_tokens(self, tracker: RequestTracker) -> int:
         """Tokens of the prompt a hit can cover: the engine needs the last prompt token to sample
         from, so it is always computed."""
-        loadable = min(tracker.hit_tokens or 0, tracker.num_prompt_tokens - 1)
-        return loadable if tracker.load_limit is None else min(loadable, tracker.load_limit)
+        return min(self.load_end(tracker), tracker.num_prompt_tokens - 1)
+
+    def load_end(self, tracker: RequestTracker) -> int:
+        """Where a load of the hit ends (a chunk boundary): the hit, capped by the request's
+        load limit; with several groups where each window's first live block agrees with the
+        one vLLM keeps at its resume point (``kv_groups.load_end``)."""
+        end = tracker.hit_tokens or 0
+        if tracker.load_limit is not None:
+            end = min(end, tracker.load_limit)
+        if self._several_groups:
+            end = load_end(self.config.kv_groups, end, tracker.num_prompt_tokens, self.config.chunk_size)
+        return end
 
     def unused_lease_ranges(self, hit: int, start: int, end: int) -> list[tuple[int, int]]:
         """Token ranges of the hit ``[0, hit)`` whose leases the engine will not read, when the
@@ -358,7 +381,7 @@ class StepPlanner:
         if event.num_external_tokens > 0 and hit > 0:
             start = tracker.engine_hit_tokens // chunk * chunk
             covered = tracker.num_blocks() * block
-            end = min(hit if tracker.load_limit is None else min(hit, tracker.load_limit), covered // chunk * chunk)
+            end = min(self.load_end(tracker), covered // chunk * chunk)
             if self.kv_group is not None and end > start:  # a window needs only its chunks before end
                 start = max(start, needed_chunks(self.kv_group, end, chunk).start * chunk)
             if end > start:

@@ -60,12 +60,7 @@ class ViolationFound(Exception):
 # Hypothesis properties list them as known instead of failing, and fail on anything else. Add an
 # entry only together with its reduced world in tests/sim/findings/; remove it when core_sm is
 # fixed (docs/simulator.md, "Findings so far").
-KNOWN_CORE_SM_RACES: tuple[tuple[str, str], ...] = (
-    # a whole-prompt hit with a sliding-window group: vLLM resumes one token short of the
-    # retrieve's end and keeps one more window block than the worker writes
-    # (tests/sim/findings/hma-window-resume-mid-chunk.json)
-    ("F24", "its first live block, resuming mid-chunk"),
-)
+KNOWN_CORE_SM_RACES: tuple[tuple[str, str], ...] = ()
 
 
 def is_known_race(violation: Violation | None) -> bool:

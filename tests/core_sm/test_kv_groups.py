@@ -13,6 +13,7 @@ from mpcache.core_sm.kv_groups import (
     group_retrieve_skip,
     join_group_blocks,
     layout_identity,
+    load_end,
     needed_chunks,
     resume_point,
     split_group_blocks,
@@ -108,6 +109,29 @@ def test_a_retrieve_writes_a_window_only_from_its_first_live_block() -> None:
     assert group_retrieve_skip(window, 256, 512, 200) == 200  # the engine's own blocks stay
     assert group_retrieve_skip(FULL, 0, 512, 32) == 32
     assert group_retrieve_skip(KVGroup(GroupKind.SLIDING_WINDOW, 16, window=16), 0, 32, 0) == 16
+
+
+def test_a_whole_prompt_load_ends_where_vllms_resume_keeps_the_same_window_blocks() -> None:
+    # 1024 - 497 + 1 = 528, a multiple of 16: at 1023 vLLM keeps the window from 512, one block
+    # before the end's 528; the load ends a chunk earlier (768: both keep from 272)
+    odd = KVGroup(GroupKind.SLIDING_WINDOW, 16, window=497)
+    assert first_live_token(odd, 1023) == 512 and first_live_token(odd, 1024) == 528
+    assert load_end([FULL, odd], 1024, 1024, C) == 768
+    assert load_end([FULL, odd], 1024, 1025, C) == 1024  # vLLM resumes at the end
+    for beside in (496, 498, 512):  # elsewhere both agree: the whole hit loads
+        assert load_end([FULL, KVGroup(GroupKind.SLIDING_WINDOW, 16, window=beside)], 1024, 1024, C) == 1024
+    assert load_end([FULL, SWA, odd], 1024, 1024, C) == 768  # any window decides
+    assert load_end([FULL], 1024, 1024, C) == 1024 and load_end([FULL, odd], 0, 1024, C) == 0
+
+
+@given(window=st.integers(1, 4 * C), chunks=st.integers(0, 6), tail=st.integers(0, C), bs=st.sampled_from([1, 2, 16]))
+def test_a_load_end_agrees_with_vllms_resume_point(window: int, chunks: int, tail: int, bs: int) -> None:
+    group = KVGroup(GroupKind.SLIDING_WINDOW, bs, window=window)
+    prompt = chunks * C + tail
+    end = load_end([FULL, group], chunks * C, max(prompt, 1), C)
+    assert end % C == 0 and 0 <= end <= chunks * C and chunks * C - end <= C
+    if end:
+        assert first_live_token(group, min(end, prompt - 1)) == first_live_token(group, end)
 
 
 def test_a_store_starts_no_earlier_than_the_narrowest_window_keeps() -> None:

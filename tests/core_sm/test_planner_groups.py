@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpcache.core_sm.kv_groups import GroupKind, KVGroup
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup, group_retrieve_skip
 from mpcache.core_sm.messages import SubmitLookup, SubmitStore
 from mpcache.core_sm.planner import BlocksAllocated, MatchAnswer, ScheduledRequest
 from test_planner import BS, C, frees, match, planner, step
@@ -123,3 +123,52 @@ def test_full_and_window_store_stops_at_a_block_the_window_freed() -> None:
     assert step(p, ScheduledRequest("r", 0, C - BS, range(12), True, (range(100, 112),))).stores == ()
     assert step(p, ScheduledRequest("r", C - BS, 2 * C, None)).stores == ()
     assert step(p, ScheduledRequest("r", 3 * C - BS, BS, None)).stores == ()
+
+
+def vllm_first_live_block(window: int, computed: int) -> int:
+    """vLLM's first block of a window group kept once ``computed`` tokens are computed
+    (``SlidingWindowManager.get_num_skipped_tokens``: the tokens before
+    ``computed - window + 1``); the blocks before it are its null block."""
+    return max(0, computed - window + 1) // BS
+
+
+def whole_prompt_load(window: int, prompt_tokens: int) -> tuple[MatchAnswer, int, int, int]:
+    """A hit of every chunk of a prompt of ``prompt_tokens`` tokens on full attention + a window
+    of ``window`` tokens: the match, the retrieve's range and the window group's first block the
+    worker writes (``kv_groups.group_retrieve_skip``, as production's worker and the simulator's
+    take it)."""
+    groups = (FULL, KVGroup(GroupKind.SLIDING_WINDOW, BS, window=window))
+    hit = prompt_tokens // C * C
+    p, _ = planner(hit, kv_groups=groups, cpu_engine=True)
+    answer = match(p, list(range(prompt_tokens)))
+    blocks = -(-prompt_tokens // BS)
+    p.handle(BlocksAllocated("r", range(blocks), answer.tokens or 0, (range(100, 100 + blocks),)), 0.0)
+    (retrieve,) = step(p).retrieves
+    skip = group_retrieve_skip(groups[1], retrieve.start, retrieve.end, retrieve.skip_first_n_tokens)
+    return answer, retrieve.start, retrieve.end, (retrieve.start + skip) // BS
+
+
+@pytest.mark.parametrize("window", [5, 4, 6, 13, 14, 1, 2 * C + 1])
+def test_a_whole_prompt_hit_writes_the_window_from_the_block_vllm_keeps(window: int) -> None:
+    """A hit of the whole prompt: vLLM resumes one token short of the retrieve's end (it
+    computes the last prompt token), so a window keeps one block more than at the end when
+    ``end - window + 1`` is a multiple of the block size (odd windows here: 3C - window + 1
+    even). The worker writes the window from its first live block at the end; there the load
+    ends a chunk earlier, where both agree. Beside it (even windows) the whole hit is loaded."""
+    prompt = 3 * C
+    answer, start, end, written_from = whole_prompt_load(window, prompt)
+    resume = answer.tokens or 0  # vLLM's num_computed_tokens after the load
+    assert start < end and resume <= end
+    assert written_from == max(start // BS, vllm_first_live_block(window, resume))  # no live block left unwritten
+    boundary = (prompt - window + 1) % BS == 0 and prompt - window + 1 > 0
+    assert (resume, end) == ((2 * C, 2 * C) if boundary else (prompt - 1, prompt))
+
+
+@pytest.mark.parametrize("window", range(1, 3 * C + 3))
+def test_every_window_loads_from_the_block_vllm_keeps(window: int) -> None:
+    for prompt in (3 * C, 3 * C + 1, 3 * C + BS + 1):  # the whole prompt a hit, or its tail computed
+        answer, start, end, written_from = whole_prompt_load(window, prompt)
+        resume = answer.tokens or 0
+        assert resume <= end and written_from == max(start // BS, vllm_first_live_block(window, resume)), prompt
+        if prompt > 3 * C:  # vLLM resumes at the end: nothing to give up
+            assert resume == end == 3 * C

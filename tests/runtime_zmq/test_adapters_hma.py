@@ -165,6 +165,50 @@ def test_two_groups_store_together_and_load_every_group(make_engine: Any, window
     engine.finish("b")
 
 
+def vllm_first_live_token(window: int, computed: int) -> int:
+    """vLLM's first window token whose block it keeps once ``computed`` tokens are computed
+    (``SlidingWindowManager.get_num_skipped_tokens``); it hands null blocks before it."""
+    return max(0, computed - window + 1) // BLOCK * BLOCK
+
+
+@pytest.mark.parametrize("window", [2 * BLOCK + 1, 2 * BLOCK + 2], ids=["window-block-boundary", "beside-it"])
+def test_a_whole_prompt_hit_writes_every_window_block_vllm_keeps(make_engine: Any, window: int) -> None:
+    """A hit of the whole prompt (3 chunks): vLLM resumes one token short of the chunks' end (it
+    computes the last prompt token), so its window keeps the blocks from ``resume - window + 1``
+    on. With ``3 * CHUNK - window + 1`` a multiple of the block size that is one block more than
+    at the end: the connector then loads 2 chunks, resumed at their end; beside it, the whole
+    hit. Either way every window block vLLM keeps holds the stored KV."""
+    engine, _server = make_engine(window)
+    prompt = [random.Random(4).randrange(50_000) for _ in range(3 * CHUNK)]
+    n_blocks = len(prompt) // BLOCK
+    assert engine.match("a", prompt) == (0, False)
+    source = [engine.blocks(n_blocks), engine.blocks(n_blocks)]
+    engine.scheduler.update_state_after_alloc("a", source[0], 0, [source[1]])
+    engine.forward(source, 0, len(prompt), seed=4)
+    assert [(s.start, s.end) for s in engine.run_step(
+        [ScheduledRequest("a", 0, len(prompt), source[0], True, (source[1],))]).stores] == [(0, 3 * CHUNK)]
+    engine.finish("a")
+
+    resume, _ = engine.match("b", prompt)  # vLLM's num_computed_tokens once the load lands
+    boundary = (len(prompt) - window + 1) % BLOCK == 0
+    assert resume == (2 * CHUNK if boundary else len(prompt) - 1)
+    live = vllm_first_live_token(window, resume)
+    full = engine.blocks(n_blocks)
+    windowed = [NULL_BLOCK] * (live // BLOCK) + engine.blocks(n_blocks - live // BLOCK)
+    engine.scheduler.update_state_after_alloc("b", full, resume, [windowed])
+    (retrieve,) = engine.run_step([]).retrieves
+    assert (retrieve.start, retrieve.end) == (0, -(-resume // CHUNK) * CHUNK)
+    engine.wait_loaded("b")
+    for name in engine.names[0]:
+        for t in range(resume):
+            assert torch.equal(engine.kv[name][full[t // BLOCK], :, t % BLOCK], value(4, name, t)), (name, t)
+    for name in engine.names[1]:  # every token in a block vLLM keeps, its null block untouched
+        for t in range(live, resume):
+            assert torch.equal(engine.kv[name][windowed[t // BLOCK], :, t % BLOCK], value(4, name, t)), (name, t)
+        assert not engine.kv[name][NULL_BLOCK].any()
+    engine.finish("b")
+
+
 def test_a_store_stops_at_a_freed_window_block_and_the_chunk_is_a_miss(make_engine: Any) -> None:
     """Chunked prefill with a window of one block: when the step that completes chunk 0 starts,
     vLLM already freed the window's first blocks (another request may hold them), so chunk 0 is

@@ -186,9 +186,10 @@ def test_the_honest_worker_passes_where_one_writing_the_first_group_only_is_caug
     assert len(caught) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="core_sm: a window group's retrieve skip is taken at the retrieve's end, "
-                   "one token past vLLM's resume point on a whole-prompt hit (docs/simulator.md, Findings)")
 def test_a_whole_prompt_hit_restores_the_windows_first_live_block() -> None:
+    """The regression case of the F24 finding: a whole-prompt hit with a window of 5 tokens and
+    blocks of 4 resumed one token short of the retrieve's end, where the window keeps one block
+    more than the worker wrote (kv_groups.load_end now ends that load a chunk earlier)."""
     scenario, profile, code = from_json(FINDING.read_text())
     result, _ = run_scenario(scenario, profile)
     assert result.violation is None, result.violation.reason()
