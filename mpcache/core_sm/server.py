@@ -43,7 +43,8 @@ from typing import Any
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, ErrorReply, Reply
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
-from mpcache.core_sm.l1_index import Owner, ReleaseReason
+from mpcache.core_sm.l1_index import ReleaseReason
+from mpcache.core_sm.l1_object import Owner
 from mpcache.core_sm.messages import (
     Clear,
     CommitTransfer,
