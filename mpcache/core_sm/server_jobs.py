@@ -378,7 +378,7 @@ class JobMachine:
         ranks = range(ckey.world_size) if ev.ranks is None else ev.ranks
         per_turn = max(1, LEASE_SLICE_OBJECTS // max(1, len(ranks)))
         sliced = (len(hashes) * len(ranks) > LEASE_SLICE_OBJECTS and ev.num_readers > 0
-                  and self._fixed_lease_hook())
+                  and self.hooks.fixed_lease_for_lookup())
         first = hashes[:per_turn] if sliced else hashes
         prefix = self.hooks.lease_prefix_for_lookup(key, first, ranks, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
@@ -390,9 +390,6 @@ class JobMachine:
             self.continuing.append(LeaseSlices(job, job.work.serial, prefix, now))
             return
         self._after_l1(job, now, out)
-
-    def _fixed_lease_hook(self) -> bool:
-        return self.hooks.fixed_lease_for_lookup()
 
     def run_continuing(self, out: list[Effect]) -> None:
         """One slice of the oldest lookup leasing in slices, or of the oldest L2 walk (module
@@ -468,7 +465,7 @@ class JobMachine:
                     n = max(1, len(ranks))
                     keys = [k for j, k in enumerate(keys) if start + j // n not in freed]
                 if work.num_readers > 0 and keys:
-                    if self._fixed_lease_hook():
+                    if self.hooks.fixed_lease_for_lookup():
                         # one batch a slice: one expiry entry, not one per object (a leased object
                         # leaves its LRU set, so the hook's touch has nothing to move)
                         index.lease_reads(keys, job.key, work.num_readers, walk.now, top_up=True, refresh=True)
