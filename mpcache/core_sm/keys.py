@@ -201,3 +201,21 @@ def identity_fields(identity: str) -> dict[str, str]:
         fields[identity[pos:eq]] = identity[colon + 1 : end]
         pos = end + 1
     return fields
+
+
+class PrehashedTokens(TokenIds):
+    """Token ids known only by count and chunk hashes (a replayed trace key, core_sm.trace):
+    ``len`` is the recorded count, the ids read as zeros, ``hashes`` are what the server hashed
+    them to (``ServerContext.hashes`` takes them as they are instead of hashing)."""
+
+    __slots__ = ("hashes",)
+
+    hashes: tuple[bytes, ...]
+
+    @classmethod
+    def make(cls, num_tokens: int, hashes: Sequence[bytes]) -> PrehashedTokens:
+        self = object.__new__(cls)
+        object.__setattr__(self, "_packed", bytes(4 * num_tokens))
+        object.__setattr__(self, "_unpackable", None)
+        object.__setattr__(self, "hashes", tuple(hashes))
+        return self

@@ -52,15 +52,13 @@ from __future__ import annotations
 import enum
 import itertools
 import heapq
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.l1_quota import Account, Tenant, TenantQuota
-
-Owner = Hashable
+from mpcache.core_sm.l1_object import Account, L1Object, Lease, Owner, Tenant
+from mpcache.core_sm.l1_quota import TenantQuota
 
 
 class ObjectState(enum.Enum):
@@ -106,8 +104,6 @@ OPERATIONS = ("reserve_write", "finish_write", "abort_write", "lease_read", "rel
               "expire", "evict", "clear", "clear_force")
 
 
-# A read lease: (count, expiry). A tuple, replaced on change: the lookup path takes one per object.
-_Lease = tuple[int, float]
 # An expiry-heap entry: (expiry, seq, keys, owner); owner None: the write reservations of keys.
 # One entry covers every key a batch leased at that expiry; it is stale for a key whose lease has
 # since been released or refreshed, and skipped then.
@@ -132,26 +128,6 @@ class _Release:
     done: bool = False
 
 
-@attrs.define(eq=False)  # identity: the batch paths search lists of objects for None
-class _Object:
-    key: ObjectKey
-    slot: int
-    nbytes: int
-    writer: Owner | None  # not None while WRITING
-    write_expiry: float
-    account: Account  # whose charge it is (shared by the tenant's objects: l1_quota)
-    # the LRU set it last entered (it is in it while READY and unleased): its account's, or an
-    # orphan run of a forgotten tenant it was in when forgotten
-    lru: OrderedDict[ObjectKey, None]
-    used: int = 0  # recency: the index's use sequence when it last became or was made MRU
-    readers: dict[Owner, _Lease] = attrs.Factory(dict)
-    batch: int = 0  # while WRITING: the seq of the expiry entry of its reservation
-
-    @property
-    def tenant(self) -> Tenant | None:
-        return self.account.tenant
-
-
 class L1Index(TenantQuota):
     """Objects → slots, owned TTL leases, LRU with watermark, bytes accounting."""
 
@@ -172,14 +148,14 @@ class L1Index(TenantQuota):
         self.lease_ttl = lease_ttl
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
-        self._objects: dict[ObjectKey, _Object] = {}
+        self._objects: dict[ObjectKey, L1Object] = {}
         # The READY / READ_LEASED objects (not WRITING) per KV rank, by chunk hash: a lookup
         # finds its prefix with no key object built per chunk. A rank with none has no entry.
-        self._readable: dict[int, dict[bytes, _Object]] = {}
+        self._readable: dict[int, dict[bytes, L1Object]] = {}
         self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
         self._init_quota()
         self._use_seq = 0
-        self._by_owner: dict[Owner, dict[ObjectKey, _Object]] = {}  # in lease order
+        self._by_owner: dict[Owner, dict[ObjectKey, L1Object]] = {}  # in lease order
         self._expiries: list[_Expiry] = []  # a heap; stale entries skipped, compacted
         self._compact_at = _MIN_COMPACT
         self._seq = 0
@@ -312,7 +288,7 @@ class L1Index(TenantQuota):
         expiry = now + self.lease_ttl
         account = self._charge(tenant)
         batch = self._seq + 1  # the seq its expiry entry gets
-        self._objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
+        self._objects[key] = L1Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
         self._writing[batch] = 1
         self._bytes += nbytes
         self._push_expiry(expiry, (key,), None)
@@ -368,7 +344,7 @@ class L1Index(TenantQuota):
                 account = self._charge(tenant)
             else:
                 uncounted += 1
-            objects[key] = _Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
+            objects[key] = L1Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
             add_slot(slot)
             add_key(key)
             if over is not None and len(objects) > over:
@@ -479,7 +455,7 @@ class L1Index(TenantQuota):
         leased: list[ObjectKey] = []
         held = 0
         added = 0
-        by_owner: dict[ObjectKey, _Object] | None = None
+        by_owner: dict[ObjectKey, L1Object] | None = None
         for key in keys:
             obj = objects.get(key)
             if obj is None or obj.writer is not None:
@@ -558,7 +534,7 @@ class L1Index(TenantQuota):
         # A new owner holds nothing: every object gets the same fresh lease and leaves its LRU
         # set (a no-op for one another owner leases already).
         lease = (count, expiry)
-        held: dict[ObjectKey, _Object] = {}
+        held: dict[ObjectKey, L1Object] = {}
         for obj in objs:
             key = obj.key
             obj.readers[owner] = lease
@@ -571,7 +547,7 @@ class L1Index(TenantQuota):
         self._push_expiry(expiry, tuple(held), owner)
         return chunks
 
-    def _prefix_objects(self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]) -> list[_Object]:
+    def _prefix_objects(self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]) -> list[L1Object]:
         """The readable objects of the leading chunks that have every rank of ``ranks``
         readable, chunk by chunk, ranks in the order given (``ranks`` not empty)."""
         readable = self._readable
@@ -584,7 +560,7 @@ class L1Index(TenantQuota):
                 del objs[objs.index(None):]
             return objs  # type: ignore[return-value]
         per_rank = [readable.get(r, {}) for r in ranks]
-        out: list[_Object] = []
+        out: list[L1Object] = []
         for h in chunk_hashes:
             row = [by_hash.get(h) for by_hash in per_rank]
             if None in row:
@@ -700,7 +676,7 @@ class L1Index(TenantQuota):
                 return
             self._release_part(owner, held, part, len(held) if part.keys is None else len(part.keys))
 
-    def _release_part(self, owner: Owner, held: dict[ObjectKey, _Object], part: _Release, budget: int) -> int:
+    def _release_part(self, owner: Owner, held: dict[ObjectKey, L1Object], part: _Release, budget: int) -> int:
         """Walk up to ``budget`` objects of ``part`` (``held``: ``owner``'s held map), releasing
         ``owner``'s counts on those the part selects; ``part.done`` says whether it is over."""
         if part.keys is None:  # everything the owner holds
@@ -750,7 +726,7 @@ class L1Index(TenantQuota):
             return 0
         return self._release_held(owner, held, reason)
 
-    def _release_held(self, owner: Owner, held: dict[ObjectKey, _Object], reason: ReleaseReason) -> int:
+    def _release_held(self, owner: Owner, held: dict[ObjectKey, L1Object], reason: ReleaseReason) -> int:
         """Release ``owner``'s counts on ``held`` (taken out of its held map already)."""
         released = 0
         seq = self._use_seq
@@ -810,7 +786,7 @@ class L1Index(TenantQuota):
             budget -= len(keys)
             self._expire_leases(held, keys, owner, expiry)
 
-    def _expire_leases(self, held: dict[ObjectKey, _Object], keys: tuple[ObjectKey, ...], owner: Owner,
+    def _expire_leases(self, held: dict[ObjectKey, L1Object], keys: tuple[ObjectKey, ...], owner: Owner,
                        expiry: float) -> None:
         """``owner``'s leases on ``keys`` (its held map ``held``) that still end at ``expiry``
         are released (TTL): ``_release`` per key, inlined over the batch."""
@@ -834,7 +810,7 @@ class L1Index(TenantQuota):
                 obj.used = seq
         self._end_release(owner, held, released, ReleaseReason.TTL, seq)
 
-    def _end_release(self, owner: Owner, held: dict[ObjectKey, _Object], released: int, reason: ReleaseReason,
+    def _end_release(self, owner: Owner, held: dict[ObjectKey, L1Object], released: int, reason: ReleaseReason,
                      seq: int) -> None:
         """The bookkeeping after a batch of ``owner``'s leases went (``held``: what it still holds;
         ``seq``: the use sequence the batch advanced to)."""
@@ -1016,7 +992,7 @@ class L1Index(TenantQuota):
                 self._mark_evictable(obj)  # released objects are the most recently used
         return n
 
-    def _drop(self, obj: _Object) -> None:
+    def _drop(self, obj: L1Object) -> None:
         for owner in tuple(obj.readers):
             self._release(obj.key, owner, None, ReleaseReason.CLEAR)
         key = obj.key
@@ -1046,7 +1022,7 @@ class L1Index(TenantQuota):
         else:
             del self._writing[batch]
 
-    def _mark_evictable(self, obj: _Object) -> None:
+    def _mark_evictable(self, obj: L1Object) -> None:
         lru = obj.lru = obj.account.lru
         lru[obj.key] = None
         lru.move_to_end(obj.key)

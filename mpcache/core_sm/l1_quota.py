@@ -43,7 +43,7 @@ Invariants it keeps (``L1Index.check_invariants`` asserts them, through ``_check
 * every object is charged to exactly one tenant; ``charged(t)`` is the number of objects (any
   state) whose tenant is ``t``, and a tenant with none has no entry;
 * a READY unleased object is in its own tenant's LRU set and in no other; WRITING and leased
-  objects are in none; each set is in recency order (``_Object.used`` ascending);
+  objects are in none; each set is in recency order (``L1Object.used`` ascending);
 * a tenant's LRU set exists while the tenant has objects and goes with its last one (the set
   of no tenant, ``None``, always exists), so a gone instance leaves nothing behind; a READY
   unleased object of no tenant is in the common set or in one orphan run, each run in recency
@@ -55,29 +55,13 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import attrs
-
 from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.l1_object import Account, L1Object, LruSet, Tenant
 
-if TYPE_CHECKING:
-    from mpcache.core_sm.l1_index import _Object
-
-Tenant = Hashable  # an instance id; None: no tenant
-_Run = OrderedDict[ObjectKey, None]  # an LRU set: READY unleased objects, least recently used first
 _MIN_COMPACT = 1024  # the orphan heap drops its empty runs when it doubles past this
-
-
-@attrs.define(eq=False)
-class Account:
-    """What the objects charged to one tenant share (identity: one per tenant while it lasts).
-    ``tenant``: whose charge they are (None once forgotten); ``lru``: the LRU set an object of
-    theirs enters when it becomes evictable (the common set of no tenant once forgotten)."""
-
-    tenant: Tenant | None
-    lru: _Run
 
 
 class TenantQuota:
@@ -87,23 +71,23 @@ class TenantQuota:
     num_slots: int
     high_watermark: float
     low_watermark: float
-    _objects: dict[ObjectKey, _Object]
+    _objects: dict[ObjectKey, L1Object]
 
     if TYPE_CHECKING:  # and the index's members they call: L1Index defines them
         @property
         def used_slots(self) -> int: ...
 
-        def _drop(self, obj: _Object) -> None: ...
+        def _drop(self, obj: L1Object) -> None: ...
 
     def _init_quota(self) -> None:
-        # READY, unleased objects per tenant, least recently used first (``_Object.lru``)
-        common: _Run = OrderedDict()
-        self._lru: dict[Tenant | None, _Run] = {None: common}
+        # READY, unleased objects per tenant, least recently used first (``L1Object.lru``)
+        common: LruSet = OrderedDict()
+        self._lru: dict[Tenant | None, LruSet] = {None: common}
         self._accounts: dict[Tenant | None, Account] = {None: Account(None, common)}
         self._charged: dict[Tenant | None, int] = {}  # objects (any state) charged per tenant
         # Forgotten tenants' LRU sets (module doc): a heap of (key, seq, run), the key a lower
         # bound of the run's head's ``used``.
-        self._orphans: list[tuple[int, int, _Run]] = []
+        self._orphans: list[tuple[int, int, LruSet]] = []
         self._orphan_seq = 0
         self._orphans_compact_at = _MIN_COMPACT
         # Slots each tenant may hold while L1 is full (None: no quotas, one global LRU).
@@ -141,7 +125,7 @@ class TenantQuota:
                 self._orphans_compact_at = max(_MIN_COMPACT, 2 * len(live))
         return moved
 
-    def _oldest_orphan(self) -> _Object | None:
+    def _oldest_orphan(self) -> L1Object | None:
         """The least recently used object of the orphan runs (the heap's top, put right)."""
         heap = self._orphans
         objects = self._objects
@@ -187,7 +171,7 @@ class TenantQuota:
         its LRU set, if this is its first)."""
         account = self._accounts.get(tenant)
         if account is None:
-            lru: _Run = OrderedDict()
+            lru: LruSet = OrderedDict()
             self._lru[tenant] = lru
             account = self._accounts[tenant] = Account(tenant, lru)
         self._charged[tenant] = self._charged.get(tenant, 0) + 1
@@ -203,10 +187,10 @@ class TenantQuota:
                 self._lru.pop(tenant, None)  # empty: its objects are gone
                 self._accounts.pop(tenant, None)
 
-    def _oldest(self, lrus: Iterable[tuple[Tenant | None, _Run]]) -> _Object | None:
+    def _oldest(self, lrus: Iterable[tuple[Tenant | None, LruSet]]) -> L1Object | None:
         """The least recently used head of the ``(tenant, LRU set)`` pairs; the pair of no
         tenant also stands for the orphan runs."""
-        best: _Object | None = None
+        best: L1Object | None = None
         for tenant, lru in lrus:
             if lru:
                 obj = self._objects[next(iter(lru))]
@@ -218,7 +202,7 @@ class TenantQuota:
                     best = obj_
         return best
 
-    def _victim(self, requester: Tenant | None) -> _Object | None:
+    def _victim(self, requester: Tenant | None) -> L1Object | None:
         """The object an eviction for ``requester`` drops (the module doc's quota rules)."""
         share = self.tenant_share
         if share is None:

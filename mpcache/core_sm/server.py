@@ -31,8 +31,12 @@ Contract highlights (docs/core_sm.md has the tables):
   ``tombstone_ttl``), ``0`` for an unknown id.
 
 Subclass hooks for legacy profiles (simulator) are the methods named in docs/core_sm.md under
-"Extension points for legacy profiles"; they are methods of this class (the entity machines call
-them here), small, and have the fixed behaviour by default.
+"Extension points for legacy profiles"; they are methods of this class, small, and have the
+fixed behaviour by default. The entity machines never import this module: they reach the hooks
+through the ``ServerHooks`` built here (``server_jobs.JobHooks``, ``server_transfers.TransferHooks``),
+and one another through the small protocols their modules declare, so every import arrow points
+one way: server -> jobs -> L2 work -> instances, server -> transfers -> (instances, L2 work), all
+-> server_core.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from typing import Any
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, ErrorReply, Reply
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
-from mpcache.core_sm.l1_index import Owner, ReleaseReason
+from mpcache.core_sm.l1_index import ReleaseReason
+from mpcache.core_sm.l1_object import Owner
 from mpcache.core_sm.messages import (
     Clear,
     CommitTransfer,
@@ -74,12 +79,13 @@ from mpcache.core_sm.messages import (
 from mpcache.core_sm.server_core import EFFECT_OWNERS, RequestKey, ServerConfig, ServerContext
 from mpcache.core_sm.server_instances import INSTANCE_TABLE, INSTANCE_TIMERS, InstanceMachine, InstanceState
 from mpcache.core_sm.job_table import JobState, JobTable, PrefetchJob
-from mpcache.core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobMachine, ReapJob
+from mpcache.core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobHooks, JobMachine, ReapJob
 from mpcache.core_sm.server_l2 import L2_TABLE, L2_TIMERS, L2State, L2Work
 from mpcache.core_sm.server_transfers import (
     TRANSFER_CREATORS,
     TRANSFER_TABLE,
     TRANSFER_TIMERS,
+    TransferHooks,
     TransferMachine,
     TransferState,
 )
@@ -120,11 +126,15 @@ class LookupServer:
         self._counters: dict[str, int] = {name: 0 for name in _COUNTERS}
         self.ctx = ctx = ServerContext(self.config, self._counters, self._reply_error, self._timer_live)
         self.index = ctx.index
-        self.l2 = L2Work(ctx)
+        # The arrows go one way: server -> jobs -> L2 work -> instances, server -> transfers ->
+        # (instances, L2 work); the two that point back (an L2 result to its job, an instance's
+        # end to its transfers) are wired here, typed by what their user needs.
+        hooks = ServerHooks(self)
         self.instances = InstanceMachine(ctx)
-        self.jobs = JobMachine(ctx, self, self.l2)
-        self.transfers = TransferMachine(ctx, self, self.instances, self.l2)
-        self.l2.jobs, self.l2.instances, self.instances.transfers = self.jobs, self.instances, self.transfers
+        self.l2 = L2Work(ctx, self.instances)
+        self.jobs = JobMachine(ctx, hooks, self.l2)
+        self.transfers = TransferMachine(ctx, hooks, self.instances, self.l2)
+        self.l2.jobs, self.instances.transfers = self.jobs, self.transfers
         self._due_reaps: list[RequestKey] = []  # for _reap_abandoned_jobs
         self._timer_machine: dict[type, Any] = {
             **{t: self.jobs for t in JOB_TIMERS}, **{t: self.l2 for t in L2_TIMERS},
@@ -453,7 +463,53 @@ class LookupServer:
         return live
 
 
-S = ServerState.SERVING
+
+class ServerHooks(JobHooks, TransferHooks):
+    """The legacy-profile hooks as the entity machines call them (``server_jobs.JobHooks``,
+    ``server_transfers.TransferHooks``): each forwards to the server's method of that name,
+    looked up at the call, so a profile's override (or a patch on one server) runs."""
+
+    def __init__(self, server: LookupServer) -> None:
+        self._server = server
+
+    def status_for_unknown(self, key: RequestKey) -> int | None:
+        return self._server._status_for_unknown(key)
+
+    def on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
+        self._server._on_duplicate_lookup(job, event, now, out)
+
+    def lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None:
+        self._server._lease_for_lookup(owner, key, num_readers, now)
+
+    def lease_prefix_for_lookup(self, owner: RequestKey, hashes: Sequence[bytes], ranks: Sequence[int],
+                                num_readers: int, now: float) -> int:
+        return self._server._lease_prefix_for_lookup(owner, hashes, ranks, num_readers, now)
+
+    def release_for_free_lookup_locks(self, owner: RequestKey, keys: Sequence[ObjectKey], now: float) -> int:
+        return self._server._release_for_free_lookup_locks(owner, keys, now)
+
+    def tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
+        self._server._tombstone_after_answer(key, hits, now)
+
+    def end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None:
+        self._server._end_session(key, now, out)
+
+    def reap_abandoned_jobs(self, keys: list[RequestKey], now: float, out: list[Effect]) -> None:
+        server = self._server
+        server._due_reaps = keys
+        server._reap_abandoned_jobs(now, out)
+        server._due_reaps = []
+
+    def fixed_lease_for_lookup(self) -> bool:
+        return type(self._server)._lease_for_lookup is LookupServer._lease_for_lookup
+
+    def fixed_release_for_free(self) -> bool:
+        return type(self._server)._release_for_free_lookup_locks is LookupServer._release_for_free_lookup_locks
+
+    def release_after_retrieve(self, owner: RequestKey, keys: Sequence[ObjectKey], now: float) -> None:
+        self._server._release_after_retrieve(owner, keys, now)
+
+
 _ROUTES: dict[type, Any] = {
     **{t: LookupServer._to_jobs for t in (Lookup, QueryPrefetchStatus, WaitPrefetchStatus,
                                           FreeLookupLocks, EndSession)},
@@ -466,13 +522,13 @@ _ROUTES: dict[type, Any] = {
 # The server's own table: which machine each event goes to (the entity tables decide what it
 # does there), and the rows of what addresses the server itself.
 SERVER_TABLE: Table[ServerState] = Table("LookupServer (routing: which machine an event addresses)",
-                                          ServerState, S, {
-    (S, Ping): (LookupServer._on_ping, {S}),
-    (S, GetChunkSize): (LookupServer._on_get_chunk_size, {S}),
-    (S, Clear): (LookupServer._on_clear, {S}),
-    (S, TimerFired): (LookupServer._on_timer, {S}),
-    (S, PeerGone): (LookupServer._on_peer_gone, {S}),
-    **{(S, t): (route, {S}) for t, route in _ROUTES.items()},
+                                          ServerState, ServerState.SERVING, {
+    (ServerState.SERVING, Ping): (LookupServer._on_ping, {ServerState.SERVING}),
+    (ServerState.SERVING, GetChunkSize): (LookupServer._on_get_chunk_size, {ServerState.SERVING}),
+    (ServerState.SERVING, Clear): (LookupServer._on_clear, {ServerState.SERVING}),
+    (ServerState.SERVING, TimerFired): (LookupServer._on_timer, {ServerState.SERVING}),
+    (ServerState.SERVING, PeerGone): (LookupServer._on_peer_gone, {ServerState.SERVING}),
+    **{(ServerState.SERVING, t): (route, {ServerState.SERVING}) for t, route in _ROUTES.items()},
 })
 # Every executing table of the server, in the order docs/core_sm.md shows them.
 TABLES: dict[str, Table[Any]] = {t.name: t for t in (SERVER_TABLE, JOB_TABLE, TRANSFER_TABLE, L2_TABLE,

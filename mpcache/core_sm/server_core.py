@@ -3,7 +3,8 @@ counters, slot pins of in-flight effects, and key validation / hashing.
 
 ``LookupServer`` (core_sm/server.py) builds one ``ServerContext`` and hands it to each entity
 machine (jobs, transfers, L2 work, instances); none of them owns another's state, they call one
-another's methods. Lease/reservation owners are named types here: a ``RequestKey`` (peer,
+another's methods (a machine that calls back up the import order -- L2 work into jobs, instances
+into transfers -- names what it needs as a small protocol in its own module). Lease/reservation owners are named types here: a ``RequestKey`` (peer,
 request id) owns lookup leases, the effect owners own the leases and reservations of copies.
 """
 from __future__ import annotations
@@ -19,11 +20,10 @@ from mpcache.core_sm.effects import Effect
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.admission import StoreAdmission
 from mpcache.core_sm.holdings import HeldChunks
-from mpcache.core_sm.keys import keyed_chunk_hashes, keyed_root, validate_extras
+from mpcache.core_sm.keys import PrehashedTokens, keyed_chunk_hashes, keyed_root, validate_extras
 from mpcache.core_sm.l1_index import L1Index
 from mpcache.core_sm.messages import CacheKey, Peer, ReplyTo
 from mpcache.core_sm.timers import Timer, TimerHeap
-from mpcache.core_sm.trace import PrehashedTokens
 
 
 @attrs.frozen

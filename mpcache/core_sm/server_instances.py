@@ -46,7 +46,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Hashable
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -69,8 +69,6 @@ from mpcache.core_sm.server_core import EFFECT_OWNERS, ServerContext
 from mpcache.core_sm.table import Table
 from mpcache.core_sm.timers import Timer
 
-if TYPE_CHECKING:
-    from mpcache.core_sm.server_transfers import TransferMachine
 
 
 class InstanceState(enum.Enum):
@@ -114,12 +112,19 @@ def _instance_id(ev: Any) -> Hashable:
     return iid if isinstance(iid, int) and not isinstance(iid, bool) else None
 
 
+class TransfersOfInstances(Protocol):
+    """What an instance's end reaches: the transfers of the instance (``server_transfers``;
+    LookupServer wires it in once both exist)."""
+
+    def instance_gone(self, instance_id: int, now: float, out: list[Effect]) -> None: ...
+
+
 class InstanceMachine:
     """The server's registered instances (see the module docstring)."""
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
-        self.transfers: TransferMachine  # set by LookupServer once both exist
+        self.transfers: TransfersOfInstances  # set by LookupServer once both exist
         self.instances: dict[int, Instance] = {}
         # reaped / failed ids: instance id -> (its peer, until when no other peer may register it);
         # insertion order is expiry order (one TTL, a clock that never goes back)
@@ -443,21 +448,24 @@ class InstanceMachine:
         return reg, tuple(map(tuple.__new__, repeat(ObjectKey), zip(hashes[first:], repeat(key.worker_id))))
 
 
-I = InstanceState
 # (state of the instance the event names, event type) -> (handler, next states). A Ping that
 # names no instance addresses the ABSENT row (LMCache's plain ping: True).
-INSTANCE_TABLE: Table[InstanceState] = Table("LookupServer instances (one instance id)", InstanceState, I.ABSENT, {
-    (I.ABSENT, RegisterInstance): (InstanceMachine._on_register, {I.REGISTERED}),
-    (I.REGISTERED, RegisterInstance): (InstanceMachine._on_register, {I.REGISTERED}),
-    (I.ABSENT, UnregisterInstance): (InstanceMachine._on_unregister, {I.ABSENT}),
-    (I.REGISTERED, UnregisterInstance): (InstanceMachine._on_unregister, {I.ABSENT}),
-    (I.ABSENT, Ping): (InstanceMachine._on_plain_ping, {I.ABSENT}),
-    (I.REGISTERED, Ping): (InstanceMachine._on_heartbeat, {I.REGISTERED}),
-    (I.REGISTERED, InstanceDeadline): (InstanceMachine._on_deadline, {I.REGISTERED, I.ABSENT}),
-    (I.REGISTERED, InstanceFailed): (InstanceMachine._on_failed, {I.ABSENT, I.REGISTERED}),
-    (I.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {I.ABSENT}),
-    (I.REGISTERED, InstanceAttached): (InstanceMachine._on_attached, {I.REGISTERED, I.ABSENT}),
-    (I.ABSENT, InstanceAttached): (InstanceMachine._on_attached_stale, {I.ABSENT}),
-    (I.REGISTERED, ReleaseOfGonePeer): (InstanceMachine._on_release_of_gone_peer, {I.ABSENT}),
+INSTANCE_TABLE: Table[InstanceState] = Table(
+    "LookupServer instances (one instance id)", InstanceState, InstanceState.ABSENT, {
+    (InstanceState.ABSENT, RegisterInstance): (InstanceMachine._on_register, {InstanceState.REGISTERED}),
+    (InstanceState.REGISTERED, RegisterInstance): (InstanceMachine._on_register, {InstanceState.REGISTERED}),
+    (InstanceState.ABSENT, UnregisterInstance): (InstanceMachine._on_unregister, {InstanceState.ABSENT}),
+    (InstanceState.REGISTERED, UnregisterInstance): (InstanceMachine._on_unregister, {InstanceState.ABSENT}),
+    (InstanceState.ABSENT, Ping): (InstanceMachine._on_plain_ping, {InstanceState.ABSENT}),
+    (InstanceState.REGISTERED, Ping): (InstanceMachine._on_heartbeat, {InstanceState.REGISTERED}),
+    (InstanceState.REGISTERED, InstanceDeadline):
+        (InstanceMachine._on_deadline, {InstanceState.REGISTERED, InstanceState.ABSENT}),
+    (InstanceState.REGISTERED, InstanceFailed):
+        (InstanceMachine._on_failed, {InstanceState.ABSENT, InstanceState.REGISTERED}),
+    (InstanceState.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {InstanceState.ABSENT}),
+    (InstanceState.REGISTERED, InstanceAttached):
+        (InstanceMachine._on_attached, {InstanceState.REGISTERED, InstanceState.ABSENT}),
+    (InstanceState.ABSENT, InstanceAttached): (InstanceMachine._on_attached_stale, {InstanceState.ABSENT}),
+    (InstanceState.REGISTERED, ReleaseOfGonePeer): (InstanceMachine._on_release_of_gone_peer, {InstanceState.ABSENT}),
 })
 INSTANCE_TIMERS = (InstanceDeadline,)

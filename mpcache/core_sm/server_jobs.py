@@ -11,8 +11,9 @@ answer). ``JOB_TABLE`` is what ``handle`` runs. L2 completions address the L2 wo
 
 The legacy-profile hooks (``_status_for_unknown``, ``_on_duplicate_lookup``, ``_lease_for_lookup``,
 ``_release_for_free_lookup_locks``, ``_tombstone_after_answer``, ``_end_session``,
-``_reap_abandoned_jobs``, ``_reply_error``) are methods of ``LookupServer``: this machine calls
-them there, so a profile overrides one method of the server.
+``_reap_abandoned_jobs``, ``_reply_error``) are methods of ``LookupServer``, so a profile
+overrides one method of the server; this machine reaches them through the ``JobHooks`` the
+server gives it (and ``ServerContext.reply_error``), never through the server itself.
 
 Ownership: everything of a request -- its job, tombstone, waiters, lookup count and lookup read
 leases -- is keyed by (peer, request id). Two peers naming the same request id are two
@@ -69,7 +70,7 @@ import math
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -91,11 +92,7 @@ from mpcache.core_sm.server_core import RequestKey, ServerContext
 from mpcache.core_sm.table import Table
 from mpcache.core_sm.timers import ReapQueue, Timer
 
-from mpcache.core_sm.server_l2 import L2Walk, WalkKind
-
-if TYPE_CHECKING:
-    from mpcache.core_sm.server import LookupServer
-    from mpcache.core_sm.server_l2 import L2Probe, L2Read, L2Work
+from mpcache.core_sm.server_l2 import L2Probe, L2Read, L2Walk, L2Work, WalkKind
 
 
 # Objects one loop turn leases for a lookup (module doc); a lookup of at most this many is leased
@@ -166,12 +163,42 @@ def _request_key(ev: Any) -> Hashable:
     return RequestKey(ev.peer, rid) if isinstance(rid, str) else None
 
 
+class JobHooks(Protocol):
+    """The server's legacy-profile hooks a job calls (module doc): ``LookupServer`` forwards
+    each to its method of that name (``_status_for_unknown`` ...), which a profile overrides."""
+
+    def status_for_unknown(self, key: RequestKey) -> int | None: ...
+
+    def on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None: ...
+
+    def lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None: ...
+
+    def lease_prefix_for_lookup(self, owner: RequestKey, hashes: Sequence[bytes], ranks: Sequence[int],
+                                num_readers: int, now: float) -> int: ...
+
+    def release_for_free_lookup_locks(self, owner: RequestKey, keys: Sequence[ObjectKey], now: float) -> int: ...
+
+    def tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None: ...
+
+    def end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None: ...
+
+    def reap_abandoned_jobs(self, keys: list[RequestKey], now: float, out: list[Effect]) -> None: ...
+
+    def fixed_lease_for_lookup(self) -> bool:
+        """Whether ``lease_for_lookup`` is the server's own (no profile overrides it): the
+        lease walks may then lease many objects at once instead of calling it per object."""
+
+    def fixed_release_for_free(self) -> bool:
+        """Whether ``release_for_free_lookup_locks`` is the server's own: a free may then
+        release in slices of what the request holds."""
+
+
 class JobMachine:
     """The prefetch jobs of one server (see the module docstring)."""
 
-    def __init__(self, ctx: ServerContext, server: LookupServer, l2: L2Work) -> None:
+    def __init__(self, ctx: ServerContext, hooks: JobHooks, l2: L2Work) -> None:
         self.ctx = ctx
-        self.server = server
+        self.hooks = hooks
         self.l2 = l2
         self.jobs = JobTable()
         # jobs in the order their reap deadlines come (one TTL: a FIFO, no timer per job)
@@ -283,7 +310,7 @@ class JobMachine:
         else:
             self.repeats.pop(key, None)  # a count left from before everything of it went
         if job is not None:
-            self.server._on_duplicate_lookup(job, ev, now, out)
+            self.hooks.on_duplicate_lookup(job, ev, now, out)
             return
         self.tombstones.pop(key, None)
         if ctx.config.ack_first:
@@ -351,9 +378,9 @@ class JobMachine:
         ranks = range(ckey.world_size) if ev.ranks is None else ev.ranks
         per_turn = max(1, LEASE_SLICE_OBJECTS // max(1, len(ranks)))
         sliced = (len(hashes) * len(ranks) > LEASE_SLICE_OBJECTS and ev.num_readers > 0
-                  and self._fixed_lease_hook())
+                  and self.hooks.fixed_lease_for_lookup())
         first = hashes[:per_turn] if sliced else hashes
-        prefix = self.server._lease_prefix_for_lookup(key, first, ranks, ev.num_readers, now)
+        prefix = self.hooks.lease_prefix_for_lookup(key, first, ranks, ev.num_readers, now)
         ctx.counters["lookup_chunks"] += len(hashes)
         job.work = JobWork(
             serial=ctx.new_id(), model_name=sys.intern(ckey.model_name), world_size=ckey.world_size,
@@ -363,11 +390,6 @@ class JobMachine:
             self.continuing.append(LeaseSlices(job, job.work.serial, prefix, now))
             return
         self._after_l1(job, now, out)
-
-    def _fixed_lease_hook(self) -> bool:
-        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
-
-        return type(self.server)._lease_for_lookup is LookupServer._lease_for_lookup
 
     def run_continuing(self, out: list[Effect]) -> None:
         """One slice of the oldest lookup leasing in slices, or of the oldest L2 walk (module
@@ -443,13 +465,13 @@ class JobMachine:
                     n = max(1, len(ranks))
                     keys = [k for j, k in enumerate(keys) if start + j // n not in freed]
                 if work.num_readers > 0 and keys:
-                    if self._fixed_lease_hook():
+                    if self.hooks.fixed_lease_for_lookup():
                         # one batch a slice: one expiry entry, not one per object (a leased object
                         # leaves its LRU set, so the hook's touch has nothing to move)
                         index.lease_reads(keys, job.key, work.num_readers, walk.now, top_up=True, refresh=True)
                     else:
                         for k in keys:
-                            self.server._lease_for_lookup(job.key, k, work.num_readers, walk.now)
+                            self.hooks.lease_for_lookup(job.key, k, work.num_readers, walk.now)
                 walk.chunk = start + chunks
                 walk.hits += chunks
                 if chunks < end - start:
@@ -528,7 +550,7 @@ class JobMachine:
         if tomb is not None:
             return tomb[0]
         self.ctx.counters["unknown_status"] += 1
-        return self.server._status_for_unknown(key)
+        return self.hooks.status_for_unknown(key)
 
     def _on_wait(self, ev: WaitPrefetchStatus, now: float, out: list[Effect]) -> None:
         ctx = self.ctx
@@ -561,15 +583,13 @@ class JobMachine:
             ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
             return
         key = RequestKey(ev.peer, ckey.request_id)
-        from mpcache.core_sm.server import LookupServer  # a cycle at import time: server imports this
-
-        if type(self.server)._release_for_free_lookup_locks is LookupServer._release_for_free_lookup_locks:
+        if self.hooks.fixed_release_for_free():
             # the fixed hook, in walks of what the request holds (no key per object named): a
             # slice now, the rest a slice per loop turn (l1_index), so the reply does not wait
             ctx.index.release_chunks_in_slices(key, hashes[first:last], ckey.world_size, ReleaseReason.FREE, now)
         else:
             keys = [ObjectKey(hashes[i], r) for i in range(first, last) for r in range(ckey.world_size)]
-            self.server._release_for_free_lookup_locks(key, keys, now)
+            self.hooks.release_for_free_lookup_locks(key, keys, now)
         job = self.jobs.get(key)
         if job is not None and job.work is not None:
             work = job.work
@@ -579,15 +599,13 @@ class JobMachine:
         out.append(Reply(ev.reply_to, None))
 
     def _on_end_session(self, ev: EndSession, now: float, out: list[Effect]) -> None:
-        self.server._end_session(RequestKey(ev.peer, ev.request_id), now, out)
+        self.hooks.end_session(RequestKey(ev.peer, ev.request_id), now, out)
         out.append(Reply(ev.reply_to, None))
 
     # ============================================================================= timers
 
     def _on_reap(self, timer: ReapJob, now: float, out: list[Effect]) -> None:
-        self.server._due_reaps = [timer.key]
-        self.server._reap_abandoned_jobs(now, out)
-        self.server._due_reaps = []
+        self.hooks.reap_abandoned_jobs([timer.key], now, out)
 
     def _on_forget_request_id(self, timer: ForgetRequestId, now: float, out: list[Effect]) -> None:
         self._forget_repeats(timer.key, now)
@@ -668,7 +686,7 @@ class JobMachine:
         assert job.hits is not None
         key = job.key
         del self.jobs[key]
-        self.server._tombstone_after_answer(key, job.hits, now)
+        self.hooks.tombstone_after_answer(key, job.hits, now)
         if key not in self.tombstones:  # a legacy profile keeps none
             self._forget_repeats(key, now)
 
@@ -743,35 +761,34 @@ class JobMachine:
         assert all(n >= 1 for n in self.repeats.values()), "lookup counts"
 
 
-J = JobState
 # (state of the job the event addresses, event type) -> (handler, next states). A refused
 # request (ErrorReply) leaves the state unchanged. A reap may leave the job where it is only in
 # a legacy profile without a reaper.
-JOB_TABLE: Table[JobState] = Table("LookupServer jobs (prefetch job of a request id)", JobState, J.ABSENT, {
-    (J.ABSENT, Lookup): (JobMachine._on_lookup, {J.PENDING, J.DONE}),
-    (J.ABSENT, QueryPrefetchStatus): (JobMachine._on_query, {J.ABSENT}),
-    (J.ABSENT, WaitPrefetchStatus): (JobMachine._on_wait, {J.ABSENT}),
-    (J.ABSENT, FreeLookupLocks): (JobMachine._on_free, {J.ABSENT}),
-    (J.ABSENT, EndSession): (JobMachine._on_end_session, {J.ABSENT}),
-    (J.PENDING, Lookup): (JobMachine._on_lookup, {J.PENDING}),
-    (J.PENDING, QueryPrefetchStatus): (JobMachine._on_query, {J.PENDING}),
-    (J.PENDING, WaitPrefetchStatus): (JobMachine._on_wait, {J.PENDING}),
-    (J.PENDING, FreeLookupLocks): (JobMachine._on_free, {J.PENDING}),
-    (J.PENDING, EndSession): (JobMachine._on_end_session, {J.ABSENT}),
-    (J.PENDING, ReapJob): (JobMachine._on_reap, {J.ABSENT, J.PENDING}),
-    (J.PENDING, WaiterDeadline): (JobMachine._on_waiter_deadline, {J.PENDING}),
-    (J.PENDING, L2Timeout): (JobMachine._on_l2_timeout, {J.DONE, J.ANSWERED}),
-    (J.DONE, Lookup): (JobMachine._on_lookup, {J.DONE}),
-    (J.DONE, QueryPrefetchStatus): (JobMachine._on_query, {J.ANSWERED}),
-    (J.DONE, WaitPrefetchStatus): (JobMachine._on_wait, {J.ANSWERED}),
-    (J.DONE, FreeLookupLocks): (JobMachine._on_free, {J.DONE}),
-    (J.DONE, EndSession): (JobMachine._on_end_session, {J.ABSENT}),
-    (J.DONE, ReapJob): (JobMachine._on_reap, {J.ABSENT, J.DONE}),
-    (J.ANSWERED, Lookup): (JobMachine._on_lookup, {J.PENDING, J.DONE}),
-    (J.ANSWERED, QueryPrefetchStatus): (JobMachine._on_query, {J.ANSWERED}),
-    (J.ANSWERED, WaitPrefetchStatus): (JobMachine._on_wait, {J.ANSWERED}),
-    (J.ANSWERED, FreeLookupLocks): (JobMachine._on_free, {J.ANSWERED}),
-    (J.ANSWERED, EndSession): (JobMachine._on_end_session, {J.ABSENT}),
-    (J.ABSENT, ForgetRequestId): (JobMachine._on_forget_request_id, {J.ABSENT}),
+JOB_TABLE: Table[JobState] = Table("LookupServer jobs (prefetch job of a request id)", JobState, JobState.ABSENT, {
+    (JobState.ABSENT, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE}),
+    (JobState.ABSENT, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ABSENT}),
+    (JobState.ABSENT, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ABSENT}),
+    (JobState.ABSENT, FreeLookupLocks): (JobMachine._on_free, {JobState.ABSENT}),
+    (JobState.ABSENT, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
+    (JobState.PENDING, Lookup): (JobMachine._on_lookup, {JobState.PENDING}),
+    (JobState.PENDING, QueryPrefetchStatus): (JobMachine._on_query, {JobState.PENDING}),
+    (JobState.PENDING, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.PENDING}),
+    (JobState.PENDING, FreeLookupLocks): (JobMachine._on_free, {JobState.PENDING}),
+    (JobState.PENDING, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
+    (JobState.PENDING, ReapJob): (JobMachine._on_reap, {JobState.ABSENT, JobState.PENDING}),
+    (JobState.PENDING, WaiterDeadline): (JobMachine._on_waiter_deadline, {JobState.PENDING}),
+    (JobState.PENDING, L2Timeout): (JobMachine._on_l2_timeout, {JobState.DONE, JobState.ANSWERED}),
+    (JobState.DONE, Lookup): (JobMachine._on_lookup, {JobState.DONE}),
+    (JobState.DONE, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ANSWERED}),
+    (JobState.DONE, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ANSWERED}),
+    (JobState.DONE, FreeLookupLocks): (JobMachine._on_free, {JobState.DONE}),
+    (JobState.DONE, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
+    (JobState.DONE, ReapJob): (JobMachine._on_reap, {JobState.ABSENT, JobState.DONE}),
+    (JobState.ANSWERED, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE}),
+    (JobState.ANSWERED, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ANSWERED}),
+    (JobState.ANSWERED, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ANSWERED}),
+    (JobState.ANSWERED, FreeLookupLocks): (JobMachine._on_free, {JobState.ANSWERED}),
+    (JobState.ANSWERED, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
+    (JobState.ABSENT, ForgetRequestId): (JobMachine._on_forget_request_id, {JobState.ABSENT}),
 })
 JOB_TIMERS = (ReapJob, WaiterDeadline, L2Timeout, ForgetRequestId)

@@ -18,7 +18,7 @@ import enum
 import itertools
 import operator
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -30,10 +30,10 @@ from mpcache.core_sm.server_core import L2ReadOwner, L2WriteOwner, RequestKey, S
 from mpcache.core_sm.table import Table
 from mpcache.core_sm.timers import Timer
 
+from mpcache.core_sm.server_instances import InstanceMachine
+
 if TYPE_CHECKING:
-    from mpcache.core_sm.server_instances import InstanceMachine
     from mpcache.core_sm.job_table import PrefetchJob
-    from mpcache.core_sm.server_jobs import JobMachine
 
 
 class L2State(enum.Enum):
@@ -122,13 +122,26 @@ def _work_id(ev: Any) -> Hashable:
     return write_id
 
 
+class JobsOfL2(Protocol):
+    """What L2 work hands its results to: the jobs whose reads and probes it runs
+    (``server_jobs.JobMachine``; LookupServer wires it in once both exist)."""
+
+    def read_finished(self, read: L2Read, loaded: tuple[bool, ...], now: float, out: list[Effect]) -> None: ...
+
+    def read_expired(self, read: L2Read, now: float, out: list[Effect]) -> None: ...
+
+    def probe_finished(self, probe: L2Probe, present: tuple[bool, ...], now: float, out: list[Effect]) -> None: ...
+
+    def probe_expired(self, probe: L2Probe, now: float, out: list[Effect]) -> None: ...
+
+
 class L2Work:
     """The server's outstanding L2 work (see the module docstring)."""
 
-    def __init__(self, ctx: ServerContext) -> None:
+    def __init__(self, ctx: ServerContext, instances: InstanceMachine) -> None:
         self.ctx = ctx
-        self.jobs: JobMachine  # set by LookupServer once both exist
-        self.instances: InstanceMachine
+        self.jobs: JobsOfL2  # set by LookupServer once both exist
+        self.instances = instances
         self.reads: dict[int, L2Read] = {}
         self.probes: dict[int, L2Probe] = {}
         self.writes: dict[int, tuple[ObjectKey, ...]] = {}
@@ -378,18 +391,17 @@ class L2Work:
                 assert owner.write_id in self.writes, "lease of a finished L2 write"
 
 
-L = L2State
 # (state of the L2 work the event names, event type) -> (handler, next states). A completion or
 # deadline for work of another kind under that id is stale (not listed: counted).
-L2_TABLE: Table[L2State] = Table("LookupServer L2 work (read, probe, write of an id)", L2State, L.ABSENT, {
-    (L.READING, L2ReadFinished): (L2Work._on_read_finished, {L.ABSENT}),
-    (L.ABSENT, L2ReadFinished): (L2Work._on_stale_read, {L.ABSENT}),
-    (L.READING, L2ReadDeadline): (L2Work._on_read_deadline, {L.ABSENT}),
-    (L.PROBING, L2ProbeFinished): (L2Work._on_probe_finished, {L.ABSENT}),
-    (L.ABSENT, L2ProbeFinished): (L2Work._on_stale, {L.ABSENT}),
-    (L.PROBING, L2ProbeDeadline): (L2Work._on_probe_deadline, {L.ABSENT}),
-    (L.WRITING, L2WriteFinished): (L2Work._on_write_finished, {L.ABSENT}),
-    (L.ABSENT, L2WriteFinished): (L2Work._on_stale_write, {L.ABSENT}),
-    (L.WRITING, L2WriteDeadline): (L2Work._on_write_deadline, {L.ABSENT}),
+L2_TABLE: Table[L2State] = Table("LookupServer L2 work (read, probe, write of an id)", L2State, L2State.ABSENT, {
+    (L2State.READING, L2ReadFinished): (L2Work._on_read_finished, {L2State.ABSENT}),
+    (L2State.ABSENT, L2ReadFinished): (L2Work._on_stale_read, {L2State.ABSENT}),
+    (L2State.READING, L2ReadDeadline): (L2Work._on_read_deadline, {L2State.ABSENT}),
+    (L2State.PROBING, L2ProbeFinished): (L2Work._on_probe_finished, {L2State.ABSENT}),
+    (L2State.ABSENT, L2ProbeFinished): (L2Work._on_stale, {L2State.ABSENT}),
+    (L2State.PROBING, L2ProbeDeadline): (L2Work._on_probe_deadline, {L2State.ABSENT}),
+    (L2State.WRITING, L2WriteFinished): (L2Work._on_write_finished, {L2State.ABSENT}),
+    (L2State.ABSENT, L2WriteFinished): (L2Work._on_stale_write, {L2State.ABSENT}),
+    (L2State.WRITING, L2WriteDeadline): (L2Work._on_write_deadline, {L2State.ABSENT}),
 })
 L2_TIMERS = (L2ReadDeadline, L2ProbeDeadline, L2WriteDeadline)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -62,10 +62,8 @@ from mpcache.core_sm.server_core import RequestKey, ServerContext, TransferOwner
 from mpcache.core_sm.table import Table
 from mpcache.core_sm.timers import Timer
 
-if TYPE_CHECKING:
-    from mpcache.core_sm.server import LookupServer
-    from mpcache.core_sm.server_instances import InstanceMachine
-    from mpcache.core_sm.server_l2 import L2Work
+from mpcache.core_sm.server_instances import InstanceMachine
+from mpcache.core_sm.server_l2 import L2Work
 
 TransferRequest = Store | PrepareStore | Retrieve | PrepareRetrieve
 # What identifies one server-driven op with a not_after (a network duplicate has the same):
@@ -161,13 +159,20 @@ def _transfer_id(ev: Any) -> Hashable:
     return tid if isinstance(tid, int) else None
 
 
+class TransferHooks(Protocol):
+    """The server's legacy-profile hook a transfer calls (``LookupServer`` binds its
+    ``_release_after_retrieve``, which a profile may override)."""
+
+    def release_after_retrieve(self, owner: RequestKey, keys: Sequence[ObjectKey], now: float) -> None: ...
+
+
 class TransferMachine:
     """The server's transfers (see the module docstring)."""
 
-    def __init__(self, ctx: ServerContext, server: LookupServer, instances: InstanceMachine,
+    def __init__(self, ctx: ServerContext, hooks: TransferHooks, instances: InstanceMachine,
                  l2: L2Work) -> None:
         self.ctx = ctx
-        self.server = server
+        self.hooks = hooks
         self.instances = instances
         self.l2 = l2
         self.transfers: dict[int, Transfer] = {}
@@ -212,7 +217,7 @@ class TransferMachine:
         inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, 0, now, ev.peer)
         if inst is None or isinstance(keys_or_err, ProtocolError):
             assert isinstance(keys_or_err, ProtocolError)
-            self.server._reply_error(out, ev.reply_to, keys_or_err)
+            self.ctx.reply_error(out, ev.reply_to, keys_or_err)
             return
         if self._over_transfer_cap(ev, out):
             return
@@ -379,7 +384,7 @@ class TransferMachine:
                                                        ev.peer)
         if inst is None or isinstance(keys_or_err, ProtocolError):
             assert isinstance(keys_or_err, ProtocolError)
-            self.server._reply_error(out, ev.reply_to, keys_or_err)
+            self.ctx.reply_error(out, ev.reply_to, keys_or_err)
             return
         keys = keys_or_err
         if not all(ctx.index.is_readable(k) for k in keys):
@@ -502,13 +507,13 @@ class TransferMachine:
                     out.append(Reply(ev.reply_to, answer))
                 else:
                     assert isinstance(answer, ProtocolError)
-                    self.server._reply_error(out, ev.reply_to, answer)
+                    self.ctx.reply_error(out, ev.reply_to, answer)
                 return
         mark = len(out)
         stale = self._stale_registration(ev)
         if stale is not None:
             self.ctx.counters["resends_refused"] += 1
-            self.server._reply_error(out, ev.reply_to, stale)
+            self.ctx.reply_error(out, ev.reply_to, stale)
         else:
             if isinstance(ev, (Store, Retrieve)) and ev.registration is not None:
                 self.ctx.counters["resends_run"] += 1
@@ -683,7 +688,7 @@ class TransferMachine:
             # the copy's holder leased exactly its keys: releasing the holder releases them
             ctx.index.release_owner(owner, ReleaseReason.TRANSFER, now)
             if ok:
-                self.server._release_after_retrieve(RequestKey(t.peer, t.request_id), t.keys, now)
+                self.hooks.release_after_retrieve(RequestKey(t.peer, t.request_id), t.keys, now)
             result = RetrieveResult(ok, len(t.keys))
         if reply_to is not None:
             out.append(Reply(reply_to, result))
@@ -731,24 +736,26 @@ class TransferMachine:
         assert live == self.per_instance and reserved == self.reserved_of, "per-instance transfer counts"
 
 
-T = TransferState
 # (state of the transfer the event addresses, event type) -> (handler, next states). A creating
 # request addresses the transfer it may create (RUNNING / PREPARED) -- or none (ABSENT: refused,
 # a miss, nothing to copy, a duplicate). A completion of a plan is stale (not listed: counted); a
 # commit of a running server-driven transfer is refused UNKNOWN_TRANSFER (not listed).
 TRANSFER_TABLE: Table[TransferState] = Table(
-    "LookupServer transfers (one transfer id)", TransferState, T.ABSENT, {
-        (T.ABSENT, Store): (TransferMachine._on_store, {T.RUNNING, T.ABSENT}),
-        (T.ABSENT, Retrieve): (TransferMachine._on_retrieve, {T.RUNNING, T.ABSENT}),
-        (T.ABSENT, PrepareStore): (TransferMachine._on_store, {T.PREPARED, T.ABSENT}),
-        (T.ABSENT, PrepareRetrieve): (TransferMachine._on_retrieve, {T.PREPARED, T.ABSENT}),
-        (T.ABSENT, TransferFinished): (TransferMachine._on_stale_finished, {T.ABSENT}),
-        (T.ABSENT, CommitTransfer): (TransferMachine._on_commit_unknown, {T.ABSENT}),
-        (T.ABSENT, PlanQuarantineEnd): (TransferMachine._on_quarantine_end, {T.ABSENT}),
-        (T.RUNNING, TransferFinished): (TransferMachine._on_transfer_finished, {T.ABSENT}),
-        (T.RUNNING, TransferDeadline): (TransferMachine._on_deadline, {T.ABSENT}),
-        (T.PREPARED, CommitTransfer): (TransferMachine._on_commit, {T.ABSENT}),
-        (T.PREPARED, TransferDeadline): (TransferMachine._on_deadline, {T.ABSENT}),
+    "LookupServer transfers (one transfer id)", TransferState, TransferState.ABSENT, {
+        (TransferState.ABSENT, Store): (TransferMachine._on_store, {TransferState.RUNNING, TransferState.ABSENT}),
+        (TransferState.ABSENT, Retrieve):
+            (TransferMachine._on_retrieve, {TransferState.RUNNING, TransferState.ABSENT}),
+        (TransferState.ABSENT, PrepareStore):
+            (TransferMachine._on_store, {TransferState.PREPARED, TransferState.ABSENT}),
+        (TransferState.ABSENT, PrepareRetrieve):
+            (TransferMachine._on_retrieve, {TransferState.PREPARED, TransferState.ABSENT}),
+        (TransferState.ABSENT, TransferFinished): (TransferMachine._on_stale_finished, {TransferState.ABSENT}),
+        (TransferState.ABSENT, CommitTransfer): (TransferMachine._on_commit_unknown, {TransferState.ABSENT}),
+        (TransferState.ABSENT, PlanQuarantineEnd): (TransferMachine._on_quarantine_end, {TransferState.ABSENT}),
+        (TransferState.RUNNING, TransferFinished): (TransferMachine._on_transfer_finished, {TransferState.ABSENT}),
+        (TransferState.RUNNING, TransferDeadline): (TransferMachine._on_deadline, {TransferState.ABSENT}),
+        (TransferState.PREPARED, CommitTransfer): (TransferMachine._on_commit, {TransferState.ABSENT}),
+        (TransferState.PREPARED, TransferDeadline): (TransferMachine._on_deadline, {TransferState.ABSENT}),
     }, illegal_kind=ErrorKind.UNKNOWN_TRANSFER)
 TRANSFER_CREATORS = (Store, Retrieve, PrepareStore, PrepareRetrieve)
 TRANSFER_TIMERS = (TransferDeadline, PlanQuarantineEnd)

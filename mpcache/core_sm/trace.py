@@ -9,7 +9,7 @@ deterministic).
 
 **No prompt text by default.** A key's token ids are recorded as its chunk hashes (as the
 server computed them, extras folded in) plus the token count; a replayed key carries them in
-``PrehashedTokens`` and the server uses them instead of hashing (``ServerContext.hashes``).
+``PrehashedTokens`` (``mpcache.core_sm.keys``) and the server uses them instead of hashing (``ServerContext.hashes``).
 Token ids anywhere else (the KV-event effects' ``StoredChunk``) are recorded as their count
 only. ``keep_tokens=True`` records the token ids themselves.
 
@@ -32,7 +32,9 @@ from mpcache.core_sm import effects as _effects
 from mpcache.core_sm import errors as _errors
 from mpcache.core_sm import keys as _keys
 from mpcache.core_sm import messages as _messages
+from mpcache.core_sm import server_core
 from mpcache.core_sm.chunks import TokenIds
+from mpcache.core_sm.keys import PrehashedTokens
 
 FORMAT = 1
 _CLASSES: dict[str, type] = {}
@@ -45,30 +47,11 @@ for _module in (_messages, _effects, _keys, _errors):
 def _class(name: str) -> type:
     found = _CLASSES.get(name)
     if found is None:
-        from mpcache.core_sm import server_core  # late: it imports this module
-
         for attr, value in vars(server_core).items():
             if isinstance(value, type) and attrs.has(value):
                 _CLASSES.setdefault(attr, value)
         found = _CLASSES[name]
     return found
-
-
-class PrehashedTokens(TokenIds):
-    """Token ids known only by count and chunk hashes (a replayed trace key): ``len`` is the
-    recorded count, the ids read as zeros, ``hashes`` are what the server hashed them to."""
-
-    __slots__ = ("hashes",)
-
-    hashes: tuple[bytes, ...]
-
-    @classmethod
-    def make(cls, num_tokens: int, hashes: Sequence[bytes]) -> PrehashedTokens:
-        self = object.__new__(cls)
-        object.__setattr__(self, "_packed", bytes(4 * num_tokens))
-        object.__setattr__(self, "_unpackable", None)
-        object.__setattr__(self, "hashes", tuple(hashes))
-        return self
 
 
 class TraceCodec:

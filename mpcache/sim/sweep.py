@@ -33,7 +33,8 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.effects import ErrorReply, Reply
-from mpcache.core_sm.trace import FORMAT, PrehashedTokens, TraceCodec
+from mpcache.core_sm.keys import PrehashedTokens
+from mpcache.core_sm.trace import FORMAT, TraceCodec
 
 GiB = 1 << 30
 
