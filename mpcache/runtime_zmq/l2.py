@@ -21,8 +21,11 @@ Contract of every tier (`L2Tier`):
   with a message that names the tier; the caller turns them into a failed read/write.
 
 Optional methods the L2 worker uses when a tier has them: `contains_many(keys)` (one round
-trip), `delete(key)` (drop an object that failed its integrity check) and `ping()` (reachability,
-for the circuit breaker and the start check).
+trip), `delete(key)` (drop an object that failed its integrity check), `ping()` (reachability,
+for the circuit breaker and the start check), `read_each(keys, on_value, limit)` (each value
+handed over in a reused buffer as it arrives) and `read_into(keys, on_value)` (each value handed
+over as a `ValueStream` before it is read, so the reader places it where it belongs: the L2
+worker reads a Redis value straight into its L1 slot).
 
 Values are opaque to a tier: the L2 worker seals them (size + keyed checksum, `l2_seal`) before
 `write` and checks them after `read`.
@@ -55,6 +58,7 @@ import itertools
 import logging
 import os
 import re
+import select
 import stat
 import struct
 import threading
@@ -89,6 +93,7 @@ __all__ = [
     "L2Tier",
     "DiskTier",
     "RedisTier",
+    "ValueStream",
     "open_tier",
 ]
 
@@ -571,6 +576,8 @@ def _unlink_quietly(path: str) -> None:
 # 32 MiB value at what one core can copy, and the L2 worker's threads share the pool, so a batch
 # takes at most this many of its connections.
 REDIS_SPREAD = 4
+# read_into's per-thread buffer for the bytes of a value its consumer refused
+_DRAIN_BYTES = 1 << 20
 
 
 class _ReplyReader:
@@ -594,8 +601,9 @@ class _ReplyReader:
                 raise ConnectionError("connection closed by the server")
             self._buf += chunk
 
-    def bulk(self) -> bytearray | None:
-        """The next reply as a value (None: a null), or a ``ValueError`` naming an error reply."""
+    def bulk_length(self) -> int | None:
+        """The length of the next reply, a bulk string (None: a null), its bytes not read yet;
+        a ``ValueError`` names an error reply."""
         line = self._line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
@@ -604,7 +612,13 @@ class _ReplyReader:
             raise ValueError(line[1:].decode("utf-8", "replace"))
         if kind != b"$":
             raise ValueError(f"unexpected reply {line[:32]!r}")
-        n = int(line[1:])
+        return int(line[1:])
+
+    def bulk(self) -> bytearray | None:
+        """The next reply as a value (None: a null), or a ``ValueError`` naming an error reply."""
+        n = self.bulk_length()
+        if n is None:
+            return None
         out = bytearray(n + 2)  # the value and its CRLF
         have = min(len(self._buf), n + 2)
         out[:have] = self._buf[:have]
@@ -624,15 +638,9 @@ class _ReplyReader:
     def bulk_into(self, buffers: _Buffers) -> memoryview | None:
         """The next reply read into a buffer taken from ``buffers`` (a view of its first bytes,
         valid until the buffer is given back), or None for a null; errors as ``bulk``."""
-        line = self._line()
-        kind = line[:1]
-        if kind == b"_" or line == b"$-1":
+        n = self.bulk_length()
+        if n is None:
             return None
-        if kind == b"-":
-            raise ValueError(line[1:].decode("utf-8", "replace"))
-        if kind != b"$":
-            raise ValueError(f"unexpected reply {line[:32]!r}")
-        n = int(line[1:])
         buf = buffers.take(n + 2)
         have = min(len(self._buf), n + 2)
         buf[:have] = self._buf[:have]
@@ -647,6 +655,75 @@ class _ReplyReader:
         value = view[:n]
         view.release()
         return value
+
+    def ready(self) -> bool:
+        """Whether ``read_some`` returns at once (bytes buffered here or in the TLS layer)."""
+        pending = getattr(self._sock, "pending", None)
+        return bool(self._buf) or (pending is not None and pending() > 0)
+
+    def wait(self) -> None:
+        """Until the socket has bytes to read; ``TimeoutError`` after the socket's timeout."""
+        if self.ready():
+            return
+        timeout = self._sock.gettimeout()
+        readable, _, _ = select.select([self._sock], [], [], timeout)
+        if not readable:
+            raise TimeoutError("timed out waiting for the server's reply")
+
+    def read_some(self, view: memoryview) -> int:
+        """At least one and at most ``len(view)`` bytes of the reply into ``view``."""
+        if self._buf:
+            n = min(len(self._buf), len(view))
+            view[:n] = self._buf[:n]
+            del self._buf[:n]
+            return n
+        got: int = self._sock.recv_into(view, len(view))
+        if not got:
+            raise ConnectionError("connection closed by the server")
+        return got
+
+
+class ValueStream:
+    """One value being read off its source, for ``read_into``'s consumer: ``size`` bytes in all,
+    ``remaining`` of them not read yet. ``wait`` blocks until ``read_some`` will not (so a
+    consumer can wait outside a lock and copy inside it); ``read_exact`` fills a view."""
+
+    __slots__ = ("_reader", "size", "remaining")
+
+    def __init__(self, reader: _ReplyReader, size: int) -> None:
+        self._reader = reader
+        self.size = size
+        self.remaining = size
+
+    def wait(self) -> None:
+        self._reader.wait()
+
+    def read_some(self, view: memoryview) -> int:
+        """At least one byte (when any remains) and at most ``len(view)`` into ``view``."""
+        n = min(len(view), self.remaining)
+        if n == 0:
+            return 0
+        got = self._reader.read_some(view[:n] if n < len(view) else view)
+        self.remaining -= got
+        return got
+
+    def read_exact(self, view: memoryview) -> None:
+        if len(view) > self.remaining:
+            raise ValueError(f"{len(view)} bytes asked, {self.remaining} left in the value")
+        have = 0
+        while have < len(view):
+            self.wait()
+            have += self.read_some(view[have:])
+
+    def drain(self, scratch: bytearray) -> None:
+        """Reads and drops what the consumer left (a refused value), through ``scratch``."""
+        view = memoryview(scratch)
+        try:
+            while self.remaining:
+                self.wait()
+                self.read_some(view)
+        finally:
+            view.release()
 
 
 class _Buffers:
@@ -727,6 +804,7 @@ class RedisTier:
         self._executor: Any = None  # a ThreadPoolExecutor, made at the first spread batch
         self._executor_lock = threading.Lock()
         self._buffers = _Buffers(keep=self._spread)
+        self._scratch = threading.local()  # per thread: where read_into drops what is not wanted
 
     @classmethod
     def from_url(cls, url: str) -> RedisTier:
@@ -804,6 +882,21 @@ class RedisTier:
                 self._get_each_on_one_connection(keys, indexes, on_value)
             finally:
                 self._buffers.give()
+
+        self._spread_over_connections("GET (pipelined)", len(keys), share)
+
+    def read_into(self, keys: Sequence[bytes], on_value: Callable[[int, ValueStream | None], None]) -> None:
+        """GET ``keys`` as ``read_each`` does (pipelined, spread over connections), but hand each
+        value over before it is read: ``on_value(index, stream)`` (None: absent) reads the value
+        off the socket itself, wherever it belongs (an L1 slot), while it arrives. What the
+        consumer leaves unread is read and dropped (through a small reused buffer) before the
+        next reply; no value is ever held in a buffer of the tier. An exception from the
+        consumer fails the read and drops its connection."""
+        if not keys:
+            return
+
+        def share(indexes: Sequence[int]) -> None:
+            self._get_into_on_one_connection(keys, indexes, on_value)
 
         self._spread_over_connections("GET (pipelined)", len(keys), share)
 
@@ -911,6 +1004,43 @@ class RedisTier:
                 finally:
                     if value is not None:
                         value.release()
+            clean = True
+            if error is not None:
+                raise self._redis.exceptions.ResponseError(error)
+        finally:
+            if not clean:
+                conn.disconnect()
+            self._pool.release(conn)
+
+    def _get_into_on_one_connection(self, keys: Sequence[bytes], indexes: Sequence[int],
+                                    on_value: Callable[[int, ValueStream | None], None]) -> None:
+        """``_get_on_one_connection`` for ``read_into``: each value streamed to ``on_value``."""
+        conn = self._pool.get_connection()
+        clean = False
+        scratch: bytearray | None = getattr(self._scratch, "buf", None)
+        if scratch is None:
+            scratch = self._scratch.buf = bytearray(_DRAIN_BYTES)
+        try:
+            conn.send_packed_command([b"".join(_pack_command(b"GET", self._prefix + keys[i]) for i in indexes)])
+            reader = _ReplyReader(conn._sock)
+            crlf = memoryview(bytearray(2))
+            error: str | None = None
+            for i in indexes:
+                try:
+                    n = reader.bulk_length()
+                except ValueError as e:  # an error reply: the others still follow on the socket
+                    n = None
+                    if not str(e).startswith("WRONGTYPE") and error is None:
+                        error = str(e)
+                if n is None:
+                    on_value(i, None)
+                    continue
+                stream = ValueStream(reader, n)
+                on_value(i, stream)
+                stream.drain(scratch)
+                ValueStream(reader, 2).read_exact(crlf)  # the CRLF after the value
+                if bytes(crlf) != b"\r\n":
+                    raise ConnectionError("reply out of step (no CRLF after a value)")
             clean = True
             if error is not None:
                 raise self._redis.exceptions.ResponseError(error)

@@ -17,8 +17,11 @@ touches a slot after it reported:
 * **Bounded queue** (``queue_max`` effects waiting): reads and probes run before writes; when the
   queue is full a write-behind is dropped first (the oldest queued write, or the new one), and
   only a queue full of reads refuses a read. Every drop is reported failed and counted.
-* **Batching**: a read is one ``read_many`` (MGET / pipeline) per tier for the keys still
-  missing, a probe one ``contains_many``, a write one ``write_many``.
+* **Batching**: a read is one ``read_into`` / ``read_each`` / ``read_many`` (pipelined GETs)
+  per tier for the keys still missing, a probe one ``contains_many``, a write one
+  ``write_many``. With ``read_into`` (Redis) a value's payload is read off the socket straight
+  into its slot and its MAC is checked piece by piece while the rest arrives; the slot counts as
+  loaded only once the whole payload matched.
 * **Integrity** (``l2_seal``): values are sealed on write and checked on read; a rejected value is
   a miss, counted per reason, logged at most once per ``reject_log_interval_s``, and deleted from
   the tier where the tier has ``delete``.
@@ -411,7 +414,8 @@ class L2Worker:
         effect: ReadL2 = job.effect
         keys = [storage_key(k) for k, _ in effect.items]
         loaded = [False] * len(keys)
-        if all(getattr(t.tier, "read_each", None) is not None for t in self._tiers):
+        if all(getattr(t.tier, "read_into", None) is not None or getattr(t.tier, "read_each", None) is not None
+               for t in self._tiers):
             return self._read_each(job, effect, keys, loaded)
         # In batches of bounded bytes: a read of many large objects never holds them all at once.
         for batch in _batches(len(keys), effect.object_bytes or self.pool.slot_bytes):
@@ -443,14 +447,23 @@ class L2Worker:
         return L2ReadFinished(effect.read_id, tuple(loaded))
 
     def _read_each(self, job: _Effect, effect: ReadL2, keys: list[bytes], loaded: list[bool]) -> object:
-        """``_do_read`` for tiers that hand each value over as it arrives (``read_each``): each is
-        checked and copied into its slot on the thread that read it, while the other connections
-        keep reading; only receive buffers are held, never the whole read."""
+        """``_do_read`` for tiers that hand each value over as it arrives: ``read_into`` (the
+        value's payload is read straight into its slot and checked piece by piece as it lands,
+        ``_fill_slot``) or ``read_each`` (a value in a reused buffer, checked, then copied into
+        its slot). Either runs on the thread that read the value while the other connections
+        keep reading; no value is held in a buffer of its own."""
         for tier in self._tiers:
             todo = [i for i, done in enumerate(loaded) if not done]
             if not todo or job.done:
                 break
             if not self._allowed(tier):
+                continue
+            if getattr(tier.tier, "read_into", None) is not None:
+                def on_stream(j: int, stream: Any, tier: _Tier = tier, todo: list[int] = todo) -> None:
+                    if stream is not None:
+                        self._fill_slot(job, effect, tier, todo[j], keys[todo[j]], stream, loaded)
+
+                self._call(job, tier, lambda: self._read_into(job, tier, [keys[i] for i in todo], on_stream), "read")
                 continue
 
             def on_value(j: int, blob: memoryview | None, tier: _Tier = tier, todo: list[int] = todo) -> None:
@@ -480,35 +493,102 @@ class L2Worker:
         self.read_hits += sum(loaded)
         return L2ReadFinished(effect.read_id, tuple(loaded))
 
+    @staticmethod
+    def _read_into(job: _Effect, tier: _Tier, keys: list[bytes], on_stream: Any) -> None:
+        try:
+            tier.tier.read_into(keys, on_stream)
+        except Exception:
+            if job.done:  # given up at its deadline (``_Abandoned``, or the tier failed since)
+                return
+            raise
+
+    def _fill_slot(self, job: _Effect, effect: ReadL2, tier: _Tier, i: int, key: bytes, stream: Any,
+                   loaded: list[bool]) -> None:
+        """Reads one sealed value from ``stream`` into slot ``effect.items[i]``: the header into a
+        small buffer (and checked), the payload straight into the slot, its MAC fed piece by
+        piece (``READ_PIECE_BYTES``) while the rest arrives. The slot is written only under the
+        effect's lock while it is unfinished (waiting for bytes happens outside the lock), and
+        counts as loaded only once the whole payload matched its tag: a damaged, cut or forged
+        value leaves bytes in a slot that is not loaded (core_sm frees it), never a hit."""
+        if stream.size < SEAL_HEADER_BYTES:
+            self._reject(tier, key, Rejection.SHORT.value, delete=True)
+            return
+        header = memoryview(bytearray(SEAL_HEADER_BYTES))
+        stream.read_exact(header)
+        assert self._sealer is not None
+        opening = self._sealer.opening(key, header, stream.size)
+        if isinstance(opening, Rejection):
+            self._reject(tier, key, opening.value, delete=True)
+            return
+        size = opening.size
+        reason = self._size_refused(size, effect.object_bytes)
+        if reason is not None:
+            self._reject(tier, key, reason, delete=False)
+            return
+        slot = effect.items[i][1]
+        view = self.pool.view(slot, size)
+        try:
+            have = hashed = 0
+            while have < size:
+                stream.wait()  # outside the lock: the deadline watcher is never held up by a socket
+                with job.lock:
+                    if job.done:  # past its deadline: the slot may belong to another object
+                        raise _Abandoned()
+                    have += stream.read_some(view[have:])
+                if have - hashed >= READ_PIECE_BYTES or have == size:
+                    opening.update(view[hashed:have])  # still in cache; other threads run meanwhile
+                    hashed = have
+            if not opening.verify():
+                self._reject(tier, key, Rejection.FORGED.value, delete=True)
+                return
+            with job.lock:
+                if job.done:
+                    raise _Abandoned()
+                self._slot_nbytes[slot] = size
+                loaded[i] = True
+        finally:
+            view.release()
+
+    def _size_refused(self, size: int, object_bytes: int) -> str | None:
+        """Why a sealed payload of ``size`` bytes is not served (None: it is). ``object_bytes``:
+        the size core_sm expects, exact when it is below the slot size (core_sm answers the slot
+        size when no registered instance tells it the model's object size)."""
+        if 0 < object_bytes < self.pool.slot_bytes and size != object_bytes:
+            return "wrong_size"
+        if size > self.pool.slot_bytes:
+            return "too_big"
+        return None
+
     def _open(self, tier: _Tier, key: bytes, blob: bytes | memoryview, object_bytes: int) -> memoryview | None:
-        """The payload of a tier's value, or None (a counted rejection). ``object_bytes``: the
-        size core_sm expects, exact when it is below the slot size (core_sm answers the slot size
-        when no registered instance tells it the model's object size)."""
+        """The payload of a tier's value, or None (a counted rejection)."""
         assert self._sealer is not None
         payload = self._sealer.open(key, blob)
-        if not isinstance(payload, Rejection):
-            if 0 < object_bytes < self.pool.slot_bytes and len(payload) != object_bytes:
-                reason = "wrong_size"
-            elif len(payload) <= self.pool.slot_bytes:
-                return payload
-            else:
-                reason = "too_big"
-        else:
-            reason = payload.value
+        if isinstance(payload, Rejection):
+            self._reject(tier, key, payload.value, delete=True)
+            return None
+        reason = self._size_refused(len(payload), object_bytes)
+        if reason is None:
+            return payload
+        payload.release()
+        self._reject(tier, key, reason, delete=False)
+        return None
+
+    def _reject(self, tier: _Tier, key: bytes, reason: str, *, delete: bool) -> None:
+        """Counts and logs a refused value. ``delete``: a damaged or forged one is dropped from
+        the tier where it allows; one sealed with the secret, only not the size this reader
+        expects (another registration of the model, or a forged size), is kept for its own
+        readers."""
         self._count("l2_rejected")
         self._count(f"l2_rejected_{reason}")
         self._note_rejection(tier, key, reason)
-        if not isinstance(payload, Rejection):
-            # sealed with the secret, only not the size this reader expects (another registration
-            # of the model, or a forged size): a miss for this read, kept for its own readers
-            return None
-        delete = getattr(tier.tier, "delete", None)
-        if delete is not None:
+        if not delete:
+            return
+        remove = getattr(tier.tier, "delete", None)
+        if remove is not None:
             try:
-                delete(key)
+                remove(key)
             except Exception as e:
                 log.debug("deleting rejected L2 object %r from %r: %s", key, tier, e)
-        return None
 
     def _note_rejection(self, tier: _Tier, key: bytes, reason: str) -> None:
         now = self.clock()
@@ -621,6 +701,13 @@ class L2Worker:
 
 # Bytes of objects one tier call moves at most (the batch is at least one object).
 BATCH_BYTES = 64 << 20
+# A value read into its slot has its MAC fed in pieces of this many bytes, each while it is still
+# in the CPU's cache and while the socket keeps filling.
+READ_PIECE_BYTES = 1 << 20
+
+
+class _Abandoned(Exception):
+    """A read given up at its deadline while a value was arriving: stop writing its slots."""
 
 
 def _batches(n: int, item_bytes: int) -> list[list[int]]:
