@@ -66,6 +66,7 @@ import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mpcache.runtime_zmq.l2_common import (
@@ -757,6 +758,31 @@ class _Buffers:
                     self._free.append(held)
 
 
+def _send_all(sock: Any, data: bytes | memoryview,
+              guard: Callable[[], AbstractContextManager[object]] | None = None) -> None:
+    """``sock.sendall`` in pieces of at most ``_SEND_PIECE_BYTES`` (each send copies what the
+    socket buffer takes, the GIL released); with ``guard``, each send inside ``guard()`` after
+    the socket was seen writable outside it."""
+    view = memoryview(data)
+    try:
+        at = 0
+        while at < len(view):
+            piece = view[at:at + _SEND_PIECE_BYTES]
+            if guard is None:
+                at += sock.send(piece)
+                continue
+            _, writable, _ = select.select([], [sock], [], sock.gettimeout())
+            if not writable:
+                raise TimeoutError("timed out sending to the server")
+            with guard():
+                at += sock.send(piece)
+    finally:
+        view.release()
+
+
+_SEND_PIECE_BYTES = 4 << 20
+
+
 def _pack_command(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 class RedisTier:
@@ -915,6 +941,25 @@ class RedisTier:
 
         self._spread_over_connections("SET (pipelined)", len(items), share)
 
+    def write_parts(self, items: Sequence[tuple[bytes, Callable[[], Sequence[bytes | memoryview]]]],
+                    guard: Callable[[], AbstractContextManager[object]] | None = None) -> None:
+        """SET each item as ``write_many`` does (pipelined, spread over connections), the value
+        given as the buffers it is the concatenation of, made by a call on the connection's
+        thread just before it is sent (so the values of one call are prepared in parallel, and
+        sealing one overlaps sending another). The buffers are sent where they lie, never joined
+        into a new one. A call that raises stops the pipeline and drops its connection: a value
+        cut off mid-send is never stored (Redis discards an unfinished command). ``guard()``, when
+        given, is entered around each send of a value's bytes (after waiting, outside it, until
+        the socket takes more): a writer whose buffers may be taken back (an L1 slot at an
+        effect's deadline) holds its lock there and raises to stop."""
+        if not items:
+            return
+
+        def share(indexes: Sequence[int]) -> None:
+            self._set_parts_on_one_connection(items, indexes, guard)
+
+        self._spread_over_connections("SET (pipelined)", len(items), share)
+
     def _spread_over_connections(self, what: str, n: int, share: Any) -> None:
         """Run ``share(indexes)`` for ``n`` items dealt round-robin into at most ``_spread``
         shares, each on its own thread and connection (one share: on this thread); the first
@@ -1004,6 +1049,38 @@ class RedisTier:
                 finally:
                     if value is not None:
                         value.release()
+            clean = True
+            if error is not None:
+                raise self._redis.exceptions.ResponseError(error)
+        finally:
+            if not clean:
+                conn.disconnect()
+            self._pool.release(conn)
+
+    def _set_parts_on_one_connection(
+            self, items: Sequence[tuple[bytes, Callable[[], Sequence[bytes | memoryview]]]], indexes: Sequence[int],
+            guard: Callable[[], AbstractContextManager[object]] | None) -> None:
+        conn = self._pool.get_connection()
+        clean = False
+        try:
+            sock = conn._sock
+            expiry = b"" if self._ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self._ttl_s)), self._ttl_s)
+            for i in indexes:
+                key, make = items[i]
+                parts = [memoryview(p).cast("B") for p in make()]
+                k = self._prefix + key
+                size = sum(len(p) for p in parts)
+                _send_all(sock, b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (5 if expiry else 3, len(k), k, size))
+                for part in parts:
+                    _send_all(sock, part, guard)
+                    part.release()
+                _send_all(sock, b"\r\n" + expiry)
+            reader = _ReplyReader(sock)
+            error: str | None = None
+            for _ in indexes:
+                line = reader._line()
+                if line[:1] == b"-" and error is None:
+                    error = line[1:].decode("utf-8", "replace")
             clean = True
             if error is not None:
                 raise self._redis.exceptions.ResponseError(error)

@@ -145,9 +145,14 @@ class Sealer:
 
     def seal(self, key: bytes, payload: bytes | memoryview) -> bytes:
         """The envelope of ``payload`` stored under ``key``."""
+        return self.seal_header(key, payload) + payload
+
+    def seal_header(self, key: bytes, payload: bytes | memoryview) -> bytes:
+        """The first ``HEADER_BYTES`` of ``payload``'s envelope: a writer sends them and then
+        the payload where it lies (an L1 slot), never joining the two in a new buffer."""
         size = len(payload)
         tag = self._tag(self.algorithm, key, size, payload)
-        return _HEADER.pack(_MAGIC, int(self.algorithm), size, tag) + payload
+        return _HEADER.pack(_MAGIC, int(self.algorithm), size, tag)
 
     def open(self, key: bytes, blob: bytes | memoryview) -> memoryview | Rejection:
         """The payload of ``blob`` (a view into it, no copy), or why it is rejected."""

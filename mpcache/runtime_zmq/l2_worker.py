@@ -29,13 +29,14 @@ touches a slot after it reported:
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -604,20 +605,36 @@ class L2Worker:
                     summary, key.decode("ascii", "replace"), tier, self.options.reject_log_interval_s)
 
     def _do_write(self, job: _Effect) -> object:
+        """Tiers with ``write_parts`` (Redis) get every object in one call, each sent from its
+        slot behind a seal header (``_write_parts``); the others get sealed copies in batches of
+        at most ``BATCH_BYTES``, copied out of the slots under the effect's lock."""
         effect, sizes = job.effect
         assert self._sealer is not None
-        ok = True
+        keys = [storage_key(k) for k, _ in effect.items]
+        streamed_ok = True
+        copied: list[_Tier] = []
+        for tier in self._tiers:
+            if getattr(tier.tier, "write_parts", None) is None:
+                copied.append(tier)
+                continue
+            if job.done:
+                return job.failed
+            if not self._allowed(tier):
+                self._count("l2_writes_skipped")
+                streamed_ok = False
+                continue
+            done, _ = self._call(job, tier, lambda: self._write_parts(job, tier, effect, keys, sizes), "write")
+            streamed_ok = streamed_ok and done
+        ok = streamed_ok
         for batch in _batches(len(sizes), max(sizes, default=0)):
-            with job.lock:  # copy out of the slots while the effect still pins them
-                if job.done:
-                    return job.failed
-                sealed = []
-                for i in batch:
-                    (k, slot), n = effect.items[i], sizes[i]
-                    key = storage_key(k)
-                    sealed.append((key, self._sealer.seal(key, self.pool.view(slot, n))))
-            batch_ok = True
-            for tier in self._tiers:
+            batch_ok = streamed_ok
+            if copied:
+                with job.lock:  # copy out of the slots while the effect still pins them
+                    if job.done:
+                        return job.failed
+                    sealed = [(keys[i], self._sealer.seal(keys[i], self.pool.view(effect.items[i][1], sizes[i])))
+                              for i in batch]
+            for tier in copied:
                 if job.done:
                     return job.failed
                 if not self._allowed(tier):
@@ -629,11 +646,43 @@ class L2Worker:
             ok = ok and batch_ok
             # l2_writes: objects every tier took; the others are l2_writes_failed
             if batch_ok:
-                self.writes += len(sealed)
+                self.writes += len(batch)
             else:
                 with self._lock:
-                    self.counts["l2_writes_failed"] += len(sealed)
+                    self.counts["l2_writes_failed"] += len(batch)
+        with job.lock:
+            if job.done:
+                return job.failed
         return L2WriteFinished(effect.write_id, ok)
+
+    def _write_parts(self, job: _Effect, tier: _Tier, effect: WriteL2, keys: list[bytes], sizes: list[int]) -> None:
+        """One ``write_parts`` of every object of a write: each sealed (its MAC over the slot)
+        on the connection's thread just before it is sent, header then the slot's bytes, never
+        copied; the slot is read only under the effect's lock while it is unfinished, so a write
+        past its deadline stops (its connection dropped, the cut value never stored)."""
+        assert self._sealer is not None
+        sealer = self._sealer
+
+        @contextlib.contextmanager
+        def guard() -> Iterator[None]:
+            with job.lock:
+                if job.done:
+                    raise _Abandoned()
+                yield
+
+        def sealed(i: int) -> Callable[[], Sequence[bytes | memoryview]]:
+            def make() -> Sequence[bytes | memoryview]:
+                with guard():
+                    view = self.pool.view(effect.items[i][1], sizes[i])
+                    return (sealer.seal_header(keys[i], view), view)
+            return make
+
+        try:
+            tier.tier.write_parts([(keys[i], sealed(i)) for i in range(len(keys))], guard)
+        except Exception:
+            if job.done:  # given up at its deadline: reported already
+                return
+            raise
 
     # -- observability and shutdown ----------------------------------------------------------
 

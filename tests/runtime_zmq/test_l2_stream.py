@@ -284,3 +284,79 @@ def test_a_streamed_read_past_its_deadline_writes_no_slot_after_it() -> None:
         assert h.worker.stats()["l2_deadline_expired"] == 1 and h.worker.errors == 0
     finally:
         h.close()
+
+
+# ------------------------------------------------------------------------------------ writes
+
+
+def test_write_parts_stores_the_parts_joined_with_its_ttl(redis_url: str) -> None:
+    tier = RedisTier(redis_url, ttl_s=100)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        a, b = os.urandom(48), os.urandom((3 << 20) + 5)
+        tier.write_parts([(b"p%d" % i, lambda: (a, memoryview(b))) for i in range(2 * REDIS_SPREAD)] + [(b"e", lambda: ())])
+        for i in range(2 * REDIS_SPREAD):
+            assert raw.get(b"mpcache:p%d" % i) == a + b
+            assert 0 < raw.ttl(b"mpcache:p%d" % i) <= 100
+        assert raw.get(b"mpcache:e") == b""
+    finally:
+        raw.close()
+        tier.close()
+
+
+def test_a_redis_write_sends_from_the_slot_without_a_sealed_copy(redis_url: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_copy(*args: Any) -> bytes:
+        raise AssertionError("a sealed copy of the object was made")
+
+    monkeypatch.setattr(Sealer, "seal", no_copy)
+    tier = open_tier(redis_url)
+    h = Harness([tier])
+    try:
+        ks = _keys(3)
+        data = [os.urandom(3 << 20) for _ in range(3)]
+        h.store([(k, i, d) for i, (k, d) in enumerate(zip(ks, data))])
+        assert h.load(ks, [4, 5, 6]) == (True, True, True)
+        assert [bytes(h.pool.view(s, 3 << 20)) for s in (4, 5, 6)] == data
+        assert h.worker.stats()["l2_writes"] == 3
+    finally:
+        h.close()
+
+
+class _PausingWriter(_StreamingFake):
+    """``write_parts`` that sends each value in 64 KiB pieces under the guard, pausing half way
+    through until ``go``."""
+
+    def write_parts(self, items: Sequence[tuple[bytes, Callable[[], Sequence[Any]]]],
+                    guard: Callable[[], Any] | None = None) -> None:
+        assert guard is not None
+        for key, make in items:
+            out = bytearray()
+            for part in make():
+                view = memoryview(part)
+                for at in range(0, len(view), 64 << 10):
+                    if len(out) > (1 << 20):
+                        self.go.wait(30)
+                    with guard():
+                        out += view[at:at + (64 << 10)]
+                        self.log.append("sent")
+            self.data[key] = bytes(out)
+
+
+def test_a_streamed_write_past_its_deadline_stops_reading_its_slots() -> None:
+    tier = _PausingWriter()
+    h = Harness([tier], deadline_s=0.3, min_bytes_per_s=1e12)
+    try:
+        k = _keys(1)[0]
+        h.pool.write(0, os.urandom(3 << 20))
+        h.worker.note_slot_size(0, 3 << 20)
+        tier.go.clear()
+        h.worker.write(WriteL2(900, ((k, 0),)))
+        h.wait_for(lambda p: L2WriteFinished(900, False) in p)
+        sent = len(tier.log)
+        tier.go.set()
+        assert _wait(lambda: h.worker.in_flight == 0)
+        assert len(tier.log) == sent and tier.data == {}  # not a byte more, nothing stored
+        assert h.worker.stats()["l2_deadline_expired"] == 1 and h.worker.errors == 0
+    finally:
+        h.close()
