@@ -21,7 +21,7 @@ from mpcache.core_sm.chunks import ObjectKey  # noqa: E402
 from mpcache.core_sm.effects import ReadL2, WriteL2  # noqa: E402
 from mpcache.core_sm.messages import L2ReadFinished, L2WriteFinished  # noqa: E402
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool  # noqa: E402
-from mpcache.runtime_zmq.l2 import REDIS_SPREAD, RedisTier, ValueStream, open_tier  # noqa: E402
+from mpcache.runtime_zmq.l2 import READ_WINDOW, REDIS_SPREAD, RedisTier, ValueStream, open_tier  # noqa: E402
 from mpcache.runtime_zmq.l2_seal import HEADER_BYTES, Opening, Rejection, Sealer  # noqa: E402
 from mpcache.runtime_zmq.l2_worker import READ_PIECE_BYTES, L2Options, L2Worker, storage_key  # noqa: E402
 
@@ -132,6 +132,30 @@ def test_read_into_hands_each_value_over_and_drops_what_is_left(redis_url: str) 
                     assert got[i] == (values[k] if i % 2 == 0 else values[k][:1000]), k
         assert tier._buffers._free == []  # no value was ever held in a receive buffer
     finally:
+        tier.close()
+
+
+def test_read_into_keeps_few_values_waiting_in_redis(redis_url: str) -> None:
+    """Redis copies a value into its reply buffer when it runs the GET: a connection has at most
+    READ_WINDOW GETs outstanding, so a read of many large objects never has Redis hold them all."""
+    tier = RedisTier(redis_url, pool_size=1)  # one connection carries the whole read
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        value = os.urandom(8 << 20)
+        tier.write_many([(b"w%d" % i, value) for i in range(8)])
+        held: list[int] = []
+
+        def on_value(i: int, stream: ValueStream | None) -> None:
+            assert stream is not None
+            if i == 0:  # the first value waits unread while Redis runs what it was sent
+                time.sleep(0.5)
+                held.append(max(int(c["omem"]) for c in admin.client_list()))
+            stream.drain(bytearray(1 << 20))
+
+        tier.read_into([b"w%d" % i for i in range(8)], on_value)
+        assert READ_WINDOW == 2 and held and held[0] < 3 * (8 << 20), held  # two values, not all eight
+    finally:
+        admin.close()
         tier.close()
 
 
