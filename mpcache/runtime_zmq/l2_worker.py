@@ -24,7 +24,9 @@ touches a slot after it reported:
   loaded only once the whole payload matched.
 * **Integrity** (``l2_seal``): values are sealed on write and checked on read; a rejected value is
   a miss, counted per reason, logged at most once per ``reject_log_interval_s``, and deleted from
-  the tier where the tier has ``delete``.
+  the tier where the tier has ``delete``. A value read straight into its slot (``read_into``) may
+  leave the bytes that failed the check in that slot: the slot is reported not loaded, so core_sm
+  aborts the object it was reserved for and no reader ever sees them.
 """
 from __future__ import annotations
 
