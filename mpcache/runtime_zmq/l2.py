@@ -21,8 +21,11 @@ Contract of every tier (`L2Tier`):
   with a message that names the tier; the caller turns them into a failed read/write.
 
 Optional methods the L2 worker uses when a tier has them: `contains_many(keys)` (one round
-trip), `delete(key)` (drop an object that failed its integrity check) and `ping()` (reachability,
-for the circuit breaker and the start check).
+trip), `delete(key)` (drop an object that failed its integrity check), `ping()` (reachability,
+for the circuit breaker and the start check), `read_each(keys, on_value, limit)` (each value
+handed over in a reused buffer as it arrives) and `read_into(keys, on_value)` (each value handed
+over as a `ValueStream` before it is read, so the reader places it where it belongs: the L2
+worker reads a Redis value straight into its L1 slot).
 
 Values are opaque to a tier: the L2 worker seals them (size + keyed checksum, `l2_seal`) before
 `write` and checks them after `read`.
@@ -42,6 +45,12 @@ Tiers are opened from a URL (`open_tier`):
   its objects: that is mpcache's multi-node tier. Put the password in `password_file` (mode 0600)
   or in the `MPCACHE_L2` environment variable, not on a command line; every name and message
   shows the URL with its password replaced by `***`.
+  For objects of megabytes (KV chunks), run the redis-server with its values on transparent huge
+  pages: ``MALLOC_CONF=thp:always`` in its environment (``JE_MALLOC_CONF`` for a redis-server
+  built with Redis's own jemalloc) and ``--disable-thp no``; with persistence off (``--save ""``,
+  no AOF) it never forks, so huge pages cost it nothing. Without them it takes a page fault on
+  every 4 KiB of each value it receives or sends, about half of its CPU per GB moved (0.45-0.50
+  CPU s/GB instead of 0.19-0.26 for 32 MiB values, ``mpcache-bench l2`` and ``--redis-plain``).
 * `redis+cluster://[USER@]HOST:PORT[,HOST:PORT...][?...]` (also `rediss+cluster://`,
   `valkey+cluster://`): a Redis Cluster / Valkey cluster through redis-py's cluster client, with
   the same parameters (see `runtime_zmq/l2_cluster.py`).
@@ -55,6 +64,7 @@ import itertools
 import logging
 import os
 import re
+import select
 import stat
 import struct
 import threading
@@ -62,6 +72,7 @@ import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mpcache.runtime_zmq.l2_common import (
@@ -89,6 +100,7 @@ __all__ = [
     "L2Tier",
     "DiskTier",
     "RedisTier",
+    "ValueStream",
     "open_tier",
 ]
 
@@ -571,6 +583,11 @@ def _unlink_quietly(path: str) -> None:
 # 32 MiB value at what one core can copy, and the L2 worker's threads share the pool, so a batch
 # takes at most this many of its connections.
 REDIS_SPREAD = 4
+# GETs one read_into connection has outstanding: the next value is prepared by Redis while this
+# one is read, and Redis holds at most this many values in reply buffers for the connection.
+READ_WINDOW = 2
+# read_into's per-thread buffer for the bytes of a value its consumer refused
+_DRAIN_BYTES = 1 << 20
 
 
 class _ReplyReader:
@@ -594,8 +611,9 @@ class _ReplyReader:
                 raise ConnectionError("connection closed by the server")
             self._buf += chunk
 
-    def bulk(self) -> bytearray | None:
-        """The next reply as a value (None: a null), or a ``ValueError`` naming an error reply."""
+    def bulk_length(self) -> int | None:
+        """The length of the next reply, a bulk string (None: a null), its bytes not read yet;
+        a ``ValueError`` names an error reply."""
         line = self._line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
@@ -604,7 +622,13 @@ class _ReplyReader:
             raise ValueError(line[1:].decode("utf-8", "replace"))
         if kind != b"$":
             raise ValueError(f"unexpected reply {line[:32]!r}")
-        n = int(line[1:])
+        return int(line[1:])
+
+    def bulk(self) -> bytearray | None:
+        """The next reply as a value (None: a null), or a ``ValueError`` naming an error reply."""
+        n = self.bulk_length()
+        if n is None:
+            return None
         out = bytearray(n + 2)  # the value and its CRLF
         have = min(len(self._buf), n + 2)
         out[:have] = self._buf[:have]
@@ -624,15 +648,9 @@ class _ReplyReader:
     def bulk_into(self, buffers: _Buffers) -> memoryview | None:
         """The next reply read into a buffer taken from ``buffers`` (a view of its first bytes,
         valid until the buffer is given back), or None for a null; errors as ``bulk``."""
-        line = self._line()
-        kind = line[:1]
-        if kind == b"_" or line == b"$-1":
+        n = self.bulk_length()
+        if n is None:
             return None
-        if kind == b"-":
-            raise ValueError(line[1:].decode("utf-8", "replace"))
-        if kind != b"$":
-            raise ValueError(f"unexpected reply {line[:32]!r}")
-        n = int(line[1:])
         buf = buffers.take(n + 2)
         have = min(len(self._buf), n + 2)
         buf[:have] = self._buf[:have]
@@ -647,6 +665,75 @@ class _ReplyReader:
         value = view[:n]
         view.release()
         return value
+
+    def ready(self) -> bool:
+        """Whether ``read_some`` returns at once (bytes buffered here or in the TLS layer)."""
+        pending = getattr(self._sock, "pending", None)
+        return bool(self._buf) or (pending is not None and pending() > 0)
+
+    def wait(self) -> None:
+        """Until the socket has bytes to read; ``TimeoutError`` after the socket's timeout."""
+        if self.ready():
+            return
+        timeout = self._sock.gettimeout()
+        readable, _, _ = select.select([self._sock], [], [], timeout)
+        if not readable:
+            raise TimeoutError("timed out waiting for the server's reply")
+
+    def read_some(self, view: memoryview) -> int:
+        """At least one and at most ``len(view)`` bytes of the reply into ``view``."""
+        if self._buf:
+            n = min(len(self._buf), len(view))
+            view[:n] = self._buf[:n]
+            del self._buf[:n]
+            return n
+        got: int = self._sock.recv_into(view, len(view))
+        if not got:
+            raise ConnectionError("connection closed by the server")
+        return got
+
+
+class ValueStream:
+    """One value being read off its source, for ``read_into``'s consumer: ``size`` bytes in all,
+    ``remaining`` of them not read yet. ``wait`` blocks until ``read_some`` will not (so a
+    consumer can wait outside a lock and copy inside it); ``read_exact`` fills a view."""
+
+    __slots__ = ("_reader", "size", "remaining")
+
+    def __init__(self, reader: _ReplyReader, size: int) -> None:
+        self._reader = reader
+        self.size = size
+        self.remaining = size
+
+    def wait(self) -> None:
+        self._reader.wait()
+
+    def read_some(self, view: memoryview) -> int:
+        """At least one byte (when any remains) and at most ``len(view)`` into ``view``."""
+        n = min(len(view), self.remaining)
+        if n == 0:
+            return 0
+        got = self._reader.read_some(view[:n] if n < len(view) else view)
+        self.remaining -= got
+        return got
+
+    def read_exact(self, view: memoryview) -> None:
+        if len(view) > self.remaining:
+            raise ValueError(f"{len(view)} bytes asked, {self.remaining} left in the value")
+        have = 0
+        while have < len(view):
+            self.wait()
+            have += self.read_some(view[have:])
+
+    def drain(self, scratch: bytearray) -> None:
+        """Reads and drops what the consumer left (a refused value), through ``scratch``."""
+        view = memoryview(scratch)
+        try:
+            while self.remaining:
+                self.wait()
+                self.read_some(view)
+        finally:
+            view.release()
 
 
 class _Buffers:
@@ -678,6 +765,31 @@ class _Buffers:
             with self._lock:
                 if len(self._free) < self._keep:
                     self._free.append(held)
+
+
+def _send_all(sock: Any, data: bytes | memoryview,
+              guard: Callable[[], AbstractContextManager[object]] | None = None) -> None:
+    """``sock.sendall`` in pieces of at most ``_SEND_PIECE_BYTES`` (each send copies what the
+    socket buffer takes, the GIL released); with ``guard``, each send inside ``guard()`` after
+    the socket was seen writable outside it."""
+    view = memoryview(data)
+    try:
+        at = 0
+        while at < len(view):
+            piece = view[at:at + _SEND_PIECE_BYTES]
+            if guard is None:
+                at += sock.send(piece)
+                continue
+            _, writable, _ = select.select([], [sock], [], sock.gettimeout())
+            if not writable:
+                raise TimeoutError("timed out sending to the server")
+            with guard():
+                at += sock.send(piece)
+    finally:
+        view.release()
+
+
+_SEND_PIECE_BYTES = 4 << 20
 
 
 def _pack_command(*args: bytes) -> bytes:
@@ -727,6 +839,7 @@ class RedisTier:
         self._executor: Any = None  # a ThreadPoolExecutor, made at the first spread batch
         self._executor_lock = threading.Lock()
         self._buffers = _Buffers(keep=self._spread)
+        self._scratch = threading.local()  # per thread: where read_into drops what is not wanted
 
     @classmethod
     def from_url(cls, url: str) -> RedisTier:
@@ -807,6 +920,21 @@ class RedisTier:
 
         self._spread_over_connections("GET (pipelined)", len(keys), share)
 
+    def read_into(self, keys: Sequence[bytes], on_value: Callable[[int, ValueStream | None], None]) -> None:
+        """GET ``keys`` as ``read_each`` does (pipelined, spread over connections), but hand each
+        value over before it is read: ``on_value(index, stream)`` (None: absent) reads the value
+        off the socket itself, wherever it belongs (an L1 slot), while it arrives. What the
+        consumer leaves unread is read and dropped (through a small reused buffer) before the
+        next reply; no value is ever held in a buffer of the tier. An exception from the
+        consumer fails the read and drops its connection."""
+        if not keys:
+            return
+
+        def share(indexes: Sequence[int]) -> None:
+            self._get_into_on_one_connection(keys, indexes, on_value)
+
+        self._spread_over_connections("GET (pipelined)", len(keys), share)
+
     def write_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         """SET each item: pipelined, spread over up to ``REDIS_SPREAD`` pooled connections at once
         (redis-py sends a large value as its own buffer, uncopied)."""
@@ -819,6 +947,25 @@ class RedisTier:
                 key, data = items[i]
                 pipe.set(self._prefix + key, data, ex=self._ttl_s)
             pipe.execute()
+
+        self._spread_over_connections("SET (pipelined)", len(items), share)
+
+    def write_parts(self, items: Sequence[tuple[bytes, Callable[[], Sequence[bytes | memoryview]]]],
+                    guard: Callable[[], AbstractContextManager[object]] | None = None) -> None:
+        """SET each item as ``write_many`` does (pipelined, spread over connections), the value
+        given as the buffers it is the concatenation of, made by a call on the connection's
+        thread just before it is sent (so the values of one call are prepared in parallel, and
+        sealing one overlaps sending another). The buffers are sent where they lie, never joined
+        into a new one. A call that raises stops the pipeline and drops its connection: a value
+        cut off mid-send is never stored (Redis discards an unfinished command). ``guard()``, when
+        given, is entered around each send of a value's bytes (after waiting, outside it, until
+        the socket takes more): a writer whose buffers may be taken back (an L1 slot at an
+        effect's deadline) holds its lock there and raises to stop."""
+        if not items:
+            return
+
+        def share(indexes: Sequence[int]) -> None:
+            self._set_parts_on_one_connection(items, indexes, guard)
 
         self._spread_over_connections("SET (pipelined)", len(items), share)
 
@@ -911,6 +1058,81 @@ class RedisTier:
                 finally:
                     if value is not None:
                         value.release()
+            clean = True
+            if error is not None:
+                raise self._redis.exceptions.ResponseError(error)
+        finally:
+            if not clean:
+                conn.disconnect()
+            self._pool.release(conn)
+
+    def _set_parts_on_one_connection(
+            self, items: Sequence[tuple[bytes, Callable[[], Sequence[bytes | memoryview]]]], indexes: Sequence[int],
+            guard: Callable[[], AbstractContextManager[object]] | None) -> None:
+        conn = self._pool.get_connection()
+        clean = False
+        try:
+            sock = conn._sock
+            expiry = b"" if self._ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self._ttl_s)), self._ttl_s)
+            for i in indexes:
+                key, make = items[i]
+                parts = [memoryview(p).cast("B") for p in make()]
+                k = self._prefix + key
+                size = sum(len(p) for p in parts)
+                _send_all(sock, b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (5 if expiry else 3, len(k), k, size))
+                for part in parts:
+                    _send_all(sock, part, guard)
+                    part.release()
+                _send_all(sock, b"\r\n" + expiry)
+            reader = _ReplyReader(sock)
+            error: str | None = None
+            for _ in indexes:
+                line = reader._line()
+                if line[:1] == b"-" and error is None:
+                    error = line[1:].decode("utf-8", "replace")
+            clean = True
+            if error is not None:
+                raise self._redis.exceptions.ResponseError(error)
+        finally:
+            if not clean:
+                conn.disconnect()
+            self._pool.release(conn)
+
+    def _get_into_on_one_connection(self, keys: Sequence[bytes], indexes: Sequence[int],
+                                    on_value: Callable[[int, ValueStream | None], None]) -> None:
+        """``_get_on_one_connection`` for ``read_into``: each value streamed to ``on_value``."""
+        conn = self._pool.get_connection()
+        clean = False
+        scratch: bytearray | None = getattr(self._scratch, "buf", None)
+        if scratch is None:
+            scratch = self._scratch.buf = bytearray(_DRAIN_BYTES)
+        try:
+            # At most READ_WINDOW GETs outstanding: Redis copies a value into its reply buffer
+            # when it runs the GET, so a whole share sent at once would have it hold them all.
+            conn.send_packed_command([b"".join(_pack_command(b"GET", self._prefix + keys[i])
+                                               for i in indexes[:READ_WINDOW])])
+            reader = _ReplyReader(conn._sock)
+            crlf = memoryview(bytearray(2))
+            error: str | None = None
+            for j, i in enumerate(indexes):
+                ahead = j - 1 + READ_WINDOW
+                if j and ahead < len(indexes):  # the reply before is read: the next GET may run
+                    _send_all(conn._sock, _pack_command(b"GET", self._prefix + keys[indexes[ahead]]))
+                try:
+                    n = reader.bulk_length()
+                except ValueError as e:  # an error reply: the others still follow on the socket
+                    n = None
+                    if not str(e).startswith("WRONGTYPE") and error is None:
+                        error = str(e)
+                if n is None:
+                    on_value(i, None)
+                    continue
+                stream = ValueStream(reader, n)
+                on_value(i, stream)
+                stream.drain(scratch)
+                ValueStream(reader, 2).read_exact(crlf)  # the CRLF after the value
+                if bytes(crlf) != b"\r\n":
+                    raise ConnectionError("reply out of step (no CRLF after a value)")
             clean = True
             if error is not None:
                 raise self._redis.exceptions.ResponseError(error)

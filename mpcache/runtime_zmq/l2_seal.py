@@ -49,6 +49,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "HEADER_BYTES",
     "MacAlgorithm",
+    "Opening",
     "Rejection",
     "Sealer",
     "SecretFileError",
@@ -144,18 +145,38 @@ class Sealer:
 
     def seal(self, key: bytes, payload: bytes | memoryview) -> bytes:
         """The envelope of ``payload`` stored under ``key``."""
+        return self.seal_header(key, payload) + payload
+
+    def seal_header(self, key: bytes, payload: bytes | memoryview) -> bytes:
+        """The first ``HEADER_BYTES`` of ``payload``'s envelope: a writer sends them and then
+        the payload where it lies (an L1 slot), never joining the two in a new buffer."""
         size = len(payload)
         tag = self._tag(self.algorithm, key, size, payload)
-        return _HEADER.pack(_MAGIC, int(self.algorithm), size, tag) + payload
+        return _HEADER.pack(_MAGIC, int(self.algorithm), size, tag)
 
     def open(self, key: bytes, blob: bytes | memoryview) -> memoryview | Rejection:
         """The payload of ``blob`` (a view into it, no copy), or why it is rejected."""
-        if len(blob) < HEADER_BYTES:
+        opening = self.opening(key, memoryview(blob)[:HEADER_BYTES], len(blob))
+        if isinstance(opening, Rejection):
+            return opening
+        payload = memoryview(blob)[HEADER_BYTES:]
+        opening.update(payload)
+        if not opening.verify():
+            return Rejection.FORGED
+        return payload
+
+    def opening(self, key: bytes, header: bytes | memoryview, total: int) -> Opening | Rejection:
+        """The check of a value of ``total`` bytes whose first bytes are ``header`` (at least
+        ``HEADER_BYTES`` of them, else SHORT), before its payload is read: what the header
+        declares is checked now (layout, algorithm, size against ``total``), the tag once the
+        payload went through ``Opening.update``. A reader can so place the payload where it
+        belongs (an L1 slot) and check it piece by piece while the rest is still arriving."""
+        if total < HEADER_BYTES or len(header) < HEADER_BYTES:
             return Rejection.SHORT
-        magic, alg, size, tag = _HEADER.unpack_from(blob)
+        magic, alg, size, tag = _HEADER.unpack_from(header)
         if magic != _MAGIC or alg not in (MacAlgorithm.BLAKE2B, MacAlgorithm.BLAKE3):
             return Rejection.BAD_HEADER
-        actual = len(blob) - HEADER_BYTES
+        actual = total - HEADER_BYTES
         if actual < size:
             return Rejection.SHORT
         if actual > size:
@@ -163,20 +184,42 @@ class Sealer:
         algorithm = MacAlgorithm(alg)
         if algorithm is MacAlgorithm.BLAKE3 and _blake3 is None:
             return Rejection.UNVERIFIABLE
-        payload = memoryview(blob)[HEADER_BYTES:]
-        if not hmac.compare_digest(tag, self._tag(algorithm, key, size, payload)):
-            return Rejection.FORGED
-        return payload
+        return Opening(self._hasher(algorithm, key, size), size, tag)
 
-    def _tag(self, algorithm: MacAlgorithm, key: bytes, size: int, payload: bytes | memoryview) -> bytes:
+    def _hasher(self, algorithm: MacAlgorithm, key: bytes, size: int, threads: bool = False) -> Any:
         prefix = _DOMAIN + struct.pack("<I", len(key)) + key + struct.pack("<Q", size)
+        h: Any
         if algorithm is MacAlgorithm.BLAKE3:
             assert _blake3 is not None
-            h3 = _blake3.blake3(key=self._secret, max_threads=_blake3.blake3.AUTO if size >= 1 << 22 else 1)
-            h3.update(prefix)
-            h3.update(payload)
-            return bytes(h3.digest())
-        h2 = hashlib.blake2b(key=self._secret, digest_size=32)
-        h2.update(prefix)
-        h2.update(payload)
-        return h2.digest()
+            h = _blake3.blake3(key=self._secret, max_threads=_blake3.blake3.AUTO if threads else 1)
+        else:
+            h = hashlib.blake2b(key=self._secret, digest_size=32)
+        h.update(prefix)
+        return h
+
+    def _tag(self, algorithm: MacAlgorithm, key: bytes, size: int, payload: bytes | memoryview) -> bytes:
+        h = self._hasher(algorithm, key, size, threads=size >= 1 << 22)
+        h.update(payload)
+        return bytes(h.digest())
+
+
+class Opening:
+    """The check of one value whose header was accepted: feed the payload in order with
+    ``update`` (pieces of any size; the hash releases the GIL on large pieces), then ``verify``.
+    ``size``: the payload's bytes, as the header declares and the value's length confirms."""
+
+    __slots__ = ("_hasher", "size", "_tag", "_fed")
+
+    def __init__(self, hasher: Any, size: int, tag: bytes) -> None:
+        self._hasher = hasher
+        self.size = size
+        self._tag = tag
+        self._fed = 0
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._hasher.update(piece)
+        self._fed += len(piece)
+
+    def verify(self) -> bool:
+        """Whether exactly ``size`` bytes were fed and their tag is the one sealed."""
+        return self._fed == self.size and hmac.compare_digest(self._tag, bytes(self._hasher.digest()))

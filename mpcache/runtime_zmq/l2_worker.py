@@ -17,22 +17,28 @@ touches a slot after it reported:
 * **Bounded queue** (``queue_max`` effects waiting): reads and probes run before writes; when the
   queue is full a write-behind is dropped first (the oldest queued write, or the new one), and
   only a queue full of reads refuses a read. Every drop is reported failed and counted.
-* **Batching**: a read is one ``read_many`` (MGET / pipeline) per tier for the keys still
-  missing, a probe one ``contains_many``, a write one ``write_many``.
+* **Batching**: a read is one ``read_into`` / ``read_each`` / ``read_many`` (pipelined GETs)
+  per tier for the keys still missing, a probe one ``contains_many``, a write one
+  ``write_many``. With ``read_into`` (Redis) a value's payload is read off the socket straight
+  into its slot and its MAC is checked piece by piece while the rest arrives; the slot counts as
+  loaded only once the whole payload matched.
 * **Integrity** (``l2_seal``): values are sealed on write and checked on read; a rejected value is
   a miss, counted per reason, logged at most once per ``reject_log_interval_s``, and deleted from
-  the tier where the tier has ``delete``.
+  the tier where the tier has ``delete``. A value read straight into its slot (``read_into``) may
+  leave the bytes that failed the check in that slot: the slot is reported not loaded, so core_sm
+  aborts the object it was reserved for and no reader ever sees them.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -411,7 +417,8 @@ class L2Worker:
         effect: ReadL2 = job.effect
         keys = [storage_key(k) for k, _ in effect.items]
         loaded = [False] * len(keys)
-        if all(getattr(t.tier, "read_each", None) is not None for t in self._tiers):
+        if all(getattr(t.tier, "read_into", None) is not None or getattr(t.tier, "read_each", None) is not None
+               for t in self._tiers):
             return self._read_each(job, effect, keys, loaded)
         # In batches of bounded bytes: a read of many large objects never holds them all at once.
         for batch in _batches(len(keys), effect.object_bytes or self.pool.slot_bytes):
@@ -443,14 +450,23 @@ class L2Worker:
         return L2ReadFinished(effect.read_id, tuple(loaded))
 
     def _read_each(self, job: _Effect, effect: ReadL2, keys: list[bytes], loaded: list[bool]) -> object:
-        """``_do_read`` for tiers that hand each value over as it arrives (``read_each``): each is
-        checked and copied into its slot on the thread that read it, while the other connections
-        keep reading; only receive buffers are held, never the whole read."""
+        """``_do_read`` for tiers that hand each value over as it arrives: ``read_into`` (the
+        value's payload is read straight into its slot and checked piece by piece as it lands,
+        ``_fill_slot``) or ``read_each`` (a value in a reused buffer, checked, then copied into
+        its slot). Either runs on the thread that read the value while the other connections
+        keep reading; no value is held in a buffer of its own."""
         for tier in self._tiers:
             todo = [i for i, done in enumerate(loaded) if not done]
             if not todo or job.done:
                 break
             if not self._allowed(tier):
+                continue
+            if getattr(tier.tier, "read_into", None) is not None:
+                def on_stream(j: int, stream: Any, tier: _Tier = tier, todo: list[int] = todo) -> None:
+                    if stream is not None:
+                        self._fill_slot(job, effect, tier, todo[j], keys[todo[j]], stream, loaded)
+
+                self._call(job, tier, lambda: self._read_into(job, tier, [keys[i] for i in todo], on_stream), "read")
                 continue
 
             def on_value(j: int, blob: memoryview | None, tier: _Tier = tier, todo: list[int] = todo) -> None:
@@ -480,35 +496,102 @@ class L2Worker:
         self.read_hits += sum(loaded)
         return L2ReadFinished(effect.read_id, tuple(loaded))
 
+    @staticmethod
+    def _read_into(job: _Effect, tier: _Tier, keys: list[bytes], on_stream: Any) -> None:
+        try:
+            tier.tier.read_into(keys, on_stream)
+        except Exception:
+            if job.done:  # given up at its deadline (``_Abandoned``, or the tier failed since)
+                return
+            raise
+
+    def _fill_slot(self, job: _Effect, effect: ReadL2, tier: _Tier, i: int, key: bytes, stream: Any,
+                   loaded: list[bool]) -> None:
+        """Reads one sealed value from ``stream`` into slot ``effect.items[i]``: the header into a
+        small buffer (and checked), the payload straight into the slot, its MAC fed piece by
+        piece (``READ_PIECE_BYTES``) while the rest arrives. The slot is written only under the
+        effect's lock while it is unfinished (waiting for bytes happens outside the lock), and
+        counts as loaded only once the whole payload matched its tag: a damaged, cut or forged
+        value leaves bytes in a slot that is not loaded (core_sm frees it), never a hit."""
+        if stream.size < SEAL_HEADER_BYTES:
+            self._reject(tier, key, Rejection.SHORT.value, delete=True)
+            return
+        header = memoryview(bytearray(SEAL_HEADER_BYTES))
+        stream.read_exact(header)
+        assert self._sealer is not None
+        opening = self._sealer.opening(key, header, stream.size)
+        if isinstance(opening, Rejection):
+            self._reject(tier, key, opening.value, delete=True)
+            return
+        size = opening.size
+        reason = self._size_refused(size, effect.object_bytes)
+        if reason is not None:
+            self._reject(tier, key, reason, delete=False)
+            return
+        slot = effect.items[i][1]
+        view = self.pool.view(slot, size)
+        try:
+            have = hashed = 0
+            while have < size:
+                stream.wait()  # outside the lock: the deadline watcher is never held up by a socket
+                with job.lock:
+                    if job.done:  # past its deadline: the slot may belong to another object
+                        raise _Abandoned()
+                    have += stream.read_some(view[have:])
+                if have - hashed >= READ_PIECE_BYTES or have == size:
+                    opening.update(view[hashed:have])  # still in cache; other threads run meanwhile
+                    hashed = have
+            if not opening.verify():
+                self._reject(tier, key, Rejection.FORGED.value, delete=True)
+                return
+            with job.lock:
+                if job.done:
+                    raise _Abandoned()
+                self._slot_nbytes[slot] = size
+                loaded[i] = True
+        finally:
+            view.release()
+
+    def _size_refused(self, size: int, object_bytes: int) -> str | None:
+        """Why a sealed payload of ``size`` bytes is not served (None: it is). ``object_bytes``:
+        the size core_sm expects, exact when it is below the slot size (core_sm answers the slot
+        size when no registered instance tells it the model's object size)."""
+        if 0 < object_bytes < self.pool.slot_bytes and size != object_bytes:
+            return "wrong_size"
+        if size > self.pool.slot_bytes:
+            return "too_big"
+        return None
+
     def _open(self, tier: _Tier, key: bytes, blob: bytes | memoryview, object_bytes: int) -> memoryview | None:
-        """The payload of a tier's value, or None (a counted rejection). ``object_bytes``: the
-        size core_sm expects, exact when it is below the slot size (core_sm answers the slot size
-        when no registered instance tells it the model's object size)."""
+        """The payload of a tier's value, or None (a counted rejection)."""
         assert self._sealer is not None
         payload = self._sealer.open(key, blob)
-        if not isinstance(payload, Rejection):
-            if 0 < object_bytes < self.pool.slot_bytes and len(payload) != object_bytes:
-                reason = "wrong_size"
-            elif len(payload) <= self.pool.slot_bytes:
-                return payload
-            else:
-                reason = "too_big"
-        else:
-            reason = payload.value
+        if isinstance(payload, Rejection):
+            self._reject(tier, key, payload.value, delete=True)
+            return None
+        reason = self._size_refused(len(payload), object_bytes)
+        if reason is None:
+            return payload
+        payload.release()
+        self._reject(tier, key, reason, delete=False)
+        return None
+
+    def _reject(self, tier: _Tier, key: bytes, reason: str, *, delete: bool) -> None:
+        """Counts and logs a refused value. ``delete``: a damaged or forged one is dropped from
+        the tier where it allows; one sealed with the secret, only not the size this reader
+        expects (another registration of the model, or a forged size), is kept for its own
+        readers."""
         self._count("l2_rejected")
         self._count(f"l2_rejected_{reason}")
         self._note_rejection(tier, key, reason)
-        if not isinstance(payload, Rejection):
-            # sealed with the secret, only not the size this reader expects (another registration
-            # of the model, or a forged size): a miss for this read, kept for its own readers
-            return None
-        delete = getattr(tier.tier, "delete", None)
-        if delete is not None:
+        if not delete:
+            return
+        remove = getattr(tier.tier, "delete", None)
+        if remove is not None:
             try:
-                delete(key)
+                remove(key)
             except Exception as e:
                 log.debug("deleting rejected L2 object %r from %r: %s", key, tier, e)
-        return None
 
     def _note_rejection(self, tier: _Tier, key: bytes, reason: str) -> None:
         now = self.clock()
@@ -524,20 +607,36 @@ class L2Worker:
                     summary, key.decode("ascii", "replace"), tier, self.options.reject_log_interval_s)
 
     def _do_write(self, job: _Effect) -> object:
+        """Tiers with ``write_parts`` (Redis) get every object in one call, each sent from its
+        slot behind a seal header (``_write_parts``); the others get sealed copies in batches of
+        at most ``BATCH_BYTES``, copied out of the slots under the effect's lock."""
         effect, sizes = job.effect
         assert self._sealer is not None
-        ok = True
+        keys = [storage_key(k) for k, _ in effect.items]
+        streamed_ok = True
+        copied: list[_Tier] = []
+        for tier in self._tiers:
+            if getattr(tier.tier, "write_parts", None) is None:
+                copied.append(tier)
+                continue
+            if job.done:
+                return job.failed
+            if not self._allowed(tier):
+                self._count("l2_writes_skipped")
+                streamed_ok = False
+                continue
+            done, _ = self._call(job, tier, lambda: self._write_parts(job, tier, effect, keys, sizes), "write")
+            streamed_ok = streamed_ok and done
+        ok = streamed_ok
         for batch in _batches(len(sizes), max(sizes, default=0)):
-            with job.lock:  # copy out of the slots while the effect still pins them
-                if job.done:
-                    return job.failed
-                sealed = []
-                for i in batch:
-                    (k, slot), n = effect.items[i], sizes[i]
-                    key = storage_key(k)
-                    sealed.append((key, self._sealer.seal(key, self.pool.view(slot, n))))
-            batch_ok = True
-            for tier in self._tiers:
+            batch_ok = streamed_ok
+            if copied:
+                with job.lock:  # copy out of the slots while the effect still pins them
+                    if job.done:
+                        return job.failed
+                    sealed = [(keys[i], self._sealer.seal(keys[i], self.pool.view(effect.items[i][1], sizes[i])))
+                              for i in batch]
+            for tier in copied:
                 if job.done:
                     return job.failed
                 if not self._allowed(tier):
@@ -549,11 +648,43 @@ class L2Worker:
             ok = ok and batch_ok
             # l2_writes: objects every tier took; the others are l2_writes_failed
             if batch_ok:
-                self.writes += len(sealed)
+                self.writes += len(batch)
             else:
                 with self._lock:
-                    self.counts["l2_writes_failed"] += len(sealed)
+                    self.counts["l2_writes_failed"] += len(batch)
+        with job.lock:
+            if job.done:
+                return job.failed
         return L2WriteFinished(effect.write_id, ok)
+
+    def _write_parts(self, job: _Effect, tier: _Tier, effect: WriteL2, keys: list[bytes], sizes: list[int]) -> None:
+        """One ``write_parts`` of every object of a write: each sealed (its MAC over the slot)
+        on the connection's thread just before it is sent, header then the slot's bytes, never
+        copied; the slot is read only under the effect's lock while it is unfinished, so a write
+        past its deadline stops (its connection dropped, the cut value never stored)."""
+        assert self._sealer is not None
+        sealer = self._sealer
+
+        @contextlib.contextmanager
+        def guard() -> Iterator[None]:
+            with job.lock:
+                if job.done:
+                    raise _Abandoned()
+                yield
+
+        def sealed(i: int) -> Callable[[], Sequence[bytes | memoryview]]:
+            def make() -> Sequence[bytes | memoryview]:
+                with guard():
+                    view = self.pool.view(effect.items[i][1], sizes[i])
+                    return (sealer.seal_header(keys[i], view), view)
+            return make
+
+        try:
+            tier.tier.write_parts([(keys[i], sealed(i)) for i in range(len(keys))], guard)
+        except Exception:
+            if job.done:  # given up at its deadline: reported already
+                return
+            raise
 
     # -- observability and shutdown ----------------------------------------------------------
 
@@ -621,6 +752,13 @@ class L2Worker:
 
 # Bytes of objects one tier call moves at most (the batch is at least one object).
 BATCH_BYTES = 64 << 20
+# A value read into its slot has its MAC fed in pieces of this many bytes, each while it is still
+# in the CPU's cache and while the socket keeps filling.
+READ_PIECE_BYTES = 1 << 20
+
+
+class _Abandoned(Exception):
+    """A read given up at its deadline while a value was arriving: stop writing its slots."""
 
 
 def _batches(n: int, item_bytes: int) -> list[list[int]]:
