@@ -845,12 +845,12 @@ class Server:
 
     def _interpret(self, eff: object) -> None:
         t = type(eff)
+        if t is fx.Reply:  # the commonest effect, and not a timed one
+            self._send_result(eff.reply_to, eff.result)  # type: ignore[attr-defined]
+            return
         if t in _TIMED_EFFECTS:
             self.metrics.started(eff, self.clock())
-        if t is fx.Reply:
-            rt = eff.reply_to  # type: ignore[attr-defined]
-            self._send_result(rt, eff.result)  # type: ignore[attr-defined]
-        elif t is fx.ErrorReply:
+        if t is fx.ErrorReply:
             err = eff.error  # type: ignore[attr-defined]
             self._send_error(eff.reply_to, err.kind.value, err.message)  # type: ignore[attr-defined]
         elif t is fx.StartTransfer:
@@ -984,8 +984,10 @@ class Server:
             self._counts[f"served_{op}"] += 1
         self.metrics.request(op, "ok", served)
         prior = self._prior_registration
-        repeat = prior is not None and prior[0] is rt and prior[1] is not None and result == prior[1]
-        self._repeats_at_debug.quiet = repeat
+        if prior is None or prior[0] is not rt or prior[1] is None or result != prior[1]:
+            self.metrics.on_reply(rt, op, result)
+            return
+        self._repeats_at_debug.quiet = True  # a repeated registration logs at DEBUG
         try:
             self.metrics.on_reply(rt, op, result)
         finally:
