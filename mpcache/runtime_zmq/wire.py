@@ -106,6 +106,13 @@ class P(enum.Enum):
     ANY = "any"
 
 
+# The members as module names: ``P.KEY`` is an attribute lookup through the enum's metaclass
+# (0.2 us each), and the decoder tests a payload's shape against several of them per frame.
+_INT, _OPT_INT, _FLOAT, _OPT_FLOAT = P.INT, P.OPT_INT, P.FLOAT, P.OPT_FLOAT
+_STR, _OPT_STR, _ID, _BOOL, _BYTES = P.STR, P.OPT_STR, P.ID, P.BOOL, P.BYTES
+_KEY, _INT_LIST, _MAP = P.KEY, P.INT_LIST, P.MAP
+
+
 @attrs.frozen
 class UnpackLimits:
     """msgpack's own limits for one payload frame (``msgpack.unpackb`` keyword arguments)."""
@@ -118,7 +125,7 @@ class UnpackLimits:
 
 # id(limits) -> (limits, {shape: its msgpack limits}); the Limits object is kept, so an id reused
 # after it was freed can never match
-_LIMITS_TABLES: dict[int, tuple[Limits, dict[P, UnpackLimits]]] = {}
+_LIMITS_TABLES: dict[int, tuple[Limits, dict[str, UnpackLimits]]] = {}
 
 # A key's fields besides its token ids: names, salt, identity, one 64-byte extra per chunk.
 _KEY_FIELDS_BYTES: Final = 512 * 1024
@@ -135,8 +142,9 @@ def _unpack_limits(p: P, limits: Limits) -> UnpackLimits:
     if table is None or table[0] is not limits:
         if len(_LIMITS_TABLES) >= 64:  # tests build many Limits; a server one
             _LIMITS_TABLES.clear()
-        table = _LIMITS_TABLES[id(limits)] = (limits, {q: _compute_unpack_limits(q, limits) for q in P})
-    return table[1][p]
+        table = _LIMITS_TABLES[id(limits)] = (limits, {q._name_: _compute_unpack_limits(q, limits) for q in P})
+    # keyed by the member's name: an Enum member hashes in Python (0.4 us), its name's str in C
+    return table[1][p._name_]
 
 
 def _compute_unpack_limits(p: P, limits: Limits) -> UnpackLimits:
@@ -213,7 +221,7 @@ def _as_int(v: Any, what: str) -> int:
 def _as_str(v: Any, what: str, limit: int) -> str:
     if type(v) is not str:
         raise _Bad(ErrorKind.UNDECODABLE, f"{what}: expected str, got {_type_name(v)}")
-    if len(v) > limit or len(v.encode("utf-8", "surrogatepass")) > limit:
+    if len(v) > limit or (not v.isascii() and len(v.encode("utf-8", "surrogatepass")) > limit):
         raise _Bad(ErrorKind.TOO_LARGE, f"{what}: longer than {limit} bytes")
     return v
 
@@ -272,6 +280,7 @@ class KeyPayload:
 
 
 _KEY_REQUIRED: Final = ("model_name", "world_size", "token_ids", "start", "end", "request_id")
+_KEY_REQUIRED_SET: Final = frozenset(_KEY_REQUIRED)
 
 
 def decode_key(v: Any, limits: Limits) -> CacheKey:
@@ -283,8 +292,8 @@ def decode_key(v: Any, limits: Limits) -> CacheKey:
 def _key_payload(v: Any, limits: Limits) -> KeyPayload:
     if type(v) is not dict:
         raise _Bad(ErrorKind.UNDECODABLE, f"key: expected map, got {_type_name(v)}")
-    missing = [f for f in _KEY_REQUIRED if f not in v]
-    if missing:
+    if not _KEY_REQUIRED_SET <= v.keys():
+        missing = [f for f in _KEY_REQUIRED if f not in v]
         raise _Bad(ErrorKind.UNDECODABLE, f"key: missing fields {missing}")
     world_size = _as_int(v["world_size"], "key.world_size")
     if not 1 <= world_size <= limits.max_world_size:
@@ -365,39 +374,39 @@ def encode_key(key: CacheKey, num_kv_readers: int = 0) -> dict[str, Any]:
 
 
 def _decode_param(p: P, v: Any, what: str, limits: Limits) -> Any:
-    if p is P.INT:
+    if p is _KEY:
+        return _key_payload(v, limits)
+    if p is _INT:
         return _as_int(v, what)
-    if p is P.OPT_INT:
+    if p is _OPT_INT:
         return None if v is None else _as_int(v, what)
-    if p is P.FLOAT or p is P.OPT_FLOAT:
-        if v is None and p is P.OPT_FLOAT:
+    if p is _FLOAT or p is _OPT_FLOAT:
+        if v is None and p is _OPT_FLOAT:
             return None
         if type(v) is float or type(v) is int:
             f = float(v)
             if f != f:
                 raise _Bad(ErrorKind.VALIDATION, f"{what}: NaN")
             return f
-        raise _Bad(ErrorKind.UNDECODABLE, f"{what}: expected float{' or nil' if p is P.OPT_FLOAT else ''}, got {_type_name(v)}")
-    if p is P.STR or p is P.ID:
+        raise _Bad(ErrorKind.UNDECODABLE, f"{what}: expected float{' or nil' if p is _OPT_FLOAT else ''}, got {_type_name(v)}")
+    if p is _STR or p is _ID:
         return _as_str(v, what, limits.max_name_bytes)
-    if p is P.OPT_STR:
+    if p is _OPT_STR:
         return None if v is None else _as_str(v, what, limits.max_name_bytes)
-    if p is P.BOOL:
+    if p is _BOOL:
         # LMCache coerces int <-> bool payloads; accept 0/1 ints as bools.
         if type(v) is bool:
             return v
         if type(v) is int and v in (0, 1):
             return bool(v)
         raise _Bad(ErrorKind.UNDECODABLE, f"{what}: expected bool, got {_type_name(v)}")
-    if p is P.BYTES:
+    if p is _BYTES:
         if type(v) is bytes:
             return v
         raise _Bad(ErrorKind.UNDECODABLE, f"{what}: expected bytes, got {_type_name(v)}")
-    if p is P.KEY:
-        return _key_payload(v, limits)
-    if p is P.INT_LIST:
+    if p is _INT_LIST:
         return _as_int_list(v, what, limits.max_block_ids)
-    if p is P.MAP:
+    if p is _MAP:
         if type(v) is dict:
             return v
         raise _Bad(ErrorKind.UNDECODABLE, f"{what}: expected map, got {_type_name(v)}")
@@ -764,6 +773,24 @@ def _short_str(f: bytes | memoryview, limit: int) -> str | None:
         return None
 
 
+# A key map's ``token_ids`` field name (a fixstr), and the bin headers (bin8/16/32) of mpcache's
+# packed ids after it. It is looked for in the frame's first bytes: LMCache's field order puts it
+# after the model name (at most max_name_bytes) and two small ints.
+_TOKEN_IDS_FIELD: Final = msgpack.packb("token_ids")
+_BIN_HEADERS: Final = frozenset({0xC4, 0xC5, 0xC6})
+_PACKED_IDS_WINDOW: Final = 512
+
+
+def _packed_token_ids(frame: bytes | memoryview) -> bool:
+    """Whether a key frame (most likely) carries its token ids packed, as a bin: then the list-form
+    scanner (runtime_zmq.tokens), which declines a bin, is not run for nothing. Only a shortcut:
+    the ordinary decode gives the same value or refusal whichever way this answers (a list-form
+    frame it mistakes, say a model name holding these bytes, only costs msgpack's slower walk)."""
+    head = bytes(frame[:_PACKED_IDS_WINDOW])
+    at = head.find(_TOKEN_IDS_FIELD) + len(_TOKEN_IDS_FIELD)
+    return len(_TOKEN_IDS_FIELD) <= at < len(head) and head[at] in _BIN_HEADERS
+
+
 def _spec_of_op_frame(op_frame: bytes) -> OpSpec:
     """The row of an op frame that is not in the byte table (e.g. a non-canonical msgpack
     encoding of a name or id); raises ``_Bad`` for an unknown or malformed op."""
@@ -824,19 +851,23 @@ def decode_request(frames: Sequence[bytes | memoryview], limits: Limits) -> Requ
         if not (nmax - spec.optional_tail <= np_ <= nmax):
             want = str(nmax) if spec.optional_tail == 0 else f"{nmax - spec.optional_tail}..{nmax}"
             raise _Bad(ErrorKind.BAD_ARITY, f"{spec.name}: {np_} payload(s), expected {want}")
-        args = []
+        args: list[Any] = []
+        params = spec.params
         for i, f in enumerate(payloads):
-            p = spec.params[i]
-            if p is P.ID or p is P.STR:
+            p = params[i]
+            if p is _ID or p is _STR:
                 short = _short_str(f, limits.max_name_bytes)
                 if short is not None:
                     args.append(short)
                     continue
+            elif (p is _INT or p is _OPT_INT) and len(f) == 1 and f[0] < 0x80:
+                args.append(f[0])  # a positive fixint (a tp size, an instance id): msgpack's value
+                continue
             what = f"{spec.name} payload {i}"
             try:
                 ul = _unpack_limits(p, limits)
                 v = None
-                if p is P.KEY:
+                if p is _KEY:
                     # The biggest key is 1M list-form ids of 5 bytes each plus its short fields:
                     # a bigger frame is refused before anything walks it.
                     if len(f) > 5 * limits.max_tokens + _KEY_FIELDS_BYTES:
@@ -844,7 +875,7 @@ def decode_request(frames: Sequence[bytes | memoryview], limits: Limits) -> Requ
                     # A key's list-form token ids go straight into a uint32 buffer
                     # (runtime_zmq.tokens), the rest of the map under the same limits; a frame the
                     # scanner declines (or that is not a map at all) is decoded the ordinary way.
-                    if f and (0x80 <= f[0] <= 0x8F or f[0] in (0xDE, 0xDF)):
+                    if f and (0x80 <= f[0] <= 0x8F or f[0] in (0xDE, 0xDF)) and not _packed_token_ids(f):
                         v = decode_key_frame(f, lambda rest: _unpack(rest, ul, limits.max_containers))
                 if v is None:
                     v = _unpack(f, ul, limits.max_containers)
@@ -852,7 +883,7 @@ def decode_request(frames: Sequence[bytes | memoryview], limits: Limits) -> Requ
                 raise
             except ValueError as e:  # msgpack's limits ("... exceeds max_..._len(N)")
                 kind = ErrorKind.TOO_LARGE if "exceeds max" in str(e) else ErrorKind.UNDECODABLE
-                hint = " (longer token lists must be sent packed, as a bin of uint32)" if p is P.KEY and "array" in str(e) else ""
+                hint = " (longer token lists must be sent packed, as a bin of uint32)" if p is _KEY and "array" in str(e) else ""
                 raise _Bad(kind, f"{what}: {e}"[:300] + hint) from None
             except Exception:
                 raise _Bad(ErrorKind.UNDECODABLE, f"{what}: not msgpack") from None

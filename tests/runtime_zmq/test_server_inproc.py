@@ -261,3 +261,30 @@ def test_lookup_ack_leaves_before_its_work(threaded: tuple[Server, MPCacheClient
     assert c.query_prefetch_status("r").result(5) == 2
     assert work_done.is_set()
     assert c.stats()["leases_held"] == 2
+
+
+def test_one_request_in_flight_ends_its_batch_without_a_failing_receive(threaded: tuple[Server, MPCacheClient],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each message the loop asks zmq whether another is waiting; with one request in flight
+    nothing is, and the batch ends (its reply goes out) without a receive failing with zmq.Again."""
+    import zmq
+
+    server, c = threaded
+    assert c.noop() == "OK"  # the connection is up
+    real = server._receive
+    received, failed = [0], [0]
+
+    def counted(sock: Any) -> Any:
+        try:
+            out = real(sock)
+        except zmq.Again:
+            failed[0] += 1
+            raise
+        received[0] += 1
+        return out
+
+    monkeypatch.setattr(server, "_receive", counted)
+    for _ in range(20):
+        assert c.noop() == "OK"
+    assert received[0] >= 20
+    assert failed[0] == 0

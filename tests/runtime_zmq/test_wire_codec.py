@@ -242,3 +242,74 @@ def test_unpack_limits_follow_the_limits_object() -> None:
     frames = [b"peer", msgpack.packb(5), msgpack.packb("end_session"), msgpack.packb("x" * 9)]
     refused = wire.decode_request(frames, small)
     assert isinstance(refused, wire.DecodeError) and refused.kind is wire.ErrorKind.TOO_LARGE
+
+
+def _key_frame(token_ids: Any, model_name: str = "model") -> bytes:
+    key = {"model_name": model_name, "world_size": 1, "worker_id": None, "token_ids": token_ids, "start": 0,
+           "end": 512, "request_id": "r", "cache_salt": "", "request_configs": None, "num_kv_readers": 1}
+    return msgpack.packb(key, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    calls = [0]
+    real = getattr(wire, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wire, name, counted)
+    return calls
+
+
+def test_a_packed_key_frame_skips_the_list_scanner_and_a_list_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The list-form scanner declines a bin of token ids: a packed key frame is not handed to it
+    (only msgpack decodes it), a list-form frame still is, and both decode to the same key."""
+    from mpcache.runtime_zmq import tokens
+
+    tokens.load()
+    scanned = _count_calls(monkeypatch, "decode_key_frame")
+    ids = list(range(1000, 1512))
+    decoded = []
+    for token_ids in (wire.pack_token_ids(ids), ids):
+        frames = [b"peer", msgpack.packb(5), msgpack.packb("lookup"), memoryview(_key_frame(token_ids)), msgpack.packb(1)]
+        req = wire.decode_request(frames, wire.Limits())
+        assert isinstance(req, wire.Request), req
+        decoded.append(req.args)
+    assert scanned[0] == 1  # the list form only
+    assert decoded[0] == decoded[1]
+
+
+@pytest.mark.parametrize("model_name", ["©token_idsĄ", "©token_ids", "token_ids", "x" * 600 + "©token_idsĄ"])
+def test_a_key_the_packed_shortcut_misreads_decodes_the_same(model_name: str) -> None:
+    """A model name holding the bytes of the ``token_ids`` field and a bin header (``©`` ends in
+    0xA9, ``Ą`` starts with 0xC4) fools the packed shortcut on a list-form frame: it then takes
+    msgpack's slower walk and gives the same key as the scanner."""
+    from mpcache.runtime_zmq import tokens
+
+    tokens.load()
+    ids = [(i * 7919) % 200_000 for i in range(512)]
+    for token_ids in (ids, wire.pack_token_ids(ids)):
+        frames = [b"peer", msgpack.packb(5), msgpack.packb("lookup"), _key_frame(token_ids, model_name), msgpack.packb(1)]
+        req = wire.decode_request(frames, wire.Limits(max_name_bytes=1024))
+        assert isinstance(req, wire.Request), req
+        key = req.args[0].key
+        assert key.model_name == model_name and list(key.token_ids) == ids
+
+
+def test_a_fixint_payload_is_taken_without_msgpack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup's tp size (a positive fixint, as every client sends it) is read from its one byte:
+    msgpack decodes the key frame alone; the value is msgpack's, and a nil optional int or a
+    bigger int still goes through msgpack."""
+    unpacked = _count_calls(monkeypatch, "_unpack")
+    frames = [b"peer", msgpack.packb(5), msgpack.packb("lookup"), _key_frame(wire.pack_token_ids(range(512))),
+              msgpack.packb(3)]
+    req = wire.decode_request(frames, wire.Limits())
+    assert isinstance(req, wire.Request) and req.args[1] == 3 and type(req.args[1]) is int
+    assert unpacked[0] == 1
+    for payload, want in ((msgpack.packb(None), None), (msgpack.packb(300), 300), (msgpack.packb(0), 0)):
+        req = wire.decode_request([b"peer", msgpack.packb(5), msgpack.packb("ping"), payload], wire.Limits())
+        assert isinstance(req, wire.Request) and req.args == (want,)
+    negative = wire.decode_request([b"peer", msgpack.packb(5), msgpack.packb("lookup"),
+                                    _key_frame(wire.pack_token_ids(range(512))), b"\xff"], wire.Limits())
+    assert isinstance(negative, wire.Request) and negative.args[1] == -1  # msgpack's (to_event refuses it)
