@@ -6,6 +6,7 @@
 # lone: only the lone-transfer table of the gpu-server benchmark (LONE_STARTS fresh servers, default 5).
 # repeat: the GIL/CUDA-pressure test file REPEAT times in a row (default 10): it must never flake
 #   (REPEAT_K: a pytest -k filter; REPEAT_SECONDS: start no run after that many seconds).
+# testrepeat: the whole `make test-gpu` REPEAT times in a row (~90 s each; REPEAT_SECONDS as above).
 # WHEELS: a folder of wheels to install first (e.g. pyzmq where the host python lacks it).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -35,6 +36,15 @@ for step in $STEPS; do
                 >"$OUT/repeat_$i.log" 2>&1; then echo "repeat $i: $(tail -1 "$OUT/repeat_$i.log")"
             else echo "repeat $i FAILED: $(tail -1 "$OUT/repeat_$i.log")"; cat "$OUT/repeat_$i.log" >>"$OUT/repeat_failures.log"; rc=1; fi
             rm -f "$OUT/repeat_$i.log"
+        done ;;
+    testrepeat)
+        t_repeat=$(date +%s)
+        for i in $(seq 1 "${REPEAT:-10}"); do
+            if [ $(( $(date +%s) - t_repeat )) -gt "${REPEAT_SECONDS:-100000}" ]; then echo "testrepeat: time is up after $((i - 1)) runs"; break; fi
+            if timeout 300 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "gpu or cuda" tests/kernels tests/runtime_zmq \
+                >"$OUT/testrepeat_$i.log" 2>&1; then echo "test-gpu run $i: $(tail -1 "$OUT/testrepeat_$i.log")"
+            else echo "test-gpu run $i FAILED: $(tail -1 "$OUT/testrepeat_$i.log")"; cat "$OUT/testrepeat_$i.log" >>"$OUT/testrepeat_failures.log"; rc=1; fi
+            rm -f "$OUT/testrepeat_$i.log"
         done ;;
     before)
         if [ -n "${BEFORE_REPO:-}" ]; then
