@@ -106,6 +106,7 @@ __all__ = [
 
 
 _Blob = TypeVar("_Blob", bytes, memoryview)  # a disk object read whole, or into a reused buffer
+_R = TypeVar("_R")
 
 
 @runtime_checkable
@@ -767,6 +768,13 @@ class _Buffers:
                     self._free.append(held)
 
 
+def _batch_error(error: str | None, e: ValueError) -> str | None:
+    """The error a pipelined batch fails with after reply ``e``: a key holding another type is a
+    miss (as MGET answers it); any other error reply (no permission, ...) fails the batch, the
+    first one named."""
+    return error if error is not None or str(e).startswith("WRONGTYPE") else str(e)
+
+
 def _send_all(sock: Any, data: bytes | memoryview,
               guard: Callable[[], AbstractContextManager[object]] | None = None) -> None:
     """``sock.sendall`` in pieces of at most ``_SEND_PIECE_BYTES`` (each send copies what the
@@ -1009,12 +1017,25 @@ class RedisTier:
                                                     thread_name_prefix="mpcache-l2-redis")
             return self._executor
 
-    def _get_on_one_connection(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """Pipelined GETs of ``keys`` on one pooled connection, replies read by ``_ReplyReader``.
-        A connection that failed mid-reply is dropped, never reused."""
+    def _on_one_connection(self, work: Callable[[Any], tuple[_R, str | None]]) -> _R:
+        """``work(conn)`` on one pooled connection: its result, or the ``ResponseError`` of the
+        first error reply it met (the replies after it were read: the connection stays in step
+        and is reused). A connection that failed mid-reply (``work`` raised) is dropped."""
         conn = self._pool.get_connection()
-        clean = False
         try:
+            result, error = work(conn)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
+        if error is not None:
+            raise self._redis.exceptions.ResponseError(error)
+        return result
+
+    def _get_on_one_connection(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """Pipelined GETs of ``keys`` on one pooled connection, replies read by ``_ReplyReader``."""
+        def work(conn: Any) -> tuple[list[bytearray | None], str | None]:
             conn.send_packed_command([b"".join(_pack_command(b"GET", self._prefix + k) for k in keys)])
             reader = _ReplyReader(conn._sock)
             values: list[bytearray | None] = []
@@ -1024,25 +1045,14 @@ class RedisTier:
                     values.append(reader.bulk())
                 except ValueError as e:  # an error reply: the others still follow on the socket
                     values.append(None)
-                    # a key holding another type is a miss, as MGET answered it; any other
-                    # error (no permission, ...) fails the batch
-                    if not str(e).startswith("WRONGTYPE") and error is None:
-                        error = str(e)
-            clean = True
-            if error is not None:
-                raise self._redis.exceptions.ResponseError(error)
-            return values
-        finally:
-            if not clean:
-                conn.disconnect()
-            self._pool.release(conn)
+                    error = _batch_error(error, e)
+            return values, error
+        return self._on_one_connection(work)
 
     def _get_each_on_one_connection(self, keys: Sequence[bytes], indexes: Sequence[int],
                                     on_value: Callable[[int, memoryview | None], None]) -> None:
         """``_get_on_one_connection`` for ``read_each``: each value to ``on_value`` as it is read."""
-        conn = self._pool.get_connection()
-        clean = False
-        try:
+        def work(conn: Any) -> tuple[None, str | None]:
             conn.send_packed_command([b"".join(_pack_command(b"GET", self._prefix + keys[i]) for i in indexes)])
             reader = _ReplyReader(conn._sock)
             error: str | None = None
@@ -1051,27 +1061,19 @@ class RedisTier:
                     value = reader.bulk_into(self._buffers)
                 except ValueError as e:  # an error reply: the others still follow on the socket
                     value = None
-                    if not str(e).startswith("WRONGTYPE") and error is None:
-                        error = str(e)
+                    error = _batch_error(error, e)
                 try:
                     on_value(i, value)
                 finally:
                     if value is not None:
                         value.release()
-            clean = True
-            if error is not None:
-                raise self._redis.exceptions.ResponseError(error)
-        finally:
-            if not clean:
-                conn.disconnect()
-            self._pool.release(conn)
+            return None, error
+        self._on_one_connection(work)
 
     def _set_parts_on_one_connection(
             self, items: Sequence[tuple[bytes, Callable[[], Sequence[bytes | memoryview]]]], indexes: Sequence[int],
             guard: Callable[[], AbstractContextManager[object]] | None) -> None:
-        conn = self._pool.get_connection()
-        clean = False
-        try:
+        def work(conn: Any) -> tuple[None, str | None]:
             sock = conn._sock
             expiry = b"" if self._ttl_s is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self._ttl_s)), self._ttl_s)
             for i in indexes:
@@ -1090,23 +1092,18 @@ class RedisTier:
                 line = reader._line()
                 if line[:1] == b"-" and error is None:
                     error = line[1:].decode("utf-8", "replace")
-            clean = True
-            if error is not None:
-                raise self._redis.exceptions.ResponseError(error)
-        finally:
-            if not clean:
-                conn.disconnect()
-            self._pool.release(conn)
+            return None, error
+        self._on_one_connection(work)
 
     def _get_into_on_one_connection(self, keys: Sequence[bytes], indexes: Sequence[int],
                                     on_value: Callable[[int, ValueStream | None], None]) -> None:
         """``_get_on_one_connection`` for ``read_into``: each value streamed to ``on_value``."""
-        conn = self._pool.get_connection()
-        clean = False
         scratch: bytearray | None = getattr(self._scratch, "buf", None)
         if scratch is None:
             scratch = self._scratch.buf = bytearray(_DRAIN_BYTES)
-        try:
+        drain = scratch
+
+        def work(conn: Any) -> tuple[None, str | None]:
             # At most READ_WINDOW GETs outstanding: Redis copies a value into its reply buffer
             # when it runs the GET, so a whole share sent at once would have it hold them all.
             conn.send_packed_command([b"".join(_pack_command(b"GET", self._prefix + keys[i])
@@ -1122,24 +1119,18 @@ class RedisTier:
                     n = reader.bulk_length()
                 except ValueError as e:  # an error reply: the others still follow on the socket
                     n = None
-                    if not str(e).startswith("WRONGTYPE") and error is None:
-                        error = str(e)
+                    error = _batch_error(error, e)
                 if n is None:
                     on_value(i, None)
                     continue
                 stream = ValueStream(reader, n)
                 on_value(i, stream)
-                stream.drain(scratch)
+                stream.drain(drain)
                 ValueStream(reader, 2).read_exact(crlf)  # the CRLF after the value
                 if bytes(crlf) != b"\r\n":
                     raise ConnectionError("reply out of step (no CRLF after a value)")
-            clean = True
-            if error is not None:
-                raise self._redis.exceptions.ResponseError(error)
-        finally:
-            if not clean:
-                conn.disconnect()
-            self._pool.release(conn)
+            return None, error
+        self._on_one_connection(work)
 
     def close(self) -> None:
         if self._closed:
