@@ -10,11 +10,10 @@ within one chunk or two) and of 128 (the window spans two or three chunks). Prom
 tokens (shorter than the window), 300, 520 and 700."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
-from vllm_run import HERE, free_port, have_vllm, run_driver
+from vllm_run import HERE, build_model, driver_report, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 DRIVER = str(HERE / "vllm_hybrid_driver.py")
@@ -22,27 +21,18 @@ CHUNKS = (256, 128)
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not have_vllm():
-        pytest.skip("vLLM is not installed here: run `make e2e` (it builds .venv-vllm)")
-    work = tmp_path_factory.mktemp("hybrid")
-    model = work / "model"
-    run_driver([DRIVER, "build", "--model", str(model), "--window", "200"], work / "build.log", 300)
-    out: dict[str, Any] = {}
-    path = work / "baseline.json"
-    run_driver([DRIVER, "baseline", "--model", str(model), "--out", str(path)], work / "baseline.log", 900)
-    out["baseline"] = json.loads(path.read_text())
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    work, model = build_model(tmp_path_factory, DRIVER, "hybrid", "--window", "200")
+    out: dict[Any, Any] = {"baseline": driver_report(DRIVER, "baseline", work, model, "baseline", 900)}
     for chunk in CHUNKS:
-        path = work / f"chunk{chunk}.json"
-        run_driver([DRIVER, "connector", "--model", str(model), "--out", str(path), "--port", str(free_port()),
-                    "--chunk", str(chunk)], work / f"chunk{chunk}.log", 1500)
-        out[chunk] = json.loads(path.read_text())
+        out[chunk] = driver_report(DRIVER, "connector", work, model, f"chunk{chunk}", 1500,
+                                   "--port", str(free_port()), "--chunk", str(chunk))
     print("hybrid e2e seconds:", {k: out[k]["seconds"] for k in ("baseline", *CHUNKS)})
     return out
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
-def test_hybrid_manager_stays_on_with_two_groups(reports: dict[str, Any], chunk: int) -> None:
+def test_hybrid_manager_stays_on_with_two_groups(reports: dict[Any, Any], chunk: int) -> None:
     for run in ("store", "load"):
         log = reports[chunk]["runs"][run]["log"]
         assert "Turning off hybrid kv cache manager" not in log
@@ -53,7 +43,7 @@ def test_hybrid_manager_stays_on_with_two_groups(reports: dict[str, Any], chunk:
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
-def test_run_two_loads_every_group_with_the_baseline_output(reports: dict[str, Any], chunk: int) -> None:
+def test_run_two_loads_every_group_with_the_baseline_output(reports: dict[Any, Any], chunk: int) -> None:
     base, runs = reports["baseline"]["results"], reports[chunk]["runs"]
     for name, expected in base.items():
         length = int(name[1:])
@@ -64,7 +54,7 @@ def test_run_two_loads_every_group_with_the_baseline_output(reports: dict[str, A
         assert load["output_ids"] == expected["output_ids"], name
 
 
-def test_objects_hold_every_group_per_chunk(reports: dict[str, Any]) -> None:
+def test_objects_hold_every_group_per_chunk(reports: dict[Any, Any]) -> None:
     """One object per chunk for both groups: as many as the prompts' whole chunks."""
     for chunk in CHUNKS:
         assert reports[chunk]["objects"] == sum(length // chunk for length in (180, 300, 520, 700))

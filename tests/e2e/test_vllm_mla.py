@@ -9,11 +9,10 @@ chunk: a partial hit already). Run 2, a fresh vLLM on the same server, loads eve
 whole chunks short of its last token and gives the baseline's greedy output."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
-from vllm_run import HERE, free_port, have_vllm, run_driver
+from vllm_run import HERE, build_model, driver_report, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 DRIVER = str(HERE / "vllm_mla_driver.py")
@@ -23,15 +22,9 @@ LENGTHS = {"p300": 300, "p520": 520, "p300_tail": 300}
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not have_vllm():
-        pytest.skip("vLLM is not installed here: run `make e2e` (it builds .venv-vllm)")
-    work = tmp_path_factory.mktemp("mla")
-    model = work / "model"
-    run_driver([DRIVER, "build", "--model", str(model)], work / "build.log", 300)
-    path = work / "report.json"
-    run_driver([DRIVER, "connector", "--model", str(model), "--out", str(path), "--port", str(free_port()),
-                "--chunk", str(CHUNK)], work / "connector.log", 1100)
-    out: dict[str, Any] = json.loads(path.read_text())
+    work, model = build_model(tmp_path_factory, DRIVER, "mla")
+    out: dict[str, Any] = driver_report(DRIVER, "connector", work, model, "connector", 1100,
+                                        "--port", str(free_port()), "--chunk", str(CHUNK))
     print("mla e2e seconds:", out["seconds"], {run: out["runs"][run]["seconds"] for run in out["runs"]})
     return out
 

@@ -10,11 +10,10 @@ output; with B only chunk 0 (the text before the image) hits, B's chunks from th
 computed and stored apart (5 objects), and its output is B's baseline, not A's."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
-from vllm_run import HERE, free_port, have_vllm, run_driver
+from vllm_run import HERE, build_model, driver_report, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 DRIVER = str(HERE / "vllm_multimodal_driver.py")
@@ -23,15 +22,9 @@ CHUNK = 128
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not have_vllm():
-        pytest.skip("vLLM is not installed here: run `make e2e` (it builds .venv-vllm)")
-    work = tmp_path_factory.mktemp("multimodal")
-    model = work / "model"
-    run_driver([DRIVER, "build", "--model", str(model)], work / "build.log", 300)
-    path = work / "report.json"
-    run_driver([DRIVER, "connector", "--model", str(model), "--out", str(path), "--port", str(free_port()),
-                "--chunk", str(CHUNK)], work / "connector.log", 1100)
-    out: dict[str, Any] = json.loads(path.read_text())
+    work, model = build_model(tmp_path_factory, DRIVER, "multimodal")
+    out: dict[str, Any] = driver_report(DRIVER, "connector", work, model, "connector", 1100,
+                                        "--port", str(free_port()), "--chunk", str(CHUNK))
     print("multimodal e2e seconds:", out["seconds"], {run: out["runs"][run]["seconds"] for run in out["runs"]})
     return out
 

@@ -8,12 +8,10 @@ mpcache. The server runs on its default slot sizing:
 its L1 slots are cut to the model's objects (``tests/e2e/vllm_swa_driver.py``)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_run import HERE, free_port, have_vllm, run_driver
+from vllm_run import HERE, build_model, driver_report, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 DRIVER = str(HERE / "vllm_swa_driver.py")
@@ -21,17 +19,9 @@ DRIVER = str(HERE / "vllm_swa_driver.py")
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not have_vllm():
-        pytest.skip("vLLM is not installed here: run `make e2e` (it builds .venv-vllm)")
-    work = tmp_path_factory.mktemp("swa")
-    model = work / "model"
-    run_driver([DRIVER, "build", "--model", str(model)], work / "build.log", 300)
-    out: dict[str, Any] = {}
-    for mode in ("baseline", "connector"):
-        path = work / f"{mode}.json"
-        run_driver([DRIVER, mode, "--model", str(model), "--out", str(path), "--port", str(free_port())],
-                   work / f"{mode}.log", 900)
-        out[mode] = json.loads(path.read_text())
+    work, model = build_model(tmp_path_factory, DRIVER, "swa")
+    out: dict[str, Any] = {mode: driver_report(DRIVER, mode, work, model, mode, 900, "--port", str(free_port()))
+                           for mode in ("baseline", "connector")}
     out["log"] = (work / "connector.log").read_text(errors="replace")
     print("sliding-window e2e seconds:", {m: out[m]["seconds"] for m in ("baseline", "connector")})
     return out

@@ -9,7 +9,6 @@ for every group."""
 from __future__ import annotations
 
 import random
-import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from mpcache.core_sm.kv_groups import GroupKind, KVGroup, first_live_token, layo
 from mpcache.core_sm.planner import ScheduledRequest
 from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
 from mpcache.runtime_zmq.client import MPCacheClient
+from one_worker_engine import OneWorkerEngine
 from mpcache.runtime_zmq.vllm_keys import RequestKeyer
 
 BLOCK, CHUNK, HEADS, HEAD, NUM_BLOCKS = 16, 64, 2, 32, 64
@@ -35,10 +35,11 @@ def group_setup(window: int) -> tuple[tuple[KVGroup, ...], tuple[tuple[str, ...]
     return groups, (("layers.1", "layers.3"), ("layers.0", "layers.2"))
 
 
-class HybridEngine:
+class HybridEngine(OneWorkerEngine):
     """One scheduler and one worker over one server, with per-group block pools."""
 
     def __init__(self, url: str, window: int) -> None:
+        super().__init__()
         self.groups, self.names = group_setup(window)
         config = ConnectorConfig(server_urls=url, chunk_size=CHUNK, request_timeout_s=1.0)
         self.scheduler = SchedulerAdapter.connect(config, model_name="tiny-hybrid", world_size=1, block_size=BLOCK,
@@ -46,21 +47,6 @@ class HybridEngine:
         self.worker = WorkerAdapter.connect(config, model_name="tiny-hybrid", world_size=1, rank=0, block_size=BLOCK)
         self.kv = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) for names in self.names for name in names}
         self.worker.register_kv_caches(self.kv, self.groups, self.names)
-        self._next_block = 1
-
-    def blocks(self, n: int) -> list[int]:
-        out = list(range(self._next_block, self._next_block + n))
-        self._next_block += n
-        return out
-
-    def match(self, rid: str, prompt: list[int]) -> tuple[int, bool]:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            tokens, load_async = self.scheduler.get_num_new_matched_tokens(rid, prompt, len(prompt), 0)
-            if tokens is not None:
-                return tokens, load_async
-            time.sleep(0.01)
-        raise AssertionError("the lookup never answered")
 
     def forward(self, group_blocks: list[list[int]], start: int, end: int, seed: int) -> None:
         """Write a KV vector per token and layer, as a forward would (a function of the seed)."""
@@ -70,37 +56,6 @@ class HybridEngine:
                     block = blocks[t // BLOCK]
                     assert block != NULL_BLOCK
                     self.kv[name][block, :, t % BLOCK] = value(seed, name, t)
-
-    def run_step(self, scheduled: list[ScheduledRequest]) -> Any:
-        plan = self.scheduler.build_plan(scheduled)
-        self.worker.submit_retrieves(plan.retrieves, plan.sync_loads)
-        self.worker.submit_stores(plan.stores)
-        return plan
-
-    def finish(self, rid: str) -> None:
-        assert self.scheduler.request_finished(rid)
-        deadline = time.monotonic() + 5
-        ids = {rid}
-        while time.monotonic() < deadline:
-            sending, _ = self.worker.finished(ids)
-            ids = set()
-            if rid in sending:
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"{rid} never reported finished")
-
-    def wait_loaded(self, rid: str) -> None:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            _, recving = self.worker.finished(())
-            if rid in recving:
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"{rid}'s load never finished")
-
-    def close(self) -> None:
-        self.worker.close()
-        self.scheduler.close()
 
 
 def value(seed: int, name: str, token: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ naming the shape: read as K/V pairs it would be stored as garbage."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,14 +19,16 @@ import torch
 from mpcache.core_sm.planner import ScheduledRequest
 from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
 from mpcache.runtime_zmq.client import MPCacheClient
+from one_worker_engine import OneWorkerEngine
 
 BLOCK, CHUNK, LATENT, NUM_BLOCKS, LAYERS = 16, 64, 576, 48, 2  # vLLM's CPU MLA: blocks of 16, D = 512 + 64
 
 
-class MLAEngine:
+class MLAEngine(OneWorkerEngine):
     """One scheduler and one worker over one server, MLA latent caches per layer."""
 
     def __init__(self, url: str, dtype: torch.dtype) -> None:
+        super().__init__()
         config = ConnectorConfig(server_urls=url, chunk_size=CHUNK, request_timeout_s=1.0)
         self.scheduler = SchedulerAdapter.connect(config, model_name="tiny-mla", world_size=1, block_size=BLOCK,
                                                   cpu_engine=True)
@@ -35,37 +36,6 @@ class MLAEngine:
         self.kv = {f"layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, 1, BLOCK, LATENT, dtype=dtype)
                    for i in range(LAYERS)}
         self.worker.register_kv_caches(self.kv)
-        self._next_block = 1
-
-    def blocks(self, n: int) -> list[int]:
-        out = list(range(self._next_block, self._next_block + n))
-        self._next_block += n
-        return out
-
-    def match(self, rid: str, prompt: list[int]) -> tuple[int, bool]:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            tokens, load_async = self.scheduler.get_num_new_matched_tokens(rid, prompt, len(prompt), 0)
-            if tokens is not None:
-                return tokens, load_async
-            time.sleep(0.01)
-        raise AssertionError("the lookup never answered")
-
-    def finish(self, rid: str) -> None:
-        assert self.scheduler.request_finished(rid)
-        deadline = time.monotonic() + 5
-        ids = {rid}
-        while time.monotonic() < deadline:
-            sending, _ = self.worker.finished(ids)
-            ids = set()
-            if rid in sending:
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"{rid} never reported finished")
-
-    def close(self) -> None:
-        self.worker.close()
-        self.scheduler.close()
 
 
 def latent(seed: int, layer: str, token: int, dtype: torch.dtype) -> torch.Tensor:
