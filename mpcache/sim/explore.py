@@ -4,12 +4,18 @@ Contract:
 
 * **Actors** are the production machines (or a legacy profile's subclasses of them): one
   ``LookupServer`` per server, one ``LookupClient`` per engine (the scheduler side of the
-  connector). The transfer client, planner and ``ServerLink`` are not actors yet.
+  connector) and, per engine and server, the ``ServerLink`` (with its ``HealthMonitor``) that
+  production's client and the simulator's nodes run, all built from the world's connector
+  settings by ``core_sm/client_config.py`` (the link as ``sim/engine.py`` builds it). The transfer
+  client and planner are not actors yet.
 * **Network**: a bag (multiset) of frames in flight, ``Frame(kind, engine, server, corr,
-  incarnation, body)``. A request frame delivered to server s becomes the request with
-  ``reply_to=("sched<e>", corr, incarnation)`` and ``peer="sched<e>"``; the server's ``Reply`` /
-  ``ErrorReply`` become reply frames, delivered to the engine's client as ``ReplyReceived`` /
-  ``RequestFailed``.
+  incarnation, body)``, ``corr`` the link's uid. The client's ``SendRequest`` is submitted to its
+  link, whose ``Transmit`` puts the frame in the bag. A request frame delivered to server s becomes
+  the request with ``reply_to=("sched<e>", corr, incarnation)`` and ``peer="sched<e>"``; the
+  server's ``Reply`` / ``ErrorReply`` become reply frames, fed to the link, whose ``Completed`` /
+  ``Failed`` (a reply, or its own verdict: a request's deadline passed) reach the client as
+  ``ReplyReceived`` / ``RequestFailed``. Heartbeats run every ``heartbeat_interval``, beyond the
+  world's ``horizon`` by default (not modelled); the clock never moves past the horizon.
 * **Actions** of a state, in a fixed order (the search is deterministic): deliver any frame;
   drop or duplicate one (while ``faults`` lasts); advance the clock to the earliest deadline of
   any machine and fire what is due (while frames are in flight this is a slow network and costs
@@ -56,7 +62,11 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.chunks import ChunkChain
+from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
 from mpcache.core_sm.effects import ErrorReply, Reply, SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.health import TABLES as HEALTH_TABLES
+from mpcache.core_sm.health import HealthMonitor
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
 from mpcache.core_sm.messages import (
@@ -65,10 +75,12 @@ from mpcache.core_sm.messages import (
     EndSession,
     FreeLookupLocks,
     Lookup,
+    Ping,
     QueryPrefetchStatus,
     ReplyReceived,
     RequestFailed,
     ServerEpoch,
+    ServerHealth,
     SubmitLookup,
     TimerFired,
     WaitPrefetchStatus,
@@ -76,8 +88,11 @@ from mpcache.core_sm.messages import (
 from mpcache.core_sm.server import TABLES as SERVER_TABLES
 from mpcache.core_sm.server import LookupServer, ServerConfig
 from mpcache.core_sm.server_core import RequestKey
+from mpcache.core_sm.server_link import Completed, Failed, Heartbeat, InstancePing, Role, ServerLink, Submit, Transmit
+from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.core_sm.table import Dispatcher, Table
 from mpcache.sim import checks
+from mpcache.sim.engine import Outbound, sim_link_config
 from mpcache.sim.oracles import Violation
 from mpcache.sim.trace import short
 
@@ -103,6 +118,15 @@ class XWorld:
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
     liveness_bound: float = 0.5  # virtual seconds after the last fault a lookup may stay unresolved
+    # The connector's settings (core_sm/client_config.py builds the lookup client and every
+    # ServerLink from them, as for the simulator): status by WAIT_PREFETCH_STATUS (production's
+    # default) or by polling; each request's own timeout (the lookup is bounded by two of them);
+    # heartbeats every heartbeat_interval (beyond the horizon: not modelled).
+    wait: bool = False
+    request_timeout: float = 0.05
+    heartbeat_interval: float = 100.0
+    heartbeat_timeout: float = 250.0
+    horizon: float = 10.0  # the clock never moves to a deadline past this (virtual seconds)
     max_depth: int = 80
     max_states: int = 500_000
     symmetry: bool = True
@@ -116,7 +140,9 @@ WORLDS: dict[str, list[XWorld]] = {
     "ci": [XWorld("ci-2e1s", engines=2, servers=1, requests=1),
            XWorld("ci-1e1s-faults", engines=1, servers=1, requests=1, faults=1, restarts=1),
            XWorld("ci-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1),
-           XWorld("ci-1e2s", engines=1, servers=2, requests=1)],
+           XWorld("ci-1e2s", engines=1, servers=2, requests=1),
+           # status by WAIT_PREFETCH_STATUS (production's default), one drop/duplicate/slow frame
+           XWorld("ci-1e1s-wait", engines=1, servers=1, requests=1, faults=1, wait=True)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
     "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
@@ -134,6 +160,9 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     # a full job table refuses the second engine's LOOKUP: the refusal must reach it
     "silent-errors": XWorld("silent-errors", engines=2, max_jobs=1),
     "no-reaper": XWorld("no-reaper", aborts=1),
+    # a WAIT_PREFETCH_STATUS (production's status query) lost or slow: only the link's deadline
+    # on it bounds the lookup
+    "wait-lost": XWorld("wait-lost", faults=1, wait=True),
 }
 
 
@@ -166,6 +195,7 @@ class XState:
     now: float
     servers: list[Any]
     clients: list[Any]
+    links: list[Any]  # [engine * servers + server] -> that engine's ServerLink to that server
     books: list[ServerBook]
     frames: list[Frame]
     scripts: list[tuple[int, ...]]  # [engine] -> per request, index into the script (len: done)
@@ -183,7 +213,8 @@ class XState:
     owned: set[tuple[str, int]] = attrs.Factory(set)  # machines copied in this transition
 
     def child(self) -> XState:
-        return XState(self.now, list(self.servers), list(self.clients), list(self.books), list(self.frames),
+        return XState(self.now, list(self.servers), list(self.clients), list(self.links), list(self.books),
+                      list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
                       self.restarts, self.aborts, self.crashes, self.clean, self.timely, self.last_fault,
                       self.submitted)
@@ -213,6 +244,8 @@ class Explorer:
         self.profile_name: str = getattr(profile, "name", "default")
         self.server_class: type[LookupServer] = getattr(profile, "server_class", LookupServer)
         self.client_class: type[LookupClient] = getattr(profile, "lookup_client_class", LookupClient)
+        self.link_class: type[ServerLink] = getattr(profile, "link_class", ServerLink)
+        self.monitor_class: type[HealthMonitor] = getattr(profile, "health_monitor_class", HealthMonitor)
         timeout = getattr(profile, "lookup_timeout", None)
         self.script = world.script()
         # The production machines must never count a table violation or an internal error; a
@@ -235,14 +268,25 @@ class Explorer:
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
                                           tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=None,
                                           ack_first=True, max_jobs=world.max_jobs)
-        self.client_config = LookupClientConfig(num_servers=world.servers, model_name="x", chunk_size=CHUNK,
-                                                poll_interval=0.01,
-                                                lookup_timeout=0.1 if timeout is None else timeout,
-                                                result_ttl=1.0)
+        # The connector's machines as production's builder makes them (core_sm/client_config.py),
+        # from the world's settings: one rank per server (rank placement), results kept 1 s, a
+        # poll after a None answer 10 ms later; a profile varies the lookup's bound by name.
+        settings = ConnectorSettings(request_timeout=world.request_timeout, lookup_status_wait=world.wait,
+                                     heartbeat_interval=world.heartbeat_interval,
+                                     heartbeat_timeout=world.heartbeat_timeout)
+        config = lookup_client_config(settings, num_servers=world.servers, model_name="x",
+                                      world_size=world.servers, chunk_size=CHUNK)
+        self.client_config: LookupClientConfig = attrs.evolve(config, poll_interval=0.01, result_ttl=1.0)
+        if timeout is not None:
+            self.client_config = attrs.evolve(self.client_config, lookup_timeout=timeout)
+        # Every engine's transport to every server: the simulator's link (sim/engine.py builds it
+        # with client_config's settings), the profile's subclass if it has one.
+        self.link_config = sim_link_config(settings)
         self._seed_keys = self._prompt_keys()
         # A restarted server is a copy of this fresh one: its rows share the same frozen parts.
         self._fresh_server = self.new_server()
         self._fresh_client = self.new_client()  # a crashed engine's client (never touched again)
+        self._fresh_link = self.new_link()  # and its links
 
     # ------------------------------------------------------------------ machines
     def _prompt_keys(self) -> list[Any]:
@@ -270,6 +314,15 @@ class Explorer:
         self._share(client)
         return client
 
+    def new_link(self) -> ServerLink:
+        # Its first heartbeat one interval from the start (the simulator draws the phase in
+        # [0, interval]): with the default interval, beyond the horizon (heartbeats not modelled).
+        cfg = self.link_config
+        start = self.world.heartbeat_interval
+        link = self.link_class(cfg, start, self.monitor_class(cfg.health, start))
+        self._share(link)
+        return link
+
     def _share(self, machine: Any) -> None:
         """Register what a copy of ``machine`` may share with it: its dispatchers' tables and
         frozen rows, its configuration; and give every dispatcher a trace (coverage)."""
@@ -279,7 +332,9 @@ class Explorer:
                         *(n for _h, n in d._bound.values())):
                 self._static[id(obj)] = obj
                 self._pinned.append(obj)
-        for cfg in (self.server_config, self.client_config, getattr(machine, "config", None)):
+        monitor = getattr(machine, "monitor", None)
+        for cfg in (self.server_config, self.client_config, getattr(machine, "config", None),
+                    getattr(monitor, "config", None)):
             if cfg is not None:
                 self._static[id(cfg)] = cfg
                 self._pinned.append(cfg)
@@ -287,6 +342,7 @@ class Explorer:
     def initial(self) -> XState:
         w = self.world
         return XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
+                      [self.new_link() for _ in range(w.engines * w.servers)],
                       [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
                       [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes)
 
@@ -305,6 +361,18 @@ class Explorer:
         client: LookupClient = st.clients[e]
         return client
 
+    def _own_link(self, st: XState, e: int, s: int) -> ServerLink:
+        i = e * self.world.servers + s
+        if ("l", i) not in st.owned:
+            st.owned.add(("l", i))
+            st.links[i] = copy.deepcopy(st.links[i], dict(self._static))
+        link: ServerLink = st.links[i]
+        return link
+
+    def link(self, st: XState, e: int, s: int) -> ServerLink:
+        link: ServerLink = st.links[e * self.world.servers + s]
+        return link
+
     # ------------------------------------------------------------------ actions
     def actions(self, st: XState) -> Iterator[tuple[str, Any]]:
         seen: set[Frame] = set()
@@ -316,7 +384,11 @@ class Explorer:
             if st.faults > 0:
                 yield ("drop", i)
                 yield ("dup", i)
-        deadlines = [d for m in (*st.servers, *st.clients) if (d := m.next_deadline()) is not None]
+        # The clock never moves past the horizon: heartbeats (periodic) and a deadline that is
+        # never due (a legacy link's infinite wait) lie beyond it.
+        horizon = self.world.horizon
+        deadlines = [d for m in (*st.servers, *st.clients, *st.links)
+                     if (d := next_deadline(m)) is not None and d <= horizon]
         # The network is fast beside every timeout: the clock moves only once nothing is in
         # flight, unless the fault budget pays for a slow frame (a deadline passing under it).
         if deadlines and (not st.frames or st.faults > 0):
@@ -398,6 +470,12 @@ class Explorer:
                     if v:
                         return v
             for e in range(len(st.clients)):
+                for s in range(len(st.servers)):
+                    d = self.link(st, e, s).next_deadline()
+                    if d is not None and d <= st.now:
+                        v = self._link_event(st, e, s, TimerFired())
+                        if v:
+                            return v
                 d = st.clients[e].next_deadline()
                 if d is not None and d <= st.now:
                     v = self._client_event(st, e, TimerFired())
@@ -435,6 +513,8 @@ class Explorer:
             st.scripts[e] = (len(self.script),) * len(st.scripts[e])
             st.frames = [f for f in st.frames if f.engine != e]
             st.clients[e] = self._fresh_client
+            for s in range(len(st.servers)):
+                st.links[e * len(st.servers) + s] = self._fresh_link
             return None
         # restart
         s = arg
@@ -458,22 +538,77 @@ class Explorer:
             peer = f"sched{f.engine}"
             event = attrs.evolve(f.body, reply_to=(peer, f.corr, f.incarnation), peer=peer)
             return self._server_event(st, f.server, event, event.reply_to)
+        # A reply reaches the engine's link to that server, which correlates it by uid.
         body = f.body
         if isinstance(body, ErrorReply):
-            return self._client_event(st, f.engine, RequestFailed(f.server, f.corr, body.error))
-        name, request_id = f.about
-        if name in ("QueryPrefetchStatus", "WaitPrefetchStatus") and request_id is not None \
-                and isinstance(body.result, int) and not isinstance(body.result, bool):
-            # The answer reached a lookup still waiting for this server: it must count (F2).
-            pending = st.clients[f.engine].pending(request_id)
-            leg = pending.legs.get(f.server) if pending is not None and st.clients[f.engine].state(
-                request_id) is not LookupState.DONE else None
-            if leg is not None and leg.chunks is None:
-                hits = dict(st.hits)
-                key = (request_id, f.server)
-                hits[key] = max(hits.get(key, 0), body.result)
-                st.hits = tuple(sorted(hits.items()))
-        return self._client_event(st, f.engine, ReplyReceived(f.server, f.corr, body.result))
+            event = LinkReply(f.corr, False, body.error, body.error.kind.value)
+        elif type(self.link(st, f.engine, f.server).request_of(f.corr)) is Heartbeat:
+            # a heartbeat's reply carries the answering server's start id (its incarnation), as
+            # the simulator's does
+            event = LinkReply(f.corr, True, {"epoch": st.incarnation[f.server]})
+        else:
+            request = self.link(st, f.engine, f.server).request_of(f.corr)  # None: the link gave up on it
+            if isinstance(request, Outbound) and type(request.request) in (QueryPrefetchStatus, WaitPrefetchStatus):
+                self._note_hit(st, f.engine, f.server, request.request.request_id, body.result)
+            event = LinkReply(f.corr, True, body.result)
+        return self._link_event(st, f.engine, f.server, event)
+
+    def _link_event(self, st: XState, e: int, s: int, event: Any) -> Violation | None:
+        """One event into engine ``e``'s link to server ``s``; its effects performed in its order:
+        frames into the bag, answers to the lookup client, health and epoch verdicts to it."""
+        link = self._own_link(st, e, s)
+        internal = link._counters["internal_errors"]
+        effects = link.handle(event, st.now)
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {'sched' + str(e):<11} link{s}: {short(event)} -> "
+                              f"[{', '.join(short(x) for x in effects)}]")
+        self._drain(link)
+        if self.strict and link._counters["internal_errors"] != internal:
+            return Violation("SAFETY", st.now, f"sched{e}", f"internal error in the link on {short(event)}")
+        for effect in effects:
+            v: Violation | None = None
+            if isinstance(effect, Transmit):
+                request = effect.request
+                if isinstance(request, Outbound):
+                    body = request.request
+                    if type(body) is Lookup and body.ranks is not None:
+                        # production's wire form of a lookup carries no ranks (as sim/engine.py)
+                        body = attrs.evolve(body, ranks=None)
+                else:
+                    body = Ping(request.instance_id) if isinstance(request, InstancePing) else Ping()
+                st.frames.append(Frame("req", e, s, effect.uid, st.incarnation[s], body))
+            elif isinstance(effect, Completed):
+                correlation = effect.token
+                assert isinstance(correlation, int)
+                v = self._client_event(st, e, ReplyReceived(s, correlation, effect.value))
+            elif isinstance(effect, Failed):
+                error = effect.error
+                if not isinstance(error, ProtocolError):  # the link's own verdict: timeout, unhealthy
+                    try:
+                        kind = ErrorKind(effect.kind)
+                    except ValueError:
+                        kind = ErrorKind.INTERNAL
+                    error = ProtocolError(kind, effect.message)
+                assert isinstance(effect.token, int)
+                v = self._client_event(st, e, RequestFailed(s, effect.token, error))
+            elif isinstance(effect, (ServerHealth, ServerEpoch)):
+                v = self._client_event(st, e, attrs.evolve(effect, server=s))
+            if v:
+                return v
+        return None
+
+    def _note_hit(self, st: XState, e: int, s: int, request_id: str, result: Any) -> None:
+        """A status answer reaches a lookup still waiting for this server: it must count (F2)."""
+        if not isinstance(result, int) or isinstance(result, bool):
+            return
+        client = st.clients[e]
+        pending = client.pending(request_id)
+        leg = pending.legs.get(s) if pending is not None and client.state(request_id) is not LookupState.DONE else None
+        if leg is not None and leg.chunks is None:
+            hits = dict(st.hits)
+            key = (request_id, s)
+            hits[key] = max(hits.get(key, 0), result)
+            st.hits = tuple(sorted(hits.items()))
 
     def _violation(self, st: XState, node: str, finding: checks.Finding | None) -> Violation | None:
         return None if finding is None else Violation(finding[0], st.now, node, finding[1])
@@ -565,7 +700,6 @@ class Explorer:
                 if type(request) is FreeLookupLocks or type(request) is EndSession:
                     r = request_id_of(request)
                     st.released = st.released | {(str(r), s)}
-                st.frames.append(Frame("req", e, s, eff.correlation, st.incarnation[s], request))
         v = self._violation(st, node, checks.core_invariants(client))
         if v:
             return v
@@ -584,6 +718,14 @@ class Explorer:
         if after[2] != before[2] and st.clean and st.timely:
             return Violation("LIVENESS", st.now, node, "a lookup resolved by the client's timeout with no "
                              "fault or restart on the path: no server answer reached it in time")
+        # What it sends goes to its link to that server (the machine production's client runs):
+        # a lookup's requests name no engine instance, so the link never parks them.
+        for eff in effects:
+            if isinstance(eff, SendRequest):
+                v = self._link_event(st, e, eff.server, Submit(
+                    eff.correlation, Outbound("lookup", eff.correlation, eff.request), None, Role.REQUEST, None))
+                if v:
+                    return v
         return None
 
     def _drain(self, machine: Any) -> None:
@@ -651,7 +793,9 @@ class Explorer:
         order = list(range(n))
         # Each client's snapshot names only its own requests, as R<r>: label-free, computed once
         # per client object; its place in the sorted order is its label.
-        sigs = [self._snap(st.clients[e], {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+        ns = len(st.servers)
+        sigs = [b"|".join(self._snap(m, {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+                          for m in (st.clients[e], *st.links[e * ns:(e + 1) * ns]))
                 for e in order]
         if self.world.symmetry and n > 1:
             # Sort-based canonical form: each engine's signature names only itself as "E".
@@ -755,13 +899,14 @@ class Explorer:
             st = node.state
             own = [m for i, m in enumerate(st.servers) if parent is None or parent.servers[i] is not m]
             own += [m for i, m in enumerate(st.clients) if parent is None or parent.clients[i] is not m]
+            own += [m for i, m in enumerate(st.links) if parent is None or parent.links[i] is not m]
             total += deep_size([own, st.frames, st.books, st.scripts]) + sys.getsizeof(node)
         return total / len(sample)
 
     # ------------------------------------------------------------------ coverage
     def all_rows(self) -> list[tuple[str, str, str]]:
         rows: list[tuple[str, str, str]] = []
-        for tables in (SERVER_TABLES, CLIENT_TABLES):
+        for tables in (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES):
             for table in tables.values():
                 for (state, ev) in table.rows:
                     rows.append((table.name, state.name, ev.__name__))
@@ -852,6 +997,21 @@ def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
     return out
 
 
+def next_deadline(machine: Any) -> float | None:
+    """When ``machine`` next has something to do. A link's deadline heap keeps answered requests'
+    entries until they are due (``ServerLink.next_deadline`` names them; firing one does nothing):
+    the clock moves only to a pending request's deadline or the monitor's, or two equal states
+    would differ by a clock moved for nothing."""
+    if type(machine) is not ServerLink and not isinstance(machine, ServerLink):
+        d: float | None = machine.next_deadline()
+        return d
+    pending = [p.deadline for p in machine._pending.values()]
+    health = machine.monitor.next_deadline()
+    if health is not None:
+        pending.append(health)
+    return min(pending) if pending else None
+
+
 def request_id_of(event: Any) -> str | None:
     if type(event) is Lookup or type(event) is FreeLookupLocks:
         return event.key.request_id
@@ -886,7 +1046,7 @@ def _by_time(entry: tuple[float, int, Any]) -> tuple[float, int]:
 # tie-break sequence numbers and compaction marks of lazily deleting heaps (their live entries,
 # in firing order, are kept instead).
 _SKIP = frozenset({"_seq", "_compact_at", "compactions", "_counters", "counters", "trace", "config", "ctx_config", "dispatch", "_rows", "_routes",
-                   "_timer_machine", "_lookups", "_servers"})
+                   "_timer_machine", "_lookups", "_events", "_monitor_effects"})
 _ATOMS = (int, float, bool, type(None), bytes)
 
 
@@ -938,6 +1098,11 @@ def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None)
     if fields is None:
         names = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]
         fields = {n: getattr(obj, n) for n in names if hasattr(obj, n)}
+    if isinstance(obj, ServerLink):
+        # the deadline heap keeps answered entries until due: only pending ones, in firing order
+        fields = dict(fields)
+        fields["_deadlines"] = sorted((d, u) for d, u in obj._deadlines if u in obj._pending and
+                                      obj._pending[u].deadline == d)
     expiry_live = getattr(obj, "_expiry_live", None)
     if expiry_live is not None and "_expiries" in fields:
         # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
