@@ -92,6 +92,7 @@ from mpcache.core_sm.server_link import Completed, Failed, Heartbeat, InstancePi
 from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.core_sm.table import Dispatcher, Table
 from mpcache.sim import checks
+from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.engine import Outbound, sim_link_config
 from mpcache.sim.oracles import Violation
 from mpcache.sim.trace import short
@@ -99,6 +100,7 @@ from mpcache.sim.trace import short
 CHUNK = 16
 PROMPT = tuple(range(2 * CHUNK))  # every request asks for the same two chunks (shared objects)
 SCRIPT = ("submit", "check", "cleanup", "end")
+ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
 
 
@@ -114,6 +116,9 @@ class XWorld:
     restarts: int = 0  # server crash + restart, in total
     aborts: int = 0  # requests aborted while their lookup is pending, in total
     crashes: int = 0  # engine crashes, in total (its requests end unanswered, its frames are lost)
+    # requests of an adversarial tenant (sim/adversary.py's peer) naming an honest request id it
+    # saw: FREE_LOOKUP_LOCKS or END_SESSION, in total
+    attacks: int = 0
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
@@ -142,7 +147,9 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1),
            XWorld("ci-1e2s", engines=1, servers=2, requests=1),
            # status by WAIT_PREFETCH_STATUS (production's default), one drop/duplicate/slow frame
-           XWorld("ci-1e1s-wait", engines=1, servers=1, requests=1, faults=1, wait=True)],
+           XWorld("ci-1e1s-wait", engines=1, servers=1, requests=1, faults=1, wait=True),
+           # an adversarial tenant frees or ends one request id it saw (F22: nothing of the honest moves)
+           XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
     "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
@@ -163,6 +170,8 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     # a WAIT_PREFETCH_STATUS (production's status query) lost or slow: only the link's deadline
     # on it bounds the lookup
     "wait-lost": XWorld("wait-lost", faults=1, wait=True),
+    # another tenant frees the request id it saw: only ownership keeps the leases
+    "trust-all": XWorld("trust-all", attacks=1),
 }
 
 
@@ -206,6 +215,7 @@ class XState:
     restarts: int
     aborts: int
     crashes: int = 0
+    attacks: int = 0
     clean: bool = True  # no drop, duplicate or restart on the path so far
     timely: bool = True  # no slow frame on the path so far
     last_fault: float = 0.0
@@ -216,8 +226,8 @@ class XState:
         return XState(self.now, list(self.servers), list(self.clients), list(self.links), list(self.books),
                       list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
-                      self.restarts, self.aborts, self.crashes, self.clean, self.timely, self.last_fault,
-                      self.submitted)
+                      self.restarts, self.aborts, self.crashes, self.attacks, self.clean, self.timely,
+                      self.last_fault, self.submitted)
 
 
 @attrs.define
@@ -295,6 +305,7 @@ class Explorer:
         sends = [e for e in client.handle(SubmitLookup("seed", PROMPT), 0.0) if isinstance(e, SendRequest)]
         lookup = sends[0].request
         assert isinstance(lookup, Lookup)
+        self._lookup_key = lookup.key  # what the adversary saw on the wire (its request id replaced)
         server = LookupServer(self.server_config)
         hashes, err = server.ctx.hashes(lookup.key, self.world.stored)
         assert err is None
@@ -344,7 +355,7 @@ class Explorer:
         return XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
                       [self.new_link() for _ in range(w.engines * w.servers)],
                       [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
-                      [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes)
+                      [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes, w.attacks)
 
     def _own_server(self, st: XState, s: int) -> LookupServer:
         if ("s", s) not in st.owned:
@@ -411,6 +422,11 @@ class Explorer:
             for e, script in enumerate(st.scripts):
                 if any(step < len(self.script) for step in script):
                     yield ("crash", e)
+        if st.attacks > 0:
+            for e, r in sorted({parse_rid(x) for x, _t in st.submitted}):
+                for s in range(len(st.servers)):
+                    for kind in ATTACKS:
+                        yield ("attack", (kind, e, r, s))
 
     def describe(self, st: XState, action: tuple[str, Any]) -> str:
         kind, arg = action
@@ -429,6 +445,9 @@ class Explorer:
             return f"sched{e} {kind} {rid(e, r)} ({call} while its lookup is pending)"
         if kind == "crash":
             return f"crash sched{arg} (its requests end unanswered, its frames are lost)"
+        if kind == "attack":
+            what, e, r, s = arg
+            return f"{ADVERSARY} sends server{s} {what} naming {rid(e, r)} (a request id it saw)"
         return f"restart server{arg}"
 
     def _fault(self, st: XState, slow: bool = False) -> None:
@@ -506,6 +525,8 @@ class Explorer:
                     self.lines.append(f"{st.now:12.6f} {'sched' + str(e):<11} check({rid(e, r)}) -> {result}")
                 return self._client_event(st, e, TimerFired())  # sends what check() queued
             return self._client_event(st, e, Cleanup(rid(e, r)) if step == "cleanup" else EndRequest(rid(e, r)))
+        if kind == "attack":
+            return self._attack(st, *arg)
         if kind == "crash":  # the engine process dies: the servers keep its jobs and leases (TTLs reap them)
             e = arg
             st.crashes -= 1
@@ -675,6 +696,49 @@ class Explorer:
             return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
         return None
 
+    def _attack(self, st: XState, what: str, e: int, r: int, s: int) -> Violation | None:
+        """The adversarial tenant's request, handled by server ``s`` as it arrives, judged by the
+        simulator's F22 oracle: no honest tenant's state (sim/adversary.py's ``honest_state``)
+        moves. Its replies go back to the adversary, which nobody models further."""
+        st.attacks -= 1
+        server = self._own_server(st, s)
+        book = st.books[s]
+        node = f"server{s}"
+        counters = server._counters
+        before_counts = (counters["table_violations"], counters["internal_errors"])
+        early = server.handle(TimerFired(), st.now)  # due time-driven work first, as the oracle does
+        self._emit(st, s, early, {x.reply_to: book.awaiting.pop(x.reply_to) for x in early
+                                  if (type(x) is Reply or type(x) is ErrorReply) and x.reply_to in book.awaiting})
+        before = honest_state(server, set())
+        via = (ADVERSARY, self.world.attacks - st.attacks, st.incarnation[s])
+        event: Any = (FreeLookupLocks(attrs.evolve(self._lookup_key, request_id=rid(e, r)), reply_to=via,
+                                      peer=ADVERSARY) if what == "free" else
+                      EndSession(rid(e, r), reply_to=via, peer=ADVERSARY))
+        effects = server.handle(event, st.now)
+        effects += server.run_deferred()
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
+                              f"[{', '.join(short(x) for x in effects)}]")
+        honest = [x for x in effects if not ((type(x) is Reply or type(x) is ErrorReply) and x.reply_to == via)]
+        about = {x.reply_to: book.awaiting[x.reply_to] for x in honest
+                 if (type(x) is Reply or type(x) is ErrorReply) and x.reply_to in book.awaiting}
+        v = self._violation(st, node, checks.reply_accounting(book.awaiting, event, None, honest))
+        if v:
+            return v
+        self._emit(st, s, honest, about)
+        after = honest_state(server, set())
+        for part, old in before.items():
+            if after[part] != old:
+                return Violation(TENANT_HARMED, st.now, node, f"adversary request {short(event, 120)} changed "
+                                 f"the honest tenants' {part}: {old!r} -> {after[part]!r}")
+        v = self._violation(st, node, checks.core_invariants(server))
+        if v:
+            return v
+        self._drain(server)
+        if self.strict and (counters["table_violations"], counters["internal_errors"]) != before_counts:
+            return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
+        return None
+
     def _emit(self, st: XState, s: int, effects: list[Any], about: dict[Any, tuple[str, str | None]]) -> None:
         for eff in effects:
             if type(eff) is Reply or type(eff) is ErrorReply:
@@ -822,7 +886,7 @@ class Explorer:
                                for b in st.books], ren))
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
-                 st.crashes,
+                 st.crashes, st.attacks,
                  st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted))
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):
@@ -1023,6 +1087,11 @@ def rid(engine: int, request: int) -> str:
     return f"req{engine}.{request}"
 
 
+def parse_rid(request_id: str) -> tuple[int, int]:
+    e, r = request_id[len("req"):].split(".")
+    return int(e), int(r)
+
+
 def deep_size(obj: Any) -> int:
     """Bytes of ``obj`` and everything it refers to, tables and types excepted."""
     seen: set[int] = set()
@@ -1116,7 +1185,7 @@ def report(ex: Explorer, out: Any = None) -> None:
     w = ex.world
     rate = ex.states / ex.seconds if ex.seconds else 0.0
     print(f"world {w.name}: {w.engines} engine(s) x {w.servers} server(s) x {w.requests} request(s), "
-          f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, profile {ex.profile_name}, "
+          f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, attacks {w.attacks}, profile {ex.profile_name}, "
           f"symmetry {'on' if w.symmetry else 'off'}", file=out)
     print(f"  {'complete' if ex.complete else 'NOT complete'}: {ex.states} states, {ex.transitions} transitions, "
           f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s, {ex.bytes_per_state:.0f} B/state", file=out)

@@ -57,7 +57,7 @@ def test_profile_caught_with_its_code_and_tape_replays(name: str) -> None:
 
 def test_default_profile_clean_in_the_profile_worlds() -> None:
     """The worlds that catch the legacy profiles hold no violation for the production machines."""
-    for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost"):
+    for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost", "trust-all"):
         ex = Explorer(PROFILE_WORLDS[name]).run()
         assert ex.violation is None and ex.complete, (name, ex.violation)
 
