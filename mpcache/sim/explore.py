@@ -14,8 +14,9 @@ Contract:
   the request with ``reply_to=("sched<e>", corr, incarnation)`` and ``peer="sched<e>"``; the
   server's ``Reply`` / ``ErrorReply`` become reply frames, fed to the link, whose ``Completed`` /
   ``Failed`` (a reply, or its own verdict: a request's deadline passed) reach the client as
-  ``ReplyReceived`` / ``RequestFailed``. Heartbeats run every ``heartbeat_interval``, beyond the
-  world's ``horizon`` by default (not modelled); the clock never moves past the horizon.
+  ``ReplyReceived`` / ``RequestFailed``. Heartbeats run every ``heartbeat_interval`` until the
+  world's ``horizon`` (periodic timers would make the space infinite); by default the first is
+  beyond it (not modelled). A deadline that is never due (infinite) is no deadline.
 * **Actions** of a state, in a fixed order (the search is deterministic): deliver any frame;
   drop or duplicate one (while ``faults`` lasts); advance the clock to the earliest deadline of
   any machine and fire what is due (while frames are in flight this is a slow network and costs
@@ -52,6 +53,7 @@ import enum
 import gc
 import hashlib
 import json
+import math
 import sys
 import time
 import types
@@ -131,7 +133,7 @@ class XWorld:
     request_timeout: float = 0.05
     heartbeat_interval: float = 100.0
     heartbeat_timeout: float = 250.0
-    horizon: float = 10.0  # the clock never moves to a deadline past this (virtual seconds)
+    horizon: float = 10.0  # the health monitor's timers (heartbeats) run until then (virtual seconds)
     max_depth: int = 80
     max_states: int = 500_000
     symmetry: bool = True
@@ -148,6 +150,10 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e2s", engines=1, servers=2, requests=1),
            # status by WAIT_PREFETCH_STATUS (production's default), one drop/duplicate/slow frame
            XWorld("ci-1e1s-wait", engines=1, servers=1, requests=1, faults=1, wait=True),
+           # heartbeats every 0.2 s for the first 0.3 s (the epoch a restart changes, seen by the
+           # monitor); a timeout longer than the world, so no stopped heartbeat reads as a dead server
+           XWorld("ci-1e1s-heartbeat", engines=1, servers=1, requests=1, restarts=1, heartbeat_interval=0.2,
+                  heartbeat_timeout=100.0, horizon=0.3),
            # an adversarial tenant frees or ends one request id it saw (F22: nothing of the honest moves)
            XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
@@ -395,11 +401,11 @@ class Explorer:
             if st.faults > 0:
                 yield ("drop", i)
                 yield ("dup", i)
-        # The clock never moves past the horizon: heartbeats (periodic) and a deadline that is
-        # never due (a legacy link's infinite wait) lie beyond it.
+        # Heartbeats (periodic: the space would be infinite) run until the horizon; a deadline
+        # that is never due (a legacy link's infinite wait) is none.
         horizon = self.world.horizon
         deadlines = [d for m in (*st.servers, *st.clients, *st.links)
-                     if (d := next_deadline(m)) is not None and d <= horizon]
+                     if (d := next_deadline(m, horizon)) is not None and d < math.inf]
         # The network is fast beside every timeout: the clock moves only once nothing is in
         # flight, unless the fault budget pays for a slow frame (a deadline passing under it).
         if deadlines and (not st.frames or st.faults > 0):
@@ -1061,17 +1067,18 @@ def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
     return out
 
 
-def next_deadline(machine: Any) -> float | None:
+def next_deadline(machine: Any, horizon: float = math.inf) -> float | None:
     """When ``machine`` next has something to do. A link's deadline heap keeps answered requests'
     entries until they are due (``ServerLink.next_deadline`` names them; firing one does nothing):
     the clock moves only to a pending request's deadline or the monitor's, or two equal states
-    would differ by a clock moved for nothing."""
-    if type(machine) is not ServerLink and not isinstance(machine, ServerLink):
+    would differ by a clock moved for nothing. The monitor's (heartbeats, probes, the heartbeat
+    timeout) count only up to ``horizon``."""
+    if not isinstance(machine, ServerLink):
         d: float | None = machine.next_deadline()
         return d
     pending = [p.deadline for p in machine._pending.values()]
     health = machine.monitor.next_deadline()
-    if health is not None:
+    if health is not None and health <= horizon:
         pending.append(health)
     return min(pending) if pending else None
 

@@ -30,6 +30,9 @@ def test_ci_world_explored_completely(w: XWorld) -> None:
     assert ex.complete  # the whole space, not a cut at max_states or max_depth
     assert ex.states < w.max_states
     assert ex.reached <= set(ex.all_rows())
+    if w.heartbeat_interval < w.horizon:  # the links' monitors run: their rows are reached
+        health = {(state, ev) for table, state, ev in ex.reached if table.startswith("HealthMonitor")}
+        assert {("HEALTHY", "HeartbeatDue"), ("HEALTHY", "HeartbeatReply")} <= health, health
 
 
 def test_faults_reach_more_rows() -> None:
