@@ -146,8 +146,8 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e2s", engines=1, servers=2, requests=1),
            # status by WAIT_PREFETCH_STATUS (production's default), one drop/duplicate/slow frame
            XWorld("ci-1e1s-wait", engines=1, servers=1, requests=1, faults=1, wait=True),
-           # heartbeats every 0.2 s for the first 0.3 s (the epoch a restart changes, seen by the
-           # monitor); a timeout longer than the world, so no stopped heartbeat reads as a dead server
+           # heartbeats every 0.2 s for the first 0.3 s and a restart: a 100 s timeout, so a heartbeat
+           # the horizon stopped is no dead server, but one lost to the restart times it out
            XWorld("ci-1e1s-heartbeat", engines=1, servers=1, requests=1, restarts=1, heartbeat_interval=0.2,
                   heartbeat_timeout=100.0, horizon=0.3),
            # an adversarial tenant frees or ends one request id it saw (F22: nothing of the honest moves)
