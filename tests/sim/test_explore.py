@@ -45,6 +45,14 @@ def test_faults_reach_more_rows() -> None:
     assert len(faulty.reached - calm.reached) >= 5
 
 
+def test_modelled_profiles() -> None:
+    """The profiles the explorer catches (each in its own world): the transport's (wait-lost, by
+    the ServerLink actor) and the adversary's (trust-all) beside the lookup protocol's."""
+    assert set(PROFILE_WORLDS) == {"unknown-none", "resend-status", "overwrite-dup", "no-ack-wait", "leak-on-abort",
+                                   "release-all", "silent-errors", "no-reaper", "wait-lost", "trust-all"}
+    assert set(PROFILE_WORLDS) <= set(PROFILES)
+
+
 @pytest.mark.parametrize("name", sorted(PROFILE_WORLDS))
 def test_profile_caught_with_its_code_and_tape_replays(name: str) -> None:
     profile = PROFILES[name]
