@@ -797,13 +797,9 @@ class World:
                     continue
                 for worker in engine.workers:
                     if worker.alive and server.instance_state(worker.instance_id) is not InstanceState.REGISTERED:
-                        if worker.instance_id in host.reaped:
-                            self.violation("F19", host.name, f"{worker.name} (instance {worker.instance_id}) was "
-                                           f"reaped by {host.name} and never registered again: its retrieves "
-                                           f"are refused not_registered forever")
-                        self.violation("F13", host.name, f"{worker.name} (instance {worker.instance_id}) is not "
-                                       f"registered with {host.name} (incarnation {host.incarnation}) after heal: "
-                                       f"its stores and retrieves are refused not_registered")
+                        self._judge(host.name, checks.worker_unregistered(
+                            worker.name, worker.instance_id, host.name, host.incarnation,
+                            worker.instance_id in host.reaped))
 
     def _check_drained(self) -> None:
         """After the TTLs: abandoned jobs reaped, every lease back."""
