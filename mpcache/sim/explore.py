@@ -61,10 +61,10 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
-from mpcache.core_sm.effects import ErrorReply, Reply, SendRequest
+from mpcache.core_sm.effects import AttachInstance, ErrorReply, Reply, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import TABLES as HEALTH_TABLES
-from mpcache.core_sm.health import HealthMonitor
+from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
 from mpcache.core_sm.messages import (
@@ -72,21 +72,26 @@ from mpcache.core_sm.messages import (
     EndRequest,
     EndSession,
     FreeLookupLocks,
+    InstanceAttached,
     Lookup,
     Ping,
     QueryPrefetchStatus,
+    RegisterInstance,
     ReplyReceived,
     RequestFailed,
     ServerEpoch,
     ServerHealth,
     SubmitLookup,
     TimerFired,
+    UnregisterInstance,
     WaitPrefetchStatus,
 )
 from mpcache.core_sm.server import TABLES as SERVER_TABLES
 from mpcache.core_sm.server import LookupServer, ServerConfig
 from mpcache.core_sm.server_core import RequestKey
+from mpcache.core_sm.server_instances import InstanceState
 from mpcache.core_sm.server_link import Completed, Failed, Heartbeat, InstancePing, Role, ServerLink, Submit, Transmit
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
@@ -117,6 +122,10 @@ class XWorld:
     # requests of an adversarial tenant (sim/adversary.py's peer) naming an honest request id it
     # saw: FREE_LOOKUP_LOCKS or END_SESSION, in total
     attacks: int = 0
+    # each engine also runs one worker: the connector's TransferClient, which registers its engine
+    # instance with the server through a link of its own (one server; restarts only while a
+    # heartbeat is still due before the horizon, so every restart can be noticed)
+    workers: bool = False
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
@@ -172,6 +181,10 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     # a WAIT_PREFETCH_STATUS (production's status query) lost or slow: only the link's deadline
     # on it bounds the lookup
     "wait-lost": XWorld("wait-lost", faults=1, wait=True),
+    # a worker registered, the server restarts while heartbeats still run: only the epoch the
+    # heartbeat brings or the refused instance ping makes the worker register again
+    "missed-epoch": XWorld("missed-epoch", requests=0, workers=True, restarts=1, heartbeat_interval=0.2,
+                           heartbeat_timeout=100.0, horizon=0.5),
     # another tenant frees the request id it saw: only ownership keeps the leases
     "trust-all": XWorld("trust-all", attacks=1),
 }
@@ -186,6 +199,7 @@ class Frame:
     incarnation: int
     body: Any
     about: tuple[str, str | None] = ("", None)  # a reply: its request's type and request id
+    node: int = 0  # the engine's node: 0 its scheduler (lookup client), 1 its worker (transfer client)
 
 
 @attrs.define
@@ -206,7 +220,7 @@ class XState:
     now: float
     servers: list[Any]
     clients: list[Any]
-    links: list[Any]  # [engine * servers + server] -> that engine's ServerLink to that server
+    links: list[Any]  # [(node * engines + engine) * servers + server] -> that node's ServerLink to that server
     books: list[ServerBook]
     frames: list[Frame]
     scripts: list[tuple[int, ...]]  # [engine] -> per request, index into the script (len: done)
@@ -218,6 +232,7 @@ class XState:
     aborts: int
     crashes: int = 0
     attacks: int = 0
+    workers: list[Any] = attrs.Factory(list)  # [engine] -> its worker's TransferClient (workers worlds)
     clean: bool = True  # no drop, duplicate or restart on the path so far
     timely: bool = True  # no slow frame on the path so far
     last_fault: float = 0.0
@@ -228,8 +243,8 @@ class XState:
         return XState(self.now, list(self.servers), list(self.clients), list(self.links), list(self.books),
                       list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
-                      self.restarts, self.aborts, self.crashes, self.attacks, self.clean, self.timely,
-                      self.last_fault, self.submitted)
+                      self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.clean,
+                      self.timely, self.last_fault, self.submitted)
 
 
 @attrs.define
@@ -257,6 +272,10 @@ class Explorer:
         self.server_class: type[LookupServer] = getattr(profile, "server_class", LookupServer)
         self.client_class: type[LookupClient] = getattr(profile, "lookup_client_class", LookupClient)
         self.link_class: type[ServerLink] = getattr(profile, "link_class", ServerLink)
+        self.worker_class: type[TransferClient] = getattr(profile, "transfer_client_class", TransferClient)
+        self.nodes = 2 if world.workers else 1
+        if world.workers and world.servers != 1:
+            raise ValueError("a world with workers has one server")
         self.monitor_class: type[HealthMonitor] = getattr(profile, "health_monitor_class", HealthMonitor)
         timeout = getattr(profile, "lookup_timeout", None)
         self.script = world.script()
@@ -299,6 +318,7 @@ class Explorer:
         self._fresh_server = self.new_server()
         self._fresh_client = self.new_client()  # a crashed engine's client (never touched again)
         self._fresh_link = self.new_link()  # and its links
+        self._fresh_workers = [self.new_worker(e) for e in range(world.engines)] if world.workers else []
 
     # ------------------------------------------------------------------ machines
     def _prompt_keys(self) -> list[Any]:
@@ -327,6 +347,15 @@ class Explorer:
         self._share(client)
         return client
 
+    def new_worker(self, e: int) -> TransferClient:
+        """Engine ``e``'s worker: instance ``e + 1``, rank 0, server-driven, its ops bounded by
+        the request timeout (as the connector's)."""
+        worker = self.worker_class(TransferClientConfig(
+            instance_id=e + 1, model_name="x", world_size=1, worker_id=0, chunk_size=CHUNK, object_bytes=1024,
+            server=0, op_timeout=self.world.request_timeout))
+        self._share(worker)
+        return worker
+
     def new_link(self) -> ServerLink:
         # Its first heartbeat one interval from the start (the simulator draws the phase in
         # [0, interval]): with the default interval, beyond the horizon (heartbeats not modelled).
@@ -354,10 +383,18 @@ class Explorer:
 
     def initial(self) -> XState:
         w = self.world
-        return XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
-                      [self.new_link() for _ in range(w.engines * w.servers)],
-                      [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
-                      [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes, w.attacks)
+        st = XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
+                    [self.new_link() for _ in range(self.nodes * w.engines * w.servers)],
+                    [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
+                    [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes, w.attacks,
+                    [self.new_worker(e) for e in range(w.engines)] if w.workers else [])
+        for e in range(len(st.workers)):
+            # the runtime tells a worker its server is healthy at start (the connector waits for
+            # it): the worker registers its instance
+            v = self._worker_event(st, e, ServerHealth(0, True))
+            assert v is None, v
+        st.owned = set()
+        return st
 
     def _own_server(self, st: XState, s: int) -> LookupServer:
         if ("s", s) not in st.owned:
@@ -374,17 +411,24 @@ class Explorer:
         client: LookupClient = st.clients[e]
         return client
 
-    def _own_link(self, st: XState, e: int, s: int) -> ServerLink:
-        i = e * self.world.servers + s
+    def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
+        i = (node * self.world.engines + e) * self.world.servers + s
         if ("l", i) not in st.owned:
             st.owned.add(("l", i))
             st.links[i] = copy.deepcopy(st.links[i], dict(self._static))
         link: ServerLink = st.links[i]
         return link
 
-    def link(self, st: XState, e: int, s: int) -> ServerLink:
-        link: ServerLink = st.links[e * self.world.servers + s]
+    def link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
+        link: ServerLink = st.links[(node * self.world.engines + e) * self.world.servers + s]
         return link
+
+    def _own_worker(self, st: XState, e: int) -> TransferClient:
+        if ("w", e) not in st.owned:
+            st.owned.add(("w", e))
+            st.workers[e] = copy.deepcopy(st.workers[e], dict(self._static))
+        worker: TransferClient = st.workers[e]
+        return worker
 
     # ------------------------------------------------------------------ actions
     def actions(self, st: XState) -> Iterator[tuple[str, Any]]:
@@ -400,7 +444,7 @@ class Explorer:
         # Heartbeats (periodic: the space would be infinite) run until the horizon; a deadline
         # that is never due (a legacy link's infinite wait) is none.
         horizon = self.world.horizon
-        deadlines = [d for m in (*st.servers, *st.clients, *st.links)
+        deadlines = [d for m in (*st.servers, *st.clients, *st.links, *st.workers)
                      if (d := next_deadline(m, horizon)) is not None and d < math.inf]
         # The network is fast beside every timeout: the clock moves only once nothing is in
         # flight, unless the fault budget pays for a slow frame (a deadline passing under it).
@@ -417,7 +461,7 @@ class Explorer:
                         yield ("cancel", (e, r))
                     continue
                 yield ("step", (e, r))
-        if st.restarts > 0:
+        if st.restarts > 0 and not (self.world.workers and st.now + self.world.heartbeat_interval > self.world.horizon):
             for s in range(len(st.servers)):
                 yield ("restart", s)
         if st.crashes > 0:
@@ -434,7 +478,8 @@ class Explorer:
         kind, arg = action
         if kind in ("deliver", "drop", "dup"):
             f = st.frames[arg]
-            who = f"sched{f.engine} -> server{f.server}" if f.kind == "req" else f"server{f.server} -> sched{f.engine}"
+            peer = node_name(f.node, f.engine)
+            who = f"{peer} -> server{f.server}" if f.kind == "req" else f"server{f.server} -> {peer}"
             return f"{kind} {who} #{f.corr} {short(f.body, 90)}"
         if kind == "tick":
             return f"clock -> {arg:.3f}" + (f" ({len(st.frames)} frame(s) still in flight: slow)" if st.frames else "")
@@ -491,10 +536,17 @@ class Explorer:
                     if v:
                         return v
             for e in range(len(st.clients)):
-                for s in range(len(st.servers)):
-                    d = self.link(st, e, s).next_deadline()
+                for node in range(self.nodes):
+                    for s in range(len(st.servers)):
+                        d = self.link(st, e, s, node).next_deadline()
+                        if d is not None and d <= st.now:
+                            v = self._link_event(st, e, s, TimerFired(), node)
+                            if v:
+                                return v
+                if st.workers:
+                    d = st.workers[e].next_deadline()
                     if d is not None and d <= st.now:
-                        v = self._link_event(st, e, s, TimerFired())
+                        v = self._worker_event(st, e, TimerFired())
                         if v:
                             return v
                 d = st.clients[e].next_deadline()
@@ -536,8 +588,11 @@ class Explorer:
             st.scripts[e] = (len(self.script),) * len(st.scripts[e])
             st.frames = [f for f in st.frames if f.engine != e]
             st.clients[e] = self._fresh_client
-            for s in range(len(st.servers)):
-                st.links[e * len(st.servers) + s] = self._fresh_link
+            for node in range(self.nodes):
+                for s in range(len(st.servers)):
+                    st.links[(node * len(st.clients) + e) * len(st.servers) + s] = self._fresh_link
+            if st.workers:
+                st.workers[e] = self._fresh_workers[e]
             return None
         # restart
         s = arg
@@ -558,36 +613,39 @@ class Explorer:
         if f.kind == "req":
             if f.incarnation != st.incarnation[f.server]:
                 return None  # the connection to that incarnation is gone
-            peer = f"sched{f.engine}"
+            peer = node_name(f.node, f.engine)
             event = attrs.evolve(f.body, reply_to=(peer, f.corr, f.incarnation), peer=peer)
             return self._server_event(st, f.server, event, event.reply_to)
         # A reply reaches the engine's link to that server, which correlates it by uid.
         body = f.body
         if isinstance(body, ErrorReply):
             event = LinkReply(f.corr, False, body.error, body.error.kind.value)
-        elif type(self.link(st, f.engine, f.server).request_of(f.corr)) is Heartbeat:
+        elif type(self.link(st, f.engine, f.server, f.node).request_of(f.corr)) is Heartbeat:
             # a heartbeat's reply carries the answering server's start id (its incarnation), as
             # the simulator's does
             event = LinkReply(f.corr, True, {"epoch": st.incarnation[f.server]})
         else:
-            request = self.link(st, f.engine, f.server).request_of(f.corr)  # None: the link gave up on it
+            request = self.link(st, f.engine, f.server, f.node).request_of(f.corr)  # None: the link gave up on it
             if isinstance(request, Outbound) and type(request.request) in (QueryPrefetchStatus, WaitPrefetchStatus):
                 self._note_hit(st, f.engine, f.server, request.request.request_id, body.result)
             event = LinkReply(f.corr, True, body.result)
-        return self._link_event(st, f.engine, f.server, event)
+        return self._link_event(st, f.engine, f.server, event, f.node)
 
-    def _link_event(self, st: XState, e: int, s: int, event: Any) -> Violation | None:
-        """One event into engine ``e``'s link to server ``s``; its effects performed in its order:
-        frames into the bag, answers to the lookup client, health and epoch verdicts to it."""
-        link = self._own_link(st, e, s)
+    def _link_event(self, st: XState, e: int, s: int, event: Any, node: int = 0) -> Violation | None:
+        """One event into the link of engine ``e``'s scheduler (``node`` 0) or worker (1) to server
+        ``s``; its effects performed in its order: frames into the bag, answers to its machine,
+        health and epoch verdicts to it."""
+        link = self._own_link(st, e, s, node)
+        name = node_name(node, e)
+        deliver = self._client_event if node == 0 else self._worker_event
         internal = link._counters["internal_errors"]
         effects = link.handle(event, st.now)
         if self.lines is not None:
-            self.lines.append(f"{st.now:12.6f} {'sched' + str(e):<11} link{s}: {short(event)} -> "
+            self.lines.append(f"{st.now:12.6f} {name:<11} link{s}: {short(event)} -> "
                               f"[{', '.join(short(x) for x in effects)}]")
         self._drain(link)
         if self.strict and link._counters["internal_errors"] != internal:
-            return Violation("SAFETY", st.now, f"sched{e}", f"internal error in the link on {short(event)}")
+            return Violation("SAFETY", st.now, name, f"internal error in the link on {short(event)}")
         for effect in effects:
             v: Violation | None = None
             if isinstance(effect, Transmit):
@@ -599,11 +657,11 @@ class Explorer:
                         body = attrs.evolve(body, ranks=None)
                 else:
                     body = Ping(request.instance_id) if isinstance(request, InstancePing) else Ping()
-                st.frames.append(Frame("req", e, s, effect.uid, st.incarnation[s], body))
+                st.frames.append(Frame("req", e, s, effect.uid, st.incarnation[s], body, node=node))
             elif isinstance(effect, Completed):
                 correlation = effect.token
                 assert isinstance(correlation, int)
-                v = self._client_event(st, e, ReplyReceived(s, correlation, effect.value))
+                v = deliver(st, e, ReplyReceived(s, correlation, effect.value))
             elif isinstance(effect, Failed):
                 error = effect.error
                 if not isinstance(error, ProtocolError):  # the link's own verdict: timeout, unhealthy
@@ -613,9 +671,9 @@ class Explorer:
                         kind = ErrorKind.INTERNAL
                     error = ProtocolError(kind, effect.message)
                 assert isinstance(effect.token, int)
-                v = self._client_event(st, e, RequestFailed(s, effect.token, error))
+                v = deliver(st, e, RequestFailed(s, effect.token, error))
             elif isinstance(effect, (ServerHealth, ServerEpoch)):
-                v = self._client_event(st, e, attrs.evolve(effect, server=s))
+                v = deliver(st, e, attrs.evolve(effect, server=s))
             if v:
                 return v
         return None
@@ -666,6 +724,11 @@ class Explorer:
             book.last_session[event.request_id] = "end"
         effects = server.handle(event, st.now)
         effects += server.run_deferred()
+        for attach in [x for x in effects if type(x) is AttachInstance]:
+            # the runtime opens the instance's memory core_sm accepted and answers at once (as
+            # sim/world.py does): core_sm replies to the registration then
+            effects += server.handle(InstanceAttached(attach.instance_id, attach.registration_id, None,
+                                                      reply_to=attach.reply_to), st.now)
         self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
@@ -746,8 +809,9 @@ class Explorer:
             if type(eff) is Reply or type(eff) is ErrorReply:
                 reply_to: tuple[str, int, int] = eff.reply_to  # type: ignore[assignment]
                 peer, corr, inc = reply_to
-                st.frames.append(Frame("rep", int(peer[len("sched"):]), s, corr, inc, eff,
-                                       about.get(eff.reply_to, ("", None))))
+                node = 1 if peer.startswith("worker") else 0
+                st.frames.append(Frame("rep", int(peer[len("worker" if node else "sched"):]), s, corr, inc, eff,
+                                       about.get(eff.reply_to, ("", None)), node))
 
     def _client_event(self, st: XState, e: int, event: Any) -> Violation | None:
         client = self._own_client(st, e)
@@ -794,6 +858,40 @@ class Explorer:
                     return v
         return None
 
+    def _worker_event(self, st: XState, e: int, event: Any) -> Violation | None:
+        """One event into engine ``e``'s worker (its TransferClient); what it sends goes to its
+        own link, in the role ``sim/engine.py`` gives it (a registration, a request naming the
+        instance)."""
+        worker = self._own_worker(st, e)
+        node = node_name(1, e)
+        counters = worker._counters
+        before = (counters["internal_errors"], counters.get("table_violations", 0))
+        effects = worker.handle(event, st.now)
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {node:<11} transfer: {short(event)} -> "
+                              f"[{', '.join(short(x) for x in effects)}]")
+        v = self._violation(st, node, checks.core_invariants(worker))
+        if v:
+            return v
+        self._drain(worker)
+        if self.strict and (counters["internal_errors"], counters.get("table_violations", 0)) != before:
+            return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
+        for eff in effects:
+            if isinstance(eff, SendRequest):
+                request = eff.request
+                role, instance = Role.REQUEST, None
+                if isinstance(request, RegisterInstance):
+                    role, instance = Role.REGISTRATION, request.instance_id
+                elif isinstance(request, UnregisterInstance):
+                    role, instance = Role.UNREGISTRATION, request.instance_id
+                elif type(request) in RESENDABLE_AFTER_NOT_REGISTERED:
+                    instance = getattr(request, "instance_id", None)
+                v = self._link_event(st, e, eff.server, Submit(
+                    eff.correlation, Outbound("transfer", eff.correlation, request), None, role, instance), 1)
+                if v:
+                    return v
+        return None
+
     def _drain(self, machine: Any) -> None:
         for d in dispatchers(machine):
             if d.trace:
@@ -812,6 +910,18 @@ class Explorer:
         pending = self.unfinished(st)
         if not acts and pending:
             return Violation("DEADLOCK", st.now, "world", f"no action enabled; unfinished: {pending}")
+        if not acts and not st.frames:
+            # nothing left to happen: every live worker is registered with its server (F13/F19)
+            for e, worker in enumerate(st.workers):
+                if worker is self._fresh_workers[e]:
+                    continue  # its engine crashed
+                server = st.servers[worker.config.server]
+                iid = worker.config.instance_id
+                if server.instance_state(iid) is not InstanceState.REGISTERED:
+                    s = worker.config.server
+                    unregistered = checks.worker_unregistered(node_name(1, e), iid, f"server{s}", st.incarnation[s],
+                                                              False)
+                    return Violation(unregistered[0], st.now, f"server{s}", unregistered[1])
         submitted = dict(st.submitted)
         for e, script in enumerate(st.scripts):
             for r, step in enumerate(script):
@@ -860,15 +970,20 @@ class Explorer:
         # Each client's snapshot names only its own requests, as R<r>: label-free, computed once
         # per client object; its place in the sorted order is its label.
         ns = len(st.servers)
+        ne = len(st.clients)
         sigs = [b"|".join(self._snap(m, {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
-                          for m in (st.clients[e], *st.links[e * ns:(e + 1) * ns]))
+                          for m in (st.clients[e], *st.workers[e:e + 1],
+                                    *(st.links[(node * ne + e) * ns + s] for node in range(self.nodes)
+                                      for s in range(ns))))
+                # a worker's instance id is not relabelled: it stays in its engine's signature
+                + b"".join(b"|iid%d" % w.config.instance_id for w in st.workers[e:e + 1])
                 for e in order]
         if self.world.symmetry and n > 1:
             # Sort-based canonical form: each engine's signature names only itself as "E".
             keys = []
             for e in order:
-                ren = {f"sched{e}": "E", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
-                frames = sorted(repr(snapshot((f.kind, f.server, f.corr, f.incarnation, f.body), ren))
+                ren = {f"sched{e}": "E", f"worker{e}": "W", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
+                frames = sorted(repr(snapshot((f.kind, f.node, f.server, f.corr, f.incarnation, f.body), ren))
                                 for f in st.frames if f.engine == e)
                 keys.append((sigs[e], st.scripts[e], tuple(frames)))
             order.sort(key=lambda e: keys[e])
@@ -876,11 +991,12 @@ class Explorer:
         ren = {}
         for old, new in perm.items():
             ren[f"sched{old}"] = f"sched{new}"
+            ren[f"worker{old}"] = f"worker{new}"
             for r in range(self.world.requests):
                 ren[rid(old, r)] = rid(new, r)
         pkey = tuple(order)
         clients = tuple((sigs[old], st.scripts[old]) for old in order)
-        bag = tuple(sorted(repr(snapshot((f.kind, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
+        bag = tuple(sorted(repr(snapshot((f.kind, f.node, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
                               for f in st.frames))
         servers = tuple(self._snap(s, ren, pkey) for s in st.servers)
         books = repr(snapshot([(sorted(repr(snapshot(k, ren)) for k in b.awaiting), sorted(ren.get(x, x) for x in
@@ -966,6 +1082,7 @@ class Explorer:
             own = [m for i, m in enumerate(st.servers) if parent is None or parent.servers[i] is not m]
             own += [m for i, m in enumerate(st.clients) if parent is None or parent.clients[i] is not m]
             own += [m for i, m in enumerate(st.links) if parent is None or parent.links[i] is not m]
+            own += [m for i, m in enumerate(st.workers) if parent is None or parent.workers[i] is not m]
             total += deep_size([own, st.frames, st.books, st.scripts]) + sys.getsizeof(node)
         return total / len(sample)
 
@@ -1033,6 +1150,11 @@ def request_id_of(event: Any) -> str | None:
         return event.key.request_id
     value = getattr(event, "request_id", None)
     return value if isinstance(value, str) else None
+
+
+def node_name(node: int, engine: int) -> str:
+    """The peer name of engine ``engine``'s scheduler (node 0) or worker (node 1)."""
+    return f"{'worker' if node else 'sched'}{engine}"
 
 
 def rid(engine: int, request: int) -> str:
