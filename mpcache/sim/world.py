@@ -338,10 +338,8 @@ class World:
         seen = host.heartbeat_seen.get(iid)
         ttl = self.profile.server_config(self.config).instance_ttl
         worker = self.worker_by_instance(iid)
-        if seen is not None and ttl is not None and seen + ttl > now and worker is not None and worker.alive:
-            self.violation("F19", host.name, f"{worker.name} (instance {iid}) reaped although its heartbeat "
-                           f"reached {host.name} {now - seen:.3f}s ago (instance_ttl {ttl:g}s): a live idle "
-                           f"instance; its retrieves are refused not_registered from now on")
+        if worker is not None and worker.alive:
+            self._judge(host.name, checks.reaped_while_live(worker.name, iid, host.name, seen, ttl, now))
 
     def latency(self, mean: float) -> float:
         return self.exec_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
