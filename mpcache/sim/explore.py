@@ -61,7 +61,7 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
-from mpcache.core_sm.effects import AttachInstance, ErrorReply, Reply, SendRequest
+from mpcache.core_sm.effects import AttachInstance, ErrorReply, InstanceReaped, Reply, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import TABLES as HEALTH_TABLES
 from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor
@@ -126,6 +126,7 @@ class XWorld:
     # instance with the server through a link of its own (one server; restarts only while a
     # heartbeat is still due before the horizon, so every restart can be noticed)
     workers: bool = False
+    instance_ttl: float | None = None  # the server reaps an instance silent this long (None: never)
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
@@ -185,6 +186,9 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     # heartbeat brings or the refused instance ping makes the worker register again
     "missed-epoch": XWorld("missed-epoch", requests=0, workers=True, restarts=1, heartbeat_interval=0.2,
                            heartbeat_timeout=100.0, horizon=0.5),
+    # a registered worker pings every 0.2 s; the server reaps an instance silent for 0.3 s
+    "idle-reap": XWorld("idle-reap", requests=0, workers=True, heartbeat_interval=0.2, heartbeat_timeout=100.0,
+                        horizon=0.5, instance_ttl=0.3),
     # another tenant frees the request id it saw: only ownership keeps the leases
     "trust-all": XWorld("trust-all", attacks=1),
 }
@@ -233,6 +237,8 @@ class XState:
     crashes: int = 0
     attacks: int = 0
     workers: list[Any] = attrs.Factory(list)  # [engine] -> its worker's TransferClient (workers worlds)
+    seen: tuple[tuple[tuple[int, int], float], ...] = ()  # (server, instance) -> its last ping handled
+    reaped: tuple[tuple[tuple[int, int], float], ...] = ()  # (server, instance) -> when it was reaped
     clean: bool = True  # no drop, duplicate or restart on the path so far
     timely: bool = True  # no slow frame on the path so far
     last_fault: float = 0.0
@@ -243,8 +249,8 @@ class XState:
         return XState(self.now, list(self.servers), list(self.clients), list(self.links), list(self.books),
                       list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
-                      self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.clean,
-                      self.timely, self.last_fault, self.submitted)
+                      self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.seen,
+                      self.reaped, self.clean, self.timely, self.last_fault, self.submitted)
 
 
 @attrs.define
@@ -297,7 +303,7 @@ class Explorer:
         self._snaps: dict[tuple[int, Any], tuple[Any, bytes]] = {}
         self._node_bytes = 0.0
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
-                                          tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=None,
+                                          tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=world.instance_ttl,
                                           ack_first=True, max_jobs=world.max_jobs)
         # The connector's machines as production's builder makes them (core_sm/client_config.py),
         # from the world's settings: one rank per server (rank placement), results kept 1 s, a
@@ -717,6 +723,9 @@ class Explorer:
             self._emit(st, s, early, {e.reply_to: book.awaiting.pop(e.reply_to) for e in early
                                       if (type(e) is Reply or type(e) is ErrorReply) and e.reply_to in book.awaiting})
             leases_before = server.leases_by_owner()
+        if type(event) is Ping and isinstance(event.instance_id, int) and \
+                server.instance_state(event.instance_id) is InstanceState.REGISTERED:
+            st.seen = tuple(sorted({**dict(st.seen), (s, event.instance_id): st.now}.items()))
         if type(event) is Lookup:
             book.lookups = book.lookups | {event.key.request_id}
             book.last_session[event.key.request_id] = "lookup"
@@ -739,6 +748,15 @@ class Explorer:
         if v:
             return v
         self._emit(st, s, effects, about)
+        for reap in [x for x in effects if type(x) is InstanceReaped]:
+            st.reaped = tuple(sorted({**dict(st.reaped), (s, reap.instance_id): st.now}.items()))
+            e = reap.instance_id - 1  # engine e's worker is instance e + 1
+            if 0 <= e < len(st.workers) and st.workers[e] is not self._fresh_workers[e]:
+                v = self._violation(st, node, checks.reaped_while_live(
+                    node_name(1, e), reap.instance_id, node, dict(st.seen).get((s, reap.instance_id)),
+                    self.server_config.instance_ttl, st.now))
+                if v:
+                    return v
         v = self._violation(st, node, checks.core_invariants(server))
         if v:
             return v
@@ -917,10 +935,13 @@ class Explorer:
                     continue  # its engine crashed
                 server = st.servers[worker.config.server]
                 iid = worker.config.instance_id
+                s = worker.config.server
+                when = dict(st.reaped).get((s, iid))
+                if when is not None and when > self.world.horizon:
+                    continue  # reaped after its pings stopped at the horizon: rightly, as silent
                 if server.instance_state(iid) is not InstanceState.REGISTERED:
-                    s = worker.config.server
                     unregistered = checks.worker_unregistered(node_name(1, e), iid, f"server{s}", st.incarnation[s],
-                                                              False)
+                                                              when is not None)
                     return Violation(unregistered[0], st.now, f"server{s}", unregistered[1])
         submitted = dict(st.submitted)
         for e, script in enumerate(st.scripts):
@@ -1004,7 +1025,7 @@ class Explorer:
                                for b in st.books], ren))
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
-                 st.crashes, st.attacks,
+                 st.crashes, st.attacks, st.seen, st.reaped,
                  st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted))
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):

@@ -48,9 +48,10 @@ def test_faults_reach_more_rows() -> None:
 def test_modelled_profiles() -> None:
     """The profiles the explorer catches (each in its own world): the transport's (wait-lost, by
     the ServerLink actor), the adversary's (trust-all) and the worker's registration
-    (missed-epoch, by the TransferClient actor) beside the lookup protocol's."""
+    (missed-epoch, idle-reap: the TransferClient actor) beside the lookup protocol's."""
     assert set(PROFILE_WORLDS) == {"unknown-none", "resend-status", "overwrite-dup", "no-ack-wait", "leak-on-abort",
-                                   "release-all", "silent-errors", "no-reaper", "wait-lost", "trust-all", "missed-epoch"}
+                                   "release-all", "silent-errors", "no-reaper", "wait-lost", "trust-all", "missed-epoch",
+                                   "idle-reap"}
     assert set(PROFILE_WORLDS) <= set(PROFILES)
 
 
@@ -69,7 +70,8 @@ def test_profile_caught_with_its_code_and_tape_replays(name: str) -> None:
 
 def test_default_profile_clean_in_the_profile_worlds() -> None:
     """The worlds that catch the legacy profiles hold no violation for the production machines."""
-    for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost", "trust-all", "missed-epoch"):
+    for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost", "trust-all", "missed-epoch",
+                 "idle-reap"):
         ex = Explorer(PROFILE_WORLDS[name]).run()
         assert ex.violation is None and ex.complete, (name, ex.violation)
 
