@@ -91,6 +91,7 @@ from mpcache.core_sm.server import LookupServer, ServerConfig
 from mpcache.core_sm.server_core import RequestKey
 from mpcache.core_sm.server_instances import InstanceState
 from mpcache.core_sm.server_link import Completed, Failed, Heartbeat, InstancePing, Role, ServerLink, Submit, Transmit
+from mpcache.core_sm.transfer_client import TABLES as TRANSFER_TABLES
 from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
@@ -160,6 +161,10 @@ WORLDS: dict[str, list[XWorld]] = {
            # the horizon stopped is no dead server, but one lost to the restart times it out
            XWorld("ci-1e1s-heartbeat", engines=1, servers=1, requests=1, restarts=1, heartbeat_interval=0.2,
                   heartbeat_timeout=100.0, horizon=0.3),
+           # one worker (no request: with one, 8,700 states) registers its instance and pings it; the
+           # server reaps an instance silent 0.3 s
+           XWorld("ci-1e1s-worker", engines=1, servers=1, requests=0, workers=True, heartbeat_interval=0.2,
+                  heartbeat_timeout=100.0, horizon=0.5, instance_ttl=0.3),
            # an adversarial tenant frees or ends one request id it saw (F22: nothing of the honest moves)
            XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
@@ -1110,7 +1115,8 @@ class Explorer:
     # ------------------------------------------------------------------ coverage
     def all_rows(self) -> list[tuple[str, str, str]]:
         rows: list[tuple[str, str, str]] = []
-        for tables in (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES):
+        explored = (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES) + ((TRANSFER_TABLES,) if self.world.workers else ())
+        for tables in explored:
             for table in tables.values():
                 for (state, ev) in table.rows:
                     rows.append((table.name, state.name, ev.__name__))
