@@ -124,3 +124,25 @@ def drained(stats: Mapping[str, int]) -> Finding | None:
         return "F8", f"{stats['leases_held']} read lease(s) still held after every TTL"
     return None
 
+
+def worker_unregistered(worker: str, instance_id: int, server: str, incarnation: int, reaped: bool) -> Finding:
+    """F13 / F19: after quiescence a live worker is not registered with a server that is up -- a
+    restart left it unknown there (F13), or the server reaped it and it never registered again
+    (F19): its stores and retrieves are refused not_registered."""
+    if reaped:
+        return "F19", (f"{worker} (instance {instance_id}) was reaped by {server} and never registered again: "
+                       f"its retrieves are refused not_registered forever")
+    return "F13", (f"{worker} (instance {instance_id}) is not registered with {server} (incarnation "
+                   f"{incarnation}) after heal: its stores and retrieves are refused not_registered")
+
+
+def reaped_while_live(worker: str, instance_id: int, server: str, seen: float | None, ttl: float | None,
+                      now: float) -> Finding | None:
+    """F19 (LMCache #4715): a server may reap a live instance only after ``instance_ttl`` without
+    a heartbeat from it -- one whose heartbeat it handled (at ``seen``) less than that ago was live
+    (compared as the server does, ``seen + ttl > now``: ``now - seen`` may round below it)."""
+    if seen is not None and ttl is not None and seen + ttl > now:
+        return "F19", (f"{worker} (instance {instance_id}) reaped although its heartbeat reached {server} "
+                       f"{now - seen:.3f}s ago (instance_ttl {ttl:g}s): a live idle instance; its retrieves "
+                       f"are refused not_registered from now on")
+    return None

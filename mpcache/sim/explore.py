@@ -4,12 +4,19 @@ Contract:
 
 * **Actors** are the production machines (or a legacy profile's subclasses of them): one
   ``LookupServer`` per server, one ``LookupClient`` per engine (the scheduler side of the
-  connector). The transfer client, planner and ``ServerLink`` are not actors yet.
+  connector) and, per engine and server, the ``ServerLink`` (with its ``HealthMonitor``) that
+  production's client and the simulator's nodes run, all built from the world's connector
+  settings by ``core_sm/client_config.py`` (the link as ``sim/engine.py`` builds it). The transfer
+  client and planner are not actors yet.
 * **Network**: a bag (multiset) of frames in flight, ``Frame(kind, engine, server, corr,
-  incarnation, body)``. A request frame delivered to server s becomes the request with
-  ``reply_to=("sched<e>", corr, incarnation)`` and ``peer="sched<e>"``; the server's ``Reply`` /
-  ``ErrorReply`` become reply frames, delivered to the engine's client as ``ReplyReceived`` /
-  ``RequestFailed``.
+  incarnation, body)``, ``corr`` the link's uid. The client's ``SendRequest`` is submitted to its
+  link, whose ``Transmit`` puts the frame in the bag. A request frame delivered to server s becomes
+  the request with ``reply_to=("sched<e>", corr, incarnation)`` and ``peer="sched<e>"``; the
+  server's ``Reply`` / ``ErrorReply`` become reply frames, fed to the link, whose ``Completed`` /
+  ``Failed`` (a reply, or its own verdict: a request's deadline passed) reach the client as
+  ``ReplyReceived`` / ``RequestFailed``. Heartbeats run every ``heartbeat_interval`` until the
+  world's ``horizon`` (periodic timers would make the space infinite); by default the first is
+  beyond it (not modelled). A deadline that is never due (infinite) is no deadline.
 * **Actions** of a state, in a fixed order (the search is deterministic): deliver any frame;
   drop or duplicate one (while ``faults`` lasts); advance the clock to the earliest deadline of
   any machine and fire what is due (while frames are in flight this is a slow network and costs
@@ -42,21 +49,22 @@ BFS gives shortest counterexamples; ``dfs=True`` explores depth first.
 from __future__ import annotations
 
 import copy
-import enum
-import gc
 import hashlib
 import json
+import math
 import sys
 import time
-import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 
-from mpcache.core_sm.chunks import ChunkChain
-from mpcache.core_sm.effects import ErrorReply, Reply, SendRequest
+from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
+from mpcache.core_sm.effects import AttachInstance, ErrorReply, InstanceReaped, Reply, SendRequest
+from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.health import TABLES as HEALTH_TABLES
+from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
 from mpcache.core_sm.messages import (
@@ -64,26 +72,39 @@ from mpcache.core_sm.messages import (
     EndRequest,
     EndSession,
     FreeLookupLocks,
+    InstanceAttached,
     Lookup,
+    Ping,
     QueryPrefetchStatus,
+    RegisterInstance,
     ReplyReceived,
     RequestFailed,
     ServerEpoch,
+    ServerHealth,
     SubmitLookup,
     TimerFired,
+    UnregisterInstance,
     WaitPrefetchStatus,
 )
 from mpcache.core_sm.server import TABLES as SERVER_TABLES
 from mpcache.core_sm.server import LookupServer, ServerConfig
 from mpcache.core_sm.server_core import RequestKey
-from mpcache.core_sm.table import Dispatcher, Table
+from mpcache.core_sm.server_instances import InstanceState
+from mpcache.core_sm.server_link import Completed, Failed, Heartbeat, InstancePing, Role, ServerLink, Submit, Transmit
+from mpcache.core_sm.transfer_client import TABLES as TRANSFER_TABLES
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
+from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
+from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
+from mpcache.sim.engine import Outbound, sim_link_config
+from mpcache.sim.explore_state import deep_size, dispatchers, next_deadline, snapshot
 from mpcache.sim.oracles import Violation
 from mpcache.sim.trace import short
 
 CHUNK = 16
 PROMPT = tuple(range(2 * CHUNK))  # every request asks for the same two chunks (shared objects)
 SCRIPT = ("submit", "check", "cleanup", "end")
+ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
 
 
@@ -99,10 +120,27 @@ class XWorld:
     restarts: int = 0  # server crash + restart, in total
     aborts: int = 0  # requests aborted while their lookup is pending, in total
     crashes: int = 0  # engine crashes, in total (its requests end unanswered, its frames are lost)
+    # requests of an adversarial tenant (sim/adversary.py's peer) naming an honest request id it
+    # saw: FREE_LOOKUP_LOCKS or END_SESSION, in total
+    attacks: int = 0
+    # each engine also runs one worker: the connector's TransferClient, which registers its engine
+    # instance with the server through a link of its own (one server; restarts only while a
+    # heartbeat is still due before the horizon, so every restart can be noticed)
+    workers: bool = False
+    instance_ttl: float | None = None  # the server reaps an instance silent this long (None: never)
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
     liveness_bound: float = 0.5  # virtual seconds after the last fault a lookup may stay unresolved
+    # The connector's settings (core_sm/client_config.py builds the lookup client and every
+    # ServerLink from them, as for the simulator): status by WAIT_PREFETCH_STATUS (production's
+    # default) or by polling; each request's own timeout (the lookup is bounded by two of them);
+    # heartbeats every heartbeat_interval (beyond the horizon: not modelled).
+    wait: bool = False
+    request_timeout: float = 0.05
+    heartbeat_interval: float = 100.0
+    heartbeat_timeout: float = 250.0
+    horizon: float = 10.0  # the health monitor's timers (heartbeats) run until then (virtual seconds)
     max_depth: int = 80
     max_states: int = 500_000
     symmetry: bool = True
@@ -116,7 +154,19 @@ WORLDS: dict[str, list[XWorld]] = {
     "ci": [XWorld("ci-2e1s", engines=2, servers=1, requests=1),
            XWorld("ci-1e1s-faults", engines=1, servers=1, requests=1, faults=1, restarts=1),
            XWorld("ci-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1),
-           XWorld("ci-1e2s", engines=1, servers=2, requests=1)],
+           XWorld("ci-1e2s", engines=1, servers=2, requests=1),
+           # status by WAIT_PREFETCH_STATUS (production's default), one drop/duplicate/slow frame
+           XWorld("ci-1e1s-wait", engines=1, servers=1, requests=1, faults=1, wait=True),
+           # heartbeats every 0.2 s for the first 0.3 s and a restart: a 100 s timeout, so a heartbeat
+           # the horizon stopped is no dead server, but one lost to the restart times it out
+           XWorld("ci-1e1s-heartbeat", engines=1, servers=1, requests=1, restarts=1, heartbeat_interval=0.2,
+                  heartbeat_timeout=100.0, horizon=0.3),
+           # one worker (no request: with one, 8,700 states) registers its instance and pings it; the
+           # server reaps an instance silent 0.3 s
+           XWorld("ci-1e1s-worker", engines=1, servers=1, requests=0, workers=True, heartbeat_interval=0.2,
+                  heartbeat_timeout=100.0, horizon=0.5, instance_ttl=0.3),
+           # an adversarial tenant frees or ends one request id it saw (F22: nothing of the honest moves)
+           XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
     "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
@@ -134,6 +184,18 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     # a full job table refuses the second engine's LOOKUP: the refusal must reach it
     "silent-errors": XWorld("silent-errors", engines=2, max_jobs=1),
     "no-reaper": XWorld("no-reaper", aborts=1),
+    # a WAIT_PREFETCH_STATUS (production's status query) lost or slow: only the link's deadline
+    # on it bounds the lookup
+    "wait-lost": XWorld("wait-lost", faults=1, wait=True),
+    # a worker registered, the server restarts while heartbeats still run: only the epoch the
+    # heartbeat brings or the refused instance ping makes the worker register again
+    "missed-epoch": XWorld("missed-epoch", requests=0, workers=True, restarts=1, heartbeat_interval=0.2,
+                           heartbeat_timeout=100.0, horizon=0.5),
+    # a registered worker pings every 0.2 s; the server reaps an instance silent for 0.3 s
+    "idle-reap": XWorld("idle-reap", requests=0, workers=True, heartbeat_interval=0.2, heartbeat_timeout=100.0,
+                        horizon=0.5, instance_ttl=0.3),
+    # another tenant frees the request id it saw: only ownership keeps the leases
+    "trust-all": XWorld("trust-all", attacks=1),
 }
 
 
@@ -146,6 +208,7 @@ class Frame:
     incarnation: int
     body: Any
     about: tuple[str, str | None] = ("", None)  # a reply: its request's type and request id
+    node: int = 0  # the engine's node: 0 its scheduler (lookup client), 1 its worker (transfer client)
 
 
 @attrs.define
@@ -166,6 +229,7 @@ class XState:
     now: float
     servers: list[Any]
     clients: list[Any]
+    links: list[Any]  # [(node * engines + engine) * servers + server] -> that node's ServerLink to that server
     books: list[ServerBook]
     frames: list[Frame]
     scripts: list[tuple[int, ...]]  # [engine] -> per request, index into the script (len: done)
@@ -176,6 +240,10 @@ class XState:
     restarts: int
     aborts: int
     crashes: int = 0
+    attacks: int = 0
+    workers: list[Any] = attrs.Factory(list)  # [engine] -> its worker's TransferClient (workers worlds)
+    seen: tuple[tuple[tuple[int, int], float], ...] = ()  # (server, instance) -> its last ping handled
+    reaped: tuple[tuple[tuple[int, int], float], ...] = ()  # (server, instance) -> when it was reaped
     clean: bool = True  # no drop, duplicate or restart on the path so far
     timely: bool = True  # no slow frame on the path so far
     last_fault: float = 0.0
@@ -183,10 +251,11 @@ class XState:
     owned: set[tuple[str, int]] = attrs.Factory(set)  # machines copied in this transition
 
     def child(self) -> XState:
-        return XState(self.now, list(self.servers), list(self.clients), list(self.books), list(self.frames),
+        return XState(self.now, list(self.servers), list(self.clients), list(self.links), list(self.books),
+                      list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
-                      self.restarts, self.aborts, self.crashes, self.clean, self.timely, self.last_fault,
-                      self.submitted)
+                      self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.seen,
+                      self.reaped, self.clean, self.timely, self.last_fault, self.submitted)
 
 
 @attrs.define
@@ -213,6 +282,12 @@ class Explorer:
         self.profile_name: str = getattr(profile, "name", "default")
         self.server_class: type[LookupServer] = getattr(profile, "server_class", LookupServer)
         self.client_class: type[LookupClient] = getattr(profile, "lookup_client_class", LookupClient)
+        self.link_class: type[ServerLink] = getattr(profile, "link_class", ServerLink)
+        self.worker_class: type[TransferClient] = getattr(profile, "transfer_client_class", TransferClient)
+        self.nodes = 2 if world.workers else 1
+        if world.workers and world.servers != 1:
+            raise ValueError("a world with workers has one server")
+        self.monitor_class: type[HealthMonitor] = getattr(profile, "health_monitor_class", HealthMonitor)
         timeout = getattr(profile, "lookup_timeout", None)
         self.script = world.script()
         # The production machines must never count a table violation or an internal error; a
@@ -233,16 +308,28 @@ class Explorer:
         self._snaps: dict[tuple[int, Any], tuple[Any, bytes]] = {}
         self._node_bytes = 0.0
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
-                                          tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=None,
+                                          tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=world.instance_ttl,
                                           ack_first=True, max_jobs=world.max_jobs)
-        self.client_config = LookupClientConfig(num_servers=world.servers, model_name="x", chunk_size=CHUNK,
-                                                poll_interval=0.01,
-                                                lookup_timeout=0.1 if timeout is None else timeout,
-                                                result_ttl=1.0)
+        # The connector's machines as production's builder makes them (core_sm/client_config.py),
+        # from the world's settings: one rank per server (rank placement), results kept 1 s, a
+        # poll after a None answer 10 ms later; a profile varies the lookup's bound by name.
+        settings = ConnectorSettings(request_timeout=world.request_timeout, lookup_status_wait=world.wait,
+                                     heartbeat_interval=world.heartbeat_interval,
+                                     heartbeat_timeout=world.heartbeat_timeout)
+        config = lookup_client_config(settings, num_servers=world.servers, model_name="x",
+                                      world_size=world.servers, chunk_size=CHUNK)
+        self.client_config: LookupClientConfig = attrs.evolve(config, poll_interval=0.01, result_ttl=1.0)
+        if timeout is not None:
+            self.client_config = attrs.evolve(self.client_config, lookup_timeout=timeout)
+        # Every engine's transport to every server: the simulator's link (sim/engine.py builds it
+        # with client_config's settings), the profile's subclass if it has one.
+        self.link_config = sim_link_config(settings)
         self._seed_keys = self._prompt_keys()
         # A restarted server is a copy of this fresh one: its rows share the same frozen parts.
         self._fresh_server = self.new_server()
         self._fresh_client = self.new_client()  # a crashed engine's client (never touched again)
+        self._fresh_link = self.new_link()  # and its links
+        self._fresh_workers = [self.new_worker(e) for e in range(world.engines)] if world.workers else []
 
     # ------------------------------------------------------------------ machines
     def _prompt_keys(self) -> list[Any]:
@@ -251,6 +338,7 @@ class Explorer:
         sends = [e for e in client.handle(SubmitLookup("seed", PROMPT), 0.0) if isinstance(e, SendRequest)]
         lookup = sends[0].request
         assert isinstance(lookup, Lookup)
+        self._lookup_key = lookup.key  # what the adversary saw on the wire (its request id replaced)
         server = LookupServer(self.server_config)
         hashes, err = server.ctx.hashes(lookup.key, self.world.stored)
         assert err is None
@@ -270,6 +358,24 @@ class Explorer:
         self._share(client)
         return client
 
+    def new_worker(self, e: int) -> TransferClient:
+        """Engine ``e``'s worker: instance ``e + 1``, rank 0, server-driven, its ops bounded by
+        the request timeout (as the connector's)."""
+        worker = self.worker_class(TransferClientConfig(
+            instance_id=e + 1, model_name="x", world_size=1, worker_id=0, chunk_size=CHUNK, object_bytes=1024,
+            server=0, op_timeout=self.world.request_timeout))
+        self._share(worker)
+        return worker
+
+    def new_link(self) -> ServerLink:
+        # Its first heartbeat one interval from the start (the simulator draws the phase in
+        # [0, interval]): with the default interval, beyond the horizon (heartbeats not modelled).
+        cfg = self.link_config
+        start = self.world.heartbeat_interval
+        link = self.link_class(cfg, start, self.monitor_class(cfg.health, start))
+        self._share(link)
+        return link
+
     def _share(self, machine: Any) -> None:
         """Register what a copy of ``machine`` may share with it: its dispatchers' tables and
         frozen rows, its configuration; and give every dispatcher a trace (coverage)."""
@@ -279,16 +385,27 @@ class Explorer:
                         *(n for _h, n in d._bound.values())):
                 self._static[id(obj)] = obj
                 self._pinned.append(obj)
-        for cfg in (self.server_config, self.client_config, getattr(machine, "config", None)):
+        monitor = getattr(machine, "monitor", None)
+        for cfg in (self.server_config, self.client_config, getattr(machine, "config", None),
+                    getattr(monitor, "config", None)):
             if cfg is not None:
                 self._static[id(cfg)] = cfg
                 self._pinned.append(cfg)
 
     def initial(self) -> XState:
         w = self.world
-        return XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
-                      [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
-                      [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes)
+        st = XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
+                    [self.new_link() for _ in range(self.nodes * w.engines * w.servers)],
+                    [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
+                    [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes, w.attacks,
+                    [self.new_worker(e) for e in range(w.engines)] if w.workers else [])
+        for e in range(len(st.workers)):
+            # the runtime tells a worker its server is healthy at start (the connector waits for
+            # it): the worker registers its instance
+            v = self._worker_event(st, e, ServerHealth(0, True))
+            assert v is None, v
+        st.owned = set()
+        return st
 
     def _own_server(self, st: XState, s: int) -> LookupServer:
         if ("s", s) not in st.owned:
@@ -305,6 +422,25 @@ class Explorer:
         client: LookupClient = st.clients[e]
         return client
 
+    def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
+        i = (node * self.world.engines + e) * self.world.servers + s
+        if ("l", i) not in st.owned:
+            st.owned.add(("l", i))
+            st.links[i] = copy.deepcopy(st.links[i], dict(self._static))
+        link: ServerLink = st.links[i]
+        return link
+
+    def link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
+        link: ServerLink = st.links[(node * self.world.engines + e) * self.world.servers + s]
+        return link
+
+    def _own_worker(self, st: XState, e: int) -> TransferClient:
+        if ("w", e) not in st.owned:
+            st.owned.add(("w", e))
+            st.workers[e] = copy.deepcopy(st.workers[e], dict(self._static))
+        worker: TransferClient = st.workers[e]
+        return worker
+
     # ------------------------------------------------------------------ actions
     def actions(self, st: XState) -> Iterator[tuple[str, Any]]:
         seen: set[Frame] = set()
@@ -316,7 +452,11 @@ class Explorer:
             if st.faults > 0:
                 yield ("drop", i)
                 yield ("dup", i)
-        deadlines = [d for m in (*st.servers, *st.clients) if (d := m.next_deadline()) is not None]
+        # Heartbeats (periodic: the space would be infinite) run until the horizon; a deadline
+        # that is never due (a legacy link's infinite wait) is none.
+        horizon = self.world.horizon
+        deadlines = [d for m in (*st.servers, *st.clients, *st.links, *st.workers)
+                     if (d := next_deadline(m, horizon)) is not None and d < math.inf]
         # The network is fast beside every timeout: the clock moves only once nothing is in
         # flight, unless the fault budget pays for a slow frame (a deadline passing under it).
         if deadlines and (not st.frames or st.faults > 0):
@@ -332,19 +472,25 @@ class Explorer:
                         yield ("cancel", (e, r))
                     continue
                 yield ("step", (e, r))
-        if st.restarts > 0:
+        if st.restarts > 0 and not (self.world.workers and st.now + self.world.heartbeat_interval > self.world.horizon):
             for s in range(len(st.servers)):
                 yield ("restart", s)
         if st.crashes > 0:
             for e, script in enumerate(st.scripts):
                 if any(step < len(self.script) for step in script):
                     yield ("crash", e)
+        if st.attacks > 0:
+            for e, r in sorted({parse_rid(x) for x, _t in st.submitted}):
+                for s in range(len(st.servers)):
+                    for kind in ATTACKS:
+                        yield ("attack", (kind, e, r, s))
 
     def describe(self, st: XState, action: tuple[str, Any]) -> str:
         kind, arg = action
         if kind in ("deliver", "drop", "dup"):
             f = st.frames[arg]
-            who = f"sched{f.engine} -> server{f.server}" if f.kind == "req" else f"server{f.server} -> sched{f.engine}"
+            peer = node_name(f.node, f.engine)
+            who = f"{peer} -> server{f.server}" if f.kind == "req" else f"server{f.server} -> {peer}"
             return f"{kind} {who} #{f.corr} {short(f.body, 90)}"
         if kind == "tick":
             return f"clock -> {arg:.3f}" + (f" ({len(st.frames)} frame(s) still in flight: slow)" if st.frames else "")
@@ -357,6 +503,9 @@ class Explorer:
             return f"sched{e} {kind} {rid(e, r)} ({call} while its lookup is pending)"
         if kind == "crash":
             return f"crash sched{arg} (its requests end unanswered, its frames are lost)"
+        if kind == "attack":
+            what, e, r, s = arg
+            return f"{ADVERSARY} sends server{s} {what} naming {rid(e, r)} (a request id it saw)"
         return f"restart server{arg}"
 
     def _fault(self, st: XState, slow: bool = False) -> None:
@@ -398,6 +547,19 @@ class Explorer:
                     if v:
                         return v
             for e in range(len(st.clients)):
+                for node in range(self.nodes):
+                    for s in range(len(st.servers)):
+                        d = self.link(st, e, s, node).next_deadline()
+                        if d is not None and d <= st.now:
+                            v = self._link_event(st, e, s, TimerFired(), node)
+                            if v:
+                                return v
+                if st.workers:
+                    d = st.workers[e].next_deadline()
+                    if d is not None and d <= st.now:
+                        v = self._worker_event(st, e, TimerFired())
+                        if v:
+                            return v
                 d = st.clients[e].next_deadline()
                 if d is not None and d <= st.now:
                     v = self._client_event(st, e, TimerFired())
@@ -428,6 +590,8 @@ class Explorer:
                     self.lines.append(f"{st.now:12.6f} {'sched' + str(e):<11} check({rid(e, r)}) -> {result}")
                 return self._client_event(st, e, TimerFired())  # sends what check() queued
             return self._client_event(st, e, Cleanup(rid(e, r)) if step == "cleanup" else EndRequest(rid(e, r)))
+        if kind == "attack":
+            return self._attack(st, *arg)
         if kind == "crash":  # the engine process dies: the servers keep its jobs and leases (TTLs reap them)
             e = arg
             st.crashes -= 1
@@ -435,6 +599,11 @@ class Explorer:
             st.scripts[e] = (len(self.script),) * len(st.scripts[e])
             st.frames = [f for f in st.frames if f.engine != e]
             st.clients[e] = self._fresh_client
+            for node in range(self.nodes):
+                for s in range(len(st.servers)):
+                    st.links[(node * len(st.clients) + e) * len(st.servers) + s] = self._fresh_link
+            if st.workers:
+                st.workers[e] = self._fresh_workers[e]
             return None
         # restart
         s = arg
@@ -455,25 +624,83 @@ class Explorer:
         if f.kind == "req":
             if f.incarnation != st.incarnation[f.server]:
                 return None  # the connection to that incarnation is gone
-            peer = f"sched{f.engine}"
+            peer = node_name(f.node, f.engine)
             event = attrs.evolve(f.body, reply_to=(peer, f.corr, f.incarnation), peer=peer)
             return self._server_event(st, f.server, event, event.reply_to)
+        # A reply reaches the engine's link to that server, which correlates it by uid.
         body = f.body
         if isinstance(body, ErrorReply):
-            return self._client_event(st, f.engine, RequestFailed(f.server, f.corr, body.error))
-        name, request_id = f.about
-        if name in ("QueryPrefetchStatus", "WaitPrefetchStatus") and request_id is not None \
-                and isinstance(body.result, int) and not isinstance(body.result, bool):
-            # The answer reached a lookup still waiting for this server: it must count (F2).
-            pending = st.clients[f.engine].pending(request_id)
-            leg = pending.legs.get(f.server) if pending is not None and st.clients[f.engine].state(
-                request_id) is not LookupState.DONE else None
-            if leg is not None and leg.chunks is None:
-                hits = dict(st.hits)
-                key = (request_id, f.server)
-                hits[key] = max(hits.get(key, 0), body.result)
-                st.hits = tuple(sorted(hits.items()))
-        return self._client_event(st, f.engine, ReplyReceived(f.server, f.corr, body.result))
+            event = LinkReply(f.corr, False, body.error, body.error.kind.value)
+        elif type(self.link(st, f.engine, f.server, f.node).request_of(f.corr)) is Heartbeat:
+            # a heartbeat's reply carries the answering server's start id (its incarnation), as
+            # the simulator's does
+            event = LinkReply(f.corr, True, {"epoch": st.incarnation[f.server]})
+        else:
+            request = self.link(st, f.engine, f.server, f.node).request_of(f.corr)  # None: the link gave up on it
+            if isinstance(request, Outbound) and type(request.request) in (QueryPrefetchStatus, WaitPrefetchStatus):
+                self._note_hit(st, f.engine, f.server, request.request.request_id, body.result)
+            event = LinkReply(f.corr, True, body.result)
+        return self._link_event(st, f.engine, f.server, event, f.node)
+
+    def _link_event(self, st: XState, e: int, s: int, event: Any, node: int = 0) -> Violation | None:
+        """One event into the link of engine ``e``'s scheduler (``node`` 0) or worker (1) to server
+        ``s``; its effects performed in its order: frames into the bag, answers to its machine,
+        health and epoch verdicts to it."""
+        link = self._own_link(st, e, s, node)
+        name = node_name(node, e)
+        deliver = self._client_event if node == 0 else self._worker_event
+        internal = link._counters["internal_errors"]
+        effects = link.handle(event, st.now)
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {name:<11} link{s}: {short(event)} -> "
+                              f"[{', '.join(short(x) for x in effects)}]")
+        self._drain(link)
+        if self.strict and link._counters["internal_errors"] != internal:
+            return Violation("SAFETY", st.now, name, f"internal error in the link on {short(event)}")
+        for effect in effects:
+            v: Violation | None = None
+            if isinstance(effect, Transmit):
+                request = effect.request
+                if isinstance(request, Outbound):
+                    body = request.request
+                    if type(body) is Lookup and body.ranks is not None:
+                        # production's wire form of a lookup carries no ranks (as sim/engine.py)
+                        body = attrs.evolve(body, ranks=None)
+                else:
+                    body = Ping(request.instance_id) if isinstance(request, InstancePing) else Ping()
+                st.frames.append(Frame("req", e, s, effect.uid, st.incarnation[s], body, node=node))
+            elif isinstance(effect, Completed):
+                correlation = effect.token
+                assert isinstance(correlation, int)
+                v = deliver(st, e, ReplyReceived(s, correlation, effect.value))
+            elif isinstance(effect, Failed):
+                error = effect.error
+                if not isinstance(error, ProtocolError):  # the link's own verdict: timeout, unhealthy
+                    try:
+                        kind = ErrorKind(effect.kind)
+                    except ValueError:
+                        kind = ErrorKind.INTERNAL
+                    error = ProtocolError(kind, effect.message)
+                assert isinstance(effect.token, int)
+                v = deliver(st, e, RequestFailed(s, effect.token, error))
+            elif isinstance(effect, (ServerHealth, ServerEpoch)):
+                v = deliver(st, e, attrs.evolve(effect, server=s))
+            if v:
+                return v
+        return None
+
+    def _note_hit(self, st: XState, e: int, s: int, request_id: str, result: Any) -> None:
+        """A status answer reaches a lookup still waiting for this server: it must count (F2)."""
+        if not isinstance(result, int) or isinstance(result, bool):
+            return
+        client = st.clients[e]
+        pending = client.pending(request_id)
+        leg = pending.legs.get(s) if pending is not None and client.state(request_id) is not LookupState.DONE else None
+        if leg is not None and leg.chunks is None:
+            hits = dict(st.hits)
+            key = (request_id, s)
+            hits[key] = max(hits.get(key, 0), result)
+            st.hits = tuple(sorted(hits.items()))
 
     def _violation(self, st: XState, node: str, finding: checks.Finding | None) -> Violation | None:
         return None if finding is None else Violation(finding[0], st.now, node, finding[1])
@@ -501,6 +728,9 @@ class Explorer:
             self._emit(st, s, early, {e.reply_to: book.awaiting.pop(e.reply_to) for e in early
                                       if (type(e) is Reply or type(e) is ErrorReply) and e.reply_to in book.awaiting})
             leases_before = server.leases_by_owner()
+        if type(event) is Ping and isinstance(event.instance_id, int) and \
+                server.instance_state(event.instance_id) is InstanceState.REGISTERED:
+            st.seen = tuple(sorted({**dict(st.seen), (s, event.instance_id): st.now}.items()))
         if type(event) is Lookup:
             book.lookups = book.lookups | {event.key.request_id}
             book.last_session[event.key.request_id] = "lookup"
@@ -508,6 +738,11 @@ class Explorer:
             book.last_session[event.request_id] = "end"
         effects = server.handle(event, st.now)
         effects += server.run_deferred()
+        for attach in [x for x in effects if type(x) is AttachInstance]:
+            # the runtime opens the instance's memory core_sm accepted and answers at once (as
+            # sim/world.py does): core_sm replies to the registration then
+            effects += server.handle(InstanceAttached(attach.instance_id, attach.registration_id, None,
+                                                      reply_to=attach.reply_to), st.now)
         self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
@@ -518,6 +753,15 @@ class Explorer:
         if v:
             return v
         self._emit(st, s, effects, about)
+        for reap in [x for x in effects if type(x) is InstanceReaped]:
+            st.reaped = tuple(sorted({**dict(st.reaped), (s, reap.instance_id): st.now}.items()))
+            e = reap.instance_id - 1  # engine e's worker is instance e + 1
+            if 0 <= e < len(st.workers) and st.workers[e] is not self._fresh_workers[e]:
+                v = self._violation(st, node, checks.reaped_while_live(
+                    node_name(1, e), reap.instance_id, node, dict(st.seen).get((s, reap.instance_id)),
+                    self.server_config.instance_ttl, st.now))
+                if v:
+                    return v
         v = self._violation(st, node, checks.core_invariants(server))
         if v:
             return v
@@ -540,13 +784,57 @@ class Explorer:
             return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
         return None
 
+    def _attack(self, st: XState, what: str, e: int, r: int, s: int) -> Violation | None:
+        """The adversarial tenant's request, handled by server ``s`` as it arrives, judged by the
+        simulator's F22 oracle: no honest tenant's state (sim/adversary.py's ``honest_state``)
+        moves. Its replies go back to the adversary, which nobody models further."""
+        st.attacks -= 1
+        server = self._own_server(st, s)
+        book = st.books[s]
+        node = f"server{s}"
+        counters = server._counters
+        before_counts = (counters["table_violations"], counters["internal_errors"])
+        early = server.handle(TimerFired(), st.now)  # due time-driven work first, as the oracle does
+        self._emit(st, s, early, {x.reply_to: book.awaiting.pop(x.reply_to) for x in early
+                                  if (type(x) is Reply or type(x) is ErrorReply) and x.reply_to in book.awaiting})
+        before = honest_state(server, set())
+        via = (ADVERSARY, self.world.attacks - st.attacks, st.incarnation[s])
+        event: Any = (FreeLookupLocks(attrs.evolve(self._lookup_key, request_id=rid(e, r)), reply_to=via,
+                                      peer=ADVERSARY) if what == "free" else
+                      EndSession(rid(e, r), reply_to=via, peer=ADVERSARY))
+        effects = server.handle(event, st.now)
+        effects += server.run_deferred()
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
+                              f"[{', '.join(short(x) for x in effects)}]")
+        honest = [x for x in effects if not ((type(x) is Reply or type(x) is ErrorReply) and x.reply_to == via)]
+        about = {x.reply_to: book.awaiting[x.reply_to] for x in honest
+                 if (type(x) is Reply or type(x) is ErrorReply) and x.reply_to in book.awaiting}
+        v = self._violation(st, node, checks.reply_accounting(book.awaiting, event, None, honest))
+        if v:
+            return v
+        self._emit(st, s, honest, about)
+        after = honest_state(server, set())
+        for part, old in before.items():
+            if after[part] != old:
+                return Violation(TENANT_HARMED, st.now, node, f"adversary request {short(event, 120)} changed "
+                                 f"the honest tenants' {part}: {old!r} -> {after[part]!r}")
+        v = self._violation(st, node, checks.core_invariants(server))
+        if v:
+            return v
+        self._drain(server)
+        if self.strict and (counters["table_violations"], counters["internal_errors"]) != before_counts:
+            return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
+        return None
+
     def _emit(self, st: XState, s: int, effects: list[Any], about: dict[Any, tuple[str, str | None]]) -> None:
         for eff in effects:
             if type(eff) is Reply or type(eff) is ErrorReply:
                 reply_to: tuple[str, int, int] = eff.reply_to  # type: ignore[assignment]
                 peer, corr, inc = reply_to
-                st.frames.append(Frame("rep", int(peer[len("sched"):]), s, corr, inc, eff,
-                                       about.get(eff.reply_to, ("", None))))
+                node = 1 if peer.startswith("worker") else 0
+                st.frames.append(Frame("rep", int(peer[len("worker" if node else "sched"):]), s, corr, inc, eff,
+                                       about.get(eff.reply_to, ("", None)), node))
 
     def _client_event(self, st: XState, e: int, event: Any) -> Violation | None:
         client = self._own_client(st, e)
@@ -565,7 +853,6 @@ class Explorer:
                 if type(request) is FreeLookupLocks or type(request) is EndSession:
                     r = request_id_of(request)
                     st.released = st.released | {(str(r), s)}
-                st.frames.append(Frame("req", e, s, eff.correlation, st.incarnation[s], request))
         v = self._violation(st, node, checks.core_invariants(client))
         if v:
             return v
@@ -584,6 +871,48 @@ class Explorer:
         if after[2] != before[2] and st.clean and st.timely:
             return Violation("LIVENESS", st.now, node, "a lookup resolved by the client's timeout with no "
                              "fault or restart on the path: no server answer reached it in time")
+        # What it sends goes to its link to that server (the machine production's client runs):
+        # a lookup's requests name no engine instance, so the link never parks them.
+        for eff in effects:
+            if isinstance(eff, SendRequest):
+                v = self._link_event(st, e, eff.server, Submit(
+                    eff.correlation, Outbound("lookup", eff.correlation, eff.request), None, Role.REQUEST, None))
+                if v:
+                    return v
+        return None
+
+    def _worker_event(self, st: XState, e: int, event: Any) -> Violation | None:
+        """One event into engine ``e``'s worker (its TransferClient); what it sends goes to its
+        own link, in the role ``sim/engine.py`` gives it (a registration, a request naming the
+        instance)."""
+        worker = self._own_worker(st, e)
+        node = node_name(1, e)
+        counters = worker._counters
+        before = (counters["internal_errors"], counters.get("table_violations", 0))
+        effects = worker.handle(event, st.now)
+        if self.lines is not None:
+            self.lines.append(f"{st.now:12.6f} {node:<11} transfer: {short(event)} -> "
+                              f"[{', '.join(short(x) for x in effects)}]")
+        v = self._violation(st, node, checks.core_invariants(worker))
+        if v:
+            return v
+        self._drain(worker)
+        if self.strict and (counters["internal_errors"], counters.get("table_violations", 0)) != before:
+            return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
+        for eff in effects:
+            if isinstance(eff, SendRequest):
+                request = eff.request
+                role, instance = Role.REQUEST, None
+                if isinstance(request, RegisterInstance):
+                    role, instance = Role.REGISTRATION, request.instance_id
+                elif isinstance(request, UnregisterInstance):
+                    role, instance = Role.UNREGISTRATION, request.instance_id
+                elif type(request) in RESENDABLE_AFTER_NOT_REGISTERED:
+                    instance = getattr(request, "instance_id", None)
+                v = self._link_event(st, e, eff.server, Submit(
+                    eff.correlation, Outbound("transfer", eff.correlation, request), None, role, instance), 1)
+                if v:
+                    return v
         return None
 
     def _drain(self, machine: Any) -> None:
@@ -604,6 +933,21 @@ class Explorer:
         pending = self.unfinished(st)
         if not acts and pending:
             return Violation("DEADLOCK", st.now, "world", f"no action enabled; unfinished: {pending}")
+        if not acts and not st.frames:
+            # nothing left to happen: every live worker is registered with its server (F13/F19)
+            for e, worker in enumerate(st.workers):
+                if worker is self._fresh_workers[e]:
+                    continue  # its engine crashed
+                server = st.servers[worker.config.server]
+                iid = worker.config.instance_id
+                s = worker.config.server
+                when = dict(st.reaped).get((s, iid))
+                if when is not None and when > self.world.horizon:
+                    continue  # reaped after its pings stopped at the horizon: rightly, as silent
+                if server.instance_state(iid) is not InstanceState.REGISTERED:
+                    unregistered = checks.worker_unregistered(node_name(1, e), iid, f"server{s}", st.incarnation[s],
+                                                              when is not None)
+                    return Violation(unregistered[0], st.now, f"server{s}", unregistered[1])
         submitted = dict(st.submitted)
         for e, script in enumerate(st.scripts):
             for r, step in enumerate(script):
@@ -651,14 +995,21 @@ class Explorer:
         order = list(range(n))
         # Each client's snapshot names only its own requests, as R<r>: label-free, computed once
         # per client object; its place in the sorted order is its label.
-        sigs = [self._snap(st.clients[e], {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+        ns = len(st.servers)
+        ne = len(st.clients)
+        sigs = [b"|".join(self._snap(m, {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+                          for m in (st.clients[e], *st.workers[e:e + 1],
+                                    *(st.links[(node * ne + e) * ns + s] for node in range(self.nodes)
+                                      for s in range(ns))))
+                # a worker's instance id is not relabelled: it stays in its engine's signature
+                + b"".join(b"|iid%d" % w.config.instance_id for w in st.workers[e:e + 1])
                 for e in order]
         if self.world.symmetry and n > 1:
             # Sort-based canonical form: each engine's signature names only itself as "E".
             keys = []
             for e in order:
-                ren = {f"sched{e}": "E", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
-                frames = sorted(repr(snapshot((f.kind, f.server, f.corr, f.incarnation, f.body), ren))
+                ren = {f"sched{e}": "E", f"worker{e}": "W", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
+                frames = sorted(repr(snapshot((f.kind, f.node, f.server, f.corr, f.incarnation, f.body), ren))
                                 for f in st.frames if f.engine == e)
                 keys.append((sigs[e], st.scripts[e], tuple(frames)))
             order.sort(key=lambda e: keys[e])
@@ -666,11 +1017,12 @@ class Explorer:
         ren = {}
         for old, new in perm.items():
             ren[f"sched{old}"] = f"sched{new}"
+            ren[f"worker{old}"] = f"worker{new}"
             for r in range(self.world.requests):
                 ren[rid(old, r)] = rid(new, r)
         pkey = tuple(order)
         clients = tuple((sigs[old], st.scripts[old]) for old in order)
-        bag = tuple(sorted(repr(snapshot((f.kind, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
+        bag = tuple(sorted(repr(snapshot((f.kind, f.node, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
                               for f in st.frames))
         servers = tuple(self._snap(s, ren, pkey) for s in st.servers)
         books = repr(snapshot([(sorted(repr(snapshot(k, ren)) for k in b.awaiting), sorted(ren.get(x, x) for x in
@@ -678,7 +1030,7 @@ class Explorer:
                                for b in st.books], ren))
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
-                 st.crashes,
+                 st.crashes, st.attacks, st.seen, st.reaped,
                  st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted))
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):
@@ -755,13 +1107,16 @@ class Explorer:
             st = node.state
             own = [m for i, m in enumerate(st.servers) if parent is None or parent.servers[i] is not m]
             own += [m for i, m in enumerate(st.clients) if parent is None or parent.clients[i] is not m]
+            own += [m for i, m in enumerate(st.links) if parent is None or parent.links[i] is not m]
+            own += [m for i, m in enumerate(st.workers) if parent is None or parent.workers[i] is not m]
             total += deep_size([own, st.frames, st.books, st.scripts]) + sys.getsizeof(node)
         return total / len(sample)
 
     # ------------------------------------------------------------------ coverage
     def all_rows(self) -> list[tuple[str, str, str]]:
         rows: list[tuple[str, str, str]] = []
-        for tables in (SERVER_TABLES, CLIENT_TABLES):
+        explored = (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES) + ((TRANSFER_TABLES,) if self.world.workers else ())
+        for tables in explored:
             for table in tables.values():
                 for (state, ev) in table.rows:
                     rows.append((table.name, state.name, ev.__name__))
@@ -817,41 +1172,6 @@ def save_tape(ex: Explorer, path: str) -> None:
         fh.write("\n")
 
 
-def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any]:
-    """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
-    bound again to the copied machine. Three times cheaper than copy's generic path, which
-    rebuilds every row tuple and bound method through __reduce_ex__."""
-    new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
-    memo[id(d)] = new
-    dc = copy.deepcopy
-
-    def rebind(h: Any) -> Any:
-        return types.MethodType(h.__func__, dc(h.__self__, memo))
-
-    ns = dict(vars(d))
-    ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
-    ns["_fast"] = {k: (rebind(h), n) for k, (h, n) in d._fast.items()}
-    for name in ("_address", "_state_of", "_refuse", "_counters", "trace"):
-        ns[name] = dc(ns[name], memo)
-    vars(new).update(ns)
-    return new
-
-
-copy._deepcopy_dispatch[Dispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
-
-
-def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
-    """Every dispatcher of a machine and of the sub-machines it holds (one level of attributes)."""
-    out: list[Dispatcher[Any]] = []
-    for value in vars(machine).values():
-        if isinstance(value, Dispatcher):
-            out.append(value)
-        elif hasattr(value, "__dict__") and not isinstance(value, (type, enum.Enum)) and type(value).__module__.startswith(
-                "mpcache.core_sm"):
-            out.extend(v for v in vars(value).values() if isinstance(v, Dispatcher))
-    return out
-
-
 def request_id_of(event: Any) -> str | None:
     if type(event) is Lookup or type(event) is FreeLookupLocks:
         return event.key.request_id
@@ -859,91 +1179,18 @@ def request_id_of(event: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def node_name(node: int, engine: int) -> str:
+    """The peer name of engine ``engine``'s scheduler (node 0) or worker (node 1)."""
+    return f"{'worker' if node else 'sched'}{engine}"
+
+
 def rid(engine: int, request: int) -> str:
     return f"req{engine}.{request}"
 
 
-def deep_size(obj: Any) -> int:
-    """Bytes of ``obj`` and everything it refers to, tables and types excepted."""
-    seen: set[int] = set()
-    todo = [obj]
-    total = 0
-    while todo:
-        o = todo.pop()
-        if id(o) in seen or isinstance(o, (type, Table, enum.Enum, types.ModuleType)) or callable(o):
-            continue
-        seen.add(id(o))
-        total += sys.getsizeof(o)
-        todo.extend(gc.get_referents(o))
-    return total
-
-
-def _by_time(entry: tuple[float, int, Any]) -> tuple[float, int]:
-    return entry[0], entry[1]
-
-
-# Left out of snapshots: counters and configuration (they decide nothing), dispatchers, and the
-# tie-break sequence numbers and compaction marks of lazily deleting heaps (their live entries,
-# in firing order, are kept instead).
-_SKIP = frozenset({"_seq", "_compact_at", "compactions", "_counters", "counters", "trace", "config", "ctx_config", "dispatch", "_rows", "_routes",
-                   "_timer_machine", "_lookups", "_servers"})
-_ATOMS = (int, float, bool, type(None), bytes)
-
-
-def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None) -> Any:
-    """A canonical nested-tuple picture of ``obj``'s state: strings renamed by ``ren`` (symmetry),
-    enums by value, callables, counters and configuration left out; a shared object is written
-    once and referred to by its order of appearance after that (the machines share some)."""
-    memo: dict[int, int] = {} if _memo is None else _memo
-    t = type(obj)
-    if t in _ATOMS:
-        return obj
-    if t is str:
-        return ren.get(obj, obj)
-    if isinstance(obj, enum.Enum):
-        return obj._value_
-    if t is ChunkChain:
-        return obj.fingerprint
-    if callable(obj) and not hasattr(obj, "__dict__") or isinstance(obj, (Dispatcher, type)) or t.__name__ in (
-            "function", "method", "builtin_function_or_method"):
-        return None
-    if t is tuple or t is list:
-        return tuple(snapshot(x, ren, memo) for x in obj)
-    key = id(obj)
-    if key in memo:
-        return ("@", memo[key])
-    memo[key] = len(memo)
-    live = getattr(obj, "_live", None)
-    if live is not None and callable(live):
-        # A timer heap or reap queue deletes lazily (next_deadline() drops dead entries even
-        # from a stored state): only its live entries, in firing order, are its state.
-        if isinstance(getattr(obj, "_heap", None), list):
-            return ("timers", tuple((d, snapshot(t, ren, memo)) for d, _seq, t in sorted(obj._heap, key=_by_time)
-                                    if live(t)))
-        items = getattr(obj, "_items", None)
-        if isinstance(items, list):
-            head = obj._head
-            return ("queue", tuple((t, snapshot(i, ren, memo)) for t, i in zip(obj._times[head:], items[head:])
-                                   if i is not None and live(i)))
-    if isinstance(obj, dict):
-        return ("d", tuple((snapshot(k, ren, memo), snapshot(v, ren, memo)) for k, v in obj.items()))
-    if isinstance(obj, (set, frozenset)):
-        return ("s", tuple(sorted((snapshot(x, ren, memo) for x in obj), key=repr)))
-    if isinstance(obj, deque):
-        return ("q", tuple(snapshot(x, ren, memo) for x in obj))
-    if attrs.has(t):
-        return (t.__name__, tuple(snapshot(getattr(obj, a.name), ren, memo) for a in attrs.fields(t)
-                                  if a.name not in _SKIP))
-    fields = getattr(obj, "__dict__", None)
-    if fields is None:
-        names = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]
-        fields = {n: getattr(obj, n) for n in names if hasattr(obj, n)}
-    expiry_live = getattr(obj, "_expiry_live", None)
-    if expiry_live is not None and "_expiries" in fields:
-        # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
-        fields = dict(fields)
-        fields["_expiries"] = [(e[0], *e[2:]) for e in sorted(fields["_expiries"], key=_by_time) if expiry_live(e)]
-    return (t.__name__, tuple((k, snapshot(v, ren, memo)) for k, v in fields.items() if k not in _SKIP))
+def parse_rid(request_id: str) -> tuple[int, int]:
+    e, r = request_id[len("req"):].split(".")
+    return int(e), int(r)
 
 
 def report(ex: Explorer, out: Any = None) -> None:
@@ -951,7 +1198,7 @@ def report(ex: Explorer, out: Any = None) -> None:
     w = ex.world
     rate = ex.states / ex.seconds if ex.seconds else 0.0
     print(f"world {w.name}: {w.engines} engine(s) x {w.servers} server(s) x {w.requests} request(s), "
-          f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, profile {ex.profile_name}, "
+          f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, attacks {w.attacks}, profile {ex.profile_name}, "
           f"symmetry {'on' if w.symmetry else 'off'}", file=out)
     print(f"  {'complete' if ex.complete else 'NOT complete'}: {ex.states} states, {ex.transitions} transitions, "
           f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s, {ex.bytes_per_state:.0f} B/state", file=out)

@@ -338,10 +338,8 @@ class World:
         seen = host.heartbeat_seen.get(iid)
         ttl = self.profile.server_config(self.config).instance_ttl
         worker = self.worker_by_instance(iid)
-        if seen is not None and ttl is not None and seen + ttl > now and worker is not None and worker.alive:
-            self.violation("F19", host.name, f"{worker.name} (instance {iid}) reaped although its heartbeat "
-                           f"reached {host.name} {now - seen:.3f}s ago (instance_ttl {ttl:g}s): a live idle "
-                           f"instance; its retrieves are refused not_registered from now on")
+        if worker is not None and worker.alive:
+            self._judge(host.name, checks.reaped_while_live(worker.name, iid, host.name, seen, ttl, now))
 
     def latency(self, mean: float) -> float:
         return self.exec_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
@@ -800,13 +798,9 @@ class World:
                     continue
                 for worker in engine.workers:
                     if worker.alive and server.instance_state(worker.instance_id) is not InstanceState.REGISTERED:
-                        if worker.instance_id in host.reaped:
-                            self.violation("F19", host.name, f"{worker.name} (instance {worker.instance_id}) was "
-                                           f"reaped by {host.name} and never registered again: its retrieves "
-                                           f"are refused not_registered forever")
-                        self.violation("F13", host.name, f"{worker.name} (instance {worker.instance_id}) is not "
-                                       f"registered with {host.name} (incarnation {host.incarnation}) after heal: "
-                                       f"its stores and retrieves are refused not_registered")
+                        self._judge(host.name, checks.worker_unregistered(
+                            worker.name, worker.instance_id, host.name, host.incarnation,
+                            worker.instance_id in host.reaped))
 
     def _check_drained(self) -> None:
         """After the TTLs: abandoned jobs reaped, every lease back."""

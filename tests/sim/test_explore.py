@@ -30,6 +30,9 @@ def test_ci_world_explored_completely(w: XWorld) -> None:
     assert ex.complete  # the whole space, not a cut at max_states or max_depth
     assert ex.states < w.max_states
     assert ex.reached <= set(ex.all_rows())
+    if w.heartbeat_interval < w.horizon:  # the links' monitors run: their rows are reached
+        health = {(state, ev) for table, state, ev in ex.reached if table.startswith("HealthMonitor")}
+        assert {("HEALTHY", "HeartbeatDue"), ("HEALTHY", "HeartbeatReply")} <= health, health
 
 
 def test_faults_reach_more_rows() -> None:
@@ -40,6 +43,16 @@ def test_faults_reach_more_rows() -> None:
     assert calm.complete and faulty.complete
     assert faulty.states > 10 * calm.states
     assert len(faulty.reached - calm.reached) >= 5
+
+
+def test_modelled_profiles() -> None:
+    """The profiles the explorer catches (each in its own world): the transport's (wait-lost, by
+    the ServerLink actor), the adversary's (trust-all) and the worker's registration
+    (missed-epoch, idle-reap: the TransferClient actor) beside the lookup protocol's."""
+    assert set(PROFILE_WORLDS) == {"unknown-none", "resend-status", "overwrite-dup", "no-ack-wait", "leak-on-abort",
+                                   "release-all", "silent-errors", "no-reaper", "wait-lost", "trust-all", "missed-epoch",
+                                   "idle-reap"}
+    assert set(PROFILE_WORLDS) <= set(PROFILES)
 
 
 @pytest.mark.parametrize("name", sorted(PROFILE_WORLDS))
@@ -57,7 +70,8 @@ def test_profile_caught_with_its_code_and_tape_replays(name: str) -> None:
 
 def test_default_profile_clean_in_the_profile_worlds() -> None:
     """The worlds that catch the legacy profiles hold no violation for the production machines."""
-    for name in ("leak-on-abort", "resend-status", "no-ack-wait"):
+    for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost", "trust-all", "missed-epoch",
+                 "idle-reap"):
         ex = Explorer(PROFILE_WORLDS[name]).run()
         assert ex.violation is None and ex.complete, (name, ex.violation)
 
