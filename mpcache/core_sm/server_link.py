@@ -268,6 +268,12 @@ class ServerLink:
     def stats(self) -> dict[str, int]:
         return {**self._counters, **{f"health_{k}": v for k, v in self.monitor.stats().items()}}
 
+    def request_deadlines(self) -> list[tuple[float, int]]:
+        """``(deadline, uid)`` of every request still pending, in firing order. The deadline
+        heap keeps an answered request's entry until it is due (firing it does nothing), so
+        ``next_deadline`` may name one: a checker that compares states wants the live ones."""
+        return sorted((d, u) for d, u in self._deadlines if u in self._pending and self._pending[u].deadline == d)
+
     def next_deadline(self) -> float | None:
         health = self.monitor.next_deadline()
         if self._deadlines:

@@ -72,7 +72,7 @@ def next_deadline(machine: Any, horizon: float = math.inf) -> float | None:
     if not isinstance(machine, ServerLink):
         d: float | None = machine.next_deadline()
         return d
-    pending = [p.deadline for p in machine._pending.values()]
+    pending = [d for d, _ in machine.request_deadlines()[:1]]
     health = machine.monitor.next_deadline()
     if health is not None and health <= horizon:
         pending.append(health)
@@ -157,8 +157,7 @@ def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None)
     if isinstance(obj, ServerLink):
         # the deadline heap keeps answered entries until due: only pending ones, in firing order
         fields = dict(fields)
-        fields["_deadlines"] = sorted((d, u) for d, u in obj._deadlines if u in obj._pending and
-                                      obj._pending[u].deadline == d)
+        fields["_deadlines"] = obj.request_deadlines()
     expiry_live = getattr(obj, "_expiry_live", None)
     if expiry_live is not None and "_expiries" in fields:
         # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
