@@ -46,7 +46,23 @@ def test_a_batch_is_spread_over_several_connections(redis_url: str) -> None:
     assert isinstance(tier, RedisTier)
     try:
         before = _clients(redis_url)
-        tier.write_many([(b"k%d" % i, os.urandom(4 << 20)) for i in range(2 * REDIS_SPREAD)])
+        # every share holds its connection until all shares have one: a tier that ran the shares
+        # one after another breaks the barrier; without it, a share done before the last began
+        # (a loaded box) hands its connection on and the count below is short
+        barrier = threading.Barrier(REDIS_SPREAD, timeout=20)
+        pool = tier._pool
+        borrow = pool.get_connection
+
+        def get_connection(*args: object, **kwargs: object) -> object:
+            conn = borrow(*args, **kwargs)
+            barrier.wait()
+            return conn
+
+        pool.get_connection = get_connection
+        try:
+            tier.write_many([(b"k%d" % i, os.urandom(4 << 20)) for i in range(2 * REDIS_SPREAD)])
+        finally:
+            pool.get_connection = borrow
         assert _clients(redis_url) - before == REDIS_SPREAD  # each share had its own connection
         assert all(v is not None for v in tier.read_many([b"k%d" % i for i in range(2 * REDIS_SPREAD)]))
         assert _clients(redis_url) - before == REDIS_SPREAD  # and kept it for the next batch
