@@ -581,7 +581,11 @@ class SubmitStore:
 @attrs.frozen
 class SubmitRetrieve:
     """Worker: load tokens ``[start, end)`` into ``block_ids``, not writing the first
-    ``skip_first_n_tokens`` tokens (blocks vLLM already shares)."""
+    ``skip_first_n_tokens`` tokens (blocks vLLM already shares).
+
+    ``synchronous``: vLLM loads it within the step that schedules the request (the planner's
+    ``StepPlan.sync_loads``): the worker waits while ``TransferClient.loading`` names it, and its
+    completion is never reported in ``finished()``'s recving (vLLM does not wait for it)."""
 
     request_id: str
     token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
@@ -591,6 +595,7 @@ class SubmitRetrieve:
     skip_first_n_tokens: int = 0
     cache_salt: str = ""
     extras: KeyExtras = NO_EXTRAS
+    synchronous: bool = False
 
 
 @attrs.frozen

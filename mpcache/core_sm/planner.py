@@ -389,7 +389,7 @@ class StepPlanner:
                 tracker.pending_retrieve = SubmitRetrieve(
                     tracker.request_id, tracker.token_ids[:end], start, end,
                     self._op_blocks(tracker, start // block, end // block), max(0, tracker.engine_hit_tokens - start),
-                    tracker.cache_salt, tracker.extras)
+                    tracker.cache_salt, tracker.extras, synchronous=tracker.sync_load)
         prompt = tracker.prompt()
         tracker.leases_freed = tuple(self.unused_lease_ranges(hit, start, end))
         for free_start, free_end in tracker.leases_freed:
@@ -454,9 +454,9 @@ class StepPlanner:
         for tracker in self._trackers.values():
             if tracker.pending_retrieve is not None:
                 retrieves.append(tracker.pending_retrieve)
-                tracker.pending_retrieve = None
-                if tracker.sync_load:
+                if tracker.pending_retrieve.synchronous:
                     sync_loads.append(tracker.request_id)
+                tracker.pending_retrieve = None
         for request_id in event.preempted:
             self._dispatch.run(RequestPreempted(request_id), now, out)
         self._step_stores = []

@@ -54,6 +54,7 @@ timeout, ``OpServerLost``). ``TimerFired`` only makes the due timers run.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from mpcache.core_sm.effects import CopyBlocks, Effect, SendRequest
@@ -198,6 +199,11 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         record = self._ops.get(op)  # type: ignore[call-overload]
         return OpState.ABSENT if record is None else record.state
 
+    def loading(self, request_ids: Iterable[str]) -> bool:
+        """Whether an op of any of ``request_ids`` is still in flight: the worker's wait for the
+        step's synchronous loads (``SubmitRetrieve.synchronous``) ends when this is False."""
+        return any(self.ops_of(rid) for rid in request_ids)
+
     def ops_of(self, request_id: str) -> tuple[OpId, ...]:
         record = self._requests.get(request_id)
         return () if record is None else tuple(record.ops)
@@ -338,6 +344,8 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         record = self._requests.get(ev.request_id)
         if record is None:
             record = self._requests[ev.request_id] = RequestRecord(ev.request_id)
+        if isinstance(ev, SubmitRetrieve):
+            record.synchronous = ev.synchronous
         key = CacheKey(c.model_name, c.world_size, c.worker_id, ev.token_ids, ev.start, ev.end,
                        ev.request_id, ev.cache_salt, ev.extras.prefix(ev.end // c.chunk_size))
         skip = 0 if isinstance(ev, SubmitStore) else ev.skip_first_n_tokens
@@ -534,7 +542,8 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
             return
         for b in fenced_errors:
             self._load_errors[b] = None
-        self._recving[record.request_id] = None
+        if not record.synchronous:  # vLLM waited for a synchronous load in its step, not here
+            self._recving[record.request_id] = None
         if record.retrieve_failed:
             record.retrieve_failed = False
             self._failed_retrieves.pop(record.request_id, None)

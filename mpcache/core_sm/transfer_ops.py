@@ -127,6 +127,7 @@ class RequestRecord:
     retrieve_failed: bool = False  # a retrieve failed since the request was last reported
     recving_fenced: bool = False  # its retrieves are done; recving waits for the fence
     fenced_load_errors: list[int] = attrs.Factory(list)  # reported with that recving
+    synchronous: bool = False  # its last retrieve is a synchronous load: no recving report
 
 
 # ------------------------------------------------------------------ typed timers, internal events

@@ -522,7 +522,8 @@ class WorkerAdapter(_MachineShell):
     * ``submit_stores(ops)`` returns once every store's blocks have been copied into L1 (or the
       store failed or was dropped), bounded by the request timeout, so the engine may reuse the
       blocks right after; the commit completes asynchronously.
-    * ``submit_retrieves(ops)`` returns at once; ``poll`` and ``finished`` complete them.
+    * ``submit_retrieves(ops)`` returns at once; ``poll`` and ``finished`` complete them; a
+      synchronous one (``SubmitRetrieve.synchronous``) is complete when it returns.
     * ``finished(engine_finished_ids)`` → ``(sending, recving)``: the machine's report, each id
       once; every id the engine finished comes back in ``sending`` once nothing of it is in flight.
     * ``load_errors()`` → block ids whose load failed since the last call (the engine recomputes).
@@ -548,7 +549,6 @@ class WorkerAdapter(_MachineShell):
         self._segment: Any = None
         self._segment_path = ""
         self._slot_bytes = 0
-        self._sync_loads: set[str] = set()  # synchronous loads whose recving vLLM must not see
 
     @classmethod
     def connect(cls, config: ConnectorConfig, *, model_name: str, world_size: int, rank: int, block_size: int) -> WorkerAdapter:
@@ -804,16 +804,17 @@ class WorkerAdapter(_MachineShell):
 
     # ------------------------------------------------------------------ per step
 
-    def submit_retrieves(self, ops: Iterable[SubmitRetrieve], sync_ids: Iterable[str] = ()) -> None:
-        """Submit the step's retrieves. Those of ``sync_ids`` (vLLM loads them synchronously:
-        the step's forward reads their blocks) are complete when this returns -- copied, or
-        failed into ``load_errors()`` -- bounded by the request timeout, and are not reported
-        in ``finished``'s recving (vLLM never waits for them)."""
+    def submit_retrieves(self, ops: Iterable[SubmitRetrieve]) -> None:
+        """Submit the step's retrieves. The synchronous ones (``SubmitRetrieve.synchronous``: the
+        step's forward reads their blocks) are complete when this returns -- copied, or failed
+        into ``load_errors()`` -- bounded by the request timeout; the transfer machine never
+        reports them in ``finished``'s recving (vLLM never waits for them)."""
         self._require_registered()
+        waiting = set()
         for op in ops:
             self._handle(op)
-        waiting = set(sync_ids)
-        self._sync_loads |= waiting
+            if op.synchronous:
+                waiting.add(op.request_id)
         self._pump()
         if not waiting:
             return
@@ -821,9 +822,9 @@ class WorkerAdapter(_MachineShell):
         while True:
             with self._lock:
                 # A sync load's request has no other op yet: its ops are this step's retrieves.
-                waiting = {rid for rid in waiting if self._machine.ops_of(rid)}
+                loading = self._machine.loading(waiting)
             left = deadline - time.monotonic()
-            if not waiting or left <= 0:
+            if not loading or left <= 0:
                 return
             self._pump(wait=min(left, 0.05))
 
@@ -866,12 +867,7 @@ class WorkerAdapter(_MachineShell):
         self._pump()
         with self._lock:
             sending, recving = self._machine.finished()
-        recving_set = set(recving)
-        if self._sync_loads:
-            done = recving_set & self._sync_loads
-            self._sync_loads -= done | set(sending)
-            recving_set -= done
-        return set(sending), recving_set
+        return set(sending), set(recving)
 
     def load_errors(self) -> set[int]:
         if self._machine is None:

@@ -298,7 +298,7 @@ class MPCacheConnector(KVConnectorBase_V1):
             # vLLM calls this before the forward when the step has synchronous loads: those are
             # complete (or failed into load errors) when submit_retrieves returns.
             self._stats.retrieves_submitted(plan.retrieves)
-            self._worker.submit_retrieves(plan.retrieves, plan.sync_loads)
+            self._worker.submit_retrieves(plan.retrieves)
             self._stats.finished((), plan.sync_loads)
         self._worker.poll()
 

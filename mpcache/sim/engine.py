@@ -739,6 +739,8 @@ class SimEngine:
             self.sync_waiting = set(sync)
             self._pause(SYNC, None)
             return
+        if sync:
+            self._sync_landed(sync)  # done already (failed at once): read at the next step's reports
         self._end_pause()
 
     def _pause(self, at: int, until: float | None) -> None:
@@ -764,6 +766,7 @@ class SimEngine:
         if at == SYNC:
             if self._sync_pending(self.sync_waiting):
                 return
+            self._sync_landed(self.sync_waiting)
             self.sync_waiting = set()
             self._collect_worker_reports()  # the synchronous loads landed (or failed into load errors)
             self._end_pause()
@@ -772,15 +775,19 @@ class SimEngine:
         self._pass(at)
 
     def _sync_pending(self, ids: Iterable[str]) -> bool:
-        """Whether a worker still has an op of a synchronous load (``SchedulerAdapter``'s wait)."""
-        for w in self.workers:
-            if w.node is None or not w.alive:
-                continue
-            for s in range(self.num_servers):
-                tc = w.node.machines[tc_name(s)]
-                if any(tc.ops_of(rid) for rid in ids):
-                    return True
-        return False
+        """Whether a worker's transfer machine still loads one of the step's synchronous loads
+        (the worker adapter's wait in ``submit_retrieves``)."""
+        ids = tuple(ids)
+        return any(w.node.machines[tc_name(s)].loading(ids) for w in self.workers if w.node is not None and w.alive
+                   for s in range(self.num_servers))
+
+    def _sync_landed(self, ids: Iterable[str]) -> None:
+        """The step's synchronous loads are done on every rank (copied, or failed into load
+        errors): vLLM's forward reads them now. No recving reports them."""
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is not None and req.state == "loading":
+                req.loads_pending.clear()
 
     def planner(self) -> StepPlanner:
         assert self.sched is not None

@@ -35,7 +35,7 @@ def test_a_small_load_is_synchronous_and_named_in_the_plan() -> None:
     assert (answer.tokens, answer.load_async) == (4 * C, False)
     p.handle(BlocksAllocated("r", tuple(range(len(tokens) // BS + 1)), 4 * C), 0.0)
     plan = step(p)
-    assert [r.request_id for r in plan.retrieves] == ["r"] and plan.sync_loads == ("r",)
+    assert [r.request_id for r in plan.retrieves] == ["r"] and plan.sync_loads == ("r",) and plan.retrieves[0].synchronous
 
 
 def test_a_load_over_the_limit_stays_asynchronous() -> None:
@@ -45,7 +45,7 @@ def test_a_load_over_the_limit_stays_asynchronous() -> None:
     assert (answer.tokens, answer.load_async) == (4 * C, True)
     p.handle(BlocksAllocated("r", tuple(range(4 * C // BS)), 4 * C), 0.0)
     plan = step(p)
-    assert len(plan.retrieves) == 1 and plan.sync_loads == ()
+    assert len(plan.retrieves) == 1 and plan.sync_loads == () and not plan.retrieves[0].synchronous
 
 
 @pytest.mark.parametrize(("cpu_engine", "load_async"), [(True, False), (False, True)])

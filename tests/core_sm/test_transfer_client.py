@@ -97,6 +97,25 @@ def test_server_driven_store_and_retrieve_report_once() -> None:
     assert c.stats()["requests"] == 0 and c.stats()["ops_in_flight"] == 0
 
 
+def test_a_synchronous_load_is_waited_for_and_never_reported_in_recving() -> None:
+    """vLLM's forward reads a synchronous load in the step that scheduled it, never waiting on
+    recving: the worker waits while ``loading`` names it, and a recving report of it would be a
+    second completion (vLLM asserts on it). Its load errors are still reported."""
+    c = tc()
+    r = only_send(c.handle(SubmitRetrieve("r", TOKS, 0, 2 * C, BLOCKS, synchronous=True), 0.0))
+    a = retrieve(c, "a")  # an asynchronous one beside it
+    assert c.loading(("r",)) and c.loading(("r", "a")) and not c.loading(("x",))
+    c.handle(ReplyReceived(0, r.correlation, RetrieveResult(False, 2)), 0.0)
+    assert not c.loading(("r",)) and c.loading(("a",))
+    assert c.finished() == (frozenset(), frozenset()) and c.load_errors() == frozenset(BLOCKS)
+    c.handle(ReplyReceived(0, a.correlation, RetrieveResult(True, 2)), 0.0)
+    assert c.finished() == (frozenset(), frozenset({"a"}))
+    # the request's next retrieve (after a preemption, say) is asynchronous: reported again
+    r2 = retrieve(c, "r")
+    c.handle(ReplyReceived(0, r2.correlation, RetrieveResult(True, 2)), 0.0)
+    assert c.finished() == (frozenset(), frozenset({"r"}))
+
+
 def test_later_op_never_overwrites_earlier() -> None:
     c = tc()
     a, b = store(c), store(c)

@@ -171,7 +171,7 @@ class Engine:
             if plan.preempted:
                 worker.wait_for_store_copies()
             # vLLM calls start_load_kv before the forward when the step has synchronous loads.
-            worker.submit_retrieves(plan.retrieves, plan.sync_loads)
+            worker.submit_retrieves(plan.retrieves)
         if sync_loaded:
             # A failed synchronous load is reported in this pass; vLLM (recompute policy) then
             # recomputes the request from its first bad block.

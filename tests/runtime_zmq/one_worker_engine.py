@@ -33,7 +33,7 @@ class OneWorkerEngine:
 
     def run_step(self, scheduled: list[ScheduledRequest]) -> Any:
         plan = self.scheduler.build_plan(scheduled)
-        self.worker.submit_retrieves(plan.retrieves, plan.sync_loads)
+        self.worker.submit_retrieves(plan.retrieves)
         self.worker.submit_stores(plan.stores)
         return plan
 

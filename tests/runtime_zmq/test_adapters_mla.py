@@ -88,7 +88,7 @@ def test_mla_latents_are_stored_and_loaded_byte_exactly(make_engine: Any, dtype:
     plan = engine.scheduler.build_plan([])
     (retrieve,) = plan.retrieves
     assert (retrieve.start, retrieve.end) == (0, hit)
-    engine.worker.submit_retrieves(plan.retrieves, plan.sync_loads)
+    engine.worker.submit_retrieves(plan.retrieves)
     assert engine.worker.load_errors() == set()
     for name, cache in engine.kv.items():
         for t in range(hit):
