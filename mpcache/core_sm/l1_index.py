@@ -19,8 +19,10 @@ Capacity is ``num_slots`` fixed-size slots of ``slot_bytes``. Eviction picks the
 used READY, unleased object; when the used slots pass ``high_watermark`` it evicts down to
 ``low_watermark``; a reservation that finds no free slot evicts one object first.
 
-**L1 is shared by quota** (``mpcache.core_sm.l1_quota``, a base of ``L1Index``): every object is
-charged to one tenant, and the victim of an eviction is chosen by who asked.
+**L1 is shared by quota** (``index.quota``, a ``TenantQuota`` of ``mpcache.core_sm.l1_quota``):
+every object is charged to one tenant, and the victim of an eviction is chosen by who asked. The
+index tells the quota what it charges and drops, asks it for each victim and drops it itself
+(that module's doc: the interface between them).
 
 Every mutating method takes ``now`` and first expires what is due, so an expired lease is never
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
@@ -128,7 +130,7 @@ class _Release:
     done: bool = False
 
 
-class L1Index(TenantQuota):
+class L1Index:
     """Objects → slots, owned TTL leases, LRU with watermark, bytes accounting."""
 
     def __init__(
@@ -153,7 +155,7 @@ class L1Index(TenantQuota):
         # finds its prefix with no key object built per chunk. A rank with none has no entry.
         self._readable: dict[int, dict[bytes, L1Object]] = {}
         self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
-        self._init_quota()
+        self.quota = TenantQuota()  # charges per tenant, LRU sets, eviction victims
         self._use_seq = 0
         self._by_owner: dict[Owner, dict[ObjectKey, L1Object]] = {}  # in lease order
         self._expiries: list[_Expiry] = []  # a heap; stale entries skipped, compacted
@@ -194,6 +196,11 @@ class L1Index(TenantQuota):
     def slot_of(self, key: ObjectKey) -> int | None:
         obj = self._objects.get(key)
         return None if obj is None else obj.slot
+
+    def tenant_of(self, key: ObjectKey) -> Tenant | None:
+        """Whose charge ``key``'s object is (None: no tenant's, or no such object)."""
+        obj = self._objects.get(key)
+        return None if obj is None else obj.tenant
 
     def writer_of(self, key: ObjectKey) -> Owner | None:
         obj = self._objects.get(key)
@@ -256,9 +263,9 @@ class L1Index(TenantQuota):
             "leases_held": self._leases_held,
             "leases_taken": self._leases_taken,
             "lease_owners": len(self._by_owner),
-            "evictions": self._evictions,
-            "evictions_for_others": self._evictions_for_others,
-            "tenants": sum(1 for t in self._charged if t is not None),
+            "evictions": self.quota.evictions,
+            "evictions_for_others": self.quota.evictions_for_others,
+            "tenants": self.quota.tenants,
             "write_expirations": self._write_expirations,
             "writing": sum(1 for o in self._objects.values() if o.writer is not None),
             "quarantined_slots": len(self._quarantined),
@@ -286,7 +293,7 @@ class L1Index(TenantQuota):
                 return None
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
-        account = self._charge(tenant)
+        account = self.quota.charge(tenant)
         batch = self._seq + 1  # the seq its expiry entry gets
         self._objects[key] = L1Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
         self._writing[batch] = 1
@@ -311,7 +318,7 @@ class L1Index(TenantQuota):
             return [None] * len(keys)
         objects = self._objects
         free = self._free_slots
-        charged = self._charged
+        quota = self.quota
         heappop = heapq.heappop
         expiry = now + self.lease_ttl
         # the watermark can only be passed below a full L1
@@ -322,7 +329,7 @@ class L1Index(TenantQuota):
         add_key = reserved.append
         batch = self._seq + 1  # the seq their expiry entry gets (evictions push no entry)
         account: Account | None = None  # the tenant's, once charged here (it lasts while charged)
-        uncounted = 0  # reservations not yet added to ``charged`` (it is exact whenever read)
+        uncounted = 0  # reservations not yet charged (the charges are exact whenever the quota reads them)
         evictions = 0
         for key in keys:
             if key in objects:
@@ -330,7 +337,7 @@ class L1Index(TenantQuota):
                 continue
             if not free:
                 if uncounted:
-                    charged[tenant] += uncounted
+                    quota.charge(tenant, uncounted)
                     uncounted = 0
                 if max_evictions is not None and evictions >= max_evictions:
                     break
@@ -341,7 +348,7 @@ class L1Index(TenantQuota):
                     continue
             slot = heappop(free)
             if account is None:
-                account = self._charge(tenant)
+                account = quota.charge(tenant)
             else:
                 uncounted += 1
             objects[key] = L1Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
@@ -349,13 +356,13 @@ class L1Index(TenantQuota):
             add_key(key)
             if over is not None and len(objects) > over:
                 if uncounted:
-                    charged[tenant] += uncounted
+                    quota.charge(tenant, uncounted)
                     uncounted = 0
                 self._evict_to_watermark(tenant)
             if len(reserved) >= limit:
                 break
         if uncounted:
-            charged[tenant] += uncounted
+            quota.charge(tenant, uncounted)
         self._bytes += nbytes * len(reserved)
         if reserved:
             self._writing[batch] = len(reserved)
@@ -383,7 +390,7 @@ class L1Index(TenantQuota):
             readable[key.chunk_hash] = obj
             # ``_mark_evictable`` inlined (a WRITING object is in no LRU set: it enters last)
             lru = obj.lru = obj.account.lru
-            lru[key] = None
+            lru[key] = obj
             seq += 1
             obj.used = seq
             done.append(key)
@@ -709,7 +716,7 @@ class L1Index(TenantQuota):
             released += readers.pop(owner)[0]
             if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
                 lru = obj.lru = obj.account.lru
-                lru[key] = None
+                lru[key] = obj
                 seq += 1
                 obj.used = seq
         self._end_release(owner, held, released, part.reason, seq)
@@ -737,7 +744,7 @@ class L1Index(TenantQuota):
                 # evictable again, the most recently used (a leased object is never WRITING
                 # and never in its LRU set: ``_mark_evictable`` inlined)
                 lru = obj.lru = obj.account.lru
-                lru[key] = None
+                lru[key] = obj
                 seq += 1
                 obj.used = seq
         self._use_seq = seq
@@ -754,7 +761,7 @@ class L1Index(TenantQuota):
                 lru.move_to_end(key)
             else:  # in a forgotten tenant's orphan run: into the common set, the most recent
                 del obj.lru[key]
-                lru[key] = None
+                lru[key] = obj
                 obj.lru = lru
             self._use_seq += 1
             obj.used = self._use_seq
@@ -805,7 +812,7 @@ class L1Index(TenantQuota):
             released += lease[0]
             if not readers and obj.writer is None:  # ``_mark_evictable`` inlined
                 lru = obj.lru = obj.account.lru
-                lru[key] = None
+                lru[key] = obj
                 seq += 1
                 obj.used = seq
         self._end_release(owner, held, released, ReleaseReason.TTL, seq)
@@ -849,6 +856,24 @@ class L1Index(TenantQuota):
         self.slot_bytes = slot_bytes
         self._free_slots = list(range(num_slots))
         return True
+
+    def _evict_one(self, requester: Tenant | None = None) -> bool:
+        """Drop the object the quota chooses for ``requester``; False: nothing may go."""
+        victim = self.quota.victim(requester)
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.quota.evicted(victim, requester)
+        return True
+
+    def _evict_to_watermark(self, requester: Tenant | None = None) -> int:
+        """Past the high watermark, evict (for ``requester``) down to the low one; returns how many."""
+        if self.num_slots == 0 or self.used_slots <= self.high_watermark * self.num_slots:
+            return 0
+        evicted = 0
+        while self.used_slots > self.low_watermark * self.num_slots and self._evict_one(requester):
+            evicted += 1
+        return evicted
 
     def pin_slot(self, slot: int) -> None:
         """An effect that reads or writes ``slot`` is in flight: if its object is dropped
@@ -911,7 +936,6 @@ class L1Index(TenantQuota):
             for p in parts:
                 if p.expiry is not None and p.keys is not None:
                     pending.update((k, o, p.expiry) for k in p.keys[p.pos:])
-        orphan_runs = {id(run) for _u, _s, run in self._orphans}
         batches: dict[int, int] = {}
         for obj in self._objects.values():
             if obj.writer is not None:
@@ -927,18 +951,13 @@ class L1Index(TenantQuota):
                 held += count
             ready_unleased = obj.writer is None and not obj.readers
             assert ready_unleased == (obj.key in obj.lru), "LRU set out of sync"
-            if obj.tenant is not None:
-                assert obj.account is self._accounts[obj.tenant], "an object of a stale account"
-                assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
-            elif ready_unleased and obj.lru is not self._lru[None]:
-                assert id(obj.lru) in orphan_runs, "an object in no LRU set"
             assert not (obj.writer is not None and obj.readers), "read lease on a writing object"
         for owner, keys in self._by_owner.items():
             assert keys, "empty owner entry"
             for k in keys:
                 assert owner in self._objects[k].readers, "owner map has a stale lease"
         assert held == self._leases_held, "held lease counter"
-        self._check_quota()
+        self.quota.check(self._objects.values())
         released = sum(self._leases_released.values())
         assert self._leases_taken == held + released, "a lease was neither held nor released once"
 
@@ -1007,7 +1026,7 @@ class L1Index(TenantQuota):
         if self.dropped is not None:
             self.dropped.append(obj.key)
         obj.lru.pop(obj.key, None)
-        self._uncharge(obj.tenant)
+        self.quota.uncharge(obj.tenant)
         self._bytes -= obj.nbytes
         if obj.slot in self._pinned:
             self._quarantined.add(obj.slot)
@@ -1024,7 +1043,7 @@ class L1Index(TenantQuota):
 
     def _mark_evictable(self, obj: L1Object) -> None:
         lru = obj.lru = obj.account.lru
-        lru[obj.key] = None
+        lru[obj.key] = obj
         lru.move_to_end(obj.key)
         self._use_seq += 1
         obj.used = self._use_seq

@@ -1,8 +1,9 @@
 """The L1 index's record of one object, and the charge account it points to.
 
 ``L1Index`` (``mpcache.core_sm.l1_index``) keeps these records -- one per object that holds a slot
--- and ``TenantQuota`` (``mpcache.core_sm.l1_quota``) reads their charges and recency to choose
-eviction victims; both import it from here, so neither imports the other's private record.
+-- and the ``TenantQuota`` it owns (``mpcache.core_sm.l1_quota``) keeps the LRU sets they wait in
+while evictable and reads their charges and recency to choose eviction victims; both import the
+record from here, so neither imports the other's.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from mpcache.core_sm.chunks import ObjectKey
 
 Owner = Hashable  # who holds a lease or a write reservation (a request, a transfer, an L2 read)
 Tenant = Hashable  # an instance id; None: no tenant
-LruSet = OrderedDict[ObjectKey, None]  # READY unleased objects, least recently used first
+# READY unleased objects by key, least recently used first (a set that hands out its objects)
+LruSet = OrderedDict[ObjectKey, "L1Object"]
 # A read lease: (count, expiry). A tuple, replaced on change: the lookup path takes one per object.
 Lease = tuple[int, float]
 

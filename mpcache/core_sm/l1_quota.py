@@ -1,8 +1,25 @@
-"""L1's tenant quota and eviction: whose charge each object is, and which object an eviction drops.
+"""L1's tenant quota: whose charge each object is, and which object an eviction drops.
 
-A base of ``L1Index`` (``mpcache.core_sm.l1_index``): the index keeps the objects, slots and
-leases; this module decides, for a reservation that needs room or a used-slot count over the
-high watermark, which READY unleased object goes, and keeps the charges that decision reads.
+``TenantQuota`` is an object ``L1Index`` (``mpcache.core_sm.l1_index``) owns, as ``index.quota``:
+the index keeps the objects, slots, leases and recency; the quota keeps the charges per tenant,
+the LRU sets the evictable objects wait in, and the eviction counts, and decides, for a
+reservation that needs room or a used-slot count over the high watermark, which READY unleased
+object goes. Neither reads the other's state; what passes between them:
+
+* the index tells the quota what it charges: ``charge(tenant, n)`` when it reserves objects (the
+  tenant's ``Account`` comes back: the new objects point to it), ``uncharge(tenant)`` when it
+  drops one;
+* the index asks ``victim(requester)``, drops that object itself, and tells the quota with
+  ``evicted(victim, requester)`` (the eviction counts);
+* both work on the shared records of ``mpcache.core_sm.l1_object``: the index moves an object
+  into its account's LRU set (``obj.lru = obj.account.lru``) when it becomes evictable, out when
+  leased or dropped, and to the end when used (``L1Object.used``, its recency); the quota makes
+  those sets, re-points a forgotten tenant's account, and reads the sets' heads. An LRU set maps
+  each key to its object, so the quota needs no map of the index's;
+* ``check(objects)``: the index hands its objects to the quota's invariant check.
+
+The server sets ``tenant_share`` and calls ``forget_tenant``; ``charged(tenant)``,
+``evictions`` and ``evictions_for_others`` are its reads.
 
 **L1 is shared by quota.** Every object is charged to one *tenant* (the instance that stored it;
 ``None``: no tenant, e.g. loaded from L2 for a lookup, or its instance is gone). With
@@ -38,12 +55,13 @@ tenant is the older of the common set's head and the heads of the orphan runs, w
 by each run's head recency yields (a run's key is a lower bound of its head's recency, put right
 when it reaches the top; empty runs leave the heap there).
 
-Invariants it keeps (``L1Index.check_invariants`` asserts them, through ``_check_quota``):
+Invariants it keeps (``check``, which ``L1Index.check_invariants`` calls, asserts them):
 
 * every object is charged to exactly one tenant; ``charged(t)`` is the number of objects (any
   state) whose tenant is ``t``, and a tenant with none has no entry;
 * a READY unleased object is in its own tenant's LRU set and in no other; WRITING and leased
-  objects are in none; each set is in recency order (``L1Object.used`` ascending);
+  objects are in none; each set is in recency order (``L1Object.used`` ascending) and maps
+  each key to that key's object;
 * a tenant's LRU set exists while the tenant has objects and goes with its last one (the set
   of no tenant, ``None``, always exists), so a gone instance leaves nothing behind; a READY
   unleased object of no tenant is in the common set or in one orphan run, each run in recency
@@ -56,30 +74,22 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.l1_object import Account, L1Object, LruSet, Tenant
 
 _MIN_COMPACT = 1024  # the orphan heap drops its empty runs when it doubles past this
 
 
+def _head(lru: LruSet) -> L1Object:
+    """The least recently used object of a non-empty LRU set."""
+    return next(iter(lru.values()))
+
+
 class TenantQuota:
-    """The quota part of ``L1Index``: charges per tenant, the victim rules, the evictions."""
+    """Charges per tenant, the victim rules and the evictions' counts of one ``L1Index`` (the
+    module doc: what the index tells it and asks of it)."""
 
-    # the index's state these methods read (``L1Index.__init__`` sets it)
-    num_slots: int
-    high_watermark: float
-    low_watermark: float
-    _objects: dict[ObjectKey, L1Object]
-
-    if TYPE_CHECKING:  # and the index's members they call: L1Index defines them
-        @property
-        def used_slots(self) -> int: ...
-
-        def _drop(self, obj: L1Object) -> None: ...
-
-    def _init_quota(self) -> None:
+    def __init__(self, tenant_share: int | None = None) -> None:
         # READY, unleased objects per tenant, least recently used first (``L1Object.lru``)
         common: LruSet = OrderedDict()
         self._lru: dict[Tenant | None, LruSet] = {None: common}
@@ -91,17 +101,67 @@ class TenantQuota:
         self._orphan_seq = 0
         self._orphans_compact_at = _MIN_COMPACT
         # Slots each tenant may hold while L1 is full (None: no quotas, one global LRU).
-        self.tenant_share: int | None = None
+        self.tenant_share = tenant_share
         self._evictions = 0
         self._evictions_for_others = 0  # the victim was charged to another tenant (or to none)
 
-    def tenant_of(self, key: ObjectKey) -> Tenant | None:
-        obj = self._objects.get(key)
-        return None if obj is None else obj.tenant
+    # ----------------------------------------------------------------------------- queries
 
     def charged(self, tenant: Tenant | None) -> int:
         """Objects (any state) charged to ``tenant``."""
         return self._charged.get(tenant, 0)
+
+    @property
+    def tenants(self) -> int:
+        """How many tenants (not counting no tenant) have objects charged."""
+        return len(self._charged) - (None in self._charged)
+
+    @property
+    def evictions(self) -> int:
+        """Objects evicted (``evicted`` calls)."""
+        return self._evictions
+
+    @property
+    def evictions_for_others(self) -> int:
+        """Evictions whose victim was charged to another tenant than the one asking (or to none)."""
+        return self._evictions_for_others
+
+    @property
+    def lru_sets(self) -> dict[Tenant | None, LruSet]:
+        """The live LRU set of each charged tenant and of no tenant (the orphan runs aside): for
+        invariant checks and the tests that break them, not to be changed otherwise."""
+        return self._lru
+
+    @property
+    def orphan_runs(self) -> int:
+        """Entries on the orphan heap (empty runs included until it is compacted or they reach
+        its top): how much forgetting tenants left behind."""
+        return len(self._orphans)
+
+    # ----------------------------------------------------------------------------- what the index tells
+
+    def charge(self, tenant: Tenant | None, n: int = 1) -> Account:
+        """``n`` more objects are charged to ``tenant``; returns the tenant's account (made, with
+        its LRU set, if these are its first)."""
+        account = self._accounts.get(tenant)
+        if account is None:
+            lru: LruSet = OrderedDict()
+            self._lru[tenant] = lru
+            account = self._accounts[tenant] = Account(tenant, lru)
+        self._charged[tenant] = self._charged.get(tenant, 0) + n
+        return account
+
+    def uncharge(self, tenant: Tenant | None) -> None:
+        """One object charged to ``tenant`` is gone (out of its LRU set already); the tenant's
+        account and LRU set go with its last."""
+        n = self._charged[tenant] - 1
+        if n:
+            self._charged[tenant] = n
+        else:
+            del self._charged[tenant]
+            if tenant is not None:
+                self._lru.pop(tenant, None)  # empty: its objects are gone
+                self._accounts.pop(tenant, None)
 
     def forget_tenant(self, tenant: Tenant) -> int:
         """``tenant`` is gone (its instance unregistered or reaped): its objects are charged to no
@@ -117,7 +177,7 @@ class TenantQuota:
         self._charged[None] = self._charged.get(None, 0) + moved
         if run:
             self._orphan_seq += 1
-            heapq.heappush(self._orphans, (self._objects[next(iter(run))].used, self._orphan_seq, run))
+            heapq.heappush(self._orphans, (_head(run).used, self._orphan_seq, run))
             if len(self._orphans) > self._orphans_compact_at:
                 live = [entry for entry in self._orphans if entry[2]]
                 heapq.heapify(live)
@@ -125,67 +185,33 @@ class TenantQuota:
                 self._orphans_compact_at = max(_MIN_COMPACT, 2 * len(live))
         return moved
 
-    def _oldest_orphan(self) -> L1Object | None:
-        """The least recently used object of the orphan runs (the heap's top, put right)."""
-        heap = self._orphans
-        objects = self._objects
-        while heap:
-            used, seq, run = heap[0]
-            if not run:
-                heapq.heappop(heap)
-                continue
-            head = objects[next(iter(run))]
-            if head.used != used:  # its head left or was touched since: a later one now
-                heapq.heapreplace(heap, (head.used, seq, run))
-                continue
-            return head
-        return None
+    def evicted(self, victim: L1Object, requester: Tenant | None) -> None:
+        """The index dropped ``victim``, the ``victim(requester)`` it was given."""
+        self._evictions += 1
+        if victim.tenant != requester:
+            self._evictions_for_others += 1
 
-    def _check_quota(self) -> None:
-        """The module doc's invariants on charges and LRU sets (``L1Index.check_invariants``
-        checks each object's own LRU membership)."""
-        charged: dict[Tenant | None, int] = {}
-        for obj in self._objects.values():
-            charged[obj.tenant] = charged.get(obj.tenant, 0) + 1
-        assert charged == self._charged, "tenant charges"
-        assert self._lru.keys() == self._charged.keys() | {None}, "LRU sets are not the charged tenants'"
-        assert self._accounts.keys() == self._lru.keys(), "accounts are not the charged tenants'"
-        for tenant, account in self._accounts.items():
-            assert account.tenant == tenant and account.lru is self._lru[tenant], f"tenant {tenant!r}'s account"
-        runs = [run for _used, _seq, run in self._orphans if run]
-        assert len({id(run) for run in runs}) == len(runs), "an orphan run twice on the heap"
-        for used, _seq, run in self._orphans:
-            if run:
-                assert used <= self._objects[next(iter(run))].used, "an orphan run's key after its head"
-                uses = [self._objects[k].used for k in run]
-                assert uses == sorted(uses), "an orphan run out of recency order"
-                assert all(self._objects[k].tenant is None for k in run), "a charged object in an orphan run"
-        assert sum(len(lru) for lru in self._lru.values()) + sum(len(run) for run in runs) == sum(
-            1 for o in self._objects.values() if o.writer is None and not o.readers), "LRU sizes"
-        for tenant, lru in self._lru.items():
-            uses = [self._objects[k].used for k in lru]
-            assert uses == sorted(uses), f"tenant {tenant!r}'s LRU out of recency order"
+    # ----------------------------------------------------------------------------- the victim rules
 
-    def _charge(self, tenant: Tenant | None) -> Account:
-        """One more object is charged to ``tenant``; returns the tenant's account (made, with
-        its LRU set, if this is its first)."""
-        account = self._accounts.get(tenant)
-        if account is None:
-            lru: LruSet = OrderedDict()
-            self._lru[tenant] = lru
-            account = self._accounts[tenant] = Account(tenant, lru)
-        self._charged[tenant] = self._charged.get(tenant, 0) + 1
-        return account
-
-    def _uncharge(self, tenant: Tenant | None) -> None:
-        n = self._charged[tenant] - 1
-        if n:
-            self._charged[tenant] = n
-        else:
-            del self._charged[tenant]
-            if tenant is not None:
-                self._lru.pop(tenant, None)  # empty: its objects are gone
-                self._accounts.pop(tenant, None)
+    def victim(self, requester: Tenant | None) -> L1Object | None:
+        """The object an eviction for ``requester`` drops (the module doc's quota rules), or None
+        when nothing may go; changes nothing."""
+        share = self.tenant_share
+        if share is None:
+            return self._oldest(self._lru.items())
+        charged = self._charged
+        own = self._lru.get(requester) if requester is not None else None
+        if own and charged.get(requester, 0) >= share:
+            return _head(own)
+        # Nobody's reservation (an L2 read for a lookup: the server cannot tell which instance
+        # the scheduler asking serves) may also take from tenants exactly at their share, so a
+        # single engine that fills L1 still gets its L2 hits loaded; never from one below it.
+        limit = share - 1 if requester is None else share
+        victim = self._oldest((tenant, lru) for tenant, lru in self._lru.items() if tenant != requester
+                              and (tenant is None or charged.get(tenant, 0) > limit))
+        if victim is None and own:
+            victim = _head(own)
+        return victim
 
     def _oldest(self, lrus: Iterable[tuple[Tenant | None, LruSet]]) -> L1Object | None:
         """The least recently used head of the ``(tenant, LRU set)`` pairs; the pair of no
@@ -193,7 +219,7 @@ class TenantQuota:
         best: L1Object | None = None
         for tenant, lru in lrus:
             if lru:
-                obj = self._objects[next(iter(lru))]
+                obj = _head(lru)
                 if best is None or obj.used < best.used:
                     best = obj
             if tenant is None and self._orphans:
@@ -202,39 +228,55 @@ class TenantQuota:
                     best = obj_
         return best
 
-    def _victim(self, requester: Tenant | None) -> L1Object | None:
-        """The object an eviction for ``requester`` drops (the module doc's quota rules)."""
-        share = self.tenant_share
-        if share is None:
-            return self._oldest(self._lru.items())
-        charged = self._charged
-        own = self._lru.get(requester) if requester is not None else None
-        if own and charged.get(requester, 0) >= share:
-            return self._objects[next(iter(own))]
-        # Nobody's reservation (an L2 read for a lookup: the server cannot tell which instance
-        # the scheduler asking serves) may also take from tenants exactly at their share, so a
-        # single engine that fills L1 still gets its L2 hits loaded; never from one below it.
-        limit = share - 1 if requester is None else share
-        victim = self._oldest((tenant, lru) for tenant, lru in self._lru.items() if tenant != requester
-                              and (tenant is None or charged.get(tenant, 0) > limit))
-        if victim is None and own:
-            victim = self._objects[next(iter(own))]
-        return victim
+    def _oldest_orphan(self) -> L1Object | None:
+        """The least recently used object of the orphan runs (the heap's top, put right)."""
+        heap = self._orphans
+        while heap:
+            used, seq, run = heap[0]
+            if not run:
+                heapq.heappop(heap)
+                continue
+            head = _head(run)
+            if head.used != used:  # its head left or was touched since: a later one now
+                heapq.heapreplace(heap, (head.used, seq, run))
+                continue
+            return head
+        return None
 
-    def _evict_one(self, requester: Tenant | None = None) -> bool:
-        victim = self._victim(requester)
-        if victim is None:
-            return False
-        self._drop(victim)
-        self._evictions += 1
-        if victim.tenant != requester:
-            self._evictions_for_others += 1
-        return True
+    # ----------------------------------------------------------------------------- invariants
 
-    def _evict_to_watermark(self, requester: Tenant | None = None) -> int:
-        if self.num_slots == 0 or self.used_slots <= self.high_watermark * self.num_slots:
-            return 0
-        evicted = 0
-        while self.used_slots > self.low_watermark * self.num_slots and self._evict_one(requester):
-            evicted += 1
-        return evicted
+    def check(self, objects: Iterable[L1Object]) -> None:
+        """Assert the module doc's invariants over ``objects``, every object the index holds."""
+        objs = tuple(objects)
+        charged: dict[Tenant | None, int] = {}
+        for obj in objs:
+            charged[obj.tenant] = charged.get(obj.tenant, 0) + 1
+        assert charged == self._charged, "tenant charges"
+        assert self._lru.keys() == self._charged.keys() | {None}, "LRU sets are not the charged tenants'"
+        assert self._accounts.keys() == self._lru.keys(), "accounts are not the charged tenants'"
+        for tenant, account in self._accounts.items():
+            assert account.tenant == tenant and account.lru is self._lru[tenant], f"tenant {tenant!r}'s account"
+        runs = [run for _used, _seq, run in self._orphans if run]
+        orphan_runs = {id(run) for run in runs}
+        assert len(orphan_runs) == len(runs), "an orphan run twice on the heap"
+        held = {id(obj) for obj in objs}
+        for used, _seq, run in self._orphans:
+            if run:
+                assert used <= _head(run).used, "an orphan run's key after its head"
+                uses = [o.used for o in run.values()]
+                assert uses == sorted(uses), "an orphan run out of recency order"
+                assert all(o.tenant is None for o in run.values()), "a charged object in an orphan run"
+        for tenant, lru in self._lru.items():
+            uses = [o.used for o in lru.values()]
+            assert uses == sorted(uses), f"tenant {tenant!r}'s LRU out of recency order"
+        for lru in (*self._lru.values(), *runs):
+            assert all(o.key == k and id(o) in held for k, o in lru.items()), "an LRU entry not its key's object"
+        assert sum(len(lru) for lru in self._lru.values()) + sum(len(run) for run in runs) == sum(
+            1 for o in objs if o.writer is None and not o.readers), "LRU sizes"
+        for obj in objs:
+            ready_unleased = obj.writer is None and not obj.readers
+            if obj.tenant is not None:
+                assert obj.account is self._accounts[obj.tenant], "an object of a stale account"
+                assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
+            elif ready_unleased and obj.lru is not self._lru[None]:
+                assert id(obj.lru) in orphan_runs, "an object in no LRU set"

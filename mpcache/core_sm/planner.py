@@ -112,10 +112,6 @@ from mpcache.core_sm.planner_ops import (
 )
 
 
-
-_R = RequestState
-
-
 class StepPlanner:
     """See the module docstring. ``lookups``: the scheduler's ``LookupClient`` (a legacy
     profile may pass a subclass)."""
@@ -193,7 +189,7 @@ class StepPlanner:
                 assert tracker.hit_tokens % self.config.chunk_size == 0, "hit not chunk aligned"
             assert tracker.stored_until % self.config.chunk_size == 0, "store boundary not chunk aligned"
             if tracker.pending_retrieve is not None:
-                assert tracker.state is _R.RUNNING, "retrieve queued for a request without blocks"
+                assert tracker.state is RequestState.RUNNING, "retrieve queued for a request without blocks"
             assert tracker.lease_renewals <= self.config.max_lease_renewals, "renewed past the cap"
 
     # ------------------------------------------------------------------ table plumbing
@@ -204,7 +200,7 @@ class StepPlanner:
 
     def _state_of(self, request_id: object) -> RequestState:
         tracker = self._trackers.get(str(request_id))
-        return _R.ABSENT if tracker is None else tracker.state
+        return RequestState.ABSENT if tracker is None else tracker.state
 
     def _refuse(self, out: list[Effect], reply_to: object, error: ProtocolError) -> None:
         raise AssertionError("planner events carry no reply_to")  # pragma: no cover
@@ -283,7 +279,7 @@ class StepPlanner:
             self._schedule_renewal(tracker, self.renew_at(tracker))
         else:
             tracker.hit_tokens = 0
-            tracker.state = _R.MATCHED
+            tracker.state = RequestState.MATCHED
         self._on_match(event, now, out)
 
     def _on_match(self, event: MatchRequest, now: float, out: Out) -> None:
@@ -303,7 +299,7 @@ class StepPlanner:
                 out.append(MatchAnswer(event.request_id, None, True, until))
                 return
             tracker.hit_tokens = int(hit)
-            tracker.state = _R.MATCHED
+            tracker.state = RequestState.MATCHED
         tracker.engine_hit_tokens = event.num_computed_tokens
         loadable = self.loadable_tokens(tracker)
         if loadable > event.num_computed_tokens and not self.leases_loadable(tracker, now):
@@ -327,14 +323,14 @@ class StepPlanner:
         tracker = self._trackers[event.request_id]
         if tracker.leased_at != event.leased_at:
             return  # a later lookup holds the leases now
-        if tracker.state is _R.LOOKING_UP:
+        if tracker.state is RequestState.LOOKING_UP:
             hit = self.lookups.check(tracker.request_id)
             if hit is None:
                 ttl = self.config.lease_ttl
                 self._schedule_renewal(tracker, None if ttl is None else now + ttl / 8)
                 return
             tracker.hit_tokens = int(hit)
-            tracker.state = _R.MATCHED
+            tracker.state = RequestState.MATCHED
         if tracker.hit_tokens:
             self._renew(tracker, now, out)
 
@@ -355,7 +351,7 @@ class StepPlanner:
             return False
         tracker.lease_renewals += 1
         self._counters["lease_renewals"] += 1
-        tracker.hit_tokens, tracker.leased_at, tracker.state = None, now, _R.LOOKING_UP
+        tracker.hit_tokens, tracker.leased_at, tracker.state = None, now, RequestState.LOOKING_UP
         self._lookup(Cleanup(tracker.request_id), now, out)  # forgets the answered lookup; frees nothing
         self._lookup(SubmitLookup(tracker.request_id, tracker.prompt(), tracker.cache_salt, tracker.extras),
                      now, out)
@@ -374,7 +370,7 @@ class StepPlanner:
         tracker = self._trackers[event.request_id]
         tracker.block_ids = list(event.block_ids)
         tracker.other_group_block_ids = [list(g) for g in event.other_group_block_ids]
-        tracker.state = _R.RUNNING
+        tracker.state = RequestState.RUNNING
         hit = tracker.hit_tokens or 0
         chunk, block = self.config.chunk_size, self.config.block_size
         start = end = 0
@@ -403,11 +399,11 @@ class StepPlanner:
         tracker = self._trackers[event.request_id]
         tracker.block_ids = list(event.block_ids)
         tracker.other_group_block_ids = [list(g) for g in event.other_group_block_ids]
-        tracker.state = _R.RUNNING
+        tracker.state = RequestState.RUNNING
 
     def _on_preempted(self, event: RequestPreempted, now: float, out: Out) -> None:
         tracker = self._trackers[event.request_id]
-        tracker.state = _R.PREEMPTED
+        tracker.state = RequestState.PREEMPTED
         tracker.block_ids = []
         tracker.other_group_block_ids = []
         tracker.pending_retrieve = None
@@ -416,14 +412,14 @@ class StepPlanner:
         tracker = self._trackers[event.request_id]
         request = event.request
         if request.block_ids is not None:
-            if request.replaces_blocks or tracker.state is _R.PREEMPTED:
+            if request.replaces_blocks or tracker.state is RequestState.PREEMPTED:
                 tracker.block_ids = list(request.block_ids)
                 tracker.other_group_block_ids = [list(g) for g in request.other_group_block_ids]
             else:
                 tracker.block_ids.extend(request.block_ids)
                 for blocks, new in zip(tracker.other_group_block_ids, request.other_group_block_ids):
                     blocks.extend(new)
-            tracker.state = _R.RUNNING
+            tracker.state = RequestState.RUNNING
         store = self._plan_store(tracker, request.num_computed_tokens + request.num_scheduled_tokens,
                                  request.num_computed_tokens)
         if store is not None:
@@ -443,7 +439,7 @@ class StepPlanner:
         step scheduled no request and no tracked request holds blocks."""
         if self._last_step_ran:
             return False
-        busy = (_R.RUNNING, _R.PREEMPTED)
+        busy = (RequestState.RUNNING, RequestState.PREEMPTED)
         return not any(t.state in busy for t in self._trackers.values())
 
     def _on_step(self, event: StepScheduled, now: float, out: Out) -> None:
@@ -500,38 +496,42 @@ class StepPlanner:
                            tracker.extras)
 
 
-_P = StepPlanner
 _ALL = tuple(RequestState)
 
 # The one transition table: (request's state, event) -> (handler, next states). handle runs it.
-TABLE: Table[RequestState] = Table("StepPlanner", RequestState, _R.ABSENT, {
-    (_R.ABSENT, MatchRequest): (_P._on_first_match, (_R.LOOKING_UP, _R.MATCHED)),
-    (_R.LOOKING_UP, MatchRequest): (_P._on_match, (_R.LOOKING_UP, _R.MATCHED)),
-    (_R.MATCHED, MatchRequest): (_P._on_match, (_R.MATCHED,)),
-    (_R.RUNNING, MatchRequest): (_P._on_match_allocated, (_R.RUNNING,)),
-    (_R.PREEMPTED, MatchRequest): (_P._on_match_allocated, (_R.PREEMPTED,)),
+TABLE: Table[RequestState] = Table("StepPlanner", RequestState, RequestState.ABSENT, {
+    (RequestState.ABSENT, MatchRequest): (StepPlanner._on_first_match,
+                                          (RequestState.LOOKING_UP, RequestState.MATCHED)),
+    (RequestState.LOOKING_UP, MatchRequest): (StepPlanner._on_match,
+                                              (RequestState.LOOKING_UP, RequestState.MATCHED)),
+    (RequestState.MATCHED, MatchRequest): (StepPlanner._on_match, (RequestState.MATCHED,)),
+    (RequestState.RUNNING, MatchRequest): (StepPlanner._on_match_allocated, (RequestState.RUNNING,)),
+    (RequestState.PREEMPTED, MatchRequest): (StepPlanner._on_match_allocated, (RequestState.PREEMPTED,)),
     # A renewal due while the request still waits looks it up again; once it holds blocks the
     # leases are spent or freed: nothing to renew.
-    (_R.LOOKING_UP, LeaseRenewalDue): (_P._on_renewal_due, (_R.LOOKING_UP, _R.MATCHED)),
-    (_R.MATCHED, LeaseRenewalDue): (_P._on_renewal_due, (_R.MATCHED, _R.LOOKING_UP)),
-    **{(state, LeaseRenewalDue): (_P._ignore, (state,))
-       for state in (_R.ABSENT, _R.RUNNING, _R.PREEMPTED)},
-    (_R.ABSENT, BlocksAllocated): (_P._ignore, (_R.ABSENT,)),
+    (RequestState.LOOKING_UP, LeaseRenewalDue): (StepPlanner._on_renewal_due,
+                                                 (RequestState.LOOKING_UP, RequestState.MATCHED)),
+    (RequestState.MATCHED, LeaseRenewalDue): (StepPlanner._on_renewal_due,
+                                              (RequestState.MATCHED, RequestState.LOOKING_UP)),
+    **{(state, LeaseRenewalDue): (StepPlanner._ignore, (state,))
+       for state in (RequestState.ABSENT, RequestState.RUNNING, RequestState.PREEMPTED)},
+    (RequestState.ABSENT, BlocksAllocated): (StepPlanner._ignore, (RequestState.ABSENT,)),
     # Allocated before the lookup answered (vLLM got (None, True) and must not allocate; a
     # kv_producer-only engine has no lookup): the hit counts as 0.
-    (_R.LOOKING_UP, BlocksAllocated): (_P._on_allocated, (_R.RUNNING,)),
-    (_R.MATCHED, BlocksAllocated): (_P._on_allocated, (_R.RUNNING,)),
-    (_R.RUNNING, BlocksAllocated): (_P._on_blocks, (_R.RUNNING,)),
-    (_R.PREEMPTED, BlocksAllocated): (_P._on_blocks, (_R.RUNNING,)),
-    (_R.ABSENT, RequestPreempted): (_P._ignore, (_R.ABSENT,)),
-    (_R.LOOKING_UP, RequestPreempted): (_P._ignore, (_R.LOOKING_UP,)),
-    (_R.MATCHED, RequestPreempted): (_P._ignore, (_R.MATCHED,)),
-    (_R.RUNNING, RequestPreempted): (_P._on_preempted, (_R.PREEMPTED,)),
-    (_R.PREEMPTED, RequestPreempted): (_P._on_preempted, (_R.PREEMPTED,)),
-    (_R.ABSENT, RequestScheduled): (_P._ignore, (_R.ABSENT,)),
-    (_R.RUNNING, RequestScheduled): (_P._on_scheduled, (_R.RUNNING,)),
-    (_R.PREEMPTED, RequestScheduled): (_P._on_scheduled, (_R.PREEMPTED, _R.RUNNING)),
-    **{(state, RequestFinished): (_P._on_finished, (_R.ABSENT,)) for state in _ALL},
+    (RequestState.LOOKING_UP, BlocksAllocated): (StepPlanner._on_allocated, (RequestState.RUNNING,)),
+    (RequestState.MATCHED, BlocksAllocated): (StepPlanner._on_allocated, (RequestState.RUNNING,)),
+    (RequestState.RUNNING, BlocksAllocated): (StepPlanner._on_blocks, (RequestState.RUNNING,)),
+    (RequestState.PREEMPTED, BlocksAllocated): (StepPlanner._on_blocks, (RequestState.RUNNING,)),
+    (RequestState.ABSENT, RequestPreempted): (StepPlanner._ignore, (RequestState.ABSENT,)),
+    (RequestState.LOOKING_UP, RequestPreempted): (StepPlanner._ignore, (RequestState.LOOKING_UP,)),
+    (RequestState.MATCHED, RequestPreempted): (StepPlanner._ignore, (RequestState.MATCHED,)),
+    (RequestState.RUNNING, RequestPreempted): (StepPlanner._on_preempted, (RequestState.PREEMPTED,)),
+    (RequestState.PREEMPTED, RequestPreempted): (StepPlanner._on_preempted, (RequestState.PREEMPTED,)),
+    (RequestState.ABSENT, RequestScheduled): (StepPlanner._ignore, (RequestState.ABSENT,)),
+    (RequestState.RUNNING, RequestScheduled): (StepPlanner._on_scheduled, (RequestState.RUNNING,)),
+    (RequestState.PREEMPTED, RequestScheduled): (StepPlanner._on_scheduled,
+                                                 (RequestState.PREEMPTED, RequestState.RUNNING)),
+    **{(state, RequestFinished): (StepPlanner._on_finished, (RequestState.ABSENT,)) for state in _ALL},
 })
 """Pairs not listed (scheduling a request before its blocks were allocated) are counted as
 stale events by the dispatcher and change nothing."""

@@ -371,7 +371,7 @@ class InstanceMachine:
         connection or CURVE key), not an instance it registered, so registering many instances
         takes no more of L1. Each tenant's share is ``num_slots`` over the tenants."""
         tenants = {self._tenant(inst, iid) for iid, inst in self.instances.items()}
-        self.ctx.index.tenant_share = max(1, self.ctx.index.num_slots // max(1, len(tenants)))
+        self.ctx.index.quota.tenant_share = max(1, self.ctx.index.num_slots // max(1, len(tenants)))
 
     @staticmethod
     def _tenant(inst: Instance, instance_id: int) -> Hashable:
@@ -387,7 +387,7 @@ class InstanceMachine:
         peer's last instance goes (its other instances keep them charged to it)."""
         tenant = self._tenant(gone, instance_id)
         if not any(self._tenant(inst, iid) == tenant for iid, inst in self.instances.items()):
-            self.ctx.index.forget_tenant(tenant)
+            self.ctx.index.quota.forget_tenant(tenant)
         self._shares_changed()
 
     # ============================================================================= for transfers
@@ -398,7 +398,7 @@ class InstanceMachine:
         c = self.ctx.config
         if c.max_slots_per_instance is not None:
             return c.max_slots_per_instance
-        share = self.ctx.index.tenant_share or self.ctx.index.num_slots
+        share = self.ctx.index.quota.tenant_share or self.ctx.index.num_slots
         inst = self.instances.get(instance_id) if instance_id is not None else None
         if inst is None:
             return max(1, share)

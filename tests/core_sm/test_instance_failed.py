@@ -35,7 +35,7 @@ def test_a_failed_instance_is_released_like_a_reap_and_others_are_untouched() ->
     assert h.server.transfers.transfers and h.server.instances.state(2).value == "registered"
     # instance 1's stored objects stay readable, charged to no tenant now
     idx = h.server.index
-    assert idx.charged(1) == 0 and idx.charged(None) == 2
+    assert idx.quota.charged(1) == 0 and idx.quota.charged(None) == 2
 
 
 def test_a_failed_engine_driven_instance_loses_its_open_plans() -> None:

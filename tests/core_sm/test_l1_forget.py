@@ -1,37 +1,29 @@
-"""Forgetting a gone tenant (``L1Index.forget_tenant``, mpcache.core_sm.l1_quota) touches none of
-the index's objects -- a client repeating register, store, unregister must not cost the loop
+"""Forgetting a gone tenant (``L1Index.quota.forget_tenant``, mpcache.core_sm.l1_quota) touches none
+of the index's objects -- a client repeating register, store, unregister must not cost the loop
 O(objects) each time -- and keeps one recency order over every object of no tenant."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
+import pytest
+
+from mpcache.core_sm import l1_index
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.l1_index import L1Index, ReleaseReason
+from mpcache.core_sm.l1_object import L1Object
 
 
-class CountingObjects(dict[Any, Any]):
-    """The index's object map, counting every object it hands out."""
+class CountingObject(L1Object):
+    """The index's record of an object, noting every record any code reads while ``counting``."""
 
-    touched = 0
+    __slots__ = ()
+    counting: ClassVar[bool] = False
+    touched: ClassVar[set[int]] = set()
 
-    def __getitem__(self, key: Any) -> Any:
-        self.touched += 1
-        return super().__getitem__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.touched += 1
-        return super().get(key, default)
-
-    def values(self) -> Iterator[Any]:  # type: ignore[override]
-        for value in super().values():
-            self.touched += 1
-            yield value
-
-    def items(self) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
-        for item in super().items():
-            self.touched += 1
-            yield item
+    def __getattribute__(self, name: str) -> Any:
+        if CountingObject.counting:
+            CountingObject.touched.add(id(self))
+        return super().__getattribute__(name)
 
 
 def _key(i: int) -> ObjectKey:
@@ -48,20 +40,27 @@ def _store(idx: L1Index, first: int, n: int, tenant: object) -> list[ObjectKey]:
 
 def _objects_touched_forgetting(others: int) -> int:
     idx = L1Index(num_slots=2 * others + 16, slot_bytes=1)
-    idx.tenant_share = others
+    idx.quota.tenant_share = others
     _store(idx, 0, others, tenant="earlier")
-    assert idx.forget_tenant("earlier") == others  # nobody's now: the common LRU is full
+    assert idx.quota.forget_tenant("earlier") == others  # nobody's now: the common LRU is full
     _store(idx, others, others, tenant="bystander")
-    _store(idx, 2 * others, 8, tenant="gone")
-    counting = CountingObjects(idx._objects)
-    idx._objects = counting
-    assert idx.forget_tenant("gone") == 8
-    touched = counting.touched
+    gone = _store(idx, 2 * others, 8, tenant="gone")
+    CountingObject.touched.clear()
+    CountingObject.counting = True
+    try:
+        assert idx.tenant_of(gone[0]) == "gone"  # the count sees a read: one record
+        assert len(CountingObject.touched) == 1
+        CountingObject.touched.clear()
+        assert idx.quota.forget_tenant("gone") == 8
+    finally:
+        CountingObject.counting = False
+    touched = len(CountingObject.touched)
     idx.check_invariants()
     return touched
 
 
-def test_forgetting_a_tenant_touches_at_most_its_own_objects() -> None:
+def test_forgetting_a_tenant_touches_at_most_its_own_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(l1_index, "L1Object", CountingObject)  # every record the index makes counts
     # with 4,096 objects of others (nobody's and a live tenant's), 8 of its own
     assert _objects_touched_forgetting(4096) <= 8
     assert _objects_touched_forgetting(64) <= 8
@@ -72,13 +71,13 @@ def test_objects_of_no_tenant_are_evicted_in_one_recency_order() -> None:
     other stored its last); evictions for a new tenant take every object of no tenant oldest
     first, wherever it came from, before any of the live tenant's."""
     idx = L1Index(num_slots=13, slot_bytes=1)
-    idx.tenant_share = 20  # nobody reaches its share: only objects of no tenant may go
+    idx.quota.tenant_share = 20  # nobody reaches its share: only objects of no tenant may go
     order: list[ObjectKey] = []
     for i in range(9):
         order += _store(idx, i, 1, tenant=("a", "b", "c")[i % 3])
-    idx.forget_tenant("a")
+    idx.quota.forget_tenant("a")
     order += _store(idx, 9, 1, tenant="b")
-    idx.forget_tenant("b")
+    idx.quota.forget_tenant("b")
     idx.touch(order[1])  # b's first: now the most recently used of no tenant
     nobody = [k for k in order if idx.tenant_of(k) is None]
     expected = [k for k in nobody if k != order[1]] + [order[1]]
@@ -98,14 +97,14 @@ def test_repeated_forgetting_leaves_no_empty_runs_behind() -> None:
     """Register, store, lease, unregister, over and over: each forgotten tenant's run empties
     when its object is leased; the runs do not pile up past the heap's compaction."""
     idx = L1Index(num_slots=64, slot_bytes=1)
-    idx.tenant_share = 64
+    idx.quota.tenant_share = 64
     for i in range(5000):
         (k,) = _store(idx, i, 1, tenant=("t", i))
-        assert idx.forget_tenant(("t", i)) == 1
+        assert idx.quota.forget_tenant(("t", i)) == 1
         assert idx.lease_read(k, "reader", 1, 0.0)
         assert idx.release_owner("reader", ReleaseReason.FREE, 0.0) == 1
         if i % 500 == 0:
             idx.check_invariants()
         if idx.used_slots > 48:
             idx.clear(force=False)
-    assert len(idx._orphans) <= 2048
+    assert idx.quota.orphan_runs <= 2048

@@ -241,20 +241,20 @@ def _fill(idx: L1Index, tenant: object, n: int, tag: bytes, now: float = 0.0) ->
 
 def test_a_tenant_over_its_share_evicts_its_own_lru_objects_never_a_tenant_within_its_share() -> None:
     idx = L1Index(num_slots=4, slot_bytes=8)
-    idx.tenant_share = 2
+    idx.quota.tenant_share = 2
     victim = _fill(idx, 2, 2, b"v")  # within its share
     flood = _fill(idx, 1, 2, b"f")  # L1 is full now
     more = _fill(idx, 1, 5, b"g")  # every one of these evicts one of tenant 1's own
     assert all(idx.is_readable(k) for k in victim)
     assert [k for k in flood + more if idx.is_readable(k)] == more[-2:]  # its most recent
-    assert idx.charged(1) == 2 and idx.charged(2) == 2
+    assert idx.quota.charged(1) == 2 and idx.quota.charged(2) == 2
     assert idx.stats()["evictions"] == 5 and idx.stats()["evictions_for_others"] == 0
     idx.check_invariants()
 
 
 def test_a_tenant_within_its_share_evicts_a_flooders_objects_first() -> None:
     idx = L1Index(num_slots=4, slot_bytes=8)
-    idx.tenant_share = 2
+    idx.quota.tenant_share = 2
     flood = _fill(idx, 1, 4, b"f")  # free slots are anyone's: tenant 1 holds all four
     idx.touch(flood[0])  # flood[1] is now its least recently used
     mine = _fill(idx, 2, 2, b"m")
@@ -263,13 +263,13 @@ def test_a_tenant_within_its_share_evicts_a_flooders_objects_first() -> None:
     assert idx.stats()["evictions_for_others"] == 2
     # both at their share now: tenant 2 storing more evicts its own, tenant 1's stay
     third = _fill(idx, 2, 1, b"t")
-    assert not idx.is_readable(mine[0]) and idx.is_readable(third[0]) and idx.charged(1) == 2
+    assert not idx.is_readable(mine[0]) and idx.is_readable(third[0]) and idx.quota.charged(1) == 2
     idx.check_invariants()
 
 
 def test_a_reservation_that_may_evict_nothing_is_refused_and_changes_nothing() -> None:
     idx = L1Index(num_slots=4, slot_bytes=8)
-    idx.tenant_share = 3  # e.g. max_slots_per_instance: both tenants below their share
+    idx.quota.tenant_share = 3  # e.g. max_slots_per_instance: both tenants below their share
     a, b = _fill(idx, 1, 2, b"a"), _fill(idx, 2, 2, b"b")
     # an L2 read (no tenant) may not take an object of a tenant below its share
     assert idx.reserve_write(ObjectKey(b"l2", 0), "read", 1, 0.0) is None
@@ -283,34 +283,34 @@ def test_a_reservation_that_may_evict_nothing_is_refused_and_changes_nothing() -
 def test_an_l2_read_may_evict_from_tenants_at_their_share() -> None:
     # one engine that filled L1 (its share is all of it) still gets its L2 hits loaded
     idx = L1Index(num_slots=2, slot_bytes=8)
-    idx.tenant_share = 2
+    idx.quota.tenant_share = 2
     a = _fill(idx, 1, 2, b"a")
     assert idx.reserve_write(ObjectKey(b"l2", 0), "read", 1, 0.0) is not None
-    assert not idx.is_readable(a[0]) and idx.is_readable(a[1]) and idx.charged(None) == 1
+    assert not idx.is_readable(a[0]) and idx.is_readable(a[1]) and idx.quota.charged(None) == 1
     idx.check_invariants()
 
 
 def test_no_tenant_objects_and_a_gone_tenants_objects_are_the_first_to_go() -> None:
     idx = L1Index(num_slots=4, slot_bytes=8)
-    idx.tenant_share = 2
+    idx.quota.tenant_share = 2
     l2 = _fill(idx, None, 1, b"c")  # loaded from L2 for a lookup: nobody's
     gone = _fill(idx, 3, 1, b"g")
     keep = _fill(idx, 1, 2, b"k")
-    assert idx.forget_tenant(3) == 1 and idx.tenant_of(gone[0]) is None and idx.charged(None) == 2
+    assert idx.quota.forget_tenant(3) == 1 and idx.tenant_of(gone[0]) is None and idx.quota.charged(None) == 2
     assert idx.is_readable(gone[0])  # still a hit until room is needed
     new = _fill(idx, 2, 2, b"n")
     assert not idx.is_readable(l2[0]) and not idx.is_readable(gone[0])  # LRU order among them
     assert all(idx.is_readable(k) for k in keep + new)
-    assert idx.forget_tenant(3) == 0
+    assert idx.quota.forget_tenant(3) == 0
     idx.check_invariants()
 
 
 def test_readers_are_not_charged_for_an_object_they_share() -> None:
     idx = L1Index(num_slots=3, slot_bytes=8)
-    idx.tenant_share = 1
+    idx.quota.tenant_share = 1
     (shared,) = _fill(idx, 1, 1, b"s")
     assert idx.lease_read(shared, "tenant-2-request", 1, 0.0)
-    assert idx.charged(1) == 1 and idx.charged(2) == 0 and idx.tenant_of(shared) == 1
+    assert idx.quota.charged(1) == 1 and idx.quota.charged(2) == 0 and idx.tenant_of(shared) == 1
     assert idx.release_read(shared, "tenant-2-request", None, ReleaseReason.RETRIEVE, 0.0) == 1
     # tenant 2 stores up to L1's size: tenant 1's object is within its share and stays
     two = _fill(idx, 2, 2, b"t")
@@ -339,7 +339,7 @@ class L1Machine(RuleBasedStateMachine):
                 share=st.one_of(st.none(), st.integers(1, 3)))
     def setup(self, slots: int, ttl: float, share: int | None) -> None:
         self.idx = L1Index(slots, 8, lease_ttl=ttl, high_watermark=1.0, low_watermark=1.0)
-        self.idx.tenant_share = share
+        self.idx.quota.tenant_share = share
         self.now = 0.0
         self.model: dict[tuple[ObjectKey, object], tuple[int, float]] = {}  # count, expiry
         self.taken = 0
@@ -360,11 +360,11 @@ class L1Machine(RuleBasedStateMachine):
         idx = self.idx
         before = {k: idx.state(k) for k in KEYS}
         tenants = {k: idx.tenant_of(k) for k in KEYS}
-        charged = {t: idx.charged(t) for t in TENANTS}
+        charged = {t: idx.quota.charged(t) for t in TENANTS}
         own_evictable = any(s is ObjectState.READY and tenants[k] == tenant for k, s in before.items())
         slot = idx.reserve_write(key, "w", nbytes, self.now, tenant)
         evicted = [k for k, s in before.items() if s is not ObjectState.ABSENT and idx.state(k) is ObjectState.ABSENT]
-        share = idx.tenant_share
+        share = idx.quota.tenant_share
         for k in evicted:
             t = tenants[k]
             # the quota: another tenant's object goes only when that tenant is over its share
@@ -381,8 +381,8 @@ class L1Machine(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(TENANTS[1:]))
     def tenant_gone(self, tenant: object) -> None:
-        n = self.idx.charged(tenant)
-        assert self.idx.forget_tenant(tenant) == n and self.idx.charged(tenant) == 0
+        n = self.idx.quota.charged(tenant)
+        assert self.idx.quota.forget_tenant(tenant) == n and self.idx.quota.charged(tenant) == 0
 
     @rule(key=st.sampled_from(KEYS))
     def touch(self, key: ObjectKey) -> None:
@@ -503,14 +503,14 @@ def test_server_two_instances_one_floods_the_others_hits_survive() -> None:
         h.finish_all_transfers()
         h.result(rt)
     idx = h.server.index
-    assert idx.charged(2) == 3 and idx.charged(1) == 5  # all the room the victim does not use
+    assert idx.quota.charged(2) == 3 and idx.quota.charged(1) == 5  # all the room the victim does not use
     assert h.call(Lookup(key("probe", victim), 1)) is None
     assert h.call(QueryPrefetchStatus("probe")) == 3  # all 3 of its chunks hit
     # the victim unregisters: its objects are nobody's now (still hits), the flooder's share grows
     from mpcache.core_sm.messages import UnregisterInstance
 
     assert h.call(UnregisterInstance(2)) is None
-    assert idx.charged(2) == 0 and idx.charged(None) == 3 and idx.tenant_share == 8
+    assert idx.quota.charged(2) == 0 and idx.quota.charged(None) == 3 and idx.quota.tenant_share == 8
 
 
 def test_lease_reads_refresh_renews_held_leases_and_lease_expiry_reads_them() -> None:

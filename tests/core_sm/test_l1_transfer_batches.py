@@ -94,7 +94,7 @@ _ops = st.lists(st.tuples(st.sampled_from(["reserve", "finish", "abort"]),
 def test_the_batch_forms_are_the_per_key_forms(ops: list[tuple[str, list[int], str]], slots: int,
                                                limit: int | None) -> None:
     batch, single = L1Index(slots, 4), L1Index(slots, 4)
-    single.tenant_share = batch.tenant_share = max(1, slots // 2)
+    single.quota.tenant_share = batch.quota.tenant_share = max(1, slots // 2)
     for t, (op, ids, owner) in enumerate(ops):
         keys = [ObjectKey(i.to_bytes(4, "little"), i % 2) for i in ids]
         now = float(t)

@@ -281,7 +281,7 @@ def test_l1_is_shared_by_peers_not_by_the_instances_one_peer_registers() -> None
     assert _stored(h, victim, 1, A, rid="v").stored == 3
     for iid in range(100, 116):  # one connection, sixteen instances
         _register(h, iid, B)
-    assert h.server.index.tenant_share == 4  # two tenants: the instances of B count once
+    assert h.server.index.quota.tenant_share == 4  # two tenants: the instances of B count once
     for i in range(40):  # B floods L1 with committed stores from every instance
         _stored(h, tokens(2, seed=i), 100 + i % 16, B, rid=f"f{i}")
     assert h.result(_call(h, Lookup(key("probe", victim), 1), A)) is None
@@ -292,9 +292,9 @@ def test_l1_is_shared_by_peers_not_by_the_instances_one_peer_registers() -> None
     # when B's last instance goes, its objects are nobody's; not before
     for iid in range(100, 115):
         h.result(_call(h, UnregisterInstance(iid), B))
-    assert h.server.index.charged(("peer", B)) > 0
+    assert h.server.index.quota.charged(("peer", B)) > 0
     h.result(_call(h, UnregisterInstance(115), B))
-    assert h.server.index.charged(("peer", B)) == 0
+    assert h.server.index.quota.charged(("peer", B)) == 0
 
 
 @pytest.mark.parametrize("gone", ["reaped", "failed"])
@@ -305,7 +305,7 @@ def test_a_reaped_or_failed_id_stays_its_owners_for_a_while(gone: str) -> None:
     _register(h, 1, A)
     _register(h, 2, B)
     assert h.result(_call(h, Ping(1), A)) is True  # a heartbeating instance
-    assert h.server.index.tenant_share == 32  # two tenants
+    assert h.server.index.quota.tenant_share == 32  # two tenants
     if gone == "reaped":
         h.advance(11.0)
         assert h.server.stats()["instances_reaped"] == 1
@@ -314,10 +314,10 @@ def test_a_reaped_or_failed_id_stays_its_owners_for_a_while(gone: str) -> None:
         h.feed(InstanceFailed(1, "event never fired"))
     assert h.server.instances.registration(1) is None
     # the silent instance no longer counts: B is L1's only tenant
-    assert h.server.index.tenant_share == 64
+    assert h.server.index.quota.tenant_share == 64
     # another peer cannot take the id while it is kept; nothing changes
     assert h.error_kind(_call(h, RegisterInstance(1, MODEL, 1, 10), B)) is ErrorKind.FORBIDDEN
-    assert h.server.instances.registration(1) is None and h.server.index.tenant_share == 64
+    assert h.server.instances.registration(1) is None and h.server.index.quota.tenant_share == 64
     # the owner can (its client registers again on NOT_REGISTERED)
     assert h.error_kind(_call(h, Store(key("w", TOKS, worker_id=0), 1), A)) is ErrorKind.NOT_REGISTERED
     _register(h, 1, A)
@@ -385,7 +385,7 @@ def test_a_gone_peers_instances_are_released_and_no_id_is_kept_for_it() -> None:
     assert h.server.instances.registration(1) is None and h.server.instances.registration(2) is None
     assert h.server.stats()["instances_of_gone_peers"] == 2
     assert h.error_kind(_call(h, CommitTransfer(plan.transfer_id, True), A)) is not None  # its plan went too
-    assert h.server.index.tenant_share == 64  # B alone
+    assert h.server.index.quota.tenant_share == 64  # B alone
     # the client reconnected as C: it registers its ids (3 was kept for A, who can never come back)
     for iid in (1, 2, 3):
         _register(h, iid, "peer-c")
