@@ -67,6 +67,7 @@ from mpcache.core_sm.health import TABLES as HEALTH_TABLES
 from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
+from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
@@ -86,6 +87,8 @@ from mpcache.core_sm.messages import (
     UnregisterInstance,
     WaitPrefetchStatus,
 )
+from mpcache.core_sm.planner import TABLE as PLANNER_TABLE
+from mpcache.core_sm.planner import BlocksAllocated, MatchAnswer, MatchRequest, PlannerConfig, RequestFinished, StepPlan, StepPlanner, StepScheduled
 from mpcache.core_sm.server import TABLES as SERVER_TABLES
 from mpcache.core_sm.server import LookupServer, ServerConfig
 from mpcache.core_sm.server_core import RequestKey
@@ -99,11 +102,14 @@ from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.engine import Outbound, sim_link_config
 from mpcache.sim.explore_state import deep_size, dispatchers, next_deadline, snapshot
 from mpcache.sim.oracles import Violation
+from mpcache.sim.profiles import Profile
 from mpcache.sim.trace import short
 
 CHUNK = 16
 PROMPT = tuple(range(2 * CHUNK))  # every request asks for the same two chunks (shared objects)
 SCRIPT = ("submit", "check", "cleanup", "end")
+PLANNER_STEPS = ("match", "alloc", "preempt", "finish")  # a planner world's script steps
+BLOCKS = (0, 1)  # the blocks vLLM allocates a request: the whole prompt (block size = chunk size)
 ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
 
@@ -128,6 +134,13 @@ class XWorld:
     # heartbeat is still due before the horizon, so every restart can be noticed)
     workers: bool = False
     instance_ttl: float | None = None  # the server reaps an instance silent this long (None: never)
+    # each engine's scheduler is the connector's StepPlanner (over its LookupClient), driven in
+    # vLLM's call order by the planner script: match (until answered), allocate and plan (one
+    # scheduler step), (preempt, match, allocate and plan,) finish
+    planner: bool = False
+    preempt: bool = False  # the planner script preempts the request after its plan and resumes it
+    load_cap: int | None = None  # the request's max_load_tokens (vLLM's kv_transfer_params cap)
+    lease_renewals: int = 1  # the planner's max_lease_renewals (production's 16 only repeats the first)
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
@@ -146,6 +159,9 @@ class XWorld:
     symmetry: bool = True
 
     def script(self) -> tuple[str, ...]:
+        if self.planner:
+            again = ("preempt", "match", "alloc") if self.preempt else ()
+            return ("match", "alloc") + again + ("finish",)
         return ("submit",) + ("check",) * self.checks + ("cleanup", "end")
 
 
@@ -166,7 +182,10 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e1s-worker", engines=1, servers=1, requests=0, workers=True, heartbeat_interval=0.2,
                   heartbeat_timeout=100.0, horizon=0.5, instance_ttl=0.3),
            # an adversarial tenant frees or ends one request id it saw (F22: nothing of the honest moves)
-           XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1)],
+           XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1),
+           # the connector's planner drives the lookup: match, allocate and plan, preempt, match
+           # again, allocate and plan, finish; its lease renewal (one) as the clock moves
+           XWorld("ci-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
     "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
@@ -196,6 +215,17 @@ PROFILE_WORLDS: dict[str, XWorld] = {
                         horizon=0.5, instance_ttl=0.3),
     # another tenant frees the request id it saw: only ownership keeps the leases
     "trust-all": XWorld("trust-all", attacks=1),
+    # the planner's worlds. A whole-prompt hit loaded only up to the request's load cap: the
+    # leases past it must be freed at allocation (F8)
+    "planner-tail-leak": XWorld("planner-tail-leak", planner=True, stored=2, load_cap=CHUNK),
+    # preempted after its plan and resumed: the one lookup's leases are spent (F21)
+    "preempt-reuse": XWorld("preempt-reuse", planner=True, preempt=True),
+    # the request waits (the clock moves to the servers' lease expiry) between its answered
+    # match and its allocation: the planner must renew or give the hit up (F20)
+    "lease-expiry-under-queue": XWorld("lease-expiry-under-queue", planner=True),
+    # two servers, one rank each: each rank loads from the server that leased its part (F2); no
+    # renewal (with one, the renewing lookup to both servers interleaves into thousands of states)
+    "placement-mismatch": XWorld("placement-mismatch", planner=True, servers=2, lease_renewals=0),
 }
 
 
@@ -248,6 +278,12 @@ class XState:
     timely: bool = True  # no slow frame on the path so far
     last_fault: float = 0.0
     submitted: tuple[tuple[str, float], ...] = ()  # request id -> when its lookup was submitted
+    # planner worlds: request id -> the tokens its last answered match said would be loaded
+    matched: tuple[tuple[str, int], ...] = ()
+    loads: tuple[tuple[str, int], ...] = ()  # request id -> retrieves planned for it (F21)
+    # request id -> when its hit's leases were due to expire when last seen held (F20), and the
+    # servers' incarnations then (a restart takes leases: no expiry)
+    lease_seen: tuple[tuple[str, float, tuple[int, ...]], ...] = ()
     owned: set[tuple[str, int]] = attrs.Factory(set)  # machines copied in this transition
 
     def child(self) -> XState:
@@ -255,7 +291,8 @@ class XState:
                       list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
                       self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.seen,
-                      self.reaped, self.clean, self.timely, self.last_fault, self.submitted)
+                      self.reaped, self.clean, self.timely, self.last_fault, self.submitted, self.matched,
+                      self.loads, self.lease_seen)
 
 
 @attrs.define
@@ -288,6 +325,8 @@ class Explorer:
         if world.workers and world.servers != 1:
             raise ValueError("a world with workers has one server")
         self.monitor_class: type[HealthMonitor] = getattr(profile, "health_monitor_class", HealthMonitor)
+        self.planner_class: type[StepPlanner] = getattr(profile, "planner_class", StepPlanner)
+        self.profile: Any = profile if profile is not None else Profile()
         timeout = getattr(profile, "lookup_timeout", None)
         self.script = world.script()
         # The production machines must never count a table violation or an internal error; a
@@ -303,6 +342,7 @@ class Explorer:
         self.seconds = 0.0
         self.bytes_per_state = 0.0
         self.lines: list[str] | None = None  # timeline lines, kept only when replaying
+        self._effects: list[Any] = []  # the last scheduler event's effects (a planner's answers)
         self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
         self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
         self._snaps: dict[tuple[int, Any], tuple[Any, bytes]] = {}
@@ -340,10 +380,10 @@ class Explorer:
         assert isinstance(lookup, Lookup)
         self._lookup_key = lookup.key  # what the adversary saw on the wire (its request id replaced)
         server = LookupServer(self.server_config)
-        hashes, err = server.ctx.hashes(lookup.key, self.world.stored)
+        hashes, err = server.ctx.hashes(lookup.key, len(PROMPT) // CHUNK)
         assert err is None
-        from mpcache.core_sm.chunks import ObjectKey
-        return [ObjectKey(h, rank) for h in hashes for rank in range(self.client_config.world_size)]
+        self._hashes = list(hashes)  # every chunk of the prompt (where a load reads its leases)
+        return [ObjectKey(h, rank) for h in hashes[:self.world.stored] for rank in range(self.client_config.world_size)]
 
     def new_server(self) -> LookupServer:
         server = self.server_class(self.server_config)
@@ -353,10 +393,23 @@ class Explorer:
         self._share(server)
         return server
 
-    def new_client(self) -> LookupClient:
+    def new_client(self) -> Any:
+        """An engine's scheduler: its LookupClient or, in a planner world, the connector's
+        StepPlanner over one (vLLM's GPU engine: block size = chunk size, leases as the server's)."""
         client = self.client_class(self.client_config)
+        if self.world.planner:
+            planner = self.planner_class(PlannerConfig(CHUNK, CHUNK, lease_ttl=self.server_config.lease_ttl,
+                                                     max_lease_renewals=self.world.lease_renewals), client)
+            self._share(planner)
+            return planner
         self._share(client)
         return client
+
+    @staticmethod
+    def lookups(client: Any) -> LookupClient:
+        """The lookup client of an engine's scheduler (a planner's own)."""
+        lc: LookupClient = client.lookups if isinstance(client, StepPlanner) else client
+        return lc
 
     def new_worker(self, e: int) -> TransferClient:
         """Engine ``e``'s worker: instance ``e + 1``, rank 0, server-driven, its ops bounded by
@@ -415,12 +468,11 @@ class Explorer:
         server: LookupServer = st.servers[s]
         return server
 
-    def _own_client(self, st: XState, e: int) -> LookupClient:
+    def _own_client(self, st: XState, e: int) -> Any:
         if ("c", e) not in st.owned:
             st.owned.add(("c", e))
             st.clients[e] = copy.deepcopy(st.clients[e], dict(self._static))
-        client: LookupClient = st.clients[e]
-        return client
+        return st.clients[e]
 
     def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
         i = (node * self.world.engines + e) * self.world.servers + s
@@ -465,11 +517,12 @@ class Explorer:
             for r, step in enumerate(script):
                 if step >= len(self.script):
                     continue
-                if self.script[step] == "check" and st.clients[e].state(rid(e, r)) not in (
+                if self.script[step] in ("check", "match") and self.lookups(st.clients[e]).state(rid(e, r)) not in (
                         LookupState.DONE, LookupState.ABSENT):
                     if st.aborts > 0:
                         yield ("abort", (e, r))
-                        yield ("cancel", (e, r))
+                        if not self.world.planner:  # vLLM's cleanup_lookup_result; the planner has none
+                            yield ("cancel", (e, r))
                     continue
                 yield ("step", (e, r))
         if st.restarts > 0 and not (self.world.workers and st.now + self.world.heartbeat_interval > self.world.horizon):
@@ -572,7 +625,7 @@ class Explorer:
             step = self.script[scripts[r]]
             if kind == "abort":  # vLLM's request_finished while the lookup is pending; not a fault
                 st.aborts -= 1
-                step = "end"
+                step = self.script[-1]
                 scripts[r] = len(self.script) - 1
             elif kind == "cancel":  # vLLM's cleanup_lookup_result while it is pending
                 st.aborts -= 1
@@ -583,6 +636,8 @@ class Explorer:
             if step == "submit":
                 st.submitted = (*st.submitted, (rid(e, r), st.now))
                 return self._client_event(st, e, SubmitLookup(rid(e, r), PROMPT))
+            if step in PLANNER_STEPS:
+                return self._planner_step(st, e, r, step, scripts)
             if step == "check":
                 client = self._own_client(st, e)
                 result = client.check(rid(e, r))  # a legacy client may send again here
@@ -693,7 +748,7 @@ class Explorer:
         """A status answer reaches a lookup still waiting for this server: it must count (F2)."""
         if not isinstance(result, int) or isinstance(result, bool):
             return
-        client = st.clients[e]
+        client = self.lookups(st.clients[e])
         pending = client.pending(request_id)
         leg = pending.legs.get(s) if pending is not None and client.state(request_id) is not LookupState.DONE else None
         if leg is not None and leg.chunks is None:
@@ -838,14 +893,18 @@ class Explorer:
 
     def _client_event(self, st: XState, e: int, event: Any) -> Violation | None:
         client = self._own_client(st, e)
+        lc = self.lookups(client)
         node = f"sched{e}"
-        counters = client._counters
-        before = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"])
-        watched = [r for r in sorted({k[0] for k, _n in st.hits}) if client.state(r) is not LookupState.DONE]
+        counters = lc._counters
+        own = client._counters  # the planner's, in a planner world (the lookup client's otherwise)
+        before = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"],
+                  own["internal_errors"], own.get("table_violations", 0))
+        watched = [r for r in sorted({k[0] for k, _n in st.hits}) if lc.state(r) is not LookupState.DONE]
         effects = client.handle(event, st.now)
+        self._effects = effects
         if self.lines is not None:
-            self.lines.append(f"{st.now:12.6f} {node:<11} lookup: {short(event)} -> "
-                              f"[{', '.join(short(x) for x in effects)}]")
+            self.lines.append(f"{st.now:12.6f} {node:<11} {'planner' if lc is not client else 'lookup'}: "
+                              f"{short(event)} -> [{', '.join(short(x) for x in effects)}]")
         for eff in effects:
             if isinstance(eff, SendRequest):
                 s = eff.server
@@ -853,20 +912,27 @@ class Explorer:
                 if type(request) is FreeLookupLocks or type(request) is EndSession:
                     r = request_id_of(request)
                     st.released = st.released | {(str(r), s)}
+                elif type(request) is Lookup and lc is not client:
+                    # the planner looks a waiting request up again (a lease renewal): its bound
+                    # counts from then
+                    submitted = dict(st.submitted)
+                    submitted[request.key.request_id] = st.now
+                    st.submitted = tuple(sorted(submitted.items()))
         v = self._violation(st, node, checks.core_invariants(client))
         if v:
             return v
         hits = dict(st.hits)
         for r in watched:
-            if client.state(r) is LookupState.DONE and st.clean:
-                pending = client.pending(r)
+            if lc.state(r) is LookupState.DONE and st.clean:
+                pending = lc.pending(r)
                 assert pending is not None
                 message = checks.lost_hit(r, pending.legs, hits, pending.result_tokens)
                 if message is not None:
                     return Violation("F2", st.now, node, message)
         self._drain(client)
-        after = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"])
-        if self.strict and after[:2] != before[:2]:
+        after = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"],
+                 own["internal_errors"], own.get("table_violations", 0))
+        if self.strict and (after[:2], after[3:]) != (before[:2], before[3:]):
             return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
         if after[2] != before[2] and st.clean and st.timely:
             return Violation("LIVENESS", st.now, node, "a lookup resolved by the client's timeout with no "
@@ -879,6 +945,119 @@ class Explorer:
                     eff.correlation, Outbound("lookup", eff.correlation, eff.request), None, Role.REQUEST, None))
                 if v:
                     return v
+        return None
+
+    def _planner_step(self, st: XState, e: int, r: int, step: str, scripts: list[int]) -> Violation | None:
+        """One step of a planner world's script: vLLM's scheduler calls into engine ``e``'s
+        StepPlanner (as ``sim/engine.py``'s scheduler model makes them), its answers judged by the
+        simulator's planner oracles: F8 at the first allocation (every leased range of the hit read
+        or freed), and on every planned retrieve F21 (a second load of one lookup), F20 (read
+        leases expired under it) and F2 (each rank loads from the server that leased its part)."""
+        request_id = rid(e, r)
+        node = f"sched{e}"
+        again = "preempt" in self.script[:scripts[r] - 1]  # after a preemption
+        if step == "match":
+            v = self._client_event(st, e, MatchRequest(request_id, PROMPT, len(PROMPT), 0,
+                                                       max_load_tokens=self.world.load_cap))
+            if v:
+                return v
+            answers = [x for x in self._effects if type(x) is MatchAnswer]
+            if len(answers) != 1:
+                return Violation("SAFETY", st.now, node, f"MatchRequest({request_id}) answered {answers!r}")
+            tokens = answers[0].tokens
+            if tokens is None:  # not yet: vLLM asks again at a later step
+                scripts[r] -= 1
+                st.scripts[e] = tuple(scripts)
+                return None
+            st.matched = tuple(sorted({**dict(st.matched), request_id: tokens}.items()))
+            tracker = st.clients[e].tracker(request_id)
+            if tokens > 0 and tracker is not None and tracker.hit_tokens:
+                earliest, held = self._leases(st, e, request_id, 0, tracker.hit_tokens)
+                if held and earliest is not None:
+                    seen = {x[0]: x for x in st.lease_seen}
+                    seen[request_id] = (request_id, earliest, tuple(st.incarnation))
+                    st.lease_seen = tuple(sorted(seen.values()))
+            return None
+        if step == "alloc":  # the blocks allocated, and the step's plan built (one scheduler step)
+            v = self._client_event(st, e, BlocksAllocated(request_id, BLOCKS, dict(st.matched).get(request_id, 0)))
+            if v:
+                return v
+            tracker = st.clients[e].tracker(request_id)
+            if tracker is not None and not again:  # a resumed request's were accounted at its first
+                retrieve = tracker.pending_retrieve
+                v = self._violation(st, node, checks.leases_unaccounted(
+                    request_id, tracker.hit_tokens, tracker.leases_freed,
+                    None if retrieve is None else (retrieve.start, retrieve.end)))
+                if v:
+                    return v
+        if step in ("alloc", "preempt"):
+            preempted = (request_id,) if step == "preempt" else ()
+            v = self._client_event(st, e, StepScheduled((), preempted))
+            if v:
+                return v
+            plans = [x for x in self._effects if type(x) is StepPlan]
+            if len(plans) != 1:
+                return Violation("SAFETY", st.now, node, f"StepScheduled answered {plans!r}")
+            for op in plans[0].retrieves:
+                v = self._check_retrieve(st, e, op, again)
+                if v:
+                    return v
+            return None
+        return self._client_event(st, e, RequestFinished(request_id))
+
+    def _leases(self, st: XState, e: int, request_id: str, start: int, end: int) -> tuple[float | None, bool]:
+        """The earliest expiry of the read leases engine ``e``'s request holds on tokens
+        ``[start, end)`` of every rank at the server that rank loads from, and whether it holds
+        all of them (as ``sim/engine.py``'s ``_leases``)."""
+        ranks = self.client_config.world_size
+        owners = (RequestKey(f"sched{e}", request_id), RequestKey(None, request_id))
+        earliest: float | None = None
+        held = True
+        for chunk in range(start // CHUNK, min(end // CHUNK, len(self._hashes))):
+            for rank in range(ranks):
+                index = st.servers[self.load_server(rank, request_id)].index
+                okey = ObjectKey(self._hashes[chunk], rank)
+                expiry = index.lease_expiry(okey, owners[0])
+                if expiry is None:
+                    expiry = index.lease_expiry(okey, owners[1])
+                if expiry is None:
+                    held = False
+                elif earliest is None or expiry < earliest:
+                    earliest = expiry
+        return earliest, held
+
+    def load_server(self, rank: int, request_id: str) -> int:
+        """The server worker ``rank`` loads a request from: production's placement, unless the
+        profile's rule says otherwise."""
+        server: int = self.profile.load_server(rank, self.client_config.world_size, self.world.servers, request_id)
+        return server
+
+    def _check_retrieve(self, st: XState, e: int, op: Any, again: bool) -> Violation | None:
+        """A retrieve the plan carries: F21 (planned twice), F20 (on expired leases), F2 (a rank
+        loading from a server that did not lease its part)."""
+        node = f"sched{e}"
+        request_id = op.request_id
+        loads = dict(st.loads)
+        loads[request_id] = loads.get(request_id, 0) + 1
+        st.loads = tuple(sorted(loads.items()))
+        if loads[request_id] > 1:
+            finding = checks.load_planned_again(request_id, op.start, op.end, again)
+            return Violation(finding[0], st.now, node, finding[1])
+        earliest, held = self._leases(st, e, request_id, op.start, op.end)
+        last = {x[0]: x for x in st.lease_seen}.get(request_id)
+        last_seen = last[1] if last is not None and last[2] == tuple(st.incarnation) else None
+        since = dict(st.submitted).get(request_id, 0.0)
+        v = self._violation(st, node, checks.retrieve_on_expired_leases(
+            request_id, op.start, op.end, st.now, st.now - since, self.server_config.lease_ttl, earliest, held,
+            last_seen))
+        if v:
+            return v
+        rps = self.lookups(st.clients[e]).config.ranks_per_server
+        for rank in range(self.client_config.world_size):
+            v = self._violation(st, node, checks.misplaced_load(request_id, rank, self.load_server(rank, request_id),
+                                                                rps))
+            if v:
+                return v
         return None
 
     def _worker_event(self, st: XState, e: int, event: Any) -> Violation | None:
@@ -952,8 +1131,8 @@ class Explorer:
         for e, script in enumerate(st.scripts):
             for r, step in enumerate(script):
                 since = max(st.last_fault, submitted.get(rid(e, r), 0.0))
-                if step < len(self.script) and self.script[step] == "check" and st.now - since > \
-                        self.world.liveness_bound and st.clients[e].state(rid(e, r)) not in (
+                if step < len(self.script) and self.script[step] in ("check", "match") and st.now - since > \
+                        self.world.liveness_bound and self.lookups(st.clients[e]).state(rid(e, r)) not in (
                         LookupState.DONE, LookupState.ABSENT):
                     return Violation("F1", st.now, f"sched{e}", f"lookup unresolved: {rid(e, r)} still pending "
                                      f"{st.now - since:.3f} s after its submit or the last fault "
@@ -1031,7 +1210,9 @@ class Explorer:
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
                  st.crashes, st.attacks, st.seen, st.reaped,
-                 st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted))
+                 st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted),
+                 sorted((ren.get(r, r), n) for r, n in st.matched), sorted((ren.get(r, r), n) for r, n in st.loads),
+                 sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen))
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):
             h.update(repr(part).encode())
@@ -1115,7 +1296,8 @@ class Explorer:
     # ------------------------------------------------------------------ coverage
     def all_rows(self) -> list[tuple[str, str, str]]:
         rows: list[tuple[str, str, str]] = []
-        explored = (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES) + ((TRANSFER_TABLES,) if self.world.workers else ())
+        explored = (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES) + ((TRANSFER_TABLES,) if self.world.workers else ()) + (
+            ({PLANNER_TABLE.name: PLANNER_TABLE},) if self.world.planner else ())
         for tables in explored:
             for table in tables.values():
                 for (state, ev) in table.rows:
