@@ -204,3 +204,29 @@ def misplaced_load(rid: str, rank: int, server: int, ranks_per_server: Any) -> F
     held = [s for s, ranks in enumerate(ranks_per_server) if rank in ranks]
     return "F2", (f"{rid}: rank {rank} loads its hit from server{server}, but server{held[0] if held else '?'} "
                   f"answered (and leased) that rank's part of it: the hit is lost")
+
+
+def parked_request(request: str, correlation: int, server: int) -> Finding:
+    """LIVENESS: after quiescence, a request refused not_registered still waits on a registration
+    (it must have been resent once, or failed with a reason)."""
+    return "LIVENESS", (f"{request} #{correlation} to server{server}, refused not_registered, still waits "
+                        f"for a registration")
+
+
+def resend_refused(request: str, correlation: int, server: int, named: Any, current: Any,
+                   reaped: bool) -> Finding | None:
+    """LIVENESS: a resend naming registration ``named`` was refused not_registered by the same
+    server incarnation, where ``current`` is the instance's registration now (None: none) and
+    ``reaped`` whether the server reaped the instance meanwhile. Refused while ``named`` is still
+    the instance's (registration ids are never reused within one incarnation): refused by a record
+    of its original, not for a lost registration. Refused while another registration of the same
+    instance replaced it and nothing dropped the instance: a second registration of the same
+    fields (the worker's and the link's crossing) orphaned the resend."""
+    if current == named:
+        return "LIVENESS", (f"{request} #{correlation} resent to server{server} naming registration {named}, "
+                            f"still the instance's, was refused not_registered again")
+    if current is not None and not reaped:
+        return "LIVENESS", (f"{request} #{correlation} resent to server{server} naming registration {named} "
+                            f"was refused not_registered: registration {current} of the same instance "
+                            f"replaced it meanwhile, orphaning the resend")
+    return None

@@ -596,18 +596,10 @@ class SimEngine:
         if machine is None or host.incarnation != named[1] or not isinstance(iid, int):
             return
         current = machine.instances.registration_id(iid)
-        if current == named[0]:
-            self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
-                                 f"#{request.correlation} resent to server{server} naming registration {named[0]}, "
-                                 f"still the instance's, was refused not_registered again")
-        elif current is not None and iid not in host.reaped:
-            # the instance is registered, but under another id: a second registration of the
-            # same fields (the worker's and the link's crossing) replaced the one the resend
-            # follows, and orphaned it -- nothing dropped the instance in between
-            self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
-                                 f"#{request.correlation} resent to server{server} naming registration {named[0]} "
-                                 f"was refused not_registered: registration {current} of the same instance "
-                                 f"replaced it meanwhile, orphaning the resend")
+        finding = checks.resend_refused(type(request.request).__name__, request.correlation, server, named[0], current,
+                                        iid in host.reaped)
+        if finding is not None:
+            self.world.violation(finding[0], links.node_name, finding[1])
 
     def check_transport_drained(self) -> None:
         """After quiescence: no refused request still waits on a registration (it was resent
@@ -616,9 +608,8 @@ class SimEngine:
             for s, link in enumerate(links.links):
                 for uid in link.parked_uids():
                     request = link.request_of(uid)
-                    self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
-                                         f"#{request.correlation} to server{s}, refused not_registered, still waits "
-                                         f"for a registration")
+                    finding = checks.parked_request(type(request.request).__name__, request.correlation, s)
+                    self.world.violation(finding[0], links.node_name, finding[1])
 
     def _arm(self, links: ClientLinks, server: int) -> None:
         """One timeline entry for the link's next deadline (an earlier one replaces it)."""

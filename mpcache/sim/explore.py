@@ -6,8 +6,11 @@ Contract:
   ``LookupServer`` per server, one ``LookupClient`` per engine (the scheduler side of the
   connector) and, per engine and server, the ``ServerLink`` (with its ``HealthMonitor``) that
   production's client and the simulator's nodes run, all built from the world's connector
-  settings by ``core_sm/client_config.py`` (the link as ``sim/engine.py`` builds it). The transfer
-  client and planner are not actors yet.
+  settings by ``core_sm/client_config.py`` (the link as ``sim/engine.py`` builds it). In a worker
+  world each engine's ``TransferClient`` too (its registration, pings and ``ops`` retrieves, the
+  server's copies done at once); in a planner world the scheduler is the connector's
+  ``StepPlanner`` over the lookup client, driven by vLLM's calls (match, allocate + plan, preempt,
+  finish), its planned retrieves run by the worker where there is one.
 * **Network**: a bag (multiset) of frames in flight, ``Frame(kind, engine, server, corr,
   incarnation, body)``, ``corr`` the link's uid. The client's ``SendRequest`` is submitted to its
   link, whose ``Transmit`` puts the frame in the bag. A request frame delivered to server s becomes
@@ -61,10 +64,10 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
-from mpcache.core_sm.effects import AttachInstance, ErrorReply, InstanceReaped, Reply, SendRequest
+from mpcache.core_sm.effects import AttachInstance, ErrorReply, InstanceReaped, Reply, SendRequest, StartTransfer
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import TABLES as HEALTH_TABLES
-from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor
+from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor, resend_of
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
 from mpcache.core_sm.chunks import ObjectKey
@@ -83,7 +86,9 @@ from mpcache.core_sm.messages import (
     ServerEpoch,
     ServerHealth,
     SubmitLookup,
+    SubmitRetrieve,
     TimerFired,
+    TransferFinished,
     UnregisterInstance,
     WaitPrefetchStatus,
 )
@@ -134,6 +139,9 @@ class XWorld:
     # heartbeat is still due before the horizon, so every restart can be noticed)
     workers: bool = False
     instance_ttl: float | None = None  # the server reaps an instance silent this long (None: never)
+    # worker ops in total: a worker retrieves the prompt's first chunk (the server runs the copy
+    # at once, as sim/world.py does), refused not_registered where a restart left it unknown
+    ops: int = 0
     # each engine's scheduler is the connector's StepPlanner (over its LookupClient), driven in
     # vLLM's call order by the planner script: match (until answered), allocate and plan (one
     # scheduler step), (preempt, match, allocate and plan,) finish
@@ -187,6 +195,8 @@ WORLDS: dict[str, list[XWorld]] = {
            # again, allocate and plan, finish; its lease renewal (one) as the clock moves
            XWorld("ci-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
+    # the planner's retrieve run by the engine's worker (registered, its copy done by the server)
+    "planner": [XWorld("planner-worker", engines=1, servers=1, requests=1, planner=True, workers=True)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
     "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
 }
@@ -226,6 +236,12 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     # two servers, one rank each: each rank loads from the server that leased its part (F2); no
     # renewal (with one, the renewing lookup to both servers interleaves into thousands of states)
     "placement-mismatch": XWorld("placement-mismatch", planner=True, servers=2, lease_renewals=0),
+    # a worker's retrieve overtakes its registration (no request, no heartbeat, no fault): refused
+    # not_registered, the link must park it, register again and resend it once (no-reregister:
+    # parked forever); the worker's machine registers again too, and a server whose registration
+    # replaces the last orphans the resend (double-register)
+    "no-reregister": XWorld("no-reregister", requests=0, workers=True, ops=1),
+    "double-register": XWorld("double-register", requests=0, workers=True, ops=1),
 }
 
 
@@ -284,6 +300,9 @@ class XState:
     # request id -> when its hit's leases were due to expire when last seen held (F20), and the
     # servers' incarnations then (a restart takes leases: no expiry)
     lease_seen: tuple[tuple[str, float, tuple[int, ...]], ...] = ()
+    ops: int = 0
+    # (engine, server, link uid) -> (the registration a resend names, that server's incarnation)
+    resent: tuple[tuple[tuple[int, int, int], tuple[int, int]], ...] = ()
     owned: set[tuple[str, int]] = attrs.Factory(set)  # machines copied in this transition
 
     def child(self) -> XState:
@@ -292,7 +311,7 @@ class XState:
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
                       self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.seen,
                       self.reaped, self.clean, self.timely, self.last_fault, self.submitted, self.matched,
-                      self.loads, self.lease_seen)
+                      self.loads, self.lease_seen, self.ops, self.resent)
 
 
 @attrs.define
@@ -452,6 +471,7 @@ class Explorer:
                     [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
                     [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes, w.attacks,
                     [self.new_worker(e) for e in range(w.engines)] if w.workers else [])
+        st.ops = w.ops
         for e in range(len(st.workers)):
             # the runtime tells a worker its server is healthy at start (the connector waits for
             # it): the worker registers its instance
@@ -528,6 +548,10 @@ class Explorer:
         if st.restarts > 0 and not (self.world.workers and st.now + self.world.heartbeat_interval > self.world.horizon):
             for s in range(len(st.servers)):
                 yield ("restart", s)
+        if st.ops > 0:
+            for e in range(len(st.workers)):
+                if st.workers[e] is not self._fresh_workers[e]:
+                    yield ("op", e)
         if st.crashes > 0:
             for e, script in enumerate(st.scripts):
                 if any(step < len(self.script) for step in script):
@@ -556,6 +580,8 @@ class Explorer:
             return f"sched{e} {kind} {rid(e, r)} ({call} while its lookup is pending)"
         if kind == "crash":
             return f"crash sched{arg} (its requests end unanswered, its frames are lost)"
+        if kind == "op":
+            return f"{node_name(1, arg)} retrieve {rid(arg, 0)} [0, {CHUNK})"
         if kind == "attack":
             what, e, r, s = arg
             return f"{ADVERSARY} sends server{s} {what} naming {rid(e, r)} (a request id it saw)"
@@ -647,6 +673,9 @@ class Explorer:
             return self._client_event(st, e, Cleanup(rid(e, r)) if step == "cleanup" else EndRequest(rid(e, r)))
         if kind == "attack":
             return self._attack(st, *arg)
+        if kind == "op":  # the worker's retrieve of the prompt's first chunk (a plan's op)
+            st.ops -= 1
+            return self._worker_event(st, arg, SubmitRetrieve(rid(arg, 0), PROMPT[:CHUNK], 0, CHUNK, BLOCKS[:1]))
         if kind == "crash":  # the engine process dies: the servers keep its jobs and leases (TTLs reap them)
             e = arg
             st.crashes -= 1
@@ -685,6 +714,16 @@ class Explorer:
         # A reply reaches the engine's link to that server, which correlates it by uid.
         body = f.body
         if isinstance(body, ErrorReply):
+            named = dict(st.resent).get((f.engine, f.server, f.corr)) if f.node == 1 else None
+            request = self.link(st, f.engine, f.server, f.node).request_of(f.corr)
+            if body.error.kind is ErrorKind.NOT_REGISTERED and named is not None and isinstance(request, Outbound) \
+                    and named[1] == st.incarnation[f.server] and isinstance(getattr(request.request, "instance_id", None), int):
+                iid = request.request.instance_id
+                v = self._violation(st, node_name(f.node, f.engine), checks.resend_refused(
+                    type(request.request).__name__, request.correlation, f.server, named[0],
+                    st.servers[f.server].instances.registration_id(iid), (f.server, iid) in dict(st.reaped)))
+                if v:
+                    return v
             event = LinkReply(f.corr, False, body.error, body.error.kind.value)
         elif type(self.link(st, f.engine, f.server, f.node).request_of(f.corr)) is Heartbeat:
             # a heartbeat's reply carries the answering server's start id (its incarnation), as
@@ -718,6 +757,12 @@ class Explorer:
                 request = effect.request
                 if isinstance(request, Outbound):
                     body = request.request
+                    if effect.resend:
+                        # the resend after not_registered names the registration it follows
+                        body = resend_of(body, effect.registration)
+                        if effect.registration is not None and getattr(body, "registration", None) is not None:
+                            st.resent = tuple(sorted({**dict(st.resent), (e, s, effect.uid): (
+                                effect.registration, st.incarnation[s])}.items()))
                     if type(body) is Lookup and body.ranks is not None:
                         # production's wire form of a lookup carries no ranks (as sim/engine.py)
                         body = attrs.evolve(body, ranks=None)
@@ -798,6 +843,10 @@ class Explorer:
             # sim/world.py does): core_sm replies to the registration then
             effects += server.handle(InstanceAttached(attach.instance_id, attach.registration_id, None,
                                                       reply_to=attach.reply_to), st.now)
+        for start in [x for x in effects if type(x) is StartTransfer]:
+            # the runtime's copy, at once and successful: core_sm answers the op then
+            effects += server.handle(TransferFinished(start.transfer_id, True), st.now)
+            effects += server.run_deferred()
         self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
@@ -1002,6 +1051,10 @@ class Explorer:
                 v = self._check_retrieve(st, e, op, again)
                 if v:
                     return v
+                if st.workers and st.workers[e] is not self._fresh_workers[e]:
+                    v = self._worker_event(st, e, op)  # the worker runs the plan's retrieve
+                    if v:
+                        return v
             return None
         return self._client_event(st, e, RequestFinished(request_id))
 
@@ -1113,7 +1166,15 @@ class Explorer:
         if not acts and pending:
             return Violation("DEADLOCK", st.now, "world", f"no action enabled; unfinished: {pending}")
         if not acts and not st.frames:
-            # nothing left to happen: every live worker is registered with its server (F13/F19)
+            # nothing left to happen: no refused request still waits on a registration
+            for e in range(len(st.workers)):
+                for s in range(len(st.servers)):
+                    link = self.link(st, e, s, 1)
+                    for uid in link.parked_uids():
+                        request = link.request_of(uid)
+                        parked = checks.parked_request(type(request.request).__name__, request.correlation, s)
+                        return Violation(parked[0], st.now, node_name(1, e), parked[1])
+            # and every live worker is registered with its server (F13/F19)
             for e, worker in enumerate(st.workers):
                 if worker is self._fresh_workers[e]:
                     continue  # its engine crashed
@@ -1212,7 +1273,7 @@ class Explorer:
                  st.crashes, st.attacks, st.seen, st.reaped,
                  st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted),
                  sorted((ren.get(r, r), n) for r, n in st.matched), sorted((ren.get(r, r), n) for r, n in st.loads),
-                 sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen))
+                 sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent)
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):
             h.update(repr(part).encode())

@@ -59,7 +59,7 @@ def test_modelled_profiles() -> None:
     assert set(PROFILE_WORLDS) == {"unknown-none", "resend-status", "overwrite-dup", "no-ack-wait", "leak-on-abort",
                                    "release-all", "silent-errors", "no-reaper", "wait-lost", "trust-all", "missed-epoch",
                                    "idle-reap", "planner-tail-leak", "preempt-reuse", "lease-expiry-under-queue",
-                                   "placement-mismatch"}
+                                   "placement-mismatch", "no-reregister", "double-register"}
     assert set(PROFILE_WORLDS) <= set(PROFILES)
 
 
@@ -79,7 +79,8 @@ def test_profile_caught_with_its_code_and_tape_replays(name: str) -> None:
 def test_default_profile_clean_in_the_profile_worlds() -> None:
     """The worlds that catch the legacy profiles hold no violation for the production machines."""
     for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost", "trust-all", "missed-epoch",
-                 "idle-reap", "planner-tail-leak", "preempt-reuse", "lease-expiry-under-queue", "placement-mismatch"):
+                 "idle-reap", "planner-tail-leak", "preempt-reuse", "lease-expiry-under-queue", "placement-mismatch",
+                 "no-reregister"):
         ex = Explorer(PROFILE_WORLDS[name]).run()
         assert ex.violation is None and ex.complete, (name, ex.violation)
 
@@ -137,3 +138,28 @@ def test_planner_world_drives_the_connector_planner() -> None:
             ("PREEMPTED", "MatchRequest"), ("PREEMPTED", "BlocksAllocated"), ("MATCHED", "LeaseRenewalDue")} <= planner
     assert any(table == "StepPlanner" for table, _s, _e in ex.all_rows())
     assert not any(table == "StepPlanner" for table, _s, _e in Explorer(XWorld("tiny")).all_rows())
+
+
+def test_worker_retrieve_refused_then_resent() -> None:
+    """A worker's retrieve refused not_registered (it overtook the registration): production's
+    link parks it, registers again and resends it once, the server runs the copy and the worker's
+    op ends; the legacy links leave it parked (no-reregister) or orphan it (double-register)."""
+    w = PROFILE_WORLDS["no-reregister"]
+    ex = Explorer(w).run()
+    assert ex.complete and ex.violation is None
+    reached = {(table.split(" (")[0], state, ev) for table, state, ev in ex.reached}
+    assert ("LookupServer transfers", "ABSENT", "Retrieve") in reached, reached
+    assert any(table == "HealthMonitor" and ev == "RequestRefused" for table, _s, ev in reached)
+    for name in ("no-reregister", "double-register"):
+        bad = Explorer(w, PROFILES[name]).run()
+        assert bad.violation is not None and bad.violation[0].code == "LIVENESS", name
+        assert ("op", 0) in bad.violation[1]
+
+
+@pytest.mark.slow
+def test_planner_retrieve_runs_on_the_worker() -> None:
+    """On demand (a few seconds): the planner's planned retrieve goes to the worker's
+    TransferClient, whose op the server runs; the production machines pass."""
+    ex = Explorer(WORLDS["planner"][0]).run()
+    assert ex.complete and ex.violation is None
+    assert any(table.startswith("TransferClient") and ev == "SubmitRetrieve" for table, _s, ev in ex.reached)
