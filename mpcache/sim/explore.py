@@ -37,7 +37,9 @@ Contract:
   their label-free signature (their client, script and frames) before the fingerprint is taken.
 * **Oracles**: the simulator's own judgements, imported from ``sim/checks.py`` (F11 reply
   accounting, core_sm invariants, bytes accounting, F4 duplicate leases, F9 over-release, F5 status
-  before lookup, F2 lost hit, F8 leases after a clean end, F12/F8 drained after every TTL), plus the
+  before lookup, F2 lost hit, F8 leases after a clean end, F12/F8 drained after every TTL; the
+  planner's F8 at allocation, F21, F20 and F2 placement on each planned retrieve; a resend refused
+  not_registered and a request parked at quiescence, LIVENESS), plus the
   table-violation and internal-error counters of every machine, **deadlock** (no enabled action
   while a script is unfinished) and **bounded liveness**: a lookup still unresolved
   ``liveness_bound`` virtual seconds after the last fault is F1; one resolved by the client's
