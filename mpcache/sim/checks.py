@@ -146,3 +146,87 @@ def reaped_while_live(worker: str, instance_id: int, server: str, seen: float | 
                        f"{now - seen:.3f}s ago (instance_ttl {ttl:g}s): a live idle instance; its retrieves "
                        f"are refused not_registered from now on")
     return None
+
+
+def leases_unaccounted(rid: str, hit_tokens: int | None, leases_freed: Iterable[tuple[int, int]],
+                       retrieve: tuple[int, int] | None) -> Finding | None:
+    """F8 at allocation: every token range of the hit ``[0, hit_tokens)`` is either read by the
+    planned retrieve (``retrieve``: its ``(start, end)``) or has its read leases freed at once
+    (``leases_freed``) -- a lease nobody will read must not wait for the request's END_SESSION (a
+    long decode, a deep queue)."""
+    if not hit_tokens:
+        return None
+    freed = tuple(leases_freed)
+    covered = 0
+    for start, end in sorted(freed + ((retrieve,) if retrieve is not None else ())):
+        if start > covered:
+            break
+        covered = max(covered, end)
+    if covered < hit_tokens:
+        return "F8", (f"{rid}: hit of {hit_tokens} tokens, but after allocation only [0, {covered}) is retrieved "
+                      f"or freed (freed {list(freed)}, retrieve {retrieve}): the rest stays leased until the "
+                      f"request ends")
+    return None
+
+
+def load_planned_again(rid: str, start: int, end: int, preempted: bool) -> Finding:
+    """F21: one lookup leases the hit once: the first load used those leases (or the first
+    allocation freed them); a second load of the request reads chunks nothing holds for it."""
+    return "F21", (f"{rid}: load [{start}, {end}) planned again{' after preemption' if preempted else ''}, on "
+                   f"the leases of a lookup its first allocation already spent")
+
+
+def retrieve_on_expired_leases(rid: str, start: int, end: int, now: float, waited: float, lease_ttl: Any,
+                               earliest: float | None, held: bool, last_seen: float | None) -> Finding | None:
+    """F20: a planned load reads through read leases its request still holds at the server. A
+    request that waited in the queue longer than its leases live must renew them first or
+    recompute: once they expired, the objects may be evicted and the hit is a load error.
+    ``earliest``: the earliest expiry of the leases the load reads (at the servers it loads from),
+    ``held``: whether the request holds all of them; ``last_seen``: when they were due to expire
+    when last seen held, if no restart or clear took them since (None: unknown or taken)."""
+    expired_at = earliest if earliest is not None and earliest <= now else None
+    if expired_at is None and not held and last_seen is not None and last_seen <= now:
+        # gone, and due to expire by now anyway: expired
+        expired_at = last_seen
+    if expired_at is None:
+        return None
+    return "F20", (f"{rid}: load [{start}, {end}) planned at {now:.3f} after waiting {waited:.3f} s in the "
+                   f"queue, on read leases that expired at {expired_at:.3f} (lease TTL {lease_ttl}): the hit "
+                   f"becomes a load error once the objects are evicted")
+
+
+def misplaced_load(rid: str, rank: int, server: int, ranks_per_server: Any) -> Finding | None:
+    """F2: each rank loads its hit from the server that answered it for that rank (the lookup's
+    ranks per server, where the hit is leased); loaded from another server, the hit is lost (a
+    load error at best, the leases at the right server left to the TTL)."""
+    if ranks_per_server is None or rank in ranks_per_server[server]:
+        return None
+    held = [s for s, ranks in enumerate(ranks_per_server) if rank in ranks]
+    return "F2", (f"{rid}: rank {rank} loads its hit from server{server}, but server{held[0] if held else '?'} "
+                  f"answered (and leased) that rank's part of it: the hit is lost")
+
+
+def parked_request(request: str, correlation: int, server: int) -> Finding:
+    """LIVENESS: after quiescence, a request refused not_registered still waits on a registration
+    (it must have been resent once, or failed with a reason)."""
+    return "LIVENESS", (f"{request} #{correlation} to server{server}, refused not_registered, still waits "
+                        f"for a registration")
+
+
+def resend_refused(request: str, correlation: int, server: int, named: Any, current: Any,
+                   reaped: bool) -> Finding | None:
+    """LIVENESS: a resend naming registration ``named`` was refused not_registered by the same
+    server incarnation, where ``current`` is the instance's registration now (None: none) and
+    ``reaped`` whether the server reaped the instance meanwhile. Refused while ``named`` is still
+    the instance's (registration ids are never reused within one incarnation): refused by a record
+    of its original, not for a lost registration. Refused while another registration of the same
+    instance replaced it and nothing dropped the instance: a second registration of the same
+    fields (the worker's and the link's crossing) orphaned the resend."""
+    if current == named:
+        return "LIVENESS", (f"{request} #{correlation} resent to server{server} naming registration {named}, "
+                            f"still the instance's, was refused not_registered again")
+    if current is not None and not reaped:
+        return "LIVENESS", (f"{request} #{correlation} resent to server{server} naming registration {named} "
+                            f"was refused not_registered: registration {current} of the same instance "
+                            f"replaced it meanwhile, orphaning the resend")
+    return None

@@ -596,18 +596,10 @@ class SimEngine:
         if machine is None or host.incarnation != named[1] or not isinstance(iid, int):
             return
         current = machine.instances.registration_id(iid)
-        if current == named[0]:
-            self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
-                                 f"#{request.correlation} resent to server{server} naming registration {named[0]}, "
-                                 f"still the instance's, was refused not_registered again")
-        elif current is not None and iid not in host.reaped:
-            # the instance is registered, but under another id: a second registration of the
-            # same fields (the worker's and the link's crossing) replaced the one the resend
-            # follows, and orphaned it -- nothing dropped the instance in between
-            self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
-                                 f"#{request.correlation} resent to server{server} naming registration {named[0]} "
-                                 f"was refused not_registered: registration {current} of the same instance "
-                                 f"replaced it meanwhile, orphaning the resend")
+        finding = checks.resend_refused(type(request.request).__name__, request.correlation, server, named[0], current,
+                                        iid in host.reaped)
+        if finding is not None:
+            self.world.violation(finding[0], links.node_name, finding[1])
 
     def check_transport_drained(self) -> None:
         """After quiescence: no refused request still waits on a registration (it was resent
@@ -616,9 +608,8 @@ class SimEngine:
             for s, link in enumerate(links.links):
                 for uid in link.parked_uids():
                     request = link.request_of(uid)
-                    self.world.violation("LIVENESS", links.node_name, f"{type(request.request).__name__} "
-                                         f"#{request.correlation} to server{s}, refused not_registered, still waits "
-                                         f"for a registration")
+                    finding = checks.parked_request(type(request.request).__name__, request.correlation, s)
+                    self.world.violation(finding[0], links.node_name, finding[1])
 
     def _arm(self, links: ClientLinks, server: int) -> None:
         """One timeline entry for the link's next deadline (an earlier one replaces it)."""
@@ -838,22 +829,14 @@ class SimEngine:
         or has its read leases freed at once -- a lease nobody will read must not wait for the
         request's END_SESSION (a long decode, a deep queue)."""
         tracker = self.planner().tracker(req.rid)
-        if tracker is None or not tracker.hit_tokens:
+        if tracker is None:
             return
-        ranges = sorted(tracker.leases_freed + ((tracker.pending_retrieve.start, tracker.pending_retrieve.end),)
-                        if tracker.pending_retrieve is not None else tracker.leases_freed)
-        covered = 0
-        for start, end in ranges:
-            if start > covered:
-                break
-            covered = max(covered, end)
-        if covered < tracker.hit_tokens:
+        retrieve = tracker.pending_retrieve
+        finding = checks.leases_unaccounted(req.rid, tracker.hit_tokens, tracker.leases_freed,
+                                            None if retrieve is None else (retrieve.start, retrieve.end))
+        if finding is not None:
             assert self.sched is not None
-            self.world.violation(
-                "F8", self.sched.name, f"{req.rid}: hit of {tracker.hit_tokens} tokens, but after allocation only "
-                f"[0, {covered}) is retrieved or freed (freed {list(tracker.leases_freed)}, retrieve "
-                f"{None if tracker.pending_retrieve is None else (tracker.pending_retrieve.start, tracker.pending_retrieve.end)}): "
-                f"the rest stays leased until the request ends")
+            self.world.violation(finding[0], self.sched.name, finding[1])
 
     def store_server(self, rank: int) -> int:
         """The server ``rank`` stores to: production's placement (core_sm.client_config)."""
@@ -919,18 +902,14 @@ class SimEngine:
             return
         earliest, held = seen
         now = self.world.now()
-        expired_at = earliest if earliest is not None and earliest <= now else None
         last = req.lease_seen
-        if expired_at is None and not held and last is not None and last[0] <= now:
-            # Gone, and due to expire by now anyway: expired, unless a restart or a clear took it.
-            if (last[1], last[2]) == (self._incarnations(), self.world.stats["clears"]):
-                expired_at = last[0]
-        if expired_at is not None:
+        last_seen = last[0] if last is not None and (last[1], last[2]) == (
+            self._incarnations(), self.world.stats["clears"]) else None
+        finding = checks.retrieve_on_expired_leases(req.rid, op.start, op.end, now, now - req.arrived_at,
+                                                    self.cfg.lease_ttl, earliest, held, last_seen)
+        if finding is not None:
             assert self.sched is not None
-            self.world.violation(
-                "F20", self.sched.name, f"{req.rid}: load [{op.start}, {op.end}) planned at {now:.3f} after waiting "
-                f"{now - req.arrived_at:.3f} s in the queue, on read leases that expired at {expired_at:.3f} "
-                f"(lease TTL {self.cfg.lease_ttl}): the hit becomes a load error once the objects are evicted")
+            self.world.violation(finding[0], self.sched.name, finding[1])
 
     def _build_plan(self) -> tuple[str, ...]:
         """vLLM's build_connector_meta at the end of the step; the workers run the plan. Returns
@@ -950,9 +929,8 @@ class SimEngine:
             if req.retrieves_planned > 1:
                 # One lookup leases the hit once: the first load used those leases (or the first
                 # allocation freed them); a second load reads chunks nothing holds for it.
-                self.world.violation("F21", self.sched.name, f"{op.request_id}: load [{op.start}, {op.end}) planned "
-                                     f"again{' after preemption' if req.preempted else ''}, on the leases of a "
-                                     f"lookup its first allocation already spent")
+                again = checks.load_planned_again(op.request_id, op.start, op.end, req.preempted)
+                self.world.violation(again[0], self.sched.name, again[1])
             self._check_placement(req)
             for w in self.workers:
                 assert w.node is not None
@@ -973,13 +951,10 @@ class SimEngine:
         hit is lost (a load error at best, the leases at the right server left to the TTL)."""
         rps = self.planner().lookups.config.ranks_per_server
         for rank in range(self.tp):
-            server = self.load_server(rank, req)
-            if rps is not None and rank not in rps[server]:
-                held = [s for s, ranks in enumerate(rps) if rank in ranks]
+            finding = checks.misplaced_load(req.rid, rank, self.load_server(rank, req), rps)
+            if finding is not None:
                 assert self.sched is not None
-                self.world.violation("F2", self.sched.name, f"{req.rid}: rank {rank} loads its hit from "
-                                     f"server{server}, but server{held[0] if held else '?'} answered (and leased) "
-                                     f"that rank's part of it: the hit is lost")
+                self.world.violation(finding[0], self.sched.name, finding[1])
 
     def _check_resolution(self, rid: str, pending: Any) -> None:
         """F2: a hit the server answered, received while the client still waited for that server,

@@ -6,8 +6,11 @@ Contract:
   ``LookupServer`` per server, one ``LookupClient`` per engine (the scheduler side of the
   connector) and, per engine and server, the ``ServerLink`` (with its ``HealthMonitor``) that
   production's client and the simulator's nodes run, all built from the world's connector
-  settings by ``core_sm/client_config.py`` (the link as ``sim/engine.py`` builds it). The transfer
-  client and planner are not actors yet.
+  settings by ``core_sm/client_config.py`` (the link as ``sim/engine.py`` builds it). In a worker
+  world each engine's ``TransferClient`` too (its registration, pings and ``ops`` retrieves, the
+  server's copies done at once); in a planner world the scheduler is the connector's
+  ``StepPlanner`` over the lookup client, driven by vLLM's calls (match, allocate + plan, preempt,
+  finish), its planned retrieves run by the worker where there is one.
 * **Network**: a bag (multiset) of frames in flight, ``Frame(kind, engine, server, corr,
   incarnation, body)``, ``corr`` the link's uid. The client's ``SendRequest`` is submitted to its
   link, whose ``Transmit`` puts the frame in the bag. A request frame delivered to server s becomes
@@ -34,7 +37,9 @@ Contract:
   their label-free signature (their client, script and frames) before the fingerprint is taken.
 * **Oracles**: the simulator's own judgements, imported from ``sim/checks.py`` (F11 reply
   accounting, core_sm invariants, bytes accounting, F4 duplicate leases, F9 over-release, F5 status
-  before lookup, F2 lost hit, F8 leases after a clean end, F12/F8 drained after every TTL), plus the
+  before lookup, F2 lost hit, F8 leases after a clean end, F12/F8 drained after every TTL; the
+  planner's F8 at allocation, F21, F20 and F2 placement on each planned retrieve; a resend refused
+  not_registered and a request parked at quiescence, LIVENESS), plus the
   table-violation and internal-error counters of every machine, **deadlock** (no enabled action
   while a script is unfinished) and **bounded liveness**: a lookup still unresolved
   ``liveness_bound`` virtual seconds after the last fault is F1; one resolved by the client's
@@ -61,12 +66,13 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
-from mpcache.core_sm.effects import AttachInstance, ErrorReply, InstanceReaped, Reply, SendRequest
+from mpcache.core_sm.effects import AttachInstance, ErrorReply, InstanceReaped, Reply, SendRequest, StartTransfer
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import TABLES as HEALTH_TABLES
-from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor
+from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor, resend_of
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
+from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
@@ -82,10 +88,14 @@ from mpcache.core_sm.messages import (
     ServerEpoch,
     ServerHealth,
     SubmitLookup,
+    SubmitRetrieve,
     TimerFired,
+    TransferFinished,
     UnregisterInstance,
     WaitPrefetchStatus,
 )
+from mpcache.core_sm.planner import TABLE as PLANNER_TABLE
+from mpcache.core_sm.planner import BlocksAllocated, MatchAnswer, MatchRequest, PlannerConfig, RequestFinished, StepPlan, StepPlanner, StepScheduled
 from mpcache.core_sm.server import TABLES as SERVER_TABLES
 from mpcache.core_sm.server import LookupServer, ServerConfig
 from mpcache.core_sm.server_core import RequestKey
@@ -99,11 +109,14 @@ from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.engine import Outbound, sim_link_config
 from mpcache.sim.explore_state import deep_size, dispatchers, next_deadline, snapshot
 from mpcache.sim.oracles import Violation
+from mpcache.sim.profiles import Profile
 from mpcache.sim.trace import short
 
 CHUNK = 16
 PROMPT = tuple(range(2 * CHUNK))  # every request asks for the same two chunks (shared objects)
 SCRIPT = ("submit", "check", "cleanup", "end")
+PLANNER_STEPS = ("match", "alloc", "preempt", "finish")  # a planner world's script steps
+BLOCKS = (0, 1)  # the blocks vLLM allocates a request: the whole prompt (block size = chunk size)
 ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
 
@@ -128,6 +141,16 @@ class XWorld:
     # heartbeat is still due before the horizon, so every restart can be noticed)
     workers: bool = False
     instance_ttl: float | None = None  # the server reaps an instance silent this long (None: never)
+    # worker ops in total: a worker retrieves the prompt's first chunk (the server runs the copy
+    # at once, as sim/world.py does), refused not_registered where a restart left it unknown
+    ops: int = 0
+    # each engine's scheduler is the connector's StepPlanner (over its LookupClient), driven in
+    # vLLM's call order by the planner script: match (until answered), allocate and plan (one
+    # scheduler step), (preempt, match, allocate and plan,) finish
+    planner: bool = False
+    preempt: bool = False  # the planner script preempts the request after its plan and resumes it
+    load_cap: int | None = None  # the request's max_load_tokens (vLLM's kv_transfer_params cap)
+    lease_renewals: int = 1  # the planner's max_lease_renewals (production's 16 only repeats the first)
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
@@ -146,6 +169,9 @@ class XWorld:
     symmetry: bool = True
 
     def script(self) -> tuple[str, ...]:
+        if self.planner:
+            again = ("preempt", "match", "alloc") if self.preempt else ()
+            return ("match", "alloc") + again + ("finish",)
         return ("submit",) + ("check",) * self.checks + ("cleanup", "end")
 
 
@@ -166,8 +192,13 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e1s-worker", engines=1, servers=1, requests=0, workers=True, heartbeat_interval=0.2,
                   heartbeat_timeout=100.0, horizon=0.5, instance_ttl=0.3),
            # an adversarial tenant frees or ends one request id it saw (F22: nothing of the honest moves)
-           XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1)],
+           XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1),
+           # the connector's planner drives the lookup: match, allocate and plan, preempt, match
+           # again, allocate and plan, finish; its lease renewal (one) as the clock moves
+           XWorld("ci-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True)],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
+    # the planner's retrieve run by the engine's worker (registered, its copy done by the server)
+    "planner": [XWorld("planner-worker", engines=1, servers=1, requests=1, planner=True, workers=True)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
     "large": [XWorld("large", engines=3, servers=2, requests=1, faults=2, restarts=1)],
 }
@@ -196,6 +227,23 @@ PROFILE_WORLDS: dict[str, XWorld] = {
                         horizon=0.5, instance_ttl=0.3),
     # another tenant frees the request id it saw: only ownership keeps the leases
     "trust-all": XWorld("trust-all", attacks=1),
+    # the planner's worlds. A whole-prompt hit loaded only up to the request's load cap: the
+    # leases past it must be freed at allocation (F8)
+    "planner-tail-leak": XWorld("planner-tail-leak", planner=True, stored=2, load_cap=CHUNK),
+    # preempted after its plan and resumed: the one lookup's leases are spent (F21)
+    "preempt-reuse": XWorld("preempt-reuse", planner=True, preempt=True),
+    # the request waits (the clock moves to the servers' lease expiry) between its answered
+    # match and its allocation: the planner must renew or give the hit up (F20)
+    "lease-expiry-under-queue": XWorld("lease-expiry-under-queue", planner=True),
+    # two servers, one rank each: each rank loads from the server that leased its part (F2); no
+    # renewal (with one, the renewing lookup to both servers interleaves into thousands of states)
+    "placement-mismatch": XWorld("placement-mismatch", planner=True, servers=2, lease_renewals=0),
+    # a worker's retrieve overtakes its registration (no request, no heartbeat, no fault): refused
+    # not_registered, the link must park it, register again and resend it once (no-reregister:
+    # parked forever); the worker's machine registers again too, and a server whose registration
+    # replaces the last orphans the resend (double-register)
+    "no-reregister": XWorld("no-reregister", requests=0, workers=True, ops=1),
+    "double-register": XWorld("double-register", requests=0, workers=True, ops=1),
 }
 
 
@@ -248,6 +296,15 @@ class XState:
     timely: bool = True  # no slow frame on the path so far
     last_fault: float = 0.0
     submitted: tuple[tuple[str, float], ...] = ()  # request id -> when its lookup was submitted
+    # planner worlds: request id -> the tokens its last answered match said would be loaded
+    matched: tuple[tuple[str, int], ...] = ()
+    loads: tuple[tuple[str, int], ...] = ()  # request id -> retrieves planned for it (F21)
+    # request id -> when its hit's leases were due to expire when last seen held (F20), and the
+    # servers' incarnations then (a restart takes leases: no expiry)
+    lease_seen: tuple[tuple[str, float, tuple[int, ...]], ...] = ()
+    ops: int = 0
+    # (engine, server, link uid) -> (the registration a resend names, that server's incarnation)
+    resent: tuple[tuple[tuple[int, int, int], tuple[int, int]], ...] = ()
     owned: set[tuple[str, int]] = attrs.Factory(set)  # machines copied in this transition
 
     def child(self) -> XState:
@@ -255,7 +312,8 @@ class XState:
                       list(self.frames),
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
                       self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.seen,
-                      self.reaped, self.clean, self.timely, self.last_fault, self.submitted)
+                      self.reaped, self.clean, self.timely, self.last_fault, self.submitted, self.matched,
+                      self.loads, self.lease_seen, self.ops, self.resent)
 
 
 @attrs.define
@@ -288,6 +346,8 @@ class Explorer:
         if world.workers and world.servers != 1:
             raise ValueError("a world with workers has one server")
         self.monitor_class: type[HealthMonitor] = getattr(profile, "health_monitor_class", HealthMonitor)
+        self.planner_class: type[StepPlanner] = getattr(profile, "planner_class", StepPlanner)
+        self.profile: Any = profile if profile is not None else Profile()
         timeout = getattr(profile, "lookup_timeout", None)
         self.script = world.script()
         # The production machines must never count a table violation or an internal error; a
@@ -303,6 +363,7 @@ class Explorer:
         self.seconds = 0.0
         self.bytes_per_state = 0.0
         self.lines: list[str] | None = None  # timeline lines, kept only when replaying
+        self._effects: list[Any] = []  # the last scheduler event's effects (a planner's answers)
         self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
         self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
         self._snaps: dict[tuple[int, Any], tuple[Any, bytes]] = {}
@@ -340,10 +401,10 @@ class Explorer:
         assert isinstance(lookup, Lookup)
         self._lookup_key = lookup.key  # what the adversary saw on the wire (its request id replaced)
         server = LookupServer(self.server_config)
-        hashes, err = server.ctx.hashes(lookup.key, self.world.stored)
+        hashes, err = server.ctx.hashes(lookup.key, len(PROMPT) // CHUNK)
         assert err is None
-        from mpcache.core_sm.chunks import ObjectKey
-        return [ObjectKey(h, rank) for h in hashes for rank in range(self.client_config.world_size)]
+        self._hashes = list(hashes)  # every chunk of the prompt (where a load reads its leases)
+        return [ObjectKey(h, rank) for h in hashes[:self.world.stored] for rank in range(self.client_config.world_size)]
 
     def new_server(self) -> LookupServer:
         server = self.server_class(self.server_config)
@@ -353,10 +414,23 @@ class Explorer:
         self._share(server)
         return server
 
-    def new_client(self) -> LookupClient:
+    def new_client(self) -> Any:
+        """An engine's scheduler: its LookupClient or, in a planner world, the connector's
+        StepPlanner over one (vLLM's GPU engine: block size = chunk size, leases as the server's)."""
         client = self.client_class(self.client_config)
+        if self.world.planner:
+            planner = self.planner_class(PlannerConfig(CHUNK, CHUNK, lease_ttl=self.server_config.lease_ttl,
+                                                     max_lease_renewals=self.world.lease_renewals), client)
+            self._share(planner)
+            return planner
         self._share(client)
         return client
+
+    @staticmethod
+    def lookups(client: Any) -> LookupClient:
+        """The lookup client of an engine's scheduler (a planner's own)."""
+        lc: LookupClient = client.lookups if isinstance(client, StepPlanner) else client
+        return lc
 
     def new_worker(self, e: int) -> TransferClient:
         """Engine ``e``'s worker: instance ``e + 1``, rank 0, server-driven, its ops bounded by
@@ -399,6 +473,7 @@ class Explorer:
                     [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
                     [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes, w.attacks,
                     [self.new_worker(e) for e in range(w.engines)] if w.workers else [])
+        st.ops = w.ops
         for e in range(len(st.workers)):
             # the runtime tells a worker its server is healthy at start (the connector waits for
             # it): the worker registers its instance
@@ -415,12 +490,11 @@ class Explorer:
         server: LookupServer = st.servers[s]
         return server
 
-    def _own_client(self, st: XState, e: int) -> LookupClient:
+    def _own_client(self, st: XState, e: int) -> Any:
         if ("c", e) not in st.owned:
             st.owned.add(("c", e))
             st.clients[e] = copy.deepcopy(st.clients[e], dict(self._static))
-        client: LookupClient = st.clients[e]
-        return client
+        return st.clients[e]
 
     def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
         i = (node * self.world.engines + e) * self.world.servers + s
@@ -465,16 +539,21 @@ class Explorer:
             for r, step in enumerate(script):
                 if step >= len(self.script):
                     continue
-                if self.script[step] == "check" and st.clients[e].state(rid(e, r)) not in (
+                if self.script[step] in ("check", "match") and self.lookups(st.clients[e]).state(rid(e, r)) not in (
                         LookupState.DONE, LookupState.ABSENT):
                     if st.aborts > 0:
                         yield ("abort", (e, r))
-                        yield ("cancel", (e, r))
+                        if not self.world.planner:  # vLLM's cleanup_lookup_result; the planner has none
+                            yield ("cancel", (e, r))
                     continue
                 yield ("step", (e, r))
         if st.restarts > 0 and not (self.world.workers and st.now + self.world.heartbeat_interval > self.world.horizon):
             for s in range(len(st.servers)):
                 yield ("restart", s)
+        if st.ops > 0:
+            for e in range(len(st.workers)):
+                if st.workers[e] is not self._fresh_workers[e]:
+                    yield ("op", e)
         if st.crashes > 0:
             for e, script in enumerate(st.scripts):
                 if any(step < len(self.script) for step in script):
@@ -503,6 +582,8 @@ class Explorer:
             return f"sched{e} {kind} {rid(e, r)} ({call} while its lookup is pending)"
         if kind == "crash":
             return f"crash sched{arg} (its requests end unanswered, its frames are lost)"
+        if kind == "op":
+            return f"{node_name(1, arg)} retrieve {rid(arg, 0)} [0, {CHUNK})"
         if kind == "attack":
             what, e, r, s = arg
             return f"{ADVERSARY} sends server{s} {what} naming {rid(e, r)} (a request id it saw)"
@@ -572,7 +653,7 @@ class Explorer:
             step = self.script[scripts[r]]
             if kind == "abort":  # vLLM's request_finished while the lookup is pending; not a fault
                 st.aborts -= 1
-                step = "end"
+                step = self.script[-1]
                 scripts[r] = len(self.script) - 1
             elif kind == "cancel":  # vLLM's cleanup_lookup_result while it is pending
                 st.aborts -= 1
@@ -583,6 +664,8 @@ class Explorer:
             if step == "submit":
                 st.submitted = (*st.submitted, (rid(e, r), st.now))
                 return self._client_event(st, e, SubmitLookup(rid(e, r), PROMPT))
+            if step in PLANNER_STEPS:
+                return self._planner_step(st, e, r, step, scripts)
             if step == "check":
                 client = self._own_client(st, e)
                 result = client.check(rid(e, r))  # a legacy client may send again here
@@ -592,6 +675,9 @@ class Explorer:
             return self._client_event(st, e, Cleanup(rid(e, r)) if step == "cleanup" else EndRequest(rid(e, r)))
         if kind == "attack":
             return self._attack(st, *arg)
+        if kind == "op":  # the worker's retrieve of the prompt's first chunk (a plan's op)
+            st.ops -= 1
+            return self._worker_event(st, arg, SubmitRetrieve(rid(arg, 0), PROMPT[:CHUNK], 0, CHUNK, BLOCKS[:1]))
         if kind == "crash":  # the engine process dies: the servers keep its jobs and leases (TTLs reap them)
             e = arg
             st.crashes -= 1
@@ -630,6 +716,16 @@ class Explorer:
         # A reply reaches the engine's link to that server, which correlates it by uid.
         body = f.body
         if isinstance(body, ErrorReply):
+            named = dict(st.resent).get((f.engine, f.server, f.corr)) if f.node == 1 else None
+            request = self.link(st, f.engine, f.server, f.node).request_of(f.corr)
+            if body.error.kind is ErrorKind.NOT_REGISTERED and named is not None and isinstance(request, Outbound) \
+                    and named[1] == st.incarnation[f.server] and isinstance(getattr(request.request, "instance_id", None), int):
+                iid = request.request.instance_id
+                v = self._violation(st, node_name(f.node, f.engine), checks.resend_refused(
+                    type(request.request).__name__, request.correlation, f.server, named[0],
+                    st.servers[f.server].instances.registration_id(iid), (f.server, iid) in dict(st.reaped)))
+                if v:
+                    return v
             event = LinkReply(f.corr, False, body.error, body.error.kind.value)
         elif type(self.link(st, f.engine, f.server, f.node).request_of(f.corr)) is Heartbeat:
             # a heartbeat's reply carries the answering server's start id (its incarnation), as
@@ -663,6 +759,12 @@ class Explorer:
                 request = effect.request
                 if isinstance(request, Outbound):
                     body = request.request
+                    if effect.resend:
+                        # the resend after not_registered names the registration it follows
+                        body = resend_of(body, effect.registration)
+                        if effect.registration is not None and getattr(body, "registration", None) is not None:
+                            st.resent = tuple(sorted({**dict(st.resent), (e, s, effect.uid): (
+                                effect.registration, st.incarnation[s])}.items()))
                     if type(body) is Lookup and body.ranks is not None:
                         # production's wire form of a lookup carries no ranks (as sim/engine.py)
                         body = attrs.evolve(body, ranks=None)
@@ -693,7 +795,7 @@ class Explorer:
         """A status answer reaches a lookup still waiting for this server: it must count (F2)."""
         if not isinstance(result, int) or isinstance(result, bool):
             return
-        client = st.clients[e]
+        client = self.lookups(st.clients[e])
         pending = client.pending(request_id)
         leg = pending.legs.get(s) if pending is not None and client.state(request_id) is not LookupState.DONE else None
         if leg is not None and leg.chunks is None:
@@ -743,6 +845,10 @@ class Explorer:
             # sim/world.py does): core_sm replies to the registration then
             effects += server.handle(InstanceAttached(attach.instance_id, attach.registration_id, None,
                                                       reply_to=attach.reply_to), st.now)
+        for start in [x for x in effects if type(x) is StartTransfer]:
+            # the runtime's copy, at once and successful: core_sm answers the op then
+            effects += server.handle(TransferFinished(start.transfer_id, True), st.now)
+            effects += server.run_deferred()
         self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
@@ -838,14 +944,18 @@ class Explorer:
 
     def _client_event(self, st: XState, e: int, event: Any) -> Violation | None:
         client = self._own_client(st, e)
+        lc = self.lookups(client)
         node = f"sched{e}"
-        counters = client._counters
-        before = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"])
-        watched = [r for r in sorted({k[0] for k, _n in st.hits}) if client.state(r) is not LookupState.DONE]
+        counters = lc._counters
+        own = client._counters  # the planner's, in a planner world (the lookup client's otherwise)
+        before = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"],
+                  own["internal_errors"], own.get("table_violations", 0))
+        watched = [r for r in sorted({k[0] for k, _n in st.hits}) if lc.state(r) is not LookupState.DONE]
         effects = client.handle(event, st.now)
+        self._effects = effects
         if self.lines is not None:
-            self.lines.append(f"{st.now:12.6f} {node:<11} lookup: {short(event)} -> "
-                              f"[{', '.join(short(x) for x in effects)}]")
+            self.lines.append(f"{st.now:12.6f} {node:<11} {'planner' if lc is not client else 'lookup'}: "
+                              f"{short(event)} -> [{', '.join(short(x) for x in effects)}]")
         for eff in effects:
             if isinstance(eff, SendRequest):
                 s = eff.server
@@ -853,20 +963,27 @@ class Explorer:
                 if type(request) is FreeLookupLocks or type(request) is EndSession:
                     r = request_id_of(request)
                     st.released = st.released | {(str(r), s)}
+                elif type(request) is Lookup and lc is not client:
+                    # the planner looks a waiting request up again (a lease renewal): its bound
+                    # counts from then
+                    submitted = dict(st.submitted)
+                    submitted[request.key.request_id] = st.now
+                    st.submitted = tuple(sorted(submitted.items()))
         v = self._violation(st, node, checks.core_invariants(client))
         if v:
             return v
         hits = dict(st.hits)
         for r in watched:
-            if client.state(r) is LookupState.DONE and st.clean:
-                pending = client.pending(r)
+            if lc.state(r) is LookupState.DONE and st.clean:
+                pending = lc.pending(r)
                 assert pending is not None
                 message = checks.lost_hit(r, pending.legs, hits, pending.result_tokens)
                 if message is not None:
                     return Violation("F2", st.now, node, message)
         self._drain(client)
-        after = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"])
-        if self.strict and after[:2] != before[:2]:
+        after = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"],
+                 own["internal_errors"], own.get("table_violations", 0))
+        if self.strict and (after[:2], after[3:]) != (before[:2], before[3:]):
             return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
         if after[2] != before[2] and st.clean and st.timely:
             return Violation("LIVENESS", st.now, node, "a lookup resolved by the client's timeout with no "
@@ -879,6 +996,123 @@ class Explorer:
                     eff.correlation, Outbound("lookup", eff.correlation, eff.request), None, Role.REQUEST, None))
                 if v:
                     return v
+        return None
+
+    def _planner_step(self, st: XState, e: int, r: int, step: str, scripts: list[int]) -> Violation | None:
+        """One step of a planner world's script: vLLM's scheduler calls into engine ``e``'s
+        StepPlanner (as ``sim/engine.py``'s scheduler model makes them), its answers judged by the
+        simulator's planner oracles: F8 at the first allocation (every leased range of the hit read
+        or freed), and on every planned retrieve F21 (a second load of one lookup), F20 (read
+        leases expired under it) and F2 (each rank loads from the server that leased its part)."""
+        request_id = rid(e, r)
+        node = f"sched{e}"
+        again = "preempt" in self.script[:scripts[r] - 1]  # after a preemption
+        if step == "match":
+            v = self._client_event(st, e, MatchRequest(request_id, PROMPT, len(PROMPT), 0,
+                                                       max_load_tokens=self.world.load_cap))
+            if v:
+                return v
+            answers = [x for x in self._effects if type(x) is MatchAnswer]
+            if len(answers) != 1:
+                return Violation("SAFETY", st.now, node, f"MatchRequest({request_id}) answered {answers!r}")
+            tokens = answers[0].tokens
+            if tokens is None:  # not yet: vLLM asks again at a later step
+                scripts[r] -= 1
+                st.scripts[e] = tuple(scripts)
+                return None
+            st.matched = tuple(sorted({**dict(st.matched), request_id: tokens}.items()))
+            tracker = st.clients[e].tracker(request_id)
+            if tokens > 0 and tracker is not None and tracker.hit_tokens:
+                earliest, held = self._leases(st, e, request_id, 0, tracker.hit_tokens)
+                if held and earliest is not None:
+                    seen = {x[0]: x for x in st.lease_seen}
+                    seen[request_id] = (request_id, earliest, tuple(st.incarnation))
+                    st.lease_seen = tuple(sorted(seen.values()))
+            return None
+        if step == "alloc":  # the blocks allocated, and the step's plan built (one scheduler step)
+            v = self._client_event(st, e, BlocksAllocated(request_id, BLOCKS, dict(st.matched).get(request_id, 0)))
+            if v:
+                return v
+            tracker = st.clients[e].tracker(request_id)
+            if tracker is not None and not again:  # a resumed request's were accounted at its first
+                retrieve = tracker.pending_retrieve
+                v = self._violation(st, node, checks.leases_unaccounted(
+                    request_id, tracker.hit_tokens, tracker.leases_freed,
+                    None if retrieve is None else (retrieve.start, retrieve.end)))
+                if v:
+                    return v
+        if step in ("alloc", "preempt"):
+            preempted = (request_id,) if step == "preempt" else ()
+            v = self._client_event(st, e, StepScheduled((), preempted))
+            if v:
+                return v
+            plans = [x for x in self._effects if type(x) is StepPlan]
+            if len(plans) != 1:
+                return Violation("SAFETY", st.now, node, f"StepScheduled answered {plans!r}")
+            for op in plans[0].retrieves:
+                v = self._check_retrieve(st, e, op, again)
+                if v:
+                    return v
+                if st.workers and st.workers[e] is not self._fresh_workers[e]:
+                    v = self._worker_event(st, e, op)  # the worker runs the plan's retrieve
+                    if v:
+                        return v
+            return None
+        return self._client_event(st, e, RequestFinished(request_id))
+
+    def _leases(self, st: XState, e: int, request_id: str, start: int, end: int) -> tuple[float | None, bool]:
+        """The earliest expiry of the read leases engine ``e``'s request holds on tokens
+        ``[start, end)`` of every rank at the server that rank loads from, and whether it holds
+        all of them (as ``sim/engine.py``'s ``_leases``)."""
+        ranks = self.client_config.world_size
+        owners = (RequestKey(f"sched{e}", request_id), RequestKey(None, request_id))
+        earliest: float | None = None
+        held = True
+        for chunk in range(start // CHUNK, min(end // CHUNK, len(self._hashes))):
+            for rank in range(ranks):
+                index = st.servers[self.load_server(rank, request_id)].index
+                okey = ObjectKey(self._hashes[chunk], rank)
+                expiry = index.lease_expiry(okey, owners[0])
+                if expiry is None:
+                    expiry = index.lease_expiry(okey, owners[1])
+                if expiry is None:
+                    held = False
+                elif earliest is None or expiry < earliest:
+                    earliest = expiry
+        return earliest, held
+
+    def load_server(self, rank: int, request_id: str) -> int:
+        """The server worker ``rank`` loads a request from: production's placement, unless the
+        profile's rule says otherwise."""
+        server: int = self.profile.load_server(rank, self.client_config.world_size, self.world.servers, request_id)
+        return server
+
+    def _check_retrieve(self, st: XState, e: int, op: Any, again: bool) -> Violation | None:
+        """A retrieve the plan carries: F21 (planned twice), F20 (on expired leases), F2 (a rank
+        loading from a server that did not lease its part)."""
+        node = f"sched{e}"
+        request_id = op.request_id
+        loads = dict(st.loads)
+        loads[request_id] = loads.get(request_id, 0) + 1
+        st.loads = tuple(sorted(loads.items()))
+        if loads[request_id] > 1:
+            finding = checks.load_planned_again(request_id, op.start, op.end, again)
+            return Violation(finding[0], st.now, node, finding[1])
+        earliest, held = self._leases(st, e, request_id, op.start, op.end)
+        last = {x[0]: x for x in st.lease_seen}.get(request_id)
+        last_seen = last[1] if last is not None and last[2] == tuple(st.incarnation) else None
+        since = dict(st.submitted).get(request_id, 0.0)
+        v = self._violation(st, node, checks.retrieve_on_expired_leases(
+            request_id, op.start, op.end, st.now, st.now - since, self.server_config.lease_ttl, earliest, held,
+            last_seen))
+        if v:
+            return v
+        rps = self.lookups(st.clients[e]).config.ranks_per_server
+        for rank in range(self.client_config.world_size):
+            v = self._violation(st, node, checks.misplaced_load(request_id, rank, self.load_server(rank, request_id),
+                                                                rps))
+            if v:
+                return v
         return None
 
     def _worker_event(self, st: XState, e: int, event: Any) -> Violation | None:
@@ -934,7 +1168,15 @@ class Explorer:
         if not acts and pending:
             return Violation("DEADLOCK", st.now, "world", f"no action enabled; unfinished: {pending}")
         if not acts and not st.frames:
-            # nothing left to happen: every live worker is registered with its server (F13/F19)
+            # nothing left to happen: no refused request still waits on a registration
+            for e in range(len(st.workers)):
+                for s in range(len(st.servers)):
+                    link = self.link(st, e, s, 1)
+                    for uid in link.parked_uids():
+                        request = link.request_of(uid)
+                        parked = checks.parked_request(type(request.request).__name__, request.correlation, s)
+                        return Violation(parked[0], st.now, node_name(1, e), parked[1])
+            # and every live worker is registered with its server (F13/F19)
             for e, worker in enumerate(st.workers):
                 if worker is self._fresh_workers[e]:
                     continue  # its engine crashed
@@ -952,8 +1194,8 @@ class Explorer:
         for e, script in enumerate(st.scripts):
             for r, step in enumerate(script):
                 since = max(st.last_fault, submitted.get(rid(e, r), 0.0))
-                if step < len(self.script) and self.script[step] == "check" and st.now - since > \
-                        self.world.liveness_bound and st.clients[e].state(rid(e, r)) not in (
+                if step < len(self.script) and self.script[step] in ("check", "match") and st.now - since > \
+                        self.world.liveness_bound and self.lookups(st.clients[e]).state(rid(e, r)) not in (
                         LookupState.DONE, LookupState.ABSENT):
                     return Violation("F1", st.now, f"sched{e}", f"lookup unresolved: {rid(e, r)} still pending "
                                      f"{st.now - since:.3f} s after its submit or the last fault "
@@ -1031,7 +1273,9 @@ class Explorer:
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
                  st.crashes, st.attacks, st.seen, st.reaped,
-                 st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted))
+                 st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted),
+                 sorted((ren.get(r, r), n) for r, n in st.matched), sorted((ren.get(r, r), n) for r, n in st.loads),
+                 sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent)
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):
             h.update(repr(part).encode())
@@ -1115,7 +1359,8 @@ class Explorer:
     # ------------------------------------------------------------------ coverage
     def all_rows(self) -> list[tuple[str, str, str]]:
         rows: list[tuple[str, str, str]] = []
-        explored = (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES) + ((TRANSFER_TABLES,) if self.world.workers else ())
+        explored = (SERVER_TABLES, CLIENT_TABLES, HEALTH_TABLES) + ((TRANSFER_TABLES,) if self.world.workers else ()) + (
+            ({PLANNER_TABLE.name: PLANNER_TABLE},) if self.world.planner else ())
         for tables in explored:
             for table in tables.values():
                 for (state, ev) in table.rows:

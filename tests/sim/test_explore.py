@@ -1,6 +1,7 @@
 """The explorer over the production machines: the ``ci`` worlds are explored completely with no
 violation; every legacy profile it models is caught with its own F-code, and the tape it saves
 replays to the same violation; the CLI prints the counts and the rows never reached."""
+import functools
 import json
 from pathlib import Path
 
@@ -11,6 +12,12 @@ from mpcache.sim import checks, world
 from mpcache.sim.cli import main
 from mpcache.sim.explore import PROFILE_WORLDS, WORLDS, Explorer, XWorld, replay_tape
 from mpcache.sim.profiles import PROFILES
+
+
+@functools.cache
+def explored(w: XWorld) -> Explorer:
+    """One exploration per world for the whole module (the ci worlds are read by several tests)."""
+    return Explorer(w).run()
 
 
 def test_tiny_world_explored_completely() -> None:
@@ -25,7 +32,7 @@ def test_tiny_world_explored_completely() -> None:
 
 @pytest.mark.parametrize("w", WORLDS["ci"], ids=lambda w: w.name)
 def test_ci_world_explored_completely(w: XWorld) -> None:
-    ex = Explorer(w).run()
+    ex = explored(w)
     assert ex.violation is None, ex.violation
     assert ex.complete  # the whole space, not a cut at max_states or max_depth
     assert ex.states < w.max_states
@@ -51,7 +58,8 @@ def test_modelled_profiles() -> None:
     (missed-epoch, idle-reap: the TransferClient actor) beside the lookup protocol's."""
     assert set(PROFILE_WORLDS) == {"unknown-none", "resend-status", "overwrite-dup", "no-ack-wait", "leak-on-abort",
                                    "release-all", "silent-errors", "no-reaper", "wait-lost", "trust-all", "missed-epoch",
-                                   "idle-reap"}
+                                   "idle-reap", "planner-tail-leak", "preempt-reuse", "lease-expiry-under-queue",
+                                   "placement-mismatch", "no-reregister", "double-register"}
     assert set(PROFILE_WORLDS) <= set(PROFILES)
 
 
@@ -71,7 +79,8 @@ def test_profile_caught_with_its_code_and_tape_replays(name: str) -> None:
 def test_default_profile_clean_in_the_profile_worlds() -> None:
     """The worlds that catch the legacy profiles hold no violation for the production machines."""
     for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost", "trust-all", "missed-epoch",
-                 "idle-reap"):
+                 "idle-reap", "planner-tail-leak", "preempt-reuse", "lease-expiry-under-queue", "placement-mismatch",
+                 "no-reregister"):
         ex = Explorer(PROFILE_WORLDS[name]).run()
         assert ex.violation is None and ex.complete, (name, ex.violation)
 
@@ -110,8 +119,47 @@ def test_symmetry_merges_mirrored_engines() -> None:
     """Two engines with one request each: a state and its mirror (the engines swapped) are one
     state, so the space shrinks; and a stored state's lazily cleaned timer heaps do not split
     equal states (they did: symmetry on explored more states than off)."""
-    on = Explorer(WORLDS["ci"][0]).run()
+    on = explored(WORLDS["ci"][0])
     off = Explorer(attrs.evolve(WORLDS["ci"][0], symmetry=False)).run()
     assert on.complete and off.complete
     assert on.states < 0.8 * off.states
     assert on.reached == off.reached
+
+
+def test_planner_world_drives_the_connector_planner() -> None:
+    """A planner world's scheduler is the connector's StepPlanner: its table's rows are counted,
+    the script reaches allocation, preemption, the match after it and the lease renewal, and the
+    production planner recomputes after preemption (no second load)."""
+    w = next(x for x in WORLDS["ci"] if x.planner)
+    ex = explored(w)
+    assert ex.complete and ex.violation is None
+    planner = {(state, ev) for table, state, ev in ex.reached if table == "StepPlanner"}
+    assert {("ABSENT", "MatchRequest"), ("MATCHED", "BlocksAllocated"), ("RUNNING", "RequestPreempted"),
+            ("PREEMPTED", "MatchRequest"), ("PREEMPTED", "BlocksAllocated"), ("MATCHED", "LeaseRenewalDue")} <= planner
+    assert any(table == "StepPlanner" for table, _s, _e in ex.all_rows())
+    assert not any(table == "StepPlanner" for table, _s, _e in Explorer(XWorld("tiny")).all_rows())
+
+
+def test_worker_retrieve_refused_then_resent() -> None:
+    """A worker's retrieve refused not_registered (it overtook the registration): production's
+    link parks it, registers again and resends it once, the server runs the copy and the worker's
+    op ends; the legacy links leave it parked (no-reregister) or orphan it (double-register)."""
+    w = PROFILE_WORLDS["no-reregister"]
+    ex = Explorer(w).run()
+    assert ex.complete and ex.violation is None
+    reached = {(table.split(" (")[0], state, ev) for table, state, ev in ex.reached}
+    assert ("LookupServer transfers", "ABSENT", "Retrieve") in reached, reached
+    assert any(table == "HealthMonitor" and ev == "RequestRefused" for table, _s, ev in reached)
+    for name in ("no-reregister", "double-register"):
+        bad = Explorer(w, PROFILES[name]).run()
+        assert bad.violation is not None and bad.violation[0].code == "LIVENESS", name
+        assert ("op", 0) in bad.violation[1]
+
+
+@pytest.mark.slow
+def test_planner_retrieve_runs_on_the_worker() -> None:
+    """On demand (a few seconds): the planner's planned retrieve goes to the worker's
+    TransferClient, whose op the server runs; the production machines pass."""
+    ex = Explorer(WORLDS["planner"][0]).run()
+    assert ex.complete and ex.violation is None
+    assert any(table.startswith("TransferClient") and ev == "SubmitRetrieve" for table, _s, ev in ex.reached)
