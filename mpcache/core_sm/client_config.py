@@ -27,7 +27,10 @@ from mpcache.core_sm.server_link import ServerLinkConfig, client_link_config
 class ConnectorSettings:
     request_timeout: float = 5.0  # a request with no reply after this long fails
     lookup_status_wait: bool = True  # WAIT_PREFETCH_STATUS instead of polling
-    # an L1 hit answered in the LOOKUP's ack: one round trip instead of two (Lookup.answer_in_ack)
+    # an L1 hit answered in the LOOKUP's ack: one round trip instead of two (Lookup.answer_in_ack);
+    # a server that predates it acks nil and is asked for the status as before. The connector
+    # (ConnectorConfig) and the simulator (a draw per world) name it; a world that names nothing
+    # (the exhaustive explorer's) keeps the two-step lookup it explores.
     lookup_answer_in_ack: bool = False
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 3.0

@@ -129,7 +129,7 @@ class ConnectorConfig:
     * ``lookup_answer_in_ack``: each LOOKUP asks the server for its hit count in the ack, so an
       L1 hit (no L2 read) is answered in one round trip instead of two (LOOKUP, then the status
       query). A lookup that reads L2, or a server that does not know the request, is acked
-      without a count and asked for its status as before. Default off.
+      without a count and asked for its status as before. Default on.
     * ``sync_load_max_tokens``: loads of at most this many tokens finish within the step that
       schedules the request (vLLM's synchronous load) instead of a later one. 0: always
       asynchronous. Not set: the planner's default for the engine's device
@@ -149,7 +149,7 @@ class ConnectorConfig:
     lookup_wait_ms: float = attrs.field(default=5.0, converter=float)
     lookup_wait_idle_ms: float = attrs.field(default=50.0, converter=float)
     lookup_status_wait: bool = attrs.field(default=True)
-    lookup_answer_in_ack: bool = attrs.field(default=False)
+    lookup_answer_in_ack: bool = attrs.field(default=True)
     sync_load_max_tokens: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
     lease_ttl_s: float = attrs.field(default=300.0, converter=float)
 

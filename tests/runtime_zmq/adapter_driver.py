@@ -80,7 +80,7 @@ class Engine:
         lookup_wait_ms: float = 0.0,
         sync_load_max_tokens: int = 0,
         lookup_wait_idle_ms: float = 0.0,
-        lookup_answer_in_ack: bool = False,
+        lookup_answer_in_ack: bool = True,
     ) -> None:
         """``device="cuda"``: KV caches in vLLM's CUDA layout ``[2, NB, BS, NH, HS]`` on the GPU
         (server-driven transfers); ``"cpu"``: vLLM's CPU layout (engine-driven).
