@@ -11,6 +11,10 @@ What it measures, on tcp loopback and on ipc:
     together, with the token ids as LMCache's client sends them (a list of ints); `pair_packed`:
     the same with the token ids as one bin of little-endian uint32, as mpcache's own client
     sends them. The raw baselines send the very same frames to the echo server;
+  - `one_trip`: `lookup` of the same packed key asking for its hit count in the ack
+    (`answer_in_ack`, mpcache's connector with `mpcache.lookup_answer_in_ack`): the whole hit in
+    one round trip (the raw baseline echoes that one frame, so its ratio compares one trip with
+    one; the pair rows' raw baselines are two trips);
   - `status`: `query_prefetch_status` alone (of a finished lookup);
   each pair is followed by an untimed `end_session`, as the vLLM connector does, so nothing piles
   up in the server;
@@ -119,6 +123,7 @@ class Frames:
     tp_size: bytes = field(default_factory=lambda: msgpack.packb(1))
     lookup_keys: list[bytes] = field(default_factory=list)
     lookup_keys_packed: list[bytes] = field(default_factory=list)
+    lookup_keys_in_ack: list[bytes] = field(default_factory=list)  # packed, answer_in_ack
     request_ids: list[bytes] = field(default_factory=list)
 
     @classmethod
@@ -129,6 +134,7 @@ class Frames:
             rid = f"{tag}-{i}"
             f.lookup_keys.append(msgpack.packb(lookup_key(toks, rid)))
             f.lookup_keys_packed.append(msgpack.packb(lookup_key(toks, rid, packed=True)))
+            f.lookup_keys_in_ack.append(msgpack.packb({**lookup_key(toks, rid, packed=True), "answer_in_ack": True}))
             f.request_ids.append(msgpack.packb(rid))
         return f
 
@@ -387,6 +393,7 @@ class LatencyProbe:
         self.expected = None if expect_status is None else msgpack.packb(expect_status)
         self.expect_status = expect_status
         self.samples: dict[str, list[int]] = {}
+        self._in_ack_key = b""  # the one_trip lookup frame in flight: its ack is the hit count
 
     def _rt(self, parts: list[bytes]) -> None:
         self.uid += 1
@@ -396,7 +403,8 @@ class LatencyProbe:
         reply = self.sock.recv_multipart()
         if reply[1] != parts[0]:
             raise BenchError(f"error reply {msgpack.unpackb(reply[-1])!r}")
-        if self.expected is not None and parts[0] == self.frames.status_op and reply[2:] != [self.expected]:
+        if self.expected is not None and (parts[0] == self.frames.status_op or parts[1:2] == [self._in_ack_key])\
+                and reply[2:] != [self.expected]:
             got = msgpack.unpackb(reply[2]) if len(reply) > 2 else None
             raise BenchError(f"status {got!r}, expected {self.expect_status}")
 
@@ -415,7 +423,7 @@ class LatencyProbe:
                 self._rt([self.frames.end_op, self.frames.request_ids[i]])
 
     def run(self, what: str, start: int, n: int, record: bool) -> None:
-        """`n` calls of `what` (noop | pair | pair_packed | status); each pair is followed by an untimed
+        """`n` calls of `what` (noop | pair | pair_packed | one_trip | status); each pair is followed by an untimed
         end_session, as the vLLM connector does, so nothing piles up in the server."""
         f = self.frames
         rt = self._rt
@@ -432,6 +440,12 @@ class LatencyProbe:
                 t0 = clock()
                 rt([f.lookup_op, keys[i], f.tp_size])
                 rt([f.status_op, f.request_ids[i]])
+                t1 = clock()
+                rt([f.end_op, f.request_ids[i]])
+            elif what == "one_trip":
+                self._in_ack_key = f.lookup_keys_in_ack[i]
+                t0 = clock()
+                rt([f.lookup_op, f.lookup_keys_in_ack[i], f.tp_size])
                 t1 = clock()
                 rt([f.end_op, f.request_ids[i]])
             elif what == "status":
@@ -825,6 +839,8 @@ def _row_label(kind: str, what: str) -> str:
         return "status"
     if what == "pair_packed":
         return {"raw": "echo pair (packed frames)", "mpcache": "lookup+status packed (L1 32/32)"}[kind]
+    if what == "one_trip":
+        return {"raw": "echo lookup (packed frame)", "mpcache": "lookup, count in ack (L1 32/32)"}[kind]
     return {"raw": "echo pair (list frames)", "mpcache": "lookup+status list (L1 32/32)",
             "lmcache": "lookup+status list (no KV: 0)"}[kind]
 
@@ -833,7 +849,7 @@ def _row_label(kind: str, what: str) -> str:
 class Row:
     transport: str
     server: str
-    what: str  # noop | pair | pair_packed | status
+    what: str  # noop | pair | pair_packed | one_trip | status
     op: str
     p50: float
     p99: float
@@ -850,7 +866,7 @@ def run(args: argparse.Namespace) -> int:
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     only = [w.strip() for w in (args.only or "noop,status,lookup,lookup_packed").split(",") if w.strip()]
     latency_ops = [w.strip() for w in args.latency_ops.split(",") if w.strip()]
-    unknown = set(latency_ops) - {"noop", "pair", "pair_packed", "status"}
+    unknown = set(latency_ops) - {"noop", "pair", "pair_packed", "one_trip", "status"}
     if unknown:
         print(f"mpcache-bench rpc: unknown latency rows {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -901,7 +917,7 @@ def run(args: argparse.Namespace) -> int:
                     # LMCache's keys carry token ids as a list only
                     sel = [i for i, k in enumerate(kinds)
                            if not (k == "raw" and what == "status")
-                           and not (k == "lmcache" and what == "pair_packed")]
+                           and not (k == "lmcache" and what in ("pair_packed", "one_trip"))]
                     try:
                         results = interleaved([probes[i] for i in sel], what, args.calls, args.warmup)
                     except BenchError as e:
@@ -1059,8 +1075,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="DIR", help="py-spy the mpcache server during the throughput rows")
     parser.add_argument("--only", metavar="OPS", help="throughput rows to run (comma-separated: noop,status,lookup,lookup_packed)")
     parser.add_argument("--no-latency", action="store_true", help="throughput rows only")
-    parser.add_argument("--latency-ops", metavar="OPS", default="noop,pair,pair_packed,status",
-                        help="latency rows to run (comma-separated: noop,pair,pair_packed,status); "
+    parser.add_argument("--latency-ops", metavar="OPS", default="noop,pair,pair_packed,one_trip,status",
+                        help="latency rows to run (comma-separated: noop,pair,pair_packed,one_trip,status); "
                              "'--latency-ops pair,pair_packed --no-throughput' is the pair-latency-only run")
     parser.add_argument("--no-mpcache", action="store_true", help="skip mpcache (baselines only)")
     parser.add_argument("--l1-size-gb", type=float, default=1.0)

@@ -8,7 +8,8 @@ simulator profile varies from them by name. Inputs are the connector's settings 
 * ``ConnectorSettings``: the settings that decide a machine's behaviour (not where it connects).
 * ``lookup_client_config``: the scheduler's ``LookupClient`` -- its whole lookup bounded by two
   request timeouts, status by ``WAIT_PREFETCH_STATUS`` (answered within half a request timeout,
-  at most 1 s) unless ``lookup_status_wait`` is off.
+  at most 1 s) unless ``lookup_status_wait`` is off; with ``lookup_answer_in_ack`` each LOOKUP
+  asks for its hit count in the ack (a server that knows it then saves the status round trip).
 * ``transfer_op_timeout``: a worker op's own timeout (the request timeout).
 * ``link_config``: every connection's ``ServerLink`` (``server_link.client_link_config``).
 * ``server_for_rank`` / ``ranks_per_server``: where a worker rank's KV lives -- the one server
@@ -26,6 +27,11 @@ from mpcache.core_sm.server_link import ServerLinkConfig, client_link_config
 class ConnectorSettings:
     request_timeout: float = 5.0  # a request with no reply after this long fails
     lookup_status_wait: bool = True  # WAIT_PREFETCH_STATUS instead of polling
+    # an L1 hit answered in the LOOKUP's ack: one round trip instead of two (Lookup.answer_in_ack);
+    # a server that predates it acks nil and is asked for the status as before. The connector
+    # (ConnectorConfig) and the simulator (a draw per world) name it; a world that names nothing
+    # (the exhaustive explorer's) keeps the two-step lookup it explores.
+    lookup_answer_in_ack: bool = False
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 3.0
 
@@ -64,6 +70,7 @@ def lookup_client_config(settings: ConnectorSettings, *, num_servers: int, model
         # every request has its own timeout; this bounds the whole lookup too
         lookup_timeout=2 * settings.request_timeout,
         use_wait=settings.lookup_status_wait,
+        answer_in_ack=settings.lookup_answer_in_ack,
         # a waiting status query is answered within its wait, well inside the request timeout
         wait_timeout=min(1.0, settings.request_timeout / 2),
         ranks_per_server=ranks_per_server(world_size, num_servers) if num_servers > 1 else None,

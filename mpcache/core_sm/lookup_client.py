@@ -6,6 +6,9 @@ Per request id (vLLM calls in brackets)::
         -> LOOKUP to every server; the request is AWAITING_ACK
     ack from server s -> one QUERY_PREFETCH_STATUS (or WAIT_PREFETCH_STATUS) to s, kept until
         answered, never resent; None -> another query after poll_interval
+    (config.answer_in_ack) an ack carrying s's hit count n_s -> s has answered, no status query
+        (one round trip); a nil ack -> the status query as above (an L2 step left, or an older
+        server that ignores the request)
     every server answered n_s -> result = min(n_s) chunks; servers that reported more get a
         FREE_LOOKUP_LOCKS for their tail [min, n_s); the request is DONE and its result cached
     check(request_id) [check_lookup_result] -> None while pending, tokens when DONE, 0 unknown
@@ -97,7 +100,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
                          "status_queries_sent", "status_resends", "stale_replies", "timeouts",
                          "failures", "resolved", "resolved_zero", "frees_sent", "end_sessions_sent",
                          "fire_and_forget_replies", "expired_results", "bad_replies",
-                         "internal_errors", "server_restarts")
+                         "internal_errors", "server_restarts", "answered_in_ack")
         }
         self._timers = TimerHeap(self._timer_live)
         self._lookups: Dispatcher[LookupState] = LOOKUP_TABLE.bind(
@@ -269,7 +272,8 @@ class LookupClient(GuardedMachine[ClientEvent]):
             pending.legs[s] = leg
             self._counters["lookups_sent"] += 1
             leg.lookup_correlation = self._send(
-                s, Lookup(key, self.config.num_readers, self._ranks_of(s)), out, owner=(rid, s)
+                s, Lookup(key, self.config.num_readers, self._ranks_of(s), answer_in_ack=self.config.answer_in_ack),
+                out, owner=(rid, s)
             )
             if not self._wait_for_ack(pending, s):
                 self._send_query(pending, leg, now, out)
@@ -306,6 +310,11 @@ class LookupClient(GuardedMachine[ClientEvent]):
                 self._leg_answer(pending, leg, 0, now, out)
                 return
             leg.acked = True
+            if result is not None and self.config.answer_in_ack:
+                # the server answered in its ack: its count, as a status reply would carry it
+                self._counters["answered_in_ack"] += 1
+                self._status_answer(pending, leg, result, now, out)
+                return
             if leg.query_correlation is None and leg.next_query_at is None and leg.chunks is None:
                 self._send_query(pending, leg, now, out)
             return
@@ -316,7 +325,14 @@ class LookupClient(GuardedMachine[ClientEvent]):
         elif result is None:
             leg.next_query_at = now + self.config.poll_interval
             self._timers.push(leg.next_query_at, Requery(rid, pending.serial, s))
-        elif isinstance(result, int) and not isinstance(result, bool) and result >= 0:
+        else:
+            self._status_answer(pending, leg, result, now, out)
+
+    def _status_answer(self, pending: PendingLookup, leg: ServerLeg, result: object, now: float,
+                       out: list[Effect]) -> None:
+        """A server's hit count (a status reply's, or an ack's that carries one): a count that
+        is not a non-negative int is a bad reply, taken as 0."""
+        if isinstance(result, int) and not isinstance(result, bool) and result >= 0:
             self._leg_answer(pending, leg, result, now, out)
         else:
             self._counters["bad_replies"] += 1

@@ -48,6 +48,10 @@ class LookupClientConfig:
     use_wait: bool = False  # WAIT_PREFETCH_STATUS instead of polling QUERY_PREFETCH_STATUS
     wait_timeout: float = 1.0
     fire_and_forget_cap: int = 10_000  # replies to FREE/END we still recognise
+    # Ask each server for the hit count in the LOOKUP's ack (``Lookup.answer_in_ack``): a server
+    # that knows it then (an L1 hit, no L2 step) answers in one round trip; a nil ack (an L2 step
+    # left, or a server that does not know the field) is followed by the status query as always.
+    answer_in_ack: bool = False
     # The KV ranks each server holds (tensor-parallel ranks spread over servers): entry s goes to
     # server s as ``Lookup.ranks``; a server with no entry holds no rank and is not asked (more
     # servers than ranks). None: every server holds every rank of world_size.

@@ -130,11 +130,20 @@ class Lookup:
     several servers); a chunk hits when every one of those ranks is readable, and only those
     ranks are leased or read from L2. ``None``: every rank in ``[0, key.world_size)``. Empty,
     duplicated or out-of-range ranks are a VALIDATION error.
+
+    ``answer_in_ack`` (mpcache's own; LMCache's clients never set it): the sender takes a hit
+    count in place of the nil ack. A server that knows the count when it handles the lookup (the
+    prefix is leased from L1 and no L2 step is needed or possible) replies with it, and the job
+    is answered as a status query would have answered it (a later status query repeats the same
+    count from its tombstone); otherwise the ack is ``None`` as always and the sender asks for
+    the status. A server that does not know the field acks ``None``: the sender cannot tell it
+    from a lookup whose count was not known yet.
     """
 
     key: CacheKey
     num_readers: int = attrs.field(default=1, validator=_non_negative)
     ranks: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_int_tuple)
+    answer_in_ack: bool = attrs.field(default=False, kw_only=True, validator=attrs.validators.instance_of(bool))
     reply_to: ReplyTo = attrs.field(default=None, kw_only=True)
     peer: Peer = attrs.field(default=None, kw_only=True)
 

@@ -114,7 +114,7 @@ _COUNTERS = (
     "plan_quarantines_ended", "duplicate_transfers", "table_violations",
     "heartbeats", "instances_reaped", "instances_failed", "plans_of_reaped_instances", "quota_skips", "clears_refused",
     "instances_of_gone_peers",
-    "stores_not_admitted", "resends_run", "resends_refused", "lookup_work_failures",
+    "stores_not_admitted", "resends_run", "resends_refused", "lookup_work_failures", "lookups_answered_in_ack",
 )
 
 

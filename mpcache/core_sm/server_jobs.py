@@ -313,7 +313,7 @@ class JobMachine:
             self.hooks.on_duplicate_lookup(job, ev, now, out)
             return
         self.tombstones.pop(key, None)
-        if ctx.config.ack_first:
+        if ctx.config.ack_first and not ev.answer_in_ack:
             job = self._register(ev, now, out)
             self.accepted = (job, ev, now)
             return
@@ -325,18 +325,43 @@ class JobMachine:
             ctx.admission.record(hashes)
         self.start_job(ev, hashes, now, out)
 
-    def _register(self, ev: Lookup, now: float, out: list[Effect]) -> PrefetchJob:
-        """Make the request's job (no work yet), queue its reap and acknowledge the lookup."""
+    def _register(self, ev: Lookup, now: float, out: list[Effect], *, ack: bool = True) -> PrefetchJob:
+        """Make the request's job (no work yet), queue its reap and (``ack``) acknowledge the
+        lookup."""
         key = RequestKey(ev.peer, ev.key.request_id)
         job = PrefetchJob(key.request_id, self.jobs.canonical(ev.peer))
         self.jobs[key] = job
         self.reap_queue.push(now + self.ctx.config.abandoned_job_ttl, job)
-        out.append(Reply(ev.reply_to, None))
+        if ack:
+            out.append(Reply(ev.reply_to, None))
         return job
 
     def start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
-        """Register the job, acknowledge the lookup and do its work (the whole lookup at once)."""
-        self._work(self._register(ev, now, out), ev, hashes, now, out)
+        """Register the job, acknowledge the lookup and do its work (the whole lookup at once).
+        A lookup that asks for its answer in the ack (``Lookup.answer_in_ack``) is acknowledged
+        after its work, with ``ack_answer``'s value."""
+        if not ev.answer_in_ack:
+            self._work(self._register(ev, now, out), ev, hashes, now, out)
+            return
+        job = self._register(ev, now, out, ack=False)
+        try:
+            self._work(job, ev, hashes, now, out)
+        except Exception as exc:  # a fault of the server: the job resolves as 0, answered so
+            self._work_failed(job, f"{type(exc).__name__}: {exc}", now, out)
+        out.append(Reply(ev.reply_to, self.ack_answer(job, now)))
+
+    def ack_answer(self, job: PrefetchJob, now: float) -> int | None:
+        """What the ack of a lookup asking for its answer in the ack carries, right after its
+        work: the hit count when it is final already -- its prefix leased from L1 and no L2 step
+        needed or possible (none enabled, the whole key in L1, or nothing to probe or read) --
+        and the job is then answered exactly as a status query answers it (a tombstone repeats
+        the count; the leases stay until the retrieve, free or end session). ``None`` (the
+        ordinary ack) while anything is left: an L2 probe or read, a prefix leased in slices;
+        the client then asks for the status as with any lookup."""
+        if job.hits is None or self.jobs.get(job.key) is not job:
+            return None
+        self.ctx.counters["lookups_answered_in_ack"] += 1
+        return self._status(job.key, now)
 
     def run_accepted(self, out: list[Effect]) -> None:
         """Do the work of the acknowledged lookup, if one waits (module docstring)."""
@@ -765,7 +790,9 @@ class JobMachine:
 # request (ErrorReply) leaves the state unchanged. A reap may leave the job where it is only in
 # a legacy profile without a reaper.
 JOB_TABLE: Table[JobState] = Table("LookupServer jobs (prefetch job of a request id)", JobState, JobState.ABSENT, {
-    (JobState.ABSENT, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE}),
+    # answered in its ack (Lookup.answer_in_ack): ANSWERED, or ABSENT where a legacy profile keeps no tombstone
+    (JobState.ABSENT, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE, JobState.ANSWERED,
+                                                       JobState.ABSENT}),
     (JobState.ABSENT, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ABSENT}),
     (JobState.ABSENT, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ABSENT}),
     (JobState.ABSENT, FreeLookupLocks): (JobMachine._on_free, {JobState.ABSENT}),
@@ -784,7 +811,8 @@ JOB_TABLE: Table[JobState] = Table("LookupServer jobs (prefetch job of a request
     (JobState.DONE, FreeLookupLocks): (JobMachine._on_free, {JobState.DONE}),
     (JobState.DONE, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
     (JobState.DONE, ReapJob): (JobMachine._on_reap, {JobState.ABSENT, JobState.DONE}),
-    (JobState.ANSWERED, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE}),
+    (JobState.ANSWERED, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE, JobState.ANSWERED,
+                                                         JobState.ABSENT}),
     (JobState.ANSWERED, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ANSWERED}),
     (JobState.ANSWERED, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ANSWERED}),
     (JobState.ANSWERED, FreeLookupLocks): (JobMachine._on_free, {JobState.ANSWERED}),

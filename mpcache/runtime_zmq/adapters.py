@@ -126,6 +126,10 @@ class ConnectorConfig:
     * ``lookup_status_wait``: ask for a lookup's result with WAIT_PREFETCH_STATUS, which the
       server answers the moment the lookup (an L2 read included) is done, instead of polling
       QUERY_PREFETCH_STATUS every 5 ms.
+    * ``lookup_answer_in_ack``: each LOOKUP asks the server for its hit count in the ack, so an
+      L1 hit (no L2 read) is answered in one round trip instead of two (LOOKUP, then the status
+      query). A lookup that reads L2, or a server that does not know the request, is acked
+      without a count and asked for its status as before. Default on.
     * ``sync_load_max_tokens``: loads of at most this many tokens finish within the step that
       schedules the request (vLLM's synchronous load) instead of a later one. 0: always
       asynchronous. Not set: the planner's default for the engine's device
@@ -145,6 +149,7 @@ class ConnectorConfig:
     lookup_wait_ms: float = attrs.field(default=5.0, converter=float)
     lookup_wait_idle_ms: float = attrs.field(default=50.0, converter=float)
     lookup_status_wait: bool = attrs.field(default=True)
+    lookup_answer_in_ack: bool = attrs.field(default=True)
     sync_load_max_tokens: int | None = attrs.field(default=None, converter=attrs.converters.optional(int))
     lease_ttl_s: float = attrs.field(default=300.0, converter=float)
 
@@ -169,6 +174,7 @@ class ConnectorConfig:
     @store_decode_tokens.validator
     @connect_strict.validator
     @lookup_status_wait.validator
+    @lookup_answer_in_ack.validator
     def _boolean(self, attribute: attrs.Attribute[bool], value: object) -> None:
         if not isinstance(value, bool):
             raise ValueError(f"{CONFIG_PREFIX}{attribute.name} must be true or false, got {value!r}")
@@ -193,7 +199,8 @@ class ConnectorConfig:
 
     def settings(self) -> ConnectorSettings:
         """What these settings say to the client machines (core_sm's configuration builder)."""
-        return ConnectorSettings(request_timeout=self.request_timeout_s, lookup_status_wait=self.lookup_status_wait)
+        return ConnectorSettings(request_timeout=self.request_timeout_s, lookup_status_wait=self.lookup_status_wait,
+                                 lookup_answer_in_ack=self.lookup_answer_in_ack)
 
     def server_for_rank(self, rank: int, world_size: int) -> str:
         """The server a worker rank stores to and loads from (core_sm's placement, which the

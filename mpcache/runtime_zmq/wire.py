@@ -270,13 +270,20 @@ def _as_token_ids(v: Any, limit: int) -> TokenIds:
     return TokenIds.from_ints(v)
 
 
+# A lookup key's field asking for the hit count in the ack (core_sm.messages.Lookup.answer_in_ack):
+# mpcache's own, sent only when set (encode_lookup); absent or false: the nil ack as always.
+ANSWER_IN_ACK_FIELD: Final = "answer_in_ack"
+
+
 @attrs.frozen
 class KeyPayload:
-    """A decoded key payload: the core_sm key and LMCache's ``num_kv_readers`` beside it (a
-    lookup's read count; core_sm's key does not carry it)."""
+    """A decoded key payload: the core_sm key and, beside it, what core_sm's key does not carry:
+    LMCache's ``num_kv_readers`` (a lookup's read count) and mpcache's ``answer_in_ack`` (a
+    lookup's)."""
 
     key: CacheKey
     num_kv_readers: int = 0
+    answer_in_ack: bool = False
 
 
 _KEY_REQUIRED: Final = ("model_name", "world_size", "token_ids", "start", "end", "request_id")
@@ -328,7 +335,10 @@ def _key_payload(v: Any, limits: Limits) -> KeyPayload:
         cache_salt=_as_str(salt, "key.cache_salt", limits.max_salt_bytes),
         extras=extras,
     )
-    return KeyPayload(key, readers)
+    answer_in_ack = v.get(ANSWER_IN_ACK_FIELD) or False  # absent or nil: not asked
+    if type(answer_in_ack) is not bool:
+        raise _Bad(ErrorKind.UNDECODABLE, f"key.{ANSWER_IN_ACK_FIELD}: expected bool, got {_type_name(answer_in_ack)}")
+    return KeyPayload(key, readers, answer_in_ack)
 
 
 def _decode_extras(identity: Any, chunk_extras: Any, max_chunks: int) -> KeyExtras:
@@ -484,8 +494,20 @@ def _lookup(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: L
     readers = m.lookup_num_readers(k.num_kv_readers, tp_size, k.key.world_size)
     # mpcache's trailing ``ranks``: the KV ranks this server holds for the request (tensor-parallel
     # ranks spread over servers); LMCache's clients leave it out (every rank). core_sm refuses
-    # empty, repeated or out-of-range ranks.
-    return m.Lookup(k.key, num_readers=readers, ranks=_opt(a, 2), reply_to=rt, peer=peer)
+    # empty, repeated or out-of-range ranks. The key's ``answer_in_ack`` field: see encode_lookup.
+    return m.Lookup(k.key, num_readers=readers, ranks=_opt(a, 2), answer_in_ack=k.answer_in_ack,
+                    reply_to=rt, peer=peer)
+
+
+def encode_lookup(req: m.Lookup) -> tuple[Any, ...]:
+    """A lookup's payloads: ``(key, 1[, ranks])``. ``answer_in_ack`` travels as a field of the key
+    map (``"answer_in_ack": true``), present only when set: a server that does not know it
+    ignores an unknown key field and acks nil as always (a trailing payload would be refused for
+    its arity), and a lookup without it is byte for byte LMCache's."""
+    key = encode_key(req.key, req.num_readers)
+    if req.answer_in_ack:
+        key[ANSWER_IN_ACK_FIELD] = True
+    return (key, 1, *(() if req.ranks is None else (list(req.ranks),)))
 
 
 def _store(a: tuple[Any, ...], rt: Any, peer: Any, now: float | None, limits: Limits) -> m.Store:
@@ -564,9 +586,9 @@ OPS: Final[tuple[OpSpec, ...]] = (
     _spec("get_chunk_size", 21, request_type=m.GetChunkSize,
           build=lambda a, rt, pr, now, lim: m.GetChunkSize(reply_to=rt, peer=pr), encode=lambda r, h, x: ()),
     # lookup(key[, tp_size][, ranks]): ranks is mpcache's, sent only when the engine's ranks are
-    # spread over several servers
+    # spread over several servers; the key map may carry mpcache's ``answer_in_ack`` (encode_lookup)
     _spec("lookup", 8, P.KEY, P.INT, P.INT_LIST, optional_tail=2, request_type=m.Lookup, build=_lookup,
-          encode=lambda r, h, x: (encode_key(r.key, r.num_readers), 1, *(() if r.ranks is None else (list(r.ranks),)))),
+          encode=lambda r, h, x: encode_lookup(r)),
     _spec("query_prefetch_status", 9, P.ID, request_type=m.QueryPrefetchStatus,
           build=lambda a, rt, pr, now, lim: m.QueryPrefetchStatus(a[0], reply_to=rt, peer=pr), encode=lambda r, h, x: (r.request_id,)),
     _spec("wait_prefetch_status", 10, P.ID, P.FLOAT, request_type=m.WaitPrefetchStatus,

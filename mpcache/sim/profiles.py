@@ -559,6 +559,7 @@ class DoubleRegister(Profile):
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
     """The connector settings of the simulated world (its heartbeat knobs, production's others)."""
     return ConnectorSettings(request_timeout=cfg.request_timeout, lookup_status_wait=profile.lookup_status_wait,
+                             lookup_answer_in_ack=cfg.lookup_answer_in_ack,
                              heartbeat_interval=cfg.heartbeat_interval, heartbeat_timeout=cfg.heartbeat_timeout)
 
 

@@ -56,6 +56,9 @@ class WorldConfig:
     lookup_wait: float = 0.0
     lookup_wait_idle: float = 0.0
     sync_load_max_tokens: int = 0
+    # The connector's lookup_answer_in_ack (ConnectorSettings): each LOOKUP asks for its hit count
+    # in the ack, so an L1 hit takes one round trip (drawn: both paths run across the seeds).
+    lookup_answer_in_ack: bool = False
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 2.5
     engine_driven: bool = False
@@ -124,6 +127,7 @@ class Scenario:
 
 # of the worlds whose planner waits for lookups and loads synchronously, as production does
 CONNECTOR_DEFAULTS_SHARE = 0.5
+ANSWER_IN_ACK_SHARE = 0.5  # of the worlds whose lookups ask for the hit count in the ack
 DEEP_QUEUE_SHARE = 0.5  # of the worlds without the adversary whose drawn lease TTL is not the short one
 
 
@@ -247,6 +251,8 @@ def draw_scenario(seed: int) -> Scenario:
                               sync_load_max_tokens=connector.choice((0, 1 << 40, 2 * chunk_size)))
         config = attrs.evolve(config, lookup_wait_idle=connector.choice((0.0, 0.05)))  # drawn last: the rest stay
     config = attrs.evolve(config, **draw_groups(seed, chunk_size, block_size))
+    one_trip = random.Random(f"{seed}:answer-in-ack")  # its own stream: other draws stay as they were
+    config = attrs.evolve(config, lookup_answer_in_ack=one_trip.random() < ANSWER_IN_ACK_SHARE)
     stall = random.Random(f"{seed}:l2-stall")  # its own stream: other draws stay as they were
     if config.l2_enabled and stall.random() < 0.3:
         config = attrs.evolve(config, l2_stall_p=stall.choice((0.05, 0.2)))

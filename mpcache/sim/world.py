@@ -829,7 +829,8 @@ class World:
             for k in ("hit_chunks", "duplicate_lookups", "unknown_status", "reaped_jobs", "l2_reads", "l2_writes",
                       "l2_timeouts", "transfers_failed", "retrieve_misses", "evictions", "leases_released_ttl",
                       "leases_released_retrieve", "leases_released_free", "leases_released_end_session",
-                      "leases_released_reap", "leases_released_clear", "expired_plans", "errors"):
+                      "leases_released_reap", "leases_released_clear", "expired_plans", "errors",
+                      "lookups_answered_in_ack"):
                 out[k] = out.get(k, 0) + st.get(k, 0)
         for engine in self.engines:
             for req in engine.order:

@@ -51,7 +51,7 @@ class Pair:
     def __init__(self, num_servers: int = 1, server_cls: type[LookupServer] = LookupServer,
                  lookup_cls: type[LookupClient] = LookupClient, engine: bool = False,
                  world_size: int = 1, ranks_per_server: tuple[tuple[int, ...], ...] | None = None,
-                 **server_kw: Any) -> None:
+                 answer_in_ack: bool = False, **server_kw: Any) -> None:
         """One lookup client over ``num_servers`` servers and one worker per server (worker s
         talks to server s; with ``ranks_per_server`` it is the worker of rank
         ``ranks_per_server[s][0]``, else of rank 0)."""
@@ -61,7 +61,8 @@ class Pair:
         self.lookup = lookup_cls(LookupClientConfig(num_servers=num_servers, model_name="m",
                                                     world_size=world_size, chunk_size=C,
                                                     poll_interval=0.01, lookup_timeout=5.0,
-                                                    ranks_per_server=ranks_per_server))
+                                                    ranks_per_server=ranks_per_server,
+                                                    answer_in_ack=answer_in_ack))
         self.workers = [TransferClient(TransferClientConfig(
             instance_id=s + 1, model_name="m", world_size=world_size,
             worker_id=0 if ranks_per_server is None else ranks_per_server[s][0], chunk_size=C,

@@ -31,9 +31,10 @@ BASE = tokens(3)
 
 
 class PairMachine(RuleBasedStateMachine):
-    @initialize(servers=st.integers(1, 2), l2=st.booleans())
-    def setup(self, servers: int, l2: bool) -> None:
-        self.p = Pair(num_servers=servers, l2_enabled=l2)
+    @initialize(servers=st.integers(1, 2), l2=st.booleans(), in_ack=st.booleans())
+    def setup(self, servers: int, l2: bool, in_ack: bool) -> None:
+        # in_ack: the lookup asks for its count in the ack (one round trip for an L1 hit)
+        self.p = Pair(num_servers=servers, l2_enabled=l2, answer_in_ack=in_ack)
         self.p.store(BASE, end=2 * C)
         self.answers: dict[str, int] = {}
         self.submitted: set[str] = set()

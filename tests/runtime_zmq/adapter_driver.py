@@ -80,6 +80,7 @@ class Engine:
         lookup_wait_ms: float = 0.0,
         sync_load_max_tokens: int = 0,
         lookup_wait_idle_ms: float = 0.0,
+        lookup_answer_in_ack: bool = True,
     ) -> None:
         """``device="cuda"``: KV caches in vLLM's CUDA layout ``[2, NB, BS, NH, HS]`` on the GPU
         (server-driven transfers); ``"cpu"``: vLLM's CPU layout (engine-driven).
@@ -88,7 +89,7 @@ class Engine:
         self.device = device
         self.config = ConnectorConfig(server_urls=list(server_urls), request_timeout_s=request_timeout_s, connect_timeout_s=5.0, store_decode_tokens=store_decode_tokens,
                                       lookup_wait_ms=lookup_wait_ms, sync_load_max_tokens=sync_load_max_tokens,
-                                      lookup_wait_idle_ms=lookup_wait_idle_ms)
+                                      lookup_wait_idle_ms=lookup_wait_idle_ms, lookup_answer_in_ack=lookup_answer_in_ack)
         self.planner = SchedulerAdapter.connect(self.config, model_name="tiny", world_size=world_size, block_size=BLOCK,
                                                 load=load, store=store)
         self.lookups = self.planner

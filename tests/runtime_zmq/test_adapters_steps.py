@@ -137,3 +137,29 @@ def test_the_lookup_status_is_waited_for_or_polled_as_configured(start: Any, sta
         adapter.close()
     with pytest.raises(ValueError):
         ConnectorConfig(server_urls=server.url, lookup_status_wait="yes")
+
+
+@pytest.mark.parametrize("in_ack", [True, False])
+def test_answer_in_ack_serves_the_hit_without_a_status_query(start: Any, engine_factory: Any, in_ack: bool) -> None:
+    """``mpcache.lookup_answer_in_ack`` (default on): every lookup of an L1-only server is answered
+    in its ack (the miss's 0 and the hit's count), so the server sees no status query at all;
+    off, each lookup is followed by its status query, as before."""
+    server = start()
+    engine = engine_factory(server.url, lookup_answer_in_ack=in_ack, lookup_wait_ms=WAIT_MS,
+                            sync_load_max_tokens=1 << 30)
+    assert engine.planner.planner.lookups.config.answer_in_ack is in_ack
+    assert ConnectorConfig().lookup_answer_in_ack  # the default
+    prompt = tokens(4 * CHUNK + 10, 33)
+    engine.add("a", prompt)
+    engine.run_all()
+    assert _steps_to_prefill(engine, "b", prompt) == 1
+    engine.run_all()
+    assert engine.requests["b"].external == 4 * CHUNK and engine.requests["b"].checked
+    s = stats(server.url)
+    if in_ack:
+        assert s["lookups_answered_in_ack"] == s["lookups"] == 2 and s["status_queries"] == 0
+    else:
+        assert s["lookups_answered_in_ack"] == 0 and s["status_queries"] == s["lookups"] == 2
+    assert_clean(engine, server.url)
+    with pytest.raises(ValueError):
+        ConnectorConfig(server_urls=server.url, lookup_answer_in_ack="yes")

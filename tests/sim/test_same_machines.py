@@ -67,7 +67,8 @@ def test_the_simulator_builds_its_configs_as_the_connector_does() -> None:
     from mpcache.sim.profiles import PROFILES
 
     world = draw_scenario(3).config
-    connector = ConnectorConfig()
+    assert world.lookup_answer_in_ack  # a drawn variation: the connector's key names it
+    connector = ConnectorConfig(lookup_answer_in_ack=world.lookup_answer_in_ack)
     production = lookup_client_config(connector.settings(), num_servers=world.num_servers, model_name=MODEL,
                                       world_size=world.tp, chunk_size=world.chunk_size)
     simulated = PROFILES["default"].make_lookup_client(world).config

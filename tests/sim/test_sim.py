@@ -85,5 +85,6 @@ def test_rare_paths_happen_across_seeds() -> None:
                 "duplicate_lookups", "unknown_status", "transfers_failed", "crashes", "restarts", "engine_crashes",
                 "clears", "evict_after_prefetch", "l2_probes", "net_dropped", "net_duplicated", "net_blocked",
                 "requests_aborted", "requests_preempted", "requests_with_load_errors", "errors",
-                "transport_refusals", "transport_resends", "lookup_waits", "sync_load_waits"):
+                "transport_refusals", "transport_resends", "lookup_waits", "sync_load_waits",
+                "lookups_answered_in_ack"):
         assert total.get(key, 0) > 0, f"no seed exercised {key}: {total}"
