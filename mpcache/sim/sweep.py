@@ -197,7 +197,8 @@ def _hashes(key: Any) -> tuple[bytes, ...]:
 
 
 class _HitCounter:
-    """Counts each lookup's first resolved status answer (in chunks) into ``row``."""
+    """Counts each lookup's first resolved answer (in chunks) into ``row``: the count in its ack
+    (``Lookup.answer_in_ack``) or in the first status reply that resolves it."""
 
     def __init__(self, row: SweepRow, chunk_size: int) -> None:
         self.row = row
@@ -210,6 +211,8 @@ class _HitCounter:
 
         if isinstance(event, m.Lookup):
             self.open[event.key.request_id] = event.key
+            if event.answer_in_ack:  # its ack may carry the count (an int), else a status query will
+                self.queries[event.reply_to] = event.key.request_id
         elif isinstance(event, (m.QueryPrefetchStatus, m.WaitPrefetchStatus)) and event.request_id in self.open:
             self.queries[event.reply_to] = event.request_id
 
