@@ -11,7 +11,9 @@ hand in vLLM's call order:
 * ``b``: the same prompt: an L1 hit answered in the LOOKUP's ack (one round trip), loaded
   synchronously (a CPU engine's default) into fresh blocks, checked byte for byte;
 * ``c``: a prompt that shares only the first chunk: its L1 part hits, the rest goes to L2 (two
-  steps again), one chunk loaded.
+  steps again), one chunk loaded;
+* ``d``: the first prompt again, a hit that is finished (aborted) before vLLM allocates it: the
+  planner ends its session (the server gives back its read leases).
 
 Usage (from a checkout; needs torch, as the CPU engine's tensors do)::
 
@@ -122,6 +124,10 @@ def main(out: str) -> int:
         worker.submit_stores(plan.stores)
         assert worker.load_errors() == set()
         finish("c")
+
+        # d: a hit that vLLM aborts before allocating it: the planner ends its session
+        assert match("d", prompt) == (hit, False)
+        finish("d")
         worker.close()
         scheduler.close()
     finally:

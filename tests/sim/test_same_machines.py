@@ -158,6 +158,8 @@ def test_a_recorded_production_run_replays_step_for_step_through_the_simulators_
     assert planner.stats()["stores_planned"] >= 1 and planner.stats()["loads_planned"] >= 1
     assert transfer.stats()["stores"] >= 1 and transfer.stats()["retrieves"] >= 1
     assert all(link.monitor.stats()["heartbeats_sent"] >= 1 for link in by_kind["link"])
+    # and a request finished before it was allocated (vLLM aborted it after its lookup)
+    assert result.events["planner"]["RequestFinished"] > result.events["planner"]["BlocksAllocated"]
 
 
 def test_a_replay_reports_the_first_step_whose_effects_differ() -> None:
