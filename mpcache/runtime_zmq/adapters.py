@@ -71,6 +71,7 @@ from mpcache.core_sm.planner import (
 from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 from mpcache.runtime_zmq.wire import PlanMemory, plan_memory_from_wire, request_to_wire, result_from_wire
 from mpcache.runtime_zmq.client import MPCacheClient, RemoteError, server_url
+from mpcache.runtime_zmq.recorder import MachineRecord, recording
 
 log = logging.getLogger("mpcache.worker")
 
@@ -363,10 +364,18 @@ class _MachineShell:
         self._machine = machine
         self._clock = clock
         self._lock = threading.RLock()
+        self._record: MachineRecord | None = None  # MPCACHE_RECORD (runtime_zmq.recorder)
 
     def _handle(self, event: object) -> list[Any]:
         with self._lock:
-            return self._apply(self._machine.handle(event, self._clock()))
+            return self._apply(self._feed(event, self._clock()))
+
+    def _feed(self, event: object, now: float) -> list[Any]:
+        """The machine's ``handle`` (the one call every event goes through, recorded when asked)."""
+        effects: list[Any] = self._machine.handle(event, now)
+        if self._record is not None:
+            self._record.step(now, event, effects)
+        return effects
 
     def _apply(self, effects: Iterable[Any]) -> list[Any]:
         answers = []
@@ -387,11 +396,11 @@ class _MachineShell:
     def _pump(self, wait: float = 0.0) -> None:
         with self._lock:  # drained under the lock too: two threads must not reorder completions
             for event in self._links.drain(wait):
-                self._apply(self._machine.handle(event, self._clock()))
+                self._apply(self._feed(event, self._clock()))
             deadline = self._machine.next_deadline()
             now = self._clock()
             if deadline is not None and deadline <= now:
-                self._apply(self._machine.handle(TimerFired(), now))
+                self._apply(self._feed(TimerFired(), now))
 
 
 class SchedulerAdapter(_MachineShell):
@@ -405,6 +414,8 @@ class SchedulerAdapter(_MachineShell):
     def __init__(self, links: _ServerLinks, machine: StepPlanner, clock: Any = None) -> None:
         super().__init__(links, machine, clock or time.monotonic)
         self.planner = machine
+        self._record = recording("planner", self._clock(), {"planner": machine.config,
+                                                            "lookup_client": machine.lookups.config})
         for server in range(len(links.urls)):
             self._handle(ServerHealth(server, links.healthy(server)))
 
@@ -692,6 +703,8 @@ class WorkerAdapter(_MachineShell):
                     op_timeout=transfer_op_timeout(ConnectorSettings(self.request_timeout_s)),
                 )
             )
+            self._record = recording("transfer_client", self._clock(), {"transfer_client": self._machine.config},
+                                     {"rank": self.rank})
         self._handle(ServerHealth(0, self._links.healthy(0)))
 
     def _register_gpu(self, layers: list[Any]) -> None:
@@ -920,7 +933,7 @@ class WorkerAdapter(_MachineShell):
         except Exception:
             log.exception("mpcache: copy for transfer %s failed", effect.transfer_id)
             ok = False
-        self._apply(self._machine.handle(CopyFinished(effect.op, ok), self._clock()))
+        self._apply(self._feed(CopyFinished(effect.op, ok), self._clock()))
 
     @staticmethod
     def _copy_part(transfer: Any, direction: TransferKind, copies: Sequence[Any], slot_bytes: int, offset: int) -> None:

@@ -84,6 +84,7 @@ from mpcache.core_sm.server_link import (
     client_link_config,
 )
 from mpcache.core_sm.server_link import Reply as LinkReply
+from mpcache.runtime_zmq.recorder import recording
 from mpcache.runtime_zmq.wire import ERROR_OP_FRAME, OPS_BY_REQUEST_TYPE, encode_key, resend_payloads, token_ids_for_wire
 
 log = logging.getLogger("mpcache.client")
@@ -221,10 +222,13 @@ class MPCacheClient:
         self._closed = False
         # Requests, deadlines, heartbeats, registration memory, parking, resend and give-up: the
         # core_sm machine the simulator drives. This client moves its frames and resolves futures.
+        built = time.monotonic()
         self.link = ServerLink(client_link_config(
             request_timeout=request_timeout, heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout, heartbeat_backoff_max=heartbeat_backoff_max,
-            reconnect_ivl_max=reconnect_ivl_max), time.monotonic())
+            reconnect_ivl_max=reconnect_ivl_max), built)
+        # MPCACHE_RECORD (runtime_zmq.recorder): the link's events and effects, when asked
+        self._record = recording("link", built, {"link": self.link.config}, {"url": url})
         self._healthy = False
         self._health_cbs: list[Callable[[bool], None]] = []
         self._health_changed = threading.Condition()
@@ -410,7 +414,11 @@ class MPCacheClient:
     # the link: its events in, its effects performed (called with self._lock held) ----------
 
     def _handle(self, event: Any, done: list[tuple[Future[Any], bool, Any]]) -> None:
-        for effect in self.link.handle(event, time.monotonic()):
+        now = time.monotonic()
+        effects = self.link.handle(event, now)
+        if self._record is not None:
+            self._record.step(now, event, effects)
+        for effect in effects:
             if isinstance(effect, Transmit):
                 self._transmit(effect, event, done)
             elif isinstance(effect, Completed):

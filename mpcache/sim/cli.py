@@ -468,6 +468,14 @@ def cmd_replay_trace(args: argparse.Namespace) -> int:
     return 1 if divergences else 0
 
 
+def cmd_replay_recording(args: argparse.Namespace) -> int:
+    """Feed the connector's machines as the simulator builds them a production recording's
+    events (MPCACHE_RECORD); exit 1 at the first step whose effects differ."""
+    from mpcache.sim.prod_replay import report
+
+    return report(args.file, args.profile)
+
+
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Seeds of a fleet world (sim/fleet.py): N servers x M engines over a cluster L2 tier."""
     from mpcache.sim.fleet import run_fleet_seed
@@ -614,6 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-key-file", default=None, metavar="PATH",
                    help="the traced server's chunk key (needed for a --trace-tokens trace, which is hashed again)")
     p.set_defaults(func=cmd_replay_trace)
+    p = sub.add_parser("replay-recording", help="replay a connector recording (MPCACHE_RECORD) through the "
+                                                "simulator's client machines; exit 1 at the first step that differs")
+    p.add_argument("file", help="the file MPCACHE_RECORD named (tools/record_production.py makes one)")
+    p.add_argument("--profile", default="default", choices=sorted(PROFILES),
+                   help="whose machines replay it (a legacy profile's differ)")
+    p.set_defaults(func=cmd_replay_recording)
     p = sub.add_parser("fleet", help="seeds of a fleet: servers x engines over a cluster L2 tier with node "
                                      "crashes and partitions; exit 1 on any violation")
     p.add_argument("--seeds", type=positive_int, default=100, help="how many seeds to run (default: %(default)s)")

@@ -176,7 +176,7 @@ class ClientLinks:
             # heartbeats out of phase across nodes, as independent processes are
             start = world.now() + world.exec_rng.uniform(0, cfg.heartbeat_interval)
             config = sim_link_config(cfg)
-            link = profile.link_class(config, start, profile.health_monitor_class(config.health, start))
+            link = profile.make_link(config, start)
             link.monitor.dispatch.trace = []  # drained into the coverage counters (sim/link_coverage.py)
             self.links.append(link)
         self.armed: dict[int, float] = {}

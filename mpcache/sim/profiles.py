@@ -42,7 +42,7 @@ from mpcache.core_sm.planner import (
     StepPlanner,
 )
 from mpcache.core_sm.server import LookupServer, PrefetchJob, RequestKey, ServerConfig
-from mpcache.core_sm.server_link import SERVER, Role, ServerLink, Submit
+from mpcache.core_sm.server_link import SERVER, Role, ServerLink, ServerLinkConfig, Submit
 from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
 from mpcache.sim.scenario import WorldConfig
 
@@ -127,6 +127,11 @@ class Profile:
                                                 sync_load_max_tokens=cfg.sync_load_max_tokens,
                                                 cpu_engine=cfg.cpu_engine, kv_groups=cfg.kv_groups),
                                   self.make_lookup_client(cfg))
+
+    def make_link(self, config: ServerLinkConfig, start: float) -> ServerLink:
+        """A client node's transport to one server: this profile's link and health monitor,
+        built at ``start`` from ``config`` (``sim.engine.sim_link_config``)."""
+        return self.link_class(config, start, self.health_monitor_class(config.health, start))
 
     def make_transfer_client(self, cfg: WorldConfig, rank: int, instance_id: int, server: int) -> TransferClient:
         return self.transfer_client_class(TransferClientConfig(

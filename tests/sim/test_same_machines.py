@@ -3,6 +3,8 @@ workers run is the class ``MPCacheConnector``'s adapters build (not a model of i
 from __future__ import annotations
 
 import typing
+from pathlib import Path
+from typing import Any
 
 import mpcache.runtime_zmq.adapters as adapters
 from mpcache.core_sm.planner import StepPlanner
@@ -114,3 +116,95 @@ def test_the_simulator_places_ranks_as_the_connector_does() -> None:
                 else:
                     moved += stats["stores"]
     assert moved > 0, "no worker stored anything"
+
+
+# ----------------------------------------------------------------------------------------------
+# Same inputs, same effects: a recorded production run replayed through the simulator's machines
+
+
+RECORDING = Path(__file__).resolve().parents[1] / "data" / "prod_recording.jsonl"
+
+
+def test_a_recorded_production_run_replays_step_for_step_through_the_simulators_machines() -> None:
+    """tests/data/prod_recording.jsonl: the connector's adapters and clients against a real
+    mpcache-server (tools/record_production.py made it, MPCACHE_RECORD on): every event they
+    handed their machines, replayed through the machines the simulator's default world builds
+    from the recorded settings, gives every recorded effect list back, step for step."""
+    from mpcache.core_sm.lookup_client import LookupClient
+    from mpcache.core_sm.server_link import ServerLink
+    from mpcache.sim.prod_replay import DEPLOYMENT_FACTS, load, replay, world_of
+
+    lines = load(str(RECORDING))
+    result = replay(lines)
+    assert result.ok, result.mismatch.describe() if result.mismatch else ""
+    recorded_steps = [line for line in lines if "i" in line]
+    assert sum(result.steps.values()) == len(recorded_steps)
+    world = world_of(lines)
+    assert (world.cpu_engine, world.engine_driven, world.lookup_answer_in_ack) == (True, True, True)
+    # only the named deployment facts came from the recording; the builders made the rest
+    assert set(result.taken) <= {f"{kind}.{name}" for kind, names in DEPLOYMENT_FACTS.items() for name in names}
+    by_kind: dict[str, list[Any]] = {}
+    for name, machine in result.machines.items():
+        by_kind.setdefault(name.rsplit("-", 2)[0], []).append(machine)
+    (planner,) = by_kind["planner"]
+    (transfer,) = by_kind["transfer_client"]
+    assert type(planner) is StepPlanner and type(planner.lookups) is LookupClient
+    assert type(transfer) is TransferClient
+    assert len(by_kind["link"]) == 2 and {type(link) for link in by_kind["link"]} == {ServerLink}
+    # what the run covers: a miss, a store, a hit, a load; both lookup paths (the count in the
+    # LOOKUP's ack for an L1 hit, the status query for a lookup that read L2)
+    lookups = planner.lookups.stats()
+    assert lookups["answered_in_ack"] >= 1 and lookups["status_queries_sent"] >= 1 and lookups["resolved_zero"] >= 1
+    assert planner.stats()["stores_planned"] >= 1 and planner.stats()["loads_planned"] >= 1
+    assert transfer.stats()["stores"] >= 1 and transfer.stats()["retrieves"] >= 1
+    assert all(link.monitor.stats()["heartbeats_sent"] >= 1 for link in by_kind["link"])
+    # and a request finished before it was allocated (vLLM aborted it after its lookup)
+    assert result.events["planner"]["RequestFinished"] > result.events["planner"]["BlocksAllocated"]
+
+
+def test_a_replay_reports_the_first_step_whose_effects_differ() -> None:
+    """The replay can fail: a legacy profile's machine (missed-epoch: a worker that ignores the
+    server's first start id, and so never registers on it) and a recording whose one effect was
+    changed each stop at the step that differs, and nowhere earlier."""
+    import copy
+    import json
+
+    from mpcache.sim.prod_replay import load, replay
+
+    lines = load(str(RECORDING))
+    # the transfer client's first ServerEpoch: the default registers there, the legacy one not
+    first_epoch = next(n for n, line in enumerate(lines, 1)
+                       if line.get("i", "").startswith("transfer_client") and line["event"]["$"] == "ServerEpoch")
+    legacy = replay(lines, "missed-epoch")
+    assert legacy.mismatch is not None, "a legacy transfer client replayed as production's"
+    assert (legacy.mismatch.line, legacy.mismatch.event) == (first_epoch, "ServerEpoch")
+    assert legacy.mismatch.recorded and not legacy.mismatch.replayed  # production registered; it did not
+
+    # a store range changed in the recorded plan of the first step that planned one
+    planned = next(n for n, line in enumerate(lines, 1)
+                   if line.get("i", "").startswith("planner") and '"SubmitStore"' in json.dumps(line["effects"]))
+    mutated = copy.deepcopy(lines)
+    plan = next(e for e in mutated[planned - 1]["effects"] if e["$"] == "StepPlan")
+    plan["stores"][0]["end"] -= planner_chunk(lines)
+    result = replay(mutated)
+    assert result.mismatch is not None
+    assert result.mismatch.line == planned and result.mismatch.event == "StepScheduled"
+    name = result.mismatch.machine
+    assert result.mismatch.step == sum(1 for line in lines[: planned - 1] if line.get("i") == name)
+    assert result.mismatch.describe().startswith(f"line {planned}: {name} step {result.mismatch.step} (StepScheduled)")
+
+
+def test_mpcache_sim_replays_a_recording(capsys: Any) -> None:
+    from mpcache.sim.cli import main
+
+    assert main(["replay-recording", str(RECORDING)]) == 0
+    assert "every effect as recorded" in capsys.readouterr().out
+    assert main(["replay-recording", str(RECORDING), "--profile", "no-ack-wait"]) == 1
+    out = capsys.readouterr().out
+    assert "(MatchRequest) differs at effect" in out  # it does not ask for the lookup's status
+
+
+def planner_chunk(lines: list[dict[str, Any]]) -> int:
+    from mpcache.sim.prod_replay import world_of
+
+    return world_of(lines).chunk_size

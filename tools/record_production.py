@@ -1,0 +1,145 @@
+"""Record a short production run of the connector's machines (``MPCACHE_RECORD``), for
+``mpcache.sim.prod_replay`` to replay through the simulator's machines.
+
+A real ``mpcache-server`` (a child process, a small L1 and a disk L2, so a lookup past L1 is
+acked without its count and asked for its status) and the connector's own adapters
+(``SchedulerAdapter``, one ``WorkerAdapter``: a CPU engine, engine-driven copies), driven by
+hand in vLLM's call order:
+
+* ``a``: a miss (the server reads L2: the two-step lookup, LOOKUP then WAIT_PREFETCH_STATUS),
+  computed and stored (three whole chunks);
+* ``b``: the same prompt: an L1 hit answered in the LOOKUP's ack (one round trip), loaded
+  synchronously (a CPU engine's default) into fresh blocks, checked byte for byte;
+* ``c``: a prompt that shares only the first chunk: its L1 part hits, the rest goes to L2 (two
+  steps again), one chunk loaded;
+* ``d``: the first prompt again, a hit that is finished (aborted) before vLLM allocates it: the
+  planner ends its session (the server gives back its read leases).
+
+Usage (from a checkout; needs torch, as the CPU engine's tensors do)::
+
+    python tools/record_production.py tests/data/prod_recording.jsonl
+
+It overwrites the output file. The recording holds the lines of every machine built: the
+scheduler's planner, the worker's transfer client, and both processes' links.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import tempfile
+import time
+
+BLOCK, CHUNK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 32, 1, 1, 4, 32
+MODEL = "tiny-recorded"
+
+
+def main(out: str) -> int:
+    import torch
+
+    from mpcache.bench.server_process import ServerProcess
+    from mpcache.core_sm.planner import ScheduledRequest
+    from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
+
+    tmp = tempfile.mkdtemp(prefix="mpcache-record-")
+    record = os.path.join(tmp, "recording.jsonl")
+    server = ServerProcess(["--port", "0", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1",
+                            "--no-l1-reserve", "--metrics-port", "0", "--l2", f"disk:{tmp}/l2"], ready_timeout=60.0)
+    os.environ["MPCACHE_RECORD"] = record
+    try:
+        config = ConnectorConfig(server_urls=server.url, chunk_size=CHUNK)
+        scheduler = SchedulerAdapter.connect(config, model_name=MODEL, world_size=1, block_size=BLOCK,
+                                             cpu_engine=True)
+        worker = WorkerAdapter.connect(config, model_name=MODEL, world_size=1, rank=0, block_size=BLOCK)
+        kv = {f"layers.{i}.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) for i in range(LAYERS)}
+        worker.register_kv_caches(kv)
+        next_block = iter(range(1, NUM_BLOCKS))
+
+        def blocks(n: int) -> list[int]:
+            return [next(next_block) for _ in range(n)]
+
+        def match(rid: str, prompt: list[int]) -> tuple[int, bool]:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                tokens, load_async = scheduler.get_num_new_matched_tokens(rid, prompt, len(prompt), 0)
+                if tokens is not None:
+                    return tokens, load_async
+                time.sleep(0.01)
+            raise RuntimeError(f"{rid}: the lookup never answered")
+
+        def finish(rid: str) -> None:
+            assert scheduler.request_finished(rid)
+            deadline, ids = time.monotonic() + 5, {rid}
+            while time.monotonic() < deadline:
+                sending, _ = worker.finished(ids)
+                ids = set()
+                if rid in sending:
+                    return
+                time.sleep(0.01)
+            raise RuntimeError(f"{rid} never reported finished")
+
+        def write(block_ids: list[int], prompt: list[int]) -> None:
+            for cache in kv.values():
+                for t, token in enumerate(prompt):
+                    cache[block_ids[t // BLOCK], :, t % BLOCK] = float(token)
+
+        rng = random.Random(11)
+        prompt = [rng.randrange(1, 1000) for _ in range(3 * CHUNK + 5)]
+        n_blocks = -(-len(prompt) // BLOCK)
+
+        # a: a miss (L1 empty, L2 read: two steps); computed, its three whole chunks stored
+        assert match("a", prompt) == (0, False)
+        source = blocks(n_blocks)
+        scheduler.update_state_after_alloc("a", source, 0)
+        write(source, prompt)
+        plan = scheduler.build_plan([ScheduledRequest("a", 0, len(prompt), source, True)])
+        assert [(s.start, s.end) for s in plan.stores] == [(0, 3 * CHUNK)], plan
+        worker.submit_retrieves(plan.retrieves)
+        worker.submit_stores(plan.stores)
+        finish("a")
+
+        # b: the same prompt, an L1 hit in the LOOKUP's ack; a synchronous load into new blocks
+        hit = 3 * CHUNK
+        assert match("b", prompt) == (hit, False)
+        target = blocks(n_blocks)
+        scheduler.update_state_after_alloc("b", target, hit)
+        plan = scheduler.build_plan([ScheduledRequest("b", hit, len(prompt) - hit, target, True)])
+        assert [(r.start, r.end) for r in plan.retrieves] == [(0, hit)], plan
+        worker.submit_retrieves(plan.retrieves)
+        worker.submit_stores(plan.stores)
+        assert worker.load_errors() == set()
+        for cache in kv.values():
+            for t in range(hit):
+                assert float(cache[target[t // BLOCK], 0, t % BLOCK, 0]) == float(prompt[t]), t
+        finish("b")
+
+        # c: the first chunk shared, the rest new: L1 then L2 (two steps); one chunk loaded
+        other = prompt[:CHUNK] + [rng.randrange(1, 1000) for _ in range(CHUNK + 3)]
+        assert match("c", other) == (CHUNK, False)
+        target = blocks(-(-len(other) // BLOCK))
+        scheduler.update_state_after_alloc("c", target, CHUNK)
+        plan = scheduler.build_plan([ScheduledRequest("c", CHUNK, len(other) - CHUNK, target, True)])
+        assert [(r.start, r.end) for r in plan.retrieves] == [(0, CHUNK)], plan
+        worker.submit_retrieves(plan.retrieves)
+        worker.submit_stores(plan.stores)
+        assert worker.load_errors() == set()
+        finish("c")
+
+        # d: a hit that vLLM aborts before allocating it: the planner ends its session
+        assert match("d", prompt) == (hit, False)
+        finish("d")
+        worker.close()
+        scheduler.close()
+    finally:
+        del os.environ["MPCACHE_RECORD"]
+        server.stop()
+    with open(record, encoding="utf-8") as f:
+        text = f.read()
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"{out}: {text.count(chr(10))} lines, {len(text)} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/prod_recording.jsonl"))
