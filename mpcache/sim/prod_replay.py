@@ -54,7 +54,6 @@ DEPLOYMENT_FACTS: dict[str, dict[str, str]] = {
     "transfer_client": {
         "model_name": "the engine's model: the simulator names one model for every world",
         "object_bytes": "the engine's KV geometry: simulated copies move no bytes",
-        "op_timeout": "the simulator's workers give an op 3 s; the connector its request timeout",
     },
     "link": {
         "health.initially_healthy": "a simulated engine starts with its servers up; the connector learns it",

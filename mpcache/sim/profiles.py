@@ -17,7 +17,8 @@ import attrs
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import Effect, ErrorReply, Reply
 from mpcache.core_sm.errors import ProtocolError
-from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config, server_for_rank
+from mpcache.core_sm.client_config import (ConnectorSettings, lookup_client_config, server_for_rank,
+                                           transfer_op_timeout)
 from mpcache.core_sm.health import GiveUp, HealthMonitor, Register, RegistrationFailed, Resend
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
@@ -143,7 +144,7 @@ class Profile:
             object_bytes=cfg.chunk_size * 64,
             engine_driven=cfg.engine_driven,
             server=server,
-            op_timeout=3.0,
+            op_timeout=transfer_op_timeout(settings_of(cfg, self)),
         ))
 
 
