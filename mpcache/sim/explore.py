@@ -203,6 +203,18 @@ class XWorld:
         return ("submit",) + ("check",) * self.checks + ("cleanup", "end")
 
 
+# The connector's lookup_answer_in_ack on (production's default in the connector): the LOOKUP's
+# ack carries the hit count, the client asks no status query. Worlds of their own, beside the
+# default ones (which keep the status query's path explored): the first is in ``ci``.
+ONE_TRIP: list[XWorld] = [
+    # ci-1e1s-faults's world: a drop, duplicate or slow frame and a server restart
+    XWorld("ci-1e1s-one-trip", engines=1, servers=1, requests=1, faults=1, restarts=1, answer_in_ack=True),
+    XWorld("one-trip-2e1s", engines=2, servers=1, requests=1, answer_in_ack=True),
+    XWorld("one-trip-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1, answer_in_ack=True),
+    XWorld("one-trip-1e2s-faults", engines=1, servers=2, requests=1, faults=1, answer_in_ack=True),
+    XWorld("one-trip-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True, answer_in_ack=True),
+]
+
 WORLDS: dict[str, list[XWorld]] = {
     # what `make test` explores completely (tests/sim/test_explore.py)
     "ci": [XWorld("ci-2e1s", engines=2, servers=1, requests=1),
@@ -223,8 +235,10 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1),
            # the connector's planner drives the lookup: match, allocate and plan, preempt, match
            # again, allocate and plan, finish; its lease renewal (one) as the clock moves
-           XWorld("ci-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True)],
+           XWorld("ci-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True),
+           ONE_TRIP[0]],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
+    "one-trip": ONE_TRIP,
     # the planner's retrieve run by the engine's worker (registered, its copy done by the server)
     "planner": [XWorld("planner-worker", engines=1, servers=1, requests=1, planner=True, workers=True)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],

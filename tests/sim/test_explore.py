@@ -196,3 +196,20 @@ def test_group_copies_shared_with_the_simulator() -> None:
 
     assert checks.partial_restore is groups.partial_restore
     assert explore.group_copies is groups.group_copies and engine.group_copies is groups.group_copies
+
+
+def test_one_trip_world_answers_in_the_ack() -> None:
+    """The connector's lookup_answer_in_ack, a world of its own in ``ci``: explored completely
+    with no violation, and the hit really comes in the LOOKUP's ack -- the client never queries
+    a status, where the same world without the option (ci-1e1s-faults) does."""
+    one_trip = next(w for w in WORLDS["ci"] if w.answer_in_ack)
+    assert one_trip in WORLDS["one-trip"]
+    twin = next(w for w in WORLDS["ci"] if w.name == "ci-1e1s-faults")
+    assert attrs.evolve(one_trip, name=twin.name, answer_in_ack=False) == twin
+    assert not any(w.answer_in_ack for w in WORLDS["ci"] if w is not one_trip)  # the others keep the status path
+    ex, base = explored(one_trip), explored(twin)
+    assert ex.complete and ex.violation is None
+    querying = {r for r in base.reached if r[0].startswith("LookupClient") and r[1] == "QUERYING"}
+    assert querying, base.reached
+    assert not querying & ex.reached
+    assert ex.states < base.states
