@@ -14,6 +14,10 @@ from typing import Any
 
 from mpcache.core_sm.effects import ErrorReply, Reply
 from mpcache.core_sm.server_core import RequestKey
+# F24, the KV-cache groups' judgements, live with the groups' model (sim/groups.py); named here so
+# that the explorer and the random simulator take every judgement from one module.
+from mpcache.sim.groups import partial_restore as partial_restore
+from mpcache.sim.groups import unrestorable_hit as unrestorable_hit
 from mpcache.sim.trace import short
 
 Finding = tuple[str, str]  # (violation code, message)
@@ -230,3 +234,18 @@ def resend_refused(request: str, correlation: int, server: int, named: Any, curr
                             f"was refused not_registered: registration {current} of the same instance "
                             f"replaced it meanwhile, orphaning the resend")
     return None
+
+
+def copy_through_other_registration(kind: str, transfer_id: int, instance_id: int, owner: str,
+                                    attached: str | None) -> Finding | None:
+    """F23: a server-driven copy of ``instance_id`` (owned by the honest worker ``owner``) runs
+    through the registration its owner made -- the transfer engine attached it for the peer
+    core_sm says owns the instance. ``attached``: the peer whose registration the transfer engine
+    holds for it now (None: none). A runtime that registers with its engine before core_sm decides
+    lets another peer's register replace the mapping (the owner's KV copied to or from the other's
+    memory) or its unregister drop it."""
+    if attached == owner:
+        return None
+    how = "no registration open" if attached is None else f"the registration {attached} made"
+    return "F23", (f"{kind} copy {transfer_id} of instance {instance_id} (owned by {owner}) runs through {how}: "
+                   f"the transfer engine acted before core_sm decided")

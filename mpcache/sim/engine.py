@@ -39,14 +39,13 @@ from typing import Any
 import attrs
 import trio
 
-from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.chunks import ChunkChain, ObjectKey
 from mpcache.core_sm.client_config import server_for_rank
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, Connected, HealthMonitor, resend_of
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
-from mpcache.core_sm.kv_groups import group_retrieve_skip, several, split_group_blocks
+from mpcache.core_sm.kv_groups import several
 from mpcache.core_sm.lookup_client import LookupState
 from mpcache.core_sm.server_core import RequestKey
 from mpcache.core_sm.server_link import (
@@ -94,7 +93,7 @@ from mpcache.core_sm.planner import (
 )
 from mpcache.runtime_trio import Address, Node
 from mpcache.sim import checks, link_coverage
-from mpcache.sim.groups import partial_restore, unrestorable_hit
+from mpcache.sim.groups import group_copies, partial_restore, unrestorable_hit
 from mpcache.sim.ports import RequestMsg, WorldPort
 from mpcache.sim.scenario import RequestSpec, sched_name, server_name, worker_name
 from mpcache.sim.vllm_scheduler import NULL_BLOCK, Admission, QueuedRequest, SchedulerModel
@@ -247,24 +246,17 @@ class SimWorker:
     def copy(self, host: Any, rid: str, kind: TransferKind, start: int, end: int,
              placements: tuple[tuple[int, int], ...], block_ids: tuple[int, ...], skip: int, what: str) -> bool:
         """Run one copy between this worker's blocks and ``host``'s slots, choosing chunks and
-        blocks with core_sm's ``chunk_copies`` (as the production copiers do). False: the plan
-        does not match its blocks (production logs it and reports the copy failed)."""
+        blocks with core_sm's ``chunk_copies``, group by group (``groups.group_copies``, as the
+        production copiers do). False: the plan does not match its blocks (production logs it and
+        reports the copy failed)."""
         engine = self.engine
         groups = engine.groups
         try:
             # one part per KV-cache group, group after group in the op and in the object
-            parts = split_group_blocks(block_ids, len(groups)) if several(groups) else (block_ids,)
-            part_copies = []
-            for g, blocks in enumerate(parts):
-                part_skip = skip
-                if several(groups) and kind is TransferKind.RETRIEVE:
-                    # a window's blocks before its first live one are vLLM's null block
-                    part_skip = group_retrieve_skip(groups[g], start, end, skip)
-                part_copies.append(chunk_copies(kind, start, end, placements, blocks, part_skip, engine.C, engine.bs))
+            part_copies = group_copies(groups, kind, start, end, placements, block_ids, skip, engine.C, engine.bs,
+                                       engine.world.profile.retrieve_first_group_only)
         except ValueError:
             return False
-        if kind is TransferKind.RETRIEVE and engine.world.profile.retrieve_first_group_only:
-            part_copies = part_copies[:1]
         if several(groups):  # the blocks copied: a window's null blocks are not the request's
             block_ids = tuple(b for copies in part_copies for copy in copies
                               for b in copy.block_ids[copy.skip_blocks if kind is TransferKind.RETRIEVE else 0:])

@@ -10,7 +10,12 @@ Contract:
   world each engine's ``TransferClient`` too (its registration, pings and ``ops`` retrieves, the
   server's copies done at once); in a planner world the scheduler is the connector's
   ``StepPlanner`` over the lookup client, driven by vLLM's calls (match, allocate + plan, preempt,
-  finish), its planned retrieves run by the worker where there is one.
+  finish), its planned retrieves run by the worker where there is one. The server's runtime is
+  the explorer's: it answers ``AttachInstance`` at once and keeps what its transfer engine holds
+  (which peer's registration of each instance: ``AttachInstance`` opens it, ``DetachInstance``
+  and a reap close it), and runs a ``StartTransfer``'s copy at once; with two KV-cache groups
+  (``kv_window``) that copy writes each group's blocks of the engine as production's worker
+  splits them (``sim/groups.py``'s ``group_copies``, the random simulator's).
 * **Network**: a bag (multiset) of frames in flight, ``Frame(kind, engine, server, corr,
   incarnation, body)``, ``corr`` the link's uid. The client's ``SendRequest`` is submitted to its
   link, whose ``Transmit`` puts the frame in the bag. A request frame delivered to server s becomes
@@ -28,7 +33,8 @@ Contract:
   whose lookup is pending (while ``aborts`` lasts); crash + restart a server (while ``restarts`` lasts: a fresh machine, frames to the old
   incarnation are lost, each client is fed ``ServerEpoch``); crash an engine (while ``crashes``
   lasts: its requests end unanswered, its frames are lost, the servers keep what it held until
-  their TTLs reap it).
+  their TTLs reap it); an adversarial tenant's request (while ``attacks`` lasts): FREE or
+  END_SESSION naming a request id it saw, or REGISTER_INSTANCE of a worker's registered instance.
 * **World state**: the machines are shared between a state and its successors and copied only
   when an action touches them (copy on write); ``Explorer.fingerprint`` hashes a canonical
   snapshot of each machine (cached per machine object) plus the frame bag and the oracles' own
@@ -39,7 +45,9 @@ Contract:
   accounting, core_sm invariants, bytes accounting, F4 duplicate leases, F9 over-release, F5 status
   before lookup, F2 lost hit, F8 leases after a clean end, F12/F8 drained after every TTL; the
   planner's F8 at allocation, F21, F20 and F2 placement on each planned retrieve; a resend refused
-  not_registered and a request parked at quiescence, LIVENESS), plus the
+  not_registered and a request parked at quiescence, LIVENESS; F23 on each copy, which must run
+  through the registration its instance's owner made; F24 after a retrieve's copy of several
+  KV-cache groups, on the blocks vLLM reads to resume), plus the
   table-violation and internal-error counters of every machine, **deadlock** (no enabled action
   while a script is unfinished) and **bounded liveness**: a lookup still unresolved
   ``liveness_bound`` virtual seconds after the last fault is F1; one resolved by the client's
@@ -66,13 +74,22 @@ from typing import Any
 import attrs
 
 from mpcache.core_sm.client_config import ConnectorSettings, lookup_client_config
-from mpcache.core_sm.effects import AttachInstance, ErrorReply, InstanceReaped, Reply, SendRequest, StartTransfer
+from mpcache.core_sm.effects import (
+    AttachInstance,
+    DetachInstance,
+    ErrorReply,
+    InstanceReaped,
+    Reply,
+    SendRequest,
+    StartTransfer,
+)
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.health import TABLES as HEALTH_TABLES
 from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor, resend_of
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, LookupState
 from mpcache.core_sm.chunks import ObjectKey
+from mpcache.core_sm.kv_groups import GroupKind, KVGroup, first_live_token
 from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
@@ -91,6 +108,7 @@ from mpcache.core_sm.messages import (
     SubmitRetrieve,
     TimerFired,
     TransferFinished,
+    TransferKind,
     UnregisterInstance,
     WaitPrefetchStatus,
 )
@@ -108,8 +126,9 @@ from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.engine import Outbound, sim_link_config
 from mpcache.sim.explore_state import deep_size, dispatchers, next_deadline, snapshot
+from mpcache.sim.groups import group_copies
 from mpcache.sim.oracles import Violation
-from mpcache.sim.profiles import Profile
+from mpcache.sim.profiles import Profile, acted_first
 from mpcache.sim.trace import short
 
 CHUNK = 16
@@ -118,6 +137,9 @@ SCRIPT = ("submit", "check", "cleanup", "end")
 PLANNER_STEPS = ("match", "alloc", "preempt", "finish")  # a planner world's script steps
 BLOCKS = (0, 1)  # the blocks vLLM allocates a request: the whole prompt (block size = chunk size)
 ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
+# and naming a worker's instance it saw registered: a REGISTER_INSTANCE of it (core_sm refuses it)
+INSTANCE_ATTACKS = ("register",)
+NULL_BLOCK = 0  # vLLM's null block: what a window group's table holds for the blocks it dropped
 ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
 
 
@@ -150,6 +172,11 @@ class XWorld:
     planner: bool = False
     preempt: bool = False  # the planner script preempts the request after its plan and resumes it
     load_cap: int | None = None  # the request's max_load_tokens (vLLM's kv_transfer_params cap)
+    # a second KV-cache group (vLLM's hybrid KV-cache manager), a sliding window of this many
+    # tokens beside the full-attention one, on a CPU engine (0: one full-attention group). A planner
+    # world with workers: the planner keys and plans both groups, the copy a retrieve's
+    # StartTransfer stands for writes each group's blocks (``sim/groups.py``), judged by F24
+    kv_window: int = 0
     lease_renewals: int = 1  # the planner's max_lease_renewals (production's 16 only repeats the first)
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
     checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
@@ -163,6 +190,7 @@ class XWorld:
     request_timeout: float = 0.05
     heartbeat_interval: float = 100.0
     heartbeat_timeout: float = 250.0
+    answer_in_ack: bool = False  # the connector's lookup_answer_in_ack: a hit's count in the LOOKUP's ack
     horizon: float = 10.0  # the health monitor's timers (heartbeats) run until then (virtual seconds)
     max_depth: int = 80
     max_states: int = 500_000
@@ -174,6 +202,18 @@ class XWorld:
             return ("match", "alloc") + again + ("finish",)
         return ("submit",) + ("check",) * self.checks + ("cleanup", "end")
 
+
+# The connector's lookup_answer_in_ack on (production's default in the connector): the LOOKUP's
+# ack carries the hit count, the client asks no status query. Worlds of their own, beside the
+# default ones (which keep the status query's path explored): the first is in ``ci``.
+ONE_TRIP: list[XWorld] = [
+    # ci-1e1s-faults's world: a drop, duplicate or slow frame and a server restart
+    XWorld("ci-1e1s-one-trip", engines=1, servers=1, requests=1, faults=1, restarts=1, answer_in_ack=True),
+    XWorld("one-trip-2e1s", engines=2, servers=1, requests=1, answer_in_ack=True),
+    XWorld("one-trip-1e1s-abort", engines=1, servers=1, requests=1, aborts=1, crashes=1, answer_in_ack=True),
+    XWorld("one-trip-1e2s-faults", engines=1, servers=2, requests=1, faults=1, answer_in_ack=True),
+    XWorld("one-trip-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True, answer_in_ack=True),
+]
 
 WORLDS: dict[str, list[XWorld]] = {
     # what `make test` explores completely (tests/sim/test_explore.py)
@@ -195,8 +235,10 @@ WORLDS: dict[str, list[XWorld]] = {
            XWorld("ci-1e1s-adversary", engines=1, servers=1, requests=1, attacks=1),
            # the connector's planner drives the lookup: match, allocate and plan, preempt, match
            # again, allocate and plan, finish; its lease renewal (one) as the clock moves
-           XWorld("ci-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True)],
+           XWorld("ci-1e1s-planner", engines=1, servers=1, requests=1, planner=True, preempt=True),
+           ONE_TRIP[0]],
     "tiny": [XWorld("tiny", engines=1, servers=1, requests=1)],
+    "one-trip": ONE_TRIP,
     # the planner's retrieve run by the engine's worker (registered, its copy done by the server)
     "planner": [XWorld("planner-worker", engines=1, servers=1, requests=1, planner=True, workers=True)],
     "medium": [XWorld("medium", engines=2, servers=1, requests=1, restarts=1)],
@@ -244,6 +286,14 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     # replaces the last orphans the resend (double-register)
     "no-reregister": XWorld("no-reregister", requests=0, workers=True, ops=1),
     "double-register": XWorld("double-register", requests=0, workers=True, ops=1),
+    # a model with two KV-cache groups (full attention, a one-chunk sliding window): the planner's
+    # retrieve of the one-chunk hit, run by the worker, must write both groups' blocks (F24); no
+    # lease renewal (not needed: 312 states for production instead of 658)
+    "hma-partial-group": XWorld("hma-partial-group", planner=True, workers=True, kv_window=CHUNK, lease_renewals=0),
+    # a registered worker and its retrieve; an adversarial tenant registers the worker's instance
+    # in its own name (core_sm refuses it): the copy must still run through the owner's
+    # registration (F23)
+    "act-first": XWorld("act-first", requests=0, workers=True, ops=1, attacks=1),
 }
 
 
@@ -305,6 +355,12 @@ class XState:
     ops: int = 0
     # (engine, server, link uid) -> (the registration a resend names, that server's incarnation)
     resent: tuple[tuple[tuple[int, int, int], tuple[int, int]], ...] = ()
+    # (server, instance) -> the peer whose registration the server's transfer engine holds for it
+    # (the runtime's side of a registration: AttachInstance opens it, DetachInstance and a reap
+    # close it; a restart loses them all)
+    mappings: tuple[tuple[tuple[int, int], str], ...] = ()
+    # (engine, block id) -> what a copy wrote there: (chunk, KV-cache group, block of the chunk)
+    kv: tuple[tuple[tuple[int, int], tuple[int, int, int]], ...] = ()
     owned: set[tuple[str, int]] = attrs.Factory(set)  # machines copied in this transition
 
     def child(self) -> XState:
@@ -313,7 +369,7 @@ class XState:
                       list(self.scripts), list(self.incarnation), self.released, self.hits, self.faults,
                       self.restarts, self.aborts, self.crashes, self.attacks, list(self.workers), self.seen,
                       self.reaped, self.clean, self.timely, self.last_fault, self.submitted, self.matched,
-                      self.loads, self.lease_seen, self.ops, self.resent)
+                      self.loads, self.lease_seen, self.ops, self.resent, self.mappings, self.kv)
 
 
 @attrs.define
@@ -347,6 +403,13 @@ class Explorer:
             raise ValueError("a world with workers has one server")
         self.monitor_class: type[HealthMonitor] = getattr(profile, "health_monitor_class", HealthMonitor)
         self.planner_class: type[StepPlanner] = getattr(profile, "planner_class", StepPlanner)
+        # the engine's KV-cache groups (() : one full-attention group, the plain path)
+        self.groups: tuple[KVGroup, ...] = ()
+        if world.kv_window:
+            if not (world.planner and world.workers):
+                raise ValueError("a world with a second KV-cache group runs the planner and a worker")
+            self.groups = (KVGroup(GroupKind.FULL, CHUNK, name="full"),
+                           KVGroup(GroupKind.SLIDING_WINDOW, CHUNK, window=world.kv_window, name="window"))
         self.profile: Any = profile if profile is not None else Profile()
         timeout = getattr(profile, "lookup_timeout", None)
         self.script = world.script()
@@ -376,7 +439,8 @@ class Explorer:
         # poll after a None answer 10 ms later; a profile varies the lookup's bound by name.
         settings = ConnectorSettings(request_timeout=world.request_timeout, lookup_status_wait=world.wait,
                                      heartbeat_interval=world.heartbeat_interval,
-                                     heartbeat_timeout=world.heartbeat_timeout)
+                                     heartbeat_timeout=world.heartbeat_timeout,
+                                     lookup_answer_in_ack=world.answer_in_ack)
         config = lookup_client_config(settings, num_servers=world.servers, model_name="x",
                                       world_size=world.servers, chunk_size=CHUNK)
         self.client_config: LookupClientConfig = attrs.evolve(config, poll_interval=0.01, result_ttl=1.0)
@@ -420,7 +484,9 @@ class Explorer:
         client = self.client_class(self.client_config)
         if self.world.planner:
             planner = self.planner_class(PlannerConfig(CHUNK, CHUNK, lease_ttl=self.server_config.lease_ttl,
-                                                     max_lease_renewals=self.world.lease_renewals), client)
+                                                     max_lease_renewals=self.world.lease_renewals,
+                                                     # several groups are restored on a CPU engine only
+                                                     cpu_engine=bool(self.groups), kv_groups=self.groups), client)
             self._share(planner)
             return planner
         self._share(client)
@@ -563,6 +629,13 @@ class Explorer:
                 for s in range(len(st.servers)):
                     for kind in ATTACKS:
                         yield ("attack", (kind, e, r, s))
+            for e, worker in enumerate(st.workers):
+                if worker is self._fresh_workers[e]:
+                    continue
+                for s in range(len(st.servers)):
+                    if st.servers[s].instance_state(e + 1) is InstanceState.REGISTERED:
+                        for kind in INSTANCE_ATTACKS:
+                            yield ("attack", (kind, e, 0, s))
 
     def describe(self, st: XState, action: tuple[str, Any]) -> str:
         kind, arg = action
@@ -586,6 +659,8 @@ class Explorer:
             return f"{node_name(1, arg)} retrieve {rid(arg, 0)} [0, {CHUNK})"
         if kind == "attack":
             what, e, r, s = arg
+            if what in INSTANCE_ATTACKS:
+                return f"{ADVERSARY} sends server{s} {what} naming instance {e + 1} (registered by {node_name(1, e)})"
             return f"{ADVERSARY} sends server{s} {what} naming {rid(e, r)} (a request id it saw)"
         return f"restart server{arg}"
 
@@ -690,6 +765,7 @@ class Explorer:
                     st.links[(node * len(st.clients) + e) * len(st.servers) + s] = self._fresh_link
             if st.workers:
                 st.workers[e] = self._fresh_workers[e]
+            st.kv = tuple(x for x in st.kv if x[0][0] != e)  # its memory is gone
             return None
         # restart
         s = arg
@@ -698,6 +774,7 @@ class Explorer:
         st.books[s] = ServerBook()
         st.incarnation[s] += 1
         st.frames = [f for f in st.frames if not (f.server == s and f.incarnation != st.incarnation[s])]
+        st.mappings = tuple(x for x in st.mappings if x[0][0] != s)  # the runtime's with it
         st.restarts -= 1
         self._fault(st)
         for e in range(len(st.clients)):
@@ -838,6 +915,8 @@ class Explorer:
             book.last_session[event.key.request_id] = "lookup"
         elif type(event) is EndSession:
             book.last_session[event.request_id] = "end"
+        if self.profile.act_before_decide:
+            self._act_first(st, s, event)
         effects = server.handle(event, st.now)
         effects += server.run_deferred()
         for attach in [x for x in effects if type(x) is AttachInstance]:
@@ -845,9 +924,13 @@ class Explorer:
             # sim/world.py does): core_sm replies to the registration then
             effects += server.handle(InstanceAttached(attach.instance_id, attach.registration_id, None,
                                                       reply_to=attach.reply_to), st.now)
+        self._map(st, s, effects)
         for start in [x for x in effects if type(x) is StartTransfer]:
-            # the runtime's copy, at once and successful: core_sm answers the op then
-            effects += server.handle(TransferFinished(start.transfer_id, True), st.now)
+            # the runtime's copy, at once: core_sm answers the op then
+            v, ok = self._copy(st, s, start)
+            if v:
+                return v
+            effects += server.handle(TransferFinished(start.transfer_id, ok), st.now)
             effects += server.run_deferred()
         self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
         if self.lines is not None:
@@ -890,6 +973,74 @@ class Explorer:
             return Violation("SAFETY", st.now, node, f"table violation or internal error on {short(event)}")
         return None
 
+    def _act_first(self, st: XState, s: int, event: Any) -> None:
+        """The legacy runtime (profile ``act-first``): on receipt, before core_sm decides, it
+        registers the instance with its transfer engine for whichever peer asked (or unregisters it)."""
+        acted = acted_first(event)
+        if acted is not None:
+            mappings = dict(st.mappings)
+            iid, peer = acted
+            if peer is None:
+                mappings.pop((s, iid), None)
+            else:
+                mappings[(s, iid)] = peer
+            st.mappings = tuple(sorted(mappings.items()))
+
+    def _map(self, st: XState, s: int, effects: list[Any]) -> None:
+        """The runtime's transfer engine follows core_sm's effects, in their order: it opens an
+        instance's registration for the peer core_sm accepted (``AttachInstance``, answered at
+        once) and closes it on ``DetachInstance`` or a reap."""
+        mappings = dict(st.mappings)
+        for x in effects:
+            if type(x) is AttachInstance:
+                mappings[(s, x.instance_id)] = str(x.reply_to[0])  # type: ignore[index]
+            elif type(x) is DetachInstance or type(x) is InstanceReaped:
+                mappings.pop((s, x.instance_id), None)
+        st.mappings = tuple(sorted(mappings.items()))
+
+    def _copy(self, st: XState, s: int, start: StartTransfer) -> tuple[Violation | None, bool]:
+        """The runtime's copy of a StartTransfer, at once: F23 first (it runs through the
+        registration its instance's owner made, ``checks.copy_through_other_registration``); with
+        several KV-cache groups a retrieve writes each group's blocks of the engine (or the first
+        group's alone: profile ``hma-partial-group``), and F24 judges what vLLM then reads to
+        resume (``checks.partial_restore``, the random simulator's judgement). Whether the copy
+        succeeded: a plan that does not match its blocks fails it, as production's copier does."""
+        node = f"server{s}"
+        e = start.instance_id - 1  # engine e's worker is instance e + 1
+        if not (0 <= e < len(st.workers)) or st.workers[e] is self._fresh_workers[e]:
+            return None, True  # no live honest owner
+        v = self._violation(st, node, checks.copy_through_other_registration(
+            start.kind.value, start.transfer_id, start.instance_id, node_name(1, e),
+            dict(st.mappings).get((s, start.instance_id))))
+        if v or not self.groups or start.kind is not TransferKind.RETRIEVE:
+            return v, True
+        try:
+            copies = group_copies(self.groups, start.kind, start.start, start.end, start.placements, start.block_ids,
+                                  start.skip_first_n_tokens, CHUNK, CHUNK, self.profile.retrieve_first_group_only)
+        except ValueError:
+            return None, False
+        # an object holds every group's KV of its chunk, group after group: block j of chunk c's
+        # part of group g lands in the engine block the copy names
+        kv = dict(st.kv)
+        for g, part in enumerate(copies):
+            for c in part:
+                for j in range(c.skip_blocks, len(c.block_ids)):
+                    kv[(e, c.block_ids[j])] = (c.chunk, g, j)
+        st.kv = tuple(sorted(kv.items()))
+        tracker = st.clients[e].tracker(start.request_id)
+        if tracker is None:
+            return None, True
+        tables = (tuple(tracker.block_ids), *(tuple(t) for t in tracker.other_group_block_ids))
+        resume = dict(st.matched).get(start.request_id, 0)  # vLLM goes on from its hit
+
+        def wrong(g: int, i: int) -> str | None:
+            want, got = (i, g, 0), kv.get((e, tables[g][i]))  # block size = chunk size
+            return None if got == want else f"{_kv(got)} instead of {_kv(want)}"
+
+        finding = checks.partial_restore(start.request_id, self.groups, tables, resume, CHUNK, CHUNK, NULL_BLOCK,
+                                         wrong)
+        return self._violation(st, node_name(1, e), finding), True
+
     def _attack(self, st: XState, what: str, e: int, r: int, s: int) -> Violation | None:
         """The adversarial tenant's request, handled by server ``s`` as it arrives, judged by the
         simulator's F22 oracle: no honest tenant's state (sim/adversary.py's ``honest_state``)
@@ -905,11 +1056,18 @@ class Explorer:
                                   if (type(x) is Reply or type(x) is ErrorReply) and x.reply_to in book.awaiting})
         before = honest_state(server, set())
         via = (ADVERSARY, self.world.attacks - st.attacks, st.incarnation[s])
-        event: Any = (FreeLookupLocks(attrs.evolve(self._lookup_key, request_id=rid(e, r)), reply_to=via,
-                                      peer=ADVERSARY) if what == "free" else
-                      EndSession(rid(e, r), reply_to=via, peer=ADVERSARY))
+        event: Any
+        if what == "free":
+            event = FreeLookupLocks(attrs.evolve(self._lookup_key, request_id=rid(e, r)), reply_to=via, peer=ADVERSARY)
+        elif what == "end":
+            event = EndSession(rid(e, r), reply_to=via, peer=ADVERSARY)
+        else:  # the worker's instance, registered again in the adversary's name (core_sm refuses it)
+            event = RegisterInstance(e + 1, "x", 1, 1024, reply_to=via, peer=ADVERSARY)
+        if self.profile.act_before_decide:
+            self._act_first(st, s, event)
         effects = server.handle(event, st.now)
         effects += server.run_deferred()
+        self._map(st, s, effects)
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
                               f"[{', '.join(short(x) for x in effects)}]")
@@ -1030,7 +1188,9 @@ class Explorer:
                     st.lease_seen = tuple(sorted(seen.values()))
             return None
         if step == "alloc":  # the blocks allocated, and the step's plan built (one scheduler step)
-            v = self._client_event(st, e, BlocksAllocated(request_id, BLOCKS, dict(st.matched).get(request_id, 0)))
+            matched = dict(st.matched).get(request_id, 0)
+            v = self._client_event(st, e, BlocksAllocated(request_id, BLOCKS, matched,
+                                                          other_group_block_ids=self.group_tables(matched)[1:]))
             if v:
                 return v
             tracker = st.clients[e].tracker(request_id)
@@ -1059,6 +1219,16 @@ class Explorer:
                         return v
             return None
         return self._client_event(st, e, RequestFinished(request_id))
+
+    def group_tables(self, computed: int) -> tuple[tuple[int, ...], ...]:
+        """A request's block table in each KV-cache group, as vLLM allocates it with ``computed``
+        tokens computed (its hit): the first group's ``BLOCKS``, each further group's blocks of
+        its own, a window's blocks that fell out of it vLLM's null block."""
+        tables: list[tuple[int, ...]] = [BLOCKS]
+        for g, group in enumerate(self.groups[1:], start=1):
+            live = first_live_token(group, computed) // CHUNK
+            tables.append(tuple(NULL_BLOCK if i < live else b + g * len(BLOCKS) + 1 for i, b in enumerate(BLOCKS)))
+        return tuple(tables)
 
     def _leases(self, st: XState, e: int, request_id: str, start: int, end: int) -> tuple[float | None, bool]:
         """The earliest expiry of the read leases engine ``e``'s request holds on tokens
@@ -1275,7 +1445,8 @@ class Explorer:
                  st.crashes, st.attacks, st.seen, st.reaped,
                  st.clean, st.timely, st.last_fault, sorted((ren.get(r, r), t) for r, t in st.submitted),
                  sorted((ren.get(r, r), n) for r, n in st.matched), sorted((ren.get(r, r), n) for r, n in st.loads),
-                 sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent)
+                 sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent,
+                 sorted((k, ren.get(p, p)) for k, p in st.mappings), sorted(((perm[e], b), x) for (e, b), x in st.kv))
         h = hashlib.blake2b(digest_size=16)
         for part in (*clients, *servers, bag, books, extra):
             h.update(repr(part).encode())
@@ -1415,6 +1586,11 @@ def save_tape(ex: Explorer, path: str) -> None:
     with open(path, "w") as fh:
         json.dump(ex.tape(), fh, indent=1)
         fh.write("\n")
+
+
+def _kv(label: tuple[int, int, int] | None) -> str:
+    """What an engine block holds, in words."""
+    return "stale KV" if label is None else f"chunk {label[0]} group {label[1]}'s KV"
 
 
 def request_id_of(event: Any) -> str | None:

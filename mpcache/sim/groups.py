@@ -22,11 +22,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mpcache.core_sm.kv_groups import KVGroup, needed_chunks, unrestorable
+from mpcache.core_sm.blocks import ChunkCopy, chunk_copies
+from mpcache.core_sm.messages import TransferKind
+from mpcache.core_sm.kv_groups import KVGroup, group_retrieve_skip, needed_chunks, several, split_group_blocks, unrestorable
 
 Finding = tuple[str, str]
 
-__all__ = ["blocks_read", "partial_restore", "unrestorable_hit"]
+__all__ = ["blocks_read", "group_copies", "partial_restore", "unrestorable_hit"]
+
+
+def group_copies(groups: Sequence[KVGroup], kind: TransferKind, start: int, end: int,
+                 placements: Sequence[tuple[int, int]], block_ids: Sequence[int], skip: int, chunk: int,
+                 block_size: int, first_group_only: bool = False) -> list[tuple[ChunkCopy, ...]]:
+    """One op's copies, one list per KV-cache group, as production's worker splits it: the op's
+    blocks group after group (``kv_groups.split_group_blocks``), each part's chunks chosen by
+    core_sm's ``chunk_copies``, a window's blocks of a retrieve written from its first live one
+    (``kv_groups.group_retrieve_skip``). ``first_group_only``: a retrieve copies the first group's
+    part alone (profile ``hma-partial-group``). Raises ``ValueError`` when the plan does not
+    match its blocks."""
+    parts = split_group_blocks(block_ids, len(groups)) if several(groups) else (tuple(block_ids),)
+    out = []
+    for g, blocks in enumerate(parts):
+        part_skip = skip
+        if several(groups) and kind is TransferKind.RETRIEVE:
+            # a window's blocks before its first live one are vLLM's null block
+            part_skip = group_retrieve_skip(groups[g], start, end, skip)
+        out.append(chunk_copies(kind, start, end, tuple(placements), blocks, part_skip, chunk, block_size))
+    if kind is TransferKind.RETRIEVE and first_group_only:
+        out = out[:1]
+    return out
 
 
 def unrestorable_hit(rid: str, groups: Sequence[KVGroup], cpu_engine: bool, tokens: int | None) -> Finding | None:

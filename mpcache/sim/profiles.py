@@ -463,6 +463,19 @@ class IdleReap(Profile):
 # instance with its GPU transfer engine on receipt, then asked core_sm, which refused a foreign
 # peer FORBIDDEN; the engine's "re-registering replaces" had already put the other peer's
 # mapping under the owner's instance, so the owner's next copy ran through it.
+def acted_first(event: Any) -> tuple[int, str | None] | None:
+    """What the legacy runtime (profile ``act-first``) did with its transfer engine on receipt of
+    ``event``, for whichever peer asked, before core_sm decided: ``(instance, peer)`` it registered
+    the instance for that peer (replacing any mapping), ``(instance, None)`` it unregistered it;
+    None: nothing."""
+    t = type(event)
+    if t is RegisterInstance and not event.engine_driven and event.peer is not None:
+        return event.instance_id, str(event.peer)
+    if t is UnregisterInstance:
+        return event.instance_id, None
+    return None
+
+
 class ActFirst(Profile):
     name = "act-first"
     failure = "F23"

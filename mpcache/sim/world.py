@@ -52,9 +52,7 @@ from mpcache.core_sm.messages import (
     Ping,
     QueryPrefetchStatus,
     TimerFired,
-    RegisterInstance,
     TransferFinished,
-    UnregisterInstance,
     WaitPrefetchStatus,
 )
 from mpcache.runtime_trio import Address, Node
@@ -66,6 +64,7 @@ from mpcache.sim.link_coverage import drain_waiters
 from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
 from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg, Via, request_id_of
+from mpcache.sim.profiles import acted_first
 from mpcache.sim.scenario import FaultSpec, Scenario, server_name
 from mpcache.sim.timeline import Timeline
 from mpcache.sim.trace import MessageRecord, Trace, short
@@ -311,20 +310,13 @@ class World:
             self.violation("SAFETY", node.name, f"server emitted an unknown effect {short(effect)}")
 
     def _check_mapping(self, host: ServerHost, effect: StartTransfer) -> None:
-        """F23: a server-driven copy runs through the registration its instance's owner made --
-        the transfer engine attached it for the peer core_sm says owns the instance. A runtime
-        that registers with its engine before core_sm decides lets another peer's register
-        replace the mapping (the owner's KV copied to or from the other's memory) or its
-        unregister drop it."""
+        """F23 (``checks.copy_through_other_registration``): a server-driven copy runs through
+        the registration the transfer engine attached for its instance's owner."""
         owner = self.worker_by_instance(effect.instance_id)  # the honest worker whose instance it is
         if owner is None:
             return
-        attached = host.mappings.get(effect.instance_id)
-        if attached != owner.name:
-            how = "no registration open" if attached is None else f"the registration {attached} made"
-            self.violation("F23", host.name, f"{effect.kind.value} copy {effect.transfer_id} of instance "
-                           f"{effect.instance_id} (owned by {owner.name}) runs through {how}: the transfer "
-                           f"engine acted before core_sm decided")
+        self._judge(host.name, checks.copy_through_other_registration(
+            effect.kind.value, effect.transfer_id, effect.instance_id, owner.name, host.mappings.get(effect.instance_id)))
 
     def _on_instance_reaped(self, host: ServerHost, effect: InstanceReaped) -> None:
         """F19 (LMCache #4715): the server may reap an instance only after ``instance_ttl`` without
@@ -888,11 +880,14 @@ class ProbedServer:
     def _act_first(self, event: Any) -> None:
         """The legacy runtime (profile ``act-first``): it registers with its transfer engine (and
         unregisters) on receipt, for whichever peer asked, before core_sm decides."""
-        t = type(event)
-        if t is RegisterInstance and not event.engine_driven and event.peer is not None:
-            self.host.mappings[event.instance_id] = event.peer
-        elif t is UnregisterInstance:
-            self.host.mappings.pop(event.instance_id, None)
+        acted = acted_first(event)
+        if acted is None:
+            return
+        iid, peer = acted
+        if peer is None:
+            self.host.mappings.pop(iid, None)
+        else:
+            self.host.mappings[iid] = peer
 
     def _handle(self, event: Any, now: float) -> list[Any]:
         if type(event) is not FreeLookupLocks:

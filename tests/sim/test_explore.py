@@ -59,8 +59,9 @@ def test_modelled_profiles() -> None:
     assert set(PROFILE_WORLDS) == {"unknown-none", "resend-status", "overwrite-dup", "no-ack-wait", "leak-on-abort",
                                    "release-all", "silent-errors", "no-reaper", "wait-lost", "trust-all", "missed-epoch",
                                    "idle-reap", "planner-tail-leak", "preempt-reuse", "lease-expiry-under-queue",
-                                   "placement-mismatch", "no-reregister", "double-register"}
-    assert set(PROFILE_WORLDS) <= set(PROFILES)
+                                   "placement-mismatch", "no-reregister", "double-register", "hma-partial-group",
+                                   "act-first"}
+    assert set(PROFILE_WORLDS) == set(PROFILES) - {"default"}  # every legacy profile
 
 
 @pytest.mark.parametrize("name", sorted(PROFILE_WORLDS))
@@ -80,7 +81,7 @@ def test_default_profile_clean_in_the_profile_worlds() -> None:
     """The worlds that catch the legacy profiles hold no violation for the production machines."""
     for name in ("leak-on-abort", "resend-status", "no-ack-wait", "wait-lost", "trust-all", "missed-epoch",
                  "idle-reap", "planner-tail-leak", "preempt-reuse", "lease-expiry-under-queue", "placement-mismatch",
-                 "no-reregister"):
+                 "no-reregister", "hma-partial-group", "act-first"):
         ex = Explorer(PROFILE_WORLDS[name]).run()
         assert ex.violation is None and ex.complete, (name, ex.violation)
 
@@ -163,3 +164,52 @@ def test_planner_retrieve_runs_on_the_worker() -> None:
     ex = Explorer(WORLDS["planner"][0]).run()
     assert ex.complete and ex.violation is None
     assert any(table.startswith("TransferClient") and ev == "SubmitRetrieve" for table, _s, ev in ex.reached)
+
+
+@pytest.mark.parametrize("name,code", [("hma-partial-group", "F24"), ("act-first", "F23")])
+def test_runtime_profiles_caught_and_replayed_by_the_cli(name: str, code: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The two bugs outside core_sm's machines, in what the explorer's runtime does with their
+    effects: a worker's retrieve that writes the first KV-cache group's blocks only (F24, the
+    random simulator's partial_restore judging the blocks vLLM reads to resume), and a server
+    runtime that registers with its transfer engine on receipt, before core_sm refuses another
+    tenant's registration of the worker's instance (F23). Each tape replays with the CLI."""
+    tape = tmp_path / "t.json"
+    assert main(["explore", "--profile", name, "--tape", str(tape)]) == 1
+    out = capsys.readouterr().out
+    assert f"VIOLATION {code}" in out
+    recorded = json.loads(tape.read_text())
+    assert recorded["profile"] == name and recorded["violation"]["code"] == code
+    assert main(["replay", "--tape", str(tape)]) == 1
+    out = capsys.readouterr().out
+    assert f"VIOLATION {code}" in out and "the recorded one" in out
+    if name == "hma-partial-group":
+        assert "group 1 (sliding_window 16)" in recorded["violation"]["message"]
+    else:
+        assert "sends server0 register naming instance 1" in out
+
+
+def test_group_copies_shared_with_the_simulator() -> None:
+    """The explorer's copy of several KV-cache groups and F24 are the random simulator's: one
+    ``group_copies`` (sim/groups.py) for both workers, one ``partial_restore`` judgement."""
+    from mpcache.sim import engine, explore, groups
+
+    assert checks.partial_restore is groups.partial_restore
+    assert explore.group_copies is groups.group_copies and engine.group_copies is groups.group_copies
+
+
+def test_one_trip_world_answers_in_the_ack() -> None:
+    """The connector's lookup_answer_in_ack, a world of its own in ``ci``: explored completely
+    with no violation, and the hit really comes in the LOOKUP's ack -- the client never queries
+    a status, where the same world without the option (ci-1e1s-faults) does."""
+    one_trip = next(w for w in WORLDS["ci"] if w.answer_in_ack)
+    assert one_trip in WORLDS["one-trip"]
+    twin = next(w for w in WORLDS["ci"] if w.name == "ci-1e1s-faults")
+    assert attrs.evolve(one_trip, name=twin.name, answer_in_ack=False) == twin
+    assert not any(w.answer_in_ack for w in WORLDS["ci"] if w is not one_trip)  # the others keep the status path
+    ex, base = explored(one_trip), explored(twin)
+    assert ex.complete and ex.violation is None
+    querying = {r for r in base.reached if r[0].startswith("LookupClient") and r[1] == "QUERYING"}
+    assert querying, base.reached
+    assert not querying & ex.reached
+    assert ex.states < base.states
