@@ -21,3 +21,15 @@ def test_loop_bench_times_one_bound(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| lookup, L1 miss")]
     assert len(rows) == 1 and "524,288 tokens x 32 ranks" in rows[0]
+
+
+def test_sim_where_charges_every_part_of_a_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    """`mpcache-bench sim --where 1`: one seed profiled, its CPU split by part; the shares add up
+    and the production machines and trio's scheduler are among the parts charged."""
+    assert main(["sim", "--where", "1"]) == 0
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    rows = {c[0]: c[2] for c in cells if len(c) == 3 and c[2].endswith("%")}
+    assert float(rows.pop("total").rstrip("%")) == 100
+    assert abs(sum(float(v.rstrip("%")) for v in rows.values()) - 100) < 0.5
+    assert rows["production machines (core_sm)"] != "0.0%" and rows["trio's scheduler and cancel scopes"] != "0.0%"
