@@ -65,6 +65,7 @@ from mpcache.core_sm.health import (
     InstanceUnregistered,
     Register,
     RegistrationFailed,
+    RegistrationSent,
     RequestRefused,
     Resend,
     SendHeartbeat,
@@ -336,6 +337,7 @@ class ServerLink:
             self._registrations[ev.instance] = ev.request
             while len(self._registrations) > self.config.max_registrations:
                 self._registrations.pop(next(iter(self._registrations)))
+            self._feed(RegistrationSent(SERVER, ev.instance), now, out)
         elif ev.role is Role.UNREGISTRATION and ev.instance is not None:
             self._registrations.pop(ev.instance, None)
             self._feed(InstanceUnregistered(SERVER, ev.instance), now, out)
@@ -445,8 +447,8 @@ class ServerLink:
 
     def _do_register(self, effect: Register, now: float, out: list[Any]) -> None:
         request = self._registrations.get(effect.instance_id)
-        if request is None:  # never registered through this link: nothing to send again
-            self._feed(RegistrationFailed(SERVER, effect.instance_id), now, out)
+        if request is None:  # never registered through this link (or forgotten): nothing to send again
+            self._feed(InstanceUnregistered(SERVER, effect.instance_id), now, out)
             return
         self._transmit(_Pending(None, request, now + self.config.request_timeout, Role.REGISTRATION,
                                 effect.instance_id), now, out)
