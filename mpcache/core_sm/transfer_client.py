@@ -406,7 +406,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
         op.correlation = None
         if error is not None:
             if getattr(error, "kind", None) is ErrorKind.NOT_REGISTERED:
-                self._counters["not_registered"] += 1  # the link's verdict: it registers again, not this
+                self._on_not_registered(op, now, out)
             elif getattr(error, "kind", None) in (ErrorKind.UNHEALTHY, ErrorKind.TIMEOUT):
                 # UNHEALTHY: the transport lost it, it may still arrive. TIMEOUT: the transport's
                 # own request timeout (it may still be copying, a resend too) looks like the
@@ -519,6 +519,12 @@ class TransferClient(GuardedMachine[ClientEvent]):
         self._registration_correlation = None
         if ev.error is not None:
             self._counters["registration_failures"] += 1
+
+    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
+        """``op`` was answered NOT_REGISTERED: its link's verdict, after it registered again and
+        resent it once (or gave up); the op fails, and registering again stays the link's (a
+        legacy client that also registers here is the second registerer of double-register)."""
+        self._counters["not_registered"] += 1
 
     def _lose_server(self, now: float, out: list[Effect]) -> None:
         """The server is unhealthy (or restarted): ops waiting on it fail now; ops whose engine

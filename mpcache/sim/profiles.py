@@ -43,7 +43,7 @@ from mpcache.core_sm.planner import (
 )
 from mpcache.core_sm.server import LookupServer, PrefetchJob, RequestKey, ServerConfig
 from mpcache.core_sm.server_link import Role, ServerLink, Submit
-from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
+from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
 from mpcache.sim.scenario import WorldConfig
 
 MODEL = "sim-model"
@@ -531,8 +531,10 @@ class PlacementMismatch(Profile):
 
 # double-register: the server before re-registrations were made idempotent -- each registration
 # replaces the last (the old one dropped, its transfers with it; a new id). The worker's own
-# registration and its link's re-registration after a not_registered both land, so the second
-# orphans what the first released: the resends naming it are refused not_registered and given up.
+# registration and its link's re-registration after a not_registered both land (in the explorer's
+# world), and the worker's machine registers again itself too, beside its link, as before the two
+# merged (in the simulator's): the second orphans what the first released, and the resends naming
+# it are refused not_registered and given up.
 class ReplacingRegistrationServer(LookupServer):
     def handle(self, event: Any, now: float) -> list[Effect]:
         if type(event) is RegisterInstance and self.instance_state(event.instance_id) is InstanceState.REGISTERED:
@@ -543,11 +545,32 @@ class ReplacingRegistrationServer(LookupServer):
         return super().handle(event, now)
 
 
+class SecondRegistererTransferClient(TransferClient):
+    """The worker's machine before the merge into its link: it also decides re-registration
+    itself, on a first or new epoch and on a not_registered answer, beside its link."""
+
+    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
+        old = self._epoch
+        super()._on_epoch(ev, now, out)
+        if old != ev.epoch and self._healthy:  # the first epoch too: which incarnation took it?
+            self._register_again(out)
+
+    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
+        super()._on_not_registered(op, now, out)
+        if self._healthy and self._registration_correlation is None:
+            self._register_again(out)
+
+    def _register_again(self, out: list[Effect]) -> None:
+        self._counters["registrations"] += 1
+        self._registration_correlation = self._send(self.registration_request(), None, out)
+
+
 class DoubleRegister(Profile):
     name = "double-register"
     failure = "LIVENESS"
-    description = "server: a registration replaces the last (new id); the worker's registration and its link's both land"
+    description = "server: a registration replaces the last (new id); the worker and its link both register again"
     server_class = ReplacingRegistrationServer
+    transfer_client_class = SecondRegistererTransferClient
 
 
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:
