@@ -24,10 +24,18 @@ what the answers mean for the node's protocol machines (``LookupClient``, ``Tran
 * a reply (``HeartbeatReply(server, epoch)``) -> ``ServerHealth(server, True)`` if it was not
   healthy; its ``epoch`` (the server's start id) -> ``ServerEpoch(server, epoch)`` the first time
   and whenever it changes, *before* the health change: a restart between two heartbeats (F13),
-  which no timeout ever showed, makes the machines resolve what was in flight and register again.
+  which no timeout ever showed, makes the machines resolve what was in flight, and the monitor
+  registers every instance again (``Register``; the first epoch too: a registration sent before
+  it may have reached an incarnation that is gone).
 
 Instances (F13/F19, LMCache #4715: a server reaps an instance that stops heartbeating, so the
-heartbeat must name it, whatever its traffic). The transport tells the monitor what it saw:
+heartbeat must name it, whatever its traffic). The monitor is the one machine of its connection
+that decides to register an instance again. The transport tells it what it saw:
+
+* ``RegistrationSent(server, iid)``: the node's own machine registered ``iid`` (the link
+  remembered that registration): ``iid`` is kept registered there from now on -- registered
+  again on a first or new epoch and on recovery (the server may have reaped it), until
+  ``InstanceUnregistered``;
 
 * ``InstanceRegistered(server, iid, registration)`` (a registration of ``iid`` was acknowledged;
   ``registration``: the id its reply gave, None from a server that gives none) /
@@ -48,6 +56,10 @@ heartbeat must name it, whatever its traffic). The transport tells the monitor w
   second ``not_registered`` after the resend: ``GiveUp`` at once -- a request is resent at most
   once and never waits for more than one registration (its own timeout still runs in the
   transport), so a RETRIEVE never hangs on a reaped instance.
+* A failed registration of a kept instance (``RegistrationFailed``: refused, unanswered within the
+  transport's request timeout, unsendable) goes again after ``registration_retry``, doubling up to
+  ``registration_retry_max``, while the server is healthy (``RegistrationRetryDue``); a recovery
+  registers it anyway.
 
 ``handle(event, now) -> effects`` never raises; ``next_deadline()`` is the next ping or timeout.
 The same class is driven by the simulator's client nodes (``sim/engine.py``, virtual time) and

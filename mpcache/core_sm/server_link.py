@@ -1,7 +1,10 @@
 """``ServerLink``: one client node's connection to one server -- request uids and correlation,
-per-request deadlines, heartbeats and epoch, instance liveness pings, registration memory,
+per-request deadlines, heartbeats and epoch, instance liveness pings, registration memory and
+every decision to register an instance again (a first or new epoch, a recovery, a
+``not_registered`` refusal, a failed registration after its backoff: its monitor's table),
 parking after ``not_registered``, one resend naming the registration, give-up -- as a pure
-machine. A transport (``mpcache.runtime_zmq.client.MPCacheClient``) only moves what it says.
+machine. The node's own machines register an instance once (``TransferClient``: at its first
+healthy server) and never again. A transport (``mpcache.runtime_zmq.client.MPCacheClient``) only moves what it says.
 
 Contract
 --------
@@ -17,7 +20,8 @@ Events the transport feeds:
   transport encodes). ``role`` says what it is to the link: ``REQUEST`` (``instance`` set: it
   names that engine instance and may be parked and resent once after ``not_registered``),
   ``REGISTRATION`` of ``instance`` (remembered, the last one per instance, as what a
-  re-registration sends), ``UNREGISTRATION`` of ``instance`` (forgotten; its pings stop).
+  re-registration sends; the monitor keeps the instance registered from then on:
+  ``RegistrationSent``), ``UNREGISTRATION`` of ``instance`` (forgotten; its pings stop).
 * ``Reply(uid, ok, value, kind)``: the answer to the frame ``Transmit(uid)`` sent (``kind``: the
   error kind when not ``ok``; ``value``: the result, or the transport's error object). A uid the
   link does not hold (a late reply to a request that timed out or failed) is counted only.
