@@ -24,10 +24,18 @@ what the answers mean for the node's protocol machines (``LookupClient``, ``Tran
 * a reply (``HeartbeatReply(server, epoch)``) -> ``ServerHealth(server, True)`` if it was not
   healthy; its ``epoch`` (the server's start id) -> ``ServerEpoch(server, epoch)`` the first time
   and whenever it changes, *before* the health change: a restart between two heartbeats (F13),
-  which no timeout ever showed, makes the machines resolve what was in flight and register again.
+  which no timeout ever showed, makes the machines resolve what was in flight, and the monitor
+  registers every instance again (``Register``; the first epoch too: a registration sent before
+  it may have reached an incarnation that is gone).
 
 Instances (F13/F19, LMCache #4715: a server reaps an instance that stops heartbeating, so the
-heartbeat must name it, whatever its traffic). The transport tells the monitor what it saw:
+heartbeat must name it, whatever its traffic). The monitor is the one machine of its connection
+that decides to register an instance again. The transport tells it what it saw:
+
+* ``RegistrationSent(server, iid)``: the node's own machine registered ``iid`` (the link
+  remembered that registration): ``iid`` is kept registered there from now on -- registered
+  again on a first or new epoch and on recovery (the server may have reaped it), until
+  ``InstanceUnregistered``;
 
 * ``InstanceRegistered(server, iid, registration)`` (a registration of ``iid`` was acknowledged;
   ``registration``: the id its reply gave, None from a server that gives none) /
@@ -48,6 +56,10 @@ heartbeat must name it, whatever its traffic). The transport tells the monitor w
   second ``not_registered`` after the resend: ``GiveUp`` at once -- a request is resent at most
   once and never waits for more than one registration (its own timeout still runs in the
   transport), so a RETRIEVE never hangs on a reaped instance.
+* A failed registration of a kept instance (``RegistrationFailed``: refused, unanswered within the
+  transport's request timeout, unsendable) goes again after ``registration_retry``, doubling up to
+  ``registration_retry_max``, while the server is healthy (``RegistrationRetryDue``); a recovery
+  registers it anyway.
 
 ``handle(event, now) -> effects`` never raises; ``next_deadline()`` is the next ping or timeout.
 The same class is driven by the simulator's client nodes (``sim/engine.py``, virtual time) and
@@ -88,11 +100,14 @@ class HealthConfig:
     probe_interval: float | None = None  # ping period while unhealthy, before backoff (None: interval)
     fail_pending: bool = False  # emit FailPending with every ServerHealth(False)
     max_waiting: int = 4096  # requests one instance's re-registration may hold; more give up
+    registration_retry: float = 0.5  # a failed registration goes again after this; doubles...
+    registration_retry_max: float = 5.0  # ...up to this
 
     def __attrs_post_init__(self) -> None:
         probe = self.interval if self.probe_interval is None else self.probe_interval
         if (self.num_servers < 1 or not 0 < self.interval < self.timeout or self.backoff_max < self.interval
-                or not 0 < probe <= self.interval or self.max_waiting < 0):
+                or not 0 < probe <= self.interval or self.max_waiting < 0
+                or not 0 < self.registration_retry <= self.registration_retry_max):
             raise ValueError(f"bad health config {self!r}: need 0 < interval < timeout, backoff_max >= interval, "
                              f"0 < probe_interval <= interval")
 
@@ -130,6 +145,15 @@ class InstanceRegistered:
     server: int
     instance_id: int
     registration: int | None = None
+
+
+@attrs.frozen
+class RegistrationSent:
+    """The node's own machine sent a registration of ``instance_id`` to ``server`` (remembered by
+    the link): the instance is one to keep registered there."""
+
+    server: int
+    instance_id: int
 
 
 @attrs.frozen
@@ -246,8 +270,8 @@ class GiveUp:
     request: Hashable
 
 
-HealthEvent = Union[HeartbeatReply, HeartbeatUnsent, Connected, InstanceRegistered, InstanceUnregistered,
-                    RegistrationFailed, InstancePingRefused, RequestRefused, TimerFired]
+HealthEvent = Union[HeartbeatReply, HeartbeatUnsent, Connected, RegistrationSent, InstanceRegistered,
+                    InstanceUnregistered, RegistrationFailed, InstancePingRefused, RequestRefused, TimerFired]
 HealthEffect = Union[SendHeartbeat, SendInstancePing, ServerHealth, ServerEpoch, FailPending, Register, Resend,
                      GiveUp]
 
@@ -288,6 +312,14 @@ class ProbeDue(Timer):
     server: int
 
 
+@attrs.frozen
+class RegistrationRetryDue(Timer):
+    """A failed registration's backoff is over while the server is healthy: register again."""
+
+    server: int
+    instance_id: int
+
+
 @attrs.define
 class _Server:
     healthy: bool
@@ -297,6 +329,9 @@ class _Server:
     epoch: int | str | None = None
     instances: dict[int, None] = attrs.Factory(dict)  # registered and acknowledged: pinged
     registering: set[int] = attrs.Factory(set)  # re-registrations this monitor asked for
+    known: dict[int, None] = attrs.Factory(dict)  # instances the node registered here, until unregistered
+    retry_at: dict[int, float] = attrs.Factory(dict)  # instance -> when its failed registration goes again
+    retry_delay: dict[int, float] = attrs.Factory(dict)  # instance -> its next backoff
     waiting: dict[int, list[Hashable]] = attrs.Factory(dict)  # instance -> requests to resend
 
 
@@ -307,7 +342,9 @@ class HealthMonitor:
         self._servers = [_Server(config.initially_healthy, now, now, period) for _ in range(config.num_servers)]
         self._counters = {"internal_errors": 0, "heartbeats_sent": 0, "heartbeats_unsent": 0, "unhealthy": 0,
                           "recovered": 0, "connects": 0, "epoch_changes": 0, "stale_replies": 0, "instance_pings": 0,
-                          "instances_lost": 0, "reregistrations": 0, "resends": 0, "give_ups": 0}
+                          "instances_lost": 0, "reregistrations": 0, "resends": 0, "give_ups": 0,
+                          "registrations_on_epoch": 0, "registrations_on_recovery": 0, "registration_failures": 0,
+                          "registration_retries": 0}
         self._table: Dispatcher[HealthState] = TABLE.bind(self, _server_of, self.state, self._counters,
                                                           self._refuse)
 
@@ -348,6 +385,7 @@ class HealthMonitor:
     def next_deadline(self) -> float | None:
         deadlines = [s.next_ping for s in self._servers]
         deadlines += [s.last_reply + self.config.timeout for s in self._servers if s.healthy]
+        deadlines += [at for s in self._servers for at in s.retry_at.values()]
         return min(deadlines)
 
     def handle(self, event: HealthEvent, now: float) -> list[HealthEffect]:
@@ -372,6 +410,9 @@ class HealthMonitor:
                 self._table.run(HeartbeatTimeout(index), now, out)
             if server.next_ping <= now:
                 self._table.run(HeartbeatDue(index) if server.healthy else ProbeDue(index), now, out)
+            for iid, at in sorted(server.retry_at.items(), key=lambda item: (item[1], item[0])):
+                if at <= now:
+                    self._table.run(RegistrationRetryDue(index, iid), now, out)
 
     @staticmethod
     def _refuse(out: list[Effect], reply_to: Hashable, error: ProtocolError) -> None:
@@ -399,6 +440,8 @@ class HealthMonitor:
             self._counters["give_ups"] += len(requests)
         server.waiting.clear()
         server.registering.clear()
+        server.retry_at.clear()  # the recovery registers again, backoff reset
+        server.retry_delay.clear()
 
     def _on_heartbeat_due(self, event: HeartbeatDue, now: float, out: list[Any]) -> None:
         index = event.server
@@ -441,22 +484,46 @@ class HealthMonitor:
     def _on_reply(self, event: HeartbeatReply, now: float, out: list[Any]) -> None:
         server = self._servers[event.server]
         server.last_reply = max(server.last_reply, now)
+        new_epoch = False
         if event.epoch is not None and event.epoch != server.epoch:
+            new_epoch = True
             if server.epoch is not None:
                 self._counters["epoch_changes"] += 1
-                # a restarted server knows no instance: the machines register theirs again
-                # (ServerEpoch), and each is pinged again once that is acknowledged
+                # a restarted server knows no instance: each is pinged again once its
+                # registration below is acknowledged
                 server.instances.clear()
             server.epoch = event.epoch
             out.append(ServerEpoch(event.server, event.epoch))
-        if not server.healthy:
+        recovered = not server.healthy
+        if recovered:
             server.healthy = True
             server.period = self.config.interval
             server.next_ping = min(server.next_ping, now + server.period)
             self._counters["recovered"] += 1
             out.append(ServerHealth(event.server, True))
+        for iid in list(server.known):
+            if new_epoch:
+                # the first epoch learned, or a new one (a restart): a registration sent earlier,
+                # even one under way, may have reached an incarnation that is gone -- again
+                # (idempotent; the answer of either lands)
+                server.registering.discard(iid)
+                self._counters["registrations_on_epoch"] += 1
+            elif recovered and iid not in server.registering:
+                # unreachable for a while: the server may have reaped it
+                self._counters["registrations_on_recovery"] += 1
+            else:
+                continue
+            self._register(event.server, server, iid, out)
 
     # ------------------------------------------------------------------------------ instances
+
+    def _on_registration_sent(self, event: RegistrationSent, now: float, out: list[Any]) -> None:
+        """The node's own registration: the instance is kept registered from now on. It is not
+        one the monitor waits on: a request refused while it is under way (it overtook it, or
+        the registration was lost) registers again at once -- the server takes both."""
+        server = self._servers[event.server]
+        server.known[event.instance_id] = None
+        server.retry_at.pop(event.instance_id, None)
 
     def _on_registered(self, event: InstanceRegistered, now: float, out: list[Any]) -> None:
         """Each request that waited on ``iid``'s registration is resent, naming it."""
@@ -464,13 +531,33 @@ class HealthMonitor:
         out.extend(Resend(event.server, r, event.registration) for r in requests)
         self._counters["resends"] += len(requests)
         server.instances[event.instance_id] = None
+        server.retry_at.pop(event.instance_id, None)
+        server.retry_delay.pop(event.instance_id, None)
 
     def _on_unregistered(self, event: InstanceUnregistered, now: float, out: list[Any]) -> None:
         server = self._give_up_waiting(event.server, event.instance_id, out)
         server.instances.pop(event.instance_id, None)
+        server.known.pop(event.instance_id, None)
+        server.retry_at.pop(event.instance_id, None)
+        server.retry_delay.pop(event.instance_id, None)
 
     def _on_registration_failed(self, event: RegistrationFailed, now: float, out: list[Any]) -> None:
-        self._give_up_waiting(event.server, event.instance_id, out)
+        """What waited on it gives up; while the server is healthy the registration goes again
+        after a backoff (``registration_retry`` doubling up to ``registration_retry_max``)."""
+        iid = event.instance_id
+        server = self._give_up_waiting(event.server, iid, out)
+        self._counters["registration_failures"] += 1
+        if server.healthy and iid in server.known and iid not in server.retry_at:
+            c = self.config
+            delay = server.retry_delay.get(iid, c.registration_retry)
+            server.retry_at[iid] = now + delay
+            server.retry_delay[iid] = min(delay * 2, c.registration_retry_max)
+
+    def _on_registration_retry_due(self, event: RegistrationRetryDue, now: float, out: list[Any]) -> None:
+        server = self._servers[event.server]
+        del server.retry_at[event.instance_id]
+        self._counters["registration_retries"] += 1
+        self._register(event.server, server, event.instance_id, out)
 
     def _give_up_waiting(self, index: int, iid: int, out: list[Any]) -> _Server:
         server, requests = self._release(index, iid)
@@ -521,8 +608,8 @@ def _server_of(event: Any) -> Hashable:
 _H, _M = HealthState, HealthMonitor
 _WATCHED = (_H.HEALTHY, _H.PROBING)
 # What the transport feeds (TimerFired is not addressed to a server: it runs the due timers).
-_INPUTS = (HeartbeatReply, HeartbeatUnsent, Connected, InstanceRegistered, InstanceUnregistered, RegistrationFailed,
-           InstancePingRefused, RequestRefused)
+_INPUTS = (HeartbeatReply, HeartbeatUnsent, Connected, RegistrationSent, InstanceRegistered, InstanceUnregistered,
+           RegistrationFailed, InstancePingRefused, RequestRefused)
 
 # One server's health: (its state, event) -> (handler, next states). handle runs it.
 TABLE: Table[HealthState] = Table("HealthMonitor (one server's health, epoch and instances)", HealthState,
@@ -535,6 +622,8 @@ TABLE: Table[HealthState] = Table("HealthMonitor (one server's health, epoch and
     **{(s, HeartbeatUnsent): (_M._on_unsent, (s,)) for s in _WATCHED},
     (_H.HEALTHY, Connected): (_M._on_connected_healthy, (_H.HEALTHY,)),
     (_H.PROBING, Connected): (_M._on_connected_probing, (_H.PROBING,)),
+    (_H.HEALTHY, RegistrationRetryDue): (_M._on_registration_retry_due, (_H.HEALTHY,)),
+    **{(s, RegistrationSent): (_M._on_registration_sent, (s,)) for s in _WATCHED},
     **{(s, InstanceRegistered): (_M._on_registered, (s,)) for s in _WATCHED},
     **{(s, InstanceUnregistered): (_M._on_unregistered, (s,)) for s in _WATCHED},
     **{(s, RegistrationFailed): (_M._on_registration_failed, (s,)) for s in _WATCHED},

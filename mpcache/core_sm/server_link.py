@@ -1,7 +1,10 @@
 """``ServerLink``: one client node's connection to one server -- request uids and correlation,
-per-request deadlines, heartbeats and epoch, instance liveness pings, registration memory,
+per-request deadlines, heartbeats and epoch, instance liveness pings, registration memory and
+every decision to register an instance again (a first or new epoch, a recovery, a
+``not_registered`` refusal, a failed registration after its backoff: its monitor's table),
 parking after ``not_registered``, one resend naming the registration, give-up -- as a pure
-machine. A transport (``mpcache.runtime_zmq.client.MPCacheClient``) only moves what it says.
+machine. The node's own machines register an instance once (``TransferClient``: at its first
+healthy server) and never again. A transport (``mpcache.runtime_zmq.client.MPCacheClient``) only moves what it says.
 
 Contract
 --------
@@ -17,7 +20,8 @@ Events the transport feeds:
   transport encodes). ``role`` says what it is to the link: ``REQUEST`` (``instance`` set: it
   names that engine instance and may be parked and resent once after ``not_registered``),
   ``REGISTRATION`` of ``instance`` (remembered, the last one per instance, as what a
-  re-registration sends), ``UNREGISTRATION`` of ``instance`` (forgotten; its pings stop).
+  re-registration sends; the monitor keeps the instance registered from then on:
+  ``RegistrationSent``), ``UNREGISTRATION`` of ``instance`` (forgotten; its pings stop).
 * ``Reply(uid, ok, value, kind)``: the answer to the frame ``Transmit(uid)`` sent (``kind``: the
   error kind when not ``ok``; ``value``: the result, or the transport's error object). A uid the
   link does not hold (a late reply to a request that timed out or failed) is counted only.
@@ -65,6 +69,7 @@ from mpcache.core_sm.health import (
     InstanceUnregistered,
     Register,
     RegistrationFailed,
+    RegistrationSent,
     RequestRefused,
     Resend,
     SendHeartbeat,
@@ -336,6 +341,7 @@ class ServerLink:
             self._registrations[ev.instance] = ev.request
             while len(self._registrations) > self.config.max_registrations:
                 self._registrations.pop(next(iter(self._registrations)))
+            self._feed(RegistrationSent(SERVER, ev.instance), now, out)
         elif ev.role is Role.UNREGISTRATION and ev.instance is not None:
             self._registrations.pop(ev.instance, None)
             self._feed(InstanceUnregistered(SERVER, ev.instance), now, out)
@@ -445,8 +451,8 @@ class ServerLink:
 
     def _do_register(self, effect: Register, now: float, out: list[Any]) -> None:
         request = self._registrations.get(effect.instance_id)
-        if request is None:  # never registered through this link: nothing to send again
-            self._feed(RegistrationFailed(SERVER, effect.instance_id), now, out)
+        if request is None:  # never registered through this link (or forgotten): nothing to send again
+            self._feed(InstanceUnregistered(SERVER, effect.instance_id), now, out)
             return
         self._transmit(_Pending(None, request, now + self.config.request_timeout, Role.REGISTRATION,
                                 effect.instance_id), now, out)

@@ -26,10 +26,16 @@ Reporting (``finished() -> (sending, recving)``, each id at most once per set, m
 Health: while the server is unhealthy, new stores are skipped (done at once) and new retrieves
 fail at once into load errors; on becoming unhealthy, ops waiting on the server fail now, ops
 whose engine copy is running wait for ``CopyFinished`` and then fail without a commit (their
-transfer id belongs to a server that may have restarted). A transition to healthy (including the
-first ``ServerHealth(server, True)`` the runtime feeds at start) sends ``RegisterInstance``.
+transfer id belongs to a server that may have restarted). A new epoch of the server
+(``ServerEpoch`` with an epoch other than the last one fed: a restart, F13) acts as
+``ServerHealth(False)`` then ``ServerHealth(True)``.
 
-Restart detection (F13) and registration retries: ``mpcache.core_sm.transfer_link``.
+Registration: the first ``ServerHealth(server, True)`` (the runtime feeds one at start) sends
+``RegisterInstance`` once -- the instance's introduction to its connection's
+``mpcache.core_sm.server_link.ServerLink``, which remembers it and alone decides every
+registration after it (a new epoch, recovery, ``not_registered``, a failed registration's
+retries). An op answered ``NOT_REGISTERED`` (the link already registered again and resent it
+once, or gave up) just fails.
 
 Late-copy fence: a server-driven STORE or RETRIEVE carries ``not_after = now + window`` (the
 ``transfer_timeout``; else ``op_timeout``; else 30 s), and the server refuses one it handles later
@@ -46,7 +52,7 @@ fence; engine-driven ops need none (the worker runs their copies itself).
 
 Dispatch (``mpcache.core_sm.table``): ``handle`` runs the typed timers now due, then the event, each
 through one of three tables it executes -- ``LINK_TABLE`` (its server: ``ServerHealth``,
-``ServerEpoch``, the registration's answer and timers, ``NotRegistered``), ``REQUEST_TABLE``
+``ServerEpoch``, the registration's answer), ``REQUEST_TABLE``
 (one request id: submits, ``RequestEnded`` for ``Abort`` and each id of ``EngineFinished``, the
 fence's end) and ``OP_TABLE`` (one op: replies by their correlation, ``CopyFinished``, its
 timeout, ``OpServerLost``). ``TimerFired`` only makes the due timers run.
@@ -70,6 +76,7 @@ from mpcache.core_sm.messages import (
     OpId,
     PrepareRetrieve,
     PrepareStore,
+    RegisterInstance,
     ReplyReceived,
     RequestFailed,
     Retrieve,
@@ -86,20 +93,16 @@ from mpcache.core_sm.messages import (
     TransferPlan,
 )
 from mpcache.core_sm.table import Dispatcher, Table, run_due_timers
-from mpcache.core_sm.transfer_link import LINK_TABLE, RegistrationLink
 from mpcache.core_sm.timers import Timer, TimerHeap
 from mpcache.core_sm.transfer_ops import (
     DEFAULT_STORE_WINDOW,
     EVENTS,
     FenceEnd,
     LinkState,
-    NotRegistered,
     OpServerLost,
     OpState,
     OpTimeout,
     RegistrationAnswered,
-    RegistrationRetry,
-    RegistrationTimeout,
     RequestEnded,
     RequestRecord,
     TransferClientConfig,
@@ -107,12 +110,12 @@ from mpcache.core_sm.transfer_ops import (
     TransferRequestState,
 )
 
-__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "LINK_TABLE", "RegistrationLink", "OP_TABLE", "REQUEST_TABLE", "TABLES", "LinkState",
+__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "LINK_TABLE", "OP_TABLE", "REQUEST_TABLE", "TABLES", "LinkState",
            "OpState", "RequestRecord", "TransferClient", "TransferClientConfig", "TransferOp",
            "TransferRequestState"]
 
 
-class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
+class TransferClient(GuardedMachine[ClientEvent]):
     """Worker-side transfer bookkeeping. ``handle``, ``next_deadline``, ``finished``,
     ``load_errors``."""
 
@@ -121,7 +124,11 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         self._requests: dict[str, RequestRecord] = {}
         self._by_correlation: dict[int, OpId] = {}
         self._ops: dict[OpId, TransferOp] = {}
-        self._init_link()
+        self._registration_correlation: int | None = None  # the introduction, until answered
+        self._introduced = False  # RegisterInstance sent once; the link registers again, never this
+        self._incarnation = 0  # bumped whenever the server is lost (unhealthy, new epoch)
+        self._epoch: int | str | None = None
+        self._healthy = True
         self._next_correlation = 0
         self._next_seq = 0  # client-wide, so an OpId is never reused
         self._sending: dict[str, None] = {}
@@ -136,8 +143,7 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
             for name in ("stores", "retrieves", "stores_failed", "retrieves_failed",
                          "stores_skipped_unhealthy", "stale_replies", "stale_copies",
                          "duplicate_finishes", "bad_replies", "timeouts", "registrations",
-                         "internal_errors", "reregistrations", "registrations_on_first_epoch", "registration_failures",
-                         "registration_timeouts", "registration_retries", "server_restarts",
+                         "internal_errors", "registration_failures", "not_registered", "server_restarts",
                          "store_fences", "retrieves_skipped_finished")
         }
         self._timers = TimerHeap(self._timer_live)
@@ -147,9 +153,7 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
             self, _request_id, self.request_state, self._counters, self._refuse)
         self._op_d: Dispatcher[OpState] = OP_TABLE.bind(self, self._op_address, self.op_state,
                                                         self._counters, self._refuse)
-        self._timer_route: dict[type, Dispatcher[Any]] = {
-            RegistrationTimeout: self._link, RegistrationRetry: self._link, FenceEnd: self._request_d,
-            OpTimeout: self._op_d}
+        self._timer_route: dict[type, Dispatcher[Any]] = {FenceEnd: self._request_d, OpTimeout: self._op_d}
         # What the runtime feeds goes to the table of the entity it addresses.
         self._routes: dict[type, Any] = {
             ServerHealth: self._link.run, ServerEpoch: self._link.run, CopyFinished: self._op_d.run,
@@ -228,7 +232,6 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         out["pending_recving"] = len(self._recving)
         out["load_errors_pending"] = len(self._load_errors)
         out["failed_retrieves_pending"] = len(self._failed_retrieves)
-        out["registered"] = int(self._registered)
         out["fenced_requests"] = len(self._fences)
         out["timers"] = len(self._timers)
         return out
@@ -252,18 +255,10 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         assert n == len(self._ops), "an op outside its request"
         assert len(self._reported_sending) <= self.config.reported_cap
         assert len(self._failed_retrieves) <= self.config.reported_cap
-        assert self._registration_correlation is None or self._registration_retry_at is None, \
-            "a registration both in flight and scheduled"
-        if not self._healthy:
-            assert self._registration_correlation is None and self._registration_retry_at is None
-            assert not self._registered
+        assert self._introduced or self._registration_correlation is None
         live = {t for t in self._timers.timers() if self._timer_live(t)}
         for rid, until in self._fences.items():
             assert FenceEnd(rid, until) in live, "a fence without its end"
-        if self._registration_correlation is not None:
-            assert RegistrationTimeout(self._registration_correlation) in live
-        if self._registration_retry_at is not None:
-            assert RegistrationRetry(self._registration_retry_at) in live
         if self.config.op_timeout is not None:
             for op in self._ops.values():
                 if op.state in (OpState.SENT, OpState.COMMITTING):
@@ -322,14 +317,8 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
             op = self._ops.get(timer.op)
             return (op is not None and op.state in (OpState.SENT, OpState.COMMITTING)
                     and op.sent_at == timer.sent_at)
-        if isinstance(timer, FenceEnd):
-            return self._fences.get(timer.request_id) == timer.until
-        if not self._healthy:
-            return False
-        if isinstance(timer, RegistrationTimeout):
-            return self._registration_correlation == timer.correlation
-        assert isinstance(timer, RegistrationRetry)
-        return self._registration_retry_at == timer.at
+        assert isinstance(timer, FenceEnd)
+        return self._fences.get(timer.request_id) == timer.until
 
     def _advance(self, now: float, out: list[Effect]) -> None:
         run_due_timers(self._timers, lambda timer: self._timer_route[type(timer)], now, out)
@@ -350,7 +339,7 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
                        ev.request_id, ev.cache_salt, ev.extras.prefix(ev.end // c.chunk_size))
         skip = 0 if isinstance(ev, SubmitStore) else ev.skip_first_n_tokens
         op = TransferOp(self._op_key(record), kind, key, ev.block_ids, skip, OpState.SENT, None, now,
-                        incarnation=self._incarnation, registration=self._registrations_acked)
+                        incarnation=self._incarnation)
         if not self._healthy:
             self._complete(record, op, False, now)
             if is_store:
@@ -417,7 +406,7 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
         op.correlation = None
         if error is not None:
             if getattr(error, "kind", None) is ErrorKind.NOT_REGISTERED:
-                self._link.run(NotRegistered(op), now, out)
+                self._on_not_registered(op, now, out)
             elif getattr(error, "kind", None) in (ErrorKind.UNHEALTHY, ErrorKind.TIMEOUT):
                 # UNHEALTHY: the transport lost it, it may still arrive. TIMEOUT: the transport's
                 # own request timeout (it may still be copying, a resend too) looks like the
@@ -441,7 +430,6 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
                     self._counters["retrieves_skipped_finished"] += 1
                     op.copy_ok = False
                     op.state = OpState.COMMITTING
-                    op.registration = self._registrations_acked
                     op.correlation = self._send(CommitTransfer(op.transfer_id, False), op.op, out)
                 else:
                     op.state = OpState.COPYING
@@ -472,7 +460,6 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
             return
         op.state = OpState.COMMITTING
         op.sent_at = now
-        op.registration = self._registrations_acked
         op.correlation = self._send(CommitTransfer(op.transfer_id, op.copy_ok), op.op, out)
         self._arm_op_timeout(op)
 
@@ -485,6 +472,68 @@ class TransferClient(RegistrationLink, GuardedMachine[ClientEvent]):
 
     def _on_copy_outlives_server(self, ev: OpServerLost, now: float, out: list[Effect]) -> None:
         """The engine copy runs on: it fails without a commit when it finishes."""
+
+    # ============================================================================= link rows
+
+    def registration_request(self) -> RegisterInstance:
+        c = self.config
+        return RegisterInstance(c.instance_id, c.model_name, c.world_size, c.object_bytes, c.engine_driven)
+
+    def link_state(self) -> LinkState:
+        return self._link_state(self.config.server)
+
+    def _link_address(self, event: object) -> object:
+        return getattr(event, "server", self.config.server)
+
+    def _link_state(self, server: object) -> LinkState:
+        if server != self.config.server:
+            return LinkState.OTHER
+        return LinkState.UP if self._healthy else LinkState.DOWN
+
+    def _on_other_server(self, ev: ServerHealth | ServerEpoch, now: float, out: list[Effect]) -> None:
+        """Another server's health or epoch: not this client's."""
+
+    def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
+        if not ev.healthy:
+            if self._healthy:
+                self._lose_server(now, out)
+            return
+        self._healthy = True
+        if not self._introduced:
+            self._introduced = True
+            self._counters["registrations"] += 1
+            self._registration_correlation = self._send(self.registration_request(), None, out)
+
+    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
+        """A new epoch is a restart: what waited on the old server fails (its link registers
+        again). The first epoch is only remembered."""
+        old, self._epoch = self._epoch, ev.epoch
+        if old is None or old == ev.epoch:
+            return
+        self._counters["server_restarts"] += 1
+        if self._healthy:
+            self._lose_server(now, out)
+            self._healthy = True
+
+    def _on_registration_answer(self, ev: RegistrationAnswered, now: float, out: list[Effect]) -> None:
+        self._registration_correlation = None
+        if ev.error is not None:
+            self._counters["registration_failures"] += 1
+
+    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
+        """``op`` was answered NOT_REGISTERED: its link's verdict, after it registered again and
+        resent it once (or gave up); the op fails, and registering again stays the link's (a
+        legacy client that also registers here is the second registerer of double-register)."""
+        self._counters["not_registered"] += 1
+
+    def _lose_server(self, now: float, out: list[Effect]) -> None:
+        """The server is unhealthy (or restarted): ops waiting on it fail now; ops whose engine
+        copy runs fail when it finishes."""
+        self._healthy = False
+        self._incarnation += 1
+        for op_id in list(self._ops):
+            if op_id in self._ops:
+                self._op_d.run(OpServerLost(op_id), now, out)
 
     # ============================================================================= internals
 
@@ -588,7 +637,20 @@ def _request_id(event: object) -> str:
     return str(getattr(event, "request_id"))
 
 
-_O, _Q, _T = OpState, TransferRequestState, TransferClient
+_O, _Q, _T, _K = OpState, TransferRequestState, TransferClient, LinkState
+
+# Its server, as its link reports it: (link state, event) -> (handler, next states).
+LINK_TABLE: Table[LinkState] = Table("TransferClient (its server, as its link reports it)", LinkState, _K.OTHER, {
+    (_K.OTHER, ServerHealth): (_T._on_other_server, (_K.OTHER,)),
+    (_K.OTHER, ServerEpoch): (_T._on_other_server, (_K.OTHER,)),
+    (_K.DOWN, ServerHealth): (_T._on_health, (_K.DOWN, _K.UP)),
+    (_K.UP, ServerHealth): (_T._on_health, (_K.DOWN, _K.UP)),
+    # A new epoch is a restart: as ServerHealth(False) then (True).
+    (_K.DOWN, ServerEpoch): (_T._on_epoch, (_K.DOWN,)),
+    (_K.UP, ServerEpoch): (_T._on_epoch, (_K.UP,)),
+    (_K.DOWN, RegistrationAnswered): (_T._on_registration_answer, (_K.DOWN,)),
+    (_K.UP, RegistrationAnswered): (_T._on_registration_answer, (_K.UP,)),
+})
 
 # One request id: (its state, event) -> (handler, next states).
 REQUEST_TABLE: Table[TransferRequestState] = Table("TransferClient (one request id)", TransferRequestState,

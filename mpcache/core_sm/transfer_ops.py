@@ -30,9 +30,8 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.timers import Timer
 
-__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "FenceEnd", "LinkState", "NotRegistered", "OpServerLost",
-           "OpState", "OpTimeout", "RegistrationAnswered", "RegistrationRetry", "RegistrationTimeout",
-           "RequestEnded", "RequestRecord", "TransferClientConfig", "TransferOp", "TransferRequestState"]
+__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "FenceEnd", "LinkState", "OpServerLost",
+           "OpState", "OpTimeout", "RegistrationAnswered", "RequestEnded", "RequestRecord", "TransferClientConfig", "TransferOp", "TransferRequestState"]
 
 
 DEFAULT_STORE_WINDOW = 30.0
@@ -50,9 +49,6 @@ class TransferClientConfig:
     server: int = 0
     op_timeout: float | None = None  # waiting on the server longer than this fails the op
     reported_cap: int = 100_000  # ids remembered to keep reports exactly-once
-    registration_timeout: float = 10.0  # an unanswered RegisterInstance counts as failed after this
-    registration_retry: float = 0.5  # delay before re-sending a failed registration; doubles...
-    registration_retry_max: float = 5.0  # ...up to this
     # A server-driven STORE's not_after is sent_at + this (None: op_timeout, else 30 s).
     transfer_timeout: float | None = None
     # How long a copy the server began by not_after may still read the blocks.
@@ -72,14 +68,12 @@ class OpState(enum.Enum):
 
 
 class LinkState(enum.Enum):
-    """The client's server, as the client sees it: health and registration."""
+    """The client's server as its link reports it (``ServerHealth``, ``ServerEpoch``); whether
+    the instance is registered there is the link's (``ServerLink``), not the client's."""
 
     OTHER = "other"  # a server index that is not this client's
-    DOWN = "down"  # unhealthy: nothing is sent
-    UNREGISTERED = "unregistered"  # healthy, never registered (start: feed ServerHealth(True))
-    REGISTERING = "registering"  # a RegisterInstance in flight
-    RETRY_WAIT = "retry_wait"  # the last registration failed; the next one goes after a backoff
-    REGISTERED = "registered"  # the last registration was acked
+    DOWN = "down"  # unhealthy: nothing is sent, new ops fail at once
+    UP = "up"  # healthy
 
 
 class TransferRequestState(enum.Enum):
@@ -111,7 +105,6 @@ class TransferOp:
     transfer_id: int = -1
     copy_ok: bool = True
     incarnation: int = 0  # the client's count of server losses when the op was submitted
-    registration: int = 0  # registrations acked when the op's last request was sent
     not_after: float | None = None  # a server-driven store's deadline at the server
 
 
@@ -134,20 +127,6 @@ class RequestRecord:
 
 
 @attrs.frozen
-class RegistrationTimeout(Timer):
-    """``registration_timeout`` after a RegisterInstance: unanswered, it counts as failed."""
-
-    correlation: int
-
-
-@attrs.frozen
-class RegistrationRetry(Timer):
-    """The backoff after a failed registration is over: register again."""
-
-    at: float
-
-
-@attrs.frozen
 class OpTimeout(Timer):
     """``op_timeout`` after an op's request went out: still unanswered, the op fails."""
 
@@ -165,16 +144,10 @@ class FenceEnd(Timer):
 
 @attrs.frozen
 class RegistrationAnswered:
-    """Internal: the reply to the registration in flight (``error`` None: acked)."""
+    """Internal: the reply to the client's one registration (``error`` None: acked). Only
+    counted: registering again is its link's decision."""
 
     error: ProtocolError | None
-
-
-@attrs.frozen
-class NotRegistered:
-    """Internal: the server answered ``op`` NOT_REGISTERED."""
-
-    op: TransferOp = attrs.field(eq=False)
 
 
 @attrs.frozen

@@ -46,7 +46,9 @@ Contract
   naming the registration it follows (the id that registration's reply gave), so the server runs
   it although it remembers the original's refusal; a failed registration,
   a second refusal, or the request's own timeout fails it -- it never hangs. A heartbeat
-  ``ping(instance_id)`` refused ``not_registered`` registers again at once.
+  ``ping(instance_id)`` refused ``not_registered`` registers again at once, and so do a new (or
+  the first) server epoch, a recovery, and a failed registration after its backoff: this client's
+  link is the only one that registers an instance again (core_sm's ``ServerLink``).
 * ``call(...)`` is ``submit(...).result()``. Typed helpers name the operations.
 """
 

@@ -19,7 +19,7 @@ from mpcache.core_sm.effects import Effect, ErrorReply, Reply
 from mpcache.core_sm.errors import ProtocolError
 from mpcache.core_sm.client_config import (ConnectorSettings, lookup_client_config, server_for_rank,
                                            transfer_op_timeout)
-from mpcache.core_sm.health import GiveUp, HealthMonitor, Register, RegistrationFailed, Resend
+from mpcache.core_sm.health import GiveUp, HealthMonitor, Register, Resend
 from mpcache.core_sm.l1_index import ReleaseReason
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig, PendingLookup, ServerLeg
 from mpcache.core_sm.messages import (
@@ -381,24 +381,19 @@ class LeaseExpiryUnderQueue(Profile):
     planner_class = NoRenewalPlanner
 
 
-# missed-epoch (F13): a restart between two heartbeats goes unnoticed -- the worker neither
-# registers again on the new epoch nor on the not_registered answers that follow.
-class NeverReregisterTransferClient(TransferClient):
-    """A worker that never registers again on not_registered (missed-epoch, idle-reap)."""
-
-    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
-        return None
-
-
-class MissedEpochTransferClient(NeverReregisterTransferClient):
+# missed-epoch (F13): a restart between two heartbeats goes unnoticed -- the worker does not fail
+# what was in flight on the new epoch, and its connection never registers again (not on the new
+# epoch, not on the not_registered answers that follow).
+class MissedEpochTransferClient(TransferClient):
     def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
         if ev.server == self.config.server:
             self._epoch = ev.epoch
 
 
 class NoReregisterLink(ServerLink):
-    """A legacy transport: it never registers again (only the machine might), so a refusal goes
-    straight to its caller and a refused instance ping changes nothing."""
+    """A legacy transport: it never registers again (the worker's one registration is all), so a
+    refusal goes straight to its caller and a refused instance ping, a new epoch, a recovery or a
+    failed registration change nothing."""
 
     def _on_submit(self, ev: Submit, now: float, out: list[Any]) -> None:
         if ev.role is Role.REQUEST and ev.instance is not None:
@@ -406,7 +401,7 @@ class NoReregisterLink(ServerLink):
         super()._on_submit(ev, now, out)
 
     def _do_register(self, effect: Register, now: float, out: list[Any]) -> None:
-        self._feed(RegistrationFailed(SERVER, effect.instance_id), now, out)
+        return None
 
 
 class MissedEpoch(Profile):
@@ -455,7 +450,6 @@ class IdleReap(Profile):
     failure = "F19"
     description = "server: only traffic keeps an instance alive (idle ones reaped); worker: never registers again"
     server_class = TrafficLivenessServer
-    transfer_client_class = NeverReregisterTransferClient
     link_class = NoReregisterLink
 
 
@@ -555,9 +549,11 @@ class PlacementMismatch(Profile):
 
 
 # double-register: the server before re-registrations were made idempotent -- each registration
-# replaces the last (the old one dropped, its transfers with it; a new id). The worker's machine and
-# its link both register again after not_registered, so the second registration orphans what the
-# first released: the resends naming it are refused not_registered and given up.
+# replaces the last (the old one dropped, its transfers with it; a new id). The worker's own
+# registration and its link's re-registration after a not_registered both land (in the explorer's
+# world), and the worker's machine registers again itself too, beside its link, as before the two
+# merged (in the simulator's): the second orphans what the first released, and the resends naming
+# it are refused not_registered and given up.
 class ReplacingRegistrationServer(LookupServer):
     def handle(self, event: Any, now: float) -> list[Effect]:
         if type(event) is RegisterInstance and self.instance_state(event.instance_id) is InstanceState.REGISTERED:
@@ -568,11 +564,32 @@ class ReplacingRegistrationServer(LookupServer):
         return super().handle(event, now)
 
 
+class SecondRegistererTransferClient(TransferClient):
+    """The worker's machine before the merge into its link: it also decides re-registration
+    itself, on a first or new epoch and on a not_registered answer, beside its link."""
+
+    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
+        old = self._epoch
+        super()._on_epoch(ev, now, out)
+        if old != ev.epoch and self._healthy:  # the first epoch too: which incarnation took it?
+            self._register_again(out)
+
+    def _on_not_registered(self, op: TransferOp, now: float, out: list[Effect]) -> None:
+        super()._on_not_registered(op, now, out)
+        if self._healthy and self._registration_correlation is None:
+            self._register_again(out)
+
+    def _register_again(self, out: list[Effect]) -> None:
+        self._counters["registrations"] += 1
+        self._registration_correlation = self._send(self.registration_request(), None, out)
+
+
 class DoubleRegister(Profile):
     name = "double-register"
     failure = "LIVENESS"
     description = "server: a registration replaces the last (new id); the worker and its link both register again"
     server_class = ReplacingRegistrationServer
+    transfer_client_class = SecondRegistererTransferClient
 
 
 def settings_of(cfg: WorldConfig, profile: Profile) -> ConnectorSettings:

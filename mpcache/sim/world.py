@@ -29,7 +29,7 @@ import trio
 
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.server_core import RequestKey
-from mpcache.core_sm.transfer_client import TransferClientConfig
+from mpcache.core_sm.health import HealthConfig
 from mpcache.core_sm.effects import (
     AttachInstance,
     DetachInstance,
@@ -181,8 +181,8 @@ class World:
             self._check_quiescent()
             self._check_released()
             # A lost registration is retried after it timed out, with backoff: give it that long.
-            tc = TransferClientConfig()
-            await self.timeline.run(self.now() + tc.registration_timeout + tc.registration_retry_max + 1.0)
+            health = HealthConfig(1)
+            await self.timeline.run(self.now() + self.config.request_timeout + health.registration_retry_max + 1.0)
             self._check_registered()
             for engine in self.engines:
                 if not engine.crashed:

@@ -114,8 +114,16 @@ class Pair:
                 self.internal.append((s, L2WriteFinished(e.write_id, True)))
         self.servers[s].check_invariants()
 
+    def reregister(self, s: int = 0) -> None:
+        """Worker ``s``'s connection registers its instance again (what its ``ServerLink``, not
+        modelled here, decides on a new epoch, a not_registered or a lost registration): the
+        worker's registration, its answer the link's own."""
+        self.up.append(Msg(f"link{s}", s, 0, request=self.workers[s].registration_request()))
+
     def to_client(self, i: int = 0, duplicate: bool = False) -> None:
         m = self.down[i] if duplicate else self.down.pop(i)
+        if m.client.startswith("link"):
+            return
         if isinstance(m.reply, Reply):
             ev: Any = ReplyReceived(m.server, m.correlation, m.reply.result)
         else:

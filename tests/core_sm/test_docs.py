@@ -30,7 +30,6 @@ import mpcache.core_sm.server_transfers
 import mpcache.core_sm.table
 import mpcache.core_sm.timers
 import mpcache.core_sm.transfer_client
-import mpcache.core_sm.transfer_link
 import mpcache.core_sm.transfer_ops
 import mpcache.core_sm.admission
 import mpcache.core_sm.holdings
@@ -39,7 +38,7 @@ import mpcache.core_sm.trace
 DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "core_sm.md").read_text()
 MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.health, core_sm.l1_index, core_sm.lookup_client, core_sm.lookup_ops,
            core_sm.messages, core_sm.server, core_sm.server_core, core_sm.server_instances,
-           core_sm.server_jobs, core_sm.job_table, core_sm.server_l2, core_sm.server_transfers, core_sm.table, core_sm.timers, core_sm.transfer_client, core_sm.transfer_link, core_sm.transfer_ops,
+           core_sm.server_jobs, core_sm.job_table, core_sm.server_l2, core_sm.server_transfers, core_sm.table, core_sm.timers, core_sm.transfer_client, core_sm.transfer_ops,
            core_sm.keys, core_sm.admission, core_sm.holdings, core_sm.trace, core_sm.planner, core_sm.planner_ops]
 NAMESPACE = {name: getattr(m, name) for m in MODULES for name in dir(m) if not name.startswith("__")}
 

@@ -75,6 +75,8 @@ from mpcache.core_sm.health import (  # noqa: E402
     InstanceUnregistered,
     Register,
     RegistrationFailed,
+    RegistrationRetryDue,
+    RegistrationSent,
     RequestRefused,
     Resend,
     SendInstancePing,
@@ -174,10 +176,61 @@ def test_waiting_requests_are_bounded() -> None:
     assert effects == [[Register(0, 7)], [], [GiveUp(0, 2)]]
 
 
+# ---------------------------------------------------------------------------------------------- who registers again
+
+
+def test_the_monitor_alone_registers_again_on_epoch_recovery_and_refusal() -> None:
+    """The one machine that registers again: a refusal (even while the node's own registration
+    is under way), the first epoch learned after a registration went out (even one under way), a
+    new epoch, a recovery."""
+    m = one()
+    m.handle(HeartbeatReply(0), 0.0)  # healthy, epoch not known yet
+    assert m.handle(RegistrationSent(0, 7), 0.0) == []
+    # refused while the node's registration is under way: it may be lost, register again now
+    assert m.handle(RequestRefused(0, 7, "a", "not_registered"), 0.1) == [Register(0, 7)]
+    assert m.handle(HeartbeatReply(0, "e1"), 0.2) == [ServerEpoch(0, "e1"), Register(0, 7)]
+    assert m.handle(InstanceRegistered(0, 7, 4), 0.3) == [Resend(0, "a", 4)]
+    assert m.handle(HeartbeatReply(0, "e1"), 0.4) == []
+    assert m.handle(HeartbeatReply(0, "e2"), 0.5) == [ServerEpoch(0, "e2"), Register(0, 7)]
+    assert m.instances(0) == ()  # pinged again once acknowledged
+    m.handle(InstanceRegistered(0, 7, 5), 0.6)
+    m.handle(TimerFired(), 3.6)  # silent: unhealthy
+    assert m.handle(HeartbeatReply(0, "e2"), 4.0) == [ServerHealth(0, True), Register(0, 7)]
+    st = m.stats()
+    assert (st["registrations_on_epoch"], st["registrations_on_recovery"], st["reregistrations"]) == (2, 1, 4)
+    m.handle(InstanceUnregistered(0, 7), 4.1)
+    assert m.handle(HeartbeatReply(0, "e3"), 4.2) == [ServerEpoch(0, "e3")]  # forgotten: never again
+
+
+def test_a_failed_registration_goes_again_with_bounded_backoff_while_healthy() -> None:
+    m = HealthMonitor(HealthConfig(1, interval=1.0, timeout=100.0, backoff_max=1.0, initially_healthy=True,
+                                   registration_retry=0.5, registration_retry_max=2.0))
+    m.handle(RegistrationSent(0, 7), 0.0)
+    now, delays = 0.0, []
+    for _ in range(4):
+        m.handle(RegistrationFailed(0, 7), now)
+        due = min(at for at in m._servers[0].retry_at.values())
+        delays.append(due - now)
+        assert (m.next_deadline() or 0.0) <= due
+        now = due
+        assert Register(0, 7) in m.handle(TimerFired(), now)
+    assert delays == [0.5, 1.0, 2.0, 2.0] and m.stats()["registration_retries"] == 4
+    m.handle(InstanceRegistered(0, 7, 1), now)
+    m.handle(RequestRefused(0, 7, "a", "not_registered"), now)
+    m.handle(RegistrationFailed(0, 7), now)  # a success resets the backoff
+    assert m._servers[0].retry_at == {7: now + 0.5}
+    m2 = one()
+    m2.handle(HeartbeatReply(0, 1), 0.0)
+    m2.handle(RegistrationSent(0, 7), 0.0)
+    m2.handle(TimerFired(), 3.0)  # unhealthy
+    m2.handle(RegistrationFailed(0, 7), 3.1)
+    assert m2._servers[0].retry_at == {}  # no retry while unhealthy: the recovery registers
+
+
 # ---------------------------------------------------------------------------------------------- the table
 
 WALK_INPUTS = [*_INPUTS, TimerFired]
-TIMERS = (HeartbeatDue, HeartbeatTimeout, ProbeDue)
+TIMERS = (HeartbeatDue, HeartbeatTimeout, ProbeDue, RegistrationRetryDue)
 
 
 def _event(event_type: type, server: int, now: float) -> Any:
@@ -196,12 +249,15 @@ def _event(event_type: type, server: int, now: float) -> Any:
 
 def _in_state(state: HealthState) -> tuple[HealthMonitor, int]:
     """A two-server monitor, server 0 in ``state`` (ABSENT: the events name server 5), with an
-    acknowledged instance and a request waiting on another's re-registration."""
+    acknowledged instance, a request waiting on another's re-registration and a third's failed
+    registration waiting on its backoff."""
     m = HealthMonitor(HealthConfig(2, interval=1.0, timeout=2.5, backoff_max=4.0, initially_healthy=True,
                                    fail_pending=True))
     m.handle(HeartbeatReply(0, 1), 0.0)
     m.handle(InstanceRegistered(0, 7), 0.0)
     m.handle(RequestRefused(0, 8, "r1", NOT_REGISTERED), 0.0)
+    m.handle(RegistrationSent(0, 9), 0.0)
+    m.handle(RegistrationFailed(0, 9), 0.0)  # instance 9 registers again at 0.5
     if state is HealthState.PROBING:
         m.handle(TimerFired(), 2.5)
     assert m.state(0) is (HealthState.PROBING if state is HealthState.PROBING else HealthState.HEALTHY)
@@ -255,7 +311,8 @@ def test_every_row_runs_and_an_unlisted_timer_pair_changes_nothing() -> None:
             m, server = _in_state(state)
             before = (m.state(server), m.next_deadline(), m.instances(server))
             out: list[Any] = []
-            assert not m._table.run(timer(server), 9.0, out) and out == []
+            due = timer(server, 9) if timer is RegistrationRetryDue else timer(server)
+            assert not m._table.run(due, 9.0, out) and out == []
             assert (m.state(server), m.next_deadline(), m.instances(server)) == before
             assert m.stats()["stale_events"] == 1
 

@@ -169,3 +169,22 @@ def test_a_duplicate_of_a_refusal_is_dropped_while_the_request_is_parked() -> No
     [resent] = transmits(sl.handle(Reply(again.uid, True, 42), 0.3))
     assert not sl.parked(st.uid) and resent.request == "store"
     assert sl.handle(Reply(resent.uid, True, "ok"), 0.4) == [Completed("S", "ok")]
+
+
+def test_the_link_alone_registers_again_on_a_new_epoch_and_retries_a_failed_registration() -> None:
+    """Its one registration submitted, the node's machine sends none again: the link sends the
+    remembered one on a new epoch, and a failed one again after its backoff while healthy."""
+    sl = link()
+    healthy(sl)  # epoch 7
+    [reg] = transmits(sl.handle(Submit("R", "register-1", role=Role.REGISTRATION, instance=1), 0.1))
+    sl.handle(Reply(reg.uid, True, 41), 0.1)
+    [hb, _ping] = transmits(sl.handle(TimerFired(), 1.0))
+    out = sl.handle(Reply(hb.uid, True, {"epoch": 8}), 1.0)  # restarted between two heartbeats
+    assert out[0] == ServerEpoch(0, 8) and [t.request for t in transmits(out)] == ["register-1"]
+    [again] = transmits(out)
+    assert sl.handle(Reply(again.uid, False, "busy", "internal"), 1.1) == []  # the link's own: no caller
+    assert sl.next_deadline() == 1.1 + 0.5  # registration_retry
+    [retry] = transmits(sl.handle(TimerFired(), 1.6))
+    assert retry.request == "register-1" and sl.monitor.stats()["registration_retries"] == 1
+    sl.handle(Reply(retry.uid, True, 44), 1.7)
+    assert [t.request for t in transmits(sl.handle(TimerFired(), 2.0))] == [Heartbeat(), InstancePing(1)]

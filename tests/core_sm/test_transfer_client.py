@@ -75,7 +75,7 @@ def test_registration_on_healthy() -> None:
     c.handle(ReplyReceived(0, reg.correlation, None), 0.0)
     assert c.handle(ServerHealth(0, True), 0.0) == []  # registered, still healthy: nothing
     c.handle(ServerHealth(0, False), 1.0)
-    assert isinstance(only_send(c.handle(ServerHealth(0, True), 2.0)).request, RegisterInstance)
+    assert c.handle(ServerHealth(0, True), 2.0) == []  # registering again is its link's
 
 
 def test_server_driven_store_and_retrieve_report_once() -> None:
@@ -333,23 +333,24 @@ def test_legacy_hooks_show_the_old_bugs() -> None:
 
 UNHEALTHY = ProtocolError(ErrorKind.UNHEALTHY, "transport gave up")
 NOT_REGISTERED = ProtocolError(ErrorKind.NOT_REGISTERED, "unknown instance 7")
-LINKS = (LinkState.UNREGISTERED, LinkState.REGISTERING, LinkState.RETRY_WAIT, LinkState.REGISTERED)
+# the client's one registration before the op: not sent, in flight, acked, refused
+LINKS = ("fresh", "sent", "acked", "refused")
 
 
 def client_with_op(state: OpState, kind: str, engine: bool = False, aborted: bool = False,
-                   link: LinkState = LinkState.UNREGISTERED, reported: bool = False,
+                   link: str = "fresh", reported: bool = False,
                    fenced: bool = False) -> tuple[TransferClient, tuple[str, int], list[int]]:
     """A client whose op of request "r" is in ``state``; its server link in ``link`` (before
-    the op was sent); ``reported``: "r" was reported in sending before; ``fenced``: a store of
+    the op was sent: ``LINKS``); ``reported``: "r" was reported in sending before; ``fenced``: a store of
     "r" sent at -2 s was given up on (UNHEALTHY), so "r" is fenced until 4 s."""
     c = tc(engine=engine or state in (OpState.COPYING, OpState.COMMITTING), op_timeout=5.0)
-    if link is not LinkState.UNREGISTERED:
+    if link != "fresh":
         reg = only_send(c.handle(ServerHealth(0, True), 0.0))
-        if link is LinkState.REGISTERED:
+        if link == "acked":
             c.handle(ReplyReceived(0, reg.correlation, None), 0.0)
-        elif link is LinkState.RETRY_WAIT:
+        elif link == "refused":
             c.handle(RequestFailed(0, reg.correlation, FAIL), 0.0)
-    assert c.link_state() is link
+    assert c.link_state() is LinkState.UP
     if reported:
         c.handle(Abort("r"), 0.0)
         assert c.finished()[0] == {"r"}
@@ -483,7 +484,7 @@ def registered(engine: bool = False, **kw: Any) -> TransferClient:
     c = tc(engine=engine, **kw)
     reg = only_send(c.handle(ServerHealth(0, True), 0.0))
     c.handle(ReplyReceived(0, reg.correlation, None), 0.0)
-    assert c.registered() and c.next_deadline() is None
+    assert c.next_deadline() is None and c.stats()["registrations"] == 1
     return c
 
 
@@ -491,126 +492,58 @@ def registrations(effects: list[Effect]) -> list[SendRequest]:
     return [e for e in effects if isinstance(e, SendRequest) and isinstance(e.request, RegisterInstance)]
 
 
-def test_not_registered_registers_again_once_and_ops_fail_cleanly() -> None:
+def test_the_instance_is_introduced_once_and_the_link_registers_again() -> None:
+    """The first ServerHealth(True) sends the one RegisterInstance; a recovery, a failure of
+    that registration or a second healthy report sends none (its ServerLink decides those)."""
+    c = tc()
+    (reg,) = registrations(c.handle(ServerHealth(0, True), 0.0))
+    assert reg.request == c.registration_request()
+    assert c.handle(ServerHealth(0, True), 0.1) == []
+    c.handle(RequestFailed(0, reg.correlation, FAIL), 0.2)
+    assert c.next_deadline() is None and c.stats()["registration_failures"] == 1
+    c.handle(ServerHealth(0, False), 1.0)
+    assert c.handle(ServerHealth(0, True), 2.0) == [] and c.stats()["registrations"] == 1
+
+
+def test_not_registered_fails_the_op_and_registers_nothing() -> None:
     c = registered()
     s1, r, s2 = store(c, "s1"), retrieve(c, "r"), store(c, "s2")
-    fx = c.handle(RequestFailed(0, s1.correlation, NOT_REG), 1.0)
-    (reg,) = registrations(fx)
-    assert reg.request == c.registration_request() and not c.registered()
-    # the other ops of the lost registration fail too, without a second registration
-    assert c.handle(RequestFailed(0, r.correlation, NOT_REG), 1.0) == []
-    assert c.handle(RequestFailed(0, s2.correlation, NOT_REG), 1.0) == []
+    for op in (s1, r, s2):  # the link's verdict after its one resend (or its failed registration)
+        assert c.handle(RequestFailed(0, op.correlation, NOT_REG), 1.0) == []
     assert c.finished() == (frozenset(), frozenset({"r"})) and c.load_errors() == frozenset(BLOCKS)
-    assert c.stats()["reregistrations"] == 1 and c.stats()["stores_failed"] == 2
+    assert c.stats()["not_registered"] == 3 and c.stats()["stores_failed"] == 2
     c.handle(EngineFinished(("s1", "s2", "r")), 1.0)
-    assert c.finished() == (frozenset({"s1", "s2", "r"}), frozenset())  # each once
-    assert c.handle(ReplyReceived(0, reg.correlation, None), 1.1) == [] and c.registered()
-    # the next store goes out as usual and succeeds
-    s3 = store(c, "s3", now=2.0)
+    assert c.finished() == (frozenset({"s1", "s2", "r"}), frozenset())  # each once, no fence
+    s3 = store(c, "s3", now=2.0)  # the next store goes out as usual
     c.handle(ReplyReceived(0, s3.correlation, StoreResult(True, 2)), 2.0)
-    assert c.stats()["stores_failed"] == 2 and c.stats()["registrations"] == 2
-
-
-def test_not_registered_for_an_op_sent_before_the_new_registration_is_ignored() -> None:
-    c = registered()
-    old = store(c, "old")
-    late = store(c, "late")
-    (reg,) = registrations(c.handle(RequestFailed(0, old.correlation, NOT_REG), 1.0))
-    c.handle(ReplyReceived(0, reg.correlation, None), 1.0)
-    # `late` was sent before that registration was acked: its refusal proves nothing
-    assert c.handle(RequestFailed(0, late.correlation, NOT_REG), 1.0) == [] and c.registered()
-    # an op sent after the ack that is refused does mean the registration is lost again
-    new = store(c, "new", now=2.0)
-    assert len(registrations(c.handle(RequestFailed(0, new.correlation, NOT_REG), 2.0))) == 1
-
-
-def test_other_errors_do_not_register() -> None:
-    c = registered()
-    s = store(c)
-    assert c.handle(RequestFailed(0, s.correlation, FAIL), 0.0) == [] and c.registered()
-
-
-def test_failed_registration_is_retried_with_bounded_backoff() -> None:
-    c = tc()
-    reg = only_send(c.handle(ServerHealth(0, True), 0.0))
-    now, delays = 0.0, []
-    for _ in range(6):
-        c.handle(RequestFailed(0, reg.correlation, FAIL), now)
-        deadline = c.next_deadline()
-        assert deadline is not None and not c.registered()
-        delays.append(deadline - now)
-        assert c.handle(TimerFired(), deadline - 0.01) == []  # not before the deadline
-        now = deadline
-        (reg,) = registrations(c.handle(TimerFired(), now))
-    assert delays == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
-    c.handle(ReplyReceived(0, reg.correlation, None), now)
-    assert c.registered() and c.next_deadline() is None
-    st = c.stats()
-    assert st["registration_failures"] == 6 and st["registration_retries"] == 6 and st["registrations"] == 7
-    # after a success the backoff starts again from the first delay
-    s = store(c, now=now)
-    (reg,) = registrations(c.handle(RequestFailed(0, s.correlation, NOT_REG), now))
-    c.handle(RequestFailed(0, reg.correlation, FAIL), now)
-    assert c.next_deadline() == now + 0.5
-
-
-def test_unanswered_registration_is_sent_again_and_its_late_answer_is_stale() -> None:
-    c = tc(registration_timeout=10.0)
-    first = only_send(c.handle(ServerHealth(0, True), 0.0))
-    assert c.next_deadline() == 10.0
-    assert c.handle(TimerFired(), 10.0) == [] and c.stats()["registration_timeouts"] == 1
-    assert c.next_deadline() == 10.5
-    (second,) = registrations(c.handle(TimerFired(), 10.5))
-    c.handle(ReplyReceived(0, first.correlation, None), 11.0)
-    assert not c.registered() and c.stats()["stale_replies"] == 1
-    c.handle(ReplyReceived(0, second.correlation, None), 11.0)
-    assert c.registered() and c.next_deadline() is None
-
-
-def test_no_registration_retry_while_unhealthy() -> None:
-    c = tc()
-    reg = only_send(c.handle(ServerHealth(0, True), 0.0))
-    c.handle(RequestFailed(0, reg.correlation, FAIL), 0.0)
-    c.handle(ServerHealth(0, False), 0.1)
-    assert c.next_deadline() is None and c.handle(TimerFired(), 100.0) == []
-    assert len(registrations(c.handle(ServerHealth(0, True), 101.0))) == 1
-
-
-def test_health_true_while_registering_does_not_register_twice() -> None:
-    c = tc()
-    only_send(c.handle(ServerHealth(0, True), 0.0))
-    assert c.handle(ServerHealth(0, True), 0.1) == []
+    assert c.stats()["stores_failed"] == 2 and c.stats()["registrations"] == 1
 
 
 def test_new_epoch_is_a_restart() -> None:
     c = registered()
-    # the first epoch after a registration: which incarnation took it is unknown, register again
-    (again,) = registrations(c.handle(ServerEpoch(0, "a"), 0.0))
-    c.handle(ReplyReceived(0, again.correlation, None), 0.0)
-    assert c.handle(ServerEpoch(0, "a"), 0.5) == [] and c.registered()
+    assert c.handle(ServerEpoch(0, "a"), 0.0) == []  # the first epoch is only remembered
+    assert c.handle(ServerEpoch(0, "a"), 0.5) == []
     assert c.handle(ServerEpoch(1, "z"), 0.5) == []  # another server's
     s, r = store(c, "s"), retrieve(c, "r")
-    (reg,) = registrations(c.handle(ServerEpoch(0, "b"), 1.0))
-    assert not c.registered() and c.stats()["server_restarts"] == 1
+    assert c.handle(ServerEpoch(0, "b"), 1.0) == []  # no registration: the link's
+    assert c.stats()["server_restarts"] == 1 and c.link_state() is LinkState.UP
     assert c.finished() == (frozenset(), frozenset())  # fenced: they may reach the new server
     # the old server's answers, if any arrive, are stale: no completion from them
     c.handle(ReplyReceived(0, s.correlation, StoreResult(True)), 1.0)
     c.handle(ReplyReceived(0, r.correlation, RetrieveResult(True)), 1.0)
     assert c.stats()["stale_replies"] == 2 and c.finished() == (frozenset(), frozenset())
-    c.handle(ReplyReceived(0, reg.correlation, None), 1.0)
-    assert c.registered()
     c.handle(TimerFired(), 31.0)  # not_after (sent at 0 + 30 s) + copy grace
     assert c.finished() == (frozenset(), frozenset({"r"})) and c.load_errors() == frozenset(BLOCKS)
     assert c.failed_retrieves() == {"r"}
     assert c.finished() == (frozenset(), frozenset())
 
 
-def test_new_epoch_while_unhealthy_registers_on_recovery_only() -> None:
+def test_new_epoch_while_unhealthy_only_noted() -> None:
     c = registered()
     c.handle(ServerEpoch(0, 1), 0.0)
     c.handle(ServerHealth(0, False), 1.0)
-    assert c.handle(ServerEpoch(0, 2), 2.0) == []
-    assert len(registrations(c.handle(ServerHealth(0, True), 3.0))) == 1
+    assert c.handle(ServerEpoch(0, 2), 2.0) == [] and c.link_state() is LinkState.DOWN
+    assert c.handle(ServerHealth(0, True), 3.0) == [] and c.stats()["server_restarts"] == 1
 
 
 def test_engine_copy_outliving_a_restart_is_never_committed() -> None:
