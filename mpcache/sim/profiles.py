@@ -43,7 +43,7 @@ from mpcache.core_sm.planner import (
     StepPlanner,
 )
 from mpcache.core_sm.server import LookupServer, PrefetchJob, RequestKey, ServerConfig
-from mpcache.core_sm.server_link import SERVER, Role, ServerLink, ServerLinkConfig, Submit
+from mpcache.core_sm.server_link import Role, ServerLink, ServerLinkConfig, Submit
 from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig, TransferOp
 from mpcache.sim.scenario import WorldConfig
 

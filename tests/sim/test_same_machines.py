@@ -163,22 +163,25 @@ def test_a_recorded_production_run_replays_step_for_step_through_the_simulators_
 
 
 def test_a_replay_reports_the_first_step_whose_effects_differ() -> None:
-    """The replay can fail: a legacy profile's machine (missed-epoch: a worker that ignores the
-    server's first start id, and so never registers on it) and a recording whose one effect was
-    changed each stop at the step that differs, and nowhere earlier."""
+    """The replay can fail: a legacy profile's machine (double-register: a worker that registers
+    again itself on the server's start id, beside its link, which alone decides it in production)
+    and a recording whose one effect was changed each stop at the step that differs, and nowhere
+    earlier."""
     import copy
     import json
 
     from mpcache.sim.prod_replay import load, replay
 
     lines = load(str(RECORDING))
-    # the transfer client's first ServerEpoch: the default registers there, the legacy one not
+    # the transfer client's first ServerEpoch: production's sends nothing there, the legacy one
+    # registers again
     first_epoch = next(n for n, line in enumerate(lines, 1)
                        if line.get("i", "").startswith("transfer_client") and line["event"]["$"] == "ServerEpoch")
-    legacy = replay(lines, "missed-epoch")
+    legacy = replay(lines, "double-register")
     assert legacy.mismatch is not None, "a legacy transfer client replayed as production's"
     assert (legacy.mismatch.line, legacy.mismatch.event) == (first_epoch, "ServerEpoch")
-    assert legacy.mismatch.recorded and not legacy.mismatch.replayed  # production registered; it did not
+    assert not legacy.mismatch.recorded and legacy.mismatch.replayed  # it registered; production did not
+    assert '"RegisterInstance"' in json.dumps(legacy.mismatch.replayed)
 
     # a store range changed in the recorded plan of the first step that planned one
     planned = next(n for n, line in enumerate(lines, 1)
