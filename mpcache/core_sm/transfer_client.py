@@ -204,9 +204,16 @@ class TransferClient(GuardedMachine[ClientEvent]):
         return OpState.ABSENT if record is None else record.state
 
     def loading(self, request_ids: Iterable[str]) -> bool:
-        """Whether an op of any of ``request_ids`` is still in flight: the worker's wait for the
-        step's synchronous loads (``SubmitRetrieve.synchronous``) ends when this is False."""
-        return any(self.ops_of(rid) for rid in request_ids)
+        """Whether a load of any of ``request_ids`` has not landed yet: an op still in flight, or
+        retrieves given up on while the server may still copy (fenced: their blocks and load
+        errors are held until the fence ends). The worker's wait for the step's synchronous loads
+        (``SubmitRetrieve.synchronous``) ends when this is False, and ``load_errors()`` then holds
+        every block that did not load."""
+        for rid in request_ids:
+            record = self._requests.get(rid)
+            if record is not None and (record.ops or record.recving_fenced):
+                return True
+        return False
 
     def ops_of(self, request_id: str) -> tuple[OpId, ...]:
         record = self._requests.get(request_id)

@@ -74,6 +74,28 @@ def test_store_given_up_frees_its_blocks_only_after_not_after() -> None:
     assert c.stats()["requests"] == 0 and c.stats()["fenced_requests"] == 0
 
 
+def test_a_synchronous_load_given_up_is_still_loading_until_its_fence_ends() -> None:
+    """A server-driven synchronous RETRIEVE given up on (its server lost, or its op timed out)
+    may still be copied until not_after + copy_grace: the worker's wait for the step's loads
+    (``loading``) holds until then, and its blocks are in ``load_errors()`` when it ends. Ending
+    the wait when the op was dropped let vLLM read blocks no copy wrote as loaded (F10, profile
+    no-reregister seed 56)."""
+    from mpcache.core_sm.messages import SubmitRetrieve
+
+    c = TransferClient(TransferClientConfig(instance_id=1, model_name="m", chunk_size=C,
+                                            object_bytes=10, transfer_timeout=10.0, copy_grace=0.5))
+    (sent,) = c.handle(SubmitRetrieve("r", TOKS, 0, 2 * C, BLOCKS, synchronous=True), 2.0)
+    assert isinstance(sent.request, Retrieve) and sent.request.not_after == 12.0
+    c.handle(ServerHealth(0, False), 3.0)  # gives up; the RETRIEVE may still be copying
+    assert c.ops_of("r") == ()
+    assert c.loading(("r",)) and c.load_errors() == frozenset()
+    c.handle(ServerHealth(0, True), 12.4)
+    assert c.loading(("r",))
+    c.handle(ServerHealth(0, True), 12.5)
+    assert not c.loading(("r",)) and c.load_errors() == frozenset(BLOCKS)
+    assert c.finished() == (frozenset(), frozenset())  # synchronous: never in recving
+
+
 def test_store_answered_by_the_server_needs_no_fence() -> None:
     c = TransferClient(TransferClientConfig(instance_id=1, model_name="m", chunk_size=C,
                                             object_bytes=10, transfer_timeout=10.0))
