@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import attrs
 
@@ -112,8 +112,8 @@ class Table(Generic[S]):
             if assigns and not isinstance(nexts, states):
                 raise TypeError(f"{name}: row ({state.name}, {event_type.__name__}) of an assigning table "
                                 f"names {nexts!r}, not one {states.__name__}")
-            next_states: frozenset[S] = frozenset((nexts,)) if isinstance(nexts, states) else frozenset(
-                nexts)  # type: ignore[arg-type]
+            next_states = frozenset((nexts,)) if isinstance(nexts, states) else frozenset(
+                cast(Iterable[S], nexts))
             self.rows[(state, event_type)] = Transition(handler, next_states)
 
     def events(self) -> tuple[type, ...]:
