@@ -44,12 +44,17 @@ def _nexts(nexts: frozenset[Any]) -> str:
 
 def render(table: Table[Any] | Mapping[Any, frozenset[Any]]) -> str:
     """One row per (state, input): the handler that runs (executing tables) and the next
-    states, sorted by name."""
+    states, sorted by name; an assigning table says so, and names its guards."""
     if isinstance(table, Table):
         lines = ["| state | input | handler | next states |", "|---|---|---|---|"]
         for (state, event), row in table.rows.items():
             lines.append(f"| {_name(state)} | {_name(event)} | `{row.handler.__name__}` | {_nexts(row.next_states)} |")
         lines.append("")
+        if table.assigns:
+            lines.append("Each row names one next state; the dispatcher assigns it after the handler.")
+        if table.guards:
+            guards = ", ".join(f"{_name(raw)} by `{guard.__name__}`" for raw, guard in table.guards.items())
+            lines.append(f"Classified first into the specific input whose row runs: {guards}.")
         if any(_has_reply_to(event) for _state, event in table.rows):
             lines.append(f"Any other pair: a request is refused `{table.illegal_kind.value}`, "
                          "an internal event is counted in `stale_events`.")

@@ -27,10 +27,23 @@ calls, the replies by their correlation, its timers ``LookupDeadline`` / ``Reque
 ``StatusResend`` / ``ResultExpiry``, and ``LegLost`` when a server fails under it) and
 ``SERVER_VIEW_TABLE`` (one server: ``ServerHealth`` / ``ServerEpoch``). ``TimerFired`` only
 makes the due timers run. Any other event type is counted in ``stale_replies``.
+
+Both tables *assign*: each row names one next state, which the dispatcher gives the lookup
+(``_set_state``: a pending lookup waits in ``_active``, a finished one is cached in ``_done``, an
+absent one is forgotten) or the server (``_set_view``: its health) after the handler, and the
+handlers only change the records' data and append effects. Where the next state depends on more
+than the event's type, a guard tells the raw event apart first: ``_classify_submit`` (a submit
+resolved at once: ``InvalidSubmit``, ``UnservedSubmit``), ``_classify_reply`` (``LookupAck`` /
+``LastLookupAck``, ``StatusPending``, ``HitCount`` / ``HitCountLastAck`` / ``FinalHitCount``),
+``_classify_requery`` (a re-query due once the lookup's deadline has passed is that deadline:
+``LookupDeadline``) and ``_classify_health`` (``ServerHealthy`` / ``ServerUnhealthy``). A
+server's failure (unhealthy, or a new epoch) names the lookups waiting on it, and their
+``LegLost`` rows run once the server's own row is done (so its health is assigned first).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import attrs
@@ -60,24 +73,34 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.lookup_ops import (
     EVENTS,
+    FinalHitCount,
+    HitCount,
+    HitCountLastAck,
+    InvalidSubmit,
+    LastLookupAck,
     LegLost,
+    LookupAck,
     LookupClientConfig,
     LookupDeadline,
     LookupState,
     PendingLookup,
     Requery,
     ResultExpiry,
+    ServerHealthy,
     ServerLeg,
+    ServerUnhealthy,
     ServerView,
+    StatusPending,
     StatusResend,
+    UnservedSubmit,
 )
 from mpcache.core_sm.table import Dispatcher, Table, run_due_timers
 from mpcache.core_sm.timers import Timer, TimerHeap
 
-__all__ = ["EVENTS", "LOOKUP_TABLE", "SERVER_VIEW_TABLE", "TABLES", "LegLost", "LookupClient", "LookupClientConfig",
-           "LookupDeadline", "LookupState", "PendingLookup", "Requery", "ResultExpiry", "ServerLeg", "ServerView",
-           "StatusResend"]
-
+__all__ = ["EVENTS", "LOOKUP_TABLE", "SERVER_VIEW_TABLE", "TABLES", "FinalHitCount", "HitCount", "HitCountLastAck",
+           "InvalidSubmit", "LastLookupAck", "LegLost", "LookupAck", "LookupClient", "LookupClientConfig",
+           "LookupDeadline", "LookupState", "PendingLookup", "Requery", "ResultExpiry", "ServerHealthy", "ServerLeg",
+           "ServerUnhealthy", "ServerView", "StatusPending", "StatusResend", "UnservedSubmit"]
 
 
 class LookupClient(GuardedMachine[ClientEvent]):
@@ -103,13 +126,17 @@ class LookupClient(GuardedMachine[ClientEvent]):
                          "internal_errors", "server_restarts", "answered_in_ack")
         }
         self._timers = TimerHeap(self._timer_live)
+        # The lookups a server's failure ends: its row names them, they run after it (_dispatch).
+        self._legs_lost: list[LegLost] = []
         self._lookups: Dispatcher[LookupState] = LOOKUP_TABLE.bind(
-            self, self._address, self.state, self._counters, self._refuse)
+            self, self._address, self.state, self._counters, self._refuse, self._set_state)
         self._servers: Dispatcher[ServerView] = SERVER_VIEW_TABLE.bind(
-            self, _server_of, self._view, self._counters, self._refuse)
-        # What the runtime feeds goes to the table that names it (timers and LegLost are internal).
-        self._routes: dict[type, Dispatcher[Any]] = {**{t: self._lookups for t in LOOKUP_TABLE.events() if t in EVENTS},
-                        **{t: self._servers for t in SERVER_VIEW_TABLE.events() if t in EVENTS}}
+            self, _server_of, self._view, self._counters, self._refuse, self._set_view)
+        # What the runtime feeds goes to the table that names it or guards it (timers and
+        # LegLost are internal).
+        self._routes: dict[type, Dispatcher[Any]] = {
+            **{t: self._lookups for t in (*LOOKUP_TABLE.events(), *LOOKUP_TABLE.guards) if t in EVENTS},
+            **{t: self._servers for t in (*SERVER_VIEW_TABLE.events(), *SERVER_VIEW_TABLE.guards) if t in EVENTS}}
 
     # ============================================================================= public API
 
@@ -117,6 +144,8 @@ class LookupClient(GuardedMachine[ClientEvent]):
         route = self._routes.get(type(event))
         if route is not None:
             route.run(event, now, out)
+            if self._legs_lost:
+                self._run_legs_lost(now, out)
         elif type(event) is not TimerFired:  # TimerFired: the due timers ran in _advance
             self._counters["stale_replies"] += 1
 
@@ -136,9 +165,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
 
     def state(self, request_id: object) -> LookupState:
         rid = str(request_id)
-        if rid in self._done:
-            return LookupState.DONE
-        pending = self._active.get(rid)
+        pending = self._active.get(rid) or self._done.get(rid)
         return LookupState.ABSENT if pending is None else pending.state
 
     def pending(self, request_id: str) -> PendingLookup | None:
@@ -169,6 +196,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
         live = {t for t in self._timers.timers() if self._timer_live(t)}
         for rid, p in self._active.items():
             assert p.result_tokens is None and rid not in self._done
+            assert p.state is p.state_by_legs(), "a pending lookup's legs disagree with the state its row assigned"
             assert LookupDeadline(rid, p.serial) in live, "a pending lookup without its deadline"
             for leg in p.legs.values():
                 if leg.chunks is not None:
@@ -178,11 +206,11 @@ class LookupClient(GuardedMachine[ClientEvent]):
                 if leg.next_query_at is not None:
                     assert Requery(rid, p.serial, leg.server) in live, "a re-query without its timer"
         for rid, p in self._done.items():
-            assert p.result_tokens is not None and p.result_tokens >= 0
+            assert p.result_tokens is not None and p.result_tokens >= 0 and p.state is LookupState.DONE
             assert p.result_tokens % self.config.chunk_size == 0
             assert ResultExpiry(rid, p.serial) in live, "a cached result without its expiry"
         assert len(self._fire_and_forget) <= self.config.fire_and_forget_cap
-        assert self._counters.get("table_violations", 0) == 0, "a handler left a state its row does not list"
+        assert not self._legs_lost, "a server's failure left lookups it did not end"
 
     # ============================================================================= hooks
 
@@ -229,15 +257,40 @@ class LookupClient(GuardedMachine[ClientEvent]):
             return ServerView.UNKNOWN
         return ServerView.HEALTHY if self._healthy[server] else ServerView.UNHEALTHY
 
+    def _set_state(self, request_id: Hashable, state: LookupState) -> None:
+        """LOOKUP_TABLE's assignment: the lookup of ``request_id`` is now in ``state`` -- a
+        pending one waits in ``_active``, a finished one is cached in ``_done`` (in the order
+        it finished), an absent one is forgotten."""
+        if state is LookupState.ABSENT:
+            if isinstance(request_id, str):  # a stray reply addresses None
+                self._active.pop(request_id, None)
+                self._done.pop(request_id, None)
+            return
+        rid = str(request_id)
+        home, other = (self._done, self._active) if state is LookupState.DONE else (self._active, self._done)
+        pending = home.get(rid)
+        if pending is None:
+            pending = home[rid] = other.pop(rid)
+        pending.state = state
+
+    def _set_view(self, server: Hashable, view: ServerView) -> None:
+        """SERVER_VIEW_TABLE's assignment: one of the client's servers is now healthy or not."""
+        if view is not ServerView.UNKNOWN and isinstance(server, int):
+            self._healthy[server] = view is ServerView.HEALTHY
+
     def _refuse(self, out: list[Effect], reply_to: object, error: ProtocolError) -> None:
         raise AssertionError("client events carry no reply_to")  # pragma: no cover
 
     def _timer_live(self, timer: Timer) -> bool:
-        if isinstance(timer, ResultExpiry):
-            done = self._done.get(timer.request_id)
-            return done is not None and done.serial == timer.serial
-        pending = self._active.get(getattr(timer, "request_id"))
+        rid = getattr(timer, "request_id")
+        pending = self._active.get(rid) or self._done.get(rid)
         if pending is None or pending.serial != getattr(timer, "serial"):
+            return False
+        # By the record's data, not where it is filed: a handler arms timers before its row's
+        # next state is assigned (a heap compaction then must not drop the one just armed).
+        if isinstance(timer, ResultExpiry):
+            return pending.result_tokens is not None
+        if pending.result_tokens is not None:
             return False
         if isinstance(timer, Requery):
             return pending.legs[timer.server].next_query_at is not None
@@ -248,177 +301,249 @@ class LookupClient(GuardedMachine[ClientEvent]):
     def _advance(self, now: float, out: list[Effect]) -> None:
         run_due_timers(self._timers, lambda _timer: self._lookups, now, out)
 
+    def _run_legs_lost(self, now: float, out: list[Effect]) -> None:
+        """The lookups a server's row named run their ``LegLost`` rows, in order (one still
+        waiting on that server: a lookup that ended meanwhile is skipped)."""
+        lost, self._legs_lost = self._legs_lost, []
+        for event in lost:
+            pending = self._active.get(event.request_id)
+            if pending is not None and pending.legs[event.server].chunks is None:
+                self._lookups.run(event, now, out)
+
+    # ============================================================================= guards
+    # Pure: they read the machine and the raw event, and name the specific event whose row runs.
+
+    def _classify_submit(self, event: SubmitLookup, state: LookupState, now: float) -> SubmitLookup:
+        """A first submit that resolves to 0 at once (``InvalidSubmit``: a bad cache salt or
+        token ids; ``UnservedSubmit``: under one chunk, or a server it must ask unhealthy); a
+        duplicate or a submit that asks the servers stays a ``SubmitLookup``."""
+        if state is not LookupState.ABSENT:
+            return event
+        end = self._lookup_end(event)
+        fields = (event.request_id, event.token_ids, event.cache_salt, event.extras)
+        if validate_cache_salt(event.cache_salt) is not None or not _uint32_tokens(event.token_ids, end):
+            return InvalidSubmit(*fields)
+        if end == 0 or not all(self._healthy[server] for server in self._servers_holding_ranks()):
+            return UnservedSubmit(*fields)
+        return event
+
+    def _classify_reply(self, event: ReplyReceived, state: LookupState, now: float) -> ReplyReceived:
+        """A reply to a pending lookup, by what it is (the LOOKUP's ack, a status reply, a hit
+        count) and what it leaves the lookup waiting for (see ``lookup_ops``); a stray reply
+        (ABSENT) stays a ``ReplyReceived``."""
+        if state is LookupState.ABSENT:
+            return event
+        request_id, server = self._correlations[event.correlation]
+        pending = self._active[request_id]
+        leg = pending.legs[server]
+        fields = (event.server, event.correlation, event.result)
+        is_ack = event.correlation == leg.lookup_correlation
+        others = [other for other in pending.legs.values() if other is not leg]
+        others_acked = all(other.acked or other.chunks is not None for other in others)
+        if is_ack and not (event.result is not None and self.config.answer_in_ack):
+            return (LastLookupAck if others_acked else LookupAck)(*fields)
+        if not is_ack and event.result is None:
+            return StatusPending(*fields)
+        if not _hit_count(event.result) or all(other.chunks is not None for other in others):
+            return FinalHitCount(*fields)
+        if state is LookupState.AWAITING_ACK and others_acked:
+            return HitCountLastAck(*fields)
+        return HitCount(*fields)
+
+    def _classify_requery(self, event: Requery, state: LookupState, now: float) -> Requery | LookupDeadline:
+        """A re-query due when the lookup's deadline has passed too is that deadline (both due:
+        the lookup's time is up, ask nothing more)."""
+        pending = self._active.get(event.request_id)
+        if pending is not None and pending.deadline <= now:
+            return LookupDeadline(event.request_id, event.serial)
+        return event
+
+    def _classify_health(self, event: ServerHealth, state: ServerView, now: float) -> ServerHealth:
+        """``ServerHealthy`` / ``ServerUnhealthy`` for one of the client's servers."""
+        if state is ServerView.UNKNOWN:
+            return event
+        return (ServerHealthy if event.healthy else ServerUnhealthy)(event.server, event.healthy)
+
     # ============================================================================= lookup rows
 
-    def _on_submit(self, ev: SubmitLookup, now: float, out: list[Effect]) -> None:
+    def _on_submit(self, event: SubmitLookup, now: float, out: list[Effect]) -> None:
+        """A first submit: a LOOKUP to every server holding a rank."""
         self._counters["submits"] += 1
-        rid = ev.request_id
-        C = self.config.chunk_size
-        end = len(ev.token_ids) // C * C
-        key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids, 0, end,
-                       rid, ev.cache_salt, ev.extras.prefix(end // C))
-        pending = PendingLookup(rid, key, {}, now + self.config.lookup_timeout)
-        if validate_cache_salt(ev.cache_salt) is not None or not _uint32_tokens(ev.token_ids, end):
-            self._counters["invalid_submits"] += 1
-            self._resolve(pending, 0, now, out)
-            return
-        asked = self._servers_holding_ranks()
-        if end == 0 or not all(self._healthy[s] for s in asked):
-            self._resolve(pending, 0, now, out)
-            return
+        pending = self._new_lookup(event, now)
         self._activate(pending)
-        for s in asked:
-            leg = ServerLeg(s)
-            pending.legs[s] = leg
+        for server in self._servers_holding_ranks():
+            leg = ServerLeg(server)
+            pending.legs[server] = leg
             self._counters["lookups_sent"] += 1
             leg.lookup_correlation = self._send(
-                s, Lookup(key, self.config.num_readers, self._ranks_of(s), answer_in_ack=self.config.answer_in_ack),
-                out, owner=(rid, s)
+                server, Lookup(pending.key, self.config.num_readers, self._ranks_of(server),
+                               answer_in_ack=self.config.answer_in_ack),
+                out, owner=(pending.request_id, server)
             )
-            if not self._wait_for_ack(pending, s):
+            if not self._wait_for_ack(pending, server):
                 self._send_query(pending, leg, now, out)
 
-    def _on_duplicate_submit(self, ev: SubmitLookup, now: float, out: list[Effect]) -> None:
+    def _on_invalid_submit(self, event: InvalidSubmit, now: float, out: list[Effect]) -> None:
+        self._counters["invalid_submits"] += 1
+        self._on_unserved_submit(event, now, out)
+
+    def _on_unserved_submit(self, event: SubmitLookup, now: float, out: list[Effect]) -> None:
+        """A first submit resolved to 0 at once (nothing sent)."""
+        self._counters["submits"] += 1
+        pending = self._done[event.request_id] = self._new_lookup(event, now)
+        self._resolve(pending, 0, now, out)
+
+    def _on_duplicate_submit(self, event: SubmitLookup, now: float, out: list[Effect]) -> None:
         self._counters["submits"] += 1
         self._counters["duplicate_submits"] += 1
 
-    def _on_stray_reply(self, ev: ReplyReceived | RequestFailed, now: float, out: list[Effect]) -> None:
+    def _on_stray_reply(self, event: ReplyReceived | RequestFailed, now: float, out: list[Effect]) -> None:
         """A reply to no pending lookup: a fire-and-forget FREE/END's, or stale."""
-        if ev.correlation in self._fire_and_forget:
-            del self._fire_and_forget[ev.correlation]
+        if event.correlation in self._fire_and_forget:
+            del self._fire_and_forget[event.correlation]
             self._counters["fire_and_forget_replies"] += 1
         else:
             self._counters["stale_replies"] += 1
 
-    def _on_reply(self, ev: ReplyReceived, now: float, out: list[Effect]) -> None:
-        self._answer(ev.server, ev.correlation, ev.result, False, now, out)
+    def _on_lookup_ack(self, event: LookupAck | LastLookupAck, now: float, out: list[Effect]) -> None:
+        """The LOOKUP's ack: now the status query (unless one is out, or armed, already)."""
+        pending, leg = self._leg_of_reply(event)
+        leg.lookup_correlation = None
+        leg.acked = True
+        if leg.query_correlation is None and leg.next_query_at is None and leg.chunks is None:
+            self._send_query(pending, leg, now, out)
 
-    def _on_failure(self, ev: RequestFailed, now: float, out: list[Effect]) -> None:
-        self._answer(ev.server, ev.correlation, None, True, now, out)
-
-    def _answer(self, server: int, corr: int, result: object, failed: bool, now: float,
-                out: list[Effect]) -> None:
-        rid, s = self._correlations.pop(corr)
-        pending = self._active[rid]
-        leg = pending.legs[s]
-        if s != server:
-            self._counters["bad_replies"] += 1
-        if corr == leg.lookup_correlation:
-            leg.lookup_correlation = None
-            if failed:
-                self._counters["failures"] += 1
-                self._leg_answer(pending, leg, 0, now, out)
-                return
-            leg.acked = True
-            if result is not None and self.config.answer_in_ack:
-                # the server answered in its ack: its count, as a status reply would carry it
-                self._counters["answered_in_ack"] += 1
-                self._status_answer(pending, leg, result, now, out)
-                return
-            if leg.query_correlation is None and leg.next_query_at is None and leg.chunks is None:
-                self._send_query(pending, leg, now, out)
-            return
+    def _on_status_pending(self, event: StatusPending, now: float, out: list[Effect]) -> None:
+        """The server's job is still pending: ask again after poll_interval."""
+        pending, leg = self._leg_of_reply(event)
         leg.query_correlation = None
-        if failed:
-            self._counters["failures"] += 1
-            self._leg_answer(pending, leg, 0, now, out)
-        elif result is None:
-            leg.next_query_at = now + self.config.poll_interval
-            self._timers.push(leg.next_query_at, Requery(rid, pending.serial, s))
-        else:
-            self._status_answer(pending, leg, result, now, out)
+        leg.next_query_at = now + self.config.poll_interval
+        self._timers.push(leg.next_query_at, Requery(pending.request_id, pending.serial, leg.server))
 
-    def _status_answer(self, pending: PendingLookup, leg: ServerLeg, result: object, now: float,
-                       out: list[Effect]) -> None:
-        """A server's hit count (a status reply's, or an ack's that carries one): a count that
-        is not a non-negative int is a bad reply, taken as 0."""
-        if isinstance(result, int) and not isinstance(result, bool) and result >= 0:
-            self._leg_answer(pending, leg, result, now, out)
+    def _on_hit_count(self, event: HitCount | HitCountLastAck | FinalHitCount, now: float, out: list[Effect]) -> None:
+        """A server's hit count, in a status reply or (``answer_in_ack``) in the LOOKUP's ack; a
+        count that is not a non-negative int is a bad reply, taken as 0."""
+        pending, leg = self._leg_of_reply(event)
+        if event.correlation == leg.lookup_correlation:
+            leg.lookup_correlation = None
+            leg.acked = True
+            self._counters["answered_in_ack"] += 1
         else:
+            leg.query_correlation = None
+        count = _hit_count(event.result)
+        if count is None:
             self._counters["bad_replies"] += 1
-            self._leg_answer(pending, leg, 0, now, out)
+        self._leg_answer(pending, leg, count or 0, now, out)
 
-    def _on_end_request(self, ev: EndRequest, now: float, out: list[Effect]) -> None:
-        rid = ev.request_id
-        pending = self._active.get(rid)
-        self._forget(rid, now, out, free_pending=False)
+    def _on_failure(self, event: RequestFailed, now: float, out: list[Effect]) -> None:
+        """The LOOKUP or the status query failed: this server answers 0, so the lookup does."""
+        pending, leg = self._leg_of_reply(event)
+        if event.correlation == leg.lookup_correlation:
+            leg.lookup_correlation = None
+        else:
+            leg.query_correlation = None
+        self._counters["failures"] += 1
+        self._leg_answer(pending, leg, 0, now, out)
+
+    def _leg_of_reply(self, event: ReplyReceived | RequestFailed) -> tuple[PendingLookup, ServerLeg]:
+        """The lookup and leg a reply answers (its correlation is no longer expected); a reply
+        from another server than the one asked is counted as a bad reply."""
+        request_id, server = self._correlations.pop(event.correlation)
+        pending = self._active[request_id]
+        if server != event.server:
+            self._counters["bad_replies"] += 1
+        return pending, pending.legs[server]
+
+    def _on_end_request(self, event: EndRequest, now: float, out: list[Effect]) -> None:
+        request_id = event.request_id
+        pending = self._active.get(request_id)
+        self._forget(request_id, now, out, free_pending=False)
         if pending is not None:
             self._end_pending_lookup(pending, now, out)
         else:
-            self._send_end_session(rid, out)
+            self._send_end_session(request_id, out)
 
-    def _on_cleanup(self, ev: Cleanup, now: float, out: list[Effect]) -> None:
-        self._forget(ev.request_id, now, out, free_pending=True)
+    def _on_cleanup(self, event: Cleanup, now: float, out: list[Effect]) -> None:
+        self._forget(event.request_id, now, out, free_pending=True)
 
-    def _on_free_unused(self, ev: FreeUnusedLeases, now: float, out: list[Effect]) -> None:
-        if ev.start >= ev.end:
+    def _on_free_unused(self, event: FreeUnusedLeases, now: float, out: list[Effect]) -> None:
+        if event.start >= event.end:
             return
-        key = CacheKey(self.config.model_name, self.config.world_size, None, ev.token_ids,
-                       ev.start, ev.end, ev.request_id, ev.cache_salt,
-                       ev.extras.prefix(ev.end // self.config.chunk_size))
-        for s in self._healthy_servers():
+        key = CacheKey(self.config.model_name, self.config.world_size, None, event.token_ids,
+                       event.start, event.end, event.request_id, event.cache_salt,
+                       event.extras.prefix(event.end // self.config.chunk_size))
+        for server in self._healthy_servers():
             self._counters["frees_sent"] += 1
-            self._send(s, FreeLookupLocks(key), out, fire_and_forget=True)
+            self._send(server, FreeLookupLocks(key), out, fire_and_forget=True)
 
-    def _on_deadline(self, ev: LookupDeadline, now: float, out: list[Effect]) -> None:
+    def _on_deadline(self, event: LookupDeadline, now: float, out: list[Effect]) -> None:
         self._counters["timeouts"] += 1
-        self._resolve(self._active[ev.request_id], 0, now, out)
+        self._resolve(self._active[event.request_id], 0, now, out)
 
-    def _on_requery(self, ev: Requery, now: float, out: list[Effect]) -> None:
-        pending = self._active[ev.request_id]
-        if pending.deadline <= now:  # both due: the lookup's time is up, ask nothing more
-            self._on_deadline(LookupDeadline(ev.request_id, ev.serial), now, out)
-            return
-        leg = pending.legs[ev.server]
+    def _on_requery(self, event: Requery, now: float, out: list[Effect]) -> None:
+        pending = self._active[event.request_id]
+        leg = pending.legs[event.server]
         leg.next_query_at = None
         self._send_query(pending, leg, now, out)
 
-    def _on_status_resend(self, ev: StatusResend, now: float, out: list[Effect]) -> None:
-        pending = self._active[ev.request_id]
-        leg = pending.legs[ev.server]
+    def _on_status_resend(self, event: StatusResend, now: float, out: list[Effect]) -> None:
+        pending = self._active[event.request_id]
+        leg = pending.legs[event.server]
         if not self._should_resend_status(pending, leg, now):
-            self._timers.push(now + self.config.poll_interval, ev)  # asked again later
+            self._timers.push(now + self.config.poll_interval, event)  # asked again later
             return
         self._counters["status_resends"] += 1
-        self._correlations.pop(ev.correlation, None)
+        self._correlations.pop(event.correlation, None)
         leg.query_correlation = None
         self._send_query(pending, leg, now, out)
 
-    def _on_result_expiry(self, ev: ResultExpiry, now: float, out: list[Effect]) -> None:
-        del self._done[ev.request_id]
+    def _on_result_expiry(self, event: ResultExpiry, now: float, out: list[Effect]) -> None:
         self._counters["expired_results"] += 1
 
-    def _on_leg_lost(self, ev: LegLost, now: float, out: list[Effect]) -> None:
-        pending = self._active[ev.request_id]
+    def _on_leg_lost(self, event: LegLost, now: float, out: list[Effect]) -> None:
+        pending = self._active[event.request_id]
         self._counters["failures"] += 1
-        self._leg_answer(pending, pending.legs[ev.server], 0, now, out)
+        self._leg_answer(pending, pending.legs[event.server], 0, now, out)
 
     # ============================================================================= server rows
 
-    def _on_unknown_server(self, ev: ServerHealth | ServerEpoch, now: float, out: list[Effect]) -> None:
+    def _on_unknown_server(self, event: ServerHealth | ServerEpoch, now: float, out: list[Effect]) -> None:
         self._counters["bad_replies"] += 1
 
-    def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
-        self._healthy[ev.server] = bool(ev.healthy)
-        if not ev.healthy:
-            self._fail_legs_on(ev.server, now, out)
+    def _on_healthy(self, event: ServerHealthy, now: float, out: list[Effect]) -> None:
+        """Nothing to do beyond the view its row assigns: new lookups ask it again."""
 
-    def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
-        old, self._epochs[ev.server] = self._epochs[ev.server], ev.epoch
-        if old is None or old == ev.epoch:
+    def _on_unhealthy(self, event: ServerUnhealthy, now: float, out: list[Effect]) -> None:
+        self._name_legs_lost(event.server)
+
+    def _on_epoch(self, event: ServerEpoch, now: float, out: list[Effect]) -> None:
+        old, self._epochs[event.server] = self._epochs[event.server], event.epoch
+        if old is None or old == event.epoch:
             return
         # The server restarted: the jobs and leases of lookups in flight on it are gone, and a
         # status query would answer 0 anyway (or never come back).
         self._counters["server_restarts"] += 1
-        self._fail_legs_on(ev.server, now, out)
+        self._name_legs_lost(event.server)
 
-    def _fail_legs_on(self, server: int, now: float, out: list[Effect]) -> None:
-        for pending in list(self._active.values()):
+    def _name_legs_lost(self, server: int) -> None:
+        """Every lookup still waiting on ``server``: its ``LegLost`` runs after this row."""
+        for pending in self._active.values():
             leg = pending.legs.get(server)
-            if leg is not None and leg.chunks is None and self._active.get(pending.request_id) is pending:
-                self._lookups.run(LegLost(pending.request_id, server), now, out)
+            if leg is not None and leg.chunks is None:
+                self._legs_lost.append(LegLost(pending.request_id, server))
 
     # ============================================================================= internals
+
+    def _new_lookup(self, event: SubmitLookup, now: float) -> PendingLookup:
+        """The record of a first submit (ABSENT until its row's next state is assigned)."""
+        end = self._lookup_end(event)
+        key = CacheKey(self.config.model_name, self.config.world_size, None, event.token_ids, 0, end,
+                       event.request_id, event.cache_salt, event.extras.prefix(end // self.config.chunk_size))
+        return PendingLookup(event.request_id, key, {}, now + self.config.lookup_timeout)
+
+    def _lookup_end(self, event: SubmitLookup) -> int:
+        """The tokens a lookup asks about: the submit's full chunks."""
+        return len(event.token_ids) // self.config.chunk_size * self.config.chunk_size
 
     def _activate(self, pending: PendingLookup) -> None:
         """``pending`` is (again) waiting on its servers: a new serial, its deadline armed."""
@@ -433,7 +558,9 @@ class LookupClient(GuardedMachine[ClientEvent]):
             self._send(s, EndSession(rid), out, fire_and_forget=True)
 
     def _query_again(self, pending: PendingLookup) -> None:
-        """Back to querying: the next ``handle`` sends a fresh status query to every server."""
+        """Back to querying: the next ``handle`` sends a fresh status query to every server.
+        Legacy only (``_keep_result_after_check``): the one state change outside the table, as
+        ``check()`` is a read the old adapter turned into a poll."""
         del self._done[pending.request_id]
         pending.result_tokens = None
         self._activate(pending)
@@ -442,6 +569,7 @@ class LookupClient(GuardedMachine[ClientEvent]):
             leg.acked = True
             leg.next_query_at = 0.0
             self._timers.push(0.0, Requery(pending.request_id, pending.serial, leg.server))
+        self._set_state(pending.request_id, pending.state_by_legs())
 
     def _send_query(self, pending: PendingLookup, leg: ServerLeg, now: float, out: list[Effect]) -> None:
         assert leg.query_correlation is None
@@ -470,32 +598,31 @@ class LookupClient(GuardedMachine[ClientEvent]):
                           now, out)
 
     def _resolve(self, pending: PendingLookup, chunks: int, now: float, out: list[Effect]) -> None:
-        """Finish the lookup with ``chunks``; free what each server holds beyond it."""
-        C = self.config.chunk_size
+        """Finish the lookup with ``chunks``; free what each server holds beyond it (the row
+        assigns DONE, which files the result among the cached ones)."""
+        chunk_size = self.config.chunk_size
         for leg in pending.legs.values():
             for corr in (leg.lookup_correlation, leg.query_correlation):
                 if corr is not None:
                     self._correlations.pop(corr, None)
             # A server that may hold more than the result: its tail is never retrieved.
             held = leg.chunks if leg.chunks is not None else (
-                pending.key.end // C if (leg.acked or leg.lookup_correlation is not None) else 0)
+                pending.key.end // chunk_size if (leg.acked or leg.lookup_correlation is not None) else 0)
             leg.lookup_correlation = leg.query_correlation = leg.next_query_at = None
             if held > chunks and self._healthy[leg.server]:
                 self._counters["frees_sent"] += 1
-                key = attrs.evolve(pending.key, start=chunks * C, end=held * C)
+                key = attrs.evolve(pending.key, start=chunks * chunk_size, end=held * chunk_size)
                 self._send(leg.server, FreeLookupLocks(key), out, fire_and_forget=True)
-        self._active.pop(pending.request_id, None)
-        pending.result_tokens = chunks * C
+        pending.result_tokens = chunks * chunk_size
         pending.expires_at = now + self.config.result_ttl
-        self._done[pending.request_id] = pending
         self._timers.push(pending.expires_at, ResultExpiry(pending.request_id, pending.serial))
         self._counters["resolved"] += 1
         if chunks == 0:
             self._counters["resolved_zero"] += 1
 
     def _forget(self, rid: str, now: float, out: list[Effect], free_pending: bool) -> None:
-        self._done.pop(rid, None)
-        pending = self._active.pop(rid, None)
+        """Cleanup / EndRequest (the row assigns ABSENT, which drops the record)."""
+        pending = self._active.get(rid)
         if pending is None:
             return
         # Aborted before its result: release what the servers may have leased for it (F8).
@@ -539,28 +666,39 @@ def _server_of(event: object) -> object:
     return getattr(event, "server")
 
 
-_L, _V, _C = LookupState, ServerView, LookupClient
-_PENDING = (_L.AWAITING_ACK, _L.QUERYING)
+_PENDING = (LookupState.AWAITING_ACK, LookupState.QUERYING)
 
-# One request id's lookup: (its state, event) -> (handler, next states). handle runs it.
-LOOKUP_TABLE: Table[LookupState] = Table("LookupClient (lookup of a request id)", LookupState, _L.ABSENT, {
-    (_L.ABSENT, SubmitLookup): (_C._on_submit, (_L.AWAITING_ACK, _L.DONE)),
-    **{(s, SubmitLookup): (_C._on_duplicate_submit, (s,)) for s in (*_PENDING, _L.DONE)},
-    (_L.ABSENT, ReplyReceived): (_C._on_stray_reply, (_L.ABSENT,)),
-    (_L.AWAITING_ACK, ReplyReceived): (_C._on_reply, (_L.AWAITING_ACK, _L.QUERYING, _L.DONE)),
-    (_L.QUERYING, ReplyReceived): (_C._on_reply, (_L.QUERYING, _L.DONE)),
-    (_L.ABSENT, RequestFailed): (_C._on_stray_reply, (_L.ABSENT,)),
-    **{(s, RequestFailed): (_C._on_failure, (_L.DONE,)) for s in _PENDING},
-    **{(s, LookupDeadline): (_C._on_deadline, (_L.DONE,)) for s in _PENDING},
-    # AWAITING_ACK: only a client that queries before the ack (legacy) has a re-query then.
-    (_L.AWAITING_ACK, Requery): (_C._on_requery, (_L.AWAITING_ACK, _L.DONE)),
-    (_L.QUERYING, Requery): (_C._on_requery, (_L.QUERYING, _L.DONE)),
-    **{(s, StatusResend): (_C._on_status_resend, (s,)) for s in _PENDING},
-    **{(s, LegLost): (_C._on_leg_lost, (_L.DONE,)) for s in _PENDING},
-    (_L.DONE, ResultExpiry): (_C._on_result_expiry, (_L.ABSENT,)),
-    **{(s, Cleanup): (_C._on_cleanup, (_L.ABSENT,)) for s in LookupState},
-    **{(s, EndRequest): (_C._on_end_request, (_L.ABSENT,)) for s in LookupState},
-    **{(s, FreeUnusedLeases): (_C._on_free_unused, (s,)) for s in LookupState},
+# One request id's lookup: (its state, event) -> (handler, the one next state). handle runs it,
+# the dispatcher assigns the next state (LookupClient._set_state).
+LOOKUP_TABLE: Table[LookupState] = Table("LookupClient (lookup of a request id)", LookupState, LookupState.ABSENT, {
+    (LookupState.ABSENT, SubmitLookup): (LookupClient._on_submit, LookupState.AWAITING_ACK),
+    (LookupState.ABSENT, InvalidSubmit): (LookupClient._on_invalid_submit, LookupState.DONE),
+    (LookupState.ABSENT, UnservedSubmit): (LookupClient._on_unserved_submit, LookupState.DONE),
+    **{(state, SubmitLookup): (LookupClient._on_duplicate_submit, state) for state in (*_PENDING, LookupState.DONE)},
+    (LookupState.ABSENT, ReplyReceived): (LookupClient._on_stray_reply, LookupState.ABSENT),
+    (LookupState.AWAITING_ACK, LookupAck): (LookupClient._on_lookup_ack, LookupState.AWAITING_ACK),
+    (LookupState.AWAITING_ACK, LastLookupAck): (LookupClient._on_lookup_ack, LookupState.QUERYING),
+    **{(state, StatusPending): (LookupClient._on_status_pending, state) for state in _PENDING},
+    (LookupState.AWAITING_ACK, HitCount): (LookupClient._on_hit_count, LookupState.AWAITING_ACK),
+    (LookupState.AWAITING_ACK, HitCountLastAck): (LookupClient._on_hit_count, LookupState.QUERYING),
+    (LookupState.QUERYING, HitCount): (LookupClient._on_hit_count, LookupState.QUERYING),
+    **{(state, FinalHitCount): (LookupClient._on_hit_count, LookupState.DONE) for state in _PENDING},
+    (LookupState.ABSENT, RequestFailed): (LookupClient._on_stray_reply, LookupState.ABSENT),
+    **{(state, RequestFailed): (LookupClient._on_failure, LookupState.DONE) for state in _PENDING},
+    **{(state, LookupDeadline): (LookupClient._on_deadline, LookupState.DONE) for state in _PENDING},
+    # In AWAITING_ACK: a server that acked (or, legacy, was asked before its ack) while another
+    # has not yet acked.
+    **{(state, Requery): (LookupClient._on_requery, state) for state in _PENDING},
+    **{(state, StatusResend): (LookupClient._on_status_resend, state) for state in _PENDING},
+    **{(state, LegLost): (LookupClient._on_leg_lost, LookupState.DONE) for state in _PENDING},
+    (LookupState.DONE, ResultExpiry): (LookupClient._on_result_expiry, LookupState.ABSENT),
+    **{(state, Cleanup): (LookupClient._on_cleanup, LookupState.ABSENT) for state in LookupState},
+    **{(state, EndRequest): (LookupClient._on_end_request, LookupState.ABSENT) for state in LookupState},
+    **{(state, FreeUnusedLeases): (LookupClient._on_free_unused, state) for state in LookupState},
+}, assigns=True, guards={
+    SubmitLookup: LookupClient._classify_submit,
+    ReplyReceived: LookupClient._classify_reply,
+    Requery: LookupClient._classify_requery,
 })
 """A reply addresses the lookup its correlation belongs to (ABSENT: no pending lookup expects it).
 Pairs not listed (a timer of a lookup that ended) never run: the timer heap skips a timer whose
@@ -568,13 +706,23 @@ lookup is gone, and the dispatcher counts any other in ``stale_events``."""
 
 # One server as the client sees it: ServerHealth / ServerEpoch (the lookups it fails: LegLost).
 SERVER_VIEW_TABLE: Table[ServerView] = Table("LookupClient (one server's health and epoch)", ServerView,
-                                            _V.UNKNOWN, {
-    (_V.UNKNOWN, ServerHealth): (_C._on_unknown_server, (_V.UNKNOWN,)),
-    (_V.UNKNOWN, ServerEpoch): (_C._on_unknown_server, (_V.UNKNOWN,)),
-    **{(s, ServerHealth): (_C._on_health, (_V.HEALTHY, _V.UNHEALTHY)) for s in (_V.HEALTHY, _V.UNHEALTHY)},
-    **{(s, ServerEpoch): (_C._on_epoch, (s,)) for s in (_V.HEALTHY, _V.UNHEALTHY)},
-})
+                                            ServerView.UNKNOWN, {
+    (ServerView.UNKNOWN, ServerHealth): (LookupClient._on_unknown_server, ServerView.UNKNOWN),
+    (ServerView.UNKNOWN, ServerEpoch): (LookupClient._on_unknown_server, ServerView.UNKNOWN),
+    **{(view, ServerHealthy): (LookupClient._on_healthy, ServerView.HEALTHY)
+       for view in (ServerView.HEALTHY, ServerView.UNHEALTHY)},
+    **{(view, ServerUnhealthy): (LookupClient._on_unhealthy, ServerView.UNHEALTHY)
+       for view in (ServerView.HEALTHY, ServerView.UNHEALTHY)},
+    **{(view, ServerEpoch): (LookupClient._on_epoch, view) for view in (ServerView.HEALTHY, ServerView.UNHEALTHY)},
+}, assigns=True, guards={ServerHealth: LookupClient._classify_health})
 TABLES: dict[str, Table[Any]] = {t.name: t for t in (LOOKUP_TABLE, SERVER_VIEW_TABLE)}
+
+
+def _hit_count(result: object) -> int | None:
+    """A server's hit count as a reply carries it; None for one that is not a non-negative int."""
+    if isinstance(result, int) and not isinstance(result, bool) and result >= 0:
+        return result
+    return None
 
 
 def _uint32_tokens(token_ids: TokenIds, end: int) -> bool:

@@ -1,6 +1,7 @@
 """The lookup client's records: its config, the states of its two tables (one lookup, one
-server), its typed timers and internal event, and one lookup's bookkeeping (``PendingLookup``
-with one ``ServerLeg`` per server).
+server), its typed timers and internal event, the specific events its guards tell a raw event
+apart into (so that each row of its tables names one next state), and one lookup's bookkeeping
+(``PendingLookup`` with one ``ServerLeg`` per server).
 
 ``mpcache.core_sm.lookup_client.LookupClient`` is the machine that keeps them; it re-exports these
 names, so ``from mpcache.core_sm.lookup_client import LookupClientConfig, LookupState`` keeps working.
@@ -27,8 +28,10 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.timers import Timer
 
-__all__ = ["EVENTS", "LegLost", "LookupClientConfig", "LookupDeadline", "LookupState", "PendingLookup",
-           "Requery", "ResultExpiry", "ServerLeg", "ServerView", "StatusResend"]
+__all__ = ["EVENTS", "FinalHitCount", "HitCount", "HitCountLastAck", "InvalidSubmit", "LastLookupAck", "LegLost",
+           "LookupAck", "LookupClientConfig", "LookupDeadline", "LookupState", "PendingLookup", "Requery",
+           "ResultExpiry", "ServerHealthy", "ServerLeg", "ServerUnhealthy", "ServerView", "StatusPending", "StatusResend",
+           "UnservedSubmit"]
 
 
 def _ranks_per_server(value: Iterable[Iterable[int]] | None) -> tuple[tuple[int, ...], ...] | None:
@@ -138,6 +141,70 @@ class LegLost:
     server: int
 
 
+# ------------------------------------------------------------------ specific events (guards)
+# ``LookupClient``'s guards turn a raw event into one of these before its row is looked up; each
+# is the raw event's class with the same fields, so the handler reads it as it came.
+
+
+@attrs.frozen
+class InvalidSubmit(SubmitLookup):
+    """A first submit with a bad cache salt or token ids that are not uint32: resolved to 0 at
+    once, nothing sent."""
+
+
+@attrs.frozen
+class UnservedSubmit(SubmitLookup):
+    """A first submit with nothing to look up (under one chunk) or a server it must ask
+    unhealthy: resolved to 0 at once, nothing sent."""
+
+
+@attrs.frozen
+class LookupAck(ReplyReceived):
+    """The ack of a LOOKUP (no hit count in it, or one the client did not ask for); another
+    server still owes its ack."""
+
+
+@attrs.frozen
+class LastLookupAck(ReplyReceived):
+    """The ack of a LOOKUP (no hit count in it); every server has now acked or answered."""
+
+
+@attrs.frozen
+class StatusPending(ReplyReceived):
+    """A status reply of None: the server's job is still pending; ask again after poll_interval."""
+
+
+@attrs.frozen
+class HitCount(ReplyReceived):
+    """A server's hit count -- a status reply's, or a LOOKUP ack's when ``answer_in_ack`` asked
+    for it -- that leaves the lookup waiting: some server still owes its count, and (in
+    AWAITING_ACK) some server still owes its ack."""
+
+
+@attrs.frozen
+class HitCountLastAck(ReplyReceived):
+    """A hit count that leaves the lookup waiting for other counts but settles the last ack
+    owed: an ack carrying it from the last server to ack, or (a client that queries before the
+    ack) a status reply that overtook that server's ack."""
+
+
+@attrs.frozen
+class FinalHitCount(ReplyReceived):
+    """A hit count that resolves the lookup: 0 (or not a count: a bad reply, taken as 0), or
+    the last count owed."""
+
+
+@attrs.frozen
+class ServerHealthy(ServerHealth):
+    """``ServerHealth(server, True)`` for one of the client's servers."""
+
+
+@attrs.frozen
+class ServerUnhealthy(ServerHealth):
+    """``ServerHealth(server, False)`` for one of the client's servers: the lookups waiting on
+    it resolve to 0."""
+
+
 @attrs.define
 class ServerLeg:
     """One server's part of one lookup."""
@@ -160,9 +227,12 @@ class PendingLookup:
     result_tokens: int | None = None
     expires_at: float = 0.0
     serial: int = 0  # this (re)activation's: the timers armed for it name it
+    # Assigned by the lookup table's dispatcher (a row's next state), never by a handler.
+    state: LookupState = LookupState.ABSENT
 
-    @property
-    def state(self) -> LookupState:
+    def state_by_legs(self) -> LookupState:
+        """The state its result and legs say it is in (``check_invariants`` holds the assigned
+        state to it)."""
         if self.result_tokens is not None:
             return LookupState.DONE
         if all(leg.acked or leg.chunks is not None for leg in self.legs.values()):

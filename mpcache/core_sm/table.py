@@ -3,6 +3,10 @@
 In the style of hyper-h2's ``H2ConnectionStateMachine``: a machine declares one ``Table``,
 ``(state, event type) -> Transition(handler, next states)``, and its ``handle`` executes it --
 the table is not a description checked after the fact, it is what decides which code runs.
+A table comes in one of two forms: an *assigning* table (``assigns=True``: every row names
+exactly one next state, and the dispatcher makes the entity that state) -- the form every
+machine is converging on -- and a *checking* table (rows name the states a handler may leave
+the entity in, and the dispatcher checks afterwards), which the machines not yet converted keep.
 
 Contract:
 
@@ -10,33 +14,48 @@ Contract:
   transfer id, an op, an instance, ...). The machine says which (``address(event) -> entity``)
   and what state that entity is in (``state_of(entity) -> state``); an entity the machine does
   not hold is in the table's ``absent`` state.
+* **Guards.** Where the next state depends on more than the event's type (an ack that is the
+  last one owed, a status reply that carries the final count, a deadline already passed), the
+  table names a guard for that raw type: ``guard(event, state, now) -> event``, a pure method
+  of the machine (it reads, changes nothing, emits nothing) that turns the raw event into the
+  specific event type whose row applies (or returns it unchanged). It runs after the state is
+  read and before the row is looked up, so each ``(state, specific event)`` row names one next
+  state. Guards are resolved on the machine by name, like handlers.
 * **Execution.** ``Dispatcher.run(event, now, out)`` looks up ``(state_of(address(event)),
-  type(event))``. Found: the row's handler runs, ``handler(event, now, out)``, appending effects
-  to ``out``. The handler is resolved on the machine *by the function given in the table* when
-  the dispatcher is built (``Table.bind``), so a subclass that overrides that method (a legacy
-  profile in the simulator) is what runs.
+  type(event))`` (after the guard, if any). Found: the row's handler runs, ``handler(event,
+  now, out)``, appending effects to ``out``. The handler is resolved on the machine *by the
+  function given in the table* when the dispatcher is built (``Table.bind``), so a subclass that
+  overrides that method (a legacy profile in the simulator) is what runs.
+* **Assignment (assigning tables).** After the handler, the dispatcher calls the machine's
+  ``set_state(entity, next_state)`` with the row's one next state: the row's next state is what
+  the entity becomes. Handlers change the entity's data and append effects; they never set its
+  state. ``set_state(entity, absent)`` forgets the entity. A handler does not refuse (a request
+  that may be refused is told apart by a guard, into a row of its own).
 * **Illegal pairs** never raise and are never silent: a request (an event with a ``reply_to``)
   gets exactly one ``ErrorReply(reply_to, ProtocolError(table.illegal_kind, ...))`` through the
   machine's ``refuse`` callback; an internal event (a completion, a typed timer) is counted in
   ``counters["stale_events"]``. Nothing changes.
-* **Next states are enforced.** After the handler, the entity's state must be one the row lists
-  -- or, when the handler refused the request (an ``ErrorReply`` to its ``reply_to``), the state
-  it was in. Anything else is counted in ``counters["table_violations"]``, never raised: the
-  machine's walk tests assert 0 for the fixed machines. (Not an internal error: a legacy profile
-  of the simulator changes transitions on purpose, and must be caught by its oracle, not this.)
+* **Next states are enforced (checking tables).** After the handler, the entity's state must be
+  one the row lists -- or, when the handler refused the request (an ``ErrorReply`` to its
+  ``reply_to``), the state it was in. Anything else is counted in ``counters["table_violations"]``,
+  never raised: the machine's walk tests assert 0 for the fixed machines. (Not an internal error:
+  a legacy profile of the simulator changes transitions on purpose, and must be caught by its
+  oracle, not this.) An assigning table's machine checks instead, in its ``check_invariants``,
+  that its records agree with the state assigned.
 * **Typed timers.** A machine's timers are small frozen classes (``mpcache.core_sm.timers.Timer``), one
   per kind, that are events of its table like any other (their rows say what a deadline does in
   each state) -- no string kinds, no if-chains.
 
 ``Table.rows`` is a plain mapping, so tests walk every ``state x event`` pair and docs are
 rendered from it (``mpcache.core_sm.describe``); ``Dispatcher.trace`` (a list, when a test sets one)
-records every row executed, so a walk can show each listed transition happening.
+records every row executed (the specific event type a guard chose), so a walk can show each
+listed transition happening.
 """
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import attrs
 
@@ -48,6 +67,9 @@ S = TypeVar("S", bound=enum.Enum)
 # A handler as written in the machine's class: ``def _on_x(self, event, now, out) -> None``.
 Handler = Callable[[Any, Any, float, list[Effect]], None]
 BoundHandler = Callable[[Any, float, list[Effect]], None]
+# A guard as written in the machine's class: ``def _classify_x(self, event, state, now) -> event``.
+Guard = Callable[[Any, Any, Any, float], Any]
+BoundGuard = Callable[[Any, Any, float], Any]
 
 
 @attrs.frozen
@@ -58,25 +80,41 @@ class Transition(Generic[S]):
     handler: Handler
     next_states: frozenset[S]
 
+    @property
+    def next_state(self) -> S:
+        """The one next state of an assigning table's row."""
+        (state,) = self.next_states
+        return state
+
 
 class Table(Generic[S]):
     """``(state, event type) -> Transition``. Build it once per machine class (a module constant).
 
     ``absent`` is the state of an entity the machine does not hold; ``illegal_kind`` the
-    ``ErrorKind`` a request gets for a pair the table does not list."""
+    ``ErrorKind`` a request gets for a pair the table does not list. ``assigns``: every row names
+    exactly one next state (a bare state), which the dispatcher assigns; ``guards``: raw event
+    type -> the machine's method that classifies it (see the module docstring)."""
 
     def __init__(self, name: str, states: type[S], absent: S,
-                 rows: Mapping[tuple[S, type], tuple[Handler, Iterable[S]]],
-                 illegal_kind: ErrorKind = ErrorKind.ILLEGAL_STATE) -> None:
+                 rows: Mapping[tuple[S, type], tuple[Handler, S | Iterable[S]]],
+                 illegal_kind: ErrorKind = ErrorKind.ILLEGAL_STATE, *, assigns: bool = False,
+                 guards: Mapping[type, Guard] | None = None) -> None:
         self.name = name
         self.states = states
         self.absent = absent
         self.illegal_kind = illegal_kind
+        self.assigns = assigns
+        self.guards: dict[type, Guard] = dict(guards or {})
         self.rows: dict[tuple[S, type], Transition[S]] = {}
         for (state, event_type), (handler, nexts) in rows.items():
             if not isinstance(state, states):
                 raise TypeError(f"{name}: {state!r} is not a {states.__name__}")
-            self.rows[(state, event_type)] = Transition(handler, frozenset(nexts))
+            if assigns and not isinstance(nexts, states):
+                raise TypeError(f"{name}: row ({state.name}, {event_type.__name__}) of an assigning table "
+                                f"names {nexts!r}, not one {states.__name__}")
+            next_states = frozenset((nexts,)) if isinstance(nexts, states) else frozenset(
+                cast(Iterable[S], nexts))
+            self.rows[(state, event_type)] = Transition(handler, next_states)
 
     def events(self) -> tuple[type, ...]:
         """Every event type some row names, in first-row order."""
@@ -89,12 +127,17 @@ class Table(Generic[S]):
 
     def bind(self, machine: object, address: Callable[[Any], Hashable],
              state_of: Callable[[Hashable], S], counters: dict[str, int],
-             refuse: Callable[[list[Effect], Hashable, ProtocolError], None]) -> Dispatcher[S]:
-        """A dispatcher for ``machine``: every row's handler resolved on it (overrides win)."""
+             refuse: Callable[[list[Effect], Hashable, ProtocolError], None],
+             set_state: Callable[[Hashable, S], None] | None = None) -> Dispatcher[S]:
+        """A dispatcher for ``machine``: every row's handler and every guard resolved on it
+        (overrides win). An assigning table needs ``set_state``; a checking one takes none."""
+        if self.assigns != (set_state is not None):
+            raise TypeError(f"{self.name}: set_state is for assigning tables, and they need one")
         bound: dict[tuple[S, type], tuple[BoundHandler, frozenset[S]]] = {}
         for key, row in self.rows.items():
             bound[key] = (getattr(machine, row.handler.__name__), row.next_states)
-        return Dispatcher(self, bound, address, state_of, counters, refuse)
+        guards: dict[type, BoundGuard] = {raw: getattr(machine, guard.__name__) for raw, guard in self.guards.items()}
+        return Dispatcher(self, bound, address, state_of, counters, refuse, guards, set_state)
 
 
 class Dispatcher(Generic[S]):
@@ -103,18 +146,24 @@ class Dispatcher(Generic[S]):
     def __init__(self, table: Table[S], bound: dict[tuple[S, type], tuple[BoundHandler, frozenset[S]]],
                  address: Callable[[Any], Hashable], state_of: Callable[[Hashable], S],
                  counters: dict[str, int],
-                 refuse: Callable[[list[Effect], Hashable, ProtocolError], None]) -> None:
+                 refuse: Callable[[list[Effect], Hashable, ProtocolError], None],
+                 guards: dict[type, BoundGuard] | None = None,
+                 set_state: Callable[[Hashable, S], None] | None = None) -> None:
         self.table = table
         self._bound = bound
         # The hot path keys rows by the state's value (a str, hashed in C) instead of the enum
-        # member (Enum.__hash__ is a Python call): same rows, fewer calls per event.
-        self._fast: dict[tuple[Any, type], tuple[BoundHandler, frozenset[Any]]] = {
-            (state._value_, event_type): (handler, frozenset(n._value_ for n in nexts))
+        # member (Enum.__hash__ is a Python call): same rows, fewer calls per event. A row is
+        # (handler, the next states' values, the one next state of an assigning row or None).
+        self._fast: dict[tuple[Any, type], tuple[BoundHandler, frozenset[Any], Any]] = {
+            (state._value_, event_type): (handler, frozenset(n._value_ for n in nexts),
+                                          next(iter(nexts)) if set_state is not None else None)
             for (state, event_type), (handler, nexts) in bound.items()}
         self._address = address
         self._state_of = state_of
         self._counters = counters
         self._refuse = refuse
+        self._guards: dict[type, BoundGuard] = guards or {}
+        self._set_state = set_state
         for name in ("stale_events", "table_violations"):
             counters.setdefault(name, 0)
         # Tests set a list here to record every executed row as (state, event type, state after).
@@ -128,6 +177,10 @@ class Dispatcher(Generic[S]):
         """Execute the row of ``event``; True if one ran, False for an illegal pair."""
         entity = self._address(event)
         state = self._state_of(entity)
+        if self._guards:
+            guard = self._guards.get(type(event))
+            if guard is not None:
+                event = guard(event, state, now)
         row = self._fast.get((state._value_, type(event)))
         if row is None:
             reply_to = getattr(event, "reply_to", None)
@@ -138,7 +191,13 @@ class Dispatcher(Generic[S]):
                     self.table.illegal_kind,
                     f"{type(event).__name__} is not allowed in {type(state).__name__}.{state.name}"))
             return False
-        handler, nexts = row
+        handler, nexts, assigned = row
+        if assigned is not None:
+            handler(event, now, out)
+            self._set_state(entity, assigned)  # type: ignore[misc]
+            if self.trace is not None:
+                self.trace.append((state, type(event), assigned))
+            return True
         mark = len(out)
         handler(event, now, out)
         after = self._state_of(entity)

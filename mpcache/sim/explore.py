@@ -521,7 +521,7 @@ class Explorer:
         frozen rows, its configuration; and give every dispatcher a trace (coverage)."""
         for d in dispatchers(machine):
             d.trace = []
-            for obj in (d.table, *d._fast.keys(), *(n for _h, n in d._fast.values()), *d._bound.keys(),
+            for obj in (d.table, *d._fast.keys(), *(n for _h, n, _a in d._fast.values()), *d._bound.keys(),
                         *(n for _h, n in d._bound.values())):
                 self._static[id(obj)] = obj
                 self._pinned.append(obj)

@@ -30,7 +30,7 @@ from mpcache.core_sm.table import Dispatcher, Table
 
 def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any]:
     """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
-    bound again to the copied machine. Three times cheaper than copy's generic path, which
+    (and guard, and the machine's set_state) bound again to the copied machine. Three times cheaper than copy's generic path, which
     rebuilds every row tuple and bound method through __reduce_ex__."""
     new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
     memo[id(d)] = new
@@ -41,8 +41,8 @@ def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any
 
     ns = dict(vars(d))
     ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
-    ns["_fast"] = {k: (rebind(h), n) for k, (h, n) in d._fast.items()}
-    for name in ("_address", "_state_of", "_refuse", "_counters", "trace"):
+    ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
+    for name in ("_address", "_state_of", "_refuse", "_counters", "trace", "_guards", "_set_state"):
         ns[name] = dc(ns[name], memo)
     vars(new).update(ns)
     return new

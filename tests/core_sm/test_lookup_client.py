@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mpcache.core_sm.chunks import MAX_CACHE_SALT_LEN
 from mpcache.core_sm.effects import Effect, SendRequest
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.lookup_client import (
@@ -285,7 +286,8 @@ def _walk_one(state: LookupState, event_type: type, n: int, acked: int, pick: Pi
         else:
             ev = RequestFailed(server, corr, FAIL)
     elif event_type is SubmitLookup:
-        ev = SubmitLookup(RID, tokens(pick([0, 1, 3])))
+        # a salt over MAX_CACHE_SALT_LEN: an invalid submit, resolved to 0 at once
+        ev = SubmitLookup(RID, tokens(pick([0, 1, 3])), cache_salt=pick(["", "s" * (MAX_CACHE_SALT_LEN + 1)]))
     elif event_type is ServerHealth:
         server = pick(list(range(n + 1)))
         if pick([False, True]):

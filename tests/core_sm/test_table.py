@@ -6,6 +6,7 @@ import enum
 from collections.abc import Hashable
 
 import attrs
+import pytest
 
 from mpcache.core_sm.effects import Effect, ErrorReply, Reply
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
@@ -133,3 +134,82 @@ def test_run_due_timers_runs_each_live_due_timer_through_its_table_in_order() ->
     run_due_timers(heap, lambda _timer: d.dispatch, 5.0, out)
     assert [(s, e) for s, e, _after in d.dispatch.trace] == [(D.OPEN, Slam), (D.OPEN, Slam)]
     assert d.open == {"c"} and d.counters["stale_events"] == 0 and heap.next_deadline() == 9.0
+
+
+# ------------------------------------------------------------------ the assigning form
+
+
+@attrs.frozen
+class Knock:
+    door: str
+    hard: bool = False
+
+
+@attrs.frozen
+class KnockHard(Knock):
+    """A guard's specific event: a knock hard enough to open the door."""
+
+
+class AssignedDoors:
+    """Doors whose state is a field the dispatcher assigns; handlers only emit effects."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, DoorState] = {}
+        self.counters: dict[str, int] = {}
+        self.dispatch = ASSIGNING.bind(self, lambda ev: ev.door, self.state, self.counters, self.refuse,
+                                       self.set_state)
+
+    def state(self, door: Hashable) -> DoorState:
+        return self.states.get(str(door), DoorState.ABSENT)
+
+    def set_state(self, door: Hashable, state: DoorState) -> None:
+        if state is DoorState.ABSENT:
+            self.states.pop(str(door), None)
+        else:
+            self.states[str(door)] = state
+
+    def refuse(self, out: list[Effect], reply_to: Hashable, error: ProtocolError) -> None:
+        out.append(ErrorReply(reply_to, error))
+
+    def classify(self, ev: Knock, state: DoorState, now: float) -> Knock:
+        return KnockHard(ev.door, ev.hard) if ev.hard else ev
+
+    def on_knock(self, ev: Knock, now: float, out: list[Effect]) -> None:
+        out.append(Reply(ev.door, "knock"))
+
+    def on_slam(self, ev: Slam, now: float, out: list[Effect]) -> None:
+        out.append(Reply(ev.door, "slam"))
+
+
+ASSIGNING: Table[DoorState] = Table("assigned doors", DoorState, D.ABSENT, {
+    (D.ABSENT, Knock): (AssignedDoors.on_knock, D.ABSENT),
+    (D.ABSENT, KnockHard): (AssignedDoors.on_knock, D.OPEN),
+    (D.OPEN, Slam): (AssignedDoors.on_slam, D.ABSENT),
+}, assigns=True, guards={Knock: AssignedDoors.classify})
+
+
+def test_an_assigning_table_makes_the_entity_its_rows_one_next_state() -> None:
+    d = AssignedDoors()
+    d.dispatch.trace = []
+    out: list[Effect] = []
+    assert d.dispatch.run(Knock("a"), 0.0, out) and d.state("a") is D.ABSENT  # the guard kept it a Knock
+    assert d.dispatch.run(Knock("a", hard=True), 0.0, out) and d.state("a") is D.OPEN
+    assert not d.dispatch.run(Knock("a", hard=True), 0.0, out)  # (OPEN, KnockHard): not listed
+    assert d.counters["stale_events"] == 1 and d.state("a") is D.OPEN
+    assert d.dispatch.run(Slam("a"), 0.0, out) and d.state("a") is D.ABSENT and d.states == {}
+    assert out == [Reply("a", "knock"), Reply("a", "knock"), Reply("a", "slam")]
+    # the trace names the specific event the guard chose, and the state assigned
+    assert d.dispatch.trace == [(D.ABSENT, Knock, D.ABSENT), (D.ABSENT, KnockHard, D.OPEN),
+                                (D.OPEN, Slam, D.ABSENT)]
+    assert ASSIGNING.rows[(D.ABSENT, KnockHard)].next_state is D.OPEN
+
+
+def test_an_assigning_table_takes_one_next_state_per_row_and_a_set_state() -> None:
+    with pytest.raises(TypeError, match="one DoorState"):
+        Table("bad", DoorState, D.ABSENT, {(D.OPEN, Slam): (AssignedDoors.on_slam, {D.ABSENT, D.OPEN})},
+              assigns=True)
+    with pytest.raises(TypeError, match="set_state"):
+        ASSIGNING.bind(object(), lambda ev: ev.door, lambda door: D.ABSENT, {}, lambda *a: None)
+    with pytest.raises(TypeError, match="set_state"):
+        TABLE.bind(object(), lambda ev: ev.door, lambda door: D.ABSENT, {}, lambda *a: None,
+                   lambda door, state: None)
