@@ -41,7 +41,10 @@ for step in $STEPS; do
         t_repeat=$(date +%s)
         for i in $(seq 1 "${REPEAT:-10}"); do
             if [ $(( $(date +%s) - t_repeat )) -gt "${REPEAT_SECONDS:-100000}" ]; then echo "testrepeat: time is up after $((i - 1)) runs"; break; fi
-            if timeout 300 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "gpu or cuda" tests/kernels tests/runtime_zmq \
+            # -v names each test as it starts; faulthandler_timeout: a test still running after 120 s prints every thread's stack
+            # (into the log kept on failure) long before the run's own limit kills it silently.
+            if timeout 420 env MPCACHE_REQUIRE_GPU=1 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=120 --durations=5 \
+                -m "gpu or cuda" tests/kernels tests/runtime_zmq \
                 >"$OUT/testrepeat_$i.log" 2>&1; then echo "test-gpu run $i: $(tail -1 "$OUT/testrepeat_$i.log")"
             else echo "test-gpu run $i FAILED: $(tail -1 "$OUT/testrepeat_$i.log")"; cat "$OUT/testrepeat_$i.log" >>"$OUT/testrepeat_failures.log"; rc=1; fi
             rm -f "$OUT/testrepeat_$i.log"
