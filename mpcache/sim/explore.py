@@ -282,8 +282,9 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     "placement-mismatch": XWorld("placement-mismatch", planner=True, servers=2, lease_renewals=0),
     # a worker's retrieve overtakes its registration (no request, no heartbeat, no fault): refused
     # not_registered, the link must park it, register again and resend it once (no-reregister:
-    # parked forever); the worker's machine registers again too, and a server whose registration
-    # replaces the last orphans the resend (double-register)
+    # parked forever); with a server whose registration replaces the last, the worker's own
+    # registration and its link's re-registration both land and the second orphans the resend
+    # (double-register)
     "no-reregister": XWorld("no-reregister", requests=0, workers=True, ops=1),
     "double-register": XWorld("double-register", requests=0, workers=True, ops=1),
     # a model with two KV-cache groups (full attention, a one-chunk sliding window): the planner's
