@@ -9,9 +9,10 @@ once, so a counterexample the explorer finds is the violation the simulator repo
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
+from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import ErrorReply, Reply
 from mpcache.core_sm.server_core import RequestKey
 # F24, the KV-cache groups' judgements, live with the groups' model (sim/groups.py); named here so
@@ -249,3 +250,26 @@ def copy_through_other_registration(kind: str, transfer_id: int, instance_id: in
     how = "no registration open" if attached is None else f"the registration {attached} made"
     return "F23", (f"{kind} copy {transfer_id} of instance {instance_id} (owned by {owner}) runs through {how}: "
                    f"the transfer engine acted before core_sm decided")
+
+
+def lease_span(indexes: Sequence[Any], hashes: Sequence[bytes], first_chunk: int, end_chunk: int,
+               scheduler: str | None, request_id: str) -> tuple[float | None, bool]:
+    """The earliest expiry of the read leases a scheduler's request holds on chunks
+    ``[first_chunk, end_chunk)`` of every rank (``indexes[rank]``: the L1 index of the server that
+    rank loads from), and whether it holds all of them. The lookup's leases are its scheduler's
+    request (peer, id); a server that ignores peers (trust-all) files them under no peer. The
+    random simulator's and the explorer's lease oracles both read leases through this."""
+    owners = (RequestKey(scheduler, request_id), RequestKey(None, request_id))
+    earliest: float | None = None
+    held = True
+    for chunk in range(first_chunk, min(end_chunk, len(hashes))):
+        for rank, index in enumerate(indexes):
+            okey = ObjectKey(hashes[chunk], rank)
+            expiry = index.lease_expiry(okey, owners[0])
+            if expiry is None:
+                expiry = index.lease_expiry(okey, owners[1])
+            if expiry is None:
+                held = False
+            elif earliest is None or expiry < earliest:
+                earliest = expiry
+    return earliest, held

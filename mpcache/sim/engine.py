@@ -47,7 +47,6 @@ from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, Connected, H
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.kv_groups import several
 from mpcache.core_sm.lookup_client import LookupState
-from mpcache.core_sm.server_core import RequestKey
 from mpcache.core_sm.server_link import (
     SERVER,
     Completed,
@@ -855,23 +854,7 @@ class SimEngine:
             if not host.up or host.node is None:
                 return None
             indexes.append(host.node.machines["server"].index)
-        # the lookup's leases are its scheduler's request (peer, id); a server that ignores
-        # peers (trust-all) files them under no peer
-        owners = (RequestKey(sched_name(self.index), req.rid), RequestKey(None, req.rid))
-        earliest: float | None = None
-        held = True
-        for chunk in range(start // self.C, min(end // self.C, len(req.hashes))):
-            for rank in range(self.tp):
-                okey = ObjectKey(req.hashes[chunk], rank)
-                index = indexes[rank]
-                expiry = index.lease_expiry(okey, owners[0])
-                if expiry is None:
-                    expiry = index.lease_expiry(okey, owners[1])
-                if expiry is None:
-                    held = False
-                elif earliest is None or expiry < earliest:
-                    earliest = expiry
-        return earliest, held
+        return checks.lease_span(indexes, req.hashes, start // self.C, end // self.C, sched_name(self.index), req.rid)
 
     def _note_leases(self, req: SimRequest) -> None:
         """Remember when the leases of a waiting request's answered lookup expire (the server

@@ -1235,22 +1235,8 @@ class Explorer:
         """The earliest expiry of the read leases engine ``e``'s request holds on tokens
         ``[start, end)`` of every rank at the server that rank loads from, and whether it holds
         all of them (as ``sim/engine.py``'s ``_leases``)."""
-        ranks = self.client_config.world_size
-        owners = (RequestKey(f"sched{e}", request_id), RequestKey(None, request_id))
-        earliest: float | None = None
-        held = True
-        for chunk in range(start // CHUNK, min(end // CHUNK, len(self._hashes))):
-            for rank in range(ranks):
-                index = st.servers[self.load_server(rank, request_id)].index
-                okey = ObjectKey(self._hashes[chunk], rank)
-                expiry = index.lease_expiry(okey, owners[0])
-                if expiry is None:
-                    expiry = index.lease_expiry(okey, owners[1])
-                if expiry is None:
-                    held = False
-                elif earliest is None or expiry < earliest:
-                    earliest = expiry
-        return earliest, held
+        indexes = [st.servers[self.load_server(rank, request_id)].index for rank in range(self.client_config.world_size)]
+        return checks.lease_span(indexes, self._hashes, start // CHUNK, end // CHUNK, f"sched{e}", request_id)
 
     def load_server(self, rank: int, request_id: str) -> int:
         """The server worker ``rank`` loads a request from: production's placement, unless the
