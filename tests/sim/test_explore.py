@@ -229,3 +229,9 @@ def test_copied_machine_assigns_its_own_state() -> None:
     clone.handle(HeartbeatReply(0, epoch=1), 0.5)
     assert clone.state(0) is HealthState.HEALTHY
     assert original.state(0) is HealthState.PROBING
+
+    from mpcache.core_sm.server import LookupServer, ServerConfig
+
+    server = LookupServer(ServerConfig(chunk_size=4, num_slots=8, slot_bytes=64))
+    server_clone = copy.deepcopy(server)
+    assert server_clone.l2.dispatch._set_state.__self__ is server_clone.l2  # type: ignore[union-attr]
