@@ -346,7 +346,7 @@ class HealthMonitor:
                           "registrations_on_epoch": 0, "registrations_on_recovery": 0, "registration_failures": 0,
                           "registration_retries": 0}
         self._table: Dispatcher[HealthState] = TABLE.bind(self, _server_of, self.state, self._counters,
-                                                          self._refuse)
+                                                          self._refuse, self._set_state)
 
     @property
     def dispatch(self) -> Dispatcher[HealthState]:
@@ -363,6 +363,12 @@ class HealthMonitor:
         if isinstance(index, int) and 0 <= index < len(self._servers):
             return HealthState.HEALTHY if self._servers[index].healthy else HealthState.PROBING
         return HealthState.ABSENT
+
+    def _set_state(self, index: Hashable, state: HealthState) -> None:
+        """TABLE's assignment: a watched server is now healthy or probing (an index this monitor
+        does not watch stays ``ABSENT``: nothing to record)."""
+        if state is not HealthState.ABSENT and isinstance(index, int) and 0 <= index < len(self._servers):
+            self._servers[index].healthy = state is HealthState.HEALTHY
 
     def healthy(self, server: int) -> bool:
         return self._servers[server].healthy
@@ -426,7 +432,6 @@ class HealthMonitor:
     def _on_timeout(self, event: HeartbeatTimeout, now: float, out: list[Any]) -> None:
         index = event.server
         server = self._servers[index]
-        server.healthy = False
         server.period = self._probe
         server.next_ping = min(server.next_ping, now + server.period)
         self._counters["unhealthy"] += 1
@@ -494,9 +499,8 @@ class HealthMonitor:
                 server.instances.clear()
             server.epoch = event.epoch
             out.append(ServerEpoch(event.server, event.epoch))
-        recovered = not server.healthy
+        recovered = not server.healthy  # PROBING: the dispatcher makes it HEALTHY after this
         if recovered:
-            server.healthy = True
             server.period = self.config.interval
             server.next_ping = min(server.next_ping, now + server.period)
             self._counters["recovered"] += 1
@@ -605,31 +609,31 @@ def _server_of(event: Any) -> Hashable:
     return server
 
 
-_H, _M = HealthState, HealthMonitor
-_WATCHED = (_H.HEALTHY, _H.PROBING)
+_WATCHED = (HealthState.HEALTHY, HealthState.PROBING)
 # What the transport feeds (TimerFired is not addressed to a server: it runs the due timers).
 _INPUTS = (HeartbeatReply, HeartbeatUnsent, Connected, RegistrationSent, InstanceRegistered, InstanceUnregistered,
            RegistrationFailed, InstancePingRefused, RequestRefused)
 
-# One server's health: (its state, event) -> (handler, next states). handle runs it.
+# One server's health: (its state, event) -> (handler, next state). handle runs it; the dispatcher
+# assigns the next state (HealthMonitor._set_state).
 TABLE: Table[HealthState] = Table("HealthMonitor (one server's health, epoch and instances)", HealthState,
-                                  _H.ABSENT, {
-    **{(_H.ABSENT, e): (_M._on_unknown_server, (_H.ABSENT,)) for e in _INPUTS},
-    (_H.HEALTHY, HeartbeatDue): (_M._on_heartbeat_due, (_H.HEALTHY,)),
-    (_H.HEALTHY, HeartbeatTimeout): (_M._on_timeout, (_H.PROBING,)),
-    (_H.PROBING, ProbeDue): (_M._on_probe_due, (_H.PROBING,)),
-    **{(s, HeartbeatReply): (_M._on_reply, (_H.HEALTHY,)) for s in _WATCHED},
-    **{(s, HeartbeatUnsent): (_M._on_unsent, (s,)) for s in _WATCHED},
-    (_H.HEALTHY, Connected): (_M._on_connected_healthy, (_H.HEALTHY,)),
-    (_H.PROBING, Connected): (_M._on_connected_probing, (_H.PROBING,)),
-    (_H.HEALTHY, RegistrationRetryDue): (_M._on_registration_retry_due, (_H.HEALTHY,)),
-    **{(s, RegistrationSent): (_M._on_registration_sent, (s,)) for s in _WATCHED},
-    **{(s, InstanceRegistered): (_M._on_registered, (s,)) for s in _WATCHED},
-    **{(s, InstanceUnregistered): (_M._on_unregistered, (s,)) for s in _WATCHED},
-    **{(s, RegistrationFailed): (_M._on_registration_failed, (s,)) for s in _WATCHED},
-    **{(s, InstancePingRefused): (_M._on_ping_refused, (s,)) for s in _WATCHED},
-    **{(s, RequestRefused): (_M._on_refused, (s,)) for s in _WATCHED},
-})
+                                  HealthState.ABSENT, {
+    **{(HealthState.ABSENT, e): (HealthMonitor._on_unknown_server, HealthState.ABSENT) for e in _INPUTS},
+    (HealthState.HEALTHY, HeartbeatDue): (HealthMonitor._on_heartbeat_due, HealthState.HEALTHY),
+    (HealthState.HEALTHY, HeartbeatTimeout): (HealthMonitor._on_timeout, HealthState.PROBING),
+    (HealthState.PROBING, ProbeDue): (HealthMonitor._on_probe_due, HealthState.PROBING),
+    **{(s, HeartbeatReply): (HealthMonitor._on_reply, HealthState.HEALTHY) for s in _WATCHED},
+    **{(s, HeartbeatUnsent): (HealthMonitor._on_unsent, s) for s in _WATCHED},
+    (HealthState.HEALTHY, Connected): (HealthMonitor._on_connected_healthy, HealthState.HEALTHY),
+    (HealthState.PROBING, Connected): (HealthMonitor._on_connected_probing, HealthState.PROBING),
+    (HealthState.HEALTHY, RegistrationRetryDue): (HealthMonitor._on_registration_retry_due, HealthState.HEALTHY),
+    **{(s, RegistrationSent): (HealthMonitor._on_registration_sent, s) for s in _WATCHED},
+    **{(s, InstanceRegistered): (HealthMonitor._on_registered, s) for s in _WATCHED},
+    **{(s, InstanceUnregistered): (HealthMonitor._on_unregistered, s) for s in _WATCHED},
+    **{(s, RegistrationFailed): (HealthMonitor._on_registration_failed, s) for s in _WATCHED},
+    **{(s, InstancePingRefused): (HealthMonitor._on_ping_refused, s) for s in _WATCHED},
+    **{(s, RequestRefused): (HealthMonitor._on_refused, s) for s in _WATCHED},
+}, assigns=True)
 """An event naming a server this monitor does not watch is ``ABSENT`` and only counted in
 ``stale_replies``. A timer runs only in the state that makes it due (``_run_due``), so no other
 timer pair ever runs; the dispatcher would count one in ``stale_events``."""

@@ -147,7 +147,7 @@ class L2Work:
         self.writes: dict[int, tuple[ObjectKey, ...]] = {}
         # kv_events: per write, the world size and the chunks it holds (reported once written)
         self.write_chunks: dict[int, tuple[int, dict[bytes, StoredChunk]]] = {}
-        self.dispatch = L2_TABLE.bind(self, _work_id, self.state, ctx.counters, ctx.reply_error)
+        self.dispatch = L2_TABLE.bind(self, _work_id, self.state, ctx.counters, ctx.reply_error, self._set_state)
 
     def state(self, work_id: Hashable) -> L2State:
         if work_id in self.reads:
@@ -157,6 +157,17 @@ class L2Work:
         if work_id in self.writes:
             return L2State.WRITING
         return L2State.ABSENT
+
+    def _set_state(self, work_id: Hashable, state: L2State) -> None:
+        """L2_TABLE's assignment. Every row ends its work (``ABSENT``): the read, probe or write
+        of ``work_id`` is forgotten, with the chunks a write was to report. Work starts outside
+        the table (``walk_probe``, ``emit_read``, ``write_behind`` file it)."""
+        assert state is L2State.ABSENT, state
+        if isinstance(work_id, int):
+            self.reads.pop(work_id, None)
+            self.probes.pop(work_id, None)
+            self.writes.pop(work_id, None)
+            self.write_chunks.pop(work_id, None)
 
     def timer_live(self, timer: Timer) -> bool:
         return self.state(_work_id(timer)) is not L2State.ABSENT
@@ -332,7 +343,7 @@ class L2Work:
 
     def _on_read_finished(self, ev: L2ReadFinished, now: float, out: list[Effect]) -> None:
         # its objects land (and its job's leases are taken) a slice per loop turn (server_jobs)
-        read = self.reads.pop(ev.read_id)
+        read = self.reads[ev.read_id]
         n = len(read.keys)
         loaded = tuple(map(bool, itertools.islice(ev.loaded, n)))  # what the answer leaves out: not loaded
         self.jobs.read_finished(read, loaded + (False,) * (n - len(loaded)), now, out)
@@ -342,7 +353,7 @@ class L2Work:
         self.ctx.unpin(L2ReadOwner(ev.read_id))  # expired: its slots leave quarantine now
 
     def _on_probe_finished(self, ev: L2ProbeFinished, now: float, out: list[Effect]) -> None:
-        probe = self.probes.pop(ev.probe_id)
+        probe = self.probes[ev.probe_id]
         n = len(probe.keys)
         present = tuple(map(bool, itertools.islice(ev.present, n)))
         self.jobs.probe_finished(probe, present + (False,) * (n - len(present)), now, out)
@@ -351,11 +362,11 @@ class L2Work:
         self.ctx.counters["stale_events"] += 1
 
     def _on_write_finished(self, ev: L2WriteFinished, now: float, out: list[Effect]) -> None:
-        keys = self.writes.pop(ev.write_id)
+        keys = self.writes[ev.write_id]
         owner = L2WriteOwner(ev.write_id)
         self.ctx.index.release_owner(owner, ReleaseReason.L2_WRITE, now)  # it leased exactly its keys
         self.ctx.unpin(owner)
-        reported = self.write_chunks.pop(ev.write_id, None)
+        reported = self.write_chunks.get(ev.write_id)
         if self.ctx.held is not None and reported is not None and ev.ok:
             self.ctx.held.written_l2(keys, reported[1], reported[0], out)
 
@@ -368,21 +379,19 @@ class L2Work:
     def _on_read_deadline(self, timer: L2ReadDeadline, now: float, out: list[Effect]) -> None:
         """Never answered within the lease TTL: its reservations are dropped (the index expired
         them already) and a job still waiting on it resolves with its L1 prefix."""
-        read = self.reads.pop(timer.read_id)
+        read = self.reads[timer.read_id]
         self.ctx.counters["l2_reads_expired"] += 1
         self.ctx.index.abort_writes(read.keys, L2ReadOwner(read.read_id), now)
         self.jobs.read_expired(read, now, out)
 
     def _on_probe_deadline(self, timer: L2ProbeDeadline, now: float, out: list[Effect]) -> None:
-        probe = self.probes.pop(timer.probe_id)
+        probe = self.probes[timer.probe_id]
         self.ctx.counters["l2_probes_expired"] += 1
         self.jobs.probe_expired(probe, now, out)
 
     def _on_write_deadline(self, timer: L2WriteDeadline, now: float, out: list[Effect]) -> None:
         self.ctx.counters["l2_writes_expired"] += 1
         owner = L2WriteOwner(timer.write_id)
-        self.write_chunks.pop(timer.write_id, None)
-        del self.writes[timer.write_id]
         self.ctx.index.release_owner(owner, ReleaseReason.L2_WRITE, now)  # it leased exactly its keys
 
     def check_invariants(self) -> None:
@@ -391,17 +400,18 @@ class L2Work:
                 assert owner.write_id in self.writes, "lease of a finished L2 write"
 
 
-# (state of the L2 work the event names, event type) -> (handler, next states). A completion or
-# deadline for work of another kind under that id is stale (not listed: counted).
+# (state of the L2 work the event names, event type) -> (handler, next state), which the dispatcher
+# assigns (L2Work._set_state). A completion or deadline for work of another kind under that id is
+# stale (not listed: counted).
 L2_TABLE: Table[L2State] = Table("LookupServer L2 work (read, probe, write of an id)", L2State, L2State.ABSENT, {
-    (L2State.READING, L2ReadFinished): (L2Work._on_read_finished, {L2State.ABSENT}),
-    (L2State.ABSENT, L2ReadFinished): (L2Work._on_stale_read, {L2State.ABSENT}),
-    (L2State.READING, L2ReadDeadline): (L2Work._on_read_deadline, {L2State.ABSENT}),
-    (L2State.PROBING, L2ProbeFinished): (L2Work._on_probe_finished, {L2State.ABSENT}),
-    (L2State.ABSENT, L2ProbeFinished): (L2Work._on_stale, {L2State.ABSENT}),
-    (L2State.PROBING, L2ProbeDeadline): (L2Work._on_probe_deadline, {L2State.ABSENT}),
-    (L2State.WRITING, L2WriteFinished): (L2Work._on_write_finished, {L2State.ABSENT}),
-    (L2State.ABSENT, L2WriteFinished): (L2Work._on_stale_write, {L2State.ABSENT}),
-    (L2State.WRITING, L2WriteDeadline): (L2Work._on_write_deadline, {L2State.ABSENT}),
-})
+    (L2State.READING, L2ReadFinished): (L2Work._on_read_finished, L2State.ABSENT),
+    (L2State.ABSENT, L2ReadFinished): (L2Work._on_stale_read, L2State.ABSENT),
+    (L2State.READING, L2ReadDeadline): (L2Work._on_read_deadline, L2State.ABSENT),
+    (L2State.PROBING, L2ProbeFinished): (L2Work._on_probe_finished, L2State.ABSENT),
+    (L2State.ABSENT, L2ProbeFinished): (L2Work._on_stale, L2State.ABSENT),
+    (L2State.PROBING, L2ProbeDeadline): (L2Work._on_probe_deadline, L2State.ABSENT),
+    (L2State.WRITING, L2WriteFinished): (L2Work._on_write_finished, L2State.ABSENT),
+    (L2State.ABSENT, L2WriteFinished): (L2Work._on_stale_write, L2State.ABSENT),
+    (L2State.WRITING, L2WriteDeadline): (L2Work._on_write_deadline, L2State.ABSENT),
+}, assigns=True)
 L2_TIMERS = (L2ReadDeadline, L2ProbeDeadline, L2WriteDeadline)

@@ -213,3 +213,25 @@ def test_one_trip_world_answers_in_the_ack() -> None:
     assert querying, base.reached
     assert not querying & ex.reached
     assert ex.states < base.states
+
+
+def test_copied_machine_assigns_its_own_state() -> None:
+    """The explorer's dispatcher copier binds an assigning table's set_state (and guards) to the
+    copied machine: a transition run on the copy changes the copy, never the original."""
+    import copy
+
+    import mpcache.sim.explore_state  # noqa: F401  # registers the dispatcher copier
+    from mpcache.core_sm.health import HealthConfig, HealthMonitor, HealthState, HeartbeatReply
+
+    original = HealthMonitor(HealthConfig(num_servers=1))
+    clone = copy.deepcopy(original)
+    assert clone.dispatch._set_state.__self__ is clone  # type: ignore[union-attr]
+    clone.handle(HeartbeatReply(0, epoch=1), 0.5)
+    assert clone.state(0) is HealthState.HEALTHY
+    assert original.state(0) is HealthState.PROBING
+
+    from mpcache.core_sm.server import LookupServer, ServerConfig
+
+    server = LookupServer(ServerConfig(chunk_size=4, num_slots=8, slot_bytes=64))
+    server_clone = copy.deepcopy(server)
+    assert server_clone.l2.dispatch._set_state.__self__ is server_clone.l2  # type: ignore[union-attr]
