@@ -838,13 +838,21 @@ class WorkerAdapter(_MachineShell):
         self._pump()
         if not waiting:
             return
-        deadline = time.monotonic() + self.request_timeout_s + 1.0
+        # The machine always settles a load: answered, or given up at its op timeout (the request
+        # timeout) and, where the server may still copy, held until not_after + copy_grace. This
+        # bound is only a guard past that: it is checked after a pump, so a fence due now ends first.
+        grace = self._machine.config.copy_grace
+        deadline = time.monotonic() + self.request_timeout_s + grace + 2.0
         while True:
             with self._lock:
                 # A sync load's request has no other op yet: its ops are this step's retrieves.
                 loading = self._machine.loading(waiting)
+            if not loading:
+                return
             left = deadline - time.monotonic()
-            if not loading or left <= 0:
+            if left <= 0:
+                log.error("mpcache: synchronous loads of %s still unsettled after %.1f s; their blocks may "
+                          "not be loaded", sorted(waiting), self.request_timeout_s + grace + 2.0)
                 return
             self._pump(wait=min(left, 0.05))
 
