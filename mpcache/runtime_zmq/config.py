@@ -18,6 +18,7 @@ config line and documentation.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import textwrap
@@ -32,8 +33,12 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
+@functools.cache
 def version() -> str:
-    """The installed distribution's version (the source tree's pyproject when not installed)."""
+    """The installed distribution's version (the source tree's pyproject when not installed).
+
+    Read once per process: the health, stats and metrics answers name it on the server's loop,
+    and reading it (a metadata scan or a TOML parse) cost each of them a few hundred µs."""
     try:
         from importlib.metadata import PackageNotFoundError
         from importlib.metadata import version as dist_version
