@@ -13,7 +13,13 @@ hand in vLLM's call order:
 * ``c``: a prompt that shares only the first chunk: its L1 part hits, the rest goes to L2 (two
   steps again), one chunk loaded;
 * ``d``: the first prompt again, a hit that is finished (aborted) before vLLM allocates it: the
-  planner ends its session (the server gives back its read leases).
+  planner ends its session (the server gives back its read leases);
+* ``e``: the server is stopped: a lookup while it is down is a miss (the links' heartbeats go
+  unanswered, the servers are declared down, the lookup fails typed or is not sent), computed
+  and not stored anywhere;
+* ``f``: the server is started again on the same port with the same disk L2 (a new epoch, L1
+  empty): both links register again, and the first prompt hits from L2 (two steps), loaded
+  synchronously and checked byte for byte.
 
 Usage (from a checkout; needs torch, as the CPU engine's tensors do)::
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -43,8 +50,12 @@ def main(out: str) -> int:
 
     tmp = tempfile.mkdtemp(prefix="mpcache-record-")
     record = os.path.join(tmp, "recording.jsonl")
-    server = ServerProcess(["--port", "0", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1",
-                            "--no-l1-reserve", "--metrics-port", "0", "--l2", f"disk:{tmp}/l2"], ready_timeout=60.0)
+    with socket.socket() as s:  # a fixed port, so the restarted server (f) is the same address
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--port", str(port), "--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1",
+             "--no-l1-reserve", "--metrics-port", "0", "--l2", f"disk:{tmp}/l2"]
+    server = ServerProcess(flags, ready_timeout=60.0)
     os.environ["MPCACHE_RECORD"] = record
     try:
         config = ConnectorConfig(server_urls=server.url, chunk_size=CHUNK)
@@ -59,7 +70,7 @@ def main(out: str) -> int:
             return [next(next_block) for _ in range(n)]
 
         def match(rid: str, prompt: list[int]) -> tuple[int, bool]:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 20  # (e: the request timeout, then the miss)
             while time.monotonic() < deadline:
                 tokens, load_async = scheduler.get_num_new_matched_tokens(rid, prompt, len(prompt), 0)
                 if tokens is not None:
@@ -128,6 +139,38 @@ def main(out: str) -> int:
         # d: a hit that vLLM aborts before allocating it: the planner ends its session
         assert match("d", prompt) == (hit, False)
         finish("d")
+
+        # e: the server stops; a lookup while it is down is a miss, and nothing is stored
+        time.sleep(0.5)  # (the disk L2 writes of a's chunks land)
+        server.stop()
+        time.sleep(2.0)  # a few heartbeats go unanswered
+        assert match("e", prompt) == (0, False)
+        finish("e")
+
+        # f: the same server again (same port and disk L2, a new epoch, L1 empty): the links
+        # register again, and the first prompt hits from L2, loaded and checked
+        server = ServerProcess(flags, ready_timeout=60.0)
+        deadline, attempt, tokens, rid = time.monotonic() + 20, 0, 0, "f"
+        while time.monotonic() < deadline:
+            rid = f"f{attempt}"
+            tokens, _ = match(rid, prompt)
+            if tokens:
+                break
+            finish(rid)  # the link has not seen the server back yet: a miss; a new request asks again
+            attempt += 1
+            time.sleep(0.2)
+        assert tokens == hit, tokens
+        target = blocks(n_blocks)
+        scheduler.update_state_after_alloc(rid, target, hit)
+        plan = scheduler.build_plan([ScheduledRequest(rid, hit, len(prompt) - hit, target, True)])
+        assert [(r.start, r.end) for r in plan.retrieves] == [(0, hit)], plan
+        worker.submit_retrieves(plan.retrieves)
+        worker.submit_stores(plan.stores)
+        assert worker.load_errors() == set()
+        for cache in kv.values():
+            for t in range(hit):
+                assert float(cache[target[t // BLOCK], 0, t % BLOCK, 0]) == float(prompt[t]), t
+        finish(rid)
         worker.close()
         scheduler.close()
     finally:

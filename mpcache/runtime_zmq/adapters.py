@@ -367,7 +367,12 @@ class _MachineShell:
         self._record: MachineRecord | None = None  # MPCACHE_RECORD (runtime_zmq.recorder)
 
     def _handle(self, event: object) -> list[Any]:
+        """Feed a caller's event, after the queued ones: they happened before this call (a link
+        that saw its server come back, or go down, before vLLM submitted this step's loads), and
+        a machine fed them later would decide the call on a view it no longer holds."""
         with self._lock:
+            for queued in self._links.drain():
+                self._apply(self._feed(queued, self._clock()))
             return self._apply(self._feed(event, self._clock()))
 
     def _feed(self, event: object, now: float) -> list[Any]:

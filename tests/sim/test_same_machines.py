@@ -160,6 +160,16 @@ def test_a_recorded_production_run_replays_step_for_step_through_the_simulators_
     assert all(link.monitor.stats()["heartbeats_sent"] >= 1 for link in by_kind["link"])
     # and a request finished before it was allocated (vLLM aborted it after its lookup)
     assert result.events["planner"]["RequestFinished"] > result.events["planner"]["BlocksAllocated"]
+    # a server stopped and started again on the same address: the links' sends failed while it
+    # was down, both machines saw it unhealthy and then a new epoch, and a load after the restart
+    # (from L2) was copied (three retrieves: b, c and f; a retrieve decided on the stale "down"
+    # view would have failed without a copy)
+    assert result.events["link"]["SendFailed"] >= 1 and result.events["link"]["Connected"] >= 2
+    for kind in ("planner", "transfer_client"):
+        assert result.events[kind]["ServerEpoch"] >= 2 and result.events[kind]["ServerHealth"] >= 2
+    assert any(not e.get("healthy", True) for line in lines if line.get("i", "").startswith("transfer_client")
+               for e in [line["event"]] if e["$"] == "ServerHealth")
+    assert transfer.stats()["retrieves"] >= 3 and result.events["transfer_client"]["CopyFinished"] >= 5
 
 
 def test_a_replay_reports_the_first_step_whose_effects_differ() -> None:
