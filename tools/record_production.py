@@ -21,9 +21,14 @@ hand in vLLM's call order:
   empty): both links register again, and the first prompt hits from L2 (two steps), loaded
   synchronously and checked byte for byte.
 
-Usage (from a checkout; needs torch, as the CPU engine's tensors do)::
+With ``--gpu`` the engine's KV is on CUDA and the server copies (``--gpu on``, server-driven
+transfers after the worker's interprocess event; loads are asynchronous, as a GPU engine's are by
+default: the script waits for the worker to report them received).
+
+Usage (from a checkout; needs torch, as the engine's tensors do)::
 
     python tools/record_production.py tests/data/prod_recording.jsonl
+    python tools/record_production.py --gpu tests/data/prod_recording_gpu.jsonl    # on a CUDA host
 
 It overwrites the output file. The recording holds the lines of every machine built: the
 scheduler's planner, the worker's transfer client, and both processes' links.
@@ -41,7 +46,7 @@ BLOCK, CHUNK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 32, 1, 1, 4, 32
 MODEL = "tiny-recorded"
 
 
-def main(out: str) -> int:
+def main(out: str, gpu: bool = False) -> int:
     import torch
 
     from mpcache.bench.server_process import ServerProcess
@@ -54,15 +59,22 @@ def main(out: str) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = ["--port", str(port), "--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1",
-             "--no-l1-reserve", "--metrics-port", "0", "--l2", f"disk:{tmp}/l2"]
+             "--no-l1-reserve", "--metrics-port", "0", "--l2", f"disk:{tmp}/l2", "--gpu", "on" if gpu else "off"]
     server = ServerProcess(flags, ready_timeout=60.0)
     os.environ["MPCACHE_RECORD"] = record
     try:
         config = ConnectorConfig(server_urls=server.url, chunk_size=CHUNK)
         scheduler = SchedulerAdapter.connect(config, model_name=MODEL, world_size=1, block_size=BLOCK,
-                                             cpu_engine=True)
+                                             cpu_engine=not gpu)
         worker = WorkerAdapter.connect(config, model_name=MODEL, world_size=1, rank=0, block_size=BLOCK)
-        kv = {f"layers.{i}.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) for i in range(LAYERS)}
+        if gpu:  # vLLM's CUDA layout [2, num_blocks, block_size, heads, head_size]
+            kv = {f"layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD, device="cuda") for i in range(LAYERS)}
+        else:  # its CPU layout [num_blocks, heads, block_size, 2 * head_size]
+            kv = {f"layers.{i}.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) for i in range(LAYERS)}
+
+        def token_slot(cache: "torch.Tensor", block: int, pos: int) -> "torch.Tensor":
+            """Every K and V element of one token position of one block."""
+            return cache[:, block, pos] if gpu else cache[block, :, pos]
         worker.register_kv_caches(kv)
         next_block = iter(range(1, NUM_BLOCKS))
 
@@ -92,7 +104,23 @@ def main(out: str) -> int:
         def write(block_ids: list[int], prompt: list[int]) -> None:
             for cache in kv.values():
                 for t, token in enumerate(prompt):
-                    cache[block_ids[t // BLOCK], :, t % BLOCK] = float(token)
+                    token_slot(cache, block_ids[t // BLOCK], t % BLOCK).fill_(float(token))
+
+        def load(rid: str, retrieves: list[object]) -> None:
+            """Submit the step's loads; an asynchronous one (a GPU engine's) is done once the
+            worker reports it received."""
+            worker.submit_retrieves(retrieves)
+            deadline = time.monotonic() + 10
+            while gpu and time.monotonic() < deadline:
+                _, recving = worker.finished(set())
+                if rid in recving:
+                    break
+                time.sleep(0.01)
+            else:
+                if gpu:
+                    raise RuntimeError(f"{rid}: the load never finished")
+            if gpu:
+                torch.cuda.synchronize()
 
         rng = random.Random(11)
         prompt = [rng.randrange(1, 1000) for _ in range(3 * CHUNK + 5)]
@@ -111,33 +139,33 @@ def main(out: str) -> int:
 
         # b: the same prompt, an L1 hit in the LOOKUP's ack; a synchronous load into new blocks
         hit = 3 * CHUNK
-        assert match("b", prompt) == (hit, False)
+        assert match("b", prompt) == (hit, gpu)
         target = blocks(n_blocks)
         scheduler.update_state_after_alloc("b", target, hit)
         plan = scheduler.build_plan([ScheduledRequest("b", hit, len(prompt) - hit, target, True)])
         assert [(r.start, r.end) for r in plan.retrieves] == [(0, hit)], plan
-        worker.submit_retrieves(plan.retrieves)
+        load("b", list(plan.retrieves))
         worker.submit_stores(plan.stores)
         assert worker.load_errors() == set()
         for cache in kv.values():
             for t in range(hit):
-                assert float(cache[target[t // BLOCK], 0, t % BLOCK, 0]) == float(prompt[t]), t
+                assert bool((token_slot(cache, target[t // BLOCK], t % BLOCK) == float(prompt[t])).all()), t
         finish("b")
 
         # c: the first chunk shared, the rest new: L1 then L2 (two steps); one chunk loaded
         other = prompt[:CHUNK] + [rng.randrange(1, 1000) for _ in range(CHUNK + 3)]
-        assert match("c", other) == (CHUNK, False)
+        assert match("c", other) == (CHUNK, gpu)
         target = blocks(-(-len(other) // BLOCK))
         scheduler.update_state_after_alloc("c", target, CHUNK)
         plan = scheduler.build_plan([ScheduledRequest("c", CHUNK, len(other) - CHUNK, target, True)])
         assert [(r.start, r.end) for r in plan.retrieves] == [(0, CHUNK)], plan
-        worker.submit_retrieves(plan.retrieves)
+        load("c", list(plan.retrieves))
         worker.submit_stores(plan.stores)
         assert worker.load_errors() == set()
         finish("c")
 
         # d: a hit that vLLM aborts before allocating it: the planner ends its session
-        assert match("d", prompt) == (hit, False)
+        assert match("d", prompt) == (hit, gpu)
         finish("d")
 
         # e: the server stops; a lookup while it is down is a miss, and nothing is stored
@@ -164,12 +192,12 @@ def main(out: str) -> int:
         scheduler.update_state_after_alloc(rid, target, hit)
         plan = scheduler.build_plan([ScheduledRequest(rid, hit, len(prompt) - hit, target, True)])
         assert [(r.start, r.end) for r in plan.retrieves] == [(0, hit)], plan
-        worker.submit_retrieves(plan.retrieves)
+        load(rid, list(plan.retrieves))
         worker.submit_stores(plan.stores)
         assert worker.load_errors() == set()
         for cache in kv.values():
             for t in range(hit):
-                assert float(cache[target[t // BLOCK], 0, t % BLOCK, 0]) == float(prompt[t]), t
+                assert bool((token_slot(cache, target[t // BLOCK], t % BLOCK) == float(prompt[t])).all()), t
         finish(rid)
         worker.close()
         scheduler.close()
@@ -185,4 +213,5 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/prod_recording.jsonl"))
+    args = [a for a in sys.argv[1:] if a != "--gpu"]
+    sys.exit(main(args[0] if args else "tests/data/prod_recording.jsonl", gpu="--gpu" in sys.argv[1:]))

@@ -207,6 +207,30 @@ def test_a_replay_reports_the_first_step_whose_effects_differ() -> None:
     assert result.mismatch.describe().startswith(f"line {planned}: {name} step {result.mismatch.step} (StepScheduled)")
 
 
+GPU_RECORDING = RECORDING.with_name("prod_recording_gpu.jsonl")
+
+
+def test_a_recorded_gpu_run_replays_step_for_step_through_the_simulators_machines() -> None:
+    """tests/data/prod_recording_gpu.jsonl (``tools/record_production.py --gpu`` on an H200): the
+    same run with the engine's KV on CUDA, the server copying after the worker's interprocess
+    event (server-driven), loads asynchronous, and the same outage and restart. The simulator's
+    server-driven world builds the same machines and gets every effect back."""
+    from mpcache.core_sm.transfer_client import TransferClient
+    from mpcache.sim.prod_replay import load, replay, world_of
+
+    lines = load(str(GPU_RECORDING))
+    world = world_of(lines)
+    assert (world.cpu_engine, world.engine_driven) == (False, False)
+    result = replay(lines)
+    assert result.ok, result.mismatch.describe() if result.mismatch else ""
+    (transfer,) = [m for name, m in result.machines.items() if name.startswith("transfer_client")]
+    assert type(transfer) is TransferClient
+    # every store and load was the server's copy, answered by its reply (no engine copy)
+    assert result.events["transfer_client"].get("CopyFinished", 0) == 0
+    assert transfer.stats()["retrieves"] >= 3 and result.events["transfer_client"]["ReplyReceived"] >= 5
+    assert result.events["transfer_client"]["ServerEpoch"] >= 2 and result.events["link"]["SendFailed"] >= 1
+
+
 def test_mpcache_sim_replays_a_recording(capsys: Any) -> None:
     from mpcache.sim.cli import main
 
