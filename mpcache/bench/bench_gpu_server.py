@@ -184,6 +184,32 @@ def _server_cpu_ns(pid: int) -> int:
     return total
 
 
+def _server_cpu_by_task(pid: int) -> dict[int, int]:
+    """CPU ns per thread (task id) of the server so far."""
+    out: dict[int, int] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                out[int(task)] = int(f.read().split()[0])
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _thread_name(pid: int, tid: int, python_names: dict[str, str]) -> str:
+    """The server's Python name for a thread (its ``stats`` answer's ``threads``), else the
+    kernel's (zmq's I/O threads name themselves), with a trailing number dropped so that
+    per-instance threads add up."""
+    name = python_names.get(str(tid))
+    if name is None:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            name = "gone"
+    return "MainThread (loop)" if tid == pid else name.rstrip("0123456789").rstrip("-/")
+
+
 class Server(ServerProcess):
     """``mpcache-server --gpu on`` for this benchmark (ipc socket, its chunk and slot size)."""
 
@@ -242,16 +268,23 @@ def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdi
                 check = rnd in (0, args.rounds - 1)
                 s0 = server.stats()
                 c0, w0 = _server_cpu_ns(server.proc.pid), time.perf_counter()
+                t0 = _server_cpu_by_task(server.proc.pid)
                 for e, conn in enumerate(pipes):
                     conn.send({"op": "phase", "requests": per[e], "chunks": n_chunks, "tag": f"{n_engines}-{n_req}x{n_chunks}-{rnd}-{time.monotonic_ns()}",
                             "check": check})
                 res = [conn.recv() for conn in pipes]
                 c1, w1 = _server_cpu_ns(server.proc.pid), time.perf_counter()
+                t1 = _server_cpu_by_task(server.proc.pid)
                 s1 = server.stats()
+                threads: dict[str, int] = {}
+                for tid, ns in t1.items():
+                    name = _thread_name(server.proc.pid, tid, s1.get("threads", {}))
+                    threads[name] = threads.get(name, 0) + ns - t0.get(tid, 0)
                 for r in res:
                     if "error" in r:
                         raise RuntimeError(r["error"])
-                rounds.append({"res": res, "cpu_ns": c1 - c0, "idle_ns": idle_ns_per_s * (w1 - w0), "s0": s0, "s1": s1})
+                rounds.append({"res": res, "cpu_ns": c1 - c0, "idle_ns": idle_ns_per_s * (w1 - w0), "s0": s0, "s1": s1,
+                               "threads": threads})
             rows.append(_summarise(n_engines, n_req, n_chunks, rounds, args.ceiling))
     finally:
         for conn in pipes:
@@ -371,6 +404,13 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
     reqs = 2 * n_req * len(steady)
     row["cpu_us_per_req"] = max(0.0, sum(r["cpu_ns"] - r["idle_ns"] for r in steady)) / reqs / 1e3
     row["cpu_us_per_req_gross"] = sum(r["cpu_ns"] for r in steady) / reqs / 1e3
+    by_thread: dict[str, int] = {}
+    for r in steady:
+        for name, ns in r.get("threads", {}).items():
+            by_thread[name] = by_thread.get(name, 0) + ns
+    # gross CPU per request by thread (not net of idle): where the server's CPU goes
+    row["cpu_us_per_req_by_thread"] = {name: ns / reqs / 1e3 for name, ns in
+                                       sorted(by_thread.items(), key=lambda kv: -kv[1])}
     started = sum(r["s1"].get("gpu_started", 0) - r["s0"].get("gpu_started", 0) for r in steady)
     ns = sum(r["s1"].get("gpu_start_ns", 0) - r["s0"].get("gpu_start_ns", 0) for r in steady)
     row["host_us_per_transfer"] = ns / started / 1e3 if started and ns else float("nan")
@@ -471,6 +511,10 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
                     f"GPU enqueued to seen done {r.get('flight_ms_per_transfer', float('nan')):.2f}; "
                     f"engine p50 store {r['store']['p50']:.2f} retrieve {r['retrieve']['p50']:.2f} "
                     f"(of which the client's submit call {r['store']['submit_p50']:.2f} / {r['retrieve']['submit_p50']:.2f})")
+        if r.get("cpu_us_per_req_by_thread"):
+            tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: server CPU us/req by thread (gross "
+                        f"{r['cpu_us_per_req_gross']:.0f}): "
+                        + ", ".join(f"{name} {us:.0f}" for name, us in r["cpu_us_per_req_by_thread"].items() if us >= 1))
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: first round, us per transfer: host "
                     + ", ".join(f"{part} {r.get(f'first_{part}_us', float('nan')):.1f}"
                                 for part in ("start", "plan", "enqueue", "wait", "flight")))

@@ -16,6 +16,13 @@ server); then `lookup to its ack`: the CPU from a lookup's arrival to its reply'
 server acknowledges before the lookup's hashing and leases, which then run before the next
 message: what one request in flight waits for). `--profile` adds a cProfile breakdown of the list-form cycle (self time per function).
 
+Then the server-driven (GPU) transfer path, the CPU the server's loop spends per STORE and
+RETRIEVE of `--transfer-chunks` chunks with no device: a second server whose transfer engine
+plans each transfer's kernel rows as the GPU engine does (`gpu_transfer.plan_rows`) and reports
+it done at once; each call is the request's decode, core_sm, the engine's plan, the completion's
+handling and the reply (the copy and its enqueue, ~130 µs on an H200, are not in it).
+`--profile` adds its cProfile too.
+
 The implied ceiling: one core spends `1e6 / us` requests per second in the handler, before the
 transport (recv/send, the zmq I/O thread) and the loop's poll.
 """
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="cProfile the list-form lookup cycle")
+    parser.add_argument("--transfer-chunks", type=int, default=8, help="chunks per server-driven STORE / RETRIEVE")
     parser.add_argument("--form", choices=("both", "list", "packed"), default="both",
                         help="token-id forms of the lookup rows (one form: a py-spy profile of the run is of that form)")
     args = parser.parse_args(argv)
@@ -207,4 +215,115 @@ def main(argv: list[str] | None = None) -> int:
         server._token_scanner = tokens.load_in_background()
         server._chain_loader = sha256_chain.load_in_background()
         server._shutdown()
+    transfer_rows(args)
     return 0
+
+
+class _PlanOnlyExecutor:
+    """A server-driven transfer engine without a device: plans each transfer's kernel rows as
+    ``GpuTransferExecutor.start`` does, then reports it done (the server's completion channel)."""
+
+    on_instance_failed = None
+
+    def __init__(self, chunk_tokens: int, block_size: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.slot_bytes = 0
+        self.started = 0
+
+    def register_instance(self, instance_id: int, layout: Any, pool: Any) -> str | None:
+        self.slot_bytes = pool.slot_bytes
+        return None
+
+    def unregister_instance(self, instance_id: int) -> None:
+        pass
+
+    def start(self, transfer: Any, event_handle: bytes, done: Callable[[int, bool], None]) -> None:
+        from mpcache.runtime_zmq.gpu_transfer import plan_rows
+
+        plan_rows(transfer, self.chunk_tokens, self.block_size, self.slot_bytes)
+        self.started += 1
+        done(transfer.transfer_id, True)
+
+    def close(self) -> None:
+        pass
+
+
+def transfer_rows(args: argparse.Namespace) -> None:
+    """Server CPU per server-driven STORE and RETRIEVE (see the module's doc)."""
+    from mpcache.runtime_zmq import sha256_chain, tokens
+    from mpcache.runtime_zmq.server import Server, ServerConfig
+
+    block, chunks = 16, args.transfer_chunks
+    executor = _PlanOnlyExecutor(CHUNK, block)
+    d = tempfile.mkdtemp(prefix="mpcache-serverpath-")
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=256 << 20, slot_bytes=OBJECT_BYTES),
+                    transfer_executor=executor)
+    real_sock = server.sock
+    stub = _StubSocket()
+    server.sock = stub  # type: ignore[assignment]
+    handle = server._on_message
+    handle_event = bytes(64)
+    blocks = list(range(chunks * CHUNK // block))
+    try:
+        handle(_frames(1, "register_instance", INSTANCE_ID, {
+            "model_name": MODEL, "world_size": 1, "object_bytes": OBJECT_BYTES, "engine_driven": False}))
+        _result(stub)
+        n_prompts = args.calls
+        rng = __import__("random").Random(7)
+        prompts = [[rng.randrange(1, 128_000) for _ in range(chunks * CHUNK)] for _ in range(n_prompts)]
+        keys = [msgpack.packb(lookup_key(p, f"t{i}", worker_id=0, packed=True), use_bin_type=True)
+                for i, p in enumerate(prompts)]
+        ids = msgpack.packb(blocks)
+        inst, ev, store_op, retrieve_op = (msgpack.packb(x, use_bin_type=True) for x in
+                                           (INSTANCE_ID, handle_event, "store", "retrieve"))
+        zero = msgpack.packb(0)
+        uid = [100]
+
+        def call(op: bytes, key: bytes, *tail: bytes) -> None:
+            n = uid[0] = uid[0] + 1
+            handle([b"peer", msgpack.packb(n), op, key, inst, ids, ev, *tail])
+            server._drain_completions()  # the engine's report: core_sm's TransferFinished, then the reply
+
+        call(store_op, keys[0])
+        if _result(stub) is None and executor.started != 1:
+            raise RuntimeError("the store started no transfer")
+        call(retrieve_op, keys[0], zero)
+        _result(stub)
+        if executor.started != 2:
+            raise RuntimeError(f"the retrieve started no transfer ({executor.started} started)")
+        print(f"\n# server-driven transfers, {chunks} chunks of {CHUNK} tokens each, {args.rounds} rounds x "
+              f"{n_prompts} calls: decode, core_sm, plan_rows, completion, reply (no device)")
+        print("| request | median µs | best µs | handler ceiling, one core |")
+        print("|---|---:|---:|---:|")
+        for name, op, tail in (("STORE (server-driven)", store_op, ()), ("RETRIEVE (server-driven)", retrieve_op, (zero,))):
+            per: list[float] = []
+            for rnd in range(args.rounds + 1):  # the first round warms up (and stores every prompt)
+                started = executor.started
+                t0 = time.thread_time()
+                for key in keys:
+                    call(op, key, *tail)
+                if rnd:
+                    per.append((time.thread_time() - t0) / n_prompts * 1e6)
+                if op is retrieve_op and executor.started - started != n_prompts:
+                    raise RuntimeError(f"{executor.started - started} of {n_prompts} retrieves started a transfer")
+            med = statistics.median(per)
+            print(f"| {name} | {med:.1f} | {min(per):.1f} | {1e6 / med:,.0f}/s |")
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for key in keys:
+                call(store_op, key)
+                call(retrieve_op, key, zero)
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+            print("\n# cProfile, a server-driven STORE + RETRIEVE (self time):")
+            for line in out.getvalue().splitlines():
+                if line.strip():
+                    print("#", line)
+    finally:
+        server.sock = real_sock
+        server._token_scanner = tokens.load_in_background()
+        server._chain_loader = sha256_chain.load_in_background()
+        server._shutdown()

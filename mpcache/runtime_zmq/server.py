@@ -1034,6 +1034,8 @@ class Server:
             }
         elif op == "stats":
             result = self.stats()
+            # which thread is which, for per-thread CPU from /proc (the kernel knows only the ids)
+            result["threads"] = {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
         elif op == "l1_info":
             result = {"segment": self.pool.ensure(), "slot_bytes": self.pool.slot_bytes, "num_slots": self.pool.num_slots}
         else:  # report_block_allocation: accepted, counted (observability only)
