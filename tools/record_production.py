@@ -19,7 +19,14 @@ hand in vLLM's call order:
   and not stored anywhere;
 * ``f``: the server is started again on the same port with the same disk L2 (a new epoch, L1
   empty): both links register again, and the first prompt hits from L2 (two steps), loaded
-  synchronously and checked byte for byte.
+  synchronously and checked byte for byte;
+* ``g``: the server is paused (SIGSTOP) for longer than the request timeout: a lookup of a new
+  prompt times out (a miss), its store is given up; resumed (SIGCONT), its late replies are
+  dropped as stale and the links see it healthy again;
+* ``h``: the server is killed and started again at once, and a new prompt is looked up, computed
+  and stored before the links have reconnected: the sends fail at once (a miss, nothing stored);
+  ``i``, the same prompt once the links are back, a miss stored; ``j`` hits and loads it, checked
+  byte for byte.
 
 With ``--gpu`` the engine's KV is on CUDA and the server copies (``--gpu on``, server-driven
 transfers after the worker's interprocess event; loads are asynchronous, as a GPU engine's are by
@@ -37,12 +44,13 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import sys
 import tempfile
 import time
 
-BLOCK, CHUNK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 32, 1, 1, 4, 32
+BLOCK, CHUNK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 32, 1, 1, 4, 64
 MODEL = "tiny-recorded"
 
 
@@ -87,7 +95,7 @@ def main(out: str, gpu: bool = False) -> int:
                 tokens, load_async = scheduler.get_num_new_matched_tokens(rid, prompt, len(prompt), 0)
                 if tokens is not None:
                     return tokens, load_async
-                time.sleep(0.01)
+                time.sleep(0.05)  # (vLLM asks again each step)
             raise RuntimeError(f"{rid}: the lookup never answered")
 
         def finish(rid: str) -> None:
@@ -199,6 +207,52 @@ def main(out: str, gpu: bool = False) -> int:
             for t in range(hit):
                 assert bool((token_slot(cache, target[t // BLOCK], t % BLOCK) == float(prompt[t])).all()), t
         finish(rid)
+
+        def compute_and_store(rid: str, tokens_: list[int]) -> list[int]:
+            assert match(rid, tokens_) == (0, False)
+            source_ = blocks(-(-len(tokens_) // BLOCK))
+            scheduler.update_state_after_alloc(rid, source_, 0)
+            write(source_, tokens_)
+            plan_ = scheduler.build_plan([ScheduledRequest(rid, 0, len(tokens_), source_, True)])
+            worker.submit_retrieves(plan_.retrieves)
+            worker.submit_stores(plan_.stores)
+            return source_
+
+        # g: the server paused past the request timeout: the lookup and the store are given up;
+        # resumed, the late replies are stale and the links see the server healthy again
+        paused = [rng.randrange(1, 1000) for _ in range(2 * CHUNK + 3)]
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            compute_and_store("g", paused)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        finish("g")
+        time.sleep(1.5)  # the late replies land, heartbeats answer again
+
+        # h: killed and started again at once; a prompt stored right away, before the links have
+        # reconnected: its sends fail at once (nothing waits for a timeout), vLLM computed it anyway
+        server.proc.kill()
+        server.stop()
+        server = ServerProcess(flags, ready_timeout=60.0)
+        fresh = [rng.randrange(1, 1000) for _ in range(2 * CHUNK + 3)]
+        compute_and_store("h", fresh)
+        finish("h")
+        time.sleep(1.5)  # the links reconnect, see the new epoch, the worker registers again
+        # i: the same prompt again, a miss (h stored nothing), computed and stored; j hits and loads it
+        compute_and_store("i", fresh)
+        finish("i")
+        tokens = match("j", fresh)[0]
+        assert tokens == 2 * CHUNK, tokens
+        target = blocks(-(-len(fresh) // BLOCK))
+        scheduler.update_state_after_alloc("j", target, tokens)
+        plan = scheduler.build_plan([ScheduledRequest("j", tokens, len(fresh) - tokens, target, True)])
+        load("j", list(plan.retrieves))
+        worker.submit_stores(plan.stores)
+        assert worker.load_errors() == set()
+        for cache in kv.values():
+            for t in range(tokens):
+                assert bool((token_slot(cache, target[t // BLOCK], t % BLOCK) == float(fresh[t])).all()), t
+        finish("j")
         worker.close()
         scheduler.close()
     finally:

@@ -170,6 +170,11 @@ def test_a_recorded_production_run_replays_step_for_step_through_the_simulators_
     assert any(not e.get("healthy", True) for line in lines if line.get("i", "").startswith("transfer_client")
                for e in [line["event"]] if e["$"] == "ServerHealth")
     assert transfer.stats()["retrieves"] >= 3 and result.events["transfer_client"]["CopyFinished"] >= 5
+    # the server paused past the heartbeat timeout (g): the lookup waiting on it failed when the
+    # link declared the server down; killed and restarted at once (h): sends failed at once
+    failures = [line["event"]["error"]["message"] for line in lines
+                if line.get("i", "").startswith("planner") and line["event"]["$"] == "RequestFailed"]
+    assert any("stopped answering" in f for f in failures) and any("not connected" in f for f in failures)
 
 
 def test_a_replay_reports_the_first_step_whose_effects_differ() -> None:
