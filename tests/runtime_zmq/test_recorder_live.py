@@ -29,7 +29,7 @@ def test_nothing_is_recorded_unless_asked(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_a_recorded_production_run_replays_through_the_simulator(tmp_path: Path) -> None:
-    """Regenerate the recording (a real server, the connector's adapters, three requests) and
+    """Regenerate the recording (a real server, the connector's adapters, ten requests, an outage, a pause and two restarts) and
     replay it: every machine the run built is in it, and every step replays as recorded."""
     from mpcache.sim.prod_replay import load, replay
 
@@ -51,7 +51,7 @@ def test_a_recorded_production_run_replays_through_the_simulator(tmp_path: Path)
     assert {"MatchRequest", "BlocksAllocated", "StepScheduled", "ReplyReceived", "RequestFinished"} <= set(events["planner"])
     assert {"SubmitStore", "SubmitRetrieve", "CopyFinished", "EngineFinished"} <= set(events["transfer_client"])
     assert {"Submit", "Reply", "TimerFired"} <= set(events["link"])
-    assert out.stat().st_size < 100_000
+    assert out.stat().st_size < 250_000
 
 
 def test_two_ranks_on_two_servers_replay_as_recorded(start_server: Callable[..., Any], tmp_path: Path,
