@@ -52,7 +52,7 @@ import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import AttachInstance, CarveL1, DetachInstance, Effect, InstanceReaped, Reply
-from mpcache.core_sm.l1_slots import slot_plan
+from mpcache.core_sm.l1_slots import SlotFit, slot_plan
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.messages import (
     CacheKey,
@@ -196,7 +196,7 @@ class InstanceMachine:
         if old is None and ev.peer is not None and sum(1 for i in self.instances.values() if i.peer == ev.peer) >= cap:
             ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"this connection has {cap} instances registered already")
             return
-        self._fit_slots(ev, out)
+        self._fit_slots(self._slot_fit(ev), out)
         if ev.object_bytes > ctx.index.slot_bytes:
             ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
                       f"object of {ev.object_bytes} B > slot of {ctx.index.slot_bytes} B: start the server "
@@ -221,20 +221,31 @@ class InstanceMachine:
             out.append(DetachInstance(ev.instance_id))
         out.append(Reply(ev.reply_to, inst.registration_id))
 
-    def _fit_slots(self, ev: RegisterInstance, out: list[Effect]) -> None:
-        """L1's slots follow the objects registered (``mpcache.core_sm.l1_slots``): cut L1 again
-        for this registration when the rule says so and L1 can be emptied."""
+    def _slot_fit(self, ev: RegisterInstance) -> SlotFit | None:
+        """What registering ``ev`` does to L1's slots (``mpcache.core_sm.l1_slots``), or None when
+        they stay as they are. Changes nothing: ``_fit_slots`` applies it."""
         ctx = self.ctx
         index = ctx.index
         plan = slot_plan(ev.object_bytes, l1_bytes=ctx.config.l1_bytes, align=ctx.config.slot_align,
                          slot_bytes=index.slot_bytes,
                          others_registered=any(iid != ev.instance_id for iid in self.instances))
         if plan is None:
+            return None
+        cuts = index.can_recarve(plan.num_slots, plan.slot_bytes, drop_ready=plan.drop_ready)
+        return SlotFit(plan, cuts, plan.slot_bytes if cuts else index.slot_bytes)
+
+    def _fit_slots(self, fit: SlotFit | None, out: list[Effect]) -> None:
+        """Apply ``_slot_fit``'s answer: drop the ready objects it drops (what an in-flight copy
+        reads stays, and L1 then stays as it is), and cut L1 again when it said so."""
+        if fit is None:
             return
-        if plan.drop_ready:  # what an in-flight copy reads stays (and L1 then stays as it is)
+        index = self.ctx.index
+        if fit.plan.drop_ready:
             index.clear(False, protected=lambda owner: isinstance(owner, EFFECT_OWNERS))
-        if index.recarve(plan.num_slots, plan.slot_bytes):
-            out.append(CarveL1(plan.slot_bytes, plan.num_slots))
+        if fit.cuts:
+            carved = index.recarve(fit.plan.num_slots, fit.plan.slot_bytes)
+            assert carved, "L1 was to be empty by now (L1Index.can_recarve)"
+            out.append(CarveL1(fit.plan.slot_bytes, fit.plan.num_slots))
             self._shares_changed()
 
     def _on_attached(self, ev: InstanceAttached, now: float, out: list[Effect]) -> None:
