@@ -381,11 +381,11 @@ def _recording(server: LookupServer, machine: Any, seen: Seen) -> None:
 
 def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
     from mpcache.core_sm.messages import Ping, RegisterInstance, UnregisterInstance
-    from mpcache.core_sm.server_instances import INSTANCE_TABLE
+    from mpcache.core_sm.server_instances import INSTANCE_TABLE, InstanceState
 
-    seen: Seen = set()
     h = ServerHarness(instance_ttl=10.0)
-    _recording(h.server, h.server.instances, seen)
+    trace: list[tuple[Any, type, Any]] = []
+    h.server.instances.dispatch.trace = trace  # the specific event a guard chose, the state assigned
     h.call(UnregisterInstance(1))  # ABSENT
     assert h.error_kind(h.send(Ping(1))) is not None  # ABSENT, named: not registered
     h.register()  # ABSENT -> REGISTERED
@@ -418,6 +418,19 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
 
     h.register(instance_id=5)
     h.feed(PeerGone(None))  # REGISTERED -> ABSENT: its peer's connection is gone for good
+    # the guards' rows: refusals keep the state the instance was in
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 0, 10))) is ErrorKind.VALIDATION  # ABSENT
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 1, 200))) is ErrorKind.TOO_LARGE  # ABSENT: > a slot
+    h.register(instance_id=6)
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 1, 200))) is ErrorKind.TOO_LARGE  # REGISTERED
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 1, 10, peer="other"))) is ErrorKind.FORBIDDEN
+    assert h.error_kind(h.send(UnregisterInstance(6, peer="other"))) is ErrorKind.FORBIDDEN
+    assert h.error_kind(h.send(Ping(6, peer="other"))) is ErrorKind.FORBIDDEN
+    h.outstanding.add(("late", 2))
+    h.feed(InstanceAttached(6, 12345, None, reply_to=("late", 2)))  # REGISTERED, another registration's
+    assert h.error_kind(("late", 2)) is ErrorKind.NOT_REGISTERED
+    assert h.server.instance_state(6) is InstanceState.REGISTERED
+    seen = set(trace)
     listed = {(s, e, n) for (s, e), row in INSTANCE_TABLE.rows.items() for n in row.next_states}
     assert seen <= listed and listed - seen == set()
 
