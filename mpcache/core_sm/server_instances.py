@@ -553,16 +553,23 @@ class InstanceMachine:
                 return reg.object_bytes
         return 0
 
-    def worker_keys(self, key: CacheKey, instance_id: int, skip: int, now: float, peer: Peer
+    def owns(self, instance_id: int, peer: Peer) -> bool:
+        """Whether ``instance_id`` is registered, by ``peer``."""
+        inst = self.instances.get(instance_id) if isinstance(instance_id, int) else None
+        return inst is not None and inst.peer == peer
+
+    def worker_keys(self, key: CacheKey, instance_id: int, skip: int, peer: Peer
                     ) -> tuple[RegisterInstance | None, tuple[ObjectKey, ...] | ProtocolError]:
-        """The objects of a worker request's range, or why it is refused."""
+        """The objects of a worker request's range, or why it is refused. Changes nothing (a
+        transfer's guard reads it; only the chain's root cache may fill): a request of the
+        instance's own peer is traffic that proves it alive, which its handler records
+        (``seen``)."""
         ctx = self.ctx
         inst = self.instances.get(instance_id) if isinstance(instance_id, int) else None
         if inst is None:
             return None, ProtocolError(ErrorKind.NOT_REGISTERED, f"instance {instance_id!r} is not registered")
         if inst.peer != peer:
             return None, ProtocolError(ErrorKind.FORBIDDEN, f"instance {instance_id!r} belongs to another peer")
-        inst.last_seen = now
         reg = inst.registration
         err = ctx.validate_key(key, scheduler=False)
         if err is None and (key.model_name != reg.model_name or key.world_size != reg.world_size):
