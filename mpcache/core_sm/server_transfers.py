@@ -3,8 +3,8 @@ engine-driven PREPARE/COMMIT plans, their ``not_after`` fences, answers to netwo
 stores that wait for other stores' writes, and the quarantine of expired plans' slots.
 
 An event addresses one transfer by ``transfer_id`` (a creating request -- ``Store``,
-``Retrieve``, ``PrepareStore``, ``PrepareRetrieve`` -- addresses the new one, ABSENT before it);
-its state is ``TransferState``. ``TRANSFER_TABLE`` is what ``handle`` runs; a commit of a
+``Retrieve``, ``PrepareStore``, ``PrepareRetrieve`` -- addresses none: ABSENT; the transfer it
+prepares has its id only then, and begins by a row of its own); its state is ``TransferState``. ``TRANSFER_TABLE`` is what ``handle`` runs; a commit of a
 transfer that is not a prepared plan is refused ``UNKNOWN_TRANSFER`` by the table itself.
 
 The table *assigns*: each row names one next state, which ``_set_state`` gives the transfer after
@@ -275,7 +275,7 @@ class StoreWait:
 
 
 def _transfer_id(ev: Any) -> Hashable:
-    tid = getattr(ev, "transfer_id", None)  # None for a creating request: the new transfer
+    tid = getattr(ev, "transfer_id", None)  # None for a creating request: it addresses none yet
     return tid if isinstance(tid, int) else None
 
 
