@@ -844,6 +844,17 @@ class L1Index:
             dropped += 1
         return dropped
 
+    def can_recarve(self, num_slots: int, slot_bytes: int, *, drop_ready: bool) -> bool:
+        """Whether ``recarve(num_slots, slot_bytes)`` would cut L1 now -- after ``clear(False)``
+        when ``drop_ready`` (which drops the ready, unleased objects and keeps what is being
+        written or leased). Changes nothing: a registration's refusal is decided by it before
+        anything is dropped or cut (core_sm/server_instances.py)."""
+        if num_slots < 0 or slot_bytes < 1 or self._pinned or self._quarantined:
+            return False
+        if not drop_ready:
+            return not self._objects
+        return all(obj.writer is None and not obj.readers for obj in self._objects.values())
+
     def recarve(self, num_slots: int, slot_bytes: int) -> bool:
         """Cut L1 into ``num_slots`` slots of ``slot_bytes`` (core_sm.l1_slots decides the size):
         only while the index holds nothing (no object, no pinned or quarantined slot), since

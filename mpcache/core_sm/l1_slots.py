@@ -32,6 +32,18 @@ class SlotPlan:
     drop_ready: bool
 
 
+@attrs.frozen
+class SlotFit:
+    """What one registration does to L1's slots, known before anything changes: the cut its
+    objects ask for (``plan``), whether it takes (``cuts``: L1 holds nothing by then, the ready
+    unleased objects dropped first when ``plan.drop_ready``), and L1's slot size after
+    (``slot_bytes``: the plan's when it cuts, else the current one)."""
+
+    plan: SlotPlan
+    cuts: bool
+    slot_bytes: int
+
+
 def slot_bytes_for(object_bytes: int, align: int) -> int:
     """The slot an object of ``object_bytes`` needs: rounded up to ``align`` (a page, so a slot
     never shares a page with its neighbour)."""

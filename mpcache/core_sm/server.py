@@ -149,7 +149,7 @@ class LookupServer:
         # A route row that is not overridden goes straight to its machine's dispatcher (one
         # Python call less per request on the lookup path).
         direct = {LookupServer._to_jobs: self.jobs.dispatch.run,
-                  LookupServer._to_transfers: self.transfers.dispatch.run,
+                  LookupServer._to_transfers: self.transfers.run,
                   LookupServer._to_l2: self.l2.dispatch.run,
                   LookupServer._to_instances: self.instances.dispatch.run}
         for event_type, handler in list(self._rows.items()):
@@ -427,7 +427,7 @@ class LookupServer:
         self.jobs.dispatch.run(ev, now, out)
 
     def _to_transfers(self, ev: Any, now: float, out: list[Effect]) -> None:
-        self.transfers.dispatch.run(ev, now, out)
+        self.transfers.run(ev, now, out)
 
     def _to_l2(self, ev: Any, now: float, out: list[Effect]) -> None:
         self.l2.dispatch.run(ev, now, out)

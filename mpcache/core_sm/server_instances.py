@@ -2,7 +2,12 @@
 (F13, LMCache #4715).
 
 An event addresses the instance it names (``instance_id``); its state is ``InstanceState``.
-``INSTANCE_TABLE`` is what ``handle`` runs. Liveness is independent of traffic: a
+``INSTANCE_TABLE`` is what ``handle`` runs, and it *assigns*: each row names one next state, which
+``_set_state`` gives the instance after the handler (``ABSENT``: its registration and its
+tenant's share of L1 are forgotten). Where the outcome depends on more than the event's type,
+a pure guard tells the raw event apart first (``RefusedRegistration``, ``OversizedRegistration``,
+``ForeignUnregister``, ``ForeignHeartbeat``, ``SilentInstance``, ``StaleInstanceFailed``,
+``StaleInstanceAttached``, ``FailedAttach``), so a handler never refuses or decides. Liveness is independent of traffic: a
 ``Ping(instance_id=...)`` refreshes an instance (so does any request naming it). An instance's
 liveness is watched from its first heartbeat on (a client that never sends one -- LMCache's, or
 one built before heartbeats -- is never reaped, as before); one that then stays silent for
@@ -52,7 +57,7 @@ import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.effects import AttachInstance, CarveL1, DetachInstance, Effect, InstanceReaped, Reply
-from mpcache.core_sm.l1_slots import slot_plan
+from mpcache.core_sm.l1_slots import SlotFit, slot_plan
 from mpcache.core_sm.errors import ErrorKind, ProtocolError
 from mpcache.core_sm.messages import (
     CacheKey,
@@ -94,6 +99,57 @@ class ReleaseOfGonePeer(Timer):
     instance_id: int
 
 
+# The specific events the guards classify a raw event into (``InstanceMachine._classify_*``),
+# each the event of a row of its own.
+
+
+@attrs.frozen
+class RefusedRegistration(RegisterInstance):
+    """A registration refused before anything changes: invalid fields, another peer's instance,
+    an id kept for the peer it was reaped from, or the peer's instance cap. ``refusal``: its
+    answer."""
+
+    refusal: ProtocolError = attrs.field(kw_only=True)
+
+
+@attrs.frozen
+class OversizedRegistration(RegisterInstance):
+    """A registration whose objects are larger than L1's slots will be once its cut has run
+    (``InstanceMachine._slot_fit``): refused ``TOO_LARGE`` after the ready objects its cut drops
+    are dropped."""
+
+
+@attrs.frozen
+class ForeignUnregister(UnregisterInstance):
+    """An unregister of another peer's instance: refused ``FORBIDDEN``."""
+
+
+@attrs.frozen
+class ForeignHeartbeat(Ping):
+    """A heartbeat naming another peer's instance: refused ``FORBIDDEN``."""
+
+
+@attrs.frozen
+class SilentInstance(InstanceDeadline):
+    """The instance's deadline came and it was not seen for ``instance_ttl``: reaped."""
+
+
+@attrs.frozen
+class StaleInstanceFailed(InstanceFailed):
+    """The runtime failed the instance before its current registration (``registered_at >=
+    failed_at``): that registration stays."""
+
+
+@attrs.frozen
+class StaleInstanceAttached(InstanceAttached):
+    """The runtime's answer to a registration another one replaced meanwhile."""
+
+
+@attrs.frozen
+class FailedAttach(InstanceAttached):
+    """The runtime could not open the registration's KV memory: the registration goes."""
+
+
 @attrs.define
 class Instance:
     registration: RegisterInstance
@@ -129,10 +185,23 @@ class InstanceMachine:
         # reaped / failed ids: instance id -> (its peer, until when no other peer may register it);
         # insertion order is expiry order (one TTL, a clock that never goes back)
         self.reserved: OrderedDict[int, tuple[Peer, float]] = OrderedDict()
-        self.dispatch = INSTANCE_TABLE.bind(self, _instance_id, self.state, ctx.counters, ctx.reply_error)
+        self.dispatch = INSTANCE_TABLE.bind(self, _instance_id, self.state, ctx.counters, ctx.reply_error,
+                                            self._set_state)
 
     def state(self, instance_id: Hashable) -> InstanceState:
         return InstanceState.REGISTERED if instance_id in self.instances else InstanceState.ABSENT
+
+    def _set_state(self, instance_id: Hashable, state: InstanceState) -> None:
+        """INSTANCE_TABLE's assignment. ``ABSENT``: the instance's registration is forgotten, and
+        its tenant's share of L1 with it when it was the tenant's last. ``REGISTERED``: its
+        registration's record, which the row's handler filed (a new one) or kept, is the one."""
+        if state is InstanceState.ABSENT:
+            gone = self.instances.pop(instance_id, None)  # type: ignore[call-overload]
+            if gone is not None:
+                assert isinstance(instance_id, int)
+                self._tenant_gone(instance_id, gone)
+            return
+        assert instance_id in self.instances, "a registered instance without its record"
 
     def timer_live(self, timer: Timer) -> bool:
         assert isinstance(timer, InstanceDeadline)
@@ -158,20 +227,28 @@ class InstanceMachine:
         if inst is not None:
             inst.last_seen = now
 
-    def _foreign(self, inst: Instance | None, peer: Peer, reply_to: ReplyTo, out: list[Effect]) -> bool:
-        if inst is None or inst.peer == peer:
-            return False
-        self.ctx.error(out, reply_to, ErrorKind.FORBIDDEN, "the instance belongs to another peer")
-        return True
-
     def _arm(self, inst: Instance, iid: int, now: float) -> None:
         ttl = self.ctx.config.instance_ttl
         if ttl is not None:
             self.ctx.timers.push(inst.last_seen + ttl, InstanceDeadline(iid, inst.generation))
 
-    # ============================================================================= requests
+    # ============================================================================= guards
+    # Pure: they read the machine and the raw event, and name the specific event whose row runs.
 
-    def _on_register(self, ev: RegisterInstance, now: float, out: list[Effect]) -> None:
+    def _classify_register(self, ev: RegisterInstance, state: InstanceState, now: float) -> RegisterInstance:
+        """A registration refused before anything changes (``RefusedRegistration``), one whose
+        objects will not fit L1's slots even after its cut (``OversizedRegistration``), or one
+        that registers (``RegisterInstance``)."""
+        refusal = self._registration_refusal(ev, now)
+        fields = (ev.instance_id, ev.model_name, ev.world_size, ev.object_bytes, ev.engine_driven)
+        if refusal is not None:
+            return RefusedRegistration(*fields, reply_to=ev.reply_to, peer=ev.peer, refusal=refusal)
+        fit = self._slot_fit(ev)
+        if ev.object_bytes > (self.ctx.index.slot_bytes if fit is None else fit.slot_bytes):
+            return OversizedRegistration(*fields, reply_to=ev.reply_to, peer=ev.peer)
+        return ev
+
+    def _registration_refusal(self, ev: RegisterInstance, now: float) -> ProtocolError | None:
         ctx = self.ctx
         err = None
         if not isinstance(ev.world_size, int) or ev.world_size < 1:
@@ -183,25 +260,68 @@ class InstanceMachine:
         elif not isinstance(ev.object_bytes, int) or ev.object_bytes < 0:
             err = "object_bytes must be >= 0"
         if err is not None:
-            ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
-            return
+            return ProtocolError(ErrorKind.VALIDATION, err)
         old = self.instances.get(ev.instance_id)
-        if self._foreign(old, ev.peer, ev.reply_to, out):
-            return
+        if old is not None and old.peer != ev.peer:
+            return ProtocolError(ErrorKind.FORBIDDEN, "the instance belongs to another peer")
         if old is None and self._reserved_for_another(ev.instance_id, ev.peer, now):
-            ctx.error(out, ev.reply_to, ErrorKind.FORBIDDEN,
-                      "the instance id was reaped recently and is kept for the peer that held it")
-            return
+            return ProtocolError(ErrorKind.FORBIDDEN,
+                                 "the instance id was reaped recently and is kept for the peer that held it")
         cap = ctx.config.max_instances_per_peer
         if old is None and ev.peer is not None and sum(1 for i in self.instances.values() if i.peer == ev.peer) >= cap:
-            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"this connection has {cap} instances registered already")
-            return
-        self._fit_slots(ev, out)
-        if ev.object_bytes > ctx.index.slot_bytes:
-            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
-                      f"object of {ev.object_bytes} B > slot of {ctx.index.slot_bytes} B: start the server "
-                      f"with --slot-mb {-(-ev.object_bytes // (1 << 20))} or more (docs/troubleshooting.md)")
-            return
+            return ProtocolError(ErrorKind.TOO_LARGE, f"this connection has {cap} instances registered already")
+        return None
+
+    def _classify_unregister(self, ev: UnregisterInstance, state: InstanceState,
+                             now: float) -> UnregisterInstance:
+        if state is InstanceState.REGISTERED and self.instances[ev.instance_id].peer != ev.peer:
+            return ForeignUnregister(ev.instance_id, reply_to=ev.reply_to, peer=ev.peer)
+        return ev
+
+    def _classify_ping(self, ev: Ping, state: InstanceState, now: float) -> Ping:
+        if state is InstanceState.REGISTERED:
+            assert ev.instance_id is not None
+            if self.instances[ev.instance_id].peer != ev.peer:
+                return ForeignHeartbeat(ev.instance_id, reply_to=ev.reply_to, peer=ev.peer)
+        return ev
+
+    def _classify_deadline(self, timer: InstanceDeadline, state: InstanceState, now: float) -> InstanceDeadline:
+        """Heartbeats only move ``last_seen`` (no heap entry per ping): at the deadline, an
+        instance seen since is checked again later; a silent one (``SilentInstance``) is reaped."""
+        ttl = self.ctx.config.instance_ttl
+        if state is InstanceState.REGISTERED and ttl is not None:
+            if self.instances[timer.instance_id].last_seen + ttl <= now:
+                return SilentInstance(timer.instance_id, timer.generation)
+        return timer
+
+    def _classify_failed(self, ev: InstanceFailed, state: InstanceState, now: float) -> InstanceFailed:
+        """A registration made at or after ``failed_at`` came after the failure: the event is
+        stale for it (``StaleInstanceFailed``)."""
+        if state is InstanceState.REGISTERED and ev.failed_at is not None:
+            if self.instances[ev.instance_id].registered_at >= ev.failed_at:
+                return StaleInstanceFailed(ev.instance_id, ev.reason, ev.failed_at)
+        return ev
+
+    def _classify_attached(self, ev: InstanceAttached, state: InstanceState, now: float) -> InstanceAttached:
+        """The answer to a replaced registration (``StaleInstanceAttached``), the runtime's
+        refusal to open the KV memory (``FailedAttach``), or the memory opened."""
+        if state is not InstanceState.REGISTERED:
+            return ev
+        fields = (ev.instance_id, ev.registration_id, ev.error)
+        if self.instances[ev.instance_id].registration_id != ev.registration_id:
+            return StaleInstanceAttached(*fields, reply_to=ev.reply_to)
+        if ev.error is not None:
+            return FailedAttach(*fields, reply_to=ev.reply_to)
+        return ev
+
+    # ============================================================================= requests
+
+    def _on_register(self, ev: RegisterInstance, now: float, out: list[Effect]) -> None:
+        ctx = self.ctx
+        old = self.instances.get(ev.instance_id)
+        if old is None:
+            self._expire_reserved(now)
+        self._fit_slots(self._slot_fit(ev), out)
         self.reserved.pop(ev.instance_id, None)
         registration = attrs.evolve(ev, reply_to=None)
         # The same fields again (the transport's and the machine's re-registrations may cross, a
@@ -209,7 +329,7 @@ class InstanceMachine:
         same = old is not None and old.registration == registration
         inst = Instance(registration, ctx.new_id(), now, now, peer=ev.peer,
                         registration_id=old.registration_id if same and old is not None else ctx.new_transfer_id())
-        self.instances[ev.instance_id] = inst
+        self.instances[ev.instance_id] = inst  # the new registration's record (its row: REGISTERED)
         self._shares_changed()
         if old is not None and old.watched:  # registering again: still a heartbeating client
             inst.watched = True
@@ -221,34 +341,54 @@ class InstanceMachine:
             out.append(DetachInstance(ev.instance_id))
         out.append(Reply(ev.reply_to, inst.registration_id))
 
-    def _fit_slots(self, ev: RegisterInstance, out: list[Effect]) -> None:
-        """L1's slots follow the objects registered (``mpcache.core_sm.l1_slots``): cut L1 again
-        for this registration when the rule says so and L1 can be emptied."""
+    def _on_refused_registration(self, ev: RefusedRegistration, now: float, out: list[Effect]) -> None:
+        if ev.refusal.kind is not ErrorKind.VALIDATION and ev.instance_id not in self.instances:
+            self._expire_reserved(now)  # a well-formed registration of an unregistered id lets them go
+        self.ctx.reply_error(out, ev.reply_to, ev.refusal)
+
+    def _on_oversized_registration(self, ev: OversizedRegistration, now: float, out: list[Effect]) -> None:
+        ctx = self.ctx
+        if ev.instance_id not in self.instances:
+            self._expire_reserved(now)
+        self._fit_slots(self._slot_fit(ev), out)  # what it drops goes even so: L1 stays as it is
+        ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
+                  f"object of {ev.object_bytes} B > slot of {ctx.index.slot_bytes} B: start the server "
+                  f"with --slot-mb {-(-ev.object_bytes // (1 << 20))} or more (docs/troubleshooting.md)")
+
+    def _slot_fit(self, ev: RegisterInstance) -> SlotFit | None:
+        """What registering ``ev`` does to L1's slots (``mpcache.core_sm.l1_slots``), or None when
+        they stay as they are. Changes nothing: ``_fit_slots`` applies it."""
         ctx = self.ctx
         index = ctx.index
         plan = slot_plan(ev.object_bytes, l1_bytes=ctx.config.l1_bytes, align=ctx.config.slot_align,
                          slot_bytes=index.slot_bytes,
                          others_registered=any(iid != ev.instance_id for iid in self.instances))
         if plan is None:
+            return None
+        cuts = index.can_recarve(plan.num_slots, plan.slot_bytes, drop_ready=plan.drop_ready)
+        return SlotFit(plan, cuts, plan.slot_bytes if cuts else index.slot_bytes)
+
+    def _fit_slots(self, fit: SlotFit | None, out: list[Effect]) -> None:
+        """Apply ``_slot_fit``'s answer: drop the ready objects it drops (what an in-flight copy
+        reads stays, and L1 then stays as it is), and cut L1 again when it said so."""
+        if fit is None:
             return
-        if plan.drop_ready:  # what an in-flight copy reads stays (and L1 then stays as it is)
+        index = self.ctx.index
+        if fit.plan.drop_ready:
             index.clear(False, protected=lambda owner: isinstance(owner, EFFECT_OWNERS))
-        if index.recarve(plan.num_slots, plan.slot_bytes):
-            out.append(CarveL1(plan.slot_bytes, plan.num_slots))
+        if fit.cuts:
+            carved = index.recarve(fit.plan.num_slots, fit.plan.slot_bytes)
+            assert carved, "L1 was to be empty by now (L1Index.can_recarve)"
+            out.append(CarveL1(fit.plan.slot_bytes, fit.plan.num_slots))
             self._shares_changed()
 
     def _on_attached(self, ev: InstanceAttached, now: float, out: list[Effect]) -> None:
-        inst = self.instances[ev.instance_id]
-        if inst.registration_id != ev.registration_id:  # another registration holds the id now
-            self._on_attached_stale(ev, now, out)
-            return
-        if ev.error is None:
-            out.append(Reply(ev.reply_to, ev.registration_id))
-            return
-        gone = self.instances.pop(ev.instance_id)
+        out.append(Reply(ev.reply_to, ev.registration_id))
+
+    def _on_attach_failed(self, ev: FailedAttach, now: float, out: list[Effect]) -> None:
         self.transfers.instance_gone(ev.instance_id, now, out)
-        self._tenant_gone(ev.instance_id, gone)
         out.append(DetachInstance(ev.instance_id))
+        assert ev.error is not None
         self.ctx.error(out, ev.reply_to, ev.error.kind, ev.error.message)
 
     def _on_attached_stale(self, ev: InstanceAttached, now: float, out: list[Effect]) -> None:
@@ -262,14 +402,13 @@ class InstanceMachine:
             self.ctx.error(out, ev.reply_to, ev.error.kind, ev.error.message)
 
     def _on_unregister(self, ev: UnregisterInstance, now: float, out: list[Effect]) -> None:
-        if self._foreign(self.instances.get(ev.instance_id), ev.peer, ev.reply_to, out):
-            return
-        inst = self.instances.pop(ev.instance_id, None)
-        if inst is not None:
-            self._tenant_gone(ev.instance_id, inst)
-            if not inst.registration.engine_driven:
-                out.append(DetachInstance(ev.instance_id))
+        inst = self.instances.get(ev.instance_id)
+        if inst is not None and not inst.registration.engine_driven:
+            out.append(DetachInstance(ev.instance_id))
         out.append(Reply(ev.reply_to, None))
+
+    def _on_foreign(self, ev: ForeignUnregister | ForeignHeartbeat, now: float, out: list[Effect]) -> None:
+        self.ctx.error(out, ev.reply_to, ErrorKind.FORBIDDEN, "the instance belongs to another peer")
 
     def _on_plain_ping(self, ev: Ping, now: float, out: list[Effect]) -> None:
         if ev.instance_id is None:
@@ -281,8 +420,6 @@ class InstanceMachine:
     def _on_heartbeat(self, ev: Ping, now: float, out: list[Effect]) -> None:
         assert ev.instance_id is not None
         inst = self.instances[ev.instance_id]
-        if self._foreign(inst, ev.peer, ev.reply_to, out):
-            return
         inst.last_seen = now
         if not inst.watched:
             inst.watched = True
@@ -293,19 +430,14 @@ class InstanceMachine:
     # ============================================================================= timers
 
     def _on_deadline(self, timer: InstanceDeadline, now: float, out: list[Effect]) -> None:
-        """Heartbeats only move ``last_seen`` (no heap entry per ping): at the deadline, an
-        instance seen since is checked again at its new deadline; a silent one is reaped."""
+        """Seen since its deadline was armed: checked again at its new deadline."""
+        self._arm(self.instances[timer.instance_id], timer.instance_id, now)
+
+    def _on_silent(self, timer: SilentInstance, now: float, out: list[Effect]) -> None:
         iid = timer.instance_id
         inst = self.instances[iid]
-        ttl = self.ctx.config.instance_ttl
-        assert ttl is not None
-        if inst.last_seen + ttl > now:
-            self._arm(inst, iid, now)
-            return
-        del self.instances[iid]
         self.ctx.counters["instances_reaped"] += 1
         self.transfers.instance_gone(iid, now, out)
-        self._tenant_gone(iid, inst)
         self._reserve(iid, inst.peer, now)
         out.append(InstanceReaped(iid))
 
@@ -313,16 +445,10 @@ class InstanceMachine:
 
     def _on_failed(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
         """The runtime failed the instance (its GPU engine's event never fired): release it as a
-        reap does. No ``InstanceReaped``: the runtime already dropped what it kept for it. A
-        registration made at or after ``failed_at`` came after the failure: it stays."""
-        if ev.failed_at is not None and self.instances[ev.instance_id].registered_at >= ev.failed_at:
-            self._on_failed_stale(ev, now, out)
-            return
-        gone = self.instances.pop(ev.instance_id)
+        reap does. No ``InstanceReaped``: the runtime already dropped what it kept for it."""
         self.ctx.counters["instances_failed"] += 1
         self.transfers.instance_gone(ev.instance_id, now, out)
-        self._tenant_gone(ev.instance_id, gone)
-        self._reserve(ev.instance_id, gone.peer, now)
+        self._reserve(ev.instance_id, self.instances[ev.instance_id].peer, now)
 
     def _on_failed_stale(self, ev: InstanceFailed, now: float, out: list[Effect]) -> None:
         self.ctx.counters["stale_events"] += 1
@@ -335,11 +461,10 @@ class InstanceMachine:
             del self.reserved[iid]
 
     def _on_release_of_gone_peer(self, ev: ReleaseOfGonePeer, now: float, out: list[Effect]) -> None:
-        gone = self.instances.pop(ev.instance_id)
+        inst = self.instances[ev.instance_id]
         self.ctx.counters["instances_of_gone_peers"] += 1
         self.transfers.instance_gone(ev.instance_id, now, out)
-        self._tenant_gone(ev.instance_id, gone)
-        if not gone.registration.engine_driven:
+        if not inst.registration.engine_driven:
             out.append(DetachInstance(ev.instance_id))
 
     # ============================================================================= reserved ids
@@ -360,7 +485,14 @@ class InstanceMachine:
             self.reserved.popitem(last=False)
 
     def _reserved_for_another(self, instance_id: int, peer: Peer, now: float) -> bool:
-        self._expire_reserved(now)
+        """Whether ``instance_id`` is kept for another peer than ``peer`` at ``now``. Changes
+        nothing (a guard reads it): an entry ``_expire_reserved`` would let go first counts as
+        gone."""
+        for iid, (_peer, until) in self.reserved.items():
+            if until > now:
+                break
+            if iid == instance_id:
+                return False
         kept = self.reserved.get(instance_id)
         return kept is not None and kept[0] != peer
 
@@ -421,16 +553,23 @@ class InstanceMachine:
                 return reg.object_bytes
         return 0
 
-    def worker_keys(self, key: CacheKey, instance_id: int, skip: int, now: float, peer: Peer
+    def owns(self, instance_id: int, peer: Peer) -> bool:
+        """Whether ``instance_id`` is registered, by ``peer``."""
+        inst = self.instances.get(instance_id) if isinstance(instance_id, int) else None
+        return inst is not None and inst.peer == peer
+
+    def worker_keys(self, key: CacheKey, instance_id: int, skip: int, peer: Peer
                     ) -> tuple[RegisterInstance | None, tuple[ObjectKey, ...] | ProtocolError]:
-        """The objects of a worker request's range, or why it is refused."""
+        """The objects of a worker request's range, or why it is refused. Changes nothing (a
+        transfer's guard reads it; only the chain's root cache may fill): a request of the
+        instance's own peer is traffic that proves it alive, which its handler records
+        (``seen``)."""
         ctx = self.ctx
         inst = self.instances.get(instance_id) if isinstance(instance_id, int) else None
         if inst is None:
             return None, ProtocolError(ErrorKind.NOT_REGISTERED, f"instance {instance_id!r} is not registered")
         if inst.peer != peer:
             return None, ProtocolError(ErrorKind.FORBIDDEN, f"instance {instance_id!r} belongs to another peer")
-        inst.last_seen = now
         reg = inst.registration
         err = ctx.validate_key(key, scheduler=False)
         if err is None and (key.model_name != reg.model_name or key.world_size != reg.world_size):
@@ -448,24 +587,44 @@ class InstanceMachine:
         return reg, tuple(map(tuple.__new__, repeat(ObjectKey), zip(hashes[first:], repeat(key.worker_id))))
 
 
-# (state of the instance the event names, event type) -> (handler, next states). A Ping that
-# names no instance addresses the ABSENT row (LMCache's plain ping: True).
+# (state of the instance the event names, event type) -> (handler, next state), which the
+# dispatcher assigns (InstanceMachine._set_state). A Ping that names no instance addresses the
+# ABSENT row (LMCache's plain ping: True). The guards classify a raw event into the specific one
+# whose row applies (a refusal keeps the state the instance was in).
 INSTANCE_TABLE: Table[InstanceState] = Table(
     "LookupServer instances (one instance id)", InstanceState, InstanceState.ABSENT, {
-    (InstanceState.ABSENT, RegisterInstance): (InstanceMachine._on_register, {InstanceState.REGISTERED}),
-    (InstanceState.REGISTERED, RegisterInstance): (InstanceMachine._on_register, {InstanceState.REGISTERED}),
-    (InstanceState.ABSENT, UnregisterInstance): (InstanceMachine._on_unregister, {InstanceState.ABSENT}),
-    (InstanceState.REGISTERED, UnregisterInstance): (InstanceMachine._on_unregister, {InstanceState.ABSENT}),
-    (InstanceState.ABSENT, Ping): (InstanceMachine._on_plain_ping, {InstanceState.ABSENT}),
-    (InstanceState.REGISTERED, Ping): (InstanceMachine._on_heartbeat, {InstanceState.REGISTERED}),
-    (InstanceState.REGISTERED, InstanceDeadline):
-        (InstanceMachine._on_deadline, {InstanceState.REGISTERED, InstanceState.ABSENT}),
-    (InstanceState.REGISTERED, InstanceFailed):
-        (InstanceMachine._on_failed, {InstanceState.ABSENT, InstanceState.REGISTERED}),
-    (InstanceState.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, {InstanceState.ABSENT}),
-    (InstanceState.REGISTERED, InstanceAttached):
-        (InstanceMachine._on_attached, {InstanceState.REGISTERED, InstanceState.ABSENT}),
-    (InstanceState.ABSENT, InstanceAttached): (InstanceMachine._on_attached_stale, {InstanceState.ABSENT}),
-    (InstanceState.REGISTERED, ReleaseOfGonePeer): (InstanceMachine._on_release_of_gone_peer, {InstanceState.ABSENT}),
+    (InstanceState.ABSENT, RegisterInstance): (InstanceMachine._on_register, InstanceState.REGISTERED),
+    (InstanceState.REGISTERED, RegisterInstance): (InstanceMachine._on_register, InstanceState.REGISTERED),
+    (InstanceState.ABSENT, RefusedRegistration): (InstanceMachine._on_refused_registration, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, RefusedRegistration):
+        (InstanceMachine._on_refused_registration, InstanceState.REGISTERED),
+    (InstanceState.ABSENT, OversizedRegistration):
+        (InstanceMachine._on_oversized_registration, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, OversizedRegistration):
+        (InstanceMachine._on_oversized_registration, InstanceState.REGISTERED),
+    (InstanceState.ABSENT, UnregisterInstance): (InstanceMachine._on_unregister, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, UnregisterInstance): (InstanceMachine._on_unregister, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, ForeignUnregister): (InstanceMachine._on_foreign, InstanceState.REGISTERED),
+    (InstanceState.ABSENT, Ping): (InstanceMachine._on_plain_ping, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, Ping): (InstanceMachine._on_heartbeat, InstanceState.REGISTERED),
+    (InstanceState.REGISTERED, ForeignHeartbeat): (InstanceMachine._on_foreign, InstanceState.REGISTERED),
+    (InstanceState.REGISTERED, InstanceDeadline): (InstanceMachine._on_deadline, InstanceState.REGISTERED),
+    (InstanceState.REGISTERED, SilentInstance): (InstanceMachine._on_silent, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, InstanceFailed): (InstanceMachine._on_failed, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, StaleInstanceFailed): (InstanceMachine._on_failed_stale, InstanceState.REGISTERED),
+    (InstanceState.ABSENT, InstanceFailed): (InstanceMachine._on_failed_stale, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, InstanceAttached): (InstanceMachine._on_attached, InstanceState.REGISTERED),
+    (InstanceState.REGISTERED, FailedAttach): (InstanceMachine._on_attach_failed, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, StaleInstanceAttached):
+        (InstanceMachine._on_attached_stale, InstanceState.REGISTERED),
+    (InstanceState.ABSENT, InstanceAttached): (InstanceMachine._on_attached_stale, InstanceState.ABSENT),
+    (InstanceState.REGISTERED, ReleaseOfGonePeer): (InstanceMachine._on_release_of_gone_peer, InstanceState.ABSENT),
+}, assigns=True, guards={
+    RegisterInstance: InstanceMachine._classify_register,
+    UnregisterInstance: InstanceMachine._classify_unregister,
+    Ping: InstanceMachine._classify_ping,
+    InstanceDeadline: InstanceMachine._classify_deadline,
+    InstanceFailed: InstanceMachine._classify_failed,
+    InstanceAttached: InstanceMachine._classify_attached,
 })
 INSTANCE_TIMERS = (InstanceDeadline,)

@@ -3,9 +3,18 @@ engine-driven PREPARE/COMMIT plans, their ``not_after`` fences, answers to netwo
 stores that wait for other stores' writes, and the quarantine of expired plans' slots.
 
 An event addresses one transfer by ``transfer_id`` (a creating request -- ``Store``,
-``Retrieve``, ``PrepareStore``, ``PrepareRetrieve`` -- addresses the new one, ABSENT before it);
-its state is ``TransferState``. ``TRANSFER_TABLE`` is what ``handle`` runs; a commit of a
+``Retrieve``, ``PrepareStore``, ``PrepareRetrieve`` -- addresses none: ABSENT; the transfer it
+prepares has its id only then, and begins by a row of its own); its state is ``TransferState``. ``TRANSFER_TABLE`` is what ``handle`` runs; a commit of a
 transfer that is not a prepared plan is refused ``UNKNOWN_TRANSFER`` by the table itself.
+
+The table *assigns*: each row names one next state, which ``_set_state`` gives the transfer after
+the handler (``ABSENT``: it is forgotten, with its count and reservations against its instance).
+A creating request is classified by a pure guard (``_classify_request``: late, a duplicate, a
+stale resend, refused, else admitted) and stays ABSENT; the transfer an admitted one prepares
+begins by a row of its own (``CopyBegins`` -> RUNNING, ``PlanBegins`` -> PREPARED) that
+``TransferMachine.run`` runs right after (``run_reserving`` after a store's last slice). An
+instance's end fails its plans by ``PlanOfGoneInstance`` rows; a commit of another peer's plan is
+``ForeignCommit``. So no handler refuses or decides where a transfer goes.
 
 Ownership and bounds: transfer ids are unguessable (``ServerContext.new_transfer_id``); a
 transfer belongs to the peer (and instance) that created it, and a commit from another peer is
@@ -96,6 +105,117 @@ class PlanQuarantineEnd(Timer):
     transfer_id: int
 
 
+# The events the guards classify a creating request into (``TransferMachine._classify_request``,
+# each the event of a row of its own) and the internal events a transfer's start and a gone
+# instance's plans run as.
+
+
+@attrs.frozen
+class LateTransfer:
+    """A STORE/RETRIEVE (or PREPARE_STORE) handled after its ``not_after``, or with a malformed
+    one: refused (``refusal``) before anything is reserved, leased or copied."""
+
+    request: Store | PrepareStore | Retrieve
+    refusal: ProtocolError
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        return self.request.reply_to
+
+
+@attrs.frozen
+class DuplicateTransfer:
+    """A network duplicate of a server-driven op (the same ``OpIdent``) that is running or was
+    answered: answered like the first copy, never copied twice."""
+
+    request: Store | Retrieve
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        return self.request.reply_to
+
+
+@attrs.frozen
+class StaleResend:
+    """A resend after ``NOT_REGISTERED`` naming a registration that is not its instance's
+    current one: refused (``refusal``) before any work; the answer is kept for its duplicates."""
+
+    request: Store | Retrieve
+    refusal: ProtocolError
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        return self.request.reply_to
+
+
+@attrs.frozen
+class RefusedTransfer:
+    """A creating request its instance refuses (not registered, another peer's, an invalid key
+    or range) or over its instance's ``max_transfers_per_instance``: refused (``refusal``)."""
+
+    request: Store | PrepareStore | Retrieve | PrepareRetrieve
+    refusal: ProtocolError
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        return self.request.reply_to
+
+
+@attrs.frozen
+class AdmittedStore:
+    """A STORE / PREPARE_STORE that runs: its instance's registration and the objects of its
+    range (``keys``)."""
+
+    request: Store | PrepareStore
+    registration: RegisterInstance
+    keys: tuple[ObjectKey, ...]
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        return self.request.reply_to
+
+
+@attrs.frozen
+class AdmittedRetrieve:
+    """A RETRIEVE / PREPARE_RETRIEVE that runs (a miss or an empty range is answered at once)."""
+
+    request: Retrieve | PrepareRetrieve
+    registration: RegisterInstance
+    keys: tuple[ObjectKey, ...]
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        return self.request.reply_to
+
+
+@attrs.frozen
+class CopyBegins:
+    """A server-driven transfer a STORE/RETRIEVE prepared begins (``StartTransfer``): run right
+    after the row that prepared it, or after a store's last reservation slice."""
+
+    transfer_id: int
+
+
+@attrs.frozen
+class PlanBegins:
+    """An engine-driven plan a PREPARE_* prepared begins (its ``TransferPlan`` is the reply)."""
+
+    transfer_id: int
+
+
+@attrs.frozen
+class PlanOfGoneInstance:
+    """The instance of an uncommitted plan went (reaped, failed, its registration dropped, its
+    peer gone): the plan fails now."""
+
+    transfer_id: int
+
+
+@attrs.frozen
+class ForeignCommit(CommitTransfer):
+    """A commit of another peer's plan: refused ``FORBIDDEN``."""
+
+
 @attrs.define
 class Transfer:
     transfer_id: int
@@ -155,7 +275,7 @@ class StoreWait:
 
 
 def _transfer_id(ev: Any) -> Hashable:
-    tid = getattr(ev, "transfer_id", None)  # None for a creating request: the new transfer
+    tid = getattr(ev, "transfer_id", None)  # None for a creating request: it addresses none yet
     return tid if isinstance(tid, int) else None
 
 
@@ -182,14 +302,18 @@ class TransferMachine:
         self.per_instance: dict[int, int] = {}  # live transfers of each instance
         self.reserved_of: dict[int, int] = {}  # slots reserved by each instance's live stores
         # Server-driven STORE/RETRIEVE ops that carry a not_after: answered -> (ok, answer,
-        # until), kept until the not_after (later, _refuse_late covers it); unanswered -> the
+        # until), kept until the not_after (later, the lateness refusal covers it); unanswered -> the
         # first copy's reply_to and the duplicates' reply_tos, all answered alike.
         self.ops_done: OrderedDict[OpIdent, tuple[bool, object, float]] = OrderedDict()
         self.ops_running: dict[OpIdent, tuple[ReplyTo, list[ReplyTo], float]] = {}
         self.op_of_reply: dict[ReplyTo, OpIdent] = {}
         # stores whose chunks are reserved a slice per loop turn (module doc), oldest first
         self.reserving: deque[StoreSlices] = deque()
-        self.dispatch = TRANSFER_TABLE.bind(self, _transfer_id, self.state, ctx.counters, ctx.reply_error)
+        # transfers a row prepared, and their CopyBegins / PlanBegins, run right after it
+        self.beginning: dict[int, tuple[Transfer, TransferRequest, bool]] = {}
+        self.begins: list[CopyBegins | PlanBegins] = []
+        self.dispatch = TRANSFER_TABLE.bind(self, _transfer_id, self.state, ctx.counters, ctx.reply_error,
+                                            self._set_state)
 
     def state(self, transfer_id: Hashable) -> TransferState:
         t = self.transfers.get(transfer_id)  # type: ignore[call-overload]
@@ -197,34 +321,136 @@ class TransferMachine:
             return TransferState.ABSENT
         return TransferState.PREPARED if t.engine_driven else TransferState.RUNNING
 
+    def _set_state(self, transfer_id: Hashable, state: TransferState) -> None:
+        """TRANSFER_TABLE's assignment. ``ABSENT``: a transfer that ended is forgotten, with its
+        count and reservations against its instance (a creating request addresses none: its
+        transfer begins in a row of its own). ``RUNNING`` / ``PREPARED``: the transfer its begin
+        row filed."""
+        if state is TransferState.ABSENT:
+            if transfer_id in self.transfers:
+                assert isinstance(transfer_id, int)
+                self._take(transfer_id)
+            return
+        assert self.state(transfer_id) is state, "a begun transfer that is not filed as its row says"
+
+    def run(self, event: Any, now: float, out: list[Effect]) -> None:
+        """Run ``event``'s row, then the begin rows of the transfers it prepared."""
+        self.dispatch.run(event, now, out)
+        if self.begins:
+            self._run_begins(now, out)
+
+    def _run_begins(self, now: float, out: list[Effect]) -> None:
+        begins, self.begins = self.begins, []
+        for event in begins:
+            self.dispatch.run(event, now, out)
+
+    def _name_begin(self, t: Transfer, request: TransferRequest, counted: bool = False) -> None:
+        """``t`` begins by its own row (``CopyBegins`` / ``PlanBegins``) once this row is done."""
+        self.beginning[t.transfer_id] = (t, request, counted)
+        self.begins.append(PlanBegins(t.transfer_id) if t.engine_driven else CopyBegins(t.transfer_id))
+
     def timer_live(self, timer: Timer) -> bool:
         if isinstance(timer, PlanQuarantineEnd):
             return timer.transfer_id in self.quarantined_plans
         assert isinstance(timer, TransferDeadline)
         return timer.transfer_id in self.transfers
 
+    # ============================================================================= guards
+    # Pure: they read the machine and the raw event, and name the specific event whose row runs.
+
+    def _classify_request(self, ev: TransferRequest, state: TransferState, now: float) -> Any:
+        """What a creating request is, in the order the server has always checked it: late
+        (``LateTransfer``), a duplicate of a running or answered op (``DuplicateTransfer``), a
+        resend naming a registration gone (``StaleResend``), refused by its instance or its
+        transfer cap (``RefusedTransfer``), else ``AdmittedStore`` / ``AdmittedRetrieve``."""
+        if not isinstance(ev, PrepareRetrieve):
+            late = self._lateness(ev, now)
+            if late is not None:
+                return LateTransfer(ev, late)
+        ident, _until = self._op_ident(ev, now)
+        if ident is not None and (ident in self.ops_running or self._kept_answer(ident, now) is not None):
+            assert isinstance(ev, (Store, Retrieve))
+            return DuplicateTransfer(ev)
+        stale = self._stale_registration(ev)
+        if stale is not None:
+            assert isinstance(ev, (Store, Retrieve))
+            return StaleResend(ev, stale)
+        skip = ev.skip_first_n_tokens if isinstance(ev, (Retrieve, PrepareRetrieve)) else 0
+        registration, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, skip, ev.peer)
+        if registration is None or isinstance(keys_or_err, ProtocolError):
+            assert isinstance(keys_or_err, ProtocolError)
+            return RefusedTransfer(ev, keys_or_err)
+        if isinstance(ev, (Store, PrepareStore)):
+            over = self._over_transfer_cap(ev)
+            return RefusedTransfer(ev, over) if over is not None else AdmittedStore(ev, registration, keys_or_err)
+        answered_at_once = (not all(self.ctx.index.is_readable(k) for k in keys_or_err)
+                            or (not keys_or_err and not isinstance(ev, PrepareRetrieve)))
+        over = None if answered_at_once else self._over_transfer_cap(ev)
+        return RefusedTransfer(ev, over) if over is not None else AdmittedRetrieve(ev, registration, keys_or_err)
+
+    def _classify_commit(self, ev: CommitTransfer, state: TransferState, now: float) -> CommitTransfer:
+        if state is TransferState.PREPARED and self.transfers[ev.transfer_id].peer != ev.peer:
+            return ForeignCommit(ev.transfer_id, ev.ok, reply_to=ev.reply_to, peer=ev.peer)
+        return ev
+
     # ============================================================================= requests
 
-    def _on_store(self, ev: Store | PrepareStore, now: float, out: list[Effect]) -> None:
-        self._transfer_once(ev, now, out, self._store)
+    def _on_late(self, ev: LateTransfer, now: float, out: list[Effect]) -> None:
+        if ev.refusal.kind is ErrorKind.TIMEOUT:
+            self.ctx.counters["late_transfers_refused"] += 1
+        self.ctx.reply_error(out, ev.reply_to, ev.refusal)
 
-    def _on_retrieve(self, ev: Retrieve | PrepareRetrieve, now: float, out: list[Effect]) -> None:
-        self._transfer_once(ev, now, out, self._retrieve)
+    def _on_duplicate(self, ev: DuplicateTransfer, now: float, out: list[Effect]) -> None:
+        """Answered like the first copy: now when it was, else when it is."""
+        ident, _until = self._op_ident(ev.request, now)
+        assert ident is not None
+        self._forget_answers(now)
+        self.ctx.counters["duplicate_transfers"] += 1
+        running = self.ops_running.get(ident)
+        if running is not None:
+            running[1].append(ev.reply_to)
+            return
+        ok, answer, _kept_until = self.ops_done[ident]
+        if ok:
+            out.append(Reply(ev.reply_to, answer))
+        else:
+            assert isinstance(answer, ProtocolError)
+            self.ctx.reply_error(out, ev.reply_to, answer)
 
-    def _store(self, ev: Any, now: float, out: list[Effect]) -> None:
-        assert isinstance(ev, (Store, PrepareStore))
-        ctx = self.ctx
-        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, 0, now, ev.peer)
-        if inst is None or isinstance(keys_or_err, ProtocolError):
-            assert isinstance(keys_or_err, ProtocolError)
-            self.ctx.reply_error(out, ev.reply_to, keys_or_err)
-            return
-        if self._over_transfer_cap(ev, out):
-            return
+    def _on_stale_resend(self, ev: StaleResend, now: float, out: list[Effect]) -> None:
+        def refuse(request: Any, now: float, out: list[Effect]) -> None:
+            self.ctx.counters["resends_refused"] += 1
+            self.ctx.reply_error(out, ev.reply_to, ev.refusal)
+
+        self._once(ev.request, now, out, refuse)
+
+    def _on_refused(self, ev: RefusedTransfer, now: float, out: list[Effect]) -> None:
+        def refuse(request: Any, now: float, out: list[Effect]) -> None:
+            self._count_resend(request)
+            if self.instances.owns(request.instance_id, request.peer):
+                self.instances.seen(request.instance_id, now)  # its traffic, refused or not
+            self.ctx.reply_error(out, ev.reply_to, ev.refusal)
+
+        self._once(ev.request, now, out, refuse)
+
+    def _on_store(self, ev: AdmittedStore, now: float, out: list[Effect]) -> None:
+        self._once(ev.request, now, out, lambda request, now, out: self._store(ev, now, out))
+
+    def _on_retrieve(self, ev: AdmittedRetrieve, now: float, out: list[Effect]) -> None:
+        self._once(ev.request, now, out, lambda request, now, out: self._retrieve(ev, now, out))
+
+    def _count_resend(self, request: TransferRequest) -> None:
+        if isinstance(request, (Store, Retrieve)) and request.registration is not None:
+            self.ctx.counters["resends_run"] += 1
+
+    def _store(self, admitted: AdmittedStore, now: float, out: list[Effect]) -> None:
+        ev = admitted.request
+        self._count_resend(ev)
+        self.instances.seen(ev.instance_id, now)
         tid = self._new_transfer_id()
         room = self.instances.slot_quota(ev.instance_id) - self.reserved_of.get(ev.instance_id, 0)
-        store = StoreSlices(ev, now, inst, self.instances.registration_id(ev.instance_id), keys_or_err, tid,
-                            room, self.instances.tenant_of(ev.instance_id))
+        store = StoreSlices(ev, now, admitted.registration, self.instances.registration_id(ev.instance_id),
+                            admitted.keys, tid, room, self.instances.tenant_of(ev.instance_id))
         # counted as the instance's transfer, and its reservations as its own, from now on
         self.per_instance[ev.instance_id] = self.per_instance.get(ev.instance_id, 0) + 1
         if self._reserve_slice(store):
@@ -320,6 +546,8 @@ class TransferMachine:
             return
         if done:
             self._store_reserved(store, out)
+            if self.begins:
+                self._run_begins(store.now, out)
         else:
             self.reserving.append(store)
 
@@ -374,19 +602,14 @@ class TransferMachine:
         if wait is not None:
             t.wait_id = wait.wait_id
             wait.awaiting.add(tid)
-        self._begin(t, ev, now, out, counted=True)
+        self._name_begin(t, ev, counted=True)
 
-    def _retrieve(self, ev: Any, now: float, out: list[Effect]) -> None:
-        assert isinstance(ev, (Retrieve, PrepareRetrieve))
+    def _retrieve(self, admitted: AdmittedRetrieve, now: float, out: list[Effect]) -> None:
+        ev, inst, keys = admitted.request, admitted.registration, admitted.keys
         ctx = self.ctx
         engine_driven = isinstance(ev, PrepareRetrieve)
-        inst, keys_or_err = self.instances.worker_keys(ev.key, ev.instance_id, ev.skip_first_n_tokens, now,
-                                                       ev.peer)
-        if inst is None or isinstance(keys_or_err, ProtocolError):
-            assert isinstance(keys_or_err, ProtocolError)
-            self.ctx.reply_error(out, ev.reply_to, keys_or_err)
-            return
-        keys = keys_or_err
+        self._count_resend(ev)
+        self.instances.seen(ev.instance_id, now)
         if not all(ctx.index.is_readable(k) for k in keys):
             ctx.counters["retrieve_misses"] += 1
             if engine_driven:
@@ -397,8 +620,6 @@ class TransferMachine:
             return
         if not keys and not engine_driven:
             out.append(Reply(ev.reply_to, RetrieveResult(True, 0)))
-            return
-        if self._over_transfer_cap(ev, out):
             return
         tid = self._new_transfer_id()
         owner = TransferOwner(tid)
@@ -412,7 +633,7 @@ class TransferMachine:
             tuple(keys), tuple(placements), 0, self._deadline(engine_driven, now), inst.object_bytes,
             ev.instance_id, ev.peer,
         )
-        self._begin(t, ev, now, out)
+        self._name_begin(t, ev)
 
     def _new_transfer_id(self) -> int:
         while True:
@@ -424,12 +645,11 @@ class TransferMachine:
         c = self.ctx.config
         return now + (min(c.plan_ttl, c.lease_ttl) if engine_driven else c.lease_ttl)
 
-    def _over_transfer_cap(self, ev: TransferRequest, out: list[Effect]) -> bool:
+    def _over_transfer_cap(self, ev: TransferRequest) -> ProtocolError | None:
         cap = self.ctx.config.max_transfers_per_instance
         if self.per_instance.get(ev.instance_id, 0) < cap:
-            return False
-        self.ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"instance has {cap} transfers in flight")
-        return True
+            return None
+        return ProtocolError(ErrorKind.TOO_LARGE, f"instance has {cap} transfers in flight")
 
     def _take(self, tid: int) -> Transfer:
         """Remove a live transfer from the tables (its completion or expiry)."""
@@ -447,77 +667,68 @@ class TransferMachine:
                 del self.reserved_of[t.instance_id]
         return t
 
-    def _refuse_late(self, ev: Store | PrepareStore | Retrieve, now: float, out: list[Effect]) -> bool:
-        """A STORE/RETRIEVE handled after its ``not_after`` (or with a malformed one) is refused
-        before anything is reserved, leased or copied: its worker may have given up on it and
-        handed the blocks back to vLLM."""
+    def _lateness(self, ev: Store | PrepareStore | Retrieve, now: float) -> ProtocolError | None:
+        """Why a STORE/RETRIEVE handled at ``now`` is too late (after its ``not_after``: its
+        worker may have given up on it and handed the blocks back to vLLM), or its ``not_after``
+        malformed; None when it may run."""
         not_after = ev.not_after
         if not_after is None:
-            return False
+            return None
         if isinstance(not_after, bool) or not isinstance(not_after, (int, float)) or math.isnan(not_after):
-            self.ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, "not_after must be a number or None")
-            return True
+            return ProtocolError(ErrorKind.VALIDATION, "not_after must be a number or None")
         if now <= not_after:
-            return False
-        self.ctx.counters["late_transfers_refused"] += 1
-        self.ctx.error(out, ev.reply_to, ErrorKind.TIMEOUT,
-                       f"handled at {now:.6f}, after its not_after {not_after:.6f}")
-        return True
+            return None
+        return ProtocolError(ErrorKind.TIMEOUT, f"handled at {now:.6f}, after its not_after {not_after:.6f}")
 
-    def _transfer_once(self, ev: TransferRequest, now: float, out: list[Effect],
-                       run: Callable[[Any, float, list[Effect]], None]) -> None:
-        """Run a STORE/RETRIEVE handler at most once per op. A request handled after its
-        ``not_after`` is refused. A server-driven one with a ``not_after`` that the network
-        delivered twice (same instance, request, range, blocks, skip, ``not_after`` and
-        ``registration``: the same op) never starts a second copy -- it could read or write
-        blocks the worker got back after the first answer: it is answered like the first copy,
-        when that one is (its answer is kept until the ``not_after``; later, the refusal covers
-        it).
+    def _op_ident(self, ev: TransferRequest, now: float) -> tuple[OpIdent | None, float]:
+        """A server-driven op with a ``not_after``: what identifies it (a network duplicate has
+        the same) and until when its answer is kept for duplicates; else (None, 0.0)."""
+        if not isinstance(ev, (Store, Retrieve)) or ev.not_after is None:
+            return None, 0.0
+        until = min(ev.not_after, now + self.ctx.config.max_not_after_ahead)
+        skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
+        return (ev.peer, ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
+                ev.block_ids, skip, ev.not_after, self._named_registration(ev)), until
+
+    def _kept_answer(self, ident: OpIdent, now: float) -> tuple[bool, object, float] | None:
+        """The answer kept for ``ident`` once ``_forget_answers(now)`` has run. Changes nothing."""
+        left = len(self.ops_done)
+        for oldest, (_ok, _result, kept_until) in self.ops_done.items():
+            if kept_until >= now and left <= self.ctx.config.tombstone_cap:
+                break
+            if oldest == ident:
+                return None
+            left -= 1
+        return self.ops_done.get(ident)
+
+    def _forget_answers(self, now: float) -> None:
+        """Answers whose not_after passed (or over the cap) go, oldest first."""
+        while self.ops_done:
+            oldest, (_ok, _result, kept_until) = next(iter(self.ops_done.items()))
+            if kept_until >= now and len(self.ops_done) <= self.ctx.config.tombstone_cap:
+                break
+            del self.ops_done[oldest]
+
+    def _once(self, ev: TransferRequest, now: float, out: list[Effect],
+              run: Callable[[Any, float, list[Effect]], None]) -> None:
+        """Run a STORE/RETRIEVE's row at most once per op. A server-driven one with a
+        ``not_after`` that the network delivered twice (same instance, request, range, blocks,
+        skip, ``not_after`` and ``registration``: the same op) never starts a second copy -- it
+        could read or write blocks the worker got back after the first answer: its duplicates
+        (``DuplicateTransfer``) are answered like the first copy, when that one is (its answer
+        is kept until the ``not_after``; later, the lateness refusal covers it).
 
         A resend after ``NOT_REGISTERED`` repeats its original but names the registration it
         follows (``registration``), so it is another op: the original's remembered refusal does
         not answer it, while a late duplicate of the original still gets that refusal and never
         copies. A resend runs only while the registration it names is the instance's current
-        one; else it is refused ``NOT_REGISTERED`` before any work (and that answer is kept
-        for its duplicates like any other)."""
-        if not isinstance(ev, PrepareRetrieve) and self._refuse_late(ev, now, out):
-            return
-        ident: OpIdent | None = None
-        until = 0.0  # how long an answer is kept for duplicates
-        if isinstance(ev, (Store, Retrieve)) and ev.not_after is not None:
-            until = min(ev.not_after, now + self.ctx.config.max_not_after_ahead)
-            skip = ev.skip_first_n_tokens if isinstance(ev, Retrieve) else -1
-            ident = (ev.peer, ev.instance_id, ev.key.request_id, ev.key.worker_id, ev.key.start, ev.key.end,
-                     ev.block_ids, skip, ev.not_after, self._named_registration(ev))
-            while self.ops_done:  # answers whose not_after passed (or over the cap) go
-                oldest, (_ok, _result, kept_until) = next(iter(self.ops_done.items()))
-                if kept_until >= now and len(self.ops_done) <= self.ctx.config.tombstone_cap:
-                    break
-                del self.ops_done[oldest]
-            running = self.ops_running.get(ident)
-            if running is not None:
-                self.ctx.counters["duplicate_transfers"] += 1
-                running[1].append(ev.reply_to)
-                return
-            done = self.ops_done.get(ident)
-            if done is not None:
-                self.ctx.counters["duplicate_transfers"] += 1
-                ok, answer = done[0], done[1]
-                if ok:
-                    out.append(Reply(ev.reply_to, answer))
-                else:
-                    assert isinstance(answer, ProtocolError)
-                    self.ctx.reply_error(out, ev.reply_to, answer)
-                return
+        one; else it is refused ``NOT_REGISTERED`` before any work (``StaleResend``, its answer
+        kept for its duplicates like any other)."""
+        ident, until = self._op_ident(ev, now)
+        if ident is not None:
+            self._forget_answers(now)
         mark = len(out)
-        stale = self._stale_registration(ev)
-        if stale is not None:
-            self.ctx.counters["resends_refused"] += 1
-            self.ctx.reply_error(out, ev.reply_to, stale)
-        else:
-            if isinstance(ev, (Store, Retrieve)) and ev.registration is not None:
-                self.ctx.counters["resends_run"] += 1
-            run(ev, now, out)
+        run(ev, now, out)
         if ident is None:
             return
         for e in out[mark:]:
@@ -570,6 +781,13 @@ class TransferMachine:
                     extra.append(attrs.evolve(e, reply_to=reply_to))
         out.extend(extra)
 
+    def _on_begin(self, ev: CopyBegins | PlanBegins, now: float, out: list[Effect]) -> None:
+        """The transfer a request prepared begins: filed (its row assigns RUNNING / PREPARED),
+        counted against its instance, its deadline armed, its slots pinned; then its
+        ``StartTransfer`` or the plan's reply."""
+        t, request, counted = self.beginning.pop(ev.transfer_id)
+        self._begin(t, request, now, out, counted)
+
     def _begin(self, t: Transfer, ev: TransferRequest, now: float, out: list[Effect], counted: bool = False) -> None:
         """Start the transfer (``counted``: a store, counted in ``per_instance`` and
         ``reserved_of`` while it reserved)."""
@@ -603,7 +821,7 @@ class TransferMachine:
     # ============================================================================= completions
 
     def _on_transfer_finished(self, ev: TransferFinished, now: float, out: list[Effect]) -> None:
-        t = self._take(ev.transfer_id)
+        t = self.transfers[ev.transfer_id]
         self._finish(t, bool(ev.ok), t.reply_to, now, out)
         self.ctx.unpin(TransferOwner(t.transfer_id))
 
@@ -613,12 +831,12 @@ class TransferMachine:
             self.ctx.unpin(TransferOwner(ev.transfer_id))  # expired earlier: the copy is over now
 
     def _on_commit(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
-        if self.transfers[ev.transfer_id].peer != ev.peer:
-            self.ctx.error(out, ev.reply_to, ErrorKind.FORBIDDEN, f"transfer {ev.transfer_id} belongs to another peer")
-            return
-        t = self._take(ev.transfer_id)
+        t = self.transfers[ev.transfer_id]
         self._finish(t, bool(ev.ok), ev.reply_to, now, out)
         self.ctx.unpin(TransferOwner(t.transfer_id))
+
+    def _on_foreign_commit(self, ev: ForeignCommit, now: float, out: list[Effect]) -> None:
+        self.ctx.error(out, ev.reply_to, ErrorKind.FORBIDDEN, f"transfer {ev.transfer_id} belongs to another peer")
 
     def _on_commit_unknown(self, ev: CommitTransfer, now: float, out: list[Effect]) -> None:
         if ev.transfer_id in self.quarantined_plans and self.quarantined_plans[ev.transfer_id] == ev.peer:
@@ -639,12 +857,16 @@ class TransferMachine:
         copies end as always, by their ``TransferFinished`` (the runtime reports one for every
         ``StartTransfer``) or their deadline."""
         for t in [t for t in self.transfers.values() if t.instance_id == instance_id and t.engine_driven]:
-            self.ctx.counters["plans_of_reaped_instances"] += 1
-            self._expire(t, now, out)
+            self.dispatch.run(PlanOfGoneInstance(t.transfer_id), now, out)
+
+    def _on_plan_of_gone_instance(self, ev: PlanOfGoneInstance, now: float, out: list[Effect]) -> None:
+        self.ctx.counters["plans_of_reaped_instances"] += 1
+        self._expire(self.transfers[ev.transfer_id], now, out)
 
     def _expire(self, t: Transfer, now: float, out: list[Effect]) -> None:
+        """Fail ``t`` (its row forgets it). An engine-driven plan's slots stay out of use one
+        more lease TTL when an effect may still use them."""
         ctx, tid = self.ctx, t.transfer_id
-        self._take(tid)
         self._finish(t, False, None if t.engine_driven else t.reply_to, now, out)
         if t.engine_driven and TransferOwner(tid) in ctx.pins:
             # The engine may still be copying (its commit lost) or be gone: no event will say
@@ -736,26 +958,38 @@ class TransferMachine:
         assert live == self.per_instance and reserved == self.reserved_of, "per-instance transfer counts"
 
 
-# (state of the transfer the event addresses, event type) -> (handler, next states). A creating
-# request addresses the transfer it may create (RUNNING / PREPARED) -- or none (ABSENT: refused,
-# a miss, nothing to copy, a duplicate). A completion of a plan is stale (not listed: counted); a
-# commit of a running server-driven transfer is refused UNKNOWN_TRANSFER (not listed).
+# (state of the transfer the event addresses, event type) -> (handler, next state), which the
+# dispatcher assigns (TransferMachine._set_state). A creating request addresses no transfer yet
+# (ABSENT): its guard classifies it, its row answers it or prepares a transfer, and the transfer
+# begins by a row of its own (CopyBegins / PlanBegins: ABSENT -> RUNNING / PREPARED) right after.
+# A completion of a plan is stale (not listed: counted); a commit of a running server-driven
+# transfer is refused UNKNOWN_TRANSFER (not listed).
 TRANSFER_TABLE: Table[TransferState] = Table(
     "LookupServer transfers (one transfer id)", TransferState, TransferState.ABSENT, {
-        (TransferState.ABSENT, Store): (TransferMachine._on_store, {TransferState.RUNNING, TransferState.ABSENT}),
-        (TransferState.ABSENT, Retrieve):
-            (TransferMachine._on_retrieve, {TransferState.RUNNING, TransferState.ABSENT}),
-        (TransferState.ABSENT, PrepareStore):
-            (TransferMachine._on_store, {TransferState.PREPARED, TransferState.ABSENT}),
-        (TransferState.ABSENT, PrepareRetrieve):
-            (TransferMachine._on_retrieve, {TransferState.PREPARED, TransferState.ABSENT}),
-        (TransferState.ABSENT, TransferFinished): (TransferMachine._on_stale_finished, {TransferState.ABSENT}),
-        (TransferState.ABSENT, CommitTransfer): (TransferMachine._on_commit_unknown, {TransferState.ABSENT}),
-        (TransferState.ABSENT, PlanQuarantineEnd): (TransferMachine._on_quarantine_end, {TransferState.ABSENT}),
-        (TransferState.RUNNING, TransferFinished): (TransferMachine._on_transfer_finished, {TransferState.ABSENT}),
-        (TransferState.RUNNING, TransferDeadline): (TransferMachine._on_deadline, {TransferState.ABSENT}),
-        (TransferState.PREPARED, CommitTransfer): (TransferMachine._on_commit, {TransferState.ABSENT}),
-        (TransferState.PREPARED, TransferDeadline): (TransferMachine._on_deadline, {TransferState.ABSENT}),
-    }, illegal_kind=ErrorKind.UNKNOWN_TRANSFER)
+        (TransferState.ABSENT, AdmittedStore): (TransferMachine._on_store, TransferState.ABSENT),
+        (TransferState.ABSENT, AdmittedRetrieve): (TransferMachine._on_retrieve, TransferState.ABSENT),
+        (TransferState.ABSENT, LateTransfer): (TransferMachine._on_late, TransferState.ABSENT),
+        (TransferState.ABSENT, DuplicateTransfer): (TransferMachine._on_duplicate, TransferState.ABSENT),
+        (TransferState.ABSENT, StaleResend): (TransferMachine._on_stale_resend, TransferState.ABSENT),
+        (TransferState.ABSENT, RefusedTransfer): (TransferMachine._on_refused, TransferState.ABSENT),
+        (TransferState.ABSENT, CopyBegins): (TransferMachine._on_begin, TransferState.RUNNING),
+        (TransferState.ABSENT, PlanBegins): (TransferMachine._on_begin, TransferState.PREPARED),
+        (TransferState.ABSENT, TransferFinished): (TransferMachine._on_stale_finished, TransferState.ABSENT),
+        (TransferState.ABSENT, CommitTransfer): (TransferMachine._on_commit_unknown, TransferState.ABSENT),
+        (TransferState.ABSENT, PlanQuarantineEnd): (TransferMachine._on_quarantine_end, TransferState.ABSENT),
+        (TransferState.RUNNING, TransferFinished): (TransferMachine._on_transfer_finished, TransferState.ABSENT),
+        (TransferState.RUNNING, TransferDeadline): (TransferMachine._on_deadline, TransferState.ABSENT),
+        (TransferState.PREPARED, CommitTransfer): (TransferMachine._on_commit, TransferState.ABSENT),
+        (TransferState.PREPARED, ForeignCommit): (TransferMachine._on_foreign_commit, TransferState.PREPARED),
+        (TransferState.PREPARED, TransferDeadline): (TransferMachine._on_deadline, TransferState.ABSENT),
+        (TransferState.PREPARED, PlanOfGoneInstance):
+            (TransferMachine._on_plan_of_gone_instance, TransferState.ABSENT),
+    }, illegal_kind=ErrorKind.UNKNOWN_TRANSFER, assigns=True, guards={
+        Store: TransferMachine._classify_request,
+        Retrieve: TransferMachine._classify_request,
+        PrepareStore: TransferMachine._classify_request,
+        PrepareRetrieve: TransferMachine._classify_request,
+        CommitTransfer: TransferMachine._classify_commit,
+    })
 TRANSFER_CREATORS = (Store, Retrieve, PrepareStore, PrepareRetrieve)
 TRANSFER_TIMERS = (TransferDeadline, PlanQuarantineEnd)

@@ -290,9 +290,14 @@ def harness_with_transfer(state: TransferState, kind: str) -> tuple[ServerHarnes
 
 
 def test_transfer_table_is_complete() -> None:
-    for ev in TRANSFER_CREATORS:
-        assert (TransferState.ABSENT, ev) in TRANSFER_TABLE.rows
-    assert set(TRANSFER_TABLE.events()) == set(TRANSFER_CREATORS) | {TransferFinished, CommitTransfer} | \
+    from mpcache.core_sm import server_transfers as st_
+
+    for ev in TRANSFER_CREATORS:  # a creating request is always classified first
+        assert TRANSFER_TABLE.guards[ev] is st_.TransferMachine._classify_request
+    classified = {st_.AdmittedStore, st_.AdmittedRetrieve, st_.LateTransfer, st_.DuplicateTransfer,
+                  st_.StaleResend, st_.RefusedTransfer, st_.ForeignCommit}
+    internal = {st_.CopyBegins, st_.PlanBegins, st_.PlanOfGoneInstance}
+    assert set(TRANSFER_TABLE.events()) == classified | internal | {TransferFinished, CommitTransfer} | \
         set(TRANSFER_TIMERS)
 
 
@@ -356,8 +361,8 @@ def test_transfer_creators(creator: type, engine_driven: bool, stored: int, star
         return
     if started:
         assert reply is None and new == 1
-        assert h.server.transfer_state(started[0].transfer_id) in TRANSFER_TABLE.rows[
-            (TransferState.ABSENT, creator)].next_states
+        # the copy began by its own row (CopyBegins: ABSENT -> RUNNING)
+        assert h.server.transfer_state(started[0].transfer_id) is TransferState.RUNNING
         h.finish_all_transfers()
         assert h.reply(rt) is not None
     elif isinstance(reply, Reply) and isinstance(reply.result, TransferPlan) and reply.result.ok:
@@ -381,11 +386,11 @@ def _recording(server: LookupServer, machine: Any, seen: Seen) -> None:
 
 def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
     from mpcache.core_sm.messages import Ping, RegisterInstance, UnregisterInstance
-    from mpcache.core_sm.server_instances import INSTANCE_TABLE
+    from mpcache.core_sm.server_instances import INSTANCE_TABLE, InstanceState
 
-    seen: Seen = set()
     h = ServerHarness(instance_ttl=10.0)
-    _recording(h.server, h.server.instances, seen)
+    trace: list[tuple[Any, type, Any]] = []
+    h.server.instances.dispatch.trace = trace  # the specific event a guard chose, the state assigned
     h.call(UnregisterInstance(1))  # ABSENT
     assert h.error_kind(h.send(Ping(1))) is not None  # ABSENT, named: not registered
     h.register()  # ABSENT -> REGISTERED
@@ -418,6 +423,19 @@ def test_every_instance_row_runs_and_only_listed_transitions_happen() -> None:
 
     h.register(instance_id=5)
     h.feed(PeerGone(None))  # REGISTERED -> ABSENT: its peer's connection is gone for good
+    # the guards' rows: refusals keep the state the instance was in
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 0, 10))) is ErrorKind.VALIDATION  # ABSENT
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 1, 200))) is ErrorKind.TOO_LARGE  # ABSENT: > a slot
+    h.register(instance_id=6)
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 1, 200))) is ErrorKind.TOO_LARGE  # REGISTERED
+    assert h.error_kind(h.send(RegisterInstance(6, "m", 1, 10, peer="other"))) is ErrorKind.FORBIDDEN
+    assert h.error_kind(h.send(UnregisterInstance(6, peer="other"))) is ErrorKind.FORBIDDEN
+    assert h.error_kind(h.send(Ping(6, peer="other"))) is ErrorKind.FORBIDDEN
+    h.outstanding.add(("late", 2))
+    h.feed(InstanceAttached(6, 12345, None, reply_to=("late", 2)))  # REGISTERED, another registration's
+    assert h.error_kind(("late", 2)) is ErrorKind.NOT_REGISTERED
+    assert h.server.instance_state(6) is InstanceState.REGISTERED
+    seen = set(trace)
     listed = {(s, e, n) for (s, e), row in INSTANCE_TABLE.rows.items() for n in row.next_states}
     assert seen <= listed and listed - seen == set()
 
@@ -455,9 +473,9 @@ def test_every_l2_row_runs_and_only_listed_transitions_happen() -> None:
 
 
 def test_every_transfer_row_runs_and_only_listed_transitions_happen() -> None:
-    seen: Seen = set()
     h = ServerHarness(lease_ttl=10.0, plan_ttl=5.0)
-    _recording(h.server, h.server.transfers, seen)
+    trace: list[tuple[Any, type, Any]] = []
+    h.server.transfers.dispatch.trace = trace  # the specific event a guard chose, the state assigned
     h.register(engine_driven=True)
     h.store(TOKS)  # Store: RUNNING, then TransferFinished
     h.feed(TransferFinished(424242, True))  # ABSENT: stale
@@ -477,9 +495,24 @@ def test_every_transfer_row_runs_and_only_listed_transitions_happen() -> None:
     h.advance(5.0)  # the plan expires (quarantined)
     h.advance(5.0)  # the copy expires
     h.advance(10.0)  # the quarantine ends
+    # the guards' rows: refused before any work, a duplicate answered like the first copy
+    from mpcache.core_sm.errors import ErrorKind
+    from mpcache.core_sm.messages import InstanceFailed
+
+    late = Store(key("l", TOKS, worker_id=0), 1, not_after=h.now - 1.0)
+    assert h.error_kind(h.send(late)) is ErrorKind.TIMEOUT
+    first = Store(key("d", tokens(2, seed=9), worker_id=0), 1, not_after=h.now + 5.0)
+    h.send(first)
+    h.send(first)  # the network's duplicate: waits for the first copy's answer
+    h.finish_all_transfers()
+    resend = Store(key("d", tokens(2, seed=9), worker_id=0), 1, registration=424242)
+    assert h.error_kind(h.send(resend)) is ErrorKind.NOT_REGISTERED
+    assert h.error_kind(h.send(Store(key("u", TOKS, worker_id=0), 77))) is ErrorKind.NOT_REGISTERED
+    plan = h.call(PrepareRetrieve(key("q", TOKS, worker_id=0), 1))
+    assert isinstance(plan, TransferPlan) and plan.ok
+    assert h.error_kind(h.send(CommitTransfer(plan.transfer_id, True, peer="other"))) is ErrorKind.FORBIDDEN
+    h.feed(InstanceFailed(1))  # its plan fails with it (PREPARED -> ABSENT)
+    assert h.server.transfer_state(plan.transfer_id) is TransferState.ABSENT
+    seen = set(trace)
     listed = {(s, e, n) for (s, e), row in TRANSFER_TABLE.rows.items() for n in row.next_states}
-    # A creating request addresses the transfer it creates, which has no id before: the row's
-    # RUNNING / PREPARED is the new transfer's state, checked by test_transfer_creators.
-    created = {(TransferState.ABSENT, c, n) for c in TRANSFER_CREATORS
-               for n in (TransferState.RUNNING, TransferState.PREPARED)}
-    assert seen <= listed and listed - created - seen == set()
+    assert seen <= listed and listed - seen == set()

@@ -149,7 +149,10 @@ def test_worker_retrieve_refused_then_resent() -> None:
     ex = Explorer(w).run()
     assert ex.complete and ex.violation is None
     reached = {(table.split(" (")[0], state, ev) for table, state, ev in ex.reached}
-    assert ("LookupServer transfers", "ABSENT", "Retrieve") in reached, reached
+    # refused first (it overtook the registration), then resent, admitted and its copy begun
+    assert {("LookupServer transfers", "ABSENT", "RefusedTransfer"),
+            ("LookupServer transfers", "ABSENT", "AdmittedRetrieve"),
+            ("LookupServer transfers", "ABSENT", "CopyBegins")} <= reached, reached
     assert any(table == "HealthMonitor" and ev == "RequestRefused" for table, _s, ev in reached)
     for name in ("no-reregister", "double-register"):
         bad = Explorer(w, PROFILES[name]).run()
@@ -230,8 +233,19 @@ def test_copied_machine_assigns_its_own_state() -> None:
     assert clone.state(0) is HealthState.HEALTHY
     assert original.state(0) is HealthState.PROBING
 
-    from mpcache.core_sm.server import LookupServer, ServerConfig
+    from mpcache.core_sm.messages import RegisterInstance
+    from mpcache.core_sm.server import InstanceState, LookupServer, ServerConfig
 
     server = LookupServer(ServerConfig(chunk_size=4, num_slots=8, slot_bytes=64))
     server_clone = copy.deepcopy(server)
     assert server_clone.l2.dispatch._set_state.__self__ is server_clone.l2  # type: ignore[union-attr]
+    assert server_clone.instances.dispatch._set_state.__self__ is server_clone.instances  # type: ignore[union-attr]
+    guard = server_clone.instances.dispatch._guards[RegisterInstance]
+    assert guard.__self__ is server_clone.instances  # type: ignore[attr-defined]
+    server_clone.handle(RegisterInstance(1, "m", 1, 64, True, reply_to=("c", 1)), 0.0)
+    assert server_clone.instance_state(1) is InstanceState.REGISTERED
+    assert server.instance_state(1) is InstanceState.ABSENT
+    from mpcache.core_sm.messages import Store
+
+    assert server_clone.transfers.dispatch._set_state.__self__ is server_clone.transfers  # type: ignore[union-attr]
+    assert server_clone._rows[Store].__self__ is server_clone.transfers  # type: ignore[attr-defined]
