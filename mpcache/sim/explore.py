@@ -61,12 +61,13 @@ BFS gives shortest counterexamples; ``dfs=True`` explores depth first.
 """
 from __future__ import annotations
 
-import copy
+import gc
 import hashlib
 import json
 import math
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -125,7 +126,7 @@ from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.engine import Outbound, sim_link_config
-from mpcache.sim.explore_state import deep_size, dispatchers, next_deadline, snapshot
+from mpcache.sim.explore_state import clone, deep_size, dispatchers, next_deadline, snapshot
 from mpcache.sim.groups import group_copies
 from mpcache.sim.oracles import Violation
 from mpcache.sim.profiles import Profile, acted_first
@@ -430,8 +431,10 @@ class Explorer:
         self._effects: list[Any] = []  # the last scheduler event's effects (a planner's answers)
         self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
         self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
-        self._snaps: dict[tuple[int, Any], tuple[Any, bytes]] = {}
+        # machine id -> (a weak reference to it, relabelling key -> its snapshot)
+        self._snaps: dict[int, tuple[weakref.ref[Any], dict[Any, bytes]]] = {}
         self._node_bytes = 0.0
+        self._truncated = False
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
                                           tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=world.instance_ttl,
                                           ack_first=True, max_jobs=world.max_jobs)
@@ -552,7 +555,7 @@ class Explorer:
     def _own_server(self, st: XState, s: int) -> LookupServer:
         if ("s", s) not in st.owned:
             st.owned.add(("s", s))
-            st.servers[s] = copy.deepcopy(st.servers[s], dict(self._static))
+            st.servers[s] = clone(st.servers[s], dict(self._static))
             st.books[s] = st.books[s].copy()
         server: LookupServer = st.servers[s]
         return server
@@ -560,14 +563,14 @@ class Explorer:
     def _own_client(self, st: XState, e: int) -> Any:
         if ("c", e) not in st.owned:
             st.owned.add(("c", e))
-            st.clients[e] = copy.deepcopy(st.clients[e], dict(self._static))
+            st.clients[e] = clone(st.clients[e], dict(self._static))
         return st.clients[e]
 
     def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
         i = (node * self.world.engines + e) * self.world.servers + s
         if ("l", i) not in st.owned:
             st.owned.add(("l", i))
-            st.links[i] = copy.deepcopy(st.links[i], dict(self._static))
+            st.links[i] = clone(st.links[i], dict(self._static))
         link: ServerLink = st.links[i]
         return link
 
@@ -578,7 +581,7 @@ class Explorer:
     def _own_worker(self, st: XState, e: int) -> TransferClient:
         if ("w", e) not in st.owned:
             st.owned.add(("w", e))
-            st.workers[e] = copy.deepcopy(st.workers[e], dict(self._static))
+            st.workers[e] = clone(st.workers[e], dict(self._static))
         worker: TransferClient = st.workers[e]
         return worker
 
@@ -770,7 +773,7 @@ class Explorer:
             return None
         # restart
         s = arg
-        st.servers[s] = copy.deepcopy(self._fresh_server, dict(self._static))
+        st.servers[s] = clone(self._fresh_server, dict(self._static))
         st.owned.add(("s", s))
         st.books[s] = ServerBook()
         st.incarnation[s] += 1
@@ -1370,7 +1373,7 @@ class Explorer:
                         st.books[s].last_session.get(owner.request_id) == "end", "done", node, "")
                     if finding is not None:
                         return Violation(finding[0], st.now, node, finding[1])
-            later = copy.deepcopy(server, dict(self._static))
+            later = clone(server, dict(self._static))
             horizon = st.now + 4 * max(self.server_config.lease_ttl, self.server_config.abandoned_job_ttl) + 1.0
             later.handle(TimerFired(), horizon)
             finding = checks.drained(later.stats())
@@ -1381,13 +1384,17 @@ class Explorer:
     # ------------------------------------------------------------------ fingerprints
     def _snap(self, machine: Any, ren: dict[str, str], key: Any) -> bytes:
         """The machine's snapshot under a relabelling, cached per machine object (a machine in a
-        stored state never changes: it is copied before it is touched). The cache holds the
-        machine itself, so its id is never reused for another."""
-        k = (id(machine), key)
-        cached = self._snaps.get(k)
+        stored state never changes: it is copied before it is touched) for as long as it lives:
+        a weak reference forgets it when the machine goes (a copy made for a state already seen),
+        before its id can name another."""
+        k = id(machine)
+        entry = self._snaps.get(k)
+        if entry is None:
+            entry = self._snaps[k] = (weakref.ref(machine, lambda _ref: self._snaps.pop(k, None)), {})
+        cached = entry[1].get(key)
         if cached is None:
-            cached = self._snaps[k] = (machine, repr(snapshot(machine, ren)).encode())
-        return cached[1]
+            cached = entry[1][key] = repr(snapshot(machine, ren)).encode()
+        return cached
 
     def fingerprint(self, st: XState) -> bytes:
         n = len(st.clients)
@@ -1446,10 +1453,29 @@ class Explorer:
         seen: set[bytes] = {self.fingerprint(root.state)}
         frontier: deque[Node] = deque([root])
         pop = frontier.pop if dfs else frontier.popleft
+        self._node_bytes = 0.0
+        # Every copy of a machine is cyclic (its dispatchers' handlers are bound to it), so the
+        # copies of the states already seen are freed only by the collector: the young
+        # generation is collected after each expanded state, when they are garbage, and the
+        # older ones (the stored states, which stay) are never walked again during the search.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._search(root, seen, frontier, pop, progress, t0)
+        finally:
+            if collecting:
+                gc.enable()
+        self.states = len(seen)
+        self.seconds = time.perf_counter() - t0
+        self.bytes_per_state = self._memory(frontier, seen)
+        self.complete = self.violation is None and not self._truncated
+        return self
+
+    def _search(self, root: Node, seen: set[bytes], frontier: deque[Node], pop: Callable[[], Node],
+                progress: Callable[[str], None] | None, t0: float) -> None:
         truncated = False
         next_report = 10_000
         next_sample = 64
-        self._node_bytes = 0.0
         while frontier:
             node = pop()
             st = node.state
@@ -1488,11 +1514,8 @@ class Explorer:
                 next_report += 10_000
                 rate = len(seen) / (time.perf_counter() - t0)
                 progress(f"  {len(seen)} states, frontier {len(frontier)}, depth {node.depth}, {rate:.0f} states/s")
-        self.states = len(seen)
-        self.seconds = time.perf_counter() - t0
-        self.bytes_per_state = self._memory(frontier, seen)
-        self.complete = self.violation is None and not truncated
-        return self
+            gc.collect(0)
+        self._truncated = truncated
 
     def _memory(self, frontier: deque[Node], seen: set[bytes]) -> float:
         """Bytes per distinct state: its fingerprint in the seen set, plus what a queued state
