@@ -64,6 +64,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import marshal
 import math
 import sys
 import time
@@ -432,7 +433,8 @@ class Explorer:
         self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
         self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
         # machine id -> (a weak reference to it, relabelling key -> its snapshot)
-        self._snaps: dict[int, tuple[weakref.ref[Any], dict[Any, bytes]]] = {}
+        self._snaps: dict[int, tuple[weakref.ref[Any], dict[Any, Any]]] = {}
+        self._renames: dict[Any, dict[str, str]] = {}  # relabellings, by engine or engine order
         self._node_bytes = 0.0
         self._truncated = False
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
@@ -1387,14 +1389,54 @@ class Explorer:
         stored state never changes: it is copied before it is touched) for as long as it lives:
         a weak reference forgets it when the machine goes (a copy made for a state already seen),
         before its id can name another."""
-        k = id(machine)
+        cache = self._cache(machine)
+        cached = cache.get(key)
+        if cached is None:
+            # marshal's version 2 writes structure only (no references to shared objects), so
+            # equal snapshots give equal bytes; five times cheaper than repr
+            cached = cache[key] = marshal.dumps(snapshot(machine, ren), 2)
+        assert isinstance(cached, bytes)
+        return cached
+
+    def _cache(self, obj: Any) -> dict[Any, Any]:
+        """What the fingerprints computed of ``obj`` (a machine, a frame, a book: never changed
+        once stored), for as long as it lives."""
+        k = id(obj)
         entry = self._snaps.get(k)
         if entry is None:
-            entry = self._snaps[k] = (weakref.ref(machine, lambda _ref: self._snaps.pop(k, None)), {})
-        cached = entry[1].get(key)
+            entry = self._snaps[k] = (weakref.ref(obj, lambda _ref: self._snaps.pop(k, None)), {})
+        return entry[1]
+
+    def _engine_ren(self, e: int) -> dict[str, str]:
+        """Engine ``e``'s own requests as R<r> (its label-free signature)."""
+        ren = self._renames.get(("E", e))
+        if ren is None:
+            ren = self._renames[("E", e)] = {rid(e, r): f"R{r}" for r in range(self.world.requests)}
+        return ren
+
+    def _frame_key(self, f: Frame, e: int) -> str:
+        """A frame of engine ``e`` in its engine's signature: naming the engine as "E"."""
+        cache = self._cache(f)
+        cached = cache.get(("E", e))
         if cached is None:
-            cached = entry[1][key] = repr(snapshot(machine, ren)).encode()
+            ren = self._renames.get(("F", e))
+            if ren is None:
+                ren = self._renames[("F", e)] = {f"sched{e}": "E", f"worker{e}": "W", **self._engine_ren(e)}
+            cached = cache[("E", e)] = repr(snapshot((f.kind, f.node, f.server, f.corr, f.incarnation, f.body), ren))
+        assert isinstance(cached, str)
         return cached
+
+    def _perm_ren(self, pkey: tuple[int, ...]) -> dict[str, str]:
+        """The relabelling of engines ``pkey`` names (old engine -> its place in the order)."""
+        ren = self._renames.get(pkey)
+        if ren is None:
+            ren = self._renames[pkey] = {}
+            for new, old in enumerate(pkey):
+                ren[f"sched{old}"] = f"sched{new}"
+                ren[f"worker{old}"] = f"worker{new}"
+                for r in range(self.world.requests):
+                    ren[rid(old, r)] = rid(new, r)
+        return ren
 
     def fingerprint(self, st: XState) -> bytes:
         n = len(st.clients)
@@ -1403,7 +1445,7 @@ class Explorer:
         # per client object; its place in the sorted order is its label.
         ns = len(st.servers)
         ne = len(st.clients)
-        sigs = [b"|".join(self._snap(m, {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+        sigs = [b"|".join(self._snap(m, self._engine_ren(e), "E")
                           for m in (st.clients[e], *st.workers[e:e + 1],
                                     *(st.links[(node * ne + e) * ns + s] for node in range(self.nodes)
                                       for s in range(ns))))
@@ -1414,26 +1456,16 @@ class Explorer:
             # Sort-based canonical form: each engine's signature names only itself as "E".
             keys = []
             for e in order:
-                ren = {f"sched{e}": "E", f"worker{e}": "W", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
-                frames = sorted(repr(snapshot((f.kind, f.node, f.server, f.corr, f.incarnation, f.body), ren))
-                                for f in st.frames if f.engine == e)
+                frames = sorted(self._frame_key(f, e) for f in st.frames if f.engine == e)
                 keys.append((sigs[e], st.scripts[e], tuple(frames)))
             order.sort(key=lambda e: keys[e])
-        perm = {old: new for new, old in enumerate(order)}
-        ren = {}
-        for old, new in perm.items():
-            ren[f"sched{old}"] = f"sched{new}"
-            ren[f"worker{old}"] = f"worker{new}"
-            for r in range(self.world.requests):
-                ren[rid(old, r)] = rid(new, r)
         pkey = tuple(order)
+        perm = {old: new for new, old in enumerate(order)}
+        ren = self._perm_ren(pkey)
         clients = tuple((sigs[old], st.scripts[old]) for old in order)
-        bag = tuple(sorted(repr(snapshot((f.kind, f.node, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
-                              for f in st.frames))
+        bag = tuple(sorted(self._frame_snap(f, perm, ren, pkey) for f in st.frames))
         servers = tuple(self._snap(s, ren, pkey) for s in st.servers)
-        books = repr(snapshot([(sorted(repr(snapshot(k, ren)) for k in b.awaiting), sorted(ren.get(x, x) for x in
-                                b.lookups), sorted((ren.get(k, k), v) for k, v in b.last_session.items()))
-                               for b in st.books], ren))
+        books = repr(tuple(self._book_snap(b, ren, pkey) for b in st.books))
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
                  st.crashes, st.attacks, st.seen, st.reaped,
@@ -1442,9 +1474,32 @@ class Explorer:
                  sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent,
                  sorted((k, ren.get(p, p)) for k, p in st.mappings), sorted(((perm[e], b), x) for (e, b), x in st.kv))
         h = hashlib.blake2b(digest_size=16)
-        for part in (*clients, *servers, bag, books, extra):
-            h.update(repr(part).encode())
+        for part in (*(x for sig, script in clients for x in (sig, repr(script).encode())), *servers,
+                     repr(bag).encode(), books.encode(), repr(extra).encode()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
         return h.digest()
+
+    def _frame_snap(self, f: Frame, perm: dict[int, int], ren: dict[str, str], pkey: tuple[int, ...]) -> str:
+        """A frame in the bag, its engine relabelled by ``pkey``'s order (cached per frame)."""
+        cache = self._cache(f)
+        cached = cache.get(pkey)
+        if cached is None:
+            cached = cache[pkey] = repr(snapshot((f.kind, f.node, perm[f.engine], f.server, f.corr, f.incarnation,
+                                                  f.body), ren))
+        assert isinstance(cached, str)
+        return cached
+
+    def _book_snap(self, b: ServerBook, ren: dict[str, str], pkey: tuple[int, ...]) -> Any:
+        """What the oracles remember of one server incarnation, relabelled (cached per book: a
+        book in a stored state never changes, it is copied with its server)."""
+        cache = self._cache(b)
+        cached = cache.get(pkey)
+        if cached is None:
+            cached = cache[pkey] = snapshot((sorted(repr(snapshot(k, ren)) for k in b.awaiting),
+                                             sorted(ren.get(x, x) for x in b.lookups),
+                                             sorted((ren.get(k, k), v) for k, v in b.last_session.items())), ren)
+        return cached
 
     # ------------------------------------------------------------------ search
     def run(self, dfs: bool = False, progress: Callable[[str], None] | None = None) -> Explorer:
@@ -1508,7 +1563,7 @@ class Explorer:
             if self.violation is not None:
                 break
             if len(seen) >= next_sample and frontier:
-                next_sample *= 2
+                next_sample *= 4  # a sample walks 20 states: every fourfold growth
                 self._node_bytes = self._sample_nodes(frontier)
             if progress is not None and len(seen) >= next_report:
                 next_report += 10_000
