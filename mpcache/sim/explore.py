@@ -36,10 +36,13 @@ Contract:
   their TTLs reap it); an adversarial tenant's request (while ``attacks`` lasts): FREE or
   END_SESSION naming a request id it saw, or REGISTER_INSTANCE of a worker's registered instance.
 * **World state**: the machines are shared between a state and its successors and copied only
-  when an action touches them (copy on write); ``Explorer.fingerprint`` hashes a canonical
-  snapshot of each machine (cached per machine object) plus the frame bag and the oracles' own
-  bookkeeping. Time is kept absolute (sound: two different states never merge; finite here because
-  the clock only moves to deadlines). **Symmetry**: engines are relabelled in the sorted order of
+  when an action touches them (copy on write, by ``explore_state.clone``); ``Explorer.fingerprint``
+  hashes a canonical snapshot of each machine (cached per machine object while it lives, written
+  by marshal) plus the frame bag and the oracles' own bookkeeping. During a search the collector
+  runs on the young generation only, after each expanded state (the copies made for states
+  already seen are garbage then; the stored states are not walked again). Time is kept absolute
+  (sound: two different states never merge; finite here because the clock only moves to
+  deadlines). **Symmetry**: engines are relabelled in the sorted order of
   their label-free signature (their client, script and frames) before the fingerprint is taken.
 * **Oracles**: the simulator's own judgements, imported from ``sim/checks.py`` (F11 reply
   accounting, core_sm invariants, bytes accounting, F4 duplicate leases, F9 over-release, F5 status

@@ -2,11 +2,15 @@
 a canonical snapshot to fingerprint, the deadline a machine is really waiting for, and the bytes a
 state holds.
 
-* ``copy.deepcopy`` of a ``Dispatcher`` rebinds its handlers to the copied machine and shares its
-  table and frozen rows (registered here, on import).
+* ``clone(machine, memo)``: the deep copy a state makes of a machine an action touches, the graph
+  ``copy.deepcopy`` would build (what ``memo`` names shared: tables, configurations, frozen rows)
+  by a copier chosen once per type; a ``Dispatcher``'s handlers are bound to the copy once per
+  distinct function, from a template per table and machine class. ``copy.deepcopy`` of a
+  ``Dispatcher`` does the same (registered here, on import).
 * ``dispatchers(machine)``: every dispatcher of a machine and of the sub-machines it holds.
 * ``snapshot(obj, ren)``: a canonical nested-tuple picture of a machine's state, strings renamed
-  by ``ren`` (symmetry), lazily deleting heaps reduced to their live entries in firing order.
+  by ``ren`` (symmetry), lazily deleting heaps reduced to their live entries in firing order; how
+  each type is written is decided once per type.
 * ``next_deadline(machine, horizon)``: when a machine next has something to do (a link's answered
   requests and, past the horizon, its monitor's timers left out).
 * ``deep_size(obj)``: bytes of an object graph, tables and types excepted.
