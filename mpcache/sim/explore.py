@@ -36,10 +36,13 @@ Contract:
   their TTLs reap it); an adversarial tenant's request (while ``attacks`` lasts): FREE or
   END_SESSION naming a request id it saw, or REGISTER_INSTANCE of a worker's registered instance.
 * **World state**: the machines are shared between a state and its successors and copied only
-  when an action touches them (copy on write); ``Explorer.fingerprint`` hashes a canonical
-  snapshot of each machine (cached per machine object) plus the frame bag and the oracles' own
-  bookkeeping. Time is kept absolute (sound: two different states never merge; finite here because
-  the clock only moves to deadlines). **Symmetry**: engines are relabelled in the sorted order of
+  when an action touches them (copy on write, by ``explore_state.clone``); ``Explorer.fingerprint``
+  hashes a canonical snapshot of each machine (cached per machine object while it lives, written
+  by marshal) plus the frame bag and the oracles' own bookkeeping. During a search the collector
+  runs on the young generation only, after each expanded state (the copies made for states
+  already seen are garbage then; the stored states are not walked again). Time is kept absolute
+  (sound: two different states never merge; finite here because the clock only moves to
+  deadlines). **Symmetry**: engines are relabelled in the sorted order of
   their label-free signature (their client, script and frames) before the fingerprint is taken.
 * **Oracles**: the simulator's own judgements, imported from ``sim/checks.py`` (F11 reply
   accounting, core_sm invariants, bytes accounting, F4 duplicate leases, F9 over-release, F5 status
@@ -61,12 +64,14 @@ BFS gives shortest counterexamples; ``dfs=True`` explores depth first.
 """
 from __future__ import annotations
 
-import copy
+import gc
 import hashlib
 import json
+import marshal
 import math
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -125,7 +130,7 @@ from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.engine import Outbound, sim_link_config
-from mpcache.sim.explore_state import deep_size, dispatchers, next_deadline, snapshot
+from mpcache.sim.explore_state import clone, deep_size, dispatchers, next_deadline, snapshot
 from mpcache.sim.groups import group_copies
 from mpcache.sim.oracles import Violation
 from mpcache.sim.profiles import Profile, acted_first
@@ -430,8 +435,11 @@ class Explorer:
         self._effects: list[Any] = []  # the last scheduler event's effects (a planner's answers)
         self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
         self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
-        self._snaps: dict[tuple[int, Any], tuple[Any, bytes]] = {}
+        # machine id -> (a weak reference to it, relabelling key -> its snapshot)
+        self._snaps: dict[int, tuple[weakref.ref[Any], dict[Any, Any]]] = {}
+        self._renames: dict[Any, dict[str, str]] = {}  # relabellings, by engine or engine order
         self._node_bytes = 0.0
+        self._truncated = False
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
                                           tombstone_ttl=1.0, abandoned_job_ttl=1.0, instance_ttl=world.instance_ttl,
                                           ack_first=True, max_jobs=world.max_jobs)
@@ -552,7 +560,7 @@ class Explorer:
     def _own_server(self, st: XState, s: int) -> LookupServer:
         if ("s", s) not in st.owned:
             st.owned.add(("s", s))
-            st.servers[s] = copy.deepcopy(st.servers[s], dict(self._static))
+            st.servers[s] = clone(st.servers[s], dict(self._static))
             st.books[s] = st.books[s].copy()
         server: LookupServer = st.servers[s]
         return server
@@ -560,14 +568,14 @@ class Explorer:
     def _own_client(self, st: XState, e: int) -> Any:
         if ("c", e) not in st.owned:
             st.owned.add(("c", e))
-            st.clients[e] = copy.deepcopy(st.clients[e], dict(self._static))
+            st.clients[e] = clone(st.clients[e], dict(self._static))
         return st.clients[e]
 
     def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
         i = (node * self.world.engines + e) * self.world.servers + s
         if ("l", i) not in st.owned:
             st.owned.add(("l", i))
-            st.links[i] = copy.deepcopy(st.links[i], dict(self._static))
+            st.links[i] = clone(st.links[i], dict(self._static))
         link: ServerLink = st.links[i]
         return link
 
@@ -578,7 +586,7 @@ class Explorer:
     def _own_worker(self, st: XState, e: int) -> TransferClient:
         if ("w", e) not in st.owned:
             st.owned.add(("w", e))
-            st.workers[e] = copy.deepcopy(st.workers[e], dict(self._static))
+            st.workers[e] = clone(st.workers[e], dict(self._static))
         worker: TransferClient = st.workers[e]
         return worker
 
@@ -770,7 +778,7 @@ class Explorer:
             return None
         # restart
         s = arg
-        st.servers[s] = copy.deepcopy(self._fresh_server, dict(self._static))
+        st.servers[s] = clone(self._fresh_server, dict(self._static))
         st.owned.add(("s", s))
         st.books[s] = ServerBook()
         st.incarnation[s] += 1
@@ -1370,7 +1378,7 @@ class Explorer:
                         st.books[s].last_session.get(owner.request_id) == "end", "done", node, "")
                     if finding is not None:
                         return Violation(finding[0], st.now, node, finding[1])
-            later = copy.deepcopy(server, dict(self._static))
+            later = clone(server, dict(self._static))
             horizon = st.now + 4 * max(self.server_config.lease_ttl, self.server_config.abandoned_job_ttl) + 1.0
             later.handle(TimerFired(), horizon)
             finding = checks.drained(later.stats())
@@ -1381,13 +1389,57 @@ class Explorer:
     # ------------------------------------------------------------------ fingerprints
     def _snap(self, machine: Any, ren: dict[str, str], key: Any) -> bytes:
         """The machine's snapshot under a relabelling, cached per machine object (a machine in a
-        stored state never changes: it is copied before it is touched). The cache holds the
-        machine itself, so its id is never reused for another."""
-        k = (id(machine), key)
-        cached = self._snaps.get(k)
+        stored state never changes: it is copied before it is touched) for as long as it lives:
+        a weak reference forgets it when the machine goes (a copy made for a state already seen),
+        before its id can name another."""
+        cache = self._cache(machine)
+        cached = cache.get(key)
         if cached is None:
-            cached = self._snaps[k] = (machine, repr(snapshot(machine, ren)).encode())
-        return cached[1]
+            # marshal's version 2 writes structure only (no references to shared objects), so
+            # equal snapshots give equal bytes; five times cheaper than repr
+            cached = cache[key] = marshal.dumps(snapshot(machine, ren), 2)
+        assert isinstance(cached, bytes)
+        return cached
+
+    def _cache(self, obj: Any) -> dict[Any, Any]:
+        """What the fingerprints computed of ``obj`` (a machine, a frame, a book: never changed
+        once stored), for as long as it lives."""
+        k = id(obj)
+        entry = self._snaps.get(k)
+        if entry is None:
+            entry = self._snaps[k] = (weakref.ref(obj, lambda _ref: self._snaps.pop(k, None)), {})
+        return entry[1]
+
+    def _engine_ren(self, e: int) -> dict[str, str]:
+        """Engine ``e``'s own requests as R<r> (its label-free signature)."""
+        ren = self._renames.get(("E", e))
+        if ren is None:
+            ren = self._renames[("E", e)] = {rid(e, r): f"R{r}" for r in range(self.world.requests)}
+        return ren
+
+    def _frame_key(self, f: Frame, e: int) -> str:
+        """A frame of engine ``e`` in its engine's signature: naming the engine as "E"."""
+        cache = self._cache(f)
+        cached = cache.get(("E", e))
+        if cached is None:
+            ren = self._renames.get(("F", e))
+            if ren is None:
+                ren = self._renames[("F", e)] = {f"sched{e}": "E", f"worker{e}": "W", **self._engine_ren(e)}
+            cached = cache[("E", e)] = repr(snapshot((f.kind, f.node, f.server, f.corr, f.incarnation, f.body), ren))
+        assert isinstance(cached, str)
+        return cached
+
+    def _perm_ren(self, pkey: tuple[int, ...]) -> dict[str, str]:
+        """The relabelling of engines ``pkey`` names (old engine -> its place in the order)."""
+        ren = self._renames.get(pkey)
+        if ren is None:
+            ren = self._renames[pkey] = {}
+            for new, old in enumerate(pkey):
+                ren[f"sched{old}"] = f"sched{new}"
+                ren[f"worker{old}"] = f"worker{new}"
+                for r in range(self.world.requests):
+                    ren[rid(old, r)] = rid(new, r)
+        return ren
 
     def fingerprint(self, st: XState) -> bytes:
         n = len(st.clients)
@@ -1396,7 +1448,7 @@ class Explorer:
         # per client object; its place in the sorted order is its label.
         ns = len(st.servers)
         ne = len(st.clients)
-        sigs = [b"|".join(self._snap(m, {rid(e, r): f"R{r}" for r in range(self.world.requests)}, "E")
+        sigs = [b"|".join(self._snap(m, self._engine_ren(e), "E")
                           for m in (st.clients[e], *st.workers[e:e + 1],
                                     *(st.links[(node * ne + e) * ns + s] for node in range(self.nodes)
                                       for s in range(ns))))
@@ -1407,26 +1459,16 @@ class Explorer:
             # Sort-based canonical form: each engine's signature names only itself as "E".
             keys = []
             for e in order:
-                ren = {f"sched{e}": "E", f"worker{e}": "W", **{rid(e, r): f"R{r}" for r in range(self.world.requests)}}
-                frames = sorted(repr(snapshot((f.kind, f.node, f.server, f.corr, f.incarnation, f.body), ren))
-                                for f in st.frames if f.engine == e)
+                frames = sorted(self._frame_key(f, e) for f in st.frames if f.engine == e)
                 keys.append((sigs[e], st.scripts[e], tuple(frames)))
             order.sort(key=lambda e: keys[e])
-        perm = {old: new for new, old in enumerate(order)}
-        ren = {}
-        for old, new in perm.items():
-            ren[f"sched{old}"] = f"sched{new}"
-            ren[f"worker{old}"] = f"worker{new}"
-            for r in range(self.world.requests):
-                ren[rid(old, r)] = rid(new, r)
         pkey = tuple(order)
+        perm = {old: new for new, old in enumerate(order)}
+        ren = self._perm_ren(pkey)
         clients = tuple((sigs[old], st.scripts[old]) for old in order)
-        bag = tuple(sorted(repr(snapshot((f.kind, f.node, perm[f.engine], f.server, f.corr, f.incarnation, f.body), ren))
-                              for f in st.frames))
+        bag = tuple(sorted(self._frame_snap(f, perm, ren, pkey) for f in st.frames))
         servers = tuple(self._snap(s, ren, pkey) for s in st.servers)
-        books = repr(snapshot([(sorted(repr(snapshot(k, ren)) for k in b.awaiting), sorted(ren.get(x, x) for x in
-                                b.lookups), sorted((ren.get(k, k), v) for k, v in b.last_session.items()))
-                               for b in st.books], ren))
+        books = repr(tuple(self._book_snap(b, ren, pkey) for b in st.books))
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,
                  st.crashes, st.attacks, st.seen, st.reaped,
@@ -1435,9 +1477,32 @@ class Explorer:
                  sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent,
                  sorted((k, ren.get(p, p)) for k, p in st.mappings), sorted(((perm[e], b), x) for (e, b), x in st.kv))
         h = hashlib.blake2b(digest_size=16)
-        for part in (*clients, *servers, bag, books, extra):
-            h.update(repr(part).encode())
+        for part in (*(x for sig, script in clients for x in (sig, repr(script).encode())), *servers,
+                     repr(bag).encode(), books.encode(), repr(extra).encode()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
         return h.digest()
+
+    def _frame_snap(self, f: Frame, perm: dict[int, int], ren: dict[str, str], pkey: tuple[int, ...]) -> str:
+        """A frame in the bag, its engine relabelled by ``pkey``'s order (cached per frame)."""
+        cache = self._cache(f)
+        cached = cache.get(pkey)
+        if cached is None:
+            cached = cache[pkey] = repr(snapshot((f.kind, f.node, perm[f.engine], f.server, f.corr, f.incarnation,
+                                                  f.body), ren))
+        assert isinstance(cached, str)
+        return cached
+
+    def _book_snap(self, b: ServerBook, ren: dict[str, str], pkey: tuple[int, ...]) -> Any:
+        """What the oracles remember of one server incarnation, relabelled (cached per book: a
+        book in a stored state never changes, it is copied with its server)."""
+        cache = self._cache(b)
+        cached = cache.get(pkey)
+        if cached is None:
+            cached = cache[pkey] = snapshot((sorted(repr(snapshot(k, ren)) for k in b.awaiting),
+                                             sorted(ren.get(x, x) for x in b.lookups),
+                                             sorted((ren.get(k, k), v) for k, v in b.last_session.items())), ren)
+        return cached
 
     # ------------------------------------------------------------------ search
     def run(self, dfs: bool = False, progress: Callable[[str], None] | None = None) -> Explorer:
@@ -1446,10 +1511,29 @@ class Explorer:
         seen: set[bytes] = {self.fingerprint(root.state)}
         frontier: deque[Node] = deque([root])
         pop = frontier.pop if dfs else frontier.popleft
+        self._node_bytes = 0.0
+        # Every copy of a machine is cyclic (its dispatchers' handlers are bound to it), so the
+        # copies of the states already seen are freed only by the collector: the young
+        # generation is collected after each expanded state, when they are garbage, and the
+        # older ones (the stored states, which stay) are never walked again during the search.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._search(root, seen, frontier, pop, progress, t0)
+        finally:
+            if collecting:
+                gc.enable()
+        self.states = len(seen)
+        self.seconds = time.perf_counter() - t0
+        self.bytes_per_state = self._memory(frontier, seen)
+        self.complete = self.violation is None and not self._truncated
+        return self
+
+    def _search(self, root: Node, seen: set[bytes], frontier: deque[Node], pop: Callable[[], Node],
+                progress: Callable[[str], None] | None, t0: float) -> None:
         truncated = False
         next_report = 10_000
         next_sample = 64
-        self._node_bytes = 0.0
         while frontier:
             node = pop()
             st = node.state
@@ -1482,17 +1566,14 @@ class Explorer:
             if self.violation is not None:
                 break
             if len(seen) >= next_sample and frontier:
-                next_sample *= 2
+                next_sample *= 4  # a sample walks 20 states: every fourfold growth
                 self._node_bytes = self._sample_nodes(frontier)
             if progress is not None and len(seen) >= next_report:
                 next_report += 10_000
                 rate = len(seen) / (time.perf_counter() - t0)
                 progress(f"  {len(seen)} states, frontier {len(frontier)}, depth {node.depth}, {rate:.0f} states/s")
-        self.states = len(seen)
-        self.seconds = time.perf_counter() - t0
-        self.bytes_per_state = self._memory(frontier, seen)
-        self.complete = self.violation is None and not truncated
-        return self
+            gc.collect(0)
+        self._truncated = truncated
 
     def _memory(self, frontier: deque[Node], seen: set[bytes]) -> float:
         """Bytes per distinct state: its fingerprint in the seen set, plus what a queued state

@@ -2,11 +2,15 @@
 a canonical snapshot to fingerprint, the deadline a machine is really waiting for, and the bytes a
 state holds.
 
-* ``copy.deepcopy`` of a ``Dispatcher`` rebinds its handlers to the copied machine and shares its
-  table and frozen rows (registered here, on import).
+* ``clone(machine, memo)``: the deep copy a state makes of a machine an action touches, the graph
+  ``copy.deepcopy`` would build (what ``memo`` names shared: tables, configurations, frozen rows)
+  by a copier chosen once per type; a ``Dispatcher``'s handlers are bound to the copy once per
+  distinct function, from a template per table and machine class. ``copy.deepcopy`` of a
+  ``Dispatcher`` does the same (registered here, on import).
 * ``dispatchers(machine)``: every dispatcher of a machine and of the sub-machines it holds.
 * ``snapshot(obj, ren)``: a canonical nested-tuple picture of a machine's state, strings renamed
-  by ``ren`` (symmetry), lazily deleting heaps reduced to their live entries in firing order.
+  by ``ren`` (symmetry), lazily deleting heaps reduced to their live entries in firing order; how
+  each type is written is decided once per type.
 * ``next_deadline(machine, horizon)``: when a machine next has something to do (a link's answered
   requests and, past the horizon, its monitor's timers left out).
 * ``deep_size(obj)``: bytes of an object graph, tables and types excepted.
@@ -17,9 +21,12 @@ import copy
 import enum
 import gc
 import math
+import operator
 import sys
 import types
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -28,27 +35,268 @@ from mpcache.core_sm.chunks import ChunkChain
 from mpcache.core_sm.server_link import ServerLink
 from mpcache.core_sm.table import Dispatcher, Table
 
-def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any]:
+@attrs.frozen
+class _Template:
+    """What every copy of a dispatcher of one table bound on one machine class shares: the
+    table's distinct handler and guard functions, and each row's key, function (by index) and
+    next states, as the dispatcher holds them."""
+
+    funcs: tuple[Any, ...]
+    bound: tuple[tuple[Any, int, Any], ...]
+    fast: tuple[tuple[Any, int, Any, Any], ...]
+    guards: tuple[tuple[type, int], ...]
+
+
+_TEMPLATES: dict[tuple[Table[Any], type], _Template | None] = {}
+
+
+def _owner(d: Dispatcher[Any]) -> Any:
+    for h, _n in d._bound.values():
+        return getattr(h, "__self__", None)
+    return None
+
+
+def _template(d: Dispatcher[Any], owner: Any) -> _Template | None:
+    """The dispatcher's template, or None where its handlers are not all bound on one machine
+    (then it is copied handler by handler)."""
+    key = (d.table, type(owner))
+    if key in _TEMPLATES:
+        return _TEMPLATES[key]
+    index: dict[Any, int] = {}
+    methods: list[Any] = [h for h, _n in d._bound.values()] + [h for h, _n, _a in d._fast.values()] + list(
+        d._guards.values())
+    template = None
+    if all(isinstance(h, types.MethodType) and h.__self__ is owner for h in methods):
+        func = operator.attrgetter("__func__")
+        bound = tuple((k, index.setdefault(func(h), len(index)), n) for k, (h, n) in d._bound.items())
+        fast = tuple((k, index.setdefault(func(h), len(index)), n, a) for k, (h, n, a) in d._fast.items())
+        guards = tuple((t, index.setdefault(func(g), len(index))) for t, g in d._guards.items())
+        template = _Template(tuple(index), bound, fast, guards)
+    _TEMPLATES[key] = template
+    return template
+
+
+def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any],
+                     dc: Callable[[Any, dict[int, Any]], Any] = copy.deepcopy) -> Dispatcher[Any]:
     """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
-    (and guard, and the machine's set_state) bound again to the copied machine. Three times cheaper than copy's generic path, which
-    rebuilds every row tuple and bound method through __reduce_ex__."""
+    (and guard, and the machine's set_state) bound again to the copied machine. Its handlers are
+    bound once per distinct function, from the template of its table and machine class, where
+    copy's generic path rebuilds every row tuple and bound method through __reduce_ex__."""
     new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
     memo[id(d)] = new
-    dc = copy.deepcopy
-
-    def rebind(h: Any) -> Any:
-        return types.MethodType(h.__func__, dc(h.__self__, memo))
-
     ns = dict(vars(d))
-    ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
-    ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
-    for name in ("_address", "_state_of", "_refuse", "_counters", "trace", "_guards", "_set_state"):
+    owner = _owner(d)
+    template = _template(d, owner)
+    if template is not None:
+        clone = dc(owner, memo)
+        bound = [types.MethodType(f, clone) for f in template.funcs]
+        ns["_bound"] = {k: (bound[i], n) for k, i, n in template.bound}
+        ns["_fast"] = {k: (bound[i], n, a) for k, i, n, a in template.fast}
+        ns["_guards"] = {t: bound[i] for t, i in template.guards}
+    else:
+        def rebind(h: Any) -> Any:
+            return types.MethodType(h.__func__, dc(h.__self__, memo))
+
+        ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
+        ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
+        ns["_guards"] = {t: rebind(g) for t, g in d._guards.items()}
+    for name in ("_address", "_state_of", "_refuse", "_counters", "trace", "_set_state"):
         ns[name] = dc(ns[name], memo)
     vars(new).update(ns)
     return new
 
 
+def _clone_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any]:
+    return _copy_dispatcher(d, memo, clone)
+
+
 copy._deepcopy_dispatch[Dispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------ copies
+# What a copy shares with its original: immutable atoms, classes and functions (as copy.deepcopy).
+_SHARED_TYPES: set[type] = {int, float, bool, type(None), str, bytes, complex, type, types.FunctionType,
+                            types.BuiltinFunctionType, types.BuiltinMethodType, range, type(Ellipsis),
+                            type(NotImplemented), types.CodeType, property, weakref.ref}
+_Copier = Callable[[Any, dict[int, Any]], Any]
+_COPIERS: dict[type, _Copier] = {}
+
+
+def clone(x: Any, memo: dict[int, Any]) -> Any:
+    """A deep copy of ``x`` as ``copy.deepcopy(x, memo)`` makes it (the same graph: shared
+    objects stay shared, what ``memo`` names is taken from it, immutable objects whose parts are
+    all shared are shared), by a copier chosen once per type instead of through each object's
+    ``__reduce_ex__``: what turns a machine into a new state, three times cheaper. A type it
+    does not know goes to ``copy.deepcopy`` with the same memo."""
+    t = type(x)
+    if t in _SHARED_TYPES:
+        return x
+    y = memo.get(id(x), memo)
+    if y is not memo:
+        return y
+    copier = _COPIERS.get(t)
+    if copier is None:
+        copier = _COPIERS[t] = _copier_for(t)
+    return copier(x, memo)
+
+
+def _copy_dict(x: dict[Any, Any], memo: dict[int, Any]) -> dict[Any, Any]:
+    y: dict[Any, Any] = {}
+    memo[id(x)] = y
+    shared = _SHARED_TYPES
+    for k, v in x.items():
+        y[k if type(k) in shared else clone(k, memo)] = v if type(v) in shared else clone(v, memo)
+    return y
+
+
+def _copy_ordered(x: OrderedDict[Any, Any], memo: dict[int, Any]) -> OrderedDict[Any, Any]:
+    y: OrderedDict[Any, Any] = OrderedDict()
+    memo[id(x)] = y
+    for k, v in x.items():
+        y[clone(k, memo)] = clone(v, memo)
+    return y
+
+
+def _copy_list(x: list[Any], memo: dict[int, Any]) -> list[Any]:
+    y: list[Any] = []
+    memo[id(x)] = y
+    shared = _SHARED_TYPES
+    y.extend([v if type(v) in shared else clone(v, memo) for v in x])
+    return y
+
+
+def _copy_tuple(x: tuple[Any, ...], memo: dict[int, Any]) -> tuple[Any, ...]:
+    shared = _SHARED_TYPES
+    parts = [v if type(v) in shared else clone(v, memo) for v in x]
+    done = memo.get(id(x), memo)  # a cycle through the tuple made it already
+    if done is not memo:
+        return done  # type: ignore[no-any-return]
+    y = x
+    for a, b in zip(parts, x):
+        if a is not b:
+            y = tuple(parts)
+            break
+    memo[id(x)] = y
+    return y
+
+
+def _copy_set(x: set[Any], memo: dict[int, Any]) -> set[Any]:
+    y: set[Any] = set()
+    memo[id(x)] = y
+    for v in x:
+        y.add(clone(v, memo))
+    return y
+
+
+def _copy_frozenset(x: frozenset[Any], memo: dict[int, Any]) -> frozenset[Any]:
+    parts = [clone(v, memo) for v in x]
+    y = x if all(a is b for a, b in zip(parts, x)) else frozenset(parts)
+    memo[id(x)] = y
+    return y
+
+
+def _copy_deque(x: deque[Any], memo: dict[int, Any]) -> deque[Any]:
+    y: deque[Any] = deque(maxlen=x.maxlen)
+    memo[id(x)] = y
+    y.extend([clone(v, memo) for v in x])
+    return y
+
+
+def _copy_method(x: types.MethodType, memo: dict[int, Any]) -> types.MethodType:
+    return types.MethodType(x.__func__, clone(x.__self__, memo))
+
+
+def _share(x: Any, memo: dict[int, Any]) -> Any:
+    return x
+
+
+def _deepcopy(x: Any, memo: dict[int, Any]) -> Any:
+    return copy.deepcopy(x, memo)
+
+
+def _own_deepcopy(x: Any, memo: dict[int, Any]) -> Any:
+    return x.__deepcopy__(memo)
+
+
+def _plain(t: type) -> bool:
+    """Whether copying ``t`` field by field is what deepcopy does: nothing of its own for
+    copying or pickling."""
+    own: Any = object
+    return (getattr(t, "__reduce_ex__") is own.__reduce_ex__ and getattr(t, "__reduce__") is own.__reduce__
+            and getattr(t, "__getstate__") is own.__getstate__ and getattr(t, "__setstate__", None) is None
+            and not hasattr(t, "__deepcopy__"))
+
+
+def _copier_for(t: type) -> _Copier:
+    """The copier of type ``t`` (chosen once per type)."""
+    exact: dict[type, _Copier] = {dict: _copy_dict, list: _copy_list, tuple: _copy_tuple, set: _copy_set,
+                                  frozenset: _copy_frozenset, deque: _copy_deque, OrderedDict: _copy_ordered,
+                                  types.MethodType: _copy_method, Dispatcher: _clone_dispatcher}
+    if t in exact:
+        return exact[t]
+    if issubclass(t, enum.Enum):
+        return _share
+    if hasattr(t, "__deepcopy__"):
+        return _own_deepcopy
+    if issubclass(t, tuple) and hasattr(t, "_fields") and getattr(t, "__reduce__") is getattr(tuple, "__reduce__"):
+        return _named_tuple_copier(t)
+    if attrs.has(t) and "__slots__" in vars(t):
+        names = tuple(a.name for a in attrs.fields(t))
+        slots = {n for c in t.__mro__ for n in getattr(c, "__slots__", ())}
+        if slots <= {*names, "__weakref__"}:
+            frozen = getattr(t.__setattr__, "__name__", "") == "_frozen_setattrs"
+            return _slotted_copier(t, names, frozen)
+        return _deepcopy
+    slots = {n for c in t.__mro__ for n in getattr(c, "__slots__", ())} - {"__dict__", "__weakref__"}
+    if _plain(t) and not slots and t.__dictoffset__ != 0:
+        return _object_copier(t)
+    return _deepcopy
+
+
+def _named_tuple_copier(t: type) -> _Copier:
+    """A named tuple (immutable): shared when its parts are, else built from their copies."""
+    make = t._make  # type: ignore[attr-defined]
+
+    def copy_named_tuple(x: Any, memo: dict[int, Any]) -> Any:
+        parts = [clone(v, memo) for v in x]
+        y = x if all(a is b for a, b in zip(parts, x)) else make(parts)
+        memo[id(x)] = y
+        return y
+    return copy_named_tuple
+
+
+def _object_copier(t: type) -> _Copier:
+    new = object.__new__
+
+    def copy_object(x: Any, memo: dict[int, Any]) -> Any:
+        y: Any = new(t)
+        memo[id(x)] = y
+        shared = _SHARED_TYPES
+        y.__dict__.update({k: v if type(v) in shared else clone(v, memo) for k, v in x.__dict__.items()})
+        return y
+    return copy_object
+
+
+def _slotted_copier(t: type, names: tuple[str, ...], frozen: bool) -> _Copier:
+    """A slotted attrs class: its fields copied; a frozen one whose fields are all shared is
+    shared itself (as deepcopy shares such a tuple)."""
+    new = object.__new__
+    setter = object.__setattr__
+
+    def copy_slotted(x: Any, memo: dict[int, Any]) -> Any:
+        values = [clone(getattr(x, n), memo) for n in names]
+        done = memo.get(id(x), memo)
+        if done is not memo:
+            return done
+        if frozen and all(a is getattr(x, n) for a, n in zip(values, names)):
+            memo[id(x)] = x
+            return x
+        y: Any = new(t)
+        memo[id(x)] = y
+        for n, v in zip(names, values):
+            setter(y, n, v)
+        return y
+    return copy_slotted
 
 
 def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
@@ -106,61 +354,98 @@ _SKIP = frozenset({"_seq", "_compact_at", "compactions", "_counters", "counters"
 _ATOMS = (int, float, bool, type(None), bytes)
 
 
+# How snapshot() writes an object of each type (chosen once per type, by _kind_of).
+_ATOM, _STR, _ENUM, _CHAIN, _NONE, _SEQ, _DICT, _SET, _DEQUE, _ATTRS, _OBJECT = range(11)
+_KINDS: dict[type, tuple[int, tuple[str, ...]]] = {t: (_ATOM, ()) for t in _ATOMS}
+_KINDS.update({str: (_STR, ()), ChunkChain: (_CHAIN, ()), tuple: (_SEQ, ()), list: (_SEQ, ())})
+
+
+def _kind_of(obj: Any) -> tuple[int, tuple[str, ...]]:
+    """How snapshot() writes objects of ``obj``'s type, and an attrs class's fields it keeps."""
+    t = type(obj)
+    if isinstance(obj, enum.Enum):
+        kind = (_ENUM, ())
+    elif callable(obj) and not hasattr(obj, "__dict__") or isinstance(obj, (Dispatcher, type)) or t.__name__ in (
+            "function", "method", "builtin_function_or_method"):
+        kind = (_NONE, ())
+    elif isinstance(obj, dict):
+        kind = (_DICT, ())
+    elif isinstance(obj, (set, frozenset)):
+        kind = (_SET, ())
+    elif isinstance(obj, deque):
+        kind = (_DEQUE, ())
+    elif attrs.has(t):
+        kind = (_ATTRS, tuple(a.name for a in attrs.fields(t) if a.name not in _SKIP))
+    else:
+        kind = (_OBJECT, ())
+    if kind[0] in (_ENUM, _NONE, _ATTRS, _OBJECT) or t in (dict, set, frozenset, deque, OrderedDict):
+        _KINDS[t] = kind  # the same for every object of the type (the others are looked at each time)
+    return kind
+
+
 def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None) -> Any:
     """A canonical nested-tuple picture of ``obj``'s state: strings renamed by ``ren`` (symmetry),
     enums by value, callables, counters and configuration left out; a shared object is written
-    once and referred to by its order of appearance after that (the machines share some)."""
+    once and referred to by its order of appearance after that (the machines share some). How
+    each type is written is decided once per type."""
     memo: dict[int, int] = {} if _memo is None else _memo
-    t = type(obj)
-    if t in _ATOMS:
-        return obj
-    if t is str:
-        return ren.get(obj, obj)
-    if isinstance(obj, enum.Enum):
-        return obj._value_
-    if t is ChunkChain:
-        return obj.fingerprint
-    if callable(obj) and not hasattr(obj, "__dict__") or isinstance(obj, (Dispatcher, type)) or t.__name__ in (
-            "function", "method", "builtin_function_or_method"):
-        return None
-    if t is tuple or t is list:
-        return tuple(snapshot(x, ren, memo) for x in obj)
-    key = id(obj)
-    if key in memo:
-        return ("@", memo[key])
-    memo[key] = len(memo)
-    live = getattr(obj, "_live", None)
-    if live is not None and callable(live):
-        # A timer heap or reap queue deletes lazily (next_deadline() drops dead entries even
-        # from a stored state): only its live entries, in firing order, are its state.
-        if isinstance(getattr(obj, "_heap", None), list):
-            return ("timers", tuple((d, snapshot(t, ren, memo)) for d, _seq, t in sorted(obj._heap, key=_by_time)
-                                    if live(t)))
-        items = getattr(obj, "_items", None)
-        if isinstance(items, list):
-            head = obj._head
-            return ("queue", tuple((t, snapshot(i, ren, memo)) for t, i in zip(obj._times[head:], items[head:])
-                                   if i is not None and live(i)))
-    if isinstance(obj, dict):
-        return ("d", tuple((snapshot(k, ren, memo), snapshot(v, ren, memo)) for k, v in obj.items()))
-    if isinstance(obj, (set, frozenset)):
-        return ("s", tuple(sorted((snapshot(x, ren, memo) for x in obj), key=repr)))
-    if isinstance(obj, deque):
-        return ("q", tuple(snapshot(x, ren, memo) for x in obj))
-    if attrs.has(t):
-        return (t.__name__, tuple(snapshot(getattr(obj, a.name), ren, memo) for a in attrs.fields(t)
-                                  if a.name not in _SKIP))
-    fields = getattr(obj, "__dict__", None)
-    if fields is None:
-        names = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]
-        fields = {n: getattr(obj, n) for n in names if hasattr(obj, n)}
-    if isinstance(obj, ServerLink):
-        # the deadline heap keeps answered entries until due: only pending ones, in firing order
-        fields = dict(fields)
-        fields["_deadlines"] = obj.request_deadlines()
-    expiry_live = getattr(obj, "_expiry_live", None)
-    if expiry_live is not None and "_expiries" in fields:
-        # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
-        fields = dict(fields)
-        fields["_expiries"] = [(e[0], *e[2:]) for e in sorted(fields["_expiries"], key=_by_time) if expiry_live(e)]
-    return (t.__name__, tuple((k, snapshot(v, ren, memo)) for k, v in fields.items() if k not in _SKIP))
+    kinds = _KINDS
+    atoms = _ATOMS
+
+    def snap(obj: Any) -> Any:
+        t = type(obj)
+        if t in atoms:
+            return obj
+        kind = kinds.get(t)
+        k, names = kind if kind is not None else _kind_of(obj)
+        if k == _STR:
+            return ren.get(obj, obj)
+        if k == _SEQ:
+            return tuple([x if type(x) in atoms else snap(x) for x in obj])
+        if k == _ENUM:
+            return obj._value_
+        if k == _NONE:
+            return None
+        if k == _CHAIN:
+            return obj.fingerprint
+        key = id(obj)
+        if key in memo:
+            return ("@", memo[key])
+        memo[key] = len(memo)
+        if k == _DICT:
+            return ("d", tuple([(snap(a), b if type(b) in atoms else snap(b)) for a, b in obj.items()]))
+        if k == _ATTRS:
+            return (t.__name__, tuple([snap(getattr(obj, n)) for n in names]))
+        if k == _SET:
+            return ("s", tuple(sorted([snap(x) for x in obj], key=repr)))
+        if k == _DEQUE:
+            return ("q", tuple([snap(x) for x in obj]))
+        live = getattr(obj, "_live", None)
+        if live is not None and callable(live):
+            # A timer heap or reap queue deletes lazily (next_deadline() drops dead entries even
+            # from a stored state): only its live entries, in firing order, are its state.
+            if isinstance(getattr(obj, "_heap", None), list):
+                return ("timers", tuple([(d, snap(t)) for d, _seq, t in sorted(obj._heap, key=_by_time) if live(t)]))
+            items = getattr(obj, "_items", None)
+            if isinstance(items, list):
+                head = obj._head
+                return ("queue", tuple([(t, snap(i)) for t, i in zip(obj._times[head:], items[head:])
+                                        if i is not None and live(i)]))
+        fields = getattr(obj, "__dict__", None)
+        if fields is None:
+            slots = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]
+            fields = {n: getattr(obj, n) for n in slots if hasattr(obj, n)}
+        if isinstance(obj, ServerLink):
+            # the deadline heap keeps answered entries until due: only pending ones, in firing order
+            fields = dict(fields)
+            fields["_deadlines"] = obj.request_deadlines()
+        expiry_live = getattr(obj, "_expiry_live", None)
+        if expiry_live is not None and "_expiries" in fields:
+            # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
+            fields = dict(fields)
+            fields["_expiries"] = [(e[0], *e[2:]) for e in sorted(fields["_expiries"], key=_by_time)
+                                   if expiry_live(e)]
+        skip = _SKIP
+        return (t.__name__, tuple([(n, snap(v)) for n, v in fields.items() if n not in skip]))
+
+    return snap(obj)

@@ -2,6 +2,7 @@
 violation; every legacy profile it models is caught with its own F-code, and the tape it saves
 replays to the same violation; the CLI prints the counts and the rows never reached."""
 import functools
+from typing import Any
 import json
 from pathlib import Path
 
@@ -249,3 +250,53 @@ def test_copied_machine_assigns_its_own_state() -> None:
 
     assert server_clone.transfers.dispatch._set_state.__self__ is server_clone.transfers  # type: ignore[union-attr]
     assert server_clone._rows[Store].__self__ is server_clone.transfers  # type: ignore[attr-defined]
+
+
+def test_clone_builds_what_deepcopy_builds() -> None:
+    """The explorer's copier (``explore_state.clone``) makes of every machine of the first 100
+    states of a world with a planner, a worker and two KV-cache groups what ``copy.deepcopy``
+    makes: the same snapshot, the same fields, every dispatcher's handlers bound to the copy;
+    and a copy written to leaves its original as it was."""
+    import copy
+
+    from mpcache.core_sm.chunks import ObjectKey
+    from mpcache.sim.explore_state import clone, dispatchers, snapshot
+
+    ex = Explorer(attrs.evolve(PROFILE_WORLDS["hma-partial-group"], max_states=100))  # its first 100 states
+    fingerprint = ex.fingerprint
+    checked = []
+
+    def fp(st: Any) -> bytes:
+        for m in (*st.servers, *st.clients, *st.links, *st.workers):
+            if any(m is c for c in checked[-12:]):
+                continue  # a machine the state shares with its parent: checked there
+            a, b = clone(m, dict(ex._static)), copy.deepcopy(m, dict(ex._static))
+            assert repr(snapshot(a, {})) == repr(snapshot(b, {})) == repr(snapshot(m, {}))
+            assert vars(a).keys() == vars(b).keys() == vars(m).keys()
+            for da, dm in zip(dispatchers(a), dispatchers(m), strict=True):
+                assert da is not dm and da._bound.keys() == dm._bound.keys()
+                owner = getattr(next(iter(dm._bound.values()))[0], "__self__")
+                for h, _n in da._bound.values():
+                    assert type(h.__self__) is type(owner) and h.__self__ is not owner
+            checked.append(m)
+        return fingerprint(st)
+
+    ex.fingerprint = fp  # type: ignore[method-assign]
+    ex.run()
+    assert ex.violation is None and len(checked) > 150
+    server = ex._fresh_server
+    before = repr(snapshot(server, {}))
+    copied = clone(server, dict(ex._static))
+    copied.index.reserve_write(ObjectKey(b"\x01" * 16, 0), "other", 1024, 0.0)  # a write of its own
+    assert repr(snapshot(server, {})) == before != repr(snapshot(copied, {}))
+
+
+def test_copies_of_seen_states_are_freed() -> None:
+    """The snapshot cache holds no machine: once a search ends and its states go, every copy
+    made for it (those of states already seen included) is freed."""
+    import gc
+
+    ex = explored(WORLDS["ci"][0])
+    assert ex.complete and ex.transitions > ex.states
+    gc.collect()
+    assert len(ex._snaps) <= 8  # what the explorer keeps itself (its fresh machines) at most
