@@ -368,6 +368,10 @@ def _kind_of(obj: Any) -> tuple[int, tuple[str, ...]]:
     elif callable(obj) and not hasattr(obj, "__dict__") or isinstance(obj, (Dispatcher, type)) or t.__name__ in (
             "function", "method", "builtin_function_or_method"):
         kind = (_NONE, ())
+    elif isinstance(obj, tuple):
+        # a named tuple (ObjectKey, RequestKey: which peer or request owns a job or lease) is its
+        # values: written as its type's name alone, states differing only in an owner were one
+        kind = (_SEQ, ())
     elif isinstance(obj, dict):
         kind = (_DICT, ())
     elif isinstance(obj, (set, frozenset)):
@@ -378,7 +382,7 @@ def _kind_of(obj: Any) -> tuple[int, tuple[str, ...]]:
         kind = (_ATTRS, tuple(a.name for a in attrs.fields(t) if a.name not in _SKIP))
     else:
         kind = (_OBJECT, ())
-    if kind[0] in (_ENUM, _NONE, _ATTRS, _OBJECT) or t in (dict, set, frozenset, deque, OrderedDict):
+    if kind[0] in (_ENUM, _NONE, _ATTRS, _OBJECT, _SEQ) or t in (dict, set, frozenset, deque, OrderedDict):
         _KINDS[t] = kind  # the same for every object of the type (the others are looked at each time)
     return kind
 
