@@ -300,3 +300,15 @@ def test_copies_of_seen_states_are_freed() -> None:
     assert ex.complete and ex.transitions > ex.states
     gc.collect()
     assert len(ex._snaps) <= 8  # what the explorer keeps itself (its fresh machines) at most
+
+
+def test_a_snapshot_tells_named_tuples_apart_by_their_values() -> None:
+    """Which peer or request owns a job or a lease is a named tuple (``RequestKey``,
+    ``ObjectKey``): two states that differ only there are two states, not one."""
+    from mpcache.core_sm.chunks import ObjectKey
+    from mpcache.core_sm.server_core import RequestKey
+    from mpcache.sim.explore_state import snapshot
+
+    assert snapshot({RequestKey("sched0", "r"): 1}, {}) != snapshot({RequestKey("sched1", "r"): 1}, {})
+    assert snapshot([ObjectKey(b"\x01" * 16, 0)], {}) != snapshot([ObjectKey(b"\x02" * 16, 0)], {})
+    assert snapshot([ObjectKey(b"\x01" * 16, 0)], {}) == snapshot([ObjectKey(b"\x01" * 16, 0)], {})
