@@ -76,9 +76,12 @@ L2_STALL = 1.5
 
 
 _TICK = TimerTick()
-# A cancelled node task runs twice more: Cancelled is delivered (its mailbox wait raises), then
-# leaving its nursery (no children left) is a schedule point of its own; the second run ends it.
-_UNWIND = 2
+# How many more times a cancelled node task runs (the last run ends it). Blocked in its mailbox:
+# Cancelled is delivered at once (the wait raises), then leaving its nursery (no children left)
+# is a schedule point of its own. Running (or holding an item, which it handles first): its next
+# receive() finds the cancel -- a checkpoint, then the wait that raises -- before the same two.
+_UNWIND_BLOCKED = 2
+_UNWIND_RUNNING = 3
 
 
 class SimNode(Node):
@@ -126,7 +129,7 @@ class SimNode(Node):
         self._mail.clear()
         if self._waiting:  # blocked in its mailbox: the cancel is delivered at once
             self._waiting = False
-            self._unwinding = _UNWIND
+            self._unwinding = _UNWIND_BLOCKED
             self._timeline.runq.append(self)
 
     def resume(self) -> None:
@@ -148,7 +151,7 @@ class SimNode(Node):
         assert self._arm_timer is not None
         self._arm_timer(self, self.next_deadline())
         if self._cancelled:  # receive() sees the cancel: the task unwinds
-            self._unwinding = _UNWIND
+            self._unwinding = _UNWIND_RUNNING
             self._timeline.runq.append(self)
         elif self._mail:  # receive() took a queued item: a checkpoint before it returns
             self._item = self._mail.popleft()
