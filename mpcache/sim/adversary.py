@@ -242,7 +242,8 @@ class Adversary:
             n = (1 << 16) + 1  # ServerConfig.max_chunks_per_request + 1
             # eight random tokens repeated to n * C, packed once (a million-int tuple took ms)
             eight = TokenIds.from_ints([rng.randrange(1, 50000) for _ in range(8)]).packed
-            tokens = TokenIds.from_packed((eight * (n * C // 8 + 1))[: 4 * n * C])
+            reps, rest = divmod(n * C, 8)
+            tokens = TokenIds.from_packed(eight * reps + eight[: 4 * rest])
             return Lookup(CacheKey(self._base_key().model_name, self.world.config.tp, None, tokens, 0,
                                    n * C, self._own_id()))
         if kind == "bad_ranks":

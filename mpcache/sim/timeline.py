@@ -107,6 +107,7 @@ class Timeline:
         self._sleeper: CoroutineTask | None = None
         self._wake_at = math.inf
         self._main: CoroutineTask | None = None
+        self._batch: list[Any] = []  # the tasks of the batch running now that have not run yet
 
     def clock(self) -> float:
         return self.now
@@ -134,18 +135,31 @@ class Timeline:
         The head is only peeked before sleeping: while the main task sleeps, the nodes woken by
         the previous entry run and may schedule something earlier, which moves the wake-up (`at`)."""
         heap = self._heap
+        runq = self.runq
+        batch = self._batch
         while True:
             target = heap[0][0] if heap and heap[0][0] <= until else until
             if target > self.now:
-                await _Trap("sleep", target)
+                if runq or batch:
+                    await _Trap("sleep", target)
+                else:
+                    # Nothing else runnable: the loop would jump the clock to `target` and run
+                    # this task alone (a batch of one draws nothing) -- do just that, here.
+                    self.batches += 1
+                    self.now = target
                 continue
             if not heap or heap[0][0] > until:
                 return
             _, _, action, args = heapq.heappop(heap)
             self.executed += 1
             action(*args)
-            # Let the nodes woken by this entry run before the next one at the same instant.
-            await _CHECKPOINT
+            # Let the nodes woken by this entry run before the next one at the same instant
+            # (none woken and none left in this batch: the checkpoint would be a batch of this
+            # task alone -- go on).
+            if runq or batch:
+                await _CHECKPOINT
+            else:
+                self.batches += 1
 
     # ---- tasks ----------------------------------------------------------------------
     async def start(self, task: Any) -> None:
@@ -166,6 +180,7 @@ class Timeline:
         self.rng.shuffle([0, 1])
         runq = self.runq
         runq.append(main)
+        batch = self._batch
         shuffle = self.rng.shuffle
         try:
             while not main.done:
@@ -185,7 +200,7 @@ class Timeline:
                     runq.clear()
                     task.resume()
                     continue
-                batch = sorted(runq, key=_by_counter)
+                batch[:] = sorted(runq, key=_by_counter)
                 runq.clear()
                 shuffle(batch)
                 while batch:
