@@ -108,6 +108,7 @@ class Timeline:
         self._wake_at = math.inf
         self._main: CoroutineTask | None = None
         self._batch: list[Any] = []  # the tasks of the batch running now that have not run yet
+        self._spawned: list[CoroutineTask] = []
 
     def clock(self) -> float:
         return self.now
@@ -170,7 +171,9 @@ class Timeline:
     def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         """Run `coroutine` as a new task (trio's ``nursery.start_soon``)."""
         self._counter += 1
-        self.runq.append(CoroutineTask(self, coroutine, self._counter))
+        task = CoroutineTask(self, coroutine, self._counter)
+        self._spawned.append(task)
+        self.runq.append(task)
 
     def run_main(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         """Run the world's main task to its end (the loop described in the module docstring)."""
@@ -206,8 +209,10 @@ class Timeline:
                 while batch:
                     batch.pop().resume()
         finally:
-            if not main.done:
-                main.coroutine.close()
+            # A run ended by an exception leaves tasks suspended (or never started): close them.
+            for task in (main, *self._spawned):
+                if not task.done:
+                    task.coroutine.close()
 
 
 def _by_counter(task: Task) -> int:
