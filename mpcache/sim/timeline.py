@@ -21,8 +21,9 @@ The tasks:
   (after each entry: the nodes it woke run first) and `start` (a node's first step);
 * a node (`SimNode` in `sim/world.py`): trio's memory channel and `Node._loop`, unrolled -- a
   posted item is handed to a waiting node (it becomes runnable) or queued; a node that takes a
-  queued item yields once before it handles it; a crash cancels it (a node blocked in its
-  mailbox runs once more to unwind, one with an item in hand handles it first);
+  queued item yields once before it handles it; a crash cancels it (its task then runs the
+  times trio's cancellation and nursery exit take before it ends -- one with an item in hand
+  handles that item first);
 * a restart (`spawn`): a coroutine like the main task, started by an action.
 
 The first exception out of any task ends the run (the first violation stops the run); a loop
