@@ -37,7 +37,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
-import trio
 
 from mpcache.core_sm.chunks import ChunkChain, ObjectKey
 from mpcache.core_sm.client_config import server_for_rank
@@ -337,7 +336,7 @@ class SimEngine:
             self.order.append(req)
 
     # =========================================================================== setup
-    async def start(self, nursery: trio.Nursery) -> None:
+    async def start(self) -> None:
         w = self.world
         profile = w.profile
         sched = w.make_node(sched_name(self.index), {LOOKUP: profile.make_planner(self.cfg)},
@@ -1184,7 +1183,7 @@ class SimEngine:
                     what += f", waiting for sending from {sorted(req.finishing)}"
                 if req.state == "loading":
                     what += f", waiting for recving from ranks {sorted(req.loads_pending)}"
-            last = " | ".join(list(self.world.recent.get(req.rid, []))[-3:])
+            last = self.world.recent_lines(req.rid)
             lines.append(f"{req.rid}@{sched_name(self.index)}: {what}; last events: {last}")
         return lines
 

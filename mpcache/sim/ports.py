@@ -77,11 +77,12 @@ class WorldPort(Protocol):
     exec_rng: random.Random
     servers: list[Any]
     nodes: dict[str, Node]
-    recent: dict[str, deque[str]]
     touched: set[str]
     stats: dict[str, int]
 
     def now(self) -> float: ...
+
+    def recent_lines(self, rid: str, n: int = 3) -> str: ...
 
     def make_node(self, name: str, machines: dict[str, Any],
                   interpret: Callable[[Node, str, Any], None]) -> Node: ...

@@ -4,7 +4,7 @@ A `Scenario` is plain data. `draw_scenario(seed)` builds it from `random.Random(
 testing: fault rates, TTLs, capacities and latencies are themselves drawn per seed);
 `mpcache.sim.strategies` builds the same type from Hypothesis, so failures shrink to fewer requests,
 fewer faults and smaller knobs. The scenario also carries `net_seed`, which seeds every
-per-message decision (delays, drops, duplicates, copy latencies) and trio's scheduler.
+per-message decision (delays, drops, duplicates, copy latencies) and the order the world's tasks run in.
 """
 from __future__ import annotations
 

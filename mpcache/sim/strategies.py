@@ -3,9 +3,8 @@
 `scenarios()` draws the same `Scenario` type `draw_scenario(seed)` builds, but from Hypothesis
 data, so a failing world shrinks structurally: fewer requests, fewer faults, fewer nodes,
 shorter prompts, smaller knobs, and `net_seed` towards 0. Every per-message choice inside the
-run (delays, drops, duplicates, copy latencies) comes from `net_seed`; trio's scheduler is
-seeded from it too (the runner does that), so Hypothesis's re-seeding of trio's random never
-matters.
+run (delays, drops, duplicates, copy latencies) comes from `net_seed`, and so does the order
+the world's tasks run in (`sim/timeline.py`), so an example replays exactly.
 """
 from __future__ import annotations
 

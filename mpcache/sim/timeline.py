@@ -1,39 +1,129 @@
-"""The world's single ordered queue of future happenings.
+"""The world's single ordered queue of future happenings, and the loop that runs a world.
 
 Every wake-up in a simulated world -- a message arriving, a node's timer, an L2 read or a copy
 finishing, a workload step, a fault -- is an entry `(time, seq, action)` in one heap. `seq` is a
 counter, so two entries at the same virtual instant run in the order they were scheduled, in
-every process. One trio task (`run`) sleeps until the head's time (the virtual clock jumps
-there) and runs the action; the nodes it posts to then run before the next entry.
+every process. The world's main task (`run`) sleeps until the head's time (the virtual clock
+jumps there) and runs the action; the nodes it posts to then run before the next entry.
+
+The tasks run on `Timeline`'s own loop, which schedules exactly as trio's run loop does for the
+few kinds of task a world has (this is what the simulator ran on before; a seed's event order is
+the one it had there): the tasks runnable now form a batch; the batch is ordered by task
+creation, shuffled with the seeded `random.Random` trio's deterministic mode uses (`trio._core.
+_run._r`, seeded by the runner) and run from its end; what a task makes runnable waits for the
+next batch; the clock jumps only when nothing is runnable, to the main task's wake-up. What it
+does not pay is trio's machinery around that order -- an I/O poll, cancel scopes and an outcome
+per task switch -- which cost most of a seed's CPU time.
+
+The tasks:
+
+* the main task (`World.main`, a coroutine): awaits `sleep_until` (inside `run`), `checkpoint`
+  (after each entry: the nodes it woke run first) and `start` (a node's first step);
+* a node (`SimNode` in `sim/world.py`): trio's memory channel and `Node._loop`, unrolled -- a
+  posted item is handed to a waiting node (it becomes runnable) or queued; a node that takes a
+  queued item yields once before it handles it; a crash cancels it (its task then runs the
+  times trio's cancellation and nursery exit take before it ends -- one with an item in hand
+  handles that item first);
+* a restart (`spawn`): a coroutine like the main task, started by an action.
+
+The first exception out of any task ends the run (the first violation stops the run); a loop
+with nothing runnable and nothing asleep raises `DeadlockError`.
 """
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
-from typing import Any
+import random
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, Protocol
 
-import trio
+from mpcache.runtime_trio import DeadlockError
+
+
+class Task(Protocol):
+    counter: int
+
+    def resume(self) -> None: ...
+
+
+class _Trap:
+    """What a coroutine task awaits; the loop reads it off `coroutine.send`."""
+
+    __slots__ = ("kind", "arg")
+
+    def __init__(self, kind: str, arg: Any = None) -> None:
+        self.kind = kind
+        self.arg = arg
+
+    def __await__(self) -> Generator[_Trap, None, None]:
+        yield self
+
+
+_CHECKPOINT = _Trap("checkpoint")
+
+
+class CoroutineTask:
+    """A coroutine on the loop (the world's main task, a server restart)."""
+
+    def __init__(self, loop: Timeline, coroutine: Coroutine[Any, Any, Any], counter: int) -> None:
+        self.loop = loop
+        self.coroutine = coroutine
+        self.counter = counter
+        self.done = False
+
+    def resume(self) -> None:
+        try:
+            trap = self.coroutine.send(None)
+        except StopIteration:
+            self.done = True
+            return
+        kind = trap.kind
+        loop = self.loop
+        if kind == "checkpoint":
+            loop.runq.append(self)
+        elif kind == "sleep":
+            loop._sleeper = self
+            loop._wake_at = trap.arg
+        elif kind == "start":
+            task = trap.arg
+            loop._counter += 1
+            task.counter = loop._counter
+            task.starter = self
+            loop.runq.append(task)
+        else:  # pragma: no cover - only this module makes traps
+            raise AssertionError(f"unknown trap {kind}")
 
 
 class Timeline:
-    def __init__(self) -> None:
+    def __init__(self, rng: random.Random | None = None) -> None:
         self._heap: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
         self._seq = 0
         self.executed = 0
         self.stop_at = math.inf
-        self._sleep: trio.CancelScope | None = None
+        self.now = 0.0
+        self.rng = rng if rng is not None else random.Random(0)
+        self.runq: list[Any] = []
+        self.batches = 0
+        self._counter = 2  # trio's init task is 0, the main task 1, its run_sync_soon task 2
+        self._sleeper: CoroutineTask | None = None
+        self._wake_at = math.inf
+        self._main: CoroutineTask | None = None
+        self._batch: list[Any] = []  # the tasks of the batch running now that have not run yet
+        self._spawned: list[CoroutineTask] = []
 
+    def clock(self) -> float:
+        return self.now
+
+    # ---- the queue ------------------------------------------------------------------
     def at(self, when: float, action: Callable[..., Any], *args: Any) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, action, args))
-        scope = self._sleep
-        if scope is not None and when < scope.deadline:
-            # The runner is asleep until a later instant: wake it in time for this entry.
-            scope.deadline = when
+        if when < self._wake_at and self._sleeper is not None:
+            # The main task is asleep until a later instant: wake it in time for this entry.
+            self._wake_at = when
 
     def after(self, delay: float, action: Callable[..., Any], *args: Any) -> None:
-        self.at(trio.current_time() + delay, action, *args)
+        self.at(self.now + delay, action, *args)
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -44,23 +134,87 @@ class Timeline:
     async def run(self, until: float) -> None:
         """Run entries up to virtual time `until` (inclusive), then return at `until`.
 
-        The head is only peeked before sleeping: while the runner sleeps, the nodes woken by the
-        previous entry run and may schedule something earlier, which moves the wake-up (`at`)."""
+        The head is only peeked before sleeping: while the main task sleeps, the nodes woken by
+        the previous entry run and may schedule something earlier, which moves the wake-up (`at`)."""
         heap = self._heap
+        runq = self.runq
+        batch = self._batch
         while True:
             target = heap[0][0] if heap and heap[0][0] <= until else until
-            if target > trio.current_time():
-                with trio.CancelScope(deadline=target) as scope:
-                    self._sleep = scope
-                    try:
-                        await trio.sleep_forever()
-                    finally:
-                        self._sleep = None
+            if target > self.now:
+                if runq or batch:
+                    await _Trap("sleep", target)
+                else:
+                    # Nothing else runnable: the loop would jump the clock to `target` and run
+                    # this task alone (a batch of one draws nothing) -- do just that, here.
+                    self.batches += 1
+                    self.now = target
                 continue
             if not heap or heap[0][0] > until:
                 return
             _, _, action, args = heapq.heappop(heap)
             self.executed += 1
             action(*args)
-            # Let the nodes woken by this entry run before the next one at the same instant.
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            # Let the nodes woken by this entry run before the next one at the same instant
+            # (none woken and none left in this batch: the checkpoint would be a batch of this
+            # task alone -- go on).
+            if runq or batch:
+                await _CHECKPOINT
+            else:
+                self.batches += 1
+
+    # ---- tasks ----------------------------------------------------------------------
+    async def start(self, task: Any) -> None:
+        """Start `task` (a node: `counter`, `starter`, `resume`); return after its first step,
+        as trio's ``nursery.start`` returns once the task called ``task_status.started()``."""
+        await _Trap("start", task)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        """Run `coroutine` as a new task (trio's ``nursery.start_soon``)."""
+        self._counter += 1
+        task = CoroutineTask(self, coroutine, self._counter)
+        self._spawned.append(task)
+        self.runq.append(task)
+
+    def run_main(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        """Run the world's main task to its end (the loop described in the module docstring)."""
+        main = self._main = CoroutineTask(self, coroutine, 1)
+        # trio's first batches: its init task alone, then the main task beside the
+        # run_sync_soon task -- one shuffle of two, which draws from the seeded random.
+        self.rng.shuffle([0, 1])
+        runq = self.runq
+        runq.append(main)
+        batch = self._batch
+        shuffle = self.rng.shuffle
+        try:
+            while not main.done:
+                if not runq:
+                    if self._sleeper is None:
+                        raise DeadlockError(self.now, ["main task waiting with nothing runnable"])
+                    if self._wake_at > self.now:
+                        self.now = self._wake_at
+                sleeper = self._sleeper
+                if sleeper is not None and self._wake_at <= self.now:
+                    self._sleeper = None
+                    self._wake_at = math.inf
+                    runq.append(sleeper)
+                self.batches += 1
+                if len(runq) == 1:
+                    task = runq[0]
+                    runq.clear()
+                    task.resume()
+                    continue
+                batch[:] = sorted(runq, key=_by_counter)
+                runq.clear()
+                shuffle(batch)
+                while batch:
+                    batch.pop().resume()
+        finally:
+            # A run ended by an exception leaves tasks suspended (or never started): close them.
+            for task in (main, *self._spawned):
+                if not task.done:
+                    task.coroutine.close()
+
+
+def _by_counter(task: Task) -> int:
+    return task.counter

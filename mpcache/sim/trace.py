@@ -88,28 +88,64 @@ class Mark:
 
 
 class Trace:
+    """The run's lines, kept as records and formatted only when asked for (`lines`, `digest`):
+    a seed that passes in a sweep never formats one. An event's record holds the event and its
+    effects themselves (core_sm's frozen messages and effects), so its line reads the same
+    whenever it is formatted."""
+
     def __init__(self, keep_lines: bool = True) -> None:
-        self._hash = hashlib.blake2b(digest_size=16)
         self.keep_lines = keep_lines
-        self.lines: list[str] = []
+        self._records: list[tuple[Any, ...]] = []
+        self._lines: list[str] = []
+        self._hash = hashlib.blake2b(digest_size=16)
         self.messages: dict[int, MessageRecord] = {}
         self.marks: list[Mark] = []
-        self.count = 0
+
+    @property
+    def count(self) -> int:
+        return len(self._records)
 
     def line(self, t: float, node: str, text: str) -> None:
-        s = f"{t:12.6f} {node:<11} {text}"
-        self.count += 1
-        self._hash.update(s.encode())
-        self._hash.update(b"\n")
-        if self.keep_lines:
-            self.lines.append(s)
+        self._records.append((t, node, text))
+
+    def event(self, t: float, node: str, machine: str, event: Any, effects: list[Any]) -> None:
+        """A machine handled `event` with `effects` (formatted as ``machine: Event -> [...]``)."""
+        self._records.append((t, node, machine, event, tuple(effects)))
 
     def mark(self, t: float, node: str, kind: str, text: str) -> None:
         self.marks.append(Mark(t, node, kind, text))
         self.line(t, node, f"{kind} {text}")
 
+    def _format(self) -> list[str]:
+        lines = self._lines
+        for record in self._records[len(lines):]:
+            s = format_record(record)
+            self._hash.update(s.encode())
+            self._hash.update(b"\n")
+            lines.append(s)
+        return lines
+
+    @property
+    def lines(self) -> list[str]:
+        return self._format()
+
     def digest(self) -> str:
+        self._format()
         return self._hash.hexdigest()
+
+
+def format_record(record: tuple[Any, ...]) -> str:
+    """One trace line: ``<virtual time> <node> <what>`` (see the module docstring)."""
+    if len(record) == 3:
+        t, node, text = record
+    else:
+        t, node, machine, event, effects = record
+        text = event_text(machine, event, effects)
+    return f"{t:12.6f} {node:<11} {text}"
+
+
+def event_text(machine: str, event: Any, effects: Any) -> str:
+    return f"{machine}: {short(event)} -> [{', '.join(short(e) for e in effects)}]"
 
 
 def first_divergence(a: list[str], b: list[str]) -> tuple[int, str, str] | None:

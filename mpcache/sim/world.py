@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-import trio
 
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.server_core import RequestKey
@@ -56,6 +55,7 @@ from mpcache.core_sm.messages import (
     WaitPrefetchStatus,
 )
 from mpcache.runtime_trio import Address, Node
+from mpcache.runtime_trio.node import Delivery, TimerTick
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
 from mpcache.sim.cluster_tier import make_tier
@@ -67,12 +67,97 @@ from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg, Via, request_id_of
 from mpcache.sim.profiles import acted_first
 from mpcache.sim.scenario import FaultSpec, Scenario, server_name
 from mpcache.sim.timeline import Timeline
-from mpcache.sim.trace import MessageRecord, Trace, short
+from mpcache.sim.trace import MessageRecord, Trace, event_text, short
 
 HEARTBEAT = "hb"
 # An L2 read's stall (WorldConfig.l2_stall_p): past a status wait (at most 1 s), within the
 # server's l2_read_timeout (2 s), so the waiter's deadline answers None and the read still lands.
 L2_STALL = 1.5
+
+
+_TICK = TimerTick()
+# How many more times a cancelled node task runs (the last run ends it). Blocked in its mailbox:
+# Cancelled is delivered at once (the wait raises), then leaving its nursery (no children left)
+# is a schedule point of its own. Running (or holding an item, which it handles first): its next
+# receive() finds the cancel -- a checkpoint, then the wait that raises -- before the same two.
+_UNWIND_BLOCKED = 2
+_UNWIND_RUNNING = 3
+
+
+class SimNode(Node):
+    """A `runtime_trio.Node` as a task of the timeline's loop (`sim/timeline.py`): the same
+    `step` / `fire_timers` / external timer, its mailbox and `_loop` unrolled into `resume` --
+    one call per time the node's trio task would have run."""
+
+    def __init__(self, timeline: Timeline, name: str, machines: dict[str, Any],
+                 interpret: Callable[[Node, str, Any], None], **kwargs: Any) -> None:
+        super().__init__(name, machines, interpret, clock=timeline.clock, **kwargs)
+        self._timeline = timeline
+        self._mail: deque[Any] = deque()
+        self._item: Any = None  # the item this node holds and handles when it next runs
+        self._waiting = False  # blocked on an empty mailbox
+        self._started = False
+        self._cancelled = False
+        self._unwinding = 0  # runs left before the cancelled task ends
+        self.counter = 0  # creation order, set when started (trio's task counter)
+        self.starter: Any = None  # the task waiting for this node's first step
+
+    def post(self, machine: str, event: Any) -> None:
+        if self.alive:
+            self._put(Delivery(machine, event))
+
+    def tick(self) -> None:
+        if self.alive:
+            self._put(_TICK)
+
+    def _put(self, item: Any) -> None:
+        if self._waiting:  # handed to the node blocked in its mailbox: it runs in the next batch
+            self._waiting = False
+            self._item = item
+            self._timeline.runq.append(self)
+        else:
+            self._mail.append(item)
+
+    def spawn(self, async_fn: Any, *args: Any) -> None:
+        raise RuntimeError("simulated nodes run no executor tasks: the world performs their effects")
+
+    def crash(self) -> None:
+        self.alive = False
+        if not self._started or self._cancelled:
+            return  # not running yet (trio: no cancel scope to cancel), or already cancelled
+        self._cancelled = True
+        self._mail.clear()
+        if self._waiting:  # blocked in its mailbox: the cancel is delivered at once
+            self._waiting = False
+            self._unwinding = _UNWIND_BLOCKED
+            self._timeline.runq.append(self)
+
+    def resume(self) -> None:
+        if self._unwinding:
+            self._unwinding -= 1
+            if self._unwinding:
+                self._timeline.runq.append(self)
+            return
+        item = self._item
+        self._item = None
+        if not self._started:  # Node.run: alive, started() wakes the starter, then _loop
+            self._started = True
+            self.alive = True
+            self._timeline.runq.append(self.starter)
+        elif item is _TICK:
+            self.fire_timers()
+        else:
+            self.step(item.machine, item.event)
+        assert self._arm_timer is not None
+        self._arm_timer(self, self.next_deadline())
+        if self._cancelled:  # receive() sees the cancel: the task unwinds
+            self._unwinding = _UNWIND_RUNNING
+            self._timeline.runq.append(self)
+        elif self._mail:  # receive() took a queued item: a checkpoint before it returns
+            self._item = self._mail.popleft()
+            self._timeline.runq.append(self)
+        else:
+            self._waiting = True
 
 
 class ServerHost:
@@ -110,7 +195,7 @@ class World:
         self.scenario = scenario
         self.config = scenario.config
         self.profile = profile
-        self.timeline = Timeline()
+        self.timeline = Timeline(random.Random(scenario.net_seed))  # the tasks' batch order
         self.trace = Trace(keep_lines=keep_lines)
         self.record_messages = chart
         base = scenario.net_seed
@@ -119,7 +204,7 @@ class World:
         self.fault_rng = random.Random(f"{base}:fault")
         self.stall_rng = random.Random(f"{base}:l2-stall")  # its own stream: the others stay as they were
         self.net = SimNet(self.timeline, self.net_rng, self.config.net, self._deliver_packet, self._net_fate)
-        self.net.now = trio.current_time
+        self.net.now = self.timeline.clock
         self.nodes: dict[str, Node] = {}
         self.servers = [ServerHost(i) for i in range(self.config.num_servers)]
         self.l2: dict[ObjectKey, tuple[int, ...]] = {}
@@ -130,10 +215,10 @@ class World:
         self.liveness_started = math.inf
         self.t0 = 0.0
         self.events = 0
-        self.recent: dict[str, deque[str]] = {}
+        # request id -> its last events (time, node, machine, event, effects), for reports
+        self.recent: dict[str, deque[tuple[float, str, str, Any, list[Any]]]] = {}
         self._armed: dict[str, float] = {}
         self._ticks_at_now: tuple[float, int] = (-1.0, 0)
-        self._nursery: trio.Nursery | None = None
         self._deliveries = 0
         self.engines = [SimEngine(self, e) for e in range(self.config.num_engines)]
         self.adversary = Adversary(self) if self.config.adversary else None  # sim/adversary.py
@@ -150,61 +235,61 @@ class World:
 
     # =========================================================================== running
     def now(self) -> float:
-        return trio.current_time()
+        return self.timeline.now
+
+    def run(self) -> None:
+        """Run the world to its end on the timeline's loop (the first violation raises)."""
+        self.timeline.run_main(self.main())
 
     async def main(self) -> None:
         cfg = self.config
         t0 = self.t0 = self.now()  # scenario times are relative to the start of the run
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            for host in self.servers:
-                await self._start_server(host)
-            for engine in self.engines:
-                await engine.start(nursery)
-            for fault in self.scenario.faults:
-                self.timeline.at(t0 + fault.at, self._inject, fault)
-            for engine in self.engines:
-                engine.schedule_workload()
-            if self.adversary is not None:
-                self.adversary.start(t0)
-            # Phase 1: safety.
-            await self.timeline.run(t0 + cfg.safety_duration)
-            # Phase 2: liveness.
-            self._begin_liveness()
-            deadline = t0 + cfg.safety_duration + cfg.liveness_bound
-            while self.now() < deadline and not all(e.all_done() for e in self.engines):
-                await self.timeline.run(min(deadline, self.now() + 0.25))
-            if not all(e.all_done() for e in self.engines):
-                self._report_stuck()
-            # Phase 3: quiescence.
-            await self.timeline.run(self.now() + 1.0)
-            self._check_quiescent()
-            self._check_released()
-            # A lost registration is retried after it timed out, with backoff: give it that long.
-            health = HealthConfig(1)
-            await self.timeline.run(self.now() + self.config.request_timeout + health.registration_retry_max + 1.0)
-            self._check_registered()
-            for engine in self.engines:
-                if not engine.crashed:
-                    engine.check_transport_drained()
-            horizon = max(cfg.lease_ttl, self.profile.server_config(cfg).abandoned_job_ttl) * 2 + 1.0
-            for engine in self.engines:
-                engine.stop_heartbeats()
-            await self.timeline.run(self.now() + horizon)
-            self._check_drained()
-            nursery.cancel_scope.cancel()
+        for host in self.servers:
+            await self._start_server(host)
+        for engine in self.engines:
+            await engine.start()
+        for fault in self.scenario.faults:
+            self.timeline.at(t0 + fault.at, self._inject, fault)
+        for engine in self.engines:
+            engine.schedule_workload()
+        if self.adversary is not None:
+            self.adversary.start(t0)
+        # Phase 1: safety.
+        await self.timeline.run(t0 + cfg.safety_duration)
+        # Phase 2: liveness.
+        self._begin_liveness()
+        deadline = t0 + cfg.safety_duration + cfg.liveness_bound
+        while self.now() < deadline and not all(e.all_done() for e in self.engines):
+            await self.timeline.run(min(deadline, self.now() + 0.25))
+        if not all(e.all_done() for e in self.engines):
+            self._report_stuck()
+        # Phase 3: quiescence.
+        await self.timeline.run(self.now() + 1.0)
+        self._check_quiescent()
+        self._check_released()
+        # A lost registration is retried after it timed out, with backoff: give it that long.
+        health = HealthConfig(1)
+        await self.timeline.run(self.now() + self.config.request_timeout + health.registration_retry_max + 1.0)
+        self._check_registered()
+        for engine in self.engines:
+            if not engine.crashed:
+                engine.check_transport_drained()
+        horizon = max(cfg.lease_ttl, self.profile.server_config(cfg).abandoned_job_ttl) * 2 + 1.0
+        for engine in self.engines:
+            engine.stop_heartbeats()
+        await self.timeline.run(self.now() + horizon)
+        self._check_drained()
 
     # =========================================================================== nodes
     def make_node(self, name: str, machines: dict[str, Any], interpret: Callable[[Node, str, Any], None]) -> Node:
-        node = Node(name, machines, interpret, timer_event=TimerFired, arm_timer=self.arm_timer,
-                    observer=self._observe)
+        node = SimNode(self.timeline, name, machines, interpret, timer_event=TimerFired, arm_timer=self.arm_timer,
+                       observer=self._observe)
         self.nodes[name] = node
         self._armed.pop(name, None)
         return node
 
     async def start_node(self, node: Node) -> None:
-        assert self._nursery is not None
-        await self._nursery.start(node.run)
+        await self.timeline.start(node)
 
     def arm_timer(self, node: Node, deadline: float | None) -> None:
         if deadline is None:
@@ -231,18 +316,22 @@ class World:
 
     def _observe(self, node: Node, machine: str, event: Any, effects: list[Any], now: float) -> None:
         self.events += 1
-        text = f"{machine}: {short(event)} -> [{', '.join(short(e) for e in effects)}]"
-        self.trace.line(now, node.name, text)
+        self.trace.event(now, node.name, machine, event, effects)
         rid = request_id_of(event)
         if rid is not None:
             q = self.recent.get(rid)
             if q is None:
                 q = self.recent[rid] = deque(maxlen=8)
-            q.append(f"{now:.6f} {node.name} {text}")
+            q.append((now, node.name, machine, event, effects))
         if machine == SERVER:
             self._check_server_event(node, event, effects, now)
         else:
             self.engine_of_node(node.name).observe(node, machine, event, effects)
+
+    def recent_lines(self, rid: str, n: int = 3) -> str:
+        """The last `n` events about request `rid`, one ``time node event -> effects`` each."""
+        return " | ".join(f"{t:.6f} {node} {event_text(machine, event, effects)}"
+                          for t, node, machine, event, effects in list(self.recent.get(rid, ()))[-n:])
 
     # =========================================================================== servers
     async def _start_server(self, host: ServerHost) -> None:
@@ -690,8 +779,7 @@ class World:
             return
         self.stats["restarts"] += 1
         self.trace.mark(self.now(), host.name, "restart", f"incarnation {host.incarnation + 1}")
-        assert self._nursery is not None
-        self._nursery.start_soon(self._start_server, host)
+        self.timeline.spawn(self._start_server(host))
 
     def _begin_liveness(self) -> None:
         self.phase = "liveness"
@@ -745,7 +833,7 @@ class World:
                 self._judge(host.name, checks.leases_after_end(
                     owner, count, (owner, host.index) not in self.released_sent,
                     last is not None and last[0] == "end", req.outcome, host.name,
-                    ' | '.join(list(self.recent.get(owner, []))[-3:])))
+                    self.recent_lines(owner)))
 
     def note_done(self, rid: str, node: str) -> None:
         """``rid`` (of scheduler ``node``) finished: remember the servers where it still holds
@@ -774,7 +862,7 @@ class World:
             self.violation("F8", server_name(server), f"{rid} finished ({req.outcome}) without faults while "
                            f"{server_name(server)} leased it objects, and no FREE/END_SESSION was ever sent "
                            f"there: its leases stay until the TTL ({self.config.lease_ttl:g}s): "
-                           f"{' | '.join(list(self.recent.get(rid, []))[-3:])}")
+                           f"{self.recent_lines(rid)}")
 
     def _check_registered(self) -> None:
         """F13: after heal and quiescence a live worker is registered with every server that is up
