@@ -235,3 +235,12 @@ def test_copied_machine_assigns_its_own_state() -> None:
     server = LookupServer(ServerConfig(chunk_size=4, num_slots=8, slot_bytes=64))
     server_clone = copy.deepcopy(server)
     assert server_clone.l2.dispatch._set_state.__self__ is server_clone.l2  # type: ignore[union-attr]
+
+    from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+    from mpcache.core_sm.planner import MatchRequest, PlannerConfig, RequestState, StepPlanner
+
+    planner = StepPlanner(PlannerConfig(4, 4), LookupClient(LookupClientConfig(chunk_size=4)))
+    planner_clone = copy.deepcopy(planner)
+    assert planner_clone._dispatch._set_state.__self__ is planner_clone  # type: ignore[union-attr]
+    planner_clone.handle(MatchRequest("r", list(range(8)), 8, 0), 0.0)
+    assert planner_clone.state("r") is RequestState.LOOKING_UP and planner.state("r") is RequestState.ABSENT
