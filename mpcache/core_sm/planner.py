@@ -68,7 +68,6 @@ each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``)
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable
 from typing import TypeVar
 
@@ -98,6 +97,7 @@ from mpcache.core_sm.messages import (
     TimerFired,
 )
 from mpcache.core_sm.table import Dispatcher, Table
+from mpcache.core_sm.timers import Timer, TimerHeap
 
 # The records (configuration, events, answers, per-request state) live in planner_ops; they are
 # importable from here too, where every caller has always found them.
@@ -154,10 +154,10 @@ class StepPlanner:
         self._sync_loads_allowed = sync_load_allowed(config.kv_groups)
         self._trackers: dict[str, RequestTracker] = {}
         self._step_stores: list[SubmitStore] = []  # the stores of the step being planned
-        # (due, seq, request id, leased_at): lease renewals, a heap; an entry whose request moved
-        # on (allocated, renewed, finished) is stale and skipped when it comes due
-        self._renewals: list[tuple[float, int, str, float]] = []
-        self._renewal_seq = 0
+        # Lease renewals (the typed timer LeaseRenewalDue) on the shared heap. Every one runs
+        # through the table when due: a renewal whose request moved on (allocated, renewed,
+        # finished) is told apart there, and its row does nothing.
+        self._timers = TimerHeap(_every_renewal_runs)
         self._pass_started_at: float | None = None  # the first MatchRequest since the last step
         self._last_step_ran = False  # the last StepScheduled scheduled a request (or preempted one)
         self._counters: dict[str, int] = {"internal_errors": 0, "lookups_submitted": 0, "loads_planned": 0,
@@ -191,8 +191,8 @@ class StepPlanner:
 
     def next_deadline(self) -> float | None:
         deadline = self.lookups.next_deadline()
-        if self._renewals:  # the top may be stale: one early TimerFired then pops it
-            due = self._renewals[0][0]
+        due = self._timers.next_deadline()  # may be a stale renewal: its TimerFired runs a row that does nothing
+        if due is not None:
             deadline = due if deadline is None else min(deadline, due)
         return deadline
 
@@ -473,8 +473,7 @@ class StepPlanner:
 
     def _schedule_renewal(self, tracker: RequestTracker, due: float | None) -> None:
         if due is not None and tracker.leased_at is not None:
-            self._renewal_seq += 1
-            heapq.heappush(self._renewals, (due, self._renewal_seq, tracker.request_id, tracker.leased_at))
+            self._timers.push(due, LeaseRenewalDue(tracker.request_id, tracker.leased_at))
 
     def _renew(self, tracker: RequestTracker, now: float, out: Out) -> None:
         """Look a waiting request up again, so the servers renew (or recover) its hit's leases
@@ -495,9 +494,12 @@ class StepPlanner:
                                       tracker.extras), now, out)
 
     def _renew_due(self, now: float, out: Out) -> None:
-        while self._renewals and self._renewals[0][0] <= now:
-            _due, _seq, request_id, leased_at = heapq.heappop(self._renewals)
-            self._run(LeaseRenewalDue(request_id, leased_at), now, out)
+        """The renewals due, in firing order, each through the table (and run again where its
+        row says so: ``_run``)."""
+        timer = self._timers.pop_due(now)
+        while timer is not None:
+            self._run(timer, now, out)
+            timer = self._timers.pop_due(now)
 
     def _on_match_allocated(self, event: MatchRequest, now: float, out: Out) -> None:
         self._match_after_allocation(self._trackers[event.request_id], event, out)
@@ -680,6 +682,13 @@ TABLE: Table[RequestState] = Table("StepPlanner", RequestState, RequestState.ABS
 })
 """Pairs not listed (scheduling a request before its blocks were allocated) are counted as
 stale events by the dispatcher and change nothing."""
+
+
+def _every_renewal_runs(timer: Timer) -> bool:
+    """The heap's liveness: every renewal is live until due. Whether it still renews anything is
+    its row's to say (a stale one, or one of a request allocated or gone, does nothing), and the
+    planner's deadline has always been the earliest renewal armed, stale or not."""
+    return True
 
 
 def _specific(kind: type[MatchT], event: MatchRequest) -> MatchT:

@@ -27,6 +27,7 @@ from mpcache.core_sm.messages import (
     SubmitStore,
     TimerFired,
 )
+from mpcache.core_sm.timers import Timer
 
 
 def _ids(values: Iterable[int]) -> tuple[int, ...]:
@@ -196,8 +197,8 @@ class RequestScheduled:
 
 
 @attrs.frozen
-class LeaseRenewalDue:
-    """The planner's own timer: the leases of a waiting request's hit are half way to expiry.
+class LeaseRenewalDue(Timer):
+    """The planner's typed timer: the leases of a waiting request's hit are half way to expiry.
     ``leased_at`` names the lookup whose leases they are (a later one makes it stale)."""
 
     request_id: str
