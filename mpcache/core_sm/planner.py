@@ -250,9 +250,14 @@ class StepPlanner:
         request, a lookup's answer becomes the hit) has it run again, in the state just assigned."""
         self._run_again = False
         self._dispatch.run(event, now, out)
-        while self._run_again:
+        for _again in range(2):  # at most: a first match filed, its lookup's answer taken
+            if not self._run_again:
+                return
             self._run_again = False
             self._dispatch.run(event, now, out)
+        if self._run_again:  # a row assigned a state whose row runs it again: a table bug
+            self._run_again = False
+            raise AssertionError(f"{type(event).__name__} of {self._address(event)} ran three rows and is not done")
 
     def _refuse(self, out: list[Effect], reply_to: object, error: ProtocolError) -> None:
         raise AssertionError("planner events carry no reply_to")  # pragma: no cover
