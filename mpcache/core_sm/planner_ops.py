@@ -1,8 +1,10 @@
 """The step planner's records (core_sm.planner's ``StepPlanner`` runs them): its configuration
 (``PlannerConfig``), the events vLLM's scheduler calls become (``MatchRequest``,
 ``BlocksAllocated``, ``StepScheduled``, ``RequestPreempted``, ``RequestScheduled``,
-``LeaseRenewalDue``, ``RequestFinished``), its answers (``MatchAnswer``, ``StepPlan``) and the
-per-request state (``RequestState``, ``RequestTracker``). Data only: every decision is in
+``LeaseRenewalDue``, ``RequestFinished``), the specific events its guards tell those apart into
+(``FirstMatchWithoutLookup``, ``LookupAnswered``, ``MatchRenewing``, ``MatchGivingUp``,
+``RenewalStale``, ``RenewalOfMiss``, ``RenewalGivingUp``, ``RequestResumed``), its answers
+(``MatchAnswer``, ``StepPlan``) and the per-request state (``RequestState``, ``RequestTracker``). Data only: every decision is in
 core_sm.planner. Kept apart so the machine reads in one sitting, as lookup_ops.py and
 transfer_ops.py are for theirs."""
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mpcache.core_sm.messages import (
     SubmitStore,
     TimerFired,
 )
+from mpcache.core_sm.timers import Timer
 
 
 def _ids(values: Iterable[int]) -> tuple[int, ...]:
@@ -194,8 +197,8 @@ class RequestScheduled:
 
 
 @attrs.frozen
-class LeaseRenewalDue:
-    """The planner's own timer: the leases of a waiting request's hit are half way to expiry.
+class LeaseRenewalDue(Timer):
+    """The planner's typed timer: the leases of a waiting request's hit are half way to expiry.
     ``leased_at`` names the lookup whose leases they are (a later one makes it stale)."""
 
     request_id: str
@@ -207,6 +210,62 @@ class RequestFinished:
     """vLLM ``request_finished`` (finished, aborted or stopped)."""
 
     request_id: str
+
+
+# ------------------------------------------------------------------ specific events (guards)
+# ``StepPlanner``'s guards turn a raw event into one of these before its row is looked up, so that
+# each row names one next state; a subclass has its raw event's fields, and the handler reads it
+# as it came.
+
+
+@attrs.frozen
+class FirstMatchWithoutLookup(MatchRequest):
+    """A request's first ``MatchRequest`` that asks no lookup: loads are off (a kv_producer),
+    its KV-cache groups cannot be restored, or its load cap ends within the engine's own hit. Its
+    hit is 0."""
+
+
+@attrs.frozen
+class LookupAnswered:
+    """A match or a renewal of a LOOKING_UP request whose lookup has answered ``hit_tokens``
+    (the lookup client's ``check``): that is the hit now, and the event runs again, MATCHED."""
+
+    request_id: str
+    hit_tokens: int
+
+
+@attrs.frozen
+class MatchRenewing(MatchRequest):
+    """A match of a hit vLLM would load whose leases may expire before the retrieve reaches the
+    server (less than a quarter of a TTL left), with a renewal left: the request is looked up
+    again, and vLLM told to wait."""
+
+
+@attrs.frozen
+class MatchGivingUp(MatchRequest):
+    """As ``MatchRenewing`` with no renewal left: the hit is given up (its leases freed) and the
+    match answers 0: the request recomputes."""
+
+
+@attrs.frozen
+class RenewalStale(LeaseRenewalDue):
+    """A renewal whose lookup is no longer the one holding the leases (a later one does, or the
+    hit was given up)."""
+
+
+@attrs.frozen
+class RenewalOfMiss(LeaseRenewalDue):
+    """A renewal of a matched request whose hit is 0: no lease to renew."""
+
+
+@attrs.frozen
+class RenewalGivingUp(LeaseRenewalDue):
+    """A renewal of a matched hit with no renewal left: the hit is given up (its leases freed)."""
+
+
+@attrs.frozen
+class RequestResumed(RequestScheduled):
+    """A preempted request scheduled with new blocks (its whole list): it runs again."""
 
 
 # ------------------------------------------------------------------------------------ effects
@@ -272,7 +331,7 @@ class RequestTracker:
     extras: KeyExtras = NO_EXTRAS
     load_limit: int | None = None  # tokens [0, load_limit) may be loaded; None: no cap
     store_limit: int | None = None  # tokens [0, store_limit) may be stored; None: no cap
-    state: RequestState = RequestState.LOOKING_UP
+    state: RequestState = RequestState.ABSENT  # assigned by the planner's table, never by a handler
     hit_tokens: int | None = None  # the lookup's result (a multiple of the chunk size)
     engine_hit_tokens: int = 0  # the engine's own prefix-cache hit when the result was used
     pending_retrieve: SubmitRetrieve | None = None  # for the next plan

@@ -54,13 +54,23 @@ Dispatch (``mpcache.core_sm.table``): ``handle`` runs the typed timers now due, 
 through one of three tables it executes -- ``LINK_TABLE`` (its server: ``ServerHealth``,
 ``ServerEpoch``, the registration's answer), ``REQUEST_TABLE``
 (one request id: submits, ``RequestEnded`` for ``Abort`` and each id of ``EngineFinished``, the
-fence's end) and ``OP_TABLE`` (one op: replies by their correlation, ``CopyFinished``, its
-timeout, ``OpServerLost``). ``TimerFired`` only makes the due timers run.
+fence's end, ``InFlightEnded``) and ``OP_TABLE`` (one op: replies by their correlation,
+``CopyFinished``, its timeout, ``OpServerLost``). ``TimerFired`` only makes the due timers run.
+
+The three tables *assign*: each row names one next state, which the dispatcher gives the entity
+after the handler (``_set_link_state``, ``_set_request_state``, ``_set_op_state``), and handlers
+only change data and append effects. Guards tell a raw event apart first where the next state
+depends on more than its type (``_classify_health``, ``_classify_ended``, ``_classify_reply``,
+``_classify_copy``, ``_classify_in_flight_ended``: see ``transfer_ops``). A row that changes
+what another entity is in names it, and that entity's row runs after its own (``_settle``): a
+row that ends an op or a fence names the request (its ``InFlightEnded`` row reports it in
+``sending`` or forgets it once nothing of it is in flight), a server's loss names the ops
+waiting on it (their ``OpServerLost`` rows).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from mpcache.core_sm.effects import CopyBlocks, Effect, SendRequest
@@ -92,19 +102,29 @@ from mpcache.core_sm.messages import (
     TransferKind,
     TransferPlan,
 )
-from mpcache.core_sm.table import Dispatcher, Table, run_due_timers
+from mpcache.core_sm.table import Dispatcher, Table
 from mpcache.core_sm.timers import Timer, TimerHeap
 from mpcache.core_sm.transfer_ops import (
     DEFAULT_STORE_WINDOW,
     EVENTS,
+    CopyOfLostServer,
+    CopyPlanned,
+    CopySkipped,
     FenceEnd,
+    InFlightEnded,
     LinkState,
     OpServerLost,
     OpState,
     OpTimeout,
     RegistrationAnswered,
+    RepeatedEnd,
+    ReportedRequestIdle,
+    RequestDrained,
     RequestEnded,
+    RequestIdle,
     RequestRecord,
+    ServerDown,
+    ServerUp,
     TransferClientConfig,
     TransferOp,
     TransferRequestState,
@@ -147,26 +167,32 @@ class TransferClient(GuardedMachine[ClientEvent]):
                          "store_fences", "retrieves_skipped_finished")
         }
         self._timers = TimerHeap(self._timer_live)
+        # What a row names to run after it (_settle): the requests whose op or fence ended (their
+        # InFlightEnded rows), the ops a lost server fails (their OpServerLost rows).
+        self._in_flight_ended: list[str] = []
+        self._ops_lost: list[OpId] = []
         self._link: Dispatcher[LinkState] = LINK_TABLE.bind(
-            self, self._link_address, self._link_state, self._counters, self._refuse)
+            self, self._link_address, self._link_state, self._counters, self._refuse, self._set_link_state)
         self._request_d: Dispatcher[TransferRequestState] = REQUEST_TABLE.bind(
-            self, _request_id, self.request_state, self._counters, self._refuse)
+            self, _request_id, self.request_state, self._counters, self._refuse, self._set_request_state)
         self._op_d: Dispatcher[OpState] = OP_TABLE.bind(self, self._op_address, self.op_state,
-                                                        self._counters, self._refuse)
+                                                        self._counters, self._refuse, self._set_op_state)
         self._timer_route: dict[type, Dispatcher[Any]] = {FenceEnd: self._request_d, OpTimeout: self._op_d}
         # What the runtime feeds goes to the table of the entity it addresses.
         self._routes: dict[type, Any] = {
-            ServerHealth: self._link.run, ServerEpoch: self._link.run, CopyFinished: self._op_d.run,
-            ReplyReceived: self._route_reply, RequestFailed: self._route_reply,
-            SubmitStore: self._request_d.run, SubmitRetrieve: self._request_d.run,
-            Abort: self._route_ended, EngineFinished: self._route_ended}
+            ServerHealth: self._link, ServerEpoch: self._link, CopyFinished: self._op_d,
+            SubmitStore: self._request_d, SubmitRetrieve: self._request_d}
 
     # ============================================================================= public API
 
     def _dispatch(self, event: ClientEvent, now: float, out: list[Effect]) -> None:
         route = self._routes.get(type(event))
         if route is not None:
-            route(event, now, out)
+            self._run(route, event, now, out)
+        elif type(event) is ReplyReceived or type(event) is RequestFailed:
+            self._route_reply(event, now, out)
+        elif type(event) is Abort or type(event) is EngineFinished:
+            self._route_ended(event, now, out)
         elif type(event) is not TimerFired:  # TimerFired: the due timers ran in _advance
             self._counters["stale_replies"] += 1
 
@@ -255,8 +281,9 @@ class TransferClient(GuardedMachine[ClientEvent]):
                 if op.state is OpState.COPYING:
                     assert op.correlation is None
                 n += 1
-            assert record.ops or not record.engine_finished or rid in self._fences, \
-                "finished request kept after its ops"
+            # (a row that ends the last op or the fence is followed by the request's
+            # InFlightEnded row, which forgets or reports it)
+            assert record.ops or rid in self._fences, "a request kept with nothing in flight"
         for rid in self._fences:
             assert rid in self._requests, "a fence for a forgotten request"
         assert n == len(self._ops), "an op outside its request"
@@ -270,7 +297,9 @@ class TransferClient(GuardedMachine[ClientEvent]):
             for op in self._ops.values():
                 if op.state in (OpState.SENT, OpState.COMMITTING):
                     assert OpTimeout(op.op, op.sent_at) in live, "an op waiting without its timeout"
-        assert self._counters.get("table_violations", 0) == 0, "a handler left a state its row does not list"
+        for op in self._ops.values():  # the state assigned agrees with the op's data
+            assert (op.correlation is None) == (op.state is OpState.COPYING), "an op's state disagrees with its reply owed"
+        assert not self._in_flight_ended and not self._ops_lost, "a row's follow-ups left unrun"
 
     # ============================================================================= hooks
 
@@ -307,32 +336,149 @@ class TransferClient(GuardedMachine[ClientEvent]):
     def _refuse(self, out: list[Effect], reply_to: object, error: ProtocolError) -> None:
         raise AssertionError("client events carry no reply_to")  # pragma: no cover
 
+    def _set_link_state(self, server: Hashable, state: LinkState) -> None:
+        """LINK_TABLE's assignment: this client's server is now up or down (another server's
+        index stays OTHER)."""
+        if state is not LinkState.OTHER:
+            self._healthy = state is LinkState.UP
+
+    def _set_request_state(self, request_id: Hashable, state: TransferRequestState) -> None:
+        """REQUEST_TABLE's assignment. ACTIVE / FINISHING: the record a row filed or kept, the
+        engine done with it or not; ABSENT: the record is forgotten; REPORTED: forgotten too, its
+        id remembered as reported (at most ``reported_cap`` ids, the oldest forgotten first)."""
+        rid = str(request_id)
+        if state is TransferRequestState.ACTIVE or state is TransferRequestState.FINISHING:
+            self._requests[rid].engine_finished = state is TransferRequestState.FINISHING
+            return
+        self._requests.pop(rid, None)
+        if state is TransferRequestState.REPORTED and rid not in self._reported_sending:
+            self._reported_sending[rid] = None
+            while len(self._reported_sending) > self.config.reported_cap:
+                self._reported_sending.popitem(last=False)
+
+    def _set_op_state(self, op_id: Hashable, state: OpState) -> None:
+        """OP_TABLE's assignment: the op is now SENT, COPYING or COMMITTING, or done (ABSENT:
+        dropped from its request, its reply no longer expected). A submit files an op SENT."""
+        op = self._ops.get(op_id)  # type: ignore[call-overload]
+        if op is None:
+            return
+        if state is OpState.ABSENT:
+            self._drop_op(self._requests.get(op.op[0]), op)
+        else:
+            op.state = state
+
+    def _run(self, dispatcher: Dispatcher[Any], event: object, now: float, out: list[Effect]) -> None:
+        """Run ``event``'s row, then what the row named to run after it (``_settle``)."""
+        dispatcher.run(event, now, out)
+        self._settle(now, out)
+
+    def _settle(self, now: float, out: list[Effect]) -> None:
+        """The rows a row names, in order, once its own state is assigned: a request whose op or
+        fence ended runs ``InFlightEnded`` (which reports or forgets it when nothing of it is in
+        flight any more), and each op a lost server leaves waiting runs ``OpServerLost`` (and
+        then its request's ``InFlightEnded``)."""
+        while True:
+            if self._in_flight_ended:
+                self._request_d.run(InFlightEnded(self._in_flight_ended.pop(0)), now, out)
+            elif self._ops_lost:
+                op_id = self._ops_lost.pop(0)
+                if op_id in self._ops:
+                    self._op_d.run(OpServerLost(op_id), now, out)
+            else:
+                return
+
     def _route_reply(self, event: ReplyReceived | RequestFailed, now: float, out: list[Effect]) -> None:
         """A reply answers the registration in flight, or the op its correlation names."""
         if event.correlation == self._registration_correlation:
             error = event.error if isinstance(event, RequestFailed) else None
-            self._link.run(RegistrationAnswered(error), now, out)
+            self._run(self._link, RegistrationAnswered(error), now, out)
         else:
-            self._op_d.run(event, now, out)
+            self._run(self._op_d, event, now, out)
 
     def _route_ended(self, event: Abort | EngineFinished, now: float, out: list[Effect]) -> None:
         for rid in (event.request_id,) if isinstance(event, Abort) else event.request_ids:
-            self._request_d.run(RequestEnded(rid), now, out)
+            self._run(self._request_d, RequestEnded(rid), now, out)
 
     def _timer_live(self, timer: Timer) -> bool:
         if isinstance(timer, OpTimeout):
+            # By the op's data, not its state: the row that sends a commit arms its timeout
+            # before the op is assigned COMMITTING (a compaction then must keep it). An op waits
+            # on the server -- SENT or COMMITTING -- exactly while a reply is owed.
             op = self._ops.get(timer.op)
-            return (op is not None and op.state in (OpState.SENT, OpState.COMMITTING)
-                    and op.sent_at == timer.sent_at)
+            return op is not None and op.correlation is not None and op.sent_at == timer.sent_at
         assert isinstance(timer, FenceEnd)
         return self._fences.get(timer.request_id) == timer.until
 
     def _advance(self, now: float, out: list[Effect]) -> None:
-        run_due_timers(self._timers, lambda timer: self._timer_route[type(timer)], now, out)
+        """The timers due, in firing order, each through its table's row and what that row
+        names (``_settle``) before the next; a row may arm more, even due ones: they run too."""
+        if not self._timers.due(now):
+            return
+        timer = self._timers.pop_due(now)
+        while timer is not None:
+            self._run(self._timer_route[type(timer)], timer, now, out)
+            timer = self._timers.pop_due(now)
+
+    # ============================================================================= guards
+    # Pure: they read the machine and the raw event and name the specific event whose row runs.
+
+    def _classify_ended(self, event: RequestEnded, state: TransferRequestState, now: float) -> RequestEnded:
+        """An id already reported in ``sending`` finished again (``RepeatedEnd``: counted, never
+        reported twice)."""
+        if event.request_id in self._reported_sending:
+            return RepeatedEnd(event.request_id)
+        return event
+
+    def _classify_in_flight_ended(self, event: InFlightEnded, state: TransferRequestState,
+                                  now: float) -> InFlightEnded:
+        """Nothing of the request in flight any more (no op, no fence): ``RequestDrained`` once
+        the engine finished it (reported in ``sending``), else ``RequestIdle`` (forgotten) or, for
+        an id reported before, ``ReportedRequestIdle``. Still in flight: as it came."""
+        record = self._requests.get(event.request_id)
+        if record is None or record.ops or event.request_id in self._fences:
+            return event
+        if record.engine_finished:
+            return RequestDrained(event.request_id)
+        if event.request_id in self._reported_sending:
+            return ReportedRequestIdle(event.request_id)
+        return RequestIdle(event.request_id)
+
+    def _classify_reply(self, event: ReplyReceived, state: OpState, now: float) -> ReplyReceived:
+        """An engine-driven op's plan (SENT, ``TransferPlan(ok=True)``): ``CopyPlanned``, or
+        ``CopySkipped`` for a retrieve the engine already finished (nobody reads its blocks).
+        Any other reply is the op's answer, as it came."""
+        if state is OpState.SENT and self.config.engine_driven and isinstance(event.result, TransferPlan) \
+                and event.result.ok:
+            op = self._ops[self._by_correlation[event.correlation]]
+            fields = (event.server, event.correlation, event.result)
+            if self._requests[op.op[0]].engine_finished and op.kind is TransferKind.RETRIEVE:
+                return CopySkipped(*fields)
+            return CopyPlanned(*fields)
+        return event
+
+    def _classify_copy(self, event: CopyFinished, state: OpState, now: float) -> CopyFinished:
+        """An engine copy that finished after the server that planned it was lost (unhealthy, or
+        lost since the op was submitted): ``CopyOfLostServer``, never committed."""
+        if state is OpState.COPYING:
+            op = self._ops[event.op]
+            if not self._healthy or op.incarnation != self._incarnation:
+                return CopyOfLostServer(event.op, event.ok)
+        return event
+
+    def _classify_health(self, event: ServerHealth, state: LinkState, now: float) -> ServerHealth:
+        """This client's server reported up (``ServerUp``) or down (``ServerDown``)."""
+        if state is LinkState.OTHER:
+            return event
+        return (ServerUp if event.healthy else ServerDown)(event.server, event.healthy)
 
     # ============================================================================= request rows
+    # Handlers change the records' data and append effects; the row's next state is assigned
+    # after them. Where the old machine dropped a request whose last op ended, the handler names
+    # it (``_in_flight_ended``) and its InFlightEnded row decides.
 
     def _on_submit(self, ev: SubmitStore | SubmitRetrieve, now: float, out: list[Effect]) -> None:
+        """A store or retrieve: its op is filed SENT and its request sent; with the server down,
+        it fails at once (its request's InFlightEnded runs after)."""
         c = self.config
         is_store = isinstance(ev, SubmitStore)
         kind = TransferKind.STORE if is_store else TransferKind.RETRIEVE
@@ -351,7 +497,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
             self._complete(record, op, False, now)
             if is_store:
                 self._counters["stores_skipped_unhealthy"] += 1
-            self._maybe_drop(record)
             return
         request: ServerRequest
         if is_store or not c.engine_driven:
@@ -371,20 +516,22 @@ class TransferClient(GuardedMachine[ClientEvent]):
         self._arm_op_timeout(op)
 
     def _on_request_ended(self, ev: RequestEnded, now: float, out: list[Effect]) -> None:
+        """The engine finished (or aborted) the request: it is reported in ``sending`` once
+        nothing of it is in flight (its InFlightEnded row, after this one makes it FINISHING)."""
         rid = ev.request_id
-        if rid in self._reported_sending:
-            self._counters["duplicate_finishes"] += 1
-            return
-        record = self._requests.get(rid)
-        if record is None:
-            record = self._requests[rid] = RequestRecord(rid)
-        record.engine_finished = True
-        if not self._report_recving_after_finish(record):
+        if rid not in self._requests:
+            self._requests[rid] = RequestRecord(rid)
+        if not self._report_recving_after_finish(self._requests[rid]):
             self._recving.pop(rid, None)  # not reported yet: the request is gone from vLLM
             self._failed_retrieves.pop(rid, None)
-        self._maybe_drop(record)
+        self._in_flight_ended.append(rid)
+
+    def _on_repeated_end(self, ev: RepeatedEnd, now: float, out: list[Effect]) -> None:
+        self._counters["duplicate_finishes"] += 1
 
     def _on_fence_end(self, ev: FenceEnd, now: float, out: list[Effect]) -> None:
+        """The late-copy fence is over: a recving it held is reported (its request's
+        InFlightEnded runs after)."""
         rid = ev.request_id
         del self._fences[rid]
         record = self._requests[rid]
@@ -392,7 +539,18 @@ class TransferClient(GuardedMachine[ClientEvent]):
             record.recving_fenced = False
             if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
                 self._report_recving(record)
-        self._maybe_drop(record)
+        self._in_flight_ended.append(rid)
+
+    def _on_still_in_flight(self, ev: InFlightEnded, now: float, out: list[Effect]) -> None:
+        """Other ops, or the fence, of the request are still in flight."""
+
+    def _on_request_drained(self, ev: RequestDrained, now: float, out: list[Effect]) -> None:
+        """The engine finished the request and nothing of it is in flight: reported in
+        ``sending`` (vLLM frees its blocks); its row forgets it, remembering the id."""
+        self._sending[ev.request_id] = None
+
+    def _on_request_idle(self, ev: RequestIdle | ReportedRequestIdle, now: float, out: list[Effect]) -> None:
+        """Nothing of a request the engine still runs is in flight: its row forgets the record."""
 
     # ============================================================================= op rows
 
@@ -400,75 +558,78 @@ class TransferClient(GuardedMachine[ClientEvent]):
         self._counters["stale_replies"] += 1
 
     def _on_reply(self, ev: ReplyReceived, now: float, out: list[Effect]) -> None:
-        self._answer(ev.correlation, ev.result, None, now, out)
+        """The op's answer: a server-driven op's or a commit's result, or an engine-driven op's
+        plan that brings nothing to copy (not ok, or not a plan). The op is done."""
+        op = self._ops[self._by_correlation[ev.correlation]]
+        record = self._requests[op.op[0]]
+        if op.state is OpState.SENT and self.config.engine_driven:
+            if not isinstance(ev.result, TransferPlan):
+                self._counters["bad_replies"] += 1
+            self._complete(record, op, False, now)
+            return
+        expected = StoreResult if op.kind is TransferKind.STORE else RetrieveResult
+        if not isinstance(ev.result, expected):
+            self._counters["bad_replies"] += 1
+            self._complete(record, op, False, now)
+        else:
+            self._complete(record, op, bool(ev.result.ok) and op.copy_ok, now)
+
+    def _on_copy_planned(self, ev: CopyPlanned, now: float, out: list[Effect]) -> None:
+        """An engine-driven op's plan: the worker copies (``CopyBlocks``)."""
+        op = self._ops[self._by_correlation.pop(ev.correlation)]
+        plan = ev.result
+        assert isinstance(plan, TransferPlan)
+        op.correlation = None
+        op.transfer_id = plan.transfer_id
+        out.append(CopyBlocks(op.op, op.kind, op.transfer_id, op.key.start, op.key.end, plan.placements,
+                              op.block_ids, op.skip_first_n_tokens))
+
+    def _on_copy_skipped(self, ev: CopySkipped, now: float, out: list[Effect]) -> None:
+        """A retrieve's plan after the engine finished the request: nobody will read the loaded
+        blocks any more, so no copy; the plan is released now (committed not ok). A STORE's plan
+        still copies (``CopyPlanned``): the engine holds a finished (or aborted) request's blocks
+        until it is reported in ``sending``, which waits for this op's commit. (Its OpTimeout
+        still counts from the PrepareRetrieve.)"""
+        op = self._ops[self._by_correlation.pop(ev.correlation)]
+        plan = ev.result
+        assert isinstance(plan, TransferPlan)
+        op.transfer_id = plan.transfer_id
+        self._counters["retrieves_skipped_finished"] += 1
+        op.copy_ok = False
+        op.correlation = self._send(CommitTransfer(op.transfer_id, False), op.op, out)
 
     def _on_failure(self, ev: RequestFailed, now: float, out: list[Effect]) -> None:
-        self._answer(ev.correlation, None, ev.error, now, out)
-
-    def _answer(self, corr: int, result: object, error: ProtocolError | None, now: float,
-                out: list[Effect]) -> None:
-        op_id = self._by_correlation.pop(corr)
-        op = self._ops[op_id]
-        record = self._requests[op_id[0]]
-        op.correlation = None
-        if error is not None:
-            if getattr(error, "kind", None) is ErrorKind.NOT_REGISTERED:
-                self._on_not_registered(op, now, out)
-            elif getattr(error, "kind", None) in (ErrorKind.UNHEALTHY, ErrorKind.TIMEOUT):
-                # UNHEALTHY: the transport lost it, it may still arrive. TIMEOUT: the transport's
-                # own request timeout (it may still be copying, a resend too) looks like the
-                # server's refusal of a late request (no copy, and its not_after has passed):
-                # fenced alike, which costs that refusal at most copy_grace
-                self._fence_abandoned(record, op)
-            self._complete(record, op, False, now)
-        elif op.state is OpState.SENT and self.config.engine_driven:
-            if not isinstance(result, TransferPlan) or not result.ok:
-                if not isinstance(result, TransferPlan):
-                    self._counters["bad_replies"] += 1
-                self._complete(record, op, False, now)
-            else:
-                op.transfer_id = result.transfer_id
-                if record.engine_finished and op.kind is TransferKind.RETRIEVE:
-                    # Nobody will read the loaded blocks any more: skip the copy, release the
-                    # plan now. A STORE still copies: the engine holds a finished (or aborted)
-                    # request's blocks until it is reported in ``sending``, which waits for this
-                    # op's commit (see _maybe_drop), so the blocks are still the request's own.
-                    # (Its OpTimeout still counts from the PrepareRetrieve.)
-                    self._counters["retrieves_skipped_finished"] += 1
-                    op.copy_ok = False
-                    op.state = OpState.COMMITTING
-                    op.correlation = self._send(CommitTransfer(op.transfer_id, False), op.op, out)
-                else:
-                    op.state = OpState.COPYING
-                    out.append(CopyBlocks(op.op, op.kind, op.transfer_id, op.key.start, op.key.end,
-                                          result.placements, op.block_ids, op.skip_first_n_tokens))
-                return
-        else:
-            expected = StoreResult if op.kind is TransferKind.STORE else RetrieveResult
-            if not isinstance(result, expected):
-                self._counters["bad_replies"] += 1
-                self._complete(record, op, False, now)
-            else:
-                self._complete(record, op, bool(result.ok) and op.copy_ok, now)
-        self._maybe_drop(record)
+        """The op's request (or its commit) was refused or lost: the op fails."""
+        op = self._ops[self._by_correlation[ev.correlation]]
+        record = self._requests[op.op[0]]
+        kind = getattr(ev.error, "kind", None)
+        if kind is ErrorKind.NOT_REGISTERED:
+            self._on_not_registered(op, now, out)
+        elif kind in (ErrorKind.UNHEALTHY, ErrorKind.TIMEOUT):
+            # UNHEALTHY: the transport lost it, it may still arrive. TIMEOUT: the transport's
+            # own request timeout (it may still be copying, a resend too) looks like the
+            # server's refusal of a late request (no copy, and its not_after has passed):
+            # fenced alike, which costs that refusal at most copy_grace
+            self._fence_abandoned(record, op)
+        self._complete(record, op, False, now)
 
     def _on_stale_copy(self, ev: CopyFinished, now: float, out: list[Effect]) -> None:
         self._counters["stale_copies"] += 1
 
     def _on_copy_finished(self, ev: CopyFinished, now: float, out: list[Effect]) -> None:
+        """The engine copy is done: the transfer is committed (its result, ok or not)."""
         op = self._ops[ev.op]
         op.copy_ok = bool(ev.ok)
-        record = self._requests[op.op[0]]
-        if not self._healthy or op.incarnation != self._incarnation:
-            # The server that planned this transfer is gone (or may be): its transfer id could
-            # name another client's transfer on a restarted server, so it is never committed.
-            self._complete(record, op, False, now)
-            self._maybe_drop(record)
-            return
-        op.state = OpState.COMMITTING
         op.sent_at = now
         op.correlation = self._send(CommitTransfer(op.transfer_id, op.copy_ok), op.op, out)
         self._arm_op_timeout(op)
+
+    def _on_copy_of_lost_server(self, ev: CopyOfLostServer, now: float, out: list[Effect]) -> None:
+        """The server that planned this transfer is gone (or may be): its transfer id could name
+        another client's transfer on a restarted server, so it is never committed; the op fails."""
+        op = self._ops[ev.op]
+        op.copy_ok = bool(ev.ok)
+        self._complete(self._requests[op.op[0]], op, False, now)
 
     def _on_op_timeout(self, ev: OpTimeout, now: float, out: list[Effect]) -> None:
         self._counters["timeouts"] += 1
@@ -500,16 +661,18 @@ class TransferClient(GuardedMachine[ClientEvent]):
     def _on_other_server(self, ev: ServerHealth | ServerEpoch, now: float, out: list[Effect]) -> None:
         """Another server's health or epoch: not this client's."""
 
-    def _on_health(self, ev: ServerHealth, now: float, out: list[Effect]) -> None:
-        if not ev.healthy:
-            if self._healthy:
-                self._lose_server(now, out)
-            return
-        self._healthy = True
+    def _on_server_up(self, ev: ServerUp, now: float, out: list[Effect]) -> None:
+        """Up (again): new ops go to it. The first time, the instance introduces itself."""
         if not self._introduced:
             self._introduced = True
             self._counters["registrations"] += 1
             self._registration_correlation = self._send(self.registration_request(), None, out)
+
+    def _on_server_down(self, ev: ServerDown, now: float, out: list[Effect]) -> None:
+        self._lose_server()
+
+    def _on_still_down(self, ev: ServerDown, now: float, out: list[Effect]) -> None:
+        """Down already: what waited on the server failed then."""
 
     def _on_epoch(self, ev: ServerEpoch, now: float, out: list[Effect]) -> None:
         """A new epoch is a restart: what waited on the old server fails (its link registers
@@ -519,8 +682,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
             return
         self._counters["server_restarts"] += 1
         if self._healthy:
-            self._lose_server(now, out)
-            self._healthy = True
+            self._lose_server()
 
     def _on_registration_answer(self, ev: RegistrationAnswered, now: float, out: list[Effect]) -> None:
         self._registration_correlation = None
@@ -533,14 +695,11 @@ class TransferClient(GuardedMachine[ClientEvent]):
         legacy client that also registers here is the second registerer of double-register)."""
         self._counters["not_registered"] += 1
 
-    def _lose_server(self, now: float, out: list[Effect]) -> None:
-        """The server is unhealthy (or restarted): ops waiting on it fail now; ops whose engine
-        copy runs fail when it finishes."""
-        self._healthy = False
+    def _lose_server(self) -> None:
+        """The server is unhealthy (or restarted): the ops waiting on it fail (their
+        OpServerLost rows run after this row); ops whose engine copy runs fail when it finishes."""
         self._incarnation += 1
-        for op_id in list(self._ops):
-            if op_id in self._ops:
-                self._op_d.run(OpServerLost(op_id), now, out)
+        self._ops_lost.extend(self._ops)
 
     # ============================================================================= internals
 
@@ -549,7 +708,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
         record = self._requests[op.op[0]]
         self._fence_abandoned(record, op)
         self._complete(record, op, False, now)
-        self._maybe_drop(record)
 
     def _arm_op_timeout(self, op: TransferOp) -> None:
         if self.config.op_timeout is not None:
@@ -568,8 +726,9 @@ class TransferClient(GuardedMachine[ClientEvent]):
             self._timers.push(until, FenceEnd(record.request_id, until))
 
     def _complete(self, record: RequestRecord, op: TransferOp, ok: bool, now: float) -> None:
-        """Op done: drop it; report a retrieve's outcome."""
-        self._drop_op(record, op)
+        """Op done (its row makes it ABSENT; an op failed at submit was never filed): report a
+        retrieve's outcome, and name the request for its InFlightEnded row."""
+        self._in_flight_ended.append(record.request_id)
         if op.kind is TransferKind.STORE:
             if not ok:
                 self._counters["stores_failed"] += 1
@@ -586,7 +745,7 @@ class TransferClient(GuardedMachine[ClientEvent]):
                     record.fenced_load_errors.append(b)
                 else:
                     self._load_errors[b] = None
-        if not any(o.kind is TransferKind.RETRIEVE for o in record.ops.values()):
+        if not any(o.kind is TransferKind.RETRIEVE and o is not op for o in record.ops.values()):
             if record.request_id in self._fences:
                 record.recving_fenced = True  # a late copy may still write its blocks
             else:
@@ -617,20 +776,6 @@ class TransferClient(GuardedMachine[ClientEvent]):
             del self._ops[op.op]
         op.state = OpState.ABSENT
 
-    def _maybe_drop(self, record: RequestRecord) -> None:
-        """Forget a request once nothing is in flight (nor fenced) and (if finished) it has been
-        reported."""
-        if record.ops or record.request_id in self._fences:
-            return
-        if record.engine_finished:
-            self._sending[record.request_id] = None
-            self._reported_sending[record.request_id] = None
-            while len(self._reported_sending) > self.config.reported_cap:
-                self._reported_sending.popitem(last=False)
-            del self._requests[record.request_id]
-        else:
-            del self._requests[record.request_id]
-
     def _send(self, request: ServerRequest, op: OpId | None, out: list[Effect]) -> int:
         self._next_correlation += 1
         corr = self._next_correlation
@@ -644,53 +789,64 @@ def _request_id(event: object) -> str:
     return str(getattr(event, "request_id"))
 
 
-_O, _Q, _T, _K = OpState, TransferRequestState, TransferClient, LinkState
+_UP_OR_DOWN = (LinkState.DOWN, LinkState.UP)
+_IN_FLIGHT = (TransferRequestState.ACTIVE, TransferRequestState.FINISHING)
+_WAITING = (OpState.SENT, OpState.COMMITTING)
 
-# Its server, as its link reports it: (link state, event) -> (handler, next states).
-LINK_TABLE: Table[LinkState] = Table("TransferClient (its server, as its link reports it)", LinkState, _K.OTHER, {
-    (_K.OTHER, ServerHealth): (_T._on_other_server, (_K.OTHER,)),
-    (_K.OTHER, ServerEpoch): (_T._on_other_server, (_K.OTHER,)),
-    (_K.DOWN, ServerHealth): (_T._on_health, (_K.DOWN, _K.UP)),
-    (_K.UP, ServerHealth): (_T._on_health, (_K.DOWN, _K.UP)),
-    # A new epoch is a restart: as ServerHealth(False) then (True).
-    (_K.DOWN, ServerEpoch): (_T._on_epoch, (_K.DOWN,)),
-    (_K.UP, ServerEpoch): (_T._on_epoch, (_K.UP,)),
-    (_K.DOWN, RegistrationAnswered): (_T._on_registration_answer, (_K.DOWN,)),
-    (_K.UP, RegistrationAnswered): (_T._on_registration_answer, (_K.UP,)),
-})
+# Each table: (the entity's state, event) -> (handler, the one next state), which the dispatcher
+# assigns after the handler (_set_link_state, _set_request_state, _set_op_state).
 
-# One request id: (its state, event) -> (handler, next states).
+# Its server, as its link reports it.
+LINK_TABLE: Table[LinkState] = Table("TransferClient (its server, as its link reports it)", LinkState,
+                                     LinkState.OTHER, {
+    (LinkState.OTHER, ServerHealth): (TransferClient._on_other_server, LinkState.OTHER),
+    (LinkState.OTHER, ServerEpoch): (TransferClient._on_other_server, LinkState.OTHER),
+    **{(state, ServerUp): (TransferClient._on_server_up, LinkState.UP) for state in _UP_OR_DOWN},
+    (LinkState.UP, ServerDown): (TransferClient._on_server_down, LinkState.DOWN),
+    (LinkState.DOWN, ServerDown): (TransferClient._on_still_down, LinkState.DOWN),
+    # A new epoch is a restart: what waited on the server fails; its health is the monitor's.
+    **{(state, ServerEpoch): (TransferClient._on_epoch, state) for state in _UP_OR_DOWN},
+    **{(state, RegistrationAnswered): (TransferClient._on_registration_answer, state) for state in _UP_OR_DOWN},
+}, assigns=True, guards={ServerHealth: TransferClient._classify_health})
+
+# One request id. A row that ends an op or the fence of a request is followed by the request's
+# InFlightEnded row, which reports (FINISHING) or forgets (ACTIVE) it once nothing is in flight.
 REQUEST_TABLE: Table[TransferRequestState] = Table("TransferClient (one request id)", TransferRequestState,
-                                                   _Q.ABSENT, {
-    **{(_Q.ABSENT, t): (_T._on_submit, (_Q.ACTIVE, _Q.ABSENT)) for t in (SubmitStore, SubmitRetrieve)},
-    **{(_Q.ACTIVE, t): (_T._on_submit, (_Q.ACTIVE,)) for t in (SubmitStore, SubmitRetrieve)},
-    **{(_Q.FINISHING, t): (_T._on_submit, (_Q.FINISHING,)) for t in (SubmitStore, SubmitRetrieve)},
-    **{(_Q.REPORTED, t): (_T._on_submit, (_Q.ACTIVE, _Q.REPORTED)) for t in (SubmitStore, SubmitRetrieve)},
-    (_Q.ABSENT, RequestEnded): (_T._on_request_ended, (_Q.REPORTED,)),
-    # ACTIVE stays ACTIVE when the id was reported before (a repeat finish).
-    (_Q.ACTIVE, RequestEnded): (_T._on_request_ended, (_Q.ACTIVE, _Q.FINISHING)),
-    (_Q.FINISHING, RequestEnded): (_T._on_request_ended, (_Q.FINISHING,)),
-    (_Q.REPORTED, RequestEnded): (_T._on_request_ended, (_Q.REPORTED,)),
-    (_Q.ACTIVE, FenceEnd): (_T._on_fence_end, (_Q.ACTIVE, _Q.ABSENT, _Q.REPORTED)),
-    (_Q.FINISHING, FenceEnd): (_T._on_fence_end, (_Q.FINISHING, _Q.REPORTED)),
-})
+                                                   TransferRequestState.ABSENT, {
+    **{(state, submit): (TransferClient._on_submit, after)
+       for state, after in ((TransferRequestState.ABSENT, TransferRequestState.ACTIVE),
+                            (TransferRequestState.ACTIVE, TransferRequestState.ACTIVE),
+                            (TransferRequestState.FINISHING, TransferRequestState.FINISHING),
+                            (TransferRequestState.REPORTED, TransferRequestState.ACTIVE))
+       for submit in (SubmitStore, SubmitRetrieve)},
+    **{(state, RequestEnded): (TransferClient._on_request_ended, TransferRequestState.FINISHING)
+       for state in (TransferRequestState.ABSENT, *_IN_FLIGHT)},
+    # A repeat finish of an id already reported (it may have ops again: ACTIVE).
+    (TransferRequestState.ACTIVE, RepeatedEnd): (TransferClient._on_repeated_end, TransferRequestState.ACTIVE),
+    (TransferRequestState.REPORTED, RepeatedEnd): (TransferClient._on_repeated_end, TransferRequestState.REPORTED),
+    **{(state, FenceEnd): (TransferClient._on_fence_end, state) for state in _IN_FLIGHT},
+    **{(state, InFlightEnded): (TransferClient._on_still_in_flight, state) for state in _IN_FLIGHT},
+    (TransferRequestState.ACTIVE, RequestIdle): (TransferClient._on_request_idle, TransferRequestState.ABSENT),
+    (TransferRequestState.ACTIVE, ReportedRequestIdle): (TransferClient._on_request_idle,
+                                                         TransferRequestState.REPORTED),
+    (TransferRequestState.FINISHING, RequestDrained): (TransferClient._on_request_drained,
+                                                       TransferRequestState.REPORTED),
+}, assigns=True, guards={RequestEnded: TransferClient._classify_ended,
+                         InFlightEnded: TransferClient._classify_in_flight_ended})
 
-# One op: (its state, event) -> (handler, next states). A reply addresses the op of its
-# correlation (ABSENT: no op expects it).
-OP_TABLE: Table[OpState] = Table("TransferClient (one op)", OpState, _O.ABSENT, {
-    (_O.ABSENT, ReplyReceived): (_T._on_stale_reply, (_O.ABSENT,)),
-    (_O.ABSENT, RequestFailed): (_T._on_stale_reply, (_O.ABSENT,)),
-    (_O.SENT, ReplyReceived): (_T._on_reply, (_O.ABSENT, _O.COPYING, _O.COMMITTING)),
-    (_O.SENT, RequestFailed): (_T._on_failure, (_O.ABSENT,)),
-    (_O.COMMITTING, ReplyReceived): (_T._on_reply, (_O.ABSENT,)),
-    (_O.COMMITTING, RequestFailed): (_T._on_failure, (_O.ABSENT,)),
-    **{(s, CopyFinished): (_T._on_stale_copy, (s,)) for s in (_O.ABSENT, _O.SENT, _O.COMMITTING)},
-    (_O.COPYING, CopyFinished): (_T._on_copy_finished, (_O.COMMITTING, _O.ABSENT)),
-    (_O.SENT, OpTimeout): (_T._on_op_timeout, (_O.ABSENT,)),
-    (_O.COMMITTING, OpTimeout): (_T._on_op_timeout, (_O.ABSENT,)),
-    (_O.SENT, OpServerLost): (_T._on_server_lost, (_O.ABSENT,)),
-    (_O.COMMITTING, OpServerLost): (_T._on_server_lost, (_O.ABSENT,)),
-    (_O.COPYING, OpServerLost): (_T._on_copy_outlives_server, (_O.COPYING,)),
-})
+# One op. A reply addresses the op of its correlation (ABSENT: no op expects it).
+OP_TABLE: Table[OpState] = Table("TransferClient (one op)", OpState, OpState.ABSENT, {
+    (OpState.ABSENT, ReplyReceived): (TransferClient._on_stale_reply, OpState.ABSENT),
+    (OpState.ABSENT, RequestFailed): (TransferClient._on_stale_reply, OpState.ABSENT),
+    **{(state, ReplyReceived): (TransferClient._on_reply, OpState.ABSENT) for state in _WAITING},
+    (OpState.SENT, CopyPlanned): (TransferClient._on_copy_planned, OpState.COPYING),
+    (OpState.SENT, CopySkipped): (TransferClient._on_copy_skipped, OpState.COMMITTING),
+    **{(state, RequestFailed): (TransferClient._on_failure, OpState.ABSENT) for state in _WAITING},
+    **{(state, CopyFinished): (TransferClient._on_stale_copy, state) for state in (OpState.ABSENT, *_WAITING)},
+    (OpState.COPYING, CopyFinished): (TransferClient._on_copy_finished, OpState.COMMITTING),
+    (OpState.COPYING, CopyOfLostServer): (TransferClient._on_copy_of_lost_server, OpState.ABSENT),
+    **{(state, OpTimeout): (TransferClient._on_op_timeout, OpState.ABSENT) for state in _WAITING},
+    **{(state, OpServerLost): (TransferClient._on_server_lost, OpState.ABSENT) for state in _WAITING},
+    (OpState.COPYING, OpServerLost): (TransferClient._on_copy_outlives_server, OpState.COPYING),
+}, assigns=True, guards={ReplyReceived: TransferClient._classify_reply, CopyFinished: TransferClient._classify_copy})
 TABLES: dict[str, Table[Any]] = {t.name: t for t in (LINK_TABLE, REQUEST_TABLE, OP_TABLE)}
-

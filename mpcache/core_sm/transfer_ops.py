@@ -1,6 +1,7 @@
 """The transfer client's records: its config, the states of its three tables (its server link,
-one request, one op), its typed timers and internal events, one op (a store or retrieve of one
-request) and one request's ops.
+one request, one op), its typed timers and internal events, the specific events its guards tell a
+raw event apart into (so that each row of its tables names one next state), one op (a store or
+retrieve of one request) and one request's ops.
 
 ``mpcache.core_sm.transfer_client.TransferClient`` is the machine that keeps them; it re-exports these
 names, so ``from mpcache.core_sm.transfer_client import TransferClientConfig, OpState`` keeps working.
@@ -30,8 +31,10 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.timers import Timer
 
-__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "FenceEnd", "LinkState", "OpServerLost",
-           "OpState", "OpTimeout", "RegistrationAnswered", "RequestEnded", "RequestRecord", "TransferClientConfig", "TransferOp", "TransferRequestState"]
+__all__ = ["DEFAULT_STORE_WINDOW", "EVENTS", "CopyOfLostServer", "CopyPlanned", "CopySkipped", "FenceEnd",
+           "InFlightEnded", "LinkState", "OpServerLost", "OpState", "OpTimeout", "RegistrationAnswered", "RepeatedEnd",
+           "ReportedRequestIdle", "RequestDrained", "RequestEnded", "RequestIdle", "RequestRecord", "ServerDown",
+           "ServerUp", "TransferClientConfig", "TransferOp", "TransferRequestState"]
 
 
 DEFAULT_STORE_WINDOW = 30.0
@@ -99,7 +102,7 @@ class TransferOp:
     key: CacheKey
     block_ids: tuple[int, ...]
     skip_first_n_tokens: int
-    state: OpState
+    state: OpState  # filed SENT by its submit; assigned by the op table after that
     correlation: int | None
     sent_at: float
     transfer_id: int = -1
@@ -116,7 +119,7 @@ class RequestRecord:
     request_id: str
     next_seq: int = 0  # ops submitted so far
     ops: dict[OpId, TransferOp] = attrs.Factory(dict)
-    engine_finished: bool = False
+    engine_finished: bool = False  # FINISHING: assigned by the request table, never by a handler
     retrieve_failed: bool = False  # a retrieve failed since the request was last reported
     recving_fenced: bool = False  # its retrieves are done; recving waits for the fence
     fenced_load_errors: list[int] = attrs.Factory(list)  # reported with that recving
@@ -162,3 +165,65 @@ class RequestEnded:
     """Internal: ``Abort(request_id)``, or one id of ``EngineFinished``: the engine is done with it."""
 
     request_id: str
+
+
+@attrs.frozen
+class InFlightEnded:
+    """Internal: an op or the fence of the request ended (a row that ended it names it): its row
+    decides whether the request is done (the specific events below) or still in flight."""
+
+    request_id: str
+
+
+# ------------------------------------------------------------------ specific events (guards)
+# ``TransferClient``'s guards turn a raw event into one of these before its row is looked up, so
+# that each row names one next state; each has its raw event's fields.
+
+
+@attrs.frozen
+class ServerUp(ServerHealth):
+    """``ServerHealth(server, True)`` for this client's server."""
+
+
+@attrs.frozen
+class ServerDown(ServerHealth):
+    """``ServerHealth(server, False)`` for this client's server: the ops waiting on it fail."""
+
+
+@attrs.frozen
+class RepeatedEnd(RequestEnded):
+    """The engine finished (or aborted) an id already reported in ``sending``: counted, not
+    reported again."""
+
+
+@attrs.frozen
+class RequestDrained(InFlightEnded):
+    """Nothing of a request the engine finished is in flight any more: reported in ``sending``."""
+
+
+@attrs.frozen
+class RequestIdle(InFlightEnded):
+    """Nothing of a request the engine still runs is in flight any more: forgotten."""
+
+
+@attrs.frozen
+class ReportedRequestIdle(InFlightEnded):
+    """As ``RequestIdle``, for an id reported in ``sending`` before (it had ops again): forgotten,
+    its id still remembered as reported."""
+
+
+@attrs.frozen
+class CopyPlanned(ReplyReceived):
+    """An engine-driven op's ``TransferPlan(ok=True)``: the worker copies (``CopyBlocks``)."""
+
+
+@attrs.frozen
+class CopySkipped(ReplyReceived):
+    """A retrieve's ``TransferPlan(ok=True)`` after the engine finished the request: committed
+    not ok at once, no copy (nobody reads the blocks)."""
+
+
+@attrs.frozen
+class CopyOfLostServer(CopyFinished):
+    """An engine copy that finished after the server that planned it was lost (unhealthy now, or
+    lost since the op was submitted): never committed, the op fails."""

@@ -4,15 +4,20 @@ A stub lookup client answers ``check`` with a fixed hit and records what the pla
 so each test states vLLM's calls and the planner's decisions directly."""
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from mpcache.core_sm.effects import SendRequest
 from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
 from mpcache.core_sm.messages import (
     Cleanup,
     EndRequest,
     FreeUnusedLeases,
+    ReplyReceived,
     SubmitLookup,
     SubmitRetrieve,
     SubmitStore,
@@ -182,18 +187,24 @@ EVENTS = [
 
 @pytest.mark.parametrize("state", list(RequestState))
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
-def test_every_state_and_event_gives_a_listed_state_or_a_counted_stale_event(state: RequestState, event: Any) -> None:
+def test_every_state_and_event_gives_its_rows_next_state_or_a_counted_stale_event(state: RequestState, event: Any) -> None:
     p, _ = planner(None if state is RequestState.LOOKING_UP else 2 * C)
     _drive_to(p, state, list(range(3 * C)))
     assert p.state("r") is state
+    p._dispatch.trace = []
     p.handle(event, 1.0)
     stats = p.stats()
     assert stats["internal_errors"] == 0
-    allowed = TABLE.allowed(state, type(event))
-    if allowed is None:
+    trace, p._dispatch.trace = p._dispatch.trace, None
+    if not trace:  # not listed, even once a guard told the event apart
         assert stats["stale_events"] == 1 and p.state("r") is state
     else:
-        assert p.state("r") in allowed
+        # every row run (a first match, or a lookup's answer taken, runs the event again) left
+        # the request in the one next state its row names, and the next row started there
+        assert trace[0][0] is state and p.state("r") is trace[-1][2]
+        for (before, ran, after), following in zip(trace, [*trace[1:], None]):
+            assert TABLE.rows[(before, ran)].next_state is after
+            assert following is None or following[0] is after
     p.check_invariants()
 
 
@@ -276,3 +287,50 @@ def test_lease_ttl_none_never_renews() -> None:
     assert p.next_deadline() is None
     with pytest.raises(ValueError):
         PlannerConfig(C, BS, lease_ttl=0.0)
+
+
+# ------------------------------------------------------------------ random sequences
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_sequences_keep_every_assigned_state_true_to_its_tracker(seed: int) -> None:
+    """vLLM's calls in a random order, with a real lookup client answered (or not) at random,
+    leases that expire and renewals that run out (and calls vLLM would not make, which the
+    table counts as stale): no handler or guard raises, and after every event each tracker's
+    assigned state agrees with its data
+    (``check_invariants``: a waiting request's hit is known exactly when MATCHED, a preempted
+    one holds no blocks) -- what a guard and its row must agree on."""
+    rng = random.Random(seed)
+    lookups = LookupClient(LookupClientConfig(num_servers=1, model_name="m", chunk_size=C, lookup_timeout=2.0))
+    p = StepPlanner(PlannerConfig(C, BS, lease_ttl=rng.choice([2.0, 300.0]), max_lease_renewals=rng.choice([0, 1]),
+                                  load=rng.random() < 0.9, lookup_wait=rng.choice([0.0, 0.01])), lookups)
+    tokens = {rid: list(range(n)) for rid, n in (("a", 3 * C), ("b", 5 * C + 1), ("c", C + 3))}
+    outstanding: list[int] = []
+    now = 0.0
+    for step_no in range(60):
+        now += rng.choice([0.0, 0.01, 0.5, 1.5])
+        rid, kind = rng.choice(list(tokens)), rng.random()
+        ev: Any
+        if kind < 0.25:
+            ev = MatchRequest(rid, tokens[rid], len(tokens[rid]), rng.choice([0, 0, BS, C]))
+        elif kind < 0.35:
+            ev = BlocksAllocated(rid, range(len(tokens[rid]) // BS + 1), rng.choice([0, C]))
+        elif kind < 0.5:
+            blocks = rng.choice([None, (90 + step_no,)])
+            ev = StepScheduled(tuple(ScheduledRequest(r, 0, rng.choice([1, C]), blocks, rng.random() < 0.5)
+                                     for r in rng.sample(list(tokens), rng.randint(0, 2))),
+                               tuple(rng.sample(list(tokens), rng.choice([0, 0, 1]))))
+        elif kind < 0.55:
+            ev = RequestFinished(rid)
+        elif kind < 0.85 and outstanding:
+            corr = outstanding.pop(rng.randrange(len(outstanding)))
+            ev = ReplyReceived(0, corr, rng.choice([None, 0, C, 2 * C, 5 * C]))
+        else:
+            deadline = p.next_deadline()
+            now = max(now, deadline) if deadline is not None else now
+            ev = TimerFired()
+        outstanding += [e.correlation for e in p.handle(ev, now) if isinstance(e, SendRequest)]
+        stats = p.stats()
+        assert stats["internal_errors"] == 0 and stats["lookup_internal_errors"] == 0
+        p.check_invariants()

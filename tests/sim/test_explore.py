@@ -251,6 +251,25 @@ def test_copied_machine_assigns_its_own_state() -> None:
     assert server_clone.transfers.dispatch._set_state.__self__ is server_clone.transfers  # type: ignore[union-attr]
     assert server_clone._rows[Store].__self__ is server_clone.transfers  # type: ignore[attr-defined]
 
+    from mpcache.core_sm.lookup_client import LookupClient, LookupClientConfig
+    from mpcache.core_sm.planner import MatchRequest, PlannerConfig, RequestState, StepPlanner
+
+    planner = StepPlanner(PlannerConfig(4, 4), LookupClient(LookupClientConfig(chunk_size=4)))
+    planner_clone = copy.deepcopy(planner)
+    assert planner_clone._dispatch._set_state.__self__ is planner_clone  # type: ignore[union-attr]
+    planner_clone.handle(MatchRequest("r", list(range(8)), 8, 0), 0.0)
+    assert planner_clone.state("r") is RequestState.LOOKING_UP and planner.state("r") is RequestState.ABSENT
+
+    from mpcache.core_sm.messages import ServerHealth
+    from mpcache.core_sm.transfer_client import LinkState, TransferClient
+
+    worker = TransferClient()
+    worker_clone = copy.deepcopy(worker)
+    for name in ("_link", "_request_d", "_op_d"):
+        assert getattr(worker_clone, name)._set_state.__self__ is worker_clone
+    worker_clone.handle(ServerHealth(0, False), 0.0)
+    assert worker_clone.link_state() is LinkState.DOWN and worker.link_state() is LinkState.UP
+
 
 def test_clone_builds_what_deepcopy_builds() -> None:
     """The explorer's copier (``explore_state.clone``) makes of every machine of the first 100
