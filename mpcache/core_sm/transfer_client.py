@@ -69,6 +69,8 @@ waiting on it (their ``OpServerLost`` rows).
 """
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import Any
@@ -240,6 +242,36 @@ class TransferClient(GuardedMachine[ClientEvent]):
             if record is not None and (record.ops or record.recving_fenced):
                 return True
         return False
+
+    def settled_by(self, request_ids: Iterable[str]) -> float | None:
+        """By when the loads ``loading(request_ids)`` waits on are settled at the latest, by this
+        machine's own timers: each op's timeout (an op given up on while the server may still
+        copy then holds its blocks until ``not_after + copy_grace``) and each receiving fence's
+        end. None when nothing of them is loading; ``math.inf`` when an op has no timeout
+        (``op_timeout`` None). It moves later as an op advances (a commit re-arms its timeout),
+        so a shell that waits for ``loading`` asks again each time it looks: past this bound
+        (plus the shell's own pump interval), a load still unsettled is a bug of the machine."""
+        latest: float | None = None
+        c = self.config
+        for rid in request_ids:
+            record = self._requests.get(rid)
+            if record is None or not (record.ops or record.recving_fenced):
+                continue
+            bounds = []
+            if record.recving_fenced:
+                if rid not in self._fences:
+                    return math.inf  # (a receiving fence always has its end: check_invariants)
+                bounds.append(self._fences[rid])
+            for op in record.ops.values():
+                if c.op_timeout is None:
+                    return math.inf
+                bound = op.sent_at + c.op_timeout
+                if not c.engine_driven and op.not_after is not None:
+                    bound = max(bound, op.not_after + c.copy_grace)
+                bounds.append(bound)
+            for bound in bounds:
+                latest = bound if latest is None else max(latest, bound)
+        return latest
 
     def ops_of(self, request_id: str) -> tuple[OpId, ...]:
         record = self._requests.get(request_id)

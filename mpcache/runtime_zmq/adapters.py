@@ -216,6 +216,13 @@ class ConnectorConfig:
 
 class ServerUnreachable(ConnectionError):
     """The connector could not reach an mpcache server when it started."""
+# How far past the transfer machine's own bound (``TransferClient.settled_by``) the worker still
+# waits for a step's synchronous loads: a few pump intervals (the wait pumps every 50 ms).
+_SETTLE_SLACK_S = 0.5
+# Timer firings one pump makes at most while the machine's next deadline stays due.
+_TIMER_ROUNDS = 8
+
+
 class _ServerLinks:
     """One ``MPCacheClient`` per server, index = core_sm's ``server`` number.
 
@@ -402,9 +409,13 @@ class _MachineShell:
         with self._lock:  # drained under the lock too: two threads must not reorder completions
             for event in self._links.drain(wait):
                 self._apply(self._feed(event, self._clock()))
-            deadline = self._machine.next_deadline()
-            now = self._clock()
-            if deadline is not None and deadline <= now:
+            # every timer due now fires (a timer's work may arm another already due: a load given
+            # up on after its fence's end has passed), bounded in case a deadline never moves
+            for _ in range(_TIMER_ROUNDS):
+                deadline = self._machine.next_deadline()
+                now = self._clock()
+                if deadline is None or deadline > now:
+                    break
                 self._apply(self._feed(TimerFired(), now))
 
 
@@ -843,23 +854,24 @@ class WorkerAdapter(_MachineShell):
         self._pump()
         if not waiting:
             return
-        # The machine always settles a load: answered, or given up at its op timeout (the request
-        # timeout) and, where the server may still copy, held until not_after + copy_grace. This
-        # bound is only a guard past that: it is checked after a pump, so a fence due now ends first.
-        grace = self._machine.config.copy_grace
-        deadline = time.monotonic() + self.request_timeout_s + grace + 2.0
+        # The machine settles every load by a time it names (``settled_by``: its op timeouts and
+        # late-copy fences; later as an op advances): the wait asks it each time it looks, after a
+        # pump (so a timer due now has fired), and gives up only a pump interval past that bound,
+        # which only a bug of the machine reaches.
+        started = self._clock()
         while True:
             with self._lock:
                 # A sync load's request has no other op yet: its ops are this step's retrieves.
-                loading = self._machine.loading(waiting)
-            if not loading:
+                settled_by = self._machine.settled_by(waiting)
+            if settled_by is None:
                 return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.error("mpcache: synchronous loads of %s still unsettled after %.1f s; their blocks may "
-                          "not be loaded", sorted(waiting), self.request_timeout_s + grace + 2.0)
+            now = self._clock()
+            if now > settled_by + _SETTLE_SLACK_S:
+                log.error("mpcache: synchronous loads of %s still unsettled %.1f s after the machine's own bound "
+                          "(%.1f s after they were submitted); their blocks may not be loaded", sorted(waiting),
+                          now - settled_by, now - started)
                 return
-            self._pump(wait=min(left, 0.05))
+            self._pump(wait=min(max(settled_by + _SETTLE_SLACK_S - now, 0.001), 0.05))
 
     def submit_stores(self, ops: Iterable[SubmitStore]) -> None:
         self._require_registered()

@@ -374,3 +374,43 @@ def test_a_duplicate_is_answered_until_its_own_not_after_not_an_older_ops() -> N
     h.finish_all_transfers()
     h.now = 3.0  # past the early op's not_after, long before the late one's
     assert h.result(h.send(late)) == RetrieveResult(True, 2) and not h.transfers
+
+
+def test_a_synchronous_load_is_settled_by_the_time_the_machine_names() -> None:
+    """``settled_by`` is the machine's own bound on a load's wait (its op timeout, then the
+    late-copy fence): None exactly when nothing is loading, and once that time has come and a
+    timer fired, nothing is. The worker's wait asks it instead of keeping a bound of its own."""
+    import random
+
+    from mpcache.core_sm.messages import SubmitRetrieve, TimerFired
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        engine_driven = rng.random() < 0.3
+        c = TransferClient(TransferClientConfig(
+            instance_id=1, model_name="m", chunk_size=C, object_bytes=10, engine_driven=engine_driven,
+            transfer_timeout=rng.choice([None, 1.0, 10.0]), op_timeout=rng.choice([2.0, 5.0]),
+            copy_grace=rng.choice([0.0, 0.5])))
+        now = rng.uniform(0.0, 3.0)
+        c.handle(SubmitRetrieve("r", TOKS, 0, 2 * C, BLOCKS, synchronous=True), now)
+        if rng.random() < 0.5:  # the server is lost while the load is in flight
+            now += rng.uniform(0.0, 3.0)
+            c.handle(ServerHealth(0, False), now)
+        bound = c.settled_by(("r",))
+        assert (bound is None) == (not c.loading(("r",)))
+        assert c.settled_by(("other",)) is None
+        if bound is None:  # settled already (an engine-driven load failed at once)
+            assert c.load_errors() == frozenset(BLOCKS)
+            continue
+        # nothing answers: the machine's own timers settle it by the bound (or at once, by the
+        # timers due now, when the bound has passed already: a fence that ended before the loss)
+        settle_at = max(now, bound)
+        for _ in range(8):
+            if not c.loading(("r",)):
+                break
+            due = c.next_deadline()
+            assert due is not None and due <= settle_at, (seed, due, bound, now)
+            now = max(now, due)
+            c.handle(TimerFired(), now)
+        assert not c.loading(("r",)) and now <= settle_at and c.settled_by(("r",)) is None
+        assert c.load_errors() == frozenset(BLOCKS)
