@@ -2,8 +2,12 @@
 machine beyond push / pop_due / next_deadline, and that no machine keeps a deadline heap of its own."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import attrs
 
+import mpcache.core_sm
 from mpcache.core_sm.timers import Timer, TimerHeap
 
 
@@ -53,3 +57,24 @@ def test_live_count_bounds_the_heap_by_the_live_entries_now() -> None:
     assert heap.compactions > 0
     assert [heap.pop_due(2000.0) for _ in range(4)] == [Tick(95), Tick(50), Tick(5), None]
 
+
+def test_every_heapq_user_in_core_sm_is_named_and_server_link_is_not_one() -> None:
+    """Deadlines go on ``TimerHeap`` / ``ReapQueue``: a module that imports ``heapq`` is named
+    here with what its heaps order, so a new hand-made deadline heap cannot slip in unnoticed;
+    the deadline heaps still outside the mechanism are named as such."""
+    orders_not_time = {
+        "timers.py": "the timer mechanism itself",
+        "l1_index.py": "free slots, lowest first; lease expiries (a deadline heap, not yet on TimerHeap)",
+        "l1_quota.py": "a forgotten tenant's orphan runs, by last use",
+        "planner.py": "lease renewals due (a deadline heap, not yet on TimerHeap)",
+    }
+    root = Path(mpcache.core_sm.__file__).parent
+    importers = set()
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "heapq" or n.startswith("heapq.") for n in names):
+                importers.add(path.name)
+    assert "server_link.py" not in importers
+    assert importers <= set(orders_not_time), importers - set(orders_not_time)
