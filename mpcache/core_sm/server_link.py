@@ -50,7 +50,6 @@ callers' requests: their deadline only drops the entry (the monitor's own timeou
 from __future__ import annotations
 
 import enum
-import heapq
 from collections.abc import Callable, Hashable
 from typing import Any, Union
 
@@ -76,6 +75,7 @@ from mpcache.core_sm.health import (
     SendInstancePing,
 )
 from mpcache.core_sm.messages import ServerEpoch, ServerHealth, TimerFired
+from mpcache.core_sm.timers import Timer, TimerHeap
 
 SERVER = 0  # the link's one server, in its monitor
 
@@ -208,6 +208,19 @@ class _Pending:
     refusal: tuple[str, Any] | None = None  # parked: (kind, error) waiting on the monitor's verdict
 
 
+@attrs.frozen
+class RequestDeadline(Timer):
+    """The deadline of the frame sent under ``uid`` (a uid is sent once: a resend is a new uid).
+    Live while ``uid`` is pending; an answered one goes stale and fires as nothing."""
+
+    uid: int
+
+
+# Stale deadline entries the link may hold beyond twice its pending frames before a rebuild: at
+# 10k calls/s with a 300 s timeout answered entries would otherwise linger by the million.
+DEADLINE_SLACK = 1024
+
+
 class ServerLink:
     def __init__(self, config: ServerLinkConfig, now: float = 0.0, monitor: HealthMonitor | None = None) -> None:
         """``monitor``: the health monitor to own (a simulator profile's subclass, say); by
@@ -215,7 +228,9 @@ class ServerLink:
         self.config = config
         self.monitor = HealthMonitor(config.health, now) if monitor is None else monitor
         self._pending: dict[int, _Pending] = {}
-        self._deadlines: list[tuple[float, int]] = []
+        # one RequestDeadline per pending frame (answered ones linger, stale, until due or a
+        # rebuild; next_deadline names them, as it always has: firing one does nothing)
+        self._deadlines = TimerHeap(self._deadline_live, DEADLINE_SLACK, live_count=self.pending_count)
         self._next_uid = 1
         self._registrations: dict[int, Any] = {}  # instance -> its last registration request
         self._heartbeat_at: float | None = None
@@ -277,13 +292,17 @@ class ServerLink:
         """``(deadline, uid)`` of every request still pending, in firing order. The deadline
         heap keeps an answered request's entry until it is due (firing it does nothing), so
         ``next_deadline`` may name one: a checker that compares states wants the live ones."""
-        return sorted((d, u) for d, u in self._deadlines if u in self._pending and self._pending[u].deadline == d)
+        return [(d, t.uid) for d, t in self._deadlines.live_entries() if isinstance(t, RequestDeadline)]
 
     def next_deadline(self) -> float | None:
         health = self.monitor.next_deadline()
-        if self._deadlines:
-            return self._deadlines[0][0] if health is None else min(health, self._deadlines[0][0])
-        return health
+        first = self._deadlines.first_deadline()
+        if first is None:
+            return health
+        return first if health is None else min(health, first)
+
+    def _deadline_live(self, timer: Timer) -> bool:
+        return isinstance(timer, RequestDeadline) and timer.uid in self._pending
 
     # ------------------------------------------------------------------------------ handle
 
@@ -309,12 +328,7 @@ class ServerLink:
         uid = self._next_uid
         self._next_uid += 1
         self._pending[uid] = p
-        heapq.heappush(self._deadlines, (p.deadline, uid))
-        if len(self._deadlines) > 2 * len(self._pending) + 1024:
-            # answered entries linger until due: at 10k calls/s with a 300 s timeout that would be
-            # millions; rebuild from what is still pending
-            self._deadlines = [(q.deadline, u) for u, q in self._pending.items()]
-            heapq.heapify(self._deadlines)
+        self._deadlines.push(p.deadline, RequestDeadline(uid))
         self._counters["transmits"] += 1
         out.append(Transmit(uid, p.request, registration, resend))
         return uid
@@ -406,12 +420,9 @@ class ServerLink:
         self._feed(Connected(SERVER), now, out)
 
     def _on_timer(self, ev: TimerFired, now: float, out: list[Any]) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, uid = heapq.heappop(self._deadlines)
-            p = self._pending.get(uid)
-            if p is None or p.deadline > now:
-                continue
-            del self._pending[uid]
+        while (timer := self._deadlines.pop_due(now)) is not None:
+            assert isinstance(timer, RequestDeadline)
+            p = self._pending.pop(timer.uid)
             if p.role is Role.REQUEST or p.role is Role.REGISTRATION:
                 self._counters["timeouts"] += 1
                 self._answer_refusal(p, out, TIMEOUT, "no reply within the request timeout")

@@ -12,7 +12,9 @@ says so) and is skipped when it comes due. So that stale entries cannot pile up 
 (memory following the request rate times the TTL), the heap is rebuilt from its live entries
 whenever it holds more than twice the live entries of the last rebuild plus ``slack``:
 amortised O(1) per timer, and the heap stays under ``2 * live + slack``. A rebuild changes no
-firing order.
+firing order. A machine that knows its live count at no cost (one entry per subject it holds)
+passes ``live_count``: the heap is then rebuilt whenever it holds more than twice that count
+now plus ``slack``, a bound that follows the live entries down as well as up.
 
 Deadlines that all follow one TTL (a job's reap deadline: ``abandoned_job_ttl`` after its
 lookup) come due in the order they were armed, and there is one per live job: they sit in a
@@ -42,9 +44,13 @@ class TimerHeap:
     """Deadlines of typed timers. ``live(timer)`` says whether a timer's subject still exists
     with the state that armed it (the machine decides); dead entries are skipped and compacted."""
 
-    def __init__(self, live: Callable[[Timer], bool], slack: int | None = None) -> None:
+    def __init__(self, live: Callable[[Timer], bool], slack: int | None = None,
+                 live_count: Callable[[], int] | None = None) -> None:
+        """``live_count``: how many entries are live now, when the machine knows it (else the
+        bound follows the live entries of the last rebuild)."""
         self._live = live
         self._slack = DEFAULT_COMPACT_SLACK if slack is None else slack
+        self._live_count = live_count
         self._heap: list[tuple[float, int, Timer]] = []
         self._seq = 0
         self._compact_at = self._slack
@@ -56,11 +62,22 @@ class TimerHeap:
     def push(self, deadline: float, timer: Timer) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (deadline, self._seq, timer))
-        if len(self._heap) > self._compact_at:
-            self._heap = [e for e in self._heap if self._live(e[2])]
-            heapq.heapify(self._heap)
-            self._compact_at = 2 * len(self._heap) + self._slack
-            self.compactions += 1
+        if self._live_count is not None:
+            if len(self._heap) > 2 * self._live_count() + self._slack:
+                self._compact()
+        elif len(self._heap) > self._compact_at:
+            self._compact()
+
+    def _compact(self) -> None:
+        self._heap = [e for e in self._heap if self._live(e[2])]
+        heapq.heapify(self._heap)
+        self._compact_at = 2 * len(self._heap) + self._slack
+        self.compactions += 1
+
+    def clear(self) -> None:
+        """Drop every entry (a machine that ended every subject at once)."""
+        self._heap.clear()
+        self._compact_at = self._slack
 
     def due(self, now: float) -> bool:
         """Whether some entry (live or stale) is due at ``now`` (cheap: the heap's top)."""
@@ -75,6 +92,11 @@ class TimerHeap:
                 return timer
         return None
 
+    def first_deadline(self) -> float | None:
+        """The earliest entry's deadline, live or stale, nothing dropped: for a machine whose
+        ``next_deadline`` has always named every entry (a stale one fires and does nothing)."""
+        return self._heap[0][0] if self._heap else None
+
     def next_deadline(self) -> float | None:
         heap = self._heap
         while heap and not self._live(heap[0][2]):
@@ -84,6 +106,10 @@ class TimerHeap:
     def timers(self) -> list[Timer]:
         """Every entry, live or stale (tests and invariants)."""
         return [e[2] for e in self._heap]
+
+    def live_entries(self) -> list[tuple[float, Timer]]:
+        """``(deadline, timer)`` of every live entry, in firing order (checkers comparing states)."""
+        return [(d, t) for d, _seq, t in sorted(self._heap) if self._live(t)]
 
 
 class ReapQueue(Generic[T]):

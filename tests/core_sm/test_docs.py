@@ -26,6 +26,7 @@ import mpcache.core_sm.job_table
 import mpcache.core_sm.planner
 import mpcache.core_sm.planner_ops
 import mpcache.core_sm.server_l2
+import mpcache.core_sm.server_link
 import mpcache.core_sm.server_transfers
 import mpcache.core_sm.table
 import mpcache.core_sm.timers
@@ -36,7 +37,8 @@ import mpcache.core_sm.holdings
 import mpcache.core_sm.keys
 import mpcache.core_sm.trace
 DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "core_sm.md").read_text()
-MODULES = [core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.health, core_sm.l1_index, core_sm.lookup_client, core_sm.lookup_ops,
+MODULES = [core_sm.server_link,  # first: a name it shares with a later module (Reply) is the later one's
+           core_sm.chunks, core_sm.effects, core_sm.errors, core_sm.health, core_sm.l1_index, core_sm.lookup_client, core_sm.lookup_ops,
            core_sm.messages, core_sm.server, core_sm.server_core, core_sm.server_instances,
            core_sm.server_jobs, core_sm.job_table, core_sm.server_l2, core_sm.server_transfers, core_sm.table, core_sm.timers, core_sm.transfer_client, core_sm.transfer_ops,
            core_sm.keys, core_sm.admission, core_sm.holdings, core_sm.trace, core_sm.planner, core_sm.planner_ops]

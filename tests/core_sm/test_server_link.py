@@ -188,3 +188,43 @@ def test_the_link_alone_registers_again_on_a_new_epoch_and_retries_a_failed_regi
     assert retry.request == "register-1" and sl.monitor.stats()["registration_retries"] == 1
     sl.handle(Reply(retry.uid, True, 44), 1.7)
     assert [t.request for t in transmits(sl.handle(TimerFired(), 2.0))] == [Heartbeat(), InstancePing(1)]
+
+
+def test_an_answered_requests_deadline_is_still_named_and_fires_as_nothing() -> None:
+    """The deadline heap is core_sm's ``TimerHeap``: an answered request's entry goes stale and
+    stays until due, and ``next_deadline`` names it (as it always has), so the shell wakes once
+    for nothing; ``request_deadlines`` lists only the pending ones."""
+    sl = ServerLink(ServerLinkConfig(HealthConfig(1, 10.0, 30.0, backoff_max=10.0, probe_interval=0.1)), 0.0)
+    healthy(sl)
+    [hb] = transmits(sl.handle(TimerFired(), 0.1))  # the first heartbeat: the next is at 10.1
+    assert sl.handle(Reply(hb.uid, True, {"epoch": 7}), 0.1) == []
+    [a] = transmits(sl.handle(Submit("A", "r", timeout=0.5), 1.0))
+    [b] = transmits(sl.handle(Submit("B", "r", timeout=2.0), 1.0))
+    assert sl.handle(Reply(a.uid, True, 1), 1.1) == [Completed("A", 1)]
+    assert sl.next_deadline() == 1.5 and sl.request_deadlines() == [(3.0, b.uid)]
+    before = sl.deadline_entries()
+    assert sl.handle(TimerFired(), 1.5) == [] and sl.deadline_entries() == before - 1
+    assert sl.stats()["timeouts"] == 0 and sl.next_deadline() == 3.0
+    out = sl.handle(TimerFired(), 3.0)
+    assert out == [Failed("B", "timeout", "no reply within the request timeout", None, "r")]
+    assert sl.next_deadline() == 10.1  # the answered heartbeats' entries (30.0, 30.1) wait behind it
+
+
+def test_memory_stays_bounded_under_many_answered_requests() -> None:
+    """Every answered request leaves a stale deadline entry until its (long) timeout; the heap is
+    rebuilt from the pending ones whenever it holds more than twice them plus DEADLINE_SLACK, so
+    it stays bounded and the requests still pending time out as ever."""
+    from mpcache.core_sm.server_link import DEADLINE_SLACK
+    sl = link()
+    healthy(sl)
+    waiting = [t.uid for i in range(5) for t in transmits(sl.handle(Submit(("W", i), "w", timeout=300.0), 0.0))]
+    now = 0.0
+    for i in range(20 * DEADLINE_SLACK):
+        now += 1e-5
+        [t] = transmits(sl.handle(Submit(i, "r", timeout=300.0), now))
+        assert sl.handle(Reply(t.uid, True, i), now) == [Completed(i, i)]
+        assert sl.deadline_entries() <= 2 * (sl.pending_count() + 1) + DEADLINE_SLACK + 1
+    assert sl.pending_count() == 5 and sl._deadlines.compactions >= 10
+    assert [u for _d, u in sl.request_deadlines()] == waiting
+    out = sl.handle(TimerFired(), 300.0)
+    assert sorted(e.token for e in out if type(e) is Failed and e.kind == "timeout") == [("W", i) for i in range(5)]
