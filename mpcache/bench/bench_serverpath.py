@@ -199,24 +199,39 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(to_ack)
             print(f"| lookup to its ack, {form} ids | {med:.1f} | {min(to_ack):.1f} | - |")
         if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                list_cycle()
-            prof.disable()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-            print("\n# cProfile, list-form lookup cycle (self time):")
-            for line in out.getvalue().splitlines():
-                if line.strip():
-                    print("#", line)
+            def lookups() -> None:
+                for _ in range(args.calls):
+                    list_cycle()
+            _print_profile(lookups, "list-form lookup cycle", 18)
     finally:
-        server.sock = real_sock
-        server._token_scanner = tokens.load_in_background()
-        server._chain_loader = sha256_chain.load_in_background()
-        server._shutdown()
+        _stop(server, real_sock)
     transfer_rows(args)
     return 0
+
+
+def _print_profile(work: Callable[[], None], what: str, rows: int) -> None:
+    """cProfile ``work`` and print its top ``rows`` functions by self time, as comments."""
+    prof = cProfile.Profile()
+    prof.enable()
+    work()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    print(f"\n# cProfile, {what} (self time):")
+    for line in out.getvalue().splitlines():
+        if line.strip():
+            print("#", line)
+
+
+def _stop(server: Any, real_sock: Any) -> None:
+    """Give the server its socket back and stop it (its loaders, not started without a loop,
+    are started so that the shutdown can join them)."""
+    from mpcache.runtime_zmq import sha256_chain, tokens
+
+    server.sock = real_sock
+    server._token_scanner = tokens.load_in_background()
+    server._chain_loader = sha256_chain.load_in_background()
+    server._shutdown()
 
 
 class _PlanOnlyExecutor:
@@ -251,7 +266,6 @@ class _PlanOnlyExecutor:
 
 def transfer_rows(args: argparse.Namespace) -> None:
     """Server CPU per server-driven STORE and RETRIEVE (see the module's doc)."""
-    from mpcache.runtime_zmq import sha256_chain, tokens
     from mpcache.runtime_zmq.server import Server, ServerConfig
 
     block, chunks = 16, args.transfer_chunks
@@ -310,20 +324,10 @@ def transfer_rows(args: argparse.Namespace) -> None:
             med = statistics.median(per)
             print(f"| {name} | {med:.1f} | {min(per):.1f} | {1e6 / med:,.0f}/s |")
         if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for key in keys:
-                call(store_op, key)
-                call(retrieve_op, key, zero)
-            prof.disable()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
-            print("\n# cProfile, a server-driven STORE + RETRIEVE (self time):")
-            for line in out.getvalue().splitlines():
-                if line.strip():
-                    print("#", line)
+            def transfers() -> None:
+                for key in keys:
+                    call(store_op, key)
+                    call(retrieve_op, key, zero)
+            _print_profile(transfers, "a server-driven STORE + RETRIEVE", 22)
     finally:
-        server.sock = real_sock
-        server._token_scanner = tokens.load_in_background()
-        server._chain_loader = sha256_chain.load_in_background()
-        server._shutdown()
+        _stop(server, real_sock)
