@@ -436,6 +436,8 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
     row["polls_per_transfer"] = (sum(r["s1"].get("gpu_polls", 0) - r["s0"].get("gpu_polls", 0) for r in steady) / started
                                  if started else float("nan"))
     row["events_created"] = rounds[-1]["s1"].get("gpu_events_created", -1)
+    row["link_gbps"] = {k: rounds[-1]["s1"].get(f"gpu_link_mbps_{k}", 0) / 1e3 for k in ("store", "retrieve")}
+    row["poll_path"] = rounds[-1]["s1"].get("gpu_poll_compiled", -1)
     row["failed"] = rounds[-1]["s1"].get("transfers_failed", rounds[-1]["s1"].get("gpu_failed", 0))
     row["checked"] = all(x.get("check", True) for r in rounds for x in r["res"])
     return row
@@ -505,7 +507,8 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
                   f"{r['cpu_us_per_req']:>10.0f} {r['host_us_per_transfer']:>12.1f} {'ok' if r['checked'] and s['ok'] else 'FAIL':>5}")
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: host us/transfer plan {r.get('plan_us_per_transfer', float('nan')):.1f} "
                     f"enqueue {r.get('enqueue_us_per_transfer', float('nan')):.1f} (event wait {r.get('wait_us_per_transfer', float('nan')):.1f}), polls/transfer {r.get('polls_per_transfer', float('nan')):.1f}, "
-                    f"batched DMAs {r.get('memcpy_batch')}, server exit {r.get('server_exit')} after {r.get('server_stop_s', float('nan')):.1f} s")
+                    f"batched DMAs {r.get('memcpy_batch')}, compiled poller {r.get('poll_path')}, learned link GB/s "
+                    f"{r.get('link_gbps', {}).get('store', 0):.1f} / {r.get('link_gbps', {}).get('retrieve', 0):.1f}, server exit {r.get('server_exit')} after {r.get('server_stop_s', float('nan')):.1f} s")
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: mean ms, server receipt to reply store "
                     f"{r.get('served_ms_store', float('nan')):.2f} retrieve {r.get('served_ms_retrieve', float('nan')):.2f}; "
                     f"GPU enqueued to seen done {r.get('flight_ms_per_transfer', float('nan')):.2f}; "

@@ -24,6 +24,7 @@ Registration layout (the worker's ``register_instance`` payload; ``export_kv_ten
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -49,6 +50,9 @@ MAX_OPEN_WORKER_EVENTS = 256
 # cost it ~0.6 ms on an H200), not on its first request's critical path.
 MAX_REGISTERED_EVENTS = 16
 IPC_EVENT_HANDLE_BYTES = 64  # sizeof(CUipcEventHandle)
+_POLL_MAX = 64  # events one poll looks at (the first in line decides; the rest ride along)
+_POLL_FINE_S = 10e-6  # how often a waiter looks while a copy is due (its first 2 ms late)
+_POLL_CALL_MAX_S = 0.1  # one poll call's longest sleep: the waiter then sees its state again
 
 
 def registered_event_handles(layout: Mapping[str, Any]) -> list[bytes]:
@@ -123,6 +127,8 @@ class _Pending:
     event: Any = None  # our completion event, recorded after its copies
     deadline: float = 0.0  # set when it becomes first in its instance's line
     enqueued_ns: int = 0  # perf_counter_ns when start() returned: the flight time's start
+    kind: TransferKind = TransferKind.STORE
+    model_start: float = 0.0  # monotonic time the link model has its copy begin
 
 
 class _Opened:
@@ -207,6 +213,12 @@ class GpuTransferExecutor:
         self.pipeline_pieces = pipeline_pieces
         self.transfer_timeout_s = transfer_timeout_s
         self.link_bytes_per_s = link_gbps * 1e9
+        # the rate the waiters expect per direction, learned from the copies they see end
+        self._rate = {TransferKind.STORE: self.link_bytes_per_s, TransferKind.RETRIEVE: self.link_bytes_per_s}
+        # how a waiter observes its events: cuda-bindings queries from Python until warm_up
+        # finds the compiled poller (kernels.gpu.make_event_poller), which runs without the GIL
+        self._poll: Callable[[list[Any], float, float, float], tuple[list[bool], int]] = self._python_poll
+        self.poll_path = "python"
         self.max_in_flight = max_in_flight
         self.warm_events = warm_events
         self._instances: dict[int, _Instance] = {}
@@ -232,6 +244,7 @@ class GpuTransferExecutor:
         gpu_ipc.ensure_context(ordinal)
         self._ordinal = ordinal
         warm_kernels()
+        self._use_compiled_poller()
         if pool is not None:
             self._pool_device_address(pool)
         self._add_events(self.warm_events)
@@ -308,9 +321,11 @@ class GpuTransferExecutor:
             ok = False  # anything already enqueued still has to land before the slots move on
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        busy = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
+        begin = max(self._link_busy_until[transfer.kind], now)
+        busy = begin + nbytes / self._rate[transfer.kind]
         self._link_busy_until[transfer.kind] = busy
-        p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy)
+        p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy, kind=transfer.kind,
+                     model_start=begin)
         with self._lock:
             p.event = self._free_events.pop() if self._free_events else None
         try:
@@ -374,6 +389,9 @@ class GpuTransferExecutor:
             out["in_flight"] = sum(len(i.pending) for i in (*self._instances.values(), *self._draining))
             out["instances"] = len(self._instances)
             out["memcpy_batch"] = int(any(i.transfer.memcpy_path == "batch" for i in self._instances.values()))
+            out["link_mbps_store"] = int(self._rate[TransferKind.STORE] / 1e6)
+            out["link_mbps_retrieve"] = int(self._rate[TransferKind.RETRIEVE] / 1e6)
+            out["poll_compiled"] = int(self.poll_path == "compiled")
         return out
 
     # ---- internals -------------------------------------------------------------------------
@@ -474,52 +492,126 @@ class GpuTransferExecutor:
             self._pools[id(pool)] = entry
         return entry[1]
 
-    def _wait(self, inst: _Instance) -> None:
-        """The instance's waiter: queries its transfers' completion events in stream order
-        (``cuEventQuery``, never a blocking wait), reports each exactly once, and fails the
-        instance if its first transfer outlives the timeout. It sleeps until the link model
-        says the first transfer should be done, then looks every 50 us, less often once late."""
+    def _use_compiled_poller(self) -> None:
+        """Waiters poll with the compiled, GIL-free poller from now on (real GPU only)."""
+        from mpcache.kernels.gpu import as_handle, fast_poller
+
+        fn = fast_poller()
+        scratch = threading.local()
+
+        def poll(events: list[Any], wake: float, end: float, every: float) -> tuple[list[bool], int]:
+            a = getattr(scratch, "arrays", None)
+            if a is None:
+                a = scratch.arrays = (np.zeros(_POLL_MAX, np.uint64), np.zeros(_POLL_MAX, np.int64), np.zeros(2, np.int64))
+            handles, status, ts = a
+            n = len(events)
+            for i, ev in enumerate(events):
+                handles[i] = as_handle(ev)
+            k, polls = fn(handles, n, status, int(wake * 1e9), int(end * 1e9), int(every * 1e9), ts)
+            return [v == 0 for v in status[:k].tolist()], int(polls)
+
+        poll(self._free_events[:1], 0.0, 0.0, 0.0)  # compiled now, not on a first transfer
+        self._poll = poll
+        self.poll_path = "compiled"
+
+    def _python_poll(self, events: list[Any], wake: float, end: float, every: float) -> tuple[list[bool], int]:
+        """The poller's contract in Python (cuda-bindings queries): sleep until ``wake``, then
+        query ``events`` in stream order every ``every`` s until the first is no longer pending
+        (returns each leading one's success) or ``end`` passes (returns none); and the polls."""
         drv = gpu_ipc._driver()
         ready = drv.CUresult.CUDA_SUCCESS
         not_ready = drv.CUresult.CUDA_ERROR_NOT_READY
+        polls = 0
+        now = time.monotonic()
+        if now < wake:
+            time.sleep(min(wake, end) - now)
+        while True:
+            out: list[bool] = []
+            for ev in events:
+                (err,) = drv.cuEventQuery(ev)
+                if err == not_ready:
+                    break  # one stream: nothing after it is done either
+                out.append(err == ready)
+            polls += 1
+            now = time.monotonic()
+            if out or now >= end:
+                return out, polls
+            time.sleep(max(0.0, min(now + every, end) - now))
+
+    def _wait(self, inst: _Instance) -> None:
+        """The instance's waiter: polls its transfers' completion events in stream order
+        (``cuEventQuery``, never a blocking wait), reports each exactly once, and fails the
+        instance if its first transfer outlives the timeout. It sleeps until the link model
+        says the first transfer should be done, then looks every 10 us, less often once late.
+        With the compiled poller, sleeping and polling hold no GIL: the thread takes it only
+        to report what ended."""
         gpu_ipc.ensure_context(self._ordinal)
+        if self.poll_path == "compiled":
+            from mpcache.kernels.gpu import fine_timer_slack
+
+            fine_timer_slack()  # its 10 us polls are 10 us, not 60
         while True:
             with self._lock:
                 while not inst.pending and inst.state == "live":
                     inst.cond.wait()
                 if not inst.pending:
                     break  # unregistered / failed / closing, nothing left in flight
-                snapshot = list(inst.pending)
-                self._stats["polls"] += 1
-            finished: list[tuple[_Pending, bool]] = []
+                snapshot = list(itertools.islice(inst.pending, _POLL_MAX))
+            events: list[Any] = []
             for p in snapshot:
                 if p.event is None:
                     p.event = self._late_event(inst)
                     if p.event is None:
                         break
-                (err,) = drv.cuEventQuery(p.event)
-                if err == not_ready:
-                    break  # one stream: nothing after it is done either
-                finished.append((p, p.ok and err == ready))
-            now = time.monotonic()
-            if finished:
-                self._report(inst, finished, now)
-                continue
+                events.append(p.event)
             head = snapshot[0]
-            if now >= head.deadline and inst.state != "failed":
-                self._fail(inst, now)
-                continue
+            now = time.monotonic()
+            overdue = now >= head.deadline and inst.state != "failed"
             late = now - head.expected_done
-            if late < 0:
-                pause = min(-late, 0.002)
+            wake = max(now, head.expected_done)
+            if overdue:
+                wake = end = every = now  # one last look before the instance is failed
             elif inst.state == "failed":
-                pause = 0.05
+                every, end = 0.05, now + 0.05
+            elif late < 0.002:
+                every, end = _POLL_FINE_S, head.expected_done + 0.002
+            elif late < 0.05:
+                every, end = 0.0005, now + 0.01
             else:
-                pause = 50e-6 if late < 0.002 else (0.0005 if late < 0.05 else 0.005)
+                every, end = 0.005, now + 0.05
+            end = max(min(end, head.deadline, wake + _POLL_CALL_MAX_S), wake)
+            oks, polls = self._poll(events, wake, end, every) if events else ([], 0)
             with self._lock:
-                if inst.pending and inst.pending[0] is head:
-                    inst.cond.wait(pause)
+                self._stats["polls"] += polls
+            if not oks:
+                if overdue:
+                    self._fail(inst, time.monotonic())
+                elif not events:
+                    time.sleep(0.05)  # no event could be recorded yet: try again later
+                continue
+            seen = time.monotonic()
+            # a look found the first still pending one poll interval before: it ended at
+            # ``seen`` within ``every``, a sample worth learning from if that is 10% of it
+            self._learn(head, seen, exact=polls > 1 and every <= 0.1 * (seen - head.model_start),
+                        early=polls == 1 and wake == head.expected_done)
+            self._report(inst, [(p, p.ok and ok) for p, ok in zip(snapshot, oks)], seen)
         self._release(inst)
+
+    def _learn(self, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
+        """Tune the rate the link model expects from a transfer seen to end: ``exact`` (a poll
+        found it still pending just before, so it ended at ``seen`` within one poll): the
+        rate it really moved at since the model had it begin; ``early`` (already done at the
+        first look, when the model said): a little faster, so the next first look comes sooner.
+        Kept within [1/4, 2] x the configured link rate (an engine whose event fires late makes
+        a copy look slow)."""
+        rate = self._rate[head.kind]
+        if exact and seen > head.model_start:
+            rate = 0.7 * rate + 0.3 * head.nbytes / (seen - head.model_start)
+        elif early:
+            rate *= 1.02
+        else:
+            return
+        self._rate[head.kind] = min(max(rate, 0.25 * self.link_bytes_per_s), 2.0 * self.link_bytes_per_s)
 
     def _late_event(self, inst: _Instance) -> Any:
         """An event after everything the instance's streams hold now (this thread may not use

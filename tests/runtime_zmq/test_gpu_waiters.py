@@ -268,3 +268,26 @@ def test_an_announced_event_that_cannot_be_opened_refuses_the_registration(
     done.wait({1})
     assert done.results[1][0] is False
     ex.close()
+
+
+def test_the_link_model_learns_the_rate_the_copies_move_at(fake_cuda: dict[str, Any]) -> None:
+    """Configured at 3x the rate the copies really move at, the waiters learn the real rate from
+    the copies they see end: the first look then comes when a copy is due, not 5 ms early
+    followed by a hundred polls."""
+    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, link_gbps=1.5)
+    real = 0.5e9  # bytes/s: a 4-chunk (4 MiB) copy takes 8.4 ms, the model says 2.8
+    done = Done()
+    inst, stream, _ = add(ex, 1, b"\x05" * 64)
+    drv = fake_cuda["driver"]
+    queries = []
+    for tid in range(1, 15):
+        before = drv.queries
+        stream.busy_until = time.monotonic() + 4 * (1 << 20) / real
+        ex.start(st(tid, 1, 4), b"", done)
+        done.wait({tid})
+        queries.append(drv.queries - before)
+    rate = ex.stats()["link_mbps_store"]
+    assert 400 <= rate <= 650, rate
+    assert ex.stats()["link_mbps_retrieve"] == 1500  # the other direction saw no copy
+    assert sum(queries[-3:]) * 3 < sum(queries[:3]), queries
+    ex.close()
