@@ -129,6 +129,7 @@ class _Pending:
     enqueued_ns: int = 0  # perf_counter_ns when start() returned: the flight time's start
     kind: TransferKind = TransferKind.STORE
     model_start: float = 0.0  # monotonic time the link model has its copy begin
+    alone: bool = False  # started with nothing ahead of it on the link (the model learns only from these)
 
 
 class _Opened:
@@ -301,6 +302,7 @@ class GpuTransferExecutor:
         # earlier copies still queued, this engine's or another's in the same direction (the
         # link model says so): overlap them (staging) rather than compete for the link
         busy = bool(inst.pending) or self._link_busy_until[transfer.kind] > now
+        alone = not busy  # nothing ahead of it on the link: its flight says how fast the link is
         try:
             if event_handle:
                 # the worker's forward pass (store) or its reads of those blocks (retrieve)
@@ -325,7 +327,7 @@ class GpuTransferExecutor:
         busy = begin + nbytes / self._rate[transfer.kind]
         self._link_busy_until[transfer.kind] = busy
         p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy, kind=transfer.kind,
-                     model_start=begin)
+                     model_start=begin, alone=alone)
         with self._lock:
             p.event = self._free_events.pop() if self._free_events else None
         try:
@@ -598,17 +600,20 @@ class GpuTransferExecutor:
         self._release(inst)
 
     def _learn(self, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
-        """Tune the rate the link model expects from a transfer seen to end: ``exact`` (a poll
-        found it still pending just before, so it ended at ``seen`` within one poll): the
-        rate it really moved at since the model had it begin; ``early`` (already done at the
-        first look, when the model said): a little faster, so the next first look comes sooner.
-        Kept within [1/4, 2] x the configured link rate (an engine whose event fires late makes
-        a copy look slow)."""
+        """Tune the rate the link model expects from a transfer seen to end, if it had the
+        link to itself (one queued behind others ends when they let it, which says nothing of
+        the link): ``exact`` (a poll found it still pending just before, so it ended at
+        ``seen`` within one poll): the rate it really moved at; ``early`` (already done at the
+        first look, when the model said): faster, so the next first look comes sooner. Kept
+        within [1/4, 2] x the configured link rate (an engine whose event fires late makes a
+        copy look slow)."""
+        if not head.alone:
+            return
         rate = self._rate[head.kind]
         if exact and seen > head.model_start:
             rate = 0.7 * rate + 0.3 * head.nbytes / (seen - head.model_start)
         elif early:
-            rate *= 1.02
+            rate *= 1.05
         else:
             return
         self._rate[head.kind] = min(max(rate, 0.25 * self.link_bytes_per_s), 2.0 * self.link_bytes_per_s)

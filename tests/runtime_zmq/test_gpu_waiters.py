@@ -291,3 +291,29 @@ def test_the_link_model_learns_the_rate_the_copies_move_at(fake_cuda: dict[str, 
     assert ex.stats()["link_mbps_retrieve"] == 1500  # the other direction saw no copy
     assert sum(queries[-3:]) * 3 < sum(queries[:3]), queries
     ex.close()
+
+
+def test_copies_queued_behind_others_teach_the_link_model_nothing(fake_cuda: dict[str, Any]) -> None:
+    """Eight copies started at once end one after another at half the configured rate: only
+    the first had the link to itself, so only its flight is a sample of the link's rate. (The
+    k-th one's flight from where the model had it begin is 1 + k/2 copies long: learning from
+    those would make the link look up to 4.5x slower than it is, and every later first look
+    that much too late.)"""
+    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, link_gbps=1.0)
+    done = Done()
+    inst, _, transfer = add(ex, 1, b"\x06" * 64)
+    copy_s = 4 * (1 << 20) / 0.5e9  # 8.4 ms each; the model says 4.2
+    t0 = time.monotonic()
+    ends = iter(range(1, 9))
+
+    def record_completion(ev: Event) -> None:  # each copy ends after the one before it
+        ev.stream = Stream()
+        ev.stream.busy_until = t0 + next(ends) * copy_s
+
+    transfer.record_completion = record_completion  # type: ignore[method-assign]
+    for tid in range(1, 9):
+        ex.start(st(tid, 1, 4), b"", done)
+    done.wait(set(range(1, 9)))
+    # one sample (the first copy, 2x slower than the model): 0.7 x 1000 + 0.3 x 500
+    assert 800 <= ex.stats()["link_mbps_store"] <= 900, ex.stats()["link_mbps_store"]
+    ex.close()
