@@ -437,6 +437,7 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
                                  if started else float("nan"))
     row["events_created"] = rounds[-1]["s1"].get("gpu_events_created", -1)
     row["link_gbps"] = {k: rounds[-1]["s1"].get(f"gpu_link_mbps_{k}", 0) / 1e3 for k in ("store", "retrieve")}
+    row["link_lat_us"] = {k: rounds[-1]["s1"].get(f"gpu_link_lat_us_{k}", 0) for k in ("store", "retrieve")}
     row["poll_path"] = rounds[-1]["s1"].get("gpu_poll_compiled", -1)
     row["failed"] = rounds[-1]["s1"].get("transfers_failed", rounds[-1]["s1"].get("gpu_failed", 0))
     row["checked"] = all(x.get("check", True) for r in rounds for x in r["res"])
@@ -508,7 +509,8 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: host us/transfer plan {r.get('plan_us_per_transfer', float('nan')):.1f} "
                     f"enqueue {r.get('enqueue_us_per_transfer', float('nan')):.1f} (event wait {r.get('wait_us_per_transfer', float('nan')):.1f}), polls/transfer {r.get('polls_per_transfer', float('nan')):.1f}, "
                     f"batched DMAs {r.get('memcpy_batch')}, compiled poller {r.get('poll_path')}, learned link GB/s "
-                    f"{r.get('link_gbps', {}).get('store', 0):.1f} / {r.get('link_gbps', {}).get('retrieve', 0):.1f}, server exit {r.get('server_exit')} after {r.get('server_stop_s', float('nan')):.1f} s")
+                    f"{r.get('link_gbps', {}).get('store', 0):.1f} / {r.get('link_gbps', {}).get('retrieve', 0):.1f} + latency us "
+                    f"{r.get('link_lat_us', {}).get('store', 0)} / {r.get('link_lat_us', {}).get('retrieve', 0)}, server exit {r.get('server_exit')} after {r.get('server_stop_s', float('nan')):.1f} s")
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: mean ms, server receipt to reply store "
                     f"{r.get('served_ms_store', float('nan')):.2f} retrieve {r.get('served_ms_retrieve', float('nan')):.2f}; "
                     f"GPU enqueued to seen done {r.get('flight_ms_per_transfer', float('nan')):.2f}; "

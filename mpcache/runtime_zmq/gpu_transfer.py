@@ -52,6 +52,7 @@ MAX_REGISTERED_EVENTS = 16
 IPC_EVENT_HANDLE_BYTES = 64  # sizeof(CUipcEventHandle)
 _POLL_MAX = 64  # events one poll looks at (the first in line decides; the rest ride along)
 _POLL_FINE_S = 10e-6  # how often a waiter looks while a copy is due (its first 2 ms late)
+_POLL_AIM_EARLY_S = 2 * _POLL_FINE_S  # the first look, this long before the link model's end
 _POLL_CALL_MAX_S = 0.1  # one poll call's longest sleep: the waiter then sees its state again
 
 
@@ -115,6 +116,59 @@ def check_layer_ranges(layers: Sequence[tuple[int, int, int, int]], layer_bytes:
             raise ValueError(f"layers {i} and {j} overlap in device memory")
 
 
+class LinkModel:
+    """How long one direction's copy of ``n`` bytes takes when it has the link to itself:
+    ``lat + n / rate``, fitted to copies seen to end (a least-squares line through decayed
+    sums, so the last ~10 copies weigh most). Until copies of different sizes were seen, the
+    rate stays ``rate`` (the configured one) and only the latency is learned. A copy that took
+    over 3x what the model says (+ 1 ms) is not taught (an engine whose event fired late makes a
+    copy look slow, not the link); ``rate`` stays within [1/4, 2] x the configured rate and
+    ``lat`` within [0, 10 ms]. ``sooner``: a copy was found done already at the first look, so
+    the model says too late by an unknown amount: what it learned is shrunk by 5%."""
+
+    DECAY = 0.9
+    SOONER = 0.95
+
+    def __init__(self, rate: float, lat: float = 0.0) -> None:
+        self.configured = rate
+        self.rate = rate
+        self.lat = lat
+        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    def duration(self, nbytes: int) -> float:
+        return self.lat + nbytes / self.rate
+
+    def sooner(self) -> None:
+        if self._w == 0.0:
+            self.lat *= self.SOONER
+            self.rate = min(self.rate / self.SOONER, 2.0 * self.configured)
+            return
+        self._sy *= self.SOONER
+        self._sxy *= self.SOONER
+        self._fit()
+
+    def learn(self, nbytes: int, seconds: float) -> None:
+        if seconds > 3.0 * self.duration(nbytes) + 0.001:
+            return
+        d = self.DECAY
+        x, y = float(nbytes), seconds
+        self._w = d * self._w + 1.0
+        self._sx = d * self._sx + x
+        self._sy = d * self._sy + y
+        self._sxx = d * self._sxx + x * x
+        self._sxy = d * self._sxy + x * y
+        self._fit()
+
+    def _fit(self) -> None:
+        mx, my = self._sx / self._w, self._sy / self._w
+        var = self._sxx / self._w - mx * mx
+        if var > (0.1 * mx) ** 2:  # sizes differ enough to say what a byte costs
+            slope = (self._sxy / self._w - mx * my) / var
+            if slope > 0:
+                self.rate = min(max(1.0 / slope, 0.25 * self.configured), 2.0 * self.configured)
+        self.lat = min(max(my - mx / self.rate, 0.0), 0.01)
+
+
 @dataclass
 class _Pending:
     transfer_id: int
@@ -128,7 +182,7 @@ class _Pending:
     deadline: float = 0.0  # set when it becomes first in its instance's line
     enqueued_ns: int = 0  # perf_counter_ns when start() returned: the flight time's start
     kind: TransferKind = TransferKind.STORE
-    model_start: float = 0.0  # monotonic time the link model has its copy begin
+    started: float = 0.0  # monotonic time it was enqueued
     alone: bool = False  # started with nothing ahead of it on the link (the model learns only from these)
 
 
@@ -214,8 +268,8 @@ class GpuTransferExecutor:
         self.pipeline_pieces = pipeline_pieces
         self.transfer_timeout_s = transfer_timeout_s
         self.link_bytes_per_s = link_gbps * 1e9
-        # the rate the waiters expect per direction, learned from the copies they see end
-        self._rate = {TransferKind.STORE: self.link_bytes_per_s, TransferKind.RETRIEVE: self.link_bytes_per_s}
+        # when the waiters expect a copy to end, per direction, learned from the copies they see end
+        self._links = {TransferKind.STORE: LinkModel(self.link_bytes_per_s), TransferKind.RETRIEVE: LinkModel(self.link_bytes_per_s)}
         # how a waiter observes its events: cuda-bindings queries from Python until warm_up
         # finds the compiled poller (kernels.gpu.make_event_poller), which runs without the GIL
         self._poll: Callable[[list[Any], float, float, float], tuple[list[bool], int]] = self._python_poll
@@ -323,11 +377,12 @@ class GpuTransferExecutor:
             ok = False  # anything already enqueued still has to land before the slots move on
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        begin = max(self._link_busy_until[transfer.kind], now)
-        busy = begin + nbytes / self._rate[transfer.kind]
+        link = self._links[transfer.kind]
+        # alone: its latency, then its bytes; queued: its bytes after the copies ahead of it
+        busy = max(self._link_busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
         self._link_busy_until[transfer.kind] = busy
         p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy, kind=transfer.kind,
-                     model_start=begin, alone=alone)
+                     started=now, alone=alone)
         with self._lock:
             p.event = self._free_events.pop() if self._free_events else None
         try:
@@ -391,8 +446,9 @@ class GpuTransferExecutor:
             out["in_flight"] = sum(len(i.pending) for i in (*self._instances.values(), *self._draining))
             out["instances"] = len(self._instances)
             out["memcpy_batch"] = int(any(i.transfer.memcpy_path == "batch" for i in self._instances.values()))
-            out["link_mbps_store"] = int(self._rate[TransferKind.STORE] / 1e6)
-            out["link_mbps_retrieve"] = int(self._rate[TransferKind.RETRIEVE] / 1e6)
+            for kind, link in self._links.items():
+                out[f"link_mbps_{kind.value}"] = int(link.rate / 1e6)
+                out[f"link_lat_us_{kind.value}"] = int(link.lat * 1e6)
             out["poll_compiled"] = int(self.poll_path == "compiled")
         return out
 
@@ -569,14 +625,17 @@ class GpuTransferExecutor:
             head = snapshot[0]
             now = time.monotonic()
             overdue = now >= head.deadline and inst.state != "failed"
-            late = now - head.expected_done
-            wake = max(now, head.expected_done)
+            # the first look a little before the model's end: usually it then finds the copy
+            # still running and the next look, 10 us on, sees it end (a sample for the model)
+            due = head.expected_done - _POLL_AIM_EARLY_S
+            late = now - due
+            wake = max(now, due)
             if overdue:
                 wake = end = every = now  # one last look before the instance is failed
             elif inst.state == "failed":
                 every, end = 0.05, now + 0.05
             elif late < 0.002:
-                every, end = _POLL_FINE_S, head.expected_done + 0.002
+                every, end = _POLL_FINE_S, due + 0.002
             elif late < 0.05:
                 every, end = 0.0005, now + 0.01
             else:
@@ -594,29 +653,24 @@ class GpuTransferExecutor:
             seen = time.monotonic()
             # a look found the first still pending one poll interval before: it ended at
             # ``seen`` within ``every``, a sample worth learning from if that is 10% of it
-            self._learn(head, seen, exact=polls > 1 and every <= 0.1 * (seen - head.model_start),
-                        early=polls == 1 and wake == head.expected_done)
+            self._learn(head, seen, exact=polls > 1 and every <= 0.1 * (seen - head.started),
+                        early=polls == 1 and wake == due)
             self._report(inst, [(p, p.ok and ok) for p, ok in zip(snapshot, oks)], seen)
         self._release(inst)
 
     def _learn(self, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
-        """Tune the rate the link model expects from a transfer seen to end, if it had the
-        link to itself (one queued behind others ends when they let it, which says nothing of
-        the link): ``exact`` (a poll found it still pending just before, so it ended at
-        ``seen`` within one poll): the rate it really moved at; ``early`` (already done at the
-        first look, when the model said): faster, so the next first look comes sooner. Kept
-        within [1/4, 2] x the configured link rate (an engine whose event fires late makes a
-        copy look slow)."""
-        if not head.alone:
+        """Teach the direction's ``LinkModel`` a copy seen to end, if it had the link to itself
+        (one queued behind others ends when they let it, which says nothing of the link):
+        ``exact`` (a look found it still running one poll before): it took until ``seen``;
+        ``early`` (already done at the first look): the model says too late, by how much is
+        unknown (``LinkModel.sooner``; such a model would learn nothing else, as every copy is
+        then found done)."""
+        if not head.alone or seen <= head.started:
             return
-        rate = self._rate[head.kind]
-        if exact and seen > head.model_start:
-            rate = 0.7 * rate + 0.3 * head.nbytes / (seen - head.model_start)
+        if exact:
+            self._links[head.kind].learn(head.nbytes, seen - head.started)
         elif early:
-            rate *= 1.05
-        else:
-            return
-        self._rate[head.kind] = min(max(rate, 0.25 * self.link_bytes_per_s), 2.0 * self.link_bytes_per_s)
+            self._links[head.kind].sooner()
 
     def _late_event(self, inst: _Instance) -> Any:
         """An event after everything the instance's streams hold now (this thread may not use

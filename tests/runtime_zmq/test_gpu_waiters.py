@@ -270,10 +270,10 @@ def test_an_announced_event_that_cannot_be_opened_refuses_the_registration(
     ex.close()
 
 
-def test_the_link_model_learns_the_rate_the_copies_move_at(fake_cuda: dict[str, Any]) -> None:
-    """Configured at 3x the rate the copies really move at, the waiters learn the real rate from
-    the copies they see end: the first look then comes when a copy is due, not 5 ms early
-    followed by a hundred polls."""
+def test_the_link_model_learns_when_copies_end(fake_cuda: dict[str, Any]) -> None:
+    """Configured at 3x the rate the copies really move at, the waiters learn from the copies
+    they see end: the first look then comes when a copy is due, not 5 ms early followed by a
+    hundred polls."""
     ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, link_gbps=1.5)
     real = 0.5e9  # bytes/s: a 4-chunk (4 MiB) copy takes 8.4 ms, the model says 2.8
     done = Done()
@@ -286,19 +286,18 @@ def test_the_link_model_learns_the_rate_the_copies_move_at(fake_cuda: dict[str, 
         ex.start(st(tid, 1, 4), b"", done)
         done.wait({tid})
         queries.append(drv.queries - before)
-    rate = ex.stats()["link_mbps_store"]
-    assert 400 <= rate <= 650, rate
-    assert ex.stats()["link_mbps_retrieve"] == 1500  # the other direction saw no copy
-    assert sum(queries[-3:]) * 3 < sum(queries[:3]), queries
+    predicted = ex._links[TransferKind.STORE].duration(4 << 20)
+    assert 0.0075 <= predicted <= 0.0095, predicted
+    assert ex.stats()["link_lat_us_retrieve"] == 0  # the other direction saw no copy
+    assert sum(queries[-5:]) / 5 * 4 < queries[0], queries  # the first copy, with the model untaught
     ex.close()
 
 
 def test_copies_queued_behind_others_teach_the_link_model_nothing(fake_cuda: dict[str, Any]) -> None:
     """Eight copies started at once end one after another at half the configured rate: only
-    the first had the link to itself, so only its flight is a sample of the link's rate. (The
-    k-th one's flight from where the model had it begin is 1 + k/2 copies long: learning from
-    those would make the link look up to 4.5x slower than it is, and every later first look
-    that much too late.)"""
+    the first had the link to itself, so only its flight is a sample. (The k-th one's flight
+    is k + 1 copies long: learning from those would make a copy look up to 8x longer than it
+    is, and every later first look that much too late.)"""
     ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, link_gbps=1.0)
     done = Done()
     inst, _, transfer = add(ex, 1, b"\x06" * 64)
@@ -314,6 +313,31 @@ def test_copies_queued_behind_others_teach_the_link_model_nothing(fake_cuda: dic
     for tid in range(1, 9):
         ex.start(st(tid, 1, 4), b"", done)
     done.wait(set(range(1, 9)))
-    # one sample (the first copy, 2x slower than the model): 0.7 x 1000 + 0.3 x 500
-    assert 800 <= ex.stats()["link_mbps_store"] <= 900, ex.stats()["link_mbps_store"]
+    predicted = ex._links[TransferKind.STORE].duration(4 << 20)
+    assert 0.0075 <= predicted <= 0.0105, predicted  # one sample: the first copy, ~8.4 ms
     ex.close()
+
+
+def test_link_model_fits_latency_and_rate() -> None:
+    from mpcache.runtime_zmq.gpu_transfer import LinkModel
+
+    m = LinkModel(60e9)
+    for _ in range(3):  # one size only: the configured rate stays, the latency absorbs the rest
+        m.learn(32 << 20, 0.25e-3 + (32 << 20) / 55e9)
+    assert m.rate == 60e9 and abs(m.duration(32 << 20) - (0.25e-3 + (32 << 20) / 55e9)) < 1e-6
+    for k in range(20):  # two sizes: both found
+        n = (32 << 20) if k % 2 else (256 << 20)
+        m.learn(n, 0.25e-3 + n / 55e9)
+    assert abs(m.rate / 55e9 - 1) < 0.03 and abs(m.lat - 0.25e-3) < 0.03e-3
+    m.sooner()  # found done at the first look: 5% sooner
+    assert abs(m.duration(256 << 20) / (0.25e-3 + (256 << 20) / 55e9) - 0.95) < 0.01
+    slow = LinkModel(60e9)
+    for _ in range(3):
+        slow.learn(32 << 20, 0.005)  # 5 ms for a copy that now takes 0.8: every one is found done
+    for _ in range(40):
+        slow.sooner()
+    assert slow.duration(32 << 20) < 0.001
+    wild = LinkModel(60e9)
+    wild.learn(32 << 20, 0.8e-3)
+    wild.learn(32 << 20, 5.0)  # an engine's event that fired seconds late: not the link
+    assert abs(wild.duration(32 << 20) - 0.8e-3) < 1e-9
