@@ -117,56 +117,51 @@ def check_layer_ranges(layers: Sequence[tuple[int, int, int, int]], layer_bytes:
 
 
 class LinkModel:
-    """How long one direction's copy of ``n`` bytes takes when it has the link to itself:
-    ``lat + n / rate``, fitted to copies seen to end (a least-squares line through decayed
-    sums, so the last ~10 copies weigh most). Until copies of different sizes were seen, the
-    rate stays ``rate`` (the configured one) and only the latency is learned. A copy that took
-    over 3x what the model says (+ 1 ms) is not taught (an engine whose event fired late makes a
-    copy look slow, not the link); ``rate`` stays within [1/4, 2] x the configured rate and
-    ``lat`` within [0, 10 ms]. ``sooner``: a copy was found done already at the first look, so
-    the model says too late by an unknown amount: what it learned is shrunk by 5%."""
+    """When one direction's copies end: a copy with the link to itself takes ``lat + n / rate``;
+    one queued behind others ends ``n / rate`` after the one ahead of it. The rate is learned
+    from queued copies seen to end back to back (the time between two ends is the later one's
+    bytes), the latency from lone copies; each a running mean of the last ~5 (the first sample
+    taken whole). A sample over 3x what the model says (+ 1 ms) is not taught: an engine whose
+    event fired late makes a copy look slow, not the link. ``rate`` stays within [1/4, 2] x the
+    configured rate, ``lat`` within [0, 10 ms]. ``sooner``: a copy was found done already at
+    the first look, so the model says too late by an unknown amount: 5% less (of the latency
+    for a lone copy while it has any, else of the time per byte)."""
 
-    DECAY = 0.9
+    ALPHA = 0.2
     SOONER = 0.95
 
     def __init__(self, rate: float, lat: float = 0.0) -> None:
         self.configured = rate
         self.rate = rate
         self.lat = lat
-        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._n_rate = self._n_lat = 0
 
     def duration(self, nbytes: int) -> float:
         return self.lat + nbytes / self.rate
 
-    def sooner(self) -> None:
-        if self._w == 0.0:
-            self.lat *= self.SOONER
-            self.rate = min(self.rate / self.SOONER, 2.0 * self.configured)
-            return
-        self._sy *= self.SOONER
-        self._sxy *= self.SOONER
-        self._fit()
-
-    def learn(self, nbytes: int, seconds: float) -> None:
+    def learn_alone(self, nbytes: int, seconds: float) -> None:
         if seconds > 3.0 * self.duration(nbytes) + 0.001:
             return
-        d = self.DECAY
-        x, y = float(nbytes), seconds
-        self._w = d * self._w + 1.0
-        self._sx = d * self._sx + x
-        self._sy = d * self._sy + y
-        self._sxx = d * self._sxx + x * x
-        self._sxy = d * self._sxy + x * y
-        self._fit()
+        self._n_lat += 1
+        a = max(self.ALPHA, 1.0 / self._n_lat)
+        self.lat = min(max((1 - a) * self.lat + a * (seconds - nbytes / self.rate), 0.0), 0.01)
 
-    def _fit(self) -> None:
-        mx, my = self._sx / self._w, self._sy / self._w
-        var = self._sxx / self._w - mx * mx
-        if var > (0.1 * mx) ** 2:  # sizes differ enough to say what a byte costs
-            slope = (self._sxy / self._w - mx * my) / var
-            if slope > 0:
-                self.rate = min(max(1.0 / slope, 0.25 * self.configured), 2.0 * self.configured)
-        self.lat = min(max(my - mx / self.rate, 0.0), 0.01)
+    def learn_queued(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0.0 or seconds > 3.0 * nbytes / self.rate + 0.001:
+            return
+        self._n_rate += 1
+        a = max(self.ALPHA, 1.0 / self._n_rate)
+        per_byte = (1 - a) / self.rate + a * seconds / nbytes
+        self._set_rate(1.0 / per_byte)
+
+    def sooner(self, alone: bool) -> None:
+        if alone and self.lat > 1e-6:
+            self.lat *= self.SOONER
+        else:
+            self._set_rate(self.rate / self.SOONER)
+
+    def _set_rate(self, rate: float) -> None:
+        self.rate = min(max(rate, 0.25 * self.configured), 2.0 * self.configured)
 
 
 @dataclass
@@ -183,7 +178,7 @@ class _Pending:
     enqueued_ns: int = 0  # perf_counter_ns when start() returned: the flight time's start
     kind: TransferKind = TransferKind.STORE
     started: float = 0.0  # monotonic time it was enqueued
-    alone: bool = False  # started with nothing ahead of it on the link (the model learns only from these)
+    alone: bool = False  # started with nothing ahead of it on the link (its flight says the link's latency)
 
 
 class _Opened:
@@ -270,6 +265,7 @@ class GpuTransferExecutor:
         self.link_bytes_per_s = link_gbps * 1e9
         # when the waiters expect a copy to end, per direction, learned from the copies they see end
         self._links = {TransferKind.STORE: LinkModel(self.link_bytes_per_s), TransferKind.RETRIEVE: LinkModel(self.link_bytes_per_s)}
+        self._last_end = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # a waiter last saw one end
         # how a waiter observes its events: cuda-bindings queries from Python until warm_up
         # finds the compiled poller (kernels.gpu.make_event_poller), which runs without the GIL
         self._poll: Callable[[list[Any], float, float, float], tuple[list[bool], int]] = self._python_poll
@@ -659,18 +655,23 @@ class GpuTransferExecutor:
         self._release(inst)
 
     def _learn(self, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
-        """Teach the direction's ``LinkModel`` a copy seen to end, if it had the link to itself
-        (one queued behind others ends when they let it, which says nothing of the link):
-        ``exact`` (a look found it still running one poll before): it took until ``seen``;
-        ``early`` (already done at the first look): the model says too late, by how much is
-        unknown (``LinkModel.sooner``; such a model would learn nothing else, as every copy is
-        then found done)."""
-        if not head.alone or seen <= head.started:
-            return
-        if exact:
-            self._links[head.kind].learn(head.nbytes, seen - head.started)
-        elif early:
-            self._links[head.kind].sooner()
+        """Teach the direction's ``LinkModel`` a copy seen to end at ``seen``: ``exact`` (a
+        look found it still running one poll before): a lone copy took ``seen - started``; a
+        queued one, started before the direction's last copy ended, moved its bytes since that
+        end. ``early`` (already done at the first look): the model says too late, by how much
+        is unknown (``LinkModel.sooner``; such a model would learn nothing else, as every copy
+        is then found done)."""
+        link = self._links[head.kind]
+        last = self._last_end[head.kind]
+        self._last_end[head.kind] = seen
+        if early:
+            link.sooner(head.alone)
+        elif not exact:
+            pass
+        elif head.alone:
+            link.learn_alone(head.nbytes, seen - head.started)
+        elif head.started < last:  # it waited for the copy that ended at ``last``: then moved
+            link.learn_queued(head.nbytes, seen - last)
 
     def _late_event(self, inst: _Instance) -> Any:
         """An event after everything the instance's streams hold now (this thread may not use

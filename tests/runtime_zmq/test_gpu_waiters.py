@@ -293,11 +293,11 @@ def test_the_link_model_learns_when_copies_end(fake_cuda: dict[str, Any]) -> Non
     ex.close()
 
 
-def test_copies_queued_behind_others_teach_the_link_model_nothing(fake_cuda: dict[str, Any]) -> None:
-    """Eight copies started at once end one after another at half the configured rate: only
-    the first had the link to itself, so only its flight is a sample. (The k-th one's flight
-    is k + 1 copies long: learning from those would make a copy look up to 8x longer than it
-    is, and every later first look that much too late.)"""
+def test_copies_queued_behind_others_teach_the_link_rate(fake_cuda: dict[str, Any]) -> None:
+    """Eight copies started at once end one after another at half the configured rate: the
+    first had the link to itself (its flight is the latency's sample), each later one moved
+    its bytes between the end before it and its own, which is the link's rate. (Their flights
+    from their start, k + 1 copies long, would make a copy look up to 8x longer than it is.)"""
     ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, link_gbps=1.0)
     done = Done()
     inst, _, transfer = add(ex, 1, b"\x06" * 64)
@@ -313,31 +313,41 @@ def test_copies_queued_behind_others_teach_the_link_model_nothing(fake_cuda: dic
     for tid in range(1, 9):
         ex.start(st(tid, 1, 4), b"", done)
     done.wait(set(range(1, 9)))
-    predicted = ex._links[TransferKind.STORE].duration(4 << 20)
-    assert 0.0075 <= predicted <= 0.0105, predicted  # one sample: the first copy, ~8.4 ms
+    s = ex.stats()
+    assert 430 <= s["link_mbps_store"] <= 580, s["link_mbps_store"]
+    assert s["link_lat_us_store"] <= 5000  # the first copy: 8.4 ms, 4.2 of them its bytes at the rate it then had
     ex.close()
 
 
-def test_link_model_fits_latency_and_rate() -> None:
+def test_link_model() -> None:
     from mpcache.runtime_zmq.gpu_transfer import LinkModel
 
     m = LinkModel(60e9)
-    for _ in range(3):  # one size only: the configured rate stays, the latency absorbs the rest
-        m.learn(32 << 20, 0.25e-3 + (32 << 20) / 55e9)
-    assert m.rate == 60e9 and abs(m.duration(32 << 20) - (0.25e-3 + (32 << 20) / 55e9)) < 1e-6
-    for k in range(20):  # two sizes: both found
-        n = (32 << 20) if k % 2 else (256 << 20)
-        m.learn(n, 0.25e-3 + n / 55e9)
-    assert abs(m.rate / 55e9 - 1) < 0.03 and abs(m.lat - 0.25e-3) < 0.03e-3
-    m.sooner()  # found done at the first look: 5% sooner
-    assert abs(m.duration(256 << 20) / (0.25e-3 + (256 << 20) / 55e9) - 0.95) < 0.01
-    slow = LinkModel(60e9)
-    for _ in range(3):
-        slow.learn(32 << 20, 0.005)  # 5 ms for a copy that now takes 0.8: every one is found done
-    for _ in range(40):
-        slow.sooner()
+    m.learn_alone(32 << 20, 0.25e-3 + (32 << 20) / 60e9)  # the first sample is taken whole
+    assert abs(m.lat - 0.25e-3) < 1e-9
+    for _ in range(30):
+        m.learn_queued(32 << 20, (32 << 20) / 54e9)
+    assert abs(m.rate / 54e9 - 1) < 0.01
+    for _ in range(30):
+        m.learn_alone(32 << 20, 0.25e-3 + (32 << 20) / 54e9)
+    assert abs(m.duration(32 << 20) - (0.25e-3 + (32 << 20) / 54e9)) < 2e-6
+    lat = m.lat
+    m.sooner(alone=True)  # a lone copy found done at the first look: less latency
+    assert abs(m.lat - 0.95 * lat) < 1e-12
+    rate = m.rate
+    m.sooner(alone=False)  # a queued one: a faster link
+    assert abs(m.rate - rate / 0.95) < 1.0
+    slow = LinkModel(60e9, lat=0.005)  # 5 ms of latency the link no longer has
+    for _ in range(60):
+        slow.sooner(alone=True)
     assert slow.duration(32 << 20) < 0.001
     wild = LinkModel(60e9)
-    wild.learn(32 << 20, 0.8e-3)
-    wild.learn(32 << 20, 5.0)  # an engine's event that fired seconds late: not the link
+    wild.learn_alone(32 << 20, 0.8e-3)
+    wild.learn_alone(32 << 20, 5.0)  # an engine's event that fired seconds late: not the link
+    wild.learn_queued(32 << 20, 5.0)
     assert abs(wild.duration(32 << 20) - 0.8e-3) < 1e-9
+    fast = LinkModel(60e9)
+    for _ in range(100):
+        fast.learn_queued(32 << 20, 1e-9)  # never past 2x the configured rate
+        fast.sooner(alone=False)
+    assert fast.rate == 120e9
