@@ -1116,12 +1116,12 @@ def fine_timer_slack(ns: int = 1000) -> bool:
 
 def make_event_poller(lib: Any = None, libc: Any = None) -> Any:
     """A completion poller that runs without the GIL: ``poll(events, n, status, wake_ns, end_ns,
-    poll_ns, ts) -> (k, queries)``.
+    poll_ns, most_ns, ts) -> (k, queries)``.
 
     ``events[:n]``: driver CUevent handles of one instance's transfers, in stream order. It
     sleeps (``clock_nanosleep`` on CLOCK_MONOTONIC, absolute) until ``wake_ns``, then queries
-    the events in order every ``poll_ns`` until the first is no longer pending or ``end_ns``
-    passes. Returns ``k``, how many leading events are no longer pending (their
+    the events in order, first ``poll_ns`` apart, each pause twice the last up to ``most_ns``,
+    until the first is no longer pending or ``end_ns`` passes. Returns ``k``, how many leading events are no longer pending (their
     ``cuEventQuery`` results in ``status[:k]``: 0, or the error that ended them), 0 at
     ``end_ns``; and how many polls it made. ``ts``: int64[2] scratch for the clock calls.
 
@@ -1159,8 +1159,9 @@ def make_event_poller(lib: Any = None, libc: Any = None) -> Any:
         sleep_fn(np.int32(CLOCK_MONOTONIC), np.int32(TIMER_ABSTIME), np.uint64(ts.ctypes.data), np.uint64(0))
 
     @numba.njit(nogil=True)
-    def poll(events, n, status, wake_ns, end_ns, poll_ns, ts):  # type: ignore[no-untyped-def]
+    def poll(events, n, status, wake_ns, end_ns, poll_ns, most_ns, ts):  # type: ignore[no-untyped-def]
         polls = 0
+        pause = poll_ns
         now = clock_ns(ts)
         if now < wake_ns:
             sleep_until(ts, min(wake_ns, end_ns))
@@ -1178,7 +1179,8 @@ def make_event_poller(lib: Any = None, libc: Any = None) -> Any:
             now = clock_ns(ts)
             if now >= end_ns:
                 return 0, polls
-            sleep_until(ts, min(now + poll_ns, end_ns))
+            sleep_until(ts, min(now + pause, end_ns))
+            pause = min(2 * pause, most_ns)
 
     return poll
 

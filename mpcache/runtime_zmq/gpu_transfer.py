@@ -51,7 +51,8 @@ MAX_OPEN_WORKER_EVENTS = 256
 MAX_REGISTERED_EVENTS = 16
 IPC_EVENT_HANDLE_BYTES = 64  # sizeof(CUipcEventHandle)
 _POLL_MAX = 64  # events one poll looks at (the first in line decides; the rest ride along)
-_POLL_FINE_S = 10e-6  # how often a waiter looks while a copy is due (its first 2 ms late)
+_POLL_FINE_S = 10e-6  # a waiter's first pause between looks while a copy is due (its first 2 ms late)
+_POLL_FINE_MAX_S = 100e-6  # ... doubling up to this
 _POLL_AIM_EARLY_S = 2 * _POLL_FINE_S  # the first look, this long before the link model's end
 _POLL_CALL_MAX_S = 0.1  # one poll call's longest sleep: the waiter then sees its state again
 
@@ -179,6 +180,7 @@ class _Pending:
     kind: TransferKind = TransferKind.STORE
     started: float = 0.0  # monotonic time it was enqueued
     alone: bool = False  # started with nothing ahead of it on the link (its flight says the link's latency)
+    starts: int = 0  # its direction's start count after its own start (none after it: alone throughout)
 
 
 class _Opened:
@@ -266,9 +268,10 @@ class GpuTransferExecutor:
         # when the waiters expect a copy to end, per direction, learned from the copies they see end
         self._links = {TransferKind.STORE: LinkModel(self.link_bytes_per_s), TransferKind.RETRIEVE: LinkModel(self.link_bytes_per_s)}
         self._last_end = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # a waiter last saw one end
+        self._starts = {TransferKind.STORE: 0, TransferKind.RETRIEVE: 0}  # copies started, per direction
         # how a waiter observes its events: cuda-bindings queries from Python until warm_up
         # finds the compiled poller (kernels.gpu.make_event_poller), which runs without the GIL
-        self._poll: Callable[[list[Any], float, float, float], tuple[list[bool], int]] = self._python_poll
+        self._poll: Callable[[list[Any], float, float, float, float], tuple[list[bool], int]] = self._python_poll
         self.poll_path = "python"
         self.max_in_flight = max_in_flight
         self.warm_events = warm_events
@@ -352,7 +355,8 @@ class GpuTransferExecutor:
         # earlier copies still queued, this engine's or another's in the same direction (the
         # link model says so): overlap them (staging) rather than compete for the link
         busy = bool(inst.pending) or self._link_busy_until[transfer.kind] > now
-        alone = not busy  # nothing ahead of it on the link: its flight says how fast the link is
+        alone = not busy  # nothing ahead of it on the link: its flight says the link's latency
+        self._starts[transfer.kind] += 1
         try:
             if event_handle:
                 # the worker's forward pass (store) or its reads of those blocks (retrieve)
@@ -378,7 +382,7 @@ class GpuTransferExecutor:
         busy = max(self._link_busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
         self._link_busy_until[transfer.kind] = busy
         p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy, kind=transfer.kind,
-                     started=now, alone=alone)
+                     started=now, alone=alone, starts=self._starts[transfer.kind])
         with self._lock:
             p.event = self._free_events.pop() if self._free_events else None
         try:
@@ -553,7 +557,7 @@ class GpuTransferExecutor:
         fn = fast_poller()
         scratch = threading.local()
 
-        def poll(events: list[Any], wake: float, end: float, every: float) -> tuple[list[bool], int]:
+        def poll(events: list[Any], wake: float, end: float, every: float, most: float) -> tuple[list[bool], int]:
             a = getattr(scratch, "arrays", None)
             if a is None:
                 a = scratch.arrays = (np.zeros(_POLL_MAX, np.uint64), np.zeros(_POLL_MAX, np.int64), np.zeros(2, np.int64))
@@ -561,17 +565,18 @@ class GpuTransferExecutor:
             n = len(events)
             for i, ev in enumerate(events):
                 handles[i] = as_handle(ev)
-            k, polls = fn(handles, n, status, int(wake * 1e9), int(end * 1e9), int(every * 1e9), ts)
+            k, polls = fn(handles, n, status, int(wake * 1e9), int(end * 1e9), int(every * 1e9), int(most * 1e9), ts)
             return [v == 0 for v in status[:k].tolist()], int(polls)
 
-        poll(self._free_events[:1], 0.0, 0.0, 0.0)  # compiled now, not on a first transfer
+        poll(self._free_events[:1], 0.0, 0.0, 0.0, 0.0)  # compiled now, not on a first transfer
         self._poll = poll
         self.poll_path = "compiled"
 
-    def _python_poll(self, events: list[Any], wake: float, end: float, every: float) -> tuple[list[bool], int]:
+    def _python_poll(self, events: list[Any], wake: float, end: float, every: float, most: float) -> tuple[list[bool], int]:
         """The poller's contract in Python (cuda-bindings queries): sleep until ``wake``, then
-        query ``events`` in stream order every ``every`` s until the first is no longer pending
-        (returns each leading one's success) or ``end`` passes (returns none); and the polls."""
+        query ``events`` in stream order, first ``every`` s apart, each pause twice the last up
+        to ``most``, until the first is no longer pending (returns each leading one's success)
+        or ``end`` passes (returns none); and the polls."""
         drv = gpu_ipc._driver()
         ready = drv.CUresult.CUDA_SUCCESS
         not_ready = drv.CUresult.CUDA_ERROR_NOT_READY
@@ -591,12 +596,14 @@ class GpuTransferExecutor:
             if out or now >= end:
                 return out, polls
             time.sleep(max(0.0, min(now + every, end) - now))
+            every = min(2 * every, most)
 
     def _wait(self, inst: _Instance) -> None:
         """The instance's waiter: polls its transfers' completion events in stream order
         (``cuEventQuery``, never a blocking wait), reports each exactly once, and fails the
         instance if its first transfer outlives the timeout. It sleeps until the link model
-        says the first transfer should be done, then looks every 10 us, less often once late.
+        says the first transfer should be done, then looks 10 us later, then 20, 40, 80, 100 us
+        apart, less often once late.
         With the compiled poller, sleeping and polling hold no GIL: the thread takes it only
         to report what ended."""
         gpu_ipc.ensure_context(self._ordinal)
@@ -627,17 +634,22 @@ class GpuTransferExecutor:
             late = now - due
             wake = max(now, due)
             if overdue:
-                wake = end = every = now  # one last look before the instance is failed
+                wake = end = every = most = now  # one last look before the instance is failed
             elif inst.state == "failed":
-                every, end = 0.05, now + 0.05
+                every = most = 0.05
+                end = now + 0.05
             elif late < 0.002:
-                every, end = _POLL_FINE_S, due + 0.002
+                # 10 us, then 20, 40, 80, 100: a good model is answered within 10 us, a wrong
+                # one with a handful of looks
+                every, most, end = _POLL_FINE_S, _POLL_FINE_MAX_S, due + 0.002
             elif late < 0.05:
-                every, end = 0.0005, now + 0.01
+                every = most = 0.0005
+                end = now + 0.01
             else:
-                every, end = 0.005, now + 0.05
+                every = most = 0.005
+                end = now + 0.05
             end = max(min(end, head.deadline, wake + _POLL_CALL_MAX_S), wake)
-            oks, polls = self._poll(events, wake, end, every) if events else ([], 0)
+            oks, polls = self._poll(events, wake, end, every, most) if events else ([], 0)
             with self._lock:
                 self._stats["polls"] += polls
             if not oks:
@@ -647,29 +659,31 @@ class GpuTransferExecutor:
                     time.sleep(0.05)  # no event could be recorded yet: try again later
                 continue
             seen = time.monotonic()
-            # a look found the first still pending one poll interval before: it ended at
-            # ``seen`` within ``every``, a sample worth learning from if that is 10% of it
-            self._learn(head, seen, exact=polls > 1 and every <= 0.1 * (seen - head.started),
+            # a look found the first still pending one pause before: it ended at ``seen``
+            # within that pause, a sample worth learning from if that is 10% of its flight
+            pause = min(every * 2 ** max(polls - 2, 0), most)
+            self._learn(head, seen, exact=polls > 1 and pause <= 0.1 * (seen - head.started),
                         early=polls == 1 and wake == due)
             self._report(inst, [(p, p.ok and ok) for p, ok in zip(snapshot, oks)], seen)
         self._release(inst)
 
     def _learn(self, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
         """Teach the direction's ``LinkModel`` a copy seen to end at ``seen``: ``exact`` (a
-        look found it still running one poll before): a lone copy took ``seen - started``; a
-        queued one, started before the direction's last copy ended, moved its bytes since that
-        end. ``early`` (already done at the first look): the model says too late, by how much
+        look found it still running one poll before): a lone copy (and none other started
+        before it ended) took ``seen - started``; a queued one, started before the direction's
+        last copy ended, moved its bytes since that end. ``early`` (already done at the first look): the model says too late, by how much
         is unknown (``LinkModel.sooner``; such a model would learn nothing else, as every copy
         is then found done)."""
         link = self._links[head.kind]
         last = self._last_end[head.kind]
         self._last_end[head.kind] = seen
         if early:
-            link.sooner(head.alone)
+            link.sooner(head.alone and self._starts[head.kind] == head.starts)
         elif not exact:
             pass
         elif head.alone:
-            link.learn_alone(head.nbytes, seen - head.started)
+            if self._starts[head.kind] == head.starts:  # none started during its flight either
+                link.learn_alone(head.nbytes, seen - head.started)
         elif head.started < last:  # it waited for the copy that ended at ``last``: then moved
             link.learn_queued(head.nbytes, seen - last)
 

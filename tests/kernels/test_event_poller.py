@@ -44,10 +44,11 @@ def poller() -> tuple[FakeQuery, Any]:
     return fake, kg.make_event_poller(fake)  # compiled once for the module
 
 
-def run(poll: Any, events: list[int], wake: float, end: float, every: float) -> tuple[int, int, list[int]]:
+def run(poll: Any, events: list[int], wake: float, end: float, every: float, most: float = 0.0) -> tuple[int, int, list[int]]:
     ev = np.array(events + [0] * 4, dtype=np.uint64)
     status = np.full(len(ev), -1, dtype=np.int64)
-    k, n = poll(ev, len(events), status, int(wake * 1e9), int(end * 1e9), int(every * 1e9), np.zeros(2, np.int64))
+    k, n = poll(ev, len(events), status, int(wake * 1e9), int(end * 1e9), int(every * 1e9), int(max(most, every) * 1e9),
+                np.zeros(2, np.int64))
     return int(k), int(n), [int(x) for x in status[: int(k)]]
 
 
@@ -72,6 +73,18 @@ def test_sleeps_until_wake_then_polls_until_the_first_ends(poller: tuple[FakeQue
     assert fake.log[0][1] >= t0 + 0.03  # no query before the wake time
     assert fake.log[-1][1] >= t0 + 0.06 and t1 - t0 < 1.0
     assert 2 <= polls <= 20 and polls == len(fake.log)  # ~15 polls of 2 ms in 30 ms, not a spin
+
+
+def test_pauses_double_up_to_the_most(poller: tuple[FakeQuery, Any]) -> None:
+    fake, poll = poller
+    fake.log.clear()
+    t0 = time.monotonic()
+    fake.ready_at[15] = t0 + 60.0
+    k, polls, _ = run(poll, [15], t0, t0 + 0.1, 1e-3, 8e-3)
+    assert k == 0
+    # pauses 1, 2, 4, 8, 8, ... ms: 15 ms in four pauses, then 8 ms each: ~15 looks in 100 ms
+    gaps = [b[1] - a[1] for a, b in zip(fake.log, fake.log[1:])]
+    assert 10 <= polls <= 17 and gaps[0] < 0.004 and gaps[3] >= 0.0075 and max(gaps[4:]) < 0.02
 
 
 def test_gives_up_at_the_end_time(poller: tuple[FakeQuery, Any]) -> None:
