@@ -230,6 +230,9 @@ class _Instance:
         self.pending: deque[_Pending] = deque()
         self.cond = threading.Condition(lock)
         self.state = "live"  # live -> closing (unregistered) | failed (an event never fired)
+        self.links: dict[TransferKind, LinkModel] = {}  # when its copies end (set by the executor)
+        self.busy_until = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # its line's last expected end
+        self.last_end = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # its waiter last saw one end
         self.waiter: threading.Thread | None = None
 
     def worker_event(self, handle: bytes) -> Any:
@@ -266,8 +269,7 @@ class GpuTransferExecutor:
         self.transfer_timeout_s = transfer_timeout_s
         self.link_bytes_per_s = link_gbps * 1e9
         # when the waiters expect a copy to end, per direction, learned from the copies they see end
-        self._links = {TransferKind.STORE: LinkModel(self.link_bytes_per_s), TransferKind.RETRIEVE: LinkModel(self.link_bytes_per_s)}
-        self._last_end = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # a waiter last saw one end
+        # (per instance: each one's LinkModel, in _Instance.links)
         self._starts = {TransferKind.STORE: 0, TransferKind.RETRIEVE: 0}  # copies started, per direction
         # how a waiter observes its events: cuda-bindings queries from Python until warm_up
         # finds the compiled poller (kernels.gpu.make_event_poller), which runs without the GIL
@@ -377,11 +379,14 @@ class GpuTransferExecutor:
             ok = False  # anything already enqueued still has to land before the slots move on
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        link = self._links[transfer.kind]
-        # alone: its latency, then its bytes; queued: its bytes after the copies ahead of it
-        busy = max(self._link_busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
-        self._link_busy_until[transfer.kind] = busy
-        p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, busy, kind=transfer.kind,
+        self._link_busy_until[transfer.kind] = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
+        link = inst.links[transfer.kind]
+        # when the instance's own line says it ends: alone, its latency then its bytes; queued,
+        # its bytes after the copy ahead of it (at the rate this instance's copies move at,
+        # which another engine's copies on the same link lower)
+        expected = max(inst.busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
+        inst.busy_until[transfer.kind] = expected
+        p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, expected, kind=transfer.kind,
                      started=now, alone=alone, starts=self._starts[transfer.kind])
         with self._lock:
             p.event = self._free_events.pop() if self._free_events else None
@@ -446,9 +451,10 @@ class GpuTransferExecutor:
             out["in_flight"] = sum(len(i.pending) for i in (*self._instances.values(), *self._draining))
             out["instances"] = len(self._instances)
             out["memcpy_batch"] = int(any(i.transfer.memcpy_path == "batch" for i in self._instances.values()))
-            for kind, link in self._links.items():
-                out[f"link_mbps_{kind.value}"] = int(link.rate / 1e6)
-                out[f"link_lat_us_{kind.value}"] = int(link.lat * 1e6)
+            live = list(self._instances.values())
+            for kind in TransferKind:  # the mean over the live instances' models
+                out[f"link_mbps_{kind.value}"] = int(sum(i.links[kind].rate for i in live) / len(live) / 1e6) if live else 0
+                out[f"link_lat_us_{kind.value}"] = int(sum(i.links[kind].lat for i in live) / len(live) * 1e6) if live else 0
             out["poll_compiled"] = int(self.poll_path == "compiled")
         return out
 
@@ -513,6 +519,7 @@ class GpuTransferExecutor:
     def _add_instance(self, instance_id: int, geometry: Any, transfer: Any, handles: list[bytes], stream_handle: Any,
                       slot_bytes: int) -> _Instance:
         inst = _Instance(instance_id, geometry, transfer, handles, stream_handle, slot_bytes, self._lock)
+        inst.links = {kind: LinkModel(self.link_bytes_per_s) for kind in TransferKind}
         inst.waiter = threading.Thread(target=self._wait, args=(inst,), name=f"mpcache-gpu-waiter-{instance_id}", daemon=True)
         with self._lock:
             self._instances[instance_id] = inst
@@ -662,21 +669,22 @@ class GpuTransferExecutor:
             # a look found the first still pending one pause before: it ended at ``seen``
             # within that pause, a sample worth learning from if that is 10% of its flight
             pause = min(every * 2 ** max(polls - 2, 0), most)
-            self._learn(head, seen, exact=polls > 1 and pause <= 0.1 * (seen - head.started),
+            self._learn(inst, head, seen, exact=polls > 1 and pause <= 0.1 * (seen - head.started),
                         early=polls == 1 and wake == due)
             self._report(inst, [(p, p.ok and ok) for p, ok in zip(snapshot, oks)], seen)
         self._release(inst)
 
-    def _learn(self, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
-        """Teach the direction's ``LinkModel`` a copy seen to end at ``seen``: ``exact`` (a
+    def _learn(self, inst: _Instance, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
+        """Teach the instance's ``LinkModel`` of its direction a copy seen to end at ``seen``: ``exact`` (a
         look found it still running one poll before): a lone copy (and none other started
         before it ended) took ``seen - started``; a queued one, started before the direction's
-        last copy ended, moved its bytes since that end. ``early`` (already done at the first look): the model says too late, by how much
+        last copy ended, moved its bytes since that end (its own line's copies run one after
+        another; another engine's share the link at the same time). ``early`` (already done at the first look): the model says too late, by how much
         is unknown (``LinkModel.sooner``; such a model would learn nothing else, as every copy
         is then found done)."""
-        link = self._links[head.kind]
-        last = self._last_end[head.kind]
-        self._last_end[head.kind] = seen
+        link = inst.links[head.kind]
+        last = inst.last_end[head.kind]
+        inst.last_end[head.kind] = seen
         if early:
             link.sooner(head.alone and self._starts[head.kind] == head.starts)
         elif not exact:
