@@ -111,15 +111,21 @@ def test_floor_holds_off_rebuilds_until_the_heap_passes_it() -> None:
     assert [heap.pop_due(1000.0) for _ in range(5)] == [Tick(100), Tick(101), Tick(102), Tick(103), None]
 
 
-def test_every_heapq_user_in_core_sm_is_named_and_the_link_and_planner_are_not() -> None:
+def test_every_heapq_user_in_core_sm_is_named_and_the_link_planner_and_l1_expiries_are_not() -> None:
     """Deadlines go on ``TimerHeap`` / ``ReapQueue``: a module that imports ``heapq`` is named
-    here with what its heaps order, so a new hand-made deadline heap cannot slip in unnoticed;
-    the deadline heaps still outside the mechanism are named as such."""
+    here with what its heaps order, so a new hand-made deadline heap cannot slip in unnoticed.
+    The two left order no time: the L1 index's free slots are slot numbers (the lowest handed out
+    first), and the quota's orphan runs are keyed by recency (the index's use sequence), re-keyed
+    in place when a run's head leaves -- nothing comes due at a time. The L1 index's lease and
+    write-reservation expiries are on the index's ``TimerHeap`` (``_expiries``)."""
+    from mpcache.core_sm.l1_index import L1Index
+
     orders_not_time = {
         "timers.py": "the timer mechanism itself",
-        "l1_index.py": "free slots, lowest first; lease expiries (a deadline heap, not yet on TimerHeap)",
-        "l1_quota.py": "a forgotten tenant's orphan runs, by last use",
+        "l1_index.py": "free slots, lowest slot number first (a min-heap of ints, not a timer)",
+        "l1_quota.py": "a forgotten tenant's orphan runs, by last use (a recency order, not a timer)",
     }
+    assert isinstance(L1Index(1, 1)._expiries, TimerHeap)
     root = Path(mpcache.core_sm.__file__).parent
     importers = set()
     for path in sorted(root.glob("*.py")):
