@@ -26,6 +26,9 @@ index tells the quota what it charges and drops, asks it for each victim and dro
 
 Every mutating method takes ``now`` and first expires what is due, so an expired lease is never
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
+The expiries are core_sm's one timer mechanism, a ``TimerHeap`` (``mpcache.core_sm.timers``) of
+``LeasesExpire`` and ``WritesExpire`` timers; the expiry step takes every due entry, stale ones
+too (``pop_due_entry``), and judges it itself (``expire``).
 
 Batch forms for a request's whole prefix (``readable_prefix``, ``lease_prefix``, ``lease_reads``,
 ``release_reads``, ``release_owner``) and a transfer's chunks (``reserve_writes``,
