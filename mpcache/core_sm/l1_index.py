@@ -26,6 +26,9 @@ index tells the quota what it charges and drops, asks it for each victim and dro
 
 Every mutating method takes ``now`` and first expires what is due, so an expired lease is never
 observed as held. Methods never raise for protocol-level misuse: they return False / 0 / None.
+The expiries are core_sm's one timer mechanism, a ``TimerHeap`` (``mpcache.core_sm.timers``) of
+``LeasesExpire`` and ``WritesExpire`` timers; the expiry step takes every due entry, stale ones
+too (``pop_due_entry``), and judges it itself (``expire``).
 
 Batch forms for a request's whole prefix (``readable_prefix``, ``lease_prefix``, ``lease_reads``,
 ``release_reads``, ``release_owner``) and a transfer's chunks (``reserve_writes``,
@@ -55,12 +58,14 @@ import enum
 import itertools
 import heapq
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import attrs
 
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.l1_object import Account, L1Object, Lease, Owner, Tenant
 from mpcache.core_sm.l1_quota import TenantQuota
+from mpcache.core_sm.timers import Timer, TimerHeap
 
 
 class ObjectState(enum.Enum):
@@ -106,11 +111,30 @@ OPERATIONS = ("reserve_write", "finish_write", "abort_write", "lease_read", "rel
               "expire", "evict", "clear", "clear_force")
 
 
-# An expiry-heap entry: (expiry, seq, keys, owner); owner None: the write reservations of keys.
-# One entry covers every key a batch leased at that expiry; it is stale for a key whose lease has
-# since been released or refreshed, and skipped then.
-_Expiry = tuple[float, int, tuple[ObjectKey, ...], "Owner | None"]
-_MIN_COMPACT = 1024  # the heap is rebuilt without stale entries when it doubles past this
+@attrs.frozen
+class LeasesExpire(Timer):
+    """``owner``'s read leases on ``keys``, taken or renewed by one call to end at ``expiry``:
+    at ``expiry`` those still ending then are released (TTL). Stale once none of them does."""
+
+    owner: Owner
+    keys: tuple[ObjectKey, ...]
+    expiry: float
+
+
+@attrs.frozen
+class WritesExpire(Timer):
+    """The write reservations of reservation batch ``batch`` (its keys ``keys``), made to end
+    at ``expiry``: at it, those still WRITING are dropped. Stale once none of the batch is
+    WRITING. ``batch`` is the ``seq`` its expiry-heap entry gets (``L1Object.batch``)."""
+
+    batch: int
+    keys: tuple[ObjectKey, ...]
+    expiry: float
+
+
+# The expiry heap (a ``TimerHeap``) is rebuilt without stale entries when it holds more than
+# twice the live entries of the last rebuild, and more than this.
+_MIN_COMPACT = 1024
 RELEASE_SLICE = 2048  # objects ``release_slice`` releases at most per call
 
 
@@ -158,9 +182,8 @@ class L1Index:
         self.quota = TenantQuota()  # charges per tenant, LRU sets, eviction victims
         self._use_seq = 0
         self._by_owner: dict[Owner, dict[ObjectKey, L1Object]] = {}  # in lease order
-        self._expiries: list[_Expiry] = []  # a heap; stale entries skipped, compacted
-        self._compact_at = _MIN_COMPACT
-        self._seq = 0
+        # one entry per call that leased or reserved (module doc); stale entries skipped, compacted
+        self._expiries = TimerHeap(self._expiry_live, slack=0, floor=_MIN_COMPACT)
         self._bytes = 0
         self._leases_taken = 0
         self._leases_released: dict[ReleaseReason, int] = {r: 0 for r in ReleaseReason}
@@ -251,9 +274,7 @@ class L1Index:
 
     def next_expiry(self) -> float | None:
         """Earliest lease or write-reservation expiry (may be a stale, already-released one)."""
-        while self._expiries and not self._expiry_live(self._expiries[0]):
-            heapq.heappop(self._expiries)
-        return self._expiries[0][0] if self._expiries else None
+        return self._expiries.next_deadline()
 
     def stats(self) -> dict[str, int]:
         out = {
@@ -294,11 +315,11 @@ class L1Index:
         slot = heapq.heappop(self._free_slots)
         expiry = now + self.lease_ttl
         account = self.quota.charge(tenant)
-        batch = self._seq + 1  # the seq its expiry entry gets
+        batch = self._expiries.seq + 1  # the seq its expiry entry gets
         self._objects[key] = L1Object(key, slot, nbytes, owner, expiry, account, account.lru, 0, {}, batch)
         self._writing[batch] = 1
         self._bytes += nbytes
-        self._push_expiry(expiry, (key,), None)
+        self._expiries.push(expiry, WritesExpire(batch, (key,), expiry))
         self._evict_to_watermark(tenant)
         return slot
 
@@ -327,7 +348,7 @@ class L1Index:
         add_slot = slots.append
         reserved: list[ObjectKey] = []
         add_key = reserved.append
-        batch = self._seq + 1  # the seq their expiry entry gets (evictions push no entry)
+        batch = self._expiries.seq + 1  # the seq their expiry entry gets (evictions push no entry)
         account: Account | None = None  # the tenant's, once charged here (it lasts while charged)
         uncounted = 0  # reservations not yet charged (the charges are exact whenever the quota reads them)
         evictions = 0
@@ -366,8 +387,8 @@ class L1Index:
         self._bytes += nbytes * len(reserved)
         if reserved:
             self._writing[batch] = len(reserved)
-            self._push_expiry(expiry, tuple(reserved), None)
-            assert self._seq == batch
+            self._expiries.push(expiry, WritesExpire(batch, tuple(reserved), expiry))
+            assert self._expiries.seq == batch
         return slots
 
     def finish_writes(self, keys: Iterable[ObjectKey], owner: Owner, now: float) -> list[ObjectKey]:
@@ -490,7 +511,7 @@ class L1Index:
         self._leases_taken += added
         self._leases_held += added
         if leased:
-            self._push_expiry(expiry, tuple(leased), owner)
+            self._expiries.push(expiry, LeasesExpire(owner, tuple(leased), expiry))
         return held + len(leased)
 
     def lease_slots(self, keys: Sequence[ObjectKey], owner: Owner, now: float) -> list[tuple[ObjectKey, int]]:
@@ -551,7 +572,7 @@ class L1Index:
         self._by_owner[owner] = held
         self._leases_taken += added
         self._leases_held += added
-        self._push_expiry(expiry, tuple(held), owner)
+        self._expiries.push(expiry, LeasesExpire(owner, tuple(held), expiry))
         return chunks
 
     def _prefix_objects(self, chunk_hashes: Sequence[bytes], ranks: Sequence[int]) -> list[L1Object]:
@@ -770,19 +791,21 @@ class L1Index:
 
     def expire(self, now: float) -> None:
         """Release every lease and drop every write reservation whose expiry is ``<= now``."""
-        heap = self._expiries
+        pop = self._expiries.pop_due_entry
         budget = RELEASE_SLICE  # leases released at once; the batches past it go in slices
-        while heap and heap[0][0] <= now:
-            expiry, _seq, keys, owner = heapq.heappop(heap)
-            if owner is None:
-                if _seq not in self._writing:
+        while (entry := pop(now)) is not None:
+            expiry, timer = entry
+            if isinstance(timer, WritesExpire):
+                if timer.batch not in self._writing:
                     continue  # every write of the batch finished or went: a stale entry
-                for key in keys:
+                for key in timer.keys:
                     obj = self._objects.get(key)
                     if obj is not None and obj.writer is not None and obj.write_expiry == expiry:
                         self._write_expirations += 1
                         self._drop(obj)
                 continue
+            assert isinstance(timer, LeasesExpire)
+            owner, keys = timer.owner, timer.keys
             held = self._by_owner.get(owner)
             if held is None:
                 continue  # released already: a stale entry
@@ -941,7 +964,8 @@ class L1Index:
             k: o for k, o in self._objects.items() if o.writer is None}, "readable map"
         assert all(self._readable.values()), "an empty rank map"
         held = 0
-        pending = {(k, o, e) for e, _s, keys, o in self._expiries for k in keys}
+        pending = {(k, t.owner if isinstance(t, LeasesExpire) else None, t.expiry) for t in self._expiry_timers()
+                   for k in t.keys}
         for o, (parts, _asked) in self._releasing.items():
             assert parts and all(not p.done for p in parts), "a finished release part left queued"
             for p in parts:
@@ -974,25 +998,22 @@ class L1Index:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _push_expiry(self, expiry: float, keys: tuple[ObjectKey, ...], owner: Owner | None) -> None:
-        self._seq += 1
-        heapq.heappush(self._expiries, (expiry, self._seq, keys, owner))
-        if len(self._expiries) > self._compact_at:
-            # Released leases leave their entries behind until they come due (a TTL later);
-            # dropping the stale ones keeps the heap proportional to what is held.
-            live = [e for e in self._expiries if self._expiry_live(e)]
-            heapq.heapify(live)
-            self._expiries = live
-            self._compact_at = max(_MIN_COMPACT, 2 * len(live))
+    def _expiry_timers(self) -> list[LeasesExpire | WritesExpire]:
+        """Every expiry entry's timer, live or stale (the heap holds only these two kinds)."""
+        return cast("list[LeasesExpire | WritesExpire]", self._expiries.timers())
 
-    def _expiry_live(self, entry: _Expiry) -> bool:
-        expiry, _seq, keys, owner = entry  # a write batch is live while one of its writes is
+    def _expiry_live(self, timer: Timer) -> bool:
+        """Whether an expiry entry still has something to end. Released leases leave their
+        entries behind until they come due (a TTL later); the heap drops the stale ones, which
+        keeps it proportional to what is held."""
+        if isinstance(timer, WritesExpire):
+            return timer.batch in self._writing  # live while one of the batch's writes is
+        assert isinstance(timer, LeasesExpire)
+        owner, expiry = timer.owner, timer.expiry
         objects = self._objects
-        if owner is None:
-            return _seq in self._writing
         if owner not in self._by_owner:
             return False  # the owner holds nothing any more
-        for key in keys:
+        for key in timer.keys:
             obj = objects.get(key)
             lease = None if obj is None else obj.readers.get(owner)
             if lease is not None and lease[1] == expiry:

@@ -10,11 +10,17 @@ deterministic and independent of the timer objects. An entry whose subject ended
 ended, a waiter answered, a transfer finished) is not removed then: it goes stale (``live``
 says so) and is skipped when it comes due. So that stale entries cannot pile up for a whole TTL
 (memory following the request rate times the TTL), the heap is rebuilt from its live entries
-whenever it holds more than twice the live entries of the last rebuild plus ``slack``:
-amortised O(1) per timer, and the heap stays under ``2 * live + slack``. A rebuild changes no
-firing order. A machine that knows its live count at no cost (one entry per subject it holds)
-passes ``live_count``: the heap is then rebuilt whenever it holds more than twice that count
-now plus ``slack``, a bound that follows the live entries down as well as up.
+whenever it holds more than twice the live entries of the last rebuild plus ``slack``, and
+more than ``floor`` (default ``slack``): amortised O(1) per timer, and the heap stays under
+``max(floor, 2 * live + slack)``. A rebuild changes no firing order. A machine that knows its
+live count at no cost (one entry per subject it holds) passes ``live_count``: the heap is then
+rebuilt whenever it holds more than twice that count now plus ``slack`` (and more than
+``floor``), a bound that follows the live entries down as well as up.
+
+Each entry's ``seq`` is the heap's count of pushes when it was pushed (``seq`` names the last
+one): a machine may use it as the id of what the entry is about (the L1 index's write batches).
+A machine whose expiry step decides staleness itself -- an entry stale by ``live`` may still
+have work to do or count against a budget -- pops with ``pop_due_entry``, live or stale.
 
 Deadlines that all follow one TTL (a job's reap deadline: ``abandoned_job_ttl`` after its
 lookup) come due in the order they were armed, and there is one per live job: they sit in a
@@ -45,25 +51,32 @@ class TimerHeap:
     with the state that armed it (the machine decides); dead entries are skipped and compacted."""
 
     def __init__(self, live: Callable[[Timer], bool], slack: int | None = None,
-                 live_count: Callable[[], int] | None = None) -> None:
+                 live_count: Callable[[], int] | None = None, floor: int | None = None) -> None:
         """``live_count``: how many entries are live now, when the machine knows it (else the
-        bound follows the live entries of the last rebuild)."""
+        bound follows the live entries of the last rebuild). ``floor``: the heap is never
+        rebuilt while it holds at most that many entries (default ``slack``)."""
         self._live = live
         self._slack = DEFAULT_COMPACT_SLACK if slack is None else slack
+        self._floor = self._slack if floor is None else floor
         self._live_count = live_count
         self._heap: list[tuple[float, int, Timer]] = []
         self._seq = 0
-        self._compact_at = self._slack
+        self._compact_at = self._floor
         self.compactions = 0
 
     def __len__(self) -> int:
         return len(self._heap)
 
+    @property
+    def seq(self) -> int:
+        """The ``seq`` of the last entry pushed (0 before any): the next push gets ``seq + 1``."""
+        return self._seq
+
     def push(self, deadline: float, timer: Timer) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (deadline, self._seq, timer))
         if self._live_count is not None:
-            if len(self._heap) > 2 * self._live_count() + self._slack:
+            if len(self._heap) > max(self._floor, 2 * self._live_count() + self._slack):
                 self._compact()
         elif len(self._heap) > self._compact_at:
             self._compact()
@@ -71,13 +84,13 @@ class TimerHeap:
     def _compact(self) -> None:
         self._heap = [e for e in self._heap if self._live(e[2])]
         heapq.heapify(self._heap)
-        self._compact_at = 2 * len(self._heap) + self._slack
+        self._compact_at = max(self._floor, 2 * len(self._heap) + self._slack)
         self.compactions += 1
 
     def clear(self) -> None:
         """Drop every entry (a machine that ended every subject at once)."""
         self._heap.clear()
-        self._compact_at = self._slack
+        self._compact_at = self._floor
 
     def due(self, now: float) -> bool:
         """Whether some entry (live or stale) is due at ``now`` (cheap: the heap's top)."""
@@ -90,6 +103,15 @@ class TimerHeap:
             _deadline, _seq, timer = heapq.heappop(self._heap)
             if self._live(timer):
                 return timer
+        return None
+
+    def pop_due_entry(self, now: float) -> tuple[float, Timer] | None:
+        """The next entry due at ``now``, live or stale, as ``(deadline, timer)``, removed (firing
+        order); None when none is due. For a machine whose expiry step judges each entry itself:
+        an entry stale by ``live`` is handed over too, not skipped."""
+        if self._heap and self._heap[0][0] <= now:
+            deadline, _seq, timer = heapq.heappop(self._heap)
+            return deadline, timer
         return None
 
     def first_deadline(self) -> float | None:

@@ -443,12 +443,6 @@ def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None)
             # the deadline heap keeps answered entries until due: only pending ones, in firing order
             fields = dict(fields)
             fields["_deadlines"] = obj.request_deadlines()
-        expiry_live = getattr(obj, "_expiry_live", None)
-        if expiry_live is not None and "_expiries" in fields:
-            # L1's lease-expiry heap deletes lazily too: only live entries, in expiry order
-            fields = dict(fields)
-            fields["_expiries"] = [(e[0], *e[2:]) for e in sorted(fields["_expiries"], key=_by_time)
-                                   if expiry_live(e)]
         skip = _SKIP
         return (t.__name__, tuple([(n, snap(v)) for n, v in fields.items() if n not in skip]))
 

@@ -58,15 +58,74 @@ def test_live_count_bounds_the_heap_by_the_live_entries_now() -> None:
     assert [heap.pop_due(2000.0) for _ in range(4)] == [Tick(95), Tick(50), Tick(5), None]
 
 
-def test_every_heapq_user_in_core_sm_is_named_and_the_link_and_planner_are_not() -> None:
+def test_pop_due_entry_hands_over_stale_entries_too_in_firing_order() -> None:
+    """``pop_due_entry`` is for a machine whose expiry step judges each entry itself: every due
+    entry comes out with its deadline, live or stale, in ``(deadline, seq)`` order; nothing
+    that is not due."""
+    alive = {1, 3}
+    heap = TimerHeap(lambda t: isinstance(t, Tick) and t.n in alive)
+    for n, deadline in ((1, 2.0), (2, 1.0), (3, 2.0), (4, 9.0)):
+        heap.push(deadline, Tick(n))
+    assert [heap.pop_due_entry(5.0) for _ in range(4)] == [(1.0, Tick(2)), (2.0, Tick(1)), (2.0, Tick(3)), None]
+    assert len(heap) == 1 and heap.pop_due_entry(8.9) is None and heap.pop_due_entry(9.0) == (9.0, Tick(4))
+
+
+def test_seq_names_the_last_entry_pushed_whatever_was_popped_or_rebuilt() -> None:
+    """``seq``: what the next push's entry is numbered after (a machine's batch ids): it counts
+    pushes only, so pops, rebuilds and ``clear`` leave it."""
+    alive: set[int] = set()
+    heap = TimerHeap(lambda t: isinstance(t, Tick) and t.n in alive, slack=2)
+    assert heap.seq == 0
+    for i in range(10):
+        heap.push(float(i), Tick(i))
+    assert heap.compactions > 0 and heap.seq == 10
+    heap.pop_due_entry(100.0)
+    heap.clear()
+    heap.push(1.0, Tick(99))
+    assert heap.seq == 11
+
+
+def test_floor_holds_off_rebuilds_until_the_heap_passes_it() -> None:
+    """With ``floor`` the heap is rebuilt once it holds more than ``max(floor, 2 * live + slack)``
+    entries (live: those the last rebuild kept): ``slack=0, floor=F`` is "twice the live entries,
+    never below F" (the L1 index's rule); the default floor is ``slack`` (the rule without it)."""
+    alive: set[int] = set()
+    heap = TimerHeap(lambda t: isinstance(t, Tick) and t.n in alive, slack=0, floor=6)
+    for i in range(6):  # six stale entries: at the floor, not past it
+        heap.push(float(i), Tick(i))
+    assert heap.compactions == 0 and len(heap) == 6
+    alive.update({100, 101, 102, 103})
+    heap.push(100.0, Tick(100))  # past the floor: rebuilt to its one live entry
+    assert heap.compactions == 1 and len(heap) == 1
+    for n in (101, 102, 103):  # the next rebuild waits for the floor again, not 2 * 1
+        heap.push(float(n), Tick(n))
+    assert heap.compactions == 1
+    for i in range(200, 203):
+        heap.push(float(i), Tick(i))
+    assert heap.compactions == 2 and len(heap) == 4  # 7 > 6: the four live ones kept
+    for i in range(203, 207):
+        heap.push(float(i), Tick(i))
+    assert heap.compactions == 2 and len(heap) == 8  # 8 = 2 * 4 live: not past it
+    heap.push(207.0, Tick(207))
+    assert heap.compactions == 3 and len(heap) == 4
+    assert [heap.pop_due(1000.0) for _ in range(5)] == [Tick(100), Tick(101), Tick(102), Tick(103), None]
+
+
+def test_every_heapq_user_in_core_sm_is_named_and_the_link_planner_and_l1_expiries_are_not() -> None:
     """Deadlines go on ``TimerHeap`` / ``ReapQueue``: a module that imports ``heapq`` is named
-    here with what its heaps order, so a new hand-made deadline heap cannot slip in unnoticed;
-    the deadline heaps still outside the mechanism are named as such."""
+    here with what its heaps order, so a new hand-made deadline heap cannot slip in unnoticed.
+    The two left order no time: the L1 index's free slots are slot numbers (the lowest handed out
+    first), and the quota's orphan runs are keyed by recency (the index's use sequence), re-keyed
+    in place when a run's head leaves -- nothing comes due at a time. The L1 index's lease and
+    write-reservation expiries are on the index's ``TimerHeap`` (``_expiries``)."""
+    from mpcache.core_sm.l1_index import L1Index
+
     orders_not_time = {
         "timers.py": "the timer mechanism itself",
-        "l1_index.py": "free slots, lowest first; lease expiries (a deadline heap, not yet on TimerHeap)",
-        "l1_quota.py": "a forgotten tenant's orphan runs, by last use",
+        "l1_index.py": "free slots, lowest slot number first (a min-heap of ints, not a timer)",
+        "l1_quota.py": "a forgotten tenant's orphan runs, by last use (a recency order, not a timer)",
     }
+    assert isinstance(L1Index(1, 1)._expiries, TimerHeap)
     root = Path(mpcache.core_sm.__file__).parent
     importers = set()
     for path in sorted(root.glob("*.py")):
