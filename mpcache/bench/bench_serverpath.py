@@ -23,6 +23,13 @@ it done at once; each call is the request's decode, core_sm, the engine's plan, 
 handling and the reply (the copy and its enqueue, ~130 µs on an H200, are not in it).
 `--profile` adds its cProfile too.
 
+Then the live rows (`--live-pairs`, default 200; 0 leaves them out): lone server-driven STOREs
+and RETRIEVEs through a live server loop (ipc socket, the engine in another process, one request
+at a time), with a stand-in transfer engine whose copies take `--live-delay-ms` (5: an 8-chunk
+copy on an H200). They print the loop thread's CPU per request split by stage: what a request
+costs when it finds the loop idle and its caches cold, as a lone GPU transfer does, against the
+hot rows above.
+
 The implied ceiling: one core spends `1e6 / us` requests per second in the handler, before the
 transport (recv/send, the zmq I/O thread) and the loop's poll.
 """
@@ -77,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-chunks", type=int, default=8, help="chunks per server-driven STORE / RETRIEVE")
     parser.add_argument("--form", choices=("both", "list", "packed"), default="both",
                         help="token-id forms of the lookup rows (one form: a py-spy profile of the run is of that form)")
+    parser.add_argument("--live-pairs", type=int, default=200,
+                        help="lone STORE + RETRIEVE pairs through a live server loop (0: leave the live rows out)")
+    parser.add_argument("--live-delay-ms", type=float, default=5.0,
+                        help="how long the live rows' stand-in transfer engine takes per copy (an 8-chunk copy on an H200: 5)")
     args = parser.parse_args(argv)
 
     from mpcache.runtime_zmq import sha256_chain, tokens
@@ -206,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop(server, real_sock)
     transfer_rows(args)
+    if args.live_pairs > 0:
+        live_rows(args)
     return 0
 
 
@@ -238,7 +251,7 @@ class _PlanOnlyExecutor:
     """A server-driven transfer engine without a device: plans each transfer's kernel rows as
     ``GpuTransferExecutor.start`` does, then reports it done (the server's completion channel)."""
 
-    on_instance_failed = None
+    on_instance_failed: Callable[[int, str], None] | None = None
 
     def __init__(self, chunk_tokens: int, block_size: int) -> None:
         self.chunk_tokens = chunk_tokens
@@ -331,3 +344,180 @@ def transfer_rows(args: argparse.Namespace) -> None:
             _print_profile(transfers, "a server-driven STORE + RETRIEVE", 22)
     finally:
         _stop(server, real_sock)
+
+
+class _DelayedExecutor:
+    """A server-driven transfer engine without a device whose copies take ``delay`` s: plans
+    each transfer's kernel rows as ``GpuTransferExecutor.start`` does, then a thread of its own
+    reports it done ``delay`` s later (as a GPU engine's waiter does, through the server's
+    completion channel)."""
+
+    on_instance_failed: Callable[[int, str], None] | None = None
+
+    def __init__(self, chunk_tokens: int, block_size: int, delay: float) -> None:
+        import threading
+
+        self.chunk_tokens, self.block_size, self.delay = chunk_tokens, block_size, delay
+        self.slot_bytes = 0
+        self.started = 0
+        self._due: list[tuple[float, int, Callable[[int, bool], None]]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._report, name="mpcache-bench-engine", daemon=True)
+        self._thread.start()
+
+    def register_instance(self, instance_id: int, layout: Any, pool: Any) -> str | None:
+        self.slot_bytes = pool.slot_bytes
+        return None
+
+    def unregister_instance(self, instance_id: int) -> None:
+        pass
+
+    def start(self, transfer: Any, event_handle: bytes, done: Callable[[int, bool], None]) -> None:
+        from mpcache.runtime_zmq.gpu_transfer import plan_rows
+
+        plan_rows(transfer, self.chunk_tokens, self.block_size, self.slot_bytes)
+        self.started += 1
+        with self._cv:
+            self._due.append((time.monotonic() + self.delay, transfer.transfer_id, done))
+            self._cv.notify()
+
+    def _report(self) -> None:
+        while True:
+            with self._cv:
+                while not self._due and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                at, tid, done = self._due[0]
+                wait = at - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                self._due.pop(0)
+            done(tid, True)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+
+def _live_client(url: str, pairs: int, chunks: int, block: int, out: Any) -> None:
+    """The live rows' engine: registers, then ``pairs`` lone STORE + RETRIEVE pairs (each
+    waits for its reply), and sends back each call's latency in seconds."""
+    from mpcache.runtime_zmq.client import MPCacheClient
+
+    blocks = list(range(chunks * CHUNK // block))
+    with MPCacheClient(url, request_timeout=30.0) as c:
+        c.register_instance(INSTANCE_ID, {"model_name": MODEL, "world_size": 1, "object_bytes": OBJECT_BYTES,
+                                          "engine_driven": False}).result(30)
+        out.send("ready")
+        out.recv()
+        lat: list[float] = []
+        for i in range(pairs):
+            toks = list(range(1_000 + i * 50_000, 1_000 + i * 50_000 + chunks * CHUNK))
+            key = lookup_key(toks, f"live-{i}", worker_id=0, packed=True)
+            for op, tail in (("store", ()), ("retrieve", (0,))):
+                t0 = time.perf_counter()
+                c.submit(op, key, INSTANCE_ID, blocks, bytes(64), *tail).result(30)
+                lat.append(time.perf_counter() - t0)
+        out.send(lat)
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    import os
+
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def live_rows(args: argparse.Namespace) -> None:
+    """Lone server-driven requests through a live server: its loop thread's CPU per request,
+    split by stage (what the latency issue's "no Python between a request and its copy" must
+    remove), with no device. The engine is another process (``MPCacheClient``) sending one
+    request at a time over ipc; the stand-in transfer engine (``_DelayedExecutor``) reports
+    each copy done ``--live-delay-ms`` later, so every request finds the loop idle and its
+    caches cold, as a lone GPU transfer does. Stages are timed with ``time.thread_time`` around
+    the loop's own calls (~1 us each on top)."""
+    import multiprocessing as mp
+    import threading
+
+    from mpcache.runtime_zmq import wire
+    from mpcache.runtime_zmq.server import Server, ServerConfig
+
+    block, chunks = 16, args.transfer_chunks
+    executor = _DelayedExecutor(CHUNK, block, args.live_delay_ms / 1e3)
+    d = tempfile.mkdtemp(prefix="mpcache-serverloop-")
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=256 << 20, slot_bytes=OBJECT_BYTES),
+                    transfer_executor=executor)
+    spent: dict[str, int] = {}
+    ident: list[int] = []
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
+            if threading.get_native_id() != ident[0]:
+                return fn(*a, **k)
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0) + time.thread_time_ns() - t0
+        return call
+
+    stages = [("requests received and handled", "_receive_batch"), ("completions handled", "_drain_completions"),
+              ("transfer engine start (plan_rows)", "_start_transfer"), ("replies sent (zmq)", "_send_now")]
+    for label, name in stages:
+        setattr(server, name, timed(label, getattr(server, name)))
+    server.machine.handle = timed("core_sm handle", server.machine.handle)
+    decode = wire.decode_request
+    wire.decode_request = timed("decode", decode)
+
+    def serve() -> None:
+        ident.append(threading.get_native_id())
+        server.serve_forever()
+
+    loop = threading.Thread(target=serve, name="mpcache-bench-loop", daemon=True)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_live_client, args=(server.bound_url, args.live_pairs, chunks, block, there), daemon=True)
+    try:
+        loop.start()
+        proc.start()
+        if not here.poll(60) or here.recv() != "ready":
+            raise RuntimeError("the live rows' engine did not register")
+        spent.clear()
+        c0 = _thread_cpu_s(ident[0])
+        here.send("go")
+        if not here.poll(30 + args.live_pairs * (0.2 + 2 * args.live_delay_ms / 1e3)):
+            raise RuntimeError("the live rows' engine did not finish")
+        lat = sorted(here.recv())
+        total = _thread_cpu_s(ident[0]) - c0
+    finally:
+        wire.decode_request = decode
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        server.stop()
+        loop.join(10)
+        executor.close()
+    n = len(lat)
+    if n != 2 * args.live_pairs or executor.started < n:
+        raise RuntimeError(f"{n} calls answered, {executor.started} transfers started, of {2 * args.live_pairs}")
+    us = {k: v / n / 1e3 for k, v in spent.items()}
+    print(f"\n# live: {args.live_pairs} lone STORE + RETRIEVE pairs of {chunks} chunks through the server loop, "
+          f"each copy {args.live_delay_ms:g} ms (no device), the engine in another process")
+    print("| loop thread, per request | CPU µs |")
+    print("|---|---:|")
+    print(f"| total (the thread's CPU clock) | {total / n * 1e6:.0f} |")
+    for label in ("requests received and handled", "decode", "core_sm handle", "transfer engine start (plan_rows)",
+                  "completions handled", "replies sent (zmq)"):
+        print(f"| {label} | {us.get(label, 0.0):.0f} |")
+    rest = total / n * 1e6 - us.get("requests received and handled", 0.0) - us.get("completions handled", 0.0)
+    print(f"| the loop's own turns (poll, timers, checks) | {rest:.0f} |")
+    p50 = lat[n // 2] * 1e3
+    print(f"latency p50 {p50:.2f} ms, p99 {lat[min(n - 1, int(n * 0.99))] * 1e3:.2f} ms: "
+          f"{p50 - args.live_delay_ms:.2f} ms over the copy (core_sm handle counts requests and completions; "
+          "decode, core_sm and the engine's start are inside the first row)")
+
