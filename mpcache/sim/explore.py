@@ -56,9 +56,11 @@ Contract:
   ``liveness_bound`` virtual seconds after the last fault is F1; one resolved by the client's
   timeout on a path with no fault is ``LIVENESS``.
 * **Coverage**: every row of every table of the explored machines, reached or not.
-* **Tapes**: a counterexample is saved as JSON (world, profile, actions);
-  ``replay_tape`` runs it again on fresh machines, printing one line per handled event in the
-  simulator's timeline format, and reports the violation it reproduces.
+* **Tapes**: a counterexample is saved as JSON (world, profile, actions, and ``sim_world``: the
+  same counterexample as the choices of a scripted ``sim.World``, see "tapes in sim.World"
+  below); ``replay_world_tape`` runs it in the ordinary simulated world with its oracles,
+  ``replay_tape`` again on the explorer's fresh machines, each printing one line per handled
+  event in the simulator's timeline format, and reports the violation it reproduces.
 
 BFS gives shortest counterexamples; ``dfs=True`` explores depth first.
 """
@@ -146,7 +148,8 @@ ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 # and naming a worker's instance it saw registered: a REGISTER_INSTANCE of it (core_sm refuses it)
 INSTANCE_ATTACKS = ("register",)
 NULL_BLOCK = 0  # vLLM's null block: what a window group's table holds for the blocks it dropped
-ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
+ROUTING = next(iter(SERVER_TABLES))
+TAPE_FORMAT = "mpcache-explore-tape/2"  # /1 had no ``sim_world``  # the server's routing table (every event passes it)
 
 
 @attrs.frozen
@@ -1612,10 +1615,14 @@ class Explorer:
 
     # ------------------------------------------------------------------ tapes
     def tape(self) -> dict[str, Any]:
+        """The counterexample as a tape: the explorer's actions and, under ``sim_world``, the
+        actions of a scripted ``sim.World`` that show it there (``world_tape``)."""
         assert self.violation is not None
         v, path = self.violation
-        return {"format": "mpcache-explore-tape/1", "profile": self.profile_name, "world": attrs.asdict(self.world),
+        tape = {"format": TAPE_FORMAT, "profile": self.profile_name, "world": attrs.asdict(self.world),
                 "actions": [list(a) for a in path], "violation": {"code": v.code, "message": v.message}}
+        tape["sim_world"] = world_tape(tape, self.profile)
+        return tape
 
 
 def replay_tape(tape: dict[str, Any], profile: Any) -> tuple[Violation | None, list[str]]:
@@ -1646,7 +1653,7 @@ def replay_tape(tape: dict[str, Any], profile: Any) -> tuple[Violation | None, l
 def load_tape(path: str) -> dict[str, Any]:
     with open(path) as fh:
         tape: dict[str, Any] = json.load(fh)
-    if tape.get("format") != "mpcache-explore-tape/1":
+    if tape.get("format") not in (TAPE_FORMAT, "mpcache-explore-tape/1"):  # /1: the explorer's actions only
         raise ValueError(f"{path}: not an explore tape")
     return tape
 
@@ -1718,6 +1725,13 @@ def report_coverage(ex: Explorer, out: Any = None) -> None:
 # crashes and aborts are the world's. The world's actions are saved in the tape beside the
 # explorer's (``sim_world``); ``replay_world_tape`` runs them, with the world's oracles.
 
+# explorer actions sim.World has no choice for (a tape with one is not written for the world)
+NO_WORLD_COUNTERPART = {
+    "cancel": "the world's scheduler runs the planner, which has no cleanup_lookup_result (its abort ends the "
+              "session instead of freeing the leases)",
+    "op": "a worker in sim.World retrieves only what the planner plans",
+    "attack": "the world's adversary (sim/adversary.py) draws its requests; a tape cannot name one",
+}
 WORLD_TAPE_WAIT = 10.0  # virtual seconds the guide lets pass looking for one message before it gives up
 
 
@@ -1818,6 +1832,10 @@ class Guide(_TapeWorld):
                 return self._emit(["crash", arg])
             if kind == "abort":
                 return self._emit(["abort", rid(*arg)])
+            if kind in NO_WORLD_COUNTERPART:
+                from mpcache.sim.world import TapeError
+
+                raise TapeError(f"the explorer's {kind} {arg}: {NO_WORLD_COUNTERPART[kind]}")
             # tick, step, op: the world's clock, scheduler and workers take them as they come
         while self.lost:
             packet = self._match(world, self.lost.pop(0))
