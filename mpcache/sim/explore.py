@@ -1729,8 +1729,6 @@ def report_coverage(ex: Explorer, out: Any = None) -> None:
 NO_WORLD_COUNTERPART = {
     "cancel": "the world's scheduler runs the planner, which has no cleanup_lookup_result (its abort ends the "
               "session instead of freeing the leases)",
-    "op": "a worker in sim.World retrieves only what the planner plans",
-    "attack": "the world's adversary (sim/adversary.py) draws its requests; a tape cannot name one",
 }
 WORLD_TAPE_WAIT = 10.0  # virtual seconds the guide lets pass looking for one message before it gives up
 
@@ -1745,10 +1743,23 @@ def world_scenario(world: XWorld) -> Any:
                       request_timeout=world.request_timeout, heartbeat_interval=world.heartbeat_interval,
                       heartbeat_timeout=world.heartbeat_timeout, lookup_answer_in_ack=world.answer_in_ack,
                       net=NetConfig(min_delay=0.0005, mean_delay=0.0), safety_duration=0.0, liveness_bound=5.0,
-                      kv_groups=Explorer(world).groups, cpu_engine=bool(world.kv_window))
+                      kv_groups=Explorer(world).groups, cpu_engine=bool(world.kv_window), adversary=world.attacks > 0)
     requests = tuple(RequestSpec(e, rid(e, r), 0.0, PROMPT, preempt=world.preempt, max_load_tokens=world.load_cap)
-                     for e in range(world.engines) for r in range(world.requests))
+                     for e in range(world.engines) for r in range(_world_requests(world)))
     return Scenario(0, cfg, requests, (), 0)
+
+
+def _world_requests(world: XWorld) -> int:
+    """Requests per engine in the world: a worker's retrieve with no request in the explorer
+    (``XWorld.ops``) is the retrieve the planner plans for one in sim.World, whose scheduler's
+    messages the explorer does not model (``Guide``: the world's own, delivered as they come)."""
+    return 1 if world.ops and not world.requests else world.requests
+
+
+def _world_only(world: XWorld, packet: Any) -> bool:
+    """A message of the world the explorer's world has no frame for: a scheduler's, where the
+    explorer runs workers alone."""
+    return not world.requests and any(n.startswith("sched") for n in (packet.src.node, packet.dst.node))
 
 
 class _TapeWorld:
@@ -1810,6 +1821,11 @@ class Guide(_TapeWorld):
             if frame is not None:
                 packet = self._match(world, frame)
                 if packet is None:
+                    own = next((p for p in world.net.bag or () if _world_only(self.xworld, p)), None)
+                    if own is not None:
+                        from mpcache.sim.world import packet_text
+
+                        return self._emit(["deliver", own.pid, packet_text(own)])
                     if self.looking is None:
                         self.looking = world.now()
                     if world.now() > self.looking + WORLD_TAPE_WAIT or world.timeline.next_time() == math.inf:
@@ -1830,8 +1846,15 @@ class Guide(_TapeWorld):
                 return self._emit(["restart", arg])
             if kind == "crash":
                 return self._emit(["crash", arg])
+            if kind == "op" and self.xworld.ops > 1:
+                from mpcache.sim.world import TapeError
+
+                raise TapeError("a second worker retrieve: the world's one request plans one")
             if kind == "abort":
                 return self._emit(["abort", rid(*arg)])
+            if kind == "attack":  # the adversary's request, handled as it arrives
+                what, e, r, s = arg
+                return self._emit(["attack", what, e if what in INSTANCE_ATTACKS else rid(e, r), s])
             if kind in NO_WORLD_COUNTERPART:
                 from mpcache.sim.world import TapeError
 

@@ -277,7 +277,7 @@ class World:
             self.timeline.at(t0 + fault.at, self._inject, fault)
         for engine in self.engines:
             engine.schedule_workload()
-        if self.adversary is not None:
+        if self.adversary is not None and self.director is None:  # a tape names each of its requests
             self.adversary.start(t0)
         # Phase 1: safety.
         if self.director is None:
@@ -358,6 +358,8 @@ class World:
                 engine.crash()
                 mine = {sched_name(engine.index), *(w.name for w in engine.workers)}
                 self._lose_in_flight(lambda p: p.src.node in mine or p.dst.node in mine)
+            elif kind == "attack":
+                self._scripted_attack(str(action[1]), action[2], int(action[3]))
             elif kind == "abort":
                 found = self.find_request(str(action[1]))
                 if found is None:
@@ -367,6 +369,32 @@ class World:
                 raise TapeError(f"unknown tape action {action}")
             await self.timeline.settle()
         self.net.release()
+
+    def _scripted_attack(self, what: str, name: Any, s: int) -> None:
+        """The adversary's request a tape names, delivered to server ``s`` at once: ``free`` or
+        ``end`` naming request ``name`` (its LOOKUP key as the adversary saw it there), or
+        ``register`` naming engine ``name``'s first worker's instance."""
+        from mpcache.core_sm.messages import RegisterInstance
+        from mpcache.sim.adversary import MACHINE
+
+        adversary = self.adversary
+        if adversary is None:
+            raise TapeError("an attack in a world without the adversary")
+        request: Any
+        if what == "register":
+            worker = self.engines[int(name)].workers[0]
+            request = RegisterInstance(worker.instance_id, "x", self.config.tp, 1024)
+        else:
+            key = next((k for srv, k in adversary.lookup_keys if srv == s and k.request_id == name), None)
+            if key is None:
+                raise TapeError(f"the adversary saw no LOOKUP of {name} at server{s}")
+            request = FreeLookupLocks(key) if what == "free" else EndSession(str(name))
+        adversary.correlation += 1
+        self.trace.line(self.now(), ADVERSARY, f"adversary {what}")
+        self.net.send(Address(ADVERSARY, MACHINE), Address(server_name(s), SERVER),
+                      RequestMsg(s, adversary.correlation, request))
+        assert self.net.bag
+        self.net.deliver(self.net.bag[-1])
 
     def bag_packet(self, pid: int) -> Packet:
         for packet in self.net.bag or ():
