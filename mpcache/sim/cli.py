@@ -2,7 +2,7 @@
 
     mpcache-sim run --seeds N [--start S] [--profile P] [--jobs K]
     mpcache-sim replay SEED [--profile P] [--request ID] [--width N] [--chart FILE.svg] [--quiet]
-    mpcache-sim replay --tape FILE
+    mpcache-sim replay --tape FILE [--in-explorer]
     mpcache-sim explore [--world ci] [--engines E --servers S --faults F ...] [--profile P] [--tape FILE]
     mpcache-sim list-profiles
     mpcache-sim profiles --seeds N [--jobs K] [--profile P ...]

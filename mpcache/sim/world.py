@@ -15,6 +15,11 @@ A run has three phases (TigerBeetle VOPR style):
 3. quiescence: everything in flight lands; no request may be left without its reply, no lease
    may be held by a request that finished cleanly; after the lease TTL and reaping period every
    server must hold no lease and no job.
+
+Scripted (``director``, a tape's or the explorer's guide's, ``World._play``): the safety phase's
+choices -- which message of the net's bag arrives, is lost or duplicated, when the clock moves,
+restarts, engine crashes, aborts, the adversary's requests -- are the director's; the random
+streams decide nothing there. Without a director nothing of it runs (a seed's trace is unchanged).
 """
 from __future__ import annotations
 
