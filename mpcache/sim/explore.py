@@ -436,6 +436,7 @@ class Explorer:
         self.seconds = 0.0
         self.bytes_per_state = 0.0
         self.lines: list[str] | None = None  # timeline lines, kept only when replaying
+        self._tape: tuple[Any, dict[str, Any]] | None = None  # the counterexample's tape, once written
         self._effects: list[Any] = []  # the last scheduler event's effects (a planner's answers)
         self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
         self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
@@ -1618,10 +1619,13 @@ class Explorer:
         """The counterexample as a tape: the explorer's actions and, under ``sim_world``, the
         actions of a scripted ``sim.World`` that show it there (``world_tape``)."""
         assert self.violation is not None
+        if self._tape is not None and self._tape[0] is self.violation:
+            return self._tape[1]
         v, path = self.violation
         tape = {"format": TAPE_FORMAT, "profile": self.profile_name, "world": attrs.asdict(self.world),
                 "actions": [list(a) for a in path], "violation": {"code": v.code, "message": v.message}}
         tape["sim_world"] = world_tape(tape, self.profile)
+        self._tape = (self.violation, tape)
         return tape
 
 
