@@ -359,7 +359,7 @@ class World:
                 self._restart_server(host)
             elif kind == "crash":
                 engine = self.engines[int(action[1])]
-                self.stats["engine_crashes"] += 1
+                self.stats["engine_crashes"] += not engine.crashed
                 engine.crash()
                 mine = {sched_name(engine.index), *(w.name for w in engine.workers)}
                 self._lose_in_flight(lambda p: p.src.node in mine or p.dst.node in mine)

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from mpcache.sim.explore import PROFILE_WORLDS, Explorer, replay_world_tape
+from mpcache.sim.explore import PROFILE_WORLDS, Explorer, TapePlayer, XWorld, replay_world_tape, run_tape_world
 from mpcache.sim.profiles import PROFILES
+from mpcache.sim.world import packet_text
 
 # Counterexamples the world's tape does not show yet, and why (each fails if it starts to).
 NOT_IN_WORLD: dict[str, str] = {
@@ -69,3 +70,36 @@ def test_the_default_profile_passes_a_profiles_world_tape(name: str) -> None:
     tape["profile"] = "default"
     with pytest.raises(AssertionError, match="no violation in sim.World"):
         assert_same_in_world(tape)
+
+
+class ByText(TapePlayer):
+    """A tape written as it plays: a message named by part of its text (the clock ticks until it
+    is in flight), the other actions as they are."""
+
+    def next_action(self, world: Any) -> list[Any] | None:
+        if not self.actions:
+            return None
+        kind, what = self.actions[0]
+        if kind in ("deliver", "drop", "dup"):
+            packet = next((p for p in world.net.bag or () if what in packet_text(p)), None)
+            if packet is None:
+                return ["tick"]
+            self.actions.popleft()
+            return [kind, packet.pid, packet_text(packet)]
+        self.actions.popleft()
+        return [kind, what]
+
+
+@pytest.mark.parametrize("fault,counter", [("restart", "restarts"), ("crash", "engine_crashes")])
+def test_a_scripted_crash_runs_the_worlds_fault_and_production_passes(fault: str, counter: str) -> None:
+    """A server restart or an engine crash with the LOOKUP answered and its status query in
+    flight: the world's own fault (what was in flight to or from it lost), and the production
+    machines pass the rest of the run (liveness, quiescence)."""
+    xworld = XWorld("scripted")
+    plan = [("deliver", "Lookup req0.0"), ("deliver", "server0->sched0"), (fault, 0)]
+    violation, world = run_tape_world(xworld, ByText(xworld, plan), PROFILES["default"])  # type: ignore[arg-type]
+    assert violation is None, violation.reason()
+    assert world.stats[counter] == 1
+    assert any("tape " + fault in line for line in world.trace.lines)
+    assert any(" lost #" in line for line in world.trace.lines)  # the status query in flight
+    assert not any(line.split()[2:3] == ["TAPE"] for line in world.trace.lines)
