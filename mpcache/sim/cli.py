@@ -2,7 +2,7 @@
 
     mpcache-sim run --seeds N [--start S] [--profile P] [--jobs K]
     mpcache-sim replay SEED [--profile P] [--request ID] [--width N] [--chart FILE.svg] [--quiet]
-    mpcache-sim replay --tape FILE
+    mpcache-sim replay --tape FILE [--in-explorer]
     mpcache-sim explore [--world ci] [--engines E --servers S --faults F ...] [--profile P] [--tape FILE]
     mpcache-sim list-profiles
     mpcache-sim profiles --seeds N [--jobs K] [--profile P ...]
@@ -201,7 +201,9 @@ def mentions(request_id: str) -> re.Pattern[str]:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     if args.tape:
-        return replay_tape_file(args.tape, args.quiet)
+        if args.in_explorer:
+            return replay_tape_file(args.tape, args.quiet)
+        return replay_tape_in_world(args.tape, args.quiet, args.width)
     if args.seed is None:
         print("mpcache-sim replay: give a SEED or --tape FILE", file=sys.stderr)
         return 2
@@ -251,8 +253,37 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def replay_tape_in_world(path: str, quiet: bool, width: int | None) -> int:
+    """Run an explore tape's ``sim_world`` actions in the simulated world (``sim.World``, its
+    engines and oracles); print the world's timeline and the violation; exit 1 when it shows."""
+    from mpcache.sim.explore import load_tape, replay_world_tape
+
+    tape = load_tape(path)
+    if "sim_world" not in tape:
+        print(f"mpcache-sim replay: {path} has no sim.World part (an older tape): replay it with --in-explorer",
+              file=sys.stderr)
+        return 2
+    recorded = tape["violation"]["code"]
+    violation, world = replay_world_tape(tape, get_profile(tape["profile"]))
+    if not quiet:
+        width = width if width is not None else shutil.get_terminal_size((160, 24)).columns
+        print(f"# mpcache-sim replay --tape {path}  (in sim.World; profile {tape['profile']}, world "
+              f"{tape['world']['name']}, {len(tape['sim_world']['actions'])} actions)")
+        skip = f"{violation.t:12.6f} {violation.node:<11} VIOLATION {violation.reason()}" if violation else None
+        for line in world.trace.lines:
+            if line != skip:
+                for part in display_lines(line, width):
+                    print(part)
+    if violation is None:
+        print(f"no violation (the explorer recorded {recorded})")
+        return 0
+    same = "the explorer's" if violation.code == recorded else f"NOT the explorer's {recorded}"
+    print(f"VIOLATION {violation.reason()}  (at {violation.t:.6f} s on {violation.node}; {same})")
+    return 1
+
+
 def replay_tape_file(path: str, quiet: bool) -> int:
-    """Run an explore tape again on fresh machines; exit 1 when it shows its violation."""
+    """Run an explore tape again on the explorer's fresh machines; exit 1 when it shows its violation."""
     from mpcache.sim.explore import load_tape, replay_tape
 
     tape = load_tape(path)
@@ -306,7 +337,11 @@ def cmd_explore(args: argparse.Namespace) -> int:
             _v, lines = _replayed(ex, profile)
             for line in lines:
                 print(f"    {line}")
-            print(f"  tape saved: {tape}  (mpcache-sim replay --tape {tape})")
+            in_world = ex.tape()["sim_world"]
+            shown = in_world["violation"]
+            print(f"  in sim.World ({len(in_world['actions'])} actions): "
+                  + (f"VIOLATION {shown['code']}" if shown else "no violation"))
+            print(f"  tape saved: {tape}  (mpcache-sim replay --tape {tape}; --in-explorer: the explorer's machines)")
         elif not ex.complete:
             status = 1
         report_coverage(ex)
@@ -554,7 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "then the outcome; exit 1 on a violation.")
     p.add_argument("seed", type=int, nargs="?", help="the seed to replay")
     p.add_argument("--tape", metavar="FILE", help="replay a counterexample tape `mpcache-sim explore` saved "
-                                                   "instead of a seed")
+                                                   "instead of a seed, in the simulated world (sim.World: its "
+                                                   "engines, network and oracles; the default) or, with "
+                                                   "--in-explorer, in the explorer's own machines")
+    p.add_argument("--in-explorer", action="store_true",
+                   help="with --tape: run the explorer's actions on its own machines instead of sim.World")
     p.add_argument("--profile", default="default", help="profile the seed ran under (default: %(default)s)")
     p.add_argument("--request", metavar="ID", help="only the events that mention this request id, e.g. r7 "
                                                   "(default: every event)")

@@ -56,14 +56,17 @@ Contract:
   ``liveness_bound`` virtual seconds after the last fault is F1; one resolved by the client's
   timeout on a path with no fault is ``LIVENESS``.
 * **Coverage**: every row of every table of the explored machines, reached or not.
-* **Tapes**: a counterexample is saved as JSON (world, profile, actions);
-  ``replay_tape`` runs it again on fresh machines, printing one line per handled event in the
-  simulator's timeline format, and reports the violation it reproduces.
+* **Tapes**: a counterexample is saved as JSON (world, profile, actions, and ``sim_world``: the
+  same counterexample as the choices of a scripted ``sim.World``, see "tapes in sim.World"
+  below); ``replay_world_tape`` runs it in the ordinary simulated world with its oracles,
+  ``replay_tape`` again on the explorer's fresh machines, each printing one line per handled
+  event in the simulator's timeline format, and reports the violation it reproduces.
 
 BFS gives shortest counterexamples; ``dfs=True`` explores depth first.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import json
@@ -145,7 +148,8 @@ ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 # and naming a worker's instance it saw registered: a REGISTER_INSTANCE of it (core_sm refuses it)
 INSTANCE_ATTACKS = ("register",)
 NULL_BLOCK = 0  # vLLM's null block: what a window group's table holds for the blocks it dropped
-ROUTING = next(iter(SERVER_TABLES))  # the server's routing table (every event passes it)
+ROUTING = next(iter(SERVER_TABLES))
+TAPE_FORMAT = "mpcache-explore-tape/2"  # /1 had no ``sim_world``  # the server's routing table (every event passes it)
 
 
 @attrs.frozen
@@ -432,6 +436,7 @@ class Explorer:
         self.seconds = 0.0
         self.bytes_per_state = 0.0
         self.lines: list[str] | None = None  # timeline lines, kept only when replaying
+        self._tape: tuple[Any, dict[str, Any]] | None = None  # the counterexample's tape, once written
         self._effects: list[Any] = []  # the last scheduler event's effects (a planner's answers)
         self._static: dict[int, Any] = {}  # what every copy shares: tables, configs, frozen rows
         self._pinned: list[Any] = []  # keeps what _static names alive (ids stay unique)
@@ -1611,10 +1616,17 @@ class Explorer:
 
     # ------------------------------------------------------------------ tapes
     def tape(self) -> dict[str, Any]:
+        """The counterexample as a tape: the explorer's actions and, under ``sim_world``, the
+        actions of a scripted ``sim.World`` that show it there (``world_tape``)."""
         assert self.violation is not None
+        if self._tape is not None and self._tape[0] is self.violation:
+            return self._tape[1]
         v, path = self.violation
-        return {"format": "mpcache-explore-tape/1", "profile": self.profile_name, "world": attrs.asdict(self.world),
+        tape = {"format": TAPE_FORMAT, "profile": self.profile_name, "world": attrs.asdict(self.world),
                 "actions": [list(a) for a in path], "violation": {"code": v.code, "message": v.message}}
+        tape["sim_world"] = world_tape(tape, self.profile)
+        self._tape = (self.violation, tape)
+        return tape
 
 
 def replay_tape(tape: dict[str, Any], profile: Any) -> tuple[Violation | None, list[str]]:
@@ -1645,7 +1657,7 @@ def replay_tape(tape: dict[str, Any], profile: Any) -> tuple[Violation | None, l
 def load_tape(path: str) -> dict[str, Any]:
     with open(path) as fh:
         tape: dict[str, Any] = json.load(fh)
-    if tape.get("format") != "mpcache-explore-tape/1":
+    if tape.get("format") not in (TAPE_FORMAT, "mpcache-explore-tape/1"):  # /1: the explorer's actions only
         raise ValueError(f"{path}: not an explore tape")
     return tape
 
@@ -1703,3 +1715,274 @@ def report_coverage(ex: Explorer, out: Any = None) -> None:
     print(f"  coverage: {len(rows) - len(missing)} of {len(rows)} table rows reached; never reached:", file=out)
     for table, state, ev in missing:
         print(f"    {table}: {state} x {ev}", file=out)
+
+
+# ---------------------------------------------------------------------- tapes in sim.World
+# A counterexample runs in the ordinary simulated world too (``sim/world.py``): the explorer's world
+# becomes a ``Scenario`` (its engines, servers and requests, the connector's settings, the prompt's
+# first ``stored`` chunks in each server's L1 from the start), and its actions become the choices of
+# a scripted ``World`` (``World._play``): a frame delivered, dropped or duplicated is the message of
+# the net's bag that carries the same request (its link uid mapped to the world's at the first
+# frame of it), every other choice the world's own -- the clock moves (``tick``) whenever the
+# message the next action moves is not sent yet, so the world's engines (vLLM's scheduler model
+# over the planner), links, timers and copies do what the explorer's scripts did; restarts, engine
+# crashes and aborts are the world's. The world's actions are saved in the tape beside the
+# explorer's (``sim_world``); ``replay_world_tape`` runs them, with the world's oracles.
+
+# explorer actions sim.World has no choice for (a tape with one is not written for the world)
+NO_WORLD_COUNTERPART = {
+    "cancel": "the world's scheduler runs the planner, which has no cleanup_lookup_result (its abort ends the "
+              "session instead of freeing the leases)",
+}
+WORLD_TAPE_WAIT = 10.0  # virtual seconds the guide lets pass looking for one message before it gives up
+
+
+def world_scenario(world: XWorld) -> Any:
+    """The explorer's world as a ``sim.World`` scenario (no random fault: the tape makes them)."""
+    from mpcache.sim.net import NetConfig
+    from mpcache.sim.scenario import RequestSpec, Scenario, WorldConfig
+
+    cfg = WorldConfig(num_servers=world.servers, num_engines=world.engines, tp=world.servers, chunk_size=CHUNK,
+                      block_size=CHUNK, blocks_per_worker=16, l1_slots=8, lease_ttl=2.0, abandoned_job_ttl=1.0,
+                      request_timeout=world.request_timeout, heartbeat_interval=world.heartbeat_interval,
+                      heartbeat_timeout=world.heartbeat_timeout, lookup_answer_in_ack=world.answer_in_ack,
+                      net=NetConfig(min_delay=0.0005, mean_delay=0.0), safety_duration=0.0, liveness_bound=5.0,
+                      kv_groups=Explorer(world).groups, cpu_engine=bool(world.kv_window), adversary=world.attacks > 0)
+    requests = tuple(RequestSpec(e, rid(e, r), 0.0, PROMPT, preempt=world.preempt, max_load_tokens=world.load_cap)
+                     for e in range(world.engines) for r in range(_world_requests(world)))
+    return Scenario(0, cfg, requests, (), 0)
+
+
+def _world_requests(world: XWorld) -> int:
+    """Requests per engine in the world: a worker's retrieve with no request in the explorer
+    (``XWorld.ops``) is the retrieve the planner plans for one in sim.World, whose scheduler's
+    messages the explorer does not model (``Guide``: the world's own, delivered as they come)."""
+    return 1 if world.ops and not world.requests else world.requests
+
+
+def _world_only(world: XWorld, packet: Any) -> bool:
+    """A message of the world the explorer's world has no frame for: a scheduler's, where the
+    explorer runs workers alone."""
+    return not world.requests and any(n.startswith("sched") for n in (packet.src.node, packet.dst.node))
+
+
+class _TapeWorld:
+    """What both directors of a tape's world do: warm each server's L1 as the explorer's world
+    starts (``XWorld.stored`` chunks of the prompt, every rank), on every start."""
+
+    def __init__(self, xworld: XWorld) -> None:
+        self.xworld = xworld
+
+    def server_started(self, world: Any, host: Any, server: Any) -> None:
+        req = world.find_request(rid(0, 0)) if world.scenario.requests else None
+        if req is None:
+            return
+        hashes = req[1].hashes[:self.xworld.stored]
+        for h in hashes:
+            for rank in range(world.config.tp):
+                key = ObjectKey(h, rank)
+                slot = server.index.reserve_write(key, "seed", server.config.slot_bytes, world.now())
+                server.index.finish_write(key, "seed", world.now())
+                if slot is not None:
+                    host.slots[slot] = world.expected_chunk(key)
+                world.written.add(key)
+
+
+class TapePlayer(_TapeWorld):
+    """Plays a world tape's actions."""
+
+    def __init__(self, xworld: XWorld, actions: list[list[Any]]) -> None:
+        super().__init__(xworld)
+        self.actions = deque(actions)
+
+    def next_action(self, world: Any) -> list[Any] | None:
+        return self.actions.popleft() if self.actions else None
+
+
+class Guide(_TapeWorld):
+    """Writes a world tape from an explorer counterexample (see above): ``steps`` are its actions,
+    each with the frame it moves (None for the others)."""
+
+    def __init__(self, xworld: XWorld, steps: list[Step], lost: list[Frame] | None = None) -> None:
+        super().__init__(xworld)
+        self.steps = deque(steps)
+        self.lost = list(lost or ())  # frames in flight when a liveness violation showed: they never arrive
+        self.offset = 0.0  # the world's clock minus the explorer's, at the last message both moved
+        self.actions: list[list[Any]] = []
+        self.uids: dict[tuple[int, int, int, int], int] = {}  # (engine, node, server, explorer uid) -> world uid
+        self.taken: set[tuple[str, str, int]] = set()
+        self.looking: float | None = None  # since when the guide looks for the next action's message
+
+    def _emit(self, action: list[Any]) -> list[Any]:
+        self.actions.append(action)
+        return action
+
+    def next_action(self, world: Any) -> list[Any] | None:
+        while self.steps:
+            kind, arg, frame, now = self.steps[0]
+            if kind == "tick" and world.now() < arg + self.offset and world.timeline.next_time() <= arg + self.offset:
+                return self._emit(["tick"])  # the explorer's clock moved: the world's follows
+            if frame is not None:
+                packet = self._match(world, frame)
+                if packet is None:
+                    own = next((p for p in world.net.bag or () if _world_only(self.xworld, p)), None)
+                    if own is not None:
+                        from mpcache.sim.world import packet_text
+
+                        return self._emit(["deliver", own.pid, packet_text(own)])
+                    if self.looking is None:
+                        self.looking = world.now()
+                    if world.now() > self.looking + WORLD_TAPE_WAIT or world.timeline.next_time() == math.inf:
+                        from mpcache.sim.world import TapeError
+
+                        raise TapeError(f"no message in the world carries the explorer's frame {frame.kind} "
+                                        f"{node_name(frame.node, frame.engine)}/server{frame.server} "
+                                        f"#{frame.corr} {short(frame.body, 80)}")
+                    return self._emit(["tick"])
+                self.looking = None
+                self.offset = world.now() - now
+                self.steps.popleft()
+                from mpcache.sim.world import packet_text
+
+                return self._emit([kind, packet.pid, packet_text(packet)])
+            self.steps.popleft()
+            if kind == "restart":
+                return self._emit(["restart", arg])
+            if kind == "crash":
+                return self._emit(["crash", arg])
+            if kind == "op" and self.xworld.ops > 1:
+                from mpcache.sim.world import TapeError
+
+                raise TapeError("a second worker retrieve: the world's one request plans one")
+            if kind == "abort":
+                return self._emit(["abort", rid(*arg)])
+            if kind == "attack":  # the adversary's request, handled as it arrives
+                what, e, r, s = arg
+                return self._emit(["attack", what, e if what in INSTANCE_ATTACKS else rid(e, r), s])
+            if kind in NO_WORLD_COUNTERPART:
+                from mpcache.sim.world import TapeError
+
+                raise TapeError(f"the explorer's {kind} {arg}: {NO_WORLD_COUNTERPART[kind]}")
+            # tick, step, op: the world's clock, scheduler and workers take them as they come
+        while self.lost:
+            packet = self._match(world, self.lost.pop(0))
+            if packet is not None:
+                from mpcache.sim.world import packet_text
+
+                return self._emit(["drop", packet.pid, packet_text(packet)])
+        return None
+
+    def _match(self, world: Any, f: Frame) -> Any:
+        from mpcache.sim.ports import ReplyMsg, RequestMsg
+        from mpcache.sim.scenario import sched_name, server_name, worker_name
+
+        node = worker_name(f.engine, 0) if f.node else sched_name(f.engine)
+        key = (f.engine, f.node, f.server, f.corr)
+        uid = self.uids.get(key)
+        for p in world.net.bag or ():
+            msg = p.message
+            if f.kind == "rep":
+                if (p.src.node == server_name(f.server) and p.dst.node == node and isinstance(msg, ReplyMsg)
+                        and uid is not None and msg.correlation == uid):
+                    return p
+                continue
+            if p.src.node != node or p.dst.node != server_name(f.server) or not isinstance(msg, RequestMsg):
+                continue
+            if uid is not None:
+                if msg.correlation == uid:
+                    return p
+                continue
+            if (_kind_of(msg.request) != _kind_of(f.body) or request_id_of(msg.request) != request_id_of(f.body)
+                    or (node, p.dst.node, msg.correlation) in self.taken):
+                continue
+            self.uids[key] = msg.correlation
+            self.taken.add((node, p.dst.node, msg.correlation))
+            return p
+        return None
+
+
+def _kind_of(request: Any) -> str:
+    """A request's kind as the two worlds compare them: a status query by polling or by wait is
+    one (the world's connector asks the way its profile does)."""
+    name = type(request).__name__
+    return "status" if name in ("QueryPrefetchStatus", "WaitPrefetchStatus") else name
+
+
+Step = tuple[str, Any, "Frame | None", float]  # an explorer action, the frame it moves, the explorer's clock
+
+
+def explorer_steps(tape: dict[str, Any], profile: Any) -> tuple[list[Step], list[Frame]]:
+    """The tape's explorer actions, each with the frame it moves and the explorer's clock before
+    it, from a replay in the explorer; and the frames still in flight at its end."""
+    world = XWorld(**tape["world"])
+    ex = Explorer(world, profile)
+    st = ex.initial()
+    steps: list[Step] = []
+    for kind, arg in tape["actions"]:
+        action = (kind, tuple(arg) if isinstance(arg, list) else arg)
+        frame = st.frames[int(arg)] if kind in ("deliver", "drop", "dup") else None
+        steps.append((kind, action[1], frame, st.now))
+        st = st.child()
+        if ex.apply(st, action) is not None:
+            break
+        st.owned = set()
+    return steps, list(st.frames)
+
+
+def tape_profile(profile: Any, world: XWorld) -> Any:
+    """``profile`` with the explorer world's settings of the machines it builds: status by wait or
+    by polling, the server's TTLs, job cap and reaper (none unless the world has one) and the
+    planner's lease renewals, as ``Explorer`` builds them."""
+    p = copy.copy(profile)
+    p.lookup_status_wait = world.wait
+    p.instance_ttl = world.instance_ttl
+    server_config = p.server_config
+    p.server_config = lambda cfg: attrs.evolve(server_config(cfg), tombstone_ttl=1.0, max_jobs=world.max_jobs)
+    make_planner = p.make_planner
+
+    def planner(cfg: Any) -> Any:
+        machine = make_planner(cfg)
+        machine.config = attrs.evolve(machine.config, max_lease_renewals=world.lease_renewals)
+        return machine
+
+    p.make_planner = planner
+    return p
+
+
+def run_tape_world(xworld: XWorld, director: Any, profile: Any, keep_lines: bool = True) -> tuple[Violation | None, Any]:
+    """Run the scripted world: its violation (or None) and the world. A tape that does not fit
+    the world (``TapeError``) is no violation; its reason is the trace's last line."""
+    from mpcache.runtime_trio import DeadlockError
+    from mpcache.sim.oracles import ViolationFound
+    from mpcache.sim.world import TapeError, World
+
+    w = World(world_scenario(xworld), tape_profile(profile, xworld), keep_lines=keep_lines, director=director)
+    violation: Violation | None = None
+    try:
+        w.run()
+    except ViolationFound as exc:
+        violation = exc.violation
+    except DeadlockError as exc:
+        violation = Violation("DEADLOCK", exc.now, "-", str(exc))
+    except TapeError as exc:
+        w.trace.line(w.now(), "-", f"TAPE {exc}")
+    return violation, w
+
+
+def world_tape(tape: dict[str, Any], profile: Any) -> dict[str, Any]:
+    """The world's part of an explorer tape: its actions (written by the ``Guide``) and the
+    violation the world shows with them (None: none, or the guide found no way)."""
+    xworld = XWorld(**tape["world"])
+    steps, in_flight = explorer_steps(tape, profile)
+    # a liveness violation: what was still in flight then never arrives (slow past every bound)
+    guide = Guide(xworld, steps, in_flight if tape["violation"]["code"] in ("F1", "LIVENESS") else [])
+    violation, _w = run_tape_world(xworld, guide, profile, keep_lines=False)
+    return {"actions": guide.actions,
+            "violation": None if violation is None else {"code": violation.code, "message": violation.message}}
+
+
+def replay_world_tape(tape: dict[str, Any], profile: Any) -> tuple[Violation | None, Any]:
+    """Run a tape's ``sim_world`` actions in ``sim.World``: its violation (or None) and the
+    world (its timeline in ``trace.lines``)."""
+    xworld = XWorld(**tape["world"])
+    return run_tape_world(xworld, TapePlayer(xworld, tape["sim_world"]["actions"]), profile)

@@ -14,6 +14,12 @@ Per directed link (src node -> dst node):
 
 `heal()` removes partitions and clogs; `calm()` also turns faults off and shortens delays (the
 liveness phase). Every decision draws from one `random.Random` seeded by the world.
+
+Scripted (`script()`, a world driven by a tape, `sim/world.py`): a message sent is put in a bag
+and nothing is drawn; the tape delivers, drops or duplicates each one (`deliver`, `drop`,
+`duplicate`) -- partitions and clogs still apply. `release()` ends it: what is still in the bag
+is delivered, in the order it was sent, after the minimum delay, and later messages go the
+random way again.
 """
 from __future__ import annotations
 
@@ -69,6 +75,40 @@ class SimNet:
         self._pid = 0
         self.now: Callable[[], float] = lambda: 0.0
         self.counts = {"sent": 0, "delivered": 0, "dropped": 0, "duplicated": 0, "blocked": 0, "overflow": 0}
+        self.bag: list[Packet] | None = None  # scripted: the messages in flight, in the order sent
+
+    # ---- scripted -------------------------------------------------------------------
+    def script(self) -> None:
+        """From now on a message waits in the bag until the tape moves it."""
+        self.bag = []
+
+    def deliver(self, packet: Packet) -> None:
+        """The tape delivers ``packet`` now (it leaves the bag)."""
+        assert self.bag is not None
+        self.bag.remove(packet)
+        packet.deliver_at = self.now()
+        self._arrive(packet)
+
+    def drop(self, packet: Packet) -> None:
+        """The tape loses ``packet``."""
+        assert self.bag is not None
+        self.bag.remove(packet)
+        self.counts["dropped"] += 1
+        self._observe("drop", packet)
+
+    def duplicate(self, packet: Packet) -> None:
+        """The tape duplicates ``packet``: a second copy (the same pid) waits in the bag."""
+        assert self.bag is not None
+        self.counts["duplicated"] += 1
+        self.bag.append(attrs.evolve(packet))
+
+    def release(self) -> None:
+        """The tape ended: deliver what is left after the minimum delay; the random way again."""
+        bag, self.bag = self.bag or [], None
+        now = self.now()
+        for packet in bag:
+            packet.deliver_at = now + self.config.min_delay
+            self.timeline.at(packet.deliver_at, self._arrive, packet)
 
     # ---- faults ---------------------------------------------------------------------
     def partition(self, a: str, b: str, one_way: bool = False) -> None:
@@ -100,6 +140,9 @@ class SimNet:
         if link in self.blocked:
             self.counts["blocked"] += 1
             self._observe("blocked", packet)
+            return
+        if self.bag is not None:
+            self.bag.append(packet)
             return
         if cfg.drop_p and rng.random() < cfg.drop_p:
             self.counts["dropped"] += 1

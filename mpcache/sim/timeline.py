@@ -163,6 +163,12 @@ class Timeline:
             else:
                 self.batches += 1
 
+    async def settle(self) -> None:
+        """Let every task runnable now, and what they make runnable, run before going on (a
+        scripted world's main task between two actions)."""
+        while self.runq or self._batch:
+            await _CHECKPOINT
+
     # ---- tasks ----------------------------------------------------------------------
     async def start(self, task: Any) -> None:
         """Start `task` (a node: `counter`, `starter`, `resume`); return after its first step,
@@ -218,3 +224,39 @@ class Timeline:
 
 def _by_counter(task: Task) -> int:
     return task.counter
+
+
+class Alarms:
+    """Each node's timer armed once per deadline: one queue entry for a node's next deadline,
+    replaced only by an earlier one (a later or equal deadline keeps the entry already queued);
+    an entry in the past no longer counts. ``fired`` says the node's entry ran, so a deadline at
+    that same instant arms it again. `at` and `now` are the queue's (``Timeline.at``, its clock)."""
+
+    __slots__ = ("_at", "_now", "_armed")
+
+    def __init__(self, at: Callable[..., None], now: Callable[[], float]) -> None:
+        self._at = at
+        self._now = now
+        self._armed: dict[str, float] = {}
+
+    def arm(self, name: str, deadline: float | None, action: Callable[..., Any], *args: Any) -> None:
+        """Queue ``action(*args)`` at ``deadline`` (or now, if it is past) for node ``name``."""
+        if deadline is None:
+            return
+        now = self._now()
+        armed = self._armed.get(name, math.inf)
+        if armed < now:
+            armed = math.inf
+        if deadline < armed:
+            when = max(deadline, now)
+            self._armed[name] = when
+            self._at(when, action, *args)
+
+    def fired(self, name: str) -> None:
+        """Node ``name``'s entry runs now."""
+        if self._armed.get(name) == self._now():
+            self._armed[name] = math.inf
+
+    def forget(self, name: str) -> None:
+        """A new node of that name (a restarted server): nothing of the old one is armed."""
+        self._armed.pop(name, None)

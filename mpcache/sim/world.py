@@ -15,6 +15,11 @@ A run has three phases (TigerBeetle VOPR style):
 3. quiescence: everything in flight lands; no request may be left without its reply, no lease
    may be held by a request that finished cleanly; after the lease TTL and reaping period every
    server must hold no lease and no job.
+
+Scripted (``director``, a tape's or the explorer's guide's, ``World._play``): the safety phase's
+choices -- which message of the net's bag arrives, is lost or duplicated, when the clock moves,
+restarts, engine crashes, aborts, the adversary's requests -- are the director's; the random
+streams decide nothing there. Without a director nothing of it runs (a seed's trace is unchanged).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -65,11 +70,31 @@ from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
 from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg, Via, request_id_of
 from mpcache.sim.profiles import acted_first
-from mpcache.sim.scenario import FaultSpec, Scenario, server_name
-from mpcache.sim.timeline import Timeline
+from mpcache.sim.scenario import FaultSpec, Scenario, sched_name, server_name
+from mpcache.sim.timeline import Alarms, Timeline
 from mpcache.sim.trace import MessageRecord, Trace, event_text, short
 
 HEARTBEAT = "hb"
+
+
+class TapeError(Exception):
+    """A tape's action cannot be taken in this world (not enabled, or another message)."""
+
+
+class Director(Protocol):
+    """Who makes a scripted world's choices (``World._play``): a tape, or a guide writing one."""
+
+    def next_action(self, world: World) -> list[Any] | None:
+        """The next action (None: the tape ended)."""
+
+    def server_started(self, world: World, host: ServerHost, server: Any) -> None:
+        """A server (re)starts: the tape's world may hold objects in its L1 from the start."""
+
+
+def packet_text(packet: Packet) -> str:
+    """A message in flight as a tape names it: from, to, what."""
+    return f"{packet.src.node}->{packet.dst.node} {_label(packet.message)}" + (
+        f" {request_id_of(packet.message)}" if request_id_of(packet.message) else "")
 # An L2 read's stall (WorldConfig.l2_stall_p): past a status wait (at most 1 s), within the
 # server's l2_read_timeout (2 s), so the waiter's deadline answers None and the read still lands.
 L2_STALL = 1.5
@@ -191,8 +216,11 @@ class ServerHost:
 
 
 class World:
-    def __init__(self, scenario: Scenario, profile: Any, *, keep_lines: bool = True, chart: bool = False) -> None:
+    def __init__(self, scenario: Scenario, profile: Any, *, keep_lines: bool = True, chart: bool = False,
+                 director: Director | None = None) -> None:
         self.scenario = scenario
+        # scripted (a tape): the director picks each of the safety phase's choices (below)
+        self.director = director
         self.config = scenario.config
         self.profile = profile
         self.timeline = Timeline(random.Random(scenario.net_seed))  # the tasks' batch order
@@ -205,6 +233,8 @@ class World:
         self.stall_rng = random.Random(f"{base}:l2-stall")  # its own stream: the others stay as they were
         self.net = SimNet(self.timeline, self.net_rng, self.config.net, self._deliver_packet, self._net_fate)
         self.net.now = self.timeline.clock
+        if director is not None:
+            self.net.script()
         self.nodes: dict[str, Node] = {}
         self.servers = [ServerHost(i) for i in range(self.config.num_servers)]
         self.l2: dict[ObjectKey, tuple[int, ...]] = {}
@@ -217,7 +247,7 @@ class World:
         self.events = 0
         # request id -> its last events (time, node, machine, event, effects), for reports
         self.recent: dict[str, deque[tuple[float, str, str, Any, list[Any]]]] = {}
-        self._armed: dict[str, float] = {}
+        self.alarms = Alarms(self.timeline.at, self.timeline.clock)  # each node's timer, once per deadline
         self._ticks_at_now: tuple[float, int] = (-1.0, 0)
         self._deliveries = 0
         self.engines = [SimEngine(self, e) for e in range(self.config.num_engines)]
@@ -252,13 +282,16 @@ class World:
             self.timeline.at(t0 + fault.at, self._inject, fault)
         for engine in self.engines:
             engine.schedule_workload()
-        if self.adversary is not None:
+        if self.adversary is not None and self.director is None:  # a tape names each of its requests
             self.adversary.start(t0)
         # Phase 1: safety.
-        await self.timeline.run(t0 + cfg.safety_duration)
+        if self.director is None:
+            await self.timeline.run(t0 + cfg.safety_duration)
+        else:
+            await self._play(self.director)
         # Phase 2: liveness.
         self._begin_liveness()
-        deadline = t0 + cfg.safety_duration + cfg.liveness_bound
+        deadline = self.now() + cfg.liveness_bound
         while self.now() < deadline and not all(e.all_done() for e in self.engines):
             await self.timeline.run(min(deadline, self.now() + 0.25))
         if not all(e.all_done() for e in self.engines):
@@ -280,33 +313,131 @@ class World:
         await self.timeline.run(self.now() + horizon)
         self._check_drained()
 
+    # =========================================================================== scripted
+    async def _play(self, director: Director) -> None:
+        """The safety phase of a scripted world: each choice is the director's (a tape's action),
+        the rest of the world as in a random one. Actions:
+
+        * ``["tick"]``: the clock moves to the queue's next instant and runs everything due then
+          (timers, copies, the engines' scheduler steps, arrivals);
+        * ``["deliver" | "drop" | "dup", pid, text]``: that message of the net's bag (``text``,
+          what the message was, is checked: a tape that drifted from its world stops);
+        * ``["restart", s]``: server ``s`` crashes and restarts (what is in flight to or from it
+          is lost); ``["crash", e]``: engine ``e`` crashes; ``["abort", request id]``: vLLM aborts
+          the request.
+
+        Then the net is released (`SimNet.release`) and the liveness and quiescence phases run
+        as in every world. The nodes an action wakes run before the next action."""
+        while True:
+            action = director.next_action(self)
+            if action is None:
+                break
+            kind = action[0]
+            self.trace.mark(self.now(), "-", "tape", self.describe_action(action))
+            if kind == "tick":
+                t = self.timeline.next_time()
+                if t == math.inf:
+                    raise TapeError(f"tape action {action}: nothing is due")
+                await self.timeline.run(t)
+            elif kind in ("deliver", "drop", "dup"):
+                packet = self.bag_packet(int(action[1]))
+                if len(action) > 2 and action[2] != packet_text(packet):
+                    raise TapeError(f"tape action {action}: message #{action[1]} is {packet_text(packet)}")
+                if kind == "deliver":
+                    self.net.deliver(packet)
+                elif kind == "drop":
+                    self.touch_packet(packet)
+                    self.net.drop(packet)
+                else:
+                    self.touch_packet(packet)
+                    self.net.duplicate(packet)
+            elif kind == "restart":
+                host = self.servers[int(action[1])]
+                if host.up:
+                    self.crash_server(host)
+                self._lose_in_flight(lambda p: host.name in (p.src.node, p.dst.node))
+                self._restart_server(host)
+            elif kind == "crash":
+                engine = self.engines[int(action[1])]
+                self.stats["engine_crashes"] += not engine.crashed
+                engine.crash()
+                mine = {sched_name(engine.index), *(w.name for w in engine.workers)}
+                self._lose_in_flight(lambda p: p.src.node in mine or p.dst.node in mine)
+            elif kind == "attack":
+                self._scripted_attack(str(action[1]), action[2], int(action[3]))
+            elif kind == "abort":
+                found = self.find_request(str(action[1]))
+                if found is None:
+                    raise TapeError(f"tape action {action}: no such request")
+                found[0]._abort(found[1])
+            else:
+                raise TapeError(f"unknown tape action {action}")
+            await self.timeline.settle()
+        self.net.release()
+
+    def _scripted_attack(self, what: str, name: Any, s: int) -> None:
+        """The adversary's request a tape names, delivered to server ``s`` at once: ``free`` or
+        ``end`` naming request ``name`` (its LOOKUP key as the adversary saw it there), or
+        ``register`` naming engine ``name``'s first worker's instance."""
+        from mpcache.core_sm.messages import RegisterInstance
+        from mpcache.sim.adversary import MACHINE
+
+        adversary = self.adversary
+        if adversary is None:
+            raise TapeError("an attack in a world without the adversary")
+        request: Any
+        if what == "register":
+            worker = self.engines[int(name)].workers[0]
+            request = RegisterInstance(worker.instance_id, "x", self.config.tp, 1024)
+        else:
+            key = next((k for srv, k in adversary.lookup_keys if srv == s and k.request_id == name), None)
+            if key is None:
+                raise TapeError(f"the adversary saw no LOOKUP of {name} at server{s}")
+            request = FreeLookupLocks(key) if what == "free" else EndSession(str(name))
+        adversary.correlation += 1
+        self.trace.line(self.now(), ADVERSARY, f"adversary {what}")
+        self.net.send(Address(ADVERSARY, MACHINE), Address(server_name(s), SERVER),
+                      RequestMsg(s, adversary.correlation, request))
+        assert self.net.bag
+        self.net.deliver(self.net.bag[-1])
+
+    def bag_packet(self, pid: int) -> Packet:
+        for packet in self.net.bag or ():
+            if packet.pid == pid:
+                return packet
+        raise TapeError(f"tape: message #{pid} is not in flight")
+
+    def _lose_in_flight(self, which: Callable[[Packet], bool]) -> None:
+        """A crash: the messages of the bag to or from what crashed are lost."""
+        for packet in [p for p in self.net.bag or () if which(p)]:
+            self.net.bag.remove(packet)  # type: ignore[union-attr]
+            self._net_fate("lost", packet)
+
+    def describe_action(self, action: list[Any]) -> str:
+        kind = action[0]
+        if kind in ("deliver", "drop", "dup"):
+            return f"{kind} #{action[1]} " + (str(action[2]) if len(action) > 2 else "")
+        if kind == "tick":
+            return f"clock -> {self.timeline.next_time():.6f}"
+        return " ".join(str(a) for a in action)
+
     # =========================================================================== nodes
     def make_node(self, name: str, machines: dict[str, Any], interpret: Callable[[Node, str, Any], None]) -> Node:
         node = SimNode(self.timeline, name, machines, interpret, timer_event=TimerFired, arm_timer=self.arm_timer,
                        observer=self._observe)
         self.nodes[name] = node
-        self._armed.pop(name, None)
+        self.alarms.forget(name)
         return node
 
     async def start_node(self, node: Node) -> None:
         await self.timeline.start(node)
 
     def arm_timer(self, node: Node, deadline: float | None) -> None:
-        if deadline is None:
-            return
-        now = self.now()
-        armed = self._armed.get(node.name, math.inf)
-        if armed < now:
-            armed = math.inf
-        if deadline < armed:
-            when = max(deadline, now)
-            self._armed[node.name] = when
-            self.timeline.at(when, self._tick, node)
+        self.alarms.arm(node.name, deadline, self._tick, node)
 
     def _tick(self, node: Node) -> None:
         now = self.now()
-        if self._armed.get(node.name) == now:
-            self._armed[node.name] = math.inf
+        self.alarms.fired(node.name)
         t, n = self._ticks_at_now
         n = n + 1 if t == now else 1
         self._ticks_at_now = (now, n)
@@ -346,6 +477,8 @@ class World:
         host.chunk_lookups = {}
         host.objects_held = frozenset()
         machine = ProbedServer(self.profile.make_server(self.config), self, host)
+        if self.director is not None:
+            self.director.server_started(self, host, machine.inner)
         machine.inner.jobs.dispatch.trace = []  # its waiter rows, for the coverage counters
         node = self.make_node(host.name, {SERVER: machine}, self._interpret_server)
         host.node = node

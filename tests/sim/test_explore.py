@@ -101,7 +101,12 @@ def test_cli_explore_and_replay_tape(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["explore", "--profile", "overwrite-dup", "--tape", str(tape)]) == 1
     out = capsys.readouterr().out
     assert "VIOLATION F4" in out and "server0     server: Lookup" in out
-    assert main(["replay", "--tape", str(tape)]) == 1
+    assert "in sim.World (" in out and "VIOLATION F4" in out.split("in sim.World (")[1]
+    assert main(["replay", "--tape", str(tape)]) == 1  # in sim.World, the default
+    out = capsys.readouterr().out
+    assert "in sim.World" in out and "VIOLATION F4" in out and "the explorer's" in out
+    assert "tape dup #" in out and "server0     server: Lookup" in out  # the world's timeline
+    assert main(["replay", "--tape", str(tape), "--in-explorer"]) == 1
     out = capsys.readouterr().out
     assert "VIOLATION F4" in out and "the recorded one" in out
 
@@ -184,7 +189,7 @@ def test_runtime_profiles_caught_and_replayed_by_the_cli(name: str, code: str, t
     assert f"VIOLATION {code}" in out
     recorded = json.loads(tape.read_text())
     assert recorded["profile"] == name and recorded["violation"]["code"] == code
-    assert main(["replay", "--tape", str(tape)]) == 1
+    assert main(["replay", "--tape", str(tape), "--in-explorer"]) == 1
     out = capsys.readouterr().out
     assert f"VIOLATION {code}" in out and "the recorded one" in out
     if name == "hma-partial-group":

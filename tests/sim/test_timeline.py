@@ -9,7 +9,6 @@ the next entry, as the simulator ran before) and on `Timeline`'s loop with the w
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,7 @@ import trio
 
 from mpcache.runtime_trio import DeadlockError, Node
 from mpcache.runtime_trio.clock import VirtualClock, VirtualTimeDriver
-from mpcache.sim.timeline import Timeline
+from mpcache.sim.timeline import Alarms, Timeline
 from mpcache.sim.world import SimNode
 
 NODES = 6
@@ -105,21 +104,17 @@ class Harness:
         self.log: list[tuple[float, str, str]] = []
         self.crashes = 0
         self.nodes: list[Node] = []
-        self._armed: dict[str, float] = {}
+        self.alarms = Alarms(timeline.at, now)  # the world's rule: a node's timer once per deadline
 
     def post(self, index: int, text: str) -> None:
         self.nodes[index].post("m", text)
 
     def arm_timer(self, node: Node, deadline: float | None) -> None:
-        if deadline is None:
-            return
-        now = self.now()
-        armed = self._armed.get(node.name, math.inf)
-        if armed < now:
-            armed = math.inf
-        if deadline < armed:
-            self._armed[node.name] = max(deadline, now)
-            self.timeline.at(max(deadline, now), node.tick)
+        self.alarms.arm(node.name, deadline, self._tick, node)
+
+    def _tick(self, node: Node) -> None:
+        self.alarms.fired(node.name)
+        node.tick()
 
     def seed_work(self) -> None:
         for i in range(NODES):
