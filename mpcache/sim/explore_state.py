@@ -439,10 +439,6 @@ def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None)
         if fields is None:
             slots = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]
             fields = {n: getattr(obj, n) for n in slots if hasattr(obj, n)}
-        if isinstance(obj, ServerLink):
-            # the deadline heap keeps answered entries until due: only pending ones, in firing order
-            fields = dict(fields)
-            fields["_deadlines"] = obj.request_deadlines()
         skip = _SKIP
         return (t.__name__, tuple([(n, snap(v)) for n, v in fields.items() if n not in skip]))
 
