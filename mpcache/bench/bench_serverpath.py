@@ -271,7 +271,10 @@ class _PlanOnlyExecutor:
 
         plan_rows(transfer, self.chunk_tokens, self.block_size, self.slot_bytes)
         self.started += 1
-        done(transfer.transfer_id, True)
+        self._copied(transfer.transfer_id, done)
+
+    def _copied(self, transfer_id: int, done: Callable[[int, bool], None]) -> None:
+        done(transfer_id, True)
 
     def close(self) -> None:
         pass
@@ -346,40 +349,25 @@ def transfer_rows(args: argparse.Namespace) -> None:
         _stop(server, real_sock)
 
 
-class _DelayedExecutor:
-    """A server-driven transfer engine without a device whose copies take ``delay`` s: plans
-    each transfer's kernel rows as ``GpuTransferExecutor.start`` does, then a thread of its own
-    reports it done ``delay`` s later (as a GPU engine's waiter does, through the server's
+class _DelayedExecutor(_PlanOnlyExecutor):
+    """``_PlanOnlyExecutor`` whose copies take ``delay`` s: a thread of its own reports each
+    one done ``delay`` s after its start (as a GPU engine's waiter does, through the server's
     completion channel)."""
-
-    on_instance_failed: Callable[[int, str], None] | None = None
 
     def __init__(self, chunk_tokens: int, block_size: int, delay: float) -> None:
         import threading
 
-        self.chunk_tokens, self.block_size, self.delay = chunk_tokens, block_size, delay
-        self.slot_bytes = 0
-        self.started = 0
+        super().__init__(chunk_tokens, block_size)
+        self.delay = delay
         self._due: list[tuple[float, int, Callable[[int, bool], None]]] = []
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._report, name="mpcache-bench-engine", daemon=True)
         self._thread.start()
 
-    def register_instance(self, instance_id: int, layout: Any, pool: Any) -> str | None:
-        self.slot_bytes = pool.slot_bytes
-        return None
-
-    def unregister_instance(self, instance_id: int) -> None:
-        pass
-
-    def start(self, transfer: Any, event_handle: bytes, done: Callable[[int, bool], None]) -> None:
-        from mpcache.runtime_zmq.gpu_transfer import plan_rows
-
-        plan_rows(transfer, self.chunk_tokens, self.block_size, self.slot_bytes)
-        self.started += 1
+    def _copied(self, transfer_id: int, done: Callable[[int, bool], None]) -> None:
         with self._cv:
-            self._due.append((time.monotonic() + self.delay, transfer.transfer_id, done))
+            self._due.append((time.monotonic() + self.delay, transfer_id, done))
             self._cv.notify()
 
     def _report(self) -> None:

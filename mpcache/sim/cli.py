@@ -253,6 +253,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tape_outcome(violation: Any, recorded: str, same: str, differs: str, none: str) -> int:
+    """Print a replayed tape's outcome against the code it recorded (``differs`` and ``none``
+    name it with ``{recorded}``); exit 1 when it shows a violation."""
+    if violation is None:
+        print(f"no violation ({none.format(recorded=recorded)})")
+        return 0
+    said = same if violation.code == recorded else differs.format(recorded=recorded)
+    print(f"VIOLATION {violation.reason()}  (at {violation.t:.6f} s on {violation.node}; {said})")
+    return 1
+
+
 def replay_tape_in_world(path: str, quiet: bool, width: int | None) -> int:
     """Run an explore tape's ``sim_world`` actions in the simulated world (``sim.World``, its
     engines and oracles); print the world's timeline and the violation; exit 1 when it shows."""
@@ -274,12 +285,8 @@ def replay_tape_in_world(path: str, quiet: bool, width: int | None) -> int:
             if line != skip:
                 for part in display_lines(line, width):
                     print(part)
-    if violation is None:
-        print(f"no violation (the explorer recorded {recorded})")
-        return 0
-    same = "the explorer's" if violation.code == recorded else f"NOT the explorer's {recorded}"
-    print(f"VIOLATION {violation.reason()}  (at {violation.t:.6f} s on {violation.node}; {same})")
-    return 1
+    return _tape_outcome(violation, recorded, "the explorer's", "NOT the explorer's {recorded}",
+                         "the explorer recorded {recorded}")
 
 
 def replay_tape_file(path: str, quiet: bool) -> int:
@@ -294,12 +301,8 @@ def replay_tape_file(path: str, quiet: bool) -> int:
               f"{len(tape['actions'])} actions)")
         for line in lines:
             print(line)
-    if violation is None:
-        print(f"no violation (the tape recorded {recorded})")
-        return 0
-    same = "the recorded one" if violation.code == recorded else f"NOT the recorded {recorded}"
-    print(f"VIOLATION {violation.reason()}  (at {violation.t:.6f} s on {violation.node}; {same})")
-    return 1
+    return _tape_outcome(violation, recorded, "the recorded one", "NOT the recorded {recorded}",
+                         "the tape recorded {recorded}")
 
 
 def cmd_explore(args: argparse.Namespace) -> int:

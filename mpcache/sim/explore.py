@@ -1952,18 +1952,13 @@ def tape_profile(profile: Any, world: XWorld) -> Any:
 def run_tape_world(xworld: XWorld, director: Any, profile: Any, keep_lines: bool = True) -> tuple[Violation | None, Any]:
     """Run the scripted world: its violation (or None) and the world. A tape that does not fit
     the world (``TapeError``) is no violation; its reason is the trace's last line."""
-    from mpcache.runtime_trio import DeadlockError
-    from mpcache.sim.oracles import ViolationFound
+    from mpcache.sim.runner import run_world
     from mpcache.sim.world import TapeError, World
 
     w = World(world_scenario(xworld), tape_profile(profile, xworld), keep_lines=keep_lines, director=director)
     violation: Violation | None = None
     try:
-        w.run()
-    except ViolationFound as exc:
-        violation = exc.violation
-    except DeadlockError as exc:
-        violation = Violation("DEADLOCK", exc.now, "-", str(exc))
+        violation = run_world(w)
     except TapeError as exc:
         w.trace.line(w.now(), "-", f"TAPE {exc}")
     return violation, w

@@ -40,6 +40,18 @@ class SeedResult:
         return self.violation is None
 
 
+def run_world(world: Any) -> Violation | None:
+    """Run a ``sim.World`` to its end: the violation that stopped it (a deadlock is one), or
+    None. Anything else it raises is the caller's."""
+    try:
+        world.run()
+    except ViolationFound as exc:
+        return exc.violation
+    except DeadlockError as exc:
+        return Violation("DEADLOCK", exc.now, "-", str(exc))
+    return None
+
+
 def run_scenario(scenario: Scenario, profile_name: str = "default", *, keep_lines: bool = False,
                  chart: bool = False, hash_trace: bool = True) -> tuple[SeedResult, Any]:
     """Run one world; returns the result and the world (for charts and debugging).
@@ -54,11 +66,7 @@ def run_scenario(scenario: Scenario, profile_name: str = "default", *, keep_line
     started = time.perf_counter()
     cpu_started = time.process_time()
     try:
-        world.run()
-    except ViolationFound as exc:
-        violation = exc.violation
-    except DeadlockError as exc:
-        violation = Violation("DEADLOCK", exc.now, "-", str(exc))
+        violation = run_world(world)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a reported violation
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:])
         violation = Violation("CRASH", world.now(), "-", f"{type(exc).__name__}: {exc}\n{tb}")
