@@ -26,7 +26,26 @@ hand in vLLM's call order:
 * ``h``: the server is killed and started again at once, and a new prompt is looked up, computed
   and stored before the links have reconnected: the sends fail at once (a miss, nothing stored);
   ``i``, the same prompt once the links are back, a miss stored; ``j`` hits and loads it, checked
-  byte for byte.
+  byte for byte;
+* ``k``: a hit planned (its load in the step's plan) and preempted in the next step before the
+  load ran: the worker waits until no copy reads its blocks (the connector's
+  ``handle_preemptions``), and the request, matched again, recomputes into new blocks (its
+  lookup's hit was spent: the planner's ``recomputed_after_preemption``).
+
+Then a second engine (another ``SchedulerAdapter`` and ``WorkerAdapter``) connects through
+``tools/zmq_fault_proxy.py``, a loopback ZMQ proxy the script controls, in front of a second
+server (its own disk L2). Production code paths only: the proxy forwards frames unchanged but
+for the fault it is told to make.
+
+* ``l``: a miss through the proxy, computed and stored;
+* ``m``: the proxy drops the reply to m's lookup, the server alive and its heartbeats answered:
+  the link's request deadline fails it typed (``timeout``), a miss;
+* ``n``: a miss computed; before its store the proxy holds the heartbeats and instance pings and
+  sends to the first server from then on (the server behind the address replaced: another epoch,
+  the instance unknown there), so the store is refused ``not_registered`` before any heartbeat
+  tells the links (production registers again within milliseconds of seeing a new epoch: only
+  holding the heartbeats makes this order certain); the worker's link parks it, registers the
+  instance and sends it once more naming the registration; ``n2`` hits what the resend stored.
 
 With ``--gpu`` the engine's KV is on CUDA and the server copies (``--gpu on``, server-driven
 transfers after the worker's interprocess event; loads are asynchronous, as a GPU engine's are by
@@ -50,7 +69,7 @@ import sys
 import tempfile
 import time
 
-BLOCK, CHUNK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 32, 1, 1, 4, 64
+BLOCK, CHUNK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 32, 1, 1, 4, 128
 MODEL = "tiny-recorded"
 
 
@@ -61,6 +80,9 @@ def main(out: str, gpu: bool = False) -> int:
     from mpcache.core_sm.planner import ScheduledRequest
     from mpcache.runtime_zmq.adapters import ConnectorConfig, SchedulerAdapter, WorkerAdapter
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from zmq_fault_proxy import FaultProxy
+
     tmp = tempfile.mkdtemp(prefix="mpcache-record-")
     record = os.path.join(tmp, "recording.jsonl")
     with socket.socket() as s:  # a fixed port, so the restarted server (f) is the same address
@@ -68,7 +90,12 @@ def main(out: str, gpu: bool = False) -> int:
         port = s.getsockname()[1]
     flags = ["--port", str(port), "--chunk-size", str(CHUNK), "--l1-size-gb", "0.0625", "--slot-mb", "1",
              "--no-l1-reserve", "--metrics-port", "0", "--l2", f"disk:{tmp}/l2", "--gpu", "on" if gpu else "off"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        other_port = s.getsockname()[1]
+    other_flags = [{str(port): str(other_port), f"disk:{tmp}/l2": f"disk:{tmp}/l2-other"}.get(f, f) for f in flags]
     server = ServerProcess(flags, ready_timeout=60.0)
+    other_server: ServerProcess | None = None
     os.environ["MPCACHE_RECORD"] = record
     try:
         config = ConnectorConfig(server_urls=server.url, chunk_size=CHUNK)
@@ -89,13 +116,13 @@ def main(out: str, gpu: bool = False) -> int:
         def blocks(n: int) -> list[int]:
             return [next(next_block) for _ in range(n)]
 
-        def match(rid: str, prompt: list[int]) -> tuple[int, bool]:
+        def match(rid: str, prompt: list[int], every: float = 0.05) -> tuple[int, bool]:
             deadline = time.monotonic() + 20  # (e: the request timeout, then the miss)
             while time.monotonic() < deadline:
                 tokens, load_async = scheduler.get_num_new_matched_tokens(rid, prompt, len(prompt), 0)
                 if tokens is not None:
                     return tokens, load_async
-                time.sleep(0.05)  # (vLLM asks again each step)
+                time.sleep(every)  # (vLLM asks again each step)
             raise RuntimeError(f"{rid}: the lookup never answered")
 
         def finish(rid: str) -> None:
@@ -253,11 +280,86 @@ def main(out: str, gpu: bool = False) -> int:
             for t in range(tokens):
                 assert bool((token_slot(cache, target[t // BLOCK], t % BLOCK) == float(fresh[t])).all()), t
         finish("j")
+
+        # k: preempted with its load planned: vLLM planned k's hit (a load into its blocks), then
+        # preempted it in the next step before it ran; the worker waits for no copy to read its
+        # blocks, and k, matched again, recomputes (its lookup's hit was spent) into new blocks
+        assert match("k", fresh) == (2 * CHUNK, gpu)
+        target = blocks(-(-len(fresh) // BLOCK))
+        scheduler.update_state_after_alloc("k", target, 2 * CHUNK)
+        plan = scheduler.build_plan([ScheduledRequest("k", 2 * CHUNK, len(fresh) - 2 * CHUNK, target, True)])
+        assert [(r.start, r.end) for r in plan.retrieves] == [(0, 2 * CHUNK)], plan
+        preempting = scheduler.build_plan([], preempted=["k"])
+        assert tuple(preempting.preempted) == ("k",), preempting
+        load("k", list(plan.retrieves))
+        worker.submit_stores(plan.stores)
+        worker.wait_for_store_copies()  # (the connector's handle_preemptions)
+        assert match("k", fresh) == (0, False)
+        again = blocks(-(-len(fresh) // BLOCK))
+        scheduler.update_state_after_alloc("k", again, 0)
+        write(again, fresh)
+        plan = scheduler.build_plan([ScheduledRequest("k", 0, len(fresh), again, True)])
+        worker.submit_retrieves(plan.retrieves)
+        worker.submit_stores(plan.stores)
+        finish("k")
         worker.close()
         scheduler.close()
+
+        # l-n: a second engine, connected through a loopback proxy (tools/zmq_fault_proxy.py)
+        # that holds or drops what it is told to, in front of a second server (its own disk L2)
+        other_server = ServerProcess(other_flags, ready_timeout=60.0)
+        proxy = FaultProxy(other_server.url)
+        config = ConnectorConfig(server_urls=proxy.url, chunk_size=CHUNK)
+        scheduler = SchedulerAdapter.connect(config, model_name=MODEL, world_size=1, block_size=BLOCK,
+                                             cpu_engine=not gpu)
+        worker = WorkerAdapter.connect(config, model_name=MODEL, world_size=1, rank=0, block_size=BLOCK)
+        worker.register_kv_caches(kv)
+        time.sleep(1.5)  # both links healthy, the worker registered
+
+        # l: a miss through the proxy, computed and stored (the second server's first work)
+        through = [rng.randrange(1, 1000) for _ in range(2 * CHUNK + 3)]
+        compute_and_store("l", through)
+        finish("l")
+        time.sleep(0.5)
+
+        # m: the server alive, one reply never comes: the proxy drops the reply to m's lookup;
+        # the link's request deadline fails it typed (timeout) while heartbeats keep answering
+        proxy.drop_next_reply()
+        # (asked every half second rather than every step: the recording stays small)
+        assert match("m", [rng.randrange(1, 1000) for _ in range(2 * CHUNK + 3)], every=0.5) == (0, False)
+        assert proxy.dropped, "the proxy dropped no reply"
+        finish("m")
+
+        # n: a miss, computed; before its store the server behind the address is replaced (the
+        # proxy sends to the first server from now on: another epoch, the instance unknown there)
+        # while the proxy holds the heartbeats and instance pings that would tell the links: the
+        # worker's store is refused (not_registered); its link parks it, registers the instance
+        # and sends it once more, naming the registration
+        replaced = [rng.randrange(1, 1000) for _ in range(2 * CHUNK + 3)]
+        assert match("n", replaced) == (0, False)
+        source = blocks(-(-len(replaced) // BLOCK))
+        scheduler.update_state_after_alloc("n", source, 0)
+        write(source, replaced)
+        proxy.hold_heartbeats()
+        proxy.switch(server.url)
+        plan = scheduler.build_plan([ScheduledRequest("n", 0, len(replaced), source, True)])
+        worker.submit_retrieves(plan.retrieves)
+        worker.submit_stores(plan.stores)
+        time.sleep(0.5)  # the refusal, the registration, the resend and its reply
+        proxy.release_heartbeats()
+        finish("n")
+        time.sleep(1.5)  # the heartbeats answer with the other epoch
+        tokens = match("n2", replaced)[0]
+        assert tokens == 2 * CHUNK, f"n's resent store did not land: {tokens}"
+        finish("n2")
+        worker.close()
+        scheduler.close()
+        proxy.close()
     finally:
         del os.environ["MPCACHE_RECORD"]
         server.stop()
+        if other_server is not None:
+            other_server.stop()
     with open(record, encoding="utf-8") as f:
         text = f.read()
     with open(out, "w", encoding="utf-8") as f:

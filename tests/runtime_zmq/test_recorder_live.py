@@ -29,7 +29,8 @@ def test_nothing_is_recorded_unless_asked(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_a_recorded_production_run_replays_through_the_simulator(tmp_path: Path) -> None:
-    """Regenerate the recording (a real server, the connector's adapters, ten requests, an outage, a pause and two restarts) and
+    """Regenerate the recording (a real server, the connector's adapters, ten requests, an outage, a pause,
+    two restarts, a preemption, and through a fault proxy a dropped reply and a not_registered refusal) and
     replay it: every machine the run built is in it, and every step replays as recorded."""
     from mpcache.sim.prod_replay import load, replay
 
@@ -42,7 +43,8 @@ def test_a_recorded_production_run_replays_through_the_simulator(tmp_path: Path)
     assert recorder.ENV not in os.environ
     lines = load(str(out))
     builds = [line for line in lines if "build" in line]
-    assert sorted(line["kind"] for line in builds) == ["link", "link", "planner", "transfer_client"]
+    # two engines (the second through the fault proxy), each a planner, a transfer client, two links
+    assert sorted(line["kind"] for line in builds) == ["link"] * 4 + ["planner"] * 2 + ["transfer_client"] * 2
     assert all(json.loads(json.dumps(line)) == line for line in lines)
     result = replay(lines)
     assert result.ok, result.mismatch.describe() if result.mismatch else ""

@@ -146,11 +146,13 @@ def test_a_recorded_production_run_replays_step_for_step_through_the_simulators_
     by_kind: dict[str, list[Any]] = {}
     for name, machine in result.machines.items():
         by_kind.setdefault(name.rsplit("-", 2)[0], []).append(machine)
-    (planner,) = by_kind["planner"]
-    (transfer,) = by_kind["transfer_client"]
-    assert type(planner) is StepPlanner and type(planner.lookups) is LookupClient
-    assert type(transfer) is TransferClient
-    assert len(by_kind["link"]) == 2 and {type(link) for link in by_kind["link"]} == {ServerLink}
+    # two engines, one after the other: the first straight to the server (a-k), the second
+    # through the recorder's fault proxy (l-n)
+    planner, proxied_planner = by_kind["planner"]
+    transfer, proxied_transfer = by_kind["transfer_client"]
+    assert {type(p) for p in (planner, proxied_planner)} == {StepPlanner} and type(planner.lookups) is LookupClient
+    assert {type(t) for t in (transfer, proxied_transfer)} == {TransferClient}
+    assert len(by_kind["link"]) == 4 and {type(link) for link in by_kind["link"]} == {ServerLink}
     # what the run covers: a miss, a store, a hit, a load; both lookup paths (the count in the
     # LOOKUP's ack for an L1 hit, the status query for a lookup that read L2)
     lookups = planner.lookups.stats()
@@ -175,6 +177,28 @@ def test_a_recorded_production_run_replays_step_for_step_through_the_simulators_
     failures = [line["event"]["error"]["message"] for line in lines
                 if line.get("i", "").startswith("planner") and line["event"]["$"] == "RequestFailed"]
     assert any("stopped answering" in f for f in failures) and any("not connected" in f for f in failures)
+    # k: a request preempted with its load planned, matched again: recomputed (no second load)
+    assert any("k" in plan_event["event"].get("preempted", ()) for plan_event in lines
+               if plan_event.get("i", "").startswith("planner") and plan_event["event"]["$"] == "StepScheduled")
+    assert planner.stats()["recomputed_after_preemption"] >= 1
+    # m: the server alive, one reply dropped: the link's request deadline failed it typed
+    # (timeout), the lookup a miss, while the heartbeats kept answering
+    link_effects = [(line["event"], effect) for line in lines if line.get("i", "").startswith("link")
+                    for effect in line["effects"]]
+    assert any(e["$"] == "Failed" and e["kind"] == "timeout" for _, e in link_effects)
+    assert {"e": "ErrorKind.TIMEOUT"} in [line["event"]["error"]["kind"] for line in lines
+                                         if line.get("i", "").startswith("planner")
+                                         and line["event"]["$"] == "RequestFailed"]
+    # n: a store refused not_registered (the server behind the address replaced, the links not
+    # yet told): parked, the instance registered again, the store sent once more naming the
+    # registration
+    assert any(event["$"] == "server_link.Reply" and event.get("kind") == "not_registered"
+               for event, _ in link_effects), "no request was refused not_registered"
+    assert any(e["$"] == "Transmit" and e["resend"] and e["registration"] is not None for _, e in link_effects)
+    links = by_kind["link"]
+    assert sum(link.stats()["parked"] for link in links) >= 1
+    assert sum(link.stats()["health_resends"] for link in links) >= 1
+    assert sum(link.stats()["timeouts"] for link in links) >= 1
 
 
 def test_a_replay_reports_the_first_step_whose_effects_differ() -> None:
