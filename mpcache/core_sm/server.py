@@ -117,6 +117,9 @@ _COUNTERS = (
     "stores_not_admitted", "resends_run", "resends_refused", "lookup_work_failures", "lookups_answered_in_ack",
 )
 
+# check_invariants_after_event: the most quiet events in a row whose check is skipped.
+FULL_CHECK_EVERY = 32
+
 
 class LookupServer:
     """The server machine. ``handle(event, now) -> list[Effect]``; ``next_deadline()``."""
@@ -156,12 +159,23 @@ class LookupServer:
             func = getattr(handler, "__func__", None)
             if func in direct:
                 self._rows[event_type] = direct[func]
+        # Per-event checking (``check_invariants_after_event``): the rows that, not overridden,
+        # change nothing check_invariants reads (a ping, a heartbeat, a timer tick); an event on
+        # one is quiet when no deferred work ran and nothing was due.
+        self._quiet_rows = frozenset(
+            t for t, h in self._rows.items()
+            if getattr(h, "__func__", None) in (LookupServer._on_ping, LookupServer._on_timer))
+        self._clean = False  # the state is the one the last full check passed
+        self._skipped = 0  # quiet events since that check
 
     # ============================================================================= public API
 
     def handle(self, event: ServerEvent, now: float) -> list[Effect]:
         """Feed one event at time ``now``; returns the effects, in order. Never raises."""
         out: list[Effect] = []
+        quiet = type(event) in self._quiet_rows and self._nothing_due(now)
+        if not quiet:
+            self._clean = False
         try:
             if self.jobs.accepted is not None:  # an acknowledged lookup's work runs first
                 self._run_accepted(out)
@@ -186,7 +200,10 @@ class LookupServer:
                 self.transfers.answer_duplicates(out)
             if self.ctx.held is not None:
                 self.ctx.report_drops(out)
+            if quiet and len(out) > 1:  # more than its one reply: something moved after all
+                self._clean = False
         except Exception as exc:  # a bug: answer the request so no client waits forever
+            self._clean = False
             self._counters["internal_errors"] += 1
             reply_to = getattr(event, "reply_to", None)
             if reply_to is not None and not any(
@@ -209,6 +226,7 @@ class LookupServer:
         next ``handle`` runs it first, so no later event sees a difference. The work runs at
         the lookup's own ``now``. Never raises."""
         out: list[Effect] = []
+        self._clean = False
         if self.jobs.accepted is not None or self.jobs.continuing:
             try:
                 self._run_accepted(out)
@@ -300,6 +318,29 @@ class LookupServer:
         self.transfers.check_invariants()
         pinned = {slot for slots in self.ctx.pins.values() for slot in slots}
         assert self.index.stats()["pinned_slots"] == len(pinned), "slot pins out of sync"
+        self._clean, self._skipped = True, 0
+
+    def check_invariants_after_event(self, full_every: int = FULL_CHECK_EVERY) -> bool:
+        """``check_invariants`` after one ``handle``, skipped when it cannot fail: the state is
+        the one the last full check passed (every ``handle`` since was quiet: a ping, heartbeat
+        or timer tick on its own row, with no deferred work and nothing due, answered by at
+        most one effect, and no ``run_deferred`` ran). A full check still runs after
+        ``full_every`` skipped events in a row, so state changed behind the machine's back (a
+        bug outside ``handle``, a test's corruption) is found within that many events.
+        Returns whether it checked."""
+        if self._clean and self._skipped < full_every:
+            self._skipped += 1
+            return False
+        self.check_invariants()
+        return True
+
+    def _nothing_due(self, now: float) -> bool:
+        """No deferred work waits and no time-driven work is due at ``now`` (next_deadline may be
+        early, never late, so a deadline after ``now`` means none)."""
+        if self.deferred_work:
+            return False
+        deadline = self.next_deadline()
+        return deadline is None or deadline > now
 
     # ============================================================================= hooks
 

@@ -350,7 +350,9 @@ def _by_time(entry: tuple[float, int, Any]) -> tuple[float, int]:
 # tie-break sequence numbers and compaction marks of lazily deleting heaps (their live entries,
 # in firing order, are kept instead).
 _SKIP = frozenset({"_seq", "_compact_at", "compactions", "_counters", "counters", "trace", "config", "ctx_config", "dispatch", "_rows", "_routes",
-                   "_timer_machine", "_lookups", "_events", "_monitor_effects"})
+                   "_timer_machine", "_lookups", "_events", "_monitor_effects",
+                   # the server's per-event check bookkeeping: the check is a function of the rest
+                   "_clean", "_skipped", "_quiet_rows"})
 _ATOMS = (int, float, bool, type(None), bytes)
 
 
