@@ -296,6 +296,11 @@ class L1Index:
             out[f"leases_released_{reason.value}"] = n
         return out
 
+    def pinned_count(self) -> int:
+        """Slots pinned by transfers in flight (``stats()["pinned_slots"]`` without the rest of
+        the stats, one of which walks every object)."""
+        return len(self._pinned)
+
     def released_by(self, reason: ReleaseReason) -> int:
         return self._leases_released[reason]
 

@@ -317,7 +317,7 @@ class LookupServer:
         self.l2.check_invariants()
         self.transfers.check_invariants()
         pinned = {slot for slots in self.ctx.pins.values() for slot in slots}
-        assert self.index.stats()["pinned_slots"] == len(pinned), "slot pins out of sync"
+        assert self.index.pinned_count() == len(pinned), "slot pins out of sync"
         self._clean, self._skipped = True, 0
 
     def check_invariants_after_event(self, full_every: int = FULL_CHECK_EVERY) -> bool:
