@@ -23,9 +23,9 @@ hand in vLLM's call order:
 * ``g``: the server is paused (SIGSTOP) for longer than the request timeout: a lookup of a new
   prompt times out (a miss), its store is given up; resumed (SIGCONT), its late replies are
   dropped as stale and the links see it healthy again;
-* ``h``: the server is killed and started again at once, and a new prompt is looked up, computed
-  and stored before the links have reconnected: the sends fail at once (a miss, nothing stored);
-  ``i``, the same prompt once the links are back, a miss stored; ``j`` hits and loads it, checked
+* ``h``: the server is killed, and a new prompt is looked up, computed and stored before it is
+  started again on the same address: the sends fail at once (a miss, nothing stored); ``i``, the
+  same prompt once the links are back, a miss stored; ``j`` hits and loads it, checked
   byte for byte;
 * ``k``: a hit planned (its load in the step's plan) and preempted in the next step before the
   load ran: the worker waits until no copy reads its blocks (the connector's
@@ -256,14 +256,18 @@ def main(out: str, gpu: bool = False) -> int:
         finish("g")
         time.sleep(1.5)  # the late replies land, heartbeats answer again
 
-        # h: killed and started again at once; a prompt stored right away, before the links have
-        # reconnected: its sends fail at once (nothing waits for a timeout), vLLM computed it anyway
+        # h: killed; a prompt stored before it is started again, the links' connections already
+        # closed: its sends fail at once (nothing waits for a timeout), vLLM computed it anyway.
+        # Then started again on the same address. (Stored only after the new server is ready, h
+        # would race the links' reconnection: a server slow to start, as one initialising CUDA
+        # is, would be back before h's sends and store it.)
         server.proc.kill()
         server.stop()
-        server = ServerProcess(flags, ready_timeout=60.0)
+        time.sleep(0.3)  # the connections' close seen (the peer's process is gone: at once)
         fresh = [rng.randrange(1, 1000) for _ in range(2 * CHUNK + 3)]
         compute_and_store("h", fresh)
         finish("h")
+        server = ServerProcess(flags, ready_timeout=60.0)
         time.sleep(1.5)  # the links reconnect, see the new epoch, the worker registers again
         # i: the same prompt again, a miss (h stored nothing), computed and stored; j hits and loads it
         compute_and_store("i", fresh)

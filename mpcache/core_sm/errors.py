@@ -26,6 +26,7 @@ class ErrorKind(enum.Enum):
     UNKNOWN_TRANSFER = "unknown_transfer"  # COMMIT for a transfer id the server does not hold
     TIMEOUT = "timeout"  # a client gave up waiting (client-side only)
     UNHEALTHY = "unhealthy"  # the client marked the server unhealthy (client-side only)
+    NOT_SENT = "not_sent"  # the transport would not take it (no connection): the server never saw it (client-side only)
     INTERNAL = "internal"  # a bug: the runtime caught an exception it should not have seen
     SHUTTING_DOWN = "shutting_down"  # the server is closing: the request was not handled
     FORBIDDEN = "forbidden"  # the request names state another instance/connection owns, or needs admin

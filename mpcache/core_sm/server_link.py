@@ -80,6 +80,7 @@ from mpcache.core_sm.timers import Timer, TimerHeap
 SERVER = 0  # the link's one server, in its monitor
 
 TIMEOUT, UNHEALTHY, NOT_REGISTERED_KIND, CLOSED = "timeout", "unhealthy", "not_registered", "closed"
+NOT_SENT = "not_sent"  # SendFailed: the frame never left, so the server cannot act on it
 
 
 @attrs.frozen
@@ -412,7 +413,7 @@ class ServerLink:
         if p.role is Role.HEARTBEAT:
             self._feed(HeartbeatUnsent(SERVER), now, out)
             return
-        self._fail(p, UNHEALTHY, ev.message, out)
+        self._fail(p, NOT_SENT, ev.message, out)
         if p.role is Role.REGISTRATION and p.instance is not None:
             self._feed(RegistrationFailed(SERVER, p.instance), now, out)
 

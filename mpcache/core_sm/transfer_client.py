@@ -45,7 +45,8 @@ simulator. A DMA cannot be cancelled and the worker cannot know whether an op it
 (server unhealthy, new epoch, ``op_timeout``, a request the transport lost: ``UNHEALTHY``) is
 still in flight -- nor tell the transport's own request timeout from the server's refusal of a
 late request (both ``TIMEOUT``) -- so the request's blocks stay fenced until ``not_after + copy_grace`` (a copy
-the server began by ``not_after`` has ended by then): it is reported in ``sending`` (vLLM frees
+the server began by ``not_after`` has ended by then) -- but for ``NOT_SENT``, a frame the transport
+would not take (no connection), which no server can act on: it is reported in ``sending`` (vLLM frees
 the blocks) or in ``recving`` with its load errors (vLLM recomputes into them) only then, never
 earlier; ``next_deadline()`` covers it. An op the server answered (result or error) needs no
 fence; engine-driven ops need none (the worker runs their copies itself).
@@ -641,7 +642,8 @@ class TransferClient(GuardedMachine[ClientEvent]):
             # UNHEALTHY: the transport lost it, it may still arrive. TIMEOUT: the transport's
             # own request timeout (it may still be copying, a resend too) looks like the
             # server's refusal of a late request (no copy, and its not_after has passed):
-            # fenced alike, which costs that refusal at most copy_grace
+            # fenced alike, which costs that refusal at most copy_grace. NOT_SENT (the transport
+            # would not take the frame) is not fenced: the server never saw it, no copy can run
             self._fence_abandoned(record, op)
         self._complete(record, op, False, now)
 

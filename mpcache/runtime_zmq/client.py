@@ -5,7 +5,8 @@ Contract
 * ``MPCacheClient(url)`` connects a DEALER to ``url`` (``tcp://host:port`` or ``ipc://path``).
   Any thread may call ``submit(op, *args, timeout=)``: it returns a
   ``concurrent.futures.Future`` at once and never blocks on the network (a full or unconnected
-  socket fails the future with ``RemoteError(kind="unhealthy")`` instead of blocking).
+  socket fails the future with ``RemoteError(kind="not_sent")`` instead of blocking: the server
+  never saw it).
 * The future resolves to the decoded result (``None`` when the reply has no result frame), or
   fails with ``RemoteError(kind, message)`` for a server error reply, ``kind="timeout"`` after the
   per-request timeout, ``kind="unhealthy"`` when the heartbeat declares the server gone (every

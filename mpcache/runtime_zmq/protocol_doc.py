@@ -46,6 +46,8 @@ WHEN: dict[ErrorKind, str] = {
     "was reserved, leased or copied. Client side: no reply within the request's timeout",
     ErrorKind.UNHEALTHY: "client side only: the heartbeat declared the server gone; every pending request fails "
     "at that moment",
+    ErrorKind.NOT_SENT: "client side only: the request could not be sent (no connection to the server, or its "
+    "queue full); the server never saw it",
     ErrorKind.INTERNAL: "a bug: the server caught an exception; it keeps serving",
     ErrorKind.SHUTTING_DOWN: "the server stopped before it could answer (SIGTERM)",
     ErrorKind.FORBIDDEN: "the request names state (a request id, lease, plan, transfer) another instance or "

@@ -125,6 +125,27 @@ def test_store_failed_timeout_stays_fenced_until_not_after() -> None:
     assert c.stats()["stores_failed"] == 1 and c.stats()["store_fences"] == 1
 
 
+def test_a_store_the_transport_would_not_take_needs_no_fence() -> None:
+    """NOT_SENT (the link's SendFailed: no connection, the frame never left) cannot be copied by
+    any server, so its blocks go back to vLLM at once; an UNHEALTHY failure (the frame may be on
+    its way) of the same store stays fenced until not_after + copy_grace."""
+    from mpcache.core_sm.errors import ProtocolError
+    from mpcache.core_sm.messages import RequestFailed
+
+    for kind, freed_at in ((ErrorKind.NOT_SENT, 2.0), (ErrorKind.UNHEALTHY, 12.5)):
+        c = TransferClient(TransferClientConfig(instance_id=1, model_name="m", chunk_size=C,
+                                                object_bytes=10, transfer_timeout=10.0, copy_grace=0.5))
+        (sent,) = c.handle(SubmitStoreEvent(), 2.0)
+        c.handle(EngineFinished(("r",)), 2.0)
+        c.handle(RequestFailed(0, sent.correlation, ProtocolError(kind, "server not connected")), 2.0)
+        if freed_at > 2.0:
+            assert c.finished() == (frozenset(), frozenset()) and c.next_deadline() == freed_at
+            c.handle(ServerHealth(0, True), freed_at)
+        assert c.finished() == (frozenset({"r"}), frozenset()), kind
+        assert c.stats()["store_fences"] == (kind is ErrorKind.UNHEALTHY)
+        c.check_invariants()
+
+
 def test_pair_late_store_after_abandon_never_reads_reused_blocks() -> None:
     """The finding's sequence: STORE held in the network, the worker's server turns unhealthy,
     the STORE arrives later. Either the blocks are still the request's (before the fence), or

@@ -65,7 +65,8 @@ def test_a_request_past_its_deadline_fails_timeout_once() -> None:
 def test_send_failure_fails_the_request_and_a_heartbeat_unsent_decides_nothing() -> None:
     sl = link()
     [t] = transmits(sl.handle(Submit("A", "r"), 0.0))
-    assert [type(e) for e in sl.handle(SendFailed(t.uid), 0.0)] == [Failed]
+    # not_sent, not unhealthy: the frame never left, so a server-driven copy needs no fence
+    assert sl.handle(SendFailed(t.uid), 0.0) == [Failed("A", "not_sent", "server not connected", None, "r")]
     [hb] = transmits(sl.handle(TimerFired(), 0.0))
     assert sl.handle(SendFailed(hb.uid), 0.0) == []
     assert sl.monitor.stats()["heartbeats_unsent"] == 1

@@ -79,7 +79,7 @@ def test_unreachable_server_fails_fast_and_close_fails_pending() -> None:
     assert time.monotonic() - t0 < 4.0
     with pytest.raises(RemoteError) as e:
         c.call("noop", timeout=1.0)
-    assert e.value.kind == "unhealthy"  # not connected: refused at once, nothing buffered
+    assert e.value.kind == "not_sent"  # not connected: refused at once, nothing buffered
     c.close()
     with pytest.raises(ClientClosed):
         c.call("noop")
