@@ -76,31 +76,87 @@ def _template(d: Dispatcher[Any], owner: Any) -> _Template | None:
     return template
 
 
-def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any],
-                     dc: Callable[[Any, dict[int, Any]], Any] = copy.deepcopy) -> Dispatcher[Any]:
-    """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
-    (and guard, and the machine's set_state) bound again to the copied machine. Its handlers are
-    bound once per distinct function, from the template of its table and machine class, where
-    copy's generic path rebuilds every row tuple and bound method through __reduce_ex__."""
-    new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
-    memo[id(d)] = new
-    ns = dict(vars(d))
-    owner = _owner(d)
-    template = _template(d, owner)
-    if template is not None:
-        clone = dc(owner, memo)
-        bound = [types.MethodType(f, clone) for f in template.funcs]
+_WIRES = ("_address", "_state_of", "_refuse", "_set_state")  # a dispatcher's callables besides its rows
+_LAZY = frozenset({"_bound", "_fast", "_guards", *_WIRES})  # what a lazy copy binds at its first use
+
+
+class LazyDispatcher(Dispatcher[Any]):
+    """A dispatcher's copy whose handlers are bound to the copied machine at its first use (any
+    of ``_LAZY`` read), not when the machine is copied: an action runs one or two of a machine's
+    dispatchers, a server has four (73 rows, each bound twice: ``_bound`` and ``_fast``). Until
+    then it holds its template, the copied machine, and its other callables as (function, copied
+    object) pairs or shared values; ``table``, ``trace`` and the counters are its own at once."""
+
+    _plan: tuple[_Template, Any, tuple[tuple[str, Any, Any], ...]]
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _LAZY:
+            raise AttributeError(name)
+        self._bind()
+        return vars(self)[name]
+
+    def _bind(self) -> None:
+        template, owner, wires = vars(self).pop("_plan")
+        bound = [types.MethodType(f, owner) for f in template.funcs]
+        ns = vars(self)
         ns["_bound"] = {k: (bound[i], n) for k, i, n in template.bound}
         ns["_fast"] = {k: (bound[i], n, a) for k, i, n, a in template.fast}
         ns["_guards"] = {t: bound[i] for t, i in template.guards}
-    else:
-        def rebind(h: Any) -> Any:
-            return types.MethodType(h.__func__, dc(h.__self__, memo))
+        for name, func, obj in wires:
+            ns[name] = obj if func is None else types.MethodType(func, obj)
 
-        ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
-        ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
-        ns["_guards"] = {t: rebind(g) for t, g in d._guards.items()}
-    for name in ("_address", "_state_of", "_refuse", "_counters", "trace", "_set_state"):
+
+def _wires(d: Dispatcher[Any], memo: dict[int, Any],
+           dc: Callable[[Any, dict[int, Any]], Any]) -> tuple[tuple[str, Any, Any], ...]:
+    """A dispatcher's callables besides its rows, for a lazy copy: a bound method as (its
+    function, the copy of its object), anything else copied (a function: shared)."""
+    plan = vars(d).get("_plan")
+    if plan is not None:  # a lazy copy not bound yet
+        return tuple((n, f, dc(o, memo)) for n, f, o in plan[2])
+    out: list[tuple[str, Any, Any]] = []
+    for name in _WIRES:
+        h = vars(d)[name]
+        if type(h) is types.MethodType:
+            out.append((name, h.__func__, dc(h.__self__, memo)))
+        else:
+            out.append((name, None, dc(h, memo)))
+    return tuple(out)
+
+
+def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any],
+                     dc: Callable[[Any, dict[int, Any]], Any] = copy.deepcopy) -> Dispatcher[Any]:
+    """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
+    (and guard, and the machine's set_state) bound again to the copied machine. Where its
+    handlers are all bound on one machine, the copy is a ``LazyDispatcher``: bound at its first
+    use, once per distinct function, from the template of its table and machine class (copy's
+    generic path rebuilds every row tuple and bound method through __reduce_ex__)."""
+    ns = vars(d)
+    plan = ns.get("_plan")
+    if plan is not None:
+        template, owner = plan[0], plan[1]
+    else:
+        owner = _owner(d)
+        template = _template(d, owner)
+    if template is not None:
+        lazy: LazyDispatcher = LazyDispatcher.__new__(LazyDispatcher)
+        memo[id(d)] = lazy
+        lns = vars(lazy)
+        for name, value in ns.items():
+            if name not in _LAZY and name != "_plan":
+                lns[name] = dc(value, memo)
+        lns["_plan"] = (template, dc(owner, memo), _wires(d, memo, dc))
+        return lazy
+    new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
+    memo[id(d)] = new
+    ns = dict(ns)
+
+    def rebind(h: Any) -> Any:
+        return types.MethodType(h.__func__, dc(h.__self__, memo))
+
+    ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
+    ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
+    ns["_guards"] = {t: rebind(g) for t, g in d._guards.items()}
+    for name in _WIRES + ("_counters", "trace"):
         ns[name] = dc(ns[name], memo)
     vars(new).update(ns)
     return new
@@ -111,6 +167,7 @@ def _clone_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[An
 
 
 copy._deepcopy_dispatch[Dispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
+copy._deepcopy_dispatch[LazyDispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ copies
@@ -231,7 +288,8 @@ def _copier_for(t: type) -> _Copier:
     """The copier of type ``t`` (chosen once per type)."""
     exact: dict[type, _Copier] = {dict: _copy_dict, list: _copy_list, tuple: _copy_tuple, set: _copy_set,
                                   frozenset: _copy_frozenset, deque: _copy_deque, OrderedDict: _copy_ordered,
-                                  types.MethodType: _copy_method, Dispatcher: _clone_dispatcher}
+                                  types.MethodType: _copy_method, Dispatcher: _clone_dispatcher,
+                                  LazyDispatcher: _clone_dispatcher}
     if t in exact:
         return exact[t]
     if issubclass(t, enum.Enum):
