@@ -198,16 +198,26 @@ def clone(x: Any, memo: dict[int, Any]) -> Any:
 
 
 def _copy_dict(x: dict[Any, Any], memo: dict[int, Any]) -> dict[Any, Any]:
-    y: dict[Any, Any] = {}
-    memo[id(x)] = y
     shared = _SHARED_TYPES
+    if shared.issuperset(map(type, x.values())) and shared.issuperset(map(type, x)):
+        # every key and value shared (counters, ids, enums): copied in C, types checked in C
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = {}
+    memo[id(x)] = y
     for k, v in x.items():
         y[k if type(k) in shared else clone(k, memo)] = v if type(v) in shared else clone(v, memo)
     return y
 
 
 def _copy_ordered(x: OrderedDict[Any, Any], memo: dict[int, Any]) -> OrderedDict[Any, Any]:
-    y: OrderedDict[Any, Any] = OrderedDict()
+    shared = _SHARED_TYPES
+    if shared.issuperset(map(type, x.values())) and shared.issuperset(map(type, x)):
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = OrderedDict()
     memo[id(x)] = y
     for k, v in x.items():
         y[clone(k, memo)] = clone(v, memo)
@@ -215,9 +225,13 @@ def _copy_ordered(x: OrderedDict[Any, Any], memo: dict[int, Any]) -> OrderedDict
 
 
 def _copy_list(x: list[Any], memo: dict[int, Any]) -> list[Any]:
-    y: list[Any] = []
-    memo[id(x)] = y
     shared = _SHARED_TYPES
+    if shared.issuperset(map(type, x)):
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = []
+    memo[id(x)] = y
     y.extend([v if type(v) in shared else clone(v, memo) for v in x])
     return y
 
@@ -238,7 +252,11 @@ def _copy_tuple(x: tuple[Any, ...], memo: dict[int, Any]) -> tuple[Any, ...]:
 
 
 def _copy_set(x: set[Any], memo: dict[int, Any]) -> set[Any]:
-    y: set[Any] = set()
+    if _SHARED_TYPES.issuperset(map(type, x)):
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = set()
     memo[id(x)] = y
     for v in x:
         y.add(clone(v, memo))
@@ -293,6 +311,7 @@ def _copier_for(t: type) -> _Copier:
     if t in exact:
         return exact[t]
     if issubclass(t, enum.Enum):
+        _SHARED_TYPES.add(t)  # as deepcopy: an enum member is itself (its copy shares it)
         return _share
     if hasattr(t, "__deepcopy__"):
         return _own_deepcopy
@@ -367,6 +386,38 @@ def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
                 "mpcache.core_sm"):
             out.extend(v for v in vars(value).values() if isinstance(v, Dispatcher))
     return out
+
+
+_PATHS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def dispatchers_of(machine: Any) -> tuple[Dispatcher[Any], ...]:
+    """``dispatchers(machine)``, by the attribute paths found on the first machine of its class
+    (a machine's wiring is made once, in its constructor, the same for every machine of a class)."""
+    get = _PATHS.get(type(machine))
+    if get is None:
+        found = {id(d) for d in dispatchers(machine)}
+        paths: list[str] = []
+        for name, value in vars(machine).items():
+            if id(value) in found:
+                paths.append(name)
+            elif hasattr(value, "__dict__") and not isinstance(value, (type, enum.Enum)) and type(
+                    value).__module__.startswith("mpcache.core_sm"):
+                paths.extend(f"{name}.{sub}" for sub, v in vars(value).items() if id(v) in found)
+        get = _PATHS[type(machine)] = _getter(paths)
+    return get(machine)
+
+
+def _getter(paths: list[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """A function of a machine: the values at ``paths``, as a tuple."""
+    if len(paths) > 1:
+        many: Callable[[Any], tuple[Any, ...]] = operator.attrgetter(*paths)
+        return many
+    one = operator.attrgetter(*paths) if paths else None
+
+    def get(machine: Any) -> tuple[Any, ...]:
+        return () if one is None else (one(machine),)
+    return get
 
 
 def next_deadline(machine: Any, horizon: float = math.inf) -> float | None:
