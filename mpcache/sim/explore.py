@@ -671,7 +671,7 @@ class Explorer:
         # that is never due (a legacy link's infinite wait) is none.
         horizon = self.world.horizon
         deadlines = [d for m in (*st.servers, *st.clients, *st.links, *st.workers)
-                     if (d := next_deadline(m, horizon)) is not None and d < math.inf]
+                     if (d := self._deadline(m, horizon)) is not None and d < math.inf]
         # The network is fast beside every timeout: the clock moves only once nothing is in
         # flight, unless the fault budget pays for a slow frame (a deadline passing under it).
         if deadlines and (not st.frames or st.faults > 0):
@@ -711,6 +711,17 @@ class Explorer:
                     if st.servers[s].instance_state(e + 1) is InstanceState.REGISTERED:
                         for kind in INSTANCE_ATTACKS:
                             yield ("attack", (kind, e, 0, s))
+
+    def _deadline(self, machine: Any, horizon: float) -> float | None:
+        """``next_deadline(machine, horizon)`` of a machine in a stored state (it never changes),
+        kept per machine object."""
+        entry = self._snaps.get(id(machine))
+        cache = entry[1] if entry is not None else self._cache(machine)
+        key = ("deadline", horizon)
+        d = cache.get(key, cache)
+        if d is cache:
+            d = cache[key] = next_deadline(machine, horizon)
+        return d  # type: ignore[no-any-return]
 
     def describe(self, st: XState, action: tuple[str, Any]) -> str:
         kind, arg = action
@@ -1468,7 +1479,8 @@ class Explorer:
         stored state never changes: it is copied before it is touched) for as long as it lives:
         a weak reference forgets it when the machine goes (a copy made for a state already seen),
         before its id can name another."""
-        cache = self._cache(machine)
+        entry = self._snaps.get(id(machine))
+        cache = entry[1] if entry is not None else self._cache(machine)
         cached = cache.get(key)
         if cached is None:
             # marshal's version 2 writes structure only (no references to shared objects), so
@@ -1524,7 +1536,8 @@ class Explorer:
         # per client object; its place in the sorted order is its label.
         ns = len(st.servers)
         ne = len(st.clients)
-        sigs = [b"|".join(self._snap(m, self._engine_ren(e), "E")
+        snap = self._snap
+        sigs = [b"|".join(snap(m, self._engine_ren(e), "E")
                           for m in (st.clients[e], *st.workers[e:e + 1],
                                     *(st.links[(node * ne + e) * ns + s] for node in range(self.nodes)
                                       for s in range(ns))))
@@ -1552,14 +1565,15 @@ class Explorer:
                  sorted((ren.get(r, r), n) for r, n in st.matched), sorted((ren.get(r, r), n) for r, n in st.loads),
                  sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent,
                  sorted((k, ren.get(p, p)) for k, p in st.mappings), sorted(((perm[e], b), x) for (e, b), x in st.kv))
-        h = hashlib.blake2b(digest_size=16)
         scripts = self._scripts
+        # each part length-prefixed, hashed at once (the digest of the parts fed one by one)
+        data = []
         for part in (*(x for sig, script in clients for x in (sig, scripts.get(script) or scripts.setdefault(
                 script, repr(script).encode()))), *servers,
                      repr(bag).encode(), books.encode(), repr(extra).encode()):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-        return h.digest()
+            data.append(len(part).to_bytes(8, "little"))
+            data.append(part)
+        return hashlib.blake2b(b"".join(data), digest_size=16).digest()
 
     def _frame_snap(self, f: Frame, perm: dict[int, int], ren: dict[str, str], pkey: tuple[int, ...]) -> str:
         """A frame in the bag, its engine relabelled by ``pkey``'s order (cached per frame)."""
