@@ -441,6 +441,7 @@ class Explorer:
         self.complete = False
         self.violation: tuple[Violation, list[tuple[str, Any]]] | None = None
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # the search's CPU time (process time): comparable on a shared box
         self.bytes_per_state = 0.0
         self.lines: list[str] | None = None  # timeline lines, kept only when replaying
         self._tape: tuple[Any, dict[str, Any]] | None = None  # the counterexample's tape, once written
@@ -1599,6 +1600,7 @@ class Explorer:
     # ------------------------------------------------------------------ search
     def run(self, dfs: bool = False, progress: Callable[[str], None] | None = None) -> Explorer:
         t0 = time.perf_counter()
+        c0 = time.process_time()
         root = Node(self.initial(), 0, None, None)
         seen: set[bytes] = {self.fingerprint(root.state)}
         frontier: deque[Node] = deque([root])
@@ -1617,6 +1619,7 @@ class Explorer:
                 gc.enable()
         self.states = len(seen)
         self.seconds = time.perf_counter() - t0
+        self.cpu_seconds = time.process_time() - c0
         self.bytes_per_state = self._memory(frontier, seen)
         self.complete = self.violation is None and not self._truncated
         return self
@@ -1684,7 +1687,7 @@ class Explorer:
             own += [m for i, m in enumerate(st.clients) if parent is None or parent.clients[i] is not m]
             own += [m for i, m in enumerate(st.links) if parent is None or parent.links[i] is not m]
             own += [m for i, m in enumerate(st.workers) if parent is None or parent.workers[i] is not m]
-            total += deep_size([own, st.frames, st.books, st.scripts]) + sys.getsizeof(node)
+            total += deep_size([own, st.frames, st.books, st.scripts], self._static) + sys.getsizeof(node)
         return total / len(sample)
 
     # ------------------------------------------------------------------ coverage
@@ -1785,11 +1788,13 @@ def report(ex: Explorer, out: Any = None) -> None:
     out = out or sys.stdout
     w = ex.world
     rate = ex.states / ex.seconds if ex.seconds else 0.0
+    cpu_rate = ex.states / ex.cpu_seconds if ex.cpu_seconds else 0.0
     print(f"world {w.name}: {w.engines} engine(s) x {w.servers} server(s) x {w.requests} request(s), "
           f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, attacks {w.attacks}, profile {ex.profile_name}, "
           f"symmetry {'on' if w.symmetry else 'off'}", file=out)
     print(f"  {'complete' if ex.complete else 'NOT complete'}: {ex.states} states, {ex.transitions} transitions, "
-          f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s, {ex.bytes_per_state:.0f} B/state", file=out)
+          f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s ({cpu_rate:.0f} per CPU second), "
+          f"{ex.bytes_per_state:.0f} B/state", file=out)
     if ex.violation is not None:
         v, path = ex.violation
         print(f"  VIOLATION {v.reason()} (counterexample: {len(path)} actions)", file=out)

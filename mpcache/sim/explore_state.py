@@ -436,14 +436,16 @@ def next_deadline(machine: Any, horizon: float = math.inf) -> float | None:
     return min(pending) if pending else None
 
 
-def deep_size(obj: Any) -> int:
-    """Bytes of ``obj`` and everything it refers to, tables and types excepted."""
-    seen: set[int] = set()
+def deep_size(obj: Any, shared: dict[int, Any] | None = None) -> int:
+    """Bytes of ``obj`` and everything it refers to, tables, types and what every copy of a
+    machine shares excepted: what ``shared`` names (the explorer's tables' rows and next-state
+    sets, configurations) and the dispatcher templates."""
+    seen: set[int] = set(shared or ())
     todo = [obj]
     total = 0
     while todo:
         o = todo.pop()
-        if id(o) in seen or isinstance(o, (type, Table, enum.Enum, types.ModuleType)) or callable(o):
+        if id(o) in seen or isinstance(o, (type, Table, enum.Enum, types.ModuleType, _Template)) or callable(o):
             continue
         seen.add(id(o))
         total += sys.getsizeof(o)
