@@ -36,7 +36,9 @@ Contract:
   their TTLs reap it); an adversarial tenant's request (while ``attacks`` lasts): FREE or
   END_SESSION naming a request id it saw, or REGISTER_INSTANCE of a worker's registered instance.
 * **World state**: the machines are shared between a state and its successors and copied only
-  when an action touches them (copy on write, by ``explore_state.clone``); ``Explorer.fingerprint``
+  when an action touches them (copy on write, by ``explore_state.clone``); a machine's step is
+  remembered per machine object and events (``Explorer._step``: the same step from the same
+  machine, by another interleaving, takes the machine made the first time); ``Explorer.fingerprint``
   hashes a canonical snapshot of each machine (cached per machine object while it lives, written
   by marshal) plus the frame bag and the oracles' own bookkeeping. During a search the collector
   runs on the young generation only, after each expanded state (the copies made for states
@@ -452,6 +454,8 @@ class Explorer:
         self._snaps: dict[int, tuple[weakref.ref[Any], dict[Any, Any]]] = {}
         self._renames: dict[Any, dict[str, str]] = {}  # relabellings, by engine or engine order
         self._scripts: dict[tuple[int, ...], bytes] = {}  # an engine's script steps, written
+        self.remember_steps = True  # Explorer._step: a machine's steps remembered (off: copied and run each time)
+        self.step_hits = 0  # steps taken from what was remembered
         self._node_bytes = 0.0
         self._truncated = False
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
@@ -606,12 +610,17 @@ class Explorer:
         now = st.now
         if slot in st.owned:
             return machine, self._run(machine, calls, now)
+        if not self.remember_steps:
+            st.owned.add(slot)
+            machines[i] = machine = clone(machine, dict(self._static))
+            return machine, self._run(machine, calls, now)
         key = ("step", now, *((type(c), marshal.dumps(snapshot(c, {}), 2)) for c in calls))
         cache = self._cache(machine)
         hit = cache.get(key)
         if hit is not None:
             after = hit[0]()
             if after is not None:
+                self.step_hits += 1
                 machines[i] = after
                 return after, list(hit[1])
         after = clone(machine, dict(self._static))

@@ -4,16 +4,18 @@ state holds.
 
 * ``clone(machine, memo)``: the deep copy a state makes of a machine an action touches, the graph
   ``copy.deepcopy`` would build (what ``memo`` names shared: tables, configurations, frozen rows)
-  by a copier chosen once per type; a ``Dispatcher``'s handlers are bound to the copy once per
-  distinct function, from a template per table and machine class. ``copy.deepcopy`` of a
-  ``Dispatcher`` does the same (registered here, on import).
-* ``dispatchers(machine)``: every dispatcher of a machine and of the sub-machines it holds.
+  by a copier chosen once per type; a ``Dispatcher``'s copy is a ``LazyDispatcher``, its handlers
+  bound to the copy at its first use, once per distinct function, from a template per table and
+  machine class. ``copy.deepcopy`` of a ``Dispatcher`` does the same (registered here, on import).
+* ``dispatchers(machine)``: every dispatcher of a machine and of the sub-machines it holds;
+  ``dispatchers_of(machine)`` the same, by the attribute paths found once per machine class.
 * ``snapshot(obj, ren)``: a canonical nested-tuple picture of a machine's state, strings renamed
   by ``ren`` (symmetry), lazily deleting heaps reduced to their live entries in firing order; how
   each type is written is decided once per type.
 * ``next_deadline(machine, horizon)``: when a machine next has something to do (a link's answered
   requests and, past the horizon, its monitor's timers left out).
-* ``deep_size(obj)``: bytes of an object graph, tables and types excepted.
+* ``deep_size(obj, shared)``: bytes of an object graph, tables and types excepted (with
+  ``shared``, what every copy of a machine shares too).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class _Template:
 
 
 _TEMPLATES: dict[tuple[Table[Any], type], _Template | None] = {}
+_TEMPLATE_PARTS: set[int] = set()  # what the templates hold (row keys, next states): shared by every copy
 
 
 def _owner(d: Dispatcher[Any]) -> Any:
@@ -72,6 +75,7 @@ def _template(d: Dispatcher[Any], owner: Any) -> _Template | None:
         fast = tuple((k, index.setdefault(func(h), len(index)), n, a) for k, (h, n, a) in d._fast.items())
         guards = tuple((t, index.setdefault(func(g), len(index))) for t, g in d._guards.items())
         template = _Template(tuple(index), bound, fast, guards)
+        _TEMPLATE_PARTS.update(id(x) for row in (*bound, *fast) for x in (row, *row))
     _TEMPLATES[key] = template
     return template
 
@@ -437,15 +441,19 @@ def next_deadline(machine: Any, horizon: float = math.inf) -> float | None:
 
 
 def deep_size(obj: Any, shared: dict[int, Any] | None = None) -> int:
-    """Bytes of ``obj`` and everything it refers to, tables, types and what every copy of a
-    machine shares excepted: what ``shared`` names (the explorer's tables' rows and next-state
-    sets, configurations) and the dispatcher templates."""
-    seen: set[int] = set(shared or ())
+    """Bytes of ``obj`` and everything it refers to, tables and types excepted; with ``shared``,
+    what every copy of a machine shares excepted too: what it names (the explorer's tables' rows
+    and next-state sets, configurations) and the dispatcher templates and their parts."""
+    seen: set[int] = set()
+    skip: tuple[type, ...] = (type, Table, enum.Enum, types.ModuleType)
+    if shared is not None:
+        seen.update(shared, _TEMPLATE_PARTS)
+        skip += (_Template,)
     todo = [obj]
     total = 0
     while todo:
         o = todo.pop()
-        if id(o) in seen or isinstance(o, (type, Table, enum.Enum, types.ModuleType, _Template)) or callable(o):
+        if id(o) in seen or isinstance(o, skip) or callable(o):
             continue
         seen.add(id(o))
         total += sys.getsizeof(o)
