@@ -36,7 +36,9 @@ Contract:
   their TTLs reap it); an adversarial tenant's request (while ``attacks`` lasts): FREE or
   END_SESSION naming a request id it saw, or REGISTER_INSTANCE of a worker's registered instance.
 * **World state**: the machines are shared between a state and its successors and copied only
-  when an action touches them (copy on write, by ``explore_state.clone``); ``Explorer.fingerprint``
+  when an action touches them (copy on write, by ``explore_state.clone``); a machine's step is
+  remembered per machine object and events (``Explorer._step``: the same step from the same
+  machine, by another interleaving, takes the machine made the first time); ``Explorer.fingerprint``
   hashes a canonical snapshot of each machine (cached per machine object while it lives, written
   by marshal) plus the frame bag and the oracles' own bookkeeping. During a search the collector
   runs on the young generation only, after each expanded state (the copies made for states
@@ -133,7 +135,7 @@ from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.engine import Outbound, sim_link_config
-from mpcache.sim.explore_state import clone, deep_size, dispatchers, next_deadline, snapshot
+from mpcache.sim.explore_state import clone, deep_size, dispatchers, dispatchers_of, next_deadline, snapshot
 from mpcache.sim.groups import group_copies
 from mpcache.sim.oracles import Violation
 from mpcache.sim.profiles import Profile, acted_first
@@ -319,6 +321,13 @@ class Frame:
     node: int = 0  # the engine's node: 0 its scheduler (lookup client), 1 its worker (transfer client)
 
 
+@attrs.frozen
+class Check:
+    """vLLM's ``check()`` of a request's lookup, as a step of the lookup client (``Explorer._step``)."""
+
+    request_id: str
+
+
 @attrs.define
 class ServerBook:
     """What the oracles remember about one server incarnation (copied with the server)."""
@@ -434,6 +443,7 @@ class Explorer:
         self.complete = False
         self.violation: tuple[Violation, list[tuple[str, Any]]] | None = None
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # the search's CPU time (process time): comparable on a shared box
         self.bytes_per_state = 0.0
         self.lines: list[str] | None = None  # timeline lines, kept only when replaying
         self._tape: tuple[Any, dict[str, Any]] | None = None  # the counterexample's tape, once written
@@ -443,6 +453,9 @@ class Explorer:
         # machine id -> (a weak reference to it, relabelling key -> its snapshot)
         self._snaps: dict[int, tuple[weakref.ref[Any], dict[Any, Any]]] = {}
         self._renames: dict[Any, dict[str, str]] = {}  # relabellings, by engine or engine order
+        self._scripts: dict[tuple[int, ...], bytes] = {}  # an engine's script steps, written
+        self.remember_steps = True  # Explorer._step: a machine's steps remembered (off: copied and run each time)
+        self.step_hits = 0  # steps taken from what was remembered
         self._node_bytes = 0.0
         self._truncated = False
         self.server_config = ServerConfig(chunk_size=CHUNK, num_slots=8, slot_bytes=4096, lease_ttl=2.0,
@@ -566,9 +579,67 @@ class Explorer:
         if ("s", s) not in st.owned:
             st.owned.add(("s", s))
             st.servers[s] = clone(st.servers[s], dict(self._static))
-            st.books[s] = st.books[s].copy()
+        self._own_book(st, s)
         server: LookupServer = st.servers[s]
         return server
+
+    def _own_book(self, st: XState, s: int) -> ServerBook:
+        if ("b", s) not in st.owned:
+            st.owned.add(("b", s))
+            st.books[s] = st.books[s].copy()
+        return st.books[s]
+
+    def _step(self, st: XState, slot: tuple[str, int], calls: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+        """The machine in ``slot`` (``("s", server)``, ``("c", engine)``, ``("l", link index)``,
+        ``("w", engine)``) handles ``calls`` at ``st.now`` (events, ``None`` for its
+        ``run_deferred()``, a ``Check`` for a lookup client's ``check()``): the machine after them, in the slot, and their effects.
+
+        A machine in a stored state never changes, and its handling is a function of the
+        machine and the events alone, so the step is remembered per machine object (while it
+        lives) and per events (their canonical snapshot, written by marshal, which tells
+        ``True`` from ``1``) and time: the same step from the same machine -- another
+        interleaving of the other machines' actions -- takes the machine made the first time
+        (while it lives: a step whose state was seen already is forgotten with it) instead of
+        a copy and a run. That machine stays shared: the slot is not owned, so a later change in
+        the transition copies it again. A machine the transition owns already (copied by
+        ``_own_*``) just handles them."""
+        kind, i = slot
+        machines: list[Any] = st.servers if kind == "s" else st.clients if kind == "c" else st.links if kind == "l" \
+            else st.workers
+        machine = machines[i]
+        now = st.now
+        if slot in st.owned:
+            return machine, self._run(machine, calls, now)
+        if not self.remember_steps:
+            st.owned.add(slot)
+            machines[i] = machine = clone(machine, dict(self._static))
+            return machine, self._run(machine, calls, now)
+        key = ("step", now, *((type(c), marshal.dumps(snapshot(c, {}), 2)) for c in calls))
+        cache = self._cache(machine)
+        hit = cache.get(key)
+        if hit is not None:
+            after = hit[0]()
+            if after is not None:
+                self.step_hits += 1
+                machines[i] = after
+                return after, list(hit[1])
+        after = clone(machine, dict(self._static))
+        effects = self._run(after, calls, now)
+        cache[key] = (weakref.ref(after), tuple(effects))
+        machines[i] = after
+        return after, effects
+
+    @staticmethod
+    def _run(machine: Any, calls: tuple[Any, ...], now: float) -> list[Any]:
+        effects: list[Any] = []
+        for call in calls:
+            if call is None:
+                effects += machine.run_deferred()
+            elif type(call) is Check:
+                machine.check(call.request_id)
+            else:
+                effects += machine.handle(call, now)
+        return effects
 
     def _own_client(self, st: XState, e: int) -> Any:
         if ("c", e) not in st.owned:
@@ -610,7 +681,7 @@ class Explorer:
         # that is never due (a legacy link's infinite wait) is none.
         horizon = self.world.horizon
         deadlines = [d for m in (*st.servers, *st.clients, *st.links, *st.workers)
-                     if (d := next_deadline(m, horizon)) is not None and d < math.inf]
+                     if (d := self._deadline(m, horizon)) is not None and d < math.inf]
         # The network is fast beside every timeout: the clock moves only once nothing is in
         # flight, unless the fault budget pays for a slow frame (a deadline passing under it).
         if deadlines and (not st.frames or st.faults > 0):
@@ -650,6 +721,17 @@ class Explorer:
                     if st.servers[s].instance_state(e + 1) is InstanceState.REGISTERED:
                         for kind in INSTANCE_ATTACKS:
                             yield ("attack", (kind, e, 0, s))
+
+    def _deadline(self, machine: Any, horizon: float) -> float | None:
+        """``next_deadline(machine, horizon)`` of a machine in a stored state (it never changes),
+        kept per machine object."""
+        entry = self._snaps.get(id(machine))
+        cache = entry[1] if entry is not None else self._cache(machine)
+        key = ("deadline", horizon)
+        d = cache.get(key, cache)
+        if d is cache:
+            d = cache[key] = next_deadline(machine, horizon)
+        return d  # type: ignore[no-any-return]
 
     def describe(self, st: XState, action: tuple[str, Any]) -> str:
         kind, arg = action
@@ -756,10 +838,11 @@ class Explorer:
             if step in PLANNER_STEPS:
                 return self._planner_step(st, e, r, step, scripts)
             if step == "check":
-                client = self._own_client(st, e)
-                result = client.check(rid(e, r))  # a legacy client may send again here
-                if self.lines is not None:
+                if self.lines is not None:  # a replay prints check()'s answer
+                    result = self._own_client(st, e).check(rid(e, r))
                     self.lines.append(f"{st.now:12.6f} {'sched' + str(e):<11} check({rid(e, r)}) -> {result}")
+                else:
+                    self._step(st, ("c", e), (Check(rid(e, r)),))  # a legacy client may send again here
                 return self._client_event(st, e, TimerFired())  # sends what check() queued
             return self._client_event(st, e, Cleanup(rid(e, r)) if step == "cleanup" else EndRequest(rid(e, r)))
         if kind == "attack":
@@ -783,8 +866,11 @@ class Explorer:
             return None
         # restart
         s = arg
-        st.servers[s] = clone(self._fresh_server, dict(self._static))
-        st.owned.add(("s", s))
+        # every restart's server is the one fresh machine, shared (copied when it handles a frame,
+        # its steps and snapshots remembered once for every state restarted into it)
+        st.servers[s] = self._fresh_server
+        st.owned.discard(("s", s))
+        st.owned.add(("b", s))
         st.books[s] = ServerBook()
         st.incarnation[s] += 1
         st.frames = [f for f in st.frames if not (f.server == s and f.incarnation != st.incarnation[s])]
@@ -833,11 +919,10 @@ class Explorer:
         """One event into the link of engine ``e``'s scheduler (``node`` 0) or worker (1) to server
         ``s``; its effects performed in its order: frames into the bag, answers to its machine,
         health and epoch verdicts to it."""
-        link = self._own_link(st, e, s, node)
         name = node_name(node, e)
         deliver = self._client_event if node == 0 else self._worker_event
-        internal = link._counters["internal_errors"]
-        effects = link.handle(event, st.now)
+        internal = self.link(st, e, s, node)._counters["internal_errors"]
+        link, effects = self._step(st, ("l", (node * self.world.engines + e) * self.world.servers + s), (event,))
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {name:<11} link{s}: {short(event)} -> "
                               f"[{', '.join(short(x) for x in effects)}]")
@@ -899,8 +984,8 @@ class Explorer:
         return None if finding is None else Violation(finding[0], st.now, node, finding[1])
 
     def _server_event(self, st: XState, s: int, event: Any, via: Any) -> Violation | None:
-        server = self._own_server(st, s)
-        book = st.books[s]
+        server = st.servers[s]
+        book = self._own_book(st, s)
         node = f"server{s}"
         counters = server._counters
         before = (counters["table_violations"], counters["internal_errors"])
@@ -917,7 +1002,7 @@ class Explorer:
                     return v
         leases_before = server.leases_by_owner() if type(event) is FreeLookupLocks else None
         if leases_before is not None:  # time-driven expiries first, as the simulator's probe does
-            early = server.handle(TimerFired(), st.now)
+            server, early = self._step(st, ("s", s), (TimerFired(),))
             self._emit(st, s, early, {e.reply_to: book.awaiting.pop(e.reply_to) for e in early
                                       if (type(e) is Reply or type(e) is ErrorReply) and e.reply_to in book.awaiting})
             leases_before = server.leases_by_owner()
@@ -931,21 +1016,22 @@ class Explorer:
             book.last_session[event.request_id] = "end"
         if self.profile.act_before_decide:
             self._act_first(st, s, event)
-        effects = server.handle(event, st.now)
-        effects += server.run_deferred()
+        server, effects = self._step(st, ("s", s), (event, None))
         for attach in [x for x in effects if type(x) is AttachInstance]:
             # the runtime opens the instance's memory core_sm accepted and answers at once (as
             # sim/world.py does): core_sm replies to the registration then
-            effects += server.handle(InstanceAttached(attach.instance_id, attach.registration_id, None,
-                                                      reply_to=attach.reply_to), st.now)
+            server, more = self._step(st, ("s", s), (InstanceAttached(
+                attach.instance_id, attach.registration_id, None, reply_to=attach.reply_to),))
+            effects += more
         self._map(st, s, effects)
         for start in [x for x in effects if type(x) is StartTransfer]:
             # the runtime's copy, at once: core_sm answers the op then
             v, ok = self._copy(st, s, start)
             if v:
                 return v
-            effects += server.handle(TransferFinished(start.transfer_id, ok), st.now)
-            effects += server.run_deferred()
+            server, more = self._step(st, ("s", s), (TransferFinished(start.transfer_id, ok), None))
+            effects += more
+        counters = server._counters
         self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
@@ -1115,7 +1201,7 @@ class Explorer:
                                        about.get(eff.reply_to, ("", None)), node))
 
     def _client_event(self, st: XState, e: int, event: Any) -> Violation | None:
-        client = self._own_client(st, e)
+        client = st.clients[e]
         lc = self.lookups(client)
         node = f"sched{e}"
         counters = lc._counters
@@ -1123,7 +1209,10 @@ class Explorer:
         before = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"],
                   own["internal_errors"], own.get("table_violations", 0))
         watched = [r for r in sorted({k[0] for k, _n in st.hits}) if lc.state(r) is not LookupState.DONE]
-        effects = client.handle(event, st.now)
+        client, effects = self._step(st, ("c", e), (event,))
+        lc = self.lookups(client)
+        counters = lc._counters
+        own = client._counters
         self._effects = effects
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} {'planner' if lc is not client else 'lookup'}: "
@@ -1289,11 +1378,11 @@ class Explorer:
         """One event into engine ``e``'s worker (its TransferClient); what it sends goes to its
         own link, in the role ``sim/engine.py`` gives it (a registration, a request naming the
         instance)."""
-        worker = self._own_worker(st, e)
         node = node_name(1, e)
-        counters = worker._counters
+        counters = st.workers[e]._counters
         before = (counters["internal_errors"], counters.get("table_violations", 0))
-        effects = worker.handle(event, st.now)
+        worker, effects = self._step(st, ("w", e), (event,))
+        counters = worker._counters
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} transfer: {short(event)} -> "
                               f"[{', '.join(short(x) for x in effects)}]")
@@ -1320,7 +1409,7 @@ class Explorer:
         return None
 
     def _drain(self, machine: Any) -> None:
-        for d in dispatchers(machine):
+        for d in dispatchers_of(machine):
             if d.trace:
                 name = d.table.name
                 for state, ev, _after in d.trace:
@@ -1383,10 +1472,13 @@ class Explorer:
                         st.books[s].last_session.get(owner.request_id) == "end", "done", node, "")
                     if finding is not None:
                         return Violation(finding[0], st.now, node, finding[1])
-            later = clone(server, dict(self._static))
             horizon = st.now + 4 * max(self.server_config.lease_ttl, self.server_config.abandoned_job_ttl) + 1.0
-            later.handle(TimerFired(), horizon)
-            finding = checks.drained(later.stats())
+            cache = self._cache(server)  # a stored server never changes: its verdict at a horizon neither
+            finding = cache.get(("drained", horizon), cache)
+            if finding is cache:
+                later = clone(server, dict(self._static))
+                later.handle(TimerFired(), horizon)
+                finding = cache[("drained", horizon)] = checks.drained(later.stats())
             if finding is not None:
                 return Violation(finding[0], horizon, node, finding[1])
         return None
@@ -1397,7 +1489,8 @@ class Explorer:
         stored state never changes: it is copied before it is touched) for as long as it lives:
         a weak reference forgets it when the machine goes (a copy made for a state already seen),
         before its id can name another."""
-        cache = self._cache(machine)
+        entry = self._snaps.get(id(machine))
+        cache = entry[1] if entry is not None else self._cache(machine)
         cached = cache.get(key)
         if cached is None:
             # marshal's version 2 writes structure only (no references to shared objects), so
@@ -1453,7 +1546,8 @@ class Explorer:
         # per client object; its place in the sorted order is its label.
         ns = len(st.servers)
         ne = len(st.clients)
-        sigs = [b"|".join(self._snap(m, self._engine_ren(e), "E")
+        snap = self._snap
+        sigs = [b"|".join(snap(m, self._engine_ren(e), "E")
                           for m in (st.clients[e], *st.workers[e:e + 1],
                                     *(st.links[(node * ne + e) * ns + s] for node in range(self.nodes)
                                       for s in range(ns))))
@@ -1481,12 +1575,15 @@ class Explorer:
                  sorted((ren.get(r, r), n) for r, n in st.matched), sorted((ren.get(r, r), n) for r, n in st.loads),
                  sorted((ren.get(r, r), t, i) for r, t, i in st.lease_seen), st.ops, st.resent,
                  sorted((k, ren.get(p, p)) for k, p in st.mappings), sorted(((perm[e], b), x) for (e, b), x in st.kv))
-        h = hashlib.blake2b(digest_size=16)
-        for part in (*(x for sig, script in clients for x in (sig, repr(script).encode())), *servers,
+        scripts = self._scripts
+        # each part length-prefixed, hashed at once (the digest of the parts fed one by one)
+        data = []
+        for part in (*(x for sig, script in clients for x in (sig, scripts.get(script) or scripts.setdefault(
+                script, repr(script).encode()))), *servers,
                      repr(bag).encode(), books.encode(), repr(extra).encode()):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-        return h.digest()
+            data.append(len(part).to_bytes(8, "little"))
+            data.append(part)
+        return hashlib.blake2b(b"".join(data), digest_size=16).digest()
 
     def _frame_snap(self, f: Frame, perm: dict[int, int], ren: dict[str, str], pkey: tuple[int, ...]) -> str:
         """A frame in the bag, its engine relabelled by ``pkey``'s order (cached per frame)."""
@@ -1512,6 +1609,7 @@ class Explorer:
     # ------------------------------------------------------------------ search
     def run(self, dfs: bool = False, progress: Callable[[str], None] | None = None) -> Explorer:
         t0 = time.perf_counter()
+        c0 = time.process_time()
         root = Node(self.initial(), 0, None, None)
         seen: set[bytes] = {self.fingerprint(root.state)}
         frontier: deque[Node] = deque([root])
@@ -1530,6 +1628,7 @@ class Explorer:
                 gc.enable()
         self.states = len(seen)
         self.seconds = time.perf_counter() - t0
+        self.cpu_seconds = time.process_time() - c0
         self.bytes_per_state = self._memory(frontier, seen)
         self.complete = self.violation is None and not self._truncated
         return self
@@ -1597,7 +1696,7 @@ class Explorer:
             own += [m for i, m in enumerate(st.clients) if parent is None or parent.clients[i] is not m]
             own += [m for i, m in enumerate(st.links) if parent is None or parent.links[i] is not m]
             own += [m for i, m in enumerate(st.workers) if parent is None or parent.workers[i] is not m]
-            total += deep_size([own, st.frames, st.books, st.scripts]) + sys.getsizeof(node)
+            total += deep_size([own, st.frames, st.books, st.scripts], self._static) + sys.getsizeof(node)
         return total / len(sample)
 
     # ------------------------------------------------------------------ coverage
@@ -1698,11 +1797,13 @@ def report(ex: Explorer, out: Any = None) -> None:
     out = out or sys.stdout
     w = ex.world
     rate = ex.states / ex.seconds if ex.seconds else 0.0
+    cpu_rate = ex.states / ex.cpu_seconds if ex.cpu_seconds else 0.0
     print(f"world {w.name}: {w.engines} engine(s) x {w.servers} server(s) x {w.requests} request(s), "
           f"faults {w.faults}, restarts {w.restarts}, aborts {w.aborts}, crashes {w.crashes}, attacks {w.attacks}, profile {ex.profile_name}, "
           f"symmetry {'on' if w.symmetry else 'off'}", file=out)
     print(f"  {'complete' if ex.complete else 'NOT complete'}: {ex.states} states, {ex.transitions} transitions, "
-          f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s, {ex.bytes_per_state:.0f} B/state", file=out)
+          f"depth {ex.depth}, {ex.seconds:.1f} s, {rate:.0f} states/s ({cpu_rate:.0f} per CPU second), "
+          f"{ex.bytes_per_state:.0f} B/state", file=out)
     if ex.violation is not None:
         v, path = ex.violation
         print(f"  VIOLATION {v.reason()} (counterexample: {len(path)} actions)", file=out)

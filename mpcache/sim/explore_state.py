@@ -4,16 +4,18 @@ state holds.
 
 * ``clone(machine, memo)``: the deep copy a state makes of a machine an action touches, the graph
   ``copy.deepcopy`` would build (what ``memo`` names shared: tables, configurations, frozen rows)
-  by a copier chosen once per type; a ``Dispatcher``'s handlers are bound to the copy once per
-  distinct function, from a template per table and machine class. ``copy.deepcopy`` of a
-  ``Dispatcher`` does the same (registered here, on import).
-* ``dispatchers(machine)``: every dispatcher of a machine and of the sub-machines it holds.
+  by a copier chosen once per type; a ``Dispatcher``'s copy is a ``LazyDispatcher``, its handlers
+  bound to the copy at its first use, once per distinct function, from a template per table and
+  machine class. ``copy.deepcopy`` of a ``Dispatcher`` does the same (registered here, on import).
+* ``dispatchers(machine)``: every dispatcher of a machine and of the sub-machines it holds;
+  ``dispatchers_of(machine)`` the same, by the attribute paths found once per machine class.
 * ``snapshot(obj, ren)``: a canonical nested-tuple picture of a machine's state, strings renamed
   by ``ren`` (symmetry), lazily deleting heaps reduced to their live entries in firing order; how
   each type is written is decided once per type.
 * ``next_deadline(machine, horizon)``: when a machine next has something to do (a link's answered
   requests and, past the horizon, its monitor's timers left out).
-* ``deep_size(obj)``: bytes of an object graph, tables and types excepted.
+* ``deep_size(obj, shared)``: bytes of an object graph, tables and types excepted (with
+  ``shared``, what every copy of a machine shares too).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class _Template:
 
 
 _TEMPLATES: dict[tuple[Table[Any], type], _Template | None] = {}
+_TEMPLATE_PARTS: set[int] = set()  # what the templates hold (row keys, next states): shared by every copy
 
 
 def _owner(d: Dispatcher[Any]) -> Any:
@@ -72,35 +75,92 @@ def _template(d: Dispatcher[Any], owner: Any) -> _Template | None:
         fast = tuple((k, index.setdefault(func(h), len(index)), n, a) for k, (h, n, a) in d._fast.items())
         guards = tuple((t, index.setdefault(func(g), len(index))) for t, g in d._guards.items())
         template = _Template(tuple(index), bound, fast, guards)
+        _TEMPLATE_PARTS.update(id(x) for row in (*bound, *fast) for x in (row, *row))
     _TEMPLATES[key] = template
     return template
+
+
+_WIRES = ("_address", "_state_of", "_refuse", "_set_state")  # a dispatcher's callables besides its rows
+_LAZY = frozenset({"_bound", "_fast", "_guards", *_WIRES})  # what a lazy copy binds at its first use
+
+
+class LazyDispatcher(Dispatcher[Any]):
+    """A dispatcher's copy whose handlers are bound to the copied machine at its first use (any
+    of ``_LAZY`` read), not when the machine is copied: an action runs one or two of a machine's
+    dispatchers, a server has four (73 rows, each bound twice: ``_bound`` and ``_fast``). Until
+    then it holds its template, the copied machine, and its other callables as (function, copied
+    object) pairs or shared values; ``table``, ``trace`` and the counters are its own at once."""
+
+    _plan: tuple[_Template, Any, tuple[tuple[str, Any, Any], ...]]
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _LAZY:
+            raise AttributeError(name)
+        self._bind()
+        return vars(self)[name]
+
+    def _bind(self) -> None:
+        template, owner, wires = vars(self).pop("_plan")
+        bound = [types.MethodType(f, owner) for f in template.funcs]
+        ns = vars(self)
+        ns["_bound"] = {k: (bound[i], n) for k, i, n in template.bound}
+        ns["_fast"] = {k: (bound[i], n, a) for k, i, n, a in template.fast}
+        ns["_guards"] = {t: bound[i] for t, i in template.guards}
+        for name, func, obj in wires:
+            ns[name] = obj if func is None else types.MethodType(func, obj)
+
+
+def _wires(d: Dispatcher[Any], memo: dict[int, Any],
+           dc: Callable[[Any, dict[int, Any]], Any]) -> tuple[tuple[str, Any, Any], ...]:
+    """A dispatcher's callables besides its rows, for a lazy copy: a bound method as (its
+    function, the copy of its object), anything else copied (a function: shared)."""
+    plan = vars(d).get("_plan")
+    if plan is not None:  # a lazy copy not bound yet
+        return tuple((n, f, dc(o, memo)) for n, f, o in plan[2])
+    out: list[tuple[str, Any, Any]] = []
+    for name in _WIRES:
+        h = vars(d)[name]
+        if type(h) is types.MethodType:
+            out.append((name, h.__func__, dc(h.__self__, memo)))
+        else:
+            out.append((name, None, dc(h, memo)))
+    return tuple(out)
 
 
 def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any],
                      dc: Callable[[Any, dict[int, Any]], Any] = copy.deepcopy) -> Dispatcher[Any]:
     """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
-    (and guard, and the machine's set_state) bound again to the copied machine. Its handlers are
-    bound once per distinct function, from the template of its table and machine class, where
-    copy's generic path rebuilds every row tuple and bound method through __reduce_ex__."""
+    (and guard, and the machine's set_state) bound again to the copied machine. Where its
+    handlers are all bound on one machine, the copy is a ``LazyDispatcher``: bound at its first
+    use, once per distinct function, from the template of its table and machine class (copy's
+    generic path rebuilds every row tuple and bound method through __reduce_ex__)."""
+    ns = vars(d)
+    plan = ns.get("_plan")
+    if plan is not None:
+        template, owner = plan[0], plan[1]
+    else:
+        owner = _owner(d)
+        template = _template(d, owner)
+    if template is not None:
+        lazy: LazyDispatcher = LazyDispatcher.__new__(LazyDispatcher)
+        memo[id(d)] = lazy
+        lns = vars(lazy)
+        for name, value in ns.items():
+            if name not in _LAZY and name != "_plan":
+                lns[name] = dc(value, memo)
+        lns["_plan"] = (template, dc(owner, memo), _wires(d, memo, dc))
+        return lazy
     new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
     memo[id(d)] = new
-    ns = dict(vars(d))
-    owner = _owner(d)
-    template = _template(d, owner)
-    if template is not None:
-        clone = dc(owner, memo)
-        bound = [types.MethodType(f, clone) for f in template.funcs]
-        ns["_bound"] = {k: (bound[i], n) for k, i, n in template.bound}
-        ns["_fast"] = {k: (bound[i], n, a) for k, i, n, a in template.fast}
-        ns["_guards"] = {t: bound[i] for t, i in template.guards}
-    else:
-        def rebind(h: Any) -> Any:
-            return types.MethodType(h.__func__, dc(h.__self__, memo))
+    ns = dict(ns)
 
-        ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
-        ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
-        ns["_guards"] = {t: rebind(g) for t, g in d._guards.items()}
-    for name in ("_address", "_state_of", "_refuse", "_counters", "trace", "_set_state"):
+    def rebind(h: Any) -> Any:
+        return types.MethodType(h.__func__, dc(h.__self__, memo))
+
+    ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
+    ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
+    ns["_guards"] = {t: rebind(g) for t, g in d._guards.items()}
+    for name in _WIRES + ("_counters", "trace"):
         ns[name] = dc(ns[name], memo)
     vars(new).update(ns)
     return new
@@ -111,6 +171,7 @@ def _clone_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[An
 
 
 copy._deepcopy_dispatch[Dispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
+copy._deepcopy_dispatch[LazyDispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ copies
@@ -141,16 +202,26 @@ def clone(x: Any, memo: dict[int, Any]) -> Any:
 
 
 def _copy_dict(x: dict[Any, Any], memo: dict[int, Any]) -> dict[Any, Any]:
-    y: dict[Any, Any] = {}
-    memo[id(x)] = y
     shared = _SHARED_TYPES
+    if shared.issuperset(map(type, x.values())) and shared.issuperset(map(type, x)):
+        # every key and value shared (counters, ids, enums): copied in C, types checked in C
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = {}
+    memo[id(x)] = y
     for k, v in x.items():
         y[k if type(k) in shared else clone(k, memo)] = v if type(v) in shared else clone(v, memo)
     return y
 
 
 def _copy_ordered(x: OrderedDict[Any, Any], memo: dict[int, Any]) -> OrderedDict[Any, Any]:
-    y: OrderedDict[Any, Any] = OrderedDict()
+    shared = _SHARED_TYPES
+    if shared.issuperset(map(type, x.values())) and shared.issuperset(map(type, x)):
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = OrderedDict()
     memo[id(x)] = y
     for k, v in x.items():
         y[clone(k, memo)] = clone(v, memo)
@@ -158,9 +229,13 @@ def _copy_ordered(x: OrderedDict[Any, Any], memo: dict[int, Any]) -> OrderedDict
 
 
 def _copy_list(x: list[Any], memo: dict[int, Any]) -> list[Any]:
-    y: list[Any] = []
-    memo[id(x)] = y
     shared = _SHARED_TYPES
+    if shared.issuperset(map(type, x)):
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = []
+    memo[id(x)] = y
     y.extend([v if type(v) in shared else clone(v, memo) for v in x])
     return y
 
@@ -181,7 +256,11 @@ def _copy_tuple(x: tuple[Any, ...], memo: dict[int, Any]) -> tuple[Any, ...]:
 
 
 def _copy_set(x: set[Any], memo: dict[int, Any]) -> set[Any]:
-    y: set[Any] = set()
+    if _SHARED_TYPES.issuperset(map(type, x)):
+        y = x.copy()
+        memo[id(x)] = y
+        return y
+    y = set()
     memo[id(x)] = y
     for v in x:
         y.add(clone(v, memo))
@@ -231,10 +310,12 @@ def _copier_for(t: type) -> _Copier:
     """The copier of type ``t`` (chosen once per type)."""
     exact: dict[type, _Copier] = {dict: _copy_dict, list: _copy_list, tuple: _copy_tuple, set: _copy_set,
                                   frozenset: _copy_frozenset, deque: _copy_deque, OrderedDict: _copy_ordered,
-                                  types.MethodType: _copy_method, Dispatcher: _clone_dispatcher}
+                                  types.MethodType: _copy_method, Dispatcher: _clone_dispatcher,
+                                  LazyDispatcher: _clone_dispatcher}
     if t in exact:
         return exact[t]
     if issubclass(t, enum.Enum):
+        _SHARED_TYPES.add(t)  # as deepcopy: an enum member is itself (its copy shares it)
         return _share
     if hasattr(t, "__deepcopy__"):
         return _own_deepcopy
@@ -311,6 +392,38 @@ def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
     return out
 
 
+_PATHS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def dispatchers_of(machine: Any) -> tuple[Dispatcher[Any], ...]:
+    """``dispatchers(machine)``, by the attribute paths found on the first machine of its class
+    (a machine's wiring is made once, in its constructor, the same for every machine of a class)."""
+    get = _PATHS.get(type(machine))
+    if get is None:
+        found = {id(d) for d in dispatchers(machine)}
+        paths: list[str] = []
+        for name, value in vars(machine).items():
+            if id(value) in found:
+                paths.append(name)
+            elif hasattr(value, "__dict__") and not isinstance(value, (type, enum.Enum)) and type(
+                    value).__module__.startswith("mpcache.core_sm"):
+                paths.extend(f"{name}.{sub}" for sub, v in vars(value).items() if id(v) in found)
+        get = _PATHS[type(machine)] = _getter(paths)
+    return get(machine)
+
+
+def _getter(paths: list[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """A function of a machine: the values at ``paths``, as a tuple."""
+    if len(paths) > 1:
+        many: Callable[[Any], tuple[Any, ...]] = operator.attrgetter(*paths)
+        return many
+    one = operator.attrgetter(*paths) if paths else None
+
+    def get(machine: Any) -> tuple[Any, ...]:
+        return () if one is None else (one(machine),)
+    return get
+
+
 def next_deadline(machine: Any, horizon: float = math.inf) -> float | None:
     """When ``machine`` next has something to do. A link's deadline heap keeps answered requests'
     entries until they are due (``ServerLink.next_deadline`` names them; firing one does nothing):
@@ -327,14 +440,20 @@ def next_deadline(machine: Any, horizon: float = math.inf) -> float | None:
     return min(pending) if pending else None
 
 
-def deep_size(obj: Any) -> int:
-    """Bytes of ``obj`` and everything it refers to, tables and types excepted."""
+def deep_size(obj: Any, shared: dict[int, Any] | None = None) -> int:
+    """Bytes of ``obj`` and everything it refers to, tables and types excepted; with ``shared``,
+    what every copy of a machine shares excepted too: what it names (the explorer's tables' rows
+    and next-state sets, configurations) and the dispatcher templates and their parts."""
     seen: set[int] = set()
+    skip: tuple[type, ...] = (type, Table, enum.Enum, types.ModuleType)
+    if shared is not None:
+        seen.update(shared, _TEMPLATE_PARTS)
+        skip += (_Template,)
     todo = [obj]
     total = 0
     while todo:
         o = todo.pop()
-        if id(o) in seen or isinstance(o, (type, Table, enum.Enum, types.ModuleType)) or callable(o):
+        if id(o) in seen or isinstance(o, skip) or callable(o):
             continue
         seen.add(id(o))
         total += sys.getsizeof(o)
