@@ -14,7 +14,7 @@ one has none to count). Each side prints a digest per event; the first sequence 
 differ is run again on both sides with the records themselves, and the first event that differs
 is shown.
 
-Inputs: lookups (new, duplicate, answered in the ack, refused: bad ranks, a key not starting at
+Inputs (besides a directed sequence per server, tombstone cap and ``ack_first``: ``run_script``): lookups (new, duplicate, answered in the ack, refused: bad ranks, a key not starting at
 0, the repeat and job caps), stores that fill L1, status queries, waits (some with no number for
 a timeout, some past ``max_waiters``), frees (some malformed), end sessions, L2 reads and probes
 finishing, and time passing (reaps, L2 timeouts, waiter deadlines, tombstone expiry), from two
@@ -187,6 +187,41 @@ def run_sequence(server_type: type, seed: int, steps: int, records: list[str] | 
     return digests
 
 
+def run_script(server_type: type, cap: int, ack_first: bool, records: list[str] | None = None) -> list[str]:
+    """A directed sequence for what random ones seldom reach: a job waits on L2 with a waiter, a
+    duplicate lookup answered in its ack comes (its work failing at once), then time passes
+    (the L2 timeout, the tombstone's expiry, the reap)."""
+    from mpcache.core_sm.messages import CacheKey, Lookup, QueryPrefetchStatus, TimerFired, WaitPrefetchStatus
+    from mpcache.core_sm.server import ServerConfig
+    server = server_type(ServerConfig(chunk_size=C, num_slots=12, slot_bytes=64, l2_enabled=True,
+                                      l2_read_timeout=2.0, tombstone_cap=cap, tombstone_ttl=5.0,
+                                      abandoned_job_ttl=20.0, ack_first=ack_first, instance_ttl=None, l1_bytes=0,
+                                      slot_align=16))
+    trace: list[Any] = []
+    server.jobs.dispatch.trace = trace
+    faults = server._lease_prefix_for_lookup = _Faults(server._lease_prefix_for_lookup, 1000)
+    key = CacheKey("m", 1, None, SEQS[0], 0, 3 * C, "a", "")
+    steps: list[tuple[float, Any, bool]] = [
+        (0.0, Lookup(key, 1, reply_to=1), False), (0.0, WaitPrefetchStatus("a", 40.0, reply_to=2), False),
+        (0.0, Lookup(key, 1, answer_in_ack=True, reply_to=3), True), (0.0, QueryPrefetchStatus("a", reply_to=4), False),
+        (1.0, Lookup(key, 1, reply_to=5), False), (1.0, WaitPrefetchStatus("a", 40.0, reply_to=6), False),
+        (4.0, TimerFired(), False), (4.0, Lookup(key, 1, answer_in_ack=True, reply_to=7), False),
+        (12.0, TimerFired(), False), (12.0, QueryPrefetchStatus("a", reply_to=8), False),
+        (40.0, TimerFired(), False), (40.0, QueryPrefetchStatus("a", reply_to=9), False)]
+    digests: list[str] = []
+    for now, ev, fail in steps:
+        faults.armed = fail
+        effects = server.handle(ev, now) + server.run_deferred()
+        rec = record(server, effects)
+        digests.append(hashlib.sha1(rec.encode()).hexdigest()[:16])
+        if records is not None:
+            records.append(rec)
+    _ROWS.update(f"{s.name} x {e.__name__} -> {a.name}" for s, e, a in trace)
+    _ERRORS[0] += server.stats()["internal_errors"]
+    return digests
+
+
+SCRIPTS = [(name, cap, ack) for name in SERVER_NAMES for cap in (100, 0) for ack in (False, True)]
 _L2_SLICE = 0
 _ROWS: set[str] = set()  # the jobs rows run (state x event -> state after), over all sequences
 _ERRORS = [0]  # internal errors, over all sequences
@@ -200,13 +235,19 @@ def worker(sequences: int, steps: int, only: tuple[str, int] | None) -> None:
     types_ = dict(zip(SERVER_NAMES, _server_types()))
     if only is not None:
         recs: list[str] = []
-        run_sequence(types_[only[0]], only[1], steps, recs)
+        if only[0].startswith("script/"):
+            name, cap, ack = SCRIPTS[only[1]]
+            run_script(types_[name], cap, ack, recs)
+        else:
+            run_sequence(types_[only[0]], only[1], steps, recs)
         json.dump(recs, sys.stdout)
         return
     out: dict[str, list[str]] = {}
     for seed in range(sequences):
         name = SERVER_NAMES[seed % len(SERVER_NAMES)]
         out[f"{name}:{seed}"] = run_sequence(types_[name], seed, steps)
+    for i, (name, cap, ack) in enumerate(SCRIPTS):
+        out[f"script/{name}/cap{cap}/{'ack_first' if ack else 'at_once'}:{i}"] = run_script(types_[name], cap, ack)
     json.dump({"digests": out, "rows": sorted(_ROWS), "internal_errors": _ERRORS[0]}, sys.stdout)
 
 
@@ -228,7 +269,7 @@ def main() -> int:
     if args.worker:
         only = None
         if args.only:
-            name, seed = args.only.split(":")
+            name, seed = args.only.rsplit(":", 1)
             only = (name, int(seed))
         worker(args.sequences, args.steps, only)
         return 0
@@ -252,7 +293,8 @@ def main() -> int:
                       f"working tree: {new_recs[first]}")
                 return 1
         per_server = {s: sum(1 for k in new if k.startswith(s + ":")) for s in SERVER_NAMES}
-        print(f"{len(new)} sequences, {events} events: effects and job states equal after every event "
+        scripts = sum(1 for k in new if k.startswith("script/"))
+        print(f"{len(new) - scripts} random sequences and {scripts} directed ones, {events} events: effects and job states equal after every event "
               f"({', '.join(f'{s} {n}' for s, n in per_server.items())}); internal errors: "
               f"{args.rev} {old_side['internal_errors']}, working tree {new_side['internal_errors']}")
         from mpcache.core_sm.server_jobs import JOB_TABLE
