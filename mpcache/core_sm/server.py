@@ -472,7 +472,7 @@ class LookupServer:
         self.index.expire(now)
         jobs = self.jobs
         if jobs.tombstones:
-            jobs.expire_tombstones(now)
+            jobs.expire_tombstones(now, out)
         reap_at = jobs.reap_queue.next_deadline()
         if reap_at is not None and reap_at <= now:
             for key in jobs.due_reaps(now):

@@ -304,6 +304,20 @@ class AdmittedFree:
 
 
 @attrs.frozen
+class TombstoneExpired:
+    """The request's tombstone reached its ``tombstone_ttl`` (made by the time step)."""
+
+    key: RequestKey
+
+
+@attrs.frozen
+class TombstoneDropped:
+    """The request's tombstone, the oldest, makes room under ``tombstone_cap`` for a newer one."""
+
+    key: RequestKey
+
+
+@attrs.frozen
 class KeptAbandonedJob:
     """A ``ReapJob`` on a legacy server that reaps nothing (F12): the job stays."""
 
@@ -418,13 +432,13 @@ class JobMachine:
         """Whether the server holds anything of the request: a job, a tombstone or a lease."""
         return key in self.jobs or key in self.tombstones or self.ctx.index.holds(key)
 
-    def expire_tombstones(self, now: float) -> None:
+    def expire_tombstones(self, now: float, out: list[Effect]) -> None:
+        """The tombstones whose ``tombstone_ttl`` passed go, each by its row (``TombstoneExpired``)."""
         while self.tombstones:
             key, (_hits, expiry) = next(iter(self.tombstones.items()))
             if expiry > now:
                 break
-            self.tombstones.popitem(last=False)
-            self._forget_repeats(key, now)
+            self.dispatch.run(TombstoneExpired(key), now, out)
 
     def due_reaps(self, now: float) -> list[RequestKey]:
         """The requests whose jobs reached their reap deadline at ``now``, taken off the queue."""
@@ -1041,10 +1055,17 @@ class JobMachine:
         """Remember an answered job's count for ``tombstone_ttl`` (bounded by ``tombstone_cap``)."""
         self.tombstones[key] = (hits, now + self.ctx.config.tombstone_ttl)
         self.tombstones.move_to_end(key)
-        while len(self.tombstones) > self.ctx.config.tombstone_cap:
-            dropped, _entry = self.tombstones.popitem(last=False)
+        out: list[Effect] = []
+        while len(self.tombstones) > self.ctx.config.tombstone_cap:  # the oldest go, each by its row
+            self.dispatch.run(TombstoneDropped(next(iter(self.tombstones))), now, out)
+        assert not out, "a dropped tombstone answers nothing"
+
+    def _on_tombstone_gone(self, ev: TombstoneExpired | TombstoneDropped, now: float, out: list[Effect]) -> None:
+        """The tombstone goes (the row's ABSENT), and the request's lookup count once it holds no
+        lease."""
+        if isinstance(ev, TombstoneDropped):
             self.ctx.counters["tombstones_dropped"] += 1
-            self._forget_repeats(dropped, now)
+        self._forget_repeats(ev.key, now)
 
     def _drop(self, key: RequestKey) -> PrefetchJob | None:
         """Take the request's job out of the table (its L2 read, if any, lands for nobody)."""
@@ -1163,6 +1184,8 @@ JOB_TABLE: Table[JobState] = Table("LookupServer jobs (prefetch job of a request
     (_N, AdmittedFree): (J._on_free, _N),
     (_N, RefusedFree): (J._on_refused_free, _N),
     (_N, EndSession): (J._on_end_session, _A),
+    (_N, TombstoneExpired): (J._on_tombstone_gone, _A),
+    (_N, TombstoneDropped): (J._on_tombstone_gone, _A),
 }, assigns=True, guards={
     Lookup: J._classify_lookup,
     QueryPrefetchStatus: J._classify_query,

@@ -200,7 +200,8 @@ def test_job_inputs_cover_the_table() -> None:
                 if refused in kinds:
                     assert JOB_TABLE.rows[(state, refused)].next_state is state, (state, refused)
     specific = set().union(*CLASSIFIED.values())
-    assert set(JOB_TABLE.events()) == specific | {EndSession, sj.WaiterDeadline, sj.ForgetRequestId}
+    assert set(JOB_TABLE.events()) == specific | {EndSession, sj.WaiterDeadline, sj.ForgetRequestId,
+                                                  sj.TombstoneExpired, sj.TombstoneDropped}
     assert set(JOB_TIMERS) <= set(JOB_TABLE.events())
 
 
@@ -300,7 +301,9 @@ def test_every_listed_job_transition_happens() -> None:
         (JobState.ABSENT, sj.AckDue, JobState.ABSENT), (JobState.ANSWERED, sj.AckDue, JobState.ANSWERED)}
     # leases outliving their tombstone: test_server_ownership drives that row; ack_first's
     # acceptance: test_ack_first; a lookup past the job or repeat caps: test_server_ownership
+    # the tombstone cap: test_server_jobs_rows
     elsewhere = {(JobState.ABSENT, sj.ForgetRequestId, JobState.ABSENT),
+                 (JobState.ANSWERED, sj.TombstoneDropped, JobState.ABSENT),
                  (JobState.ABSENT, sj.AcceptedLookup, JobState.PENDING),
                  (JobState.ANSWERED, sj.AcceptedLookup, JobState.PENDING)}
     assert listed - seen - legacy_only - elsewhere == set(), "listed but never seen"
