@@ -78,7 +78,7 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.server_core import EFFECT_OWNERS, RequestKey, ServerConfig, ServerContext
 from mpcache.core_sm.server_instances import INSTANCE_TABLE, INSTANCE_TIMERS, InstanceMachine, InstanceState
-from mpcache.core_sm.job_table import JobState, JobTable, PrefetchJob
+from mpcache.core_sm.job_table import JobState, PrefetchJob
 from mpcache.core_sm.server_jobs import JOB_TABLE, JOB_TIMERS, JobHooks, JobMachine, ReapJob
 from mpcache.core_sm.server_l2 import L2_TABLE, L2_TIMERS, L2State, L2Work
 from mpcache.core_sm.server_transfers import (
@@ -138,7 +138,6 @@ class LookupServer:
         self.jobs = JobMachine(ctx, hooks, self.l2)
         self.transfers = TransferMachine(ctx, hooks, self.instances, self.l2)
         self.l2.jobs, self.instances.transfers = self.jobs, self.transfers
-        self._due_reaps: list[RequestKey] = []  # for _reap_abandoned_jobs
         self._timer_machine: dict[type, Any] = {
             **{t: self.jobs for t in JOB_TIMERS}, **{t: self.l2 for t in L2_TIMERS},
             **{t: self.transfers for t in TRANSFER_TIMERS}, **{t: self.instances for t in INSTANCE_TIMERS},
@@ -151,7 +150,7 @@ class LookupServer:
             event_type: handler for (_s, event_type), (handler, _n) in dispatch.rows()}
         # A route row that is not overridden goes straight to its machine's dispatcher (one
         # Python call less per request on the lookup path).
-        direct = {LookupServer._to_jobs: self.jobs.dispatch.run,
+        direct = {LookupServer._to_jobs: self.jobs.run,
                   LookupServer._to_transfers: self.transfers.run,
                   LookupServer._to_l2: self.l2.dispatch.run,
                   LookupServer._to_instances: self.instances.dispatch.run}
@@ -355,11 +354,10 @@ class LookupServer:
         """Answer for a status query of a request with no job and no tombstone (legacy: None)."""
         return 0
 
-    def _on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
-        """A Lookup for an id whose job is live: ack, take no second set of leases (legacy:
-        replace the job and lease again, leaking the first set: F4)."""
-        self._counters["duplicate_lookups"] += 1
-        out.append(Reply(event.reply_to, None))
+    def _overwrites_duplicate(self, job: PrefetchJob, event: Lookup) -> bool:
+        """Whether a Lookup for an id whose job is live replaces the job and leases again,
+        leaking the first set (legacy: F4); the server acks it and takes no second set."""
+        return False
 
     def _lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None:
         """Make ``owner`` hold ``num_readers`` counts on ``key`` (tops up, never adds twice;
@@ -411,28 +409,20 @@ class LookupServer:
             if len(others) == 1:
                 index.release_read(key, others[0], 1, ReleaseReason.RETRIEVE, now)
 
-    def _tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
-        """Remember an answered job's count (legacy: nothing, so repeats see an unknown id: F1)."""
-        self.jobs.tombstone(key, hits, now)
+    def _keeps_tombstones(self) -> bool:
+        """Whether an answered job's count is remembered (legacy: not, so repeats see an unknown
+        id: F1)."""
+        return True
 
     def _end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None:
-        """END_SESSION: drop job, tombstone, waiters; release the request's leases (legacy LMCache
-        April: only the session goes, the job and its leases stay: F12)."""
+        """END_SESSION: answer the waiters, release the request's leases (its row, which ends in
+        ABSENT, forgets the job and tombstone; legacy LMCache April: the leases stay: F12)."""
         self.jobs.end_session(key, now, out)
 
-    def _reap_abandoned_jobs(self, now: float, out: list[Effect]) -> None:
-        """Drop the jobs due for reaping (``self._due_reaps``: never answered within
-        ``abandoned_job_ttl``), releasing their leases (legacy: nothing; jobs and leases stay
-        until TTL: F12). Called from the time step only when some job is due."""
-        self.jobs.reap(self._due_reaps, now, out)
-
-    # The job table and its start, for legacy profiles that replace a job (OverwriteDup).
-    @property
-    def _jobs(self) -> JobTable:
-        return self.jobs.jobs
-
-    def _start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
-        self.jobs.start_job(ev, hashes, now, out)
+    def _reaps_abandoned_jobs(self) -> bool:
+        """Whether a job never answered within ``abandoned_job_ttl`` is dropped, its leases
+        released (legacy: not; jobs and leases stay until TTL: F12)."""
+        return True
 
     # ============================================================================= own rows
 
@@ -465,7 +455,7 @@ class LookupServer:
         pass  # _advance already did the work
 
     def _to_jobs(self, ev: Any, now: float, out: list[Effect]) -> None:
-        self.jobs.dispatch.run(ev, now, out)
+        self.jobs.run(ev, now, out)
 
     def _to_transfers(self, ev: Any, now: float, out: list[Effect]) -> None:
         self.transfers.run(ev, now, out)
@@ -482,7 +472,7 @@ class LookupServer:
         self.index.expire(now)
         jobs = self.jobs
         if jobs.tombstones:
-            jobs.expire_tombstones(now)
+            jobs.expire_tombstones(now, out)
         reap_at = jobs.reap_queue.next_deadline()
         if reap_at is not None and reap_at <= now:
             for key in jobs.due_reaps(now):
@@ -516,8 +506,14 @@ class ServerHooks(JobHooks, TransferHooks):
     def status_for_unknown(self, key: RequestKey) -> int | None:
         return self._server._status_for_unknown(key)
 
-    def on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
-        self._server._on_duplicate_lookup(job, event, now, out)
+    def overwrites_duplicate(self, job: PrefetchJob, event: Lookup) -> bool:
+        return self._server._overwrites_duplicate(job, event)
+
+    def keeps_tombstones(self) -> bool:
+        return self._server._keeps_tombstones()
+
+    def reaps_abandoned_jobs(self) -> bool:
+        return self._server._reaps_abandoned_jobs()
 
     def lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None:
         self._server._lease_for_lookup(owner, key, num_readers, now)
@@ -529,17 +525,8 @@ class ServerHooks(JobHooks, TransferHooks):
     def release_for_free_lookup_locks(self, owner: RequestKey, keys: Sequence[ObjectKey], now: float) -> int:
         return self._server._release_for_free_lookup_locks(owner, keys, now)
 
-    def tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
-        self._server._tombstone_after_answer(key, hits, now)
-
     def end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None:
         self._server._end_session(key, now, out)
-
-    def reap_abandoned_jobs(self, keys: list[RequestKey], now: float, out: list[Effect]) -> None:
-        server = self._server
-        server._due_reaps = keys
-        server._reap_abandoned_jobs(now, out)
-        server._due_reaps = []
 
     def fixed_lease_for_lookup(self) -> bool:
         return type(self._server)._lease_for_lookup is LookupServer._lease_for_lookup

@@ -6,14 +6,23 @@ and the request id it names. An event addresses the job of its request (``Lookup
 ``FreeLookupLocks``: ``(peer, key.request_id)``; the typed timers name theirs). The job's state
 is ``JobState``: ABSENT (never seen, ended, reaped, or tombstone expired), PENDING (its L2 work is
 outstanding), DONE (hit count known, not yet answered), ANSWERED (a tombstone repeats the
-answer). ``JOB_TABLE`` is what ``handle`` runs. L2 completions address the L2 work
-(core_sm/server_l2.py), which hands the job its result here.
+answer). ``JOB_TABLE`` is what ``handle`` runs, and it *assigns*: every row names one next
+state, which ``_set_state`` gives the job after the row's handler (ABSENT: its job and tombstone
+forgotten); guards classify each raw event into the row it takes before anything changes (a
+lookup's plan: refused, a duplicate, accepted, started). A started lookup's work runs right after
+its row (``run``), and whatever resolves a pending job -- that work, an L2 completion (the L2 work,
+core_sm/server_l2.py, hands the job its result here), a slice, an L2 timeout, a failure --
+does so through a row of its own (``JobResolved``, ``L2Timeout``).
 
-The legacy-profile hooks (``_status_for_unknown``, ``_on_duplicate_lookup``, ``_lease_for_lookup``,
-``_release_for_free_lookup_locks``, ``_tombstone_after_answer``, ``_end_session``,
-``_reap_abandoned_jobs``, ``_reply_error``) are methods of ``LookupServer``, so a profile
+The legacy-profile hooks (``_status_for_unknown``, ``_overwrites_duplicate``, ``_lease_for_lookup``,
+``_release_for_free_lookup_locks``, ``_keeps_tombstones``, ``_end_session``,
+``_reaps_abandoned_jobs``, ``_reply_error``) are methods of ``LookupServer``, so a profile
 overrides one method of the server; this machine reaches them through the ``JobHooks`` the
-server gives it (and ``ServerContext.reply_error``), never through the server itself.
+server gives it (and ``ServerContext.reply_error``), never through the server itself. The
+hooks that decide a job's next state are predicates the guards read (``_overwrites_duplicate``,
+``_keeps_tombstones``, ``_reaps_abandoned_jobs``), so a legacy server's flaw is a row of the
+table (``OverwritingLookup``, ``ForgettingQuery`` ..., ``KeptAbandonedJob``), not a state no row
+names.
 
 Ownership: everything of a request -- its job, tombstone, waiters, lookup count and lookup read
 leases -- is keyed by (peer, request id). Two peers naming the same request id are two
@@ -142,6 +151,179 @@ class ForgetRequestId(Timer):
     key: RequestKey
 
 
+# The specific events the guards classify into (each its own row, one next state), and the
+# internal events a lookup's outcome runs as rows of its own.
+
+
+@attrs.frozen
+class RefusedLookup:
+    """A Lookup refused (a malformed key, the repeat cap, the job caps): nothing changes."""
+
+    lookup: Lookup
+    kind: ErrorKind
+    message: str
+
+
+@attrs.frozen
+class DuplicateLookup:
+    """A Lookup of a request whose job is live: acknowledged, no second set of leases."""
+
+    lookup: Lookup
+    key: RequestKey
+    lookups: int  # the request's lookups so far, this one included (0: it held nothing)
+
+
+@attrs.frozen
+class OverwritingLookup:
+    """A legacy server's duplicate Lookup (F4): the live job is replaced and started again."""
+
+    lookup: Lookup
+    key: RequestKey
+    lookups: int
+    hashes: tuple[bytes, ...]
+
+
+@attrs.frozen
+class AcceptedLookup:
+    """A new lookup acknowledged first, its work run after the ack (``ServerConfig.ack_first``)."""
+
+    lookup: Lookup
+    key: RequestKey
+    lookups: int
+
+
+@attrs.frozen
+class StartedLookup:
+    """A new lookup whose work runs right after its row (its chunk hashes made already)."""
+
+    lookup: Lookup
+    key: RequestKey
+    lookups: int
+    hashes: tuple[bytes, ...]
+
+
+@attrs.frozen
+class JobResolved:
+    """The pending job's hit count is known (its work resolved), no waiter waiting: DONE."""
+
+    key: RequestKey
+    hits: int
+
+
+@attrs.frozen
+class ResolvedForWaiters:
+    """``JobResolved`` with waiters: answered to them at once (ANSWERED)."""
+
+    resolved: JobResolved
+
+
+@attrs.frozen
+class ResolvedForgotten:
+    """``JobResolved`` with waiters, on a server that keeps no tombstone: ABSENT."""
+
+    resolved: JobResolved
+
+
+@attrs.frozen
+class L2TimeoutForWaiters:
+    """``L2Timeout`` with waiters: resolved with its L1 prefix and answered (ANSWERED)."""
+
+    timeout: L2Timeout
+
+
+@attrs.frozen
+class L2TimeoutForgotten:
+    """``L2Timeout`` with waiters, on a server that keeps no tombstone: ABSENT."""
+
+    timeout: L2Timeout
+
+
+@attrs.frozen
+class AckDue:
+    """The ack of a lookup that asked for its answer in it, after its work: ``None`` while the
+    job is not DONE."""
+
+    key: RequestKey
+    reply_to: ReplyTo
+
+
+@attrs.frozen
+class AnswerInAck:
+    """``AckDue`` of a DONE job: the ack carries the count, and answers the job (ANSWERED)."""
+
+    ack: AckDue
+
+
+@attrs.frozen
+class AnswerInAckForgotten:
+    """``AnswerInAck`` on a server that keeps no tombstone: ABSENT."""
+
+    ack: AckDue
+
+
+@attrs.frozen
+class ForgettingQuery:
+    """A status query of a DONE job on a server that keeps no tombstone: answered, ABSENT."""
+
+    query: QueryPrefetchStatus
+
+
+@attrs.frozen
+class RefusedWait:
+    """A WaitPrefetchStatus refused (no number for a timeout, or ``max_waiters`` reached)."""
+
+    wait: WaitPrefetchStatus
+    kind: ErrorKind
+    message: str
+
+
+@attrs.frozen
+class ForgettingWait:
+    """A wait on a DONE job on a server that keeps no tombstone: answered, ABSENT."""
+
+    wait: WaitPrefetchStatus
+
+
+@attrs.frozen
+class RefusedFree:
+    """A FreeLookupLocks of a malformed range: refused, nothing changes."""
+
+    free: FreeLookupLocks
+    kind: ErrorKind
+    message: str
+
+
+@attrs.frozen
+class AdmittedFree:
+    """A FreeLookupLocks with its range's chunk hashes (chunks ``first`` to ``last``)."""
+
+    free: FreeLookupLocks
+    hashes: tuple[bytes, ...]
+    first: int
+    last: int
+
+
+@attrs.frozen
+class TombstoneExpired:
+    """The request's tombstone reached its ``tombstone_ttl`` (made by the time step)."""
+
+    key: RequestKey
+
+
+@attrs.frozen
+class TombstoneDropped:
+    """The request's tombstone, the oldest, makes room under ``tombstone_cap`` for a newer one."""
+
+    key: RequestKey
+
+
+@attrs.frozen
+class KeptAbandonedJob:
+    """A ``ReapJob`` on a legacy server that reaps nothing (F12): the job stays."""
+
+    reap: ReapJob
+
+
 @attrs.define
 class Waiter:
     waiter_id: int
@@ -165,11 +347,21 @@ def _request_key(ev: Any) -> Hashable:
 
 class JobHooks(Protocol):
     """The server's legacy-profile hooks a job calls (module doc): ``LookupServer`` forwards
-    each to its method of that name (``_status_for_unknown`` ...), which a profile overrides."""
+    each to its method of that name (``_status_for_unknown`` ...), which a profile overrides.
+    What decides a job's next state is a predicate (``overwrites_duplicate``,
+    ``keeps_tombstones``, ``reaps_abandoned_jobs``): the guards read it to pick the row."""
 
     def status_for_unknown(self, key: RequestKey) -> int | None: ...
 
-    def on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None: ...
+    def overwrites_duplicate(self, job: PrefetchJob, event: Lookup) -> bool:
+        """Whether a Lookup of a live job replaces it and starts again (legacy: F4), rather
+        than being acknowledged with nothing taken."""
+
+    def keeps_tombstones(self) -> bool:
+        """Whether an answered job leaves a tombstone (legacy: none, F1/F2)."""
+
+    def reaps_abandoned_jobs(self) -> bool:
+        """Whether a job due for reaping is reaped (legacy: never, F12)."""
 
     def lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None: ...
 
@@ -178,11 +370,7 @@ class JobHooks(Protocol):
 
     def release_for_free_lookup_locks(self, owner: RequestKey, keys: Sequence[ObjectKey], now: float) -> int: ...
 
-    def tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None: ...
-
     def end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None: ...
-
-    def reap_abandoned_jobs(self, keys: list[RequestKey], now: float, out: list[Effect]) -> None: ...
 
     def fixed_lease_for_lookup(self) -> bool:
         """Whether ``lease_for_lookup`` is the server's own (no profile overrides it): the
@@ -214,7 +402,10 @@ class JobMachine:
         self.accepted: tuple[PrefetchJob, Lookup, float] | None = None
         # lookups whose prefix is leased, and L2 steps walked, in slices (module doc), oldest first
         self.continuing: deque[LeaseSlices | L2Walk] = deque()
-        self.dispatch = JOB_TABLE.bind(self, _request_key, self.state, ctx.counters, ctx.reply_error)
+        # the lookup a row just started: its work runs right after the row (``run``)
+        self.working: tuple[PrefetchJob, Lookup, tuple[bytes, ...], float] | None = None
+        self.dispatch = JOB_TABLE.bind(self, _request_key, self.state, ctx.counters, ctx.reply_error,
+                                       self._set_state)
 
     # ============================================================================= queries
 
@@ -241,13 +432,13 @@ class JobMachine:
         """Whether the server holds anything of the request: a job, a tombstone or a lease."""
         return key in self.jobs or key in self.tombstones or self.ctx.index.holds(key)
 
-    def expire_tombstones(self, now: float) -> None:
+    def expire_tombstones(self, now: float, out: list[Effect]) -> None:
+        """The tombstones whose ``tombstone_ttl`` passed go, each by its row (``TombstoneExpired``)."""
         while self.tombstones:
             key, (_hits, expiry) = next(iter(self.tombstones.items()))
             if expiry > now:
                 break
-            self.tombstones.popitem(last=False)
-            self._forget_repeats(key, now)
+            self.dispatch.run(TombstoneExpired(key), now, out)
 
     def due_reaps(self, now: float) -> list[RequestKey]:
         """The requests whose jobs reached their reap deadline at ``now``, taken off the queue."""
@@ -273,9 +464,13 @@ class JobMachine:
 
     # ============================================================================= requests
 
-    def _on_lookup(self, ev: Lookup, now: float, out: list[Effect]) -> None:
+    def _classify_lookup(self, ev: Lookup, state: JobState, now: float) -> Any:
+        """The lookup's plan, made before anything changes (the checks ``_on_lookup`` once made as
+        it went, in the same order): refused (``RefusedLookup``), a duplicate of a live job
+        (``DuplicateLookup``, or ``OverwritingLookup`` where the server's hook says a duplicate
+        replaces the job), accepted to run after its ack (``AcceptedLookup``, ``ack_first``) or
+        started now (``StartedLookup``, carrying its chunk hashes)."""
         ctx = self.ctx
-        ctx.counters["lookups"] += 1
         err = ctx.validate_key(ev.key, scheduler=True)
         if err is None and ev.key.start != 0:
             err = f"a lookup key starts at token 0, not {ev.key.start}"
@@ -288,42 +483,72 @@ class JobMachine:
         if err is None:
             err = ctx.token_error(ev.key, num_chunks)
         if err is not None:
-            ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
-            return
+            return RefusedLookup(ev, ErrorKind.VALIDATION, err)
         key = RequestKey(ev.peer, ev.key.request_id)
         job = self.jobs.get(key)
         held = job is not None or self.held(key)
         lookups = 1 + self.repeats.get(key, 0) if held else 0
         if lookups >= ctx.config.max_lookups_per_request:
-            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE,
-                      f"request id {key.request_id!r} looked up {lookups} times")
-            return
+            return RefusedLookup(ev, ErrorKind.TOO_LARGE, f"request id {key.request_id!r} looked up {lookups} times")
         if job is None:
             if len(self.jobs) >= ctx.config.max_jobs:
-                ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, f"{len(self.jobs)} prefetch jobs live")
-                return
+                return RefusedLookup(ev, ErrorKind.TOO_LARGE, f"{len(self.jobs)} prefetch jobs live")
             if self.jobs.count_of(ev.peer) >= ctx.config.max_jobs_per_peer:
-                ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, "too many prefetch jobs of this peer")
-                return
-        if held:
+                return RefusedLookup(ev, ErrorKind.TOO_LARGE, "too many prefetch jobs of this peer")
+        if job is not None:
+            if self.hooks.overwrites_duplicate(job, ev):
+                hashes, _err = ctx.hashes(ev.key, num_chunks)
+                return OverwritingLookup(ev, key, lookups, hashes)
+            return DuplicateLookup(ev, key, lookups)
+        if ctx.config.ack_first and not ev.answer_in_ack:
+            return AcceptedLookup(ev, key, lookups)
+        hashes, err = ctx.hashes(ev.key, num_chunks)
+        if err is not None:  # token_error checked it already: kept as a guard
+            return RefusedLookup(ev, ErrorKind.VALIDATION, err)
+        return StartedLookup(ev, key, lookups, hashes)
+
+    def _count_lookup(self, key: RequestKey, lookups: int) -> None:
+        """A lookup that is not refused: counted, and (``lookups``: the server held something of
+        the request) its repeats with it."""
+        self.ctx.counters["lookups"] += 1
+        if lookups:
             self.repeats[key] = lookups
         else:
             self.repeats.pop(key, None)  # a count left from before everything of it went
-        if job is not None:
-            self.hooks.on_duplicate_lookup(job, ev, now, out)
-            return
-        self.tombstones.pop(key, None)
-        if ctx.config.ack_first and not ev.answer_in_ack:
-            job = self._register(ev, now, out)
-            self.accepted = (job, ev, now)
-            return
-        hashes, err = ctx.hashes(ev.key, num_chunks)
-        if err is not None:  # token_error checked it already: kept as a guard
-            ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
-            return
-        if ctx.admission is not None:
-            ctx.admission.record(hashes)
-        self.start_job(ev, hashes, now, out)
+
+    def _on_refused_lookup(self, ev: RefusedLookup, now: float, out: list[Effect]) -> None:
+        self.ctx.counters["lookups"] += 1
+        self.ctx.error(out, ev.lookup.reply_to, ev.kind, ev.message)
+
+    def _on_duplicate_lookup(self, ev: DuplicateLookup, now: float, out: list[Effect]) -> None:
+        """A Lookup for an id whose job is live: ack, take no second set of leases."""
+        self._count_lookup(ev.key, ev.lookups)
+        self.ctx.counters["duplicate_lookups"] += 1
+        out.append(Reply(ev.lookup.reply_to, None))
+
+    def _on_overwriting_lookup(self, ev: OverwritingLookup, now: float, out: list[Effect]) -> None:
+        """A legacy server's duplicate Lookup (F4): the live job is replaced (its leases, its L2
+        read and its reap entry left as they are) and the lookup starts again, at once."""
+        self._count_lookup(ev.key, ev.lookups)
+        self.ctx.counters["duplicate_lookups"] += 1
+        del self.jobs[ev.key]
+        self.start_job(ev.lookup, ev.hashes, now, out)
+
+    def _on_accepted_lookup(self, ev: AcceptedLookup, now: float, out: list[Effect]) -> None:
+        """Acknowledged now, its work run after the ack (module doc)."""
+        self._count_lookup(ev.key, ev.lookups)
+        self.tombstones.pop(ev.key, None)
+        job = self._register(ev.lookup, now, out)
+        self.accepted = (job, ev.lookup, now)
+
+    def _on_started_lookup(self, ev: StartedLookup, now: float, out: list[Effect]) -> None:
+        """Registered now; its work runs right after this row (``run``)."""
+        self._count_lookup(ev.key, ev.lookups)
+        self.tombstones.pop(ev.key, None)
+        admission = self.ctx.admission
+        if admission is not None:
+            admission.record(ev.hashes)
+        self.start_job(ev.lookup, ev.hashes, now, out)
 
     def _register(self, ev: Lookup, now: float, out: list[Effect], *, ack: bool = True) -> PrefetchJob:
         """Make the request's job (no work yet), queue its reap and (``ack``) acknowledge the
@@ -337,31 +562,55 @@ class JobMachine:
         return job
 
     def start_job(self, ev: Lookup, hashes: tuple[bytes, ...], now: float, out: list[Effect]) -> None:
-        """Register the job, acknowledge the lookup and do its work (the whole lookup at once).
-        A lookup that asks for its answer in the ack (``Lookup.answer_in_ack``) is acknowledged
-        after its work, with ``ack_answer``'s value."""
-        if not ev.answer_in_ack:
-            self._work(self._register(ev, now, out), ev, hashes, now, out)
-            return
-        job = self._register(ev, now, out, ack=False)
-        try:
-            self._work(job, ev, hashes, now, out)
-        except Exception as exc:  # a fault of the server: the job resolves as 0, answered so
-            self._work_failed(job, f"{type(exc).__name__}: {exc}", now, out)
-        out.append(Reply(ev.reply_to, self.ack_answer(job, now)))
+        """Register the job and acknowledge the lookup; its work (the whole lookup at once) runs
+        right after the row (``run``). A lookup that asks for its answer in the ack
+        (``Lookup.answer_in_ack``) is acknowledged after its work, by a row of its own
+        (``AckDue``), with ``ack_answer``'s value."""
+        job = self._register(ev, now, out, ack=not ev.answer_in_ack)
+        self.working = (job, ev, hashes, now)
 
-    def ack_answer(self, job: PrefetchJob, now: float) -> int | None:
+    def run(self, event: Any, now: float, out: list[Effect]) -> None:
+        """Run ``event``'s row; then the work of the lookup that row started, if any -- its
+        outcome a row of its own (``JobResolved``, from wherever the work resolves), as an L2
+        completion's is -- and the ack of a lookup that asks for its answer in it."""
+        self.working = None
+        self.dispatch.run(event, now, out)
+        working = self.working
+        if working is None:
+            return
+        self.working = None
+        job, ev, hashes, started = working
+        if not ev.answer_in_ack:
+            self._work(job, ev, hashes, started, out)
+            return
+        try:
+            self._work(job, ev, hashes, started, out)
+        except Exception as exc:  # a fault of the server: the job resolves as 0, answered so
+            self._work_failed(job, f"{type(exc).__name__}: {exc}", started, out)
+        self.dispatch.run(AckDue(job.key, ev.reply_to), started, out)
+
+    def ack_answer(self, key: RequestKey, now: float) -> int | None:
         """What the ack of a lookup asking for its answer in the ack carries, right after its
         work: the hit count when it is final already -- its prefix leased from L1 and no L2 step
         needed or possible (none enabled, the whole key in L1, or nothing to probe or read) --
         and the job is then answered exactly as a status query answers it (a tombstone repeats
-        the count; the leases stay until the retrieve, free or end session). ``None`` (the
-        ordinary ack) while anything is left: an L2 probe or read, a prefix leased in slices;
-        the client then asks for the status as with any lookup."""
-        if job.hits is None or self.jobs.get(job.key) is not job:
-            return None
+        the count; the leases stay until the retrieve, free or end session): the rows
+        ``AnswerInAck`` / ``AnswerInAckForgotten`` (its job DONE). ``None`` (the ordinary ack,
+        ``AckDue``) while anything is left: an L2 probe or read, a prefix leased in slices; the
+        client then asks for the status as with any lookup."""
         self.ctx.counters["lookups_answered_in_ack"] += 1
-        return self._status(job.key, now)
+        return self._status(key, now)
+
+    def _classify_ack(self, ev: AckDue, state: JobState, now: float) -> Any:
+        if state is not JobState.DONE:
+            return ev
+        return AnswerInAck(ev) if self._keeps_tombstone() else AnswerInAckForgotten(ev)
+
+    def _on_ack(self, ev: AckDue, now: float, out: list[Effect]) -> None:
+        out.append(Reply(ev.reply_to, None))
+
+    def _on_answer_in_ack(self, ev: AnswerInAck | AnswerInAckForgotten, now: float, out: list[Effect]) -> None:
+        out.append(Reply(ev.ack.reply_to, self.ack_answer(ev.ack.key, now)))
 
     def run_accepted(self, out: list[Effect]) -> None:
         """Do the work of the acknowledged lookup, if one waits (module docstring)."""
@@ -559,7 +808,14 @@ class JobMachine:
             return
         self.complete(job, prefix, now, out)
 
-    def _on_query(self, ev: QueryPrefetchStatus, now: float, out: list[Effect]) -> None:
+    def _classify_query(self, ev: QueryPrefetchStatus, state: JobState, now: float) -> Any:
+        """A DONE job's status answers it: ANSWERED, or forgotten where the server keeps no
+        tombstone (``ForgettingQuery``)."""
+        return ForgettingQuery(ev) if state is JobState.DONE and not self._keeps_tombstone() else ev
+
+    def _on_query(self, ev: QueryPrefetchStatus | ForgettingQuery, now: float, out: list[Effect]) -> None:
+        if isinstance(ev, ForgettingQuery):
+            ev = ev.query
         self.ctx.counters["status_queries"] += 1
         out.append(Reply(ev.reply_to, self._status(RequestKey(ev.peer, ev.request_id), now)))
 
@@ -569,7 +825,7 @@ class JobMachine:
             if job.hits is None:
                 return None
             hits = job.hits
-            self._consume(job, now)
+            self._answer(job, now)
             return hits
         tomb = self.tombstones.get(key)
         if tomb is not None:
@@ -577,37 +833,57 @@ class JobMachine:
         self.ctx.counters["unknown_status"] += 1
         return self.hooks.status_for_unknown(key)
 
-    def _on_wait(self, ev: WaitPrefetchStatus, now: float, out: list[Effect]) -> None:
+    def _classify_wait(self, ev: WaitPrefetchStatus, state: JobState, now: float) -> Any:
+        """A wait with no number for a timeout, or one more than ``max_waiters`` would hold, is
+        refused (``RefusedWait``); a DONE job's is answered as a query answers it."""
+        if not isinstance(ev.timeout, (int, float)) or math.isnan(ev.timeout):
+            return RefusedWait(ev, ErrorKind.VALIDATION, "timeout must be a number")
+        if state is JobState.DONE:
+            return ev if self._keeps_tombstone() else ForgettingWait(ev)
+        if state is JobState.PENDING and ev.timeout > 0 and len(self.waiter_by_id) >= self.ctx.config.max_waiters:
+            return RefusedWait(ev, ErrorKind.TOO_LARGE, "too many status waiters")
+        return ev
+
+    def _on_refused_wait(self, ev: RefusedWait, now: float, out: list[Effect]) -> None:
+        self.ctx.counters["status_queries"] += 1
+        self.ctx.error(out, ev.wait.reply_to, ev.kind, ev.message)
+
+    def _on_wait(self, ev: WaitPrefetchStatus | ForgettingWait, now: float, out: list[Effect]) -> None:
+        if isinstance(ev, ForgettingWait):
+            ev = ev.wait
         ctx = self.ctx
         ctx.counters["status_queries"] += 1
-        if not isinstance(ev.timeout, (int, float)) or math.isnan(ev.timeout):
-            ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, "timeout must be a number")
-            return
         key = RequestKey(ev.peer, ev.request_id)
         job = self.jobs.get(key)
         if job is None or job.hits is not None or ev.timeout <= 0:
             out.append(Reply(ev.reply_to, self._status(key, now)))
-            return
-        if len(self.waiter_by_id) >= ctx.config.max_waiters:
-            ctx.error(out, ev.reply_to, ErrorKind.TOO_LARGE, "too many status waiters")
             return
         w = Waiter(ctx.new_id(), key, ev.reply_to, now + min(ev.timeout, 1e9))
         self.waiters.setdefault(key, {})[w.waiter_id] = w
         self.waiter_by_id[w.waiter_id] = w
         ctx.timers.push(w.deadline, WaiterDeadline(w.waiter_id, key))
 
-    def _on_free(self, ev: FreeLookupLocks, now: float, out: list[Effect]) -> None:
+    def _classify_free(self, ev: FreeLookupLocks, state: JobState, now: float) -> Any:
+        """A free of a malformed range is refused (``RefusedFree``); else its plan: the chunk
+        hashes of the range (``AdmittedFree``)."""
         ctx, ckey = self.ctx, ev.key
         err = ctx.validate_key(ckey, scheduler=True, aligned=False)
-        C = ctx.config.chunk_size
-        hashes: tuple[bytes, ...] = ()
-        if err is None:
-            first, last = ckey.start // C, ckey.end // C
-            hashes, err = ctx.hashes(ckey, last)
         if err is not None:
-            ctx.error(out, ev.reply_to, ErrorKind.VALIDATION, err)
-            return
-        key = RequestKey(ev.peer, ckey.request_id)
+            return RefusedFree(ev, ErrorKind.VALIDATION, err)
+        C = ctx.config.chunk_size
+        first, last = ckey.start // C, ckey.end // C
+        hashes, err = ctx.hashes(ckey, last)
+        if err is not None:
+            return RefusedFree(ev, ErrorKind.VALIDATION, err)
+        return AdmittedFree(ev, hashes, first, last)
+
+    def _on_refused_free(self, ev: RefusedFree, now: float, out: list[Effect]) -> None:
+        self.ctx.error(out, ev.free.reply_to, ev.kind, ev.message)
+
+    def _on_free(self, ev: AdmittedFree, now: float, out: list[Effect]) -> None:
+        ctx, ckey = self.ctx, ev.free.key
+        hashes, first, last = ev.hashes, ev.first, ev.last
+        key = RequestKey(ev.free.peer, ckey.request_id)
         if self.hooks.fixed_release_for_free():
             # the fixed hook, in walks of what the request holds (no key per object named): a
             # slice now, the rest a slice per loop turn (l1_index), so the reply does not wait
@@ -621,7 +897,7 @@ class JobMachine:
             if work.freed_chunks is None:
                 work.freed_chunks = set()
             work.freed_chunks.update(range(first, last))
-        out.append(Reply(ev.reply_to, None))
+        out.append(Reply(ev.free.reply_to, None))
 
     def _on_end_session(self, ev: EndSession, now: float, out: list[Effect]) -> None:
         self.hooks.end_session(RequestKey(ev.peer, ev.request_id), now, out)
@@ -629,8 +905,22 @@ class JobMachine:
 
     # ============================================================================= timers
 
+    def _classify_reap(self, timer: ReapJob, state: JobState, now: float) -> Any:
+        """A job due for reaping is reaped, or kept where the server's hook says it reaps none
+        (``KeptAbandonedJob``, the legacy no-reaper)."""
+        return timer if self.hooks.reaps_abandoned_jobs() else KeptAbandonedJob(timer)
+
     def _on_reap(self, timer: ReapJob, now: float, out: list[Effect]) -> None:
-        self.hooks.reap_abandoned_jobs([timer.key], now, out)
+        """The job (its reap deadline came) goes (the row's ABSENT), with its waiters answered 0
+        and its leases released."""
+        key = timer.key
+        self.ctx.counters["reaped_jobs"] += 1
+        self.answer_waiters(key, 0, out)
+        self.ctx.index.release_owner_in_slices(key, ReleaseReason.REAP, now)
+        self.repeats.pop(key, None)
+
+    def _on_kept_abandoned_job(self, ev: KeptAbandonedJob, now: float, out: list[Effect]) -> None:
+        pass
 
     def _on_forget_request_id(self, timer: ForgetRequestId, now: float, out: list[Effect]) -> None:
         self._forget_repeats(timer.key, now)
@@ -644,13 +934,21 @@ class JobMachine:
         self.ctx.counters["waiter_timeouts"] += 1
         out.append(Reply(w.reply_to, None))
 
-    def _on_l2_timeout(self, timer: L2Timeout, now: float, out: list[Effect]) -> None:
+    def _classify_l2_timeout(self, timer: L2Timeout, state: JobState, now: float) -> Any:
+        """The job resolves with its L1 prefix: DONE, or answered at once where waiters wait
+        (``L2TimeoutForWaiters``; ``L2TimeoutForgotten`` where the server keeps no tombstone)."""
+        return self._resolution(timer.key, timer, L2TimeoutForWaiters, L2TimeoutForgotten)
+
+    def _on_l2_timeout(self, timer: L2Timeout | L2TimeoutForWaiters | L2TimeoutForgotten, now: float,
+                       out: list[Effect]) -> None:
+        if not isinstance(timer, L2Timeout):
+            timer = timer.timeout
         job = self.jobs.get(timer.key)
         assert job is not None
         self.ctx.counters["l2_timeouts"] += 1
         if job.read_id is not None:
             self.l2.detach_read(job.read_id)
-        self.complete(job, job.l1_prefix, now, out)
+        self._settle(job, job.l1_prefix, now, out)
 
     # ============================================================================= L2 results
 
@@ -697,22 +995,55 @@ class JobMachine:
     # ============================================================================= helpers
 
     def complete(self, job: PrefetchJob, hits: int, now: float, out: list[Effect]) -> None:
-        """The job's hit count is known: it drops its pending work (hashes, L2 state) and keeps
-        the count until it is answered, ended or reaped."""
+        """The live pending job's hit count is known (its work resolved: at once, an L2 step
+        ended or expired, a slice finished, the work failed): its row runs (``JobResolved``)."""
+        self.dispatch.run(JobResolved(job.key, hits), now, out)
+
+    def _resolution(self, key: RequestKey, event: Any, for_waiters: type, forgotten: type) -> Any:
+        """How a pending job's hit count resolves it: DONE (``event``), or answered at once to
+        the waiters (``for_waiters``: ANSWERED; ``forgotten``: ABSENT, no tombstone kept)."""
+        if key not in self.waiters:
+            return event
+        return for_waiters(event) if self._keeps_tombstone() else forgotten(event)
+
+    def _classify_resolved(self, ev: JobResolved, state: JobState, now: float) -> Any:
+        assert state is JobState.PENDING, "a resolution of a job that is not pending"
+        return self._resolution(ev.key, ev, ResolvedForWaiters, ResolvedForgotten)
+
+    def _on_resolved(self, ev: JobResolved | ResolvedForWaiters | ResolvedForgotten, now: float,
+                     out: list[Effect]) -> None:
+        if not isinstance(ev, JobResolved):
+            ev = ev.resolved
+        job = self.jobs.get(ev.key)
+        assert job is not None and job.hits is None, "a resolution of a job that is not pending"
+        self._settle(job, ev.hits, now, out)
+
+    def _settle(self, job: PrefetchJob, hits: int, now: float, out: list[Effect]) -> None:
+        """The job drops its pending work (hashes, L2 state) and keeps its count until it is
+        answered, ended or reaped -- answered now if waiters wait."""
         job.hits = hits
         job.work = None
         self.ctx.counters["hit_chunks"] += hits
         key = job.key
         if key in self.waiters:
             self.answer_waiters(key, hits, out)
-            self._consume(job, now)
+            self._answer(job, now)
 
-    def _consume(self, job: PrefetchJob, now: float) -> None:
+    def _keeps_tombstone(self) -> bool:
+        """Whether an answered job leaves a tombstone (ANSWERED), not nothing (ABSENT): the
+        server's hook (a legacy profile keeps none) and room for one."""
+        return self.hooks.keeps_tombstones() and self.ctx.config.tombstone_cap > 0
+
+    def _answer(self, job: PrefetchJob, now: float) -> None:
+        """The DONE job is answered: its tombstone repeats the count (ANSWERED), or -- the server
+        keeps none -- the row's ABSENT forgets it, and its lookup count goes once it holds no
+        lease."""
         assert job.hits is not None
         key = job.key
-        del self.jobs[key]
-        self.hooks.tombstone_after_answer(key, job.hits, now)
-        if key not in self.tombstones:  # a legacy profile keeps none
+        if self.hooks.keeps_tombstones():
+            del self.jobs[key]
+            self.tombstone(key, job.hits, now)  # a cap of 0 drops it at once
+        if key not in self.tombstones:
             self._forget_repeats(key, now)
 
     def answer_waiters(self, key: RequestKey, result: int | None, out: list[Effect]) -> None:
@@ -724,10 +1055,17 @@ class JobMachine:
         """Remember an answered job's count for ``tombstone_ttl`` (bounded by ``tombstone_cap``)."""
         self.tombstones[key] = (hits, now + self.ctx.config.tombstone_ttl)
         self.tombstones.move_to_end(key)
-        while len(self.tombstones) > self.ctx.config.tombstone_cap:
-            dropped, _entry = self.tombstones.popitem(last=False)
+        out: list[Effect] = []
+        while len(self.tombstones) > self.ctx.config.tombstone_cap:  # the oldest go, each by its row
+            self.dispatch.run(TombstoneDropped(next(iter(self.tombstones))), now, out)
+        assert not out, "a dropped tombstone answers nothing"
+
+    def _on_tombstone_gone(self, ev: TombstoneExpired | TombstoneDropped, now: float, out: list[Effect]) -> None:
+        """The tombstone goes (the row's ABSENT), and the request's lookup count once it holds no
+        lease."""
+        if isinstance(ev, TombstoneDropped):
             self.ctx.counters["tombstones_dropped"] += 1
-            self._forget_repeats(dropped, now)
+        self._forget_repeats(ev.key, now)
 
     def _drop(self, key: RequestKey) -> PrefetchJob | None:
         """Take the request's job out of the table (its L2 read, if any, lands for nobody)."""
@@ -738,24 +1076,24 @@ class JobMachine:
             job.work = None  # its entry in the reap queue is stale now: keep it small
         return job
 
+    def _set_state(self, key: Hashable, state: JobState) -> None:
+        """JOB_TABLE's assignment. ``ABSENT``: the request's job (its L2 read then lands for
+        nobody) and tombstone are forgotten. ``PENDING`` / ``DONE`` / ``ANSWERED``: the job or
+        tombstone its row's handler filed or kept is the one."""
+        if state is JobState.ABSENT:
+            if isinstance(key, RequestKey):
+                self._drop(key)
+                self.tombstones.pop(key, None)
+            return
+        assert self.state(key) is state, f"a job left {self.state(key).name}, its row assigns {state.name}"
+
     def end_session(self, key: RequestKey, now: float, out: list[Effect]) -> None:
-        """Drop job, tombstone, waiters; release the request's leases."""
-        self._drop(key)
-        self.tombstones.pop(key, None)
+        """END_SESSION: answer the waiters, release the request's leases, forget its lookup count
+        (its job and tombstone go with the row's ABSENT)."""
         self.answer_waiters(key, 0, out)
         # a big request's leases go a slice per loop turn (l1_index): the reply does not wait
         self.ctx.index.release_owner_in_slices(key, ReleaseReason.END_SESSION, now)
         self.repeats.pop(key, None)
-
-    def reap(self, keys: Sequence[RequestKey], now: float, out: list[Effect]) -> None:
-        """Drop the jobs of ``keys`` (their reap deadline came), releasing their leases."""
-        for key in keys:
-            if self._drop(key) is None:
-                continue
-            self.ctx.counters["reaped_jobs"] += 1
-            self.answer_waiters(key, 0, out)
-            self.ctx.index.release_owner_in_slices(key, ReleaseReason.REAP, now)
-            self.repeats.pop(key, None)
 
     def check_invariants(self) -> None:
         assert len(self.tombstones) <= self.ctx.config.tombstone_cap, "tombstone cap"
@@ -786,37 +1124,76 @@ class JobMachine:
         assert all(n >= 1 for n in self.repeats.values()), "lookup counts"
 
 
-# (state of the job the event addresses, event type) -> (handler, next states). A refused
-# request (ErrorReply) leaves the state unchanged. A reap may leave the job where it is only in
-# a legacy profile without a reaper.
+# (state of the job the event addresses, event type) -> (handler, the one next state, which the
+# dispatcher assigns: JobMachine._set_state). The guards classify the raw events first.
+_A, _P, _D, _N = JobState.ABSENT, JobState.PENDING, JobState.DONE, JobState.ANSWERED
+J = JobMachine
 JOB_TABLE: Table[JobState] = Table("LookupServer jobs (prefetch job of a request id)", JobState, JobState.ABSENT, {
-    # answered in its ack (Lookup.answer_in_ack): ANSWERED, or ABSENT where a legacy profile keeps no tombstone
-    (JobState.ABSENT, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE, JobState.ANSWERED,
-                                                       JobState.ABSENT}),
-    (JobState.ABSENT, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ABSENT}),
-    (JobState.ABSENT, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ABSENT}),
-    (JobState.ABSENT, FreeLookupLocks): (JobMachine._on_free, {JobState.ABSENT}),
-    (JobState.ABSENT, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
-    (JobState.PENDING, Lookup): (JobMachine._on_lookup, {JobState.PENDING}),
-    (JobState.PENDING, QueryPrefetchStatus): (JobMachine._on_query, {JobState.PENDING}),
-    (JobState.PENDING, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.PENDING}),
-    (JobState.PENDING, FreeLookupLocks): (JobMachine._on_free, {JobState.PENDING}),
-    (JobState.PENDING, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
-    (JobState.PENDING, ReapJob): (JobMachine._on_reap, {JobState.ABSENT, JobState.PENDING}),
-    (JobState.PENDING, WaiterDeadline): (JobMachine._on_waiter_deadline, {JobState.PENDING}),
-    (JobState.PENDING, L2Timeout): (JobMachine._on_l2_timeout, {JobState.DONE, JobState.ANSWERED}),
-    (JobState.DONE, Lookup): (JobMachine._on_lookup, {JobState.DONE}),
-    (JobState.DONE, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ANSWERED}),
-    (JobState.DONE, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ANSWERED}),
-    (JobState.DONE, FreeLookupLocks): (JobMachine._on_free, {JobState.DONE}),
-    (JobState.DONE, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
-    (JobState.DONE, ReapJob): (JobMachine._on_reap, {JobState.ABSENT, JobState.DONE}),
-    (JobState.ANSWERED, Lookup): (JobMachine._on_lookup, {JobState.PENDING, JobState.DONE, JobState.ANSWERED,
-                                                         JobState.ABSENT}),
-    (JobState.ANSWERED, QueryPrefetchStatus): (JobMachine._on_query, {JobState.ANSWERED}),
-    (JobState.ANSWERED, WaitPrefetchStatus): (JobMachine._on_wait, {JobState.ANSWERED}),
-    (JobState.ANSWERED, FreeLookupLocks): (JobMachine._on_free, {JobState.ANSWERED}),
-    (JobState.ANSWERED, EndSession): (JobMachine._on_end_session, {JobState.ABSENT}),
-    (JobState.ABSENT, ForgetRequestId): (JobMachine._on_forget_request_id, {JobState.ABSENT}),
+    (_A, RefusedLookup): (J._on_refused_lookup, _A),
+    (_A, AcceptedLookup): (J._on_accepted_lookup, _P),
+    (_A, StartedLookup): (J._on_started_lookup, _P),
+    (_A, AckDue): (J._on_ack, _A),
+    (_A, QueryPrefetchStatus): (J._on_query, _A),
+    (_A, WaitPrefetchStatus): (J._on_wait, _A),
+    (_A, RefusedWait): (J._on_refused_wait, _A),
+    (_A, AdmittedFree): (J._on_free, _A),
+    (_A, RefusedFree): (J._on_refused_free, _A),
+    (_A, EndSession): (J._on_end_session, _A),
+    (_A, ForgetRequestId): (J._on_forget_request_id, _A),
+    (_P, RefusedLookup): (J._on_refused_lookup, _P),
+    (_P, DuplicateLookup): (J._on_duplicate_lookup, _P),
+    (_P, OverwritingLookup): (J._on_overwriting_lookup, _P),
+    (_P, JobResolved): (J._on_resolved, _D),
+    (_P, ResolvedForWaiters): (J._on_resolved, _N),
+    (_P, ResolvedForgotten): (J._on_resolved, _A),
+    (_P, AckDue): (J._on_ack, _P),
+    (_P, QueryPrefetchStatus): (J._on_query, _P),
+    (_P, WaitPrefetchStatus): (J._on_wait, _P),
+    (_P, RefusedWait): (J._on_refused_wait, _P),
+    (_P, AdmittedFree): (J._on_free, _P),
+    (_P, RefusedFree): (J._on_refused_free, _P),
+    (_P, EndSession): (J._on_end_session, _A),
+    (_P, ReapJob): (J._on_reap, _A),
+    (_P, KeptAbandonedJob): (J._on_kept_abandoned_job, _P),
+    (_P, WaiterDeadline): (J._on_waiter_deadline, _P),
+    (_P, L2Timeout): (J._on_l2_timeout, _D),
+    (_P, L2TimeoutForWaiters): (J._on_l2_timeout, _N),
+    (_P, L2TimeoutForgotten): (J._on_l2_timeout, _A),
+    (_D, RefusedLookup): (J._on_refused_lookup, _D),
+    (_D, DuplicateLookup): (J._on_duplicate_lookup, _D),
+    (_D, OverwritingLookup): (J._on_overwriting_lookup, _P),
+    (_D, AnswerInAck): (J._on_answer_in_ack, _N),
+    (_D, AnswerInAckForgotten): (J._on_answer_in_ack, _A),
+    (_D, QueryPrefetchStatus): (J._on_query, _N),
+    (_D, ForgettingQuery): (J._on_query, _A),
+    (_D, WaitPrefetchStatus): (J._on_wait, _N),
+    (_D, ForgettingWait): (J._on_wait, _A),
+    (_D, RefusedWait): (J._on_refused_wait, _D),
+    (_D, AdmittedFree): (J._on_free, _D),
+    (_D, RefusedFree): (J._on_refused_free, _D),
+    (_D, EndSession): (J._on_end_session, _A),
+    (_D, ReapJob): (J._on_reap, _A),
+    (_D, KeptAbandonedJob): (J._on_kept_abandoned_job, _D),
+    (_N, RefusedLookup): (J._on_refused_lookup, _N),
+    (_N, AcceptedLookup): (J._on_accepted_lookup, _P),
+    (_N, StartedLookup): (J._on_started_lookup, _P),
+    (_N, AckDue): (J._on_ack, _N),
+    (_N, QueryPrefetchStatus): (J._on_query, _N),
+    (_N, WaitPrefetchStatus): (J._on_wait, _N),
+    (_N, RefusedWait): (J._on_refused_wait, _N),
+    (_N, AdmittedFree): (J._on_free, _N),
+    (_N, RefusedFree): (J._on_refused_free, _N),
+    (_N, EndSession): (J._on_end_session, _A),
+    (_N, TombstoneExpired): (J._on_tombstone_gone, _A),
+    (_N, TombstoneDropped): (J._on_tombstone_gone, _A),
+}, assigns=True, guards={
+    Lookup: J._classify_lookup,
+    QueryPrefetchStatus: J._classify_query,
+    WaitPrefetchStatus: J._classify_wait,
+    FreeLookupLocks: J._classify_free,
+    ReapJob: J._classify_reap,
+    L2Timeout: J._classify_l2_timeout,
+    JobResolved: J._classify_resolved,
+    AckDue: J._classify_ack,
 })
 JOB_TIMERS = (ReapJob, WaiterDeadline, L2Timeout, ForgetRequestId)

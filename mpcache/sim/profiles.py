@@ -157,8 +157,8 @@ class UnknownNoneServer(LookupServer):
     def _status_for_unknown(self, key: RequestKey) -> int | None:
         return None
 
-    def _tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
-        pass
+    def _keeps_tombstones(self) -> bool:
+        return False
 
 
 class NoCacheLookupClient(LookupClient):
@@ -189,8 +189,8 @@ class UnknownNone(Profile):
 
 
 class PopOnceServer(LookupServer):
-    def _tombstone_after_answer(self, key: RequestKey, hits: int, now: float) -> None:
-        pass
+    def _keeps_tombstones(self) -> bool:
+        return False
 
 
 class ResendingLookupClient(LookupClient):
@@ -211,11 +211,8 @@ class ResendStatus(Profile):
 
 
 class OverwriteDupServer(LookupServer):
-    def _on_duplicate_lookup(self, job: PrefetchJob, event: Lookup, now: float, out: list[Effect]) -> None:
-        self._counters["duplicate_lookups"] += 1
-        del self._jobs[job.key]
-        hashes, _err = self.ctx.hashes(event.key, event.key.end // self.config.chunk_size)
-        self._start_job(event, hashes, now, out)
+    def _overwrites_duplicate(self, job: PrefetchJob, event: Lookup) -> bool:
+        return True
 
     def _lease_for_lookup(self, owner: RequestKey, key: ObjectKey, num_readers: int, now: float) -> None:
         self.index.lease_read(key, owner, num_readers, now)  # count-only locks: no top-up
@@ -309,8 +306,8 @@ class SilentErrors(Profile):
 
 
 class NoReaperServer(LookupServer):
-    def _reap_abandoned_jobs(self, now: float, out: list[Effect]) -> None:
-        pass
+    def _reaps_abandoned_jobs(self) -> bool:
+        return False
 
 
 class NoReaper(Profile):

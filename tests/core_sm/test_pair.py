@@ -153,8 +153,8 @@ class LegacyServer(LookupServer):
     def _status_for_unknown(self, request_id: str) -> int | None:
         return None
 
-    def _tombstone_after_answer(self, request_id: str, hits: int, now: float) -> None:
-        pass
+    def _keeps_tombstones(self) -> bool:
+        return False
 
 
 class ResendingClient(LookupClient):
