@@ -31,6 +31,7 @@ import mmap
 import os
 import queue
 import secrets
+import select
 import stat
 import threading
 import time
@@ -508,9 +509,6 @@ class Server:
 
     def _loop(self) -> None:
         sock = self.sock
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.channel.fd, zmq.POLLIN)
         # Below zmq (runtime_zmq.connections): without CURVE a connection whose routing id zmq
         # made (no explicit identity: LMCache's client) is a peer that cannot come back: when it
         # closes, its instances are released (PeerGone), so the client, reconnected as a new peer,
@@ -519,7 +517,23 @@ class Server:
         # is the loop's; a Server never served has none to close).
         connections = self._connections = ConnectionWatch(
             sock, limit_bytes=4 * self.limits.max_message_bytes, anonymous_peers=self.authenticator is None)
-        poller.register(connections.monitor, zmq.POLLIN)
+        # The loop sleeps in poll(2) on three descriptors, not in zmq_poll: zmq_poll over the two
+        # zmq sockets costs six system calls a turn (a zero-timeout poll, then the sleeping one,
+        # each followed by a ZMQ_EVENTS read per socket, and each of those a poll of its own);
+        # this costs two (the router's ZMQ_EVENTS before sleeping, the sleep). A zmq socket's
+        # descriptor is edge-triggered: it becomes readable when its mailbox gets a command, and
+        # any call on the socket (a send too) may read that command. So the router's ZMQ_EVENTS is
+        # read right before sleeping (a message already queued never waits on the descriptor).
+        # The monitor is only ever read by ``connections.events()``, which drains it, so its
+        # descriptor stays readable while anything is left; it is drained again at each
+        # connection check all the same (a missed edge then costs at most _CHECK_MS).
+        router_fd = int(sock.getsockopt(zmq.FD))
+        monitor_fd = int(connections.monitor.getsockopt(zmq.FD))
+        channel_fd = self.channel.fd
+        waiter = select.poll()
+        for fd in (router_fd, channel_fd, monitor_fd):
+            waiter.register(fd, select.POLLIN)
+        wait = waiter.poll
         last_check = 0.0
         while not self._stopping:
             now = self.clock()
@@ -533,15 +547,18 @@ class Server:
             # the connections are checked every _CHECK_MS (zmq may be filling with a message the
             # loop will never see)
             timeout_ms = 1000 if deadline is None else min(1000, max(0, math.ceil((deadline - now) * 1000.0)))
-            events = dict(poller.poll(min(timeout_ms, _CHECK_MS)))
-            if self.channel.fd in events:
+            # a message waiting: look at the other descriptors without sleeping
+            queued = bool(int(_backend_get(sock, _EVENTS)) & zmq.POLLIN)
+            ready = [fd for fd, _ in wait(0 if queued else min(timeout_ms, _CHECK_MS))]
+            if channel_fd in ready:
                 self._drain_completions()
-            if connections.monitor in events:
+            if monitor_fd in ready:
                 self._peers_gone(connections)
             if now - last_check >= _CHECK_MS / 1000.0:
                 last_check = now
                 self._check_connections(connections)
-            if sock in events:
+                self._peers_gone(connections)
+            if queued or router_fd in ready:
                 batch_cpu0 = time.thread_time()
                 self._reply_batch = []  # replies wait for the batch's end (_send)
                 try:
