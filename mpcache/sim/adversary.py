@@ -64,6 +64,7 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.server_core import RequestKey
 from mpcache.runtime_trio import Address
+from mpcache.sim.evolve import evolve
 from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg
 from mpcache.sim.scenario import server_name
 
@@ -289,7 +290,7 @@ class Adversary:
             self.instances.append((server, event.instance_id))
         if t is Clear or t not in SERVER_REQUEST_TYPES or getattr(event, "reply_to", None) is None:
             return  # operator clears carry the credential; internal events are no requests
-        self.observed.append((server, attrs.evolve(event, reply_to=None)))
+        self.observed.append((server, evolve(event, reply_to=None)))
         for effect in effects:
             if type(effect) is Reply and type(effect.result) is TransferPlan:
                 self.transfers.append((server, effect.result.transfer_id))
