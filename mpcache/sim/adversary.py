@@ -244,7 +244,10 @@ class Adversary:
             # eight random tokens repeated to n * C, packed once (a million-int tuple took ms)
             eight = TokenIds.from_ints([rng.randrange(1, 50000) for _ in range(8)]).packed
             reps, rest = divmod(n * C, 8)
-            tokens = TokenIds.from_packed(eight * reps + eight[: 4 * rest])
+            packed = eight * reps
+            if rest:  # (a whole number of eights with a power-of-two chunk size: no second copy)
+                packed += eight[: 4 * rest]
+            tokens = TokenIds.from_packed(packed)
             return Lookup(CacheKey(self._base_key().model_name, self.world.config.tp, None, tokens, 0,
                                    n * C, self._own_id()))
         if kind == "bad_ranks":

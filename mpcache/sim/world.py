@@ -907,6 +907,12 @@ class ProbedServer:
     def next_deadline(self) -> float | None:
         return self.inner.next_deadline()  # type: ignore[no-any-return]
 
+    @property
+    def deferred_work(self) -> bool:
+        """The inner machine's (``Node.step`` asks after every event: spelled out, not through
+        ``__getattr__``)."""
+        return bool(getattr(self.inner, "deferred_work", False))
+
     def handle(self, event: Any, now: float) -> list[Any]:
         if self.world.profile.act_before_decide:
             self._act_first(event)
