@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 # function-name predicate or None). Oracles are the sim's checkers and every machine's
 # ``check_invariants`` family (run after each event by the world, never by production).
 _PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
-    ("oracles (sim/checks, sim/oracles, check_invariants)", "/mpcache/sim/checks.py", None),
+    ("oracles (sim/checks, sim/oracles, check_invariants)", "/mpcache/sim/checks/", None),
     ("oracles (sim/checks, sim/oracles, check_invariants)", "/mpcache/sim/oracles.py", None),
     ("oracles (sim/checks, sim/oracles, check_invariants)", "/mpcache/core_sm/", ("check_invariants", "check", "_check")),
     ("production machines (core_sm)", "/mpcache/core_sm/", None),

@@ -64,6 +64,7 @@ from mpcache.core_sm.messages import (
 )
 from mpcache.core_sm.server_core import RequestKey
 from mpcache.runtime_trio import Address
+from mpcache.sim.evolve import evolve
 from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg
 from mpcache.sim.scenario import server_name
 
@@ -243,7 +244,10 @@ class Adversary:
             # eight random tokens repeated to n * C, packed once (a million-int tuple took ms)
             eight = TokenIds.from_ints([rng.randrange(1, 50000) for _ in range(8)]).packed
             reps, rest = divmod(n * C, 8)
-            tokens = TokenIds.from_packed(eight * reps + eight[: 4 * rest])
+            packed = eight * reps
+            if rest:  # (a whole number of eights with a power-of-two chunk size: no second copy)
+                packed += eight[: 4 * rest]
+            tokens = TokenIds.from_packed(packed)
             return Lookup(CacheKey(self._base_key().model_name, self.world.config.tp, None, tokens, 0,
                                    n * C, self._own_id()))
         if kind == "bad_ranks":
@@ -289,7 +293,7 @@ class Adversary:
             self.instances.append((server, event.instance_id))
         if t is Clear or t not in SERVER_REQUEST_TYPES or getattr(event, "reply_to", None) is None:
             return  # operator clears carry the credential; internal events are no requests
-        self.observed.append((server, attrs.evolve(event, reply_to=None)))
+        self.observed.append((server, evolve(event, reply_to=None)))
         for effect in effects:
             if type(effect) is Reply and type(effect.result) is TransferPlan:
                 self.transfers.append((server, effect.result.transfer_id))

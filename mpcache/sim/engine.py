@@ -32,6 +32,7 @@ its part of the chunk's object, a retrieve skipping a window's blocks before
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -207,9 +208,15 @@ def sim_link_config(cfg: Any) -> ServerLinkConfig:
     """The simulated world's links: production's (``client_link_config``) with the world's
     heartbeat settings; the engine starts healthy, as the connector waits for its servers before
     it serves (``wait_connected``)."""
-    config = client_link_config(request_timeout=cfg.request_timeout, heartbeat_interval=cfg.heartbeat_interval,
-                                heartbeat_timeout=cfg.heartbeat_timeout,
-                                heartbeat_backoff_max=4 * cfg.heartbeat_interval)
+    return _link_config(cfg.request_timeout, cfg.heartbeat_interval, cfg.heartbeat_timeout)
+
+
+@functools.lru_cache(maxsize=64)
+def _link_config(request_timeout: float, heartbeat_interval: float, heartbeat_timeout: float) -> ServerLinkConfig:
+    """One frozen config per setting, shared by every link that uses it (each link of a world
+    built its own, validators and all: a few per cent of a seed)."""
+    config = client_link_config(request_timeout=request_timeout, heartbeat_interval=heartbeat_interval,
+                                heartbeat_timeout=heartbeat_timeout, heartbeat_backoff_max=4 * heartbeat_interval)
     return attrs.evolve(config, health=attrs.evolve(config.health, initially_healthy=True))
 
 

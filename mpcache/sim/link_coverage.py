@@ -30,12 +30,22 @@ WAITER_EVENTS: tuple[type, ...] = (WaitPrefetchStatus, WaiterDeadline)
 WAITER_ROWS: tuple[tuple[Any, type], ...] = tuple(k for k in JOB_TABLE.rows if k[1] in WAITER_EVENTS)
 
 
+_LINK_KEYS: dict[type, str] = {}
+_HEALTH_KEYS: dict[type, str] = {}
+
+
 def link_key(kind: type) -> str:
-    return f"link_in_{kind.__name__}"
+    key = _LINK_KEYS.get(kind)
+    if key is None:
+        key = _LINK_KEYS[kind] = f"link_in_{kind.__name__}"
+    return key
 
 
 def health_key(kind: type) -> str:
-    return f"health_in_{kind.__name__}"
+    key = _HEALTH_KEYS.get(kind)
+    if key is None:
+        key = _HEALTH_KEYS[kind] = f"health_in_{kind.__name__}"
+    return key
 
 
 def waiter_key(row: tuple[Any, type]) -> str:

@@ -29,10 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import attrs
-
 from mpcache.core_sm.chunks import ObjectKey
-from mpcache.core_sm.server_core import RequestKey
 from mpcache.core_sm.health import HealthConfig
 from mpcache.core_sm.effects import (
     AttachInstance,
@@ -53,18 +50,17 @@ from mpcache.core_sm.messages import (
     L2ReadFinished,
     L2WriteFinished,
     Lookup,
-    Ping,
-    QueryPrefetchStatus,
     TimerFired,
     TransferFinished,
-    WaitPrefetchStatus,
 )
 from mpcache.runtime_trio import Address, Node
 from mpcache.runtime_trio.node import Delivery, TimerTick
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
+from mpcache.sim.checks import quiescence, server_event, slots
 from mpcache.sim.cluster_tier import make_tier
 from mpcache.sim.engine import GROUP_SHIFT, SimEngine
+from mpcache.sim.evolve import evolve
 from mpcache.sim.link_coverage import drain_waiters
 from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
@@ -298,12 +294,12 @@ class World:
             self._report_stuck()
         # Phase 3: quiescence.
         await self.timeline.run(self.now() + 1.0)
-        self._check_quiescent()
-        self._check_released()
+        quiescence.quiescent(self)
+        quiescence.released(self)
         # A lost registration is retried after it timed out, with backoff: give it that long.
         health = HealthConfig(1)
         await self.timeline.run(self.now() + self.config.request_timeout + health.registration_retry_max + 1.0)
-        self._check_registered()
+        quiescence.registered(self)
         for engine in self.engines:
             if not engine.crashed:
                 engine.check_transport_drained()
@@ -311,7 +307,7 @@ class World:
         for engine in self.engines:
             engine.stop_heartbeats()
         await self.timeline.run(self.now() + horizon)
-        self._check_drained()
+        quiescence.drained(self)
 
     # =========================================================================== scripted
     async def _play(self, director: Director) -> None:
@@ -455,7 +451,7 @@ class World:
                 q = self.recent[rid] = deque(maxlen=8)
             q.append((now, node.name, machine, event, effects))
         if machine == SERVER:
-            self._check_server_event(node, event, effects, now)
+            server_event.after_event(self, node, event, effects, now)
         else:
             self.engine_of_node(node.name).observe(node, machine, event, effects)
 
@@ -537,7 +533,7 @@ class World:
         owner = self.worker_by_instance(effect.instance_id)  # the honest worker whose instance it is
         if owner is None:
             return
-        self._judge(host.name, checks.copy_through_other_registration(
+        self.judge(host.name, checks.copy_through_other_registration(
             effect.kind.value, effect.transfer_id, effect.instance_id, owner.name, host.mappings.get(effect.instance_id)))
 
     def _on_instance_reaped(self, host: ServerHost, effect: InstanceReaped) -> None:
@@ -553,7 +549,7 @@ class World:
         ttl = self.profile.server_config(self.config).instance_ttl
         worker = self.worker_by_instance(iid)
         if worker is not None and worker.alive:
-            self._judge(host.name, checks.reaped_while_live(worker.name, iid, host.name, seen, ttl, now))
+            self.judge(host.name, checks.reaped_while_live(worker.name, iid, host.name, seen, ttl, now))
 
     def latency(self, mean: float) -> float:
         return self.exec_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
@@ -596,23 +592,10 @@ class World:
             self.stats["evict_after_prefetch"] += 1
             host.node.post(SERVER, Clear(False, reply_to=self.operator_via(host), admin=True))
 
-    def slot_holder(self, host: ServerHost, slot: int) -> ObjectKey | None:
-        """Which object the server's index gives `slot` to right now (None: free)."""
-        assert host.node is not None
-        index = host.node.machines[SERVER].index
-        for key in index.objects():
-            if index.slot_of(key) == slot:
-                return key  # type: ignore[no-any-return]
-        return None
-
     def check_slot_target(self, host: ServerHost, slot: int, key: ObjectKey, what: str) -> None:
-        """An in-flight copy into/out of `slot` for `key` must find the slot still given to
-        `key` (or free): otherwise it writes into, or reads, another object's memory."""
-        holder = self.slot_holder(host, slot)
-        if holder is not None and holder != key:
-            self.violation("F10", host.name, f"{what} for {key.wire_name()[:12]} landed in slot {slot}, which the "
-                           f"server has meanwhile given to {holder.wire_name()[:12]}: the slot was freed while the "
-                           f"operation was still in flight")
+        """F10 (``checks/slots.py``): an in-flight copy into/out of `slot` for `key` must find the
+        slot still given to `key` (or free)."""
+        slots.check_target(self, host, slot, key, what)
 
     def _finish_l2_probe(self, host: ServerHost, incarnation: int, effect: Any) -> None:
         if host.incarnation != incarnation or not host.up:
@@ -742,7 +725,7 @@ class World:
             via = Via(packet.src.node, packet.src.machine, msg.server, msg.correlation, packet.pid,
                       request_id_of(msg.request), self._deliveries)
             # peer: who sent it, as a runtime names the connection (core_sm's ownership checks)
-            event = attrs.evolve(msg.request, reply_to=via, peer=packet.src.node)
+            event = evolve(msg.request, reply_to=via, peer=packet.src.node)
             if self.config.server_workers > 1 and self.exec_rng.random() < 0.5:
                 # A worker pool: this handler starts a little later than its arrival.
                 self.timeline.after(self.exec_rng.uniform(0, self.config.server_handler_jitter),
@@ -766,89 +749,10 @@ class World:
         self.trace.mark(self.now(), node, "VIOLATION", v.reason())
         raise ViolationFound(v)
 
-    def _judge(self, node: str, finding: checks.Finding | None) -> None:
-        """Raise the violation a shared check (``sim/checks.py``) found, if any."""
+    def judge(self, node: str, finding: checks.Finding | None) -> None:
+        """Raise the violation a judgement (``sim/checks/``) found, if any."""
         if finding is not None:
             self.violation(finding[0], node, finding[1])
-
-    def _check_server_event(self, node: Node, event: Any, effects: list[Any], now: float) -> None:
-        host = self.servers[int(node.name[len("server"):])]
-        server = node.machines[SERVER]
-        via = getattr(event, "reply_to", None)
-        name = type(event).__name__
-        honest = not (isinstance(via, Via) and via.node == ADVERSARY)
-        if honest and type(event) is Ping and isinstance(event.instance_id, int):
-            from mpcache.core_sm.server_instances import InstanceState
-
-            if server.instance_state(event.instance_id) is InstanceState.REGISTERED:
-                host.heartbeat_seen[event.instance_id] = now
-        if isinstance(via, Via):
-            host.awaiting_reply[via] = (name, now)
-            if honest and (name == "QueryPrefetchStatus" or name == "WaitPrefetchStatus"):
-                rid = event.request_id
-                in_flight = self.lookups_in_flight.get((rid, host.index), {})
-                self._judge(node.name, checks.status_before_lookup(
-                    rid, host.lookups_handled, any(t >= host.started_at for t in in_flight.values()), host.name))
-        if not honest:
-            pass  # its ids are not the honest requests' sessions
-        elif type(event) is Lookup:
-            rid = event.key.request_id
-            host.lookups_handled.add(rid)
-            host.last_session_event[rid] = ("lookup", now)
-            found = self.find_request(rid)
-            if found is not None and found[1].done and self._holds_leases(host, str(event.peer), rid):
-                self.held_after_done.add((rid, host.index))  # its LOOKUP landed after it finished
-        elif type(event) is EndSession:
-            host.last_session_event[event.request_id] = ("end", now)
-        self._judge(node.name, checks.reply_accounting(host.awaiting_reply, event,
-                                                      via if isinstance(via, Via) else None, effects))
-        # Per-event safety: core_sm's own invariants, plus exact per-owner lease accounting.
-        self._judge(node.name, checks.core_invariants(server))
-        if type(event) is Lookup and honest:
-            self._judge(host.name, checks.duplicate_lookup_leases(
-                server, RequestKey(event.peer, event.key.request_id), event.num_readers))
-        self._judge(node.name, checks.bytes_accounting(server))
-        if honest and (type(event) is QueryPrefetchStatus or type(event) is WaitPrefetchStatus):
-            for effect in effects:
-                if type(effect) is Reply and isinstance(effect.result, int) and effect.result > 0:
-                    self._check_hit_history(node.name, event.request_id, effect.result, via)
-        if self.config.store_threshold > 1:  # every LOOKUP counts, the adversary's too
-            self._check_admission(host, server, event)
-
-    def _check_admission(self, host: ServerHost, server: Any, event: Any) -> None:
-        """Store admission: an object a STORE made ready belongs to a chunk that LOOKUPs asked
-        for at least ``store_threshold`` times in this incarnation."""
-        if type(event) is Lookup:
-            hashes, err = server.ctx.hashes(event.key, event.key.end // self.config.chunk_size)
-            for h in hashes if err is None else ():
-                host.chunk_lookups[h] = host.chunk_lookups.get(h, 0) + 1
-        index = server.index
-        held = frozenset(k for k in index.objects() if index.is_readable(k))
-        if type(event).__name__ in ("TransferFinished", "CommitTransfer"):
-            for key in held - host.objects_held:
-                seen = host.chunk_lookups.get(key.chunk_hash, 0)
-                if seen < self.config.store_threshold:
-                    self.violation("ADMISSION", host.name, f"{key.wire_name()[:12]} stored after {seen} "
-                                   f"lookups (store_threshold {self.config.store_threshold})")
-        host.objects_held = held
-
-    def _check_hit_history(self, node: str, rid: str, chunks: int, via: Any) -> None:
-        engine = self.engine_of_node(via.node) if isinstance(via, Via) else None
-        if engine is None:
-            return
-        req = engine.requests.get(rid)
-        if req is None:
-            return
-        # the ranks this server was asked about (core_sm's placement: a lookup names its server's)
-        rps = engine.planner().lookups.config.ranks_per_server
-        ranks = range(engine.tp) if rps is None else rps[via.server]
-        for c in range(min(chunks, len(req.hashes))):
-            for r in ranks:
-                if ObjectKey(req.hashes[c], r) not in self.written:
-                    self.violation("HIT", node, f"{rid}: status answered {chunks} chunks but chunk {c} rank {r} "
-                                   f"was never stored anywhere")
-        if chunks > len(req.hashes):
-            self.violation("HIT", node, f"{rid}: {chunks} hit chunks for a {len(req.hashes)}-chunk prompt")
 
     # =========================================================================== faults
     def _inject(self, fault: FaultSpec) -> None:
@@ -938,91 +842,12 @@ class World:
         self.violation(code, "-", f"{len(lines)} request(s) stuck {self.config.liveness_bound:.0f}s after heal; "
                        f"first: {first}")
 
-    def _check_quiescent(self) -> None:
-        """Everything landed: no reply owed, no lease held by a request that ended cleanly, every
-        live worker registered with every server (checked later, ``_check_registered``)."""
-        for host in self.servers:
-            if not host.up or host.node is None:
-                continue
-            for via, (name, t) in host.awaiting_reply.items():
-                if name == "WaitPrefetchStatus":
-                    continue  # answered at its own deadline
-                self.violation("F11", host.name, f"{name} from {via.node} handled at {t:.6f} never got a reply")
-            server = host.node.machines[SERVER]
-            for lease_owner, count in sorted(server.leases_by_owner().items(), key=lambda kv: repr(kv[0])):
-                if not isinstance(lease_owner, RequestKey) or count <= 0 or lease_owner.peer == ADVERSARY:
-                    continue
-                owner = lease_owner.request_id
-                engine_req = self.find_request(owner)
-                if engine_req is None:
-                    continue
-                engine, req = engine_req
-                last = host.last_session_event.get(owner)
-                if not req.done or engine.crashed or owner in self.touched:
-                    continue
-                # Leases of a request that ended cleanly may outlive it only when its LOOKUP landed
-                # after its END_SESSION (a reordering the reaper covers), never when nothing was
-                # ever sent to release them, nor when END_SESSION was the last word.
-                self._judge(host.name, checks.leases_after_end(
-                    owner, count, (owner, host.index) not in self.released_sent,
-                    last is not None and last[0] == "end", req.outcome, host.name,
-                    self.recent_lines(owner)))
-
     def note_done(self, rid: str, node: str) -> None:
         """``rid`` (of scheduler ``node``) finished: remember the servers where it still holds
         read leases, which only a FREE/END_SESSION (or the TTL) gives back."""
         for host in self.servers:
-            if host.up and host.node is not None and self._holds_leases(host, node, rid):
+            if host.up and host.node is not None and quiescence.holds_leases(host, node, rid):
                 self.held_after_done.add((rid, host.index))
-
-    def _holds_leases(self, host: ServerHost, node: str, rid: str) -> bool:
-        assert host.node is not None
-        index = host.node.machines[SERVER].index
-        # a server that ignores peers (trust-all) files leases under no peer
-        return bool(index.holds(RequestKey(node, rid)) or index.holds(RequestKey(None, rid)))
-
-    def _check_released(self) -> None:
-        """F8, whatever the lease TTL: a request that finished cleanly while a server still
-        leased it objects sent that server a FREE or an END_SESSION -- leases that only the TTL
-        gave back leaked for a whole TTL (pinned objects, a full L1 under long TTLs)."""
-        for rid, server in sorted(self.held_after_done):
-            found = self.find_request(rid)
-            if found is None:
-                continue
-            engine, req = found
-            if not req.done or engine.crashed or rid in self.touched or (rid, server) in self.released_sent:
-                continue
-            self.violation("F8", server_name(server), f"{rid} finished ({req.outcome}) without faults while "
-                           f"{server_name(server)} leased it objects, and no FREE/END_SESSION was ever sent "
-                           f"there: its leases stay until the TTL ({self.config.lease_ttl:g}s): "
-                           f"{self.recent_lines(rid)}")
-
-    def _check_registered(self) -> None:
-        """F13: after heal and quiescence a live worker is registered with every server that is up
-        -- a restart must not leave it unknown there (every store refused not_registered)."""
-        from mpcache.core_sm.server_instances import InstanceState
-
-        for host in self.servers:
-            if not host.up or host.node is None:
-                continue
-            server = host.node.machines[SERVER]
-            for engine in self.engines:
-                if engine.crashed:
-                    continue
-                for worker in engine.workers:
-                    if worker.alive and server.instance_state(worker.instance_id) is not InstanceState.REGISTERED:
-                        self._judge(host.name, checks.worker_unregistered(
-                            worker.name, worker.instance_id, host.name, host.incarnation,
-                            worker.instance_id in host.reaped))
-
-    def _check_drained(self) -> None:
-        """After the TTLs: abandoned jobs reaped, every lease back."""
-        for host in self.servers:
-            if not host.up or host.node is None:
-                continue
-            server = host.node.machines[SERVER]
-            server.handle(TimerFired(), self.now())
-            self._judge(host.name, checks.drained(server.stats()))
 
     def operator_via(self, host: ServerHost) -> Via:
         """reply_to for requests the simulator itself sends (an operator's CLEAR)."""
@@ -1082,6 +907,12 @@ class ProbedServer:
     def next_deadline(self) -> float | None:
         return self.inner.next_deadline()  # type: ignore[no-any-return]
 
+    @property
+    def deferred_work(self) -> bool:
+        """The inner machine's (``Node.step`` asks after every event: spelled out, not through
+        ``__getattr__``)."""
+        return bool(getattr(self.inner, "deferred_work", False))
+
     def handle(self, event: Any, now: float) -> list[Any]:
         if self.world.profile.act_before_decide:
             self._act_first(event)
@@ -1116,7 +947,7 @@ class ProbedServer:
         effects: list[Any] = self.inner.handle(TimerFired(), now)
         before = dict(self.inner.leases_by_owner())
         effects += self.inner.handle(event, now)
-        self.world._judge(self.host.name, checks.free_released_others(
+        self.world.judge(self.host.name, checks.free_released_others(
             before, self.inner.leases_by_owner(), event.key.request_id))
         return effects
 

@@ -13,5 +13,7 @@ def test_every_pair_is_split_into_its_legs(capsys: pytest.CaptureFixture[str]) -
     assert main(["--pairs", "60", "--warmup", "20", "--l1-size-gb", "0.0625", "--form", "list"]) == 0
     out = capsys.readouterr().out
     assert "60 pairs after 20, 60 matched" in out
+    # a leg may read below zero: the server stamps "sent" after its send call returns, and on a
+    # loaded box the client can hold the reply before that
     for leg in LEGS:
-        assert re.search(rf"\| {re.escape(leg)} \| \d+\.\d \|", out), leg
+        assert re.search(rf"\| {re.escape(leg)} \| -?\d+\.\d \|", out), leg

@@ -88,9 +88,13 @@ def test_default_profile_clean_in_the_profile_worlds() -> None:
 
 
 def test_oracles_shared_with_the_simulator() -> None:
-    """One judgement: the random world raises what sim/checks.py finds (not a copy of it)."""
+    """One judgement: the random world raises what sim/checks/ finds (not a copy of it): its
+    per-event server oracle calls the judgements the explorer imports."""
+    from mpcache.sim.checks import server_event
+
     assert world.checks is checks
-    assert "checks.reply_accounting" in Path(world.__file__).read_text()
+    assert server_event.reply_accounting is checks.reply_accounting
+    assert "reply_accounting(" in Path(server_event.__file__).read_text()
 
 
 def test_cli_explore_and_replay_tape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
