@@ -46,7 +46,7 @@ Contract:
   (sound: two different states never merge; finite here because the clock only moves to
   deadlines). **Symmetry**: engines are relabelled in the sorted order of
   their label-free signature (their client, script and frames) before the fingerprint is taken.
-* **Oracles**: the simulator's own judgements, imported from ``sim/checks.py`` (F11 reply
+* **Oracles**: the simulator's own judgements, imported from ``sim/checks/`` (one module per oracle) (F11 reply
   accounting, core_sm invariants, bytes accounting, F4 duplicate leases, F9 over-release, F5 status
   before lookup, F2 lost hit, F8 leases after a clean end, F12/F8 drained after every TTL; the
   planner's F8 at allocation, F21, F20 and F2 placement on each planned retrieve; a resend refused
