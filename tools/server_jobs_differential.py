@@ -178,10 +178,20 @@ def run_sequence(server_type: type, seed: int, steps: int, records: list[str] | 
                 reads.append(e.read_id)
             elif isinstance(e, ProbeL2):
                 probes.append(e.probe_id)
-        rec = record(server, effects)
-        digests.append(hashlib.sha1(rec.encode()).hexdigest()[:16])
-        if records is not None:
-            records.append(rec)
+        _note(server, effects, digests, records)
+    return _tally(server, trace, digests)
+
+
+def _note(server: Any, effects: list[Any], digests: list[str], records: list[str] | None) -> None:
+    """One event's outcome: the server's effects and job states, as a digest (and in full)."""
+    rec = record(server, effects)
+    digests.append(hashlib.sha1(rec.encode()).hexdigest()[:16])
+    if records is not None:
+        records.append(rec)
+
+
+def _tally(server: Any, trace: list[Any], digests: list[str]) -> list[str]:
+    """A sequence's end: the rows it ran and the internal errors it met join the totals."""
     _ROWS.update(f"{s.name} x {e.__name__} -> {a.name}" for s, e, a in trace)
     _ERRORS[0] += server.stats()["internal_errors"]
     return digests
@@ -212,13 +222,8 @@ def run_script(server_type: type, cap: int, ack_first: bool, records: list[str] 
     for now, ev, fail in steps:
         faults.armed = fail
         effects = server.handle(ev, now) + server.run_deferred()
-        rec = record(server, effects)
-        digests.append(hashlib.sha1(rec.encode()).hexdigest()[:16])
-        if records is not None:
-            records.append(rec)
-    _ROWS.update(f"{s.name} x {e.__name__} -> {a.name}" for s, e, a in trace)
-    _ERRORS[0] += server.stats()["internal_errors"]
-    return digests
+        _note(server, effects, digests, records)
+    return _tally(server, trace, digests)
 
 
 SCRIPTS = [(name, cap, ack) for name in SERVER_NAMES for cap in (100, 0) for ack in (False, True)]
