@@ -39,3 +39,13 @@ class ProtocolError:
 
     kind: ErrorKind = attrs.field(validator=attrs.validators.instance_of(ErrorKind))
     message: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+
+
+def refusal(kind: str, message: str) -> ProtocolError:
+    """A failed request's error as the protocol machines take it, from the kind its transport
+    named -- the server's refusal or the link's own verdict (``timeout``, ``unhealthy``,
+    ``not_sent``): a kind mpcache does not know is ``INTERNAL``."""
+    try:
+        return ProtocolError(ErrorKind(kind), message)
+    except ValueError:
+        return ProtocolError(ErrorKind.INTERNAL, message)

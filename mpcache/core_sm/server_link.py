@@ -55,6 +55,7 @@ from typing import Any, Union
 
 import attrs
 
+from mpcache.core_sm.errors import ProtocolError, refusal
 from mpcache.core_sm.health import (
     Connected,
     FailPending,
@@ -193,6 +194,10 @@ class Failed:
     message: str
     error: Any = None  # the server's refusal as the transport gave it, if any
     request: Any = None
+
+    def protocol_error(self) -> ProtocolError:
+        """What the request's machine is told: the server's refusal, else the link's verdict."""
+        return self.error if isinstance(self.error, ProtocolError) else refusal(self.kind, self.message)
 
 
 LinkEffect = Union[Transmit, Completed, Failed, ServerHealth, ServerEpoch]

@@ -30,7 +30,7 @@ import attrs
 
 from mpcache.core_sm.blocks import chunk_copies
 from mpcache.core_sm.effects import CopyBlocks, SendRequest
-from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.errors import ErrorKind, ProtocolError, refusal
 from mpcache.core_sm.keys import NO_EXTRAS, KeyExtras
 from mpcache.core_sm.client_config import (
     ConnectorSettings,
@@ -304,12 +304,8 @@ class _ServerLinks:
     def _completed(self, effect: Any, future: Any) -> None:
         try:
             value = future.result()
-        except RemoteError as exc:
-            try:
-                kind = ErrorKind(exc.kind)
-            except ValueError:
-                kind = ErrorKind.INTERNAL
-            self._events.put(RequestFailed(effect.server, effect.correlation, ProtocolError(kind, exc.message)))
+        except RemoteError as exc:  # the server's refusal or the link's verdict, by its kind's name
+            self._events.put(RequestFailed(effect.server, effect.correlation, refusal(exc.kind, exc.message)))
             return
         except Exception as exc:  # closed client, cancelled future: the request is lost
             self._events.put(

@@ -563,16 +563,9 @@ class SimEngine:
         if f.token is None:
             return
         machine, correlation = _token(f.token)
-        if isinstance(f.error, ProtocolError):
-            error = f.error
-        else:
-            if not f.message:
-                self.world.violation("SAFETY", links.node_name, f"#{correlation} failed with no reason: {f!r}")
-            try:
-                kind = ErrorKind(f.kind)
-            except ValueError:
-                kind = ErrorKind.INTERNAL
-            error = ProtocolError(kind, f.message)
+        if not isinstance(f.error, ProtocolError) and not f.message:
+            self.world.violation("SAFETY", links.node_name, f"#{correlation} failed with no reason: {f!r}")
+        error = f.protocol_error()
         if error.kind is ErrorKind.NOT_REGISTERED and type(f.request.request) in RESENDABLE_AFTER_NOT_REGISTERED:
             # a parked request answered with its refusal: given up, or timed out waiting
             self.world.stats["transport_give_ups"] = self.world.stats.get("transport_give_ups", 0) + 1

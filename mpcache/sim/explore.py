@@ -93,7 +93,7 @@ from mpcache.core_sm.effects import (
     SendRequest,
     StartTransfer,
 )
-from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.errors import ErrorKind
 from mpcache.core_sm.health import TABLES as HEALTH_TABLES
 from mpcache.core_sm.health import RESENDABLE_AFTER_NOT_REGISTERED, HealthMonitor, resend_of
 from mpcache.core_sm.lookup_client import TABLES as CLIENT_TABLES
@@ -952,15 +952,8 @@ class Explorer:
                 assert isinstance(correlation, int)
                 v = deliver(st, e, ReplyReceived(s, correlation, effect.value))
             elif isinstance(effect, Failed):
-                error = effect.error
-                if not isinstance(error, ProtocolError):  # the link's own verdict: timeout, unhealthy
-                    try:
-                        kind = ErrorKind(effect.kind)
-                    except ValueError:
-                        kind = ErrorKind.INTERNAL
-                    error = ProtocolError(kind, effect.message)
                 assert isinstance(effect.token, int)
-                v = deliver(st, e, RequestFailed(s, effect.token, error))
+                v = deliver(st, e, RequestFailed(s, effect.token, effect.protocol_error()))
             elif isinstance(effect, (ServerHealth, ServerEpoch)):
                 v = deliver(st, e, attrs.evolve(effect, server=s))
             if v:
