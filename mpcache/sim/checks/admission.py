@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 from mpcache.core_sm.messages import Lookup
 
 if TYPE_CHECKING:
-    from mpcache.sim.world import ServerHost, World
+    from mpcache.sim.checks.world_view import HostView, WorldView
 
 
-def check(world: World, host: ServerHost, server: Any, event: Any) -> None:
+def check(world: WorldView, host: HostView, server: Any, event: Any) -> None:
     """Count ``event``'s chunks if it is a LOOKUP; judge the objects it made readable."""
     if type(event) is Lookup:
         hashes, err = server.ctx.hashes(event.key, event.key.end // world.config.chunk_size)

@@ -9,10 +9,10 @@ from mpcache.core_sm.chunks import ObjectKey
 from mpcache.sim.ports import Via
 
 if TYPE_CHECKING:
-    from mpcache.sim.world import World
+    from mpcache.sim.checks.world_view import WorldView
 
 
-def check(world: World, node: str, rid: str, chunks: int, via: Any) -> None:
+def check(world: WorldView, node: str, rid: str, chunks: int, via: Any) -> None:
     engine = world.engine_of_node(via.node) if isinstance(via, Via) else None
     if engine is None:
         return

@@ -24,10 +24,10 @@ from mpcache.sim.ports import SERVER
 from mpcache.sim.scenario import server_name
 
 if TYPE_CHECKING:
-    from mpcache.sim.world import ServerHost, World
+    from mpcache.sim.checks.world_view import HostView, WorldView
 
 
-def holds_leases(host: ServerHost, node: str, rid: str) -> bool:
+def holds_leases(host: HostView, node: str, rid: str) -> bool:
     """Whether scheduler ``node``'s request ``rid`` holds read leases on ``host`` now."""
     assert host.node is not None
     index = host.node.machines[SERVER].index
@@ -35,7 +35,7 @@ def holds_leases(host: ServerHost, node: str, rid: str) -> bool:
     return bool(index.holds(RequestKey(node, rid)) or index.holds(RequestKey(None, rid)))
 
 
-def quiescent(world: World) -> None:
+def quiescent(world: WorldView) -> None:
     """Everything landed: no reply owed, no lease held by a request that ended cleanly, every
     live worker registered with every server (checked later, ``registered``)."""
     for host in world.servers:
@@ -66,7 +66,7 @@ def quiescent(world: World) -> None:
                 world.recent_lines(owner)))
 
 
-def released(world: World) -> None:
+def released(world: WorldView) -> None:
     """F8, whatever the lease TTL: a request that finished cleanly while a server still
     leased it objects sent that server a FREE or an END_SESSION -- leases that only the TTL
     gave back leaked for a whole TTL (pinned objects, a full L1 under long TTLs)."""
@@ -83,7 +83,7 @@ def released(world: World) -> None:
                         f"{world.recent_lines(rid)}")
 
 
-def registered(world: World) -> None:
+def registered(world: WorldView) -> None:
     """F13: after heal and quiescence a live worker is registered with every server that is up
     -- a restart must not leave it unknown there (every store refused not_registered)."""
     for host in world.servers:
@@ -100,7 +100,7 @@ def registered(world: World) -> None:
                         worker.instance_id in host.reaped))
 
 
-def drained(world: World) -> None:
+def drained(world: WorldView) -> None:
     """After the TTLs: abandoned jobs reaped, every lease back."""
     for host in world.servers:
         if not host.up or host.node is None:

@@ -25,12 +25,12 @@ from mpcache.sim.checks.status import status_before_lookup
 from mpcache.sim.ports import SERVER, Via
 
 if TYPE_CHECKING:
-    from mpcache.sim.world import World
+    from mpcache.sim.checks.world_view import WorldView
 
 _SERVER_PREFIX = len("server")
 
 
-def after_event(world: World, node: Node, event: Any, effects: list[Any], now: float) -> None:
+def after_event(world: WorldView, node: Node, event: Any, effects: list[Any], now: float) -> None:
     """Judge one event server ``node`` handled (``effects``: what it answered)."""
     host = world.servers[int(node.name[_SERVER_PREFIX:])]
     server = node.machines[SERVER]

@@ -9,10 +9,10 @@ from mpcache.core_sm.chunks import ObjectKey
 from mpcache.sim.ports import SERVER
 
 if TYPE_CHECKING:
-    from mpcache.sim.world import ServerHost, World
+    from mpcache.sim.checks.world_view import HostView, WorldView
 
 
-def holder(host: ServerHost, slot: int) -> ObjectKey | None:
+def holder(host: HostView, slot: int) -> ObjectKey | None:
     """Which object the server's index gives ``slot`` to right now (None: free)."""
     assert host.node is not None
     index = host.node.machines[SERVER].index
@@ -22,7 +22,7 @@ def holder(host: ServerHost, slot: int) -> ObjectKey | None:
     return None
 
 
-def check_target(world: World, host: ServerHost, slot: int, key: ObjectKey, what: str) -> None:
+def check_target(world: WorldView, host: HostView, slot: int, key: ObjectKey, what: str) -> None:
     found = holder(host, slot)
     if found is not None and found != key:
         world.violation("F10", host.name, f"{what} for {key.wire_name()[:12]} landed in slot {slot}, which the "
