@@ -15,12 +15,15 @@ from mpcache.sim.world import packet_text
 
 # Counterexamples the world's tape does not show yet, and why (each fails if it starts to).
 NOT_IN_WORLD: dict[str, str] = {
-    "unknown-none": "the explorer's script asks check() three times; vLLM's scheduler model asks the planner again "
-                    "only while it cannot allocate, so the legacy client's query after its answer is never sent",
-    "release-all": "the counterexample cancels a pending lookup (cleanup_lookup_result, a FREE); the world's planner "
-                   "has no such call",
-    "lease-expiry-under-queue": "the counterexample waits 2 s between the answered match and the allocation; the "
-                                "world's scheduler allocates in the step the hit is answered unless it is full",
+    "unknown-none": "the explorer's script calls the lookup client's check() itself, and again after its answer; in "
+                    "the world vLLM's get_num_new_matched_tokens reaches it through the connector's StepPlanner, "
+                    "which calls check() only while the lookup is pending and answers every later match from its "
+                    "tracker: the legacy client's query after the answer is sent and answered None there too, but "
+                    "no match sees it, however long the scheduler keeps the request waiting (hold)",
+    "release-all": "the counterexample cancels a pending lookup (cleanup_lookup_result, whose FREE_LOOKUP_LOCKS "
+                   "releases the other engine's lease); production's StepPlanner never cleans up a pending lookup "
+                   "(its Cleanup follows an answer and frees nothing; vLLM's abort of a waiting request is "
+                   "request_finished, an END_SESSION): it frees leases only of an answered hit it will not load",
 }
 
 
@@ -62,7 +65,7 @@ def test_a_tape_that_does_not_violate_in_the_world_fails() -> None:
         assert_same_in_world(tape)
 
 
-@pytest.mark.parametrize("name", ["no-ack-wait", "no-reregister", "trust-all"])
+@pytest.mark.parametrize("name", ["no-ack-wait", "no-reregister", "trust-all", "lease-expiry-under-queue"])
 def test_the_default_profile_passes_a_profiles_world_tape(name: str) -> None:
     """The same world actions under the production machines show nothing: the code comes from
     the legacy machines, not from the tape."""
