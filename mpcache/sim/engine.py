@@ -317,6 +317,9 @@ class SimEngine:
         self.pause_token = 0
         self.step_wanted = False
         self.sync_waiting: set[str] = set()
+        # requests a scripted world keeps waiting (``hold``): the pool is short for them, as when
+        # other work holds vLLM's blocks; each step asks the connector again and allocates nothing
+        self.held: set[str] = set()
         self.links: list[ClientLinks] = []  # one per node: the transport (core_sm's ServerLink per server)
         self._links_of: dict[str, ClientLinks] = {}
         # (node, machine, correlation) -> (request id, request type), for reply fault tracking
@@ -778,7 +781,7 @@ class SimEngine:
     def _schedule_waiting(self, req: SimRequest, running: int) -> None:
         """vLLM's waiting queue: the scheduler model asks the connector, allocates, tells it."""
         assert self.sched is not None
-        admitted = self.model.admit(req.queued, running)
+        admitted = self.model.admit(req.queued, running, short=req.rid in self.held)
         if admitted is Admission.FULL:
             return  # vLLM's scheduler is full: it does not reach the request this step
         if admitted is Admission.PENDING:
@@ -807,6 +810,16 @@ class SimEngine:
             self._arm_abort_in_flight(req, "load")
         else:
             self._start_compute(req)
+
+    def hold(self, req: SimRequest) -> None:
+        """A scripted world's choice: from the next step on, ``req`` waits for blocks (vLLM's
+        pool short: other requests hold it), asked about at every step, until ``unhold``."""
+        self.held.add(req.rid)
+
+    def unhold(self, req: SimRequest) -> None:
+        """Blocks for ``req`` again: the next step allocates it if it still waits."""
+        self.held.discard(req.rid)
+        self._ensure_step()
 
     def _arm_abort_in_flight(self, req: SimRequest, what: str) -> None:
         """The scenario's abort timed to an operation in flight (``RequestSpec.abort_on``)."""

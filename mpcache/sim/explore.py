@@ -1819,8 +1819,10 @@ def report_coverage(ex: Explorer, out: Any = None) -> None:
 # the net's bag that carries the same request (its link uid mapped to the world's at the first
 # frame of it), every other choice the world's own -- the clock moves (``tick``) whenever the
 # message the next action moves is not sent yet, so the world's engines (vLLM's scheduler model
-# over the planner), links, timers and copies do what the explorer's scripts did; restarts, engine
-# crashes and aborts are the world's. The world's actions are saved in the tape beside the
+# over the planner), links, timers and copies do what the explorer's scripts did; where the
+# explorer's clock moves between a request's answered match and its allocation, the world's
+# scheduler holds the request (vLLM's pool short for it: asked about at every step, not allocated)
+# until the explorer allocates; restarts, engine crashes and aborts are the world's. The world's actions are saved in the tape beside the
 # explorer's (``sim_world``); ``replay_world_tape`` runs them, with the world's oracles.
 
 # explorer actions sim.World has no choice for (a tape with one is not written for the world)
@@ -1906,6 +1908,7 @@ class Guide(_TapeWorld):
         self.uids: dict[tuple[int, int, int, int], int] = {}  # (engine, node, server, explorer uid) -> world uid
         self.taken: set[tuple[str, str, int]] = set()
         self.looking: float | None = None  # since when the guide looks for the next action's message
+        self.held: set[str] = set()  # requests the world's scheduler keeps waiting until their allocation
 
     def _emit(self, action: list[Any]) -> list[Any]:
         self.actions.append(action)
@@ -1913,7 +1916,7 @@ class Guide(_TapeWorld):
 
     def next_action(self, world: Any) -> list[Any] | None:
         while self.steps:
-            kind, arg, frame, now = self.steps[0]
+            kind, arg, frame, now, what = self.steps[0]
             if kind == "tick" and world.now() < arg + self.offset and world.timeline.next_time() <= arg + self.offset:
                 return self._emit(["tick"])  # the explorer's clock moved: the world's follows
             if frame is not None:
@@ -1950,6 +1953,12 @@ class Guide(_TapeWorld):
                 raise TapeError("a second worker retrieve: the world's one request plans one")
             if kind == "abort":
                 return self._emit(["abort", rid(*arg)])
+            if kind == "step" and what == "matched" and self._waits_for_blocks(arg):
+                self.held.add(rid(*arg))
+                return self._emit(["hold", rid(*arg)])
+            if kind == "step" and what == "alloc" and rid(*arg) in self.held:
+                self.held.discard(rid(*arg))
+                return self._emit(["unhold", rid(*arg)])
             if kind == "attack":  # the adversary's request, handled as it arrives
                 what, e, r, s = arg
                 return self._emit(["attack", what, e if what in INSTANCE_ATTACKS else rid(e, r), s])
@@ -1965,6 +1974,18 @@ class Guide(_TapeWorld):
 
                 return self._emit(["drop", packet.pid, packet_text(packet)])
         return None
+
+    def _waits_for_blocks(self, arg: tuple[int, int]) -> bool:
+        """Whether the explorer's clock moves between the request's answered match and its
+        allocation: the world's scheduler, which allocates in the step the match is answered,
+        must then keep it waiting as vLLM does while its block pool is short (``hold``, asking
+        the planner again at every step) until the explorer allocates (``unhold``)."""
+        for kind, other, _frame, _now, what in self.steps:
+            if kind == "step" and other == arg and what == "alloc":
+                return False
+            if kind == "tick":
+                return True
+        return False
 
     def _match(self, world: Any, f: Frame) -> Any:
         from mpcache.sim.ports import ReplyMsg, RequestMsg
@@ -2002,7 +2023,9 @@ def _kind_of(request: Any) -> str:
     return "status" if name in ("QueryPrefetchStatus", "WaitPrefetchStatus") else name
 
 
-Step = tuple[str, Any, "Frame | None", float]  # an explorer action, the frame it moves, the explorer's clock
+# an explorer action, the frame it moves, the explorer's clock before it and, for a script's step,
+# which one ("matched": a match the planner answered)
+Step = tuple[str, Any, "Frame | None", float, str]
 
 
 def explorer_steps(tape: dict[str, Any], profile: Any) -> tuple[list[Step], list[Frame]]:
@@ -2015,9 +2038,17 @@ def explorer_steps(tape: dict[str, Any], profile: Any) -> tuple[list[Step], list
     for kind, arg in tape["actions"]:
         action = (kind, tuple(arg) if isinstance(arg, list) else arg)
         frame = st.frames[int(arg)] if kind in ("deliver", "drop", "dup") else None
-        steps.append((kind, action[1], frame, st.now))
+        was = st.scripts[arg[0]][arg[1]] if kind == "step" else 0
+        now = st.now
         st = st.child()
-        if ex.apply(st, action) is not None:
+        violation = ex.apply(st, action)
+        what = ""
+        if kind == "step":
+            what = ex.script[was]
+            if what == "match" and st.scripts[arg[0]][arg[1]] > was:
+                what = "matched"  # answered (a match not answered yet is asked again)
+        steps.append((kind, action[1], frame, now, what))
+        if violation is not None:
             break
         st.owned = set()
     return steps, list(st.frames)

@@ -10,9 +10,10 @@ real servers) both schedule through ``SchedulerModel``. It decides only what vLL
   run (vLLM's ``max_num_seqs``): a full scheduler does not reach its waiting requests;
 * the engine's own prefix-cache hit: whole blocks, never the last token;
 * ``get_num_new_matched_tokens`` -> ``None`` keeps the request waiting (asked again next step);
-* blocks: a request is admitted only if the pool holds blocks for its whole prompt; an async
-  load's first ``update_state_after_alloc`` names the blocks of the tokens it will hold once
-  loaded, the second (when the load landed) all of them; a synchronous load
+* blocks: a request is admitted only if the pool holds blocks for its whole prompt (and the
+  caller does not say it is short for it: blocks other work holds, ``admit(short=True)``); an
+  async load's first ``update_state_after_alloc`` names the blocks of the tokens it will hold
+  once loaded, the second (when the load landed) all of them; a synchronous load
   (``load_async=False`` with tokens to load) gets them all at once and is scheduled in the same
   step, its load finished before that step's forward;
 * the step's ``ScheduledRequest``s and preempted ids, handed to ``build_connector_meta``;
@@ -161,9 +162,11 @@ class SchedulerModel:
         self.requests[req.request_id] = req
         return req
 
-    def admit(self, req: QueuedRequest, running: int | None = None) -> Admission:
+    def admit(self, req: QueuedRequest, running: int | None = None, short: bool = False) -> Admission:
         """One waiting request's turn in this step: ask the connector, allocate, tell it.
-        ``running``: requests already running this step (default: counted now)."""
+        ``running``: requests already running this step (default: counted now); ``short``: the
+        pool has no blocks for it this step whatever it holds (blocks of work the caller does not
+        model: the connector is asked, the request stays waiting, ``NO_BLOCKS``)."""
         assert req.status is Status.WAITING
         if self.max_running is not None and (self.running() if running is None else running) >= self.max_running:
             return Admission.FULL
@@ -178,7 +181,7 @@ class SchedulerModel:
                                  f"{req.num_prompt} prompt tokens, {apc} held by the engine")
         need = -(-len(req.tokens) // self.block_size)
         dropped = [self.dropped_blocks(g, apc + external) for g in self.groups[1:]]
-        if len(self.free_blocks) < need + sum(need - d for d in dropped):
+        if short or len(self.free_blocks) < need + sum(need - d for d in dropped):
             return Admission.NO_BLOCKS  # vLLM keeps it waiting and asks again next step
         req.blocks = self._take(req, need)
         req.group_blocks = [[NULL_BLOCK] * d + self._take(req, need - d) for d in dropped]

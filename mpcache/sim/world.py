@@ -320,7 +320,10 @@ class World:
           what the message was, is checked: a tape that drifted from its world stops);
         * ``["restart", s]``: server ``s`` crashes and restarts (what is in flight to or from it
           is lost); ``["crash", e]``: engine ``e`` crashes; ``["abort", request id]``: vLLM aborts
-          the request.
+          the request;
+        * ``["hold" | "unhold", request id]``: from the next step on, vLLM's scheduler keeps the
+          request waiting as when its block pool is short (other requests hold it: each step asks
+          the connector again and allocates nothing), or gives it blocks again.
 
         Then the net is released (`SimNet.release`) and the liveness and quiescence phases run
         as in every world. The nodes an action wakes run before the next action."""
@@ -366,6 +369,14 @@ class World:
                 if found is None:
                     raise TapeError(f"tape action {action}: no such request")
                 found[0]._abort(found[1])
+            elif kind in ("hold", "unhold"):
+                found = self.find_request(str(action[1]))
+                if found is None:
+                    raise TapeError(f"tape action {action}: no such request")
+                if kind == "hold":
+                    found[0].hold(found[1])
+                else:
+                    found[0].unhold(found[1])
             else:
                 raise TapeError(f"unknown tape action {action}")
             await self.timeline.settle()

@@ -9,18 +9,29 @@ from typing import Any
 
 import pytest
 
-from mpcache.sim.explore import PROFILE_WORLDS, Explorer, TapePlayer, XWorld, replay_world_tape, run_tape_world
+from mpcache.sim.explore import (
+    PROFILE_WORLDS,
+    WORLD_TAPE_WAIT,
+    Explorer,
+    TapePlayer,
+    XWorld,
+    replay_world_tape,
+    run_tape_world,
+)
 from mpcache.sim.profiles import PROFILES
-from mpcache.sim.world import packet_text
+from mpcache.sim.world import TapeError, packet_text
 
 # Counterexamples the world's tape does not show yet, and why (each fails if it starts to).
 NOT_IN_WORLD: dict[str, str] = {
-    "unknown-none": "the explorer's script asks check() three times; vLLM's scheduler model asks the planner again "
-                    "only while it cannot allocate, so the legacy client's query after its answer is never sent",
-    "release-all": "the counterexample cancels a pending lookup (cleanup_lookup_result, a FREE); the world's planner "
-                   "has no such call",
-    "lease-expiry-under-queue": "the counterexample waits 2 s between the answered match and the allocation; the "
-                                "world's scheduler allocates in the step the hit is answered unless it is full",
+    "unknown-none": "the explorer's script calls the lookup client's check() itself, and again after its answer; in "
+                    "the world vLLM's get_num_new_matched_tokens reaches it through the connector's StepPlanner, "
+                    "which calls check() only while the lookup is pending and answers every later match from its "
+                    "tracker: the legacy client's query after the answer is sent and answered None there too, but "
+                    "no match sees it, however long the scheduler keeps the request waiting (hold)",
+    "release-all": "the counterexample cancels a pending lookup (cleanup_lookup_result, whose FREE_LOOKUP_LOCKS "
+                   "releases the other engine's lease); production's StepPlanner never cleans up a pending lookup "
+                   "(its Cleanup follows an answer and frees nothing; vLLM's abort of a waiting request is "
+                   "request_finished, an END_SESSION): it frees leases only of an answered hit it will not load",
 }
 
 
@@ -62,7 +73,7 @@ def test_a_tape_that_does_not_violate_in_the_world_fails() -> None:
         assert_same_in_world(tape)
 
 
-@pytest.mark.parametrize("name", ["no-ack-wait", "no-reregister", "trust-all"])
+@pytest.mark.parametrize("name", ["no-ack-wait", "no-reregister", "trust-all", "lease-expiry-under-queue"])
 def test_the_default_profile_passes_a_profiles_world_tape(name: str) -> None:
     """The same world actions under the production machines show nothing: the code comes from
     the legacy machines, not from the tape."""
@@ -83,6 +94,8 @@ class ByText(TapePlayer):
         if kind in ("deliver", "drop", "dup"):
             packet = next((p for p in world.net.bag or () if what in packet_text(p)), None)
             if packet is None:
+                if world.now() > WORLD_TAPE_WAIT:
+                    raise TapeError(f"no {what} in flight by {world.now():.3f}")
                 return ["tick"]
             self.actions.popleft()
             return [kind, packet.pid, packet_text(packet)]
@@ -103,3 +116,29 @@ def test_a_scripted_crash_runs_the_worlds_fault_and_production_passes(fault: str
     assert any("tape " + fault in line for line in world.trace.lines)
     assert any(" lost #" in line for line in world.trace.lines)  # the status query in flight
     assert not any(line.split()[2:3] == ["TAPE"] for line in world.trace.lines)
+
+
+@pytest.mark.parametrize("name", ["unknown-none", "default"])
+def test_a_held_request_shows_unknown_nones_poll_forever_through_its_lease_renewal(name: str) -> None:
+    """Not the explorer's counterexample (its check() after the answer has no counterpart behind the
+    planner: NOT_IN_WORLD) but unknown-none's F1 in the world: the request waits for blocks (hold)
+    past its lease renewal; the legacy client's status query after its answer, sent when the
+    planner took the hit and left in flight, reaches the server after the renewal's LOOKUP and
+    takes its answer; the renewal's own queries find the job popped, no tombstone: None forever.
+    The production client asks nothing after its answer: the renewal answers, the request runs."""
+    xworld = PROFILE_WORLDS["unknown-none"]
+    plan: list[tuple[str, str]] = [("deliver", "Lookup req0.0"), ("deliver", "server0->sched0"),
+                                   ("deliver", "QueryPrefetchStatus"), ("deliver", "reply:1"), ("hold", "req0.0"),
+                                   ("deliver", "Lookup req0.0")]  # the second: the renewal's, 1 s later
+    if name == "unknown-none":
+        plan.append(("deliver", "QueryPrefetchStatus"))  # the query after the answer, overtaking
+    plan.append(("unhold", "req0.0"))
+    violation, world = run_tape_world(xworld, ByText(xworld, plan), PROFILES[name])  # type: ignore[arg-type]
+    assert not any(line.split()[2:3] == ["TAPE"] for line in world.trace.lines)  # the whole plan ran
+    assert any(" tape unhold req0.0" in line for line in world.trace.lines)
+    if name == "default":
+        assert violation is None, violation.reason()
+        assert [(r.state, r.outcome) for r in world.engines[0].order] == [("done", "finished")]
+        return
+    assert violation is not None and violation.code == "F1", violation
+    assert "lookup unresolved" in violation.message

@@ -92,6 +92,18 @@ def test_a_short_pool_keeps_the_request_waiting() -> None:
     assert m.admit(req) is Admission.NO_BLOCKS and req.blocks == [] and m.blocks_in_use() == 0
 
 
+def test_a_pool_the_caller_says_is_short_asks_again_each_step_and_allocates_nothing() -> None:
+    """``short``: blocks other work holds (a scripted world's hold). The connector is asked at
+    every step, as vLLM asks a waiting request again; once the pool has room, it is allocated."""
+    m, c = model((4, True))
+    req = m.add(QueuedRequest("a", list(range(10))))
+    assert m.admit(req, short=True) is Admission.NO_BLOCKS
+    assert m.admit(req, short=True) is Admission.NO_BLOCKS
+    assert req.status is Status.WAITING and req.blocks == [] and m.blocks_in_use() == 0
+    assert c.calls == [("match", "a", 0), ("match", "a", 0)]
+    assert m.admit(req) is Admission.LOADING and c.calls[-1] == ("alloc", "a", (req.blocks[0],), 4)
+
+
 def test_preemption_frees_at_once_and_is_reported_in_the_step() -> None:
     m, c = model()
     req = m.add(QueuedRequest("a", list(range(10))))
