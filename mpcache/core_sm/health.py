@@ -389,10 +389,27 @@ class HealthMonitor:
         return dict(self._counters)
 
     def next_deadline(self) -> float | None:
-        deadlines = [s.next_ping for s in self._servers]
-        deadlines += [s.last_reply + self.config.timeout for s in self._servers if s.healthy]
-        deadlines += [at for s in self._servers for at in s.retry_at.values()]
-        return min(deadlines)
+        """The earliest of every server's next ping, every healthy server's reply timeout and
+        every registration retry. Asked after every event the node handles, so no list is
+        built: the candidates are compared in that order as ``min`` of their list would (a
+        later one wins only if strictly earlier), so the same value (and type) comes back."""
+        servers = self._servers
+        if not servers:
+            return min(())  # as min of no candidates: ValueError
+        best = servers[0].next_ping
+        for s in servers:
+            if s.next_ping < best:
+                best = s.next_ping
+        timeout = self.config.timeout
+        for s in servers:
+            if s.healthy and s.last_reply + timeout < best:
+                best = s.last_reply + timeout
+        for s in servers:
+            if s.retry_at:
+                for at in s.retry_at.values():
+                    if at < best:
+                        best = at
+        return best
 
     def handle(self, event: HealthEvent, now: float) -> list[HealthEffect]:
         out: list[Any] = []

@@ -956,17 +956,28 @@ class L1Index:
     # ----------------------------------------------------------------------------- invariants
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent (cheap enough per event)."""
-        assert self._bytes == sum(o.nbytes for o in self._objects.values()), "bytes accounting"
-        slots = {o.slot for o in self._objects.values()}
-        assert len(slots) == len(self._objects), "two objects share a slot"
-        assert not slots & set(self._free_slots), "a used slot is on the free list"
-        assert not slots & self._quarantined, "a used slot is quarantined"
-        assert not self._quarantined & set(self._free_slots), "a quarantined slot is free"
-        assert self._quarantined <= set(self._pinned), "a quarantined slot with no pin"
-        assert len(slots) + len(self._free_slots) + len(self._quarantined) == self.num_slots, "slots lost"
+        """Raise AssertionError if the bookkeeping is inconsistent (cheap enough per event).
+
+        The simulator runs this after every server event that may change the index, so the
+        objects are walked once for the slots and bytes and once for their writes and leases,
+        and the free list made a set once; the assertions are made in the invariants' order --
+        the same assertions as one walk per invariant, the same one failing first on a broken
+        state (the lease walk raises nothing itself: what it finds is raised at the place of
+        its assertion, after the writes per batch)."""
+        objects = self._objects
+        objs = tuple(objects.values())
+        assert self._bytes == sum(o.nbytes for o in objs), "bytes accounting"
+        slots = {o.slot for o in objs}
+        free = set(self._free_slots)
+        quarantined = self._quarantined
+        assert len(slots) == len(objects), "two objects share a slot"
+        assert not slots & free, "a used slot is on the free list"
+        assert not slots & quarantined, "a used slot is quarantined"
+        assert not quarantined & free, "a quarantined slot is free"
+        assert quarantined <= self._pinned.keys(), "a quarantined slot with no pin"
+        assert len(slots) + len(self._free_slots) + len(quarantined) == self.num_slots, "slots lost"
         assert {ObjectKey(h, r): o for r, by_hash in self._readable.items() for h, o in by_hash.items()} == {
-            k: o for k, o in self._objects.items() if o.writer is None}, "readable map"
+            k: o for k, o in objects.items() if o.writer is None}, "readable map"
         assert all(self._readable.values()), "an empty rank map"
         held = 0
         pending = {(k, t.owner if isinstance(t, LeasesExpire) else None, t.expiry) for t in self._expiry_timers()
@@ -977,27 +988,45 @@ class L1Index:
                 if p.expiry is not None and p.keys is not None:
                     pending.update((k, o, p.expiry) for k in p.keys[p.pos:])
         batches: dict[int, int] = {}
-        for obj in self._objects.values():
-            if obj.writer is not None:
+        by_owner = self._by_owner
+        wrong: Exception | None = None  # what the first object whose write or leases are wrong raises
+        for obj in objs:
+            writer = obj.writer
+            if writer is not None:
                 batches[obj.batch] = batches.get(obj.batch, 0) + 1
-        assert batches == self._writing, "writes per reservation batch"
-        for obj in self._objects.values():
-            if obj.writer is not None:
-                assert (obj.key, None, obj.write_expiry) in pending, "a write that would never expire"
+            if wrong is not None:
+                continue
+            key = obj.key
+            if writer is not None and (key, None, obj.write_expiry) not in pending:
+                wrong = AssertionError("a write that would never expire")
+                continue
             for owner, (count, expiry) in obj.readers.items():
-                assert count > 0, "non-positive lease count"
-                assert obj.key in self._by_owner[owner], "owner map misses a lease"
-                assert (obj.key, owner, expiry) in pending, "a lease that would never expire"
-                held += count
-            ready_unleased = obj.writer is None and not obj.readers
-            assert ready_unleased == (obj.key in obj.lru), "LRU set out of sync"
-            assert not (obj.writer is not None and obj.readers), "read lease on a writing object"
-        for owner, keys in self._by_owner.items():
+                if count <= 0:
+                    wrong = AssertionError("non-positive lease count")
+                elif owner not in by_owner:  # (the owner map's lookup raises)
+                    wrong = KeyError(owner)
+                elif key not in by_owner[owner]:
+                    wrong = AssertionError("owner map misses a lease")
+                elif (key, owner, expiry) not in pending:
+                    wrong = AssertionError("a lease that would never expire")
+                else:
+                    held += count
+                    continue
+                break
+            else:
+                if (writer is None and not obj.readers) != (key in obj.lru):
+                    wrong = AssertionError("LRU set out of sync")
+                elif writer is not None and obj.readers:
+                    wrong = AssertionError("read lease on a writing object")
+        assert batches == self._writing, "writes per reservation batch"
+        if wrong is not None:
+            raise wrong
+        for owner, keys in by_owner.items():
             assert keys, "empty owner entry"
             for k in keys:
-                assert owner in self._objects[k].readers, "owner map has a stale lease"
+                assert owner in objects[k].readers, "owner map has a stale lease"
         assert held == self._leases_held, "held lease counter"
-        self.quota.check(self._objects.values())
+        self.quota.check(objs)
         released = sum(self._leases_released.values())
         assert self._leases_taken == held + released, "a lease was neither held nor released once"
 

@@ -246,37 +246,56 @@ class TenantQuota:
     # ----------------------------------------------------------------------------- invariants
 
     def check(self, objects: Iterable[L1Object]) -> None:
-        """Assert the module doc's invariants over ``objects``, every object the index holds."""
+        """Assert the module doc's invariants over ``objects``, every object the index holds.
+
+        The simulator runs this after every server event that may change the index, so the
+        objects are walked once: each object's charge, whether it is READY unleased, and the
+        first object whose account or LRU set is wrong are found in that one pass, and the
+        assertions are then made in the invariants' order -- the same assertions as one walk
+        per invariant, the same one failing first on a broken state (the object pass raises
+        nothing itself: what it finds is raised at the place of its assertion)."""
         objs = tuple(objects)
-        charged: dict[Tenant | None, int] = {}
-        for obj in objs:
-            charged[obj.tenant] = charged.get(obj.tenant, 0) + 1
-        assert charged == self._charged, "tenant charges"
-        assert self._lru.keys() == self._charged.keys() | {None}, "LRU sets are not the charged tenants'"
-        assert self._accounts.keys() == self._lru.keys(), "accounts are not the charged tenants'"
-        for tenant, account in self._accounts.items():
-            assert account.tenant == tenant and account.lru is self._lru[tenant], f"tenant {tenant!r}'s account"
+        lrus, accounts = self._lru, self._accounts
         runs = [run for _used, _seq, run in self._orphans if run]
         orphan_runs = {id(run) for run in runs}
+        common = lrus.get(None)
+        charged: dict[Tenant | None, int] = {}
+        ready = 0
+        misplaced: str | None = None  # the first object's account or LRU set that is wrong
+        for obj in objs:
+            account = obj.account
+            tenant = account.tenant
+            charged[tenant] = charged.get(tenant, 0) + 1
+            ready_unleased = obj.writer is None and not obj.readers
+            if ready_unleased:
+                ready += 1
+            if misplaced is not None:
+                continue
+            if tenant is not None:
+                # (once the charges and key sets below hold, ``tenant`` is a key of both maps)
+                if account is not accounts.get(tenant):
+                    misplaced = "an object of a stale account"
+                elif obj.lru is not lrus.get(tenant):
+                    misplaced = "an object in another tenant's LRU"
+            elif ready_unleased and obj.lru is not common and id(obj.lru) not in orphan_runs:
+                misplaced = "an object in no LRU set"
+        assert charged == self._charged, "tenant charges"
+        assert lrus.keys() == self._charged.keys() | {None}, "LRU sets are not the charged tenants'"
+        assert accounts.keys() == lrus.keys(), "accounts are not the charged tenants'"
+        for tenant, account in accounts.items():
+            assert account.tenant == tenant and account.lru is lrus[tenant], f"tenant {tenant!r}'s account"
         assert len(orphan_runs) == len(runs), "an orphan run twice on the heap"
-        held = {id(obj) for obj in objs}
+        held = set(map(id, objs))
         for used, _seq, run in self._orphans:
             if run:
                 assert used <= _head(run).used, "an orphan run's key after its head"
                 uses = [o.used for o in run.values()]
                 assert uses == sorted(uses), "an orphan run out of recency order"
-                assert all(o.tenant is None for o in run.values()), "a charged object in an orphan run"
-        for tenant, lru in self._lru.items():
+                assert all(o.account.tenant is None for o in run.values()), "a charged object in an orphan run"
+        for tenant, lru in lrus.items():
             uses = [o.used for o in lru.values()]
             assert uses == sorted(uses), f"tenant {tenant!r}'s LRU out of recency order"
-        for lru in (*self._lru.values(), *runs):
+        for lru in (*lrus.values(), *runs):
             assert all(o.key == k and id(o) in held for k, o in lru.items()), "an LRU entry not its key's object"
-        assert sum(len(lru) for lru in self._lru.values()) + sum(len(run) for run in runs) == sum(
-            1 for o in objs if o.writer is None and not o.readers), "LRU sizes"
-        for obj in objs:
-            ready_unleased = obj.writer is None and not obj.readers
-            if obj.tenant is not None:
-                assert obj.account is self._accounts[obj.tenant], "an object of a stale account"
-                assert obj.lru is self._lru[obj.tenant], "an object in another tenant's LRU"
-            elif ready_unleased and obj.lru is not self._lru[None]:
-                assert id(obj.lru) in orphan_runs, "an object in no LRU set"
+        assert sum(len(lru) for lru in lrus.values()) + sum(len(run) for run in runs) == ready, "LRU sizes"
+        assert misplaced is None, misplaced

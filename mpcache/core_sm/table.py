@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from operator import attrgetter, is_
+from types import FunctionType, MethodType
 from typing import Any, Generic, TypeVar, cast
 
 import attrs
@@ -115,6 +117,7 @@ class Table(Generic[S]):
             next_states = frozenset((nexts,)) if isinstance(nexts, states) else frozenset(
                 cast(Iterable[S], nexts))
             self.rows[(state, event_type)] = Transition(handler, next_states)
+        self._plans: dict[type, _BindPlan | None] = {}  # bind: per machine class
 
     def events(self) -> tuple[type, ...]:
         """Every event type some row names, in first-row order."""
@@ -130,14 +133,98 @@ class Table(Generic[S]):
              refuse: Callable[[list[Effect], Hashable, ProtocolError], None],
              set_state: Callable[[Hashable, S], None] | None = None) -> Dispatcher[S]:
         """A dispatcher for ``machine``: every row's handler and every guard resolved on it
-        (overrides win). An assigning table needs ``set_state``; a checking one takes none."""
+        (overrides win). An assigning table needs ``set_state``; a checking one takes none.
+
+        What resolving a name gives depends only on the machine's class (a plain function found
+        on the class, and not shadowed in the instance's ``__dict__``), so the names are
+        resolved once per class (``_BindPlan``) and each instance only binds that class's
+        distinct functions to itself: the rows it gets are the ones ``getattr`` per row gives."""
         if self.assigns != (set_state is not None):
             raise TypeError(f"{self.name}: set_state is for assigning tables, and they need one")
-        bound: dict[tuple[S, type], tuple[BoundHandler, frozenset[S]]] = {}
-        for key, row in self.rows.items():
-            bound[key] = (getattr(machine, row.handler.__name__), row.next_states)
-        guards: dict[type, BoundGuard] = {raw: getattr(machine, guard.__name__) for raw, guard in self.guards.items()}
-        return Dispatcher(self, bound, address, state_of, counters, refuse, guards, set_state)
+        cls = type(machine)
+        plan = self._plans.get(cls, _NO_PLAN)
+        if plan is _NO_PLAN or (plan is not None and not plan.current(self, cls)):
+            plan = self._plans[cls] = _BindPlan.of(self, cls)
+        own = getattr(machine, "__dict__", None)
+        if plan is None or (own and not own.keys().isdisjoint(plan.names)):
+            bound: dict[tuple[S, type], tuple[BoundHandler, frozenset[S]]] = {}
+            for key, row in self.rows.items():
+                bound[key] = (getattr(machine, row.handler.__name__), row.next_states)
+            guards: dict[type, BoundGuard] = {raw: getattr(machine, guard.__name__)
+                                              for raw, guard in self.guards.items()}
+            return Dispatcher(self, bound, address, state_of, counters, refuse, guards, set_state)
+        methods = [MethodType(func, machine) for func in plan.funcs]
+        return Dispatcher(self, {key: (methods[i], nexts) for key, i, nexts in plan.bound}, address, state_of,
+                          counters, refuse, {raw: methods[i] for raw, i in plan.guards}, set_state,
+                          fast={key: (methods[i], values, assigned) for key, i, values, assigned in plan.fast})
+
+
+@attrs.frozen
+class _BindPlan:
+    """What binding a table on one machine class comes to, resolved once per class: the
+    distinct functions its rows' and guards' names resolve to on the class, and each row (and
+    the dispatcher's fast row) and guard with its function by index."""
+
+    names: frozenset[str]
+    funcs: tuple[Callable[..., Any], ...]
+    bound: tuple[tuple[Any, int, frozenset[Any]], ...]
+    fast: tuple[tuple[tuple[Any, type], int, frozenset[Any], Any], ...]
+    guards: tuple[tuple[type, int], ...]
+    # What the plan was made from, to tell when it no longer holds (a test edits a row or a
+    # guard, or replaces a handler on the class): the rows' and guards' keys and values, by
+    # identity, and the functions' names on the class.
+    made_from: tuple[tuple[Any, ...], ...]
+    resolve: Callable[[type], tuple[Any, ...]]
+
+    def current(self, table: Table[Any], cls: type) -> bool:
+        """Whether the table's rows and guards, and what the names resolve to on ``cls``, are
+        still the ones the plan was made from (identity; checked in C, per ``bind``)."""
+        rows, guards = table.rows, table.guards
+        keys, transitions, guard_keys, guard_funcs = self.made_from
+        return (len(rows) == len(keys) and len(guards) == len(guard_keys)
+                and all(map(is_, rows, keys)) and all(map(is_, rows.values(), transitions))
+                and all(map(is_, guards, guard_keys)) and all(map(is_, guards.values(), guard_funcs))
+                and all(map(is_, self.resolve(cls), self.funcs)))
+
+    @staticmethod
+    def of(table: Table[Any], cls: type) -> _BindPlan | None:
+        """The plan of ``table`` on ``cls``, or None where an instance's ``getattr`` may not be
+        a plain function of the class bound to it (a class attribute lookup of its own, a name
+        that is not a plain function): those machines are bound name by name."""
+        if cls.__getattribute__ is not object.__getattribute__:  # type: ignore[comparison-overlap]
+            return None
+        names = [row.handler.__name__ for row in table.rows.values()] + [g.__name__ for g in table.guards.values()]
+        index: dict[str, int] = {}
+        funcs: list[Callable[..., Any]] = []
+        for name in names:
+            if name in index:
+                continue
+            found = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
+            if type(found) is not FunctionType:
+                return None
+            index[name] = len(funcs)
+            funcs.append(found)
+        assigns = table.assigns
+        bound = tuple((key, index[row.handler.__name__], row.next_states) for key, row in table.rows.items())
+        fast = tuple(((state._value_, event_type), index[row.handler.__name__],
+                      frozenset(n._value_ for n in row.next_states),
+                      next(iter(row.next_states)) if assigns else None)
+                     for (state, event_type), row in table.rows.items())
+        guards = tuple((raw, index[g.__name__]) for raw, g in table.guards.items())
+        made_from = (tuple(table.rows), tuple(table.rows.values()), tuple(table.guards),
+                     tuple(table.guards.values()))
+        getter = attrgetter(*index) if len(index) > 1 else None
+        if getter is not None:
+            resolve: Callable[[type], tuple[Any, ...]] = getter
+        elif index:
+            (only,) = index
+            resolve = lambda c: (getattr(c, only),)  # noqa: E731
+        else:
+            resolve = lambda c: ()  # noqa: E731
+        return _BindPlan(frozenset(names), tuple(funcs), bound, fast, guards, made_from, resolve)
+
+
+_NO_PLAN: Any = object()  # Table._plans: a class not planned yet
 
 
 class Dispatcher(Generic[S]):
@@ -147,14 +234,16 @@ class Dispatcher(Generic[S]):
                  address: Callable[[Any], Hashable], state_of: Callable[[Hashable], S],
                  counters: dict[str, int],
                  refuse: Callable[[list[Effect], Hashable, ProtocolError], None],
-                 guards: dict[type, BoundGuard] | None = None,
-                 set_state: Callable[[Hashable, S], None] | None = None) -> None:
+                  guards: dict[type, BoundGuard] | None = None,
+                 set_state: Callable[[Hashable, S], None] | None = None, *,
+                 fast: dict[tuple[Any, type], tuple[BoundHandler, frozenset[Any], Any]] | None = None) -> None:
         self.table = table
         self._bound = bound
         # The hot path keys rows by the state's value (a str, hashed in C) instead of the enum
         # member (Enum.__hash__ is a Python call): same rows, fewer calls per event. A row is
         # (handler, the next states' values, the one next state of an assigning row or None).
-        self._fast: dict[tuple[Any, type], tuple[BoundHandler, frozenset[Any], Any]] = {
+        # (``fast``: these rows, built already -- ``Table.bind`` from its plan of the machine's class.)
+        self._fast: dict[tuple[Any, type], tuple[BoundHandler, frozenset[Any], Any]] = fast if fast is not None else {
             (state._value_, event_type): (handler, frozenset(n._value_ for n in nexts),
                                           next(iter(nexts)) if set_state is not None else None)
             for (state, event_type), (handler, nexts) in bound.items()}

@@ -213,3 +213,50 @@ def test_an_assigning_table_takes_one_next_state_per_row_and_a_set_state() -> No
     with pytest.raises(TypeError, match="set_state"):
         TABLE.bind(object(), lambda ev: ev.door, lambda door: D.ABSENT, {}, lambda *a: None,
                    lambda door, state: None)
+
+
+def _handlers(doors: Doors) -> dict[tuple[DoorState, type], object]:
+    return {key: handler for key, (handler, _nexts) in doors.dispatch.rows()}
+
+
+def test_bind_resolves_names_once_per_class_and_still_sees_what_getattr_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bind`` resolves the rows' names once per machine class; what each instance gets is
+    still ``getattr(machine, name)``: bound to that instance, a subclass's override, a handler
+    replaced on the class after an earlier bind, an instance's own attribute, an edited row."""
+    a, b = Doors(), Doors()
+    for d in (a, b):
+        for (state, event_type), handler in _handlers(d).items():
+            assert handler == getattr(d, TABLE.rows[(state, event_type)].handler.__name__)
+            assert handler.__self__ is d  # type: ignore[attr-defined]
+
+    class Loud(Doors):
+        def _on_open(self, ev: Open, now: float, out: list[Effect]) -> None:
+            out.append(Reply(ev.reply_to, "loud"))
+
+    assert Loud().handle(Open("x", reply_to="r"), 0.0) == [Reply("r", "loud")]
+    assert Doors().handle(Open("x", reply_to="r"), 0.0) == [Reply("r", True)]
+
+    def quiet(self: Doors, ev: Open, now: float, out: list[Effect]) -> None:
+        out.append(Reply(ev.reply_to, "quiet"))
+
+    with monkeypatch.context() as m:  # replaced on the class after Doors was planned
+        m.setattr(Doors, "_on_open", quiet)
+        assert Doors().handle(Open("x", reply_to="r"), 0.0) == [Reply("r", "quiet")]
+    assert Doors().handle(Open("x", reply_to="r"), 0.0) == [Reply("r", True)]
+
+    class Own(Doors):  # an instance attribute shadows the class's method
+        def __init__(self) -> None:
+            self._on_open = lambda ev, now, out: out.append(Reply(ev.reply_to, "own"))  # type: ignore[method-assign]
+            super().__init__()
+
+    assert Own().handle(Open("x", reply_to="r"), 0.0) == [Reply("r", "own")]
+
+    row = (D.ABSENT, Open)
+    with monkeypatch.context() as m:  # a row edited after Doors was planned
+        m.setitem(TABLE.rows, row, type(TABLE.rows[row])(Doors._on_open_twice, frozenset({D.OPEN})))
+        d = Doors()
+        d.handle(Open("x", reply_to="r"), 0.0)
+        assert d.state("x") is D.ABSENT  # _on_open_twice ran, not _on_open
+    d = Doors()
+    d.handle(Open("x", reply_to="r"), 0.0)
+    assert d.state("x") is D.OPEN
