@@ -40,10 +40,12 @@ class Driver:
 
     def __init__(self) -> None:
         self.queries = 0
+        self.looks: list[tuple[float, float]] = []  # each query: (when, when its stream's copies end)
 
     def cuEventQuery(self, ev: Event) -> tuple[int]:
         self.queries += 1
         s = ev.stream
+        self.looks.append((time.monotonic(), s.busy_until if s is not None else 0.0))
         return (NOT_READY if s is not None and (s.stuck or time.monotonic() < s.busy_until) else SUCCESS,)
 
     def cuEventRecord(self, ev: Event, stream: Stream) -> tuple[int]:
@@ -279,17 +281,21 @@ def test_the_link_model_learns_when_copies_end(fake_cuda: dict[str, Any]) -> Non
     done = Done()
     inst, stream, _ = add(ex, 1, b"\x05" * 64)
     drv = fake_cuda["driver"]
-    queries = []
+    early_ms = []  # how long before its copy ended each transfer's first look came
     for tid in range(1, 15):
-        before = drv.queries
+        first = len(drv.looks)
         stream.busy_until = time.monotonic() + 4 * (1 << 20) / real
         ex.start(st(tid, 1, 4), b"", done)
         done.wait({tid})
-        queries.append(drv.queries - before)
+        looked, due = drv.looks[first]
+        early_ms.append((due - looked) * 1e3)
     predicted = inst.links[TransferKind.STORE].duration(4 << 20)
     assert 0.0075 <= predicted <= 0.0095, predicted
     assert ex.stats()["link_lat_us_retrieve"] == 0  # the other direction saw no copy
-    assert sum(queries[-5:]) / 5 * 4 < queries[0], queries  # the first copy, with the model untaught
+    # taught, the first look comes when the copy is due (5% sooner: 0.4 ms), where the untaught
+    # model looked 5.6 ms early. (A loaded box only makes looks later, so this holds under load;
+    # counting the looks did not: their number follows how late each pause wakes.)
+    assert max(early_ms[-5:]) < 1.5, early_ms
     ex.close()
 
 
