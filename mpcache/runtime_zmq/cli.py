@@ -354,6 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if http_server is not None:
             http_server.close()
+    if server.loaders_running:
+        # a compiler thread still inside LLVM: exit without the interpreter's finalization, which
+        # would tear that thread down under it (everything else is closed; logs are flushed)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -375,6 +375,7 @@ class Server:
         self._reservation: threading.Thread | None = None
         self._ops_http: Any = None  # an embedded server's OpsHttpServer (ServerConfig.metrics_port)
         self.start_error: BaseException | None = None
+        self.loaders_running: list[str] = []  # set by the shutdown: start-up compilers not waited for
         try:
             if config.curve_dir is not None:
                 if not config.url.startswith("tcp://"):
@@ -1140,6 +1141,14 @@ class Server:
         self.pool.close()
         self.channel.close()
         self.ctx.term()
-        self._token_scanner.join()
-        self._chain_loader.join()
+        # The compilers started with the loop (numba: seconds on a first run with no cache, over
+        # ten on a loaded box) are waited for within the grace only: a SIGTERM right after a first
+        # start must not wait for them. Those still running are named in ``loaders_running``
+        # (the CLI then exits without the interpreter's finalization, which must not tear down a
+        # daemon thread inside LLVM; numba writes its cache by renaming, never half a file).
+        for loader in (self._token_scanner, self._chain_loader):
+            loader.join(max(0.0, end - self.clock()))
+        self.loaders_running = [t.name for t in (self._token_scanner, self._chain_loader) if t.is_alive()]
+        if self.loaders_running:
+            log.info("not waiting for %s (still compiling)", ", ".join(self.loaders_running))
         log.info("mpcache-server stopped")

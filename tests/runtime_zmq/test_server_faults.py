@@ -219,3 +219,45 @@ def test_second_signal_during_a_slow_shutdown_is_logged_and_third_exits_at_once(
     assert time.monotonic() - t0 < 5.0
     assert "exiting at once" in out and "Traceback" not in out, out
     assert not os.path.exists(segment)
+
+
+_SLOW_COMPILER = """
+import sys, threading, time
+from mpcache.runtime_zmq import cli, tokens
+
+def compiling() -> threading.Thread:  # a first start on a loaded box: the scanner compiles for a minute
+    thread = threading.Thread(target=time.sleep, args=(60,), name="mpcache-token-scanner", daemon=True)
+    thread.start()
+    return thread
+
+tokens.load_in_background = compiling
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_right_after_a_first_start_does_not_wait_for_the_compiler(tmp_path: Any) -> None:
+    # A first start compiles the token scanner (numba, no cache yet) on a thread: over ten seconds
+    # on a loaded box. A SIGTERM then ends the process within the shutdown grace, and says what it
+    # did not wait for.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_COMPILER, "--port", "0", "--l1-size-gb", "0.0625", "--slot-mb", "1",
+         "--no-metrics", "--shutdown-grace", "0.5"],
+        cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "mpcache-server ready" in line:
+                break
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(lines) + proc.communicate(timeout=30)[0]
+        assert proc.returncode == 0, out
+        assert time.monotonic() - t0 < 10.0, out
+        assert "not waiting for mpcache-token-scanner (still compiling)" in out, out
+        assert "mpcache-server stopped" in out and "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
