@@ -264,7 +264,10 @@ PROFILE_WORLDS: dict[str, XWorld] = {
     "overwrite-dup": XWorld("overwrite-dup", faults=1),
     "no-ack-wait": XWorld("no-ack-wait", faults=1),
     "leak-on-abort": XWorld("leak-on-abort", aborts=1),
-    "release-all": XWorld("release-all", engines=2, aborts=1),
+    # two engines' planners hit the same two chunks, each loading only the first (its load cap):
+    # each frees the second's leases at allocation, and the legacy server releases the other
+    # engine's lease when it finds its own already gone
+    "release-all": XWorld("release-all", engines=2, planner=True, stored=2, load_cap=CHUNK, lease_renewals=0),
     # a full job table refuses the second engine's LOOKUP: the refusal must reach it
     "silent-errors": XWorld("silent-errors", engines=2, max_jobs=1),
     "no-reaper": XWorld("no-reaper", aborts=1),

@@ -314,6 +314,9 @@ def _copier_for(t: type) -> _Copier:
                                   LazyDispatcher: _clone_dispatcher}
     if t in exact:
         return exact[t]
+    if issubclass(t, type):  # a class (an enum's too), as deepcopy: itself
+        _SHARED_TYPES.add(t)
+        return _share
     if issubclass(t, enum.Enum):
         _SHARED_TYPES.add(t)  # as deepcopy: an enum member is itself (its copy shares it)
         return _share

@@ -340,3 +340,25 @@ def test_a_snapshot_tells_named_tuples_apart_by_their_values() -> None:
     assert snapshot({RequestKey("sched0", "r"): 1}, {}) != snapshot({RequestKey("sched1", "r"): 1}, {})
     assert snapshot([ObjectKey(b"\x01" * 16, 0)], {}) != snapshot([ObjectKey(b"\x02" * 16, 0)], {})
     assert snapshot([ObjectKey(b"\x01" * 16, 0)], {}) == snapshot([ObjectKey(b"\x01" * 16, 0)], {})
+
+
+def test_clone_shares_the_classes_a_machine_holds() -> None:
+    """A class held by a machine (an enum's among them) is itself in a copy, as deepcopy keeps it:
+    the legacy no-cache lookup client behind the planner holds one, and its world explored."""
+    import enum
+
+    from mpcache.sim.explore_state import clone
+
+    class Colour(enum.Enum):
+        RED = 1
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.kind, h.cls, h.member = Colour, Holder, Colour.RED  # type: ignore[attr-defined]
+    c = clone(h, {})
+    assert c is not h and c.kind is Colour and c.cls is Holder and c.member is Colour.RED  # type: ignore[attr-defined]
+    ex = Explorer(attrs.evolve(PROFILE_WORLDS["unknown-none"], name="unknown-none-planner", planner=True, checks=1,
+                               max_states=300), PROFILES["unknown-none"]).run()
+    assert ex.states >= 300
