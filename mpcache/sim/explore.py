@@ -190,7 +190,9 @@ class XWorld:
     kv_window: int = 0
     lease_renewals: int = 1  # the planner's max_lease_renewals (production's 16 only repeats the first)
     stored: int = 1  # chunks of the prompt each server holds in L1 at the start (hits)
-    checks: int = 1  # times each request's script asks check() (vLLM asks again on a reschedule)
+    # times each request's script asks check(), or in a planner world matches (vLLM asks again on a
+    # reschedule: a request that waits for blocks is matched at every step)
+    checks: int = 1
     max_jobs: int = 100_000  # the server's cap on live prefetch jobs (beyond: TOO_LARGE)
     liveness_bound: float = 0.5  # virtual seconds after the last fault a lookup may stay unresolved
     # The connector's settings (core_sm/client_config.py builds the lookup client and every
@@ -210,7 +212,7 @@ class XWorld:
     def script(self) -> tuple[str, ...]:
         if self.planner:
             again = ("preempt", "match", "alloc") if self.preempt else ()
-            return ("match", "alloc") + again + ("finish",)
+            return ("match",) * self.checks + ("alloc",) + again + ("finish",)
         return ("submit",) + ("check",) * self.checks + ("cleanup", "end")
 
 
@@ -258,8 +260,9 @@ WORLDS: dict[str, list[XWorld]] = {
 
 # The world a legacy profile is explored in: the smallest that shows its bug.
 PROFILE_WORLDS: dict[str, XWorld] = {
-    # vLLM asks check() again on a reschedule: the third ask polls the popped job forever
-    "unknown-none": XWorld("unknown-none", checks=3, liveness_bound=0.1, max_depth=200),
+    # the request waits for blocks, so vLLM matches it again at the next step: the old adapter asks
+    # the lookup client again, which polls the popped job forever
+    "unknown-none": XWorld("unknown-none", planner=True, checks=2, liveness_bound=0.1, max_depth=200),
     "resend-status": XWorld("resend-status", faults=1),
     "overwrite-dup": XWorld("overwrite-dup", faults=1),
     "no-ack-wait": XWorld("no-ack-wait", faults=1),

@@ -35,6 +35,7 @@ from mpcache.core_sm.messages import (
 from mpcache.core_sm.server_instances import InstanceState
 from mpcache.core_sm.planner import (
     BlocksAllocated,
+    LookupAnswered,
     MatchAnswer,
     MatchRequest,
     PlannerConfig,
@@ -170,12 +171,31 @@ class NoCacheLookupClient(LookupClient):
         return not all(leg.acked for leg in pending.legs.values())
 
 
+class NoCachePlanner(StepPlanner):
+    """The old adapter's get_num_new_matched_tokens: every match asks the lookup client's
+    check(), an answered one too (it kept no result), and a None is "not yet"."""
+
+    _answered_now: str | None = None  # the match that just took the lookup's answer (one check())
+
+    def _on_lookup_answered(self, event: LookupAnswered, now: float, out: list[Any]) -> None:
+        super()._on_lookup_answered(event, now, out)
+        self._answered_now = event.request_id
+
+    def _on_match(self, event: MatchRequest, now: float, out: list[Any]) -> None:
+        answered_now, self._answered_now = self._answered_now == event.request_id, None
+        if not answered_now and self.lookups.check(event.request_id) is None:
+            out.append(MatchAnswer(event.request_id, None, True))
+            return
+        super()._on_match(event, now, out)
+
+
 class UnknownNone(Profile):
     name = "unknown-none"
     failure = "F1"
-    description = "server: unknown id -> None, no tombstone; client: no result cache, no timeout"
+    description = "server: unknown id -> None, no tombstone; client and adapter: no result cache, no timeout"
     server_class = UnknownNoneServer
     lookup_client_class = NoCacheLookupClient
+    planner_class = NoCachePlanner
     lookup_timeout = float("inf")
     # the client asks again after the answer, so in deep queues a waiting request's lease
     # renewal resolves to a stale answer (its hit loads on expired leases, F20) or its status

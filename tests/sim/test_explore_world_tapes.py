@@ -21,15 +21,6 @@ from mpcache.sim.explore import (
 from mpcache.sim.profiles import PROFILES
 from mpcache.sim.world import TapeError, packet_text
 
-# Counterexamples the world's tape does not show yet, and why (each fails if it starts to).
-NOT_IN_WORLD: dict[str, str] = {
-    "unknown-none": "the explorer's script calls the lookup client's check() itself, and again after its answer; in "
-                    "the world vLLM's get_num_new_matched_tokens reaches it through the connector's StepPlanner, "
-                    "which calls check() only while the lookup is pending and answers every later match from its "
-                    "tracker: the legacy client's query after the answer is sent and answered None there too, but "
-                    "no match sees it, however long the scheduler keeps the request waiting (hold)",
-}
-
 
 def explored_tape(name: str) -> dict[str, Any]:
     ex = Explorer(PROFILE_WORLDS[name], PROFILES[name]).run()
@@ -46,8 +37,7 @@ def assert_same_in_world(tape: dict[str, Any]) -> None:
     assert tape["sim_world"]["violation"]["code"] == violation.code  # what the tape recorded
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_IN_WORLD[n]))
-                                  if n in NOT_IN_WORLD else n for n in sorted(PROFILE_WORLDS)])
+@pytest.mark.parametrize("name", sorted(PROFILE_WORLDS))
 def test_explored_counterexample_shows_in_sim_world(name: str) -> None:
     tape = explored_tape(name)
     assert tape["violation"]["code"] == PROFILES[name].failure
@@ -69,7 +59,8 @@ def test_a_tape_that_does_not_violate_in_the_world_fails() -> None:
         assert_same_in_world(tape)
 
 
-@pytest.mark.parametrize("name", ["no-ack-wait", "no-reregister", "trust-all", "lease-expiry-under-queue", "release-all"])
+@pytest.mark.parametrize("name", ["no-ack-wait", "no-reregister", "trust-all", "lease-expiry-under-queue", "release-all",
+                                  "unknown-none"])
 def test_the_default_profile_passes_a_profiles_world_tape(name: str) -> None:
     """The same world actions under the production machines show nothing: the code comes from
     the legacy machines, not from the tape."""
@@ -116,8 +107,7 @@ def test_a_scripted_crash_runs_the_worlds_fault_and_production_passes(fault: str
 
 @pytest.mark.parametrize("name", ["unknown-none", "default"])
 def test_a_held_request_shows_unknown_nones_poll_forever_through_its_lease_renewal(name: str) -> None:
-    """Not the explorer's counterexample (its check() after the answer has no counterpart behind the
-    planner: NOT_IN_WORLD) but unknown-none's F1 in the world: the request waits for blocks (hold)
+    """Another path to unknown-none's F1 than the explorer's: the request waits for blocks (hold)
     past its lease renewal; the legacy client's status query after its answer, sent when the
     planner took the hit and left in flight, reaches the server after the renewal's LOOKUP and
     takes its answer; the renewal's own queries find the job popped, no tombstone: None forever.
