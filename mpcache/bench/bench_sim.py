@@ -80,6 +80,7 @@ _PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("vLLM engine and scheduler model (sim/engine, vllm_scheduler, groups)", "/mpcache/sim/vllm_scheduler.py", None),
     ("vLLM engine and scheduler model (sim/engine, vllm_scheduler, groups)", "/mpcache/sim/groups.py", None),
     ("network model (sim/net)", "/mpcache/sim/net.py", None),
+    ("client transport (sim/transport: the nodes' ServerLinks)", "/mpcache/sim/transport.py", None),
     ("adversarial tenant (sim/adversary)", "/mpcache/sim/adversary.py", None),
     ("scenario drawing, runner, trace (sim/scenario, runner, trace, profiles)", "/mpcache/sim/", None),
     ("imports and module set-up", "<frozen importlib", None),

@@ -302,7 +302,7 @@ class World:
         quiescence.registered(self)
         for engine in self.engines:
             if not engine.crashed:
-                engine.check_transport_drained()
+                engine.transport.check_drained()
         horizon = max(cfg.lease_ttl, self.profile.server_config(cfg).abandoned_job_ttl) * 2 + 1.0
         for engine in self.engines:
             engine.stop_heartbeats()
@@ -493,7 +493,7 @@ class World:
         await self.start_node(node)
         if host.incarnation > 1:  # a restart: each client's transport reconnects (Connected)
             for engine in self.engines:
-                engine.server_connected(host.index)
+                engine.transport.server_connected(host.index)
 
     def _interpret_server(self, node: Node, machine: str, effect: Any) -> None:
         host = self.servers[int(node.name[len("server"):])]
@@ -712,7 +712,7 @@ class World:
         if isinstance(packet.message, ReplyMsg):
             # A lost reply: the client engine knows which request it belonged to.
             for engine in self.engines:
-                engine.touch_reply(packet.dst.node, packet.message)
+                engine.transport.touch_reply(packet.dst.node, packet.message)
 
     def _deliver_packet(self, packet: Packet) -> None:
         if self.adversary is not None and packet.dst.node == ADVERSARY:
@@ -745,7 +745,7 @@ class World:
                 self._post_request(node, packet, event)
         elif isinstance(msg, ReplyMsg):
             engine = self.engine_of_node(packet.dst.node)
-            engine.deliver_reply(node, packet.dst.machine, msg)
+            engine.transport.deliver_reply(node, packet.dst.machine, msg)
         else:
             self.violation("SAFETY", packet.dst.node, f"unknown packet {short(msg)}")
 
