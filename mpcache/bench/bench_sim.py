@@ -67,19 +67,22 @@ def main(argv: list[str] | None = None) -> int:
 # The parts of the house a profiled function belongs to, first match wins: (name, path piece,
 # function-name predicate or None). Oracles are the sim's checkers and every machine's
 # ``check_invariants`` family (run after each event by the world, never by production).
+_WORLD = "simulated world, its loop, clock, nodes and server runtime (sim/world, timeline, server_host, runtime_trio)"
 _PARTS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("oracles (sim/checks, sim/oracles, check_invariants)", "/mpcache/sim/checks/", None),
     ("oracles (sim/checks, sim/oracles, check_invariants)", "/mpcache/sim/oracles.py", None),
     ("oracles (sim/checks, sim/oracles, check_invariants)", "/mpcache/core_sm/", ("check_invariants", "check", "_check")),
     ("production machines (core_sm)", "/mpcache/core_sm/", None),
     ("trio's scheduler and cancel scopes", "/trio/", None),
-    ("simulated world, its loop, clock and nodes (sim/world, sim/timeline, runtime_trio)", "/mpcache/sim/world.py", None),
-    ("simulated world, its loop, clock and nodes (sim/world, sim/timeline, runtime_trio)", "/mpcache/sim/timeline.py", None),
-    ("simulated world, its loop, clock and nodes (sim/world, sim/timeline, runtime_trio)", "/mpcache/runtime_trio/", None),
+    (_WORLD, "/mpcache/sim/world.py", None),
+    (_WORLD, "/mpcache/sim/timeline.py", None),
+    (_WORLD, "/mpcache/sim/server_host.py", None),
+    (_WORLD, "/mpcache/runtime_trio/", None),
     ("vLLM engine and scheduler model (sim/engine, vllm_scheduler, groups)", "/mpcache/sim/engine.py", None),
     ("vLLM engine and scheduler model (sim/engine, vllm_scheduler, groups)", "/mpcache/sim/vllm_scheduler.py", None),
     ("vLLM engine and scheduler model (sim/engine, vllm_scheduler, groups)", "/mpcache/sim/groups.py", None),
     ("network model (sim/net)", "/mpcache/sim/net.py", None),
+    ("client transport (sim/transport: the nodes' ServerLinks)", "/mpcache/sim/transport.py", None),
     ("adversarial tenant (sim/adversary)", "/mpcache/sim/adversary.py", None),
     ("scenario drawing, runner, trace (sim/scenario, runner, trace, profiles)", "/mpcache/sim/", None),
     ("imports and module set-up", "<frozen importlib", None),

@@ -62,7 +62,7 @@ that decides to register an instance again. The transport tells it what it saw:
   registers it anyway.
 
 ``handle(event, now) -> effects`` never raises; ``next_deadline()`` is the next ping or timeout.
-The same class is driven by the simulator's client nodes (``sim/engine.py``, virtual time) and
+The same class is driven by the simulator's client nodes (``sim/transport.py``, virtual time) and
 by ``mpcache.runtime_zmq.client.MPCacheClient`` (one monitor per server connection).
 """
 from __future__ import annotations

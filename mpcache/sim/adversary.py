@@ -70,7 +70,7 @@ from mpcache.sim.scenario import server_name
 
 
 class ServerView(Protocol):
-    """What the adversary reads of a simulated server (``mpcache.sim.world.ServerHost``)."""
+    """What the adversary reads of a simulated server (``mpcache.sim.server_host.ServerHost``)."""
 
     index: int
     name: str

@@ -6,7 +6,7 @@ Contract:
   ``LookupServer`` per server, one ``LookupClient`` per engine (the scheduler side of the
   connector) and, per engine and server, the ``ServerLink`` (with its ``HealthMonitor``) that
   production's client and the simulator's nodes run, all built from the world's connector
-  settings by ``core_sm/client_config.py`` (the link as ``sim/engine.py`` builds it). In a worker
+  settings by ``core_sm/client_config.py`` (the link as ``sim/transport.py`` builds it). In a worker
   world each engine's ``TransferClient`` too (its registration, pings and ``ops`` retrieves, the
   server's copies done at once); in a planner world the scheduler is the connector's
   ``StepPlanner`` over the lookup client, driven by vLLM's calls (match, allocate + plan, preempt,
@@ -134,7 +134,7 @@ from mpcache.core_sm.transfer_client import TransferClient, TransferClientConfig
 from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
-from mpcache.sim.engine import Outbound, sim_link_config
+from mpcache.sim.transport import Outbound, sim_link_config
 from mpcache.sim.explore_state import clone, deep_size, dispatchers, dispatchers_of, next_deadline, snapshot
 from mpcache.sim.groups import group_copies
 from mpcache.sim.oracles import Violation
@@ -479,7 +479,7 @@ class Explorer:
         self.client_config: LookupClientConfig = attrs.evolve(config, poll_interval=0.01, result_ttl=1.0)
         if timeout is not None:
             self.client_config = attrs.evolve(self.client_config, lookup_timeout=timeout)
-        # Every engine's transport to every server: the simulator's link (sim/engine.py builds it
+        # Every engine's transport to every server: the simulator's link (sim/transport.py builds it
         # with client_config's settings), the profile's subclass if it has one.
         self.link_config = sim_link_config(settings)
         self._seed_keys = self._prompt_keys()
@@ -1375,7 +1375,7 @@ class Explorer:
 
     def _worker_event(self, st: XState, e: int, event: Any) -> Violation | None:
         """One event into engine ``e``'s worker (its TransferClient); what it sends goes to its
-        own link, in the role ``sim/engine.py`` gives it (a registration, a request naming the
+        own link, in the role ``sim/transport.py`` gives it (a registration, a request naming the
         instance)."""
         node = node_name(1, e)
         counters = st.workers[e]._counters

@@ -1,9 +1,9 @@
 """What the simulator's engine model needs from the world it lives in, and the messages they
 exchange.
 
-``mpcache.sim.world.World`` implements ``WorldPort``; ``mpcache.sim.engine`` is written against this protocol
-only, so the engine imports no World and reaches no private member of it (the world creates the
-engines; the dependency runs one way).
+``mpcache.sim.world.World`` implements ``WorldPort``; ``mpcache.sim.engine`` and its transport
+(``mpcache.sim.transport``) are written against this protocol only, so neither imports World nor
+reaches a private member of it (the world creates the engines; the dependency runs one way).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ inside), each worker rank's ``TransferClient``, each connection's ``ServerLink``
 ``HealthMonitor`` inside) -- the configs it was built with and every event the shell handed it,
 with the time and the effects it returned. ``replay`` builds each machine as the simulator's
 world builds it (``Profile.make_planner``, ``make_transfer_client``, ``make_link`` over
-``sim.engine.sim_link_config``: the builders ``sim/engine.py`` runs) from a ``WorldConfig`` whose
+``sim.transport.sim_link_config``: the builders ``sim/engine.py`` and ``sim/transport.py`` run) from a ``WorldConfig`` whose
 settings are the recorded run's (``world_of``), feeds it the recorded events in order at the
 recorded times, and compares each returned effect list with the recorded one. The answer is the
 first step that differs (``Mismatch``), or none.
@@ -37,7 +37,7 @@ from mpcache.core_sm.planner_ops import PlannerConfig
 from mpcache.core_sm.server_link import ServerLinkConfig
 from mpcache.core_sm.trace import TraceCodec
 from mpcache.core_sm.transfer_client import TransferClientConfig
-from mpcache.sim.engine import sim_link_config
+from mpcache.sim.transport import sim_link_config
 from mpcache.sim.profiles import PROFILES, Profile
 from mpcache.sim.scenario import WorldConfig
 

@@ -132,7 +132,7 @@ class Profile:
 
     def make_link(self, config: ServerLinkConfig, start: float) -> ServerLink:
         """A client node's transport to one server: this profile's link and health monitor,
-        built at ``start`` from ``config`` (``sim.engine.sim_link_config``)."""
+        built at ``start`` from ``config`` (``sim.transport.sim_link_config``)."""
         return self.link_class(config, start, self.health_monitor_class(config.health, start))
 
     def make_transfer_client(self, cfg: WorldConfig, rank: int, instance_id: int, server: int) -> TransferClient:

@@ -1,4 +1,4 @@
-"""The world's single ordered queue of future happenings, and the loop that runs a world.
+"""The world's single ordered queue of future happenings, and the loop that runs a world's tasks.
 
 Every wake-up in a simulated world -- a message arriving, a node's timer, an L2 read or a copy
 finishing, a workload step, a fault -- is an entry `(time, seq, action)` in one heap. `seq` is a
@@ -19,9 +19,9 @@ The tasks:
 
 * the main task (`World.main`, a coroutine): awaits `sleep_until` (inside `run`), `checkpoint`
   (after each entry: the nodes it woke run first) and `start` (a node's first step);
-* a node (`SimNode` in `sim/world.py`): trio's memory channel and `Node._loop`, unrolled -- a
-  posted item is handed to a waiting node (it becomes runnable) or queued; a node that takes a
-  queued item yields once before it handles it; a crash cancels it (its task then runs the
+* a node (`SimNode`, a `runtime_trio.Node` as a task of this loop): trio's memory channel and
+  `Node._loop`, unrolled -- a posted item is handed to a waiting node (it becomes runnable) or
+  queued; a node that takes a queued item yields once before it handles it; a crash cancels it (its task then runs the
   times trio's cancellation and nursery exit take before it ends -- one with an item in hand
   handles that item first);
 * a restart (`spawn`): a coroutine like the main task, started by an action.
@@ -34,10 +34,12 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Protocol
 
-from mpcache.runtime_trio import DeadlockError
+from mpcache.runtime_trio import DeadlockError, Node
+from mpcache.runtime_trio.node import Delivery, TimerTick
 
 
 class Task(Protocol):
@@ -92,6 +94,91 @@ class CoroutineTask:
             loop.runq.append(task)
         else:  # pragma: no cover - only this module makes traps
             raise AssertionError(f"unknown trap {kind}")
+
+
+_TICK = TimerTick()
+# How many more times a cancelled node task runs (the last run ends it). Blocked in its mailbox:
+# Cancelled is delivered at once (the wait raises), then leaving its nursery (no children left)
+# is a schedule point of its own. Running (or holding an item, which it handles first): its next
+# receive() finds the cancel -- a checkpoint, then the wait that raises -- before the same two.
+_UNWIND_BLOCKED = 2
+_UNWIND_RUNNING = 3
+
+
+class SimNode(Node):
+    """A `runtime_trio.Node` as a task of the timeline's loop (`sim/timeline.py`): the same
+    `step` / `fire_timers` / external timer, its mailbox and `_loop` unrolled into `resume` --
+    one call per time the node's trio task would have run."""
+
+    def __init__(self, timeline: Timeline, name: str, machines: dict[str, Any],
+                 interpret: Callable[[Node, str, Any], None], **kwargs: Any) -> None:
+        super().__init__(name, machines, interpret, clock=timeline.clock, **kwargs)
+        self._timeline = timeline
+        self._mail: deque[Any] = deque()
+        self._item: Any = None  # the item this node holds and handles when it next runs
+        self._waiting = False  # blocked on an empty mailbox
+        self._started = False
+        self._cancelled = False
+        self._unwinding = 0  # runs left before the cancelled task ends
+        self.counter = 0  # creation order, set when started (trio's task counter)
+        self.starter: Any = None  # the task waiting for this node's first step
+
+    def post(self, machine: str, event: Any) -> None:
+        if self.alive:
+            self._put(Delivery(machine, event))
+
+    def tick(self) -> None:
+        if self.alive:
+            self._put(_TICK)
+
+    def _put(self, item: Any) -> None:
+        if self._waiting:  # handed to the node blocked in its mailbox: it runs in the next batch
+            self._waiting = False
+            self._item = item
+            self._timeline.runq.append(self)
+        else:
+            self._mail.append(item)
+
+    def spawn(self, async_fn: Any, *args: Any) -> None:
+        raise RuntimeError("simulated nodes run no executor tasks: the world performs their effects")
+
+    def crash(self) -> None:
+        self.alive = False
+        if not self._started or self._cancelled:
+            return  # not running yet (trio: no cancel scope to cancel), or already cancelled
+        self._cancelled = True
+        self._mail.clear()
+        if self._waiting:  # blocked in its mailbox: the cancel is delivered at once
+            self._waiting = False
+            self._unwinding = _UNWIND_BLOCKED
+            self._timeline.runq.append(self)
+
+    def resume(self) -> None:
+        if self._unwinding:
+            self._unwinding -= 1
+            if self._unwinding:
+                self._timeline.runq.append(self)
+            return
+        item = self._item
+        self._item = None
+        if not self._started:  # Node.run: alive, started() wakes the starter, then _loop
+            self._started = True
+            self.alive = True
+            self._timeline.runq.append(self.starter)
+        elif item is _TICK:
+            self.fire_timers()
+        else:
+            self.step(item.machine, item.event)
+        assert self._arm_timer is not None
+        self._arm_timer(self, self.next_deadline())
+        if self._cancelled:  # receive() sees the cancel: the task unwinds
+            self._unwinding = _UNWIND_RUNNING
+            self._timeline.runq.append(self)
+        elif self._mail:  # receive() took a queued item: a checkpoint before it returns
+            self._item = self._mail.popleft()
+            self._timeline.runq.append(self)
+        else:
+            self._waiting = True
 
 
 class Timeline:

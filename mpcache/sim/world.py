@@ -2,8 +2,11 @@
 
 Every node is a `runtime_trio.Node` running the *production* core_sm machines (or a legacy
 profile's subclasses of them). The world is only the shell: it carries messages through SimNet,
-performs effects (copies between engine blocks and L1 slots, L2 reads/writes) through simulated
-executors, injects faults, and checks oracles after every handled event.
+holds the L2 the servers share, injects faults, and checks oracles after every handled event. The
+processes are modules of their own, each seeing the world through a port: a server with the
+runtime that performs its effects (copies between engine blocks and L1 slots, L2 reads/writes) is
+`sim/server_host.py`, an engine (vLLM's scheduler and workers) `sim/engine.py` with its
+transport `sim/transport.py`; a node runs as a task of `sim/timeline.py`'s loop.
 
 A run has three phases (TigerBeetle VOPR style):
 
@@ -31,43 +34,25 @@ from typing import Any, Protocol
 
 from mpcache.core_sm.chunks import ObjectKey
 from mpcache.core_sm.health import HealthConfig
-from mpcache.core_sm.effects import (
-    AttachInstance,
-    DetachInstance,
-    ErrorReply,
-    InstanceReaped,
-    ProbeL2,
-    ReadL2,
-    Reply,
-    ScrubSlots,
-    StartTransfer,
-    WriteL2,
-)
 from mpcache.core_sm.messages import (
     EndSession,
     FreeLookupLocks,
-    InstanceAttached,
-    L2ReadFinished,
-    L2WriteFinished,
     Lookup,
     TimerFired,
-    TransferFinished,
 )
 from mpcache.runtime_trio import Address, Node
-from mpcache.runtime_trio.node import Delivery, TimerTick
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, Adversary
 from mpcache.sim.checks import quiescence, server_event, slots
 from mpcache.sim.cluster_tier import make_tier
 from mpcache.sim.engine import GROUP_SHIFT, SimEngine
 from mpcache.sim.evolve import evolve
-from mpcache.sim.link_coverage import drain_waiters
 from mpcache.sim.net import Packet, SimNet
 from mpcache.sim.oracles import Violation, ViolationFound
 from mpcache.sim.ports import SERVER, ReplyMsg, RequestMsg, Via, request_id_of
-from mpcache.sim.profiles import acted_first
 from mpcache.sim.scenario import FaultSpec, Scenario, sched_name, server_name
-from mpcache.sim.timeline import Alarms, Timeline
+from mpcache.sim.server_host import ServerHost
+from mpcache.sim.timeline import Alarms, SimNode, Timeline
 from mpcache.sim.trace import MessageRecord, Trace, event_text, short
 
 HEARTBEAT = "hb"
@@ -91,124 +76,6 @@ def packet_text(packet: Packet) -> str:
     """A message in flight as a tape names it: from, to, what."""
     return f"{packet.src.node}->{packet.dst.node} {_label(packet.message)}" + (
         f" {request_id_of(packet.message)}" if request_id_of(packet.message) else "")
-# An L2 read's stall (WorldConfig.l2_stall_p): past a status wait (at most 1 s), within the
-# server's l2_read_timeout (2 s), so the waiter's deadline answers None and the read still lands.
-L2_STALL = 1.5
-
-
-_TICK = TimerTick()
-# How many more times a cancelled node task runs (the last run ends it). Blocked in its mailbox:
-# Cancelled is delivered at once (the wait raises), then leaving its nursery (no children left)
-# is a schedule point of its own. Running (or holding an item, which it handles first): its next
-# receive() finds the cancel -- a checkpoint, then the wait that raises -- before the same two.
-_UNWIND_BLOCKED = 2
-_UNWIND_RUNNING = 3
-
-
-class SimNode(Node):
-    """A `runtime_trio.Node` as a task of the timeline's loop (`sim/timeline.py`): the same
-    `step` / `fire_timers` / external timer, its mailbox and `_loop` unrolled into `resume` --
-    one call per time the node's trio task would have run."""
-
-    def __init__(self, timeline: Timeline, name: str, machines: dict[str, Any],
-                 interpret: Callable[[Node, str, Any], None], **kwargs: Any) -> None:
-        super().__init__(name, machines, interpret, clock=timeline.clock, **kwargs)
-        self._timeline = timeline
-        self._mail: deque[Any] = deque()
-        self._item: Any = None  # the item this node holds and handles when it next runs
-        self._waiting = False  # blocked on an empty mailbox
-        self._started = False
-        self._cancelled = False
-        self._unwinding = 0  # runs left before the cancelled task ends
-        self.counter = 0  # creation order, set when started (trio's task counter)
-        self.starter: Any = None  # the task waiting for this node's first step
-
-    def post(self, machine: str, event: Any) -> None:
-        if self.alive:
-            self._put(Delivery(machine, event))
-
-    def tick(self) -> None:
-        if self.alive:
-            self._put(_TICK)
-
-    def _put(self, item: Any) -> None:
-        if self._waiting:  # handed to the node blocked in its mailbox: it runs in the next batch
-            self._waiting = False
-            self._item = item
-            self._timeline.runq.append(self)
-        else:
-            self._mail.append(item)
-
-    def spawn(self, async_fn: Any, *args: Any) -> None:
-        raise RuntimeError("simulated nodes run no executor tasks: the world performs their effects")
-
-    def crash(self) -> None:
-        self.alive = False
-        if not self._started or self._cancelled:
-            return  # not running yet (trio: no cancel scope to cancel), or already cancelled
-        self._cancelled = True
-        self._mail.clear()
-        if self._waiting:  # blocked in its mailbox: the cancel is delivered at once
-            self._waiting = False
-            self._unwinding = _UNWIND_BLOCKED
-            self._timeline.runq.append(self)
-
-    def resume(self) -> None:
-        if self._unwinding:
-            self._unwinding -= 1
-            if self._unwinding:
-                self._timeline.runq.append(self)
-            return
-        item = self._item
-        self._item = None
-        if not self._started:  # Node.run: alive, started() wakes the starter, then _loop
-            self._started = True
-            self.alive = True
-            self._timeline.runq.append(self.starter)
-        elif item is _TICK:
-            self.fire_timers()
-        else:
-            self.step(item.machine, item.event)
-        assert self._arm_timer is not None
-        self._arm_timer(self, self.next_deadline())
-        if self._cancelled:  # receive() sees the cancel: the task unwinds
-            self._unwinding = _UNWIND_RUNNING
-            self._timeline.runq.append(self)
-        elif self._mail:  # receive() took a queued item: a checkpoint before it returns
-            self._item = self._mail.popleft()
-            self._timeline.runq.append(self)
-        else:
-            self._waiting = True
-
-
-class ServerHost:
-    """One server: its node, incarnation, L1 slot memory (checksummed contents)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.name = server_name(index)
-        self.incarnation = 0
-        self.node: Node | None = None
-        self.slots: dict[int, tuple[int, ...]] = {}
-        self.up = False
-        self.down_until = 0.0
-        self.started_at = 0.0
-        # reply accounting for this incarnation: reply_to -> (request type, handled at)
-        self.awaiting_reply: dict[Via, tuple[str, float]] = {}
-        # request id -> last of ("lookup", t) / ("end", t) handled in this incarnation
-        self.last_session_event: dict[str, tuple[str, float]] = {}
-        self.lookups_handled: set[str] = set()
-        # store admission oracle: LOOKUPs seen per chunk hash, and the objects readable after
-        # the last event (this incarnation)
-        self.chunk_lookups: dict[bytes, int] = {}
-        self.objects_held: frozenset[Any] = frozenset()
-        # instance liveness (F19), this incarnation: instance id -> when its last heartbeat was
-        # handled while it was registered; the instances this incarnation reaped
-        self.heartbeat_seen: dict[int, float] = {}
-        self.reaped: set[int] = set()
-        # the transfer engine's open registrations, this incarnation: instance id -> the node whose
-        # registration it attached (a GPU executor's IPC mappings; F23)
-        self.mappings: dict[int, str] = {}
 
 
 class World:
@@ -232,7 +99,7 @@ class World:
         if director is not None:
             self.net.script()
         self.nodes: dict[str, Node] = {}
-        self.servers = [ServerHost(i) for i in range(self.config.num_servers)]
+        self.servers = [ServerHost(self, i) for i in range(self.config.num_servers)]
         self.l2: dict[ObjectKey, tuple[int, ...]] = {}
         self.tier = make_tier(self.config)  # a fleet's cluster tier replaces self.l2 (sim/fleet.py)
         self.written: set[ObjectKey] = set()  # every object ever written into L1 or L2 (history)
@@ -302,7 +169,7 @@ class World:
         quiescence.registered(self)
         for engine in self.engines:
             if not engine.crashed:
-                engine.check_transport_drained()
+                engine.transport.check_drained()
         horizon = max(cfg.lease_ttl, self.profile.server_config(cfg).abandoned_job_ttl) * 2 + 1.0
         for engine in self.engines:
             engine.stop_heartbeats()
@@ -473,171 +340,18 @@ class World:
 
     # =========================================================================== servers
     async def _start_server(self, host: ServerHost) -> None:
-        host.incarnation += 1
-        host.started_at = self.now()
-        host.slots = {}
-        host.awaiting_reply = {}
-        host.last_session_event = {}
-        host.lookups_handled = set()
-        host.heartbeat_seen, host.reaped = {}, set()
-        host.mappings = {}
-        host.chunk_lookups = {}
-        host.objects_held = frozenset()
-        machine = ProbedServer(self.profile.make_server(self.config), self, host)
-        if self.director is not None:
-            self.director.server_started(self, host, machine.inner)
-        machine.inner.jobs.dispatch.trace = []  # its waiter rows, for the coverage counters
-        node = self.make_node(host.name, {SERVER: machine}, self._interpret_server)
-        host.node = node
-        host.up = True
-        await self.start_node(node)
+        await host.start()
         if host.incarnation > 1:  # a restart: each client's transport reconnects (Connected)
             for engine in self.engines:
-                engine.server_connected(host.index)
-
-    def _interpret_server(self, node: Node, machine: str, effect: Any) -> None:
-        host = self.servers[int(node.name[len("server"):])]
-        t = type(effect)
-        if t is Reply or t is ErrorReply:
-            via = effect.reply_to
-            if not isinstance(via, Via):
-                return
-            if t is Reply:
-                msg = ReplyMsg(via.server, via.correlation, effect.result, None, via.request_id)
-            else:
-                msg = ReplyMsg(via.server, via.correlation, None, effect.error, via.request_id)
-            self.send(Address(node.name, SERVER), Address(via.node, via.machine), msg)
-        elif t is StartTransfer:
-            self._check_mapping(host, effect)
-            delay = self.latency(self.config.copy_latency_mean)
-            self.timeline.after(delay, self._finish_transfer, host, host.incarnation, effect)
-        elif t is ReadL2:
-            delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean)
-            if self.config.l2_stall_p and self.stall_rng.random() < self.config.l2_stall_p:
-                delay += L2_STALL
-            self.timeline.after(delay, self._finish_l2_read, host, host.incarnation, effect)
-        elif t is WriteL2:
-            delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean)
-            self.timeline.after(delay, self._finish_l2_write, host, host.incarnation, effect)
-        elif t is ProbeL2:
-            delay = self.config.l2_latency_min + self.latency(self.config.l2_latency_mean / 4)
-            self.timeline.after(delay, self._finish_l2_probe, host, host.incarnation, effect)
-        elif t is InstanceReaped:
-            host.mappings.pop(effect.instance_id, None)
-            self._on_instance_reaped(host, effect)
-        elif t is AttachInstance:  # the transfer engine opens the registration core_sm accepted
-            if isinstance(effect.reply_to, Via):
-                host.mappings[effect.instance_id] = effect.reply_to.node
-            assert host.node is not None
-            host.node.post(SERVER, InstanceAttached(effect.instance_id, effect.registration_id, None,
-                                                    reply_to=effect.reply_to))
-        elif t is DetachInstance:
-            host.mappings.pop(effect.instance_id, None)
-        elif t is ScrubSlots:
-            pass  # the simulator models no slot bytes: zeroing them changes nothing it checks
-        else:
-            self.violation("SAFETY", node.name, f"server emitted an unknown effect {short(effect)}")
-
-    def _check_mapping(self, host: ServerHost, effect: StartTransfer) -> None:
-        """F23 (``checks.copy_through_other_registration``): a server-driven copy runs through
-        the registration the transfer engine attached for its instance's owner."""
-        owner = self.worker_by_instance(effect.instance_id)  # the honest worker whose instance it is
-        if owner is None:
-            return
-        self.judge(host.name, checks.copy_through_other_registration(
-            effect.kind.value, effect.transfer_id, effect.instance_id, owner.name, host.mappings.get(effect.instance_id)))
-
-    def _on_instance_reaped(self, host: ServerHost, effect: InstanceReaped) -> None:
-        """F19 (LMCache #4715): the server may reap an instance only after ``instance_ttl`` without
-        a heartbeat from it -- one whose heartbeat it handled less than that ago was live
-        (compared as the server does, ``seen + ttl > now``: ``now - seen`` may round below it)."""
-        now = self.now()
-        iid = effect.instance_id
-        host.reaped.add(iid)
-        self.stats["instances_reaped"] = self.stats.get("instances_reaped", 0) + 1
-        self.trace.line(now, host.name, f"instance {iid} reaped")
-        seen = host.heartbeat_seen.get(iid)
-        ttl = self.profile.server_config(self.config).instance_ttl
-        worker = self.worker_by_instance(iid)
-        if worker is not None and worker.alive:
-            self.judge(host.name, checks.reaped_while_live(worker.name, iid, host.name, seen, ttl, now))
+                engine.transport.server_connected(host.index)
 
     def latency(self, mean: float) -> float:
         return self.exec_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
-
-    def _finish_transfer(self, host: ServerHost, incarnation: int, effect: StartTransfer) -> None:
-        if host.incarnation != incarnation or not host.up:
-            return  # the server crashed: its copies died with it
-        ok = self.exec_rng.random() >= self.config.copy_fail_p
-        worker = self.worker_by_instance(effect.instance_id)
-        if worker is None or not worker.alive:
-            ok = False
-        if ok and worker is not None:
-            ok = worker.copy(host, effect.request_id, effect.kind, effect.start, effect.end, effect.placements,
-                             effect.block_ids, effect.skip_first_n_tokens, f"{effect.kind.value} copy {effect.transfer_id}")
-        if not ok:
-            self.stats["copy_fail"] += 1
-        assert host.node is not None
-        host.node.post(SERVER, TransferFinished(effect.transfer_id, ok))
-
-    def _finish_l2_read(self, host: ServerHost, incarnation: int, effect: ReadL2) -> None:
-        if host.incarnation != incarnation or not host.up:
-            return
-        loaded = []
-        for key, slot in effect.items:
-            data = self.l2.get(key) if self.tier is None else self.tier.get(host.index, key)
-            if data is None or self.exec_rng.random() < self.config.l2_fail_p:
-                if data is not None:
-                    self.stats["l2_fail"] += 1
-                loaded.append(False)
-                continue
-            self.check_slot_target(host, slot, key, f"L2 read {effect.read_id}")
-            host.slots[slot] = data
-            loaded.append(True)
-        assert host.node is not None
-        host.node.post(SERVER, L2ReadFinished(effect.read_id, tuple(loaded)))
-        if self.phase == "safety" and self.fault_rng.random() < self.config.evict_after_prefetch_p:
-            # Cache chaos: memory pressure right after a prefetch lands (unleased objects go).
-            from mpcache.core_sm.messages import Clear
-
-            self.stats["evict_after_prefetch"] += 1
-            host.node.post(SERVER, Clear(False, reply_to=self.operator_via(host), admin=True))
 
     def check_slot_target(self, host: ServerHost, slot: int, key: ObjectKey, what: str) -> None:
         """F10 (``checks/slots.py``): an in-flight copy into/out of `slot` for `key` must find the
         slot still given to `key` (or free)."""
         slots.check_target(self, host, slot, key, what)
-
-    def _finish_l2_probe(self, host: ServerHost, incarnation: int, effect: Any) -> None:
-        if host.incarnation != incarnation or not host.up:
-            return
-        from mpcache.core_sm.messages import L2ProbeFinished
-
-        self.stats["l2_probes"] += 1
-        if self.tier is None:
-            present = tuple(key in self.l2 for key in effect.keys)
-        else:
-            present = tuple(self.tier.has(host.index, key) for key in effect.keys)
-        assert host.node is not None
-        host.node.post(SERVER, L2ProbeFinished(effect.probe_id, present))
-
-    def _finish_l2_write(self, host: ServerHost, incarnation: int, effect: WriteL2) -> None:
-        if host.incarnation != incarnation or not host.up:
-            return
-        ok = self.exec_rng.random() >= self.config.l2_fail_p
-        if ok:
-            for key, slot in effect.items:
-                self.check_slot_target(host, slot, key, f"L2 write {effect.write_id}")
-                data = host.slots.get(slot)
-                if data is None or data != self.expected_chunk(key):
-                    self.violation("F10", host.name, f"L2 write of {key.wire_name()[:12]} from slot {slot} "
-                                   f"carries data that was never stored for it")
-                if self.tier is None:
-                    self.l2[key] = data  # type: ignore[assignment]
-                elif data is not None and not self.tier.put(host.index, key, data):
-                    ok = False  # a tier node down or cut off: the write failed (a later miss)
-        assert host.node is not None
-        host.node.post(SERVER, L2WriteFinished(effect.write_id, ok))
 
     # =========================================================================== chunks
     def expected_chunk(self, key: ObjectKey) -> tuple[int, ...]:
@@ -712,7 +426,7 @@ class World:
         if isinstance(packet.message, ReplyMsg):
             # A lost reply: the client engine knows which request it belonged to.
             for engine in self.engines:
-                engine.touch_reply(packet.dst.node, packet.message)
+                engine.transport.touch_reply(packet.dst.node, packet.message)
 
     def _deliver_packet(self, packet: Packet) -> None:
         if self.adversary is not None and packet.dst.node == ADVERSARY:
@@ -745,7 +459,7 @@ class World:
                 self._post_request(node, packet, event)
         elif isinstance(msg, ReplyMsg):
             engine = self.engine_of_node(packet.dst.node)
-            engine.deliver_reply(node, packet.dst.machine, msg)
+            engine.transport.deliver_reply(node, packet.dst.machine, msg)
         else:
             self.violation("SAFETY", packet.dst.node, f"unknown packet {short(msg)}")
 
@@ -899,68 +613,6 @@ class World:
             if req is not None:
                 return engine, req
         return None
-
-
-class ProbedServer:
-    """The server machine as the node sees it, plus one before/after check that needs the state
-    *before* an event: a FREE_LOOKUP_LOCKS may only release the freeing request's own leases (F9).
-    Time-driven work is run first (an extra TimerFired, which the contract allows) so that expiries
-    due at this instant are not mistaken for the FREE's doing."""
-
-    def __init__(self, inner: Any, world: World, host: ServerHost) -> None:
-        self.inner = inner
-        self.world = world
-        self.host = host
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def next_deadline(self) -> float | None:
-        return self.inner.next_deadline()  # type: ignore[no-any-return]
-
-    @property
-    def deferred_work(self) -> bool:
-        """The inner machine's (``Node.step`` asks after every event: spelled out, not through
-        ``__getattr__``)."""
-        return bool(getattr(self.inner, "deferred_work", False))
-
-    def handle(self, event: Any, now: float) -> list[Any]:
-        if self.world.profile.act_before_decide:
-            self._act_first(event)
-        adversary = self.world.adversary
-        if adversary is None:
-            effects: list[Any] = self._handle(event, now)
-        elif adversary.sent(event):  # judged by its own oracle (F22)
-            effects = adversary.judge(self.inner, self.host, event, now)
-            drain_waiters(self.world.stats, self.inner.jobs.dispatch.trace, honest=False)
-            return effects
-        else:
-            effects = self._handle(event, now)
-            adversary.observe(self.host.index, event, effects)
-        drain_waiters(self.world.stats, self.inner.jobs.dispatch.trace, honest=True)
-        return effects
-
-    def _act_first(self, event: Any) -> None:
-        """The legacy runtime (profile ``act-first``): it registers with its transfer engine (and
-        unregisters) on receipt, for whichever peer asked, before core_sm decides."""
-        acted = acted_first(event)
-        if acted is None:
-            return
-        iid, peer = acted
-        if peer is None:
-            self.host.mappings.pop(iid, None)
-        else:
-            self.host.mappings[iid] = peer
-
-    def _handle(self, event: Any, now: float) -> list[Any]:
-        if type(event) is not FreeLookupLocks:
-            return self.inner.handle(event, now)  # type: ignore[no-any-return]
-        effects: list[Any] = self.inner.handle(TimerFired(), now)
-        before = dict(self.inner.leases_by_owner())
-        effects += self.inner.handle(event, now)
-        self.world.judge(self.host.name, checks.free_released_others(
-            before, self.inner.leases_by_owner(), event.key.request_id))
-        return effects
 
 
 def _label(message: Any) -> str:

@@ -51,7 +51,7 @@ def test_the_simulator_drives_the_health_monitor_the_zmq_client_drives() -> None
         client.close()
     result, world = run_scenario(draw_scenario(3))
     assert result.ok, result.violation
-    beats = [links for engine in world.engines for links in engine.links]
+    beats = [links for engine in world.engines for links in engine.transport.links]
     assert beats and {type(m) for links in beats for m in links.monitors} == {HealthMonitor}
     assert sum(m.stats()["heartbeats_sent"] for links in beats for m in links.monitors) > 0
 
@@ -65,8 +65,9 @@ def test_the_simulator_builds_its_configs_as_the_connector_does() -> None:
     from mpcache.core_sm.client_config import lookup_client_config
     from mpcache.runtime_zmq.adapters import ConnectorConfig
     from mpcache.runtime_zmq.client import MPCacheClient
-    from mpcache.sim.engine import MODEL, sim_link_config
+    from mpcache.sim.engine import MODEL
     from mpcache.sim.profiles import PROFILES
+    from mpcache.sim.transport import sim_link_config
 
     world = draw_scenario(3).config
     assert world.lookup_answer_in_ack  # a drawn variation: the connector's key names it

@@ -3,7 +3,7 @@
 A small world of nodes whose machines post to each other, schedule entries, arm timers and crash
 nodes -- each decision drawn from one random stream as the events are handled -- runs twice: on
 trio (runtime_trio's `Node` tasks in a nursery, the main task sleeping in a cancel scope until
-the next entry, as the simulator ran before) and on `Timeline`'s loop with the world's
+the next entry, as the simulator ran before) and on `Timeline`'s loop with its
 `SimNode`. The order in which events are handled (and so every draw) must be the same.
 """
 from __future__ import annotations
@@ -18,8 +18,7 @@ import trio
 
 from mpcache.runtime_trio import DeadlockError, Node
 from mpcache.runtime_trio.clock import VirtualClock, VirtualTimeDriver
-from mpcache.sim.timeline import Alarms, Timeline
-from mpcache.sim.world import SimNode
+from mpcache.sim.timeline import Alarms, SimNode, Timeline
 
 NODES = 6
 UNTIL = 2.0

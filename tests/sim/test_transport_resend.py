@@ -41,7 +41,7 @@ def test_a_refused_store_is_resent_once_after_the_registration_or_fails_with_a_r
     assert world.stats.get("transport_refusals", 0) >= 1
     assert world.stats.get("transport_resends", 0) >= 1
     assert any("register instance" in line and "again" in line for line in result.lines)
-    beats = [links for engine in world.engines for links in engine.links]
+    beats = [links for engine in world.engines for links in engine.transport.links]
     assert sum(m.stats()["resends"] for links in beats for m in links.monitors) == world.stats["transport_resends"]
 
 

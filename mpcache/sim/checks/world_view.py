@@ -1,6 +1,6 @@
 """What the world's oracles read of the world: the narrow view a checker is given (the checkers
 live apart from the world they judge, as TigerBeetle's do, and import nothing of it).
-``sim.world.World`` and ``ServerHost`` are what satisfy these in the simulator."""
+``sim.world.World`` and ``sim.server_host.ServerHost`` are what satisfy these in the simulator."""
 from __future__ import annotations
 
 from collections.abc import Sequence
