@@ -255,7 +255,9 @@ def test_sigterm_right_after_a_first_start_does_not_wait_for_the_compiler(tmp_pa
         out = "".join(lines) + proc.communicate(timeout=30)[0]
         assert proc.returncode == 0, out
         assert time.monotonic() - t0 < 10.0, out
-        assert "not waiting for mpcache-token-scanner (still compiling)" in out, out
+        # the chunk chain's compiler may still run too on a loaded box: both are named then
+        assert any("not waiting for " in line and "mpcache-token-scanner" in line and "(still compiling)" in line
+                   for line in out.splitlines()), out
         assert "mpcache-server stopped" in out and "Traceback" not in out, out
     finally:
         if proc.poll() is None:
