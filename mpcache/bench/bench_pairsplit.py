@@ -35,7 +35,7 @@ _RECV, _SENT, _DEFERRED, _DECODED, _HANDLED = 2, 3, 4, 5, 6
 
 def _stamped_server(out: str, argv: list[str]) -> int:
     """Run mpcache's CLI server with the loop's steps stamped; the stamps go to ``out`` at exit."""
-    from mpcache.runtime_zmq import server as S
+    from mpcache.runtime_zmq import effect_interpreter, server, wire
 
     stamps = array.array("q")
     clock = time.perf_counter_ns
@@ -55,11 +55,11 @@ def _stamped_server(out: str, argv: list[str]) -> int:
 
         setattr(owner, name, stamped)
 
-    wrap(S.Server, "_receive", _RECV, after=False)
-    wrap(S.Server, "_send_now", _SENT)
-    wrap(S.Server, "_handle", _HANDLED)
-    wrap(S.wire, "decode_request", _DECODED)
-    loop = S.Server._loop
+    wrap(server.Server, "_receive", _RECV, after=False)
+    wrap(server.Server, "_send_now", _SENT)
+    wrap(effect_interpreter.EffectInterpreter, "handle", _HANDLED)
+    wrap(wire, "decode_request", _DECODED)
+    loop = server.Server._loop
 
     def stamped_loop(self: Any) -> None:
         wrap(self.machine, "run_deferred", _DEFERRED)
@@ -69,7 +69,7 @@ def _stamped_server(out: str, argv: list[str]) -> int:
             with open(out, "wb") as f:
                 stamps.tofile(f)
 
-    S.Server._loop = stamped_loop  # type: ignore[method-assign]
+    server.Server._loop = stamped_loop  # type: ignore[method-assign]
     from mpcache.runtime_zmq import cli
 
     return int(cli.main(argv) or 0)

@@ -1,7 +1,7 @@
 """`mpcache-bench serverpath`: the server's own CPU per request, in this process, no sockets.
 
 A real `mpcache.runtime_zmq.server.Server` is built (shared-memory L1, core_sm machine, metrics) and the
-very frames `mpcache-bench rpc` sends are fed to its message handler (`Server._on_message`); its
+very frames `mpcache-bench rpc` sends are fed to its message handler (`EffectInterpreter.on_message`); its
 socket is replaced by a stub that keeps the last reply, so what is timed is decode, core_sm,
 encode and bookkeeping, not the transport. CPU time is this thread's (`time.thread_time`), so
 other load on a shared box changes the figures much less than it changes wall-clock rates.
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     real_sock = server.sock
     stub = _StubSocket()
     server.sock = stub  # type: ignore[assignment]
-    handle = server._on_message
+    handle = server.interpreter.on_message
     try:
         toks = _tokens()
         handle(_frames(1, "register_instance", INSTANCE_ID, {
@@ -292,7 +292,7 @@ def transfer_rows(args: argparse.Namespace) -> None:
     real_sock = server.sock
     stub = _StubSocket()
     server.sock = stub  # type: ignore[assignment]
-    handle = server._on_message
+    handle = server.interpreter.on_message
     handle_event = bytes(64)
     blocks = list(range(chunks * CHUNK // block))
     try:
@@ -454,10 +454,12 @@ def live_rows(args: argparse.Namespace) -> None:
                 spent[name] = spent.get(name, 0) + time.thread_time_ns() - t0
         return call
 
-    stages = [("requests received and handled", "_receive_batch"), ("completions handled", "_drain_completions"),
-              ("transfer engine start (plan_rows)", "_start_transfer"), ("replies sent (zmq)", "_send_now")]
-    for label, name in stages:
-        setattr(server, name, timed(label, getattr(server, name)))
+    stages = [(server, "requests received and handled", "_receive_batch"),
+              (server, "completions handled", "_drain_completions"),
+              (server.interpreter, "transfer engine start (plan_rows)", "_start_transfer"),
+              (server, "replies sent (zmq)", "_send_now")]
+    for owner, label, name in stages:
+        setattr(owner, name, timed(label, getattr(owner, name)))
     server.machine.handle = timed("core_sm handle", server.machine.handle)
     decode = wire.decode_request
     wire.decode_request = timed("decode", decode)

@@ -23,6 +23,8 @@
   server's, or one a supervisor is replacing) is taken over, any other file is never touched. Connecting to a unix socket needs
   search permission on its directory and write permission on the socket, so only the server's
   uid (and root), or the configured group, can connect.
+* **Identity.** ``routing_id_handover``: a reconnecting client gets its ROUTER identity back
+  (``ROUTER_HANDOVER``) only where that identity is no bearer secret (docs/security.md).
 * **Admin.** ``clear`` drops every tenant's cache: it needs the admin token, a secret read from a
   file given with ``--admin-token-file`` (owned by the server's uid, mode 0600 or tighter). No
   file: ``clear`` is refused for everyone.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import errno
 import grp
 import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -260,6 +263,24 @@ def restrict_ipc_socket(path: str, gid: int | None) -> None:
     if gid is not None:
         os.chown(path, -1, gid)
     os.chmod(path, 0o600 if gid is None else 0o660)
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity
+
+
+def routing_id_handover(bound_url: str, *, curve: bool) -> bool:
+    """Whether a routing id may move to a new connection (``ROUTER_HANDOVER``): only where it is
+    no bearer secret -- CURVE (the peer is its key), ipc, or TCP bound to a loopback address."""
+    if curve or bound_url.startswith("ipc://"):
+        return True
+    host = bound_url.partition("://")[2].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------

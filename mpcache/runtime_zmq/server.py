@@ -1,30 +1,28 @@
-"""The mpcache server loop: one thread owns core_sm's ``LookupServer`` and the ROUTER socket.
+"""The mpcache server process: one thread owns core_sm's ``LookupServer`` and the ROUTER socket.
 
-    decode -> core_sm event -> handle(event, now) -> interpret effects -> encode
+    receive -> EffectInterpreter (decode, core_sm, effects, encode) -> send
+
+This module is the process and its socket loop; what a message means and what the machine's
+effects do is ``runtime_zmq.effect_interpreter``'s ``EffectInterpreter``, which the server owns.
 
 * Requests are received frame by frame under a byte and frame budget (an oversized message is
-  answered ``too_large`` and its frames dropped as they are read, never joined), decoded by the
-  ``wire`` codec table into core_sm requests, and handled by the machine. The loop contains no protocol decision: what to reply, when, with which leases,
-  is the machine's. The only requests answered here are the ones with no protocol state:
-  ``noop``, ``health``, ``stats``, ``l1_info``, ``report_block_allocation`` (counted).
-* Effects: ``Reply``/``ErrorReply`` are encoded and sent (ROUTER_MANDATORY, non-blocking: a
-  vanished or full peer costs a counter, never a wedge). ``StartTransfer`` goes to the
-  ``TransferExecutor``; ``ProbeL2``/``ReadL2``/``WriteL2`` to the ``L2Worker`` threads. Their completions come
-  back as core_sm events through the completion channel (a queue plus a wake-up pipe the loop
-  polls), and are handled on the loop thread like requests.
+  answered ``too_large`` and its frames dropped as they are read, never joined, big frames freed
+  by a thread of their own) and handed to the interpreter. The loop contains no protocol decision.
+* Replies are sent ROUTER_MANDATORY and non-blocking (a vanished or full peer costs a counter,
+  never a wedge), batched while a receive batch lasts (one wake-up of zmq's I/O thread per batch).
+* Worker threads (the ``TransferExecutor``, the ``L2Worker`` threads, the HTTP probes) report
+  through the completion channel (a queue plus a wake-up pipe the loop polls); their completions
+  are handled on the loop thread like requests.
 * One timer: the poll timeout is ``machine.next_deadline()``; at it the loop handles
-  ``TimerFired``.
-* Every attributable request gets exactly one reply: the loop tracks the requests it handed to the
-  machine and not yet answered; an exception inside ``handle`` answers that request INTERNAL;
-  shutdown answers what is left ``shutting_down``.
+  ``TimerFired``. Every ``_CHECK_MS`` the loop looks at what zmq holds per connection
+  (``runtime_zmq.connections``); once a second it refreshes the gauges the HTTP thread reads.
 * Shutdown (``stop()``, SIGTERM/SIGINT in the CLI): stop reading requests, let in-flight L2 work
   and transfers finish for up to ``shutdown_grace`` seconds (their replies go out), answer the
-  rest, close the socket, the L2 tiers and the L1 segment.
+  rest ``shutting_down``, close the socket, the L2 tiers and the L1 segment.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import mmap
@@ -41,14 +39,14 @@ from typing import Any
 import attrs
 import zmq
 
-from mpcache.core_sm import effects as fx
 from mpcache.core_sm import messages as m
-from mpcache.core_sm.errors import ErrorKind, ProtocolError
+from mpcache.core_sm.errors import ErrorKind
 from mpcache.runtime_zmq import auth, sha256_chain, tokens, wire
 from mpcache.runtime_zmq.memory import TrimAfterReap
 from mpcache.runtime_zmq.l1_pool import SharedMemoryPool
 from mpcache.runtime_zmq.config import version
 from mpcache.runtime_zmq.connections import FRAME_OVERHEAD, ConnectionWatch
+from mpcache.runtime_zmq.effect_interpreter import EffectInterpreter
 from mpcache.runtime_zmq.metrics import ServerMetrics
 from mpcache.runtime_zmq.l2_worker import L2Options, L2Worker
 from mpcache.runtime_zmq.transfer import NoDeviceExecutor, TransferExecutor
@@ -58,10 +56,6 @@ log = logging.getLogger("mpcache.server")
 GiB = 1 << 30
 MiB = 1 << 20
 
-# Operations answered by the runtime: no protocol state involved.
-_LOCAL_OPS = frozenset({"noop", "health", "stats", "l1_info", "report_block_allocation"})
-# Effects whose start the metrics time (L2 and copy latency histograms).
-_TIMED_EFFECTS = (fx.StartTransfer, fx.ReadL2, fx.WriteL2, fx.ProbeL2)
 # the socket calls of the reply and receive paths, without pyzmq's Python-level wrappers
 _backend_send = zmq.backend.Socket.send
 _backend_recv = zmq.backend.Socket.recv
@@ -76,8 +70,6 @@ _REPLY_HOLD_S = 0.0005
 # terminates the pipe on reconnect), so a close right after the replies can lose them: the client
 # would then see the server as unhealthy seconds later instead of reading ``shutting_down``.
 _FAREWELL_S = 0.5
-# results sent as they are (no result_to_wire conversion)
-_PLAIN_RESULTS = frozenset({bool, int, str})
 # frames at least this big are released by the frame-freeing thread, not the loop
 _BIG_FRAME = 1 << 20
 # how often the loop looks at what zmq holds per connection (runtime_zmq.connections)
@@ -170,7 +162,7 @@ def make_machine(config: ServerConfig, num_slots: int, slot_bytes: int, l2_enabl
             id_seed=secrets.randbits(128),  # transfer ids nobody can predict
             store_threshold=config.store_threshold,
             chain_key=chain_key if chain_key is not None else secrets.token_bytes(32),
-            ack_first=True,  # _handle sends a lookup's ack, then runs its work
+            ack_first=True,  # EffectInterpreter.handle sends a lookup's ack, then runs its work
             l1_bytes=l1_bytes,  # > 0: L1's slots follow the objects registered (CarveL1)
             slot_align=mmap.PAGESIZE,
         )
@@ -190,10 +182,6 @@ def open_l2(url: str) -> Any:
     from mpcache.runtime_zmq.l2 import open_tier
 
     return open_tier(url)
-
-
-_TRANSFER_OPS = frozenset({"store", "retrieve"})
-ReplyTo = tuple[bytes, bytes, bytes, str, float]  # identity, uid frame, op frame, op, received at
 
 
 class CompletionChannel:
@@ -250,37 +238,6 @@ class CompletionChannel:
             os.close(self._w)
 
 
-class _RepeatsAtDebug(logging.Filter):
-    """While ``quiet``, this logger's INFO lines are DEBUG: a registration repeated with the same
-    fields (the client's transport and machine both register again after a reconnect or restart;
-    it keeps its registration id) is not a new instance, so one line per registration stays at
-    INFO (operators read them) and the repeats go to DEBUG."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.quiet = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not self.quiet or record.levelno != logging.INFO:
-            return True
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return log.isEnabledFor(logging.DEBUG)
-
-
-def routing_id_handover(bound_url: str, *, curve: bool) -> bool:
-    """Whether a routing id may move to a new connection (``ROUTER_HANDOVER``): only where it is
-    no bearer secret -- CURVE (the peer is its key), ipc, or TCP bound to a loopback address."""
-    if curve or bound_url.startswith("ipc://"):
-        return True
-    host = bound_url.partition("://")[2].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class Server:
     def __init__(
         self,
@@ -312,9 +269,9 @@ class Server:
             self.channel.close()
             self.pool.close()
             raise
-        self.executor: TransferExecutor = transfer_executor or NoDeviceExecutor()
+        executor = transfer_executor or NoDeviceExecutor()
         # an instance the executor fails by itself is core_sm's to release (registration, plans)
-        self.executor.on_instance_failed = self._post_instance_failed
+        executor.on_instance_failed = self._post_instance_failed
         try:
             chain_key, chain_source = chunk_chain_key(config, self.l2)
         except BaseException:  # a bad key file: leave nothing behind
@@ -328,30 +285,24 @@ class Server:
         self.machine.ctx.chain = sha256_chain.chunk_chain(chain_key)
         log.info("chunk keys are keyed by %s (fingerprint %s); servers sharing an L2 must share it",
                  chain_source, self.machine.ctx.chain.fingerprint)
-        self._outstanding: dict[ReplyTo, None] = {}
         # replies held during a receive batch (None: outside one, sent at once) and since when
         self._reply_batch: list[list[bytes]] | None = None
         self._reply_batch_since = 0.0
-        self._event_handles: dict[ReplyTo, bytes] = {}
-        # object sizes, so a write-behind copies only the bytes an object fills in its slot
-        self._registering_layout: Any = None  # the registration core_sm is handling (AttachInstance)
-        # the registration being handled and the id its instance had before (a repeat keeps it)
-        self._prior_registration: tuple[ReplyTo, int | None] | None = None
-        self._repeats_at_debug = _RepeatsAtDebug()
-        log.addFilter(self._repeats_at_debug)
-        self._transfers_in_flight = 0
-        self._stopping = False
-        self._last_answered: Any = None  # the last request answered (to never answer twice)
-        self._replies_closed = False  # shutdown: every request was answered; send nothing more
-        self._started = time.time()
-        self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
         self._counts = {"wire_requests": 0, "wire_replies": 0, "wire_errors": 0, "malformed": 0, "dropped_replies": 0,
                         "block_allocation_records": 0, "oversized_messages": 0, "connections_cut": 0, "served_ns_store": 0, "served_store": 0, "served_ns_retrieve": 0, "served_retrieve": 0}
+        # requests in, core_sm's effects carried out, replies out (runtime_zmq.effect_interpreter)
+        self.interpreter = EffectInterpreter(
+            machine=self.machine, pool=self.pool, l2=self.l2, executor=executor, metrics=self.metrics,
+            clock=clock, limits=self.limits, admin_token=self.admin_token, instance_ttl=config.instance_ttl,
+            post=self.channel.post, counts=self._counts, send=self._send, flush_ack=self._flush_lone_ack,
+            health=self._health, stats=self.stats)
+        self._stopping = False
+        self._started = time.time()
+        self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
         # the longest one message kept the loop (wall and the loop thread's CPU), since start
         self._max_message_s = 0.0
         self._max_message_cpu_s = 0.0
         self._last_oversized_log = -1e9
-        self._last_work_failure_log = -1e9
         self._curve_user: str | None = None  # the User-Id of the message being served (CURVE)
         self._frames_to_free: queue.SimpleQueue[zmq.Frame | None] = queue.SimpleQueue()
         self._frame_freer = threading.Thread(target=self._free_frames, name="mpcache-frame-free", daemon=True)
@@ -388,7 +339,7 @@ class Server:
             # this uid can connect) and on loopback TCP (only root sees the bytes). On a network
             # without CURVE the routing id travels in the clear: nobody takes over a live
             # connection by it (zmq refuses a second connection under a connected identity).
-            self.routing_id_handover = routing_id_handover(self.bound_url, curve=self.authenticator is not None)
+            self.routing_id_handover = auth.routing_id_handover(self.bound_url, curve=self.authenticator is not None)
             self.sock.setsockopt(zmq.ROUTER_HANDOVER, int(self.routing_id_handover))
             if not self.routing_id_handover:
                 log.warning("listening on %s without CURVE: a client's identity is sent in the clear, so a "
@@ -405,6 +356,7 @@ class Server:
                                      max_bytes=config.trace_max_bytes)
             log.info("tracing core_sm events to %s (%s)", config.trace,
                      "token ids kept" if config.trace_tokens else "token ids as chunk hashes")
+        self.interpreter.trace = self.trace
         self.kv_events: Any = None
         if config.kv_events:
             from mpcache.runtime_zmq.kv_events import KvEventPublisher
@@ -415,6 +367,16 @@ class Server:
             )
             log.info("KV events on %s (replay %s, first seq %d)", self.kv_events.endpoint,
                      self.kv_events.replay_endpoint, self.kv_events.first_seq)
+        self.interpreter.kv_events = self.kv_events
+
+    @property
+    def executor(self) -> TransferExecutor:
+        """The transfer engine the interpreter drives (replaceable before the loop starts)."""
+        return self.interpreter.executor
+
+    @executor.setter
+    def executor(self, executor: TransferExecutor) -> None:
+        self.interpreter.executor = executor
 
     def _bind(self, url: str) -> str:
         if not url.startswith("ipc://"):
@@ -450,7 +412,7 @@ class Server:
         # start-up failed after the worker threads started: stop them, leave nothing behind
         self.sock.close(linger=0)
         self._remove_ipc_socket()
-        log.removeFilter(self._repeats_at_debug)
+        self.interpreter.close()
         self._stop_frame_freer()
         self.l2.close()
         self.executor.close()
@@ -540,7 +502,7 @@ class Server:
             now = self.clock()
             deadline = self.machine.next_deadline()
             if deadline is not None and deadline <= now:
-                self._handle(m.TimerFired(), now, None)
+                self.interpreter.handle(m.TimerFired(), now, None)
                 deadline = self.machine.next_deadline()
                 if deadline is not None and deadline <= now:
                     # a deadline that handling did not move: never spin on it, keep serving
@@ -572,23 +534,6 @@ class Server:
                 self._last_gauges = now
                 self._refresh_gauges()
                 self.metrics.tick(now)
-
-    def _attach(self, eff: fx.AttachInstance) -> None:
-        """core_sm accepted a server-driven registration: open its KV memory now and hand core_sm
-        the outcome at once (it answers the registration)."""
-        layout = self._registering_layout
-        error: ProtocolError | None = None
-        try:
-            if layout is None:  # only a registration being handled asks it
-                raise RuntimeError("AttachInstance outside a registration")
-            reason = self.executor.register_instance(eff.instance_id, layout, self.pool)
-            if reason is not None:
-                error = ProtocolError(ErrorKind.VALIDATION, reason)
-        except Exception as e:  # the transfer engine's bug: the registration is answered internal
-            log.exception("attaching instance %s failed", eff.instance_id)
-            error = ProtocolError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"[:500])
-        self._handle(m.InstanceAttached(eff.instance_id, eff.registration_id, error, reply_to=eff.reply_to),
-                     self.clock(), None)
 
     @property
     def _instance_bytes(self) -> dict[int, int]:
@@ -622,9 +567,9 @@ class Server:
             except zmq.Again:
                 break
             if isinstance(received, list):
-                self._on_message(received)
+                self.interpreter.on_message(received, self._curve_user)
             else:
-                self._on_refused(received)
+                self.interpreter.on_refused(received)
             wall = perf_counter() - t0
             if wall > self._max_message_s:
                 self._max_message_s = wall
@@ -642,22 +587,13 @@ class Server:
     def _peers_gone(self, connections: ConnectionWatch) -> None:
         for identity in connections.events():
             log.debug("the connection of anonymous peer %s closed: its instances are released", identity.hex())
-            self._handle(m.PeerGone(identity), self.clock(), None)
+            self.interpreter.handle(m.PeerGone(identity), self.clock(), None)
 
     def _drain_completions(self) -> None:
         for ev in self.channel.drain():
             if self.metrics.on_completion(ev, self.clock()):
                 continue  # an HTTP probe's call, run on this thread
-            if isinstance(ev, m.TransferFinished):
-                self._transfers_in_flight -= 1
-            elif isinstance(ev, m.InstanceFailed):
-                log.error("instance %s failed by the transfer engine (%s): its registration and plans are released "
-                          "(it must register again); its copies are reported failed as they end",
-                          ev.instance_id, ev.reason)
-            elif isinstance(ev, m.L2ReadFinished):
-                self.metrics.count("l2_hits", sum(ev.loaded))
-                self.metrics.count("l2_objects_read", len(ev.loaded))
-            self._handle(ev, self.clock(), None)
+            self.interpreter.completed(ev)
 
     def _receive(self, sock: zmq.Socket[Any]) -> list[bytes | memoryview] | wire.DecodeError | wire.Unattributable:
         """One message, frame by frame, under ``limits``' frame and byte budget. Past the budget
@@ -735,201 +671,6 @@ class Server:
                 return
             del frame
 
-    def _on_refused(self, req: wire.DecodeError | wire.Unattributable) -> None:
-        if isinstance(req, wire.DecodeError):
-            self._counts["wire_requests"] += 1
-            self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
-        else:
-            self._counts["malformed"] += 1
-            self.metrics.count("malformed_messages")
-
-    def _on_message(self, frames: list[bytes | memoryview]) -> None:
-        req = wire.decode_request(frames, self.limits)
-        if isinstance(req, wire.Request):
-            self._counts["wire_requests"] += 1
-            now = self.clock()
-            reply_to: ReplyTo = (req.identity, req.uid_frame, req.op_frame, req.op, now)
-            try:
-                self._serve(req, reply_to, now)
-            except Exception as e:  # a runtime bug (or an executor's): answer, log, keep serving
-                log.exception("serving %s failed", req.op)
-                # answer unless it was answered or the machine holds it (it will answer)
-                if not self._answered(reply_to) and reply_to not in self._outstanding:
-                    self._send_error(reply_to, ErrorKind.INTERNAL.value, f"{type(e).__name__}: {e}"[:500])
-        elif isinstance(req, wire.DecodeError):
-            self._counts["wire_requests"] += 1
-            self._send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
-        else:
-            self._counts["malformed"] += 1
-            self.metrics.count("malformed_messages")
-            log.debug("unattributable message: %s", req.reason)
-
-    def _peer(self, req: wire.Request) -> Any:
-        """Who sent ``req``, for core_sm's ownership checks: the CURVE public key the
-        authenticator admitted, else the connection's ROUTER identity (mpcache's client keeps one
-        random identity across reconnects; the socket hands it over to the new connection)."""
-        if self._curve_user is not None:
-            return ("curve", self._curve_user)
-        return req.identity
-
-    def _answered(self, rt: ReplyTo) -> bool:
-        return self._last_answered is rt
-
-    def _serve(self, req: wire.Request, reply_to: ReplyTo, now: float) -> None:
-        self.metrics.on_request(req, reply_to)
-        if req.op in _LOCAL_OPS:
-            self._local(req, reply_to)
-            return
-        try:
-            event = wire.to_event(req, reply_to, now, self.limits, peer=self._peer(req))
-        except (wire.BadRequest, TypeError, ValueError) as e:
-            self._send_error(reply_to, ErrorKind.UNDECODABLE.value, str(e)[:500])
-            return
-        if type(event) is m.Clear:
-            # core_sm refuses a clear not marked admin: the mark is the admin token's check
-            admin = auth.admin_ok(self.admin_token, req.args[1] if len(req.args) > 1 else None)
-            if not admin:
-                log.warning("clear without the admin token (%s): refused",
-                            "none is configured: --admin-token-file" if self.admin_token is None else "wrong or missing")
-            event = attrs.evolve(event, admin=admin)
-        if req.op in ("store", "retrieve"):
-            self._event_handles[reply_to] = req.args[3]
-        if type(event) is not m.RegisterInstance:
-            self._handle(event, now, reply_to)
-            return
-        # core_sm decides; only a registration it accepts reaches the transfer engine
-        # (AttachInstance, carried out with this layout while the event is handled)
-        self._registering_layout = req.args[1]
-        self._prior_registration = (reply_to, self.machine.instances.registration_id(event.instance_id))
-        try:
-            self._handle(event, now, reply_to)
-        finally:
-            self._registering_layout = None
-            self._prior_registration = None
-        nbytes = event.object_bytes
-        registered = self.machine.instances.registration(event.instance_id)
-        if registered is not None and registered.object_bytes == nbytes and 0 < nbytes * 4 <= self.pool.slot_bytes:
-            # fixed-size slots: small objects in large slots cap L1 at num_slots objects
-            log.warning(
-                "instance %s stores %d-byte objects in %d-byte slots: L1 holds at most %d of "
-                "them; --slot-mb %.3f would hold %d",
-                event.instance_id, nbytes, self.pool.slot_bytes, self.pool.num_slots,
-                nbytes / (1 << 20), self.pool.size // max(nbytes, 1),
-            )
-
-    def _handle(self, event: object, now: float, reply_to: ReplyTo | None) -> None:
-        if reply_to is not None:
-            self._outstanding[reply_to] = None
-        machine = self.machine
-        try:
-            effects = machine.handle(event, now)
-            deferred = machine.deferred_work
-            if self.trace is not None and not deferred:
-                self.trace.record(now, event, effects)
-        except Exception as e:  # a core_sm bug: answer, log, keep serving
-            log.exception("core_sm raised on %s", type(event).__name__)
-            if reply_to is not None:
-                self._send_error(reply_to, ErrorKind.INTERNAL.value, f"{type(e).__name__}: {e}"[:500])
-            return
-        for eff in effects:
-            try:
-                self._interpret(eff)
-            except Exception:
-                log.exception("carrying out %s failed", type(eff).__name__)
-        if deferred:
-            self._run_deferred(now, event, effects)
-
-    def _run_deferred(self, now: float, event: object, effects: list[Any]) -> None:
-        """core_sm acknowledged a lookup before its work (``ack_first``): send the ack, then do
-        the work (hashes, leases, L2 start) while the client's next request is on its way.
-        Under a throughput load -- other replies already held, or another message waiting --
-        the held replies stay batched: the ack then leaves with the batch (at most
-        _REPLY_HOLD_S later), as every reply of a batch does (a flush per lookup there wakes
-        zmq's I/O thread per reply: measured, list-form lookups/s fell by a sixth)."""
-        batch = self._reply_batch
-        if batch is not None and len(batch) == 1:  # the ack alone: not in the middle of a busy batch
-            sock = self.sock
-            waiting = isinstance(sock, zmq.Socket) and bool(int(_backend_get(sock, _EVENTS)) & zmq.POLLIN)
-            if not waiting:
-                self._flush_replies()
-        later = self.machine.run_deferred()  # never raises
-        if self.trace is not None:
-            self.trace.record(now, event, effects + later)  # one record per event, as replay runs it
-        for eff in later:
-            try:
-                self._interpret(eff)
-            except Exception:
-                log.exception("carrying out %s failed", type(eff).__name__)
-
-    def _interpret(self, eff: object) -> None:
-        t = type(eff)
-        if t is fx.Reply:  # the commonest effect, and not a timed one
-            self._send_result(eff.reply_to, eff.result)  # type: ignore[attr-defined]
-            return
-        if t in _TIMED_EFFECTS:
-            self.metrics.started(eff, self.clock())
-        if t is fx.ErrorReply:
-            err = eff.error  # type: ignore[attr-defined]
-            self._send_error(eff.reply_to, err.kind.value, err.message)  # type: ignore[attr-defined]
-        elif t is fx.StartTransfer:
-            self._start_transfer(eff)  # type: ignore[arg-type]
-        elif t is fx.ReadL2:
-            self.l2.read(eff)  # type: ignore[arg-type]
-        elif t is fx.WriteL2:
-            self.l2.write(eff)  # type: ignore[arg-type]
-        elif t is fx.ProbeL2:
-            self.l2.probe(eff)  # type: ignore[arg-type]
-        elif t is fx.InstanceReaped:  # no heartbeat for instance_ttl: drop its GPU mappings
-            log.warning("instance %s sent no heartbeat for %g s: reaped (its registration, plans, leases and "
-                        "GPU mappings are released; it must register again)",
-                        eff.instance_id, self.config.instance_ttl)  # type: ignore[attr-defined]
-            self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
-        elif t is fx.AttachInstance:
-            self._attach(eff)  # type: ignore[arg-type]
-        elif t is fx.DetachInstance:
-            self.executor.unregister_instance(eff.instance_id)  # type: ignore[attr-defined]
-        elif t is fx.ScrubSlots:  # before the plan's reply: a commit never serves a slot's old bytes
-            self.pool.zero(eff.slots, eff.nbytes)  # type: ignore[attr-defined]
-        elif t is fx.CarveL1:  # L1 holds nothing: its slots now fit the objects registered
-            self.pool.recarve(eff.slot_bytes, eff.num_slots)  # type: ignore[attr-defined]
-        elif t is fx.LookupWorkFailed:  # a server fault after the ack: the job answers 0 hits
-            now = self.clock()  # counted by core_sm (stats()["lookup_work_failures"])
-            if now - self._last_work_failure_log >= 1.0:  # a fault on every lookup: a line a second
-                self._last_work_failure_log = now
-                log.error("the work of acknowledged lookup %r failed (%s): it answers 0 hits",
-                          eff.request_id, eff.reason)  # type: ignore[attr-defined]
-        elif t is fx.ChunksStored or t is fx.ChunksRemoved or t is fx.AllChunksCleared:
-            if self.kv_events is not None:
-                self.kv_events.publish((eff,))
-        else:
-            log.error("unknown effect %r", eff)
-
-    def _start_transfer(self, st: fx.StartTransfer) -> None:
-        # core_sm keeps the transfer's slots pinned until it handles TransferFinished, even
-        # after it expired the transfer: exactly one is posted, whatever the executor does
-        # (raises, reports twice or under another id).
-        self._transfers_in_flight += 1
-        post = self.channel.post
-        transfer_id = st.transfer_id
-        reported = threading.Lock()
-
-        def done(_transfer_id: int, ok: bool) -> None:
-            if not reported.acquire(blocking=False):
-                log.warning("transfer %d reported finished more than once", transfer_id)
-                return
-            post(m.TransferFinished(transfer_id, bool(ok)))
-
-        try:
-            nbytes = st.object_bytes
-            if st.kind is m.TransferKind.STORE and nbytes > 0:
-                for _chunk, slot in st.placements:
-                    self.l2.note_slot_size(slot, nbytes)
-            handle = self._event_handles.get(st.reply_to, b"")  # type: ignore[call-overload]
-            self.executor.start(st, handle, done)
-        except Exception:
-            log.exception("transfer executor failed to start transfer %d", st.transfer_id)
-            done(transfer_id, False)
-
     # ------------------------------------------------------------------ replies
 
     def _send(self, frames: list[bytes]) -> None:
@@ -955,6 +696,19 @@ class Server:
             for frames in batch:
                 self._send_now(frames)
 
+    def _flush_lone_ack(self) -> None:
+        """A lookup's ack, before its deferred work (``EffectInterpreter._run_deferred``): sent at
+        once when it is the lone reply held and no other message waits. Under a throughput load --
+        other replies already held, or another message waiting -- it stays batched and leaves with
+        the batch (at most _REPLY_HOLD_S later), as every reply of a batch does (a flush per lookup
+        there wakes zmq's I/O thread per reply: measured, list-form lookups/s fell by a sixth)."""
+        batch = self._reply_batch
+        if batch is not None and len(batch) == 1:  # the ack alone: not in the middle of a busy batch
+            sock = self.sock
+            waiting = isinstance(sock, zmq.Socket) and bool(int(_backend_get(sock, _EVENTS)) & zmq.POLLIN)
+            if not waiting:
+                self._flush_replies()
+
     def _send_now(self, frames: list[bytes]) -> None:
         sock = self.sock
         try:
@@ -973,96 +727,19 @@ class Server:
             self.metrics.count("dropped_replies")
             log.debug("reply dropped: %s", e)
 
-    def _send_result(self, rt: Any, result: Any) -> None:
-        if type(rt) is not tuple or len(rt) != 5:
-            log.error("reply with a routing token this runtime did not make: %r", rt)
-            return
-        identity, uid_frame, op_frame, op, t0 = rt
-        self._outstanding.pop(rt, None)
-        # only store/retrieve requests have a handle: most replies skip the lookup
-        handle = self._event_handles.pop(rt, b"") if self._event_handles else b""
-        if self._replies_closed:
-            return
-        if result is not None and type(result) not in _PLAIN_RESULTS:
-            if isinstance(result, m.TransferPlan) and result.ok:
-                self._note_plan(result)
-            result = wire.result_to_wire(op, result, event_handle=handle, segment=self.pool.path, slot_bytes=self.pool.slot_bytes)
-        try:
-            frames = wire.encode_reply(identity, uid_frame, op_frame, result)
-        except Exception as e:
-            log.exception("cannot encode the result of %s", op)
-            self._send_error(rt, ErrorKind.INTERNAL.value, f"cannot encode result: {e}")
-            return
-        self._send(frames)
-        self._last_answered = rt
-        self._counts["wire_replies"] += 1
-        served = self.clock() - t0
-        if op in _TRANSFER_OPS:  # receipt (decoded) to reply handed to zmq: the GPU benchmark's split
-            self._counts[f"served_ns_{op}"] += int(served * 1e9)
-            self._counts[f"served_{op}"] += 1
-        self.metrics.request(op, "ok", served)
-        prior = self._prior_registration
-        if prior is None or prior[0] is not rt or prior[1] is None or result != prior[1]:
-            self.metrics.on_reply(rt, op, result)
-            return
-        self._repeats_at_debug.quiet = True  # a repeated registration logs at DEBUG
-        try:
-            self.metrics.on_reply(rt, op, result)
-        finally:
-            self._repeats_at_debug.quiet = False
-
-    def _send_error(self, rt: Any, kind: str, message: str) -> None:
-        identity, uid_frame, _op_frame, op, t0 = rt
-        self._outstanding.pop(rt, None)
-        self._event_handles.pop(rt, None)
-        if self._replies_closed:
-            return
-        self._send(wire.encode_error(identity, uid_frame, op, kind, message))
-        self._last_answered = rt
-        self._counts["wire_errors"] += 1
-        self.metrics.request(op, "error", self.clock() - t0)
-        self.metrics.error(kind)
-        self.metrics.on_error(rt, op, kind, message)
-
-    def _note_plan(self, plan: m.TransferPlan) -> None:
-        # The engine will map the segment: create it now.
-        self.pool.ensure()
-        nbytes = plan.object_bytes
-        if plan.kind is m.TransferKind.STORE and nbytes > 0:
-            for _chunk, slot in plan.placements:
-                self.l2.note_slot_size(slot, nbytes)
-
-    # ------------------------------------------------------------------ local ops
-
-    def _local(self, req: wire.Request, rt: ReplyTo) -> None:
-        op = req.op
-        if op == "noop":
-            result: Any = "OK"
-        elif op == "health":
-            result = {
-                "status": "stopping" if self._stopping else "ok",
-                "version": version(),
-                "epoch": self.epoch,
-                "pid": os.getpid(),
-                "uptime_s": time.time() - self._started,
-                "url": self.bound_url,
-                "chunk_size": self.config.chunk_size,
-                "l2": [repr(t) for t in self.l2.tiers],
-                "l2_tiers": self.l2.tier_states(),
-            }
-        elif op == "stats":
-            result = self.stats()
-            # which thread is which, for per-thread CPU from /proc (the kernel knows only the ids)
-            result["threads"] = {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
-        elif op == "l1_info":
-            result = {"segment": self.pool.ensure(), "slot_bytes": self.pool.slot_bytes, "num_slots": self.pool.num_slots}
-        else:  # report_block_allocation: accepted, counted (observability only)
-            records = req.args[-1] if req.args else []
-            n = len(records) if isinstance(records, list) else 0
-            self._counts["block_allocation_records"] += n
-            self.metrics.count("block_allocation_reports", n)
-            result = None
-        self._send_result(rt, result)
+    def _health(self) -> dict[str, Any]:
+        """What the ``health`` request answers."""
+        return {
+            "status": "stopping" if self._stopping else "ok",
+            "version": version(),
+            "epoch": self.epoch,
+            "pid": os.getpid(),
+            "uptime_s": time.time() - self._started,
+            "url": self.bound_url,
+            "chunk_size": self.config.chunk_size,
+            "l2": [repr(t) for t in self.l2.tiers],
+            "l2_tiers": self.l2.tier_states(),
+        }
 
     def stats(self) -> dict[str, Any]:
         """core_sm's counters plus the runtime's (used by the ``stats`` op and metrics)."""
@@ -1072,8 +749,8 @@ class Server:
         except Exception:
             log.exception("stats() failed")
         out.update(self._counts)
-        out["outstanding_requests"] = len(self._outstanding)
-        out["transfers_in_flight"] = self._transfers_in_flight
+        out["outstanding_requests"] = len(self.interpreter.outstanding)
+        out["transfers_in_flight"] = self.interpreter.transfers_in_flight
         out.update(self.l2.stats())
         executor_stats = getattr(self.executor, "stats", None)
         if callable(executor_stats):  # the GPU transfer engine's counters, as gpu_*
@@ -1103,17 +780,18 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.channel.fd, zmq.POLLIN)
         # no new requests are read; finish what worker threads are doing
-        while (self._transfers_in_flight > 0 or self.l2.in_flight > 0) and self.clock() < end:
+        interpreter = self.interpreter
+        while (interpreter.transfers_in_flight > 0 or self.l2.in_flight > 0) and self.clock() < end:
             if poller.poll(50):
                 self._drain_completions()
-        farewell = self.clock() + _FAREWELL_S if self._outstanding else None
-        for rt in list(self._outstanding):
-            self._send_error(rt, ErrorKind.SHUTTING_DOWN.value, "the server is shutting down")
+        farewell = self.clock() + _FAREWELL_S if interpreter.outstanding else None
+        for rt in list(interpreter.outstanding):
+            interpreter.send_error(rt, ErrorKind.SHUTTING_DOWN.value, "the server is shutting down")
         # Every request has had its one reply. Closing the executor and the tiers ends the work
         # left: each effect still reports its completion (L2 work that never ran: as failed) and
         # core_sm handles it, so its state is whole (no pinned slot) when the loop returns;
         # the replies that handling makes are not sent.
-        self._replies_closed = True
+        interpreter.stop_replies()
         for closing in (self.executor.close, self.l2.close):
             try:
                 closing()
@@ -1132,7 +810,7 @@ class Server:
             self._connections.close()
         self.sock.close(linger=1000)
         self._remove_ipc_socket()
-        log.removeFilter(self._repeats_at_debug)
+        interpreter.close()
         self._stop_frame_freer()
         if self.authenticator is not None:
             self.authenticator.stop()

@@ -184,7 +184,7 @@ def test_a_routing_id_seen_on_the_network_takes_over_nothing(
 
 
 def test_routing_id_handover_only_where_the_id_is_no_secret() -> None:
-    from mpcache.runtime_zmq.server import routing_id_handover
+    from mpcache.runtime_zmq.auth import routing_id_handover
 
     assert routing_id_handover("ipc:///run/mpcache/s.sock", curve=False)
     assert routing_id_handover("tcp://127.0.0.1:5555", curve=False)
