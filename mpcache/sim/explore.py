@@ -1084,10 +1084,11 @@ class Explorer:
         return None if finding is None else Violation(finding[0], st.now, node, finding[1])
 
     def _server_event(self, st: XState, s: int, event: Any, via: Any) -> Violation | None:
-        server = self.server(st, s)
+        stored = st.servers[s]
         book = self._own_book(st, s)
         node = f"server{s}"
-        counters = server._counters
+        # what the server counted before, read without restoring it (a remembered step needs none)
+        counters = stored.counters if type(stored) is Held else stored._counters
         before = (counters["table_violations"], counters["internal_errors"])
         name = type(event).__name__
         if via is not None:
@@ -1100,14 +1101,14 @@ class Explorer:
                                                                           in_flight, node))
                 if v:
                     return v
-        leases_before = server.leases_by_owner() if type(event) is FreeLookupLocks else None
+        leases_before = self.server(st, s).leases_by_owner() if type(event) is FreeLookupLocks else None
         if leases_before is not None:  # time-driven expiries first, as the simulator's probe does
             server, early = self._step(st, ("s", s), (TimerFired(),))
             self._emit(st, s, early, {e.reply_to: book.awaiting.pop(e.reply_to) for e in early
                                       if (type(e) is Reply or type(e) is ErrorReply) and e.reply_to in book.awaiting})
             leases_before = server.leases_by_owner()
         if type(event) is Ping and isinstance(event.instance_id, int) and \
-                server.instance_state(event.instance_id) is InstanceState.REGISTERED:
+                self.server(st, s).instance_state(event.instance_id) is InstanceState.REGISTERED:
             st.seen = tuple(sorted({**dict(st.seen), (s, event.instance_id): st.now}.items()))
         if type(event) is Lookup:
             book.lookups = book.lookups | {event.key.request_id}
@@ -1563,10 +1564,14 @@ class Explorer:
         if pending or st.frames:
             return None
         for s, stored in enumerate(st.servers):
-            server = self.server(st, s)
             node = f"server{s}"
             if st.clean:
-                for owner, count in sorted(server.leases_by_owner().items(), key=lambda kv: repr(kv[0])):
+                # a stored server never changes: its leases neither (kept with it)
+                cache = self._cache(stored)
+                leases = cache.get("leases")
+                if leases is None:
+                    leases = cache["leases"] = self.server(st, s).leases_by_owner()
+                for owner, count in sorted(leases.items(), key=lambda kv: repr(kv[0])):
                     if not isinstance(owner, RequestKey) or count <= 0:
                         continue
                     finding = checks.leases_after_end(
@@ -1582,7 +1587,7 @@ class Explorer:
                     later = self._restored(("x", s), stored)
                     self._at[("x", s)] = None
                 else:
-                    later = clone(server, dict(self._static))
+                    later = clone(stored, dict(self._static))
                 later.handle(TimerFired(), horizon)
                 finding = cache[("drained", horizon)] = checks.drained(later.stats())
             if finding is not None:

@@ -389,12 +389,14 @@ class Held:
     it (``restore(values)``, in place) before a step or a read. Never changed once made; the
     explorer's caches (snapshots, steps) hang on it as on a machine, while it lives. ``deadline``:
     the machine's ``next_deadline()`` when it was made; ``soon``: ``next_deadline(machine,
-    horizon)`` (a link's monitor's timers only up to the world's horizon)."""
+    horizon)`` (a link's monitor's timers only up to the world's horizon); ``counters``: its
+    counters then."""
 
-    __slots__ = ("cls", "values", "deadline", "soon", "__weakref__")
+    __slots__ = ("cls", "values", "deadline", "soon", "counters", "__weakref__")
 
     def __init__(self, machine: Any, horizon: float) -> None:
         self.cls = type(machine)
+        self.counters: dict[str, int] = dict(machine._counters)  # read without a restore
         self.deadline = machine.next_deadline()  # first: it may drop stale timers (no state)
         self.soon = next_deadline(machine, horizon) if isinstance(machine, ServerLink) else self.deadline
         self.values = machine.state_values()
