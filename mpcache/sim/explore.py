@@ -36,10 +36,11 @@ Contract:
   their TTLs reap it); an adversarial tenant's request (while ``attacks`` lasts): FREE or
   END_SESSION naming a request id it saw, or REGISTER_INSTANCE of a worker's registered instance.
 * **World state**: the machines are shared between a state and its successors and copied only
-  when an action touches them (copy on write, by ``explore_state.clone``); a lookup client and a
-  link (with its monitor) are kept as their ``state_values()`` instead (``explore_state.Held``),
-  and restored in place (``restore(values)``) into the one machine the explorer keeps per slot
-  before a step or a read -- a restore is a tenth of a copy's cost; a machine's step is
+  when an action touches them (copy on write, by ``explore_state.clone``); a server, a lookup
+  client and a link (with its monitor) are kept as their ``state_values()`` instead
+  (``explore_state.Held``, with the machine's next deadline and counters), and restored in place
+  (``restore(values)``) into the one machine the explorer keeps per slot before a step or a read
+  (a copy is mostly wiring: bound tables and routes); a machine's step is
   remembered per machine object and events (``Explorer._step``: the same step from the same
   machine, by another interleaving, takes the machine made the first time); ``Explorer.fingerprint``
   hashes a canonical snapshot of each machine (cached per machine object while it lives, written
@@ -414,8 +415,11 @@ class Node:
 
 
 class Explorer:
-    def __init__(self, world: XWorld, profile: Any = None) -> None:
+    def __init__(self, world: XWorld, profile: Any = None, keep_values: bool = True) -> None:
+        """``keep_values``: a state keeps a machine that has ``state_values()`` as its values,
+        restored in place when touched (off: every machine copied, as a profile's subclass is)."""
         self.world = world
+        self.keep_values = keep_values
         self.profile_name: str = getattr(profile, "name", "default")
         self.server_class: type[LookupServer] = getattr(profile, "server_class", LookupServer)
         self.client_class: type[LookupClient] = getattr(profile, "lookup_client_class", LookupClient)
@@ -554,7 +558,7 @@ class Explorer:
     def _hold(self, machine: Any) -> Any:
         """A new machine as a stored state keeps it: its values where it can be restored from
         them (``explore_state.Held``), else the machine itself (copied when touched)."""
-        return Held(machine, self.world.horizon) if restorable(machine) else machine
+        return Held(machine, self.world.horizon) if self.keep_values and restorable(machine) else machine
 
     def _restored(self, slot: tuple[str, int], held: Held) -> Any:
         """The slot's machine, made the one ``held`` describes (restored in place unless it is
