@@ -156,6 +156,7 @@ ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 INSTANCE_ATTACKS = ("register",)
 NULL_BLOCK = 0  # vLLM's null block: what a window group's table holds for the blocks it dropped
 ROUTING = next(iter(SERVER_TABLES))
+BY_VALUES_CAP = 50_000  # stored machines' snapshots and steps kept by their values (Explorer._snap, _step_held), at most
 TAPE_FORMAT = "mpcache-explore-tape/2"  # /1 had no ``sim_world``  # the server's routing table (every event passes it)
 
 
@@ -490,6 +491,10 @@ class Explorer:
         # The machine each slot's stored values are restored into (``Held``), and the values it
         # holds now (None: changed since, by the transition that owns it).
         self._work: dict[tuple[str, int], Any] = {}
+        # a stored machine's snapshot by its class, relabelling key and values (_snap)
+        self._by_values: dict[tuple[Any, Any, Any], bytes] = {}
+        # a stored machine's remembered steps by its class, values and the step (_step_held)
+        self._steps_by_values: dict[tuple[Any, Any, Any], tuple[Any, tuple[Any, ...]]] = {}
         self._at: dict[tuple[str, int], Held | None] = {}
         self._fresh_client = self._hold(self.new_client())  # a crashed engine's client (never touched again)
         self._fresh_link = self._hold(self.new_link())  # and its links
@@ -693,11 +698,14 @@ class Explorer:
     def _step_held(self, machines: list[Any], slot: tuple[str, int], held: Held, calls: tuple[Any, ...],
                    now: float) -> tuple[Any, list[Any]]:
         """``_step`` of a machine kept as values: the slot's machine restored from them runs the
-        calls and the slot keeps its values after (remembered as ``_step`` remembers a copy's)."""
+        calls and the slot keeps its values after (remembered as ``_step`` remembers a copy's,
+        and by the values too: equal values are an equal machine, whichever path made them)."""
         i = slot[1]
         key = ("step", now, *((type(c), marshal.dumps(snapshot(c, {}), 2)) for c in calls))
         cache = self._cache(held) if self.remember_steps else {}
         hit = cache.get(key)
+        if hit is None and self.remember_steps:
+            hit = self._steps_by_values.get((held.cls, held.values, key))
         if hit is not None:
             after = hit[0]()
             if after is not None:
@@ -710,7 +718,10 @@ class Explorer:
         after = machines[i] = Held(work, self.world.horizon)
         self._at[slot] = after
         if self.remember_steps:
-            cache[key] = (weakref.ref(after), tuple(effects))
+            steps = self._steps_by_values
+            if len(steps) >= BY_VALUES_CAP:  # it keeps values alive: bounded
+                steps.clear()
+            cache[key] = steps[(held.cls, held.values, key)] = (weakref.ref(after), tuple(effects))
         return work, effects
 
     @staticmethod
@@ -1610,10 +1621,20 @@ class Explorer:
         if cached is None:
             # marshal's version 2 writes structure only (no references to shared objects), so
             # equal snapshots give equal bytes; five times cheaper than repr
-            if type(machine) is Held:  # the snapshot of the machine its values make
-                assert slot is not None
-                machine = self._restored(slot, machine)
-            cached = cache[key] = marshal.dumps(snapshot(machine, ren), 2)
+            if type(machine) is Held:
+                # the snapshot of the machine its values make: equal values make equal machines,
+                # so it is kept by the values too (the same machine reached by another path)
+                by_values = self._by_values
+                vkey = (machine.cls, key, machine.values)
+                cached = by_values.get(vkey)
+                if cached is None:
+                    assert slot is not None
+                    if len(by_values) >= BY_VALUES_CAP:  # it keeps values alive: bounded
+                        by_values.clear()
+                    cached = by_values[vkey] = marshal.dumps(snapshot(self._restored(slot, machine), ren), 2)
+                cache[key] = cached
+            else:
+                cached = cache[key] = marshal.dumps(snapshot(machine, ren), 2)
         assert isinstance(cached, bytes)
         return cached
 

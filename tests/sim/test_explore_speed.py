@@ -105,3 +105,22 @@ def test_bytes_a_state_holds_leave_out_what_every_copy_shares() -> None:
         assert d._fast  # bound: its rows' next-state sets and row keys are the tables'
     own, everything = deep_size(copy, ex._static), deep_size(copy)
     assert 0 < lazy < own < everything / 2, (lazy, own, everything)
+
+
+def test_equal_values_share_a_snapshot_and_a_step() -> None:
+    """Two stored servers with equal values (one machine reached by two paths): the second's
+    snapshot and step are the first's, taken by the values, with no restore and no run."""
+    from mpcache.core_sm.messages import TimerFired
+    from mpcache.sim.explore_state import Held
+
+    ex = Explorer(WORLDS["ci"][0])
+    st = ex.initial()
+    a = st.servers[0]
+    b = Held(ex.server(st, 0), ex.world.horizon)
+    assert a is not b and a.values == b.values
+    assert ex._snap(a, {}, "k", ("s", 0)) is ex._snap(b, {}, "k", ("s", 0))
+    first, second = [a], [b]
+    ex._step_held(first, ("s", 0), a, (TimerFired(),), 5.0)
+    hits = ex.step_hits
+    ex._step_held(second, ("s", 0), b, (TimerFired(),), 5.0)
+    assert ex.step_hits == hits + 1 and second[0] is first[0] is not a
