@@ -335,6 +335,20 @@ class _Server:
     waiting: dict[int, list[Hashable]] = attrs.Factory(dict)  # instance -> requests to resend
 
 
+def _server_values(s: _Server) -> tuple[Any, ...]:
+    """One server's view as values (``HealthMonitor.state_values``)."""
+    return (s.healthy, s.last_reply, s.next_ping, s.period, s.epoch, tuple(s.instances), tuple(s.registering),
+            tuple(s.known), tuple(s.retry_at.items()), tuple(s.retry_delay.items()),
+            tuple([(i, tuple(w)) for i, w in s.waiting.items()]))
+
+
+def _server_of_values(v: tuple[Any, ...]) -> _Server:
+    """The view ``_server_values`` described (a new one: the restored monitor owns it)."""
+    healthy, last_reply, next_ping, period, epoch, instances, registering, known, retry_at, retry_delay, waiting = v
+    return _Server(healthy, last_reply, next_ping, period, epoch, dict.fromkeys(instances), set(registering),
+                   dict.fromkeys(known), dict(retry_at), dict(retry_delay), {i: list(w) for i, w in waiting})
+
+
 class HealthMonitor:
     def __init__(self, config: HealthConfig, now: float = 0.0) -> None:
         self.config = config
@@ -384,6 +398,24 @@ class HealthMonitor:
     def instances(self, server: int) -> tuple[int, ...]:
         """The instances whose heartbeats go to ``server``."""
         return tuple(self._servers[server].instances)
+
+    # What ``state_values`` carries, and the wiring it leaves out (tests/core_sm/test_state_values.py).
+    STATE_FIELDS = ("_servers", "_counters")
+    WIRING_FIELDS = ("config", "_table")
+
+    def state_values(self) -> tuple[Any, ...]:
+        """The monitor's changing state as immutable values (each server's view, in order, its
+        sets and maps as tuples in their iteration order), the wiring left out: ``restore`` on a
+        monitor of the same configuration makes it this one."""
+        return tuple([_server_values(s) for s in self._servers]), tuple(self._counters.values())
+
+    def restore(self, values: tuple[Any, ...]) -> None:
+        """Become, in place, the monitor whose ``state_values()`` gave ``values`` (its table stays
+        bound to it; the counters dict it shares is updated)."""
+        servers, counters = values
+        self._servers = [_server_of_values(v) for v in servers]
+        own = self._counters
+        own.update(zip(tuple(own), counters))
 
     def stats(self) -> dict[str, int]:
         return dict(self._counters)

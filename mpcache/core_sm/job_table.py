@@ -143,6 +143,11 @@ class JobTable:
     (``canonical``): a runtime decodes the peer of each message afresh (its connection identity,
     a new ``bytes`` each time), and a job must not keep its own copy."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("by_peer", "_peers", "_count")
+    WIRING_FIELDS: tuple[str, ...] = ()
+
     def __init__(self) -> None:
         self.by_peer: dict[Peer, dict[str, PrefetchJob]] = {}
         self._peers: dict[Peer, Peer] = {}  # peer -> the object its jobs share (peers with jobs)

@@ -157,6 +157,14 @@ class _Release:
 class L1Index:
     """Objects → slots, owned TTL leases, LRU with watermark, bytes accounting."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = (
+        "num_slots", "slot_bytes",  # recarve changes them
+        "_objects", "_readable", "_free_slots", "_use_seq", "_by_owner", "_bytes", "_leases_taken", "_leases_released",
+        "_leases_held", "_write_expirations", "_pinned", "_writing", "_quarantined", "_releasing", "dropped")
+    WIRING_FIELDS: tuple[str, ...] = ("lease_ttl", "high_watermark", "low_watermark", "quota", "_expiries")
+
     def __init__(
         self,
         num_slots: int,

@@ -89,6 +89,12 @@ class TenantQuota:
     """Charges per tenant, the victim rules and the evictions' counts of one ``L1Index`` (the
     module doc: what the index tells it and asks of it)."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("_lru", "_accounts", "_charged", "_orphans", "_orphan_seq", "_orphans_compact_at",
+                                     "tenant_share", "_evictions", "_evictions_for_others")  # the server sets the share
+    WIRING_FIELDS: tuple[str, ...] = ()
+
     def __init__(self, tenant_share: int | None = None) -> None:
         # READY, unleased objects per tenant, least recently used first (``L1Object.lru``)
         common: LruSet = OrderedDict()

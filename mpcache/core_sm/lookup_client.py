@@ -177,6 +177,40 @@ class LookupClient(GuardedMachine[ClientEvent]):
     def next_deadline(self) -> float | None:
         return self._timers.next_deadline()
 
+    # What ``state_values`` carries, and what it leaves out: the wiring ``__init__`` makes once
+    # (configuration, the bound tables and routes). Every attribute is one or the other
+    # (tests/core_sm/test_state_values.py holds them to it).
+    STATE_FIELDS = ("_active", "_done", "_correlations", "_fire_and_forget", "_healthy", "_epochs",
+                    "_next_correlation", "_next_serial", "_counters", "_timers", "_legs_lost")
+    WIRING_FIELDS = ("config", "_lookups", "_servers", "_routes")
+
+    def state_values(self) -> tuple[Any, ...]:
+        """The machine's changing state as immutable values (tuples, ints, strings, enums and
+        the frozen keys and timers it holds), its wiring left out: ``restore`` on any client of
+        the same configuration makes it this one. A model checker keeps a state this way and
+        restores one machine in place instead of copying it."""
+        return (tuple([(rid, _lookup_values(p)) for rid, p in self._active.items()]),
+                tuple([(rid, _lookup_values(p)) for rid, p in self._done.items()]),
+                tuple(self._correlations.items()), tuple(self._fire_and_forget), tuple(self._healthy),
+                tuple(self._epochs), self._next_correlation, self._next_serial, tuple(self._counters.values()),
+                self._timers.state_values(), tuple(self._legs_lost))
+
+    def restore(self, values: tuple[Any, ...]) -> None:
+        """Become, in place, the client whose ``state_values()`` gave ``values`` (the wiring
+        stays: the tables stay bound to this machine, the counters dict they share is updated)."""
+        (active, done, correlations, fire_and_forget, healthy, epochs, self._next_correlation, self._next_serial,
+         counters, timers, legs_lost) = values
+        self._active = {rid: _lookup_of(v) for rid, v in active}
+        self._done = OrderedDict([(rid, _lookup_of(v)) for rid, v in done])
+        self._correlations = dict(correlations)
+        self._fire_and_forget = OrderedDict.fromkeys(fire_and_forget)
+        self._healthy = list(healthy)
+        self._epochs = list(epochs)
+        own = self._counters
+        own.update(zip(tuple(own), counters))
+        self._timers.restore(timers)
+        self._legs_lost = list(legs_lost)
+
     def stats(self) -> dict[str, int]:
         out = dict(self._counters)
         out["active"] = len(self._active)
@@ -660,6 +694,21 @@ class LookupClient(GuardedMachine[ClientEvent]):
                 self._fire_and_forget.popitem(last=False)
         out.append(SendRequest(server, corr, request))
         return corr
+
+
+def _lookup_values(p: PendingLookup) -> tuple[Any, ...]:
+    """A lookup record as values (``LookupClient.state_values``); its legs as field tuples."""
+    return (p.request_id, p.key,
+            tuple([(s, (leg.server, leg.lookup_correlation, leg.acked, leg.query_correlation, leg.query_sent_at,
+                        leg.next_query_at, leg.chunks)) for s, leg in p.legs.items()]),
+            p.deadline, p.result_tokens, p.expires_at, p.serial, p.state)
+
+
+def _lookup_of(v: tuple[Any, ...]) -> PendingLookup:
+    """The lookup record ``_lookup_values`` described (a new one: a restored machine owns it)."""
+    request_id, key, legs, deadline, result_tokens, expires_at, serial, state = v
+    return PendingLookup(request_id, key, {s: ServerLeg(*leg) for s, leg in legs}, deadline, result_tokens,
+                         expires_at, serial, state)
 
 
 def _server_of(event: object) -> object:

@@ -91,6 +91,7 @@ from mpcache.core_sm.server_transfers import (
 )
 from mpcache.core_sm.table import Dispatcher, Table
 from mpcache.core_sm.timers import Timer
+from mpcache.core_sm.values import parts_values, restore_parts
 
 __all__ = [
     "LookupServer", "ServerConfig", "ServerState", "JobState", "TransferState", "L2State",
@@ -286,6 +287,38 @@ class LookupServer:
     def leases_of(self, request_id: str, peer: Any = None) -> int:
         """The lookup read counts the request ``(peer, request_id)`` holds."""
         return self.index.leases_by_owner().get(RequestKey(peer, request_id), 0)
+
+    # What ``state_values`` carries of the server itself (beyond its counters and its parts'
+    # STATE_FIELDS), and the wiring it leaves out (tests/core_sm/test_state_values.py).
+    STATE_FIELDS: tuple[str, ...] = ("_clean", "_skipped")
+    WIRING_FIELDS: tuple[str, ...] = ("config", "_counters", "ctx", "index", "instances", "l2", "jobs", "transfers",
+                                      "_timer_machine", "_rows", "_quiet_rows")
+
+    def state_parts(self) -> tuple[Any, ...]:
+        """The server and the parts it is made of, each with its ``STATE_FIELDS``, in the order
+        ``state_values`` writes them."""
+        ctx = self.ctx
+        index = ctx.index
+        jobs = self.jobs
+        return (self, ctx, ctx.timers, index, index.quota, index._expiries, self.instances, self.l2, jobs, jobs.jobs,
+                jobs.reap_queue, self.transfers)
+
+    def state_values(self) -> tuple[Any, ...]:
+        """The server's changing state as immutable values: its counters, and every part's state
+        fields written by ``core_sm.values`` (an object held in several places written once);
+        the wiring left out. ``restore`` on a server of the same configuration (and class) makes
+        it this one. A model checker keeps a state this way and restores one server in place
+        instead of copying it (its wiring -- four bound tables, the routes -- is most of a copy)."""
+        return tuple(self._counters.values()), parts_values(self.state_parts(), {})
+
+    def restore(self, values: tuple[Any, ...]) -> None:
+        """Become, in place, the server whose ``state_values()`` gave ``values``: every part's
+        state fields new objects decoded from them, the wiring as it is (the counters dict the
+        tables share is updated)."""
+        counters, parts = values
+        own = self._counters
+        own.update(zip(tuple(own), counters))
+        restore_parts(self.state_parts(), parts, [])
 
     def stats(self) -> dict[str, int]:
         """A snapshot for metrics and simulator oracles (flat name → int)."""

@@ -135,6 +135,11 @@ EFFECT_OWNERS = (TransferOwner, L2ReadOwner, L2WriteOwner)
 class ServerContext:
     """Shared resources of the entity machines (one per ``LookupServer``)."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("pins", "_roots", "_next_id", "_next_transfer", "held", "admission")
+    WIRING_FIELDS: tuple[str, ...] = ("config", "index", "counters", "reply_error", "timers", "chain", "_transfer_key")
+
     def __init__(self, config: ServerConfig, counters: dict[str, int],
                  reply_error: Callable[[list[Effect], ReplyTo, ProtocolError], None],
                  timer_live: Callable[[Timer], bool]) -> None:

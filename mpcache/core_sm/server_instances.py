@@ -178,6 +178,11 @@ class TransfersOfInstances(Protocol):
 class InstanceMachine:
     """The server's registered instances (see the module docstring)."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("instances", "reserved")
+    WIRING_FIELDS: tuple[str, ...] = ("ctx", "dispatch", "transfers")
+
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self.transfers: TransfersOfInstances  # set by LookupServer once both exist

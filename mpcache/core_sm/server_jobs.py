@@ -384,6 +384,11 @@ class JobHooks(Protocol):
 class JobMachine:
     """The prefetch jobs of one server (see the module docstring)."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("repeats", "tombstones", "waiters", "waiter_by_id", "accepted", "continuing", "working")
+    WIRING_FIELDS: tuple[str, ...] = ("ctx", "hooks", "l2", "jobs", "reap_queue", "dispatch")
+
     def __init__(self, ctx: ServerContext, hooks: JobHooks, l2: L2Work) -> None:
         self.ctx = ctx
         self.hooks = hooks

@@ -138,6 +138,11 @@ class JobsOfL2(Protocol):
 class L2Work:
     """The server's outstanding L2 work (see the module docstring)."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("reads", "probes", "writes", "write_chunks")
+    WIRING_FIELDS: tuple[str, ...] = ("ctx", "instances", "dispatch", "jobs")
+
     def __init__(self, ctx: ServerContext, instances: InstanceMachine) -> None:
         self.ctx = ctx
         self.jobs: JobsOfL2  # set by LookupServer once both exist

@@ -291,6 +291,29 @@ class ServerLink:
         """The last registration request remembered for ``instance`` (None: none)."""
         return self._registrations.get(instance)
 
+    # What ``state_values`` carries, and the wiring it leaves out (tests/core_sm/test_state_values.py).
+    STATE_FIELDS = ("monitor", "_pending", "_deadlines", "_next_uid", "_registrations", "_heartbeat_at", "_counters")
+    WIRING_FIELDS = ("config", "_events", "_monitor_effects")
+
+    def state_values(self) -> tuple[Any, ...]:
+        """The link's changing state as immutable values (its pending requests, deadline heap,
+        registrations, counters and its monitor's values), the wiring left out: ``restore`` on a
+        link of the same configuration makes it this one."""
+        return (tuple([(uid, (p.token, p.request, p.deadline, p.role, p.instance, p.retried, p.refusal))
+                       for uid, p in self._pending.items()]),
+                self._deadlines.state_values(), self._next_uid, tuple(self._registrations.items()), self._heartbeat_at,
+                tuple(self._counters.values()), self.monitor.state_values())
+
+    def restore(self, values: tuple[Any, ...]) -> None:
+        """Become, in place, the link whose ``state_values()`` gave ``values`` (its monitor too)."""
+        pending, deadlines, self._next_uid, registrations, self._heartbeat_at, counters, monitor = values
+        self._pending = {uid: _Pending(*p) for uid, p in pending}
+        self._deadlines.restore(deadlines)
+        self._registrations = dict(registrations)
+        own = self._counters
+        own.update(zip(tuple(own), counters))
+        self.monitor.restore(monitor)
+
     def stats(self) -> dict[str, int]:
         return {**self._counters, **{f"health_{k}": v for k, v in self.monitor.stats().items()}}
 

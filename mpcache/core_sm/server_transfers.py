@@ -289,6 +289,12 @@ class TransferHooks(Protocol):
 class TransferMachine:
     """The server's transfers (see the module docstring)."""
 
+    # What the server's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("transfers", "store_waits", "waits_on", "quarantined_plans", "per_instance", "reserved_of", "ops_done",
+                    "ops_running", "op_of_reply", "reserving", "beginning", "begins")
+    WIRING_FIELDS: tuple[str, ...] = ("ctx", "hooks", "instances", "l2", "dispatch")
+
     def __init__(self, ctx: ServerContext, hooks: TransferHooks, instances: InstanceMachine,
                  l2: L2Work) -> None:
         self.ctx = ctx

@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 
@@ -49,6 +49,11 @@ class Timer:
 class TimerHeap:
     """Deadlines of typed timers. ``live(timer)`` says whether a timer's subject still exists
     with the state that armed it (the machine decides); dead entries are skipped and compacted."""
+
+    # What a machine's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("_heap", "_seq", "_compact_at", "compactions")
+    WIRING_FIELDS: tuple[str, ...] = ("_live", "_slack", "_floor", "_live_count")
 
     def __init__(self, live: Callable[[Timer], bool], slack: int | None = None,
                  live_count: Callable[[], int] | None = None, floor: int | None = None) -> None:
@@ -133,6 +138,16 @@ class TimerHeap:
         """``(deadline, timer)`` of every live entry, in firing order (checkers comparing states)."""
         return [(d, t) for d, _seq, t in sorted(self._heap) if self._live(t)]
 
+    def state_values(self) -> tuple[Any, ...]:
+        """What changes in the heap, as immutable values: its entries (in heap order, stale ones
+        too), the last seq, the compaction bound and count. ``restore`` takes them back."""
+        return (tuple(self._heap), self._seq, self._compact_at, self.compactions)
+
+    def restore(self, values: tuple[Any, ...]) -> None:
+        """Become the heap ``state_values`` described (the live predicate and bounds are kept)."""
+        heap, self._seq, self._compact_at, self.compactions = values
+        self._heap = list(heap)
+
 
 class ReapQueue(Generic[T]):
     """Deadlines of one TTL, in the order they were armed: a FIFO, not a heap entry per item.
@@ -145,6 +160,11 @@ class ReapQueue(Generic[T]):
     goes stale, is skipped when it reaches the front, and is compacted away (as in
     ``TimerHeap``) once the queue holds more than twice the live entries of the last rebuild
     plus ``slack``."""
+
+    # What a machine's ``state_values`` carries of this part, and the wiring it leaves out
+    # (core_sm/values.py; tests/core_sm/test_state_values.py holds every attribute to one).
+    STATE_FIELDS: tuple[str, ...] = ("_times", "_items", "_head", "_compact_at", "compactions")
+    WIRING_FIELDS: tuple[str, ...] = ("_live", "_slack")
 
     def __init__(self, live: Callable[[T], bool], slack: int | None = None) -> None:
         self._live = live

@@ -36,7 +36,11 @@ Contract:
   their TTLs reap it); an adversarial tenant's request (while ``attacks`` lasts): FREE or
   END_SESSION naming a request id it saw, or REGISTER_INSTANCE of a worker's registered instance.
 * **World state**: the machines are shared between a state and its successors and copied only
-  when an action touches them (copy on write, by ``explore_state.clone``); a machine's step is
+  when an action touches them (copy on write, by ``explore_state.clone``); a server, a lookup
+  client and a link (with its monitor) are kept as their ``state_values()`` instead
+  (``explore_state.Held``, with the machine's next deadline and counters), and restored in place
+  (``restore(values)``) into the one machine the explorer keeps per slot before a step or a read
+  (a copy is mostly wiring: bound tables and routes); a machine's step is
   remembered per machine object and events (``Explorer._step``: the same step from the same
   machine, by another interleaving, takes the machine made the first time); ``Explorer.fingerprint``
   hashes a canonical snapshot of each machine (cached per machine object while it lives, written
@@ -135,7 +139,8 @@ from mpcache.core_sm.server_link import Reply as LinkReply
 from mpcache.sim import checks
 from mpcache.sim.adversary import ADVERSARY, TENANT_HARMED, honest_state
 from mpcache.sim.transport import Outbound, sim_link_config
-from mpcache.sim.explore_state import clone, deep_size, dispatchers, dispatchers_of, next_deadline, snapshot
+from mpcache.sim.explore_state import (Held, clone, deep_size, dispatchers, dispatchers_of, next_deadline, restorable,
+                                       snapshot)
 from mpcache.sim.groups import group_copies
 from mpcache.sim.oracles import Violation
 from mpcache.sim.profiles import Profile, acted_first
@@ -151,6 +156,7 @@ ATTACKS = ("free", "end")  # what the adversary sends naming a request id it saw
 INSTANCE_ATTACKS = ("register",)
 NULL_BLOCK = 0  # vLLM's null block: what a window group's table holds for the blocks it dropped
 ROUTING = next(iter(SERVER_TABLES))
+BY_VALUES_CAP = 50_000  # stored machines' snapshots and steps kept by their values (Explorer._snap, _step_held), at most
 TAPE_FORMAT = "mpcache-explore-tape/2"  # /1 had no ``sim_world``  # the server's routing table (every event passes it)
 
 
@@ -416,8 +422,11 @@ class Node:
 
 
 class Explorer:
-    def __init__(self, world: XWorld, profile: Any = None) -> None:
+    def __init__(self, world: XWorld, profile: Any = None, keep_values: bool = True) -> None:
+        """``keep_values``: a state keeps a machine that has ``state_values()`` as its values,
+        restored in place when touched (off: every machine copied, as a profile's subclass is)."""
         self.world = world
+        self.keep_values = keep_values
         self.profile_name: str = getattr(profile, "name", "default")
         self.server_class: type[LookupServer] = getattr(profile, "server_class", LookupServer)
         self.client_class: type[LookupClient] = getattr(profile, "lookup_client_class", LookupClient)
@@ -484,9 +493,17 @@ class Explorer:
         self.link_config = sim_link_config(settings)
         self._seed_keys = self._prompt_keys()
         # A restarted server is a copy of this fresh one: its rows share the same frozen parts.
-        self._fresh_server = self.new_server()
-        self._fresh_client = self.new_client()  # a crashed engine's client (never touched again)
-        self._fresh_link = self.new_link()  # and its links
+        self._fresh_server = self._hold(self.new_server())
+        # The machine each slot's stored values are restored into (``Held``), and the values it
+        # holds now (None: changed since, by the transition that owns it).
+        self._work: dict[tuple[str, int], Any] = {}
+        # a stored machine's snapshot by its class, relabelling key and values (_snap)
+        self._by_values: dict[tuple[Any, Any, Any], bytes] = {}
+        # a stored machine's remembered steps by its class, values and the step (_step_held)
+        self._steps_by_values: dict[tuple[Any, Any, Any], tuple[Any, tuple[Any, ...]]] = {}
+        self._at: dict[tuple[str, int], Held | None] = {}
+        self._fresh_client = self._hold(self.new_client())  # a crashed engine's client (never touched again)
+        self._fresh_link = self._hold(self.new_link())  # and its links
         self._fresh_workers = [self.new_worker(e) for e in range(world.engines)] if world.workers else []
 
     # ------------------------------------------------------------------ machines
@@ -549,6 +566,47 @@ class Explorer:
         self._share(link)
         return link
 
+    def _hold(self, machine: Any) -> Any:
+        """A new machine as a stored state keeps it: its values where it can be restored from
+        them (``explore_state.Held``), else the machine itself (copied when touched)."""
+        return Held(machine, self.world.horizon) if self.keep_values and restorable(machine) else machine
+
+    def _restored(self, slot: tuple[str, int], held: Held) -> Any:
+        """The slot's machine, made the one ``held`` describes (restored in place unless it is
+        that one already). Reading it is free; a caller that changes it sets ``_at[slot]`` to
+        None first."""
+        work = self._work.get(slot)
+        if work is None:
+            kind = slot[0]
+            work = self._work[slot] = self.new_client() if kind == "c" else self.new_link() if kind == "l" \
+                else self.new_server()  # "s" a server, "x" a server's scratch copy (its drained verdict)
+            assert type(work) is held.cls
+            self._at[slot] = None
+        if self._at.get(slot) is not held:
+            work.restore(held.values)
+            self._at[slot] = held
+        return work
+
+    def server(self, st: XState, s: int) -> LookupServer:
+        """Server ``s`` in ``st`` (to read; ``_own_server`` or ``_step`` to change it)."""
+        x = st.servers[s]
+        server: LookupServer = self._restored(("s", s), x) if type(x) is Held else x
+        return server
+
+    def client(self, st: XState, e: int) -> Any:
+        """Engine ``e``'s scheduler in ``st`` (to read; ``_own_client`` or ``_step`` to change it)."""
+        x = st.clients[e]
+        return self._restored(("c", e), x) if type(x) is Held else x
+
+    def _freeze(self, st: XState) -> None:
+        """The end of a transition: a slot's machine it changed in place is kept as values."""
+        work = self._work
+        for kind, machines in (("s", st.servers), ("c", st.clients), ("l", st.links)):
+            for i, x in enumerate(machines):
+                if type(x) is not Held and work.get((kind, i)) is x:
+                    held = machines[i] = Held(x, self.world.horizon)
+                    self._at[(kind, i)] = held
+
     def _share(self, machine: Any) -> None:
         """Register what a copy of ``machine`` may share with it: its dispatchers' tables and
         frozen rows, its configuration; and give every dispatcher a trace (coverage)."""
@@ -567,8 +625,8 @@ class Explorer:
 
     def initial(self) -> XState:
         w = self.world
-        st = XState(0.0, [self.new_server() for _ in range(w.servers)], [self.new_client() for _ in range(w.engines)],
-                    [self.new_link() for _ in range(self.nodes * w.engines * w.servers)],
+        st = XState(0.0, [self._hold(self.new_server()) for _ in range(w.servers)], [self._hold(self.new_client()) for _ in range(w.engines)],
+                    [self._hold(self.new_link()) for _ in range(self.nodes * w.engines * w.servers)],
                     [ServerBook() for _ in range(w.servers)], [], [(0,) * w.requests for _ in range(w.engines)],
                     [0] * w.servers, frozenset(), (), w.faults, w.restarts, w.aborts, w.crashes, w.attacks,
                     [self.new_worker(e) for e in range(w.engines)] if w.workers else [])
@@ -578,13 +636,19 @@ class Explorer:
             # it): the worker registers its instance
             v = self._worker_event(st, e, ServerHealth(0, True))
             assert v is None, v
+        self._freeze(st)
         st.owned = set()
         return st
 
     def _own_server(self, st: XState, s: int) -> LookupServer:
         if ("s", s) not in st.owned:
             st.owned.add(("s", s))
-            st.servers[s] = clone(st.servers[s], dict(self._static))
+            x = st.servers[s]
+            if type(x) is Held:
+                st.servers[s] = self._restored(("s", s), x)
+                self._at[("s", s)] = None  # changed in place from here; _freeze keeps its values
+            else:
+                st.servers[s] = clone(x, dict(self._static))
         self._own_book(st, s)
         server: LookupServer = st.servers[s]
         return server
@@ -616,6 +680,8 @@ class Explorer:
         now = st.now
         if slot in st.owned:
             return machine, self._run(machine, calls, now)
+        if type(machine) is Held:
+            return self._step_held(machines, slot, machine, calls, now)
         if not self.remember_steps:
             st.owned.add(slot)
             machines[i] = machine = clone(machine, dict(self._static))
@@ -635,6 +701,35 @@ class Explorer:
         machines[i] = after
         return after, effects
 
+    def _step_held(self, machines: list[Any], slot: tuple[str, int], held: Held, calls: tuple[Any, ...],
+                   now: float) -> tuple[Any, list[Any]]:
+        """``_step`` of a machine kept as values: the slot's machine restored from them runs the
+        calls and the slot keeps its values after (remembered as ``_step`` remembers a copy's,
+        and by the values too: equal values are an equal machine, whichever path made them)."""
+        i = slot[1]
+        key = ("step", now, *((type(c), marshal.dumps(snapshot(c, {}), 2)) for c in calls))
+        cache = self._cache(held) if self.remember_steps else {}
+        hit = cache.get(key)
+        if hit is None and self.remember_steps:
+            hit = self._steps_by_values.get((held.cls, held.values, key))
+        if hit is not None:
+            after = hit[0]()
+            if after is not None:
+                self.step_hits += 1
+                machines[i] = after
+                return self._restored(slot, after), list(hit[1])
+        work = self._restored(slot, held)
+        self._at[slot] = None
+        effects = self._run(work, calls, now)
+        after = machines[i] = Held(work, self.world.horizon)
+        self._at[slot] = after
+        if self.remember_steps:
+            steps = self._steps_by_values
+            if len(steps) >= BY_VALUES_CAP:  # it keeps values alive: bounded
+                steps.clear()
+            cache[key] = steps[(held.cls, held.values, key)] = (weakref.ref(after), tuple(effects))
+        return work, effects
+
     @staticmethod
     def _run(machine: Any, calls: tuple[Any, ...], now: float) -> list[Any]:
         effects: list[Any] = []
@@ -650,19 +745,33 @@ class Explorer:
     def _own_client(self, st: XState, e: int) -> Any:
         if ("c", e) not in st.owned:
             st.owned.add(("c", e))
-            st.clients[e] = clone(st.clients[e], dict(self._static))
+            x = st.clients[e]
+            if type(x) is Held:
+                st.clients[e] = self._restored(("c", e), x)
+                self._at[("c", e)] = None  # changed in place from here; _freeze keeps its values
+            else:
+                st.clients[e] = clone(x, dict(self._static))
         return st.clients[e]
 
     def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
         i = (node * self.world.engines + e) * self.world.servers + s
         if ("l", i) not in st.owned:
             st.owned.add(("l", i))
-            st.links[i] = clone(st.links[i], dict(self._static))
+            x = st.links[i]
+            if type(x) is Held:
+                st.links[i] = self._restored(("l", i), x)
+                self._at[("l", i)] = None  # changed in place from here; _freeze keeps its values
+            else:
+                st.links[i] = clone(x, dict(self._static))
         link: ServerLink = st.links[i]
         return link
 
     def link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
-        link: ServerLink = st.links[(node * self.world.engines + e) * self.world.servers + s]
+        """Engine ``e``'s node's link to server ``s`` in ``st`` (to read; ``_own_link`` or
+        ``_step`` to change it)."""
+        i = (node * self.world.engines + e) * self.world.servers + s
+        x = st.links[i]
+        link: ServerLink = self._restored(("l", i), x) if type(x) is Held else x
         return link
 
     def _own_worker(self, st: XState, e: int) -> TransferClient:
@@ -696,7 +805,7 @@ class Explorer:
             for r, step in enumerate(script):
                 if step >= len(self.script):
                     continue
-                if self.script[step] in ("check", "match") and self.lookups(st.clients[e]).state(rid(e, r)) not in (
+                if self.script[step] in ("check", "match") and self.lookups(self.client(st, e)).state(rid(e, r)) not in (
                         LookupState.DONE, LookupState.ABSENT):
                     if st.aborts > 0:
                         yield ("abort", (e, r))
@@ -724,13 +833,17 @@ class Explorer:
                 if worker is self._fresh_workers[e]:
                     continue
                 for s in range(len(st.servers)):
-                    if st.servers[s].instance_state(e + 1) is InstanceState.REGISTERED:
+                    if self.server(st, s).instance_state(e + 1) is InstanceState.REGISTERED:
                         for kind in INSTANCE_ATTACKS:
                             yield ("attack", (kind, e, 0, s))
 
     def _deadline(self, machine: Any, horizon: float) -> float | None:
         """``next_deadline(machine, horizon)`` of a machine in a stored state (it never changes),
         kept per machine object."""
+        if type(machine) is Held:
+            assert horizon == self.world.horizon
+            soon: float | None = machine.soon
+            return soon
         entry = self._snaps.get(id(machine))
         cache = entry[1] if entry is not None else self._cache(machine)
         key = ("deadline", horizon)
@@ -776,8 +889,14 @@ class Explorer:
         st.last_fault = st.now
 
     def apply(self, st: XState, action: tuple[str, Any]) -> Violation | None:
-        """Run ``action`` on ``st`` (a child: machines copied as touched); the first oracle
-        violation it causes, or None."""
+        """Run ``action`` on ``st`` (a child: machines copied as touched, or restored from the
+        values the state keeps and kept as values again after); the first oracle violation it
+        causes, or None."""
+        v = self._apply(st, action)
+        self._freeze(st)
+        return v
+
+    def _apply(self, st: XState, action: tuple[str, Any]) -> Violation | None:
         kind, arg = action
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {'-':<11} {self.describe(st, action)}")
@@ -799,7 +918,8 @@ class Explorer:
                 self._fault(st, slow=True)
             st.now = max(st.now, arg)
             for s in range(len(st.servers)):
-                d = st.servers[s].next_deadline()
+                x = st.servers[s]
+                d = x.deadline if type(x) is Held else x.next_deadline()
                 if d is not None and d <= st.now:
                     v = self._server_event(st, s, TimerFired(), None)
                     if v:
@@ -807,7 +927,8 @@ class Explorer:
             for e in range(len(st.clients)):
                 for node in range(self.nodes):
                     for s in range(len(st.servers)):
-                        d = self.link(st, e, s, node).next_deadline()
+                        x = st.links[(node * len(st.clients) + e) * len(st.servers) + s]
+                        d = x.deadline if type(x) is Held else x.next_deadline()
                         if d is not None and d <= st.now:
                             v = self._link_event(st, e, s, TimerFired(), node)
                             if v:
@@ -818,7 +939,8 @@ class Explorer:
                         v = self._worker_event(st, e, TimerFired())
                         if v:
                             return v
-                d = st.clients[e].next_deadline()
+                x = st.clients[e]
+                d = x.deadline if type(x) is Held else x.next_deadline()
                 if d is not None and d <= st.now:
                     v = self._client_event(st, e, TimerFired())
                     if v:
@@ -906,7 +1028,7 @@ class Explorer:
                 iid = request.request.instance_id
                 v = self._violation(st, node_name(f.node, f.engine), checks.resend_refused(
                     type(request.request).__name__, request.correlation, f.server, named[0],
-                    st.servers[f.server].instances.registration_id(iid), (f.server, iid) in dict(st.reaped)))
+                    self.server(st, f.server).instances.registration_id(iid), (f.server, iid) in dict(st.reaped)))
                 if v:
                     return v
             event = LinkReply(f.corr, False, body.error, body.error.kind.value)
@@ -970,7 +1092,7 @@ class Explorer:
         """A status answer reaches a lookup still waiting for this server: it must count (F2)."""
         if not isinstance(result, int) or isinstance(result, bool):
             return
-        client = self.lookups(st.clients[e])
+        client = self.lookups(self.client(st, e))
         pending = client.pending(request_id)
         leg = pending.legs.get(s) if pending is not None and client.state(request_id) is not LookupState.DONE else None
         if leg is not None and leg.chunks is None:
@@ -983,10 +1105,11 @@ class Explorer:
         return None if finding is None else Violation(finding[0], st.now, node, finding[1])
 
     def _server_event(self, st: XState, s: int, event: Any, via: Any) -> Violation | None:
-        server = st.servers[s]
+        stored = st.servers[s]
         book = self._own_book(st, s)
         node = f"server{s}"
-        counters = server._counters
+        # what the server counted before, read without restoring it (a remembered step needs none)
+        counters = stored.counters if type(stored) is Held else stored._counters
         before = (counters["table_violations"], counters["internal_errors"])
         name = type(event).__name__
         if via is not None:
@@ -999,14 +1122,14 @@ class Explorer:
                                                                           in_flight, node))
                 if v:
                     return v
-        leases_before = server.leases_by_owner() if type(event) is FreeLookupLocks else None
+        leases_before = self.server(st, s).leases_by_owner() if type(event) is FreeLookupLocks else None
         if leases_before is not None:  # time-driven expiries first, as the simulator's probe does
             server, early = self._step(st, ("s", s), (TimerFired(),))
             self._emit(st, s, early, {e.reply_to: book.awaiting.pop(e.reply_to) for e in early
                                       if (type(e) is Reply or type(e) is ErrorReply) and e.reply_to in book.awaiting})
             leases_before = server.leases_by_owner()
         if type(event) is Ping and isinstance(event.instance_id, int) and \
-                server.instance_state(event.instance_id) is InstanceState.REGISTERED:
+                self.server(st, s).instance_state(event.instance_id) is InstanceState.REGISTERED:
             st.seen = tuple(sorted({**dict(st.seen), (s, event.instance_id): st.now}.items()))
         if type(event) is Lookup:
             book.lookups = book.lookups | {event.key.request_id}
@@ -1126,7 +1249,7 @@ class Explorer:
                 for j in range(c.skip_blocks, len(c.block_ids)):
                     kv[(e, c.block_ids[j])] = (c.chunk, g, j)
         st.kv = tuple(sorted(kv.items()))
-        tracker = st.clients[e].tracker(start.request_id)
+        tracker = self.client(st, e).tracker(start.request_id)
         if tracker is None:
             return None, True
         tables = (tuple(tracker.block_ids), *(tuple(t) for t in tracker.other_group_block_ids))
@@ -1200,7 +1323,7 @@ class Explorer:
                                        about.get(eff.reply_to, ("", None)), node))
 
     def _client_event(self, st: XState, e: int, event: Any) -> Violation | None:
-        client = st.clients[e]
+        client = self.client(st, e)
         lc = self.lookups(client)
         node = f"sched{e}"
         counters = lc._counters
@@ -1281,7 +1404,7 @@ class Explorer:
                 st.scripts[e] = tuple(scripts)
                 return None
             st.matched = tuple(sorted({**dict(st.matched), request_id: tokens}.items()))
-            tracker = st.clients[e].tracker(request_id)
+            tracker = self.client(st, e).tracker(request_id)
             if tokens > 0 and tracker is not None and tracker.hit_tokens:
                 earliest, held = self._leases(st, e, request_id, 0, tracker.hit_tokens)
                 if held and earliest is not None:
@@ -1295,7 +1418,7 @@ class Explorer:
                                                           other_group_block_ids=self.group_tables(matched)[1:]))
             if v:
                 return v
-            tracker = st.clients[e].tracker(request_id)
+            tracker = self.client(st, e).tracker(request_id)
             if tracker is not None and not again:  # a resumed request's were accounted at its first
                 retrieve = tracker.pending_retrieve
                 v = self._violation(st, node, checks.leases_unaccounted(
@@ -1336,7 +1459,8 @@ class Explorer:
         """The earliest expiry of the read leases engine ``e``'s request holds on tokens
         ``[start, end)`` of every rank at the server that rank loads from, and whether it holds
         all of them (as ``sim/engine.py``'s ``_leases``)."""
-        indexes = [st.servers[self.load_server(rank, request_id)].index for rank in range(self.client_config.world_size)]
+        indexes = [self.server(st, self.load_server(rank, request_id)).index
+                   for rank in range(self.client_config.world_size)]
         return checks.lease_span(indexes, self._hashes, start // CHUNK, end // CHUNK, f"sched{e}", request_id)
 
     def load_server(self, rank: int, request_id: str) -> int:
@@ -1365,7 +1489,7 @@ class Explorer:
             last_seen))
         if v:
             return v
-        rps = self.lookups(st.clients[e]).config.ranks_per_server
+        rps = self.lookups(self.client(st, e)).config.ranks_per_server
         for rank in range(self.client_config.world_size):
             v = self._violation(st, node, checks.misplaced_load(request_id, rank, self.load_server(rank, request_id),
                                                                 rps))
@@ -1438,7 +1562,7 @@ class Explorer:
             for e, worker in enumerate(st.workers):
                 if worker is self._fresh_workers[e]:
                     continue  # its engine crashed
-                server = st.servers[worker.config.server]
+                server = self.server(st, worker.config.server)
                 iid = worker.config.instance_id
                 s = worker.config.server
                 when = dict(st.reaped).get((s, iid))
@@ -1453,17 +1577,22 @@ class Explorer:
             for r, step in enumerate(script):
                 since = max(st.last_fault, submitted.get(rid(e, r), 0.0))
                 if step < len(self.script) and self.script[step] in ("check", "match") and st.now - since > \
-                        self.world.liveness_bound and self.lookups(st.clients[e]).state(rid(e, r)) not in (
+                        self.world.liveness_bound and self.lookups(self.client(st, e)).state(rid(e, r)) not in (
                         LookupState.DONE, LookupState.ABSENT):
                     return Violation("F1", st.now, f"sched{e}", f"lookup unresolved: {rid(e, r)} still pending "
                                      f"{st.now - since:.3f} s after its submit or the last fault "
                                      f"(bound {self.world.liveness_bound:g} s)")
         if pending or st.frames:
             return None
-        for s, server in enumerate(st.servers):
+        for s, stored in enumerate(st.servers):
             node = f"server{s}"
             if st.clean:
-                for owner, count in sorted(server.leases_by_owner().items(), key=lambda kv: repr(kv[0])):
+                # a stored server never changes: its leases neither (kept with it)
+                cache = self._cache(stored)
+                leases = cache.get("leases")
+                if leases is None:
+                    leases = cache["leases"] = self.server(st, s).leases_by_owner()
+                for owner, count in sorted(leases.items(), key=lambda kv: repr(kv[0])):
                     if not isinstance(owner, RequestKey) or count <= 0:
                         continue
                     finding = checks.leases_after_end(
@@ -1472,10 +1601,14 @@ class Explorer:
                     if finding is not None:
                         return Violation(finding[0], st.now, node, finding[1])
             horizon = st.now + 4 * max(self.server_config.lease_ttl, self.server_config.abandoned_job_ttl) + 1.0
-            cache = self._cache(server)  # a stored server never changes: its verdict at a horizon neither
+            cache = self._cache(stored)  # a stored server never changes: its verdict at a horizon neither
             finding = cache.get(("drained", horizon), cache)
             if finding is cache:
-                later = clone(server, dict(self._static))
+                if type(stored) is Held:  # run on a scratch server restored from its values
+                    later = self._restored(("x", s), stored)
+                    self._at[("x", s)] = None
+                else:
+                    later = clone(stored, dict(self._static))
                 later.handle(TimerFired(), horizon)
                 finding = cache[("drained", horizon)] = checks.drained(later.stats())
             if finding is not None:
@@ -1483,7 +1616,7 @@ class Explorer:
         return None
 
     # ------------------------------------------------------------------ fingerprints
-    def _snap(self, machine: Any, ren: dict[str, str], key: Any) -> bytes:
+    def _snap(self, machine: Any, ren: dict[str, str], key: Any, slot: tuple[str, int] | None = None) -> bytes:
         """The machine's snapshot under a relabelling, cached per machine object (a machine in a
         stored state never changes: it is copied before it is touched) for as long as it lives:
         a weak reference forgets it when the machine goes (a copy made for a state already seen),
@@ -1494,7 +1627,20 @@ class Explorer:
         if cached is None:
             # marshal's version 2 writes structure only (no references to shared objects), so
             # equal snapshots give equal bytes; five times cheaper than repr
-            cached = cache[key] = marshal.dumps(snapshot(machine, ren), 2)
+            if type(machine) is Held:
+                # the snapshot of the machine its values make: equal values make equal machines,
+                # so it is kept by the values too (the same machine reached by another path)
+                by_values = self._by_values
+                vkey = (machine.cls, key, machine.values)
+                cached = by_values.get(vkey)
+                if cached is None:
+                    assert slot is not None
+                    if len(by_values) >= BY_VALUES_CAP:  # it keeps values alive: bounded
+                        by_values.clear()
+                    cached = by_values[vkey] = marshal.dumps(snapshot(self._restored(slot, machine), ren), 2)
+                cache[key] = cached
+            else:
+                cached = cache[key] = marshal.dumps(snapshot(machine, ren), 2)
         assert isinstance(cached, bytes)
         return cached
 
@@ -1546,10 +1692,11 @@ class Explorer:
         ns = len(st.servers)
         ne = len(st.clients)
         snap = self._snap
-        sigs = [b"|".join(snap(m, self._engine_ren(e), "E")
-                          for m in (st.clients[e], *st.workers[e:e + 1],
-                                    *(st.links[(node * ne + e) * ns + s] for node in range(self.nodes)
-                                      for s in range(ns))))
+        links = [[(st.links[i], ("l", i)) for i in ((node * ne + e) * ns + s for node in range(self.nodes)
+                                                   for s in range(ns))] for e in order]
+        sigs = [b"|".join(snap(m, self._engine_ren(e), "E", slot)
+                          for m, slot in ((st.clients[e], ("c", e)), *((w, ("w", e)) for w in st.workers[e:e + 1]),
+                                          *links[e]))
                 # a worker's instance id is not relabelled: it stays in its engine's signature
                 + b"".join(b"|iid%d" % w.config.instance_id for w in st.workers[e:e + 1])
                 for e in order]
@@ -1565,7 +1712,7 @@ class Explorer:
         ren = self._perm_ren(pkey)
         clients = tuple((sigs[old], st.scripts[old]) for old in order)
         bag = tuple(sorted(self._frame_snap(f, perm, ren, pkey) for f in st.frames))
-        servers = tuple(self._snap(s, ren, pkey) for s in st.servers)
+        servers = tuple(self._snap(m, ren, pkey, ("s", s)) for s, m in enumerate(st.servers))
         books = repr(tuple(self._book_snap(b, ren, pkey) for b in st.books))
         extra = (st.now, st.incarnation, sorted((ren.get(r, r), s) for r, s in st.released),
                  sorted((ren.get(r, r), s, h) for (r, s), h in st.hits), st.faults, st.restarts, st.aborts,

@@ -2,6 +2,9 @@
 a canonical snapshot to fingerprint, the deadline a machine is really waiting for, and the bytes a
 state holds.
 
+* ``Held(machine, horizon)``: a machine of a stored state as its ``state_values()`` (a machine
+  that has the pair and ``restorable``), restored in place by the explorer into the one machine
+  it keeps per slot instead of copied.
 * ``clone(machine, memo)``: the deep copy a state makes of a machine an action touches, the graph
   ``copy.deepcopy`` would build (what ``memo`` names shared: tables, configurations, frozen rows)
   by a copier chosen once per type; a ``Dispatcher``'s copy is a ``LazyDispatcher``, its handlers
@@ -381,6 +384,40 @@ def _slotted_copier(t: type, names: tuple[str, ...], frozen: bool) -> _Copier:
             setter(y, n, v)
         return y
     return copy_slotted
+
+
+class Held:
+    """A machine of a stored state kept as values (its ``state_values()``) instead of a copy: a
+    state's slot holds it, and the explorer restores the one machine it works on per slot from
+    it (``restore(values)``, in place) before a step or a read. Never changed once made; the
+    explorer's caches (snapshots, steps) hang on it as on a machine, while it lives. ``deadline``:
+    the machine's ``next_deadline()`` when it was made; ``soon``: ``next_deadline(machine,
+    horizon)`` (a link's monitor's timers only up to the world's horizon); ``counters``: its
+    counters then."""
+
+    __slots__ = ("cls", "values", "deadline", "soon", "counters", "__weakref__")
+
+    def __init__(self, machine: Any, horizon: float) -> None:
+        self.cls = type(machine)
+        self.counters: dict[str, int] = dict(machine._counters)  # read without a restore
+        self.deadline = machine.next_deadline()  # first: it may drop stale timers (no state)
+        self.soon = next_deadline(machine, horizon) if isinstance(machine, ServerLink) else self.deadline
+        self.values = machine.state_values()
+
+
+def restorable(machine: Any) -> bool:
+    """Whether ``machine`` can be kept as values: it has the pair, and every attribute it holds is
+    one its class names as state or wiring (a legacy profile's subclass adding state is copied)."""
+    cls = type(machine)
+    state = getattr(cls, "STATE_FIELDS", None)
+    wiring = getattr(cls, "WIRING_FIELDS", None)
+    if state is None or wiring is None or set(vars(machine)) != {*state, *wiring}:
+        return False
+    # what it restores beside its own fields: a sub-machine (a link's monitor), a server's parts
+    parts = [getattr(machine, name) for name in state]
+    if hasattr(machine, "state_parts"):
+        parts += machine.state_parts()[1:]
+    return all(restorable(p) for p in parts if hasattr(type(p), "STATE_FIELDS"))
 
 
 def dispatchers(machine: Any) -> list[Dispatcher[Any]]:
