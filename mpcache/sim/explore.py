@@ -640,17 +640,22 @@ class Explorer:
         st.owned = set()
         return st
 
-    def _own_server(self, st: XState, s: int) -> LookupServer:
-        if ("s", s) not in st.owned:
-            st.owned.add(("s", s))
-            x = st.servers[s]
+    def _own(self, st: XState, key: tuple[str, int], slots: list[Any], i: int) -> Any:
+        """The machine in ``slots[i]`` of ``st``, made ``st``'s own to change: restored in place
+        from its values (``Held``), or copied, once per state."""
+        if key not in st.owned:
+            st.owned.add(key)
+            x = slots[i]
             if type(x) is Held:
-                st.servers[s] = self._restored(("s", s), x)
-                self._at[("s", s)] = None  # changed in place from here; _freeze keeps its values
+                slots[i] = self._restored(key, x)
+                self._at[key] = None  # changed in place from here; _freeze keeps its values
             else:
-                st.servers[s] = clone(x, dict(self._static))
+                slots[i] = clone(x, dict(self._static))
+        return slots[i]
+
+    def _own_server(self, st: XState, s: int) -> LookupServer:
+        server: LookupServer = self._own(st, ("s", s), st.servers, s)
         self._own_book(st, s)
-        server: LookupServer = st.servers[s]
         return server
 
     def _own_book(self, st: XState, s: int) -> ServerBook:
@@ -743,27 +748,11 @@ class Explorer:
         return effects
 
     def _own_client(self, st: XState, e: int) -> Any:
-        if ("c", e) not in st.owned:
-            st.owned.add(("c", e))
-            x = st.clients[e]
-            if type(x) is Held:
-                st.clients[e] = self._restored(("c", e), x)
-                self._at[("c", e)] = None  # changed in place from here; _freeze keeps its values
-            else:
-                st.clients[e] = clone(x, dict(self._static))
-        return st.clients[e]
+        return self._own(st, ("c", e), st.clients, e)
 
     def _own_link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
         i = (node * self.world.engines + e) * self.world.servers + s
-        if ("l", i) not in st.owned:
-            st.owned.add(("l", i))
-            x = st.links[i]
-            if type(x) is Held:
-                st.links[i] = self._restored(("l", i), x)
-                self._at[("l", i)] = None  # changed in place from here; _freeze keeps its values
-            else:
-                st.links[i] = clone(x, dict(self._static))
-        link: ServerLink = st.links[i]
+        link: ServerLink = self._own(st, ("l", i), st.links, i)
         return link
 
     def link(self, st: XState, e: int, s: int, node: int = 0) -> ServerLink:
