@@ -138,6 +138,7 @@ class EffectInterpreter:
         else:
             self._counts["malformed"] += 1
             self.metrics.count("malformed_messages")
+            log.debug("unattributable message: %s", req.reason)
 
     def on_message(self, frames: list[bytes | memoryview], curve_user: str | None = None) -> None:
         """One received message; ``curve_user``: the CURVE key the authenticator admitted it under."""
@@ -153,13 +154,8 @@ class EffectInterpreter:
                 # answer unless it was answered or the machine holds it (it will answer)
                 if not self._answered(reply_to) and reply_to not in self.outstanding:
                     self.send_error(reply_to, ErrorKind.INTERNAL.value, f"{type(e).__name__}: {e}"[:500])
-        elif isinstance(req, wire.DecodeError):
-            self._counts["wire_requests"] += 1
-            self.send_error((req.identity, req.uid_frame, b"", req.op or "?", self.clock()), req.kind.value, req.message)
         else:
-            self._counts["malformed"] += 1
-            self.metrics.count("malformed_messages")
-            log.debug("unattributable message: %s", req.reason)
+            self.on_refused(req)
 
     def completed(self, ev: object) -> None:
         """A worker's completion (L2, transfer engine), from the loop's completion channel."""
