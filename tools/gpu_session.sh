@@ -2,8 +2,7 @@
 # One GPU session on a CUDA host: versions, the mpcache-server GPU benchmark (this checkout, and
 # optionally an older server checkout for before/after), then `make test-gpu`. Logs and JSON go
 # to $OUT (default ./out). Usage, from the repo root:
-#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="pyspy profile kernels bench lone before test repeat dispatch"] bash tools/gpu_session.sh
-# dispatch: the gpu-server benchmark with --gpu-dispatch lane and loop alternating (DISPATCH_ROUNDS pairs).
+#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="pyspy profile kernels bench lone before test repeat"] bash tools/gpu_session.sh
 # lone: only the lone-transfer table of the gpu-server benchmark (LONE_STARTS fresh servers, default 5).
 # repeat: the GIL/CUDA-pressure test file REPEAT times in a row (default 10): it must never flake
 #   (REPEAT_K: a pytest -k filter; REPEAT_SECONDS: start no run after that many seconds).
@@ -55,17 +54,6 @@ for step in $STEPS; do
             timeout 150 python3 -m mpcache.bench.bench_cli gpu-server --server-repo "$BEFORE_REPO" --label before --engines 1 \
                 --shapes 1x8,32x1,16x8 --rounds 4 --out "$OUT" 2>&1 | tee "$OUT/bench_before.log" || rc=1
         fi ;;
-    dispatch)
-        # who enqueues a GPU transfer's copies, both ways on one host, alternating (--gpu-dispatch):
-        # DISPATCH_ROUNDS pairs of (lane, loop), each the same shapes; then the two tables' rows side by side
-        for i in $(seq 1 "${DISPATCH_ROUNDS:-1}"); do
-            for d in lane loop; do
-                timeout 280 python3 -m mpcache.bench.bench_cli gpu-server --server-args "--gpu-dispatch $d" --label "$d$i" \
-                    --engines "${DISPATCH_ENGINES:-1,2,4}" --shapes "${DISPATCH_SHAPES:-1x8,32x1,16x8}" \
-                    --multi-shapes "${DISPATCH_MULTI:-32x1,16x8}" --rounds "${DISPATCH_ROUNDS_PER_SHAPE:-4}" \
-                    --lone-starts "${DISPATCH_LONE:-1}" --out "$OUT" 2>&1 | tee "$OUT/bench_dispatch_$d$i.log" || rc=1
-            done
-        done ;;
     pyspy)
         # Where the server's CPU goes per GPU request: py-spy attached (non-blocking, on-CPU
         # samples only) to each server the benchmark starts; start-up compiles are left out of

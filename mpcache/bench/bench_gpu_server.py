@@ -415,9 +415,6 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
     started = sum(r["s1"].get("gpu_started", 0) - r["s0"].get("gpu_started", 0) for r in steady)
     ns = sum(r["s1"].get("gpu_start_ns", 0) - r["s0"].get("gpu_start_ns", 0) for r in steady)
     row["host_us_per_transfer"] = ns / started / 1e3 if started and ns else float("nan")
-    for part in ("loop", "handoff"):  # the loop thread's share of a start; start() to the lane taking it
-        part_ns = sum(r["s1"].get(f"gpu_{part}_ns", 0) - r["s0"].get(f"gpu_{part}_ns", 0) for r in steady)
-        row[f"{part}_us_per_transfer"] = part_ns / started / 1e3 if started and part_ns else float("nan")
     for part in ("plan", "enqueue", "wait"):
         part_ns = sum(r["s1"].get(f"gpu_{part}_ns", 0) - r["s0"].get(f"gpu_{part}_ns", 0) for r in steady)
         row[f"{part}_us_per_transfer"] = part_ns / started / 1e3 if started and part_ns else float("nan")
@@ -463,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fresh servers for the lone-transfer table (0: leave it out; default 3)")
     ap.add_argument("--lone-count", type=int, default=40, help="lone 1 x 8 requests per start (default 40)")
     ap.add_argument("--label", default="", help="a name for this run in the table / json")
-    ap.add_argument("--server-args", default="", help="extra mpcache-server arguments, e.g. \"--gpu-dispatch loop\"")
+    ap.add_argument("--server-args", default="", help="extra mpcache-server arguments (e.g. \"--log-level INFO\"), for a before / after of an option")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
     args.ceiling = None
@@ -511,8 +508,7 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
             print(f"{r['engines']:>3} {str(r['requests']) + ' x ' + str(r['chunks']):>12} {kind:>8} {s['gbps']:>6.1f} {s['pct']:>5.1f}% "
                   f"{s['p50']:>7.2f} {s['p99']:>7.2f} | {f['gbps']:>8.1f} {f['pct']:>5.1f}% {f['p50']:>7.2f} {f['p99']:>7.2f} | "
                   f"{r['cpu_us_per_req']:>10.0f} {r['host_us_per_transfer']:>12.1f} {'ok' if r['checked'] and s['ok'] else 'FAIL':>5}")
-        tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: host us/transfer on the loop thread {r.get('loop_us_per_transfer', float('nan')):.1f}, "
-                    f"handed to the lane after {r.get('handoff_us_per_transfer', float('nan')):.1f}, plan {r.get('plan_us_per_transfer', float('nan')):.1f} "
+        tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: host us/transfer plan {r.get('plan_us_per_transfer', float('nan')):.1f} "
                     f"enqueue {r.get('enqueue_us_per_transfer', float('nan')):.1f} (event wait {r.get('wait_us_per_transfer', float('nan')):.1f}), polls/transfer {r.get('polls_per_transfer', float('nan')):.1f}, "
                     f"batched DMAs {r.get('memcpy_batch')}, compiled poller {r.get('poll_path')}, learned link GB/s "
                     f"{r.get('link_gbps', {}).get('store', 0):.1f} / {r.get('link_gbps', {}).get('retrieve', 0):.1f} + latency us "

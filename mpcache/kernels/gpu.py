@@ -1015,12 +1015,10 @@ def _make_enqueue(lib: Any = None) -> Any:
             rel[which, i] = k
         record(st, rel[2 + which, k % RELEASE_EVENTS], stream)
 
-    @numba.njit(nogil=True)
+    @numba.njit(nogil=False)
     def enqueue(op, ids, bases, skip, pieces, st, ring, rel, desc, runs, used):  # type: ignore[no-untyped-def]
         """One call. Returns the number of ring entries used (written to ``used``); on error
-        st[S_ERR] is set (a full ring is found before anything is enqueued). It holds no GIL:
-        the driver calls of one instance's copy lane run beside the server loop and the other
-        lanes (each call works on its own transfer's arrays)."""
+        st[S_ERR] is set (a full ring is found before anything is enqueued)."""
         if op & OP_DRY:
             return 0
         scatter = (op & OP_SCATTER) != 0

@@ -5,12 +5,9 @@ Per registered instance it holds the worker's per-layer KV tensors, opened once 
 handles (bytes plus shape / dtype / strides / device UUID — no pickle), a dedicated stream and a
 ``mpcache.kernels.gpu.CudaKVTransfer`` between those tensors and the pinned L1 segment.
 
-A transfer is enqueued, never waited on: ``start`` (the server's loop thread) hands core_sm's
-``StartTransfer`` to the instance's copy lane (``dispatch="lane"``: a thread per
-instance that takes it from a queue and makes the driver calls, the compiled enqueue holding no
-GIL) or enqueues it itself (``dispatch="loop"``, the default): ``plan_rows`` (core_sm's ``chunk_copies``) →
+A transfer is enqueued, never waited on, by ``start`` (the server's loop thread):
 ``cuStreamWaitEvent`` on the worker's interprocess event → gather / scatter → ``cuEventRecord`` of
-our completion event. A lane keeps its instance's transfers in the order core_sm started them. One waiter thread per instance queries its completion events in stream
+our completion event. One waiter thread per instance queries its completion events in stream
 order with ``cuEventQuery`` (never a blocking wait), sleeping until the link model expects the
 oldest to be done, and only then calls ``done(transfer_id, ok)``. No Python ever runs in a
 CUDA host callback, so the host-callback / GIL deadlock of LMCache PR #2733 cannot happen here.
@@ -29,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict, deque
@@ -238,12 +234,6 @@ class _Instance:
         self.busy_until = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # its line's last expected end
         self.last_end = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # its waiter last saw one end
         self.waiter: threading.Thread | None = None
-        # dispatch "lane": the thread that enqueues this instance's copies, the transfers handed
-        # to it, and how many of those are not yet in ``pending`` (the waiter must not release
-        # the instance's memory while the lane may still enqueue on it)
-        self.lane: threading.Thread | None = None
-        self.lane_queue: queue.SimpleQueue[tuple[StartTransfer, bytes, DoneFn, int] | None] = queue.SimpleQueue()
-        self.queued = 0
 
     def worker_event(self, handle: bytes) -> Any:
         ev = self.worker_events.get(handle)
@@ -263,19 +253,12 @@ class GpuTransferExecutor:
     ``pipeline_pieces``: passed to ``CudaKVTransfer`` (``auto``: zero-copy for small batches,
     pipelined staging for large). ``transfer_timeout_s``: how long a transfer may stay first in
     its instance's line before the instance is failed (its engine's event never fired).
-    ``link_gbps``: the copy rate the waiters assume to know when to look (not a limit).
-    ``dispatch``: ``lane`` (each instance's copies are planned and enqueued by its own thread;
-    the loop only hands them over) or ``loop`` (the loop thread enqueues them itself)."""
-
-    DISPATCHES = ("lane", "loop")
+    ``link_gbps``: the copy rate the waiters assume to know when to look (not a limit)."""
 
     def __init__(self, chunk_tokens: int, *, mode: str = "auto", max_ctas: int = 16, threads: int = 512,
                  max_chunks: int = 32, staging_min_chunks: int = 4, pipeline_pieces: int = 8,
                  transfer_timeout_s: float = 30.0, link_gbps: float = 60.0, max_in_flight: int = 128,
-                 warm_events: int = 256, dispatch: str = "loop") -> None:
-        if dispatch not in self.DISPATCHES:
-            raise ValueError(f"dispatch must be one of {', '.join(self.DISPATCHES)}, not {dispatch!r}")
-        self.dispatch = dispatch
+                 warm_events: int = 256) -> None:
         self.chunk_tokens = chunk_tokens
         self.mode = mode
         self.max_ctas = max_ctas
@@ -305,8 +288,7 @@ class GpuTransferExecutor:
         self._ordinal = 0
         self.on_instance_failed: Callable[[int, str], None] | None = None  # set by the server
         self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0, "instances_failed": 0,
-                       "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0, "flight_ns": 0,
-                       "loop_ns": 0, "handoff_ns": 0}
+                       "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0, "flight_ns": 0}
 
     def warm_up(self, pool: SharedMemoryPool | None = None, ordinal: int = 0) -> None:
         """Do at server start what would otherwise stall the first registration or the first
@@ -340,11 +322,10 @@ class GpuTransferExecutor:
             if inst is None:
                 return
             inst.state = "closing"
-            idle = not inst.pending and not inst.queued
+            idle = not inst.pending
             if not idle:
                 self._draining.append(inst)
             inst.cond.notify()
-        inst.lane_queue.put(None)  # the lane fails what it still holds, then ends
         if idle and inst.waiter is None:
             self._release(inst)
 
@@ -354,70 +335,16 @@ class GpuTransferExecutor:
         if inst is None:
             done(transfer.transfer_id, False)
             return
-        if len(inst.pending) + inst.queued >= self.max_in_flight:
+        if len(inst.pending) >= self.max_in_flight:
             log.warning("transfer %d: instance %d has %d transfers in flight already", transfer.transfer_id,
-                        transfer.instance_id, len(inst.pending) + inst.queued)
+                        transfer.instance_id, len(inst.pending))
             done(transfer.transfer_id, False)
             return
-        if inst.lane is None:
-            self._enqueue(inst, transfer, event_handle, done, t0, False)
-            with self._lock:
-                self._stats["loop_ns"] += time.perf_counter_ns() - t0
-            return
-        with self._lock:
-            inst.queued += 1
-            inst.lane_queue.put((transfer, event_handle, done, t0))
-            self._stats["loop_ns"] += time.perf_counter_ns() - t0
-
-    def _lane(self, inst: _Instance) -> None:
-        """The instance's copy lane: takes the transfers ``start`` handed over, in order, and
-        enqueues their copies (``_enqueue``). Blocked in the queue's ``get`` it holds no GIL, and
-        the compiled enqueue's driver calls hold none either. What was handed over before the
-        instance was unregistered still lands (as on the loop); once the instance has failed, a
-        transfer it takes is failed without touching the device. It ends at the ``None`` that
-        unregistering, failing or closing the instance puts behind the rest."""
-        gpu_ipc.ensure_context(self._ordinal)
-        get = inst.lane_queue.get
-        while True:
-            item = get()
-            if item is None:
-                return
-            transfer, event_handle, done, t0 = item
-            if inst.state != "failed":
-                try:
-                    self._enqueue(inst, transfer, event_handle, done, t0, True)
-                    continue
-                except Exception:  # (_enqueue catches what the device raises; this is a bug)
-                    log.exception("copy lane of GPU instance %d: transfer %d", inst.instance_id, transfer.transfer_id)
-            self._unqueue(inst)
-            self._done(done, transfer.transfer_id, False)
-
-    def _unqueue(self, inst: _Instance) -> None:
-        """A handed-over transfer leaves the lane without entering ``pending``."""
-        with self._lock:
-            inst.queued -= 1
-            inst.cond.notify()
-
-    @staticmethod
-    def _done(done: DoneFn, transfer_id: int, ok: bool) -> None:
-        try:
-            done(transfer_id, ok)
-        except Exception:
-            log.exception("completion callback for transfer %d failed", transfer_id)
-
-    def _enqueue(self, inst: _Instance, transfer: StartTransfer, event_handle: bytes, done: DoneFn, t0: int,
-                 handed: bool) -> None:
-        """Plan and enqueue one transfer's copies and put it in the instance's line (on the loop
-        thread, or on the instance's lane when ``handed``: it then leaves ``queued`` as it enters
-        ``pending``, under one lock, so the waiter never sees it in neither)."""
-        t_pick = time.perf_counter_ns()
         try:
             rows = plan_rows(transfer, self.chunk_tokens, inst.geometry.block_size, inst.pool_slot_bytes)
         except ValueError as e:
             log.warning("transfer %d: %s", transfer.transfer_id, e)
-            if handed:
-                self._unqueue(inst)
-            self._done(done, transfer.transfer_id, False)
+            done(transfer.transfer_id, False)
             return
         t1 = time.perf_counter_ns()
         ok = True
@@ -429,11 +356,9 @@ class GpuTransferExecutor:
         now = time.monotonic()
         # earlier copies still queued, this engine's or another's in the same direction (the
         # link model says so): overlap them (staging) rather than compete for the link
-        with self._lock:  # (lanes of several instances share the direction's counters)
-            busy = bool(inst.pending) or self._link_busy_until[transfer.kind] > now
-            self._starts[transfer.kind] += 1
-            starts = self._starts[transfer.kind]
+        busy = bool(inst.pending) or self._link_busy_until[transfer.kind] > now
         alone = not busy  # nothing ahead of it on the link: its flight says the link's latency
+        self._starts[transfer.kind] += 1
         try:
             if event_handle:
                 # the worker's forward pass (store) or its reads of those blocks (retrieve)
@@ -454,8 +379,7 @@ class GpuTransferExecutor:
             ok = False  # anything already enqueued still has to land before the slots move on
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        with self._lock:
-            self._link_busy_until[transfer.kind] = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
+        self._link_busy_until[transfer.kind] = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
         link = inst.links[transfer.kind]
         # when the instance's own line says it ends: alone, its latency then its bytes; queued,
         # its bytes after the copy ahead of it (at the rate this instance's copies move at,
@@ -463,7 +387,7 @@ class GpuTransferExecutor:
         expected = max(inst.busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
         inst.busy_until[transfer.kind] = expected
         p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, expected, kind=transfer.kind,
-                     started=now, alone=alone, starts=starts)
+                     started=now, alone=alone, starts=self._starts[transfer.kind])
         with self._lock:
             p.event = self._free_events.pop() if self._free_events else None
         try:
@@ -480,15 +404,9 @@ class GpuTransferExecutor:
             self._stats["bytes"] += nbytes
             p.enqueued_ns = time.perf_counter_ns()
             self._stats["start_ns"] += p.enqueued_ns - t0
-            self._stats["handoff_ns"] += t_pick - t0
-            self._stats["plan_ns"] += t1 - t_pick
+            self._stats["plan_ns"] += t1 - t0
             self._stats["enqueue_ns"] += t2 - t1
             self._stats["wait_ns"] += t_wait - t1
-            if handed:
-                inst.queued -= 1
-            if inst.state == "failed":  # failed while this was enqueued: it must not copy
-                inst.transfer.neutralize(p.entries)
-                p.ok = False
             if not inst.pending:
                 p.deadline = now + self.transfer_timeout_s
                 inst.cond.notify()
@@ -506,17 +424,13 @@ class GpuTransferExecutor:
                     inst.state = "closing"
                 inst.cond.notify()
         for inst in everyone:
-            inst.lane_queue.put(None)
-            if inst.lane is not None:
-                inst.lane.join(5.0)
-        for inst in everyone:
             if inst.waiter is not None:
                 # a failed instance's copies may never end: do not wait for them
                 inst.waiter.join(0.5 if inst.state == "failed" else self.transfer_timeout_s + 5.0)
                 if inst.waiter.is_alive():
                     log.error("GPU instance %d: copies still queued at close; its handles stay open", inst.instance_id)
                     continue
-            elif not inst.pending and not inst.queued:
+            elif not inst.pending:
                 self._release(inst)
         for pool, _ in self._pools.values():
             try:
@@ -607,14 +521,10 @@ class GpuTransferExecutor:
         inst = _Instance(instance_id, geometry, transfer, handles, stream_handle, slot_bytes, self._lock)
         inst.links = {kind: LinkModel(self.link_bytes_per_s) for kind in TransferKind}
         inst.waiter = threading.Thread(target=self._wait, args=(inst,), name=f"mpcache-gpu-waiter-{instance_id}", daemon=True)
-        if self.dispatch == "lane":
-            inst.lane = threading.Thread(target=self._lane, args=(inst,), name=f"mpcache-gpu-lane-{instance_id}", daemon=True)
         with self._lock:
             self._instances[instance_id] = inst
             short = self.warm_events - len(self._free_events)
         inst.waiter.start()
-        if inst.lane is not None:
-            inst.lane.start()
         if short > 0:
             self._add_events(short)  # the first requests must not pay for event creation
         return inst
@@ -710,10 +620,10 @@ class GpuTransferExecutor:
             fine_timer_slack()  # its 10 us polls are 10 us, not 60
         while True:
             with self._lock:
-                while not inst.pending and (inst.state == "live" or inst.queued):
+                while not inst.pending and inst.state == "live":
                     inst.cond.wait()
                 if not inst.pending:
-                    break  # unregistered / failed / closing, nothing left in flight or in its lane
+                    break  # unregistered / failed / closing, nothing left in flight
                 snapshot = list(itertools.islice(inst.pending, _POLL_MAX))
             events: list[Any] = []
             for p in snapshot:
@@ -835,7 +745,6 @@ class GpuTransferExecutor:
             inst.state = "failed"
             self._stats["instances_failed"] += 1
             queued = list(inst.pending)
-        inst.lane_queue.put(None)  # what the lane still holds is failed there, untouched
         for p in queued:
             inst.transfer.neutralize(p.entries)
             p.ok = False  # whatever still runs was (or may have been) cut short

@@ -1,8 +1,7 @@
 """The GPU executor's completion logic without a GPU: a fake CUDA driver whose streams can be
 made to hang (an engine's event that never fires). One waiter per instance, cuEventQuery only,
 per-transfer deadlines: a stuck instance is failed and unregistered, the others finish on time,
-and no slot is reported free while a copy into it may still run. Each test runs with both
-dispatches (the instance's copy lane, the loop); the lane's own hand-over is tested last."""
+and no slot is reported free while a copy into it may still run."""
 from __future__ import annotations
 
 import threading
@@ -93,16 +92,6 @@ class Transfer:
 
     def neutralize(self, entries: list[int]) -> None:
         self.neutralized += entries
-
-
-@pytest.fixture(params=GpuTransferExecutor.DISPATCHES, autouse=True)
-def dispatch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with each dispatch: copies enqueued by the instance's lane, or by the
-    caller of ``start`` (the server loop)."""
-    kwdefaults = GpuTransferExecutor.__init__.__kwdefaults__
-    assert kwdefaults is not None
-    monkeypatch.setitem(kwdefaults, "dispatch", request.param)
-    return str(request.param)
 
 
 @pytest.fixture
@@ -373,116 +362,3 @@ def test_link_model() -> None:
         fast.learn_queued(32 << 20, 1e-9)  # never past 2x the configured rate
         fast.sooner(alone=False)
     assert fast.rate == 120e9
-
-
-class Gate:
-    """Holds the fake transfer's gather / scatter calls until opened: the lane is then busy
-    enqueueing while the loop goes on handing it transfers."""
-
-    def __init__(self, transfer: Transfer) -> None:
-        self.open = threading.Event()
-        self.calls: list[int] = []  # the transfer ids enqueued, in order (by their first block id)
-        self.entered = threading.Event()
-        call = transfer._call
-
-        def held(ids: Any, *_a: Any, **_kw: Any) -> list[int]:
-            self.entered.set()
-            assert self.open.wait(5.0)
-            self.calls.append(int(ids[0][0]))
-            return call()
-
-        transfer.gather = lambda ids, offs, **kw: held(ids)  # type: ignore[method-assign]
-        transfer.scatter = lambda offs, ids, skip, **kw: held(ids)  # type: ignore[method-assign]
-
-
-def st_at(tid: int, iid: int, block: int) -> StartTransfer:
-    """A one-chunk store whose first block id names it (``Gate.calls``)."""
-    return StartTransfer(tid, TransferKind.STORE, iid, f"r{tid}", None, 0, C, ((0, 0),), (block, block + 1), 0)
-
-
-def test_the_lane_enqueues_while_the_loop_goes_on(fake_cuda: dict[str, Any], dispatch: str) -> None:
-    """With the lane the caller of ``start`` never runs the copy's driver calls: it returns while
-    the lane is still inside an earlier transfer's enqueue, and the lane then enqueues every
-    transfer in the order they were started; the loop's own time per start stays small."""
-    if dispatch != "lane":
-        pytest.skip("the lane's hand-over")
-    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4)
-    done = Done()
-    inst, _stream, transfer = add(ex, 1, b"\x08" * 64)
-    gate = Gate(transfer)
-    ex.start(st_at(1, 1, 100), b"", done)
-    assert gate.entered.wait(2.0)  # the lane is inside transfer 1's enqueue, held
-    t0 = time.monotonic()
-    for tid in range(2, 10):
-        ex.start(st_at(tid, 1, 100 * tid), b"", done)
-    assert time.monotonic() - t0 < 0.5  # nothing waited for the held lane
-    assert inst.queued == 9 and not inst.pending and done.results == {}
-    gate.open.set()
-    done.wait(set(range(1, 10)))
-    assert gate.calls == [100 * t for t in range(1, 10)]
-    assert all(ok for ok, _ in done.results.values())
-    s = ex.stats()
-    assert s["started"] == 9 and inst.queued == 0
-    assert s["loop_ns"] < s["start_ns"] / 2  # the loop's share: the hand-over, not the wait
-    ex.close()
-    assert not inst.lane.is_alive() and not inst.waiter.is_alive()
-
-
-def test_unregistered_with_transfers_in_its_lane(fake_cuda: dict[str, Any], dispatch: str) -> None:
-    """Unregistering never waits; what the loop handed the lane before still lands, as it does when
-    the loop enqueues, and the instance's memory is closed only after the lane has emptied and
-    the copies have ended."""
-    if dispatch != "lane":
-        pytest.skip("the lane's hand-over")
-    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4)
-    done = Done()
-    inst, _stream, transfer = add(ex, 1, b"\x09" * 64)
-    gate = Gate(transfer)
-    for tid in range(1, 5):
-        ex.start(st_at(tid, 1, 10 * tid), b"", done)
-    assert gate.entered.wait(2.0)
-    t0 = time.monotonic()
-    ex.unregister_instance(1)
-    assert time.monotonic() - t0 < 0.05
-    time.sleep(0.05)
-    assert fake_cuda["closed"] == [] and done.results == {}  # the lane still holds transfer 1
-    gate.open.set()
-    done.wait({1, 2, 3, 4})
-    assert gate.calls == [10, 20, 30, 40] and all(done.results[t][0] for t in (1, 2, 3, 4))
-    inst.waiter.join(2.0)
-    inst.lane.join(2.0)
-    assert fake_cuda["closed"] == [0x9000] and inst.queued == 0
-    ex.close()
-
-
-def test_failed_with_transfers_in_its_lane(fake_cuda: dict[str, Any], dispatch: str) -> None:
-    """An instance failed (its first copy never ended) while its lane enqueues: the transfer being
-    enqueued is made a no-op and reported when its copy ends, those behind it in the lane are
-    failed at once without touching the device."""
-    if dispatch != "lane":
-        pytest.skip("the lane's hand-over")
-    ex = GpuTransferExecutor(C, transfer_timeout_s=0.2, warm_events=4)
-    done = Done()
-    inst, stream, transfer = add(ex, 1, b"\x0a" * 64)
-    stream.stuck = True
-    ex.start(st_at(1, 1, 10), b"", done)  # enqueued, never ends: the instance fails at 0.2 s
-    deadline = time.monotonic() + 2.0
-    while not inst.pending and time.monotonic() < deadline:
-        time.sleep(0.001)
-    gate = Gate(transfer)
-    ex.start(st_at(2, 1, 20), b"", done)  # held inside its enqueue across the failure
-    assert gate.entered.wait(2.0)
-    ex.start(st_at(3, 1, 30), b"", done)
-    ex.start(st_at(4, 1, 40), b"", done)
-    while inst.state != "failed" and time.monotonic() < deadline + 1.0:
-        time.sleep(0.005)
-    assert inst.state == "failed"
-    gate.open.set()
-    done.wait({3, 4})
-    assert gate.calls == [20] and not done.results[3][0] and not done.results[4][0]
-    assert 2 in [p.transfer_id for p in inst.pending] and 2 not in done.results  # neutralized, held
-    assert sorted(transfer.neutralized) == [1, 2]
-    stream.stuck = False
-    done.wait({1, 2})
-    assert not done.results[1][0] and not done.results[2][0]
-    ex.close()
