@@ -423,15 +423,22 @@ class GpuTransferExecutor:
                 if inst.state == "live":
                     inst.state = "closing"
                 inst.cond.notify()
+        queued = 0  # instances whose copies are still queued (an engine's event that never fired)
         for inst in everyone:
             if inst.waiter is not None:
                 # a failed instance's copies may never end: do not wait for them
                 inst.waiter.join(0.5 if inst.state == "failed" else self.transfer_timeout_s + 5.0)
                 if inst.waiter.is_alive():
                     log.error("GPU instance %d: copies still queued at close; its handles stay open", inst.instance_id)
+                    queued += 1
                     continue
             elif not inst.pending:
                 self._release(inst)
+        if queued:
+            # cuMemHostUnregister waits for the copies queued on L1 (behind an event that may never
+            # fire): the process would hang in close. Its exit unpins the segment instead.
+            log.error("L1 stays pinned: %d GPU instance(s) still have copies queued", queued)
+            self._pools.clear()
         for pool, _ in self._pools.values():
             try:
                 gpu_ipc.unregister_host(pool.address)

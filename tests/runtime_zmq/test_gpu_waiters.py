@@ -362,3 +362,25 @@ def test_link_model() -> None:
         fast.learn_queued(32 << 20, 1e-9)  # never past 2x the configured rate
         fast.sooner(alone=False)
     assert fast.rate == 120e9
+
+
+def test_close_leaves_l1_pinned_while_copies_are_queued(fake_cuda: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's event that never fires holds copies queued on L1: unpinning L1 then would wait
+    for them forever (cuMemHostUnregister), so close leaves it pinned and returns; with nothing
+    queued it unpins as before."""
+    unpinned: list[int] = []
+    monkeypatch.setattr(gpu_ipc, "unregister_host", unpinned.append)
+    for stuck in (True, False):
+        ex = GpuTransferExecutor(C, transfer_timeout_s=0.05, warm_events=2)
+        pool = SimpleNamespace(address=0xA000 + stuck)
+        ex._pools[id(pool)] = (pool, 0xB000)  # type: ignore[assignment]
+        done = Done()
+        inst, stream, _ = add(ex, 1, b"\x0b" * 64)
+        stream.stuck = stuck
+        ex.start(st(1, 1, 1), b"", done)
+        t0 = time.monotonic()
+        ex.close()
+        assert time.monotonic() - t0 < 10.0
+        assert unpinned == ([] if stuck else [0xA000])
+        assert inst.waiter.is_alive() is stuck
+        stream.stuck = False  # let the waiter of the stuck one end
