@@ -214,10 +214,15 @@ def _thread_name(pid: int, tid: int, python_names: dict[str, str]) -> str:
 class Server(ServerProcess):
     """``mpcache-server --gpu on`` for this benchmark (ipc socket, its chunk and slot size)."""
 
-    def __init__(self, repo: str, l1_gb: float, workdir: str, extra: Sequence[str] = ()) -> None:
+    def __init__(self, repo: str, l1_gb: float, workdir: str, extra: Sequence[str] = (), cpus: str = "") -> None:
         sock = os.path.join(workdir, f"s{time.monotonic_ns()}", "mpcache.sock")
         super().__init__(["--gpu", "on", "--ipc", sock, "--chunk-size", str(CHUNK), "--slot-mb", str(SLOT / MiB),
                           "--l1-size-gb", str(l1_gb), "--no-metrics", "--log-level", "WARNING", *extra], repo=repo)
+        if cpus:
+            # every thread the server has now; those it starts later (one waiter per engine) inherit it
+            cores = {int(c) for c in cpus.split(",")}
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                os.sched_setaffinity(int(tid), cores)
 
     def stats(self) -> dict[str, Any]:
         from mpcache.runtime_zmq.client import MPCacheClient
@@ -234,7 +239,7 @@ class Server(ServerProcess):
 
 def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdir: str) -> list[dict[str, Any]]:
     """One server, ``n_engines`` engines, the shapes in order; rounds of each shape."""
-    server = Server(args.server_repo, args.l1_gb, workdir, args.server_args.split())
+    server = Server(args.server_repo, args.l1_gb, workdir, args.server_args.split(), args.server_cpus)
     ctx = mp.get_context("spawn")
     max_need = max(r * c for r, c in shapes)
     per_engine_need = -(-max_need // n_engines) * BPC
@@ -309,7 +314,7 @@ def _run_config(args: Any, n_engines: int, shapes: list[tuple[int, int]], workdi
 def _run_lone(args: Any, workdir: str, start: int) -> dict[str, Any]:
     """One fresh server and engine: a loaded round of 16 x 8, then ``args.lone_count`` lone
     1 x 8 requests (store then retrieve), the server's counters read between them."""
-    server = Server(args.server_repo, args.l1_gb, workdir, args.server_args.split())
+    server = Server(args.server_repo, args.l1_gb, workdir, args.server_args.split(), args.server_cpus)
     ctx = mp.get_context("spawn")
     num_blocks = 2 * 16 * 8 * BPC + 64
     parent, child = ctx.Pipe()
@@ -415,7 +420,7 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
     started = sum(r["s1"].get("gpu_started", 0) - r["s0"].get("gpu_started", 0) for r in steady)
     ns = sum(r["s1"].get("gpu_start_ns", 0) - r["s0"].get("gpu_start_ns", 0) for r in steady)
     row["host_us_per_transfer"] = ns / started / 1e3 if started and ns else float("nan")
-    for part in ("plan", "enqueue", "wait"):
+    for part in ("plan", "enqueue", "wait", "handoff", "lane"):
         part_ns = sum(r["s1"].get(f"gpu_{part}_ns", 0) - r["s0"].get(f"gpu_{part}_ns", 0) for r in steady)
         row[f"{part}_us_per_transfer"] = part_ns / started / 1e3 if started and part_ns else float("nan")
     flight = sum(r["s1"].get("gpu_flight_ns", 0) - r["s0"].get("gpu_flight_ns", 0) for r in steady)
@@ -460,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fresh servers for the lone-transfer table (0: leave it out; default 3)")
     ap.add_argument("--lone-count", type=int, default=40, help="lone 1 x 8 requests per start (default 40)")
     ap.add_argument("--label", default="", help="a name for this run in the table / json")
+    ap.add_argument("--server-cpus", default="", help="pin the server's threads to these CPUs (e.g. \"2\" or \"2,3\"; default: not pinned)")
     ap.add_argument("--server-args", default="", help="extra mpcache-server arguments (e.g. \"--log-level INFO\"), for a before / after of an option")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
@@ -509,7 +515,9 @@ def _print(args: Any, rows: list[dict[str, Any]]) -> None:
                   f"{s['p50']:>7.2f} {s['p99']:>7.2f} | {f['gbps']:>8.1f} {f['pct']:>5.1f}% {f['p50']:>7.2f} {f['p99']:>7.2f} | "
                   f"{r['cpu_us_per_req']:>10.0f} {r['host_us_per_transfer']:>12.1f} {'ok' if r['checked'] and s['ok'] else 'FAIL':>5}")
         tail.append(f"{r['engines']} x {r['requests']}x{r['chunks']}: host us/transfer plan {r.get('plan_us_per_transfer', float('nan')):.1f} "
-                    f"enqueue {r.get('enqueue_us_per_transfer', float('nan')):.1f} (event wait {r.get('wait_us_per_transfer', float('nan')):.1f}), polls/transfer {r.get('polls_per_transfer', float('nan')):.1f}, "
+                    f"enqueue {r.get('enqueue_us_per_transfer', float('nan')):.1f} (event wait {r.get('wait_us_per_transfer', float('nan')):.1f}); "
+                    f"copy lane: taken {r.get('handoff_us_per_transfer', float('nan')):.1f} after the hand-over, its calls {r.get('lane_us_per_transfer', float('nan')):.1f}; "
+                    f"polls/transfer {r.get('polls_per_transfer', float('nan')):.1f}, "
                     f"batched DMAs {r.get('memcpy_batch')}, compiled poller {r.get('poll_path')}, learned link GB/s "
                     f"{r.get('link_gbps', {}).get('store', 0):.1f} / {r.get('link_gbps', {}).get('retrieve', 0):.1f} + latency us "
                     f"{r.get('link_lat_us', {}).get('store', 0)} / {r.get('link_lat_us', {}).get('retrieve', 0)}, server exit {r.get('server_exit')} after {r.get('server_stop_s', float('nan')):.1f} s")

@@ -374,7 +374,7 @@ class CudaKVTransfer:
     grid cap. ``max_chunks``: the most chunks one call may carry (bounds the descriptor and the
     staging buffer). Calls only enqueue work on ``stream``; the caller observes completion
     with an event recorded after the call. Not thread-safe: one thread makes the calls (the
-    server's loop thread).
+    engine's copy lane, see ``make_copy_lane``, or the server's loop while that lane is idle).
     """
 
     def __init__(
@@ -673,6 +673,31 @@ class CudaKVTransfer:
         self._enq = enq
         self.enqueue_path = "compiled"
 
+    def lane_state(self) -> dict[str, Any] | None:
+        """What a copy lane (``make_copy_lane``) needs to make this transfer's calls itself: the
+        compiled enqueue's state arrays, the staging pieces of every call size, the mode. None
+        when calls do not go through the compiled enqueue (then the caller makes them). From the
+        moment a lane runs, only the lane makes calls, except while it is idle."""
+        if self._enq is None:
+            return None
+        mc, pp = self.max_chunks, self.pipeline_pieces
+        pieces = np.zeros((2, mc + 1, pp, 2), dtype=np.int64)
+        npieces = np.zeros((2, mc + 1), dtype=np.int64)
+        for scatter in (0, 1):
+            for m in range(1, mc + 1):
+                ps = self._pieces(m, bool(scatter))
+                npieces[scatter, m] = len(ps)
+                pieces[scatter, m, : len(ps)] = ps
+        cfg = np.zeros(G_COUNT, dtype=np.int64)
+        cfg[G_MODE] = MODE_CODES[self.mode]
+        cfg[G_STAGING_MIN] = self.staging_min_chunks
+        cfg[G_BPC] = self._bpc
+        cfg[G_MAX_CHUNKS] = mc
+        cfg[G_USED] = pp + 1
+        return {"st": self._st, "ring": self._ring_table, "rel": self._rel, "desc": self._desc_2d, "runs": self._runs,
+                "used": np.zeros(pp + 1, dtype=np.int64), "pieces": pieces, "npieces": npieces,
+                "one_piece": self._one_piece, "cfg": cfg, "pool_lanes": self._pool_lanes}
+
     def _compiled_call(self, scatter: bool, staging: bool, ids: np.ndarray, bases: np.ndarray, skip: int,
                        join: bool) -> list[int]:
         op = (OP_SCATTER if scatter else 0) | (OP_STAGING if staging else 0) | (OP_JOIN if join else 0)
@@ -695,7 +720,7 @@ class CudaKVTransfer:
             st[S_ERR] = 0
             if err == ERR_RING_FULL:
                 # the kernel that read an entry 'ring' launches ago has not run yet: never wait
-                # here (this is the server's loop thread); the caller fails this request
+                # here (the server's loop thread or a copy lane); the caller fails this request
                 raise RuntimeError(f"descriptor ring full: {len(self._desc)} launches of this engine still queued")
             where = {W_LAUNCH: "cuLaunchKernel", W_RECORD: "cuEventRecord", W_WAIT: "cuStreamWaitEvent",
                      W_COPY: "staging DMA"}.get(int(st[S_WHERE]), "driver call")
@@ -742,7 +767,7 @@ class CudaKVTransfer:
             r = (self._next + i) % len(self._desc)
             if self._used[r] and self._fd.query(self._event_h[self._cover[r]]) == CUDA_ERROR_NOT_READY:
                 # the kernel that read this entry 'ring' launches ago has not run yet: never wait
-                # here (this is the server's loop thread); the caller fails this request
+                # here (the server's loop thread or a copy lane); the caller fails this request
                 raise RuntimeError(f"descriptor ring full: {len(self._desc)} launches of this engine still queued")
 
     def _launch(self, configured: Any, slots: Any, ids: np.ndarray, bases: np.ndarray, skip: int) -> int:
@@ -1084,7 +1109,165 @@ def _make_enqueue(lib: Any = None) -> Any:
         record(st, ring[R_EVENT, lastr], st[S_COMPUTE])
         return cnt
 
+    enqueue.record_fn = record  # type: ignore[attr-defined]  # for the copy lane (make_copy_lane)
+    enqueue.wait_fn = wait  # type: ignore[attr-defined]
     return enqueue
+
+
+# ---- the copy lane: a thread that enqueues an engine's copies with no Python -----------------
+# Control words of a lane (``ctl``, int64): rows written by the loop, rows the lane has done, stop,
+# the instance failed (rows after it are skipped, untouched).
+C_WRITTEN, C_DONE, C_STOP, C_FAILED, C_COUNT = 0, 1, 2, 3, 8
+# A lane row (int64): the loop writes the request, the lane the outcome. ``H_IDS``: the flat block
+# ids (n * blocks per chunk), then ``max_chunks * bpc`` words on, the n slot bases (lanes); the
+# descriptor entries the call used follow at ``lane_row_width``'s last words.
+(H_KIND, H_N, H_SKIP, H_BUSY, H_WEV, H_CEV, H_ERR, H_WHERE, H_NUSED, H_RECORDED, H_T_HAND, H_T_PICK, H_T_DONE,
+ H_IDS) = range(14)
+LANE_SKIPPED = -1  # H_ERR of a row the lane did not enqueue (its instance had failed)
+MODE_CODES = {"zerocopy": 0, "staging": 1, "auto": 2}
+# Lane parameters (``cfg``, int64): mode, staging from this many chunks, blocks per chunk, max chunks,
+# used-entry words per row.
+G_MODE, G_STAGING_MIN, G_BPC, G_MAX_CHUNKS, G_USED, G_COUNT = range(6)
+
+
+def lane_row_width(max_chunks: int, bpc: int, used: int) -> int:
+    return H_IDS + max_chunks * bpc + max_chunks + used
+
+
+_LANE: Any = None
+
+
+def fast_copy_lane() -> Any:
+    """The process's compiled copy lane (``make_copy_lane`` on the process's enqueue)."""
+    global _LANE
+    if _LANE is None:
+        _LANE = make_copy_lane(fast_enqueue())
+    return _LANE
+
+
+def warm_copy_lane(lane: Any, max_chunks: int = 4, bpc: int = 2, used: int = 2) -> None:
+    """Compile ``lane`` for the argument types a copy lane runs with (seconds, once per process:
+    at server start, not on a first registration): a call told to stop at once, which touches no
+    driver."""
+    z1, z2 = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
+    ctl = np.zeros(C_COUNT, np.int64)
+    ctl[C_STOP] = 1
+    rows = np.zeros((1, lane_row_width(max_chunks, bpc, used)), np.int64)
+    lane(ctl, rows, -1, z1, np.zeros(2, np.int64), np.zeros(S_COUNT, np.int64), np.zeros((7, 1), np.int64), z2, z2,
+         np.zeros((3, 1), np.int64), np.zeros(used, np.int64), np.zeros((2, max_chunks + 1, 1, 2), np.int64),
+         np.zeros((2, max_chunks + 1), np.int64), np.zeros((1, 2), np.int64), np.zeros(G_COUNT, np.int64))
+
+
+def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
+    """One engine's copy lane: ``lane(ctl, rows, efd, buf, ts, st, ring, rel, desc, runs, used,
+    pieces, npieces, one_piece, cfg)``, a compiled function a thread enters once and leaves only
+    at ``ctl[C_STOP]``. It holds no GIL: the server's loop writes a planned transfer into the
+    next row of ``rows`` (``H_*``), bumps ``ctl[C_WRITTEN]`` and writes the eventfd ``efd``; the
+    lane, blocked in ``read`` on it, takes the rows in order and makes each one's driver calls:
+    the wait on the engine's event, ``enqueue`` (the same compiled call sequence the loop makes
+    with ``CudaKVTransfer.gather`` / ``scatter`` and ``join=False``), then the record of the
+    transfer's completion event on the stream its copies end on; it writes the outcome (error,
+    entries used, whether the event was recorded, its clock) and then bumps ``ctl[C_DONE]``, which
+    is what the waiter reads before it looks at that event. (Plain stores, in order: x86's
+    memory order makes the row visible before the count.) Once ``ctl[C_FAILED]`` is set a row is
+    marked ``LANE_SKIPPED`` and nothing is enqueued for it. ``pieces[scatter, m, :npieces[scatter,
+    m]]``: the staging pieces of an m-chunk call (``CudaKVTransfer._pieces``); ``ts``: int64[2]
+    scratch for the clock; ``buf``: int64[1] for the eventfd read."""
+    import ctypes
+
+    if libc is None:
+        libc = ctypes.CDLL(None)
+    u64, c_int = ctypes.c_uint64, ctypes.c_int
+    read_fn = libc["read"]
+    read_fn.argtypes = [c_int, u64, u64]
+    read_fn.restype = ctypes.c_ssize_t
+    now_fn = libc["clock_gettime"]
+    now_fn.argtypes = [c_int, u64]
+    now_fn.restype = c_int
+    record = enqueue.record_fn
+    wait = enqueue.wait_fn
+
+    @numba.njit(nogil=False)
+    def clock_ns(ts):  # type: ignore[no-untyped-def]
+        now_fn(np.int32(CLOCK_MONOTONIC), np.uint64(ts.ctypes.data))
+        return ts[0] * 1_000_000_000 + ts[1]
+
+    @numba.njit(nogil=False)
+    def one_row(row, st, ring, rel, desc, runs, used, pieces, npieces, one_piece, cfg, failed, ts):  # type: ignore[no-untyped-def]
+        row[H_T_PICK] = clock_ns(ts)
+        row[H_ERR] = 0
+        row[H_WHERE] = 0
+        row[H_NUSED] = 0
+        row[H_RECORDED] = 0
+        if failed:
+            row[H_ERR] = LANE_SKIPPED
+            row[H_T_DONE] = row[H_T_PICK]
+            return
+        bpc = cfg[G_BPC]
+        n = row[H_N]
+        scatter = row[H_KIND] == 1
+        skip = row[H_SKIP]
+        mode = cfg[G_MODE]
+        staging = mode == 1 or (mode == 2 and (row[H_BUSY] != 0 or n >= cfg[G_STAGING_MIN]))
+        ids = row[H_IDS : H_IDS + n * bpc]
+        b0 = H_IDS + cfg[G_MAX_CHUNKS] * bpc
+        bases = row[b0 : b0 + n]
+        st[S_ERR] = 0
+        ok = True
+        if row[H_WEV] != 0:
+            ok = wait(st, st[S_COMPUTE], row[H_WEV])
+        cnt = 0
+        copy_only = False
+        if ok:
+            op = 0
+            if scatter:
+                op |= OP_SCATTER
+            m = n
+            if staging:
+                op |= OP_STAGING
+                if scatter:
+                    m = n - skip // bpc
+                copy_only = not scatter  # a staging STORE ends on the copy stream (join=False)
+            if m > 0:
+                if staging:
+                    cnt = enqueue(op, ids, bases, skip, pieces[1 if scatter else 0, m, : npieces[1 if scatter else 0, m]],
+                                  st, ring, rel, desc, runs, used)
+                else:
+                    cnt = enqueue(op, ids, bases, skip, one_piece, st, ring, rel, desc, runs, used)
+            else:
+                copy_only = False  # nothing enqueued: the completion follows the compute stream
+        row[H_ERR] = st[S_ERR]
+        row[H_WHERE] = st[S_WHERE]
+        st[S_ERR] = 0
+        row[H_NUSED] = cnt
+        u0 = row.shape[0] - cfg[G_USED]
+        for i in range(cnt):
+            row[u0 + i] = used[i]
+        # after every copy of the transfer (CudaKVTransfer.record_completion): a staging STORE's
+        # DMAs are last on the copy stream; everything else ends on the compute stream
+        stream = st[S_COPY] if copy_only else st[S_COMPUTE]
+        if record(st, row[H_CEV], stream):
+            row[H_RECORDED] = 1
+        elif row[H_ERR] == 0:
+            row[H_ERR] = st[S_ERR]
+            row[H_WHERE] = st[S_WHERE]
+        st[S_ERR] = 0
+        row[H_T_DONE] = clock_ns(ts)
+
+    @numba.njit(nogil=True)
+    def lane(ctl, rows, efd, buf, ts, st, ring, rel, desc, runs, used, pieces, npieces, one_piece, cfg):  # type: ignore[no-untyped-def]
+        nrows = rows.shape[0]
+        while True:
+            while ctl[C_DONE] < ctl[C_WRITTEN]:
+                k = ctl[C_DONE]
+                one_row(rows[k % nrows], st, ring, rel, desc, runs, used, pieces, npieces, one_piece, cfg,
+                        ctl[C_FAILED] != 0, ts)
+                ctl[C_DONE] = k + 1
+            if ctl[C_STOP] != 0:
+                return ctl[C_DONE]
+            read_fn(np.int32(efd), np.uint64(buf.ctypes.data), np.uint64(8))  # blocks until written
+
+    return lane
 
 
 _POLLER: Any = None

@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu", type=cfg.one_of("auto", "on", "off"), default="auto",
         help="server-driven GPU transfers (mpcache.runtime_zmq.gpu_transfer): auto = when an NVIDIA device is present",
     )
+    ops.add_argument(
+        "--gpu-copy-lanes", type=cfg.one_of("on", "off"), default="on",
+        help="on: each engine's GPU copies are enqueued by its own lane thread, which holds no GIL; off: by the server loop",
+    )
     ops.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
     ops.add_argument("--shutdown-grace", type=cfg.non_negative_float, default=5.0, help="seconds to finish in-flight work on SIGTERM")
     return p
@@ -249,14 +253,14 @@ def _nvidia_device_present() -> bool:
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
 
 
-def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger) -> Any:
+def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger, copy_lanes: bool = True) -> Any:
     """The GPU transfer engine, or None (server-driven instances are then refused)."""
     if mode == "off" or (mode == "auto" and not _nvidia_device_present()):
         return None
     try:
         from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
 
-        return GpuTransferExecutor(chunk_size)
+        return GpuTransferExecutor(chunk_size, copy_lanes=copy_lanes)
     except Exception as e:
         if mode == "on":
             raise
@@ -282,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     http_server = None
     try:
         config = config_from_args(args)
-        executor = make_gpu_executor(args.gpu, config.chunk_size, log)
+        executor = make_gpu_executor(args.gpu, config.chunk_size, log, args.gpu_copy_lanes == "on")
         server = Server(config, transfer_executor=executor)
         if executor is not None:
             # CUDA context, kernel JIT, pinning L1: here, not inside the loop's first request

@@ -5,12 +5,18 @@ Per registered instance it holds the worker's per-layer KV tensors, opened once 
 handles (bytes plus shape / dtype / strides / device UUID — no pickle), a dedicated stream and a
 ``mpcache.kernels.gpu.CudaKVTransfer`` between those tensors and the pinned L1 segment.
 
-A transfer is enqueued, never waited on, by ``start`` (the server's loop thread):
+A transfer is enqueued, never waited on: ``start`` (the server's loop thread) plans it
+(``plan_rows``, core_sm's ``chunk_copies``), checks it, and writes it into the instance's copy
+lane, a thread inside one compiled function that holds no GIL (``kernels.gpu.make_copy_lane``):
 ``cuStreamWaitEvent`` on the worker's interprocess event → gather / scatter → ``cuEventRecord`` of
-our completion event. One waiter thread per instance queries its completion events in stream
-order with ``cuEventQuery`` (never a blocking wait), sleeping until the link model expects the
-oldest to be done, and only then calls ``done(transfer_id, ok)``. No Python ever runs in a
-CUDA host callback, so the host-callback / GIL deadlock of LMCache PR #2733 cannot happen here.
+our completion event, in the order the loop wrote them. Where there is no compiled enqueue, off
+x86-64 (the lane and its readers rely on x86's store order), or for a transfer of more chunks
+than one call takes, the loop makes those calls itself (after the lane has emptied: only one
+thread makes an instance's calls at a time). One waiter thread per instance queries its
+completion events in stream order with ``cuEventQuery`` (never a blocking wait), sleeping until
+the link model expects the oldest to be done, and only then calls ``done(transfer_id, ok)``. No
+Python ever runs in a CUDA host callback, so the host-callback / GIL deadlock of LMCache PR #2733
+cannot happen here.
 
 Registration layout (the worker's ``register_instance`` payload; ``export_kv_tensors`` in
 ``runtime_zmq/gpu_ipc.py`` makes ``tensors``)::
@@ -26,6 +32,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import platform
 import threading
 import time
 from collections import OrderedDict, deque
@@ -55,6 +63,7 @@ _POLL_FINE_S = 10e-6  # a waiter's first pause between looks while a copy is due
 _POLL_FINE_MAX_S = 100e-6  # ... doubling up to this
 _POLL_AIM_EARLY_S = 2 * _POLL_FINE_S  # the first look, this long before the link model's end
 _POLL_CALL_MAX_S = 0.1  # one poll call's longest sleep: the waiter then sees its state again
+_LANE_LOOK_S = 20e-6  # how soon a waiter looks again for a row its instance's copy lane has not done
 
 
 def registered_event_handles(layout: Mapping[str, Any]) -> list[bytes]:
@@ -181,6 +190,104 @@ class _Pending:
     started: float = 0.0  # monotonic time it was enqueued
     alone: bool = False  # started with nothing ahead of it on the link (its flight says the link's latency)
     starts: int = 0  # its direction's start count after its own start (none after it: alone throughout)
+    lane_seq: int = -1  # its row in the instance's copy lane (-1: the loop enqueued it); the
+    # waiter looks at its event only once the lane has done that row (``absorbed``)
+    absorbed: bool = True
+
+
+class _CopyLane:
+    """One instance's copy lane (``kernels.gpu.make_copy_lane``): its rows, control words and
+    eventfd, and the thread that runs it. The loop writes rows (``write``); the waiter reads
+    what the lane did (``take``)."""
+
+    def __init__(self, instance_id: int, state: dict[str, Any], rows: int, ordinal: int) -> None:
+        from mpcache.kernels import gpu as kg
+
+        self.kg = kg
+        self.state = state
+        self.cfg = state["cfg"]
+        self.max_chunks = int(self.cfg[kg.G_MAX_CHUNKS])
+        self.bpc = int(self.cfg[kg.G_BPC])
+        self.pool_lanes = int(state["pool_lanes"])
+        self.rows = np.zeros((rows, kg.lane_row_width(self.max_chunks, self.bpc, int(self.cfg[kg.G_USED]))), dtype=np.int64)
+        self.bases_at = kg.H_IDS + self.max_chunks * self.bpc
+        self.used_at = self.rows.shape[1] - int(self.cfg[kg.G_USED])
+        self.ctl = np.zeros(kg.C_COUNT, dtype=np.int64)
+        self.written = 0
+        self.efd = os.eventfd(0)
+        self._fn = kg.fast_copy_lane()
+        self._ordinal = ordinal
+        self.thread = threading.Thread(target=self._run, name=f"mpcache-gpu-lane-{instance_id}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        gpu_ipc.ensure_context(self._ordinal)
+        s = self.state
+        self._fn(self.ctl, self.rows, self.efd, np.zeros(1, np.int64), np.zeros(2, np.int64), s["st"], s["ring"],
+                 s["rel"], s["desc"], s["runs"], s["used"], s["pieces"], s["npieces"], s["one_piece"], s["cfg"])
+
+    def write(self, store: bool, ids: np.ndarray, bases: np.ndarray, skip: int, busy: bool, worker_event: int,
+              completion_event: int) -> int:
+        """Hand the lane one checked call (flat block ids, slot bases in lanes); its row number."""
+        kg = self.kg
+        seq = self.written
+        row = self.rows[seq % self.rows.shape[0]]
+        n = bases.shape[0]
+        row[kg.H_KIND] = 0 if store else 1
+        row[kg.H_N] = n
+        row[kg.H_SKIP] = skip
+        row[kg.H_BUSY] = int(busy)
+        row[kg.H_WEV] = worker_event
+        row[kg.H_CEV] = completion_event
+        row[kg.H_IDS : kg.H_IDS + ids.shape[0]] = ids
+        row[self.bases_at : self.bases_at + n] = bases
+        row[kg.H_T_HAND] = time.monotonic_ns()
+        self.written = seq + 1
+        self.ctl[kg.C_WRITTEN] = seq + 1  # after the row: the lane reads the count, then the row
+        os.eventfd_write(self.efd, 1)
+        return seq
+
+    def done_through(self) -> int:
+        """Rows the lane has done (each one's outcome written)."""
+        return int(self.ctl[self.kg.C_DONE])
+
+    def take(self, seq: int) -> tuple[bool, bool, list[int], int, int]:
+        """A done row: (enqueued without error, its completion event recorded, the descriptor
+        entries its kernels read, ns from the hand-over to the lane taking it, ns the lane spent)."""
+        kg = self.kg
+        row = self.rows[seq % self.rows.shape[0]]
+        if row[kg.H_ERR] not in (0, kg.LANE_SKIPPED):
+            where = {kg.W_LAUNCH: "cuLaunchKernel", kg.W_RECORD: "cuEventRecord", kg.W_WAIT: "cuStreamWaitEvent",
+                     kg.W_COPY: "staging DMA"}.get(int(row[kg.H_WHERE]), "driver call")
+            if row[kg.H_ERR] == kg.ERR_RING_FULL:
+                log.warning("copy lane: descriptor ring full, a transfer was not enqueued")
+            else:
+                log.error("copy lane: %s failed: CUDA error %d", where, int(row[kg.H_ERR]) - 1000)
+        used = row[self.used_at : self.used_at + int(row[kg.H_NUSED])].tolist()
+        return (int(row[kg.H_ERR]) == 0, bool(row[kg.H_RECORDED]), used, int(row[kg.H_T_PICK] - row[kg.H_T_HAND]),
+                int(row[kg.H_T_DONE] - row[kg.H_T_PICK]))
+
+    def idle(self, timeout: float) -> bool:
+        """Wait (briefly: the lane takes microseconds a row) until the lane has done every row."""
+        end = time.monotonic() + timeout
+        while self.done_through() < self.written:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(20e-6)
+        return True
+
+    def fail(self) -> None:
+        """Rows the lane has not taken yet are skipped (nothing enqueued for them)."""
+        self.ctl[self.kg.C_FAILED] = 1
+
+    def stop(self) -> None:
+        self.ctl[self.kg.C_STOP] = 1
+        os.eventfd_write(self.efd, 1)
+        self.thread.join(5.0)
+        if not self.thread.is_alive():
+            os.close(self.efd)
 
 
 class _Opened:
@@ -234,6 +341,7 @@ class _Instance:
         self.busy_until = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # its line's last expected end
         self.last_end = {TransferKind.STORE: 0.0, TransferKind.RETRIEVE: 0.0}  # its waiter last saw one end
         self.waiter: threading.Thread | None = None
+        self.lane: _CopyLane | None = None  # None: the loop makes this instance's driver calls
 
     def worker_event(self, handle: bytes) -> Any:
         ev = self.worker_events.get(handle)
@@ -253,12 +361,17 @@ class GpuTransferExecutor:
     ``pipeline_pieces``: passed to ``CudaKVTransfer`` (``auto``: zero-copy for small batches,
     pipelined staging for large). ``transfer_timeout_s``: how long a transfer may stay first in
     its instance's line before the instance is failed (its engine's event never fired).
-    ``link_gbps``: the copy rate the waiters assume to know when to look (not a limit)."""
+    ``link_gbps``: the copy rate the waiters assume to know when to look (not a limit).
+    ``copy_lanes``: each instance's driver calls made by its copy lane (where the compiled enqueue
+    runs); False: by the loop thread, as a before / after."""
 
     def __init__(self, chunk_tokens: int, *, mode: str = "auto", max_ctas: int = 16, threads: int = 512,
                  max_chunks: int = 32, staging_min_chunks: int = 4, pipeline_pieces: int = 8,
                  transfer_timeout_s: float = 30.0, link_gbps: float = 60.0, max_in_flight: int = 128,
-                 warm_events: int = 256) -> None:
+                 warm_events: int = 256, copy_lanes: bool = True) -> None:
+        # a lane's rows and counts are plain stores read by another thread in the order written:
+        # x86's memory order gives that; elsewhere the loop makes the calls
+        self.copy_lanes = copy_lanes and platform.machine() in ("x86_64", "AMD64")
         self.chunk_tokens = chunk_tokens
         self.mode = mode
         self.max_ctas = max_ctas
@@ -288,7 +401,8 @@ class GpuTransferExecutor:
         self._ordinal = 0
         self.on_instance_failed: Callable[[int, str], None] | None = None  # set by the server
         self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0, "instances_failed": 0,
-                       "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0, "flight_ns": 0}
+                       "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0, "flight_ns": 0,
+                       "handoff_ns": 0, "lane_ns": 0}
 
     def warm_up(self, pool: SharedMemoryPool | None = None, ordinal: int = 0) -> None:
         """Do at server start what would otherwise stall the first registration or the first
@@ -300,6 +414,10 @@ class GpuTransferExecutor:
         gpu_ipc.ensure_context(ordinal)
         self._ordinal = ordinal
         warm_kernels()
+        if self.copy_lanes:
+            from mpcache.kernels.gpu import fast_copy_lane, warm_copy_lane
+
+            warm_copy_lane(fast_copy_lane())  # compiled now, not on the first registration
         self._use_compiled_poller()
         if pool is not None:
             self._pool_device_address(pool)
@@ -346,6 +464,16 @@ class GpuTransferExecutor:
             log.warning("transfer %d: %s", transfer.transfer_id, e)
             done(transfer.transfer_id, False)
             return
+        lane = inst.lane
+        if lane is not None:
+            if rows.block_ids.shape[0] <= lane.max_chunks:
+                self._hand_to_lane(inst, lane, transfer, rows, event_handle, done, t0)
+                return
+            if not lane.idle(1.0):  # one thread makes the instance's calls at a time
+                log.warning("transfer %d: the copy lane of instance %d is still busy", transfer.transfer_id,
+                            transfer.instance_id)
+                done(transfer.transfer_id, False)
+                return
         t1 = time.perf_counter_ns()
         ok = True
         t_wait = t1
@@ -411,6 +539,81 @@ class GpuTransferExecutor:
                 p.deadline = now + self.transfer_timeout_s
                 inst.cond.notify()
             inst.pending.append(p)
+
+    def _hand_to_lane(self, inst: _Instance, lane: _CopyLane, transfer: StartTransfer, rows: TransferRows,
+                      event_handle: bytes, done: DoneFn, t0: int) -> None:
+        """``start`` for an instance with a copy lane: check the call, then write it into the lane
+        (the lane makes its driver calls); the waiter looks at its event once the lane is done."""
+        from mpcache.kernels.cpu import check_request
+        from mpcache.kernels.gpu import as_handle
+
+        t1 = time.perf_counter_ns()
+        store = transfer.kind is TransferKind.STORE
+        try:
+            ids, bases = check_request(inst.geometry, lane.pool_lanes, rows.block_ids, rows.slot_offsets,
+                                       0 if store else rows.skip_blocks)
+            worker = as_handle(inst.worker_event(event_handle)) if event_handle else 0
+        except Exception as e:
+            log.warning("transfer %d: %s", transfer.transfer_id, e)
+            done(transfer.transfer_id, False)
+            return
+        n = bases.shape[0]
+        now = time.monotonic()
+        busy = bool(inst.pending) or self._link_busy_until[transfer.kind] > now
+        self._starts[transfer.kind] += 1
+        with self._lock:
+            event = self._free_events.pop() if self._free_events else None
+        if event is None:
+            event = self._new_event()
+        t_wait = time.perf_counter_ns()
+        seq = lane.write(store, ids, bases, 0 if store else rows.skip_blocks, busy, worker, as_handle(event))
+        t2 = time.perf_counter_ns()
+        nbytes = n * inst.geometry.slot_bytes
+        self._link_busy_until[transfer.kind] = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
+        link = inst.links[transfer.kind]
+        expected = max(inst.busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
+        inst.busy_until[transfer.kind] = expected
+        p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and inst.transfer.uses_staging(n, busy), expected,
+                     event=event, kind=transfer.kind, started=now, alone=not busy, starts=self._starts[transfer.kind],
+                     lane_seq=seq, absorbed=False)
+        with self._lock:
+            self._stats["started"] += 1
+            self._stats["bytes"] += nbytes
+            p.enqueued_ns = time.perf_counter_ns()
+            self._stats["start_ns"] += p.enqueued_ns - t0
+            self._stats["plan_ns"] += t1 - t0
+            self._stats["enqueue_ns"] += t2 - t1
+            self._stats["wait_ns"] += t_wait - t1
+            if not inst.pending:
+                p.deadline = now + self.transfer_timeout_s
+                inst.cond.notify()
+            inst.pending.append(p)
+
+    def _absorb(self, inst: _Instance, pending: Sequence[_Pending]) -> int:
+        """Take what the lane did for the leading transfers it has done; how many lead (the
+        waiter looks only at their events: one the lane has not recorded yet would read done)."""
+        lane = inst.lane
+        k = 0
+        for p in pending:
+            if not p.absorbed:
+                if lane is None or lane.done_through() <= p.lane_seq:
+                    break
+                ok, recorded, used, handoff_ns, lane_ns = lane.take(p.lane_seq)
+                p.entries = used
+                if inst.state == "failed":  # failed before the waiter saw the lane's work
+                    inst.transfer.neutralize(used)
+                    ok = False
+                p.ok = p.ok and ok
+                if not recorded:  # a later event covers its copies (the waiter records one)
+                    with self._lock:
+                        self._free_events.append(p.event)
+                    p.event = None
+                with self._lock:
+                    self._stats["handoff_ns"] += handoff_ns
+                    self._stats["lane_ns"] += lane_ns
+                p.absorbed = True
+            k += 1
+        return k
 
     def close(self) -> None:
         """Stop the waiters after what is queued has landed (up to the transfer timeout for an
@@ -527,6 +730,10 @@ class GpuTransferExecutor:
                       slot_bytes: int) -> _Instance:
         inst = _Instance(instance_id, geometry, transfer, handles, stream_handle, slot_bytes, self._lock)
         inst.links = {kind: LinkModel(self.link_bytes_per_s) for kind in TransferKind}
+        lane_state = transfer.lane_state() if self.copy_lanes and hasattr(transfer, "lane_state") else None
+        if lane_state is not None:
+            inst.lane = _CopyLane(instance_id, lane_state, max(self.max_in_flight, 1), self._ordinal)
+            inst.lane.start()
         inst.waiter = threading.Thread(target=self._wait, args=(inst,), name=f"mpcache-gpu-waiter-{instance_id}", daemon=True)
         with self._lock:
             self._instances[instance_id] = inst
@@ -632,6 +839,17 @@ class GpuTransferExecutor:
                 if not inst.pending:
                     break  # unregistered / failed / closing, nothing left in flight
                 snapshot = list(itertools.islice(inst.pending, _POLL_MAX))
+            if inst.lane is not None:
+                k = self._absorb(inst, snapshot)
+                if k == 0:  # the lane has not done the first yet (it takes microseconds)
+                    head = snapshot[0]
+                    now = time.monotonic()
+                    if now >= head.deadline and inst.state != "failed":
+                        self._fail(inst, now)
+                    else:  # its event is looked at only when due: no need to hurry before
+                        time.sleep(min(max(head.expected_done - _POLL_AIM_EARLY_S - now, _LANE_LOOK_S), 0.001))
+                    continue
+                snapshot = snapshot[:k]
             events: list[Any] = []
             for p in snapshot:
                 if p.event is None:
@@ -751,6 +969,13 @@ class GpuTransferExecutor:
                 self._draining.append(inst)
             inst.state = "failed"
             self._stats["instances_failed"] += 1
+        lane = inst.lane
+        if lane is not None:  # the rows it has not taken are skipped; what it enqueued is neutralized
+            lane.fail()
+            if not lane.idle(1.0):
+                log.error("GPU instance %d: its copy lane did not finish its rows", inst.instance_id)
+            self._absorb(inst, list(inst.pending))
+        with self._lock:
             queued = list(inst.pending)
         for p in queued:
             inst.transfer.neutralize(p.entries)
@@ -786,6 +1011,8 @@ class GpuTransferExecutor:
         with self._lock:
             if inst in self._draining:
                 self._draining.remove(inst)
+        if inst.lane is not None:
+            inst.lane.stop()
         for ev in inst.worker_events.values():
             try:
                 gpu_ipc.destroy_event(ev)

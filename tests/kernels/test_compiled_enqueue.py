@@ -154,3 +154,149 @@ def test_a_full_ring_enqueues_nothing_and_a_failed_launch_stops_the_call(fake: t
     assert names == ["launch", "record", "wait", "copy", "launch", "record", "record"]  # no DMA after the failure
     assert drv.calls[-2] == ("record", 400, COPY)  # the staging run released after the DMAs that did go out
     assert drv.calls[-1] == ("record", 301, COMPUTE)  # both entries still covered by an event
+
+
+# ---- the copy lane: the same calls, made by a thread inside one compiled function ------------
+
+WEV, CEV = 777, 888  # the engine's event, the transfer's completion event
+
+
+@pytest.fixture(scope="module")
+def lane_fn(fake: tuple[FakeDriver, Any]) -> Any:
+    return kg.make_copy_lane(fake[1])  # compiled once for the module
+
+
+class Lane:
+    """A lane thread over ``state()``: pieces of 1 then the rest (as CudaKVTransfer._pieces with
+    growth 4 for up to 4 chunks), ``mode`` auto with staging from 2 chunks."""
+
+    def __init__(self, fn: Any, mode: str = "auto", rows: int = 4, ring: int = 8) -> None:
+        import os
+        import threading
+
+        self.s = state(ring)
+        mc, bpc = int(self.s["st"][kg.S_MAX_CHUNKS]), int(self.s["st"][kg.S_BPC])
+        self.pieces = np.zeros((2, mc + 1, 2, 2), np.int64)
+        self.npieces = np.zeros((2, mc + 1), np.int64)
+        for m in range(1, mc + 1):
+            ps = [(0, 1), (1, m)] if m > 1 else [(0, 1)]
+            for sc in (0, 1):
+                seq = ps if sc == 0 else [(0, m - 1), (m - 1, m)] if m > 1 else ps
+                self.npieces[sc, m] = len(seq)
+                self.pieces[sc, m, : len(seq)] = seq
+        self.cfg = np.zeros(kg.G_COUNT, np.int64)
+        self.cfg[kg.G_MODE], self.cfg[kg.G_STAGING_MIN], self.cfg[kg.G_BPC] = kg.MODE_CODES[mode], 2, bpc
+        self.cfg[kg.G_MAX_CHUNKS], self.cfg[kg.G_USED] = mc, 3
+        self.rows = np.zeros((rows, kg.lane_row_width(mc, bpc, 3)), np.int64)
+        self.ctl = np.zeros(kg.C_COUNT, np.int64)
+        self.efd = os.eventfd(0)
+        self.returned: list[int] = []
+        s = self.s
+        self.thread = threading.Thread(target=lambda: self.returned.append(fn(
+            self.ctl, self.rows, self.efd, np.zeros(1, np.int64), np.zeros(2, np.int64), s["st"], s["table"], s["rel"],
+            s["desc"], s["runs"], s["used"], self.pieces, self.npieces, np.zeros((1, 2), np.int64), self.cfg)), daemon=True)
+        self.thread.start()
+        self.written = 0
+
+    def write(self, kind: int, ids: np.ndarray, bases: np.ndarray, skip: int = 0, busy: bool = False, wev: int = 0) -> int:
+        import os
+
+        row = self.rows[self.written % self.rows.shape[0]]
+        n = bases.shape[0]
+        row[kg.H_KIND], row[kg.H_N], row[kg.H_SKIP], row[kg.H_BUSY], row[kg.H_WEV], row[kg.H_CEV] = kind, n, skip, busy, wev, CEV
+        row[kg.H_IDS : kg.H_IDS + ids.size] = ids
+        b0 = kg.H_IDS + int(self.cfg[kg.G_MAX_CHUNKS] * self.cfg[kg.G_BPC])
+        row[b0 : b0 + n] = bases
+        self.written += 1
+        self.ctl[kg.C_WRITTEN] = self.written
+        os.eventfd_write(self.efd, 1)
+        return self.written - 1
+
+    def wait_done(self, k: int, timeout: float = 10.0) -> None:
+        import time
+
+        end = time.monotonic() + timeout
+        while self.ctl[kg.C_DONE] < k:
+            assert time.monotonic() < end, f"the lane did {self.ctl[kg.C_DONE]} of {k} rows"
+            time.sleep(0.001)
+
+    def row(self, seq: int) -> np.ndarray:
+        return self.rows[seq % self.rows.shape[0]]
+
+    def stop(self) -> None:
+        import os
+
+        self.ctl[kg.C_STOP] = 1
+        os.eventfd_write(self.efd, 1)
+        self.thread.join(10.0)
+        assert not self.thread.is_alive()
+        os.close(self.efd)
+
+
+def test_the_lane_makes_each_rows_calls_in_order_and_writes_the_outcome(fake: tuple[FakeDriver, Any], lane_fn: Any) -> None:
+    drv, _ = fake
+    drv.calls.clear()
+    drv.not_ready = set()
+    drv.fail_launch = -1
+    lane = Lane(lane_fn)
+    try:
+        # a lone 1-chunk STORE after the engine's event: zero-copy, its event on the compute stream
+        a = lane.write(0, IDS[:2], BASES[:1], wev=WEV)
+        lane.wait_done(1)
+        assert drv.calls == [("wait", COMPUTE, WEV), ("launch", 1, 16, COMPUTE, 1000 * kg.R_P_G + 0),
+                             ("record", 300, COMPUTE), ("record", CEV, COMPUTE)]
+        r = lane.row(a)
+        assert (r[kg.H_ERR], r[kg.H_RECORDED], r[kg.H_NUSED]) == (0, 1, 1) and r[r.shape[0] - 3] == 0
+        assert r[kg.H_T_DONE] >= r[kg.H_T_PICK] > 0
+        drv.calls.clear()
+        # a 3-chunk STORE: staging (from 2 chunks), pieces [0,1) [1,3); its copies end on the copy stream
+        b = lane.write(0, IDS, BASES)
+        # and a RETRIEVE of 3 chunks with 3 blocks held (chunk 0 does not travel): staging, m = 2
+        c = lane.write(1, IDS, BASES, skip=3, busy=True)
+        lane.wait_done(3)
+        names = [x[0] for x in drv.calls]
+        assert names == ["launch", "record", "wait", "copy", "launch", "record", "wait", "copy", "record", "record",
+                         "record",  # b: its completion
+                         "copy", "record", "wait", "launch", "copy", "record", "wait", "launch", "record", "record",
+                         "record"]  # c: its completion
+        i_b = names.index("record", 9) + 1  # after b's release and cover records
+        assert drv.calls[10] == ("record", CEV, COPY)  # a staging STORE's completion follows its DMAs
+        assert drv.calls[-1] == ("record", CEV, COMPUTE) and i_b == 10
+        assert [lane.row(x)[kg.H_NUSED] for x in (b, c)] == [2, 2]
+        assert lane.row(c)[lane.rows.shape[1] - 3 : lane.rows.shape[1] - 1].tolist() == [3, 4]
+    finally:
+        lane.stop()
+    assert lane.returned == [3]
+
+
+def test_the_lane_reports_errors_and_skips_rows_once_failed(fake: tuple[FakeDriver, Any], lane_fn: Any) -> None:
+    drv, _ = fake
+    drv.calls.clear()
+    drv.not_ready = set()
+    lane = Lane(lane_fn, mode="zerocopy", rows=2, ring=2)
+    try:
+        drv.fail_launch = sum(1 for x in drv.calls if x[0] == "launch")  # the next launch fails
+        a = lane.write(0, IDS[:2], BASES[:1])
+        lane.wait_done(1)
+        r = lane.row(a)
+        assert r[kg.H_ERR] == 1001 and r[kg.H_WHERE] == kg.W_LAUNCH
+        assert r[kg.H_RECORDED] == 1  # still recorded: what went out must land before the slots move on
+        drv.fail_launch = -1
+        b = lane.write(1, IDS[:2], BASES[:1])  # descriptor entry 1
+        lane.wait_done(2)
+        assert lane.row(b)[kg.H_ERR] == 0 and lane.row(b)[kg.H_NUSED] == 1
+        drv.not_ready = {300}  # entry 0's kernel has not run: the next call finds the ring full
+        c = lane.write(1, IDS[:2], BASES[:1])  # (its row reuses a's: two rows)
+        lane.wait_done(3)
+        assert lane.row(c)[kg.H_ERR] == kg.ERR_RING_FULL and lane.row(c)[kg.H_NUSED] == 0
+        assert lane.row(c)[kg.H_RECORDED] == 1
+        drv.not_ready = set()
+        drv.calls.clear()
+        lane.ctl[kg.C_FAILED] = 1  # the instance failed: what the lane has not taken is skipped
+        d = lane.write(0, IDS[:2], BASES[:1], wev=WEV)
+        lane.wait_done(4)
+        assert drv.calls == [] and lane.row(d)[kg.H_ERR] == kg.LANE_SKIPPED and lane.row(d)[kg.H_RECORDED] == 0
+    finally:
+        drv.fail_launch = -1
+        drv.not_ready = set()
+        lane.stop()
