@@ -507,15 +507,8 @@ class GpuTransferExecutor:
             ok = False  # anything already enqueued still has to land before the slots move on
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        self._link_busy_until[transfer.kind] = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
-        link = inst.links[transfer.kind]
-        # when the instance's own line says it ends: alone, its latency then its bytes; queued,
-        # its bytes after the copy ahead of it (at the rate this instance's copies move at,
-        # which another engine's copies on the same link lower)
-        expected = max(inst.busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
-        inst.busy_until[transfer.kind] = expected
-        p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, expected, kind=transfer.kind,
-                     started=now, alone=alone, starts=self._starts[transfer.kind])
+        p = _Pending(transfer.transfer_id, done, ok, nbytes, entries, pool_dma, self._expected_end(inst, transfer.kind, nbytes, now),
+                     kind=transfer.kind, started=now, alone=alone, starts=self._starts[transfer.kind])
         with self._lock:
             p.event = self._free_events.pop() if self._free_events else None
         try:
@@ -527,9 +520,25 @@ class GpuTransferExecutor:
             # the waiter records one later (a later record covers this transfer's copies too)
             log.exception("transfer %d: no completion event yet", transfer.transfer_id)
             p.event = None
+        self._line_up(inst, p, now, t0, t1, t_wait, t2)
+
+    def _expected_end(self, inst: _Instance, kind: TransferKind, nbytes: int, now: float) -> float:
+        """When a copy of ``nbytes`` started now should end, by the instance's own line: alone,
+        its latency then its bytes; queued, its bytes after the copy ahead of it (at the rate this
+        instance's copies move at, which another engine's copies on the same link lower)."""
+        self._link_busy_until[kind] = max(self._link_busy_until[kind], now) + nbytes / self.link_bytes_per_s
+        link = inst.links[kind]
+        expected = max(inst.busy_until[kind], now + link.lat) + nbytes / link.rate
+        inst.busy_until[kind] = expected
+        return expected
+
+    def _line_up(self, inst: _Instance, p: _Pending, now: float, t0: int, t1: int, t_wait: int, t2: int) -> None:
+        """Put a started transfer at the end of its instance's line (the waiter's), counting the
+        host time its start took: planned at ``t1``, its event found at ``t_wait``, handed to the
+        device (or the lane) at ``t2``."""
         with self._lock:
             self._stats["started"] += 1
-            self._stats["bytes"] += nbytes
+            self._stats["bytes"] += p.nbytes
             p.enqueued_ns = time.perf_counter_ns()
             self._stats["start_ns"] += p.enqueued_ns - t0
             self._stats["plan_ns"] += t1 - t0
@@ -569,25 +578,10 @@ class GpuTransferExecutor:
         seq = lane.write(store, ids, bases, 0 if store else rows.skip_blocks, busy, worker, as_handle(event))
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        self._link_busy_until[transfer.kind] = max(self._link_busy_until[transfer.kind], now) + nbytes / self.link_bytes_per_s
-        link = inst.links[transfer.kind]
-        expected = max(inst.busy_until[transfer.kind], now + link.lat) + nbytes / link.rate
-        inst.busy_until[transfer.kind] = expected
-        p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and inst.transfer.uses_staging(n, busy), expected,
-                     event=event, kind=transfer.kind, started=now, alone=not busy, starts=self._starts[transfer.kind],
-                     lane_seq=seq, absorbed=False)
-        with self._lock:
-            self._stats["started"] += 1
-            self._stats["bytes"] += nbytes
-            p.enqueued_ns = time.perf_counter_ns()
-            self._stats["start_ns"] += p.enqueued_ns - t0
-            self._stats["plan_ns"] += t1 - t0
-            self._stats["enqueue_ns"] += t2 - t1
-            self._stats["wait_ns"] += t_wait - t1
-            if not inst.pending:
-                p.deadline = now + self.transfer_timeout_s
-                inst.cond.notify()
-            inst.pending.append(p)
+        p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and inst.transfer.uses_staging(n, busy),
+                     self._expected_end(inst, transfer.kind, nbytes, now), event=event, kind=transfer.kind, started=now,
+                     alone=not busy, starts=self._starts[transfer.kind], lane_seq=seq, absorbed=False)
+        self._line_up(inst, p, now, t0, t1, t_wait, t2)
 
     def _absorb(self, inst: _Instance, pending: Sequence[_Pending]) -> int:
         """Take what the lane did for the leading transfers it has done; how many lead (the

@@ -20,16 +20,8 @@ from mpcache.core_sm.effects import StartTransfer
 from mpcache.core_sm.messages import TransferKind
 from mpcache.runtime_zmq import gpu_ipc
 from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
+from tests.kernels.test_compiled_enqueue import INT, PROTOS  # the driver functions' ctypes prototypes
 
-U64, U32, INT = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
-PROTOS = {
-    "cuLaunchKernel": (U64, U32, U32, U32, U32, U32, U32, U32, U64, U64, U64),
-    "cuEventRecord": (U64, U64),
-    "cuStreamWaitEvent": (U64, U64, U32),
-    "cuEventQuery": (U64,),
-    "cuMemcpyAsync": (U64, U64, U64, U64),
-    "cuMemcpyBatchAsync_v2": (U64,) * 8,
-}
 SUCCESS, NOT_READY = 0, 600
 COMPUTE, COPY = 100, 200
 C, BS = 8, 4  # chunk tokens, block size: 2 blocks per chunk
