@@ -820,7 +820,8 @@ class GpuTransferExecutor:
         says the first transfer should be done, then looks 10 us later, then 20, 40, 80, 100 us
         apart, less often once late.
         With the compiled poller, sleeping and polling hold no GIL: the thread takes it only
-        to report what ended."""
+        to report what ended. With a copy lane it looks only at the transfers the lane has done
+        (``_absorb``): an event the lane has not recorded yet would read as done."""
         gpu_ipc.ensure_context(self._ordinal)
         if self.poll_path == "compiled":
             from mpcache.kernels.gpu import fine_timer_slack
