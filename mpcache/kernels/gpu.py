@@ -689,8 +689,6 @@ class CudaKVTransfer:
                 npieces[scatter, m] = len(ps)
                 pieces[scatter, m, : len(ps)] = ps
         cfg = np.zeros(G_COUNT, dtype=np.int64)
-        cfg[G_MODE] = MODE_CODES[self.mode]
-        cfg[G_STAGING_MIN] = self.staging_min_chunks
         cfg[G_BPC] = self._bpc
         cfg[G_MAX_CHUNKS] = mc
         cfg[G_USED] = pp + 1
@@ -1121,13 +1119,12 @@ C_WRITTEN, C_DONE, C_STOP, C_FAILED, C_COUNT = 0, 1, 2, 3, 8
 # A lane row (int64): the loop writes the request, the lane the outcome. ``H_IDS``: the flat block
 # ids (n * blocks per chunk), then ``max_chunks * bpc`` words on, the n slot bases (lanes); the
 # descriptor entries the call used follow at ``lane_row_width``'s last words.
-(H_KIND, H_N, H_SKIP, H_BUSY, H_WEV, H_CEV, H_ERR, H_WHERE, H_NUSED, H_RECORDED, H_T_HAND, H_T_PICK, H_T_DONE,
+(H_KIND, H_N, H_SKIP, H_STAGING, H_WEV, H_CEV, H_ERR, H_WHERE, H_NUSED, H_RECORDED, H_T_HAND, H_T_PICK, H_T_DONE,
  H_IDS) = range(14)
 LANE_SKIPPED = -1  # H_ERR of a row the lane did not enqueue (its instance had failed)
-MODE_CODES = {"zerocopy": 0, "staging": 1, "auto": 2}
-# Lane parameters (``cfg``, int64): mode, staging from this many chunks, blocks per chunk, max chunks,
-# used-entry words per row.
-G_MODE, G_STAGING_MIN, G_BPC, G_MAX_CHUNKS, G_USED, G_COUNT = range(6)
+# Lane parameters (``cfg``, int64): blocks per chunk, max chunks, used-entry words per row. (Whether a
+# call goes through staging is the loop's decision, ``CudaKVTransfer.uses_staging``, in its row.)
+G_BPC, G_MAX_CHUNKS, G_USED, G_COUNT = range(4)
 
 
 def lane_row_width(max_chunks: int, bpc: int, used: int) -> int:
@@ -1207,8 +1204,7 @@ def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
         n = row[H_N]
         scatter = row[H_KIND] == 1
         skip = row[H_SKIP]
-        mode = cfg[G_MODE]
-        staging = mode == 1 or (mode == 2 and (row[H_BUSY] != 0 or n >= cfg[G_STAGING_MIN]))
+        staging = row[H_STAGING] != 0
         ids = row[H_IDS : H_IDS + n * bpc]
         b0 = H_IDS + cfg[G_MAX_CHUNKS] * bpc
         bases = row[b0 : b0 + n]

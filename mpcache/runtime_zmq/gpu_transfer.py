@@ -228,9 +228,10 @@ class _CopyLane:
         self._fn(self.ctl, self.rows, self.efd, np.zeros(1, np.int64), np.zeros(2, np.int64), s["st"], s["ring"],
                  s["rel"], s["desc"], s["runs"], s["used"], s["pieces"], s["npieces"], s["one_piece"], s["cfg"])
 
-    def write(self, store: bool, ids: np.ndarray, bases: np.ndarray, skip: int, busy: bool, worker_event: int,
+    def write(self, store: bool, ids: np.ndarray, bases: np.ndarray, skip: int, staging: bool, worker_event: int,
               completion_event: int) -> int:
-        """Hand the lane one checked call (flat block ids, slot bases in lanes); its row number."""
+        """Hand the lane one checked call (flat block ids, slot bases in lanes; ``staging``: through
+        the device staging buffer, as ``CudaKVTransfer.uses_staging`` decided); its row number."""
         kg = self.kg
         seq = self.written
         row = self.rows[seq % self.rows.shape[0]]
@@ -238,7 +239,7 @@ class _CopyLane:
         row[kg.H_KIND] = 0 if store else 1
         row[kg.H_N] = n
         row[kg.H_SKIP] = skip
-        row[kg.H_BUSY] = int(busy)
+        row[kg.H_STAGING] = int(staging)
         row[kg.H_WEV] = worker_event
         row[kg.H_CEV] = completion_event
         row[kg.H_IDS : kg.H_IDS + ids.shape[0]] = ids
@@ -575,10 +576,13 @@ class GpuTransferExecutor:
         if event is None:
             event = self._new_event()
         t_wait = time.perf_counter_ns()
-        seq = lane.write(store, ids, bases, 0 if store else rows.skip_blocks, busy, worker, as_handle(event))
+        # decided once, here: the lane takes it as written, and a staging STORE's DMAs into L1 are
+        # what keeps it held past a failure (pool_dma)
+        staging = inst.transfer.uses_staging(n, busy)
+        seq = lane.write(store, ids, bases, 0 if store else rows.skip_blocks, staging, worker, as_handle(event))
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
-        p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and inst.transfer.uses_staging(n, busy),
+        p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and staging,
                      self._expected_end(inst, transfer.kind, nbytes, now), event=event, kind=transfer.kind, started=now,
                      alone=not busy, starts=self._starts[transfer.kind], lane_seq=seq, absorbed=False)
         self._line_up(inst, p, now, t0, t1, t_wait, t2)

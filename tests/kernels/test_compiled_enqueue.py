@@ -168,9 +168,9 @@ def lane_fn(fake: tuple[FakeDriver, Any]) -> Any:
 
 class Lane:
     """A lane thread over ``state()``: pieces of 1 then the rest (as CudaKVTransfer._pieces with
-    growth 4 for up to 4 chunks), ``mode`` auto with staging from 2 chunks."""
+    growth 4 for up to 4 chunks); each row says whether it goes through staging."""
 
-    def __init__(self, fn: Any, mode: str = "auto", rows: int = 4, ring: int = 8) -> None:
+    def __init__(self, fn: Any, rows: int = 4, ring: int = 8) -> None:
         import os
         import threading
 
@@ -185,7 +185,7 @@ class Lane:
                 self.npieces[sc, m] = len(seq)
                 self.pieces[sc, m, : len(seq)] = seq
         self.cfg = np.zeros(kg.G_COUNT, np.int64)
-        self.cfg[kg.G_MODE], self.cfg[kg.G_STAGING_MIN], self.cfg[kg.G_BPC] = kg.MODE_CODES[mode], 2, bpc
+        self.cfg[kg.G_BPC] = bpc
         self.cfg[kg.G_MAX_CHUNKS], self.cfg[kg.G_USED] = mc, 3
         self.rows = np.zeros((rows, kg.lane_row_width(mc, bpc, 3)), np.int64)
         self.ctl = np.zeros(kg.C_COUNT, np.int64)
@@ -198,12 +198,12 @@ class Lane:
         self.thread.start()
         self.written = 0
 
-    def write(self, kind: int, ids: np.ndarray, bases: np.ndarray, skip: int = 0, busy: bool = False, wev: int = 0) -> int:
+    def write(self, kind: int, ids: np.ndarray, bases: np.ndarray, skip: int = 0, staging: bool = False, wev: int = 0) -> int:
         import os
 
         row = self.rows[self.written % self.rows.shape[0]]
         n = bases.shape[0]
-        row[kg.H_KIND], row[kg.H_N], row[kg.H_SKIP], row[kg.H_BUSY], row[kg.H_WEV], row[kg.H_CEV] = kind, n, skip, busy, wev, CEV
+        row[kg.H_KIND], row[kg.H_N], row[kg.H_SKIP], row[kg.H_STAGING], row[kg.H_WEV], row[kg.H_CEV] = kind, n, skip, staging, wev, CEV
         row[kg.H_IDS : kg.H_IDS + ids.size] = ids
         b0 = kg.H_IDS + int(self.cfg[kg.G_MAX_CHUNKS] * self.cfg[kg.G_BPC])
         row[b0 : b0 + n] = bases
@@ -249,10 +249,10 @@ def test_the_lane_makes_each_rows_calls_in_order_and_writes_the_outcome(fake: tu
         assert (r[kg.H_ERR], r[kg.H_RECORDED], r[kg.H_NUSED]) == (0, 1, 1) and r[r.shape[0] - 3] == 0
         assert r[kg.H_T_DONE] >= r[kg.H_T_PICK] > 0
         drv.calls.clear()
-        # a 3-chunk STORE: staging (from 2 chunks), pieces [0,1) [1,3); its copies end on the copy stream
-        b = lane.write(0, IDS, BASES)
+        # a 3-chunk STORE through staging, pieces [0,1) [1,3); its copies end on the copy stream
+        b = lane.write(0, IDS, BASES, staging=True)
         # and a RETRIEVE of 3 chunks with 3 blocks held (chunk 0 does not travel): staging, m = 2
-        c = lane.write(1, IDS, BASES, skip=3, busy=True)
+        c = lane.write(1, IDS, BASES, skip=3, staging=True)
         lane.wait_done(3)
         names = [x[0] for x in drv.calls]
         assert names == ["launch", "record", "wait", "copy", "launch", "record", "wait", "copy", "record", "record",
@@ -273,7 +273,7 @@ def test_the_lane_reports_errors_and_skips_rows_once_failed(fake: tuple[FakeDriv
     drv, _ = fake
     drv.calls.clear()
     drv.not_ready = set()
-    lane = Lane(lane_fn, mode="zerocopy", rows=2, ring=2)
+    lane = Lane(lane_fn, rows=2, ring=2)
     try:
         drv.fail_launch = sum(1 for x in drv.calls if x[0] == "launch")  # the next launch fails
         a = lane.write(0, IDS[:2], BASES[:1])
