@@ -518,9 +518,10 @@ class CudaKVTransfer:
         self._check_size(n)
         if self._enq is not None:
             return self._compiled_call(False, self.uses_staging(n, busy), ids, bases, 0, join)
-        if not self.uses_staging(n, busy):
+        staging = self.uses_staging(n, busy)
+        self._touched.add("copy" if ends_on_copy_stream(False, staging, join) else "compute")
+        if not staging:
             self._check_ring(1)
-            self._touched.add("compute")
             return self._mark([self._launch(self._gather, self._pool, ids, bases, 0)])
         # Pipelined: the DMA of piece p (copy stream) overlaps the gather of piece p+1.
         bpc = self._bpc
@@ -536,9 +537,6 @@ class CudaKVTransfer:
         self._release(r0, n, "copy", self._copy_stream)
         if join:
             self._order(self._copy_stream, self.stream, 1)
-            self._touched.add("compute")
-        else:
-            self._touched.add("copy")
         return used
 
     def scatter(self, slot_offsets: Sequence[int] | np.ndarray, block_ids: np.ndarray, skip_blocks: int = 0, *,
@@ -552,8 +550,9 @@ class CudaKVTransfer:
         self._check_size(n)
         if self._enq is not None:
             return self._compiled_call(True, self.uses_staging(n, busy), ids, bases, skip_blocks, join)
-        self._touched.add("compute")
-        if not self.uses_staging(n, busy):
+        staging = self.uses_staging(n, busy)
+        self._touched.add("copy" if ends_on_copy_stream(True, staging, join) else "compute")
+        if not staging:
             self._check_ring(1)
             return self._mark([self._launch(self._scatter, self._pool, ids, bases, skip_blocks)])
         bpc = self.geometry.blocks_per_chunk
@@ -712,7 +711,7 @@ class CudaKVTransfer:
         st = self._st
         cnt = self._enq(op, ids, bases, skip, pieces, st, self._ring_table, self._rel, self._desc_2d, self._runs,
                         self._used_out)
-        self._touched.add("compute" if scatter or not staging or join else "copy")
+        self._touched.add("copy" if ends_on_copy_stream(scatter, staging, join) else "compute")
         err = int(st[S_ERR])
         if err:
             st[S_ERR] = 0
@@ -1127,6 +1126,17 @@ LANE_SKIPPED = -1  # H_ERR of a row the lane did not enqueue (its instance had f
 G_BPC, G_MAX_CHUNKS, G_USED, G_COUNT = range(4)
 
 
+def ends_on_copy_stream(scatter: bool, staging: bool, join: bool) -> bool:
+    """Whether the last work of a call that enqueued something is on the copy stream, where its
+    completion must then be recorded: a STORE through staging whose DMAs into L1 are not joined
+    back into the compute stream. Every other call ends on the compute stream. The one rule for
+    ``CudaKVTransfer`` (``completion_stream``) and the copy lane (compiled from this very function)."""
+    return staging and not scatter and not join
+
+
+_ends_on_copy_stream = numba.njit(nogil=True)(ends_on_copy_stream)
+
+
 def lane_row_width(max_chunks: int, bpc: int, used: int) -> int:
     return H_IDS + max_chunks * bpc + max_chunks + used
 
@@ -1223,15 +1233,13 @@ def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
                 op |= OP_STAGING
                 if scatter:
                     m = n - skip // bpc
-                copy_only = not scatter  # a staging STORE ends on the copy stream (join=False)
             if m > 0:
+                copy_only = _ends_on_copy_stream(scatter, staging, False)  # the lane never joins
                 if staging:
                     cnt = enqueue(op, ids, bases, skip, pieces[1 if scatter else 0, m, : npieces[1 if scatter else 0, m]],
                                   st, ring, rel, desc, runs, used)
                 else:
                     cnt = enqueue(op, ids, bases, skip, one_piece, st, ring, rel, desc, runs, used)
-            else:
-                copy_only = False  # nothing enqueued: the completion follows the compute stream
         row[H_ERR] = st[S_ERR]
         row[H_WHERE] = st[S_WHERE]
         st[S_ERR] = 0
@@ -1239,8 +1247,8 @@ def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
         u0 = row.shape[0] - cfg[G_USED]
         for i in range(cnt):
             row[u0 + i] = used[i]
-        # after every copy of the transfer (CudaKVTransfer.record_completion): a staging STORE's
-        # DMAs are last on the copy stream; everything else ends on the compute stream
+        # after every copy of the transfer (CudaKVTransfer.record_completion); nothing enqueued:
+        # the compute stream
         stream = st[S_COPY] if copy_only else st[S_COMPUTE]
         if record(st, row[H_CEV], stream):
             row[H_RECORDED] = 1
