@@ -7,6 +7,7 @@ The server has its own entry point, since it must also answer the request that f
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Generic, TypeVar
 
 from mpcache.core_sm.effects import Effect
@@ -19,6 +20,11 @@ class GuardedMachine(Generic[EventT]):
     time-driven work due at ``now``) and ``_dispatch`` (one event)."""
 
     _counters: dict[str, int]
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """The machine's own counters, live (read them; ``stats()`` is a copy with more)."""
+        return self._counters
 
     def handle(self, event: EventT, now: float) -> list[Effect]:
         """Feed one event; returns the effects, in order. Never raises: events meant for other

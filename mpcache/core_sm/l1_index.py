@@ -58,7 +58,7 @@ import enum
 import itertools
 import heapq
 from collections.abc import Callable, Iterable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import attrs
 
@@ -1037,6 +1037,11 @@ class L1Index:
         self.quota.check(objs)
         released = sum(self._leases_released.values())
         assert self._leases_taken == held + released, "a lease was neither held nor released once"
+
+    def state_parts(self) -> tuple[Any, ...]:
+        """The index and the parts it is made of (its quota, its expiry timers), each with its
+        ``STATE_FIELDS``: what the server's ``state_parts`` lists for it."""
+        return (self, self.quota, self._expiries)
 
     # ----------------------------------------------------------------------------- internals
 

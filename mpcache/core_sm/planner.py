@@ -68,7 +68,7 @@ each rank's worker stores and loads its own objects (``ObjectKey(chunk, rank)``)
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import TypeVar
 
 from mpcache.core_sm.effects import Effect
@@ -201,6 +201,11 @@ class StepPlanner:
 
     def state(self, request_id: str) -> RequestState:
         return self._state_of(request_id)
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """The machine's own counters, live (read them; ``stats()`` is a copy with more)."""
+        return self._counters
 
     def stats(self) -> dict[str, int]:
         out = dict(self._counters)

@@ -41,7 +41,7 @@ one way: server -> jobs -> L2 work -> instances, server -> transfers -> (instanc
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mpcache.core_sm.chunks import ObjectKey
@@ -298,9 +298,8 @@ class LookupServer:
         """The server and the parts it is made of, each with its ``STATE_FIELDS``, in the order
         ``state_values`` writes them."""
         ctx = self.ctx
-        index = ctx.index
         jobs = self.jobs
-        return (self, ctx, ctx.timers, index, index.quota, index._expiries, self.instances, self.l2, jobs, jobs.jobs,
+        return (self, ctx, ctx.timers, *ctx.index.state_parts(), self.instances, self.l2, jobs, jobs.jobs,
                 jobs.reap_queue, self.transfers)
 
     def state_values(self) -> tuple[Any, ...]:
@@ -319,6 +318,11 @@ class LookupServer:
         own = self._counters
         own.update(zip(tuple(own), counters))
         restore_parts(self.state_parts(), parts, [])
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """The machine's own counters, live (read them; ``stats()`` is a copy with more)."""
+        return self._counters
 
     def stats(self) -> dict[str, int]:
         """A snapshot for metrics and simulator oracles (flat name → int)."""

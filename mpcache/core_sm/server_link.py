@@ -50,7 +50,7 @@ callers' requests: their deadline only drops the entry (the monitor's own timeou
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Union
 
 import attrs
@@ -313,6 +313,11 @@ class ServerLink:
         own = self._counters
         own.update(zip(tuple(own), counters))
         self.monitor.restore(monitor)
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """The machine's own counters, live (read them; ``stats()`` is a copy with more)."""
+        return self._counters
 
     def stats(self) -> dict[str, int]:
         return {**self._counters, **{f"health_{k}": v for k, v in self.monitor.stats().items()}}

@@ -53,6 +53,7 @@ listed transition happening.
 """
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from operator import attrgetter, is_
@@ -299,6 +300,157 @@ class Dispatcher(Generic[S]):
             if not refused:
                 self._counters["table_violations"] += 1
         return True
+
+    def shared_parts(self) -> tuple[Any, ...]:
+        """What every copy of this dispatcher shares with it: its table, its rows' keys and
+        next-state sets (a model checker names them shared before it copies machines)."""
+        return (self.table, *self._fast.keys(), *(n for _h, n, _a in self._fast.values()), *self._bound.keys(),
+                *(n for _h, n in self._bound.values()))
+
+    def copied(self, memo: dict[int, Any], dc: Callable[[Any, dict[int, Any]], Any] = copy.deepcopy) -> Dispatcher[Any]:
+        """This dispatcher as part of a deep copy of its machine (``memo`` as ``copy.deepcopy``'s;
+        ``dc`` the copier of everything else): the table and the rows' next-state sets shared,
+        every handler (and guard, and the machine's ``set_state``) bound again to the copied
+        machine -- lazily, at the copy's first use, where they are all bound on one machine."""
+        return _copy_dispatcher(self, memo, dc)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Dispatcher[Any]:
+        return _copy_dispatcher(self, memo, copy.deepcopy)
+
+
+# ---- copies of a dispatcher (a model checker copies machines; ``Dispatcher.copied``) ----------
+# A copy shares the table and the rows' next-state sets and binds every handler again, to the
+# copied machine: where the handlers are all bound on one machine, lazily, at the copy's first
+# use, from a template per table and machine class.
+
+
+@attrs.frozen
+class DispatcherTemplate:
+    """What every copy of a dispatcher of one table bound on one machine class shares: the
+    table's distinct handler and guard functions, and each row's key, function (by index) and
+    next states, as the dispatcher holds them."""
+
+    funcs: tuple[Any, ...]
+    bound: tuple[tuple[Any, int, Any], ...]
+    fast: tuple[tuple[Any, int, Any, Any], ...]
+    guards: tuple[tuple[type, int], ...]
+
+
+_TEMPLATES: dict[tuple[Table[Any], type], DispatcherTemplate | None] = {}  # by table and machine class
+TEMPLATE_PARTS: set[int] = set()  # what the templates hold (row keys, next states): shared by every copy
+
+
+def _owner(d: Dispatcher[Any]) -> Any:
+    for h, _n in d._bound.values():
+        return getattr(h, "__self__", None)
+    return None
+
+
+def _template(d: Dispatcher[Any], owner: Any) -> DispatcherTemplate | None:
+    """The dispatcher's template, or None where its handlers are not all bound on one machine
+    (then it is copied handler by handler)."""
+    key = (d.table, type(owner))
+    if key in _TEMPLATES:
+        return _TEMPLATES[key]
+    index: dict[Any, int] = {}
+    methods: list[Any] = [h for h, _n in d._bound.values()] + [h for h, _n, _a in d._fast.values()] + list(
+        d._guards.values())
+    template = None
+    if all(isinstance(h, MethodType) and h.__self__ is owner for h in methods):
+        func = attrgetter("__func__")
+        bound = tuple((k, index.setdefault(func(h), len(index)), n) for k, (h, n) in d._bound.items())
+        fast = tuple((k, index.setdefault(func(h), len(index)), n, a) for k, (h, n, a) in d._fast.items())
+        guards = tuple((t, index.setdefault(func(g), len(index))) for t, g in d._guards.items())
+        template = DispatcherTemplate(tuple(index), bound, fast, guards)
+        TEMPLATE_PARTS.update(id(x) for row in (*bound, *fast) for x in (row, *row))
+    _TEMPLATES[key] = template
+    return template
+
+
+_WIRES = ("_address", "_state_of", "_refuse", "_set_state")  # a dispatcher's callables besides its rows
+_LAZY = frozenset({"_bound", "_fast", "_guards", *_WIRES})  # what a lazy copy binds at its first use
+
+
+class LazyDispatcher(Dispatcher[Any]):
+    """A dispatcher's copy whose handlers are bound to the copied machine at its first use (any
+    of ``_LAZY`` read), not when the machine is copied: an action runs one or two of a machine's
+    dispatchers, a server has four (73 rows, each bound twice: ``_bound`` and ``_fast``). Until
+    then it holds its template, the copied machine, and its other callables as (function, copied
+    object) pairs or shared values; ``table``, ``trace`` and the counters are its own at once."""
+
+    _plan: tuple[DispatcherTemplate, Any, tuple[tuple[str, Any, Any], ...]]
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _LAZY:
+            raise AttributeError(name)
+        self._bind()
+        return vars(self)[name]
+
+    def _bind(self) -> None:
+        template, owner, wires = vars(self).pop("_plan")
+        bound = [MethodType(f, owner) for f in template.funcs]
+        ns = vars(self)
+        ns["_bound"] = {k: (bound[i], n) for k, i, n in template.bound}
+        ns["_fast"] = {k: (bound[i], n, a) for k, i, n, a in template.fast}
+        ns["_guards"] = {t: bound[i] for t, i in template.guards}
+        for name, func, obj in wires:
+            ns[name] = obj if func is None else MethodType(func, obj)
+
+
+def _wires(d: Dispatcher[Any], memo: dict[int, Any],
+           dc: Callable[[Any, dict[int, Any]], Any]) -> tuple[tuple[str, Any, Any], ...]:
+    """A dispatcher's callables besides its rows, for a lazy copy: a bound method as (its
+    function, the copy of its object), anything else copied (a function: shared)."""
+    plan = vars(d).get("_plan")
+    if plan is not None:  # a lazy copy not bound yet
+        return tuple((n, f, dc(o, memo)) for n, f, o in plan[2])
+    out: list[tuple[str, Any, Any]] = []
+    for name in _WIRES:
+        h = vars(d)[name]
+        if type(h) is MethodType:
+            out.append((name, h.__func__, dc(h.__self__, memo)))
+        else:
+            out.append((name, None, dc(h, memo)))
+    return tuple(out)
+
+
+def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any],
+                     dc: Callable[[Any, dict[int, Any]], Any] = copy.deepcopy) -> Dispatcher[Any]:
+    """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
+    (and guard, and the machine's set_state) bound again to the copied machine. Where its
+    handlers are all bound on one machine, the copy is a ``LazyDispatcher``: bound at its first
+    use, once per distinct function, from the template of its table and machine class (copy's
+    generic path rebuilds every row tuple and bound method through __reduce_ex__)."""
+    ns = vars(d)
+    plan = ns.get("_plan")
+    if plan is not None:
+        template, owner = plan[0], plan[1]
+    else:
+        owner = _owner(d)
+        template = _template(d, owner)
+    if template is not None:
+        lazy: LazyDispatcher = LazyDispatcher.__new__(LazyDispatcher)
+        memo[id(d)] = lazy
+        lns = vars(lazy)
+        for name, value in ns.items():
+            if name not in _LAZY and name != "_plan":
+                lns[name] = dc(value, memo)
+        lns["_plan"] = (template, dc(owner, memo), _wires(d, memo, dc))
+        return lazy
+    new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
+    memo[id(d)] = new
+    ns = dict(ns)
+
+    def rebind(h: Any) -> Any:
+        return MethodType(h.__func__, dc(h.__self__, memo))
+
+    ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
+    ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
+    ns["_guards"] = {t: rebind(g) for t, g in d._guards.items()}
+    for name in _WIRES + ("_counters", "trace"):
+        ns[name] = dc(ns[name], memo)
+    vars(new).update(ns)
+    return new
 
 
 def run_due_timers(timers: TimerHeap, dispatcher_of: Callable[[Timer], Dispatcher[Any]], now: float,

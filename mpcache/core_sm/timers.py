@@ -188,8 +188,7 @@ class ReapQueue(Generic[T]):
             self._compact()
 
     def _compact(self) -> None:
-        live = [(t, i) for t, i in zip(self._times[self._head:], self._items[self._head:])
-                if i is not None and self._live(i)]
+        live = self.live_entries()
         self._times = array("d", (t for t, _i in live))
         self._items = [i for _t, i in live]
         self._head = 0
@@ -225,3 +224,9 @@ class ReapQueue(Generic[T]):
     def items(self) -> list[T]:
         """Every entry still queued, live or stale (tests and invariants)."""
         return [i for i in self._items[self._head:] if i is not None]
+
+    def live_entries(self) -> list[tuple[float, T]]:
+        """``(time, item)`` of every live entry, in the order they come due (checkers comparing
+        states)."""
+        return [(t, i) for t, i in zip(self._times[self._head:], self._items[self._head:])
+                if i is not None and self._live(i)]

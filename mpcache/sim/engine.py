@@ -256,7 +256,7 @@ class SimEngine:
             t = self.world.t0 + req.spec.arrival
             self.world.timeline.at(t, self._arrive, req)
             if req.spec.abort_after is not None:
-                self.world.timeline.at(t + req.spec.abort_after, self._abort, req)
+                self.world.timeline.at(t + req.spec.abort_after, self.abort, req)
 
     def call(self, node: Node, machine: str, event: Any) -> list[Any]:
         """A synchronous call from vLLM into a machine (as the connector does), then re-arm."""
@@ -495,7 +495,7 @@ class SimEngine:
         """The scenario's abort timed to an operation in flight (``RequestSpec.abort_on``)."""
         if req.spec.abort_on == what and not req.abort_armed:
             req.abort_armed = True
-            self.world.timeline.after(req.spec.abort_delay, self._abort, req)
+            self.world.timeline.after(req.spec.abort_delay, self.abort, req)
 
     def _check_leases_accounted(self, req: SimRequest) -> None:
         """F8 at allocation: every token range of the hit is either read by the planned retrieve
@@ -802,7 +802,8 @@ class SimEngine:
         self.world.note_done(req.rid, sched_name(self.index))
         self.world.trace.line(req.finished_at, sched_name(self.index), f"request {req.rid} done ({req.outcome})")
 
-    def _abort(self, req: SimRequest) -> None:
+    def abort(self, req: SimRequest) -> None:
+        """vLLM aborts ``req`` (a tape's ``abort`` action); nothing once it is finishing or done."""
         if self.crashed or req.state in ("pending", "finishing", "done", "decoding"):
             return
         self.world.trace.line(self.world.now(), sched_name(self.index), f"abort {req.rid} in {req.state}")

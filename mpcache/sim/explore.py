@@ -612,8 +612,7 @@ class Explorer:
         frozen rows, its configuration; and give every dispatcher a trace (coverage)."""
         for d in dispatchers(machine):
             d.trace = []
-            for obj in (d.table, *d._fast.keys(), *(n for _h, n, _a in d._fast.values()), *d._bound.keys(),
-                        *(n for _h, n in d._bound.values())):
+            for obj in d.shared_parts():
                 self._static[id(obj)] = obj
                 self._pinned.append(obj)
         monitor = getattr(machine, "monitor", None)
@@ -1038,13 +1037,13 @@ class Explorer:
         health and epoch verdicts to it."""
         name = node_name(node, e)
         deliver = self._client_event if node == 0 else self._worker_event
-        internal = self.link(st, e, s, node)._counters["internal_errors"]
+        internal = self.link(st, e, s, node).counters["internal_errors"]
         link, effects = self._step(st, ("l", (node * self.world.engines + e) * self.world.servers + s), (event,))
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {name:<11} link{s}: {short(event)} -> "
                               f"[{', '.join(short(x) for x in effects)}]")
         self._drain(link)
-        if self.strict and link._counters["internal_errors"] != internal:
+        if self.strict and link.counters["internal_errors"] != internal:
             return Violation("SAFETY", st.now, name, f"internal error in the link on {short(event)}")
         for effect in effects:
             v: Violation | None = None
@@ -1098,7 +1097,7 @@ class Explorer:
         book = self._own_book(st, s)
         node = f"server{s}"
         # what the server counted before, read without restoring it (a remembered step needs none)
-        counters = stored.counters if type(stored) is Held else stored._counters
+        counters = stored.counters  # a Held keeps a copy: read without a restore
         before = (counters["table_violations"], counters["internal_errors"])
         name = type(event).__name__
         if via is not None:
@@ -1142,7 +1141,7 @@ class Explorer:
                 return v
             server, more = self._step(st, ("s", s), (TransferFinished(start.transfer_id, ok), None))
             effects += more
-        counters = server._counters
+        counters = server.counters
         self.reached.add((ROUTING, "SERVING", name))  # the routing table keeps no trace
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} server: {short(event)} -> "
@@ -1260,7 +1259,7 @@ class Explorer:
         server = self._own_server(st, s)
         book = st.books[s]
         node = f"server{s}"
-        counters = server._counters
+        counters = server.counters
         before_counts = (counters["table_violations"], counters["internal_errors"])
         early = server.handle(TimerFired(), st.now)  # due time-driven work first, as the oracle does
         self._emit(st, s, early, {x.reply_to: book.awaiting.pop(x.reply_to) for x in early
@@ -1315,15 +1314,15 @@ class Explorer:
         client = self.client(st, e)
         lc = self.lookups(client)
         node = f"sched{e}"
-        counters = lc._counters
-        own = client._counters  # the planner's, in a planner world (the lookup client's otherwise)
+        counters = lc.counters
+        own = client.counters  # the planner's, in a planner world (the lookup client's otherwise)
         before = (counters["internal_errors"], counters.get("table_violations", 0), counters["timeouts"],
                   own["internal_errors"], own.get("table_violations", 0))
         watched = [r for r in sorted({k[0] for k, _n in st.hits}) if lc.state(r) is not LookupState.DONE]
         client, effects = self._step(st, ("c", e), (event,))
         lc = self.lookups(client)
-        counters = lc._counters
-        own = client._counters
+        counters = lc.counters
+        own = client.counters
         self._effects = effects
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} {'planner' if lc is not client else 'lookup'}: "
@@ -1491,10 +1490,10 @@ class Explorer:
         own link, in the role ``sim/transport.py`` gives it (a registration, a request naming the
         instance)."""
         node = node_name(1, e)
-        counters = st.workers[e]._counters
+        counters = st.workers[e].counters
         before = (counters["internal_errors"], counters.get("table_violations", 0))
         worker, effects = self._step(st, ("w", e), (event,))
-        counters = worker._counters
+        counters = worker.counters
         if self.lines is not None:
             self.lines.append(f"{st.now:12.6f} {node:<11} transfer: {short(event)} -> "
                               f"[{', '.join(short(x) for x in effects)}]")

@@ -9,7 +9,7 @@ state holds.
   ``copy.deepcopy`` would build (what ``memo`` names shared: tables, configurations, frozen rows)
   by a copier chosen once per type; a ``Dispatcher``'s copy is a ``LazyDispatcher``, its handlers
   bound to the copy at its first use, once per distinct function, from a template per table and
-  machine class. ``copy.deepcopy`` of a ``Dispatcher`` does the same (registered here, on import).
+  machine class (``Dispatcher.copied``, core_sm's; ``copy.deepcopy`` of a ``Dispatcher`` does the same).
 * ``dispatchers(machine)``: every dispatcher of a machine and of the sub-machines it holds;
   ``dispatchers_of(machine)`` the same, by the attribute paths found once per machine class.
 * ``snapshot(obj, ren)``: a canonical nested-tuple picture of a machine's state, strings renamed
@@ -38,143 +38,9 @@ import attrs
 
 from mpcache.core_sm.chunks import ChunkChain
 from mpcache.core_sm.server_link import ServerLink
-from mpcache.core_sm.table import Dispatcher, Table
+from mpcache.core_sm.table import TEMPLATE_PARTS, Dispatcher, DispatcherTemplate, LazyDispatcher, Table
+from mpcache.core_sm.timers import ReapQueue, TimerHeap
 
-@attrs.frozen
-class _Template:
-    """What every copy of a dispatcher of one table bound on one machine class shares: the
-    table's distinct handler and guard functions, and each row's key, function (by index) and
-    next states, as the dispatcher holds them."""
-
-    funcs: tuple[Any, ...]
-    bound: tuple[tuple[Any, int, Any], ...]
-    fast: tuple[tuple[Any, int, Any, Any], ...]
-    guards: tuple[tuple[type, int], ...]
-
-
-_TEMPLATES: dict[tuple[Table[Any], type], _Template | None] = {}
-_TEMPLATE_PARTS: set[int] = set()  # what the templates hold (row keys, next states): shared by every copy
-
-
-def _owner(d: Dispatcher[Any]) -> Any:
-    for h, _n in d._bound.values():
-        return getattr(h, "__self__", None)
-    return None
-
-
-def _template(d: Dispatcher[Any], owner: Any) -> _Template | None:
-    """The dispatcher's template, or None where its handlers are not all bound on one machine
-    (then it is copied handler by handler)."""
-    key = (d.table, type(owner))
-    if key in _TEMPLATES:
-        return _TEMPLATES[key]
-    index: dict[Any, int] = {}
-    methods: list[Any] = [h for h, _n in d._bound.values()] + [h for h, _n, _a in d._fast.values()] + list(
-        d._guards.values())
-    template = None
-    if all(isinstance(h, types.MethodType) and h.__self__ is owner for h in methods):
-        func = operator.attrgetter("__func__")
-        bound = tuple((k, index.setdefault(func(h), len(index)), n) for k, (h, n) in d._bound.items())
-        fast = tuple((k, index.setdefault(func(h), len(index)), n, a) for k, (h, n, a) in d._fast.items())
-        guards = tuple((t, index.setdefault(func(g), len(index))) for t, g in d._guards.items())
-        template = _Template(tuple(index), bound, fast, guards)
-        _TEMPLATE_PARTS.update(id(x) for row in (*bound, *fast) for x in (row, *row))
-    _TEMPLATES[key] = template
-    return template
-
-
-_WIRES = ("_address", "_state_of", "_refuse", "_set_state")  # a dispatcher's callables besides its rows
-_LAZY = frozenset({"_bound", "_fast", "_guards", *_WIRES})  # what a lazy copy binds at its first use
-
-
-class LazyDispatcher(Dispatcher[Any]):
-    """A dispatcher's copy whose handlers are bound to the copied machine at its first use (any
-    of ``_LAZY`` read), not when the machine is copied: an action runs one or two of a machine's
-    dispatchers, a server has four (73 rows, each bound twice: ``_bound`` and ``_fast``). Until
-    then it holds its template, the copied machine, and its other callables as (function, copied
-    object) pairs or shared values; ``table``, ``trace`` and the counters are its own at once."""
-
-    _plan: tuple[_Template, Any, tuple[tuple[str, Any, Any], ...]]
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in _LAZY:
-            raise AttributeError(name)
-        self._bind()
-        return vars(self)[name]
-
-    def _bind(self) -> None:
-        template, owner, wires = vars(self).pop("_plan")
-        bound = [types.MethodType(f, owner) for f in template.funcs]
-        ns = vars(self)
-        ns["_bound"] = {k: (bound[i], n) for k, i, n in template.bound}
-        ns["_fast"] = {k: (bound[i], n, a) for k, i, n, a in template.fast}
-        ns["_guards"] = {t: bound[i] for t, i in template.guards}
-        for name, func, obj in wires:
-            ns[name] = obj if func is None else types.MethodType(func, obj)
-
-
-def _wires(d: Dispatcher[Any], memo: dict[int, Any],
-           dc: Callable[[Any, dict[int, Any]], Any]) -> tuple[tuple[str, Any, Any], ...]:
-    """A dispatcher's callables besides its rows, for a lazy copy: a bound method as (its
-    function, the copy of its object), anything else copied (a function: shared)."""
-    plan = vars(d).get("_plan")
-    if plan is not None:  # a lazy copy not bound yet
-        return tuple((n, f, dc(o, memo)) for n, f, o in plan[2])
-    out: list[tuple[str, Any, Any]] = []
-    for name in _WIRES:
-        h = vars(d)[name]
-        if type(h) is types.MethodType:
-            out.append((name, h.__func__, dc(h.__self__, memo)))
-        else:
-            out.append((name, None, dc(h, memo)))
-    return tuple(out)
-
-
-def _copy_dispatcher(d: Dispatcher[Any], memo: dict[int, Any],
-                     dc: Callable[[Any, dict[int, Any]], Any] = copy.deepcopy) -> Dispatcher[Any]:
-    """deepcopy of a Dispatcher: the table and the rows' next-state sets shared, every handler
-    (and guard, and the machine's set_state) bound again to the copied machine. Where its
-    handlers are all bound on one machine, the copy is a ``LazyDispatcher``: bound at its first
-    use, once per distinct function, from the template of its table and machine class (copy's
-    generic path rebuilds every row tuple and bound method through __reduce_ex__)."""
-    ns = vars(d)
-    plan = ns.get("_plan")
-    if plan is not None:
-        template, owner = plan[0], plan[1]
-    else:
-        owner = _owner(d)
-        template = _template(d, owner)
-    if template is not None:
-        lazy: LazyDispatcher = LazyDispatcher.__new__(LazyDispatcher)
-        memo[id(d)] = lazy
-        lns = vars(lazy)
-        for name, value in ns.items():
-            if name not in _LAZY and name != "_plan":
-                lns[name] = dc(value, memo)
-        lns["_plan"] = (template, dc(owner, memo), _wires(d, memo, dc))
-        return lazy
-    new: Dispatcher[Any] = Dispatcher.__new__(Dispatcher)
-    memo[id(d)] = new
-    ns = dict(ns)
-
-    def rebind(h: Any) -> Any:
-        return types.MethodType(h.__func__, dc(h.__self__, memo))
-
-    ns["_bound"] = {k: (rebind(h), n) for k, (h, n) in d._bound.items()}
-    ns["_fast"] = {k: (rebind(h), n, a) for k, (h, n, a) in d._fast.items()}
-    ns["_guards"] = {t: rebind(g) for t, g in d._guards.items()}
-    for name in _WIRES + ("_counters", "trace"):
-        ns[name] = dc(ns[name], memo)
-    vars(new).update(ns)
-    return new
-
-
-def _clone_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any]:
-    return _copy_dispatcher(d, memo, clone)
-
-
-copy._deepcopy_dispatch[Dispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
-copy._deepcopy_dispatch[LazyDispatcher] = _copy_dispatcher  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ copies
@@ -309,6 +175,10 @@ def _plain(t: type) -> bool:
             and not hasattr(t, "__deepcopy__"))
 
 
+def _clone_dispatcher(d: Dispatcher[Any], memo: dict[int, Any]) -> Dispatcher[Any]:
+    return d.copied(memo, clone)
+
+
 def _copier_for(t: type) -> _Copier:
     """The copier of type ``t`` (chosen once per type)."""
     exact: dict[type, _Copier] = {dict: _copy_dict, list: _copy_list, tuple: _copy_tuple, set: _copy_set,
@@ -399,7 +269,7 @@ class Held:
 
     def __init__(self, machine: Any, horizon: float) -> None:
         self.cls = type(machine)
-        self.counters: dict[str, int] = dict(machine._counters)  # read without a restore
+        self.counters: dict[str, int] = dict(machine.counters)  # read without a restore
         self.deadline = machine.next_deadline()  # first: it may drop stale timers (no state)
         self.soon = next_deadline(machine, horizon) if isinstance(machine, ServerLink) else self.deadline
         self.values = machine.state_values()
@@ -487,8 +357,8 @@ def deep_size(obj: Any, shared: dict[int, Any] | None = None) -> int:
     seen: set[int] = set()
     skip: tuple[type, ...] = (type, Table, enum.Enum, types.ModuleType)
     if shared is not None:
-        seen.update(shared, _TEMPLATE_PARTS)
-        skip += (_Template,)
+        seen.update(shared, TEMPLATE_PARTS)
+        skip += (DispatcherTemplate,)
     todo = [obj]
     total = 0
     while todo:
@@ -499,10 +369,6 @@ def deep_size(obj: Any, shared: dict[int, Any] | None = None) -> int:
         total += sys.getsizeof(o)
         todo.extend(gc.get_referents(o))
     return total
-
-
-def _by_time(entry: tuple[float, int, Any]) -> tuple[float, int]:
-    return entry[0], entry[1]
 
 
 # Left out of snapshots: counters and configuration (they decide nothing), dispatchers, and the
@@ -585,17 +451,12 @@ def snapshot(obj: Any, ren: dict[str, str], _memo: dict[int, int] | None = None)
             return ("s", tuple(sorted([snap(x) for x in obj], key=repr)))
         if k == _DEQUE:
             return ("q", tuple([snap(x) for x in obj]))
-        live = getattr(obj, "_live", None)
-        if live is not None and callable(live):
-            # A timer heap or reap queue deletes lazily (next_deadline() drops dead entries even
-            # from a stored state): only its live entries, in firing order, are its state.
-            if isinstance(getattr(obj, "_heap", None), list):
-                return ("timers", tuple([(d, snap(t)) for d, _seq, t in sorted(obj._heap, key=_by_time) if live(t)]))
-            items = getattr(obj, "_items", None)
-            if isinstance(items, list):
-                head = obj._head
-                return ("queue", tuple([(t, snap(i)) for t, i in zip(obj._times[head:], items[head:])
-                                        if i is not None and live(i)]))
+        # A timer heap or reap queue deletes lazily (next_deadline() drops dead entries even
+        # from a stored state): only its live entries, in firing order, are its state.
+        if isinstance(obj, TimerHeap):
+            return ("timers", tuple([(d, snap(x)) for d, x in obj.live_entries()]))
+        if isinstance(obj, ReapQueue):
+            return ("queue", tuple([(d, snap(x)) for d, x in obj.live_entries()]))
         fields = getattr(obj, "__dict__", None)
         if fields is None:
             slots = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())]

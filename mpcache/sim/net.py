@@ -129,6 +129,11 @@ class SimNet:
                                 capacity=max(self.config.capacity, 1024))
 
     # ---- transport ------------------------------------------------------------------
+    @property
+    def next_packet_id(self) -> int:
+        """The id the next ``send`` gives its packet."""
+        return self._pid + 1
+
     def send(self, src: Address, dst: Address, message: Any) -> None:
         self._pid += 1
         now = self.now()

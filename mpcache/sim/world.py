@@ -235,7 +235,7 @@ class World:
                 found = self.find_request(str(action[1]))
                 if found is None:
                     raise TapeError(f"tape action {action}: no such request")
-                found[0]._abort(found[1])
+                found[0].abort(found[1])
             elif kind in ("hold", "unhold"):
                 found = self.find_request(str(action[1]))
                 if found is None:
@@ -377,7 +377,7 @@ class World:
 
     # =========================================================================== network
     def send(self, src: Address, dst: Address, message: Any) -> None:
-        pid = self.net._pid + 1  # the id SimNet gives this packet (fates may fire inside send)
+        pid = self.net.next_packet_id  # the id SimNet gives this packet (fates may fire inside send)
         if isinstance(message, RequestMsg):
             t = type(message.request)
             if t is Lookup:

@@ -1,6 +1,6 @@
 """What makes the explorer's states cheap, and that it changes no search: a machine's step
 remembered per machine object (``Explorer._step``), dispatchers bound at their first use
-(``explore_state.LazyDispatcher``), and the bytes a state is said to hold."""
+(``core_sm.table.LazyDispatcher``), and the bytes a state is said to hold."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +8,8 @@ from typing import Any
 import attrs
 
 from mpcache.sim.explore import PROFILE_WORLDS, WORLDS, Explorer, XWorld
-from mpcache.sim.explore_state import LazyDispatcher, clone, deep_size, dispatchers, snapshot
+from mpcache.core_sm.table import LazyDispatcher
+from mpcache.sim.explore_state import clone, deep_size, dispatchers, snapshot
 from mpcache.sim.profiles import get_profile
 
 
