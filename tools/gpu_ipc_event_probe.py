@@ -64,7 +64,7 @@ def main() -> None:
     from mpcache.runtime_zmq import gpu_ipc
 
     gpu_ipc.ensure_context(0)
-    drv = gpu_ipc._driver()
+    drv = gpu_ipc.driver()
     stream = cuda.stream()
     from mpcache.kernels.gpu import raw_stream
 
@@ -116,7 +116,7 @@ def sequential(destroy: bool) -> None:
     from mpcache.runtime_zmq import gpu_ipc
 
     gpu_ipc.ensure_context(0)
-    drv = gpu_ipc._driver()
+    drv = gpu_ipc.driver()
     ctx = mp.get_context("spawn")
     handles = []
     for k in range(2):

@@ -39,7 +39,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from mpcache.bench.bench_rpc import BenchError, _call, _dealer, _start, _env_with_repo, _url, lookup_key
+from mpcache.bench.bench_rpc import BenchError, rpc_call, dealer, start_server, env_with_repo, server_url, lookup_key
 
 TARGET_BYTES_PER_JOB = 200
 TARGET_RSS_MIB_PER_10K = 2.0
@@ -163,7 +163,7 @@ class _Probe:
         return stats, snap if os.path.exists(snap) else None
 
 
-def _tokens(n: int, seed: int) -> list[int]:
+def prompt_tokens(n: int, seed: int) -> list[int]:
     return [(i * 2654435761 + seed * 7919) % 128_000 for i in range(n)]
 
 
@@ -177,7 +177,7 @@ def _flood(sock: zmq.Socket[Any], n: int, num_tokens: int, tag: str, end: bool, 
     while done < n or ends < (2 * n if end else 0):
         while inflight < window and sent < n:
             rid = f"{tag}-{sent}"
-            key = msgpack.packb(lookup_key(_tokens(num_tokens, sent), rid, packed=True), use_bin_type=True)
+            key = msgpack.packb(lookup_key(prompt_tokens(num_tokens, sent), rid, packed=True), use_bin_type=True)
             sock.send_multipart([msgpack.packb(sent), lookup_op, key, one])
             if end:
                 sock.send_multipart([msgpack.packb(-1), status_op, msgpack.packb(rid)])
@@ -219,45 +219,45 @@ def server_row(num_tokens: int, jobs: int, job_ttl: float, traced: bool = False)
     removes ``row.workdir`` (it holds the snapshots)."""
     row = ServerRow()
     workdir = row.workdir = tempfile.mkdtemp(prefix="mpcache-bench-jobs-")
-    url = _url("tcp", workdir, "jobs")
+    url = server_url("tcp", workdir, "jobs")
     port = url.rsplit(":", 1)[1]
     argv = [sys.executable, "-c", "import sys; from mpcache.bench.bench_jobs import traced_server_main; "
             "sys.exit(traced_server_main())", workdir] + (["--tracemalloc"] if traced else []) + [
             "--", "--l1-size-gb", "0.25", "--slot-mb", "1",
             "--log-level", "WARNING", "--no-metrics", "--host", "127.0.0.1", "--port", port,
             "--job-ttl", str(job_ttl), "--tombstone-ttl", "1"]
-    server = _start("mpcache", "tcp", argv, url, workdir, env=_env_with_repo())
+    server = start_server("mpcache", "tcp", argv, url, workdir, env=env_with_repo())
     probe = _Probe(server.proc.pid, workdir)
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    sock = _dealer(ctx, url)
+    sock = dealer(ctx, url)
     try:
         # the list-form scanner compiles (or loads) on a thread after start: let it finish first,
         # its allocations are not the jobs'
         ready_by = time.monotonic() + 180.0
-        while not _call(sock, 0, "stats").get("token_scanner_ready", True):
+        while not rpc_call(sock, 0, "stats").get("token_scanner_ready", True):
             if time.monotonic() > ready_by:
                 raise BenchError("the token scanner was not ready within 180 s")
             time.sleep(0.2)
         # warm-up: the allocator's pools, every code path once
         _flood(sock, jobs, num_tokens, "warm", end=True)
         time.sleep(1.5)
-        _call(sock, 1, "noop")
+        rpc_call(sock, 1, "noop")
         row.sample(server.proc.pid, probe)
         _flood(sock, jobs, num_tokens, "abandoned", end=False)
         row.sample(server.proc.pid, probe)
-        held = int(_call(sock, 2, "stats")["jobs"])
+        held = int(rpc_call(sock, 2, "stats")["jobs"])
         if held < jobs:
             raise BenchError(f"only {held} of {jobs} jobs still live when measured: raise --job-ttl")
         deadline = time.monotonic() + job_ttl + 30
         while time.monotonic() < deadline:
             time.sleep(0.5)
-            stats = _call(sock, 3, "stats")
+            stats = rpc_call(sock, 3, "stats")
             row.left = int(stats["jobs"])
             if row.left == 0:
                 break
         # the hit-token metric forgets a lookup within 1.125 job TTLs (runtime_zmq.metrics)
         time.sleep(1.0 + 0.15 * job_ttl)
-        _call(sock, 4, "noop")
+        rpc_call(sock, 4, "noop")
         row.sample(server.proc.pid, probe)
         row.sample(server.proc.pid, probe, trim=True)
         # a second flood after the reaper: the memory held free is reused, not added to
@@ -325,7 +325,7 @@ def core_sm_row(num_tokens: int, jobs: int) -> tuple[float, float]:
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     for i in range(jobs):
-        packed = array("I", _tokens(num_tokens, i)).tobytes()
+        packed = array("I", prompt_tokens(num_tokens, i)).tobytes()
         key = m.CacheKey("bench/model", 1, None, packed, 0, num_tokens, f"abandoned-{i:08d}")
         sm.handle(m.Lookup(key, 1, reply_to=("bench", i)), now)
     del key, packed

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = tempfile.mkdtemp(prefix="mpcache-bench-pairsplit-")
     stamps_path = os.path.join(workdir, "stamps")
-    url = b._url(args.transport, workdir, "mpcache")
+    url = b.server_url(args.transport, workdir, "mpcache")
     server_argv = [sys.executable, "-m", "mpcache.bench.bench_pairsplit", "--stamped-server", stamps_path,
                    "--l1-size-gb", str(args.l1_size_gb), "--slot-mb", "1", "--log-level", "WARNING", "--no-metrics"]
     if args.transport == "tcp":
@@ -176,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         server_argv += ["--ipc", url[len("ipc://"):]]
     load = os.getloadavg()
-    server = b._start("mpcache", args.transport, server_argv, url, workdir, env=b._env_with_repo())
+    server = b.start_server("mpcache", args.transport, server_argv, url, workdir, env=b.env_with_repo())
     raw = None
     try:
-        b._prestore_mpcache(url)
+        b.prestore_mpcache(url)
         raw = b.start_raw(args.transport, workdir)
         frames = b.Frames.build("split")
         ctx: zmq.Context[Any] = zmq.Context.instance()
-        ms, rs = b._dealer(ctx, url), b._dealer(ctx, raw.url)
+        ms, rs = b.dealer(ctx, url), b.dealer(ctx, raw.url)
         packed = args.form == "packed"
         _pairs(ms, frames, args.warmup, packed, None)
         _pairs(rs, frames, args.warmup, packed, None)

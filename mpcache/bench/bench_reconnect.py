@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,13 +31,9 @@ from collections.abc import Sequence
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
+from mpcache.bench.bench_rpc import free_port
+
 HERE_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _first_health_answer(url: str, timeout: float = 30.0) -> float:
@@ -75,7 +70,7 @@ def measure(args: argparse.Namespace, repo: str) -> list[float]:
 
     logging.getLogger("mpcache.client").setLevel(logging.ERROR)  # its restart warnings are expected here
 
-    port = _free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     flags = ["--port", str(port), "--l1-size-gb", "0.25", "--slot-mb", "1", "--no-metrics"]
     backoff_max = max(args.heartbeat_interval, args.reconnect_ivl_max)

@@ -89,7 +89,7 @@ class BenchError(RuntimeError):
 # Frames
 
 
-def _tokens(seed: int = 1234) -> list[int]:
+def prompt_tokens(seed: int = 1234) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 128_000) for _ in range(TOKENS)]
 
@@ -129,7 +129,7 @@ class Frames:
     @classmethod
     def build(cls, tag: str) -> Frames:
         f = cls()
-        toks = _tokens()
+        toks = prompt_tokens()
         for i in range(REQUEST_IDS):
             rid = f"{tag}-{i}"
             f.lookup_keys.append(msgpack.packb(lookup_key(toks, rid)))
@@ -163,7 +163,7 @@ def echo_server(url: str) -> None:
 # Servers under test
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -189,7 +189,7 @@ class Server:
                 self.proc.wait(timeout=10)
 
 
-def _dealer(ctx: zmq.Context[Any], url: str) -> zmq.Socket[Any]:
+def dealer(ctx: zmq.Context[Any], url: str) -> zmq.Socket[Any]:
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RECONNECT_IVL, 10)
@@ -206,13 +206,13 @@ def _recv(sock: zmq.Socket[Any], timeout_ms: int = REPLY_TIMEOUT_MS) -> list[byt
     return frames
 
 
-def _start(kind: str, transport: str, argv: list[str], url: str, workdir: str,
+def start_server(kind: str, transport: str, argv: list[str], url: str, workdir: str,
            env: dict[str, str] | None = None, start_timeout_s: float = 120.0) -> Server:
     """Spawns the server and times spawn -> first `noop` reply."""
     log_path = os.path.join(workdir, f"{kind}-{transport}.log")
     log = open(log_path, "wb")
     ctx = zmq.Context.instance()
-    sock = _dealer(ctx, url)
+    sock = dealer(ctx, url)
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=env, start_new_session=True)
@@ -255,20 +255,20 @@ def _tail(path: str, n: int = 2000) -> str:
         return ""
 
 
-def _url(transport: str, workdir: str, name: str) -> str:
+def server_url(transport: str, workdir: str, name: str) -> str:
     if transport == "tcp":
-        return f"tcp://127.0.0.1:{_free_port()}"
+        return f"tcp://127.0.0.1:{free_port()}"
     return f"ipc://{os.path.join(workdir, name + '.sock')}"
 
 
 def start_raw(transport: str, workdir: str) -> Server:
-    url = _url(transport, workdir, "raw")
+    url = server_url(transport, workdir, "raw")
     argv = [sys.executable, "-m", "mpcache.bench.bench_rpc", "--echo-server", url]
-    return _start("raw", transport, argv, url, workdir, env=_env_with_repo())
+    return start_server("raw", transport, argv, url, workdir, env=env_with_repo())
 
 
 def start_mpcache(transport: str, workdir: str, l1_gb: float) -> Server:
-    url = _url(transport, workdir, "mpcache")
+    url = server_url(transport, workdir, "mpcache")
     argv = [sys.executable, "-m", "mpcache.runtime_zmq.cli", "--l1-size-gb", str(l1_gb), "--slot-mb", "1",
             "--log-level", "WARNING", "--no-metrics"]
     if transport == "tcp":
@@ -276,9 +276,9 @@ def start_mpcache(transport: str, workdir: str, l1_gb: float) -> Server:
         argv += ["--host", "127.0.0.1", "--port", port]
     else:
         argv += ["--ipc", url[len("ipc://"):]]
-    server = _start("mpcache", transport, argv, url, workdir, env=_env_with_repo())
+    server = start_server("mpcache", transport, argv, url, workdir, env=env_with_repo())
     try:
-        _prestore_mpcache(server.url)
+        prestore_mpcache(server.url)
     except BaseException:
         server.stop()
         raise
@@ -288,7 +288,7 @@ def start_mpcache(transport: str, workdir: str, l1_gb: float) -> Server:
 def start_lmcache(transport: str, workdir: str, venv: str) -> Server:
     if transport != "tcp":
         raise BenchError("LMCache's MP server listens on tcp only")
-    port = _free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     argv = [os.path.join(venv, "bin", "python"), "-m", "lmcache.v1.multiprocess.server",
             "--host", "127.0.0.1", "--port", str(port),
@@ -296,17 +296,17 @@ def start_lmcache(transport: str, workdir: str, venv: str) -> Server:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env["CUDA_VISIBLE_DEVICES"] = ""
-    return _start("lmcache", transport, argv, url, workdir, env=env)
+    return start_server("lmcache", transport, argv, url, workdir, env=env)
 
 
-def _env_with_repo() -> dict[str, str]:
+def env_with_repo() -> dict[str, str]:
     env = dict(os.environ)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-def _call(sock: zmq.Socket[Any], uid: int, op: str, *args: Any) -> Any:
+def rpc_call(sock: zmq.Socket[Any], uid: int, op: str, *args: Any) -> Any:
     sock.send_multipart([msgpack.packb(uid), msgpack.packb(op)] + [msgpack.packb(a) for a in args])
     frames = _recv(sock)
     if msgpack.unpackb(frames[0]) != uid:
@@ -318,11 +318,11 @@ def _call(sock: zmq.Socket[Any], uid: int, op: str, *args: Any) -> Any:
     return result
 
 
-def _prestore_mpcache(url: str) -> None:
+def prestore_mpcache(url: str) -> None:
     """Puts the benchmark prompt's 32 chunks in L1 through the engine-driven store path
     (register an engine-driven instance, prepare_store, fill the slots, commit_store)."""
     ctx = zmq.Context.instance()
-    sock = _dealer(ctx, url)
+    sock = dealer(ctx, url)
     try:
         # time the compiled paths, not the first second on their Python fallbacks: the token
         # scanner and the native chunk chain load on threads after the server answers
@@ -330,32 +330,32 @@ def _prestore_mpcache(url: str) -> None:
         uid = 100
         while time.monotonic() < end:
             uid += 1
-            st = _call(sock, uid, "stats")
+            st = rpc_call(sock, uid, "stats")
             if st.get("token_scanner_ready", True) and st.get("native_chunk_hash_ready", True):
                 break
             time.sleep(0.05)
-        toks = _tokens()
-        _call(sock, 1, "register_instance", INSTANCE_ID, {
+        toks = prompt_tokens()
+        rpc_call(sock, 1, "register_instance", INSTANCE_ID, {
             "model_name": MODEL, "world_size": 1, "object_bytes": OBJECT_BYTES,
             "engine_driven": True,
         })
-        plan = _call(sock, 2, "prepare_store", lookup_key(toks, "bench-prestore", worker_id=0),
+        plan = rpc_call(sock, 2, "prepare_store", lookup_key(toks, "bench-prestore", worker_id=0),
                      INSTANCE_ID)
         transfer_id = plan["transfer_id"] if isinstance(plan, dict) else plan[0]
         # The bytes in the slots do not matter to the control plane; committing marks them ready.
-        _call(sock, 3, "commit_store", transfer_id, True)
-        _call(sock, 4, "end_session", "bench-prestore")
+        rpc_call(sock, 3, "commit_store", transfer_id, True)
+        rpc_call(sock, 4, "end_session", "bench-prestore")
         # Check that a lookup of the prompt really hits all 32 chunks.
-        _call(sock, 5, "lookup", lookup_key(toks, "bench-check"), 1)
+        rpc_call(sock, 5, "lookup", lookup_key(toks, "bench-check"), 1)
         deadline = time.monotonic() + 10
         uid = 6
         while True:
-            hit = _call(sock, uid, "query_prefetch_status", "bench-check")
+            hit = rpc_call(sock, uid, "query_prefetch_status", "bench-check")
             uid += 1
             if hit is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.001)
-        _call(sock, uid, "end_session", "bench-check")
+        rpc_call(sock, uid, "end_session", "bench-check")
         if hit != TOKENS // CHUNK:
             raise BenchError(f"pre-stored prompt: lookup found {hit!r} chunks, expected "
                              f"{TOKENS // CHUNK}")
@@ -386,7 +386,7 @@ class LatencyProbe:
 
     def __init__(self, url: str, tag: str, expect_status: int | None) -> None:
         self.frames = Frames.build(tag)
-        self.sock = _dealer(zmq.Context.instance(), url)
+        self.sock = dealer(zmq.Context.instance(), url)
         self.uid = 0
         # every status reply must be this hit count (so a row labelled "L1 hit" cannot silently
         # measure misses); None: not checked (the echo server sends no result)
@@ -487,7 +487,7 @@ def _key_template(prefix: str, packed: bool) -> tuple[bytes, bytes]:
     """The benchmark prompt's key frame around its request id, for ids ``prefix`` + 10 digits:
     ``head + msgpack(id) + tail`` is the frame (encoded once, patched per request)."""
     placeholder = "#" * len(f"{prefix}{0:010d}")
-    key_frame = msgpack.packb(lookup_key(_tokens(), placeholder, packed=packed))
+    key_frame = msgpack.packb(lookup_key(prompt_tokens(), placeholder, packed=packed))
     marker = msgpack.packb(placeholder)
     at = key_frame.find(marker)
     return key_frame[:at], key_frame[at + len(marker):]
@@ -508,15 +508,15 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
     try:
         frames = Frames.build(tag)
         ctx = zmq.Context()
-        sock = _dealer(ctx, url)
+        sock = dealer(ctx, url)
         uid = 0
         inflight = 0
         done = 0
         ids = len(frames.request_ids)
         if what == "status":
             for i in range(ids):
-                _call(sock, 10**9 + i, "lookup", msgpack.unpackb(frames.lookup_keys[i]), 1)
-                _call(sock, 2 * 10**9 + i, "query_prefetch_status", msgpack.unpackb(frames.request_ids[i]))
+                rpc_call(sock, 10**9 + i, "lookup", msgpack.unpackb(frames.lookup_keys[i]), 1)
+                rpc_call(sock, 2 * 10**9 + i, "query_prefetch_status", msgpack.unpackb(frames.request_ids[i]))
 
         # Lookups: every one under a request id never used before (as vLLM's are), each ended by
         # an end_session sent when its ack arrives (not counted, but served), so the server does
@@ -585,7 +585,7 @@ def _tput_worker(url: str, what: str, window: int, start_at: float, end_at: floa
                 on_reply(sock.recv_multipart())
         if what == "status":
             for i in range(ids):
-                _call(sock, 3 * 10**9 + i, "end_session", msgpack.unpackb(frames.request_ids[i]))
+                rpc_call(sock, 3 * 10**9 + i, "end_session", msgpack.unpackb(frames.request_ids[i]))
         sock.close()
         ctx.term()
         out.put((done, errors, None))

@@ -47,7 +47,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from mpcache.bench.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOKENS, _tokens, lookup_key
+from mpcache.bench.bench_rpc import CHUNK, INSTANCE_ID, MODEL, OBJECT_BYTES, TOKENS, prompt_tokens, lookup_key
 
 
 class _StubSocket:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     server.sock = stub  # type: ignore[assignment]
     handle = server.interpreter.on_message
     try:
-        toks = _tokens()
+        toks = prompt_tokens()
         handle(_frames(1, "register_instance", INSTANCE_ID, {
             "model_name": MODEL, "world_size": 1, "object_bytes": OBJECT_BYTES, "engine_driven": True}))
         _result(stub)
@@ -237,14 +237,9 @@ def _print_profile(work: Callable[[], None], what: str, rows: int) -> None:
 
 
 def _stop(server: Any, real_sock: Any) -> None:
-    """Give the server its socket back and stop it (its loaders, not started without a loop,
-    are started so that the shutdown can join them)."""
-    from mpcache.runtime_zmq import sha256_chain, tokens
-
+    """Give the server its socket back and close it."""
     server.sock = real_sock
-    server._token_scanner = tokens.load_in_background()
-    server._chain_loader = sha256_chain.load_in_background()
-    server._shutdown()
+    server.close()
 
 
 class _PlanOnlyExecutor:
@@ -313,7 +308,7 @@ def transfer_rows(args: argparse.Namespace) -> None:
         def call(op: bytes, key: bytes, *tail: bytes) -> None:
             n = uid[0] = uid[0] + 1
             handle([b"peer", msgpack.packb(n), op, key, inst, ids, ev, *tail])
-            server._drain_completions()  # the engine's report: core_sm's TransferFinished, then the reply
+            server.drain_completions()  # the engine's report: core_sm's TransferFinished, then the reply
 
         call(store_op, keys[0])
         if _result(stub) is None and executor.started != 1:
@@ -455,7 +450,7 @@ def live_rows(args: argparse.Namespace) -> None:
         return call
 
     stages = [(server, "requests received and handled", "_receive_batch"),
-              (server, "completions handled", "_drain_completions"),
+              (server, "completions handled", "drain_completions"),
               (server.interpreter, "transfer engine start (plan_rows)", "_start_transfer"),
               (server, "replies sent (zmq)", "_send_now")]
     for owner, label, name in stages:

@@ -18,7 +18,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,14 +29,10 @@ from typing import Any
 import msgpack
 import zmq
 
+from mpcache.bench.bench_rpc import free_port
+
 RESEND_S = 0.05
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \| (\s*)(\S+)$")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _checkout(repo: str | None) -> str:
@@ -58,7 +53,7 @@ def start_once(server_args: Sequence[str], *, repo: str | None = None, importtim
                timeout_s: float = 60.0) -> dict[str, Any]:
     """Spawn one server (of the checkout ``repo``; default this one), time it to its first `health` reply and its ready line, stop it by pid.
     Returns ``{"reply_s", "ready_s", "stderr"}`` (stderr holds the import times when asked)."""
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "mpcache.runtime_zmq.cli",
             "--host", "127.0.0.1", "--port", str(port), *server_args]
     if "--metrics-port" not in server_args and "--no-metrics" not in server_args:

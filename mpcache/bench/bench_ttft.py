@@ -281,7 +281,7 @@ def _run_child(vpy: str, mode: str, args: argparse.Namespace, model: str, server
 
 def _run_model(args: argparse.Namespace, model_name: str, vpy: str) -> dict[str, Any]:
     """One model's whole run and table; returns its target rows for the summary."""
-    from mpcache.bench.bench_rpc import _free_port
+    from mpcache.bench.bench_rpc import free_port
 
     work = Path(tempfile.mkdtemp(prefix="mpcache-bench-ttft-"))
     load = os.getloadavg()
@@ -299,10 +299,10 @@ def _run_model(args: argparse.Namespace, model_name: str, vpy: str) -> dict[str,
     dims = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items()]
     subprocess.run([vpy, str(REPO / "tests" / "e2e" / "tiny_llama.py"), model, *dims], check=True,
                    env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL)
-    redis_port = _free_port()
+    redis_port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port = _free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     slot_mb = kv_bytes * CHUNK / 2**20
     token_file = work / "admin-token"

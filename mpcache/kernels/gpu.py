@@ -836,6 +836,11 @@ class CudaKVTransfer:
         (one cuMemcpyAsync per run of adjacent slots) or ``none`` (zero-copy only)."""
         return self._memcpy.path if self.mode != "zerocopy" else "none"
 
+    @property
+    def memcpy_error(self) -> str:
+        """Why staging DMAs are not batched (the batch call's error), or ``""``."""
+        return self._memcpy.batch_error if self.mode != "zerocopy" else ""
+
     def _pieces(self, n: int, shrinking: bool = False) -> list[tuple[int, int]]:
         """Pieces of 1, g, g*g, ... chunks (g = ``piece_growth``; at most ``pipeline_pieces``;
         the last takes the rest): for a STORE the first DMA starts after one chunk's kernel, and

@@ -14,15 +14,16 @@ from typing import Any
 HANDLE_BYTES = 64
 
 
-def _driver() -> Any:
-    from cuda.bindings import driver
+def driver() -> Any:
+    """The CUDA driver bindings (``cuda.bindings.driver``), imported on first use."""
+    from cuda.bindings import driver as bindings
 
-    return driver
+    return bindings
 
 
 def check(result: Any, what: str) -> Any:
     """Unpack a cuda.bindings result tuple; raise ``RuntimeError`` naming the call on error."""
-    drv = _driver()
+    drv = driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what} failed: {err}")
@@ -54,7 +55,7 @@ def ensure_context(ordinal: int = 0) -> None:
 def device_ordinal_for_uuid(uuid: bytes) -> int:
     """This process's ordinal of the device with ``uuid`` (16 bytes); ``CUDA_VISIBLE_DEVICES``
     may number devices differently in the worker and the server. Raises ``LookupError``."""
-    drv = _driver()
+    drv = driver()
     check(drv.cuInit(0), "cuInit")
     for i in range(check(drv.cuDeviceGetCount(), "cuDeviceGetCount")):
         dev = check(drv.cuDeviceGet(i), "cuDeviceGet")
@@ -64,13 +65,13 @@ def device_ordinal_for_uuid(uuid: bytes) -> int:
 
 
 def device_uuid(ordinal: int) -> bytes:
-    drv = _driver()
+    drv = driver()
     check(drv.cuInit(0), "cuInit")
     return _uuid_of(check(drv.cuDeviceGet(ordinal), "cuDeviceGet"))
 
 
 def _uuid_of(dev: Any) -> bytes:
-    drv = _driver()
+    drv = driver()
     fn = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
     raw = check(fn(dev), "cuDeviceGetUuid").bytes
     return bytes(raw) if not isinstance(raw, str) else raw.encode("latin-1")
@@ -82,7 +83,7 @@ def _uuid_of(dev: Any) -> bytes:
 def export_kv_tensors(tensors: Sequence[Any]) -> list[dict[str, Any]]:
     """Describe each (contiguous, CUDA) torch tensor for the server: IPC handle of its
     allocation, the tensor's byte offset in it, shape, element strides, dtype name and size."""
-    drv = _driver()
+    drv = driver()
     out = []
     for t in tensors:
         if not t.is_cuda or not t.is_contiguous():
@@ -114,29 +115,29 @@ def export_event(event: Any) -> bytes:
 
 def open_memory(handle: bytes) -> int:
     """Map a peer's allocation; returns its device address here. Close with ``close_memory``."""
-    drv = _driver()
+    drv = driver()
     h = _from_bytes(drv.CUipcMemHandle, handle)
     flags = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
     return int(check(drv.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle"))
 
 
 def close_memory(address: int) -> None:
-    check(_driver().cuIpcCloseMemHandle(address), "cuIpcCloseMemHandle")
+    check(driver().cuIpcCloseMemHandle(address), "cuIpcCloseMemHandle")
 
 
 def open_event(handle: bytes) -> Any:
     """A peer's interprocess event, usable with ``cuStreamWaitEvent`` here."""
-    drv = _driver()
+    drv = driver()
     return check(drv.cuIpcOpenEventHandle(_from_bytes(drv.CUipcEventHandle, handle)), "cuIpcOpenEventHandle")
 
 
 def destroy_event(event: Any) -> None:
-    check(_driver().cuEventDestroy(event), "cuEventDestroy")
+    check(driver().cuEventDestroy(event), "cuEventDestroy")
 
 
 def create_completion_event() -> Any:
     """An event the completion waiters query (``cuEventQuery``), without timing."""
-    drv = _driver()
+    drv = driver()
     flags = 0x2  # CU_EVENT_DISABLE_TIMING
     return check(drv.cuEventCreate(flags), "cuEventCreate")
 
@@ -144,17 +145,17 @@ def create_completion_event() -> Any:
 def allocation_range(address: int) -> tuple[int, int]:
     """(base, size) of the device allocation that contains ``address`` (``cuMemGetAddressRange``:
     for an opened IPC handle, the peer's whole allocation as mapped here)."""
-    base, size = check(_driver().cuMemGetAddressRange(address), "cuMemGetAddressRange")
+    base, size = check(driver().cuMemGetAddressRange(address), "cuMemGetAddressRange")
     return int(base), int(size)
 
 
 def register_host(address: int, size: int) -> int:
     """Pin and map host memory (the L1 segment) for the device; returns its device address."""
-    drv = _driver()
+    drv = driver()
     flags = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
     check(drv.cuMemHostRegister(address, size, flags), "cuMemHostRegister")
     return int(check(drv.cuMemHostGetDevicePointer(address, 0), "cuMemHostGetDevicePointer"))
 
 
 def unregister_host(address: int) -> None:
-    check(_driver().cuMemHostUnregister(address), "cuMemHostUnregister")
+    check(driver().cuMemHostUnregister(address), "cuMemHostUnregister")

@@ -722,7 +722,7 @@ class GpuTransferExecutor:
         self._open_registered_events(inst, event_handles)
         log.info("GPU instance %d: %d layers %s, %s mode, launch path %s, staging DMAs %s %s", instance_id,
                  geometry.num_layers, geometry.layout.value, self.mode, transfer.launch_path, transfer.memcpy_path,
-                 transfer._memcpy.batch_error if self.mode != "zerocopy" else "")
+                 transfer.memcpy_error)
 
     def _add_instance(self, instance_id: int, geometry: Any, transfer: Any, handles: list[bytes], stream_handle: Any,
                       slot_bytes: int) -> _Instance:
@@ -796,7 +796,7 @@ class GpuTransferExecutor:
         query ``events`` in stream order, first ``every`` s apart, each pause twice the last up
         to ``most``, until the first is no longer pending (returns each leading one's success)
         or ``end`` passes (returns none); and the polls."""
-        drv = gpu_ipc._driver()
+        drv = gpu_ipc.driver()
         ready = drv.CUresult.CUDA_SUCCESS
         not_ready = drv.CUresult.CUDA_ERROR_NOT_READY
         polls = 0
@@ -922,7 +922,7 @@ class GpuTransferExecutor:
     def _late_event(self, inst: _Instance) -> Any:
         """An event after everything the instance's streams hold now (this thread may not use
         the transfer's own ordering events: the loop thread does)."""
-        drv = gpu_ipc._driver()
+        drv = gpu_ipc.driver()
         try:
             streams = inst.transfer.raw_streams()
             ev = self._new_event()

@@ -144,8 +144,8 @@ class OpsHttpServer:
         server = self.server
         ok, answer = self.on_loop(lambda s: True)
         body: dict[str, Any] = {"version": version(), "epoch": getattr(server, "epoch", None),
-                                "uptime_s": round(time.time() - getattr(server, "_started", time.time()), 3)}
-        if getattr(server, "_stopping", False):
+                                "uptime_s": round(time.time() - getattr(server, "started_at", time.time()), 3)}
+        if getattr(server, "stopping", False):
             body["status"] = "stopping"
             return 200, body
         body["status"] = "ok" if ok else "loop not answering"
@@ -156,7 +156,7 @@ class OpsHttpServer:
     def readyz(self) -> tuple[int, dict[str, Any]]:
         server = self.server
         checks: dict[str, str] = {}
-        if getattr(server, "_stopping", False):
+        if getattr(server, "stopping", False):
             checks["loop"] = "stopping"
         elif not self.metrics.serving:
             checks["loop"] = "starting"
@@ -210,7 +210,7 @@ class OpsHttpServer:
             return 503, {"error": str(answer), "version": version()}
         answer["config"] = self.metrics.config
         answer["l2"] = self.metrics.l2_state()
-        answer["ready"] = self.metrics.serving and not getattr(self.server, "_stopping", False)
+        answer["ready"] = self.metrics.serving and not getattr(self.server, "stopping", False)
         return 200, answer
 
     def metrics_body(self, accept: str) -> tuple[bytes, str]:
@@ -247,12 +247,12 @@ def _status(server: Any, admin: bool = False) -> dict[str, Any]:
         {"model_name": model, "cache_salt_hash": salt, "lookups": row[0], "requested_tokens": row[1], "hit_tokens": row[2]}
         for (model, salt), row in metrics.tokens.items()
     ]
-    instances: dict[int, int] = dict(server._instance_bytes)
+    instances: dict[int, int] = server.instance_bytes
     answer: dict[str, Any] = {
         "version": version(),
         "epoch": server.epoch,
         "pid": os.getpid(),
-        "uptime_s": round(time.time() - server._started, 3),
+        "uptime_s": round(time.time() - server.started_at, 3),
         "url": server.bound_url,
         "registered_instances": len(instances),
         "l1": metrics.l1_usage(stats),

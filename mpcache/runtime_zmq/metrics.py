@@ -335,7 +335,7 @@ class ServerMetrics(Collector):
             detail = ""
             server = self._server
             if op == "register_instance" and server is not None:
-                nbytes = getattr(server, "_instance_bytes", {}).get(instance)
+                nbytes = getattr(server, "instance_bytes", {}).get(instance)
                 if nbytes:
                     detail = f", {nbytes} bytes per object"
             log.info("instance %s %s accepted (peer %s%s)", instance, what, peer, detail, extra={"instance": instance, "no_fold": True})
@@ -470,7 +470,7 @@ class ServerMetrics(Collector):
 
         info.add_metric([version(), platform.python_version()], 1)
         yield info
-        yield GaugeMetricFamily("mpcache_up", _help("mpcache_up"), value=1 if self.serving and not getattr(self._server, "_stopping", False) else 0)
+        yield GaugeMetricFamily("mpcache_up", _help("mpcache_up"), value=1 if self.serving and not getattr(self._server, "stopping", False) else 0)
         req = CounterMetricFamily("mpcache_requests", _help("mpcache_requests_total"), labels=["op", "outcome"])
         for (op, outcome), n in list(self.requests.items()):
             req.add_metric([op, outcome], n)

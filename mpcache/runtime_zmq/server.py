@@ -297,7 +297,7 @@ class Server:
             post=self.channel.post, counts=self._counts, send=self._send, flush_ack=self._flush_lone_ack,
             health=self._health, stats=self.stats)
         self._stopping = False
-        self._started = time.time()
+        self.started_at = time.time()  # wall clock, for uptime (status pages)
         self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
         # the longest one message kept the loop (wall and the loop thread's CPU), since start
         self._max_message_s = 0.0
@@ -324,6 +324,7 @@ class Server:
         # serve_forever reserves the segment's pages (no room is a start-up error, not a SIGBUS
         # in the middle of a copy; l1_pool) on a thread, while the loop already answers
         self._reservation: threading.Thread | None = None
+        self._loaders: list[threading.Thread] = []  # the compilers started with the loop
         self._ops_http: Any = None  # an embedded server's OpsHttpServer (ServerConfig.metrics_port)
         self.start_error: BaseException | None = None
         self.loaders_running: list[str] = []  # set by the shutdown: start-up compilers not waited for
@@ -439,8 +440,8 @@ class Server:
             # the kernel zero-fills the pages (about 0.4 s per GiB): not before the first reply
             self._reservation = self.pool.reserve_in_background(self._reservation_failed)
         # the list-form token scanner compiles or loads (numba) while the loop already answers
-        self._token_scanner = tokens.load_in_background()
-        self._chain_loader = sha256_chain.load_in_background()  # so does the native chunk chain
+        self._loaders = [tokens.load_in_background(),
+                         sha256_chain.load_in_background()]  # so does the native chunk chain
         if self.config.metrics_port:
             # /metrics and the probes of an embedded server, from a daemon thread (the CLI builds
             # its own OpsHttpServer, with its --metrics-host)
@@ -453,7 +454,7 @@ class Server:
         try:
             self._loop()
         finally:
-            self._shutdown()
+            self.close()
         if self.start_error is not None:
             raise self.start_error
 
@@ -514,7 +515,7 @@ class Server:
             queued = bool(int(_backend_get(sock, _EVENTS)) & zmq.POLLIN)
             ready = [fd for fd, _ in wait(0 if queued else min(timeout_ms, _CHECK_MS))]
             if channel_fd in ready:
-                self._drain_completions()
+                self.drain_completions()
             if monitor_fd in ready:
                 self._peers_gone(connections)
             if now - last_check >= _CHECK_MS / 1000.0:
@@ -536,8 +537,13 @@ class Server:
                 self.metrics.tick(now)
 
     @property
-    def _instance_bytes(self) -> dict[int, int]:
-        """Each registered instance's object size, as core_sm holds them."""
+    def stopping(self) -> bool:
+        """``stop()`` was called: the loop is shutting down (status pages say so)."""
+        return self._stopping
+
+    @property
+    def instance_bytes(self) -> dict[int, int]:
+        """Each registered instance's object size, as core_sm holds them (a copy)."""
         sizes: dict[int, int] = self.machine.instances.object_bytes_by_instance()
         return sizes
 
@@ -589,7 +595,9 @@ class Server:
             log.debug("the connection of anonymous peer %s closed: its instances are released", identity.hex())
             self.interpreter.handle(m.PeerGone(identity), self.clock(), None)
 
-    def _drain_completions(self) -> None:
+    def drain_completions(self) -> None:
+        """Hand core_sm the completions posted so far (copies, L2 operations, probes run on
+        the loop): what the loop does when its channel is readable."""
         for ev in self.channel.drain():
             if self.metrics.on_completion(ev, self.clock()):
                 continue  # an HTTP probe's call, run on this thread
@@ -734,7 +742,7 @@ class Server:
             "version": version(),
             "epoch": self.epoch,
             "pid": os.getpid(),
-            "uptime_s": time.time() - self._started,
+            "uptime_s": time.time() - self.started_at,
             "url": self.bound_url,
             "chunk_size": self.config.chunk_size,
             "l2": [repr(t) for t in self.l2.tiers],
@@ -774,7 +782,11 @@ class Server:
 
     # ------------------------------------------------------------------ shutdown
 
-    def _shutdown(self) -> None:
+    def close(self) -> None:
+        """Finish what is in flight (within the shutdown grace), answer what is still owed
+        ``shutting_down``, and release the sockets, L1 and threads. ``serve_forever`` ends with
+        it; a server whose loop never ran (one driven message by message, in process) is closed
+        by calling it."""
         log.info("mpcache-server stopping")
         end = self.clock() + self.config.shutdown_grace
         poller = zmq.Poller()
@@ -783,7 +795,7 @@ class Server:
         interpreter = self.interpreter
         while (interpreter.transfers_in_flight > 0 or self.l2.in_flight > 0) and self.clock() < end:
             if poller.poll(50):
-                self._drain_completions()
+                self.drain_completions()
         farewell = self.clock() + _FAREWELL_S if interpreter.outstanding else None
         for rt in list(interpreter.outstanding):
             interpreter.send_error(rt, ErrorKind.SHUTTING_DOWN.value, "the server is shutting down")
@@ -797,7 +809,7 @@ class Server:
                 closing()
             except Exception:
                 log.exception("closing %r failed", closing)
-        self._drain_completions()
+        self.drain_completions()
         if self.kv_events is not None:
             self.kv_events.close()
         if self.trace is not None:
@@ -824,9 +836,9 @@ class Server:
         # start must not wait for them. Those still running are named in ``loaders_running``
         # (the CLI then exits without the interpreter's finalization, which must not tear down a
         # daemon thread inside LLVM; numba writes its cache by renaming, never half a file).
-        for loader in (self._token_scanner, self._chain_loader):
+        for loader in self._loaders:
             loader.join(max(0.0, end - self.clock()))
-        self.loaders_running = [t.name for t in (self._token_scanner, self._chain_loader) if t.is_alive()]
+        self.loaders_running = [t.name for t in self._loaders if t.is_alive()]
         if self.loaders_running:
             log.info("not waiting for %s (still compiling)", ", ".join(self.loaders_running))
         log.info("mpcache-server stopped")

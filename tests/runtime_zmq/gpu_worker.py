@@ -14,9 +14,9 @@ class Gate:
     likely to be (its length is a guess about the GPU's clocks)."""
 
     def __init__(self, torch: Any) -> None:
-        from mpcache.runtime_zmq.gpu_ipc import _driver, check
+        from mpcache.runtime_zmq.gpu_ipc import check, driver
 
-        drv = _driver()
+        drv = driver()
         self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         addr = check(drv.cuMemHostGetDevicePointer(self._word.data_ptr(), 0), "cuMemHostGetDevicePointer")
         stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)

@@ -35,7 +35,7 @@ MAX_CHUNKS = 4
 
 class Device:
     """The fake driver: both the ctypes functions the compiled code calls and the cuda-bindings
-    style object ``gpu_ipc._driver()`` gives the waiter. A stream in ``stuck`` never finishes what
+    style object ``gpu_ipc.driver()`` gives the waiter. A stream in ``stuck`` never finishes what
     is recorded on it (an engine's event that never fires); ``hold`` keeps launches waiting."""
 
     def __init__(self) -> None:
@@ -144,7 +144,7 @@ class Transfer:
     scatter = gather  # type: ignore[assignment]
 
     def record_completion(self, ev: Any) -> None:
-        gpu_ipc._driver().cuEventRecord(ev, COMPUTE)
+        gpu_ipc.driver().cuEventRecord(ev, COMPUTE)
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def lanes(device_and_lane: tuple[Device, Any], monkeypatch: pytest.MonkeyPatch) 
     closed: list[int] = []
     events = itertools.count(1)
     monkeypatch.setattr(kg, "fast_copy_lane", lambda: lane)
-    monkeypatch.setattr(gpu_ipc, "_driver", lambda: dev)
+    monkeypatch.setattr(gpu_ipc, "driver", lambda: dev)
     monkeypatch.setattr(gpu_ipc, "ensure_context", lambda ordinal=0: None)
     monkeypatch.setattr(gpu_ipc, "create_completion_event", lambda: next(events))
     monkeypatch.setattr(gpu_ipc, "destroy_event", lambda ev: None)

@@ -109,7 +109,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
         ex.start(_transfer(1, TransferKind.STORE, 2, 3, [7, 3, 11], src), event_handle, done)
         from mpcache.runtime_zmq import gpu_ipc
 
-        pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
+        pending = [int(gpu_ipc.driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
         assert pending == [600], f"the worker's event is not pending ({pending}): this test would prove nothing"
         # 2: retrieve them into other blocks, the first block skipped (engine holds 1 block + 3 tokens)
         ex.start(_transfer(2, TransferKind.RETRIEVE, 2, 3, [7, 3, 11], dst, skip=GEO["block_size"] + 3), event_handle, done)
@@ -123,7 +123,7 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
         # long we look (a server that did not wait on the event would report at once).
         time.sleep(0.5)
         assert finished.empty(), "a transfer finished while the worker's event was pending"
-        pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
+        pending = [int(gpu_ipc.driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
         assert pending == [600], f"the gate did not hold the worker's event ({pending})"
         released = time.perf_counter()
         parent.send_bytes(b"release")
@@ -253,7 +253,7 @@ def test_bad_ranges_refused_and_a_stuck_engine_fails_alone() -> None:
         ex.start(st(3, 1, [3, 4]), handles[0], done)  # A: neutralized
         from mpcache.runtime_zmq import gpu_ipc
 
-        a_event_pending = [int(gpu_ipc._driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
+        a_event_pending = [int(gpu_ipc.driver().cuEventQuery(ev)[0]) for ev in ex._instances[1].worker_events.values()]
         assert a_event_pending == [600], f"A's event is not pending ({a_event_pending}): the gate did not hold"
         for k in range(10):
             ex.start(st(10 + k, 2, [8 + k % 4]), handles[1], done)  # B: runs while A hangs

@@ -98,7 +98,7 @@ class Transfer:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     drv = Driver()
     closed: list[int] = []
-    monkeypatch.setattr(gpu_ipc, "_driver", lambda: drv)
+    monkeypatch.setattr(gpu_ipc, "driver", lambda: drv)
     monkeypatch.setattr(gpu_ipc, "ensure_context", lambda ordinal=0: None)
     monkeypatch.setattr(gpu_ipc, "create_completion_event", Event)
     monkeypatch.setattr(gpu_ipc, "destroy_event", lambda ev: None)

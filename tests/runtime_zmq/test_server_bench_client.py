@@ -31,7 +31,7 @@ def c_client() -> Iterator[str]:
 def test_c_client_counts_real_round_trips(start_server: Callable[..., ServerProcess], c_client: str) -> None:
     sp = start_server()
     assert sp.proc is not None
-    bench_rpc._prestore_mpcache(sp.url)
+    bench_rpc.prestore_mpcache(sp.url)
     hits = bench_rpc.TOKENS // bench_rpc.CHUNK
     for what in ("noop", "status", "lookup", "lookup_packed"):
         cpu: list[float] = []
@@ -41,9 +41,9 @@ def test_c_client_counts_real_round_trips(start_server: Callable[..., ServerProc
         assert rate > 0, what
         # measured (clock-tick resolution: a short row on a loaded box may read 0)
         assert len(cpu) == 1 and len(client_cpu) == 1 and cpu[0] >= 0 and client_cpu[0] >= 0
-    sock = bench_rpc._dealer(zmq.Context.instance(), sp.url)
+    sock = bench_rpc.dealer(zmq.Context.instance(), sp.url)
     try:
-        stats = bench_rpc._call(sock, 1, "stats")
+        stats = bench_rpc.rpc_call(sock, 1, "stats")
     finally:
         sock.close()
     # every lookup was ended (the client waits for each end_session's reply): no job is left
@@ -52,7 +52,7 @@ def test_c_client_counts_real_round_trips(start_server: Callable[..., ServerProc
 
 def test_c_client_reports_a_wrong_answer_as_an_error(start_server: Callable[..., ServerProcess], c_client: str) -> None:
     sp = start_server()
-    bench_rpc._prestore_mpcache(sp.url)
+    bench_rpc.prestore_mpcache(sp.url)
     # the prompt is a 32-chunk hit: expecting 31 makes every status reply an error
     with pytest.raises(bench_rpc.BenchError, match="error replies"):
         bench_rpc.measure_throughput_c(c_client, sp.url, "status", 1, 2, 0.2, "t-wrong", 31)
