@@ -60,7 +60,9 @@ for step in $STEPS; do
         # the summary (--exclude warm_up).
         spy=$(command -v py-spy || echo /tmp/mpcache-site/bin/py-spy)
         if [ ! -x "$spy" ]; then echo "py-spy not found (put its wheel in WHEELS)"; rc=1; continue; fi
-        python3 -m mpcache.bench.bench_cli gpu-server --label profiled --engines 1 --shapes "${PYSPY_SHAPES:-1x8,32x1}" \
+        # PYSPY_ENGINES="1,4": also four engines' loaded rounds (PYSPY_MULTI shapes), the loop under load
+        python3 -m mpcache.bench.bench_cli gpu-server --label profiled --engines "${PYSPY_ENGINES:-1}" \
+            --shapes "${PYSPY_SHAPES:-1x8,32x1}" --multi-shapes "${PYSPY_MULTI:-32x1}" \
             --rounds "${PYSPY_ROUNDS:-12}" --out "$OUT" >"$OUT/bench_profiled.log" 2>&1 &
         bench=$!
         seen=" "

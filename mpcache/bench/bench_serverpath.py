@@ -28,7 +28,10 @@ and RETRIEVEs through a live server loop (ipc socket, the engine in another proc
 at a time), with a stand-in transfer engine whose copies take `--live-delay-ms` (5: an 8-chunk
 copy on an H200). They print the loop thread's CPU per request split by stage: what a request
 costs when it finds the loop idle and its caches cold, as a lone GPU transfer does, against the
-hot rows above.
+hot rows above. `--live-inflight K` keeps K requests in flight instead (K STOREs, then the K
+RETRIEVEs of the same prompts): the loop under load, as several engines' small requests keep it.
+`--live-report-us U`: the stand-in engine's reporting thread runs U µs of Python (holding the GIL)
+per completion, as the GPU executor's waiter does, to see what that costs the loop thread.
 
 The implied ceiling: one core spends `1e6 / us` requests per second in the handler, before the
 transport (recv/send, the zmq I/O thread) and the loop's poll.
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="lone STORE + RETRIEVE pairs through a live server loop (0: leave the live rows out)")
     parser.add_argument("--live-delay-ms", type=float, default=5.0,
                         help="how long the live rows' stand-in transfer engine takes per copy (an 8-chunk copy on an H200: 5)")
+    parser.add_argument("--live-report-us", type=float, default=0.0,
+                        help="Python CPU the live rows' stand-in engine spends (holding the GIL) on each completion it "
+                             "reports, as the GPU executor's waiter does (0: none)")
+    parser.add_argument("--live-inflight", type=int, default=1,
+                        help="requests the live rows' engine keeps in flight (1: lone requests; 32: a loaded loop)")
     args = parser.parse_args(argv)
 
     from mpcache.runtime_zmq import sha256_chain, tokens
@@ -349,11 +357,12 @@ class _DelayedExecutor(_PlanOnlyExecutor):
     one done ``delay`` s after its start (as a GPU engine's waiter does, through the server's
     completion channel)."""
 
-    def __init__(self, chunk_tokens: int, block_size: int, delay: float) -> None:
+    def __init__(self, chunk_tokens: int, block_size: int, delay: float, report_cpu: float = 0.0) -> None:
         import threading
 
         super().__init__(chunk_tokens, block_size)
         self.delay = delay
+        self.report_cpu = report_cpu  # Python CPU (holding the GIL) spent on each report, as a GPU waiter's
         self._due: list[tuple[float, int, Callable[[int, bool], None]]] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -378,6 +387,8 @@ class _DelayedExecutor(_PlanOnlyExecutor):
                     self._cv.wait(wait)
                     continue
                 self._due.pop(0)
+            if self.report_cpu:
+                _busy(self.report_cpu)
             done(tid, True)
 
     def close(self) -> None:
@@ -386,9 +397,17 @@ class _DelayedExecutor(_PlanOnlyExecutor):
             self._cv.notify()
 
 
-def _live_client(url: str, pairs: int, chunks: int, block: int, out: Any) -> None:
-    """The live rows' engine: registers, then ``pairs`` lone STORE + RETRIEVE pairs (each
-    waits for its reply), and sends back each call's latency in seconds."""
+def _busy(seconds: float) -> None:
+    """Run Python (holding the GIL) for ``seconds`` of this thread's CPU."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        sum(range(50))
+
+
+def _live_client(url: str, pairs: int, chunks: int, block: int, out: Any, inflight: int = 1) -> None:
+    """The live rows' engine: registers, then ``pairs`` STORE + RETRIEVE pairs, ``inflight`` at
+    a time (1: each waits for its reply; more: that many STOREs, then their RETRIEVEs), and sends
+    back each call's latency in seconds (submitted to answered)."""
     from mpcache.runtime_zmq.client import MPCacheClient
 
     blocks = list(range(chunks * CHUNK // block))
@@ -398,13 +417,15 @@ def _live_client(url: str, pairs: int, chunks: int, block: int, out: Any) -> Non
         out.send("ready")
         out.recv()
         lat: list[float] = []
-        for i in range(pairs):
-            toks = list(range(1_000 + i * 50_000, 1_000 + i * 50_000 + chunks * CHUNK))
-            key = lookup_key(toks, f"live-{i}", worker_id=0, packed=True)
+        for first in range(0, pairs, inflight):
+            keys = [lookup_key(list(range(1_000 + i * 50_000, 1_000 + i * 50_000 + chunks * CHUNK)), f"live-{i}",
+                               worker_id=0, packed=True) for i in range(first, min(first + inflight, pairs))]
             for op, tail in (("store", ()), ("retrieve", (0,))):
                 t0 = time.perf_counter()
-                c.submit(op, key, INSTANCE_ID, blocks, bytes(64), *tail).result(30)
-                lat.append(time.perf_counter() - t0)
+                calls = [c.submit(op, key, INSTANCE_ID, blocks, bytes(64), *tail) for key in keys]
+                for call in calls:
+                    call.result(30)
+                    lat.append(time.perf_counter() - t0)
         out.send(lat)
 
 
@@ -431,7 +452,7 @@ def live_rows(args: argparse.Namespace) -> None:
     from mpcache.runtime_zmq.server import Server, ServerConfig
 
     block, chunks = 16, args.transfer_chunks
-    executor = _DelayedExecutor(CHUNK, block, args.live_delay_ms / 1e3)
+    executor = _DelayedExecutor(CHUNK, block, args.live_delay_ms / 1e3, args.live_report_us / 1e6)
     d = tempfile.mkdtemp(prefix="mpcache-serverloop-")
     server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=256 << 20, slot_bytes=OBJECT_BYTES),
                     transfer_executor=executor)
@@ -466,7 +487,8 @@ def live_rows(args: argparse.Namespace) -> None:
     loop = threading.Thread(target=serve, name="mpcache-bench-loop", daemon=True)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_live_client, args=(server.bound_url, args.live_pairs, chunks, block, there), daemon=True)
+    proc = ctx.Process(target=_live_client, args=(server.bound_url, args.live_pairs, chunks, block, there,
+                                                  args.live_inflight), daemon=True)
     try:
         loop.start()
         proc.start()
@@ -491,8 +513,10 @@ def live_rows(args: argparse.Namespace) -> None:
     if n != 2 * args.live_pairs or executor.started < n:
         raise RuntimeError(f"{n} calls answered, {executor.started} transfers started, of {2 * args.live_pairs}")
     us = {k: v / n / 1e3 for k, v in spent.items()}
-    print(f"\n# live: {args.live_pairs} lone STORE + RETRIEVE pairs of {chunks} chunks through the server loop, "
-          f"each copy {args.live_delay_ms:g} ms (no device), the engine in another process")
+    alone = "lone" if args.live_inflight == 1 else f"{args.live_inflight} in flight,"
+    print(f"\n# live: {args.live_pairs} {alone} STORE + RETRIEVE pairs of {chunks} chunks through the server loop, "
+          f"each copy {args.live_delay_ms:g} ms (no device), the engine in another process"
+          + (f", {args.live_report_us:g} µs of Python per reported completion" if args.live_report_us else ""))
     print("| loop thread, per request | CPU µs |")
     print("|---|---:|")
     print(f"| total (the thread's CPU clock) | {total / n * 1e6:.0f} |")
