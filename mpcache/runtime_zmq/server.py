@@ -297,6 +297,7 @@ class Server:
             post=self.channel.post, counts=self._counts, send=self._send, flush_ack=self._flush_lone_ack,
             health=self._health, stats=self.stats)
         self._stopping = False
+        self._closed = False
         self.started_at = time.time()  # wall clock, for uptime (status pages)
         self.epoch = config.epoch if config.epoch is not None else secrets.randbits(63)
         # the longest one message kept the loop (wall and the loop thread's CPU), since start
@@ -786,7 +787,11 @@ class Server:
         """Finish what is in flight (within the shutdown grace), answer what is still owed
         ``shutting_down``, and release the sockets, L1 and threads. ``serve_forever`` ends with
         it; a server whose loop never ran (one driven message by message, in process) is closed
-        by calling it."""
+        by calling it. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
         log.info("mpcache-server stopping")
         end = self.clock() + self.config.shutdown_grace
         poller = zmq.Poller()

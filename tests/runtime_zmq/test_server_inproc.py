@@ -4,6 +4,7 @@ thread. Each still gets exactly one reply, and the loop keeps serving."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -142,6 +143,19 @@ def test_wake_and_stop_after_shutdown_do_nothing() -> None:
     assert not loop.is_alive()
     server.stop()
     server.channel.wake()
+
+
+def test_a_server_never_served_is_closed_once_and_gives_l1_back() -> None:
+    # benches and tests drive a server message by message, without its loop, then close it
+    d = tempfile.mkdtemp(prefix="mpcache-inproc-")
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=8 << 20, slot_bytes=1 << 20))
+    segment = server.pool.path
+    assert server.pool.address and os.path.exists(segment) and not server.stopping  # L1 made on first use
+    server.close()
+    assert not os.path.exists(segment) and not server.pool.created and server.stopping
+    assert server.loaders_running == []  # none started: the loop never ran
+    server.close()  # nothing left to release: no error
+    server.stop()
 
 
 def test_store_after_its_not_after_is_refused_and_stores_nothing(threaded: tuple[Server, MPCacheClient]) -> None:
