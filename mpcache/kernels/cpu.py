@@ -201,6 +201,22 @@ def check_request(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Validate one call; return (flat int64 block ids, slot bases in lanes). Raises ValueError:
     a bad id or offset would otherwise write outside the engine's cache or the pool."""
+    ids, offs = check_shapes(geometry, block_ids, slot_offsets, skip)
+    flat = ids.reshape(-1)
+    bases = np.empty(offs.shape[0], dtype=np.int64)
+    err = validate_call(flat, offs, geometry.num_blocks, geometry.lane_bytes, geometry.slot_bytes // geometry.lane_bytes,
+                        pool_lanes, bases)
+    if err:
+        raise call_error(geometry, err)
+    return flat, bases
+
+
+def check_shapes(
+    geometry: KVGeometry, block_ids: np.ndarray, slot_offsets: Sequence[int] | np.ndarray, skip: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The shape half of ``check_request``: (C-contiguous int64 block ids ``[n_chunks,
+    blocks_per_chunk]``, int64 slot byte offsets ``[n_chunks]``). Raises ValueError; the ids and
+    offsets themselves are ``validate_call``'s to check."""
     ids = block_ids if isinstance(block_ids, np.ndarray) and block_ids.dtype == np.int64 else np.asarray(block_ids, dtype=np.int64)
     if ids.ndim != 2 or ids.shape[1] != geometry.blocks_per_chunk:
         raise ValueError(f"block_ids must be [n_chunks, {geometry.blocks_per_chunk}], got {ids.shape}")
@@ -211,19 +227,22 @@ def check_request(
         raise ValueError(f"need one slot offset per chunk: {offs.shape} for {ids.shape[0]} chunks")
     if not 0 <= skip <= ids.size:
         raise ValueError(f"skip_blocks {skip} outside [0, {ids.size}]")
-    flat = ids.reshape(-1)
-    bases = np.empty(offs.shape[0], dtype=np.int64)
-    err = _validate(flat, offs, geometry.num_blocks, geometry.lane_bytes, geometry.slot_bytes // geometry.lane_bytes, pool_lanes, bases)
+    return ids, offs
+
+
+def call_error(geometry: KVGeometry, err: int) -> ValueError:
+    """The ValueError of ``validate_call``'s answer ``err`` (1 or 2)."""
     if err == 1:
-        raise ValueError(f"block id out of range [0, {geometry.num_blocks})")
-    if err == 2:
-        raise ValueError("slot offset outside the pool or not lane-aligned")
-    return flat, bases
+        return ValueError(f"block id out of range [0, {geometry.num_blocks})")
+    return ValueError("slot offset outside the pool or not lane-aligned")
 
 
 @numba.njit(cache=True, nogil=True)
-def _validate(ids, offs, num_blocks, lane, slot_lanes, pool_lanes, bases):  # type: ignore[no-untyped-def]
-    """One pass over the request (numpy's min/max/mod would be several passes and calls)."""
+def validate_call(ids, offs, num_blocks, lane, slot_lanes, pool_lanes, bases):  # type: ignore[no-untyped-def]
+    """One pass over a call: 0 when every flat block id is in ``[0, num_blocks)`` and every slot
+    offset is lane-aligned with its slot inside the pool, writing each slot's base in lanes into
+    ``bases``; 1 for a bad block id, 2 for a bad offset (``call_error`` says which). One pass
+    (numpy's min/max/mod would be several passes and calls); compiled code may call it too."""
     for i in range(ids.size):
         if ids[i] < 0 or ids[i] >= num_blocks:
             return 1

@@ -43,7 +43,7 @@ if not hasattr(np, "row_stack"):
 import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from mpcache.kernels.cpu import check_request  # noqa: E402
+from mpcache.kernels.cpu import check_request, validate_call  # noqa: E402
 from mpcache.kernels.layouts import (  # noqa: E402
     P_BPC,
     P_BS,
@@ -1142,6 +1142,32 @@ def ends_on_copy_stream(scatter: bool, staging: bool, join: bool) -> bool:
 _ends_on_copy_stream = numba.njit(nogil=True)(ends_on_copy_stream)
 
 
+@numba.njit(nogil=True, cache=True)
+def fill_lane_row(row, ids, offs, scatter, skip, staging, wev, cev, t_hand, num_blocks, lane_bytes, slot_lanes,  # type: ignore[no-untyped-def]
+                  pool_lanes, bases_at):
+    """Write one call into a copy lane's ``row`` in one compiled call: ``kernels.cpu.validate_call``
+    checks the block ids (``ids``: C-contiguous ``[n_chunks, bpc]``) and slot offsets and writes
+    the slot bases straight into the row (at ``bases_at``), then the flat ids and the header
+    (``H_*``: kind, count, skip, staging, the worker's and completion events, ``t_hand``). 0, or
+    ``validate_call``'s error: the row is then not to be handed over (the loop has not counted
+    it written, so the lane never reads it)."""
+    n = offs.shape[0]
+    flat = ids.reshape(ids.size)
+    err = validate_call(flat, offs, num_blocks, lane_bytes, slot_lanes, pool_lanes, row[bases_at : bases_at + n])
+    if err != 0:
+        return err
+    for i in range(flat.size):
+        row[H_IDS + i] = flat[i]
+    row[H_KIND] = 1 if scatter else 0
+    row[H_N] = n
+    row[H_SKIP] = skip
+    row[H_STAGING] = 1 if staging else 0
+    row[H_WEV] = wev
+    row[H_CEV] = cev
+    row[H_T_HAND] = t_hand
+    return 0
+
+
 def lane_row_width(max_chunks: int, bpc: int, used: int) -> int:
     return H_IDS + max_chunks * bpc + max_chunks + used
 
@@ -1160,7 +1186,7 @@ def fast_copy_lane() -> Any:
 def warm_copy_lane(lane: Any, max_chunks: int = 4, bpc: int = 2, used: int = 2) -> None:
     """Compile ``lane`` for the argument types a copy lane runs with (seconds, once per process:
     at server start, not on a first registration): a call told to stop at once, which touches no
-    driver."""
+    driver; and ``fill_lane_row``, which the loop calls."""
     z1, z2 = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
     ctl = np.zeros(C_COUNT, np.int64)
     ctl[C_STOP] = 1
@@ -1168,6 +1194,9 @@ def warm_copy_lane(lane: Any, max_chunks: int = 4, bpc: int = 2, used: int = 2) 
     lane(ctl, rows, -1, z1, np.zeros(2, np.int64), np.zeros(S_COUNT, np.int64), np.zeros((7, 1), np.int64), z2, z2,
          np.zeros((3, 1), np.int64), np.zeros(used, np.int64), np.zeros((2, max_chunks + 1, 1, 2), np.int64),
          np.zeros((2, max_chunks + 1), np.int64), np.zeros((1, 2), np.int64), np.zeros(G_COUNT, np.int64))
+    # and the loop's row writer, with the argument types the loop passes (a checked empty call)
+    fill_lane_row(rows[0], np.zeros((0, bpc), np.int64), np.zeros(0, np.int64), False, 0, False, 0, 0, 0, 1, 1, 1, 1,
+                  H_IDS)
 
 
 def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:

@@ -200,10 +200,12 @@ class _CopyLane:
     eventfd, and the thread that runs it. The loop writes rows (``write``); the waiter reads
     what the lane did (``take``)."""
 
-    def __init__(self, instance_id: int, state: dict[str, Any], rows: int, ordinal: int) -> None:
+    def __init__(self, instance_id: int, state: dict[str, Any], rows: int, ordinal: int, geometry: Any) -> None:
         from mpcache.kernels import gpu as kg
 
         self.kg = kg
+        self.geometry = geometry
+        self._check = (int(geometry.num_blocks), int(geometry.lane_bytes), int(geometry.slot_bytes // geometry.lane_bytes))
         self.state = state
         self.cfg = state["cfg"]
         self.max_chunks = int(self.cfg[kg.G_MAX_CHUNKS])
@@ -216,6 +218,7 @@ class _CopyLane:
         self.written = 0
         self.efd = os.eventfd(0)
         self._fn = kg.fast_copy_lane()
+        self._fill = kg.fill_lane_row
         self._ordinal = ordinal
         self.thread = threading.Thread(target=self._run, name=f"mpcache-gpu-lane-{instance_id}", daemon=True)
 
@@ -228,23 +231,21 @@ class _CopyLane:
         self._fn(self.ctl, self.rows, self.efd, np.zeros(1, np.int64), np.zeros(2, np.int64), s["st"], s["ring"],
                  s["rel"], s["desc"], s["runs"], s["used"], s["pieces"], s["npieces"], s["one_piece"], s["cfg"])
 
-    def write(self, store: bool, ids: np.ndarray, bases: np.ndarray, skip: int, staging: bool, worker_event: int,
+    def write(self, store: bool, ids: np.ndarray, offsets: np.ndarray, skip: int, staging: bool, worker_event: int,
               completion_event: int) -> int:
-        """Hand the lane one checked call (flat block ids, slot bases in lanes; ``staging``: through
-        the device staging buffer, as ``CudaKVTransfer.uses_staging`` decided); its row number."""
+        """Check one call and hand it to the lane (``ids`` and ``offsets`` as ``kernels.cpu.check_shapes``
+        gives them; ``staging``: through the device staging buffer, as ``CudaKVTransfer.uses_staging``
+        decided); its row number. Raises ValueError on a bad block id or slot offset, nothing handed."""
         kg = self.kg
         seq = self.written
-        row = self.rows[seq % self.rows.shape[0]]
-        n = bases.shape[0]
-        row[kg.H_KIND] = 0 if store else 1
-        row[kg.H_N] = n
-        row[kg.H_SKIP] = skip
-        row[kg.H_STAGING] = int(staging)
-        row[kg.H_WEV] = worker_event
-        row[kg.H_CEV] = completion_event
-        row[kg.H_IDS : kg.H_IDS + ids.shape[0]] = ids
-        row[self.bases_at : self.bases_at + n] = bases
-        row[kg.H_T_HAND] = time.monotonic_ns()
+        num_blocks, lane_bytes, slot_lanes = self._check
+        err = self._fill(self.rows[seq % self.rows.shape[0]], ids, offsets, not store, skip, staging, worker_event,
+                         completion_event, time.monotonic_ns(), num_blocks, lane_bytes, slot_lanes, self.pool_lanes,
+                         self.bases_at)
+        if err:
+            from mpcache.kernels.cpu import call_error
+
+            raise call_error(self.geometry, err)
         self.written = seq + 1
         self.ctl[kg.C_WRITTEN] = seq + 1  # after the row: the lane reads the count, then the row
         os.eventfd_write(self.efd, 1)
@@ -554,23 +555,22 @@ class GpuTransferExecutor:
                       event_handle: bytes, done: DoneFn, t0: int) -> None:
         """``start`` for an instance with a copy lane: check the call, then write it into the lane
         (the lane makes its driver calls); the waiter looks at its event once the lane is done."""
-        from mpcache.kernels.cpu import check_request
+        from mpcache.kernels.cpu import check_shapes
         from mpcache.kernels.gpu import as_handle
 
         t1 = time.perf_counter_ns()
         store = transfer.kind is TransferKind.STORE
+        skip = 0 if store else rows.skip_blocks
         try:
-            ids, bases = check_request(inst.geometry, lane.pool_lanes, rows.block_ids, rows.slot_offsets,
-                                       0 if store else rows.skip_blocks)
+            ids, offsets = check_shapes(inst.geometry, rows.block_ids, rows.slot_offsets, skip)
             worker = as_handle(inst.worker_event(event_handle)) if event_handle else 0
         except Exception as e:
             log.warning("transfer %d: %s", transfer.transfer_id, e)
             done(transfer.transfer_id, False)
             return
-        n = bases.shape[0]
+        n = offsets.shape[0]
         now = time.monotonic()
         busy = bool(inst.pending) or self._link_busy_until[transfer.kind] > now
-        self._starts[transfer.kind] += 1
         with self._lock:
             event = self._free_events.pop() if self._free_events else None
         if event is None:
@@ -579,7 +579,15 @@ class GpuTransferExecutor:
         # decided once, here: the lane takes it as written, and a staging STORE's DMAs into L1 are
         # what keeps it held past a failure (pool_dma)
         staging = inst.transfer.uses_staging(n, busy)
-        seq = lane.write(store, ids, bases, 0 if store else rows.skip_blocks, staging, worker, as_handle(event))
+        try:  # the ids and offsets are checked as the row is written (one compiled call)
+            seq = lane.write(store, ids, offsets, skip, staging, worker, as_handle(event))
+        except ValueError as e:
+            with self._lock:
+                self._free_events.append(event)
+            log.warning("transfer %d: %s", transfer.transfer_id, e)
+            done(transfer.transfer_id, False)
+            return
+        self._starts[transfer.kind] += 1
         t2 = time.perf_counter_ns()
         nbytes = n * inst.geometry.slot_bytes
         p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and staging,
@@ -730,7 +738,7 @@ class GpuTransferExecutor:
         inst.links = {kind: LinkModel(self.link_bytes_per_s) for kind in TransferKind}
         lane_state = transfer.lane_state() if self.copy_lanes and hasattr(transfer, "lane_state") else None
         if lane_state is not None:
-            inst.lane = _CopyLane(instance_id, lane_state, max(self.max_in_flight, 1), self._ordinal)
+            inst.lane = _CopyLane(instance_id, lane_state, max(self.max_in_flight, 1), self._ordinal, geometry)
             inst.lane.start()
         inst.waiter = threading.Thread(target=self._wait, args=(inst,), name=f"mpcache-gpu-waiter-{instance_id}", daemon=True)
         with self._lock:

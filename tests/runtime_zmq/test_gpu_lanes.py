@@ -228,6 +228,27 @@ def test_the_loop_hands_over_and_the_waiter_waits_for_the_lane(lanes: Device) ->
     assert not inst.lane.thread.is_alive() and dev.closed == [0x1000]  # type: ignore[attr-defined]
 
 
+def test_a_bad_block_id_is_refused_before_the_lane_sees_it(lanes: Device) -> None:
+    """The loop checks a call's block ids and slots as it writes the row: a block id past the
+    engine's cache fails that transfer at once, nothing is handed over or launched, its
+    completion event goes back to the free list, and the next transfer takes the same row."""
+    dev = lanes
+    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4)
+    done = Done()
+    inst, _ = add(ex, dev, 6, b"\x06" * 64)
+    ex.start(st(1, 6, 10), b"", done)
+    done.wait({1})
+    free = len(ex._free_events)
+    ex.start(st(2, 6, 4095), b"", done)  # blocks 4095 and 4096 of a 4096-block cache
+    assert done.results.get(2) is False and inst.lane.written == 1 and len(ex._free_events) == free
+    ex.start(st(3, 6, 30), b"", done)
+    done.wait({3})
+    assert done.results[3] and dev.launches == [10, 30] and inst.lane.written == 2
+    s = ex.stats()
+    assert s["started"] == 2 and s["finished"] == 2
+    ex.close()
+
+
 def test_a_stuck_engine_fails_and_its_lane_skips_what_it_has_not_taken(lanes: Device) -> None:
     """The engine's event never fires: the first transfer outlives the timeout, the instance is
     failed, the rows the (held) lane had not taken are skipped and nothing is launched for them;
