@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -54,7 +53,7 @@ def main() -> int:
     junk = np.ones(32 << 17)
     tids = itertools.count(1)
 
-    def row(n_chunks: int, cold: bool) -> float:
+    def row(n_chunks: int, cold: bool) -> tuple[float, float, float, float]:
         s0 = ex.stats()
         for i in range(args.cold if cold else args.hot):
             if cold:
@@ -66,23 +65,30 @@ def main() -> int:
             ex.start(fake.st(tid, 1, 4 * (tid % 500), n_chunks), b"", done)
         time.sleep(0.05)
         s1 = ex.stats()
-        return (s1["start_ns"] - s0["start_ns"]) / (s1["started"] - s0["started"]) / 1e3
+        n = (s1["started"] - s0["started"]) * 1e3
+        d = {k: (s1[k] - s0[k]) / n for k in ("start_ns", "plan_ns", "wait_ns", "enqueue_ns")}
+        # plan: plan_rows; check + event: the shapes, the worker's event, a completion event;
+        # row: the row written (checked) and handed over, then the pending entry
+        return d["start_ns"], d["plan_ns"], d["wait_ns"], d["start_ns"] - d["plan_ns"] - d["wait_ns"]
 
     row(1, False)
-    cells: dict[tuple[int, bool], list[float]] = {}
+    cells: dict[tuple[int, bool], list[tuple[float, float, float, float]]] = {}
     for _ in range(args.rounds):
         for n in (1, 4):
             for cold in (False, True):
                 cells.setdefault((n, cold), []).append(row(n, cold))
     ex.close()
     mp.undo()
-    print(f"# the loop's host time per transfer, copy lanes on a fake driver, {args.rounds} rounds (µs, median / each)")
-    print("| store | hot | cold (after 5 ms asleep) |")
-    print("|---|---|---|")
+    print(f"# the loop's host time per transfer, copy lanes on a fake driver, {args.rounds} rounds "
+          "(µs; the median round by total, and each round's total)")
+    print("| store | when | total | plan_rows | check + events | row + hand-over | each round |")
+    print("|---|---|---:|---:|---:|---:|---|")
     for n in (1, 4):
-        hot, cold = cells[(n, False)], cells[(n, True)]
-        print(f"| {n} chunk{'s' if n > 1 else ''} | {statistics.median(hot):.1f} / {', '.join(f'{x:.1f}' for x in hot)} "
-              f"| {statistics.median(cold):.1f} / {', '.join(f'{x:.1f}' for x in cold)} |")
+        for cold in (False, True):
+            rounds = sorted(cells[(n, cold)])
+            mid = rounds[len(rounds) // 2]
+            print(f"| {n} chunk{'s' if n > 1 else ''} | {'cold (5 ms asleep)' if cold else 'hot'} | {mid[0]:.1f} | "
+                  f"{mid[1]:.1f} | {mid[2]:.1f} | {mid[3]:.1f} | {', '.join(f'{r[0]:.1f}' for r in cells[(n, cold)])} |")
     return 0
 
 

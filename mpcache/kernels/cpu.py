@@ -237,7 +237,7 @@ def call_error(geometry: KVGeometry, err: int) -> ValueError:
     return ValueError("slot offset outside the pool or not lane-aligned")
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)  # holds the GIL: microseconds, and the loop's; releasing it would let other threads in
 def validate_call(ids, offs, num_blocks, lane, slot_lanes, pool_lanes, bases):  # type: ignore[no-untyped-def]
     """One pass over a call: 0 when every flat block id is in ``[0, num_blocks)`` and every slot
     offset is lane-aligned with its slot inside the pool, writing each slot's base in lanes into

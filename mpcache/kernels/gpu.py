@@ -1142,7 +1142,7 @@ def ends_on_copy_stream(scatter: bool, staging: bool, join: bool) -> bool:
 _ends_on_copy_stream = numba.njit(nogil=True)(ends_on_copy_stream)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(cache=True)  # holds the GIL: a sub-microsecond call that released it would let other threads in
 def fill_lane_row(row, ids, offs, scatter, skip, staging, wev, cev, t_hand, num_blocks, lane_bytes, slot_lanes,  # type: ignore[no-untyped-def]
                   pool_lanes, bases_at):
     """Write one call into a copy lane's ``row`` in one compiled call: ``kernels.cpu.validate_call``
