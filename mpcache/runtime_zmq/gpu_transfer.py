@@ -30,6 +30,7 @@ Registration layout (the worker's ``register_instance`` payload; ``export_kv_ten
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -195,6 +196,24 @@ class _Pending:
     absorbed: bool = True
 
 
+# os.eventfd_write releases the GIL around its write(2), and a thread waiting for the GIL (a
+# waiter, an L2 worker) then runs in the middle of the loop's start of a transfer: the loop waits
+# for it to give the GIL back. Through ctypes.PyDLL the call keeps the GIL. Adding 1 to an eventfd
+# never blocks (only an overflow of its 64-bit count would; the lane reads it back to 0).
+_LIBC_GIL_HELD = ctypes.PyDLL(None, use_errno=True)
+_write_holding_gil = _LIBC_GIL_HELD["write"]
+_write_holding_gil.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+_write_holding_gil.restype = ctypes.c_ssize_t
+_EVENTFD_ONE = ctypes.c_uint64(1)
+
+
+def eventfd_add_one(fd: int) -> None:
+    """``os.eventfd_write(fd, 1)`` without letting go of the GIL. Raises OSError."""
+    if _write_holding_gil(fd, ctypes.byref(_EVENTFD_ONE), 8) != 8:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
 class _CopyLane:
     """One instance's copy lane (``kernels.gpu.make_copy_lane``): its rows, control words and
     eventfd, and the thread that runs it. The loop writes rows (``write``); the waiter reads
@@ -248,7 +267,7 @@ class _CopyLane:
             raise call_error(self.geometry, err)
         self.written = seq + 1
         self.ctl[kg.C_WRITTEN] = seq + 1  # after the row: the lane reads the count, then the row
-        os.eventfd_write(self.efd, 1)
+        eventfd_add_one(self.efd)
         return seq
 
     def done_through(self) -> int:

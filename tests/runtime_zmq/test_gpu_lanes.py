@@ -6,7 +6,9 @@ transfer early: these tests hold the lane inside a launch to catch that."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
+import os
 import platform
 import threading
 import time
@@ -321,3 +323,18 @@ def test_without_lanes_the_loop_makes_the_calls(lanes: Device) -> None:
                             transfer, [], COMPUTE, 80)
     assert inst.lane is None
     ex.close()
+
+
+def test_the_loop_wakes_a_lane_holding_the_gil() -> None:
+    """The loop's wake-up of a lane (an eventfd add that keeps the GIL) adds one per call, as
+    os.eventfd_write does, and says why it failed."""
+    from mpcache.runtime_zmq.gpu_transfer import eventfd_add_one
+
+    fd = os.eventfd(0)
+    eventfd_add_one(fd)
+    eventfd_add_one(fd)
+    assert os.eventfd_read(fd) == 2
+    os.close(fd)
+    with pytest.raises(OSError) as e:
+        eventfd_add_one(fd)
+    assert e.value.errno == errno.EBADF
