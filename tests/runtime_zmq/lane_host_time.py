@@ -3,11 +3,12 @@ with copy lanes on the fake driver of ``tests/runtime_zmq/test_gpu_lanes.py`` (t
 and enqueue run for real; the driver calls are ctypes callbacks). Prints the executor's own
 ``start_ns / started`` (plan, check, row write, hand-over), hot (transfers back to back) and cold
 (each after 5 ms asleep and 32 MiB of other memory traffic, as a lone request finds the loop),
-for 1- and 4-chunk stores, and the waiter thread's CPU per transfer (its Python, the GIL's
-to share with the loop: the fake's events are done when first looked at). What it cannot show: the H200 host's own speed and the real driver's
-event handles. From the repo root, with the dev venv:
+for 1- and 4-chunk stores, and the waiter thread's CPU per transfer (its Python, the GIL's to
+share with the loop: the fake's events are done when first looked at). What it cannot show: the
+H200 host's own speed and the real driver's event handles. A command that prints a table, kept with the tests because it runs their fake
+(not collected by pytest); from the repo root, with the dev venv:
 
-    .venv/bin/python tools/lane_host_time.py [--rounds 3]
+    .venv/bin/python tests/runtime_zmq/lane_host_time.py [--rounds 3]
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "runtime_zmq")]
 
 import pytest  # noqa: E402  (its MonkeyPatch swaps in the fake driver, as the tests do)
