@@ -279,16 +279,18 @@ class _CopyLane:
         entries its kernels read, ns from the hand-over to the lane taking it, ns the lane spent)."""
         kg = self.kg
         row = self.rows[seq % self.rows.shape[0]]
-        if row[kg.H_ERR] not in (0, kg.LANE_SKIPPED):
+        head = row[: kg.H_IDS].tolist()  # one read of the outcome's words, as Python ints
+        err = head[kg.H_ERR]
+        if err not in (0, kg.LANE_SKIPPED):
             where = {kg.W_LAUNCH: "cuLaunchKernel", kg.W_RECORD: "cuEventRecord", kg.W_WAIT: "cuStreamWaitEvent",
-                     kg.W_COPY: "staging DMA"}.get(int(row[kg.H_WHERE]), "driver call")
-            if row[kg.H_ERR] == kg.ERR_RING_FULL:
+                     kg.W_COPY: "staging DMA"}.get(head[kg.H_WHERE], "driver call")
+            if err == kg.ERR_RING_FULL:
                 log.warning("copy lane: descriptor ring full, a transfer was not enqueued")
             else:
-                log.error("copy lane: %s failed: CUDA error %d", where, int(row[kg.H_ERR]) - 1000)
-        used = row[self.used_at : self.used_at + int(row[kg.H_NUSED])].tolist()
-        return (int(row[kg.H_ERR]) == 0, bool(row[kg.H_RECORDED]), used, int(row[kg.H_T_PICK] - row[kg.H_T_HAND]),
-                int(row[kg.H_T_DONE] - row[kg.H_T_PICK]))
+                log.error("copy lane: %s failed: CUDA error %d", where, err - 1000)
+        used = row[self.used_at : self.used_at + head[kg.H_NUSED]].tolist()
+        return (err == 0, bool(head[kg.H_RECORDED]), used, head[kg.H_T_PICK] - head[kg.H_T_HAND],
+                head[kg.H_T_DONE] - head[kg.H_T_PICK])
 
     def idle(self, timeout: float) -> bool:
         """Wait (briefly: the lane takes microseconds a row) until the lane has done every row."""
