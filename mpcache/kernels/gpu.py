@@ -1111,21 +1111,37 @@ def _make_enqueue(lib: Any = None) -> Any:
         record(st, ring[R_EVENT, lastr], st[S_COMPUTE])
         return cnt
 
+    @numba.njit(nogil=False)
+    def query(ev):  # type: ignore[no-untyped-def]
+        return cu_query(np.uint64(ev))
+
     enqueue.record_fn = record  # type: ignore[attr-defined]  # for the copy lane (make_copy_lane)
     enqueue.wait_fn = wait  # type: ignore[attr-defined]
+    enqueue.query_fn = query  # type: ignore[attr-defined]
     return enqueue
 
 
 # ---- the copy lane: a thread that enqueues an engine's copies with no Python -----------------
 # Control words of a lane (``ctl``, int64): rows written by the loop, rows the lane has done, stop,
-# the instance failed (rows after it are skipped, untouched).
-C_WRITTEN, C_DONE, C_STOP, C_FAILED, C_COUNT = 0, 1, 2, 3, 8
+# the instance failed (rows after it are skipped, untouched); and when the lane also watches its
+# rows' completion events: rows seen complete, watch (1: the lane looks; the waiter sets 0 to take
+# over), and the lane's answer that it no longer looks (1; C_SEEN then moves no more).
+C_WRITTEN, C_DONE, C_STOP, C_FAILED, C_SEEN, C_WATCH, C_WATCH_OFF, C_COUNT = 0, 1, 2, 3, 4, 5, 6, 8
 # A lane row (int64): the loop writes the request, the lane the outcome. ``H_IDS``: the flat block
 # ids (n * blocks per chunk), then ``max_chunks * bpc`` words on, the n slot bases (lanes); the
-# descriptor entries the call used follow at ``lane_row_width``'s last words.
+# descriptor entries the call used follow at ``lane_row_width``'s last words. ``H_T_DUE``: when the
+# loop's link model expects the copy done (CLOCK_MONOTONIC ns); a watching lane writes what it saw
+# there: the event's query result, when, after how many looks, the pause before the last, and
+# whether its first look was at the due time (not later).
 (H_KIND, H_N, H_SKIP, H_STAGING, H_WEV, H_CEV, H_ERR, H_WHERE, H_NUSED, H_RECORDED, H_T_HAND, H_T_PICK, H_T_DONE,
- H_IDS) = range(14)
+ H_T_DUE, H_Q, H_T_SEEN, H_POLLS, H_PAUSE, H_AIMED, H_IDS) = range(20)
+K_STORE, K_RETRIEVE, K_WATCH = 0, 1, 2  # H_KIND; K_WATCH: the loop enqueued it, the lane only watches its event
 LANE_SKIPPED = -1  # H_ERR of a row the lane did not enqueue (its instance had failed)
+# How a watching lane paces its looks (``watch``, int64): the loop's wake-up descriptor (-1: none),
+# then the waiter's schedule in ns: the first look this long before the due time; pauses from
+# FINE doubling to FINE_MAX for FINE_SPAN after the due time, then MID until MID_SPAN, then SLOW.
+(WATCH_WAKE_FD, WATCH_AIM_EARLY, WATCH_FINE, WATCH_FINE_MAX, WATCH_FINE_SPAN, WATCH_MID, WATCH_MID_SPAN, WATCH_SLOW,
+ WATCH_COUNT) = range(9)
 # Lane parameters (``cfg``, int64): blocks per chunk, max chunks, used-entry words per row. (Whether a
 # call goes through staging is the loop's decision, ``CudaKVTransfer.uses_staging``, in its row.)
 G_BPC, G_MAX_CHUNKS, G_USED, G_COUNT = range(4)
@@ -1187,33 +1203,60 @@ def warm_copy_lane(lane: Any, max_chunks: int = 4, bpc: int = 2, used: int = 2) 
     """Compile ``lane`` for the argument types a copy lane runs with (seconds, once per process:
     at server start, not on a first registration): a call told to stop at once, which touches no
     driver; and ``fill_lane_row``, which the loop calls."""
-    z1, z2 = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
+    z2 = np.zeros((1, 1), np.int64)
     ctl = np.zeros(C_COUNT, np.int64)
     ctl[C_STOP] = 1
     rows = np.zeros((1, lane_row_width(max_chunks, bpc, used)), np.int64)
-    lane(ctl, rows, -1, z1, np.zeros(2, np.int64), np.zeros(S_COUNT, np.int64), np.zeros((7, 1), np.int64), z2, z2,
-         np.zeros((3, 1), np.int64), np.zeros(used, np.int64), np.zeros((2, max_chunks + 1, 1, 2), np.int64),
-         np.zeros((2, max_chunks + 1), np.int64), np.zeros((1, 2), np.int64), np.zeros(G_COUNT, np.int64))
+    lane(ctl, rows, -1, np.zeros(4, np.int64), np.zeros(2, np.int64), np.zeros(S_COUNT, np.int64),
+         np.zeros((7, 1), np.int64), z2, z2, np.zeros((3, 1), np.int64), np.zeros(used, np.int64),
+         np.zeros((2, max_chunks + 1, 1, 2), np.int64), np.zeros((2, max_chunks + 1), np.int64),
+         np.zeros((1, 2), np.int64), np.zeros(G_COUNT, np.int64), np.full(WATCH_COUNT, -1, np.int64))
     # and the loop's row writer, with the argument types the loop passes (a checked empty call)
     fill_lane_row(rows[0], np.zeros((0, bpc), np.int64), np.zeros(0, np.int64), False, 0, False, 0, 0, 0, 1, 1, 1, 1,
                   H_IDS)
 
 
+def lane_pause_ns(late_ns: int, last_ns: int, watch: Any) -> int:
+    """How long a watching copy lane waits before its next look at a pending event, ``late_ns``
+    after the look's due time, its last pause ``last_ns`` (0: none yet): the waiter's schedule
+    (``watch``'s ``P_*``), the same steps as ``GpuTransferExecutor._wait``'s."""
+    if late_ns < watch[WATCH_FINE_SPAN]:
+        return watch[WATCH_FINE] if last_ns == 0 else min(2 * last_ns, watch[WATCH_FINE_MAX])
+    if late_ns < watch[WATCH_MID_SPAN]:
+        return watch[WATCH_MID]
+    return watch[WATCH_SLOW]
+
+
+_lane_pause_ns = numba.njit(nogil=True)(lane_pause_ns)
+
+
 def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
     """One engine's copy lane: ``lane(ctl, rows, efd, buf, ts, st, ring, rel, desc, runs, used,
-    pieces, npieces, one_piece, cfg)``, a compiled function a thread enters once and leaves only
-    at ``ctl[C_STOP]``. It holds no GIL: the server's loop writes a planned transfer into the
+    pieces, npieces, one_piece, cfg, watch)``, a compiled function a thread enters once and leaves
+    only at ``ctl[C_STOP]``. It holds no GIL: the server's loop writes a planned transfer into the
     next row of ``rows`` (``H_*``), bumps ``ctl[C_WRITTEN]`` and writes the eventfd ``efd``; the
-    lane, blocked in ``read`` on it, takes the rows in order and makes each one's driver calls:
-    the wait on the engine's event, ``enqueue`` (the same compiled call sequence the loop makes
-    with ``CudaKVTransfer.gather`` / ``scatter`` and ``join=False``), then the record of the
+    lane, blocked on it, takes the rows in order and makes each one's driver calls: the wait on
+    the engine's event, ``enqueue`` (the same compiled call sequence the loop makes with
+    ``CudaKVTransfer.gather`` / ``scatter`` and ``join=False``), then the record of the
     transfer's completion event on the stream its copies end on; it writes the outcome (error,
-    entries used, whether the event was recorded, its clock) and then bumps ``ctl[C_DONE]``, which
-    is what the waiter reads before it looks at that event. (Plain stores, in order: x86's
-    memory order makes the row visible before the count.) Once ``ctl[C_FAILED]`` is set a row is
-    marked ``LANE_SKIPPED`` and nothing is enqueued for it. ``pieces[scatter, m, :npieces[scatter,
-    m]]``: the staging pieces of an m-chunk call (``CudaKVTransfer._pieces``); ``ts``: int64[2]
-    scratch for the clock; ``buf``: int64[1] for the eventfd read."""
+    entries used, whether the event was recorded, its clock) and then bumps ``ctl[C_DONE]``.
+    (Plain stores, in order: x86's memory order makes the row visible before the count.) Once
+    ``ctl[C_FAILED]`` is set a row is marked ``LANE_SKIPPED`` and nothing is enqueued for it. A
+    ``K_WATCH`` row (a transfer the loop enqueued itself) makes no calls.
+
+    While ``ctl[C_WATCH]`` is set the lane also sees its rows complete, in order, with no Python
+    thread between: between rows it queries the first unseen row's completion event, no earlier
+    than ``watch[WATCH_AIM_EARLY]`` before the row's ``H_T_DUE`` and then at ``lane_pause_ns``'s
+    pauses (waiting on ``efd`` meanwhile, so a new row is taken at once); right after one row is
+    seen end the next is looked at once at once (the waiter's ride-along); a row found ended gets
+    ``H_Q`` (the query's result), ``H_T_SEEN``, ``H_POLLS``, ``H_PAUSE``, ``H_AIMED``, then
+    ``ctl[C_SEEN]`` is bumped and one byte is written to ``watch[WATCH_WAKE_FD]`` (the loop's wake-up).
+    A row whose event was not recorded, or ``ctl[C_WATCH]`` cleared, ends the watching: the lane
+    sets ``ctl[C_WATCH_OFF]`` and ``C_SEEN`` moves no more (the Python waiter goes on from there).
+
+    ``pieces[scatter, m, :npieces[scatter, m]]``: the staging pieces of an m-chunk call
+    (``CudaKVTransfer._pieces``); ``ts``: int64[2] scratch for the clock; ``buf``: int64[4]
+    scratch (the eventfd read, a pollfd, a timespec)."""
     import ctypes
 
     if libc is None:
@@ -1222,16 +1265,35 @@ def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
     read_fn = libc["read"]
     read_fn.argtypes = [c_int, u64, u64]
     read_fn.restype = ctypes.c_ssize_t
+    write_fn = libc["write"]
+    write_fn.argtypes = [c_int, u64, u64]
+    write_fn.restype = ctypes.c_ssize_t
+    ppoll_fn = libc["ppoll"]
+    ppoll_fn.argtypes = [u64, u64, u64, u64]
+    ppoll_fn.restype = c_int
     now_fn = libc["clock_gettime"]
     now_fn.argtypes = [c_int, u64]
     now_fn.restype = c_int
     record = enqueue.record_fn
     wait = enqueue.wait_fn
+    query = enqueue.query_fn
 
     @numba.njit(nogil=False)
     def clock_ns(ts):  # type: ignore[no-untyped-def]
         now_fn(np.int32(CLOCK_MONOTONIC), np.uint64(ts.ctypes.data))
         return ts[0] * 1_000_000_000 + ts[1]
+
+    @numba.njit(nogil=False)
+    def wait_rows(efd, buf, timeout_ns):  # type: ignore[no-untyped-def]
+        """Until the loop writes ``efd`` (a row, a stop, a watch change), or ``timeout_ns`` passes
+        (< 0: no timeout)."""
+        if timeout_ns >= 0:
+            buf[1] = efd | (POLLIN << 32)  # struct pollfd {int fd; short events; short revents}
+            buf[2] = timeout_ns // 1_000_000_000
+            buf[3] = timeout_ns % 1_000_000_000
+            if ppoll_fn(np.uint64(buf.ctypes.data + 8), np.uint64(1), np.uint64(buf.ctypes.data + 16), np.uint64(0)) <= 0:
+                return
+        read_fn(np.int32(efd), np.uint64(buf.ctypes.data), np.uint64(8))
 
     @numba.njit(nogil=False)
     def one_row(row, st, ring, rel, desc, runs, used, pieces, npieces, one_piece, cfg, failed, ts):  # type: ignore[no-untyped-def]
@@ -1240,13 +1302,17 @@ def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
         row[H_WHERE] = 0
         row[H_NUSED] = 0
         row[H_RECORDED] = 0
+        if row[H_KIND] == K_WATCH:  # enqueued by the loop: its event was recorded if it has one
+            row[H_RECORDED] = 1 if row[H_CEV] != 0 else 0
+            row[H_T_DONE] = row[H_T_PICK]
+            return
         if failed:
             row[H_ERR] = LANE_SKIPPED
             row[H_T_DONE] = row[H_T_PICK]
             return
         bpc = cfg[G_BPC]
         n = row[H_N]
-        scatter = row[H_KIND] == 1
+        scatter = row[H_KIND] == K_RETRIEVE
         skip = row[H_SKIP]
         staging = row[H_STAGING] != 0
         ids = row[H_IDS : H_IDS + n * bpc]
@@ -1293,8 +1359,12 @@ def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
         row[H_T_DONE] = clock_ns(ts)
 
     @numba.njit(nogil=True)
-    def lane(ctl, rows, efd, buf, ts, st, ring, rel, desc, runs, used, pieces, npieces, one_piece, cfg):  # type: ignore[no-untyped-def]
+    def lane(ctl, rows, efd, buf, ts, st, ring, rel, desc, runs, used, pieces, npieces, one_piece, cfg, watch):  # type: ignore[no-untyped-def]
         nrows = rows.shape[0]
+        polls = 0  # looks at the first unseen row's event so far
+        pause = 0  # the last pause between them (ns)
+        aimed = 0  # the first look waited for the row's due time
+        riding = 0  # a row was just seen end: the next is looked at at once (it may have ended too)
         while True:
             while ctl[C_DONE] < ctl[C_WRITTEN]:
                 k = ctl[C_DONE]
@@ -1303,13 +1373,56 @@ def make_copy_lane(enqueue: Any, libc: Any = None) -> Any:
                 ctl[C_DONE] = k + 1
             if ctl[C_STOP] != 0:
                 return ctl[C_DONE]
-            read_fn(np.int32(efd), np.uint64(buf.ctypes.data), np.uint64(8))  # blocks until written
+            timeout = -1
+            if ctl[C_WATCH] == 0:
+                ctl[C_WATCH_OFF] = 1
+            elif ctl[C_SEEN] < ctl[C_DONE]:
+                s = ctl[C_SEEN]
+                row = rows[s % nrows]
+                if row[H_RECORDED] == 0:  # no event to look at: the waiter goes on from here
+                    ctl[C_WATCH] = 0
+                    ctl[C_WATCH_OFF] = 1
+                    continue
+                now = clock_ns(ts)
+                due = row[H_T_DUE] - watch[WATCH_AIM_EARLY]
+                err = CUDA_ERROR_NOT_READY
+                looked = False
+                if riding != 0:  # (before its due time, a look that finds it running counts for nothing)
+                    riding = 0
+                    err = query(row[H_CEV])
+                    looked = True
+                    if err != CUDA_ERROR_NOT_READY or now >= due:
+                        polls = 1
+                if polls == 0 and now < due:
+                    aimed = 1
+                    timeout = due - now
+                else:
+                    if not looked:
+                        err = query(row[H_CEV])
+                        polls += 1
+                    if err != CUDA_ERROR_NOT_READY:
+                        row[H_Q] = err
+                        row[H_T_SEEN] = clock_ns(ts)
+                        row[H_POLLS] = polls
+                        row[H_PAUSE] = pause
+                        row[H_AIMED] = aimed
+                        ctl[C_SEEN] = s + 1
+                        write_fn(np.int32(watch[WATCH_WAKE_FD]), np.uint64(buf.ctypes.data), np.uint64(1))
+                        polls = 0
+                        pause = 0
+                        aimed = 0
+                        riding = 1
+                        continue
+                    pause = _lane_pause_ns(now - due, pause, watch)
+                    timeout = pause
+            wait_rows(efd, buf, timeout)
 
     return lane
 
 
 _POLLER: Any = None
 CLOCK_MONOTONIC, TIMER_ABSTIME = 1, 1
+POLLIN = 1
 PR_SET_TIMERSLACK = 29
 
 

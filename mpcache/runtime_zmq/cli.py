@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-copy-lanes", type=cfg.one_of("on", "off"), default="on",
         help="on: each engine's GPU copies are enqueued by its own lane thread, which holds no GIL; off: by the server loop",
     )
+    ops.add_argument(
+        "--gpu-completions", type=cfg.one_of("waiter", "lane"), default="waiter",
+        help="who sees a GPU copy end: waiter = a Python thread per engine polls its events; lane = the engine's copy "
+             "lane polls them with no GIL and the loop reports them (needs --gpu-copy-lanes on)",
+    )
     ops.add_argument("--shm-dir", default="/dev/shm", help=argparse.SUPPRESS)
     ops.add_argument("--shutdown-grace", type=cfg.non_negative_float, default=5.0, help="seconds to finish in-flight work on SIGTERM")
     return p
@@ -253,14 +258,15 @@ def _nvidia_device_present() -> bool:
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
 
 
-def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger, copy_lanes: bool = True) -> Any:
+def make_gpu_executor(mode: str, chunk_size: int, log: logging.Logger, copy_lanes: bool = True,
+                      lane_completions: bool = False) -> Any:
     """The GPU transfer engine, or None (server-driven instances are then refused)."""
     if mode == "off" or (mode == "auto" and not _nvidia_device_present()):
         return None
     try:
         from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
 
-        return GpuTransferExecutor(chunk_size, copy_lanes=copy_lanes)
+        return GpuTransferExecutor(chunk_size, copy_lanes=copy_lanes, lane_completions=lane_completions)
     except Exception as e:
         if mode == "on":
             raise
@@ -286,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     http_server = None
     try:
         config = config_from_args(args)
-        executor = make_gpu_executor(args.gpu, config.chunk_size, log, args.gpu_copy_lanes == "on")
+        executor = make_gpu_executor(args.gpu, config.chunk_size, log, args.gpu_copy_lanes == "on",
+                                     args.gpu_completions == "lane")
         server = Server(config, transfer_executor=executor)
         if executor is not None:
             # CUDA context, kernel JIT, pinning L1: here, not inside the loop's first request

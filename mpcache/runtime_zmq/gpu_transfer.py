@@ -63,8 +63,13 @@ _POLL_MAX = 64  # events one poll looks at (the first in line decides; the rest 
 _POLL_FINE_S = 10e-6  # a waiter's first pause between looks while a copy is due (its first 2 ms late)
 _POLL_FINE_MAX_S = 100e-6  # ... doubling up to this
 _POLL_AIM_EARLY_S = 2 * _POLL_FINE_S  # the first look, this long before the link model's end
+_POLL_FINE_SPAN_S = 0.002  # the fine looks go on this long after the first
+_POLL_MID_S = 0.0005  # then a look this often ...
+_POLL_MID_SPAN_S = 0.05  # ... until this late, then
+_POLL_SLOW_S = 0.005  # this often
 _POLL_CALL_MAX_S = 0.1  # one poll call's longest sleep: the waiter then sees its state again
 _LANE_LOOK_S = 20e-6  # how soon a waiter looks again for a row its instance's copy lane has not done
+_WATCH_LOOK_S = 0.05  # how often the waiter of a watching lane looks at its instance's state
 
 
 def registered_event_handles(layout: Mapping[str, Any]) -> list[bytes]:
@@ -194,6 +199,7 @@ class _Pending:
     lane_seq: int = -1  # its row in the instance's copy lane (-1: the loop enqueued it); the
     # waiter looks at its event only once the lane has done that row (``absorbed``)
     absorbed: bool = True
+    enqueued_mono_ns: int = 0  # time.monotonic_ns() at the same point (a watching lane's clock)
 
 
 # os.eventfd_write releases the GIL around its write(2), and a thread waiting for the GIL (a
@@ -219,7 +225,8 @@ class _CopyLane:
     eventfd, and the thread that runs it. The loop writes rows (``write``); the waiter reads
     what the lane did (``take``)."""
 
-    def __init__(self, instance_id: int, state: dict[str, Any], rows: int, ordinal: int, geometry: Any) -> None:
+    def __init__(self, instance_id: int, state: dict[str, Any], rows: int, ordinal: int, geometry: Any,
+                 wake_fd: int = -1) -> None:
         from mpcache.kernels import gpu as kg
 
         self.kg = kg
@@ -234,6 +241,16 @@ class _CopyLane:
         self.bases_at = kg.H_IDS + self.max_chunks * self.bpc
         self.used_at = self.rows.shape[1] - int(self.cfg[kg.G_USED])
         self.ctl = np.zeros(kg.C_COUNT, dtype=np.int64)
+        # wake_fd >= 0: the lane also sees its rows' copies end and wakes the loop (collect)
+        self.watch = np.zeros(kg.WATCH_COUNT, dtype=np.int64)
+        self.watch[kg.WATCH_WAKE_FD] = wake_fd
+        for i, seconds in ((kg.WATCH_AIM_EARLY, _POLL_AIM_EARLY_S), (kg.WATCH_FINE, _POLL_FINE_S), (kg.WATCH_FINE_MAX, _POLL_FINE_MAX_S),
+                           (kg.WATCH_FINE_SPAN, _POLL_FINE_SPAN_S), (kg.WATCH_MID, _POLL_MID_S),
+                           (kg.WATCH_MID_SPAN, _POLL_MID_SPAN_S), (kg.WATCH_SLOW, _POLL_SLOW_S)):
+            self.watch[i] = round(seconds * 1e9)
+        self.ctl[kg.C_WATCH] = 1 if wake_fd >= 0 else 0
+        self.ctl[kg.C_WATCH_OFF] = 0 if wake_fd >= 0 else 1
+        self.collected = 0  # rows whose completion has been handed on (GpuTransferExecutor._collect)
         self.written = 0
         self.efd = os.eventfd(0)
         self._fn = kg.fast_copy_lane()
@@ -246,27 +263,44 @@ class _CopyLane:
 
     def _run(self) -> None:
         gpu_ipc.ensure_context(self._ordinal)
+        if self.watching():
+            self.kg.fine_timer_slack()  # its 10 us pauses between looks are 10 us, not 60
         s = self.state
-        self._fn(self.ctl, self.rows, self.efd, np.zeros(1, np.int64), np.zeros(2, np.int64), s["st"], s["ring"],
-                 s["rel"], s["desc"], s["runs"], s["used"], s["pieces"], s["npieces"], s["one_piece"], s["cfg"])
+        self._fn(self.ctl, self.rows, self.efd, np.zeros(4, np.int64), np.zeros(2, np.int64), s["st"], s["ring"],
+                 s["rel"], s["desc"], s["runs"], s["used"], s["pieces"], s["npieces"], s["one_piece"], s["cfg"],
+                 self.watch)
 
     def write(self, store: bool, ids: np.ndarray, offsets: np.ndarray, skip: int, staging: bool, worker_event: int,
-              completion_event: int) -> int:
+              completion_event: int, due_ns: int = 0) -> int:
         """Check one call and hand it to the lane (``ids`` and ``offsets`` as ``kernels.cpu.check_shapes``
         gives them; ``staging``: through the device staging buffer, as ``CudaKVTransfer.uses_staging``
-        decided); its row number. Raises ValueError on a bad block id or slot offset, nothing handed."""
-        kg = self.kg
+        decided; ``due_ns``: when the link model expects its copy done, monotonic ns); its row
+        number. Raises ValueError on a bad block id or slot offset, nothing handed."""
         seq = self.written
+        row = self.rows[seq % self.rows.shape[0]]
         num_blocks, lane_bytes, slot_lanes = self._check
-        err = self._fill(self.rows[seq % self.rows.shape[0]], ids, offsets, not store, skip, staging, worker_event,
-                         completion_event, time.monotonic_ns(), num_blocks, lane_bytes, slot_lanes, self.pool_lanes,
-                         self.bases_at)
+        err = self._fill(row, ids, offsets, not store, skip, staging, worker_event, completion_event, time.monotonic_ns(),
+                         num_blocks, lane_bytes, slot_lanes, self.pool_lanes, self.bases_at)
         if err:
             from mpcache.kernels.cpu import call_error
 
             raise call_error(self.geometry, err)
+        row[self.kg.H_T_DUE] = due_ns
+        return self._hand_over(seq)
+
+    def watch_row(self, completion_event: int, due_ns: int) -> int:
+        """A row for a transfer the loop enqueued itself (its completion event recorded; 0: none):
+        the lane makes no calls for it, only watches its event in turn. Its row number."""
+        kg = self.kg
+        seq = self.written
+        row = self.rows[seq % self.rows.shape[0]]
+        row[kg.H_KIND], row[kg.H_N], row[kg.H_CEV] = kg.K_WATCH, 0, completion_event
+        row[kg.H_T_HAND], row[kg.H_T_DUE] = time.monotonic_ns(), due_ns
+        return self._hand_over(seq)
+
+    def _hand_over(self, seq: int) -> int:
         self.written = seq + 1
-        self.ctl[kg.C_WRITTEN] = seq + 1  # after the row: the lane reads the count, then the row
+        self.ctl[self.kg.C_WRITTEN] = seq + 1  # after the row: the lane reads the count, then the row
         eventfd_add_one(self.efd)
         return seq
 
@@ -274,12 +308,41 @@ class _CopyLane:
         """Rows the lane has done (each one's outcome written)."""
         return int(self.ctl[self.kg.C_DONE])
 
+    def seen_through(self) -> int:
+        """Rows the watching lane has seen complete (each one's ``seen`` written)."""
+        return int(self.ctl[self.kg.C_SEEN])
+
+    def watching(self) -> bool:
+        return bool(self.ctl[self.kg.C_WATCH])
+
+    def stop_watching(self) -> None:
+        """The lane is to look at no more events. It may still be in the middle of one look (and
+        then see one more row end: ``seen_through`` may move once more); it answers
+        ``ctl[C_WATCH_OFF]`` when it next comes round, which may be after the row it is enqueuing.
+        Whoever takes a transfer off the line under the executor's lock reports it."""
+        kg = self.kg
+        if self.ctl[kg.C_WATCH] != 0:
+            self.ctl[kg.C_WATCH_OFF] = 0
+            self.ctl[kg.C_WATCH] = 0  # after the answer's reset: the lane answers only once it sees this
+            eventfd_add_one(self.efd)
+
     def take(self, seq: int) -> tuple[bool, bool, list[int], int, int]:
         """A done row: (enqueued without error, its completion event recorded, the descriptor
         entries its kernels read, ns from the hand-over to the lane taking it, ns the lane spent)."""
         kg = self.kg
         row = self.rows[seq % self.rows.shape[0]]
         head = row[: kg.H_IDS].tolist()  # one read of the outcome's words, as Python ints
+        used = row[self.used_at : self.used_at + head[kg.H_NUSED]].tolist() if head[kg.H_NUSED] else []
+        return (self.enqueued(head), bool(head[kg.H_RECORDED]), used, head[kg.H_T_PICK] - head[kg.H_T_HAND],
+                head[kg.H_T_DONE] - head[kg.H_T_PICK])
+
+    def head(self, seq: int) -> list[int]:
+        """A row's header words (``H_*``), read once, as Python ints."""
+        return self.rows[seq % self.rows.shape[0], : self.kg.H_IDS].tolist()  # type: ignore[no-any-return]
+
+    def enqueued(self, head: list[int]) -> bool:
+        """Whether the lane enqueued the row's calls without error (an error is logged)."""
+        kg = self.kg
         err = head[kg.H_ERR]
         if err not in (0, kg.LANE_SKIPPED):
             where = {kg.W_LAUNCH: "cuLaunchKernel", kg.W_RECORD: "cuEventRecord", kg.W_WAIT: "cuStreamWaitEvent",
@@ -288,9 +351,7 @@ class _CopyLane:
                 log.warning("copy lane: descriptor ring full, a transfer was not enqueued")
             else:
                 log.error("copy lane: %s failed: CUDA error %d", where, err - 1000)
-        used = row[self.used_at : self.used_at + head[kg.H_NUSED]].tolist()
-        return (err == 0, bool(head[kg.H_RECORDED]), used, head[kg.H_T_PICK] - head[kg.H_T_HAND],
-                head[kg.H_T_DONE] - head[kg.H_T_PICK])
+        return bool(err == 0)
 
     def idle(self, timeout: float) -> bool:
         """Wait (briefly: the lane takes microseconds a row) until the lane has done every row."""
@@ -386,15 +447,21 @@ class GpuTransferExecutor:
     its instance's line before the instance is failed (its engine's event never fired).
     ``link_gbps``: the copy rate the waiters assume to know when to look (not a limit).
     ``copy_lanes``: each instance's driver calls made by its copy lane (where the compiled enqueue
-    runs); False: by the loop thread, as a before / after."""
+    runs); False: by the loop thread, as a before / after. ``lane_completions``: with copy lanes,
+    each lane also sees its transfers' copies end and wakes the loop, which reports them
+    (``collect_completions``), with no Python thread between; the waiter thread then only keeps
+    the deadline and takes over for what the lane cannot see (a failure, an event never
+    recorded, closing). Needs the loop's wake-up descriptor (``wake_loop_with``)."""
 
     def __init__(self, chunk_tokens: int, *, mode: str = "auto", max_ctas: int = 16, threads: int = 512,
                  max_chunks: int = 32, staging_min_chunks: int = 4, pipeline_pieces: int = 8,
                  transfer_timeout_s: float = 30.0, link_gbps: float = 60.0, max_in_flight: int = 128,
-                 warm_events: int = 256, copy_lanes: bool = True) -> None:
+                 warm_events: int = 256, copy_lanes: bool = True, lane_completions: bool = False) -> None:
         # a lane's rows and counts are plain stores read by another thread in the order written:
         # x86's memory order gives that; elsewhere the loop makes the calls
         self.copy_lanes = copy_lanes and platform.machine() in ("x86_64", "AMD64")
+        self.lane_completions = lane_completions and self.copy_lanes
+        self._wake_fd = -1  # the loop's wake-up (wake_loop_with): a watching lane writes a byte to it
         self.chunk_tokens = chunk_tokens
         self.mode = mode
         self.max_ctas = max_ctas
@@ -543,6 +610,11 @@ class GpuTransferExecutor:
             # the waiter records one later (a later record covers this transfer's copies too)
             log.exception("transfer %d: no completion event yet", transfer.transfer_id)
             p.event = None
+        if lane is not None and lane.watching():  # the lane watches its event in turn, with its own rows'
+            from mpcache.kernels.gpu import as_handle
+
+            p.lane_seq = lane.watch_row(as_handle(p.event) if p.event is not None else 0, int(p.expected_done * 1e9))
+            p.absorbed = False
         self._line_up(inst, p, now, t0, t1, t_wait, t2)
 
     def _expected_end(self, inst: _Instance, kind: TransferKind, nbytes: int, now: float) -> float:
@@ -563,13 +635,15 @@ class GpuTransferExecutor:
             self._stats["started"] += 1
             self._stats["bytes"] += p.nbytes
             p.enqueued_ns = time.perf_counter_ns()
+            p.enqueued_mono_ns = time.monotonic_ns()
             self._stats["start_ns"] += p.enqueued_ns - t0
             self._stats["plan_ns"] += t1 - t0
             self._stats["enqueue_ns"] += t2 - t1
             self._stats["wait_ns"] += t_wait - t1
             if not inst.pending:
                 p.deadline = now + self.transfer_timeout_s
-                inst.cond.notify()
+                if inst.lane is None or not inst.lane.watching():  # (a watching lane's waiter looks every 50 ms)
+                    inst.cond.notify()
             inst.pending.append(p)
 
     def _hand_to_lane(self, inst: _Instance, lane: _CopyLane, transfer: StartTransfer, rows: TransferRows,
@@ -600,21 +674,77 @@ class GpuTransferExecutor:
         # decided once, here: the lane takes it as written, and a staging STORE's DMAs into L1 are
         # what keeps it held past a failure (pool_dma)
         staging = inst.transfer.uses_staging(n, busy)
+        nbytes = n * inst.geometry.slot_bytes
+        kind = transfer.kind
+        before = (self._link_busy_until[kind], inst.busy_until[kind])
+        expected = self._expected_end(inst, kind, nbytes, now)  # the row carries it (a watching lane's first look)
         try:  # the ids and offsets are checked as the row is written (one compiled call)
-            seq = lane.write(store, ids, offsets, skip, staging, worker, as_handle(event))
+            seq = lane.write(store, ids, offsets, skip, staging, worker, as_handle(event), int(expected * 1e9))
         except ValueError as e:
+            self._link_busy_until[kind], inst.busy_until[kind] = before  # nothing went on the link
             with self._lock:
                 self._free_events.append(event)
             log.warning("transfer %d: %s", transfer.transfer_id, e)
             done(transfer.transfer_id, False)
             return
-        self._starts[transfer.kind] += 1
+        self._starts[kind] += 1
         t2 = time.perf_counter_ns()
-        nbytes = n * inst.geometry.slot_bytes
-        p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and staging,
-                     self._expected_end(inst, transfer.kind, nbytes, now), event=event, kind=transfer.kind, started=now,
-                     alone=not busy, starts=self._starts[transfer.kind], lane_seq=seq, absorbed=False)
+        p = _Pending(transfer.transfer_id, done, True, nbytes, [], store and staging, expected, event=event, kind=kind,
+                     started=now, alone=not busy, starts=self._starts[kind], lane_seq=seq, absorbed=False)
         self._line_up(inst, p, now, t0, t1, t_wait, t2)
+
+    def wake_loop_with(self, fd: int) -> None:
+        """The loop's wake-up descriptor (a pipe's write end): a watching lane writes a byte to it
+        when it sees a copy end; the loop then calls ``collect_completions``. For instances
+        registered from now on."""
+        self._wake_fd = fd
+
+    def collect_completions(self) -> None:
+        """Report the transfers the instances' lanes have seen complete (the loop calls it when
+        woken, before it reads its completion queue)."""
+        with self._lock:  # (a waiter may fail or release an instance meanwhile)
+            everyone = [*self._instances.values(), *self._draining]
+        for inst in everyone:
+            lane = inst.lane
+            if lane is not None and lane.collected < lane.seen_through():
+                self._collect(inst)
+
+    def _collect(self, inst: _Instance) -> None:
+        """Report the leading transfers the instance's lane has seen complete (the loop, or the
+        waiter when it takes over or the loop has stopped): each one exactly once, its link
+        model taught, the next one's deadline set."""
+        lane = inst.lane
+        assert lane is not None
+        seen = lane.seen_through()
+        finished: list[_Pending] = []
+        with self._lock:  # taken off the line here, so the loop and the waiter never both report one
+            while inst.pending and 0 <= inst.pending[0].lane_seq < seen:
+                finished.append(inst.pending.popleft())
+            lane.collected = max(lane.collected, seen)
+            if not finished:
+                return
+            if not inst.pending and inst.state != "live":
+                inst.cond.notify()  # the waiter releases the instance
+        kg = lane.kg
+        t_seen = handoff_ns = lane_ns = 0
+        out = []
+        for p in finished:
+            # what the lane did and saw: its event was recorded (the lane watches no other), and
+            # it has ended, so nothing of its copies is left to neutralize
+            h = lane.head(p.lane_seq)
+            ok = p.ok and h[kg.H_Q] == 0
+            if not p.absorbed:
+                ok = lane.enqueued(h) and ok
+                handoff_ns += h[kg.H_T_PICK] - h[kg.H_T_HAND]
+                lane_ns += h[kg.H_T_DONE] - h[kg.H_T_PICK]
+                p.absorbed = True
+            t_seen = h[kg.H_T_SEEN]
+            seen_at = t_seen / 1e9
+            polls = h[kg.H_POLLS]
+            self._learn(inst, p, seen_at, exact=polls > 1 and h[kg.H_PAUSE] <= 0.1 * (seen_at - p.started) * 1e9,
+                        early=polls == 1 and h[kg.H_AIMED] != 0)
+            out.append((p, ok, t_seen - p.enqueued_mono_ns))
+        self._finished(inst, out, t_seen / 1e9, handoff_ns, lane_ns)
 
     def _absorb(self, inst: _Instance, pending: Sequence[_Pending]) -> int:
         """Take what the lane did for the leading transfers it has done; how many lead (the
@@ -626,12 +756,13 @@ class GpuTransferExecutor:
                 if lane is None or lane.done_through() <= p.lane_seq:
                     break
                 ok, recorded, used, handoff_ns, lane_ns = lane.take(p.lane_seq)
-                p.entries = used
+                if used:  # (a transfer the loop enqueued, watched by the lane, keeps its own)
+                    p.entries = used
                 if inst.state == "failed":  # failed before the waiter saw the lane's work
                     inst.transfer.neutralize(used)
                     ok = False
                 p.ok = p.ok and ok
-                if not recorded:  # a later event covers its copies (the waiter records one)
+                if not recorded and p.event is not None:  # a later event covers its copies (the waiter records one)
                     with self._lock:
                         self._free_events.append(p.event)
                     p.event = None
@@ -653,6 +784,9 @@ class GpuTransferExecutor:
                 if inst.state == "live":
                     inst.state = "closing"
                 inst.cond.notify()
+        for inst in everyone:  # the loop's wake-up is closed after this: no lane may write it then
+            if inst.lane is not None:
+                inst.lane.watch[inst.lane.kg.WATCH_WAKE_FD] = -1
         queued = 0  # instances whose copies are still queued (an engine's event that never fired)
         for inst in everyone:
             if inst.waiter is not None:
@@ -759,7 +893,8 @@ class GpuTransferExecutor:
         inst.links = {kind: LinkModel(self.link_bytes_per_s) for kind in TransferKind}
         lane_state = transfer.lane_state() if self.copy_lanes and hasattr(transfer, "lane_state") else None
         if lane_state is not None:
-            inst.lane = _CopyLane(instance_id, lane_state, max(self.max_in_flight, 1), self._ordinal, geometry)
+            wake_fd = self._wake_fd if self.lane_completions else -1
+            inst.lane = _CopyLane(instance_id, lane_state, max(self.max_in_flight, 1), self._ordinal, geometry, wake_fd)
             inst.lane.start()
         inst.waiter = threading.Thread(target=self._wait, args=(inst,), name=f"mpcache-gpu-waiter-{instance_id}", daemon=True)
         with self._lock:
@@ -856,6 +991,9 @@ class GpuTransferExecutor:
         to report what ended. With a copy lane it looks only at the transfers the lane has done
         (``_absorb``): an event the lane has not recorded yet would read as done."""
         gpu_ipc.ensure_context(self._ordinal)
+        if inst.lane is not None and inst.lane.watching() and self._watch(inst):
+            self._release(inst)
+            return
         if self.poll_path == "compiled":
             from mpcache.kernels.gpu import fine_timer_slack
 
@@ -898,15 +1036,15 @@ class GpuTransferExecutor:
             elif inst.state == "failed":
                 every = most = 0.05
                 end = now + 0.05
-            elif late < 0.002:
+            elif late < _POLL_FINE_SPAN_S:
                 # 10 us, then 20, 40, 80, 100: a good model is answered within 10 us, a wrong
                 # one with a handful of looks
-                every, most, end = _POLL_FINE_S, _POLL_FINE_MAX_S, due + 0.002
-            elif late < 0.05:
-                every = most = 0.0005
+                every, most, end = _POLL_FINE_S, _POLL_FINE_MAX_S, due + _POLL_FINE_SPAN_S
+            elif late < _POLL_MID_SPAN_S:
+                every = most = _POLL_MID_S
                 end = now + 0.01
             else:
-                every = most = 0.005
+                every = most = _POLL_SLOW_S
                 end = now + 0.05
             end = max(min(end, head.deadline, wake + _POLL_CALL_MAX_S), wake)
             oks, polls = self._poll(events, wake, end, every, most) if events else ([], 0)
@@ -926,6 +1064,32 @@ class GpuTransferExecutor:
                         early=polls == 1 and wake == due)
             self._report(inst, [(p, p.ok and ok) for p, ok in zip(snapshot, oks)], seen)
         self._release(inst)
+
+    def _watch(self, inst: _Instance) -> bool:
+        """The waiter of an instance whose lane watches its copies end (the loop reports them):
+        it wakes only for the first transfer's deadline, to collect what the loop has not (it
+        may have stopped), and to take over -- the instance failed, closing, the deadline passed,
+        or the lane met a row with no event. True: nothing is left (the instance is released);
+        False: the lane no longer watches and the Python waiter goes on from what it saw."""
+        lane = inst.lane
+        assert lane is not None
+        behind = 0  # what the lane had seen at the last look: the loop collects it before the next
+        while True:
+            if lane.collected < behind or self._closing:
+                self._collect(inst)  # the loop has not for a whole look (it has stopped, or is stuck)
+            behind = lane.seen_through()
+            with self._lock:
+                if not inst.pending and inst.state != "live":
+                    return True
+                now = time.monotonic()
+                head = inst.pending[0] if inst.pending else None
+                if (self._closing or inst.state == "failed" or not lane.watching()
+                        or (head is not None and now >= head.deadline)):
+                    break
+                inst.cond.wait(_WATCH_LOOK_S if head is None else min(_WATCH_LOOK_S, head.deadline - now))
+        lane.stop_watching()
+        self._collect(inst)  # what it saw before (the loop collects a last one it may see)
+        return False
 
     def _learn(self, inst: _Instance, head: _Pending, seen: float, *, exact: bool, early: bool) -> None:
         """Teach the instance's ``LinkModel`` of its direction a copy seen to end at ``seen``: ``exact`` (a
@@ -968,16 +1132,27 @@ class GpuTransferExecutor:
 
     def _report(self, inst: _Instance, finished: list[tuple[_Pending, bool]], now: float) -> None:
         seen_ns = time.perf_counter_ns()
-        with self._lock:
-            for p, ok in finished:
-                # enqueued to seen done by this waiter: the copy plus the waiter's detection delay
-                self._stats["flight_ns"] += seen_ns - p.enqueued_ns
+        with self._lock:  # (one the loop collected meanwhile, as its lane saw it end, is the loop's)
+            mine = [(p, ok) for p, ok in finished if p in inst.pending]
+            for p, _ in mine:
                 inst.pending.remove(p)
+        # enqueued to seen done by this waiter: the copy plus the waiter's detection delay
+        self._finished(inst, [(p, ok, seen_ns - p.enqueued_ns) for p, ok in mine], now)
+
+    def _finished(self, inst: _Instance, finished: list[tuple[_Pending, bool, int]], now: float, handoff_ns: int = 0,
+                  lane_ns: int = 0) -> None:
+        """Count, free and report transfers taken off the instance's line (ok, ns in flight)."""
+        with self._lock:
+            self._stats["handoff_ns"] += handoff_ns
+            self._stats["lane_ns"] += lane_ns
+            for p, ok, flight_ns in finished:
+                self._stats["flight_ns"] += flight_ns
                 self._stats["finished" if ok else "failed"] += 1
-                self._free_events.append(p.event)
+                if p.event is not None:
+                    self._free_events.append(p.event)
             if inst.pending:
                 inst.pending[0].deadline = now + self.transfer_timeout_s
-        for p, ok in finished:
+        for p, ok, _ in finished:
             try:
                 p.done(p.transfer_id, ok)
             except Exception:
@@ -1009,7 +1184,7 @@ class GpuTransferExecutor:
             inst.transfer.neutralize(p.entries)
             p.ok = False  # whatever still runs was (or may have been) cut short
         with self._lock:  # (a lock operation is a full barrier: the zeroed counts are visible)
-            released = [p for p in queued[1:] if not p.pool_dma]
+            released = [p for p in queued[1:] if not p.pool_dma and p in inst.pending]
             for p in released:
                 inst.pending.remove(p)
                 self._stats["failed"] += 1

@@ -198,14 +198,22 @@ class CompletionChannel:
         # Re-entrant: a signal handler calling wake() may interrupt close() on the same thread.
         self._lock = threading.RLock()
         self._closed = False
+        self._collecting = 0  # the thread running drain's collect: what it posts is read in that drain
 
     @property
     def fd(self) -> int:
         return self._r
 
+    @property
+    def wake_fd(self) -> int:
+        """The write end: a thread outside Python (a GPU copy lane) writes a byte to wake the loop,
+        which then collects what it posted elsewhere (``drain``'s ``collect``)."""
+        return self._w
+
     def post(self, event: object) -> None:
         self._q.put(event)
-        self.wake()
+        if self._collecting != threading.get_ident():  # (no wake-up for the drain that reads it next)
+            self.wake()
 
     def wake(self) -> None:
         with self._lock:
@@ -216,12 +224,20 @@ class CompletionChannel:
             except BlockingIOError:
                 pass  # the pipe is full of wake-ups already
 
-    def drain(self) -> list[object]:
+    def drain(self, collect: Callable[[], None] | None = None) -> list[object]:
+        """The events posted so far. ``collect`` runs after the wake-ups are read and before the
+        queue is: what it posts is in this drain, and a wake-up written after it is not lost."""
         try:
             while os.read(self._r, 4096):
                 pass
         except BlockingIOError:
             pass
+        if collect is not None:
+            self._collecting = threading.get_ident()
+            try:
+                collect()
+            finally:
+                self._collecting = 0
         out = []
         while True:
             try:
@@ -272,6 +288,7 @@ class Server:
         executor = transfer_executor or NoDeviceExecutor()
         # an instance the executor fails by itself is core_sm's to release (registration, plans)
         executor.on_instance_failed = self._post_instance_failed
+        self._collect_completions = self._wire_completions(executor)
         try:
             chain_key, chain_source = chunk_chain_key(config, self.l2)
         except BaseException:  # a bad key file: leave nothing behind
@@ -379,6 +396,17 @@ class Server:
     @executor.setter
     def executor(self, executor: TransferExecutor) -> None:
         self.interpreter.executor = executor
+        self._collect_completions = self._wire_completions(executor)
+
+    def _wire_completions(self, executor: TransferExecutor) -> Callable[[], None] | None:
+        """An executor whose completions are seen outside Python (GPU copy lanes) wakes the loop
+        through the channel's pipe and has the loop collect them (``drain_completions``)."""
+        wake_with = getattr(executor, "wake_loop_with", None)
+        collect = getattr(executor, "collect_completions", None)
+        if callable(wake_with) and callable(collect):
+            wake_with(self.channel.wake_fd)
+            return collect  # type: ignore[no-any-return]
+        return None
 
     def _bind(self, url: str) -> str:
         if not url.startswith("ipc://"):
@@ -599,7 +627,7 @@ class Server:
     def drain_completions(self) -> None:
         """Hand core_sm the completions posted so far (copies, L2 operations, probes run on
         the loop): what the loop does when its channel is readable."""
-        for ev in self.channel.drain():
+        for ev in self.channel.drain(self._collect_completions):
             if self.metrics.on_completion(ev, self.clock()):
                 continue  # an HTTP probe's call, run on this thread
             self.interpreter.completed(ev)

@@ -163,14 +163,16 @@ WEV, CEV = 777, 888  # the engine's event, the transfer's completion event
 
 @pytest.fixture(scope="module")
 def lane_fn(fake: tuple[FakeDriver, Any]) -> Any:
-    return kg.make_copy_lane(fake[1])  # compiled once for the module
+    lane = kg.make_copy_lane(fake[1])
+    kg.warm_copy_lane(lane)  # compiled once for the module, here: not inside a test's timing
+    return lane
 
 
 class Lane:
     """A lane thread over ``state()``: pieces of 1 then the rest (as CudaKVTransfer._pieces with
     growth 4 for up to 4 chunks); each row says whether it goes through staging."""
 
-    def __init__(self, fn: Any, rows: int = 4, ring: int = 8) -> None:
+    def __init__(self, fn: Any, rows: int = 4, ring: int = 8, wake_fd: int = -1) -> None:
         import os
         import threading
 
@@ -191,19 +193,26 @@ class Lane:
         self.ctl = np.zeros(kg.C_COUNT, np.int64)
         self.efd = os.eventfd(0)
         self.returned: list[int] = []
+        self.watch = np.zeros(kg.WATCH_COUNT, np.int64)  # the waiter's schedule, in ns
+        self.watch[[kg.WATCH_WAKE_FD, kg.WATCH_AIM_EARLY, kg.WATCH_FINE, kg.WATCH_FINE_MAX, kg.WATCH_FINE_SPAN, kg.WATCH_MID, kg.WATCH_MID_SPAN,
+                    kg.WATCH_SLOW]] = [wake_fd, 20_000, 10_000, 100_000, 2_000_000, 500_000, 50_000_000, 5_000_000]
+        self.ctl[kg.C_WATCH] = 1 if wake_fd >= 0 else 0
         s = self.s
         self.thread = threading.Thread(target=lambda: self.returned.append(fn(
-            self.ctl, self.rows, self.efd, np.zeros(1, np.int64), np.zeros(2, np.int64), s["st"], s["table"], s["rel"],
-            s["desc"], s["runs"], s["used"], self.pieces, self.npieces, np.zeros((1, 2), np.int64), self.cfg)), daemon=True)
+            self.ctl, self.rows, self.efd, np.zeros(4, np.int64), np.zeros(2, np.int64), s["st"], s["table"], s["rel"],
+            s["desc"], s["runs"], s["used"], self.pieces, self.npieces, np.zeros((1, 2), np.int64), self.cfg,
+            self.watch)), daemon=True)
         self.thread.start()
         self.written = 0
 
-    def write(self, kind: int, ids: np.ndarray, bases: np.ndarray, skip: int = 0, staging: bool = False, wev: int = 0) -> int:
+    def write(self, kind: int, ids: np.ndarray, bases: np.ndarray, skip: int = 0, staging: bool = False, wev: int = 0,
+              cev: int = CEV, due: int = 0) -> int:
         import os
 
         row = self.rows[self.written % self.rows.shape[0]]
         n = bases.shape[0]
-        row[kg.H_KIND], row[kg.H_N], row[kg.H_SKIP], row[kg.H_STAGING], row[kg.H_WEV], row[kg.H_CEV] = kind, n, skip, staging, wev, CEV
+        row[kg.H_KIND], row[kg.H_N], row[kg.H_SKIP], row[kg.H_STAGING], row[kg.H_WEV], row[kg.H_CEV] = kind, n, skip, staging, wev, cev
+        row[kg.H_T_DUE] = due
         row[kg.H_IDS : kg.H_IDS + ids.size] = ids
         b0 = kg.H_IDS + int(self.cfg[kg.G_MAX_CHUNKS] * self.cfg[kg.G_BPC])
         row[b0 : b0 + n] = bases
@@ -300,3 +309,99 @@ def test_the_lane_reports_errors_and_skips_rows_once_failed(fake: tuple[FakeDriv
         drv.fail_launch = -1
         drv.not_ready = set()
         lane.stop()
+
+
+def test_lane_pause_follows_the_waiters_schedule() -> None:
+    watch = np.zeros(kg.WATCH_COUNT, np.int64)
+    watch[[kg.WATCH_FINE, kg.WATCH_FINE_MAX, kg.WATCH_FINE_SPAN, kg.WATCH_MID, kg.WATCH_MID_SPAN, kg.WATCH_SLOW]] = [10, 100, 2000, 500, 50000, 5000]
+    pauses, last = [], 0
+    for _ in range(6):
+        last = kg.lane_pause_ns(0, last, watch)
+        pauses.append(last)
+    assert pauses == [10, 20, 40, 80, 100, 100]
+    assert kg.lane_pause_ns(2000, 100, watch) == 500 and kg.lane_pause_ns(50000, 500, watch) == 5000
+
+
+def test_a_watching_lane_sees_its_rows_end_in_order_and_wakes_the_loop(fake: tuple[FakeDriver, Any], lane_fn: Any) -> None:
+    """With a wake-up descriptor the lane also watches: it looks at a row's completion event no
+    earlier than just before the row's due time, then at the waiter's pauses; each row it sees
+    end is marked, counted (C_SEEN, in order) and a byte goes to the loop. A row the loop
+    enqueued itself (K_WATCH) makes no calls and is watched in turn; a row with no recorded event
+    ends the watching (the Python waiter goes on), as does the waiter asking it to stop."""
+    import os
+    import time
+
+    drv, _ = fake
+    drv.calls.clear()
+    drv.not_ready = set()
+    drv.fail_launch = -1
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    lane = Lane(lane_fn, rows=8, wake_fd=w)
+
+    def wait_seen(k: int) -> None:
+        end = time.monotonic() + 10
+        while lane.ctl[kg.C_SEEN] < k:
+            assert time.monotonic() < end, f"seen {lane.ctl[kg.C_SEEN]} of {k}"
+            time.sleep(0.0005)
+
+    try:
+        due = time.monotonic_ns() + 80_000_000
+        a = lane.write(0, IDS[:2], BASES[:1], cev=901, due=due)  # due in 80 ms
+        b = lane.write(kg.K_WATCH, IDS[:0], BASES[:0], cev=902, due=due + 10**10)  # ended: seen right after a
+        lane.wait_done(2)
+        time.sleep(0.03)
+        assert lane.ctl[kg.C_SEEN] == 0  # a's event reads done, but it is not looked at yet
+        wait_seen(2)
+        ra, rb = lane.row(a), lane.row(b)
+        assert ra[kg.H_T_SEEN] >= due - 20_000 and (ra[kg.H_POLLS], ra[kg.H_AIMED], ra[kg.H_Q]) == (1, 1, 0)
+        assert (rb[kg.H_POLLS], rb[kg.H_AIMED], rb[kg.H_RECORDED], rb[kg.H_NUSED]) == (1, 0, 1, 0)
+        assert [c for c in drv.calls if c[1] == 902] == []  # K_WATCH: no calls
+        assert len(os.read(r, 64)) >= 1
+        drv.not_ready = {903}  # c's copy runs on: looked at again and again, not seen
+        c = lane.write(1, IDS[:2], BASES[:1], cev=903, due=time.monotonic_ns())
+        time.sleep(0.05)
+        assert lane.ctl[kg.C_SEEN] == 2
+        drv.not_ready = set()
+        wait_seen(3)
+        rc = lane.row(c)
+        assert rc[kg.H_POLLS] > 3 and 10_000 <= rc[kg.H_PAUSE] <= 5_000_000 and rc[kg.H_Q] == 0
+        # a row whose event was never recorded: the lane stops watching there
+        lane.write(kg.K_WATCH, IDS[:0], BASES[:0], cev=0)
+        lane.write(0, IDS[:2], BASES[:1], cev=905)
+        lane.wait_done(5)
+        end = time.monotonic() + 10
+        while lane.ctl[kg.C_WATCH_OFF] == 0:
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        assert lane.ctl[kg.C_WATCH] == 0 and lane.ctl[kg.C_SEEN] == 3
+    finally:
+        lane.stop()
+        os.close(r)
+        os.close(w)
+    # the waiter's stop: it clears C_WATCH and the lane answers C_WATCH_OFF
+    r, w = os.pipe()
+    lane = Lane(lane_fn, wake_fd=w)
+    try:
+        drv.not_ready = {906}
+        lane.write(0, IDS[:2], BASES[:1], cev=906, due=time.monotonic_ns())
+        lane.wait_done(1)
+        time.sleep(0.01)
+        lane.ctl[kg.C_WATCH] = 0
+        os.eventfd_write(lane.efd, 1)
+        end = time.monotonic() + 10
+        while lane.ctl[kg.C_WATCH_OFF] == 0:
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        drv.not_ready = set()
+        time.sleep(0.02)
+        assert lane.ctl[kg.C_SEEN] == 0
+        lane.ctl[kg.C_FAILED] = 1  # a failed instance's K_WATCH row is not skipped: the loop enqueued it
+        x = lane.write(kg.K_WATCH, IDS[:0], BASES[:0], cev=907)
+        lane.wait_done(2)
+        assert lane.row(x)[kg.H_ERR] == 0 and lane.row(x)[kg.H_RECORDED] == 1
+    finally:
+        drv.not_ready = set()
+        lane.stop()
+        os.close(r)
+        os.close(w)

@@ -10,6 +10,7 @@ import errno
 import itertools
 import os
 import platform
+import select
 import threading
 import time
 from types import SimpleNamespace
@@ -44,6 +45,9 @@ class Device:
         self.lock = threading.Lock()
         self.recorded: dict[int, int] = {}  # event -> stream it was last recorded on
         self.stuck: set[int] = set()
+        self.fail_record: set[int] = set()  # events the compiled code's record of fails
+        self.copy_s = 0.0  # an event reads pending this long after its record (a copy's time)
+        self.t_recorded: dict[int, float] = {}
         self.launches: list[int] = []  # the first block id of each zero-copy launch's descriptor
         self.hold = threading.Event()
         self.hold.set()
@@ -54,7 +58,10 @@ class Device:
     def query(self, ev: int) -> int:
         with self.lock:
             stream = self.recorded.get(int(ev))
-        return NOT_READY if stream is not None and stream in self.stuck else SUCCESS
+            t = self.t_recorded.get(int(ev), 0.0)
+        if stream is not None and (stream in self.stuck or time.monotonic() < t + self.copy_s):
+            return NOT_READY
+        return SUCCESS
 
     def cuEventQuery(self, ev: Any) -> tuple[int]:  # the waiter's Python poll
         return (self.query(int(ev)),)
@@ -62,6 +69,7 @@ class Device:
     def cuEventRecord(self, ev: Any, stream: Any) -> tuple[int]:  # a late event (_late_event)
         with self.lock:
             self.recorded[int(ev)] = int(stream)
+            self.t_recorded[int(ev)] = time.monotonic()
         return (SUCCESS,)
 
     def cuStreamWaitEvent(self, stream: Any, ev: Any, flags: int) -> tuple[int]:
@@ -77,8 +85,11 @@ class Device:
                 assert self.desc is not None
                 self.launches.append(int(self.desc[r, kg.D_SLOTS + int(self.desc[r, kg.D_NCHUNKS])]))
             elif name == "cuEventRecord":
+                if a[0] in self.fail_record:
+                    return 999
                 with self.lock:
                     self.recorded[a[0]] = a[1]
+                    self.t_recorded[a[0]] = time.monotonic()
             return SUCCESS
         cb = ctypes.CFUNCTYPE(INT, *PROTOS[name])(call)
         self._keep.append(cb)
@@ -154,6 +165,8 @@ def lanes(device_and_lane: tuple[Device, Any], monkeypatch: pytest.MonkeyPatch) 
     dev, lane = device_and_lane
     dev.recorded.clear()
     dev.stuck.clear()
+    dev.fail_record.clear()
+    dev.copy_s = 0.0
     dev.launches.clear()
     dev.hold.set()
     closed: list[int] = []
@@ -190,11 +203,15 @@ class Done:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.results: dict[int, bool] = {}
+        self.threads: dict[int, int] = {}  # transfer -> the thread that reported it
+        self.at: dict[int, float] = {}  # transfer -> when it was reported
 
     def __call__(self, tid: int, ok: bool) -> None:
         with self.lock:
             assert tid not in self.results, f"transfer {tid} reported twice"
             self.results[tid] = ok
+            self.threads[tid] = threading.get_ident()
+            self.at[tid] = time.monotonic()
 
     def wait(self, tids: set[int], timeout: float = 10.0) -> None:
         end = time.monotonic() + timeout
@@ -206,12 +223,55 @@ class Done:
         raise AssertionError(f"not reported in time: {sorted(tids - set(self.results))}")
 
 
-def test_the_loop_hands_over_and_the_waiter_waits_for_the_lane(lanes: Device) -> None:
+class Loop:
+    """The server loop's part in lane completions: woken through its pipe (the wake-up a watching
+    lane writes), it collects what the lanes saw end, as ``Server.drain_completions`` does."""
+
+    def __init__(self, ex: GpuTransferExecutor) -> None:
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        ex.wake_loop_with(self.w)
+        self.ex = ex
+        self.stopped = False
+        self.wakes = 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stopped:
+            if select.select([self.r], [], [], 0.05)[0]:
+                self.wakes += 1
+                try:
+                    os.read(self.r, 4096)
+                except BlockingIOError:
+                    pass
+            self.ex.collect_completions()
+
+    def close(self) -> None:
+        self.stopped = True
+        self.thread.join(5.0)
+        os.close(self.r)
+        os.close(self.w)
+
+
+def executor(completions: str, **kw: Any) -> tuple[GpuTransferExecutor, Loop | None]:
+    """An executor whose waiters see the copies end (``waiter``) or whose lanes do (``lane``,
+    with a loop collecting them)."""
+    ex = GpuTransferExecutor(C, lane_completions=completions == "lane", **kw)
+    return ex, (Loop(ex) if completions == "lane" else None)
+
+
+COMPLETIONS = pytest.mark.parametrize("completions", ["waiter", "lane"])
+
+
+@COMPLETIONS
+def test_the_loop_hands_over_and_the_waiter_waits_for_the_lane(lanes: Device, completions: str) -> None:
     """The loop only writes rows: it goes on while the lane is held inside a launch, and nothing
     is reported before the lane has recorded each transfer's event (unrecorded, it would read
-    done); then every transfer lands, in the order the loop started them."""
+    done); then every transfer lands, in the order the loop started them. With lane completions
+    the loop reports them (the lane saw them end) and the waiter never looks at an event."""
     dev = lanes
-    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4)
+    ex, loop = executor(completions, transfer_timeout_s=5.0, warm_events=4)
     done = Done()
     inst, transfer = add(ex, dev, 1, b"\x01" * 64)
     dev.hold.clear()
@@ -226,8 +286,13 @@ def test_the_loop_hands_over_and_the_waiter_waits_for_the_lane(lanes: Device) ->
     assert all(done.results.values()) and dev.launches == [100 * t for t in range(1, 6)]
     s = ex.stats()
     assert s["started"] == 5 and s["finished"] == 5 and s["lane_ns"] > 0 and s["handoff_ns"] > 0
+    if loop is not None:
+        assert set(done.threads.values()) == {loop.thread.ident} and s["polls"] == 0 and loop.wakes >= 1
+        assert inst.lane.watching() and inst.lane.seen_through() == 5
     ex.close()
     assert not inst.lane.thread.is_alive() and dev.closed == [0x1000]  # type: ignore[attr-defined]
+    if loop is not None:
+        loop.close()
 
 
 def test_a_bad_block_id_is_refused_before_the_lane_sees_it(lanes: Device) -> None:
@@ -251,13 +316,15 @@ def test_a_bad_block_id_is_refused_before_the_lane_sees_it(lanes: Device) -> Non
     ex.close()
 
 
-def test_a_stuck_engine_fails_and_its_lane_skips_what_it_has_not_taken(lanes: Device) -> None:
+@COMPLETIONS
+def test_a_stuck_engine_fails_and_its_lane_skips_what_it_has_not_taken(lanes: Device, completions: str) -> None:
     """The engine's event never fires: the first transfer outlives the timeout, the instance is
     failed, the rows the (held) lane had not taken are skipped and nothing is launched for them;
     what it had enqueued is neutralized (so a zero-copy store behind the first is reported at
-    once, as when the loop enqueues it), and the first is reported once its copy really ends."""
+    once, as when the loop enqueues it), and the first is reported once its copy really ends.
+    With lane completions the waiter takes over at the deadline (the lane stops watching)."""
     dev = lanes
-    ex = GpuTransferExecutor(C, transfer_timeout_s=0.3, warm_events=4)
+    ex, loop = executor(completions, transfer_timeout_s=0.3, warm_events=4)
     done = Done()
     inst, transfer = add(ex, dev, 2, b"\x02" * 64)
     dev.stuck.add(COMPUTE)
@@ -280,13 +347,17 @@ def test_a_stuck_engine_fails_and_its_lane_skips_what_it_has_not_taken(lanes: De
     inst.waiter.join(5.0)
     assert not inst.lane.thread.is_alive() and dev.closed == [0x2000]  # type: ignore[attr-defined]
     ex.close()
+    if loop is not None:
+        assert not inst.lane.watching()
+        loop.close()
 
 
-def test_unregistered_with_rows_in_its_lane(lanes: Device) -> None:
+@COMPLETIONS
+def test_unregistered_with_rows_in_its_lane(lanes: Device, completions: str) -> None:
     """Unregistering never waits: what was handed to the lane lands, and the memory is closed and
     the lane stopped only after that."""
     dev = lanes
-    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4)
+    ex, loop = executor(completions, transfer_timeout_s=5.0, warm_events=4)
     done = Done()
     inst, _ = add(ex, dev, 3, b"\x03" * 64)
     dev.hold.clear()
@@ -301,19 +372,72 @@ def test_unregistered_with_rows_in_its_lane(lanes: Device) -> None:
     inst.waiter.join(5.0)
     assert dev.closed == [0x3000] and not inst.lane.thread.is_alive()  # type: ignore[attr-defined]
     ex.close()
+    if loop is not None:
+        assert set(done.threads.values()) == {loop.thread.ident}
+        loop.close()
 
 
-def test_a_transfer_larger_than_one_call_waits_for_the_lane_and_goes_the_loops_way(lanes: Device) -> None:
+@COMPLETIONS
+def test_a_transfer_larger_than_one_call_waits_for_the_lane_and_goes_the_loops_way(lanes: Device, completions: str) -> None:
+    """(With lane completions the lane still watches the loop's transfer, in turn: a K_WATCH row.)"""
     dev = lanes
-    ex = GpuTransferExecutor(C, transfer_timeout_s=5.0, warm_events=4, max_chunks=MAX_CHUNKS)
+    ex, loop = executor(completions, transfer_timeout_s=5.0, warm_events=4, max_chunks=MAX_CHUNKS)
     done = Done()
     inst, transfer = add(ex, dev, 4, b"\x04" * 64)
     ex.start(st(1, 4, 10), b"", done)
     ex.start(st(2, 4, 100, n_chunks=MAX_CHUNKS + 2), b"", done)  # two calls: the loop makes them
-    done.wait({1, 2})
-    assert all(done.results.values()) and dev.launches == [10] and transfer.python_calls == 2
-    assert inst.lane.done_through() == 1
+    ex.start(st(3, 4, 30), b"", done)
+    done.wait({1, 2, 3})
+    assert all(done.results.values()) and dev.launches == [10, 30] and transfer.python_calls == 2
+    assert inst.lane.done_through() == (3 if loop is not None else 2)
     ex.close()
+    if loop is not None:
+        assert set(done.threads.values()) == {loop.thread.ident}
+        loop.close()
+
+
+def test_a_row_with_no_event_hands_the_watching_to_the_waiter(lanes: Device) -> None:
+    """The lane could not record a transfer's completion event: it stops watching there, and the
+    waiter goes on in Python (an event recorded after everything queued covers that transfer);
+    what the lane saw before is the loop's, nothing is reported twice or lost."""
+    dev = lanes
+    ex, loop = executor("lane", transfer_timeout_s=5.0, warm_events=4)
+    assert loop is not None
+    done = Done()
+    inst, _ = add(ex, dev, 7, b"\x07" * 64)
+    ex.start(st(1, 7, 10), b"", done)
+    done.wait({1})
+    dev.fail_record.add(ex._free_events[-1])  # the next transfer's completion event
+    for tid in (2, 3, 4):
+        ex.start(st(tid, 7, 10 * tid), b"", done)
+    done.wait({2, 3, 4})
+    assert done.results == {1: True, 2: False, 3: True, 4: True}  # 2: its record failed
+    assert done.threads[1] == loop.thread.ident and done.threads[3] == inst.waiter.ident
+    assert not inst.lane.watching() and inst.lane.seen_through() == 1 and ex.stats()["polls"] >= 1
+    ex.start(st(5, 7, 50), b"", done)  # the waiter's from now on
+    done.wait({5})
+    assert done.results[5] and done.threads[5] == inst.waiter.ident
+    ex.close()
+    loop.close()
+
+
+def test_close_with_copies_in_flight_and_no_loop_left(lanes: Device) -> None:
+    """The loop has stopped collecting (the server is shutting down): closing still reports every
+    transfer (the waiters take over) and returns at once after the copies end."""
+    dev = lanes
+    ex, loop = executor("lane", transfer_timeout_s=5.0, warm_events=4)
+    assert loop is not None
+    loop.close()
+    done = Done()
+    inst, _ = add(ex, dev, 8, b"\x08" * 64)
+    dev.hold.clear()
+    for tid in (1, 2, 3):
+        ex.start(st(tid, 8, 10 * tid), b"", done)
+    threading.Timer(0.1, dev.hold.set).start()
+    t0 = time.monotonic()
+    ex.close()
+    assert time.monotonic() - t0 < 2.0 and done.results == {1: True, 2: True, 3: True}
+    assert not inst.lane.thread.is_alive() and inst.lane.watch[kg.WATCH_WAKE_FD] == -1
 
 
 def test_without_lanes_the_loop_makes_the_calls(lanes: Device) -> None:
@@ -338,3 +462,28 @@ def test_the_loop_wakes_a_lane_holding_the_gil() -> None:
     with pytest.raises(OSError) as e:
         eventfd_add_one(fd)
     assert e.value.errno == errno.EBADF
+
+
+@COMPLETIONS
+def test_a_copy_is_reported_after_it_ends_and_teaches_the_link_model(lanes: Device, completions: str) -> None:
+    """Each fake copy takes 1.5 ms (its event reads pending until then) where the configured link
+    says 1 ms: every transfer is reported after its copy ended, and the lone copies seen to end
+    teach the instance's link model their latency (~0.5 ms), whoever looks at the events."""
+    dev = lanes
+    dev.copy_s = 0.0015
+    ex, loop = executor(completions, transfer_timeout_s=5.0, warm_events=4, link_gbps=SLOT_LANES * LANE / 1e6)
+    done = Done()
+    inst, _ = add(ex, dev, 9, b"\x09" * 64)
+    for tid in range(1, 9):
+        t0 = time.monotonic()
+        ex.start(st(tid, 9, 10 * tid), b"", done)
+        done.wait({tid})
+        assert done.results[tid] and done.at[tid] - t0 >= 0.0015
+        time.sleep(0.005)
+    lat = inst.links[TransferKind.STORE].lat
+    assert 0.2e-3 < lat < 1.5e-3, lat
+    if loop is not None:
+        assert set(done.threads.values()) == {loop.thread.ident} and ex.stats()["polls"] == 0
+    ex.close()
+    if loop is not None:
+        loop.close()

@@ -40,9 +40,14 @@ def _transfer(tid: int, kind: object, start_chunk: int, n_chunks: int, slots: li
 # method="thread": a hang inside a CUDA call cannot be interrupted by a signal; the thread method
 # prints every thread's stack before it ends the run, so a hang says where it is.
 @pytest.mark.timeout(180, method="thread")
-@pytest.mark.parametrize("mode", ["zerocopy", "staging"])
-def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
+@pytest.mark.parametrize("mode,completions", [("zerocopy", "waiter"), ("staging", "waiter"), ("zerocopy", "lane"),
+                                              ("staging", "lane")])
+def test_transfers_finish_under_gil_and_cuda_pressure(mode: str, completions: str) -> None:
+    """``completions``: who sees the copies end -- each instance's waiter thread, or its copy lane
+    (``--gpu-completions lane``), with a loop thread collecting them as the server's does."""
     import msgpack
+    import os
+    import select
 
     from mpcache.core_sm.messages import TransferKind
     from mpcache.runtime_zmq.gpu_transfer import GpuTransferExecutor
@@ -62,12 +67,15 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
     ex = None
     pool = None
     gate_open = False
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
     try:
         assert parent.poll(120), "worker did not start"
         layout = msgpack.unpackb(parent.recv_bytes())
         slot_bytes = 2 * GEO["num_layers"] * CHUNK * GEO["num_heads"] * GEO["head_size"] * 2
         pool = SharedMemoryPool(16 * slot_bytes, slot_bytes)
-        ex = GpuTransferExecutor(CHUNK, mode=mode, max_ctas=8)
+        ex = GpuTransferExecutor(CHUNK, mode=mode, max_ctas=8, lane_completions=completions == "lane")
+        ex.wake_loop_with(wake_w)
         reason = ex.register_instance(1, layout, pool)
         assert reason is None, reason
         parent.send_bytes(b"registered")
@@ -95,7 +103,16 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
                 stats_seen.append(ex.stats())
                 time.sleep(0.002)
 
-        for fn in (gil_hammer, gil_hammer, cuda_hammer, telemetry):
+        def loop() -> None:  # the server loop's part with lane completions: woken, it collects
+            while not stop.is_set():
+                if select.select([wake_r], [], [], 0.05)[0]:
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                ex.collect_completions()
+
+        for fn in (gil_hammer, gil_hammer, cuda_hammer, telemetry, loop):
             th = threading.Thread(target=fn, daemon=True)
             th.start()
             threads.append(th)
@@ -143,6 +160,8 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
         time.sleep(0.05)
         assert finished.empty()
         assert stats_seen and ex.stats()["finished"] == 2 + n_more and ex.stats()["in_flight"] == 0
+        if completions == "lane":  # the lane saw them all end, the waiter never looked
+            assert ex.stats()["polls"] == 0 and ex._instances[1].lane.seen_through() == 2 + n_more
 
         # bytes: slots hold FRESH K/V for every layer; dst blocks got them, except the skipped one
         for s in (7, 3, 11):
@@ -174,6 +193,8 @@ def test_transfers_finish_under_gil_and_cuda_pressure(mode: str) -> None:
             ex.close()
         if pool is not None:
             pool.close()
+        os.close(wake_r)
+        os.close(wake_w)
         parent.send_bytes(b"bye")
         proc.join(timeout=30)
         if proc.is_alive():

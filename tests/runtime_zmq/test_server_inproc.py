@@ -5,6 +5,7 @@ thread. Each still gets exactly one reply, and the loop keeps serving."""
 from __future__ import annotations
 
 import os
+import select
 import tempfile
 import threading
 import time
@@ -302,3 +303,44 @@ def test_one_request_in_flight_ends_its_batch_without_a_failing_receive(threaded
         assert c.noop() == "OK"
     assert received[0] >= 20
     assert failed[0] == 0
+
+
+def test_the_loop_collects_what_lanes_saw_without_losing_a_wake_up() -> None:
+    """An executor whose copy lanes see copies end (no Python thread) wakes the loop through the
+    channel's pipe and is collected from in each drain: after the wake-ups are read (a lane's
+    byte written during the collect wakes the loop again) and before the queue is (what the
+    collect posts is in this drain)."""
+    from mpcache.runtime_zmq.transfer import NoDeviceExecutor
+
+    class LaneExecutor(NoDeviceExecutor):
+        def __init__(self) -> None:
+            self.wake_fd = -1
+            self.collects = 0
+
+        def wake_loop_with(self, fd: int) -> None:
+            self.wake_fd = fd
+
+        def collect_completions(self) -> None:
+            self.collects += 1
+            server.channel.post("collected")
+            os.write(self.wake_fd, b"x")  # a lane seeing one more end meanwhile
+
+    d = tempfile.mkdtemp(prefix="mpcache-inproc-")
+    executor = LaneExecutor()
+    server = Server(ServerConfig(url=f"ipc://{d}/s.sock", l1_size_bytes=8 << 20, slot_bytes=1 << 20),
+                    transfer_executor=executor)
+    try:
+        assert executor.wake_fd == server.channel.wake_fd
+        seen: list[object] = []
+        assert server.channel.drain(executor.collect_completions) == ["collected"]
+        assert select.select([server.channel.fd], [], [], 0)[0]  # the lane's byte is still there
+        assert os.read(server.channel.fd, 64) == b"x"  # (and only it: the collect's post woke nobody)
+        os.write(executor.wake_fd, b"x")
+        server.metrics.on_completion = lambda ev, now: seen.append(ev) or True  # type: ignore[method-assign]
+        server.drain_completions()
+        assert executor.collects == 2 and seen == ["collected"]
+        replaced = LaneExecutor()
+        server.executor = replaced  # a replacement is wired the same way
+        assert replaced.wake_fd == server.channel.wake_fd
+    finally:
+        server.close()
