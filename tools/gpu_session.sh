@@ -2,10 +2,11 @@
 # One GPU session on a CUDA host: versions, the mpcache-server GPU benchmark (this checkout, and
 # optionally an older server checkout for before/after), then `make test-gpu`. Logs and JSON go
 # to $OUT (default ./out). Usage, from the repo root:
-#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="pyspy profile kernels bench lone before test repeat"] bash tools/gpu_session.sh
+#   [WHEELS=DIR] [BEFORE_REPO=DIR] [STEPS="pyspy profile kernels bench lone completions before test repeat"] bash tools/gpu_session.sh
 # lone: only the lone-transfer table of the gpu-server benchmark (LONE_STARTS fresh servers, default 5).
 # repeat: the GIL/CUDA-pressure test file REPEAT times in a row (default 10): it must never flake
 #   (REPEAT_K: a pytest -k filter; REPEAT_SECONDS: start no run after that many seconds).
+# completions: the gpu-server benchmark with --gpu-completions waiter / lane, alternating pairs.
 # testrepeat: the whole `make test-gpu` REPEAT times in a row (~90 s each; REPEAT_SECONDS as above).
 # WHEELS: a folder of wheels to install first (e.g. pyzmq where the host python lacks it).
 set -uo pipefail
@@ -48,6 +49,16 @@ for step in $STEPS; do
                 >"$OUT/testrepeat_$i.log" 2>&1; then echo "test-gpu run $i: $(tail -1 "$OUT/testrepeat_$i.log")"
             else echo "test-gpu run $i FAILED: $(tail -1 "$OUT/testrepeat_$i.log")"; cat "$OUT/testrepeat_$i.log" >>"$OUT/testrepeat_failures.log"; rc=1; fi
             rm -f "$OUT/testrepeat_$i.log"
+        done ;;
+    completions)
+        # who sees a GPU copy end: each engine's waiter thread, or its copy lane with the loop
+        # reporting (--gpu-completions), in alternating pairs (COMPLETIONS_PAIRS, default 2)
+        for i in $(seq 1 "${COMPLETIONS_PAIRS:-2}"); do
+            for c in waiter lane; do
+                timeout 240 python3 -m mpcache.bench.bench_cli gpu-server --server-args "--gpu-completions $c" \
+                    --label "completions_${c}_$i" --engines 1,2,4 --shapes 1x8,32x1 --multi-shapes 32x1,16x8 --rounds 4 \
+                    --lone-starts 1 --out "$OUT" 2>&1 | tee "$OUT/bench_completions_${c}_$i.log" || rc=1
+            done
         done ;;
     before)
         if [ -n "${BEFORE_REPO:-}" ]; then
