@@ -487,3 +487,57 @@ def test_a_copy_is_reported_after_it_ends_and_teaches_the_link_model(lanes: Devi
     ex.close()
     if loop is not None:
         loop.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_lane_completions_report_each_transfer_once_whatever_happens(lanes: Device, seed: int) -> None:
+    """A seeded mix on two instances with lane completions: copies of random lengths, transfers
+    too large for one call (the loop's, watched by the lane), an event the lane cannot record
+    (the waiter takes over), one engine stuck past the deadline (failed), one unregistered with
+    copies in flight, the loop pausing its collects, then closing. Every started transfer is
+    reported exactly once (Done refuses a second report) and nothing is left in flight."""
+    import random
+
+    rng = random.Random(seed)
+    dev = lanes
+    ex, loop = executor("lane", transfer_timeout_s=0.4, warm_events=8, max_chunks=MAX_CHUNKS)
+    assert loop is not None
+    done = Done()
+    insts = {iid: add(ex, dev, iid, bytes([iid]) * 64)[0] for iid in (11, 12)}
+    started: set[int] = set()
+    tid = 0
+    stuck_at = rng.randrange(90, 110)
+    gone_at = rng.randrange(40, 80)
+    no_event_at = rng.randrange(10, 40)
+    for step in range(120):
+        dev.copy_s = rng.choice((0.0, 0.0002, 0.001))
+        iid = rng.choice((11, 12))
+        if step == stuck_at:
+            dev.stuck.add(COMPUTE)  # both engines' events stop firing ...
+            threading.Timer(0.6, dev.stuck.clear).start()  # ... past the deadline
+        if step == gone_at:
+            ex.unregister_instance(12)
+        if step == no_event_at and ex._free_events:
+            dev.fail_record.add(ex._free_events[-1])
+        if step % 30 == 29:
+            loop.stopped = True  # the loop is busy elsewhere for a while
+            loop.thread.join(5.0)
+            time.sleep(rng.uniform(0.0, 0.1))
+            loop.stopped = False
+            loop.thread = threading.Thread(target=loop.run, daemon=True)
+            loop.thread.start()
+        tid += 1
+        n = rng.choice((1, 1, 2, MAX_CHUNKS + 1))
+        ex.start(st(tid, iid, 8 * (tid % 400), n_chunks=n), b"", done)
+        started.add(tid)
+        if rng.random() < 0.3:
+            time.sleep(rng.uniform(0.0, 0.003))
+    done.wait(started, timeout=20.0)
+    assert set(done.results) == started
+    ok = sum(done.results.values())
+    assert 0 < ok < len(started) and all(i.state != "live" for i in insts.values())  # the mix happened
+    ex.close()
+    loop.close()
+    assert ex.stats()["in_flight"] == 0
+    for inst in insts.values():
+        assert not inst.lane.thread.is_alive() and not inst.waiter.is_alive()
