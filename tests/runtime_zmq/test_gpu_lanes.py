@@ -205,10 +205,13 @@ class Done:
         self.results: dict[int, bool] = {}
         self.threads: dict[int, int] = {}  # transfer -> the thread that reported it
         self.at: dict[int, float] = {}  # transfer -> when it was reported
+        self.twice: list[int] = []  # transfers reported more than once
 
     def __call__(self, tid: int, ok: bool) -> None:
         with self.lock:
-            assert tid not in self.results, f"transfer {tid} reported twice"
+            if tid in self.results:  # (raising here would only be logged: the executor guards its callbacks)
+                self.twice.append(tid)
+                return
             self.results[tid] = ok
             self.threads[tid] = threading.get_ident()
             self.at[tid] = time.monotonic()
@@ -217,6 +220,7 @@ class Done:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             with self.lock:
+                assert not self.twice, f"reported twice: {self.twice}"
                 if tids <= set(self.results):
                     return
             time.sleep(0.002)
@@ -533,7 +537,8 @@ def test_lane_completions_report_each_transfer_once_whatever_happens(lanes: Devi
         if rng.random() < 0.3:
             time.sleep(rng.uniform(0.0, 0.003))
     done.wait(started, timeout=20.0)
-    assert set(done.results) == started
+    time.sleep(0.1)
+    assert set(done.results) == started and done.twice == []
     ok = sum(done.results.values())
     assert 0 < ok < len(started) and all(i.state != "live" for i in insts.values())  # the mix happened
     ex.close()
@@ -541,3 +546,21 @@ def test_lane_completions_report_each_transfer_once_whatever_happens(lanes: Devi
     assert ex.stats()["in_flight"] == 0
     for inst in insts.values():
         assert not inst.lane.thread.is_alive() and not inst.waiter.is_alive()
+
+
+def test_a_transfer_the_loop_collected_is_not_reported_again_by_the_waiter(lanes: Device) -> None:
+    """The race at a take-over: the waiter (going on in Python) found a transfer's copy ended
+    while the loop collected the same transfer, as its lane had seen it end just before it
+    stopped watching. Whoever takes it off the line reports it; the other reports nothing."""
+    dev = lanes
+    ex, loop = executor("lane", transfer_timeout_s=5.0, warm_events=4)
+    assert loop is not None
+    done = Done()
+    inst, _ = add(ex, dev, 13, b"\x0d" * 64)
+    ex.start(st(1, 13, 10), b"", done)
+    p = inst.pending[0]  # the waiter's snapshot
+    done.wait({1})  # the loop collected it
+    ex._report(inst, [(p, True)], time.monotonic())  # the waiter's report of its snapshot
+    assert done.twice == [] and ex.stats()["finished"] == 1
+    ex.close()
+    loop.close()
