@@ -439,8 +439,9 @@ def _summarise(n_engines: int, n_req: int, n_chunks: int, rounds: list[dict[str,
         n = first["s1"].get("gpu_started", 0) - first["s0"].get("gpu_started", 0)
         row[f"first_{part}_us"] = d / n / 1e3 if n else float("nan")
     row["memcpy_batch"] = rounds[-1]["s1"].get("gpu_memcpy_batch", -1)
-    row["polls_per_transfer"] = (sum(r["s1"].get("gpu_polls", 0) - r["s0"].get("gpu_polls", 0) for r in steady) / started
-                                 if started else float("nan"))
+    # the waiters' looks at completion events, or the copy lanes' (--gpu-completions lane)
+    looks = sum(r["s1"].get(k, 0) - r["s0"].get(k, 0) for r in steady for k in ("gpu_polls", "gpu_lane_looks"))
+    row["polls_per_transfer"] = looks / started if started else float("nan")
     row["events_created"] = rounds[-1]["s1"].get("gpu_events_created", -1)
     row["link_gbps"] = {k: rounds[-1]["s1"].get(f"gpu_link_mbps_{k}", 0) / 1e3 for k in ("store", "retrieve")}
     row["link_lat_us"] = {k: rounds[-1]["s1"].get(f"gpu_link_lat_us_{k}", 0) for k in ("store", "retrieve")}

@@ -492,7 +492,7 @@ class GpuTransferExecutor:
         self.on_instance_failed: Callable[[int, str], None] | None = None  # set by the server
         self._stats = {"started": 0, "finished": 0, "failed": 0, "bytes": 0, "instances_failed": 0,
                        "events_created": 0, "start_ns": 0, "plan_ns": 0, "enqueue_ns": 0, "wait_ns": 0, "polls": 0, "flight_ns": 0,
-                       "handoff_ns": 0, "lane_ns": 0}
+                       "handoff_ns": 0, "lane_ns": 0, "lane_looks": 0}
 
     def warm_up(self, pool: SharedMemoryPool | None = None, ordinal: int = 0) -> None:
         """Do at server start what would otherwise stall the first registration or the first
@@ -726,7 +726,7 @@ class GpuTransferExecutor:
             if not inst.pending and inst.state != "live":
                 inst.cond.notify()  # the waiter releases the instance
         kg = lane.kg
-        t_seen = handoff_ns = lane_ns = 0
+        t_seen = handoff_ns = lane_ns = looks = 0
         out = []
         for p in finished:
             # what the lane did and saw: its event was recorded (the lane watches no other), and
@@ -741,10 +741,11 @@ class GpuTransferExecutor:
             t_seen = h[kg.H_T_SEEN]
             seen_at = t_seen / 1e9
             polls = h[kg.H_POLLS]
+            looks += polls
             self._learn(inst, p, seen_at, exact=polls > 1 and h[kg.H_PAUSE] <= 0.1 * (seen_at - p.started) * 1e9,
                         early=polls == 1 and h[kg.H_AIMED] != 0)
             out.append((p, ok, t_seen - p.enqueued_mono_ns))
-        self._finished(inst, out, t_seen / 1e9, handoff_ns, lane_ns)
+        self._finished(inst, out, t_seen / 1e9, handoff_ns, lane_ns, looks)
 
     def _absorb(self, inst: _Instance, pending: Sequence[_Pending]) -> int:
         """Take what the lane did for the leading transfers it has done; how many lead (the
@@ -1140,11 +1141,13 @@ class GpuTransferExecutor:
         self._finished(inst, [(p, ok, seen_ns - p.enqueued_ns) for p, ok in mine], now)
 
     def _finished(self, inst: _Instance, finished: list[tuple[_Pending, bool, int]], now: float, handoff_ns: int = 0,
-                  lane_ns: int = 0) -> None:
-        """Count, free and report transfers taken off the instance's line (ok, ns in flight)."""
+                  lane_ns: int = 0, lane_looks: int = 0) -> None:
+        """Count, free and report transfers taken off the instance's line (ok, ns in flight; what
+        their lane did and the looks it took to see them end, when it watched)."""
         with self._lock:
             self._stats["handoff_ns"] += handoff_ns
             self._stats["lane_ns"] += lane_ns
+            self._stats["lane_looks"] += lane_looks
             for p, ok, flight_ns in finished:
                 self._stats["flight_ns"] += flight_ns
                 self._stats["finished" if ok else "failed"] += 1

@@ -292,6 +292,7 @@ def test_the_loop_hands_over_and_the_waiter_waits_for_the_lane(lanes: Device, co
     assert s["started"] == 5 and s["finished"] == 5 and s["lane_ns"] > 0 and s["handoff_ns"] > 0
     if loop is not None:
         assert set(done.threads.values()) == {loop.thread.ident} and s["polls"] == 0 and loop.wakes >= 1
+        assert s["lane_looks"] >= 5  # (at least one look a transfer, the lane's)
         assert inst.lane.watching() and inst.lane.seen_through() == 5
     ex.close()
     assert not inst.lane.thread.is_alive() and dev.closed == [0x1000]  # type: ignore[attr-defined]
