@@ -69,7 +69,8 @@ _POLL_MID_SPAN_S = 0.05  # ... until this late, then
 _POLL_SLOW_S = 0.005  # this often
 _POLL_CALL_MAX_S = 0.1  # one poll call's longest sleep: the waiter then sees its state again
 _LANE_LOOK_S = 20e-6  # how soon a waiter looks again for a row its instance's copy lane has not done
-_WATCH_LOOK_S = 0.05  # how often the waiter of a watching lane looks at its instance's state
+_WATCH_LOOK_S = 0.05  # how often the waiter of a watching lane looks at its instance's state ...
+_WATCH_IDLE_S = 1.0  # ... and with nothing in flight (a new transfer does not wake it)
 
 
 def registered_event_handles(layout: Mapping[str, Any]) -> list[bytes]:
@@ -1087,7 +1088,9 @@ class GpuTransferExecutor:
                 if (self._closing or inst.state == "failed" or not lane.watching()
                         or (head is not None and now >= head.deadline)):
                     break
-                inst.cond.wait(_WATCH_LOOK_S if head is None else min(_WATCH_LOOK_S, head.deadline - now))
+                # (a transfer put in line meanwhile is seen at most a tenth of its timeout late)
+                idle = min(_WATCH_IDLE_S, 0.1 * self.transfer_timeout_s)
+                inst.cond.wait(idle if head is None else min(_WATCH_LOOK_S, head.deadline - now))
         lane.stop_watching()
         self._collect(inst)  # what it saw before (the loop collects a last one it may see)
         return False
