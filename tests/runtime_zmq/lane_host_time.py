@@ -125,8 +125,9 @@ def main() -> int:
 class CompiledEvents:
     """The fake driver with ``cuEventRecord`` / ``cuEventQuery`` as compiled C callbacks (no GIL,
     no Python): a completion event is the address of an int64 that its record sets to when its
-    copy will end (now + ``copy_us``); a query reads it against the clock. Other events (the
-    descriptor ring's) read done. The rest of the driver is ``dev``'s."""
+    copy will end: ``copy_us`` after the later of now and the previous copy's end (one stream:
+    copies run one after another, as the link model expects); a query reads it against the
+    clock. Other events (the descriptor ring's) read done. The rest of the driver is ``dev``'s."""
 
     def __init__(self, dev: Any, copy_us: float, n: int = 4096) -> None:
         import ctypes
@@ -138,7 +139,7 @@ class CompiledEvents:
         self.dev = dev
         self.ends = np.zeros(n, np.int64)
         base, top = self.ends.ctypes.data, self.ends.ctypes.data + 8 * n
-        self.handles = [base + 8 * i for i in range(n)]
+        self.handles = [base + 8 * i for i in range(1, n)]  # (ends[0]: the last copy's end)
         copy_ns = int(copy_us * 1e3)
         libc = ctypes.CDLL(None)
         now_fn = libc["clock_gettime"]
@@ -161,13 +162,16 @@ class CompiledEvents:
 
         @numba.cfunc(types.int32(types.uint64, types.uint64))
         def record(ev: Any, stream: Any) -> Any:
-            if base <= ev < top:
-                int64_at(ev)[0] = now_ns() + copy_ns
+            if base < ev < top:
+                last = int64_at(base)
+                end = max(now_ns(), last[0]) + copy_ns
+                last[0] = end
+                int64_at(ev)[0] = end
             return 0
 
         @numba.cfunc(types.int32(types.uint64))
         def query(ev: Any) -> Any:
-            if base <= ev < top and now_ns() < int64_at(ev)[0]:
+            if base < ev < top and now_ns() < int64_at(ev)[0]:
                 return fake.NOT_READY
             return fake.SUCCESS
 
@@ -182,7 +186,7 @@ class CompiledEvents:
         return proto(address)  # a new function object each time (its caller sets its argtypes)
 
     def copy_end_s(self, ev: int) -> float:
-        return int(self.ends[(ev - self.handles[0]) // 8]) / 1e9
+        return int(self.ends[(ev - self.ends.ctypes.data) // 8]) / 1e9
 
 
 def thread_cpu_s(native_id: int) -> float:
