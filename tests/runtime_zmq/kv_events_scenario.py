@@ -16,7 +16,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -33,6 +33,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def start_on_free_ports(start_server: Callable[..., Any], flags: Callable[..., Sequence[str]], n: int) -> tuple[Any, list[int]]:
+    """``start_server(*flags(port, ...))`` with ``n`` ports that were free a moment ago: a port can
+    be taken between the pick and the server's bind (its own ``--port 0`` may be given the same
+    one), so a start refused with "Address already in use" picks new ones (five tries)."""
+    for attempt in range(5):
+        ports = [free_port() for _ in range(n)]
+        try:
+            return start_server(*flags(*ports)), ports
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
 
 
 def prompt(n_chunks: int, seed: int) -> list[int]:
@@ -111,7 +125,6 @@ def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny
     # As llm-d's central indexer: the subscriber binds, the server's PUB connects to it.
     sub = Subscriber()
     pub = sub.endpoint
-    rep = f"tcp://127.0.0.1:{free_port()}"
     # clear is an admin operation (docs/security.md): the scenario's clear presents the token
     admin_token = secrets.token_hex(16)
     token_file = os.path.join(tempfile.mkdtemp(prefix="mpcache-kv-events-"), "admin.token")
@@ -122,10 +135,11 @@ def run_scenario(start_server: Callable[..., Any], topic: str = "kv@mpcache@tiny
     key_file = os.path.join(os.path.dirname(token_file), "chunk.key")
     with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(chain_key.hex())
-    server = start_server("--chunk-size", str(CHUNK), "--l1-size-gb", str(4 / 1024), "--slot-mb", "1",
-                          "--kv-events", pub, "--kv-events-replay", rep, "--kv-events-topic", topic,
-                          "--admin-token-file", token_file, "--chunk-key-file", key_file,
-                          *(["--kv-events-tokens"] if tokens else []))
+    server, (rep_port,) = start_on_free_ports(start_server, lambda rep_port: (
+        "--chunk-size", str(CHUNK), "--l1-size-gb", str(4 / 1024), "--slot-mb", "1",
+        "--kv-events", pub, "--kv-events-replay", f"tcp://127.0.0.1:{rep_port}", "--kv-events-topic", topic,
+        "--admin-token-file", token_file, "--chunk-key-file", key_file, *(["--kv-events-tokens"] if tokens else [])), 1)
+    rep = f"tcp://127.0.0.1:{rep_port}"
     time.sleep(0.3)  # PUB/SUB joining: what was sent before is fetched by replay below
     engine = Engine([server.url])
     try:

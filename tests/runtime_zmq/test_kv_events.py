@@ -12,7 +12,7 @@ import pytest
 from mpcache.core_sm.chunks import TokenIds
 from mpcache.core_sm.effects import AllChunksCleared, ChunksRemoved, ChunksStored, Medium, StoredChunk
 from mpcache.runtime_zmq.kv_events import to_vllm_events
-from kv_events_scenario import CHUNK, free_port, replay, run_scenario
+from kv_events_scenario import CHUNK, replay, run_scenario, start_on_free_ports
 
 
 def events(frames: list[list[bytes]]) -> list[dict[str, Any]]:
@@ -56,8 +56,9 @@ def test_stored_removed_cleared_replay_and_restart(start_server: Callable[..., A
     assert replay(rep_url, seqs[-1] + 100) == []
 
     # a restarted server's sequence numbers jump forward and it starts with a clear
-    rep2 = f"tcp://127.0.0.1:{free_port()}"
-    start_server("--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", rep2)
+    _, (rep2_port,) = start_on_free_ports(
+        start_server, lambda p: ("--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", f"tcp://127.0.0.1:{p}"), 1)
+    rep2 = f"tcp://127.0.0.1:{rep2_port}"
     again = replay(rep2, 0)
     assert int.from_bytes(again[0][1], "big") > seqs[-1]
     assert events(again) == [{"type": "AllBlocksCleared"}]
@@ -117,8 +118,8 @@ def listening(port: int) -> set[str]:
 
 
 def test_bind_form_listens_on_loopback_only(start_server: Callable[..., Any]) -> None:
-    port, rep = free_port(), free_port()
-    start_server("--kv-events", f"bind:tcp://127.0.0.1:{port}", "--kv-events-replay", f"tcp://127.0.0.1:{rep}")
+    _, (port, rep) = start_on_free_ports(start_server, lambda port, rep: (
+        "--kv-events", f"bind:tcp://127.0.0.1:{port}", "--kv-events-replay", f"tcp://127.0.0.1:{rep}"), 2)
     assert listening(port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0
     assert listening(rep) == {"0100007F"}
     assert events(replay(f"tcp://127.0.0.1:{rep}", 0)) == [{"type": "AllBlocksCleared"}]
@@ -136,9 +137,8 @@ def test_events_and_replay_need_an_authorized_curve_key(start_server: Callable[.
 
     keys = str(tmp_path / "keys")
     auth.keygen(keys, "router")
-    port, rep = free_port(), free_port()
-    sp = start_server("--curve-dir", keys, "--kv-events", f"bind:tcp://127.0.0.1:{port}",
-                      "--kv-events-replay", f"tcp://127.0.0.1:{rep}")
+    sp, (port, rep) = start_on_free_ports(start_server, lambda port, rep: (
+        "--curve-dir", keys, "--kv-events", f"bind:tcp://127.0.0.1:{port}", "--kv-events-replay", f"tcp://127.0.0.1:{rep}"), 2)
     ctx = zmq.Context()
     got: dict[str, list[list[bytes]]] = {"plain": [], "curve": []}
     stop = threading.Event()
