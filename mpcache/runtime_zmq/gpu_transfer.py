@@ -181,7 +181,7 @@ class LinkModel:
         self.rate = min(max(rate, 0.25 * self.configured), 2.0 * self.configured)
 
 
-@dataclass
+@dataclass(eq=False)  # one transfer is one object: the lines find and remove it by identity
 class _Pending:
     transfer_id: int
     done: DoneFn
