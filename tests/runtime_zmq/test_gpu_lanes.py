@@ -401,16 +401,23 @@ def test_a_transfer_larger_than_one_call_waits_for_the_lane_and_goes_the_loops_w
         loop.close()
 
 
+def one_lane_transfer(dev: Device, iid: int) -> tuple[GpuTransferExecutor, Loop, Done, Any]:
+    """An executor with lane completions and a collecting loop, instance ``iid`` registered, and
+    transfer 1 (a store of block 10) started on it."""
+    ex, loop = executor("lane", transfer_timeout_s=5.0, warm_events=4)
+    assert loop is not None
+    done = Done()
+    inst, _ = add(ex, dev, iid, bytes([iid]) * 64)
+    ex.start(st(1, iid, 10), b"", done)
+    return ex, loop, done, inst
+
+
 def test_a_row_with_no_event_hands_the_watching_to_the_waiter(lanes: Device) -> None:
     """The lane could not record a transfer's completion event: it stops watching there, and the
     waiter goes on in Python (an event recorded after everything queued covers that transfer);
     what the lane saw before is the loop's, nothing is reported twice or lost."""
     dev = lanes
-    ex, loop = executor("lane", transfer_timeout_s=5.0, warm_events=4)
-    assert loop is not None
-    done = Done()
-    inst, _ = add(ex, dev, 7, b"\x07" * 64)
-    ex.start(st(1, 7, 10), b"", done)
+    ex, loop, done, inst = one_lane_transfer(dev, 7)
     done.wait({1})
     dev.fail_record.add(ex._free_events[-1])  # the next transfer's completion event
     for tid in (2, 3, 4):
@@ -554,11 +561,7 @@ def test_a_transfer_the_loop_collected_is_not_reported_again_by_the_waiter(lanes
     while the loop collected the same transfer, as its lane had seen it end just before it
     stopped watching. Whoever takes it off the line reports it; the other reports nothing."""
     dev = lanes
-    ex, loop = executor("lane", transfer_timeout_s=5.0, warm_events=4)
-    assert loop is not None
-    done = Done()
-    inst, _ = add(ex, dev, 13, b"\x0d" * 64)
-    ex.start(st(1, 13, 10), b"", done)
+    ex, loop, done, inst = one_lane_transfer(dev, 13)
     p = inst.pending[0]  # the waiter's snapshot
     done.wait({1})  # the loop collected it
     ex._report(inst, [(p, True)], time.monotonic())  # the waiter's report of its snapshot
